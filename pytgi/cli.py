@@ -1,0 +1,64 @@
+"""The `pytgi` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pytgi import LLM, InvalidRequest, SamplingParams
+
+    llm = LLM(model=args.model_id, dtype=args.dtype, max_batch_total_tokens=args.max_batch_total_tokens)
+    prompt: str = args.prompt
+    if not args.raw and llm.tokenizer.chat_template:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        prompt_ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    else:
+        prompt_ids = llm.encode(prompt)
+    try:
+        params = SamplingParams(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+            top_p=args.top_p, seed=args.seed, stop=args.stop or [],
+        )
+        for text in llm.stream(prompt_ids, params):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    except InvalidRequest as exc:
+        print(f"\npytgi: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pytgi", description="Text generation inference in Python.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream a completion of one prompt to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--model-id", default=_env("MODEL_ID"), help="HF directory or .gguf (default: embedded)")
+    gen.add_argument("--dtype", default=_env("DTYPE", "auto"))
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
+    gen.add_argument("--max-batch-total-tokens", type=int, default=None)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

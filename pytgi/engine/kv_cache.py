@@ -1,0 +1,135 @@
+"""Paged KV-cache bookkeeping: blocks with refcounts, block tables, and the prefix cache.
+
+This module owns no tensors; the runner allocates the K/V tensors with `num_blocks` blocks.
+A full block is identified by a chained hash (hash of the previous block's hash and this block's
+token ids), so equal prefixes map to equal hash chains. Blocks whose refcount drops to zero keep
+their hash and stay reusable until they are evicted, least recently freed first.
+Python's tuple hash is 64-bit and deterministic for ints, so a collision is ~2**-64 per pair.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from pytgi.engine.request import Request
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # Free blocks in eviction order: the first is evicted first.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # prompt tokens found cached
+
+    # -- queries ---------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _chain_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
+        """The request's block hashes up to `num_full_blocks`, extending the memo on the request."""
+        hashes, bs, ids = req.block_hashes, self.block_size, req.all_ids
+        for i in range(len(hashes), num_full_blocks):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash((parent, tuple(ids[i * bs : (i + 1) * bs]))))
+        return hashes[:num_full_blocks]
+
+    def cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks holding the longest prefix of the request's tokens (not yet claimed).
+
+        At least one token is left to compute: the last one's logits give the next token."""
+        if not self.enable_prefix_caching or req.wants_prompt_logprobs:
+            return []
+        blocks: list[int] = []
+        for h in self._chain_hashes(req, (req.num_tokens - 1) // self.block_size):
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def blocks_needed(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> int:
+        """Free blocks that scheduling `num_new_tokens` more tokens of `req` would take."""
+        have = len(req.block_table) or len(cached)
+        start = req.num_computed_tokens or len(cached) * self.block_size
+        new = max(0, self.blocks_for(start + num_new_tokens) - have)
+        return new + sum(1 for b in cached if self.ref_counts[b] == 0)  # claiming a free cached block
+
+    # -- changes ---------------------------------------------------------------------------------
+    def allocate(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
+        """Give `req` blocks for `num_new_tokens` more tokens (claiming `cached` first, for a new
+        request); False, with nothing changed, if there are not enough free blocks."""
+        if self.blocks_needed(req, num_new_tokens, cached) > self.num_free_blocks:
+            return False
+        if not req.block_table and req.num_computed_tokens == 0:
+            if not req.num_preemptions:  # hit rate over first admissions only
+                self.prefix_queries += req.num_prompt_tokens
+                self.prefix_hits += len(cached) * self.block_size
+            for block in cached:
+                self._claim(block)
+            req.block_table = list(cached)
+            req.num_computed_tokens = req.num_cached_tokens = len(cached) * self.block_size
+        total = self.blocks_for(req.num_computed_tokens + num_new_tokens)
+        while len(req.block_table) < total:
+            req.block_table.append(self._pop_free())
+        return True
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """Register the request's newly computed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = req.num_computed_tokens // self.block_size
+        for i, h in enumerate(self._chain_hashes(req, num_full)):
+            block = req.block_table[i]
+            if self.block_hash[block] is None and h not in self.hash_to_block:
+                self.block_hash[block] = h
+                self.hash_to_block[h] = block
+
+    def free(self, req: Request) -> None:
+        """Release the request's blocks; tail blocks first, so they are evicted before shared prefixes."""
+        for block in reversed(req.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+        req.block_table = []
+
+    def reset_prefix_cache(self) -> None:
+        for block in list(self.free_blocks):
+            self._forget(block)
+
+    def _claim(self, block: int) -> None:
+        if self.ref_counts[block] == 0:
+            del self.free_blocks[block]
+        self.ref_counts[block] += 1
+
+    def _pop_free(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)
+        self._forget(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _forget(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            if self.hash_to_block.get(h) == block:
+                del self.hash_to_block[h]
+            self.block_hash[block] = None

@@ -1,0 +1,82 @@
+"""The engine's state for one request."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pytgi.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    EOS = "eos_token"
+    STOP = "stop_sequence"  # a stop token id here; stop strings are matched on text by the caller
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    # all_ids = prompt + output; KV exists for all_ids[:num_computed_tokens].
+    all_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the first schedule
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    prompt_logprobs: list[float | None] | None = None  # filled while the prompt is prefilled, if asked
+
+    def __post_init__(self) -> None:
+        self.all_ids = list(self.prompt_ids) + list(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.all_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs and self.prompt_logprobs is None
+
+    def append_token(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.all_ids.append(token_id)
+
+    def check_stop(self) -> FinishReason | None:
+        """Stopping on ids (EOS, stop token ids, length); stop strings are the detokenizer's job."""
+        last = self.output_ids[-1]
+        if not self.params.ignore_eos and last in self.eos_token_ids:
+            return FinishReason.EOS
+        if last in self.params.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output_ids) >= self.params.max_new_tokens:
+            return FinishReason.LENGTH
+        return None

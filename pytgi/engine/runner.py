@@ -1,0 +1,173 @@
+"""The model runner: one flat batch per step in, sampled tokens (and logprobs) out."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pytgi.engine.sampler import Sampler, SamplingMetadata
+from pytgi.engine.scheduler import ScheduledRequest
+from pytgi.models.attention import StepLayout, get_backend
+from pytgi.models.loader import load_model, read_config, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class TokenSample:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    samples: dict[str, TokenSample] = field(default_factory=dict)  # request_id → this step's token
+    # request_id → logprobs of the prompt tokens this step's chunk predicted (first prompt token: None)
+    prompt_logprobs: dict[str, list[float | None]] = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _available_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 8 << 30
+
+
+class ModelRunner:
+    def __init__(self, model_path: Path, dtype: str, device: str, attention_backend: str = "torch") -> None:
+        self.device = resolve_device(device)
+        hf_config = read_config(model_path)
+        self.dtype = resolve_dtype(dtype, hf_config, self.device)
+        self.backend = get_backend(attention_backend)
+        self.model = load_model(model_path, self.dtype, self.device, self.backend)
+        self.config = self.model.config
+        self.vocab_size = self.config.vocab_size
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+
+    # -- KV cache ---------------------------------------------------------------------------------
+    def kv_bytes_per_token(self) -> int:
+        cfg, elt = self.config, torch.empty((), dtype=self.dtype).element_size()
+        kv_heads = self.model.layers[0].self_attn.n_kv
+        return cfg.num_hidden_layers * 2 * kv_heads * cfg.head_dim * elt
+
+    def auto_num_tokens(self, cpu_cap_bytes: int, gpu_fraction: float) -> int:
+        """KV slots that fit: on CUDA a fraction of free memory, on CPU up to a cap of available RAM."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * gpu_fraction) - (1 << 30)  # leave room for activations
+        else:
+            budget = min(cpu_cap_bytes, _available_memory_bytes() // 4)
+        return max(budget, 0) // self.kv_bytes_per_token()
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        attn = self.model.layers[0].self_attn
+        shape = (2, num_blocks * block_size, attn.n_kv, attn.head_dim)
+        self.block_size = block_size
+        self.kv_caches = [
+            tuple(torch.zeros(shape, dtype=self.dtype, device=self.device).unbind(0))  # type: ignore[misc]
+            for _ in self.model.layers
+        ]
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _layout(self, batch: list[ScheduledRequest]) -> tuple[np.ndarray, np.ndarray, StepLayout]:
+        reqs = [s.request for s in batch]
+        q_lens = np.fromiter((s.num_new_tokens for s in batch), np.int64, len(batch))
+        starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(batch))
+        T = int(q_lens.sum())
+        ids = np.fromiter(
+            chain.from_iterable(r.all_ids[s : s + n] for r, s, n in zip(reqs, starts, q_lens)), np.int64, T
+        )
+        cu = np.cumsum(q_lens)
+        req_idx = np.repeat(np.arange(len(batch)), q_lens)
+        positions = starts[req_idx] + np.arange(T) - (cu - q_lens)[req_idx]
+        tables = np.zeros((len(batch), max(len(r.block_table) for r in reqs)), np.int64)
+        for i, r in enumerate(reqs):
+            tables[i, : len(r.block_table)] = r.block_table
+        bs = self.block_size
+        slots = tables[req_idx, positions // bs] * bs + positions % bs
+        layout = StepLayout(q_lens, starts + q_lens, tables, slots, bs)
+        return ids, positions, layout
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledRequest]) -> RunnerOutput:
+        ids, positions, layout = self._layout(batch)
+        meta = self.backend.prepare(layout, self.device)
+        hidden = self.model(
+            torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device), self.kv_caches, meta
+        )
+        ends = np.cumsum(layout.query_lens) - 1
+        out = RunnerOutput()
+        sampling = [i for i, s in enumerate(batch) if s.samples]
+        if sampling:
+            logits = self.model.compute_logits(hidden[torch.from_numpy(ends[sampling]).to(self.device)])
+            self._sample(logits, [batch[i].request for i in sampling], out)
+        for i, s in enumerate(batch):
+            if s.request.wants_prompt_logprobs:
+                start = int(ends[i]) - s.num_new_tokens + 1
+                out.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(hidden, start, s)
+        return out
+
+    def _sample(self, logits: torch.Tensor, reqs: list, out: RunnerOutput) -> None:
+        gens = [self._generator(r) for r in reqs]
+        meta = SamplingMetadata.build(
+            [r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
+            gens, self.vocab_size, self.device,
+        )
+        res = self.sampler(logits, meta)
+        tokens, logprobs = res.token_ids.tolist(), res.logprobs.tolist()
+        top_ids = res.top_ids.tolist() if res.top_ids is not None else None
+        top_lps = res.top_logprobs.tolist() if res.top_logprobs is not None else None
+        for i, r in enumerate(reqs):
+            top = []
+            if top_ids is not None and r.params.top_n_tokens:
+                n = r.params.top_n_tokens
+                top = list(zip(top_ids[i][:n], top_lps[i][:n]))
+            out.samples[r.request_id] = TokenSample(tokens[i], logprobs[i], top)
+
+    def _generator(self, req) -> torch.Generator | None:  # type: ignore[no-untyped-def]
+        if not req.params.sampling:
+            return None
+        gen = self.generators.get(req.request_id)
+        if gen is None:
+            gen = torch.Generator(self.device).manual_seed(req.params.seed % (1 << 63))
+            self.generators[req.request_id] = gen
+        return gen
+
+    def release(self, request_id: str) -> None:
+        self.generators.pop(request_id, None)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, start: int, s: ScheduledRequest) -> list[float | None]:
+        """Logprob of each prompt token given the ones before it, for this chunk's positions."""
+        req, first = s.request, s.request.num_computed_tokens
+        last = min(first + s.num_new_tokens, req.num_prompt_tokens - 1)  # predicting prompt[first+1 .. last]
+        lps: list[float | None] = [None] if first == 0 else []
+        if last > first:
+            logits = self.model.compute_logits(hidden[start : start + last - first])
+            targets = torch.tensor(req.prompt_ids[first + 1 : last + 1], device=self.device)
+            lp = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
+            lps.extend(lp.tolist())
+        return lps
+
+
+def set_cpu_threads() -> None:
+    """Let the engine own the cores unless the user said otherwise."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(os.cpu_count() or 1)

@@ -1,0 +1,158 @@
+"""Continuous batching: which requests run in the next forward pass, and how many tokens each.
+
+The seed's `batching_task` as one `schedule()` call per step. Every scheduled request gets
+`num_new_tokens` of its tokens computed (`all_ids[num_computed:num_computed + n]`): a decode is
+n == 1, a prefill or a recompute after preemption is the rest of its tokens, a chunk is a part
+of them. A request samples a token when its chunk reaches the end of its tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from pytgi.engine.kv_cache import BlockManager
+from pytgi.engine.request import Request, Status
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_batch_size: int = 256
+    max_batch_prefill_tokens: int = 4096  # tokens computed in one step (decodes count one each)
+    waiting_served_ratio: float = 0.3
+    max_waiting_tokens: int = 20
+    enable_chunked_prefill: bool = True
+    watermark: float = 0.01  # fraction of blocks kept free when admitting, so decodes need not preempt
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_admitted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last is the first preempted
+        self.steps_since_admission = 0
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request) -> None:
+        """Remove a request (finished, aborted or failed) and free its blocks."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self.block_manager.free(req)
+        req.status = Status.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_batch_prefill_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        self.steps_since_admission = 1 if out.num_admitted else self.steps_since_admission + 1
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for req in list(self.running):
+            if req.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = req.num_uncomputed
+            if n > 1:  # an unfinished chunked prefill continues within the budget
+                n = min(n, budget)
+                if n <= 0:
+                    continue
+            while not self.block_manager.allocate(req, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, n))
+                budget -= n
+        return budget
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Free the request's blocks; it is recomputed from its tokens when readmitted (first)."""
+        self.running.remove(req)
+        self.block_manager.free(req)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        plan = self._plan_admission(budget)
+        batch_size = len(self.running)
+        if batch_size and self.steps_since_admission < self.config.max_waiting_tokens:
+            # The seed's rule: a running batch is only extended when enough requests can join.
+            if len(plan) < math.floor(batch_size * self.config.waiting_served_ratio):
+                return
+        for req, n, cached in plan:
+            ok = self.block_manager.allocate(req, n, cached)
+            assert ok, "admission plan exceeded free blocks"
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            out.num_admitted += 1
+
+    def _plan_admission(self, budget: int) -> list[tuple[Request, int, list[int]]]:
+        """Waiting requests that fit, FIFO, with their token counts and cached prefix blocks."""
+        bm, cfg = self.block_manager, self.config
+        free = bm.num_free_blocks
+        if self.running:
+            free -= int(cfg.watermark * bm.num_blocks)
+        slots = cfg.max_batch_size - len(self.running)
+        plan: list[tuple[Request, int, list[int]]] = []
+        claimed: set[int] = set()
+        for req in self.waiting:
+            if len(plan) >= slots or budget <= 0:
+                break
+            cached = bm.cached_prefix(req)
+            n = req.num_tokens - len(cached) * bm.block_size
+            if n > budget:
+                if not cfg.enable_chunked_prefill:
+                    break
+                n = budget
+            need = bm.blocks_needed(req, n, cached)
+            need -= sum(1 for b in cached if b in claimed and bm.ref_counts[b] == 0)
+            if need > free:
+                break
+            claimed.update(cached)
+            free -= need
+            budget -= n
+            plan.append((req, n, cached))
+        return plan

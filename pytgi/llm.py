@@ -1,0 +1,139 @@
+"""The offline API, as vLLM users know it: `LLM(...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytgi.config import EngineConfig
+from pytgi.engine.engine import LLMEngine, RequestUpdate
+from pytgi.sampling_params import InvalidRequest, SamplingParams
+from pytgi.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+
+Prompt = str | list[int]
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # of each generated token
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when top_n_tokens > 0
+    prompt_logprobs: list[float | None] | None = None  # when asked; the first is None
+    finish_reason: str | None = None  # length | eos_token | stop_sequence
+    num_cached_tokens: int = 0
+    seed: int | None = None
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """vLLM's shape: `out.outputs[0].text`."""
+        return [self]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+class _Tracker:
+    """Detokenizes one request's updates and applies its stop strings."""
+
+    def __init__(self, out: RequestOutput, params: SamplingParams, tokenizer: Tokenizer) -> None:
+        self.out, self.params = out, params
+        self.detok = IncrementalDetokenizer(tokenizer, out.prompt_token_ids, params.skip_special_tokens)
+
+    def apply(self, u: RequestUpdate) -> tuple[str, bool]:
+        """Fold an update in; returns (new text, whether a stop string ended the request)."""
+        out = self.out
+        if u.prompt_logprobs is not None:
+            out.prompt_logprobs = u.prompt_logprobs
+        if u.error is not None:
+            raise RuntimeError(f"request {out.request_id} failed during generation: {u.error}")
+        if u.token is None:
+            return "", False
+        out.num_cached_tokens = u.num_cached_tokens
+        out.token_ids.append(u.token.token_id)
+        out.logprobs.append(u.token.logprob)
+        if self.params.top_n_tokens:
+            out.top_logprobs.append(u.token.top)
+        before = len(out.text)
+        out.text += self.detok.add(u.token.token_id)
+        if u.finish_reason is not None:
+            out.text += self.detok.flush()
+            out.finish_reason = u.finish_reason
+        stop = find_stop(out.text, self.params.stop, before) if self.params.stop else None
+        if stop is not None:
+            out.text = out.text[: stop[1] if self.params.include_stop_str_in_output else stop[0]]
+            out.finish_reason = "stop_sequence"
+            return out.text[before:], True
+        return out.text[before:], False
+
+class LLM:
+    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_args))
+        self.tokenizer = Tokenizer.from_dir(self.engine.model_path)
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequest("the prompt is empty: give a non-empty string or token ids")
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) for t in prompt):
+            raise InvalidRequest("a prompt is a string or a list of token ids (ints)")
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion, continuously batched; outputs in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequest("give one SamplingParams, or one per prompt")
+        trackers = [self._submit(p, sp) for p, sp in zip(prompts, plist)]
+        for _ in self._run({t.out.request_id: t for t in trackers}):
+            pass
+        return [t.out for t in trackers]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the completion's text as it is generated."""
+        tracker = self._submit(prompt, sampling_params or SamplingParams())
+        for _, text in self._run({tracker.out.request_id: tracker}):
+            if text:
+                yield text
+
+    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate(self.tokenizer.encode(prompt, add_special_tokens=False), sampling_params)[0]
+
+    def _submit(self, prompt: Prompt, params: SamplingParams) -> _Tracker:
+        ids = self.encode(prompt)
+        rid = f"llm-{next(self._ids)}"
+        out = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids, seed=params.seed)
+        self.engine.add_request(rid, ids, params)
+        return _Tracker(out, params, self.tokenizer)
+
+    def _run(self, trackers: dict[str, _Tracker]) -> Iterator[tuple[str, str]]:
+        pending = set(trackers)
+        try:
+            while pending and self.engine.has_unfinished():
+                for u in self.engine.step():
+                    tracker = trackers.get(u.request_id)
+                    if tracker is None:
+                        continue
+                    text, stopped = tracker.apply(u)
+                    if stopped:
+                        self.engine.abort_request(u.request_id)
+                    if tracker.out.finished:
+                        pending.discard(u.request_id)
+                    yield u.request_id, text
+        finally:
+            for rid in pending:  # an exception or an abandoned stream must not leave work behind
+                self.engine.abort_request(rid)

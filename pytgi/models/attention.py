@@ -1,0 +1,115 @@
+"""Paged attention over a flat batch of mixed prefills and decodes.
+
+Interface: a backend builds its per-step metadata once (`prepare`), then each layer calls
+`forward(q, k, v, k_cache, v_cache, meta)`: write the step's keys/values into their cache
+slots, attend every query token to its request's context. The `torch` backend gathers each
+request's context from its blocks and runs SDPA twice per layer: once over all single-token
+queries (decodes), once over all multi-token queries (prefill chunks), each padded to the
+longest member. It is portable (CPU, CUDA) and the reference for faster backends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class StepLayout:
+    """The flat batch of one step, as numpy arrays (built by the runner, backend-agnostic)."""
+
+    query_lens: np.ndarray  # [B] tokens computed this step per request
+    context_lens: np.ndarray  # [B] tokens in KV after this step (computed before + query)
+    block_tables: np.ndarray  # [B, max_blocks] int64, padded with 0
+    slot_mapping: np.ndarray  # [T] int64 cache slot of each new token
+    block_size: int
+
+
+@dataclass(slots=True)
+class _Group:
+    token_idx: torch.Tensor  # [G, Q] flat token index of each query (padding: 0)
+    valid: torch.Tensor | None  # [G, Q] bool, None when no padding (Q == 1)
+    slots: torch.Tensor  # [G, L] cache slot of each context position (padding: 0)
+    mask: torch.Tensor  # [G, 1, Q, L] bool: may attend
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor
+    decode: _Group | None
+    prefill: _Group | None
+
+
+def _group(layout: StepLayout, rows: np.ndarray, starts: np.ndarray, device: torch.device) -> _Group:
+    q_lens, ctx = layout.query_lens[rows], layout.context_lens[rows]
+    Q, L, bs = int(q_lens.max()), int(ctx.max()), layout.block_size
+    qi = np.arange(Q)
+    valid = qi[None, :] < q_lens[:, None]
+    token_idx = np.where(valid, starts[rows][:, None] + qi[None, :], 0)
+    pos = np.arange(L)
+    tables = layout.block_tables[rows]
+    slots = tables[:, np.minimum(pos // bs, tables.shape[1] - 1)] * bs + pos % bs
+    # Query i of a request sits at position ctx - q_len + i and sees keys up to that position.
+    q_pos = (ctx - q_lens)[:, None] + qi[None, :]
+    mask = pos[None, None, :] <= q_pos[:, :, None]
+    mask[~valid] = pos[None, :] < 1  # padding queries see one key (no all-masked rows: NaN)
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)  # noqa: E731
+    return _Group(
+        token_idx=to(token_idx),
+        valid=to(valid) if Q > 1 else None,
+        slots=to(np.where(pos[None, :] < ctx[:, None], slots, 0)),
+        mask=to(mask[:, None]),
+    )
+
+
+class TorchAttention:
+    name = "torch"
+
+    def prepare(self, layout: StepLayout, device: torch.device) -> TorchAttentionMetadata:
+        starts = np.concatenate(([0], np.cumsum(layout.query_lens)[:-1]))
+        is_decode = layout.query_lens == 1
+        dec, pre = np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]
+        return TorchAttentionMetadata(
+            slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
+            decode=_group(layout, dec, starts, device) if len(dec) else None,
+            prefill=_group(layout, pre, starts, device) if len(pre) else None,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, H, D]
+        k: torch.Tensor,  # [T, KVH, D]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks * block_size, KVH, D]
+        v_cache: torch.Tensor,
+        meta: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for g in (meta.decode, meta.prefill):
+            if g is None:
+                continue
+            qg = q[g.token_idx].transpose(1, 2)  # [G, H, Q, D]
+            kg = k_cache[g.slots].transpose(1, 2)  # [G, KVH, L, D]
+            vg = v_cache[g.slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
+            o = o.transpose(1, 2)  # [G, Q, H, D]
+            if g.valid is None:
+                out[g.token_idx[:, 0]] = o[:, 0]
+            else:
+                out[g.token_idx[g.valid]] = o[g.valid]
+        return out
+
+
+BACKENDS = {"torch": TorchAttention}
+
+
+def get_backend(name: str) -> TorchAttention:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(BACKENDS)})")
+    return BACKENDS[name]()

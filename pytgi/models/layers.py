@@ -1,0 +1,158 @@
+"""Building blocks of the Llama family, tensor-parallel aware (world size 1 is the plain case).
+
+Column-parallel layers split their output features over ranks, row-parallel layers split their
+input features and all-reduce the result. Each parameter has a `weight_loader(param, tensor, shard)`
+that copies this rank's slice of a checkpoint tensor into place.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pytgi.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+
+
+def _split(n: int, what: str) -> int:
+    if n % tp_size():
+        raise ValueError(f"{what} ({n}) is not divisible by the number of shards ({tp_size()})")
+    return n // tp_size()
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T (+ b), W's rows are the concatenation of `output_sizes` parts, each split over ranks."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__()
+        self.local_sizes = [_split(n, "output features") for n in output_sizes]
+        out = sum(self.local_sizes)
+        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self.weight.weight_loader = self.load_shard
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out), requires_grad=False)
+            self.bias.weight_loader = self.load_shard
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        size = self.local_sizes[shard]
+        offset = sum(self.local_sizes[:shard])
+        part = loaded.narrow(0, tp_rank() * size, size)
+        param.data.narrow(0, offset, size).copy_(part)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q, k, v projections; each rank holds its query heads and their key/value heads."""
+
+    SHARDS = {"q": 0, "k": 1, "v": 2}
+
+    def __init__(self, hidden: int, head_dim: int, n_heads: int, n_kv_heads: int, bias: bool) -> None:
+        super().__init__(hidden, [n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's columns split over ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.local_in = _split(in_features, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
+        self.weight.weight_loader = self.load_weight
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        param.data.copy_(loaded.narrow(1, tp_rank() * self.local_in, self.local_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(nn.functional.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; out-of-range ids on a rank contribute zeros."""
+
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.local_vocab = math.ceil(vocab_size / tp_size())
+        self.start = tp_rank() * self.local_vocab
+        self.weight = nn.Parameter(torch.zeros(self.local_vocab, dim), requires_grad=False)
+        self.weight.weight_loader = self.load_weight
+
+    def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        part = loaded[self.start : self.start + self.local_vocab]
+        param.data[: part.shape[0]].copy_(part)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return nn.functional.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.local_vocab)
+        y = nn.functional.embedding(local.clamp(0, self.local_vocab - 1), self.weight)
+        return all_reduce(y * inside.unsqueeze(-1))
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        logits = all_gather_last_dim(nn.functional.linear(hidden, self.weight))
+        return logits[..., : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 whatever the dtype, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    medium = (wavelen <= old_ctx / low) & (wavelen >= old_ctx / high)
+    return torch.where(medium, smoothed, out)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embeddings with a precomputed cos/sin table (default, linear, llama3)."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind == "linear":
+            inv_freq = inv_freq / scaling["factor"]
+        elif kind != "default":
+            raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for these positions, shaped [T, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

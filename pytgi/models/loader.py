@@ -1,0 +1,69 @@
+"""Build a model from a Hugging Face directory: config, architecture check, safetensors weights."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from pytgi.models.llama import SUPPORTED_ARCHITECTURES, LlamaConfig, LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    cfg = json.loads((path / "config.json").read_text())
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModel(
+            f"architecture {arch!r} of {path} is not supported; pytgi runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return cfg
+
+
+def resolve_dtype(name: str, cfg: dict[str, Any], device: torch.device) -> torch.dtype:
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(DTYPES)})")
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # exact, and fast enough until per-phase dtypes land
+    declared = cfg.get("torch_dtype") or cfg.get("dtype")
+    return DTYPES.get(declared, torch.bfloat16) if declared != "float32" else torch.bfloat16
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModel(f"{path} has no *.safetensors weights (pytgi does not load .bin checkpoints)")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, backend: Any) -> LlamaForCausalLM:
+    cfg = LlamaConfig.from_hf(read_config(path))
+    with _default_dtype(dtype), torch.device(device):
+        model = LlamaForCausalLM(cfg, backend)
+    model.load_weights(iter_safetensors(path))
+    return model.eval()

