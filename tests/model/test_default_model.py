@@ -1,0 +1,163 @@
+"""The embedded default model (SmolLM2-135M-Instruct) in fp32: fidelity to transformers and
+invariance of the output under batching, chunking, prefix caching and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytgi import LLM, InvalidRequest, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about autumn leaves.",
+    "Explain what a hash table is to a child.",
+]
+RAW = [
+    "The quick brown fox",
+    "def fibonacci(n):\n",
+    "Once upon a time, in a small village by the sea, there lived",
+]
+NEW_TOKENS = 48
+GREEDY = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", max_batch_total_tokens=16384)
+
+
+@pytest.fixture(scope="module")
+def prompts(llm: LLM) -> list[list[int]]:
+    tok = llm.tokenizer
+    chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": c}]), False) for c in CHATS]
+    return chats + [tok.encode(r) for r in RAW]
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
+    out = []
+    for ids in prompts:
+        with torch.no_grad():
+            seq = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        out.append(seq[0, len(ids):].tolist())
+    return out
+
+
+def greedy_ids(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def test_greedy_equals_transformers_alone(llm, prompts, hf_greedy):
+    for ids, ref in zip(prompts, hf_greedy):
+        assert greedy_ids(llm, [ids])[0] == ref
+
+
+def test_batched_equals_alone(llm, prompts, hf_greedy):
+    assert greedy_ids(llm, prompts) == hf_greedy
+
+
+def test_chat_output_is_sensible(llm):
+    out = llm.chat([{"role": "user", "content": CHATS[0]}], GREEDY)
+    assert "Paris" in out.text and out.finish_reason == "eos_token"
+
+
+def test_chunked_prefill_equals_unchunked(prompts, hf_greedy):
+    chunky = LLM(dtype="float32", max_batch_total_tokens=16384, max_batch_prefill_tokens=8)
+    assert greedy_ids(chunky, prompts) == hf_greedy
+
+
+def test_prefix_cache_hit_equals_miss(llm, prompts):
+    system = [{"role": "system", "content": "You are a terse assistant. " * 8}]
+    tok = llm.tokenizer
+    convo = [tok.encode(tok.apply_chat_template(system + [{"role": "user", "content": q}]), False)
+             for q in ("Name a color.", "Name a fruit.")]
+    first = llm.generate(convo[0], GREEDY)[0]
+    second = llm.generate(convo[1], GREEDY)[0]
+    assert second.num_cached_tokens >= 64  # the shared system prompt came from the cache
+    cold = LLM(dtype="float32", max_batch_total_tokens=16384, enable_prefix_caching=False)
+    assert [o.token_ids for o in cold.generate(convo, GREEDY)] == [first.token_ids, second.token_ids]
+    assert all(o.num_cached_tokens == 0 for o in cold.generate(convo, GREEDY))
+
+
+def test_preemption_gives_the_same_output(prompts, hf_greedy):
+    # 6 requests need ~6 x 100 tokens; 256 KV slots force preemptions and recomputation.
+    small = LLM(dtype="float32", max_batch_total_tokens=256, max_total_tokens=256)
+    assert greedy_ids(small, prompts) == hf_greedy
+    assert small.engine.stats()["preemptions"] > 0
+    assert small.engine.block_manager.num_free_blocks == small.engine.num_blocks
+
+
+def test_seed_reproduces_a_sample_alone_or_batched(llm, prompts):
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=seed)
+
+    alone = llm.generate(prompts[0], params(7))[0].token_ids
+    batched = llm.generate(prompts[:3], [params(7), params(8), params(9)])
+    assert batched[0].token_ids == alone
+    assert batched[1].token_ids != alone
+    assert llm.generate(prompts[1], params(8))[0].token_ids == batched[1].token_ids
+
+
+def test_stop_strings_and_stop_token_ids(llm, prompts, hf_greedy):
+    ref = llm.tokenizer.decode(hf_greedy[0])  # "The capital of France is Paris..."
+    out = llm.generate(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, stop=["Paris"]))[0]
+    assert out.finish_reason == "stop_sequence" and out.text == ref[: ref.index("Paris")]
+    kept = llm.generate(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, stop=["Paris"],
+                                                   include_stop_str_in_output=True))[0]
+    assert kept.text.endswith("Paris")
+    by_id = llm.generate(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0,
+                                                    stop_token_ids=[hf_greedy[0][2]]))[0]
+    assert by_id.token_ids == hf_greedy[0][:3] and by_id.finish_reason == "stop_sequence"
+
+
+def test_max_new_tokens_and_ignore_eos(llm, prompts):
+    out = llm.generate(prompts[0], SamplingParams(max_new_tokens=60, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 60 and out.finish_reason == "length"
+    assert 2 in out.token_ids  # it went past <|im_end|>
+
+
+def test_logprobs_match_transformers(llm, prompts):
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(max_new_tokens=8, temperature=0, top_n_tokens=3, prompt_logprobs=True)
+    out = llm.generate(prompts[3], params)[0]
+    model = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
+    full = out.prompt_token_ids + out.token_ids
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([full])).logits[0].float(), -1)
+    n = len(out.prompt_token_ids)
+    ref_prompt = [lp[i - 1, full[i]].item() for i in range(1, n)]
+    assert out.prompt_logprobs[0] is None
+    torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), torch.tensor(ref_prompt), atol=1e-4, rtol=0)
+    ref_gen = [lp[n - 1 + i, t].item() for i, t in enumerate(out.token_ids)]
+    torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref_gen), atol=1e-4, rtol=0)
+    top = lp[n - 1].topk(3)
+    assert [t for t, _ in out.top_logprobs[0]] == top.indices.tolist()
+
+
+def test_bad_input_is_refused_clearly(llm):
+    with pytest.raises(InvalidRequest, match="empty"):
+        llm.generate("", GREEDY)
+    with pytest.raises(InvalidRequest, match="empty"):
+        llm.generate([[]], GREEDY)
+    too_long = [100] * (llm.engine.max_input_tokens + 1)
+    with pytest.raises(InvalidRequest, match="at most"):
+        llm.generate(too_long, GREEDY)
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        llm.generate([100] * 10, SamplingParams(max_new_tokens=llm.engine.max_total_tokens))
+    with pytest.raises(InvalidRequest, match="token ids"):
+        llm.generate([10**9], GREEDY)
+    with pytest.raises(InvalidRequest, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(InvalidRequest, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        SamplingParams(max_new_tokens=0)
+    # the engine keeps serving afterwards
+    assert llm.generate("Hello", SamplingParams(max_new_tokens=3, temperature=0))[0].token_ids

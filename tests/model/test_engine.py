@@ -1,0 +1,100 @@
+"""Engine behaviour on a tiny random model: failures stay inside their step, aborts free memory,
+bad models are refused with a clear message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from pytgi.config import EngineConfig
+from pytgi.engine.engine import LLMEngine
+from pytgi.models.loader import UnsupportedModel
+from pytgi.models.registry import ModelNotFound, resolve_model
+from pytgi.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   eos_token_id=None)
+    path = tmp_path_factory.mktemp("tiny")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def engine(tiny_path) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=512, block_size=4))
+
+
+def run(engine: LLMEngine) -> dict[str, list]:
+    seen: dict[str, list] = {}
+    while engine.has_unfinished():
+        for u in engine.step():
+            seen.setdefault(u.request_id, []).append(u)
+    return seen
+
+
+def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on(engine, monkeypatch):
+    params = SamplingParams(max_new_tokens=5, temperature=0)
+    engine.add_request("ok-before", [1, 2, 3], params)
+    assert run(engine)["ok-before"][-1].finish_reason == "length"
+
+    real = engine.runner.execute
+
+    def flaky(batch):
+        if any(s.request.request_id == "doomed" for s in batch):
+            raise RuntimeError("injected fault")
+        return real(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    engine.add_request("neighbour", [4, 5, 6], params)
+    engine.step()  # neighbour is running
+    engine.add_request("doomed", [7, 8, 9], params)
+    updates = engine.step()  # neighbour's decode and doomed's prefill share this step
+    assert {u.request_id for u in updates} == {"neighbour", "doomed"}
+    assert all(u.error and "injected fault" in u.error and u.finish_reason == "error" for u in updates)
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+    engine.add_request("ok-after", [1, 2, 3], params)
+    out = run(engine)["ok-after"]
+    assert len(out) == 5 and out[-1].finish_reason == "length" and out[-1].error is None
+    assert engine.stats()["failed_steps"] == 1
+
+
+def test_abort_frees_blocks_within_a_step(engine):
+    engine.add_request("a", list(range(1, 20)), SamplingParams(max_new_tokens=50, temperature=0))
+    engine.add_request("b", list(range(1, 9)), SamplingParams(max_new_tokens=50, temperature=0))
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.num_blocks
+    assert engine.abort_request("a") and engine.abort_request("b")
+    assert not engine.abort_request("a")
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert engine.step() == []
+
+
+def test_kv_cache_too_small_for_one_request_is_refused_at_start(tiny_path):
+    with pytest.raises(ValueError, match="max_batch_total_tokens"):
+        LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=64))
+
+
+def test_missing_model_path_names_the_fix(tmp_path):
+    with pytest.raises(ModelNotFound, match="model not found"):
+        resolve_model(tmp_path / "nope")
+    with pytest.raises(ModelNotFound, match="config.json"):
+        resolve_model(tmp_path)
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel"):
+        LLMEngine(EngineConfig(model=str(tmp_path)))
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
