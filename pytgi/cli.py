@@ -36,9 +36,20 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pytgi.server.launcher import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pytgi", description="Text generation inference in Python.")
     sub = parser.add_subparsers(dest="command", required=True)
+    from pytgi.server.launcher import add_serve_arguments
+
+    srv = sub.add_parser("serve", help="serve a model over TGI's HTTP API (default: the embedded model)")
+    add_serve_arguments(srv)
+    srv.set_defaults(func=_serve)
     gen = sub.add_parser("generate", help="stream a completion of one prompt to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--model-id", default=_env("MODEL_ID"), help="HF directory or .gguf (default: embedded)")

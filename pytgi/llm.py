@@ -97,7 +97,14 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequest("give one SamplingParams, or one per prompt")
-        trackers = [self._submit(p, sp) for p, sp in zip(prompts, plist)]
+        trackers: list[_Tracker] = []
+        try:
+            for prompt, sp in zip(prompts, plist):
+                trackers.append(self._submit(prompt, sp))
+        except Exception:  # all or nothing: a bad prompt must not leave the others running
+            for t in trackers:
+                self.engine.abort_request(t.out.request_id)
+            raise
         for _ in self._run({t.out.request_id: t for t in trackers}):
             pass
         return [t.out for t in trackers]

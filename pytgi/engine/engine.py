@@ -35,6 +35,15 @@ class RequestUpdate:
     num_cached_tokens: int = 0
 
 
+@dataclass(slots=True)
+class StepInfo:
+    batch_size: int = 0
+    num_tokens: int = 0
+    prefill: bool = False  # the step computed prompt (or recompute) chunks, not only decodes
+    failed: bool = False
+    seconds: float = 0.0
+
+
 def _eos_ids(path: Path) -> frozenset[int]:
     ids: set[int] = set()
     for name in ("config.json", "generation_config.json"):
@@ -71,6 +80,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._prompt_lps: dict[str, list[float | None]] = {}
         self.num_failed_steps = 0
+        self.last_step = StepInfo()
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks x %d, load %.1fs",
             self.model_id, self.runner.device, self.runner.dtype, self.num_blocks, config.block_size,
@@ -153,12 +163,17 @@ class LLMEngine:
         now = time.monotonic()
         for s in sched.scheduled:
             s.request.first_scheduled_time = s.request.first_scheduled_time or now
+        info = self.last_step = StepInfo(
+            len(sched.scheduled), sched.num_tokens, any(s.num_new_tokens > 1 or not s.samples for s in sched.scheduled)
+        )
         try:
             result = self.runner.execute(sched.scheduled)
         except Exception as exc:  # a failing step fails exactly its own requests
             self.num_failed_steps += 1
+            info.failed, info.seconds = True, time.monotonic() - now
             log.exception("step failed for %d requests", len(sched.scheduled))
             return [self._fail(s.request, exc) for s in sched.scheduled]
+        info.seconds = time.monotonic() - now
         updates = []
         for s in sched.scheduled:
             req = s.request

@@ -1,0 +1,77 @@
+"""Prometheus metrics with TGI's names, plus pytgi's own (API process; no torch)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pytgi import protocol as P
+
+_DURATION = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.request_count = Counter("tgi_request_count", "Requests received", registry=r)
+        self.request_success = Counter("tgi_request_success", "Requests that succeeded", registry=r)
+        self.request_failure = Counter("tgi_request_failure", "Requests that failed", ["err"], registry=r)
+        self.batch_inference_count = Counter("tgi_batch_inference_count", "Engine steps", ["method"], registry=r)
+        self.batch_inference_success = Counter("tgi_batch_inference_success", "Successful engine steps",
+                                               ["method"], registry=r)
+        self.batch_inference_failure = Counter("tgi_batch_inference_failure", "Failed engine steps",
+                                               ["method"], registry=r)
+        self.batch_concat = Counter("tgi_batch_concat", "Steps that admitted new requests into a running batch",
+                                    ["reason"], registry=r)
+        self.queue_size = Gauge("tgi_queue_size", "Requests waiting in the engine queue", registry=r)
+        self.batch_current_size = Gauge("tgi_batch_current_size", "Running requests", registry=r)
+        self.batch_current_max_tokens = Gauge("tgi_batch_current_max_tokens", "Tokens computed in the last step",
+                                              registry=r)
+        self.request_duration = Histogram("tgi_request_duration", "End-to-end request time (s)",
+                                          buckets=_DURATION, registry=r)
+        self.request_validation_duration = Histogram("tgi_request_validation_duration", "Validation time (s)",
+                                                     buckets=_DURATION, registry=r)
+        self.request_queue_duration = Histogram("tgi_request_queue_duration", "Queue time (s)",
+                                                buckets=_DURATION, registry=r)
+        self.request_inference_duration = Histogram("tgi_request_inference_duration", "Inference time (s)",
+                                                    buckets=_DURATION, registry=r)
+        self.request_mean_time_per_token_duration = Histogram(
+            "tgi_request_mean_time_per_token_duration", "Mean time per generated token (s)",
+            buckets=_DURATION, registry=r)
+        self.request_input_length = Histogram("tgi_request_input_length", "Prompt tokens", buckets=_TOKENS,
+                                              registry=r)
+        self.request_generated_tokens = Histogram("tgi_request_generated_tokens", "Generated tokens",
+                                                  buckets=_TOKENS, registry=r)
+        self.batch_inference_duration = Histogram("tgi_batch_inference_duration", "Engine step time (s)",
+                                                  ["method"], buckets=_DURATION, registry=r)
+        self.batch_next_size = Histogram("tgi_batch_next_size", "Requests in a step", buckets=_TOKENS, registry=r)
+        # beyond TGI
+        self.time_to_first_token = Histogram("pytgi_time_to_first_token_seconds", "Arrival to first token (s)",
+                                             buckets=_DURATION, registry=r)
+        self.inter_token_latency = Histogram("pytgi_inter_token_latency_seconds", "Time between streamed tokens (s)",
+                                             buckets=_DURATION, registry=r)
+        self.kv_cache_usage = Gauge("pytgi_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self.prefix_cache_hit_rate = Gauge("pytgi_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
+                                           registry=r)
+        self.preemptions = Gauge("pytgi_preemptions_total", "Requests preempted (recomputed later)", registry=r)
+
+    def engine_step(self, step: P.StepOut) -> None:
+        if step.batch_size:
+            self.batch_inference_count.labels(step.method).inc()
+            (self.batch_inference_failure if step.failed else self.batch_inference_success).labels(step.method).inc()
+            self.batch_inference_duration.labels(step.method).observe(step.step_seconds)
+            self.batch_next_size.observe(step.batch_size)
+            self.batch_current_max_tokens.set(step.num_tokens)
+            if step.method == "prefill" and step.stats.running > 1:
+                self.batch_concat.labels("backpressure" if step.stats.waiting else "wait_exceeded").inc()
+        self.engine_stats(step.stats)
+
+    def engine_stats(self, s: P.EngineStats) -> None:
+        self.queue_size.set(s.waiting)
+        self.batch_current_size.set(s.running)
+        self.kv_cache_usage.set(s.kv_cache_usage)
+        self.prefix_cache_hit_rate.set(s.prefix_cache_hit_rate)
+        self.preemptions.set(s.preemptions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,89 @@
+"""Messages between the API process and the engine process (msgspec, no torch).
+
+API → engine: `Submit`, `Abort`, `Shutdown`. Engine → API: `Ready` (or `StartupFailed`) once,
+then one `StepOut` per engine step with every request's new token, and `Heartbeat`s while idle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pytgi.sampling_params import SamplingParams
+
+
+class Submit(msgspec.Struct, tag="submit"):
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    token_id: int = -1  # -1: no token (an error, or prompt logprobs only)
+    logprob: float = 0.0
+    top: list[tuple[int, float]] = []
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_logprobs: list[float | None] | None = None
+    num_cached_tokens: int = 0
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    preemptions: int
+    failed_steps: int
+
+
+class StepOut(msgspec.Struct, tag="step"):
+    updates: list[TokenOut]
+    stats: EngineStats
+    step_seconds: float
+    batch_size: int
+    num_tokens: int
+    method: str  # "prefill" when the step computed prompt chunks, else "decode"
+    failed: bool = False
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    stats: EngineStats
+
+
+class EngineInfo(msgspec.Struct):
+    model_id: str
+    model_path: str
+    model_dtype: str
+    model_device_type: str
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+    max_batch_total_tokens: int
+    max_batch_size: int
+    num_shard: int
+    vocab_size: int
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    info: EngineInfo
+
+
+class StartupFailed(msgspec.Struct, tag="startup_failed"):
+    message: str
+
+
+ToEngine = Submit | Abort | Shutdown
+FromEngine = StepOut | Heartbeat | Ready | StartupFailed
+
+encoder = msgspec.msgpack.Encoder()
+to_engine = msgspec.msgpack.Decoder(ToEngine)
+from_engine = msgspec.msgpack.Decoder(FromEngine)

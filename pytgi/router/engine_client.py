@@ -1,0 +1,144 @@
+"""The API process's handle on the engine process: start it, submit and abort requests, route
+each step's tokens to per-request queues, and notice when the engine dies."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from pytgi import protocol as P
+from pytgi.config import EngineConfig
+from pytgi.sampling_params import SamplingParams
+
+log = logging.getLogger("pytgi.router")
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.info: P.EngineInfo | None = None
+        self.stats: P.EngineStats | None = None
+        self.healthy = False
+        self.dead_reason: str | None = None
+        self.on_step: Callable[[P.StepOut], None] | None = None  # metrics hooks
+        self.on_stats: Callable[[P.EngineStats], None] | None = None
+        self.on_death: Callable[[str], None] | None = None
+        self.proc: subprocess.Popen | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._dir = Path(tempfile.mkdtemp(prefix="pytgi-"))
+        self._ctx = zmq.asyncio.Context()
+        self._inbox = self._ctx.socket(zmq.PUSH)  # the engine's inbox
+        self._outbox = self._ctx.socket(zmq.PULL)
+        self._inbox.bind(f"ipc://{self._dir}/inbox")
+        self._outbox.bind(f"ipc://{self._dir}/outbox")
+        self._inbox.setsockopt(zmq.LINGER, 0)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self, timeout: float = 900.0) -> P.EngineInfo:
+        """Spawn the engine process and wait until its model is loaded."""
+        cmd = [sys.executable, "-m", "pytgi.engine.process", "--config", json.dumps(dataclasses.asdict(self.config)),
+               "--inbox", f"ipc://{self._dir}/inbox", "--outbox", f"ipc://{self._dir}/outbox",
+               "--parent-pid", str(os.getpid())]
+        self.proc = subprocess.Popen(cmd)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise EngineDead(f"engine process exited with code {self.proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise EngineDead(f"engine did not start within {timeout:.0f}s")
+            if await self._outbox.poll(200):
+                msg = P.from_engine.decode(await self._outbox.recv())
+                if isinstance(msg, P.StartupFailed):
+                    raise EngineDead(f"engine failed to start: {msg.message}")
+                if isinstance(msg, P.Ready):
+                    self.info = msg.info
+                    break
+        self.healthy = True
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+        return self.info
+
+    async def stop(self, timeout: float = 5.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.proc and self.proc.poll() is None:
+            await self._inbox.send(P.encoder.encode(P.Shutdown()))
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.proc.wait), timeout)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+        self._ctx.destroy(linger=0)
+
+    # -- requests --------------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Send a request; its `TokenOut`s (or an `EngineDead`) arrive on the returned queue."""
+        if not self.healthy:
+            raise EngineDead(self.dead_reason or "engine is not running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._inbox.send(P.encoder.encode(P.Submit(request_id, prompt_ids, params)))
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Forget the request here and free its KV blocks in the engine's next drain."""
+        log.debug("abort %s", request_id)
+        if self._queues.pop(request_id, None) is not None and self.healthy:
+            self._inbox.send(P.encoder.encode(P.Abort([request_id])))
+
+    def release(self, request_id: str) -> None:
+        """The request finished on its own: just stop routing."""
+        self._queues.pop(request_id, None)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._queues)
+
+    # -- background tasks ------------------------------------------------------------------------
+    async def _read(self) -> None:
+        while True:
+            msg = P.from_engine.decode(await self._outbox.recv())
+            if isinstance(msg, P.Heartbeat):
+                self.stats = msg.stats
+                if self.on_stats is not None:
+                    self.on_stats(msg.stats)
+            if not isinstance(msg, P.StepOut):
+                continue
+            self.stats = msg.stats
+            for update in msg.updates:
+                queue = self._queues.get(update.request_id)
+                if queue is not None:
+                    queue.put_nowait(update)
+            if self.on_step is not None:
+                self.on_step(msg)
+
+    async def _watch(self) -> None:
+        assert self.proc is not None
+        while self.proc.poll() is None:
+            await asyncio.sleep(0.2)
+        self._die(f"engine process exited with code {self.proc.returncode}")
+
+    def _die(self, reason: str) -> None:
+        log.error("%s; failing %d pending requests", reason, len(self._queues))
+        self.healthy, self.dead_reason = False, reason
+        for queue in self._queues.values():
+            queue.put_nowait(EngineDead(reason))
+        self._queues.clear()
+        if self.on_death is not None:
+            self.on_death(reason)

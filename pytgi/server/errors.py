@@ -1,0 +1,57 @@
+"""TGI's error JSON `{"error", "error_type"}` and the exception handlers that produce it."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pytgi.router.infer import InferError
+from pytgi.router.validation import ValidationError
+
+
+def error_body(message: str, error_type: str) -> dict[str, str]:
+    return {"error": message, "error_type": error_type}
+
+
+def error_response(status: int, message: str, error_type: str) -> JSONResponse:
+    return JSONResponse(error_body(message, error_type), status_code=status)
+
+
+def validation_response(message: str) -> JSONResponse:
+    return error_response(422, f"Input validation error: {message}", "validation")
+
+
+def infer_error_response(exc: InferError) -> JSONResponse:
+    return error_response(exc.status, exc.message, exc.error_type)
+
+
+def _describe(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "malformed request body"
+
+
+def install_handlers(app: FastAPI, openai_paths: tuple[str, ...] = ("/v1/",)) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_response(_describe(exc))
+
+    @app.exception_handler(ValidationError)
+    async def _invalid(request: Request, exc: ValidationError) -> JSONResponse:
+        return validation_response(exc.message)
+
+    @app.exception_handler(InferError)
+    async def _infer(request: Request, exc: InferError) -> JSONResponse:
+        return infer_error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), "http")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(exc).__name__}", "internal")

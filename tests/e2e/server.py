@@ -1,0 +1,67 @@
+"""A real `pytgi serve` subprocess on a free port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, log: Path | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        cmd = [sys.executable, "-m", "pytgi.cli", "serve", "--hostname", "127.0.0.1", "--port", str(self.port),
+               "--max-batch-total-tokens", "32768", *args]
+        out = open(log, "wb") if log else subprocess.DEVNULL
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 300) -> Server:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"server not ready in {timeout}s: {self.tail()}")
+
+    def tail(self) -> str:
+        return self.log_path.read_text()[-3000:] if self.log_path and self.log_path.exists() else ""
+
+    def engine_pid(self) -> int:
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", "pytgi.engine.process"],
+                             capture_output=True, text=True).stdout.split()
+        return int(out[0])
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
