@@ -12,8 +12,9 @@ What it measures
 
     Each system gets a short warm-up, then the whole workload is timed (model loading and KV cache
     allocation excluded). Reported per system: wall time, output tok/s, total (prompt + output) tok/s,
-    requests/s, how many requests did not produce exactly their requested token count, and for pytgi
-    the fraction of requests whose greedy token ids equal transformers'. A markdown table goes to
+    requests/s, how many requests did not produce exactly their requested token count, the process
+    CPU seconds (far below wall x threads = starved by other processes: rerun on a quieter machine),
+    and the fraction of requests whose greedy token ids equal transformers'. A markdown table goes to
     stdout and the full record to ``benchmarks/results/engine-<timestamp>.json``.
 
 How to run
@@ -115,6 +116,7 @@ def warmup_workload(vocab_size: int) -> Workload:
 class SystemResult:
     system: str
     wall_s: float
+    cpu_s: float  # process CPU time over the timed region (all threads)
     requests: int
     prompt_tokens: int
     output_tokens: int
@@ -138,11 +140,12 @@ class SystemResult:
         return asdict(self) | rates
 
 
-def summarize(system: str, workload: Workload, outputs: Outputs, wall_s: float) -> SystemResult:
+def summarize(system: str, workload: Workload, outputs: Outputs,
+              seconds: tuple[float, float]) -> SystemResult:
     """Count what was actually generated and compare each request's length with the one asked for."""
     mismatches = sum(len(out) != want for out, want in zip(outputs, workload.output_lens))
     mismatches += abs(len(outputs) - len(workload.prompts))
-    return SystemResult(system, wall_s, len(outputs), workload.prompt_tokens,
+    return SystemResult(system, seconds[0], seconds[1], len(outputs), workload.prompt_tokens,
                         sum(len(o) for o in outputs), mismatches)
 
 
@@ -151,13 +154,29 @@ def agreement(a: Outputs, b: Outputs) -> float:
     return sum(x == y for x, y in zip(a, b)) / max(1, len(a))
 
 
-def timed(run: Callable[[Workload], Outputs], workload: Workload) -> tuple[Outputs, float]:
-    """Run a system on the workload; return its outputs and the wall time in seconds."""
-    sync_device()
-    t0 = time.perf_counter()
+@dataclass
+class Clock:
+    """Wall and process CPU seconds of a timed region. CPU seconds well under wall x threads mean the
+    process was starved of cores (another process was using them): the run's figures are too low."""
+
+    wall0: float = 0.0
+    cpu0: float = 0.0
+
+    def start(self) -> Clock:
+        sync_device()
+        self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
+        return self
+
+    def stop(self) -> tuple[float, float]:
+        sync_device()
+        return time.perf_counter() - self.wall0, time.process_time() - self.cpu0
+
+
+def timed(run: Callable[[Workload], Outputs], workload: Workload) -> tuple[Outputs, tuple[float, float]]:
+    """Run a system on the workload; return its outputs and (wall, cpu) seconds."""
+    clock = Clock().start()
     outputs = run(workload)
-    sync_device()
-    return outputs, time.perf_counter() - t0
+    return outputs, clock.stop()
 
 
 def sync_device() -> None:
@@ -192,8 +211,8 @@ def run_pytgi(llm: LLM, workload: Workload) -> Outputs:
 def bench_pytgi(llm: LLM, workload: Workload) -> tuple[SystemResult, Outputs]:
     """Warm up, then time `LLM.generate` on the whole workload."""
     run_pytgi(llm, warmup_workload(llm.engine.runner.vocab_size))
-    outputs, wall = timed(lambda w: run_pytgi(llm, w), workload)
-    result = summarize("pytgi", workload, outputs, wall)
+    outputs, seconds = timed(lambda w: run_pytgi(llm, w), workload)
+    result = summarize("pytgi", workload, outputs, seconds)
     engine = llm.engine
     result.notes = dict(engine_stats=engine.stats(), max_batch_prefill_tokens=engine.max_batch_prefill_tokens,
                         max_batch_total_tokens=engine.max_batch_total_tokens,
@@ -233,7 +252,7 @@ def cb_config(workload: Workload, args: argparse.Namespace,
 
 
 def run_transformers_cb(model: PreTrainedModel, workload: Workload, args: argparse.Namespace,
-                        max_batch_tokens: int) -> tuple[Outputs, float]:
+                        max_batch_tokens: int) -> tuple[Outputs, tuple[float, float]]:
     """What `generate_batch` does, but with one `add_request` per prompt so that each request keeps
     its own `max_new_tokens` (`generate_batch` takes a single one for the whole batch). EOS is
     disabled (eos_token_id=None -> -1) so every request runs to its length. Returns the outputs and
@@ -248,14 +267,12 @@ def run_transformers_cb(model: PreTrainedModel, workload: Workload, args: argpar
     with torch.inference_mode(), model.continuous_batching_context_manager(
         generation_config=gen, continuous_batching_config=cfg, block=True, timeout=30, workload_hints=hints
     ) as manager:
-        sync_device()
-        t0 = time.perf_counter()
+        clock = Clock().start()
         ids = [manager.add_request(p, request_id=f"bench-{i}", max_new_tokens=n)
                for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens))]
         results = collect_cb_results(manager, {i for i in ids if i is not None})
-        sync_device()
-        wall = time.perf_counter() - t0
-    return [results[i].generated_tokens if i in results else [] for i in ids], wall
+        seconds = clock.stop()
+    return [results[i].generated_tokens if i in results else [] for i in ids], seconds
 
 
 def collect_cb_results(manager: ContinuousBatchingManager, pending: set[str]) -> dict:
@@ -281,8 +298,8 @@ def bench_transformers(model_path: Path, workload: Workload, args: argparse.Name
     """Warm up, then time transformers' continuous batching on the whole workload."""
     model = load_hf(model_path, args, args.hf_attn)
     run_transformers_cb(model, warmup_workload(model.config.vocab_size), args, max_batch_tokens)
-    outputs, wall = run_transformers_cb(model, workload, args, max_batch_tokens)
-    result = summarize("transformers", workload, outputs, wall)
+    outputs, seconds = run_transformers_cb(model, workload, args, max_batch_tokens)
+    result = summarize("transformers", workload, outputs, seconds)
     result.notes = dict(attn_implementation=args.hf_attn, page_size=args.hf_page_size,
                         num_blocks=cb_config(workload, args, max_batch_tokens).num_blocks,
                         max_batch_tokens=max_batch_tokens, dtype=str(model.dtype), device=str(model.device))
@@ -317,8 +334,8 @@ def bench_hf_padded(model_path: Path, workload: Workload,
     model.generation_config.eos_token_id = None
     run = lambda w: run_hf_padded(model, w, args.hf_batch_size)  # noqa: E731
     run(warmup_workload(model.config.vocab_size))
-    outputs, wall = timed(run, workload)
-    result = summarize("hf-padded", workload, outputs, wall)
+    outputs, seconds = timed(run, workload)
+    result = summarize("hf-padded", workload, outputs, seconds)
     result.notes = dict(batch_size=args.hf_batch_size, attn_implementation="sdpa", dtype=str(model.dtype))
     del model
     free_memory()
@@ -369,13 +386,13 @@ def markdown_table(results: list[SystemResult]) -> str:
     """One row per system; the ratio is output tok/s against transformers' (when it ran)."""
     base = next((r for r in results if r.system == "transformers"), None)
     head = ("| system | requests | prompt tokens | output tokens | wall s | output tok/s | total tok/s "
-            "| req/s | length mismatches | ratio vs transformers |")
+            "| req/s | length mismatches | ratio vs transformers | cpu s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         ratio = f"{r.output_tok_s / base.output_tok_s:.2f}x" if base else "n/a"
         lines.append(f"| {r.system} | {r.requests} | {r.prompt_tokens} | {r.output_tokens} | {r.wall_s:.2f} "
                      f"| {r.output_tok_s:.1f} | {r.total_tok_s:.1f} | {r.requests_s:.2f} "
-                     f"| {r.mismatched_requests} | {ratio} |")
+                     f"| {r.mismatched_requests} | {ratio} | {r.cpu_s:.1f} |")
     return "\n".join(lines)
 
 

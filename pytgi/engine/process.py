@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outbox", required=True)
     ap.add_argument("--parent-pid", type=int, default=os.getppid())
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the API process decides
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()

@@ -4,11 +4,15 @@ process, and uvicorn. Exits non-zero when the engine dies or cannot start."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import time
+
+DEATH_GRACE_SECONDS = 2.0
 
 FLAGS: list[tuple[str, type, object, str]] = [
     # (flag, type, default, help); the environment variable is the flag in UPPER_SNAKE_CASE
@@ -73,6 +77,12 @@ def setup_logging(json_output: bool) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:  # type: ignore[no-untyped-def]
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:  # a graceful stop is a normal exit (0), not death by signal
+                self._captured_signals.remove(sig)
+
     from pytgi.config import EngineConfig
     from pytgi.models.registry import ModelNotFound, resolve_model
     from pytgi.server.app import ServerConfig, create_app
@@ -104,15 +114,17 @@ def serve(args: argparse.Namespace) -> int:
         graceful_termination_timeout=args.graceful_termination_timeout, revision=args.revision,
     )
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _Server(uvicorn.Config(
         app, host=args.hostname, port=args.port, loop="uvloop", http="httptools", log_config=None,
         timeout_graceful_shutdown=args.graceful_termination_timeout, access_log=False,
     ))
     died: list[str] = []
 
     def on_death(reason: str) -> None:
+        # Keep answering for a moment (health 503, requests failing fast) so that clients and
+        # load balancers see why, then exit non-zero.
         died.append(reason)
-        server.should_exit = True
+        asyncio.get_running_loop().call_later(DEATH_GRACE_SECONDS, setattr, server, "should_exit", True)
 
     app.state.pytgi.on_engine_death.append(on_death)
     server.run()

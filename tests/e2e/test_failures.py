@@ -1,0 +1,148 @@
+"""Limits and failures end to end: 429 over the limit, API key, a failing step, a dead engine,
+graceful SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import text_generation
+
+from pytgi.models.registry import resolve_model
+from pytgi.tokenizer import Tokenizer
+from tests.e2e.server import Server
+
+pytestmark = pytest.mark.slow
+
+FAULT_PROMPT = "zqxj fault injection"
+
+
+def fault_ids() -> str:
+    tok = Tokenizer.from_dir(resolve_model(None)[0])
+    return ",".join(str(i) for i in tok.encode(FAULT_PROMPT)[:3])
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """Two concurrent requests at most, an API key, a small payload limit, a fault-injecting engine."""
+    srv = Server("--max-concurrent-requests", "2", "--api-key", "sekret", "--payload-limit", "10000",
+                 env={"PYTGI_FAULT_INJECT": fault_ids()},
+                 log=tmp_path_factory.mktemp("logs") / "guarded.log").wait_ready()
+    yield srv
+    srv.stop()
+
+
+AUTH = {"Authorization": "Bearer sekret"}
+
+
+def test_api_key_guards_post_routes(guarded):
+    body = {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}
+    r = httpx.post(f"{guarded.url}/generate", json=body)
+    assert r.status_code == 401 and r.json()["error_type"] == "authentication"
+    r = httpx.post(f"{guarded.url}/generate", json=body, headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert httpx.post(f"{guarded.url}/generate", json=body, headers=AUTH).status_code == 200
+    assert httpx.get(f"{guarded.url}/health").status_code == 200
+    client = text_generation.Client(guarded.url, headers=AUTH)
+    assert client.generate("Hi", max_new_tokens=2).details.generated_tokens == 2
+
+
+def test_payload_limit_flag(guarded):
+    r = httpx.post(f"{guarded.url}/generate", json={"inputs": "x" * 20000}, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error_type"] == "payload_too_large"
+
+
+def test_over_the_limit_is_429_at_once_while_admitted_requests_complete(guarded):
+    long = {"inputs": "Count to one hundred:", "parameters": {"max_new_tokens": 40, "ignore_eos_token": True}}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=guarded.url, headers=AUTH, timeout=120) as c:
+            first = [asyncio.ensure_future(c.post("/generate", json=long)) for _ in range(2)]
+            await asyncio.sleep(1.0)  # both admitted and generating
+            t0 = time.monotonic()
+            third = await c.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
+            waited = time.monotonic() - t0
+            return [await f for f in first], third, waited
+
+    admitted, third, waited = asyncio.run(main())
+    assert third.status_code == 429
+    assert third.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+    assert waited < 1.0
+    assert all(r.status_code == 200 and r.json()["generated_text"] for r in admitted)
+    assert all(r.headers["x-generated-tokens"] == "40" for r in admitted)
+    # the permits came back
+    assert httpx.post(f"{guarded.url}/generate", json=long, headers=AUTH).status_code == 200
+
+
+def test_overloaded_maps_to_the_client_error(guarded):
+    client = text_generation.AsyncClient(guarded.url, headers=AUTH, timeout=120)
+
+    async def main():
+        long = dict(max_new_tokens=40)
+        busy = [asyncio.ensure_future(client.generate("Count slowly:", **long)) for _ in range(2)]
+        await asyncio.sleep(1.0)
+        with pytest.raises(text_generation.errors.OverloadedError):
+            await client.generate("Hi", max_new_tokens=2)
+        await asyncio.gather(*busy)
+
+    asyncio.run(main())
+
+
+def test_a_failing_step_fails_only_its_requests(guarded):
+    ok = {"inputs": "Hello", "parameters": {"max_new_tokens": 3}}
+    assert httpx.post(f"{guarded.url}/generate", json=ok, headers=AUTH).status_code == 200
+    r = httpx.post(f"{guarded.url}/generate", json={"inputs": FAULT_PROMPT, "parameters": {"max_new_tokens": 3}},
+                   headers=AUTH, timeout=60)
+    assert r.status_code == 424 and r.json()["error_type"] == "generation"
+    assert r.json()["error"].startswith("Request failed during generation: ") and "injected fault" in r.json()["error"]
+    with httpx.stream("POST", f"{guarded.url}/generate_stream", headers=AUTH, timeout=60,
+                      json={"inputs": FAULT_PROMPT, "parameters": {"max_new_tokens": 3}}) as s:
+        events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
+    assert events[-1]["error_type"] == "generation"
+    with pytest.raises(text_generation.errors.GenerationError):
+        text_generation.Client(guarded.url, headers=AUTH).generate(FAULT_PROMPT, max_new_tokens=3)
+    # the server goes on serving
+    assert httpx.post(f"{guarded.url}/generate", json=ok, headers=AUTH).status_code == 200
+    assert httpx.get(f"{guarded.url}/health").status_code == 200
+    assert guarded.metric("tgi_request_failure_total") >= 3 or "generation" in httpx.get(
+        f"{guarded.url}/metrics").text
+
+
+def test_killed_engine_fails_requests_turns_unhealthy_and_exits_nonzero(tmp_path):
+    srv = Server(log=tmp_path / "killed.log").wait_ready()
+    try:
+        body = {"inputs": "Count:", "parameters": {"max_new_tokens": 500, "ignore_eos_token": True}}
+        with httpx.stream("POST", f"{srv.url}/generate_stream", json=body, timeout=30) as s:
+            lines = s.iter_lines()
+            while not next(lines).startswith("data:"):
+                pass
+            os.kill(srv.engine_pid(), signal.SIGKILL)
+            t0 = time.monotonic()
+            rest = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+        assert rest[-1]["error_type"] == "generation" and time.monotonic() - t0 < 5
+        health = httpx.get(f"{srv.url}/health", timeout=5)
+        assert health.status_code == 503
+        assert health.json() == {"error": "unhealthy", "error_type": "healthcheck"}
+        r = httpx.post(f"{srv.url}/generate", json={"inputs": "Hi"}, timeout=5)
+        assert r.status_code == 424 and r.json()["error_type"] == "generation"
+        assert srv.proc.wait(30) != 0
+    finally:
+        srv.stop()
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_zero(tmp_path):
+    srv = Server(log=tmp_path / "sigterm.log").wait_ready()
+    body = {"inputs": "Count:", "parameters": {"max_new_tokens": 30, "ignore_eos_token": True}}
+    with httpx.stream("POST", f"{srv.url}/generate_stream", json=body, timeout=60) as s:
+        lines = s.iter_lines()
+        while not next(lines).startswith("data:"):
+            pass
+        srv.proc.send_signal(signal.SIGTERM)
+        rest = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+    assert rest[-1]["generated_text"] is not None and rest[-1]["index"] == 30
+    assert srv.proc.wait(60) == 0
