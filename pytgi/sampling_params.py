@@ -30,6 +30,7 @@ class SamplingParams:
     logprobs: bool = True  # report the chosen token's logprob
     prompt_logprobs: bool = False  # logprobs of the prompt tokens (TGI's decoder_input_details)
     skip_special_tokens: bool = True
+    watermark: bool = False  # green-list watermark (Kirchenbauer et al. 2023), as TGI's `watermark`
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

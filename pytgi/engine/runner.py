@@ -13,6 +13,7 @@ import torch
 
 from pytgi.engine.sampler import Sampler, SamplingMetadata
 from pytgi.engine.scheduler import ScheduledRequest
+from pytgi.engine.watermark import apply_watermark
 from pytgi.models.attention import StepLayout, get_backend
 from pytgi.models.loader import load_model, read_config, resolve_dtype
 
@@ -126,6 +127,9 @@ class ModelRunner:
         return out
 
     def _sample(self, logits: torch.Tensor, reqs: list, out: RunnerOutput) -> None:
+        marked = [i for i, r in enumerate(reqs) if r.params.watermark]
+        if marked:
+            apply_watermark(logits, marked, [reqs[i].all_ids[-1] for i in marked])
         gens = [self._generator(r) for r in reqs]
         meta = SamplingMetadata.build(
             [r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],

@@ -342,6 +342,7 @@ class Validation:
             ignore_eos=p.ignore_eos_token,
             top_n_tokens=0 if p.top_n_tokens is None else p.top_n_tokens,
             prompt_logprobs=p.decoder_input_details,
+            watermark=p.watermark,
         )
         return ValidRequest(
             input_ids=input_ids,
