@@ -24,6 +24,8 @@ class EngineConfig:
     kv_cache_cpu_bytes: int = 4 << 30  # on CPU: the most the KV cache takes by default
     attention_backend: str = "torch"
     num_shard: int = 1
+    master_addr: str = "localhost"  # torch.distributed rendezvous (MASTER_ADDR)
+    master_port: int | None = None  # None: a free local port (all shards on this machine)
     progress: bool = True  # show progress bars on first conversion
 
     def validate(self) -> None:
@@ -36,5 +38,5 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be strictly positive, got {value}")
-        if self.num_shard != 1:
-            raise ValueError("num_shard > 1 is not supported yet")
+        if self.num_shard < 1:
+            raise ValueError(f"num_shard must be >= 1, got {self.num_shard}")

@@ -76,6 +76,16 @@ class LLM:
         self.tokenizer = Tokenizer.from_dir(self.engine.model_path)
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (also done at exit when they lose rank 0)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:

@@ -1,11 +1,31 @@
-"""Tensor-parallel state. World size 1 is the common case; ranks > 1 arrive with --num-shard."""
+"""Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA).
+
+Rank 0 is the engine: it schedules, broadcasts each step's inputs, samples. Ranks 1..N-1 run
+`pytgi.engine.worker`: receive a command, run their shard of the forward, repeat. Sizes that N does
+not divide are split as evenly as their unit allows (the first ranks take one unit more): attention
+by key/value heads (with their query heads), the MLP by columns, the vocabulary by rows.
+"""
 
 from __future__ import annotations
 
+import datetime
+import os
+
+import numpy as np
 import torch
+import torch.distributed as dist
 
 _TP_RANK = 0
 _TP_SIZE = 1
+_CMD_GROUP = None  # commands: a long timeout, since workers wait on it while the engine is idle
+DEFAULT_TIMEOUT_S = float(os.environ.get("PYTGI_DIST_TIMEOUT", "20"))
+
+# Commands rank 0 broadcasts to the workers.
+CMD_STEP, CMD_NOOP, CMD_ALLOC, CMD_CAPACITY, CMD_SHUTDOWN = range(5)
+
+
+class DistributedError(RuntimeError):
+    """A collective failed or timed out: a rank is gone or stuck. Fatal for the engine."""
 
 
 def tp_rank() -> int:
@@ -16,16 +36,113 @@ def tp_size() -> int:
     return _TP_SIZE
 
 
+def init(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device,
+         timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    global _TP_RANK, _TP_SIZE
+    if world_size == 1:
+        return
+    # On CUDA, tensors go through NCCL and the small CPU control tensors through gloo.
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise DistributedError(
+            f"rank {rank}/{world_size} could not join the group at {master_addr}:{master_port}: {exc} "
+            "(is the port in use, or did another rank fail to start?)"
+        ) from exc
+    global _CMD_GROUP
+    _CMD_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
+    _TP_RANK, _TP_SIZE = rank, world_size
+
+
+def shutdown() -> None:
+    global _TP_RANK, _TP_SIZE
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _TP_RANK, _TP_SIZE = 0, 1
+
+
+# -- partitioning ---------------------------------------------------------------------------------
+def split(n: int, parts: int | None = None) -> list[int]:
+    """n units over `parts` ranks, as evenly as possible, the first ranks taking the remainder."""
+    parts = parts or _TP_SIZE
+    return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+
+
+def local_range(n: int, unit: int = 1) -> tuple[int, int]:
+    """(start, size) in elements of this rank's share of n units of `unit` elements each."""
+    sizes = split(n)
+    return sum(sizes[:_TP_RANK]) * unit, sizes[_TP_RANK] * unit
+
+
+def check_heads(num_heads: int, num_kv_heads: int, world_size: int) -> None:
+    """Attention is split by key/value heads; every rank needs at least one."""
+    if world_size > num_kv_heads:
+        raise ValueError(
+            f"cannot shard a model with {num_kv_heads} key/value heads over {world_size} ranks: "
+            f"use --num-shard <= {num_kv_heads}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} key/value heads")
+
+
+# -- collectives ------------------------------------------------------------------------------------
+def _guard(op, *args):  # type: ignore[no-untyped-def]
+    try:
+        return op(*args)
+    except Exception as exc:  # gloo/nccl errors: a peer died, hung past the timeout, or the group broke
+        raise DistributedError(f"tensor-parallel collective failed: {exc}") from exc
+
+
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _TP_SIZE == 1:
-        return x
-    torch.distributed.all_reduce(x)
+    if _TP_SIZE > 1:
+        _guard(dist.all_reduce, x)
     return x
+
+
+def all_reduce_min(value: int) -> int:
+    if _TP_SIZE == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    _guard(dist.all_reduce, t, dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     if _TP_SIZE == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
-    torch.distributed.all_gather(parts, x.contiguous())
+    _guard(dist.all_gather, parts, x.contiguous())
     return torch.cat(parts, dim=-1)
+
+
+def broadcast_command(cmd: int, *args: int) -> tuple[int, ...]:
+    """Rank 0 sends (cmd, up to 7 ints); the others receive it. Returns what was broadcast."""
+    t = torch.zeros(8, dtype=torch.int64)
+    if _TP_RANK == 0:
+        t[: 1 + len(args)] = torch.tensor((cmd, *args))
+    _guard(dist.broadcast, t, 0, _CMD_GROUP)
+    return tuple(t.tolist())
+
+
+def barrier() -> None:
+    """A collective on the short-timeout group: a stuck rank shows up within the timeout."""
+    all_reduce_min(1)
+
+
+def broadcast_arrays(arrays: list[np.ndarray] | None, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """Rank 0's int64 arrays of the given shapes, in one broadcast."""
+    total = sum(int(np.prod(s)) for s in shapes)
+    if _TP_RANK == 0:
+        assert arrays is not None
+        flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]).astype(np.int64))
+    else:
+        flat = torch.empty(total, dtype=torch.int64)
+    _guard(dist.broadcast, flat, 0)
+    out, offset, data = [], 0, flat.numpy()
+    for s in shapes:
+        n = int(np.prod(s))
+        out.append(data[offset : offset + n].reshape(s))
+        offset += n
+    return out

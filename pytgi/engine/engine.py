@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pytgi.config import EngineConfig
+from pytgi.distributed import DistributedError
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import FinishReason, Request, Status
 from pytgi.engine.runner import ModelRunner, TokenSample, set_cpu_threads
+from pytgi.engine.shards import ShardGroup
 from pytgi.engine.scheduler import Scheduler, SchedulerConfig
 from pytgi.models.registry import resolve_model
 from pytgi.sampling_params import InvalidRequest, SamplingParams
@@ -58,10 +60,16 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
         self.config = config
-        set_cpu_threads()
         self.model_path, self.model_id = resolve_model(config.model, progress=config.progress)
         t0 = time.perf_counter()
-        self.runner = ModelRunner(self.model_path, config.dtype, config.device, config.attention_backend)
+        self.shards = ShardGroup(config, self.model_path)
+        set_cpu_threads(self.shards.local_ranks)
+        try:
+            self.runner = ModelRunner(self.model_path, config.dtype, config.device, config.attention_backend,
+                                      0, config.num_shard, self.shards.master_addr, self.shards.master_port)
+        except BaseException:
+            self.shards.stop()
+            raise
         self.load_seconds = time.perf_counter() - t0
         self.eos_token_ids = _eos_ids(self.model_path)
         self._resolve_limits()
@@ -168,6 +176,8 @@ class LLMEngine:
         )
         try:
             result = self.runner.execute(sched.scheduled)
+        except DistributedError:
+            raise  # a lost rank is not this step's fault: the engine cannot go on
         except Exception as exc:  # a failing step fails exactly its own requests
             self.num_failed_steps += 1
             info.failed, info.seconds = True, time.monotonic() - now
@@ -210,6 +220,15 @@ class LLMEngine:
         if req.status is not Status.FINISHED:
             self._release(req)
         return RequestUpdate(req.request_id, finish_reason=FinishReason.ERROR.value, error=f"{type(exc).__name__}: {exc}")
+
+    def check_alive(self) -> None:
+        """Raise DistributedError if a shard is gone (called while idle)."""
+        self.shards.check()
+        self.runner.ping()
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+        self.shards.stop()
 
     def stats(self) -> dict[str, float]:
         return {

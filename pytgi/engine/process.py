@@ -56,6 +56,7 @@ class EngineLoop:
             if self.inbox.poll(IDLE_POLL_MS if idle else 0):
                 self._drain()
             elif idle:
+                self.engine.check_alive()  # a lost shard ends the engine (non-zero exit)
                 self._send(P.Heartbeat(_stats(self.engine)))
                 if os.getppid() != self.parent_pid:  # the API process is gone: nobody to serve
                     return
@@ -139,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         max_batch_total_tokens=e.max_batch_total_tokens, max_batch_size=e.max_batch_size,
         num_shard=e.config.num_shard, vocab_size=e.runner.vocab_size,
     ))))
-    EngineLoop(engine, inbox, outbox, args.parent_pid).run()
+    try:
+        EngineLoop(engine, inbox, outbox, args.parent_pid).run()
+    except Exception:
+        log.exception("engine loop failed")
+        return 1
+    engine.shutdown()
     return 0
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pytgi import distributed as dist
 from pytgi.engine.sampler import Sampler, SamplingMetadata
 from pytgi.engine.scheduler import ScheduledRequest
 from pytgi.engine.watermark import apply_watermark
@@ -50,8 +51,14 @@ def _available_memory_bytes() -> int:
 
 
 class ModelRunner:
-    def __init__(self, model_path: Path, dtype: str, device: str, attention_backend: str = "torch") -> None:
+    """Rank 0's runner executes steps and samples; with tensor parallelism it first broadcasts each
+    step's inputs, and the workers (`pytgi.engine.worker`) run the same forward on their shards."""
+
+    def __init__(self, model_path: Path, dtype: str, device: str, attention_backend: str = "torch",
+                 rank: int = 0, world_size: int = 1, master_addr: str = "localhost", master_port: int = 29500) -> None:
         self.device = resolve_device(device)
+        self.rank = rank
+        dist.init(rank, world_size, master_addr, master_port, self.device)
         hf_config = read_config(model_path)
         self.dtype = resolve_dtype(dtype, hf_config, self.device)
         self.backend = get_backend(attention_backend)
@@ -70,7 +77,13 @@ class ModelRunner:
         return cfg.num_hidden_layers * 2 * kv_heads * cfg.head_dim * elt
 
     def auto_num_tokens(self, cpu_cap_bytes: int, gpu_fraction: float) -> int:
-        """KV slots that fit: on CUDA a fraction of free memory, on CPU up to a cap of available RAM."""
+        """KV slots that fit on every rank: on CUDA a fraction of free memory, on CPU up to a cap of
+        available RAM."""
+        if self.rank == 0 and dist.tp_size() > 1:
+            dist.broadcast_command(dist.CMD_CAPACITY, cpu_cap_bytes, int(gpu_fraction * 1000))
+        return dist.all_reduce_min(self._local_capacity(cpu_cap_bytes, gpu_fraction))
+
+    def _local_capacity(self, cpu_cap_bytes: int, gpu_fraction: float) -> int:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * gpu_fraction) - (1 << 30)  # leave room for activations
@@ -79,6 +92,8 @@ class ModelRunner:
         return max(budget, 0) // self.kv_bytes_per_token()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        if self.rank == 0 and dist.tp_size() > 1:
+            dist.broadcast_command(dist.CMD_ALLOC, num_blocks, block_size)
         attn = self.model.layers[0].self_attn
         shape = (2, num_blocks * block_size, attn.n_kv, attn.head_dim)
         self.block_size = block_size
@@ -110,21 +125,60 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest]) -> RunnerOutput:
         ids, positions, layout = self._layout(batch)
-        meta = self.backend.prepare(layout, self.device)
-        hidden = self.model(
-            torch.from_numpy(ids).to(self.device), torch.from_numpy(positions).to(self.device), self.kv_caches, meta
-        )
         ends = np.cumsum(layout.query_lens) - 1
-        out = RunnerOutput()
         sampling = [i for i, s in enumerate(batch) if s.samples]
+        spans = self._prompt_logprob_spans(batch, ends)
+        # Logits only where needed: each sampling request's last token, then prompt-logprob positions.
+        rows = np.concatenate([ends[sampling], *(np.arange(a, a + n) for _, a, n in spans)]).astype(np.int64)
+        if dist.tp_size() > 1:
+            self._broadcast_step(ids, positions, layout, rows)
+        logits = self._forward(ids, positions, layout, rows)
+        out = RunnerOutput()
         if sampling:
-            logits = self.model.compute_logits(hidden[torch.from_numpy(ends[sampling]).to(self.device)])
-            self._sample(logits, [batch[i].request for i in sampling], out)
-        for i, s in enumerate(batch):
-            if s.request.wants_prompt_logprobs:
-                start = int(ends[i]) - s.num_new_tokens + 1
-                out.prompt_logprobs[s.request.request_id] = self._prompt_logprobs(hidden, start, s)
+            self._sample(logits[: len(sampling)], [batch[i].request for i in sampling], out)
+        offset = len(sampling)
+        for i, _, n in spans:
+            req = batch[i].request
+            out.prompt_logprobs[req.request_id] = self._prompt_logprobs(logits[offset : offset + n], batch[i])
+            offset += n
         return out
+
+    def _forward(self, ids: np.ndarray, positions: np.ndarray, layout: StepLayout, rows: np.ndarray):  # type: ignore[no-untyped-def]
+        meta = self.backend.prepare(layout, self.device)
+        to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        hidden = self.model(to(ids), to(positions), self.kv_caches, meta)
+        return self.model.compute_logits(hidden[to(rows)]) if len(rows) else None
+
+    # -- tensor parallelism ------------------------------------------------------------------------
+    @staticmethod
+    def _shapes(T: int, B: int, M: int, R: int) -> list[tuple[int, ...]]:
+        return [(T,), (T,), (B,), (B,), (B, M), (T,), (R,)]
+
+    def _broadcast_step(self, ids, positions, layout: StepLayout, rows) -> None:  # type: ignore[no-untyped-def]
+        B, M = layout.block_tables.shape
+        dist.broadcast_command(dist.CMD_STEP, len(ids), B, M, len(rows))
+        dist.broadcast_arrays([ids, positions, layout.query_lens, layout.context_lens, layout.block_tables,
+                               layout.slot_mapping, rows], self._shapes(len(ids), B, M, len(rows)))
+
+    @torch.inference_mode()
+    def worker_step(self, T: int, B: int, M: int, R: int) -> None:
+        """Ranks > 0: receive rank 0's step inputs and run this shard's forward."""
+        ids, positions, q_lens, ctx, tables, slots, rows = dist.broadcast_arrays(None, self._shapes(T, B, M, R))
+        self._forward(ids, positions, StepLayout(q_lens, ctx, tables, slots, self.block_size), rows)
+
+    def ping(self) -> None:
+        """While idle, a no-op collective: a dead or stuck rank is noticed without waiting for traffic."""
+        if self.rank == 0 and dist.tp_size() > 1:
+            dist.broadcast_command(dist.CMD_NOOP)
+            dist.barrier()
+
+    def shutdown(self) -> None:
+        if self.rank == 0 and dist.tp_size() > 1:
+            try:
+                dist.broadcast_command(dist.CMD_SHUTDOWN)
+            except dist.DistributedError:
+                pass
+        dist.shutdown()
 
     def _sample(self, logits: torch.Tensor, reqs: list, out: RunnerOutput) -> None:
         marked = [i for i, r in enumerate(reqs) if r.params.watermark]
@@ -158,20 +212,30 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, start: int, s: ScheduledRequest) -> list[float | None]:
+    @staticmethod
+    def _prompt_logprob_spans(batch: list[ScheduledRequest], ends: np.ndarray) -> list[tuple[int, int, int]]:
+        """(batch index, first flat row, rows) whose logits predict prompt tokens this step."""
+        spans = []
+        for i, s in enumerate(batch):
+            req = s.request
+            if req.wants_prompt_logprobs:
+                first = req.num_computed_tokens
+                n = max(min(first + s.num_new_tokens, req.num_prompt_tokens - 1) - first, 0)
+                spans.append((i, int(ends[i]) - s.num_new_tokens + 1, n))
+        return spans
+
+    def _prompt_logprobs(self, logits: torch.Tensor, s: ScheduledRequest) -> list[float | None]:
         """Logprob of each prompt token given the ones before it, for this chunk's positions."""
         req, first = s.request, s.request.num_computed_tokens
-        last = min(first + s.num_new_tokens, req.num_prompt_tokens - 1)  # predicting prompt[first+1 .. last]
         lps: list[float | None] = [None] if first == 0 else []
-        if last > first:
-            logits = self.model.compute_logits(hidden[start : start + last - first])
-            targets = torch.tensor(req.prompt_ids[first + 1 : last + 1], device=self.device)
-            lp = torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0]
-            lps.extend(lp.tolist())
+        if len(logits):
+            targets = torch.tensor(req.prompt_ids[first + 1 : first + 1 + len(logits)], device=self.device)
+            lps.extend(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist())
         return lps
 
 
-def set_cpu_threads() -> None:
-    """Let the engine own the cores unless the user said otherwise."""
+def set_cpu_threads(local_ranks: int = 1) -> None:
+    """Let the engine own the cores (shared evenly by the ranks on this machine) unless the user set
+    OMP_NUM_THREADS: more threads than cores makes OpenMP's spinning threads slow everyone down."""
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))

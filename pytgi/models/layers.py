@@ -12,22 +12,17 @@ import math
 import torch
 from torch import nn
 
-from pytgi.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
-
-
-def _split(n: int, what: str) -> int:
-    if n % tp_size():
-        raise ValueError(f"{what} ({n}) is not divisible by the number of shards ({tp_size()})")
-    return n // tp_size()
+from pytgi.distributed import all_gather_last_dim, all_reduce, local_range, tp_rank, tp_size
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T (+ b), W's rows are the concatenation of `output_sizes` parts, each split over ranks."""
+    """y = x W^T (+ b); W's rows are the concatenation of parts, of which this rank holds
+    `shards[i] = (start, size)` rows of part i (a fused layer has several parts)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, shards: list[tuple[int, int]], bias: bool = False) -> None:
         super().__init__()
-        self.local_sizes = [_split(n, "output features") for n in output_sizes]
-        out = sum(self.local_sizes)
+        self.shards = shards
+        out = sum(size for _, size in shards)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
         self.weight.weight_loader = self.load_shard
         self.bias = None
@@ -36,30 +31,34 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = self.load_shard
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
-        size = self.local_sizes[shard]
-        offset = sum(self.local_sizes[:shard])
-        part = loaded.narrow(0, tp_rank() * size, size)
-        param.data.narrow(0, offset, size).copy_(part)
+        start, size = self.shards[shard]
+        offset = sum(s for _, s in self.shards[:shard])
+        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
 
 
-class QKVParallelLinear(ColumnParallelLinear):
-    """Fused q, k, v projections; each rank holds its query heads and their key/value heads."""
+def merged_shards(sizes: list[int]) -> list[tuple[int, int]]:
+    """This rank's rows of each part, each part split evenly."""
+    return [local_range(n) for n in sizes]
 
-    SHARDS = {"q": 0, "k": 1, "v": 2}
 
-    def __init__(self, hidden: int, head_dim: int, n_heads: int, n_kv_heads: int, bias: bool) -> None:
-        super().__init__(hidden, [n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], bias)
+def qkv_shards(head_dim: int, n_heads: int, n_kv_heads: int) -> list[tuple[int, int]]:
+    """Split by key/value heads, each with its group of query heads."""
+    group = n_heads // n_kv_heads
+    kv = local_range(n_kv_heads, head_dim)
+    q = local_range(n_kv_heads, head_dim * group)
+    return [q, kv, kv]
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W's columns split over ranks; partial sums are all-reduced."""
+    """y = x W^T + b with W's columns split over ranks (`in_shard` = this rank's (start, size));
+    the partial sums are all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_shard: tuple[int, int], out_features: int, bias: bool = False) -> None:
         super().__init__()
-        self.local_in = _split(in_features, "input features")
+        self.in_start, self.local_in = in_shard
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
         self.weight.weight_loader = self.load_weight
         self.bias = None
@@ -67,7 +66,7 @@ class RowParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
-        param.data.copy_(loaded.narrow(1, tp_rank() * self.local_in, self.local_in))
+        param.data.copy_(loaded.narrow(1, self.in_start, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(nn.functional.linear(x, self.weight))

@@ -8,16 +8,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from pytgi.distributed import tp_size
+from pytgi.distributed import check_heads, tp_size
 from pytgi.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
-    QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
     apply_rotary,
+    merged_shards,
+    qkv_shards,
 )
 
 SUPPORTED_ARCHITECTURES = (
@@ -76,15 +77,15 @@ class LlamaConfig:
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, backend: Any) -> None:
         super().__init__()
-        self.n_heads = cfg.num_attention_heads // tp_size()
-        self.n_kv = cfg.num_key_value_heads // tp_size()
-        self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        hd, group = cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
+        shards = qkv_shards(hd, cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.n_kv = shards[1][1] // hd
+        self.n_heads = self.n_kv * group
+        self.head_dim = hd
+        self.scale = hd**-0.5
         self.backend = backend
-        self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.attention_bias
-        )
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, shards, cfg.attention_bias)
+        self.o_proj = RowParallelLinear(shards[0], cfg.hidden_size, cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -106,9 +107,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [inter, inter], cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, cfg.mlp_bias)
+        shards = merged_shards([cfg.intermediate_size] * 2)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, shards, cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(shards[0], cfg.hidden_size, cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -140,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, backend: Any) -> None:
         super().__init__()
+        check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())
         self.config = cfg
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))

@@ -250,7 +250,8 @@ class _Decoder:
         stops = self.req.sampling.stop
         match = find_stop(self.text, stops, before) if stops else None
         if match is not None:
-            self.text = self.text[: match[1]]  # TGI keeps the stop text
+            # TGI keeps the stop text (validation sets include_stop_str_in_output); OpenAI's routes cut it
+            self.text = self.text[: match[1] if self.req.sampling.include_stop_str_in_output else match[0]]
             delta = self.text[before:]
             finish, self.stopped_early = "stop_sequence", True
         elif finish is not None:

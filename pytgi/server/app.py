@@ -137,13 +137,14 @@ class _TooLarge(Exception):
 
 
 def create_app(config: ServerConfig) -> FastAPI:
-    from pytgi.server import tgi
+    from pytgi.server import openai, tgi
 
     app = FastAPI(title="pytgi", version=pytgi.__version__, lifespan=lifespan,
                   description="Text Generation Inference, in Python")
     app.state.pytgi = State(config, EngineClient(config.engine), Tokenizer.from_dir(config.model_path), Metrics())
     install_handlers(app)
     app.include_router(tgi.router)
+    openai.install(app)  # OpenAI's routes, and OpenAI's error shape under /v1/
     if config.cors_allow_origin:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_allow_origin, allow_methods=["*"],
                            allow_headers=["*"])

@@ -37,8 +37,8 @@ FLAGS: list[tuple[str, type, object, str]] = [
     ("--api-key", str, None, "require `Authorization: Bearer <key>` on POST routes"),
     ("--payload-limit", int, 2_000_000, "largest request body in bytes"),
     ("--graceful-termination-timeout", int, 90, "seconds to finish in-flight requests on SIGTERM"),
-    ("--master-addr", str, "localhost", "torch.distributed rendezvous address"),
-    ("--master-port", int, 29500, "torch.distributed rendezvous port"),
+    ("--master-addr", str, "localhost", "torch.distributed rendezvous address (shards on several machines)"),
+    ("--master-port", int, None, "torch.distributed rendezvous port (default: a free local port)"),
 ]
 
 
@@ -97,12 +97,22 @@ def serve(args: argparse.Namespace) -> int:
     except ModelNotFound as exc:
         log.error("%s", exc)
         return 2
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # started per rank (torchrun, or by hand on several machines)
+        args.num_shard = world
+        if rank > 0:
+            from pytgi.engine.worker import run_worker
+
+            port = int(os.environ.get("MASTER_PORT") or args.master_port or 29500)
+            addr = os.environ.get("MASTER_ADDR", args.master_addr)
+            return run_worker(str(model_path), args.dtype, "auto", "torch", rank, world, addr, port)
     engine = EngineConfig(
         model=str(model_path), dtype=args.dtype, max_input_tokens=args.max_input_tokens,
         max_total_tokens=args.max_total_tokens, max_batch_prefill_tokens=args.max_batch_prefill_tokens,
         max_batch_total_tokens=args.max_batch_total_tokens, max_batch_size=args.max_batch_size,
         waiting_served_ratio=args.waiting_served_ratio, max_waiting_tokens=args.max_waiting_tokens,
         enable_prefix_caching=not args.disable_prefix_caching, num_shard=args.num_shard,
+        master_addr=args.master_addr, master_port=args.master_port,
     )
     origins = args.cors_allow_origin or [o for o in os.environ.get("CORS_ALLOW_ORIGIN", "").split(",") if o]
     config = ServerConfig(

@@ -1,0 +1,78 @@
+"""`pytgi serve --num-shard N`: same text as one shard over HTTP; a lost rank fails requests, turns
+/health to 503 and ends the server; impossible shard counts are refused at start."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.server import Server
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+def greedy(url: str, prompt: str) -> str:
+    r = httpx.post(f"{url}/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 32}}, timeout=120)
+    return r.json()["generated_text"]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    srv = Server("--num-shard", "2", log=tmp_path_factory.mktemp("logs") / "sharded.log").wait_ready()
+    yield srv
+    srv.stop()
+
+
+def test_two_shards_give_the_same_text_as_one(server, sharded):
+    assert httpx.get(f"{sharded.url}/info").json()["num_shard"] == 2
+    for prompt in PROMPTS:
+        assert greedy(sharded.url, prompt) == greedy(server.url, prompt)
+
+
+def worker_pids(srv: Server) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "pytgi.engine.worker"], capture_output=True, text=True).stdout.split()
+    engine = srv.engine_pid()
+    return [int(p) for p in out if int(p) != engine and _parent(int(p)) == engine]
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_killed_rank_fails_requests_and_health_within_seconds(tmp_path):
+    srv = Server("--num-shard", "2", log=tmp_path / "kill-rank.log").wait_ready()
+    try:
+        body = {"inputs": "Count:", "parameters": {"max_new_tokens": 400, "ignore_eos_token": True}}
+        with httpx.stream("POST", f"{srv.url}/generate_stream", json=body, timeout=60) as s:
+            lines = s.iter_lines()
+            while not next(lines).startswith("data:"):
+                pass
+            (victim,) = worker_pids(srv)
+            os.kill(victim, signal.SIGKILL)
+            t0 = time.monotonic()
+            rest = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+        assert rest[-1]["error_type"] == "generation"
+        assert time.monotonic() - t0 < 15
+        assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 503
+        assert srv.proc.wait(30) != 0
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("n,message", [("0", "--num-shard must be >= 1"),
+                                       ("4", "cannot shard a model with 3 key/value heads over 4 ranks")])
+def test_impossible_shard_counts_are_refused_at_start(n, message):
+    proc = subprocess.run([sys.executable, "-m", "pytgi.cli", "serve", "--num-shard", n, "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr

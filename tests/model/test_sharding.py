@@ -1,0 +1,96 @@
+"""Tensor parallelism: N shards give what one gives (tiny random model and the default model),
+uneven head splits included; impossible shard counts are refused at start."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pytgi import LLM, SamplingParams
+from pytgi.config import EngineConfig
+from pytgi.engine.engine import LLMEngine
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    torch.manual_seed(0)
+    # 6 query heads in 3 key/value groups: N=2 splits them 2+1 groups, N=3 one each
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=256,
+                                   eos_token_id=None, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny-tp")
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def run(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    logprobs: dict[str, list[float]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_unfinished():
+        for u in engine.step():
+            if u.prompt_logprobs:
+                logprobs[u.request_id] += u.prompt_logprobs[1:]
+            if u.token:
+                tokens[u.request_id].append(u.token.token_id)
+                logprobs[u.request_id].append(u.token.logprob)
+    return [(tokens[str(i)], logprobs[str(i)]) for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_path):
+    prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20, list(range(30, 60))]
+    engine = LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=1024))
+    try:
+        return prompts, run(engine, prompts)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_tiny_model_logits_match_one_shard(tiny_path, tiny_reference, n):
+    prompts, ref = tiny_reference
+    engine = LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=1024, num_shard=n))
+    try:
+        got = run(engine, prompts)
+    finally:
+        engine.shutdown()
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, ref):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
+           "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n"]
+
+
+@pytest.fixture(scope="module")
+def default_reference():
+    llm = LLM(dtype="float32", max_batch_total_tokens=4096, max_total_tokens=1024)
+    try:
+        return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=48, temperature=0))]
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_default_model_greedy_equals_one_shard(default_reference, n):
+    llm = LLM(dtype="float32", max_batch_total_tokens=4096, max_total_tokens=1024, num_shard=n)
+    try:
+        assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=48, temperature=0))] \
+            == default_reference
+        assert llm.engine.runner.model.layers[0].self_attn.n_kv == (2 if n == 2 else 1)  # 3 KV heads: 2+1, 1+1+1
+    finally:
+        llm.engine.shutdown()
+
+
+def test_bad_shard_counts_are_refused(tiny_path):
+    with pytest.raises(ValueError, match="num_shard must be >= 1"):
+        LLMEngine(EngineConfig(model=str(tiny_path), num_shard=0))
+    with pytest.raises(ValueError, match="3 key/value heads over 4 ranks"):
+        LLMEngine(EngineConfig(model=str(tiny_path), num_shard=4))
