@@ -15,17 +15,27 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Literal, Optional, Union
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pytgi
-from pytgi.router.infer import Generation, InferError, Overloaded, Permit, RequestStream, StreamEvent, Timings, Token
+from pytgi.router.infer import (
+    Generation,
+    InferError,
+    Overloaded,
+    Permit,
+    RequestStream,
+    StreamEvent,
+    Timings,
+    Token,
+)
 from pytgi.router.validation import ValidRequest
 from pytgi.sampling_params import InvalidRequest, SamplingParams
 from pytgi.server.app import State, state_of, wait_disconnect
@@ -48,8 +58,8 @@ _STARTED = int(time.time())
 class OpenAIError(Exception):
     """An error answered as `{"error": {message, type, param, code}}`."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -130,43 +140,43 @@ class StreamOptions(_Body):
 
 
 class _SamplingBody(_Body):
-    model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    n: Optional[int] = None
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
     # extensions (vLLM / TGI)
-    top_k: Optional[int] = None
-    repetition_penalty: Optional[float] = None
-    ignore_eos: Optional[bool] = False
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = False
 
 
 class CompletionRequest(_SamplingBody):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: Optional[int] = None
-    echo: Optional[bool] = False
-    best_of: Optional[int] = None
-    suffix: Optional[str] = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, ... reach the template
     role: str
-    content: Union[str, list[ContentPart], None] = None
+    content: str | list[ContentPart] | None = None
 
 
 class ResponseFormat(_Body):
@@ -175,12 +185,12 @@ class ResponseFormat(_Body):
 
 class ChatCompletionRequest(_SamplingBody):
     messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
-    response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 # -- checks and the engine's parameters ------------------------------------------------------------
@@ -270,7 +280,8 @@ def _check_lengths(st: State, n_input: int, max_tokens: int | None, param: str) 
     if n_input + new > max_total:
         raise invalid(f"This model's maximum context length is {max_total} tokens. However, you requested "
                       f"{n_input + new} tokens ({n_input} in the {param}, {new} in the completion). Please "
-                      f"reduce the length of the {param} or completion.", "max_tokens", "context_length_exceeded")
+                      f"reduce the length of the {param} or completion.", "max_tokens",
+                      "context_length_exceeded")
     return new
 
 
@@ -281,8 +292,8 @@ def _check_max_tokens(value: int | None, param: str = "max_tokens") -> None:
 
 def _valid_request(ids: list[int], text: str, sampling: SamplingParams, stream: bool) -> ValidRequest:
     return ValidRequest(input_ids=ids, input_length=len(ids), sampling=sampling, best_of=1, details=True,
-                        decoder_input_details=sampling.prompt_logprobs, return_full_text=False, watermark=False,
-                        stream=stream, inputs=text, truncate=None)
+                        decoder_input_details=sampling.prompt_logprobs, return_full_text=False,
+                        watermark=False, stream=stream, inputs=text, truncate=None)
 
 
 async def _in_thread(fn: Callable, *args: Any) -> Any:
@@ -290,19 +301,14 @@ async def _in_thread(fn: Callable, *args: Any) -> Any:
 
 
 # -- admission and generation ----------------------------------------------------------------------
-class _Refused:
+@contextmanager
+def _refused(st: State) -> Iterator[None]:
     """Count a 4xx refusal as TGI's routes do (`tgi_request_failure{err="validation"}`)."""
-
-    def __init__(self, st: State) -> None:
-        self.st = st
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        if isinstance(exc, OpenAIError):
-            self.st.metrics.request_failure.labels("validation").inc()
-        return False
+    try:
+        yield
+    except OpenAIError:
+        st.metrics.request_failure.labels("validation").inc()
+        raise
 
 
 async def _admit(st: State, count: int, prepare: Callable[[], Awaitable[list[ValidRequest]]]
@@ -316,7 +322,7 @@ async def _admit(st: State, count: int, prepare: Callable[[], Awaitable[list[Val
         raise from_infer_error(exc) from None
     t0 = time.monotonic()
     try:
-        with _Refused(st):
+        with _refused(st):
             reqs = await prepare()
     except BaseException:
         for p in permits:
@@ -364,7 +370,8 @@ async def _generate_all(request: Request, st: State, reqs: list[ValidRequest], p
     return gens
 
 
-def _submit_all(st: State, reqs: list[ValidRequest], permits: list[Permit], vtime: float) -> list[RequestStream]:
+def _submit_all(st: State, reqs: list[ValidRequest], permits: list[Permit], vtime: float
+                ) -> list[RequestStream]:
     assert st.infer is not None
     streams: list[RequestStream] = []
     try:
@@ -423,8 +430,8 @@ async def _sse_events(st: State, streams: list[RequestStream], renderer: _Stream
                     yield _sse(chunk)
         for chunk in renderer.end():
             yield _sse(chunk)
-        record_success(st, _combined([s.timings for s in streams]), arrived, sum(r.input_length for r in reqs),
-                       renderer.completion_tokens)
+        record_success(st, _combined([s.timings for s in streams]), arrived,
+                       sum(r.input_length for r in reqs), renderer.completion_tokens)
         yield "data: [DONE]\n\n"
     except InferError as exc:
         st.metrics.request_failure.labels(exc.error_type).inc()
@@ -459,8 +466,8 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def _chat_logprob(piece: str, t: Token, tops: list[Token]) -> dict[str, Any]:
     return {"token": piece, "logprob": _lp(t.logprob), "bytes": list(piece.encode("utf-8")),
-            "top_logprobs": [{"token": a.text, "logprob": _lp(a.logprob), "bytes": list(a.text.encode("utf-8"))}
-                             for a in tops]}
+            "top_logprobs": [{"token": a.text, "logprob": _lp(a.logprob),
+                              "bytes": list(a.text.encode("utf-8"))} for a in tops]}
 
 
 def _text_logprobs(pieces: list[str], tokens: list[Token], tops: list[list[Token]], offsets: list[int]
@@ -494,7 +501,8 @@ def _prompt_logprobs(st: State, req: ValidRequest, prefill: list[Token]) -> dict
         offsets.append(at)
         at += len(p)
     return {"tokens": pieces, "token_logprobs": lps,
-            "top_logprobs": [None if lp is None else {p: lp} for p, lp in zip(pieces, lps)], "text_offset": offsets}
+            "top_logprobs": [None if lp is None else {p: lp} for p, lp in zip(pieces, lps)],
+            "text_offset": offsets}
 
 
 def _head(kind: str, rid: str, created: int, st: State) -> dict[str, Any]:
@@ -503,7 +511,7 @@ def _head(kind: str, rid: str, created: int, st: State) -> dict[str, Any]:
 
 
 class _Choice:
-    __slots__ = ("sent", "cum", "tokens", "tops", "offsets")
+    __slots__ = ("cum", "offsets", "sent", "tokens", "tops")
 
     def __init__(self) -> None:
         self.sent = ""  # text sent so far
@@ -518,7 +526,8 @@ class _StreamRenderer:
     until the next tokens rule it out (the engine cuts the stop itself on the final event)."""
 
     def __init__(self, st: State, chat: bool, rid: str, created: int, count: int, stops: list[str],
-                 logprobs: bool, include_usage: bool, prompt_tokens: int, echo: list[str] | None = None) -> None:
+                 logprobs: bool, include_usage: bool, prompt_tokens: int,
+                 echo: list[str] | None = None) -> None:
         self.st, self.chat, self.stops, self.logprobs = st, chat, stops, logprobs
         self.head = _head("chat.completion.chunk" if chat else "text_completion", rid, created, st)
         if include_usage:
@@ -536,10 +545,11 @@ class _StreamRenderer:
         out = []
         for i in range(len(self.choices)):
             if self.chat:
-                out.append(self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                        "finish_reason": None}))
+                out.append(self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}))
             elif self.echo and self.echo[i]:
-                out.append(self._chunk({"index": i, "text": self.echo[i], "logprobs": None, "finish_reason": None}))
+                out.append(self._chunk({"index": i, "text": self.echo[i], "logprobs": None,
+                                        "finish_reason": None}))
         return out
 
     def _take_logprobs(self, c: _Choice) -> dict[str, Any] | None:
@@ -547,8 +557,8 @@ class _StreamRenderer:
             return None
         pieces = [self.st.tokenizer.id_to_piece(t.id) for t in c.tokens]
         if self.chat:
-            out: dict[str, Any] = {"content": [_chat_logprob(p, t, a) for p, t, a in zip(pieces, c.tokens, c.tops)],
-                                   "refusal": None}
+            content = [_chat_logprob(p, t, a) for p, t, a in zip(pieces, c.tokens, c.tops)]
+            out: dict[str, Any] = {"content": content, "refusal": None}
         else:
             out = _text_logprobs(pieces, c.tokens, c.tops, c.offsets)
         c.tokens, c.tops, c.offsets = [], [], []
@@ -557,7 +567,8 @@ class _StreamRenderer:
     def _content(self, i: int, text: str, c: _Choice) -> dict[str, Any]:
         lps = self._take_logprobs(c)
         if self.chat:
-            return self._chunk({"index": i, "delta": {"content": text}, "logprobs": lps, "finish_reason": None})
+            return self._chunk({"index": i, "delta": {"content": text}, "logprobs": lps,
+                                "finish_reason": None})
         return self._chunk({"index": i, "text": text, "logprobs": lps, "finish_reason": None})
 
     def event(self, i: int, ev: StreamEvent) -> list[dict[str, Any]]:
@@ -626,7 +637,7 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
     arrived, created = time.monotonic(), int(time.time())
     st.metrics.request_count.inc()
     assert st.validation is not None
-    with _Refused(st):
+    with _refused(st):
         _check_model(st, body.model)
         n = _check_sampling(body)
         _check_max_tokens(body.max_tokens)
@@ -718,8 +729,8 @@ def _messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             texts = []
             for j, part in enumerate(m.content):
                 if part.type != "text":
-                    raise invalid(f"content parts of type `{part.type}` are not supported: only `text` parts are",
-                                  f"messages.[{i}].content.[{j}].type")
+                    raise invalid(f"content parts of type `{part.type}` are not supported: only `text` parts "
+                                  "are", f"messages.[{i}].content.[{j}].type")
                 texts.append(part.text or "")
             d["content"] = "\n".join(texts)
         out.append(d)
@@ -732,7 +743,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     arrived, created = time.monotonic(), int(time.time())
     st.metrics.request_count.inc()
     assert st.validation is not None
-    with _Refused(st):
+    with _refused(st):
         _check_model(st, body.model)
         n = _check_sampling(body)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -749,10 +760,11 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
                 raise invalid("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
             top_n = body.top_logprobs
         if body.response_format is not None and body.response_format.type != "text":
-            raise invalid(f"`response_format` of type `{body.response_format.type}` is not supported yet: this "
-                          "server has no constrained decoding", "response_format")
+            raise invalid(f"`response_format` of type `{body.response_format.type}` is not supported yet: "
+                          "this server has no constrained decoding", "response_format")
         if body.tools and body.tool_choice != "none":
-            raise invalid("tool calling is not supported yet: send no `tools`, or `tool_choice: \"none\"`", "tools")
+            raise invalid("tool calling is not supported yet: send no `tools`, or `tool_choice: \"none\"`",
+                          "tools")
         if body.tool_choice not in (None, "none", "auto"):
             raise invalid("tool calling is not supported yet: `tool_choice` must be \"none\" or \"auto\"",
                           "tool_choice")
@@ -777,21 +789,23 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
     if stream:
         streams = _submit_all(st, reqs, permits, vtime)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        renderer = _StreamRenderer(st, True, rid, created, len(reqs), stops, bool(body.logprobs), include_usage,
-                                   prompt_tokens)
+        renderer = _StreamRenderer(st, True, rid, created, len(reqs), stops, bool(body.logprobs),
+                                   include_usage, prompt_tokens)
         return _streaming_response(_sse_events(st, streams, renderer, arrived, reqs))
     gens = await _generate_all(request, st, reqs, permits, vtime, arrived)
     choices = []
     for index, g in enumerate(gens):
         logprobs = None
         if body.logprobs:
-            content = [_chat_logprob(st.tokenizer.id_to_piece(t.id), t, tops) for t, tops in zip(g.tokens, g.top_tokens)]
+            content = [_chat_logprob(st.tokenizer.id_to_piece(t.id), t, tops)
+                       for t, tops in zip(g.tokens, g.top_tokens)]
             logprobs = {"content": content, "refusal": None}
-        choices.append({"index": index, "message": {"role": "assistant", "content": g.generated_text, "refusal": None},
-                        "logprobs": logprobs, "finish_reason": _finish_reason(g.finish_reason)})
+        message = {"role": "assistant", "content": g.generated_text, "refusal": None}
+        choices.append({"index": index, "message": message, "logprobs": logprobs,
+                        "finish_reason": _finish_reason(g.finish_reason)})
     out = {**_head("chat.completion", rid, created, st), "choices": choices,
            "usage": _usage(prompt_tokens, sum(len(g.tokens) for g in gens))}
     return JSONResponse(out)
 
 
-__all__ = ["router", "install", "OpenAIError", "CompletionRequest", "ChatCompletionRequest"]
+__all__ = ["ChatCompletionRequest", "CompletionRequest", "OpenAIError", "install", "router"]

@@ -195,10 +195,12 @@ def test_n_choices_and_seeds_are_reproducible(client, llm):
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
     assert a.choices[0].text != a.choices[1].text  # choice i samples with seed + i
-    assert a.usage.completion_tokens == 24 and a.usage.prompt_tokens == len(llm.tokenizer.encode("Once upon a time"))
+    assert a.usage.completion_tokens == 24
+    assert a.usage.prompt_tokens == len(llm.tokenizer.encode("Once upon a time"))
     # the same samples as the offline engine with the same seeds
     for i, choice in enumerate(a.choices):
-        assert choice.text == offline(llm, "Once upon a time", 12, temperature=1.0, do_sample=True, seed=7 + i).text
+        want = offline(llm, "Once upon a time", 12, temperature=1.0, do_sample=True, seed=7 + i)
+        assert choice.text == want.text
     # chat, streamed: two choices, each with its role chunk and its finish chunk
     chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=2, seed=3,
                                                  stream=True))
@@ -220,12 +222,14 @@ def test_stop_cuts_before_the_stop_text(client, llm, server):
     assert r.choices[0].text == want
     # streamed: the stop's start is held back, never sent
     chunks = list(client.completions.create(**kw, stop=[stop], stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
     # chat
     answer = offline(llm, chat_ids(llm, CHAT), 16).text
     cstop = answer[3:7]
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stop=cstop)
-    assert r.choices[0].message.content == answer[: answer.find(cstop)] and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content == answer[: answer.find(cstop)]
+    assert r.choices[0].finish_reason == "stop"
     chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0,
                                                  stop=cstop, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
@@ -252,7 +256,8 @@ def test_chat_logprobs_equal_the_engine(client, llm):
     # streamed: the same entries, spread over the chunks
     chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
                                                  logprobs=True, top_logprobs=3, stream=True))
-    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
     assert all(abs(a.logprob - b.logprob) < TOL for a, b in zip(streamed, content))
     # logprobs without top_logprobs: no alternatives; none asked: none given
@@ -274,15 +279,16 @@ def test_completion_logprobs_equal_the_engine(client, llm):
         assert all(abs(d[piece(i)] - v) < TOL for i, v in top)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
     # echo: the prompt's tokens first, the first one without a logprob
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1, echo=True)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1,
+                                  echo=True)
     lp = r.choices[0].logprobs
     n_prompt = len(want.prompt_token_ids)
     assert len(lp.tokens) == n_prompt + 2 and "".join(lp.tokens) == r.choices[0].text
     assert lp.token_logprobs[0] is None and all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
     assert lp.text_offset[n_prompt] == len(PROMPT)
     # streamed: the same tokens and values
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2,
-                                            stream=True))
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                            logprobs=2, stream=True))
     toks = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     lps = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
     assert toks == [piece(i) for i in want.token_ids]
@@ -306,7 +312,8 @@ CHAT_ERRORS = [
     dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
     dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     dict(messages=[]),
-    dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+    dict(messages=[{"role": "user",
+                    "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
     dict(messages=[{"role": "wizard", "content": "hi"}]),
     dict(messages="hello"),  # a malformed body
 ]

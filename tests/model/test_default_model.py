@@ -68,7 +68,7 @@ def test_chat_output_is_sensible(llm):
 
 
 def test_chunked_prefill_equals_unchunked(prompts, hf_greedy):
-    chunky = LLM(dtype="float32", max_batch_total_tokens=16384, max_batch_prefill_tokens=8)
+    chunky = LLM(dtype="float32", max_batch_total_tokens=16384, max_batch_prefill_tokens=16)
     assert greedy_ids(chunky, prompts) == hf_greedy
 
 
