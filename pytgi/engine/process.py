@@ -19,6 +19,7 @@ import zmq
 
 from pytgi import protocol as P
 from pytgi.config import EngineConfig
+from pytgi.logs import setup_logging
 
 log = logging.getLogger("pytgi.engine")
 IDLE_POLL_MS = 500  # idle: heartbeat and parent check this often
@@ -115,8 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parent-pid", type=int, default=os.getppid())
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the API process decides
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     inbox.connect(args.inbox)

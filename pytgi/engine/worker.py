@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from pytgi import distributed as dist
+from pytgi.logs import setup_logging
 
 log = logging.getLogger("pytgi.worker")
 
@@ -62,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--master-port", type=int, required=True)
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process that started us decides when to stop
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(),
-                        format=f"%(asctime)s %(levelname)s rank{args.rank} %(name)s: %(message)s")
+    setup_logging(prefix=f"rank{args.rank} ")
     return run_worker(args.model, args.dtype, args.device, args.attention_backend, args.rank, args.world_size,
                       args.master_addr, args.master_port)
 

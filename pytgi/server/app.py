@@ -145,12 +145,13 @@ def create_app(config: ServerConfig) -> FastAPI:
     install_handlers(app)
     app.include_router(tgi.router)
     openai.install(app)  # OpenAI's routes, and OpenAI's error shape under /v1/
+    # The last added runs first: CORS outermost, so that refusals (401, 413) carry its headers too.
+    app.add_middleware(PayloadLimitMiddleware, limit=config.payload_limit)
+    if config.api_key:
+        app.add_middleware(ApiKeyMiddleware, key=config.api_key)
     if config.cors_allow_origin:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_allow_origin, allow_methods=["*"],
                            allow_headers=["*"])
-    if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, key=config.api_key)
-    app.add_middleware(PayloadLimitMiddleware, limit=config.payload_limit)
     return app
 
 

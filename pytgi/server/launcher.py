@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
-import sys
-import time
+
+from pytgi.logs import JSON_ENV, setup_logging
 
 DEATH_GRACE_SECONDS = 2.0
 
@@ -58,22 +57,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-prefix-caching", action="store_true", help="turn the prefix cache off")
 
 
-class _JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
-                 "level": record.levelname, "target": record.name, "message": record.getMessage()}
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry)
-
-
-def setup_logging(json_output: bool) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if json_output else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(), handlers=[handler], force=True)
-
-
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -87,6 +70,8 @@ def serve(args: argparse.Namespace) -> int:
     from pytgi.models.registry import ModelNotFound, resolve_model
     from pytgi.server.app import ServerConfig, create_app
 
+    if args.json_output:
+        os.environ[JSON_ENV] = "1"  # the engine and worker processes inherit it
     setup_logging(args.json_output)
     log = logging.getLogger("pytgi.launcher")
     if args.num_shard < 1:

@@ -31,6 +31,7 @@ def fault_ids() -> str:
 def guarded(tmp_path_factory):
     """Two concurrent requests at most, an API key, a small payload limit, a fault-injecting engine."""
     srv = Server("--max-concurrent-requests", "2", "--api-key", "sekret", "--payload-limit", "10000",
+                 "--cors-allow-origin", "http://example.com", "--json-output",
                  env={"PYTGI_FAULT_INJECT": fault_ids()},
                  log=tmp_path_factory.mktemp("logs") / "guarded.log").wait_ready()
     yield srv
@@ -50,6 +51,18 @@ def test_api_key_guards_post_routes(guarded):
     assert httpx.get(f"{guarded.url}/health").status_code == 200
     client = text_generation.Client(guarded.url, headers=AUTH)
     assert client.generate("Hi", max_new_tokens=2).details.generated_tokens == 2
+
+
+def test_cors_and_json_logs(guarded):
+    r = httpx.options(f"{guarded.url}/generate", headers={"Origin": "http://example.com",
+                                                         "Access-Control-Request-Method": "POST"})
+    assert r.headers.get("access-control-allow-origin") == "http://example.com"
+    r = httpx.get(f"{guarded.url}/health", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
+    lines = [line for line in guarded.log_path.read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    assert records and {"timestamp", "level", "target", "message"} <= set(records[0])
+    assert any(r["target"].startswith("pytgi.engine") for r in records)  # the engine process logs JSON too
 
 
 def test_payload_limit_flag(guarded):

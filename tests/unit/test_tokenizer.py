@@ -46,19 +46,6 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from pytgi.models.registry import resolve_model
-
-    path, _ = resolve_model(None)
-    return Path(path)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
-
-
-@pytest.fixture(scope="module")
 def hf(model_dir: Path):
     transformers = pytest.importorskip("transformers")
     return transformers.AutoTokenizer.from_pretrained(str(model_dir))

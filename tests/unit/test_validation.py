@@ -28,19 +28,6 @@ MAX_TOTAL = 48
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from pytgi.models.registry import resolve_model
-
-    path, _ = resolve_model(None)
-    return Path(path)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(model_dir)
-
-
-@pytest.fixture(scope="module")
 def val(tok: Tokenizer):
     v = Validation(tok, ValidLimits(max_input_tokens=MAX_INPUT, max_total_tokens=MAX_TOTAL), workers=2)
     yield v
