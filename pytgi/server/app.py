@@ -19,7 +19,7 @@ from pytgi.metrics import Metrics
 from pytgi.router.engine_client import EngineClient
 from pytgi.router.infer import Infer
 from pytgi.router.validation import Validation, ValidLimits
-from pytgi.server.errors import error_body, error_response, install_handlers
+from pytgi.server.errors import error_body, install_handlers, path_error_response
 from pytgi.tokenizer import Tokenizer
 
 log = logging.getLogger("pytgi.server")
@@ -93,7 +93,9 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["method"] == "POST":
             auth = dict(scope["headers"]).get(b"authorization", b"")
             if auth != self.expected:
-                await error_response(401, "Unauthorized", "authentication")(scope, receive, send)
+                refusal = path_error_response(scope["path"], 401, "Unauthorized: send `Authorization: Bearer <key>`",
+                                              "authentication", "authentication_error", "invalid_api_key")
+                await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -129,7 +131,8 @@ class PayloadLimitMiddleware:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         msg = f"Payload too large: the limit is {self.limit} bytes"
-        await error_response(413, msg, "payload_too_large")(scope, receive, send)
+        refusal = path_error_response(scope["path"], 413, msg, "payload_too_large", "invalid_request_error")
+        await refusal(scope, receive, send)
 
 
 class _TooLarge(Exception):

@@ -19,6 +19,15 @@ def error_response(status: int, message: str, error_type: str) -> JSONResponse:
     return JSONResponse(error_body(message, error_type), status_code=status)
 
 
+def path_error_response(path: str, status: int, message: str, error_type: str, openai_type: str,
+                        code: str | None = None) -> JSONResponse:
+    """For middlewares, which answer before routing: OpenAI's shape under /v1/, TGI's elsewhere."""
+    if path.startswith("/v1/"):
+        body = {"error": {"message": message, "type": openai_type, "param": None, "code": code}}
+        return JSONResponse(body, status_code=status)
+    return error_response(status, message, error_type)
+
+
 def validation_response(message: str) -> JSONResponse:
     return error_response(422, f"Input validation error: {message}", "validation")
 

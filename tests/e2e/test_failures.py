@@ -159,3 +159,15 @@ def test_sigterm_finishes_in_flight_requests_and_exits_zero(tmp_path):
         rest = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
     assert rest[-1]["generated_text"] is not None and rest[-1]["index"] == 30
     assert srv.proc.wait(60) == 0
+
+
+def test_openai_routes_refuse_in_openai_shape(guarded):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.completions.create(model="", prompt="Hi", max_tokens=2)
+    r = httpx.post(f"{guarded.url}/v1/completions", json={"prompt": "x" * 20000}, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    ok = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="sekret", max_retries=0)
+    assert ok.completions.create(model="", prompt="Hi", max_tokens=2).usage.completion_tokens == 2

@@ -222,3 +222,18 @@ def test_non_streaming_disconnect_aborts_too(server):
     while server.metric("tgi_batch_current_size") > 0:
         assert time.monotonic() < deadline, "the running batch did not empty after the disconnect"
         time.sleep(0.2)
+
+
+def test_watermark_is_detectable(server):
+    from pytgi.engine.watermark import z_score
+
+    def ids(watermark: bool) -> list[int]:
+        body = {"inputs": "Write a short story about a dragon.", "parameters": {
+            "max_new_tokens": 96, "do_sample": True, "temperature": 1.3, "seed": 11, "watermark": watermark,
+            "details": True,
+            "ignore_eos_token": True}}
+        return [t["id"] for t in post(server, "/generate", body).json()["details"]["tokens"]]
+
+    vocab = 49152  # the default model's
+    marked, plain = z_score(ids(True), vocab), z_score(ids(False), vocab)
+    assert marked > 4 and plain < 2.5, (marked, plain)
