@@ -42,6 +42,12 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from pytgi.bench.cli import run_bench
+
+    return run_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pytgi", description="Text generation inference in Python.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve a model over TGI's HTTP API (default: the embedded model)")
     add_serve_arguments(srv)
     srv.set_defaults(func=_serve)
+    from pytgi.bench.cli import add_bench_arguments
+
+    bench = sub.add_parser("bench", help="benchmark a server (default: pytgi) with streamed requests")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_bench)
     gen = sub.add_parser("generate", help="stream a completion of one prompt to the terminal")
     gen.add_argument("prompt")
     gen.add_argument("--model-id", default=_env("MODEL_ID"), help="HF directory or .gguf (default: embedded)")

@@ -145,7 +145,8 @@ class OpenAIProtocol(Protocol):
         self.path = "/v1/chat/completions" if chat else "/v1/completions"
 
     def body(self, req: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "stream": True, "temperature": 0, "max_tokens": req.output_len}
+        body: dict[str, Any] = {"model": self.model, "stream": True, "temperature": 0,
+                                "max_tokens": req.output_len}
         if self.chat:
             body["messages"] = [{"role": "user", "content": req.prompt}]
         else:
@@ -227,8 +228,9 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
     def to_json(self, with_text: bool = False) -> dict[str, Any]:
-        out = {"index": self.index, "input_len": self.input_len, "requested_output_len": self.requested_output_len,
-               "ok": self.ok, "error": self.error, "start": self.start, "ttft": self.ttft, "e2e": self.e2e,
+        out = {"index": self.index, "input_len": self.input_len,
+               "requested_output_len": self.requested_output_len, "ok": self.ok, "error": self.error,
+               "start": self.start, "ttft": self.ttft, "e2e": self.e2e,
                "tpot": self.tpot, "itl": self.itl, "output_tokens": self.output_tokens,
                "reported_tokens": self.reported_tokens, "chunks": self.chunks}
         if with_text:
@@ -316,7 +318,8 @@ class LoadResult:
 async def run_load(url: str, protocol: Protocol, requests: list[BenchRequest], *, count: Callable[[str], int],
                    concurrency: int | None = None, request_rate: float | None = None, seed: int = 0,
                    ignore_eos: bool = True, timeout: float = 600.0, headers: dict[str, str] | None = None,
-                   progress: Callable[[RequestResult], None] | None = None) -> LoadResult:
+                   progress: Callable[[RequestResult], None] | None = None,
+                   transport: httpx.AsyncBaseTransport | None = None) -> LoadResult:
     """Closed loop (`concurrency` workers, each sending its next request when its last one finishes) or
     open loop (Poisson arrivals at `request_rate`/s, with at most `concurrency` in flight when given)."""
     from pytgi.bench.workload import poisson_arrivals
@@ -328,7 +331,8 @@ async def run_load(url: str, protocol: Protocol, requests: list[BenchRequest], *
     tmo = httpx.Timeout(timeout, connect=30.0)
     results: list[RequestResult] = []
 
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=tmo, limits=limits, headers=headers) as client:
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=tmo, limits=limits, headers=headers,
+                                 transport=transport) as client:
         def done(r: RequestResult) -> None:
             results.append(r)
             if progress is not None:

@@ -108,8 +108,9 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
         label = load_label(run)
         base = firsts.setdefault(label, s)
         lines.append(
-            f"| {run['server']} | {label} | {s['completed']} / {s['errors']} | {_num(s['output_throughput'])} "
-            f"| {_num(s['total_throughput'])} | {_num(s['request_throughput'], 2)} | {_pcts(s['ttft_ms'])} "
+            f"| {run['server']} | {label} | {s['completed']} / {s['errors']} "
+            f"| {_num(s['output_throughput'])} | {_num(s['total_throughput'])} "
+            f"| {_num(s['request_throughput'], 2)} | {_pcts(s['ttft_ms'])} "
             f"| {_pcts(s['itl_ms'])} | {_num(s['tpot_ms']['p50'])} | {_pcts(s['e2e_ms'], 1e-3, 2)} "
             f"| {_ratio(s['output_throughput'], base['output_throughput'])} "
             f"| {_ratio(s['itl_ms']['p50'], base['itl_ms']['p50'])} |")
@@ -178,7 +179,8 @@ def plot_sweep(runs: list[dict[str, Any]], path: Path, title: str = "") -> Path 
     servers = list(dict.fromkeys(r["server"] for r in runs))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     panels = [("output tokens/s", lambda s: s["output_throughput"], None),
-              ("TTFT ms (p50 solid, p99 dashed)", lambda s: s["ttft_ms"]["p50"], lambda s: s["ttft_ms"]["p99"]),
+              ("TTFT ms (p50 solid, p99 dashed)", lambda s: s["ttft_ms"]["p50"],
+               lambda s: s["ttft_ms"]["p99"]),
               ("inter-token latency ms (p50 solid, p99 dashed)", lambda s: s["itl_ms"]["p50"],
                lambda s: s["itl_ms"]["p99"])]
     for ax, (label, main, tail) in zip(axes, panels):
@@ -191,6 +193,9 @@ def plot_sweep(runs: list[dict[str, Any]], path: Path, title: str = "") -> Path 
             if tail is not None:
                 ax.plot(xs, [tail(r["summary"]) for r in rs], "x--", color=color, alpha=0.6)
         ax.set_xscale("log", base=2)
+        ticks = sorted({r["concurrency"] for r in runs if r.get("concurrency")})
+        ax.set_xticks(ticks, [str(t) for t in ticks])
+        ax.minorticks_off()
         ax.set_xlabel("concurrent clients")
         ax.set_title(label)
         ax.grid(True, alpha=0.3)

@@ -107,7 +107,8 @@ def dataset_requests(tokenizer: Tokenizer, path: str | Path, num: int | None = N
                 item = json.loads(line)
                 prompt, output_len = item["prompt"], item["output_len"]
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: expected {{\"prompt\": str, \"output_len\": int}}: {e}") from e
+                raise ValueError(f"{path}:{lineno}: expected "
+                                 f"{{\"prompt\": str, \"output_len\": int}}: {e}") from e
             if not isinstance(prompt, str) or not prompt or not isinstance(output_len, int) or output_len < 1:
                 raise ValueError(f"{path}:{lineno}: `prompt` must be a non-empty string and `output_len` a "
                                  "positive integer")
