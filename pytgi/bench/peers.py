@@ -8,7 +8,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pytgi.net import free_port
 
 PEER_KINDS = ("pytgi", "llama-server", "transformers-serve", "tgi", "openai")
 DEFAULT_LLAMA_SERVER_ARGS = "-np 16 -c 16384 -t 2"
@@ -26,11 +27,6 @@ LOCALHOST = "127.0.0.1"
 class PeerError(RuntimeError):
     pass
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOCALHOST, 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from pytgi.config import EngineConfig
 from pytgi.distributed import DistributedError, check_heads
+from pytgi.net import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ShardGroup:
@@ -30,7 +25,7 @@ class ShardGroup:
         self.external = int(os.environ.get("WORLD_SIZE", "1")) > 1
         self.master_addr = os.environ.get("MASTER_ADDR", config.master_addr)
         port = os.environ.get("MASTER_PORT") or config.master_port
-        self.master_port = int(port) if port else (29500 if self.external else _free_port())
+        self.master_port = int(port) if port else (29500 if self.external else free_port())
         if self.world_size == 1:
             return
         cfg = json.loads((model_path / "config.json").read_text())
