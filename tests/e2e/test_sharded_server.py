@@ -25,15 +25,16 @@ def greedy(url: str, prompt: str) -> str:
     return r.json()["generated_text"]
 
 
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory):
-    srv = Server("--num-shard", "2", log=tmp_path_factory.mktemp("logs") / "sharded.log").wait_ready()
-    yield srv
+@pytest.fixture(scope="module", params=[2, 3])
+def sharded(request, tmp_path_factory):
+    srv = Server("--num-shard", str(request.param), log=tmp_path_factory.mktemp("logs") / "sharded.log")
+    srv.num_shard = request.param
+    yield srv.wait_ready()
     srv.stop()
 
 
-def test_two_shards_give_the_same_text_as_one(server, sharded):
-    assert httpx.get(f"{sharded.url}/info").json()["num_shard"] == 2
+def test_shards_give_the_same_text_as_one(server, sharded):
+    assert httpx.get(f"{sharded.url}/info").json()["num_shard"] == sharded.num_shard
     for prompt in PROMPTS:
         assert greedy(sharded.url, prompt) == greedy(server.url, prompt)
 
@@ -67,6 +68,20 @@ def test_a_killed_rank_fails_requests_and_health_within_seconds(tmp_path):
         assert srv.proc.wait(30) != 0
     finally:
         srv.stop()
+
+
+def test_a_rendezvous_port_in_use_is_a_clear_start_up_error():
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "pytgi.cli", "serve", "--num-shard", "2", "--port", "0",
+                               "--master-port", str(port), "--max-batch-total-tokens", "8192"],
+                              capture_output=True, text=True, timeout=180, env={**os.environ, "PYTGI_DIST_TIMEOUT": "10"})
+    assert proc.returncode != 0
+    assert "could not join the group" in proc.stderr
 
 
 @pytest.mark.parametrize("n,message", [("0", "--num-shard must be >= 1"),
