@@ -80,6 +80,15 @@ class Chunk:
     full_text: str | None = None     # the whole generated text, when the server sends it
 
 
+def _json_object(data: str) -> dict[str, Any] | Chunk:
+    """An event's JSON object, or an error chunk when it is not one."""
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        obj = None
+    return obj if isinstance(obj, dict) else Chunk(error=f"bad event: {data[:200]}")
+
+
 def _error_message(err: Any) -> str:
     if isinstance(err, dict):
         return str(err.get("message") or err.get("error") or json.dumps(err))
@@ -113,12 +122,9 @@ class TGIProtocol(Protocol):
         return {"inputs": req.prompt, "parameters": params}
 
     def parse(self, data: str) -> Chunk:
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return Chunk(error=f"bad event: {data[:200]}")
-        if not isinstance(obj, dict):
-            return Chunk(error=f"bad event: {data[:200]}")
+        obj = _json_object(data)
+        if isinstance(obj, Chunk):
+            return obj
         if "error" in obj:
             kind = obj.get("error_type")
             return Chunk(error=_error_message(obj["error"]) + (f" ({kind})" if kind else ""), final=True)
@@ -160,12 +166,9 @@ class OpenAIProtocol(Protocol):
     def parse(self, data: str) -> Chunk:
         if data.strip() == "[DONE]":
             return Chunk(final=True)
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            return Chunk(error=f"bad event: {data[:200]}")
-        if not isinstance(obj, dict):
-            return Chunk(error=f"bad event: {data[:200]}")
+        obj = _json_object(data)
+        if isinstance(obj, Chunk):
+            return obj
         if obj.get("error") is not None:
             return Chunk(error=_error_message(obj["error"]), final=True)
         text = ""

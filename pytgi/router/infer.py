@@ -7,6 +7,8 @@ turned into TGI's events here — incremental detokenization, stop sequences, pr
 from __future__ import annotations
 
 import asyncio
+import copy
+import random
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -206,9 +208,6 @@ class RequestStream:
 def _with_seed(req: ValidRequest, i: int) -> ValidRequest:
     if i == 0:
         return req
-    import copy
-    import random
-
     other = copy.copy(req)
     other.sampling = copy.copy(req.sampling)
     other.sampling.seed = random.getrandbits(63)
