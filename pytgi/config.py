@@ -8,7 +8,8 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None = the embedded default
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16; float32 is the exact path)
+    quantize: str = "auto"  # auto | none | int8 | int4: weight-only, for small CPU steps (pytgi.models.quant)
     device: str = "auto"  # auto | cpu | cuda
     max_input_tokens: int | None = None  # default: the model's positions - 1
     max_total_tokens: int | None = None  # default: the model's positions

@@ -66,7 +66,8 @@ class LLMEngine:
         set_cpu_threads(self.shards.local_ranks)
         try:
             self.runner = ModelRunner(self.model_path, config.dtype, config.device, config.attention_backend,
-                                      0, config.num_shard, self.shards.master_addr, self.shards.master_port)
+                                      0, config.num_shard, self.shards.master_addr, self.shards.master_port,
+                                      quantize=config.quantize)
         except BaseException:
             self.shards.stop()
             raise

@@ -55,14 +55,16 @@ class ModelRunner:
     step's inputs, and the workers (`pytgi.engine.worker`) run the same forward on their shards."""
 
     def __init__(self, model_path: Path, dtype: str, device: str, attention_backend: str = "torch",
-                 rank: int = 0, world_size: int = 1, master_addr: str = "localhost", master_port: int = 29500) -> None:
+                 rank: int = 0, world_size: int = 1, master_addr: str = "localhost", master_port: int = 29500,
+                 quantize: str = "auto") -> None:
         self.device = resolve_device(device)
         self.rank = rank
         dist.init(rank, world_size, master_addr, master_port, self.device)
         hf_config = read_config(model_path)
         self.dtype = resolve_dtype(dtype, hf_config, self.device)
         self.backend = get_backend(attention_backend)
-        self.model = load_model(model_path, self.dtype, self.device, self.backend)
+        self.backend.dtype = self.dtype
+        self.model = load_model(model_path, self.dtype, self.device, self.backend, quantize)
         self.config = self.model.config
         self.vocab_size = self.config.vocab_size
         self.sampler = Sampler()

@@ -41,6 +41,7 @@ class ShardGroup:
 
     def _spawn(self, rank: int, config: EngineConfig, model_path: Path) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "pytgi.engine.worker", "--model", str(model_path), "--dtype", config.dtype,
+               "--quantize", config.quantize,
                "--device", config.device, "--attention-backend", config.attention_backend, "--rank", str(rank),
                "--world-size", str(self.world_size), "--master-addr", self.master_addr,
                "--master-port", str(self.master_port)]

@@ -21,12 +21,13 @@ log = logging.getLogger("pytgi.worker")
 
 
 def run_worker(model: str, dtype: str, device: str, attention_backend: str, rank: int, world_size: int,
-               master_addr: str, master_port: int) -> int:
+               master_addr: str, master_port: int, quantize: str = "auto") -> int:
     from pytgi.engine.runner import ModelRunner, set_cpu_threads
 
     set_cpu_threads(world_size if "WORLD_SIZE" not in os.environ else 1)
     try:
-        runner = ModelRunner(Path(model), dtype, device, attention_backend, rank, world_size, master_addr, master_port)
+        runner = ModelRunner(Path(model), dtype, device, attention_backend, rank, world_size, master_addr, master_port,
+                             quantize)
     except Exception:
         log.exception("rank %d failed to start", rank)
         return 1
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantize", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--attention-backend", default="torch")
     ap.add_argument("--rank", type=int, required=True)
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process that started us decides when to stop
     setup_logging(prefix=f"rank{args.rank} ")
     return run_worker(args.model, args.dtype, args.device, args.attention_backend, args.rank, args.world_size,
-                      args.master_addr, args.master_port)
+                      args.master_addr, args.master_port, args.quantize)
 
 
 if __name__ == "__main__":

@@ -6,15 +6,24 @@ slots, attend every query token to its request's context. The `torch` backend ga
 request's context from its blocks and runs SDPA twice per layer: once over all single-token
 queries (decodes), once over all multi-token queries (prefill chunks), each padded to the
 longest member. It is portable (CPU, CUDA) and the reference for faster backends.
+
+On CPU, when the C kernels build (`pytgi.kernels`), decodes skip the gather: a paged decode
+kernel reads keys and values in place. Gathering each decode's whole context into a padded copy
+was half of a 16-request decode step; prefill chunks keep SDPA, where the gather is small next to
+the attention itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ctypes
+
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from pytgi import kernels
 
 
 @dataclass(slots=True)
@@ -37,10 +46,21 @@ class _Group:
 
 
 @dataclass(slots=True)
+class _PagedDecode:
+    """Arguments of the C decode kernel (numpy arrays stay referenced while the step runs)."""
+
+    rows: np.ndarray  # [Bd] flat token index of each decode
+    block_tables: np.ndarray  # [Bd, max_blocks]
+    context_lens: np.ndarray  # [Bd]
+    block_size: int
+
+
+@dataclass(slots=True)
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     decode: _Group | None
     prefill: _Group | None
+    paged_decode: _PagedDecode | None = None
 
 
 def _group(layout: StepLayout, rows: np.ndarray, starts: np.ndarray, device: torch.device) -> _Group:
@@ -65,18 +85,54 @@ def _group(layout: StepLayout, rows: np.ndarray, starts: np.ndarray, device: tor
     )
 
 
+_KERNELS = {torch.float32: "pytgi_decode_attention_f32", torch.bfloat16: "pytgi_decode_attention_bf16"}
+
+
+def _ptr(t: torch.Tensor | np.ndarray) -> int:
+    return t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
+
+
 class TorchAttention:
     name = "torch"
+
+    def __init__(self, use_kernels: bool = True) -> None:
+        self.use_kernels = use_kernels
+        self.dtype: torch.dtype | None = None  # the model's; set by the runner
 
     def prepare(self, layout: StepLayout, device: torch.device) -> TorchAttentionMetadata:
         starts = np.concatenate(([0], np.cumsum(layout.query_lens)[:-1]))
         is_decode = layout.query_lens == 1
         dec, pre = np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]
+        paged = None
+        if len(dec) and self._kernel(device) is not None:
+            paged = _PagedDecode(
+                rows=np.ascontiguousarray(starts[dec], dtype=np.int64),
+                block_tables=np.ascontiguousarray(layout.block_tables[dec], dtype=np.int64),
+                context_lens=np.ascontiguousarray(layout.context_lens[dec], dtype=np.int64),
+                block_size=layout.block_size,
+            )
         return TorchAttentionMetadata(
             slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
-            decode=_group(layout, dec, starts, device) if len(dec) else None,
+            decode=_group(layout, dec, starts, device) if len(dec) and paged is None else None,
             prefill=_group(layout, pre, starts, device) if len(pre) else None,
+            paged_decode=paged,
         )
+
+    def _kernel(self, device: torch.device):  # type: ignore[no-untyped-def]
+        if not self.use_kernels or device.type != "cpu" or self.dtype not in _KERNELS:
+            return None
+        lib = kernels.load()
+        return None if lib is None else getattr(lib, _KERNELS[self.dtype])
+
+    def _paged_decode(self, q, k_cache, v_cache, out, p: _PagedDecode, scale: float) -> None:  # type: ignore[no-untyped-def]
+        _, H, D = q.shape
+        failed = self._kernel(q.device)(
+            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.rows), _ptr(p.block_tables),
+            _ptr(p.context_lens), len(p.rows), p.block_tables.shape[1], p.block_size, H, k_cache.shape[1], D,
+            ctypes.c_float(scale),
+        )
+        if failed:
+            raise MemoryError("paged decode attention: out of memory")
 
     def forward(
         self,
@@ -91,6 +147,8 @@ class TorchAttention:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
+        if meta.paged_decode is not None:
+            self._paged_decode(q.contiguous(), k_cache, v_cache, out, meta.paged_decode, scale)
         for g in (meta.decode, meta.prefill):
             if g is None:
                 continue

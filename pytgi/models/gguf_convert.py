@@ -207,6 +207,8 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
+        types = {_hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors}
+        (tmp / "quantization.json").write_text(json.dumps({"source": "gguf", "tensors": types}, indent=2))
         save_file(dict(_tensors(reader, config, progress)), str(tmp / "model.safetensors"),
                   metadata={"format": "pt", "source": Path(gguf_path).name})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))

@@ -13,6 +13,16 @@ import torch
 from torch import nn
 
 from pytgi.distributed import all_gather_last_dim, all_reduce, local_range, tp_rank, tp_size
+from pytgi.models.quant import SMALL_M, QuantizedWeight
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, quant: QuantizedWeight | None,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b): the low-bit kernel for steps of few tokens when the layer is quantized."""
+    if quant is not None and x.shape[0] <= SMALL_M:
+        y = quant.matmul(x)
+        return y if bias is None else y + bias
+    return nn.functional.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -29,6 +39,7 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out), requires_grad=False)
             self.bias.weight_loader = self.load_shard
+        self.quant: QuantizedWeight | None = None
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         start, size = self.shards[shard]
@@ -36,7 +47,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.quant, self.bias)
 
 
 def merged_shards(sizes: list[int]) -> list[tuple[int, int]]:
@@ -64,12 +75,13 @@ class RowParallelLinear(nn.Module):
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+        self.quant: QuantizedWeight | None = None
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         param.data.copy_(loaded.narrow(1, self.in_start, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(nn.functional.linear(x, self.weight))
+        y = all_reduce(_linear(x, self.weight, self.quant))
         return y if self.bias is None else y + self.bias
 
 
@@ -98,8 +110,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
+    quant: QuantizedWeight | None = None
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = all_gather_last_dim(nn.functional.linear(hidden, self.weight))
+        # Quantized (and tied to the embedding), the big-batch path uses the dequantized copy, so
+        # both paths multiply by the same weights.
+        weight = self.weight if self.quant is None else self.quant.dequantized
+        logits = all_gather_last_dim(_linear(hidden, weight, self.quant))
         return logits[..., : self.vocab_size]
 
 

@@ -20,6 +20,7 @@ from pytgi.models.layers import (
     merged_shards,
     qkv_shards,
 )
+from pytgi.models.quant import QuantizedWeight, can_quantize
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -160,6 +161,34 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype) -> int:
+        """Give each planned linear a low-bit copy of its weight (see `pytgi.models.quant`); its float
+        weight becomes the dequantized values in `act_dtype`. Call on float32 weights, before the
+        model is cast. Returns how many layers were quantized."""
+        parts = {fused: [p for p, (f, _) in self.FUSED.items() if f == fused] for fused, _ in self.FUSED.values()}
+
+        def kind(hf_names: list[str]) -> str | None:
+            kinds = {plan} if isinstance(plan, str) else {plan.get(n) for n in hf_names}
+            return None if None in kinds else ("int4" if kinds == {"int4"} else "int8")
+
+        todo: list[tuple[nn.Module, str]] = []
+        for name, mod in self.named_modules():
+            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+                stem, last = name.rsplit(".", 1)
+                names = [f"model.{stem}.{p}.weight" for p in parts.get(last, [last])]
+                if (k := kind(names)) is not None:
+                    todo.append((mod, k))
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        if (k := kind([head])) is not None:
+            todo.append((self.lm_head, "int8"))  # logits are sensitive: never below 8 bits
+        for mod, k in todo:
+            mod.quant = QuantizedWeight(k if can_quantize(k, mod.weight) else "int8", mod.weight.data, act_dtype)
+        self.to(act_dtype)
+        for mod, _ in todo:
+            if mod is not self.lm_head:
+                mod.weight.data = mod.quant.dequantized
+        return len(todo)
 
     def load_weights(self, weights) -> None:  # type: ignore[no-untyped-def]
         """Copy (name, tensor) pairs in Hugging Face naming into this rank's parameters."""

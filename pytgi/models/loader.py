@@ -10,6 +10,7 @@ from typing import Any, Iterator
 import torch
 
 from pytgi.models.llama import SUPPORTED_ARCHITECTURES, LlamaConfig, LlamaForCausalLM
+from pytgi.models.quant import resolve_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,7 +35,9 @@ def resolve_dtype(name: str, cfg: dict[str, Any], device: torch.device) -> torch
             raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(DTYPES)})")
         return DTYPES[name]
     if device.type == "cpu":
-        return torch.float32  # exact, and fast enough until per-phase dtypes land
+        # bfloat16 activations: bf16 matmuls win for prefill and big batches, and the low-bit
+        # decode kernels take bf16 inputs (`pytgi.models.quant`). --dtype float32 is the exact path.
+        return torch.bfloat16
     declared = cfg.get("torch_dtype") or cfg.get("dtype")
     return DTYPES.get(declared, torch.bfloat16) if declared != "float32" else torch.bfloat16
 
@@ -61,9 +64,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device, backend: Any) -> LlamaForCausalLM:
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, backend: Any,
+               quantize: str = "none") -> LlamaForCausalLM:
+    """`quantize`: none | auto | int8 | int4 (see `pytgi.models.quant`)."""
     cfg = LlamaConfig.from_hf(read_config(path))
-    with _default_dtype(dtype), torch.device(device):
+    plan = resolve_plan(quantize, path, dtype, device)
+    # A quantized model is loaded in float32 first, so the low-bit grids see the checkpoint's values.
+    with _default_dtype(torch.float32 if plan else dtype), torch.device(device):
         model = LlamaForCausalLM(cfg, backend)
     model.load_weights(iter_safetensors(path))
+    if plan:
+        model.quantize(plan, dtype)
     return model.eval()

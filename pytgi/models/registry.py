@@ -39,9 +39,12 @@ def default_gguf_path() -> Path:
     )
 
 
+CONVERSION_VERSION = 2  # bump when the converted directory changes (2: quantization.json)
+
+
 def _fingerprint(path: Path) -> str:
     st = path.stat()
-    h = hashlib.sha256(f"{path.name}:{st.st_size}".encode())
+    h = hashlib.sha256(f"{CONVERSION_VERSION}:{path.name}:{st.st_size}".encode())
     with open(path, "rb") as f:  # the header and first tensors are enough to tell files apart
         h.update(f.read(1 << 20))
     return h.hexdigest()[:16]

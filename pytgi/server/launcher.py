@@ -18,7 +18,8 @@ FLAGS: list[tuple[str, type, object, str]] = [
     ("--model-id", str, None, "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
     ("--revision", str, None, "reported as model_sha in /info (nothing is downloaded)"),
     ("--num-shard", int, 1, "tensor-parallel ranks"),
-    ("--dtype", str, "auto", "auto | float32 | bfloat16 | float16"),
+    ("--dtype", str, "auto", "auto (bfloat16) | float32 (exact) | bfloat16 | float16"),
+    ("--quantize", str, "auto", "weight-only for small CPU steps: auto (as the GGUF file) | none | int8 | int4"),
     ("--hostname", str, "0.0.0.0", "address to listen on"),
     ("--port", int, 3000, "port to listen on"),
     ("--max-concurrent-requests", int, 128, "in-flight requests before answering 429"),
@@ -90,9 +91,9 @@ def serve(args: argparse.Namespace) -> int:
 
             port = int(os.environ.get("MASTER_PORT") or args.master_port or 29500)
             addr = os.environ.get("MASTER_ADDR", args.master_addr)
-            return run_worker(str(model_path), args.dtype, "auto", "torch", rank, world, addr, port)
+            return run_worker(str(model_path), args.dtype, "auto", "torch", rank, world, addr, port, args.quantize)
     engine = EngineConfig(
-        model=str(model_path), dtype=args.dtype, max_input_tokens=args.max_input_tokens,
+        model=str(model_path), dtype=args.dtype, quantize=args.quantize, max_input_tokens=args.max_input_tokens,
         max_total_tokens=args.max_total_tokens, max_batch_prefill_tokens=args.max_batch_prefill_tokens,
         max_batch_total_tokens=args.max_batch_total_tokens, max_batch_size=args.max_batch_size,
         waiting_served_ratio=args.waiting_served_ratio, max_waiting_tokens=args.max_waiting_tokens,

@@ -37,7 +37,7 @@ def client(server) -> OpenAI:
 def llm():
     from pytgi import LLM
 
-    return LLM(max_batch_total_tokens=4096, max_total_tokens=2048)
+    return LLM(dtype="float32", max_batch_total_tokens=4096, max_total_tokens=2048)
 
 
 def chat_ids(llm, messages) -> list[int]:

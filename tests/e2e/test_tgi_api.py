@@ -171,7 +171,7 @@ def greedy(server, prompt: str, n: int) -> str:
 def test_http_greedy_equals_offline_engine(server):
     from pytgi import LLM, SamplingParams
 
-    llm = LLM(max_batch_total_tokens=4096, max_total_tokens=2048)
+    llm = LLM(dtype="float32", max_batch_total_tokens=4096, max_total_tokens=2048)
     for prompt in (PROMPT, "def add(a, b):"):
         assert greedy(server, prompt, 24) == llm.generate(prompt, SamplingParams(max_new_tokens=24, temperature=0))[0].text
 

@@ -161,3 +161,26 @@ def test_bad_input_is_refused_clearly(llm):
         SamplingParams(max_new_tokens=0)
     # the engine keeps serving afterwards
     assert llm.generate("Hello", SamplingParams(max_new_tokens=3, temperature=0))[0].token_ids
+
+
+def test_fast_default_is_faithful_to_float32(llm, prompts, hf_greedy):
+    """The default CPU path (bfloat16 activations, the GGUF's Q4_1 tensors as int4, its Q8_0 head as
+    int8) scores transformers' float32 greedy continuations almost as float32 does, on the
+    small-step int4 kernels (alone) and on the bf16 matmuls (a prefill of the same tokens)."""
+    fast = LLM(max_batch_total_tokens=16384)
+    try:
+        runner = fast.engine.runner
+        assert runner.dtype == torch.bfloat16
+        assert sum(getattr(m, "quant", None) is not None for m in runner.model.modules()) == 30 * 4 + 1
+        params = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=True)
+        for p, ref in zip(prompts, hf_greedy):
+            exact = llm.generate(p + ref, params)[0].prompt_logprobs[len(p):]
+            scored = fast.generate(p + ref, params)[0].prompt_logprobs[len(p):]  # one prefill: bf16 path
+            gap = sum(abs(a - b) for a, b in zip(exact, scored)) / len(exact)
+            assert gap < 0.1, gap
+        # Decoding alone (one token per step, the int4 path) mostly follows float32's greedy choices.
+        agree = [fast.generate(p, SamplingParams(max_new_tokens=8, temperature=0))[0].token_ids == ref[:8]
+                 for p, ref in zip(prompts, hf_greedy)]
+        assert sum(agree) >= len(agree) - 2, agree
+    finally:
+        fast.shutdown()

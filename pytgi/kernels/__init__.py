@@ -1,0 +1,85 @@
+"""Small C kernels for the CPU, compiled on first use with the system C compiler and loaded with
+ctypes (no torch headers, so a build takes about a second).
+
+The library is built with `-fopenmp` and so needs `libgomp.so.1`: in a process where torch is
+loaded that is torch's own copy, so the kernels share torch's OpenMP thread pool instead of
+starting a second one whose idle spinning would steal the cores. Builds are cached under
+`$PYTGI_CACHE/kernels`, keyed by the source, the compiler flags and the CPU. Without a compiler
+(or with PYTGI_NO_KERNELS=1) `load()` returns None and callers use their torch paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCES = ["paged_attention.c"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PYTGI_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pytgi"
+    )
+    return Path(root) / "kernels"
+
+
+def _build(compiler: str) -> Path:
+    here = Path(__file__).parent
+    srcs = [here / s for s in SOURCES]
+    key = hashlib.sha256()
+    for part in [compiler, *CFLAGS, _cpu_id(), *(s.read_text() for s in srcs)]:
+        key.update(part.encode())
+    out = _cache_dir() / f"pytgi_kernels-{key.hexdigest()[:16]}.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *CFLAGS, *map(str, srcs), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        os.replace(tmp, out)  # atomic: concurrent builders (shards) each write their own temp file
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    if os.environ.get("PYTGI_NO_KERNELS", "") not in ("", "0"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: CPU decode attention uses the (slower) torch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("building the CPU kernels failed, using the torch path: %s", detail)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in ("pytgi_decode_attention_f32", "pytgi_decode_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float]
+    return lib
