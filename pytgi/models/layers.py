@@ -161,14 +161,17 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # The sine with rotate-half's sign folded in: the first half multiplies -x2.
+        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for these positions, shaped [T, 1, head_dim] to broadcast over heads."""
+        """cos, signed sin for these positions, shaped [T, 1, head_dim] to broadcast over heads."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x·cos + rotate_half(x)·sin with rotate_half(x) = (-x2, x1); the sign lives in `sin`, so this
+    is (x1, x2)·cos + (x2, x1)·sin in four ops. Works on q and k together ([T, H + KVH, D])."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
+    return x * cos + swapped * sin

@@ -91,16 +91,16 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
-            [self.n_heads * self.head_dim, self.n_kv * self.head_dim, self.n_kv * self.head_dim], dim=-1
-        )
-        q = q.view(T, self.n_heads, self.head_dim)
-        k = k.view(T, self.n_kv, self.head_dim)
-        v = v.view(T, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        T, H, KVH, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
+        qkv = self.qkv_proj(x)
+        v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
+        if self.q_norm is None:  # rotate q and k in one go
+            qk = apply_rotary(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
+        else:
+            q = self.q_norm(qkv[:, : H * D].view(T, H, D))
+            k = self.k_norm(qkv[:, H * D : (H + KVH) * D].view(T, KVH, D))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(T, self.n_heads * self.head_dim))
 

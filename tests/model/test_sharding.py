@@ -45,7 +45,7 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple[list[int], li
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_path):
     prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20, list(range(30, 60))]
-    engine = LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=1024))
+    engine = LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=1024, dtype="float32"))
     try:
         return prompts, run(engine, prompts)
     finally:
@@ -55,7 +55,7 @@ def tiny_reference(tiny_path):
 @pytest.mark.parametrize("n", [2, 3])
 def test_tiny_model_logits_match_one_shard(tiny_path, tiny_reference, n):
     prompts, ref = tiny_reference
-    engine = LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=1024, num_shard=n))
+    engine = LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=1024, num_shard=n, dtype="float32"))
     try:
         got = run(engine, prompts)
     finally:
