@@ -78,6 +78,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--input-max", type=int, default=512)
     w.add_argument("--output-min", type=int, default=64)
     w.add_argument("--output-max", type=int, default=256)
+    w.add_argument("--shared-prefix-len", type=int, default=0, metavar="N",
+                   help="every random prompt starts with the same N-token text (a system prompt; prefix "
+                        "caching), followed by its own input-min..input-max tokens")
     w.add_argument("--seed", type=int, default=0, help="prompts, lengths and arrivals (default: %(default)s)")
     w.add_argument("--dataset", default=None, metavar="FILE.jsonl",
                    help='prompts from {"prompt": str, "output_len": int} lines instead of random text')
@@ -118,9 +121,12 @@ def build_targets(args: argparse.Namespace) -> list[bpeers.Target]:
         targets.append(bpeers.PytgiTarget(args.protocol, args.pytgi_args, chat=chat, model=args.model,
                                           **common))
     for kind, value in args.peer:
-        if kind == "pytgi":
-            targets.append(bpeers.PytgiTarget(args.protocol, args.pytgi_args, chat=chat, model=args.model,
-                                              **common))
+        if kind == "pytgi":  # pytgi=FLAGS: a pytgi with these serve flags instead of --pytgi-args
+            target = bpeers.PytgiTarget(args.protocol, args.pytgi_args if value is None else value, chat=chat,
+                                        model=args.model, **common)
+            if value is not None:
+                target.name = f"pytgi {value}"
+            targets.append(target)
         elif kind == "llama-server":
             targets.append(bpeers.LlamaServerTarget(value, args.llama_server_model, args.llama_server_args,
                                                     chat=chat, **common))
@@ -149,7 +155,7 @@ def make_requests(args: argparse.Namespace, tokenizer: Tokenizer) -> list[BenchR
     if args.dataset:
         return dataset_requests(tokenizer, args.dataset, args.num_prompts)
     return synthetic_requests(tokenizer, args.num_prompts, args.input_min, args.input_max, args.output_min,
-                              args.output_max, args.seed)
+                              args.output_max, args.seed, args.shared_prefix_len)
 
 
 def protocol_for(target: bpeers.Target, timeout: float = 10.0, headers: dict[str, str] | None = None
@@ -303,6 +309,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "num_prompts": len(requests),
             "seed": args.seed,
             "input_range": None if args.dataset else [args.input_min, args.input_max],
+            "shared_prefix_len": 0 if args.dataset else args.shared_prefix_len,
             "output_range": None if args.dataset else [args.output_min, args.output_max],
             "input_tokens": sum(r.input_len for r in requests),
             "requested_output_tokens": sum(r.output_len for r in requests),

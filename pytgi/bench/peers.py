@@ -279,7 +279,8 @@ class TransformersServeTarget(ManagedTarget):
 
 # -- from the command line --------------------------------------------------------------------------------
 def parse_peer(spec: str) -> tuple[str, str | None]:
-    """`pytgi`, `transformers-serve`, `llama-server=/path/to/llama-server`, `tgi=URL`, `openai=URL`."""
+    """`pytgi`, `pytgi=SERVE FLAGS`, `transformers-serve`, `llama-server=/path/to/llama-server`, `tgi=URL`,
+    `openai=URL`."""
     kind, sep, value = spec.partition("=")
     kind = kind.strip()
     if kind not in PEER_KINDS:

@@ -76,15 +76,23 @@ def exact_length_text(tokenizer: Tokenizer, rng: random.Random, length: int, poo
 
 
 def synthetic_requests(tokenizer: Tokenizer, num: int, input_min: int, input_max: int, output_min: int,
-                       output_max: int, seed: int = 0) -> list[BenchRequest]:
+                       output_max: int, seed: int = 0, shared_prefix_len: int = 0) -> list[BenchRequest]:
     """`num` random-text prompts, input lengths uniform in [input_min, input_max], output lengths uniform
-    in [output_min, output_max]; the same seed gives the same requests."""
+    in [output_min, output_max]; the same seed gives the same requests.
+
+    With `shared_prefix_len`, every prompt is one shared random text of that many tokens, a newline,
+    then its own random part; `input_len` is then the whole prompt's count (the two parts may merge a
+    token at the seam)."""
     if not 1 <= input_min <= input_max:
         raise ValueError(f"need 1 <= input-min <= input-max, got {input_min}..{input_max}")
     if not 1 <= output_min <= output_max:
         raise ValueError(f"need 1 <= output-min <= output-max, got {output_min}..{output_max}")
+    if shared_prefix_len < 0:
+        raise ValueError(f"shared prefix length must be >= 0, got {shared_prefix_len}")
     rng = random.Random(seed)
     pool = token_pool(tokenizer)
+    prefix = exact_length_text(tokenizer, random.Random(seed + 1), shared_prefix_len, pool) + "\n" \
+        if shared_prefix_len else ""
     out = []
     for i in range(num):
         n_in = rng.randint(input_min, input_max)
@@ -92,6 +100,9 @@ def synthetic_requests(tokenizer: Tokenizer, num: int, input_min: int, input_max
         text = exact_length_text(tokenizer, rng, n_in, pool)
         got = count_tokens(tokenizer, text)
         assert got == n_in, f"prompt {i}: {got} tokens, wanted {n_in}"
+        if prefix:
+            text = prefix + text
+            n_in = count_tokens(tokenizer, text)
         out.append(BenchRequest(i, text, n_in, n_out))
     return out
 

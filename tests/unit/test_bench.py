@@ -57,6 +57,15 @@ def test_seeded_workload_is_reproducible(tok: Tokenizer) -> None:
     assert [r.index for r in a] == list(range(8))
 
 
+def test_shared_prefix_starts_every_prompt(tok: Tokenizer) -> None:
+    reqs = synthetic_requests(tok, 6, 8, 24, 4, 8, seed=1, shared_prefix_len=100)
+    ids = [tok.encode(r.prompt, add_special_tokens=False) for r in reqs]
+    assert all(len(i) == r.input_len for i, r in zip(ids, reqs))
+    assert all(i[:99] == ids[0][:99] for i in ids)  # the prefix's tokens (all but the seam) are shared
+    assert all(100 + 8 <= r.input_len <= 100 + 1 + 24 + 1 for r in reqs)
+    assert len({r.prompt[-20:] for r in reqs}) == 6
+
+
 def test_bad_ranges_are_refused(tok: Tokenizer) -> None:
     with pytest.raises(ValueError):
         synthetic_requests(tok, 1, 10, 5, 1, 1)
