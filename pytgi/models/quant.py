@@ -27,7 +27,7 @@ FLOAT_TYPES = {"F32", "F16", "BF16"}
 MODES = ("none", "auto", "int8", "int4")
 
 # Steps with at most this many tokens use the low-bit kernel (measured crossover, see module doc).
-SMALL_M = 8
+SMALL_M = 10
 
 
 def gguf_plan(model_dir: Path) -> dict[str, str]:
