@@ -23,7 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ["paged_attention.c"]
+SOURCES = ["paged_attention.c", "fused.c"]
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -78,8 +78,15 @@ def load() -> ctypes.CDLL | None:
         log.warning("building the CPU kernels failed, using the torch path: %s", detail)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for name in ("pytgi_decode_attention_f32", "pytgi_decode_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float]
+    f32 = ctypes.c_float
+    signatures = {
+        "decode_attention": (ctypes.c_int, [ptr] * 7 + [i64] * 6 + [f32]),
+        "add_rms_norm": (None, [ptr] * 4 + [i64] * 2 + [f32]),
+        "silu_mul": (None, [ptr] * 2 + [i64] * 2),
+        "rope_write_kv": (None, [ptr] * 7 + [i64] * 4),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        for suffix in ("f32", "bf16"):
+            fn = getattr(lib, f"pytgi_{name}_{suffix}")
+            fn.restype, fn.argtypes = restype, argtypes
     return lib

@@ -144,8 +144,9 @@ class TorchAttention:
         meta: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        if k is not None:  # None: the caller already wrote this step's keys and values
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if meta.paged_decode is not None:
             self._paged_decode(q.contiguous(), k_cache, v_cache, out, meta.paged_decode, scale)

@@ -20,6 +20,7 @@ from pytgi.models.layers import (
     merged_shards,
     qkv_shards,
 )
+from pytgi.models import fused
 from pytgi.models.quant import QuantizedWeight, can_quantize
 
 SUPPORTED_ARCHITECTURES = (
@@ -90,9 +91,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
+    def forward(self, x, cos, sin, kv_cache, meta, fused_rope=False):  # type: ignore[no-untyped-def]
         T, H, KVH, D = x.shape[0], self.n_heads, self.n_kv, self.head_dim
         qkv = self.qkv_proj(x)
+        if fused_rope and self.q_norm is None:  # cos, sin: float32 [T, D]; k and v go straight to the cache
+            q = fused.rope_write_kv(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], H, KVH, D)
+            o = self.backend.forward(q, None, None, kv_cache[0], kv_cache[1], meta, self.scale)
+            return self.o_proj(o.reshape(T, H * D))
+        if fused_rope:
+            cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
         v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
         if self.q_norm is None:  # rotate q and k in one go
             qk = apply_rotary(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
@@ -112,7 +119,9 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, shards, cfg.mlp_bias)
         self.down_proj = RowParallelLinear(shards[0], cfg.hidden_size, cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused_act: bool = False) -> torch.Tensor:
+        if fused_act:
+            return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
 
@@ -154,10 +163,27 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
         x = self.embed_tokens(input_ids)
+        if fused.enabled(x.device, x.dtype):
+            return self._forward_fused(x, positions, kv_caches, meta)
         cos, sin = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.norm(x)
+
+    def _forward_fused(self, x, positions, kv_caches, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        """The same computation with the CPU kernels of `pytgi.models.fused`: each residual add is
+        fused with the RMSNorm that follows it (the next layer's input norm included)."""
+        cos, sin = self.rotary.cos[positions].float(), self.rotary.sin[positions].float()
+        residual = x.contiguous()
+        norms = [w for layer in self.layers for w in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms.append(self.norm)
+        h = fused.add_rms_norm(None, residual, norms[0].weight, norms[0].eps)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            a = layer.self_attn(h, cos, sin, kv_cache, meta, fused_rope=True)
+            h = fused.add_rms_norm(a, residual, norms[2 * i + 1].weight, norms[2 * i + 1].eps)
+            m = layer.mlp(h, fused_act=True)
+            h = fused.add_rms_norm(m, residual, norms[2 * i + 2].weight, norms[2 * i + 2].eps)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -146,3 +146,12 @@ def test_prefill_on_top_of_cached_prefix_blocks_matches(models):
     b.num_computed_tokens = 8
     got = step(runner, pager, [(b, 5)])[0]
     assert_close(got, reference(hf, shared + tail)[8:])
+
+
+def test_pure_torch_path_matches(models, monkeypatch):
+    """Without the C kernels (no compiler, or CUDA): PyTorch ops for attention and the fused steps."""
+    from pytgi.models import fused
+
+    monkeypatch.setattr(fused, "enabled", lambda device, dtype: False)
+    monkeypatch.setattr(models[1].backend, "use_kernels", False)
+    test_chunks_and_paged_decodes_in_mixed_steps_match(models)

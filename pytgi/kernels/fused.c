@@ -1,0 +1,100 @@
+/* Fused element-wise steps of a decoder layer for CPU, float32 and bf16 (stored as uint16).
+ *
+ * In eager PyTorch each of these is 4–9 small ops; for a decode step of a few tokens their
+ * dispatch costs more than their arithmetic. Math is done in float32; bf16 results are rounded
+ * to nearest even where PyTorch would round an intermediate, so the bf16 path stays close to the
+ * unfused one. Built and loaded by pytgi/kernels/__init__.py. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t bf16_round(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline float bf16_rt(float x) { return bf16_load(bf16_round(x)); } /* round trip */
+
+/* residual[t] += x[t]; out[t] = w * rms_norm(residual[t]).  x may be NULL (no add). */
+void pytgi_add_rms_norm_f32(const float *x, float *residual, const float *w, float *out, int64_t T, int64_t D,
+                            float eps) {
+    _Pragma("omp parallel for if (T >= 8)")
+    for (int64_t t = 0; t < T; t++) {
+        float *r = residual + t * D, ss = 0.0f;
+        if (x != NULL)
+            for (int64_t i = 0; i < D; i++) r[i] += x[t * D + i];
+        for (int64_t i = 0; i < D; i++) ss += r[i] * r[i];
+        const float rstd = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int64_t i = 0; i < D; i++) out[t * D + i] = w[i] * (r[i] * rstd);
+    }
+}
+
+void pytgi_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t T,
+                             int64_t D, float eps) {
+    _Pragma("omp parallel for if (T >= 8)")
+    for (int64_t t = 0; t < T; t++) {
+        uint16_t *r = residual + t * D;
+        float ss = 0.0f;
+        if (x != NULL)
+            for (int64_t i = 0; i < D; i++) r[i] = bf16_round(bf16_load(r[i]) + bf16_load(x[t * D + i]));
+        for (int64_t i = 0; i < D; i++) ss += bf16_load(r[i]) * bf16_load(r[i]);
+        const float rstd = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int64_t i = 0; i < D; i++)
+            out[t * D + i] = bf16_round(bf16_load(w[i]) * bf16_rt(bf16_load(r[i]) * rstd));
+    }
+}
+
+/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i] */
+void pytgi_silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I) {
+    _Pragma("omp parallel for if (T >= 8)")
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = gu + t * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; i++) out[t * I + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+void pytgi_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I) {
+    _Pragma("omp parallel for if (T >= 8)")
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gu + t * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; i++) {
+            const float x = bf16_load(g[i]);
+            out[t * I + i] = bf16_round(bf16_rt(x / (1.0f + expf(-x))) * bf16_load(u[i]));
+        }
+    }
+}
+
+/* Rotary embedding (rotate-half, sign folded into `sin`) on the q and k parts of each row of the
+ * fused qkv output, then: q → q_out [T, H, D]; k, v → their cache slots [slot, KVH, D].
+ * cos/sin: [T, D] for each token's position. */
+#define DEFINE_ROPE(NAME, T_, LOAD, STORE, RT)                                                       \
+    void NAME(const T_ *qkv, const float *cos, const float *sin, const int64_t *slots, T_ *q_out,    \
+              T_ *k_cache, T_ *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D) {             \
+        const int64_t half = D / 2, width = (H + 2 * KVH) * D;                                       \
+        _Pragma("omp parallel for if (T >= 8)")                                                      \
+        for (int64_t t = 0; t < T; t++) {                                                            \
+            const T_ *row = qkv + t * width;                                                         \
+            const float *c = cos + t * D, *s = sin + t * D;                                          \
+            for (int64_t h = 0; h < H + KVH; h++) {                                                  \
+                const T_ *x = row + h * D;                                                           \
+                T_ *dst = h < H ? q_out + (t * H + h) * D : k_cache + (slots[t] * KVH + h - H) * D;   \
+                for (int64_t i = 0; i < D; i++) {                                                    \
+                    const float sw = LOAD(x[i < half ? i + half : i - half]);                        \
+                    dst[i] = STORE(RT(LOAD(x[i]) * RT(c[i])) + RT(sw * RT(s[i])));                   \
+                }                                                                                    \
+            }                                                                                        \
+            memcpy(v_cache + slots[t] * KVH * D, row + (H + KVH) * D, sizeof(T_) * (size_t)(KVH * D)); \
+        }                                                                                            \
+    }
+
+static inline float f32_load(float x) { return x; }
+static inline float f32_id(float x) { return x; }
+DEFINE_ROPE(pytgi_rope_write_kv_f32, float, f32_load, f32_id, f32_id)
+DEFINE_ROPE(pytgi_rope_write_kv_bf16, uint16_t, bf16_load, bf16_round, bf16_rt)

@@ -1,0 +1,51 @@
+"""The fused CPU element-wise kernels against the PyTorch ops they replace."""
+
+import pytest
+import torch
+
+from pytgi import kernels
+from pytgi.models import fused
+from pytgi.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C compiler")
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 9])
+def test_add_rms_norm(dtype, T):
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.data = (1 + 0.1 * torch.randn(64)).to(dtype)
+    x, residual = torch.randn(T, 64).to(dtype), torch.randn(T, 64).to(dtype)
+    expected_residual = residual + x
+    expected = norm(expected_residual)
+    out = fused.add_rms_norm(x, residual, norm.weight, 1e-5)
+    torch.testing.assert_close(residual, expected_residual, **TOL[dtype])
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    torch.testing.assert_close(fused.add_rms_norm(None, residual, norm.weight, 1e-5), expected, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    gu = torch.randn(5, 2 * 48).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(fused.silu_mul(gu), torch.nn.functional.silu(gate) * up, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv(dtype):
+    torch.manual_seed(0)
+    T, H, KVH, D = 6, 4, 2, 16
+    rope = RotaryEmbedding(D, 64, 10000.0, None)
+    positions = torch.tensor([0, 5, 6, 7, 30, 63])
+    qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
+    slots = torch.tensor([9, 2, 3, 4, 17, 0])
+    k_cache, v_cache = torch.zeros(20, KVH, D, dtype=dtype), torch.zeros(20, KVH, D, dtype=dtype)
+    q = fused.rope_write_kv(qkv, rope.cos[positions], rope.sin[positions], slots, k_cache, v_cache, H, KVH, D)
+    cos, sin = rope(positions, dtype)
+    qk = apply_rotary(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
+    torch.testing.assert_close(q, qk[:, :H], **TOL[dtype])
+    torch.testing.assert_close(k_cache[slots], qk[:, H:], **TOL[dtype])
+    torch.testing.assert_close(v_cache[slots], qkv[:, (H + KVH) * D :].view(T, KVH, D))
+    assert k_cache[1].abs().sum() == 0  # untouched slots stay untouched
