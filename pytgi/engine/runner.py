@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from pytgi import distributed as dist
+from pytgi import kernels
 from pytgi.engine.sampler import Sampler, SamplingMetadata
 from pytgi.engine.scheduler import ScheduledRequest
 from pytgi.engine.watermark import apply_watermark
@@ -64,6 +65,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(dtype, hf_config, self.device)
         self.backend = get_backend(attention_backend)
         self.backend.dtype = self.dtype
+        if self.device.type == "cpu":
+            kernels.load()  # build the C kernels now (about a second, once), not on the first request
         self.model = load_model(model_path, self.dtype, self.device, self.backend, quantize)
         self.config = self.model.config
         self.vocab_size = self.config.vocab_size
