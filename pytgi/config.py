@@ -14,6 +14,7 @@ class EngineConfig:
     max_input_tokens: int | None = None  # default: the model's positions - 1
     max_total_tokens: int | None = None  # default: the model's positions
     max_batch_prefill_tokens: int | None = None  # default: max(4096, max_input_tokens)... see resolve()
+    max_prefill_tokens_while_decoding: int | None = None  # prompt tokens per step while others decode; None/0: no cap
     max_batch_total_tokens: int | None = None  # KV slots; default: sized from free memory
     max_batch_size: int | None = None  # default: 256
     waiting_served_ratio: float = 0.3

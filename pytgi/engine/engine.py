@@ -80,6 +80,7 @@ class LLMEngine:
             SchedulerConfig(
                 max_batch_size=self.max_batch_size,
                 max_batch_prefill_tokens=self.max_batch_prefill_tokens,
+                max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
                 waiting_served_ratio=config.waiting_served_ratio,
                 max_waiting_tokens=config.max_waiting_tokens,
                 enable_chunked_prefill=config.enable_chunked_prefill,
@@ -108,6 +109,12 @@ class LLMEngine:
             )
         on_gpu = self.runner.device.type == "cuda"
         self.max_batch_prefill_tokens = c.max_batch_prefill_tokens or (4096 if on_gpu else 1024)
+        # Off by default: capping prompt tokens while others decode bounds the worst stall a long prompt
+        # causes, but throttles prefill under load (docs/benchmarks.md measures both sides).
+        cap = c.max_prefill_tokens_while_decoding or 0
+        if cap < 0:
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 0, got {cap}")
+        self.max_prefill_tokens_while_decoding = min(cap, self.max_batch_prefill_tokens) or None
         if not c.enable_chunked_prefill and self.max_input_tokens > self.max_batch_prefill_tokens:
             raise ValueError("without chunked prefill, max_input_tokens must be <= max_batch_prefill_tokens")
         self.max_batch_size = c.max_batch_size or 256

@@ -20,6 +20,9 @@ from pytgi.engine.request import Request, Status
 class SchedulerConfig:
     max_batch_size: int = 256
     max_batch_prefill_tokens: int = 4096  # tokens computed in one step (decodes count one each)
+    # Prompt tokens (new prefills and chunks) in a step that also decodes: keeps a step with a long
+    # prompt's chunk from stalling the streams (None: only max_batch_prefill_tokens applies).
+    max_prefill_tokens_while_decoding: int | None = None
     waiting_served_ratio: float = 0.3
     max_waiting_tokens: int = 20
     enable_chunked_prefill: bool = True
@@ -59,6 +62,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the first preempted
         self.steps_since_admission = 0
         self.num_preemptions = 0
+        self.prefill_budget: float = math.inf  # this step's prompt tokens still allowed
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -77,9 +81,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        cap = self.config.max_prefill_tokens_while_decoding
+        decoding = cap is not None and any(r.num_uncomputed == 1 for r in self.running)
+        self.prefill_budget = cap if decoding and self.config.enable_chunked_prefill else math.inf
         budget = self._schedule_running(out, self.config.max_batch_prefill_tokens)
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            self._admit_waiting(out, min(budget, self.prefill_budget))
         self.steps_since_admission = 1 if out.num_admitted else self.steps_since_admission + 1
         return out
 
@@ -89,9 +96,10 @@ class Scheduler:
                 continue
             n = req.num_uncomputed
             if n > 1:  # an unfinished chunked prefill continues within the budget
-                n = min(n, budget)
+                n = int(min(n, budget, self.prefill_budget))
                 if n <= 0:
                     continue
+                self.prefill_budget -= n
             while not self.block_manager.allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -143,6 +151,7 @@ class Scheduler:
                 break
             cached = bm.cached_prefix(req)
             n = req.num_tokens - len(cached) * bm.block_size
+            budget = int(budget)
             if n > budget:
                 if not cfg.enable_chunked_prefill:
                     break

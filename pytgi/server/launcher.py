@@ -30,6 +30,8 @@ FLAGS: list[tuple[str, type, object, str]] = [
     ("--max-total-tokens", int, None, "prompt + generated tokens (default: the model's positions)"),
     ("--waiting-served-ratio", float, 0.3, "admission rule for a running batch"),
     ("--max-batch-prefill-tokens", int, None, "tokens computed per step (default 4096 GPU, 1024 CPU)"),
+    ("--max-prefill-tokens-while-decoding", int, None,
+     "prompt tokens per step while others decode: bounds a long prompt's stall of running streams (default: no cap)"),
     ("--max-batch-total-tokens", int, None, "KV-cache slots (default: sized from memory)"),
     ("--max-waiting-tokens", int, 20, "steps before waiting requests join regardless"),
     ("--max-batch-size", int, None, "most running requests"),
@@ -95,6 +97,7 @@ def serve(args: argparse.Namespace) -> int:
     engine = EngineConfig(
         model=str(model_path), dtype=args.dtype, quantize=args.quantize, max_input_tokens=args.max_input_tokens,
         max_total_tokens=args.max_total_tokens, max_batch_prefill_tokens=args.max_batch_prefill_tokens,
+        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         max_batch_total_tokens=args.max_batch_total_tokens, max_batch_size=args.max_batch_size,
         waiting_served_ratio=args.waiting_served_ratio, max_waiting_tokens=args.max_waiting_tokens,
         enable_prefix_caching=not args.disable_prefix_caching, num_shard=args.num_shard,

@@ -172,3 +172,28 @@ def test_prefix_cache_hit_schedules_only_the_rest():
     sched.add(b)
     assert scheduled(run_step(sched))["b"] == 3
     assert b.num_cached_tokens == 12
+
+
+def test_prompt_tokens_are_capped_while_others_decode():
+    sched = make_scheduler(max_batch_prefill_tokens=64, max_prefill_tokens_while_decoding=8, max_waiting_tokens=1)
+    sched.add(make_request("a", 10, max_new_tokens=50))
+    assert scheduled(run_step(sched)) == {"a": 10}  # nothing decodes yet: the full budget
+    sched.add(make_request("long", 30))
+    assert scheduled(run_step(sched)) == {"a": 1, "long": 8}  # a decodes: 8 prompt tokens per step
+    assert scheduled(run_step(sched)) == {"a": 1, "long": 8}
+    sched.add(make_request("c", 5))
+    assert scheduled(run_step(sched)) == {"a": 1, "long": 8}  # the cap is shared, FIFO: c waits
+    assert scheduled(run_step(sched)) == {"a": 1, "long": 6, "c": 2}
+    assert scheduled(run_step(sched)) == {"a": 1, "long": 1, "c": 3}
+
+
+def test_no_cap_without_decodes_or_when_unset():
+    sched = make_scheduler(max_batch_prefill_tokens=64, max_prefill_tokens_while_decoding=8)
+    sched.add(make_request("a", 30))
+    sched.add(make_request("b", 20))
+    assert scheduled(run_step(sched)) == {"a": 30, "b": 20}
+    sched = make_scheduler(max_batch_prefill_tokens=64)
+    sched.add(make_request("a", 10, max_new_tokens=5))
+    run_step(sched)
+    sched.add(make_request("long", 40))
+    assert scheduled(run_step(sched)) == {"a": 1, "long": 40}
