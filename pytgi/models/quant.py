@@ -100,13 +100,10 @@ class QuantizedWeight:
         self.dequantized = deq.to(act_dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
+        """x: [T, in_features] → [T, out_features]."""
         if self.kind == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, GROUP, self.scales)
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.packed, self.scales)
-        return y.view(*lead, y.shape[-1])
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
+        return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
 
 
 def can_quantize(kind: str, w: torch.Tensor) -> bool:
