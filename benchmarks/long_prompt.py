@@ -72,7 +72,8 @@ def main() -> None:
     ap.add_argument("--pytgi", action="append", default=None, metavar="FLAGS",
                     help="a pytgi server with these serve flags (repeatable; default: one with none)")
     ap.add_argument("--llama-server", default=None, metavar="BINARY")
-    ap.add_argument("--llama-server-args", default=bpeers.DEFAULT_LLAMA_SERVER_ARGS)
+    ap.add_argument("--llama-server-args", default="-np 9 -c 18432 -t 2",
+                    help="9 slots of 2048 tokens: the streams and the long prompt")
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--stream-input", type=int, default=128)
     ap.add_argument("--stream-output", type=int, default=256)
@@ -98,14 +99,20 @@ def main() -> None:
         targets.append(bpeers.LlamaServerTarget(args.llama_server, args=args.llama_server_args))
     rows = []
     for target in targets:
-        with target:
-            rows.append(asyncio.run(scenario(target, streams, long, args.delay, count)))
+        try:
+            with target:
+                rows.append(asyncio.run(scenario(target, streams, long, args.delay, count)))
+        except (AssertionError, bpeers.PeerError) as e:  # a failed request or server: say so, go on
+            rows.append({"server": target.name, "command": target.command, "error": str(e)})
         print(f"{target.name}: {rows[-1]}", file=sys.stderr)
     print(f"\n{args.streams} streams ({args.stream_input} in / {args.stream_output} out); a {long.input_len}-token "
           f"prompt after {args.delay:g} s\n")
     print("| server | ITL p50 ms | ITL p99 ms | p99/p50 | ITL max ms | ITL p50 during long prefill | long TTFT ms |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        if "error" in r:
+            print(f"| {r['server']} | failed: {r['error'][:120]} |")
+            continue
         print(f"| {r['server']} | {r['itl_ms']['p50']} | {r['itl_ms']['p99']} | {r['p99_over_p50']} | "
               f"{r['itl_ms']['max']} | {r['itl_in_window_ms']['p50']} | {r['long_ttft_ms']} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
