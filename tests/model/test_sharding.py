@@ -89,6 +89,19 @@ def test_default_model_greedy_equals_one_shard(default_reference, n):
         llm.engine.shutdown()
 
 
+def test_fast_default_path_shards(default_reference):
+    """bf16 + the GGUF's int4 on each rank's slices (row-parallel slices regroup the int4 grid, and the
+    partial sums add in another order): not bit-equal to float32, but faithful to it."""
+    llm = LLM(max_batch_total_tokens=4096, max_total_tokens=1024, num_shard=2)
+    try:
+        assert llm.engine.runner.dtype == torch.bfloat16
+        assert llm.engine.runner.model.layers[0].mlp.down_proj.quant is not None
+        got = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))]
+        assert sum(g == ref[:8] for g, ref in zip(got, default_reference)) >= 2
+    finally:
+        llm.engine.shutdown()
+
+
 def test_bad_shard_counts_are_refused(tiny_path):
     with pytest.raises(ValueError, match="num_shard must be >= 1"):
         LLMEngine(EngineConfig(model=str(tiny_path), num_shard=0))
