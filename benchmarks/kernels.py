@@ -70,7 +70,6 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kernels.json")
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     rows = {m: {} for m in args.m}
     for kind in KINDS:
         weights = build(kind)

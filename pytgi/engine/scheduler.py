@@ -62,7 +62,6 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the first preempted
         self.steps_since_admission = 0
         self.num_preemptions = 0
-        self.prefill_budget: float = math.inf  # this step's prompt tokens still allowed
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -81,25 +80,28 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        cap = self.config.max_prefill_tokens_while_decoding
-        decoding = cap is not None and any(r.num_uncomputed == 1 for r in self.running)
-        self.prefill_budget = cap if decoding and self.config.enable_chunked_prefill else math.inf
-        budget = self._schedule_running(out, self.config.max_batch_prefill_tokens)
+        cfg = self.config
+        budget = cfg.max_batch_prefill_tokens
+        # Prompt tokens (continuing chunks and new prefills) are capped in a step that also decodes.
+        cap = cfg.max_prefill_tokens_while_decoding
+        decoding = cap is not None and cfg.enable_chunked_prefill and any(r.num_uncomputed == 1 for r in self.running)
+        budget, prompt_budget = self._schedule_running(out, budget, cap if decoding else budget)
         if not out.preempted:
-            self._admit_waiting(out, min(budget, self.prefill_budget))
+            self._admit_waiting(out, min(budget, prompt_budget))
         self.steps_since_admission = 1 if out.num_admitted else self.steps_since_admission + 1
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prompt_budget: int) -> tuple[int, int]:
+        """Decodes and continuing chunks; returns what is left of (budget, prompt_budget)."""
         for req in list(self.running):
             if req.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
             n = req.num_uncomputed
-            if n > 1:  # an unfinished chunked prefill continues within the budget
-                n = int(min(n, budget, self.prefill_budget))
+            prompt = n > 1
+            if prompt:  # an unfinished chunked prefill continues within the budgets
+                n = min(n, budget, prompt_budget)
                 if n <= 0:
                     continue
-                self.prefill_budget -= n
             while not self.block_manager.allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -108,7 +110,9 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledRequest(req, n))
                 budget -= n
-        return budget
+                if prompt:
+                    prompt_budget -= n
+        return budget, prompt_budget
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Free the request's blocks; it is recomputed from its tokens when readmitted (first)."""
@@ -151,7 +155,6 @@ class Scheduler:
                 break
             cached = bm.cached_prefix(req)
             n = req.num_tokens - len(cached) * bm.block_size
-            budget = int(budget)
             if n > budget:
                 if not cfg.enable_chunked_prefill:
                     break

@@ -21,9 +21,12 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+from pytgi.models.registry import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCES = ["paged_attention.c", "fused.c"]
+HEADERS = ["bf16.h"]  # part of the cache key
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -35,20 +38,13 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("PYTGI_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pytgi"
-    )
-    return Path(root) / "kernels"
-
-
 def _build(compiler: str) -> Path:
     here = Path(__file__).parent
     srcs = [here / s for s in SOURCES]
     key = hashlib.sha256()
-    for part in [compiler, *CFLAGS, _cpu_id(), *(s.read_text() for s in srcs)]:
+    for part in [compiler, *CFLAGS, _cpu_id(), *((here / f).read_text() for f in SOURCES + HEADERS)]:
         key.update(part.encode())
-    out = _cache_dir() / f"pytgi_kernels-{key.hexdigest()[:16]}.so"
+    out = cache_dir() / "kernels" / f"pytgi_kernels-{key.hexdigest()[:16]}.so"
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

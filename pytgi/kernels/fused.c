@@ -8,19 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_load(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline uint16_t bf16_round(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static inline float bf16_rt(float x) { return bf16_load(bf16_round(x)); } /* round trip */
+#include "bf16.h"
 
 /* residual[t] += x[t]; out[t] = w * rms_norm(residual[t]).  x may be NULL (no add). */
 void pytgi_add_rms_norm_f32(const float *x, float *residual, const float *w, float *out, int64_t T, int64_t D,

@@ -17,25 +17,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 static inline void row_f32(const float *restrict src, float *restrict dst, int64_t n) {
     memcpy(dst, src, sizeof(float) * (size_t)n);
 }
 static inline void row_bf16(const uint16_t *restrict src, float *restrict dst, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u = (uint32_t)src[i] << 16;
-        memcpy(dst + i, &u, 4);
-    }
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_load(src[i]);
 }
 static inline void store_f32(float *restrict dst, const float *restrict src, int64_t n) {
     memcpy(dst, src, sizeof(float) * (size_t)n);
 }
 static inline void store_bf16(uint16_t *restrict dst, const float *restrict src, int64_t n) {
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t u;
-        memcpy(&u, src + i, 4);
-        u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
-        dst[i] = (uint16_t)(u >> 16);
-    }
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_round(src[i]);
 }
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float s = 0.0f;

@@ -188,10 +188,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype) -> int:
+    def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype) -> None:
         """Give each planned linear a low-bit copy of its weight (see `pytgi.models.quant`); its float
         weight becomes the dequantized values in `act_dtype`. Call on float32 weights, before the
-        model is cast. Returns how many layers were quantized."""
+        model is cast."""
         parts = {fused: [p for p, (f, _) in self.FUSED.items() if f == fused] for fused, _ in self.FUSED.values()}
 
         def kind(hf_names: list[str]) -> str | None:
@@ -214,7 +214,6 @@ class LlamaForCausalLM(nn.Module):
         for mod, _ in todo:
             if mod is not self.lm_head:
                 mod.weight.data = mod.quant.dequantized
-        return len(todo)
 
     def load_weights(self, weights) -> None:  # type: ignore[no-untyped-def]
         """Copy (name, tensor) pairs in Hugging Face naming into this rank's parameters."""

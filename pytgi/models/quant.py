@@ -4,7 +4,7 @@ A decode step with a few tokens is bound by reading the weights: on this kind of
 (group-32, asymmetric) weight-only matmul reads 4× fewer bytes than bf16 and runs 2–5× faster at
 M = 1, int8 (per-channel) about 2×. Large batches and prefill chunks are compute bound, where a
 bf16 matmul wins (`benchmarks/kernels.py` measures the crossover). So a quantized linear keeps
-both: the packed low-bit weight for steps of at most `small_m` tokens, and the bf16 weight *made
+both: the packed low-bit weight for steps of at most `SMALL_M` tokens, and the bf16 weight *made
 from the same low-bit values* for bigger ones, so both paths multiply by identical weights.
 
 Which tensors to quantize, and how, is a per-tensor plan:
