@@ -1,6 +1,8 @@
 """Which matmul for which step size: the default model's 30 layers of linears (qkv, o, gate/up,
 down) plus its LM head, timed with float32, bfloat16, int8 and int4 weight-only kernels at each M
-(tokens in the step). This is what `pytgi.models.quant.SMALL_M` (the int4/bf16 crossover) rests on.
+(tokens in the step): pytgi's VNNI kernels (`pytgi/kernels/qgemv.c`, where the CPU has them) and
+PyTorch's (`int8-torch`, `int4-torch`). This is what `pytgi.models.quant.SMALL_M_VNNI` and
+`SMALL_M_TORCH` (the low-bit/bf16 crossovers) rest on.
 
     .venv/bin/python benchmarks/kernels.py                 # M = 1 2 4 8 12 16 32 64 256
     .venv/bin/python benchmarks/kernels.py --m 1 16
@@ -28,7 +30,7 @@ from pytgi.models.quant import QuantizedWeight  # noqa: E402
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
 HEAD = (49152, 576)
-KINDS = ("float32", "bfloat16", "int8", "int4")
+KINDS = ("float32", "bfloat16", "int8", "int4", "int8-torch", "int4-torch")
 
 
 def build(kind: str) -> list:
@@ -37,8 +39,9 @@ def build(kind: str) -> list:
     out = []
     for n, k in shapes:
         w = torch.randn(n, k, generator=g) * 0.02
-        if kind in ("int8", "int4"):
-            out.append(QuantizedWeight(kind, w, torch.bfloat16))
+        if kind.startswith("int"):
+            bits, _, torch_only = kind.partition("-")
+            out.append(QuantizedWeight(bits, w, torch.bfloat16, vnni=not torch_only))
         else:
             out.append(w.to(getattr(torch, kind)))
     return out
@@ -51,7 +54,7 @@ def time_pass(weights: list, kind: str, m: int, repeat: int) -> float:
     def one() -> None:
         for w in weights:
             if isinstance(w, QuantizedWeight):
-                w.matmul(xs[w.dequantized.shape[1]])
+                w.matmul(xs[w.shape[1]])
             else:
                 torch.nn.functional.linear(xs[w.shape[1]], w)
 

@@ -25,7 +25,7 @@ from pytgi.models.registry import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ["paged_attention.c", "fused.c"]
+SOURCES = ["paged_attention.c", "fused.c", "qgemv.c"]
 HEADERS = ["bf16.h"]  # part of the cache key
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
@@ -81,6 +81,8 @@ def load() -> ctypes.CDLL | None:
         "silu_mul": (None, [ptr] * 2 + [i64] * 2),
         "rope_write_kv": (None, [ptr] * 7 + [i64] * 4),
     }
+    lib.pytgi_qgemv_supported.restype, lib.pytgi_qgemv_supported.argtypes = ctypes.c_int, []
+    lib.pytgi_qgemv_bf16.restype, lib.pytgi_qgemv_bf16.argtypes = None, [ptr] * 3 + [i64] * 4
     for name, (restype, argtypes) in signatures.items():
         for suffix in ("f32", "bf16"):
             fn = getattr(lib, f"pytgi_{name}_{suffix}")

@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 from pytgi.distributed import all_gather_last_dim, all_reduce, local_range, tp_rank, tp_size
-from pytgi.models.quant import SMALL_M, QuantizedWeight
+from pytgi.models.quant import QuantizedWeight
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, quant: QuantizedWeight | None,
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b): the low-bit kernel for steps of few tokens when the layer is quantized."""
-    if quant is not None and x.shape[0] <= SMALL_M:
+    if quant is not None and x.shape[0] <= quant.max_m:
         y = quant.matmul(x)
         return y if bias is None else y + bias
     return nn.functional.linear(x, weight, bias)

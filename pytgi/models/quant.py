@@ -1,16 +1,22 @@
 """Weight-only quantization for small-batch CPU decode.
 
-A decode step with a few tokens is bound by reading the weights: on this kind of CPU an int4
-(group-32, asymmetric) weight-only matmul reads 4× fewer bytes than bf16 and runs 2–5× faster at
-M = 1, int8 (per-channel) about 2×. Large batches and prefill chunks are compute bound, where a
-bf16 matmul wins (`benchmarks/kernels.py` measures the crossover). So a quantized linear keeps
-both: the packed low-bit weight for steps of at most `SMALL_M` tokens, and the bf16 weight *made
-from the same low-bit values* for bigger ones, so both paths multiply by identical weights.
+A decode step with a few tokens is bound by reading the weights: 4-bit weights are 4× fewer bytes
+than bf16. Large batches and prefill chunks are compute bound, where a bf16 matmul wins
+(`benchmarks/kernels.py` measures the crossover). So a quantized linear keeps both: the packed
+low-bit weight for steps of at most `max_m` tokens, and the bf16 weight *made from the same
+low-bit values* for bigger ones, so both paths multiply by the same weights.
+
+The grids are GGUF's, per group of 32 input features with fp16 scales: int4 is Q4_1's
+(w = d·q + m, q in 0..15), int8 is Q8_0's (w = d·q, q in -127..127). Two kernels multiply by them:
+- on CPUs with AVX-512 VNNI, pytgi's own (`pytgi/kernels/qgemv.c`), which also quantizes the
+  activations to int8 per group of 32, as llama.cpp does, and runs near memory speed;
+- elsewhere PyTorch's `_weight_int4pack_mm_for_cpu` (bf16 scales) and `_weight_int8pack_mm`
+  (whose per-channel scales need a per-channel int8 grid instead).
 
 Which tensors to quantize, and how, is a per-tensor plan:
 - a GGUF model follows its file (`quantization.json`, written by the converter): Q4_0/Q4_1
-  tensors become int4, whose grid holds them exactly (up to the bf16 rounding of scales);
-  Q8_0 and other types become int8; float tensors stay as they are;
+  tensors become int4, whose grid holds them exactly; Q8_0 and other types become int8;
+  float tensors stay as they are;
 - a Hugging Face model is quantized only on request (`--quantize int8|int4`).
 """
 
@@ -21,13 +27,16 @@ from pathlib import Path
 
 import torch
 
+from pytgi import kernels
+
 GROUP = 32
 INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"}
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 MODES = ("none", "auto", "int8", "int4")
 
-# Steps with at most this many tokens use the low-bit kernel (measured crossover, see module doc).
-SMALL_M = 10
+# Steps with at most this many tokens use the low-bit kernel (measured crossovers, see module doc).
+SMALL_M_TORCH = 10
+SMALL_M_VNNI = 32
 
 
 def gguf_plan(model_dir: Path) -> dict[str, str]:
@@ -63,37 +72,79 @@ def resolve_plan(mode: str, model_dir: Path, act_dtype: torch.dtype, device: tor
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: (q [N, K] int8, scales [N], dequantized w)."""
+    """Symmetric per-output-channel int8 (for PyTorch's kernel): (q [N, K] int8, scales [N],
+    dequantized w)."""
     w = w.float()
     scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
     q = torch.round(w / scale[:, None]).clamp(-127, 127)
     return q.to(torch.int8), scale, q * scale[:, None]
 
 
-def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric int4 in groups of `group` input features, min/max grid (Q4_1's):
-    w ≈ q·scale + min with q in 0..15. Returns (q [N, K] int32, scale/min [N, K/group] each
-    stacked as [N, K/group, 2], dequantized w)."""
+def _fp16(t: torch.Tensor) -> torch.Tensor:
+    return t.clamp(min=-65504, max=65504).half().float()
+
+
+def quantize_int8_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q8_0's grid: w ≈ d·q, q in -127..127 per `group` inputs, d in fp16. Returns (q [N, K] int32,
+    d [N, K/group], dequantized w)."""
+    N, K = w.shape
+    g = w.float().view(N, K // group, group)
+    d = _fp16(g.abs().amax(dim=-1) / 127)
+    q = torch.round(g / d.clamp(min=1e-30)[..., None]).clamp(-127, 127)
+    return q.view(N, K).to(torch.int32), d, (q * d[..., None]).view(N, K)
+
+
+def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1's grid: w ≈ d·q + m, q in 0..15 per `group` inputs (min/max), d and m in fp16.
+    Returns (q [N, K] int32, d, m [N, K/group], dequantized w)."""
     N, K = w.shape
     g = w.float().view(N, K // group, group)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
-    deq = (q * scale[..., None] + lo[..., None]).view(N, K)
-    return q.view(N, K).to(torch.int32), torch.stack([scale, lo], dim=-1), deq
+    d, m = _fp16((hi - lo) / 15), _fp16(lo)
+    q = torch.round((g - m[..., None]) / d.clamp(min=1e-30)[..., None]).clamp(0, 15)
+    return q.view(N, K).to(torch.int32), d, m, (q * d[..., None] + m[..., None]).view(N, K)
+
+
+def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+    """The layout `pytgi/kernels/qgemv.c` reads: q unsigned ([N, K], values < 2**bits), d and m
+    [N, K/32]; per tile of 16 rows and group of 32 inputs, the weight bytes then 16 fp16 d and m."""
+    N, K = q.shape
+    G = K // GROUP
+    v = q.to(torch.uint8).view(N // 16, 16, G, 8, 4).permute(0, 2, 3, 1, 4).reshape(N // 16, G, 8, 64)
+    if bits == 4:
+        v = v[:, :, :4] | (v[:, :, 4:] << 4)
+
+    def scales(t: torch.Tensor) -> torch.Tensor:
+        return t.half().view(N // 16, 16, G).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+    return torch.cat([v.reshape(N // 16, G, -1), scales(d), scales(m)], dim=-1).contiguous()
+
+
+def vnni_available() -> bool:
+    lib = kernels.load()
+    return lib is not None and bool(lib.pytgi_qgemv_supported())
 
 
 class QuantizedWeight:
     """The low-bit form of one linear's weight and the kernel that multiplies by it."""
 
-    def __init__(self, kind: str, w: torch.Tensor, act_dtype: torch.dtype) -> None:
-        self.kind = kind
+    def __init__(self, kind: str, w: torch.Tensor, act_dtype: torch.dtype, vnni: bool = True) -> None:
+        """`vnni=False` forces PyTorch's kernels (for comparison)."""
+        N, K = w.shape
+        self.kind, self.shape = kind, (N, K)
+        self.vnni = vnni and act_dtype == torch.bfloat16 and N % 16 == 0 and K % GROUP == 0 and vnni_available()
+        self.max_m = SMALL_M_VNNI if self.vnni else SMALL_M_TORCH
         if kind == "int4":
-            q, scale_min, deq = quantize_int4(w)
-            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-            scale, lo = scale_min.unbind(-1)
-            # The kernel computes (q - 8)·s + z per group: z = min + 8·s. Layout [K/group, N, 2].
-            self.scales = torch.stack([scale.t(), (lo + 8 * scale).t()], dim=-1).contiguous().to(act_dtype)
+            q, d, m, deq = quantize_int4(w)
+            if self.vnni:
+                self.packed = pack_vnni(q, d, m, 4)
+            else:
+                self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+                # The kernel computes (q - 8)·s + z per group: z = m + 8·s. Layout [K/group, N, 2].
+                self.scales = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).contiguous().to(act_dtype)
+        elif self.vnni:
+            q, d, deq = quantize_int8_groups(w)
+            self.packed = pack_vnni(q + 128, d, -128 * d, 8)  # unsigned: d·(q + 128) − 128·d
         else:
             self.packed, scale, deq = quantize_int8(w)
             self.scales = scale.to(act_dtype)
@@ -101,6 +152,12 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] → [T, out_features]."""
+        if self.vnni:
+            x = x.contiguous()
+            out = x.new_empty(x.shape[0], self.shape[0])
+            kernels.load().pytgi_qgemv_bf16(x.data_ptr(), self.packed.data_ptr(), out.data_ptr(), x.shape[0],
+                                            self.shape[0], self.shape[1], 4 if self.kind == "int4" else 8)
+            return out
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)

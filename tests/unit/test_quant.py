@@ -5,7 +5,15 @@ import json
 import pytest
 import torch
 
-from pytgi.models.quant import QuantizedWeight, gguf_plan, quantize_int4, quantize_int8, resolve_plan
+from pytgi.models.quant import (
+    QuantizedWeight,
+    gguf_plan,
+    quantize_int4,
+    quantize_int8,
+    quantize_int8_groups,
+    resolve_plan,
+    vnni_available,
+)
 
 
 def q4_1_weight(N=32, K=64, seed=0):
@@ -13,14 +21,14 @@ def q4_1_weight(N=32, K=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (N, K // 32, 32), generator=g).float()
     q[..., 0], q[..., 1] = 0, 15
-    d = torch.rand(N, K // 32, 1, generator=g) * 0.01 + 0.001
-    m = -torch.rand(N, K // 32, 1, generator=g) * 0.05
+    d = (torch.rand(N, K // 32, 1, generator=g) * 0.01 + 0.001).half().float()  # GGUF stores fp16
+    m = (-torch.rand(N, K // 32, 1, generator=g) * 0.05).half().float()
     return (q * d + m).view(N, K)
 
 
 def test_int4_grid_holds_q4_1_weights():
     w = q4_1_weight()
-    _, _, deq = quantize_int4(w)
+    *_, deq = quantize_int4(w)
     torch.testing.assert_close(deq, w, atol=1e-6, rtol=0)
 
 
@@ -31,13 +39,40 @@ def test_int8_is_per_channel_and_close():
     assert (deq - w).abs().max() <= scale.max() / 2 + 1e-6
 
 
+def test_int8_groups_hold_q8_0_weights():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (16, 2, 32), generator=g).float()
+    q[..., 0] = 127  # Q8_0 scales by the group's absolute max
+    d = (torch.rand(16, 2, 1, generator=g) * 0.01 + 0.001).half().float()
+    w = (q * d).view(16, 64)
+    qi, dd, deq = quantize_int8_groups(w)
+    assert torch.equal(deq, w) and torch.equal(qi.float().view(16, 2, 32), q)
+
+
+@pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "torch"])
 @pytest.mark.parametrize("kind", ["int4", "int8"])
-def test_kernel_multiplies_by_the_dequantized_weight(kind):
+@pytest.mark.parametrize("M", [1, 3, 4, 7])
+def test_kernel_multiplies_by_the_dequantized_weight(kind, vnni, M):
+    if vnni and not vnni_available():
+        pytest.skip("this CPU has no AVX-512 VNNI")
     w = q4_1_weight(N=48, K=96)
-    qw = QuantizedWeight(kind, w, torch.bfloat16)
-    x = torch.randn(3, 96).bfloat16()
+    qw = QuantizedWeight(kind, w, torch.bfloat16, vnni=vnni)
+    assert qw.vnni == vnni
+    x = torch.randn(M, 96).bfloat16()
     ref = x.float() @ qw.dequantized.float().t()
-    torch.testing.assert_close(qw.matmul(x).float(), ref, atol=0.05, rtol=0.02)
+    # the VNNI kernel also rounds the activations to int8 (per 32): a relative error of about 1%
+    torch.testing.assert_close(qw.matmul(x).float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
+
+
+def test_vnni_kernel_on_a_model_sized_weight():
+    if not vnni_available():
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    w = torch.randn(960, 576) * 0.05
+    for kind in ("int4", "int8"):
+        qw = QuantizedWeight(kind, w, torch.bfloat16)
+        x = torch.randn(5, 576).bfloat16()
+        y, ref = qw.matmul(x).float(), x.float() @ qw.dequantized.float().t()
+        assert ((y - ref).norm() / ref.norm()).item() < 0.02, kind
 
 
 def test_plan_follows_the_gguf_types(tmp_path):
