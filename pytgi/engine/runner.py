@@ -68,6 +68,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             kernels.load()  # build the C kernels now (about a second, once), not on the first request
         self.model = load_model(model_path, self.dtype, self.device, self.backend, quantize)
+        attn = self.model.layers[0].self_attn
+        self.backend.heads = (attn.n_heads, attn.n_kv, attn.head_dim)
         self.config = self.model.config
         self.vocab_size = self.config.vocab_size
         self.sampler = Sampler()

@@ -77,10 +77,12 @@ def load() -> ctypes.CDLL | None:
     f32 = ctypes.c_float
     signatures = {
         "decode_attention": (ctypes.c_int, [ptr] * 7 + [i64] * 6 + [f32]),
+        "paged_prefill": (ctypes.c_int, [ptr] * 8 + [i64] * 6 + [f32]),
         "add_rms_norm": (None, [ptr] * 4 + [i64] * 2 + [f32]),
         "silu_mul": (None, [ptr] * 2 + [i64] * 2),
         "rope_write_kv": (None, [ptr] * 7 + [i64] * 4),
     }
+    lib.pytgi_paged_prefill_supported.restype, lib.pytgi_paged_prefill_supported.argtypes = ctypes.c_int, [i64] * 3
     lib.pytgi_qgemv_supported.restype, lib.pytgi_qgemv_supported.argtypes = ctypes.c_int, []
     lib.pytgi_qgemv_bf16.restype, lib.pytgi_qgemv_bf16.argtypes = None, [ptr] * 3 + [i64] * 4
     for name, (restype, argtypes) in signatures.items():

@@ -182,83 +182,103 @@ static inline __m512 reduce16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD));
 }
 
-/* Keys j_begin .. j_end-1 of one (request, kv head) pair for its G query heads `q` (G*D
- * contiguous elements): acc[G*D] = Σ_j e^(s_j - m) v_j, m[G] the max score, l[G] = Σ_j e^(s_j - m).
- * Inlined with literal `bf16` and `D`, the row loops unroll into registers. */
-static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, const char *q, const char *kc,
-                                                         const char *vc, const int64_t *table, int64_t bs,
-                                                         int64_t KVH, int64_t kvh, int64_t j_begin, int64_t j_end,
-                                                         int64_t G, float scale, float *acc, float *m, float *l) {
+/* Keys j_begin .. j_end-1 of one (request, kv head) pair, for its Q query tokens × G query heads.
+ * Query token t (0 <= t < Q) sits at position ctx - Q + t and sees keys 0 .. ctx - Q + t (causal).
+ * `q` is the pair's first query head of token 0; tokens are `qstride` elements apart. Writes, per
+ * (t, h): acc[(t*G + h)*D ..] = Σ_j e^(s_j - m) v_j, m[t*G + h] the max score, l[..] = Σ_j e^(s_j - m)
+ * (m = -inf, l = 0 when the token sees no key here). Inlined with literal `bf16` and `D`, the row
+ * loops unroll into registers. */
+static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, const char *q, int64_t qstride,
+                                                         int64_t Q, int64_t ctx, const char *kc, const char *vc,
+                                                         const int64_t *table, int64_t bs, int64_t KVH, int64_t kvh,
+                                                         int64_t j_begin, int64_t j_end, int64_t G, float scale,
+                                                         float *acc, float *m, float *l) {
     const int64_t es = bf16 ? 2 : 4, DV = D / 16, row = KVH * D * es;
-    float qf[MAXG * MAXD], sc[MAXG * 16], vf[16 * MAXD];
-    __m512 dots[MAXG * 16];
-    for (int64_t h = 0; h < G; h++) {
-        m[h] = -INFINITY;
-        l[h] = 0.0f;
-        for (int64_t i = 0; i < DV; i++) {
-            _mm512_storeu_ps(qf + h * D + 16 * i, _mm512_mul_ps(ld16(q + (h * D + 16 * i) * es, bf16), _mm512_set1_ps(scale)));
-            _mm512_storeu_ps(acc + h * D + 16 * i, _mm512_setzero_ps());
-        }
+    float kf[16 * MAXD], vf[16 * MAXD];
+    for (int64_t r = 0; r < Q * G; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        for (int64_t i = 0; i < DV; i++) _mm512_storeu_ps(acc + r * D + 16 * i, _mm512_setzero_ps());
     }
     for (int64_t j0 = j_begin; j0 < j_end; j0 += 16) {
         const int64_t n = j_end - j0 < 16 ? j_end - j0 : 16;
-        if (n < 16)
-            for (int64_t h = 0; h < G; h++)
-                for (int64_t j = n; j < 16; j++) dots[h * 16 + j] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < n; j++) {
+        for (int64_t j = 0; j < n; j++) { /* widen this block's keys and values once, for every query */
             const int64_t pos = j0 + j, off = (table[pos / bs] * bs + pos % bs) * row + kvh * D * es;
-            __m512 k[MAXD / 16];
             for (int64_t i = 0; i < DV; i++) {
-                k[i] = ld16(kc + off + 16 * i * es, bf16);
+                _mm512_storeu_ps(kf + j * D + 16 * i, ld16(kc + off + 16 * i * es, bf16));
                 _mm512_storeu_ps(vf + j * D + 16 * i, ld16(vc + off + 16 * i * es, bf16));
             }
-            for (int64_t h = 0; h < G; h++) {
-                __m512 d = _mm512_mul_ps(k[0], _mm512_loadu_ps(qf + h * D));
-                for (int64_t i = 1; i < DV; i++) d = _mm512_fmadd_ps(k[i], _mm512_loadu_ps(qf + h * D + 16 * i), d);
-                dots[h * 16 + j] = d;
-            }
         }
-        for (int64_t h = 0; h < G; h++) _mm512_storeu_ps(sc + h * 16, reduce16(dots + h * 16));
-        const __mmask16 valid = (__mmask16)((1u << n) - 1u);
-        for (int64_t h = 0; h < G; h++) {
-            const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), valid, sc + h * 16);
-            const float mx = _mm512_reduce_max_ps(s), m_new = mx > m[h] ? mx : m[h];
-            const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
-            const float alpha = m_new > m[h] ? (m[h] == -INFINITY ? 0.0f : expf(m[h] - m_new)) : 1.0f;
-            m[h] = m_new;
-            l[h] = l[h] * alpha + _mm512_reduce_add_ps(p);
-            _mm512_storeu_ps(sc + h * 16, p);
-            __m512 a[MAXD / 16];
-            for (int64_t i = 0; i < DV; i++) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + h * D + 16 * i), _mm512_set1_ps(alpha));
-            for (int64_t j = 0; j < n; j++) {
-                const __m512 pj = _mm512_set1_ps(sc[h * 16 + j]);
-                for (int64_t i = 0; i < DV; i++) a[i] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vf + j * D + 16 * i), a[i]);
+        /* the first token that sees key j0 */
+        for (int64_t t = j0 - (ctx - Q) > 0 ? j0 - (ctx - Q) : 0; t < Q; t++) {
+            const int64_t lim = ctx - Q + t + 1 - j0, nq = lim < n ? lim : n; /* keys this token sees */
+            const __mmask16 valid = (__mmask16)((1u << nq) - 1u);
+            for (int64_t h = 0; h < G; h++) {
+                const int64_t r = t * G + h;
+                __m512 qv[MAXD / 16], dots[16], a[MAXD / 16];
+                for (int64_t i = 0; i < DV; i++)
+                    qv[i] = _mm512_mul_ps(ld16(q + (t * qstride + h * D + 16 * i) * es, bf16), _mm512_set1_ps(scale));
+                for (int64_t j = 0; j < 16; j++) {
+                    dots[j] = _mm512_setzero_ps();
+                    if (j < nq)
+                        for (int64_t i = 0; i < DV; i++) dots[j] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kf + j * D + 16 * i), dots[j]);
+                }
+                const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, reduce16(dots));
+                const float mx = _mm512_reduce_max_ps(s), m_new = mx > m[r] ? mx : m[r];
+                const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+                const float alpha = m_new > m[r] ? (m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new)) : 1.0f;
+                m[r] = m_new;
+                l[r] = l[r] * alpha + _mm512_reduce_add_ps(p);
+                float pj[16];
+                _mm512_storeu_ps(pj, p);
+                for (int64_t i = 0; i < DV; i++) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * i), _mm512_set1_ps(alpha));
+                for (int64_t j = 0; j < nq; j++)
+                    for (int64_t i = 0; i < DV; i++)
+                        a[i] = _mm512_fmadd_ps(_mm512_set1_ps(pj[j]), _mm512_loadu_ps(vf + j * D + 16 * i), a[i]);
+                for (int64_t i = 0; i < DV; i++) _mm512_storeu_ps(acc + r * D + 16 * i, a[i]);
             }
-            for (int64_t i = 0; i < DV; i++) _mm512_storeu_ps(acc + h * D + 16 * i, a[i]);
         }
     }
 }
 
-static int decode512(int bf16, const char *q, const char *k_cache, const char *v_cache, char *out, const int64_t *rows,
-                     const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks,
-                     int64_t bs, int64_t H, int64_t KVH, int64_t D, float scale) {
-    const int64_t G = H / KVH, part = G * D + 2 * G, es = bf16 ? 2 : 4;
-    int64_t S = 1;
-    for (int64_t b = 0; b < B; b++) S = (ctx_lens[b] + CHUNK - 1) / CHUNK > S ? (ctx_lens[b] + CHUNK - 1) / CHUNK : S;
-    float *parts = malloc(sizeof(float) * (size_t)(B * KVH * S * part));
-    if (parts == NULL) return 1;
+/* Requests b = 0 .. B-1, each with q_lens[b] query tokens (flat rows q_starts[b] ..) at the end of
+ * its ctx_lens[b] cached tokens (its own keys already written). Returns nonzero on out of memory. */
+static int attention512(int bf16, const char *q, const char *k_cache, const char *v_cache, char *out,
+                        const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
+                        const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t bs, int64_t H, int64_t KVH,
+                        int64_t D, float scale) {
+    const int64_t G = H / KVH, es = bf16 ? 2 : 4;
+    /* task i: request task_b[i], chunk task_c[i], all kv heads (task index * KVH + kvh); partial
+     * results at part_off[i] + kvh * (its size) */
+    int64_t n_tasks = 0, floats = 0;
+    for (int64_t b = 0; b < B; b++) n_tasks += (ctx_lens[b] + CHUNK - 1) / CHUNK;
+    int64_t *meta = malloc(sizeof(int64_t) * (size_t)(3 * n_tasks + B + 1));
+    if (meta == NULL) return 1;
+    int64_t *task_b = meta, *task_c = meta + n_tasks, *part_off = meta + 2 * n_tasks, *first_task = meta + 3 * n_tasks;
+    for (int64_t b = 0, i = 0; b < B; b++) {
+        first_task[b] = i;
+        for (int64_t c = 0; c < (ctx_lens[b] + CHUNK - 1) / CHUNK; c++, i++) {
+            task_b[i] = b, task_c[i] = c, part_off[i] = floats;
+            floats += KVH * q_lens[b] * G * (D + 2);
+        }
+    }
+    first_task[B] = n_tasks;
+    float *parts = malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));
+    if (parts == NULL) {
+        free(meta);
+        return 1;
+    }
     _Pragma("omp parallel")
     {
         const unsigned int csr = flush_denormals();
         _Pragma("omp for schedule(dynamic, 1)")
-        for (int64_t task = 0; task < B * KVH * S; task++) {
-            const int64_t b = task / (KVH * S), kvh = task / S % KVH, c = task % S;
+        for (int64_t task = 0; task < n_tasks * KVH; task++) {
+            const int64_t i = task / KVH, kvh = task % KVH, b = task_b[i], c = task_c[i], Q = q_lens[b];
             const int64_t j_end = ctx_lens[b] < (c + 1) * CHUNK ? ctx_lens[b] : (c + 1) * CHUNK;
-            if (c * CHUNK >= j_end) continue;
-            const char *qp = q + (rows[b] * H + kvh * G) * D * es;
-            const int64_t *table = block_tables + b * max_blocks;
-            float *acc = parts + task * part, *m = acc + G * D, *l = m + G;
-#define CHUNK_ARGS qp, k_cache, v_cache, table, bs, KVH, kvh, c * CHUNK, j_end, G, scale, acc, m, l
+            const char *qp = q + (q_starts[b] * H + kvh * G) * D * es;
+            float *acc = parts + part_off[i] + kvh * Q * G * (D + 2), *m = acc + Q * G * D, *l = m + Q * G;
+#define CHUNK_ARGS qp, H * D, Q, ctx_lens[b], k_cache, v_cache, block_tables + b * max_blocks, bs, KVH, kvh, \
+                   c * CHUNK, j_end, G, scale, acc, m, l
             if (D == 64 && bf16) chunk(1, 64, CHUNK_ARGS);
             else if (D == 64) chunk(0, 64, CHUNK_ARGS);
             else if (D == 128 && bf16) chunk(1, 128, CHUNK_ARGS);
@@ -266,34 +286,55 @@ static int decode512(int bf16, const char *q, const char *k_cache, const char *v
             else chunk(bf16, D, CHUNK_ARGS);
 #undef CHUNK_ARGS
         }
-        _Pragma("omp for schedule(static)")
+        /* combine a request's chunks: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) l_c */
+        _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t pair = 0; pair < B * KVH; pair++) {
-            const int64_t b = pair / KVH, kvh = pair % KVH, nc = (ctx_lens[b] + CHUNK - 1) / CHUNK;
-            const float *first = parts + pair * S * part;
-            for (int64_t h = 0; h < G; h++) {
+            const int64_t b = pair / KVH, kvh = pair % KVH, Q = q_lens[b], size = Q * G * (D + 2);
+            const int64_t t0 = first_task[b], nc = first_task[b + 1] - t0;
+            for (int64_t r = 0; r < Q * G; r++) {
                 float M = -INFINITY, sum = 0.0f;
-                for (int64_t c = 0; c < nc; c++) M = first[c * part + G * D + h] > M ? first[c * part + G * D + h] : M;
-                for (int64_t i = 0; i < D / 16; i++) {
-                    __m512 o = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < nc; c++) {
-                        const float *pc = first + c * part, e = expf(pc[G * D + h] - M);
-                        if (i == 0) sum += e * pc[G * D + G + h];
-                        o = _mm512_fmadd_ps(_mm512_set1_ps(e), _mm512_loadu_ps(pc + h * D + 16 * i), o);
-                    }
-                    st16(out + ((rows[b] * H + kvh * G + h) * D + 16 * i) * es, _mm512_mul_ps(o, _mm512_set1_ps(1.0f / sum)), bf16);
+                for (int64_t c = 0; c < nc; c++) {
+                    const float mc = parts[part_off[t0 + c] + kvh * size + Q * G * D + r];
+                    M = mc > M ? mc : M;
                 }
+                __m512 o[MAXD / 16];
+                for (int64_t i = 0; i < D / 16; i++) o[i] = _mm512_setzero_ps();
+                for (int64_t c = 0; c < nc; c++) {
+                    const float *pc = parts + part_off[t0 + c] + kvh * size;
+                    if (pc[Q * G * D + r] == -INFINITY) continue; /* this token sees no key in chunk c */
+                    const float e = expf(pc[Q * G * D + r] - M);
+                    sum += e * pc[Q * G * D + Q * G + r];
+                    for (int64_t i = 0; i < D / 16; i++) o[i] = _mm512_fmadd_ps(_mm512_set1_ps(e), _mm512_loadu_ps(pc + r * D + 16 * i), o[i]);
+                }
+                const int64_t t = r / G, h = r % G;
+                for (int64_t i = 0; i < D / 16; i++)
+                    st16(out + (((q_starts[b] + t) * H + kvh * G + h) * D + 16 * i) * es, _mm512_mul_ps(o[i], _mm512_set1_ps(1.0f / sum)), bf16);
             }
         }
         restore_csr(csr);
     }
     free(parts);
+    free(meta);
     return 0;
+}
+
+static int decode512(int bf16, const char *q, const char *k_cache, const char *v_cache, char *out, const int64_t *rows,
+                     const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks,
+                     int64_t bs, int64_t H, int64_t KVH, int64_t D, float scale) {
+    int64_t *ones = malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
+    if (ones == NULL) return 1;
+    for (int64_t b = 0; b < B; b++) ones[b] = 1;
+    const int failed = attention512(bf16, q, k_cache, v_cache, out, rows, ones, block_tables, ctx_lens, B, max_blocks,
+                                    bs, H, KVH, D, scale);
+    free(ones);
+    return failed;
 }
 
 #define FAST_OK (D % 16 == 0 && D <= MAXD && H / KVH <= MAXG)
 #else
 #define FAST_OK 0
 #define decode512(...) 0
+#define attention512(...) 2
 #endif
 
 int pytgi_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
@@ -315,3 +356,20 @@ int pytgi_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, cons
     return decode_generic_bf16(q, k_cache, v_cache, out, rows, block_tables, ctx_lens, B, max_blocks, block_size, H,
                                KVH, D, scale);
 }
+
+/* Prefill chunks (and decodes) in place: request b's q_lens[b] query tokens are flat rows
+ * q_starts[b] .. (see attention512). Only with the AVX-512 kernel: returns 2 when
+ * pytgi_paged_prefill_supported() says no. */
+int pytgi_paged_prefill_supported(int64_t H, int64_t KVH, int64_t D) { return FAST_OK; }
+
+#define DEFINE_PREFILL(NAME, T, BF16)                                                                  \
+    int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int64_t *q_starts,          \
+             const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B,    \
+             int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale) {  \
+        if (!FAST_OK) return 2;                                                                        \
+        return attention512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,       \
+                            (char *)out, q_starts, q_lens, block_tables, ctx_lens, B, max_blocks,      \
+                            block_size, H, KVH, D, scale);                                             \
+    }
+DEFINE_PREFILL(pytgi_paged_prefill_f32, float, 0)
+DEFINE_PREFILL(pytgi_paged_prefill_bf16, uint16_t, 1)

@@ -7,10 +7,11 @@ request's context from its blocks and runs SDPA twice per layer: once over all s
 queries (decodes), once over all multi-token queries (prefill chunks), each padded to the
 longest member. It is portable (CPU, CUDA) and the reference for faster backends.
 
-On CPU, when the C kernels build (`pytgi.kernels`), decodes skip the gather: a paged decode
-kernel reads keys and values in place. Gathering each decode's whole context into a padded copy
-was half of a 16-request decode step; prefill chunks keep SDPA, where the gather is small next to
-the attention itself.
+On CPU, when the C kernels build (`pytgi.kernels`), decodes skip the gather: a paged kernel
+reads keys and values in place. Gathering each decode's whole context into a padded copy was half
+of a 16-request decode step. With AVX-512 the same kernel also takes prefill chunks of up to
+`PAGED_PREFILL_MAX` tokens: a small chunk of a long prompt, scheduled next to running decodes,
+paid more for its gather and mask than for its attention. Bigger chunks keep SDPA.
 """
 
 from __future__ import annotations
@@ -45,13 +46,18 @@ class _Group:
     mask: torch.Tensor  # [G, 1, Q, L] bool: may attend
 
 
-@dataclass(slots=True)
-class _PagedDecode:
-    """Arguments of the C decode kernel (numpy arrays stay referenced while the step runs)."""
+# Prefill chunks of at most this many tokens go to the paged kernel (measured, see module doc).
+PAGED_PREFILL_MAX = 8
 
-    rows: np.ndarray  # [Bd] flat token index of each decode
-    block_tables: np.ndarray  # [Bd, max_blocks]
-    context_lens: np.ndarray  # [Bd]
+
+@dataclass(slots=True)
+class _Paged:
+    """Arguments of the C kernels (numpy arrays stay referenced while the step runs)."""
+
+    q_starts: np.ndarray  # [Bp] flat token index of each request's first query token
+    q_lens: np.ndarray  # [Bp] 1 for decodes
+    block_tables: np.ndarray  # [Bp, max_blocks]
+    context_lens: np.ndarray  # [Bp]
     block_size: int
 
 
@@ -60,7 +66,7 @@ class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     decode: _Group | None
     prefill: _Group | None
-    paged_decode: _PagedDecode | None = None
+    paged: _Paged | None = None
 
 
 def _group(layout: StepLayout, rows: np.ndarray, starts: np.ndarray, device: torch.device) -> _Group:
@@ -85,7 +91,7 @@ def _group(layout: StepLayout, rows: np.ndarray, starts: np.ndarray, device: tor
     )
 
 
-_KERNELS = {torch.float32: "pytgi_decode_attention_f32", torch.bfloat16: "pytgi_decode_attention_bf16"}
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def _ptr(t: torch.Tensor | np.ndarray) -> int:
@@ -98,41 +104,50 @@ class TorchAttention:
     def __init__(self, use_kernels: bool = True) -> None:
         self.use_kernels = use_kernels
         self.dtype: torch.dtype | None = None  # the model's; set by the runner
+        self.heads: tuple[int, int, int] | None = None  # (query heads, kv heads, head dim) on this rank; ditto
 
     def prepare(self, layout: StepLayout, device: torch.device) -> TorchAttentionMetadata:
         starts = np.concatenate(([0], np.cumsum(layout.query_lens)[:-1]))
         is_decode = layout.query_lens == 1
         dec, pre = np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]
         paged = None
-        if len(dec) and self._kernel(device) is not None:
-            paged = _PagedDecode(
-                rows=np.ascontiguousarray(starts[dec], dtype=np.int64),
-                block_tables=np.ascontiguousarray(layout.block_tables[dec], dtype=np.int64),
-                context_lens=np.ascontiguousarray(layout.context_lens[dec], dtype=np.int64),
-                block_size=layout.block_size,
-            )
+        if self._kernels_on(device):
+            if self._prefill_kernel_on():
+                small = layout.query_lens[pre] <= PAGED_PREFILL_MAX
+                dec, pre = np.sort(np.concatenate([dec, pre[small]])), pre[~small]
+            if len(dec):
+                i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
+                paged = _Paged(q_starts=i64(starts[dec]), q_lens=i64(layout.query_lens[dec]),
+                               block_tables=i64(layout.block_tables[dec]), context_lens=i64(layout.context_lens[dec]),
+                               block_size=layout.block_size)
         return TorchAttentionMetadata(
             slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
             decode=_group(layout, dec, starts, device) if len(dec) and paged is None else None,
             prefill=_group(layout, pre, starts, device) if len(pre) else None,
-            paged_decode=paged,
+            paged=paged,
         )
 
-    def _kernel(self, device: torch.device):  # type: ignore[no-untyped-def]
-        if not self.use_kernels or device.type != "cpu" or self.dtype not in _KERNELS:
-            return None
-        lib = kernels.load()
-        return None if lib is None else getattr(lib, _KERNELS[self.dtype])
+    def _kernels_on(self, device: torch.device) -> bool:
+        return self.use_kernels and device.type == "cpu" and self.dtype in _SUFFIX and kernels.load() is not None
 
-    def _paged_decode(self, q, k_cache, v_cache, out, p: _PagedDecode, scale: float) -> None:  # type: ignore[no-untyped-def]
+    def _prefill_kernel_on(self) -> bool:
+        return self.heads is not None and bool(kernels.load().pytgi_paged_prefill_supported(*self.heads))
+
+    def _paged(self, q, k_cache, v_cache, out, p: _Paged, scale: float) -> None:  # type: ignore[no-untyped-def]
         _, H, D = q.shape
-        failed = self._kernel(q.device)(
-            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.rows), _ptr(p.block_tables),
-            _ptr(p.context_lens), len(p.rows), p.block_tables.shape[1], p.block_size, H, k_cache.shape[1], D,
-            ctypes.c_float(scale),
-        )
+        lib, suffix = kernels.load(), _SUFFIX[q.dtype]
+        if (p.q_lens == 1).all():
+            failed = getattr(lib, f"pytgi_decode_attention_{suffix}")(
+                _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts), _ptr(p.block_tables),
+                _ptr(p.context_lens), len(p.q_starts), p.block_tables.shape[1], p.block_size, H, k_cache.shape[1],
+                D, ctypes.c_float(scale))
+        else:
+            failed = getattr(lib, f"pytgi_paged_prefill_{suffix}")(
+                _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts), _ptr(p.q_lens),
+                _ptr(p.block_tables), _ptr(p.context_lens), len(p.q_starts), p.block_tables.shape[1], p.block_size,
+                H, k_cache.shape[1], D, ctypes.c_float(scale))
         if failed:
-            raise MemoryError("paged decode attention: out of memory")
+            raise MemoryError("paged attention: out of memory")
 
     def forward(
         self,
@@ -148,8 +163,8 @@ class TorchAttention:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
-        if meta.paged_decode is not None:
-            self._paged_decode(q.contiguous(), k_cache, v_cache, out, meta.paged_decode, scale)
+        if meta.paged is not None:
+            self._paged(q.contiguous(), k_cache, v_cache, out, meta.paged, scale)
         for g in (meta.decode, meta.prefill):
             if g is None:
                 continue

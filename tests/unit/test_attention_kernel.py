@@ -40,9 +40,9 @@ def test_decode_kernel_matches_softmax_attention(dtype, tol, H, KVH):
     backend = TorchAttention()
     backend.dtype = dtype
     meta = backend.prepare(layout, torch.device("cpu"))
-    meta.paged_decode.rows = np.array(rows, np.int64)
+    meta.paged.q_starts = np.array(rows, np.int64)
     out = torch.zeros_like(q)
-    backend._paged_decode(q, k_cache, v_cache, out, meta.paged_decode, 0.25)
+    backend._paged(q, k_cache, v_cache, out, meta.paged, 0.25)
     ref = reference(q, k_cache, v_cache, tables, ctx, rows, bs, 0.25)
     torch.testing.assert_close(out[rows].float(), ref[rows], atol=tol, rtol=tol)
     assert out[[1, 4, 5]].abs().sum() == 0  # rows that are not decodes are left alone
@@ -65,6 +65,56 @@ def test_decode_kernel_equals_torch_path_in_a_mixed_step():
         backend = TorchAttention(use_kernels=use)
         backend.dtype = torch.float32
         meta = backend.prepare(layout, torch.device("cpu"))
-        assert (meta.paged_decode is not None) == use
+        assert (meta.paged is not None) == use
         outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, D**-0.5))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (4, 2, 16), (8, 8, 128)])
+def test_paged_prefill_kernel_equals_torch_path(dtype, tol, H, KVH, D, monkeypatch):
+    """Prefill chunks next to decodes, with contexts that span several of the kernel's 128-key
+    chunks: the in-place kernel agrees with gather+SDPA (for chunks bigger than the default
+    threshold too)."""
+    if not kernels.load().pytgi_paged_prefill_supported(H, KVH, D):
+        pytest.skip("the paged prefill kernel needs AVX-512")
+    monkeypatch.setattr("pytgi.models.attention.PAGED_PREFILL_MAX", 64)
+    torch.manual_seed(0)
+    bs = 16
+    q_lens, ctx = np.array([1, 40, 3, 1, 17, 64]), np.array([300, 300, 3, 129, 17, 200])
+    n_blocks = [(c + bs - 1) // bs for c in ctx]
+    perm = np.random.default_rng(0).permutation(sum(n_blocks) + 4)
+    tables = np.zeros((len(ctx), max(n_blocks)), np.int64)
+    at = 0
+    for b, n in enumerate(n_blocks):
+        tables[b, :n] = perm[at:at + n]
+        at += n
+    positions = np.concatenate([np.arange(c - n, c) for n, c in zip(q_lens, ctx)])
+    req = np.repeat(np.arange(len(ctx)), q_lens)
+    slots = tables[req, positions // bs] * bs + positions % bs
+    layout = StepLayout(q_lens, ctx, tables, slots, bs)
+    T = int(q_lens.sum())
+    k_cache = torch.randn(len(perm) * bs, KVH, D).to(dtype)
+    v_cache = torch.randn(len(perm) * bs, KVH, D).to(dtype)
+    q, k, v = (torch.randn(T, n, D).to(dtype) for n in (H, KVH, KVH))
+    outs = []
+    for use in (True, False):
+        backend = TorchAttention(use_kernels=use)
+        backend.dtype, backend.heads = dtype, (H, KVH, D)
+        meta = backend.prepare(layout, torch.device("cpu"))
+        if use:
+            assert meta.prefill is None and meta.paged is not None and meta.paged.q_lens.tolist() == q_lens.tolist()
+        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, D**-0.5).float())
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+
+
+def test_big_prefill_chunks_keep_sdpa():
+    from pytgi.models.attention import PAGED_PREFILL_MAX
+
+    n = PAGED_PREFILL_MAX + 1
+    layout = StepLayout(np.array([1, n]), np.array([5, n]), np.array([[0, 0], [1, 2]], np.int64),
+                        np.zeros(n + 1, np.int64), 64)
+    backend = TorchAttention()
+    backend.dtype, backend.heads = torch.float32, (4, 2, 16)
+    meta = backend.prepare(layout, torch.device("cpu"))
+    assert meta.prefill is not None and meta.paged.q_lens.tolist() == [1]
