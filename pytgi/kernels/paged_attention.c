@@ -194,7 +194,13 @@ static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, con
                                                          int64_t j_begin, int64_t j_end, int64_t G, float scale,
                                                          float *acc, float *m, float *l) {
     const int64_t es = bf16 ? 2 : 4, DV = D / 16, row = KVH * D * es;
+#if defined(__AVX512BF16__)
+    const int dp = bf16 && D % 32 == 0; /* bf16 scores with vdpbf16ps: products exact, sums in float32 */
+#else
+    const int dp = 0;
+#endif
     float kf[16 * MAXD], vf[16 * MAXD];
+    uint16_t kb[16 * MAXD];
     for (int64_t r = 0; r < Q * G; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -202,10 +208,21 @@ static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, con
     }
     for (int64_t j0 = j_begin; j0 < j_end; j0 += 16) {
         const int64_t n = j_end - j0 < 16 ? j_end - j0 : 16;
-        for (int64_t j = 0; j < n; j++) { /* widen this block's keys and values once, for every query */
+        for (int64_t j = 0; j < n; j++) { /* this block's keys and values, once for every query */
             const int64_t pos = j0 + j, off = (table[pos / bs] * bs + pos % bs) * row + kvh * D * es;
+            if (pos + 16 < j_end) { /* the next block's rows: the cache is read in scattered 128-byte pieces */
+                const int64_t ahead = (table[(pos + 16) / bs] * bs + (pos + 16) % bs) * row + kvh * D * es;
+                for (int64_t b = 0; b < D * es; b += 64) {
+                    _mm_prefetch(kc + ahead + b, _MM_HINT_T0);
+                    _mm_prefetch(vc + ahead + b, _MM_HINT_T0);
+                }
+            }
             for (int64_t i = 0; i < DV; i++) {
-                _mm512_storeu_ps(kf + j * D + 16 * i, ld16(kc + off + 16 * i * es, bf16));
+                if (dp) {
+                    if (i % 2 == 0) _mm512_storeu_si512(kb + j * D + 16 * i, _mm512_loadu_si512(kc + off + 16 * i * es));
+                } else {
+                    _mm512_storeu_ps(kf + j * D + 16 * i, ld16(kc + off + 16 * i * es, bf16));
+                }
                 _mm512_storeu_ps(vf + j * D + 16 * i, ld16(vc + off + 16 * i * es, bf16));
             }
         }
@@ -216,14 +233,28 @@ static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, con
             for (int64_t h = 0; h < G; h++) {
                 const int64_t r = t * G + h;
                 __m512 qv[MAXD / 16], dots[16], a[MAXD / 16];
-                for (int64_t i = 0; i < DV; i++)
-                    qv[i] = _mm512_mul_ps(ld16(q + (t * qstride + h * D + 16 * i) * es, bf16), _mm512_set1_ps(scale));
-                for (int64_t j = 0; j < 16; j++) {
-                    dots[j] = _mm512_setzero_ps();
-                    if (j < nq)
-                        for (int64_t i = 0; i < DV; i++) dots[j] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kf + j * D + 16 * i), dots[j]);
+                if (dp) {
+#if defined(__AVX512BF16__)
+                    __m512bh qb[MAXD / 32];
+                    for (int64_t i = 0; i < D / 32; i++) qb[i] = (__m512bh)_mm512_loadu_si512(q + (t * qstride + h * D + 32 * i) * es);
+                    for (int64_t j = 0; j < 16; j++) {
+                        dots[j] = _mm512_setzero_ps();
+                        if (j < nq)
+                            for (int64_t i = 0; i < D / 32; i++)
+                                dots[j] = _mm512_dpbf16_ps(dots[j], qb[i], (__m512bh)_mm512_loadu_si512(kb + j * D + 32 * i));
+                    }
+#endif
+                } else {
+                    for (int64_t i = 0; i < DV; i++)
+                        qv[i] = _mm512_mul_ps(ld16(q + (t * qstride + h * D + 16 * i) * es, bf16), _mm512_set1_ps(scale));
+                    for (int64_t j = 0; j < 16; j++) {
+                        dots[j] = _mm512_setzero_ps();
+                        if (j < nq)
+                            for (int64_t i = 0; i < DV; i++) dots[j] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kf + j * D + 16 * i), dots[j]);
+                    }
                 }
-                const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, reduce16(dots));
+                const __m512 sum = dp ? _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(scale)) : reduce16(dots);
+                const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum);
                 const float mx = _mm512_reduce_max_ps(s), m_new = mx > m[r] ? mx : m[r];
                 const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
                 const float alpha = m_new > m[r] ? (m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new)) : 1.0f;
@@ -231,11 +262,20 @@ static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, con
                 l[r] = l[r] * alpha + _mm512_reduce_add_ps(p);
                 float pj[16];
                 _mm512_storeu_ps(pj, p);
-                for (int64_t i = 0; i < DV; i++) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * i), _mm512_set1_ps(alpha));
-                for (int64_t j = 0; j < nq; j++)
-                    for (int64_t i = 0; i < DV; i++)
+                __m512 a2[MAXD / 16]; /* even and odd keys in two chains of adds: half the latency */
+                for (int64_t i = 0; i < DV; i++) {
+                    a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * i), _mm512_set1_ps(alpha));
+                    a2[i] = _mm512_setzero_ps();
+                }
+                for (int64_t j = 0; j + 1 < nq; j += 2)
+                    for (int64_t i = 0; i < DV; i++) {
                         a[i] = _mm512_fmadd_ps(_mm512_set1_ps(pj[j]), _mm512_loadu_ps(vf + j * D + 16 * i), a[i]);
-                for (int64_t i = 0; i < DV; i++) _mm512_storeu_ps(acc + r * D + 16 * i, a[i]);
+                        a2[i] = _mm512_fmadd_ps(_mm512_set1_ps(pj[j + 1]), _mm512_loadu_ps(vf + (j + 1) * D + 16 * i), a2[i]);
+                    }
+                if (nq % 2)
+                    for (int64_t i = 0; i < DV; i++)
+                        a[i] = _mm512_fmadd_ps(_mm512_set1_ps(pj[nq - 1]), _mm512_loadu_ps(vf + (nq - 1) * D + 16 * i), a[i]);
+                for (int64_t i = 0; i < DV; i++) _mm512_storeu_ps(acc + r * D + 16 * i, _mm512_add_ps(a[i], a2[i]));
             }
         }
     }
