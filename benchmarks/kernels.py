@@ -1,8 +1,8 @@
 """Which matmul for which step size: the default model's 30 layers of linears (qkv, o, gate/up,
 down) plus its LM head, timed with float32, bfloat16, int8 and int4 weight-only kernels at each M
-(tokens in the step): pytgi's VNNI kernels (`pytgi/kernels/qgemv.c`, where the CPU has them) and
-PyTorch's (`int8-torch`, `int4-torch`). This is what `pytgi.models.quant.SMALL_M_VNNI` and
-`SMALL_M_TORCH` (the low-bit/bf16 crossovers) rest on.
+(tokens in the step): pytgi's kernels (`pytgi/kernels/qgemv.c`: VNNI, then AMX for bigger steps,
+where the CPU has them; `int4-vnni` without AMX) and PyTorch's (`int8-torch`, `int4-torch`). This
+is what the crossovers in `pytgi.models.quant` (`VNNI_MAX_M`, `SMALL_M_*`) rest on.
 
     .venv/bin/python benchmarks/kernels.py                 # M = 1 2 4 8 12 16 32 64 256
     .venv/bin/python benchmarks/kernels.py --m 1 16
@@ -30,7 +30,7 @@ from pytgi.models.quant import QuantizedWeight  # noqa: E402
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
 HEAD = (49152, 576)
-KINDS = ("float32", "bfloat16", "int8", "int4", "int8-torch", "int4-torch")
+KINDS = ("float32", "bfloat16", "int8", "int4", "int4-vnni", "int8-torch", "int4-torch")
 
 
 def build(kind: str) -> list:
@@ -40,8 +40,8 @@ def build(kind: str) -> list:
     for n, k in shapes:
         w = torch.randn(n, k, generator=g) * 0.02
         if kind.startswith("int"):
-            bits, _, torch_only = kind.partition("-")
-            out.append(QuantizedWeight(bits, w, torch.bfloat16, vnni=not torch_only))
+            bits, _, only = kind.partition("-")
+            out.append(QuantizedWeight(bits, w, torch.bfloat16, vnni=only != "torch", amx=only == ""))
         else:
             out.append(w.to(getattr(torch, kind)))
     return out

@@ -21,8 +21,10 @@
  *
  * Without AVX-512 VNNI `pytgi_qgemv_supported()` returns 0 and callers use PyTorch's kernels.
  * Built and loaded by pytgi/kernels/__init__.py. */
+#define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -114,8 +116,137 @@ void pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_
     free(sx);
 }
 
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+/* Steps of more tokens (prefill chunks, decode batches of 9 to 64): dequantize each (tile, group)
+ * block of the same packed weights to bf16 (16 outputs × 32 inputs, scales applied) and multiply
+ * with AMX tiles (TDPBF16PS), accumulating in float32 over all of K. The block is dequantized once
+ * for up to 64 activation rows, so the cost stays near one read of the packed weights. */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+int pytgi_qgemm_amx_supported(void) {
+    static int ok = -1;
+    if (ok < 0) ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return ok;
+}
+
+/* One block → B tile: row p holds (w[n][2p], w[n][2p+1]) for n = 0..15, as bf16. Vector j of the
+ * packed block has w[n][4j + b] at byte 4n + b, so B rows 2j and 2j+1 are its even and odd pairs. */
+static inline void dequant_block(const uint8_t *blk, int bits, uint16_t *B) {
+    const int64_t wbytes = bits == 4 ? 256 : 512;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 32)));
+    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    __m512 dq[4], mq[4]; /* lane l of quarter q belongs to output 4q + l/4 */
+    for (int q = 0; q < 4; q++) {
+        const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * q), _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2));
+        dq[q] = _mm512_permutexvar_ps(idx, d);
+        mq[q] = _mm512_permutexvar_ps(idx, m);
+    }
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 8; j++) {
+        __m512i v;
+        if (bits == 4) {
+            const __m512i p = _mm512_loadu_si512((const void *)(blk + 64 * (j & 3)));
+            v = _mm512_and_si512(j < 4 ? p : _mm512_srli_epi16(p, 4), nib);
+        } else {
+            v = _mm512_loadu_si512((const void *)(blk + 64 * j));
+        }
+        __m512 f[4];
+        f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(v))), dq[0], mq[0]);
+        f[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 1))), dq[1], mq[1]);
+        f[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 2))), dq[2], mq[2]);
+        f[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 3))), dq[3], mq[3]);
+        const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+        _mm512_store_si512((void *)(B + 64 * j), _mm512_permutex2var_epi32(lo, ev, hi));
+        _mm512_store_si512((void *)(B + 64 * j + 32), _mm512_permutex2var_epi32(lo, od, hi));
+    }
+}
+
+#define DP(C) _tile_dpbf16ps(C, 4, 5)
+
+/* x: bf16 [M, K]; w: packed as for pytgi_qgemv_bf16; out: bf16 [M, N]. Call only when
+ * pytgi_qgemm_amx_supported() said yes. Returns nonzero on out of memory. */
+int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
+                         int64_t bits) {
+    const int64_t G = K / 32, tile_bytes = G * ((bits == 4 ? 256 : 512) + 64), Mp = (M + 15) / 16 * 16;
+    uint16_t *xp = aligned_alloc(64, (size_t)(Mp * K * 2)); /* zero-padded to whole 16-row tiles */
+    if (xp == NULL) return 1;
+    memcpy(xp, x, (size_t)(M * K * 2));
+    memset(xp + M * K, 0, (size_t)((Mp - M) * K * 2));
+    _Pragma("omp parallel")
+    {
+        /* oneDNN (PyTorch's bf16 matmuls) may keep its own tile configuration on these threads:
+         * put it back afterwards */
+        tile_config saved, cfg = {0};
+        _tile_storeconfig(&saved);
+        cfg.palette_id = 1;
+        for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0-3: C, 4: A, 5: B */
+        _tile_loadconfig(&cfg);
+        uint16_t B[16 * 32] __attribute__((aligned(64)));
+        float C[16 * 16] __attribute__((aligned(64)));
+        _Pragma("omp for schedule(static)")
+        for (int64_t n16 = 0; n16 < N / 16; n16++) {
+            for (int64_t m0 = 0; m0 < Mp; m0 += 64) {
+                const int64_t nm = (Mp - m0) / 16 < 4 ? (Mp - m0) / 16 : 4;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                const uint8_t *blk = w + n16 * tile_bytes;
+                for (int64_t g = 0; g < G; g++, blk += tile_bytes / G) {
+                    dequant_block(blk, (int)bits, B);
+                    _tile_loadd(5, B, 64);
+                    for (int64_t c = 0; c < nm; c++) {
+                        _tile_loadd(4, xp + (m0 + 16 * c) * K + 32 * g, K * 2);
+                        if (c == 0) DP(0);
+                        else if (c == 1) DP(1);
+                        else if (c == 2) DP(2);
+                        else DP(3);
+                    }
+                }
+                for (int64_t c = 0; c < nm; c++) {
+                    if (c == 0) _tile_stored(0, C, 64);
+                    else if (c == 1) _tile_stored(1, C, 64);
+                    else if (c == 2) _tile_stored(2, C, 64);
+                    else _tile_stored(3, C, 64);
+                    for (int64_t r = 0; r < 16 && m0 + 16 * c + r < M; r++)
+                        _mm256_storeu_si256((void *)(out + (m0 + 16 * c + r) * N + 16 * n16),
+                                            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(C + 16 * r)));
+                }
+            }
+        }
+        if (saved.palette_id != 0) _tile_loadconfig(&saved);
+        else _tile_release();
+    }
+    free(xp);
+    return 0;
+}
+#else
+int pytgi_qgemm_amx_supported(void) { return 0; }
+int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
+                         int64_t bits) {
+    (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)bits;
+    abort();
+}
+#endif
+
 #else
 int pytgi_qgemv_supported(void) { return 0; }
+int pytgi_qgemm_amx_supported(void) { return 0; }
+int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
+                         int64_t bits) {
+    (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)bits;
+    abort();
+}
 void pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
                       int64_t bits) {
     (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)bits;

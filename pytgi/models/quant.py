@@ -10,6 +10,8 @@ The grids are GGUF's, per group of 32 input features with fp16 scales: int4 is Q
 (w = d·q + m, q in 0..15), int8 is Q8_0's (w = d·q, q in -127..127). Two kernels multiply by them:
 - on CPUs with AVX-512 VNNI, pytgi's own (`pytgi/kernels/qgemv.c`), which also quantizes the
   activations to int8 per group of 32, as llama.cpp does, and runs near memory speed;
+- on CPUs with AMX as well, steps of 13 to 96 tokens dequantize each block of the same packed
+  weights to bf16 once and multiply it with AMX tiles (bf16 activations, float32 sums);
 - elsewhere PyTorch's `_weight_int4pack_mm_for_cpu` (bf16 scales) and `_weight_int8pack_mm`
   (whose per-channel scales need a per-channel int8 grid instead).
 
@@ -34,9 +36,12 @@ INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"}
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 MODES = ("none", "auto", "int8", "int4")
 
-# Steps with at most this many tokens use the low-bit kernel (measured crossovers, see module doc).
+# Steps with at most this many tokens use a low-bit kernel, bigger ones the bf16 weights (measured
+# crossovers, `benchmarks/kernels.py`): PyTorch's kernels; VNNI alone; VNNI up to VNNI_MAX_M, then AMX.
 SMALL_M_TORCH = 10
 SMALL_M_VNNI = 32
+VNNI_MAX_M = 12
+SMALL_M_AMX = 96
 
 
 def gguf_plan(model_dir: Path) -> dict[str, str]:
@@ -125,15 +130,23 @@ def vnni_available() -> bool:
     return lib is not None and bool(lib.pytgi_qgemv_supported())
 
 
+def amx_available() -> bool:
+    """AMX tiles built in, and the kernel let this process use them."""
+    lib = kernels.load()
+    return lib is not None and bool(lib.pytgi_qgemm_amx_supported())
+
+
 class QuantizedWeight:
     """The low-bit form of one linear's weight and the kernel that multiplies by it."""
 
-    def __init__(self, kind: str, w: torch.Tensor, act_dtype: torch.dtype, vnni: bool = True) -> None:
-        """`vnni=False` forces PyTorch's kernels (for comparison)."""
+    def __init__(self, kind: str, w: torch.Tensor, act_dtype: torch.dtype, vnni: bool = True,
+                 amx: bool = True) -> None:
+        """`vnni=False` forces PyTorch's kernels, `amx=False` pytgi's VNNI kernel alone (for comparison)."""
         N, K = w.shape
         self.kind, self.shape = kind, (N, K)
         self.vnni = vnni and act_dtype == torch.bfloat16 and N % 16 == 0 and K % GROUP == 0 and vnni_available()
-        self.max_m = SMALL_M_VNNI if self.vnni else SMALL_M_TORCH
+        self.amx = self.vnni and amx and amx_available()
+        self.max_m = SMALL_M_AMX if self.amx else SMALL_M_VNNI if self.vnni else SMALL_M_TORCH
         if kind == "int4":
             q, d, m, deq = quantize_int4(w)
             if self.vnni:
@@ -154,9 +167,14 @@ class QuantizedWeight:
         """x: [T, in_features] → [T, out_features]."""
         if self.vnni:
             x = x.contiguous()
-            out = x.new_empty(x.shape[0], self.shape[0])
-            kernels.load().pytgi_qgemv_bf16(x.data_ptr(), self.packed.data_ptr(), out.data_ptr(), x.shape[0],
-                                            self.shape[0], self.shape[1], 4 if self.kind == "int4" else 8)
+            M, (N, K), bits = x.shape[0], self.shape, 4 if self.kind == "int4" else 8
+            out = x.new_empty(M, N)
+            if self.amx and M > VNNI_MAX_M:
+                if kernels.load().pytgi_qgemm_amx_bf16(x.data_ptr(), self.packed.data_ptr(), out.data_ptr(), M, N, K,
+                                                        bits):
+                    raise MemoryError("AMX matmul: out of memory")
+            else:
+                kernels.load().pytgi_qgemv_bf16(x.data_ptr(), self.packed.data_ptr(), out.data_ptr(), M, N, K, bits)
             return out
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)

@@ -11,6 +11,7 @@ from pytgi.models.quant import (
     quantize_int4,
     quantize_int8,
     quantize_int8_groups,
+    amx_available,
     resolve_plan,
     vnni_available,
 )
@@ -90,3 +91,30 @@ def test_plan_follows_the_gguf_types(tmp_path):
         resolve_plan("int4", tmp_path, torch.float32, cpu)
     with pytest.raises(ValueError, match="unknown quantization"):
         resolve_plan("fp3", tmp_path, torch.bfloat16, cpu)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("M", [13, 16, 40, 64, 65, 96])
+def test_amx_kernel_multiplies_by_the_dequantized_weight(kind, M):
+    """Steps of 13..96 tokens: AMX tiles over the same packed weights (bf16 activations, float32
+    sums), in passes of 64 rows."""
+    if not amx_available():
+        pytest.skip("this CPU (or kernel) has no AMX")
+    w = torch.randn(96, 160) * 0.05
+    qw = QuantizedWeight(kind, w, torch.bfloat16)
+    assert qw.amx and qw.max_m >= M
+    x = torch.randn(M, 160).bfloat16()
+    y, ref = qw.matmul(x).float(), x.float() @ qw.dequantized.float().t()
+    assert ((y - ref).norm() / ref.norm()).item() < 0.005
+
+
+def test_amx_kernel_leaves_pytorch_bf16_matmuls_alone():
+    """PyTorch's bf16 matmuls use AMX tiles too (oneDNN): ours restore the tile configuration."""
+    if not amx_available():
+        pytest.skip("this CPU (or kernel) has no AMX")
+    a, b = torch.randn(256, 576).bfloat16(), torch.randn(1024, 576).bfloat16()
+    before = torch.nn.functional.linear(a, b)
+    qw = QuantizedWeight("int4", torch.randn(256, 576), torch.bfloat16)
+    for _ in range(3):
+        qw.matmul(torch.randn(32, 576).bfloat16())
+        assert torch.equal(torch.nn.functional.linear(a, b), before)
