@@ -133,6 +133,7 @@ DEFINE_DECODE(decode_generic_bf16, uint16_t, row_bf16, store_bf16)
  * every thread busy. Needs D % 16 == 0, D <= MAXD and at most MAXG query heads per kv head;
  * D = 64 and 128 get code compiled for their size. */
 #define CHUNK 128
+#define AMX_MIN_ROWS 16 /* query rows (tokens × heads per kv head) from which a chunk uses AMX */
 #define MAXD 256
 #define MAXG 16
 
@@ -281,6 +282,144 @@ static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, con
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+/* The same chunk with AMX tiles, for bf16 prefill chunks (Q*G query rows, in tiles of 16):
+ * S = Q·Kᵀ and O += P·V with TDPBF16PS (bf16 in, float32 sums), the online softmax in AVX-512
+ * between them. Per block of 32 keys the keys are transposed once (16×16 dword transposes) and the
+ * values interleaved by key pairs, for every row tile. P is rounded to bf16 for the P·V product. */
+#define AMX_ATTN 1
+int pytgi_qgemm_amx_supported(void); /* qgemv.c: asks the kernel for the AMX state */
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) attn_tile_config;
+
+/* rows[i] (16 dwords each) → out row j holds dword j of every input row */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    /* now r[4a + b] holds, in each 128-bit lane L, dword b... of rows 4L'.. : finish across lanes */
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xDD);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+}
+
+static void chunk_amx(int64_t D, const uint16_t *q, int64_t qstride, int64_t Q, int64_t ctx, const uint16_t *kc,
+                      const uint16_t *vc, const int64_t *table, int64_t bs, int64_t KVH, int64_t kvh, int64_t j_begin,
+                      int64_t j_end, int64_t G, float scale, float *acc, float *m, float *l) {
+    const int64_t R = Q * G, RT = (R + 15) / 16, row = KVH * D;
+    uint16_t *qa = aligned_alloc(64, (size_t)(RT * 16 * D * 2)); /* query rows, zero-padded to whole tiles */
+    uint16_t *kt = aligned_alloc(64, (size_t)(D / 32 * 2 * 1024)); /* Kᵀ tiles: [D/32][2 halves][16][32] */
+    uint16_t *vt = aligned_alloc(64, (size_t)(D / 16 * 1024));     /* V tiles by key pairs: [D/16][16][32] */
+    if (qa == NULL || kt == NULL || vt == NULL) abort();
+    memset(qa, 0, (size_t)(RT * 16 * D * 2));
+    for (int64_t r = 0; r < R; r++) memcpy(qa + r * D, q + (r / G) * qstride + (r % G) * D, (size_t)(D * 2));
+    for (int64_t r = 0; r < R; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        memset(acc + r * D, 0, sizeof(float) * (size_t)D);
+    }
+    float S[16 * 32] __attribute__((aligned(64))), Cv[16 * 16] __attribute__((aligned(64)));
+    uint16_t P[16 * 32] __attribute__((aligned(64)));
+    float alpha[16];
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += 32) {
+        const int64_t n = j_end - j0 < 32 ? j_end - j0 : 32;
+        const uint16_t *krow[32], *vrow[32];
+        for (int64_t j = 0; j < 32; j++) {
+            const int64_t pos = j0 + (j < n ? j : 0), off = (table[pos / bs] * bs + pos % bs) * row + kvh * D;
+            krow[j] = kc + off, vrow[j] = vc + off;
+        }
+        for (int64_t dc = 0; dc < D / 32; dc++)
+            for (int64_t h = 0; h < 2; h++) {
+                __m512i r[16];
+                for (int64_t i = 0; i < 16; i++)
+                    r[i] = 16 * h + i < n ? _mm512_loadu_si512(krow[16 * h + i] + 32 * dc) : _mm512_setzero_si512();
+                transpose16(r);
+                for (int64_t i = 0; i < 16; i++) _mm512_store_si512(kt + ((dc * 2 + h) * 16 + i) * 32, r[i]);
+            }
+        for (int64_t dv = 0; dv < D / 16; dv++)
+            for (int64_t p = 0; p < 16; p++) {
+                const __m512i a = 2 * p < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(vrow[2 * p] + 16 * dv))) : _mm512_setzero_si512();
+                const __m512i b = 2 * p + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(vrow[2 * p + 1] + 16 * dv))) : _mm512_setzero_si512();
+                _mm512_store_si512(vt + (dv * 16 + p) * 32, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+            }
+        for (int64_t rt = 0; rt < RT; rt++) {
+            const int64_t r0 = rt * 16;
+            const int64_t last = (r0 + 15 < R - 1 ? r0 + 15 : R - 1) / G; /* the tile's last (latest) token */
+            if (ctx - Q + last + 1 <= j0) continue;                           /* sees none of these keys */
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t dc = 0; dc < D / 32; dc++) {
+                _tile_loadd(2, qa + r0 * D + 32 * dc, D * 2);
+                _tile_loadd(3, kt + (dc * 2) * 512, 64);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_loadd(3, kt + (dc * 2 + 1) * 512, 64);
+                _tile_dpbf16ps(1, 2, 3);
+            }
+            _tile_stored(0, S, 128);
+            _tile_stored(1, S + 16, 128);
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t r = r0 + i;
+                const int64_t vis = r < R ? ctx - Q + r / G + 1 - j0 : 0; /* keys of this block the row sees */
+                const int64_t nv = vis < n ? (vis > 0 ? vis : 0) : n;
+                const __mmask16 k0 = (__mmask16)(nv >= 16 ? 0xFFFF : (1u << nv) - 1u);
+                const __mmask16 k1 = (__mmask16)(nv >= 32 ? 0xFFFF : nv > 16 ? (1u << (nv - 16)) - 1u : 0);
+                if (nv == 0) {
+                    alpha[i] = 1.0f;
+                    _mm512_store_si512(P + 32 * i, _mm512_setzero_si512());
+                    continue;
+                }
+                const __m512 s0 = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), k0, _mm512_load_ps(S + 32 * i), _mm512_set1_ps(scale));
+                const __m512 s1 = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), k1, _mm512_load_ps(S + 32 * i + 16), _mm512_set1_ps(scale));
+                const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)), m_new = mx > m[r] ? mx : m[r];
+                const __m512 p0 = _mm512_maskz_mov_ps(k0, exp16(_mm512_sub_ps(s0, _mm512_set1_ps(m_new))));
+                const __m512 p1 = _mm512_maskz_mov_ps(k1, exp16(_mm512_sub_ps(s1, _mm512_set1_ps(m_new))));
+                alpha[i] = m_new > m[r] ? (m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new)) : 1.0f;
+                m[r] = m_new;
+                l[r] = l[r] * alpha[i] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+                _mm512_store_si512(P + 32 * i, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            }
+            _tile_loadd(5, P, 64);
+            for (int64_t dv = 0; dv < D / 16; dv++) {
+                _tile_zero(4);
+                _tile_loadd(6, vt + dv * 512, 64);
+                _tile_dpbf16ps(4, 5, 6);
+                _tile_stored(4, Cv, 64);
+                for (int64_t i = 0; i < 16 && r0 + i < R; i++) {
+                    float *o = acc + (r0 + i) * D + 16 * dv;
+                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), _mm512_set1_ps(alpha[i]), _mm512_load_ps(Cv + 16 * i)));
+                }
+            }
+        }
+    }
+    free(qa);
+    free(kt);
+    free(vt);
+}
+#else
+#define AMX_ATTN 0
+#endif
+
 /* Requests b = 0 .. B-1, each with q_lens[b] query tokens (flat rows q_starts[b] ..) at the end of
  * its ctx_lens[b] cached tokens (its own keys already written). Returns nonzero on out of memory. */
 static int attention512(int bf16, const char *q, const char *k_cache, const char *v_cache, char *out,
@@ -308,9 +447,24 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
         free(meta);
         return 1;
     }
+    int use_amx = 0;
+#if AMX_ATTN
+    if (bf16 && D % 32 == 0)
+        for (int64_t b = 0; b < B; b++) use_amx |= q_lens[b] * G >= AMX_MIN_ROWS;
+    use_amx = use_amx && pytgi_qgemm_amx_supported();
+#endif
     _Pragma("omp parallel")
     {
         const unsigned int csr = flush_denormals();
+#if AMX_ATTN
+        attn_tile_config saved, cfg = {0};
+        if (use_amx) { /* PyTorch's oneDNN may keep a configuration on this thread: restored below */
+            _tile_storeconfig(&saved);
+            cfg.palette_id = 1;
+            for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0,1: S; 2: q; 3: Kᵀ; 4: P·V; 5: P; 6: V */
+            _tile_loadconfig(&cfg);
+        }
+#endif
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t task = 0; task < n_tasks * KVH; task++) {
             const int64_t i = task / KVH, kvh = task % KVH, b = task_b[i], c = task_c[i], Q = q_lens[b];
@@ -319,6 +473,14 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
             float *acc = parts + part_off[i] + kvh * Q * G * (D + 2), *m = acc + Q * G * D, *l = m + Q * G;
 #define CHUNK_ARGS qp, H * D, Q, ctx_lens[b], k_cache, v_cache, block_tables + b * max_blocks, bs, KVH, kvh, \
                    c * CHUNK, j_end, G, scale, acc, m, l
+#if AMX_ATTN
+            if (use_amx && Q * G >= AMX_MIN_ROWS) {
+                chunk_amx(D, (const uint16_t *)qp, H * D, Q, ctx_lens[b], (const uint16_t *)k_cache,
+                          (const uint16_t *)v_cache, block_tables + b * max_blocks, bs, KVH, kvh, c * CHUNK, j_end, G,
+                          scale, acc, m, l);
+                continue;
+            }
+#endif
             if (D == 64 && bf16) chunk(1, 64, CHUNK_ARGS);
             else if (D == 64) chunk(0, 64, CHUNK_ARGS);
             else if (D == 128 && bf16) chunk(1, 128, CHUNK_ARGS);
@@ -351,6 +513,12 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
                     st16(out + (((q_starts[b] + t) * H + kvh * G + h) * D + 16 * i) * es, _mm512_mul_ps(o[i], _mm512_set1_ps(1.0f / sum)), bf16);
             }
         }
+#if AMX_ATTN
+        if (use_amx) {
+            if (saved.palette_id != 0) _tile_loadconfig(&saved);
+            else _tile_release();
+        }
+#endif
         restore_csr(csr);
     }
     free(parts);
