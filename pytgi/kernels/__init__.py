@@ -27,7 +27,12 @@ log = logging.getLogger(__name__)
 
 SOURCES = ["paged_attention.c", "fused.c", "qgemv.c"]
 HEADERS = ["bf16.h"]  # part of the cache key
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+CFLAGS = ["-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cflags() -> list[str]:
+    """-march=native, or PYTGI_MARCH (e.g. x86-64-v3: how the kernels' portable paths are tested)."""
+    return [f"-march={os.environ.get('PYTGI_MARCH') or 'native'}", *CFLAGS]
 
 
 def _cpu_id() -> str:
@@ -42,7 +47,7 @@ def _build(compiler: str) -> Path:
     here = Path(__file__).parent
     srcs = [here / s for s in SOURCES]
     key = hashlib.sha256()
-    for part in [compiler, *CFLAGS, _cpu_id(), *((here / f).read_text() for f in SOURCES + HEADERS)]:
+    for part in [compiler, *_cflags(), _cpu_id(), *((here / f).read_text() for f in SOURCES + HEADERS)]:
         key.update(part.encode())
     out = cache_dir() / "kernels" / f"pytgi_kernels-{key.hexdigest()[:16]}.so"
     if out.is_file():
@@ -51,7 +56,8 @@ def _build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *CFLAGS, *map(str, srcs), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *_cflags(), *map(str, srcs), "-o", tmp, "-lm"], check=True, capture_output=True,
+                       text=True)
         os.replace(tmp, out)  # atomic: concurrent builders (shards) each write their own temp file
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
