@@ -25,7 +25,7 @@ from pytgi.models.registry import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ["paged_attention.c", "fused.c", "qgemv.c"]
+SOURCES = ["paged_attention.c", "fused.c", "qgemv.c", "decoder.c"]
 HEADERS = ["bf16.h"]  # part of the cache key
 CFLAGS = ["-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
@@ -93,6 +93,8 @@ def load() -> ctypes.CDLL | None:
     lib.pytgi_qgemv_bf16.restype, lib.pytgi_qgemv_bf16.argtypes = None, [ptr] * 3 + [i64] * 4
     lib.pytgi_qgemm_amx_supported.restype, lib.pytgi_qgemm_amx_supported.argtypes = ctypes.c_int, []
     lib.pytgi_qgemm_amx_bf16.restype, lib.pytgi_qgemm_amx_bf16.argtypes = ctypes.c_int, [ptr] * 3 + [i64] * 4
+    lib.pytgi_decoder_layers_bf16.restype = ctypes.c_int
+    lib.pytgi_decoder_layers_bf16.argtypes = [ptr, i64, ptr, ptr] + [i64] * 6 + [f32] * 2 + [ptr] * 7 + [i64] * 5
     for name, (restype, argtypes) in signatures.items():
         for suffix in ("f32", "bf16"):
             fn = getattr(lib, f"pytgi_{name}_{suffix}")

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
+from pytgi import kernels
 from pytgi.distributed import check_heads, tp_size
 from pytgi.models.layers import (
     ColumnParallelLinear,
@@ -21,7 +24,7 @@ from pytgi.models.layers import (
     qkv_shards,
 )
 from pytgi.models import fused
-from pytgi.models.quant import QuantizedWeight, can_quantize
+from pytgi.models.quant import VNNI_MAX_M, QuantizedWeight, can_quantize
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -160,6 +163,8 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.use_c_decoder = True  # run all layers in one C call when the step allows (see _c_decoder)
+        self._c_table: tuple[int, np.ndarray] | None = None  # (first K cache's address, per-layer pointers)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
         x = self.embed_tokens(input_ids)
@@ -175,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
         fused with the RMSNorm that follows it (the next layer's input norm included)."""
         cos, sin = self.rotary.cos[positions].float(), self.rotary.sin[positions].float()
         residual = x.contiguous()
+        if (h := self._c_decoder(residual, cos, sin, kv_caches, meta)) is not None:
+            return h
         norms = [w for layer in self.layers for w in (layer.input_layernorm, layer.post_attention_layernorm)]
         norms.append(self.norm)
         h = fused.add_rms_norm(None, residual, norms[0].weight, norms[0].eps)
@@ -183,6 +190,53 @@ class LlamaForCausalLM(nn.Module):
             h = fused.add_rms_norm(a, residual, norms[2 * i + 1].weight, norms[2 * i + 1].eps)
             m = layer.mlp(h, fused_act=True)
             h = fused.add_rms_norm(m, residual, norms[2 * i + 2].weight, norms[2 * i + 2].eps)
+        return h
+
+    def _c_layers(self, kv_caches) -> np.ndarray | None:  # type: ignore[no-untyped-def]
+        """The per-layer pointers `pytgi/kernels/decoder.c` reads, or None when this model can't use
+        it: sharded, biases, q/k norms, or a linear without a packed low-bit weight."""
+        quants = [getattr(m, "quant", None) for layer in self.layers
+                  for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        cfg = self.config
+        if (tp_size() != 1 or cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias or cfg.qk_norm
+                or not all(q is not None and q.vnni for q in quants) or kernels.load() is None):
+            return None
+        if self._c_table is not None and self._c_table[0] == kv_caches[0][0].data_ptr():
+            return self._c_table[1]
+        rows = []
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                   nxt.weight.data_ptr()]
+            for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                row += [mod.quant.packed.data_ptr(), 4 if mod.quant.kind == "int4" else 8]
+            rows.append(row + [k_cache.data_ptr(), v_cache.data_ptr()])
+        self._c_table = (kv_caches[0][0].data_ptr(), np.array(rows, dtype=np.int64))
+        return self._c_table[1]
+
+    def _c_decoder(self, residual, cos, sin, kv_caches, meta) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+        """All layers in one C call (`pytgi/kernels/decoder.c`: the same kernels, without a Python
+        dispatch per op) for bf16 steps small enough for the packed weights, all attention paged."""
+        T, quant = residual.shape[0], getattr(self.layers[0].mlp.down_proj, "quant", None)
+        if not self.use_c_decoder or quant is None or residual.dtype != torch.bfloat16 or T > quant.max_m:
+            return None
+        p = getattr(meta, "paged", None)
+        if p is None or meta.decode is not None or meta.prefill is not None:
+            return None
+        table = self._c_layers(kv_caches)
+        if table is None:
+            return None
+        attn, cfg = self.layers[0].self_attn, self.config
+        h = torch.empty_like(residual)
+        failed = kernels.load().pytgi_decoder_layers_bf16(
+            table.ctypes.data, len(self.layers), residual.data_ptr(), h.data_ptr(), T, cfg.hidden_size,
+            self.layers[0].mlp.down_proj.weight.shape[1], attn.n_heads, attn.n_kv, attn.head_dim,
+            ctypes.c_float(cfg.rms_norm_eps), ctypes.c_float(attn.scale), cos.data_ptr(), sin.data_ptr(),
+            meta.slot_mapping.data_ptr(), p.q_starts.ctypes.data, p.q_lens.ctypes.data, p.block_tables.ctypes.data,
+            p.context_lens.ctypes.data, len(p.q_starts), p.block_tables.shape[1], p.block_size,
+            int((p.q_lens == 1).all()), VNNI_MAX_M if quant.amx else 1 << 30)
+        if failed:
+            raise MemoryError("decoder layers: out of memory")
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

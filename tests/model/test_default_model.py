@@ -184,3 +184,29 @@ def test_fast_default_is_faithful_to_float32(llm, prompts, hf_greedy):
         assert sum(agree) >= len(agree) - 2, agree
     finally:
         fast.shutdown()
+
+
+def test_c_decoder_loop_equals_the_python_path(prompts):
+    """The fast path's one-call decoder loop (`pytgi/kernels/decoder.c`) runs the kernels the
+    Python path runs, with the same arguments: the same tokens and prompt logprobs, bit for bit,
+    for batched decodes and for prefills small enough for it (both of which it must have run)."""
+    fast = LLM(max_batch_total_tokens=16384)
+    try:
+        model = fast.engine.runner.model
+        used, inner = [], model._c_decoder
+
+        def counting(*args):  # type: ignore[no-untyped-def]
+            h = inner(*args)
+            used.append(h is not None)
+            return h
+
+        model._c_decoder = counting
+        params = SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=True)
+        outs = []
+        for on in (True, False):
+            model.use_c_decoder = on
+            outs.append([(o.token_ids, o.prompt_logprobs) for o in fast.generate(prompts, params)])
+        assert outs[0] == outs[1]
+        assert sum(used) >= 11, used  # at least the decode steps of the first run
+    finally:
+        fast.shutdown()

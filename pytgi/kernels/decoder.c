@@ -1,0 +1,90 @@
+/* All decoder layers of a Llama-family model in one call, for CPU steps of few tokens in bf16.
+ *
+ * A decode step of one token runs ~10 kernels per layer; called one by one from Python, their
+ * dispatch (ctypes, tensor allocation, module calls) cost ~2 ms of a ~9 ms step. This loop calls
+ * the very same kernels (paged_attention.c, fused.c, qgemv.c) with the same arguments, so its
+ * output equals the Python path's bit for bit. pytgi/models/llama.py uses it when every linear has
+ * a packed low-bit weight, attention is all paged, and the model is unsharded and bias-free.
+ *
+ * layers: per layer LAYER_FIELDS int64 values (see below); the residual stream `x` [T, hidden] is
+ * updated in place and `h` receives the final RMSNorm of it. Returns nonzero on out of memory. */
+#include <stdint.h>
+#include <stdlib.h>
+
+enum {
+    IN_NORM,   /* bf16 [hidden] */
+    POST_NORM, /* bf16 [hidden] */
+    NEXT_NORM, /* the next layer's input norm, or the final norm for the last layer */
+    QKV_W,     /* packed (qgemv.c layout) [(H + 2 KVH) D, hidden] */
+    QKV_BITS,
+    O_W, /* [hidden, H D] */
+    O_BITS,
+    GU_W, /* [2 I, hidden] */
+    GU_BITS,
+    DOWN_W, /* [hidden, I] */
+    DOWN_BITS,
+    K_CACHE, /* bf16 [slots, KVH, D] */
+    V_CACHE,
+    LAYER_FIELDS
+};
+
+void pytgi_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t T,
+                             int64_t D, float eps);
+void pytgi_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I);
+void pytgi_rope_write_kv_bf16(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *slots,
+                              uint16_t *q, uint16_t *k_cache, uint16_t *v_cache, int64_t T, int64_t H, int64_t KVH,
+                              int64_t D);
+int pytgi_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out,
+                                const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B,
+                                int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D,
+                                float scale);
+int pytgi_paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out,
+                             const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
+                             const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H,
+                             int64_t KVH, int64_t D, float scale);
+void pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
+                      int64_t bits);
+int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
+                         int64_t bits);
+
+/* the same choice as QuantizedWeight.matmul */
+static int matmul(const uint16_t *x, int64_t w, int64_t bits, uint16_t *out, int64_t M, int64_t N, int64_t K,
+                  int64_t vnni_max_m) {
+    if (M > vnni_max_m) return pytgi_qgemm_amx_bf16(x, (const uint8_t *)w, out, M, N, K, bits);
+    pytgi_qgemv_bf16(x, (const uint8_t *)w, out, M, N, K, bits);
+    return 0;
+}
+
+int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, uint16_t *h, int64_t T,
+                              int64_t hidden, int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale,
+                              const float *cos, const float *sin, const int64_t *slots, const int64_t *q_starts,
+                              const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B,
+                              int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m) {
+    const int64_t nqkv = (H + 2 * KVH) * D;
+    uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)(T * (nqkv + 2 * H * D + 2 * hidden + 3 * I)));
+    if (buf == NULL) return 1;
+    uint16_t *qkv = buf, *q = qkv + T * nqkv, *attn = q + T * H * D, *o = attn + T * H * D, *down = o + T * hidden;
+    uint16_t *gu = down + T * hidden, *act = gu + T * 2 * I;
+    int failed = 0;
+    pytgi_add_rms_norm_bf16(NULL, x, (const uint16_t *)layers[IN_NORM], h, T, hidden, eps);
+    for (int64_t i = 0; i < n_layers && !failed; i++) {
+        const int64_t *L = layers + i * LAYER_FIELDS;
+        uint16_t *kc = (uint16_t *)L[K_CACHE], *vc = (uint16_t *)L[V_CACHE];
+        failed |= matmul(h, L[QKV_W], L[QKV_BITS], qkv, T, nqkv, hidden, vnni_max_m);
+        pytgi_rope_write_kv_bf16(qkv, cos, sin, slots, q, kc, vc, T, H, KVH, D);
+        if (all_decodes)
+            failed |= pytgi_decode_attention_bf16(q, kc, vc, attn, q_starts, block_tables, ctx_lens, B, max_blocks,
+                                                  block_size, H, KVH, D, scale);
+        else
+            failed |= pytgi_paged_prefill_bf16(q, kc, vc, attn, q_starts, q_lens, block_tables, ctx_lens, B,
+                                               max_blocks, block_size, H, KVH, D, scale);
+        failed |= matmul(attn, L[O_W], L[O_BITS], o, T, hidden, H * D, vnni_max_m);
+        pytgi_add_rms_norm_bf16(o, x, (const uint16_t *)L[POST_NORM], h, T, hidden, eps);
+        failed |= matmul(h, L[GU_W], L[GU_BITS], gu, T, 2 * I, hidden, vnni_max_m);
+        pytgi_silu_mul_bf16(gu, act, T, I);
+        failed |= matmul(act, L[DOWN_W], L[DOWN_BITS], down, T, hidden, I, vnni_max_m);
+        pytgi_add_rms_norm_bf16(down, x, (const uint16_t *)L[NEXT_NORM], h, T, hidden, eps);
+    }
+    free(buf);
+    return failed;
+}
