@@ -90,7 +90,7 @@ def load() -> ctypes.CDLL | None:
     }
     lib.pytgi_paged_prefill_supported.restype, lib.pytgi_paged_prefill_supported.argtypes = ctypes.c_int, [i64] * 3
     lib.pytgi_qgemv_supported.restype, lib.pytgi_qgemv_supported.argtypes = ctypes.c_int, []
-    lib.pytgi_qgemv_bf16.restype, lib.pytgi_qgemv_bf16.argtypes = None, [ptr] * 3 + [i64] * 4
+    lib.pytgi_qgemv_bf16.restype, lib.pytgi_qgemv_bf16.argtypes = ctypes.c_int, [ptr] * 3 + [i64] * 4
     lib.pytgi_qgemm_amx_supported.restype, lib.pytgi_qgemm_amx_supported.argtypes = ctypes.c_int, []
     lib.pytgi_qgemm_amx_bf16.restype, lib.pytgi_qgemm_amx_bf16.argtypes = ctypes.c_int, [ptr] * 3 + [i64] * 4
     lib.pytgi_decoder_layers_bf16.restype = ctypes.c_int

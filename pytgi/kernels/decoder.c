@@ -42,8 +42,8 @@ int pytgi_paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const u
                              const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
                              const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H,
                              int64_t KVH, int64_t D, float scale);
-void pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
-                      int64_t bits);
+int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
+                     int64_t bits);
 int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
                          int64_t bits);
 
@@ -51,8 +51,7 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
 static int matmul(const uint16_t *x, int64_t w, int64_t bits, uint16_t *out, int64_t M, int64_t N, int64_t K,
                   int64_t vnni_max_m) {
     if (M > vnni_max_m) return pytgi_qgemm_amx_bf16(x, (const uint8_t *)w, out, M, N, K, bits);
-    pytgi_qgemv_bf16(x, (const uint8_t *)w, out, M, N, K, bits);
-    return 0;
+    return pytgi_qgemv_bf16(x, (const uint8_t *)w, out, M, N, K, bits);
 }
 
 int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, uint16_t *h, int64_t T,

@@ -324,14 +324,19 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
-static void chunk_amx(int64_t D, const uint16_t *q, int64_t qstride, int64_t Q, int64_t ctx, const uint16_t *kc,
+static int chunk_amx(int64_t D, const uint16_t *q, int64_t qstride, int64_t Q, int64_t ctx, const uint16_t *kc,
                       const uint16_t *vc, const int64_t *table, int64_t bs, int64_t KVH, int64_t kvh, int64_t j_begin,
                       int64_t j_end, int64_t G, float scale, float *acc, float *m, float *l) {
     const int64_t R = Q * G, RT = (R + 15) / 16, row = KVH * D;
     uint16_t *qa = aligned_alloc(64, (size_t)(RT * 16 * D * 2)); /* query rows, zero-padded to whole tiles */
     uint16_t *kt = aligned_alloc(64, (size_t)(D / 32 * 2 * 1024)); /* Kᵀ tiles: [D/32][2 halves][16][32] */
     uint16_t *vt = aligned_alloc(64, (size_t)(D / 16 * 1024));     /* V tiles by key pairs: [D/16][16][32] */
-    if (qa == NULL || kt == NULL || vt == NULL) abort();
+    if (qa == NULL || kt == NULL || vt == NULL) {
+        free(qa);
+        free(kt);
+        free(vt);
+        return 1;
+    }
     memset(qa, 0, (size_t)(RT * 16 * D * 2));
     for (int64_t r = 0; r < R; r++) memcpy(qa + r * D, q + (r / G) * qstride + (r % G) * D, (size_t)(D * 2));
     for (int64_t r = 0; r < R; r++) {
@@ -415,6 +420,7 @@ static void chunk_amx(int64_t D, const uint16_t *q, int64_t qstride, int64_t Q, 
     free(qa);
     free(kt);
     free(vt);
+    return 0;
 }
 #else
 #define AMX_ATTN 0
@@ -447,7 +453,7 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
         free(meta);
         return 1;
     }
-    int use_amx = 0;
+    int use_amx = 0, failed = 0;
 #if AMX_ATTN
     if (bf16 && D % 32 == 0)
         for (int64_t b = 0; b < B; b++) use_amx |= q_lens[b] * G >= AMX_MIN_ROWS;
@@ -475,9 +481,12 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
                    c * CHUNK, j_end, G, scale, acc, m, l
 #if AMX_ATTN
             if (use_amx && Q * G >= AMX_MIN_ROWS) {
-                chunk_amx(D, (const uint16_t *)qp, H * D, Q, ctx_lens[b], (const uint16_t *)k_cache,
-                          (const uint16_t *)v_cache, block_tables + b * max_blocks, bs, KVH, kvh, c * CHUNK, j_end, G,
-                          scale, acc, m, l);
+                if (chunk_amx(D, (const uint16_t *)qp, H * D, Q, ctx_lens[b], (const uint16_t *)k_cache,
+                              (const uint16_t *)v_cache, block_tables + b * max_blocks, bs, KVH, kvh, c * CHUNK, j_end,
+                              G, scale, acc, m, l)) {
+                    _Pragma("omp atomic write")
+                    failed = 1;
+                }
                 continue;
             }
 #endif
@@ -523,7 +532,7 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
     }
     free(parts);
     free(meta);
-    return 0;
+    return failed;
 }
 
 static int decode512(int bf16, const char *q, const char *k_cache, const char *v_cache, char *out, const int64_t *rows,

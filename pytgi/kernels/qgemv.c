@@ -96,12 +96,19 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
         t += MR;                                                                                      \
     } while (0)
 
-/* x: bf16 [M, K]; w: packed as above for N rows (N % 16 == 0, K % 32 == 0); out: bf16 [M, N]. */
-void pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
-                      int64_t bits) {
+/* x: bf16 [M, K]; w: packed as above for N rows (N % 16 == 0, K % 32 == 0); out: bf16 [M, N].
+ * Returns nonzero on out of memory. */
+int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
+                     int64_t bits) {
     const int64_t G = K / 32, tile_bytes = G * ((bits == 4 ? 256 : 512) + 64);
     int8_t *xq = malloc((size_t)(M * K));
-    float *sx = malloc(sizeof(float) * (size_t)(2 * M * G)), *sxs = sx + M * G;
+    float *sx = malloc(sizeof(float) * (size_t)(2 * M * G));
+    if (xq == NULL || sx == NULL) {
+        free(xq);
+        free(sx);
+        return 1;
+    }
+    float *sxs = sx + M * G;
     for (int64_t t = 0; t < M; t++) quantize_row(x + t * K, K, xq + t * K, sx + t * G, sxs + t * G);
     _Pragma("omp parallel for schedule(static)")
     for (int64_t n16 = 0; n16 < N / 16; n16++) {
@@ -114,6 +121,7 @@ void pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_
     }
     free(xq);
     free(sx);
+    return 0;
 }
 
 
@@ -247,8 +255,8 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
     (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)bits;
     abort();
 }
-void pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
-                      int64_t bits) {
+int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
+                     int64_t bits) {
     (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)bits;
     abort(); /* never called: pytgi_qgemv_supported() said no */
 }

@@ -7,7 +7,8 @@ low-bit weight for steps of at most `max_m` tokens, and the bf16 weight *made fr
 low-bit values* for bigger ones, so both paths multiply by the same weights.
 
 The grids are GGUF's, per group of 32 input features with fp16 scales: int4 is Q4_1's
-(w = d·q + m, q in 0..15), int8 is Q8_0's (w = d·q, q in -127..127). Two kernels multiply by them:
+(w = d·q + m, q in 0..15), int8 is Q8_0's (w = d·q, q in -127..127). Three kernels multiply by
+them:
 - on CPUs with AVX-512 VNNI, pytgi's own (`pytgi/kernels/qgemv.c`), which also quantizes the
   activations to int8 per group of 32, as llama.cpp does, and runs near memory speed;
 - on CPUs with AMX as well, steps of 13 to 96 tokens dequantize each block of the same packed
@@ -169,12 +170,10 @@ class QuantizedWeight:
             x = x.contiguous()
             M, (N, K), bits = x.shape[0], self.shape, 4 if self.kind == "int4" else 8
             out = x.new_empty(M, N)
-            if self.amx and M > VNNI_MAX_M:
-                if kernels.load().pytgi_qgemm_amx_bf16(x.data_ptr(), self.packed.data_ptr(), out.data_ptr(), M, N, K,
-                                                        bits):
-                    raise MemoryError("AMX matmul: out of memory")
-            else:
-                kernels.load().pytgi_qgemv_bf16(x.data_ptr(), self.packed.data_ptr(), out.data_ptr(), M, N, K, bits)
+            lib = kernels.load()
+            kernel = lib.pytgi_qgemm_amx_bf16 if self.amx and M > VNNI_MAX_M else lib.pytgi_qgemv_bf16
+            if kernel(x.data_ptr(), self.packed.data_ptr(), out.data_ptr(), M, N, K, bits):
+                raise MemoryError("low-bit matmul: out of memory")
             return out
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
