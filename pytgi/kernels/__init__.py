@@ -26,7 +26,7 @@ from pytgi.models.registry import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = ["paged_attention.c", "fused.c", "qgemv.c", "decoder.c"]
-HEADERS = ["bf16.h"]  # part of the cache key
+HEADERS = ["bf16.h", "amx.h"]  # part of the cache key
 CFLAGS = ["-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 

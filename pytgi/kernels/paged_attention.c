@@ -288,13 +288,8 @@ static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, con
  * between them. Per block of 32 keys the keys are transposed once (16×16 dword transposes) and the
  * values interleaved by key pairs, for every row tile. P is rounded to bf16 for the P·V product. */
 #define AMX_ATTN 1
+#include "amx.h"
 int pytgi_qgemm_amx_supported(void); /* qgemv.c: asks the kernel for the AMX state */
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) attn_tile_config;
 
 /* rows[i] (16 dwords each) → out row j holds dword j of every input row */
 static inline void transpose16(__m512i r[16]) {
@@ -453,8 +448,9 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
         free(meta);
         return 1;
     }
-    int use_amx = 0, failed = 0;
+    int failed = 0;
 #if AMX_ATTN
+    int use_amx = 0;
     if (bf16 && D % 32 == 0)
         for (int64_t b = 0; b < B; b++) use_amx |= q_lens[b] * G >= AMX_MIN_ROWS;
     use_amx = use_amx && pytgi_qgemm_amx_supported();
@@ -463,13 +459,8 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
     {
         const unsigned int csr = flush_denormals();
 #if AMX_ATTN
-        attn_tile_config saved, cfg = {0};
-        if (use_amx) { /* PyTorch's oneDNN may keep a configuration on this thread: restored below */
-            _tile_storeconfig(&saved);
-            cfg.palette_id = 1;
-            for (int t = 0; t < 7; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0,1: S; 2: q; 3: Kᵀ; 4: P·V; 5: P; 6: V */
-            _tile_loadconfig(&cfg);
-        }
+        amx_config saved;
+        if (use_amx) saved = amx_borrow(7); /* 0,1: S; 2: q; 3: Kᵀ; 4: P·V; 5: P; 6: V */
 #endif
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t task = 0; task < n_tasks * KVH; task++) {
@@ -523,10 +514,7 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
             }
         }
 #if AMX_ATTN
-        if (use_amx) {
-            if (saved.palette_id != 0) _tile_loadconfig(&saved);
-            else _tile_release();
-        }
+        if (use_amx) amx_return(&saved);
 #endif
         restore_csr(csr);
     }
@@ -554,30 +542,28 @@ static int decode512(int bf16, const char *q, const char *k_cache, const char *v
 #define attention512(...) 2
 #endif
 
-int pytgi_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
-                               const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B,
-                               int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale) {
-    if (FAST_OK)
-        return decode512(0, (const char *)q, (const char *)k_cache, (const char *)v_cache, (char *)out, rows,
-                         block_tables, ctx_lens, B, max_blocks, block_size, H, KVH, D, scale);
-    return decode_generic_f32(q, k_cache, v_cache, out, rows, block_tables, ctx_lens, B, max_blocks, block_size, H,
-                              KVH, D, scale);
-}
-
-int pytgi_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out,
-                                const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B,
-                                int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale) {
-    if (FAST_OK)
-        return decode512(1, (const char *)q, (const char *)k_cache, (const char *)v_cache, (char *)out, rows,
-                         block_tables, ctx_lens, B, max_blocks, block_size, H, KVH, D, scale);
-    return decode_generic_bf16(q, k_cache, v_cache, out, rows, block_tables, ctx_lens, B, max_blocks, block_size, H,
-                               KVH, D, scale);
-}
+/* Decodes (one query token per request, at flat row rows[b]): the AVX-512 kernel when it applies. */
+#define DEFINE_DECODE_ENTRY(NAME, T, BF16, GENERIC)                                                    \
+    int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int64_t *rows,              \
+             const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks,      \
+             int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale) {                     \
+        if (FAST_OK)                                                                                   \
+            return decode512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,      \
+                             (char *)out, rows, block_tables, ctx_lens, B, max_blocks, block_size, H,  \
+                             KVH, D, scale);                                                           \
+        return GENERIC(q, k_cache, v_cache, out, rows, block_tables, ctx_lens, B, max_blocks, block_size, \
+                       H, KVH, D, scale);                                                              \
+    }
+DEFINE_DECODE_ENTRY(pytgi_decode_attention_f32, float, 0, decode_generic_f32)
+DEFINE_DECODE_ENTRY(pytgi_decode_attention_bf16, uint16_t, 1, decode_generic_bf16)
 
 /* Prefill chunks (and decodes) in place: request b's q_lens[b] query tokens are flat rows
  * q_starts[b] .. (see attention512). Only with the AVX-512 kernel: returns 2 when
  * pytgi_paged_prefill_supported() says no. */
-int pytgi_paged_prefill_supported(int64_t H, int64_t KVH, int64_t D) { return FAST_OK; }
+int pytgi_paged_prefill_supported(int64_t H, int64_t KVH, int64_t D) {
+    (void)H, (void)KVH, (void)D; /* unused without AVX-512 */
+    return FAST_OK;
+}
 
 #define DEFINE_PREFILL(NAME, T, BF16)                                                                  \
     int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int64_t *q_starts,          \

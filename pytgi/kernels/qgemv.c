@@ -133,11 +133,7 @@ int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t
 #include <sys/syscall.h>
 #include <unistd.h>
 
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
+#include "amx.h"
 
 int pytgi_qgemm_amx_supported(void) {
     static int ok = -1;
@@ -192,13 +188,7 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
     memset(xp + M * K, 0, (size_t)((Mp - M) * K * 2));
     _Pragma("omp parallel")
     {
-        /* oneDNN (PyTorch's bf16 matmuls) may keep its own tile configuration on these threads:
-         * put it back afterwards */
-        tile_config saved, cfg = {0};
-        _tile_storeconfig(&saved);
-        cfg.palette_id = 1;
-        for (int t = 0; t < 6; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64; /* 0-3: C, 4: A, 5: B */
-        _tile_loadconfig(&cfg);
+        const amx_config saved = amx_borrow(6); /* 0-3: C, 4: A, 5: B */
         uint16_t B[16 * 32] __attribute__((aligned(64)));
         float C[16 * 16] __attribute__((aligned(64)));
         _Pragma("omp for schedule(static)")
@@ -232,8 +222,7 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
                 }
             }
         }
-        if (saved.palette_id != 0) _tile_loadconfig(&saved);
-        else _tile_release();
+        amx_return(&saved);
     }
     free(xp);
     return 0;
