@@ -164,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.use_c_decoder = True  # run all layers in one C call when the step allows (see _c_decoder)
+        self._c_ok: bool | None = None  # can this model use it at all (see _c_layers)
         self._c_table: tuple[int, np.ndarray] | None = None  # (first K cache's address, per-layer pointers)
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
@@ -195,11 +196,13 @@ class LlamaForCausalLM(nn.Module):
     def _c_layers(self, kv_caches) -> np.ndarray | None:  # type: ignore[no-untyped-def]
         """The per-layer pointers `pytgi/kernels/decoder.c` reads, or None when this model can't use
         it: sharded, biases, q/k norms, or a linear without a packed low-bit weight."""
-        quants = [getattr(m, "quant", None) for layer in self.layers
-                  for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-        cfg = self.config
-        if (tp_size() != 1 or cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias or cfg.qk_norm
-                or not all(q is not None and q.vnni for q in quants) or kernels.load() is None):
+        if self._c_ok is None:  # decided once: quantization happens at load
+            quants = [getattr(m, "quant", None) for layer in self.layers for m in
+                      (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+            cfg = self.config
+            self._c_ok = not (tp_size() != 1 or cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias or cfg.qk_norm
+                              or not all(q is not None and q.vnni for q in quants) or kernels.load() is None)
+        if not self._c_ok:
             return None
         if self._c_table is not None and self._c_table[0] == kv_caches[0][0].data_ptr():
             return self._c_table[1]
