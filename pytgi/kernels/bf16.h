@@ -18,4 +18,12 @@ static inline uint16_t bf16_round(float x) {
 }
 static inline float bf16_rt(float x) { return bf16_load(bf16_round(x)); } /* round trip */
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* 16 bf16 values widened to float32 */
+static inline __m512 bf16x16_load(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)p)), 16));
+}
+#endif
+
 #endif

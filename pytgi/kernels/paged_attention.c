@@ -9,7 +9,7 @@
  * Query head h uses key/value head h / (H / KVH) (grouped-query attention).
  *
  * Two implementations, all math in float32: with AVX-512 (and D a multiple of 16) a split-K
- * kernel with an online softmax (see decode512); otherwise a portable one that splits work over
+ * kernel with an online softmax (see attention512); otherwise a portable one that splits work over
  * (request, kv head) pairs, each computing scores for its group of query heads in one pass over
  * the keys, a softmax, then one pass over the values. Built and loaded by
  * pytgi/kernels/__init__.py. */
@@ -137,10 +137,7 @@ DEFINE_DECODE(decode_generic_bf16, uint16_t, row_bf16, store_bf16)
 #define MAXD 256
 #define MAXG 16
 
-static inline __m512 ld16(const void *p, int bf16) {
-    if (!bf16) return _mm512_loadu_ps(p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
-}
+static inline __m512 ld16(const void *p, int bf16) { return bf16 ? bf16x16_load(p) : _mm512_loadu_ps(p); }
 static inline void st16(void *p, __m512 x, int bf16) {
     if (!bf16) {
         _mm512_storeu_ps(p, x);
@@ -421,8 +418,10 @@ static int chunk_amx(int64_t D, const uint16_t *q, int64_t qstride, int64_t Q, i
 #define AMX_ATTN 0
 #endif
 
-/* Requests b = 0 .. B-1, each with q_lens[b] query tokens (flat rows q_starts[b] ..) at the end of
- * its ctx_lens[b] cached tokens (its own keys already written). Returns nonzero on out of memory. */
+/* Requests b = 0 .. B-1, each with q_lens[b] query tokens (flat rows q_starts[b] ..; q_lens NULL:
+ * one each) at the end of its ctx_lens[b] cached tokens (its own keys already written). Returns
+ * nonzero on out of memory. */
+#define QLEN(b) (q_lens != NULL ? q_lens[b] : 1)
 static int attention512(int bf16, const char *q, const char *k_cache, const char *v_cache, char *out,
                         const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
                         const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t bs, int64_t H, int64_t KVH,
@@ -439,7 +438,7 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
         first_task[b] = i;
         for (int64_t c = 0; c < (ctx_lens[b] + CHUNK - 1) / CHUNK; c++, i++) {
             task_b[i] = b, task_c[i] = c, part_off[i] = floats;
-            floats += KVH * q_lens[b] * G * (D + 2);
+            floats += KVH * QLEN(b) * G * (D + 2);
         }
     }
     first_task[B] = n_tasks;
@@ -452,7 +451,7 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
 #if AMX_ATTN
     int use_amx = 0;
     if (bf16 && D % 32 == 0)
-        for (int64_t b = 0; b < B; b++) use_amx |= q_lens[b] * G >= AMX_MIN_ROWS;
+        for (int64_t b = 0; b < B; b++) use_amx |= QLEN(b) * G >= AMX_MIN_ROWS;
     use_amx = use_amx && pytgi_qgemm_amx_supported();
 #endif
     _Pragma("omp parallel")
@@ -464,7 +463,7 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
 #endif
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t task = 0; task < n_tasks * KVH; task++) {
-            const int64_t i = task / KVH, kvh = task % KVH, b = task_b[i], c = task_c[i], Q = q_lens[b];
+            const int64_t i = task / KVH, kvh = task % KVH, b = task_b[i], c = task_c[i], Q = QLEN(b);
             const int64_t j_end = ctx_lens[b] < (c + 1) * CHUNK ? ctx_lens[b] : (c + 1) * CHUNK;
             const char *qp = q + (q_starts[b] * H + kvh * G) * D * es;
             float *acc = parts + part_off[i] + kvh * Q * G * (D + 2), *m = acc + Q * G * D, *l = m + Q * G;
@@ -491,7 +490,7 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
         /* combine a request's chunks: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) l_c */
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t pair = 0; pair < B * KVH; pair++) {
-            const int64_t b = pair / KVH, kvh = pair % KVH, Q = q_lens[b], size = Q * G * (D + 2);
+            const int64_t b = pair / KVH, kvh = pair % KVH, Q = QLEN(b), size = Q * G * (D + 2);
             const int64_t t0 = first_task[b], nc = first_task[b + 1] - t0;
             for (int64_t r = 0; r < Q * G; r++) {
                 float M = -INFINITY, sum = 0.0f;
@@ -523,22 +522,11 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
     return failed;
 }
 
-static int decode512(int bf16, const char *q, const char *k_cache, const char *v_cache, char *out, const int64_t *rows,
-                     const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks,
-                     int64_t bs, int64_t H, int64_t KVH, int64_t D, float scale) {
-    int64_t *ones = malloc(sizeof(int64_t) * (size_t)(B > 0 ? B : 1));
-    if (ones == NULL) return 1;
-    for (int64_t b = 0; b < B; b++) ones[b] = 1;
-    const int failed = attention512(bf16, q, k_cache, v_cache, out, rows, ones, block_tables, ctx_lens, B, max_blocks,
-                                    bs, H, KVH, D, scale);
-    free(ones);
-    return failed;
-}
+#undef QLEN
 
 #define FAST_OK (D % 16 == 0 && D <= MAXD && H / KVH <= MAXG)
 #else
 #define FAST_OK 0
-#define decode512(...) 0
 #define attention512(...) 2
 #endif
 
@@ -548,9 +536,9 @@ static int decode512(int bf16, const char *q, const char *k_cache, const char *v
              const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks,      \
              int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale) {                     \
         if (FAST_OK)                                                                                   \
-            return decode512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,      \
-                             (char *)out, rows, block_tables, ctx_lens, B, max_blocks, block_size, H,  \
-                             KVH, D, scale);                                                           \
+            return attention512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,   \
+                                (char *)out, rows, NULL, block_tables, ctx_lens, B, max_blocks,        \
+                                block_size, H, KVH, D, scale);                                         \
         return GENERIC(q, k_cache, v_cache, out, rows, block_tables, ctx_lens, B, max_blocks, block_size, \
                        H, KVH, D, scale);                                                              \
     }

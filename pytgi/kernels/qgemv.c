@@ -26,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -34,8 +36,7 @@ int pytgi_qgemv_supported(void) { return 1; }
 /* One activation row (bf16) → int8 per group of 32, its scale and scale·Σq per group. */
 static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, float *sxs) {
     for (int64_t g = 0; g < K / 32; g++) {
-        __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(x + 32 * g))), 16));
-        __m512 b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(x + 32 * g + 16))), 16));
+        __m512 a = bf16x16_load(x + 32 * g), b = bf16x16_load(x + 32 * g + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  /* round to nearest even */

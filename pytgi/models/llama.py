@@ -233,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         h = torch.empty_like(residual)
         failed = kernels.load().pytgi_decoder_layers_bf16(
             table.ctypes.data, len(self.layers), residual.data_ptr(), h.data_ptr(), T, cfg.hidden_size,
-            self.layers[0].mlp.down_proj.weight.shape[1], attn.n_heads, attn.n_kv, attn.head_dim,
+            cfg.intermediate_size, attn.n_heads, attn.n_kv, attn.head_dim,  # unsharded: whole sizes
             ctypes.c_float(cfg.rms_norm_eps), ctypes.c_float(attn.scale), cos.data_ptr(), sin.data_ptr(),
             meta.slot_mapping.data_ptr(), p.q_starts.ctypes.data, p.q_lens.ctypes.data, p.block_tables.ctypes.data,
             p.context_lens.ctypes.data, len(p.q_starts), p.block_tables.shape[1], p.block_size,
