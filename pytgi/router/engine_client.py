@@ -91,9 +91,10 @@ class EngineClient:
         """Send a request; its `TokenOut`s (or an `EngineDead`) arrive on the returned queue."""
         if not self.healthy:
             raise EngineDead(self.dead_reason or "engine is not running")
+        msg = P.encoder.encode(P.Submit(request_id, prompt_ids, params))  # may raise: nothing registered yet
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
-        self._inbox.send(P.encoder.encode(P.Submit(request_id, prompt_ids, params)))
+        self._inbox.send(msg)
         return queue
 
     def abort(self, request_id: str) -> None:

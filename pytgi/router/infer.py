@@ -94,17 +94,38 @@ class Generation:
     best_of_sequences: list[Generation] = field(default_factory=list)
 
 
-class Permit:
-    """One of `max_concurrent_requests` slots; held for the life of the request."""
+class Admission:
+    """One client request's share of the `max_concurrent_requests` slots, and the engine streams
+    opened under it.
+
+    The server opens one per HTTP exchange and closes it when the exchange ends, however it ends
+    (`pytgi.server.app.AdmissionMiddleware`): streams still running are aborted and the slots come
+    back. Nothing else gives slots back, so no error path can keep one."""
 
     def __init__(self, infer: Infer) -> None:
-        self._infer = infer
-        self._held = True
+        self.infer = infer
+        self.slots = 0
+        self.streams: list[RequestStream] = []
+        self.closed = False
 
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self._infer.in_flight -= 1
+    def take(self, n: int = 1) -> None:
+        """Non-blocking: over the limit the answer is 429 at once, never a wait."""
+        if self.closed:
+            raise RuntimeError("admission already closed")
+        if self.infer.in_flight + n > self.infer.max_concurrent_requests:
+            raise Overloaded()
+        self.infer.in_flight += n
+        self.slots += n
+
+    def close(self) -> None:
+        """Idempotent and synchronous: it may run where nothing can be awaited (a cancelled task)."""
+        if self.closed:
+            return
+        self.closed = True
+        for stream in self.streams:
+            stream.close()
+        self.infer.in_flight -= self.slots
+        self.slots = 0
 
 
 class Infer:
@@ -115,28 +136,28 @@ class Infer:
         self.in_flight = 0
         self._ids = itertools.count()
 
-    def acquire(self, n: int = 1) -> list[Permit]:
-        """Non-blocking: over the limit the answer is 429 at once, never a wait."""
-        if self.in_flight + n > self.max_concurrent_requests:
-            raise Overloaded()
-        self.in_flight += n
-        return [Permit(self) for _ in range(n)]
+    def admission(self) -> Admission:
+        return Admission(self)
 
-    def stream(self, req: ValidRequest, permit: Permit, validation_time: float = 0.0) -> RequestStream:
-        """Submit now; iterate the result for the request's events. `close()` (sync, idempotent)
-        aborts it, so cleanup works even inside a cancelled task where nothing can be awaited."""
+    def stream(self, req: ValidRequest, admission: Admission, validation_time: float = 0.0) -> RequestStream:
+        """Submit now under `admission`; iterate the result for the request's events. `close()` (sync,
+        idempotent) aborts it, so cleanup works even inside a cancelled task where nothing can be awaited."""
+        if admission.closed:
+            raise RuntimeError("admission already closed")
         rid = f"req-{next(self._ids)}"
         timings = Timings(validation=validation_time, queued=time.monotonic())
         try:
             queue = self.client.submit(rid, req.input_ids, req.sampling)
         except EngineDead as exc:
-            permit.release()
             raise GenerationError(str(exc)) from None
-        return RequestStream(self, rid, req, queue, permit, timings)
+        stream = RequestStream(self, rid, req, queue, timings)
+        admission.streams.append(stream)
+        return stream
 
-    async def generate(self, req: ValidRequest, permits: list[Permit], validation_time: float = 0.0) -> Generation:
+    async def generate(self, req: ValidRequest, admission: Admission, validation_time: float = 0.0) -> Generation:
         """The collected stream; with best_of > 1 the best of several samples (mean token logprob)."""
-        runs = [self._collect(self.stream(_with_seed(req, i), p, validation_time)) for i, p in enumerate(permits)]
+        runs = [self._collect(self.stream(_with_seed(req, i), admission, validation_time))
+                for i in range(req.best_of)]
         results = await asyncio.gather(*runs, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -161,9 +182,8 @@ class Infer:
 class RequestStream:
     """One submitted request's events: async-iterable once; `close()` ends it early."""
 
-    def __init__(self, infer: Infer, rid: str, req: ValidRequest, queue: asyncio.Queue, permit: Permit,
-                 timings: Timings) -> None:
-        self.infer, self.rid, self.req, self.queue, self.permit, self.timings = infer, rid, req, queue, permit, timings
+    def __init__(self, infer: Infer, rid: str, req: ValidRequest, queue: asyncio.Queue, timings: Timings) -> None:
+        self.infer, self.rid, self.req, self.queue, self.timings = infer, rid, req, queue, timings
         self.finished = False  # the engine finished it (a stop sequence still needs an abort)
         self.closed = False
 
@@ -171,7 +191,6 @@ class RequestStream:
         if self.closed:
             return
         self.closed = True
-        self.permit.release()
         if self.finished:
             self.infer.client.release(self.rid)
         else:

@@ -17,7 +17,7 @@ import pytgi
 from pytgi.config import EngineConfig
 from pytgi.metrics import Metrics
 from pytgi.router.engine_client import EngineClient
-from pytgi.router.infer import Infer
+from pytgi.router.infer import Admission, Infer
 from pytgi.router.validation import Validation, ValidLimits
 from pytgi.server.errors import error_body, install_handlers, path_error_response
 from pytgi.tokenizer import Tokenizer
@@ -81,6 +81,38 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         await st.client.stop()
         st.validation.close()
+
+
+_ADMISSIONS = "pytgi.admissions"
+
+
+def admission(request: Request) -> Admission:
+    """A new claim on the concurrency slots for this HTTP exchange; `AdmissionMiddleware` closes it
+    when the exchange ends (response sent, error raised, client gone, stream never started)."""
+    st = state_of(request)
+    assert st.infer is not None
+    adm = st.infer.admission()
+    request.scope[_ADMISSIONS].append(adm)
+    return adm
+
+
+class AdmissionMiddleware:
+    """Gives every concurrency slot back when its HTTP exchange ends, whatever path it took."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        admissions: list[Admission] = []
+        scope[_ADMISSIONS] = admissions
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            for adm in admissions:
+                adm.close()
 
 
 class ApiKeyMiddleware:
@@ -149,6 +181,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.include_router(tgi.router)
     openai.install(app)  # OpenAI's routes, and OpenAI's error shape under /v1/
     # The last added runs first: CORS outermost, so that refusals (401, 413) carry its headers too.
+    app.add_middleware(AdmissionMiddleware)
     app.add_middleware(PayloadLimitMiddleware, limit=config.payload_limit)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, key=config.api_key)
@@ -167,4 +200,4 @@ async def wait_disconnect(request: Request, task: asyncio.Task) -> None:
         await asyncio.sleep(0.25)
 
 
-__all__ = ["ServerConfig", "State", "create_app", "state_of", "error_body", "wait_disconnect"]
+__all__ = ["ServerConfig", "State", "admission", "create_app", "state_of", "error_body", "wait_disconnect"]

@@ -1,6 +1,6 @@
 """OpenAI's API: /v1/completions, /v1/chat/completions, /v1/models.
 
-The same engine path as TGI's routes (`Infer`, permits, metrics, disconnects), with OpenAI's request
+The same engine path as TGI's routes (`Infer`, admissions, metrics, disconnects), with OpenAI's request
 fields, response shapes, stop semantics (the stop text is cut) and error shape
 `{"error": {"message", "type", "param", "code"}}`. Runs in the API process: no torch here.
 
@@ -27,10 +27,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pytgi
 from pytgi.router.infer import (
+    Admission,
     Generation,
     InferError,
     Overloaded,
-    Permit,
     RequestStream,
     StreamEvent,
     Timings,
@@ -38,7 +38,7 @@ from pytgi.router.infer import (
 )
 from pytgi.router.validation import ValidRequest
 from pytgi.sampling_params import InvalidRequest, SamplingParams
-from pytgi.server.app import State, state_of, wait_disconnect
+from pytgi.server.app import State, admission, state_of, wait_disconnect
 from pytgi.server.tgi import KEEP_ALIVE_SECONDS, record_success
 from pytgi.tokenizer import partial_stop_len
 
@@ -311,26 +311,23 @@ def _refused(st: State) -> Iterator[None]:
         raise
 
 
-async def _admit(st: State, count: int, prepare: Callable[[], Awaitable[list[ValidRequest]]]
-                 ) -> tuple[list[ValidRequest], list[Permit], float]:
-    """TGI's order: take one permit per engine request (429 at once if short), then validate/tokenize."""
-    assert st.infer is not None
+async def _admit(request: Request, count: int, prepare: Callable[[], Awaitable[list[ValidRequest]]]
+                 ) -> tuple[list[ValidRequest], Admission, float]:
+    """TGI's order: take one slot per engine request (429 at once if short), then validate/tokenize.
+    The slots are held until the HTTP exchange ends (`AdmissionMiddleware`)."""
+    st = state_of(request)
+    adm = admission(request)
     try:
-        permits = st.infer.acquire(count)
+        adm.take(count)
     except InferError as exc:
         st.metrics.request_failure.labels("overloaded").inc()
         raise from_infer_error(exc) from None
     t0 = time.monotonic()
-    try:
-        with _refused(st):
-            reqs = await prepare()
-    except BaseException:
-        for p in permits:
-            p.release()
-        raise
+    with _refused(st):
+        reqs = await prepare()
     elapsed = time.monotonic() - t0
     st.metrics.request_validation_duration.observe(elapsed)
-    return reqs, permits, elapsed
+    return reqs, adm, elapsed
 
 
 def _combined(timings: list[Timings]) -> Timings:
@@ -339,14 +336,14 @@ def _combined(timings: list[Timings]) -> Timings:
                    start=min(starts) if starts else 0.0, end=max(t.end for t in timings))
 
 
-async def _generate_all(request: Request, st: State, reqs: list[ValidRequest], permits: list[Permit],
+async def _generate_all(request: Request, st: State, reqs: list[ValidRequest], adm: Admission,
                         vtime: float, arrived: float) -> list[Generation]:
     """Every engine request to completion; the client going away (or one failing) aborts them all."""
     assert st.infer is not None
     infer = st.infer
 
     async def run_all() -> list[Generation]:
-        tasks = [asyncio.ensure_future(infer.generate(r, [p], vtime)) for r, p in zip(reqs, permits)]
+        tasks = [asyncio.ensure_future(infer.generate(r, adm, vtime)) for r in reqs]
         try:
             return list(await asyncio.gather(*tasks))
         finally:
@@ -362,29 +359,19 @@ async def _generate_all(request: Request, st: State, reqs: list[ValidRequest], p
         raise from_infer_error(exc) from None
     finally:
         watcher.cancel()
-        for p in permits:  # a request cancelled before it started never took its permit's stream
-            p.release()
     timings = _combined([g.timings for g in gens])
     st.metrics.time_to_first_token.observe(max(timings.start - arrived, 0.0))
     record_success(st, timings, arrived, sum(r.input_length for r in reqs), sum(len(g.tokens) for g in gens))
     return gens
 
 
-def _submit_all(st: State, reqs: list[ValidRequest], permits: list[Permit], vtime: float
-                ) -> list[RequestStream]:
+def _submit_all(st: State, reqs: list[ValidRequest], adm: Admission, vtime: float) -> list[RequestStream]:
     assert st.infer is not None
-    streams: list[RequestStream] = []
     try:
-        for r, p in zip(reqs, permits):
-            streams.append(st.infer.stream(r, p, vtime))
-    except InferError as exc:
-        for s in streams:
-            s.close()
-        for p in permits:
-            p.release()
+        return [st.infer.stream(r, adm, vtime) for r in reqs]
+    except InferError as exc:  # the streams already opened are closed with the admission
         st.metrics.request_failure.labels(exc.error_type).inc()
         raise from_infer_error(exc) from None
-    return streams
 
 
 def _sse(data: dict[str, Any]) -> str:
@@ -683,16 +670,16 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
                 reqs.append(_valid_request(ids, text, sp, stream))
         return reqs
 
-    reqs, permits, vtime = await _admit(st, len(prompts) * n, prepare)
+    reqs, adm, vtime = await _admit(request, len(prompts) * n, prepare)
     prompt_tokens = sum(r.input_length for r in reqs[::n])
     rid = f"cmpl-{uuid.uuid4().hex}"
     if stream:
-        streams = _submit_all(st, reqs, permits, vtime)
+        streams = _submit_all(st, reqs, adm, vtime)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         renderer = _StreamRenderer(st, False, rid, created, len(reqs), stops, body.logprobs is not None,
                                    include_usage, prompt_tokens, [r.inputs if echo else "" for r in reqs])
         return _streaming_response(_sse_events(st, streams, renderer, arrived, reqs))
-    gens = await _generate_all(request, st, reqs, permits, vtime, arrived)
+    gens = await _generate_all(request, st, reqs, adm, vtime, arrived)
     choices = []
     for index, (req, g) in enumerate(zip(reqs, gens)):
         prefix = req.inputs if echo else ""
@@ -783,16 +770,16 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
         new = _check_lengths(st, len(ids), max_tokens, "messages")
         return [_valid_request(ids, text, _sampling(body, new, stops, i, top_n), stream) for i in range(n)]
 
-    reqs, permits, vtime = await _admit(st, n, prepare)
+    reqs, adm, vtime = await _admit(request, n, prepare)
     prompt_tokens = reqs[0].input_length
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     if stream:
-        streams = _submit_all(st, reqs, permits, vtime)
+        streams = _submit_all(st, reqs, adm, vtime)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         renderer = _StreamRenderer(st, True, rid, created, len(reqs), stops, bool(body.logprobs),
                                    include_usage, prompt_tokens)
         return _streaming_response(_sse_events(st, streams, renderer, arrived, reqs))
-    gens = await _generate_all(request, st, reqs, permits, vtime, arrived)
+    gens = await _generate_all(request, st, reqs, adm, vtime, arrived)
     choices = []
     for index, g in enumerate(gens):
         logprobs = None

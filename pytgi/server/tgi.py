@@ -12,9 +12,9 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 import pytgi
-from pytgi.router.infer import Generation, InferError, RequestStream, StreamEvent, Timings, Token
+from pytgi.router.infer import Admission, Generation, InferError, RequestStream, StreamEvent, Timings, Token
 from pytgi.router.validation import CompatGenerateRequest, GenerateRequest, ValidationError, ValidRequest
-from pytgi.server.app import State, state_of, wait_disconnect
+from pytgi.server.app import State, admission, state_of, wait_disconnect
 from pytgi.server.errors import error_body, error_response, infer_error_response, validation_response
 
 router = APIRouter()
@@ -81,12 +81,15 @@ def timing_headers(st: State, t: Timings, arrived: float, prompt_tokens: int, ge
 
 
 # -- shared request path ---------------------------------------------------------------------------
-async def admit(st: State, body: GenerateRequest, stream: bool) -> tuple[ValidRequest, list, float]:
-    """The seed's order: take a permit (429 at once if none), then validate (422)."""
+async def admit(request: Request, body: GenerateRequest, stream: bool) -> tuple[ValidRequest, Admission, float]:
+    """The seed's order: take a slot (429 at once if none), then validate (422). The slots are held
+    until the HTTP exchange ends (`AdmissionMiddleware`), whatever happens in between."""
+    st = state_of(request)
     st.metrics.request_count.inc()
-    assert st.infer is not None and st.validation is not None
+    assert st.validation is not None
+    adm = admission(request)
     try:
-        permits = st.infer.acquire(1)
+        adm.take(1)
     except InferError:
         st.metrics.request_failure.labels("overloaded").inc()
         raise
@@ -94,19 +97,17 @@ async def admit(st: State, body: GenerateRequest, stream: bool) -> tuple[ValidRe
     try:
         req = await st.validation.validate(body, stream)
     except ValidationError:
-        permits[0].release()
         st.metrics.request_failure.labels("validation").inc()
         raise
     if req.best_of > 1:
         try:
-            permits += st.infer.acquire(req.best_of - 1)
+            adm.take(req.best_of - 1)
         except InferError:
-            permits[0].release()
             st.metrics.request_failure.labels("overloaded").inc()
             raise
     elapsed = time.monotonic() - t0
     st.metrics.request_validation_duration.observe(elapsed)
-    return req, permits, elapsed
+    return req, adm, elapsed
 
 
 def record_success(st: State, t: Timings, arrived: float, input_length: int, generated: int) -> None:
@@ -124,9 +125,9 @@ def record_success(st: State, t: Timings, arrived: float, input_length: int, gen
 async def generate_response(request: Request, body: GenerateRequest) -> tuple[dict[str, Any], dict[str, str]]:
     st = state_of(request)
     arrived = time.monotonic()
-    req, permits, vtime = await admit(st, body, stream=False)
+    req, adm, vtime = await admit(request, body, stream=False)
     assert st.infer is not None
-    task = asyncio.ensure_future(st.infer.generate(req, permits, vtime))
+    task = asyncio.ensure_future(st.infer.generate(req, adm, vtime))
     watcher = asyncio.ensure_future(wait_disconnect(request, task))
     try:
         g = await task
@@ -143,9 +144,9 @@ async def generate_response(request: Request, body: GenerateRequest) -> tuple[di
 async def stream_response(request: Request, body: GenerateRequest) -> Response:
     st = state_of(request)
     arrived = time.monotonic()
-    req, permits, vtime = await admit(st, body, stream=True)
+    req, adm, vtime = await admit(request, body, stream=True)
     assert st.infer is not None
-    events = st.infer.stream(req, permits[0], vtime)
+    events = st.infer.stream(req, adm, vtime)
     return StreamingResponse(sse(st, req, events, arrived), media_type="text/event-stream",
                              headers={"x-accel-buffering": "no", "cache-control": "no-cache"})
 

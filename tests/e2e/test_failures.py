@@ -89,7 +89,7 @@ def test_over_the_limit_is_429_at_once_while_admitted_requests_complete(guarded)
     assert all(r.status_code == 200 and r.json()["generated_text"] for r in admitted)
     assert all(r.headers["x-generated-tokens"] == "40" for r in admitted)
     # the permits came back
-    assert httpx.post(f"{guarded.url}/generate", json=long, headers=AUTH).status_code == 200
+    assert httpx.post(f"{guarded.url}/generate", json=long, headers=AUTH, timeout=60).status_code == 200
 
 
 def test_overloaded_maps_to_the_client_error(guarded):
@@ -172,3 +172,42 @@ def test_openai_routes_refuse_in_openai_shape(guarded):
     assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
     ok = openai.OpenAI(base_url=f"{guarded.url}/v1", api_key="sekret", max_retries=0)
     assert ok.completions.create(model="", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_failed_requests_of_every_kind_give_their_slots_back(guarded):
+    """Each kind of failure, more times than there are slots (2): none may keep its slot."""
+    deep = '{"inputs": "Hi", "parameters": {"grammar": {"type": "json", "value": ' + '{"a": ' * 5000 + "1" \
+        + "}" * 5000 + "}}}"
+    failing = [
+        ("/generate", '{"inputs": "Hi", "parameters": {"stop": ["\\ud800"], "max_new_tokens": 2}}'),
+        ("/generate_stream", '{"inputs": "Hi", "parameters": {"stop": ["\\ud800"], "max_new_tokens": 2}}'),
+        ("/generate", '{"inputs": "Hi \\ud800 there", "parameters": {"max_new_tokens": 2}}'),
+        ("/generate", deep),
+        ("/generate", '{"inputs": "Hi", "parameters": {"max_new_tokens": 0}}'),
+        ("/generate", '{"inputs": "Hi", "parameters": {"best_of": 2, "do_sample": true, "seed": 1}}'),
+        ("/generate", json.dumps({"inputs": FAULT_PROMPT, "parameters": {"max_new_tokens": 3}})),
+        ("/generate_stream", json.dumps({"inputs": FAULT_PROMPT, "parameters": {"max_new_tokens": 3}})),
+        ("/v1/completions", '{"prompt": "Hi \\ud800", "max_tokens": 2}'),
+        ("/v1/completions", '{"prompt": "Hi", "max_tokens": 2, "stop": ["\\ud800"]}'),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "stop": "\\udfff", "n": 2}'),
+        ("/v1/completions", json.dumps({"prompt": FAULT_PROMPT, "max_tokens": 3, "n": 2})),
+    ]
+    headers = {**AUTH, "content-type": "application/json"}
+    for path, body in failing:
+        for _ in range(3):
+            r = httpx.post(f"{guarded.url}{path}", content=body.encode(), headers=headers, timeout=60)
+            assert r.status_code != 429, (path, body[:80], r.text)
+    # a client that goes away mid-stream, several times
+    for _ in range(3):
+        with httpx.stream("POST", f"{guarded.url}/generate_stream", headers=AUTH, timeout=60,
+                          json={"inputs": "Count:", "parameters": {"max_new_tokens": 200}}) as s:
+            next(line for line in s.iter_lines() if line.startswith("data:"))
+    time.sleep(1.0)  # the server notices the disconnects
+
+    async def full_capacity():
+        async with httpx.AsyncClient(base_url=guarded.url, headers=AUTH, timeout=120) as c:
+            body = {"inputs": "Count to ten:", "parameters": {"max_new_tokens": 20, "ignore_eos_token": True}}
+            return await asyncio.gather(*(c.post("/generate", json=body) for _ in range(2)))
+
+    assert [r.status_code for r in asyncio.run(full_capacity())] == [200, 200]
