@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytgi.config import EngineConfig
-from pytgi.engine.engine import LLMEngine, RequestUpdate
+from pytgi.engine.engine import LLMEngine
+from pytgi.outputs import Delta, OutputProcessor, RequestFailed
+from pytgi.protocol import TokenOut
 from pytgi.sampling_params import InvalidRequest, SamplingParams
-from pytgi.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from pytgi.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
@@ -38,37 +40,28 @@ class RequestOutput:
         return self.finish_reason is not None
 
 class _Tracker:
-    """Detokenizes one request's updates and applies its stop strings."""
+    """One request's `OutputProcessor` and the `RequestOutput` it fills."""
 
     def __init__(self, out: RequestOutput, params: SamplingParams, tokenizer: Tokenizer) -> None:
         self.out, self.params = out, params
-        self.detok = IncrementalDetokenizer(tokenizer, out.prompt_token_ids, params.skip_special_tokens)
+        self.proc = OutputProcessor(tokenizer, out.prompt_token_ids, params)
 
-    def apply(self, u: RequestUpdate) -> tuple[str, bool]:
-        """Fold an update in; returns (new text, whether a stop string ended the request)."""
-        out = self.out
-        if u.prompt_logprobs is not None:
-            out.prompt_logprobs = u.prompt_logprobs
-        if u.error is not None:
-            raise RuntimeError(f"request {out.request_id} failed during generation: {u.error}")
-        if u.token is None:
-            return "", False
-        out.num_cached_tokens = u.num_cached_tokens
-        out.token_ids.append(u.token.token_id)
-        out.logprobs.append(u.token.logprob)
+    def apply(self, u: TokenOut) -> Delta | None:
+        out, proc = self.out, self.proc
+        try:
+            delta = proc.process(u)
+        except RequestFailed as exc:
+            raise RequestFailed(f"request {out.request_id} failed during generation: {exc}") from None
+        out.prompt_logprobs = proc.prompt_logprobs
+        if delta is None:
+            return None
+        out.num_cached_tokens = proc.num_cached_tokens
+        out.token_ids.append(delta.token.id)
+        out.logprobs.append(delta.token.logprob)
         if self.params.top_n_tokens:
-            out.top_logprobs.append(u.token.top)
-        before = len(out.text)
-        out.text += self.detok.add(u.token.token_id)
-        if u.finish_reason is not None:
-            out.text += self.detok.flush()
-            out.finish_reason = u.finish_reason
-        stop = find_stop(out.text, self.params.stop, before) if self.params.stop else None
-        if stop is not None:
-            out.text = out.text[: stop[1] if self.params.include_stop_str_in_output else stop[0]]
-            out.finish_reason = "stop_sequence"
-            return out.text[before:], True
-        return out.text[before:], False
+            out.top_logprobs.append([(t.id, t.logprob) for t in delta.top_tokens])
+        out.text, out.finish_reason = proc.text, proc.finish_reason
+        return delta
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args: Any) -> None:
@@ -138,19 +131,29 @@ class LLM:
         return _Tracker(out, params, self.tokenizer)
 
     def _run(self, trackers: dict[str, _Tracker]) -> Iterator[tuple[str, str]]:
+        """Step the engine; yield (request id, text that can be shown now) per update of `trackers`."""
         pending = set(trackers)
         try:
             while pending and self.engine.has_unfinished():
                 for u in self.engine.step():
+                    u = _shim(u)  # TEMP until the engine returns TokenOut
                     tracker = trackers.get(u.request_id)
                     if tracker is None:
                         continue
-                    text, stopped = tracker.apply(u)
-                    if stopped:
+                    delta = tracker.apply(u)
+                    if tracker.proc.stopped:  # a stop string: the engine only knows token ids
                         self.engine.abort_request(u.request_id)
-                    if tracker.out.finished:
+                    if tracker.proc.finished:
                         pending.discard(u.request_id)
-                    yield u.request_id, text
+                    yield u.request_id, delta.text if delta else ""
         finally:
             for rid in pending:  # an exception or an abandoned stream must not leave work behind
                 self.engine.abort_request(rid)
+
+
+def _shim(u):  # type: ignore[no-untyped-def]  # TEMP
+    if isinstance(u, TokenOut):
+        return u
+    t = u.token
+    return TokenOut(u.request_id, t.token_id if t else -1, t.logprob if t else 0.0, t.top if t else [],
+                    u.finish_reason, u.error, u.prompt_logprobs, u.num_cached_tokens)

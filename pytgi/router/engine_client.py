@@ -78,6 +78,7 @@ class EngineClient:
     async def stop(self, timeout: float = 5.0) -> None:
         for task in self._tasks:
             task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)  # their clean-up needs the sockets
         if self.proc and self.proc.poll() is None:
             await self._inbox.send(P.encoder.encode(P.Shutdown()))
             try:

@@ -1,23 +1,24 @@
 """The seed's `Infer`: limit → validate → submit → stream of events; `generate` collects it.
 
-Everything here runs in the API process (no torch): tokens arrive from the engine as ids and are
-turned into TGI's events here — incremental detokenization, stop sequences, prefill details.
+Everything here runs in the API process (no torch): tokens arrive from the engine as ids, and each
+request's `OutputProcessor` (`pytgi.outputs`) turns them into text and `Delta`s that the TGI and OpenAI
+routes render.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import random
 import itertools
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pytgi import protocol as P
+from pytgi.outputs import Delta, OutputProcessor, RequestFailed
 from pytgi.router.engine_client import EngineClient, EngineDead
 from pytgi.router.validation import ValidRequest
-from pytgi.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from pytgi.tokenizer import Tokenizer
 
 
 class InferError(Exception):
@@ -49,14 +50,6 @@ class IncompleteGeneration(InferError):
 
 
 @dataclass(slots=True)
-class Token:
-    id: int
-    text: str
-    logprob: float | None
-    special: bool = False
-
-
-@dataclass(slots=True)
 class Timings:
     validation: float = 0.0  # seconds spent validating
     queued: float = 0.0  # monotonic time the request entered the engine's queue
@@ -65,32 +58,12 @@ class Timings:
 
 
 @dataclass(slots=True)
-class StreamEvent:
-    index: int
-    token: Token
-    top_tokens: list[Token] = field(default_factory=list)
-    # set on the last event only
-    generated_text: str | None = None
-    finish_reason: str | None = None
-    generated_tokens: int = 0
-    seed: int | None = None
-    prefill: list[Token] = field(default_factory=list)
-    input_length: int = 0
-    timings: Timings | None = None
-
-
-@dataclass(slots=True)
 class Generation:
     """A collected stream (`generate`), with best_of's other sequences."""
 
-    generated_text: str
-    finish_reason: str
-    tokens: list[Token]
-    top_tokens: list[list[Token]]
-    prefill: list[Token]
-    seed: int | None
-    input_length: int
+    output: OutputProcessor  # text, tokens, top tokens, prefill, finish reason
     timings: Timings
+    request: ValidRequest  # best_of's sequences each have their own seed
     best_of_sequences: list[Generation] = field(default_factory=list)
 
 
@@ -162,64 +135,57 @@ class Infer:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise errors[0]
-        best = max(results, key=_mean_logprob)  # type: ignore[arg-type]
+        best = max(results, key=mean_logprob)  # type: ignore[arg-type]
         if len(results) > 1:
             best.best_of_sequences = [r for r in results if r is not best]  # type: ignore[misc]
         return best  # type: ignore[return-value]
 
-    async def _collect(self, events: RequestStream) -> Generation:
-        tokens: list[Token] = []
-        tops: list[list[Token]] = []
-        async for ev in events:
-            tokens.append(ev.token)
-            tops.append(ev.top_tokens)
-            if ev.generated_text is not None and ev.timings is not None:
-                return Generation(ev.generated_text, ev.finish_reason or "length", tokens, tops, ev.prefill,
-                                  ev.seed, ev.input_length, ev.timings)
-        raise IncompleteGeneration()
+    async def _collect(self, stream: RequestStream) -> Generation:
+        async for _ in stream:
+            pass
+        if not stream.output.finished:
+            raise IncompleteGeneration()
+        return Generation(stream.output, stream.timings, stream.req)
 
 
 class RequestStream:
-    """One submitted request's events: async-iterable once; `close()` ends it early."""
+    """One submitted request's `Delta`s: async-iterable once; `close()` ends it early. `output`
+    holds what has been generated so far."""
 
     def __init__(self, infer: Infer, rid: str, req: ValidRequest, queue: asyncio.Queue, timings: Timings) -> None:
         self.infer, self.rid, self.req, self.queue, self.timings = infer, rid, req, queue, timings
-        self.finished = False  # the engine finished it (a stop sequence still needs an abort)
+        self.output = OutputProcessor(infer.tokenizer, req.input_ids, req.sampling)
         self.closed = False
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
-        if self.finished:
+        if self.output.finished and not self.output.stopped:
             self.infer.client.release(self.rid)
         else:
             self.infer.client.abort(self.rid)  # error, cancellation, disconnect, stop sequence
 
-    async def __aiter__(self) -> AsyncIterator[StreamEvent]:
-        state = _Decoder(self.infer.tokenizer, self.req)
+    async def __aiter__(self) -> AsyncIterator[Delta]:
         timings = self.timings
         try:
-            while True:
+            while not self.output.finished:
                 update = await self.queue.get()
                 if isinstance(update, EngineDead):
                     raise GenerationError(str(update))
-                if update.error is not None:
-                    self.finished = True
-                    raise GenerationError(update.error)
                 if not timings.start:
                     timings.start = time.monotonic()
-                state.prefill_from(update)
-                if update.token_id < 0:
+                try:
+                    delta = self.output.process(update)
+                except RequestFailed as exc:
+                    self.infer.client.release(self.rid)  # the engine already dropped it
+                    self.closed = True
+                    raise GenerationError(str(exc)) from None
+                if delta is None:
                     continue
-                event = state.token(update)
-                if event.finish_reason is not None:
-                    self.finished = not state.stopped_early
+                if delta.finish_reason is not None:
                     timings.end = time.monotonic()
-                    event.timings = timings
-                    yield event
-                    return
-                yield event
+                yield delta
         finally:
             self.close()
 
@@ -233,60 +199,6 @@ def _with_seed(req: ValidRequest, i: int) -> ValidRequest:
     return other
 
 
-def _mean_logprob(g: Generation) -> float:
-    lps = [t.logprob for t in g.tokens if t.logprob is not None]
+def mean_logprob(g: Generation) -> float:
+    lps = [t.logprob for t in g.output.tokens if t.logprob is not None]
     return sum(lps) / len(lps) if lps else float("-inf")
-
-
-class _Decoder:
-    """Turns one request's engine updates into TGI events."""
-
-    def __init__(self, tokenizer: Tokenizer, req: ValidRequest) -> None:
-        self.tok = tokenizer
-        self.req = req
-        self.detok = IncrementalDetokenizer(tokenizer, req.input_ids[-8:], skip_special_tokens=True)
-        self.text = ""
-        self.index = 0
-        self.prefill: list[Token] = []
-        self.stopped_early = False
-
-    def piece(self, token_id: int, logprob: float | None) -> Token:
-        return Token(token_id, self.tok.id_to_piece(token_id), logprob, token_id in self.tok.special_ids)
-
-    def prefill_from(self, update: P.TokenOut) -> None:
-        if update.prompt_logprobs is not None:
-            ids = self.req.input_ids
-            self.prefill = [self.piece(i, lp) for i, lp in zip(ids, update.prompt_logprobs)]
-
-    def token(self, update: P.TokenOut) -> StreamEvent:
-        self.index += 1
-        special = update.token_id in self.tok.special_ids
-        before = len(self.text)
-        delta = self.detok.add(update.token_id)
-        self.text += delta
-        finish = update.finish_reason
-        stops = self.req.sampling.stop
-        match = find_stop(self.text, stops, before) if stops else None
-        if match is not None:
-            # TGI keeps the stop text (validation sets include_stop_str_in_output); OpenAI's routes cut it
-            self.text = self.text[: match[1] if self.req.sampling.include_stop_str_in_output else match[0]]
-            delta = self.text[before:]
-            finish, self.stopped_early = "stop_sequence", True
-        elif finish is not None:
-            tail = self.detok.flush()
-            self.text += tail
-            delta += tail
-        text = self.tok.id_to_piece(update.token_id) if special else delta
-        event = StreamEvent(
-            index=self.index,
-            token=Token(update.token_id, text, update.logprob, special),
-            top_tokens=[self.piece(i, lp) for i, lp in update.top],
-        )
-        if finish is not None:
-            event.finish_reason = finish
-            event.generated_text = (self.req.inputs + self.text) if self.req.return_full_text else self.text
-            event.generated_tokens = self.index
-            event.seed = self.req.sampling.seed if self.req.sampling.sampling else None
-            event.prefill = self.prefill
-            event.input_length = self.req.input_length
-        return event

@@ -9,16 +9,17 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 import pytgi
-from pytgi.router.infer import Admission, Generation, InferError, RequestStream, StreamEvent, Timings, Token
+from pytgi.outputs import Delta, OutputProcessor, Token
+from pytgi.router.infer import Admission, Generation, InferError, RequestStream, Timings
 from pytgi.router.validation import CompatGenerateRequest, GenerateRequest, ValidationError, ValidRequest
-from pytgi.server.app import State, admission, state_of, wait_disconnect
 from pytgi.server.errors import error_body, error_response, infer_error_response, validation_response
+from pytgi.server.state import State, admission, state_of
+from pytgi.server.streaming import KEEP_ALIVE, record_success, sse_response, wait_disconnect, with_keep_alive
 
 router = APIRouter()
-KEEP_ALIVE_SECONDS = 15.0
 
 
 # -- JSON shapes ---------------------------------------------------------------------------------
@@ -26,40 +27,52 @@ def token_json(t: Token) -> dict[str, Any]:
     return {"id": t.id, "text": t.text, "logprob": t.logprob, "special": t.special}
 
 
+def _seed(req: ValidRequest) -> int | None:
+    return req.sampling.seed if req.sampling.sampling else None
+
+
+def generated_text(out: OutputProcessor, req: ValidRequest) -> str:
+    return req.inputs + out.text if req.return_full_text else out.text
+
+
 def sequence_details(g: Generation, req: ValidRequest) -> dict[str, Any]:
+    out = g.output
     d: dict[str, Any] = {
-        "finish_reason": g.finish_reason,
-        "generated_tokens": len(g.tokens),
-        "seed": g.seed,
-        "prefill": [token_json(t) for t in g.prefill] if req.decoder_input_details else [],
-        "tokens": [token_json(t) for t in g.tokens],
+        "finish_reason": out.finish_reason,
+        "generated_tokens": len(out.tokens),
+        "seed": _seed(g.request),
+        "prefill": [token_json(t) for t in out.prefill] if req.decoder_input_details else [],
+        "tokens": [token_json(t) for t in out.tokens],
     }
     if req.sampling.top_n_tokens:
-        d["top_tokens"] = [[token_json(t) for t in top] for top in g.top_tokens]
+        d["top_tokens"] = [[token_json(t) for t in top] for top in out.top_tokens]
     return d
 
 
 def generate_json(g: Generation, req: ValidRequest) -> dict[str, Any]:
-    out: dict[str, Any] = {"generated_text": g.generated_text}
+    out: dict[str, Any] = {"generated_text": generated_text(g.output, req)}
     if req.details:
         details = sequence_details(g, req)
         if req.best_of > 1:
             details["best_of_sequences"] = [
-                {"generated_text": o.generated_text, **sequence_details(o, req)} for o in g.best_of_sequences
+                {"generated_text": generated_text(o.output, req), **sequence_details(o, req)}
+                for o in g.best_of_sequences
             ]
         out["details"] = details
     return out
 
 
-def stream_json(ev: StreamEvent, req: ValidRequest) -> dict[str, Any]:
+def stream_json(delta: Delta, stream: RequestStream) -> dict[str, Any]:
+    req, last = stream.req, delta.finish_reason is not None
     details = None
-    if ev.generated_text is not None and req.details:
-        details = {"finish_reason": ev.finish_reason, "generated_tokens": ev.generated_tokens, "seed": ev.seed,
-                   "input_length": ev.input_length}
-    out: dict[str, Any] = {"index": ev.index, "token": token_json(ev.token), "generated_text": ev.generated_text,
+    if last and req.details:
+        details = {"finish_reason": delta.finish_reason, "generated_tokens": delta.index, "seed": _seed(req),
+                   "input_length": req.input_length}
+    out: dict[str, Any] = {"index": delta.index, "token": token_json(delta.token),
+                           "generated_text": generated_text(stream.output, req) if last else None,
                            "details": details}
     if req.sampling.top_n_tokens:
-        out["top_tokens"] = [token_json(t) for t in ev.top_tokens]
+        out["top_tokens"] = [token_json(t) for t in delta.top_tokens]
     return out
 
 
@@ -110,18 +123,6 @@ async def admit(request: Request, body: GenerateRequest, stream: bool) -> tuple[
     return req, adm, elapsed
 
 
-def record_success(st: State, t: Timings, arrived: float, input_length: int, generated: int) -> None:
-    m = st.metrics
-    m.request_success.inc()
-    m.request_duration.observe(time.monotonic() - arrived)
-    m.request_queue_duration.observe(max(t.start - t.queued, 0.0))
-    inference = max(t.end - t.start, 0.0)
-    m.request_inference_duration.observe(inference)
-    m.request_mean_time_per_token_duration.observe(inference / max(generated, 1))
-    m.request_input_length.observe(input_length)
-    m.request_generated_tokens.observe(generated)
-
-
 async def generate_response(request: Request, body: GenerateRequest) -> tuple[dict[str, Any], dict[str, str]]:
     st = state_of(request)
     arrived = time.monotonic()
@@ -136,9 +137,10 @@ async def generate_response(request: Request, body: GenerateRequest) -> tuple[di
         raise
     finally:
         watcher.cancel()
+    generated = len(g.output.tokens)
     st.metrics.time_to_first_token.observe(max(g.timings.start - arrived, 0.0))
-    record_success(st, g.timings, arrived, req.input_length, len(g.tokens))
-    return generate_json(g, req), timing_headers(st, g.timings, arrived, req.input_length, len(g.tokens))
+    record_success(st, g.timings, arrived, req.input_length, generated)
+    return generate_json(g, req), timing_headers(st, g.timings, arrived, req.input_length, generated)
 
 
 async def stream_response(request: Request, body: GenerateRequest) -> Response:
@@ -147,40 +149,27 @@ async def stream_response(request: Request, body: GenerateRequest) -> Response:
     req, adm, vtime = await admit(request, body, stream=True)
     assert st.infer is not None
     events = st.infer.stream(req, adm, vtime)
-    return StreamingResponse(sse(st, req, events, arrived), media_type="text/event-stream",
-                             headers={"x-accel-buffering": "no", "cache-control": "no-cache"})
+    return sse_response(sse(st, events, arrived))
 
 
-async def sse(st: State, req: ValidRequest, events: RequestStream, arrived: float) -> AsyncIterator[str]:
+async def sse(st: State, events: RequestStream, arrived: float) -> AsyncIterator[str]:
     """`data:{json}` per token, `:` keep-alive comments, errors as a last event."""
     last = arrived
-    it = events.__aiter__()
-    pending: asyncio.Future | None = None
     try:
-        while True:
-            pending = pending or asyncio.ensure_future(it.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=KEEP_ALIVE_SECONDS)
-            if not done:
-                yield ":\n\n"
+        async for ev in with_keep_alive(events):
+            if ev is None:
+                yield KEEP_ALIVE
                 continue
-            try:
-                ev = pending.result()
-            except StopAsyncIteration:
-                return
-            finally:
-                pending = None
             now = time.monotonic()
             (st.metrics.time_to_first_token if ev.index == 1 else st.metrics.inter_token_latency).observe(now - last)
             last = now
-            yield f"data:{json.dumps(stream_json(ev, req), ensure_ascii=False)}\n\n"
-            if ev.timings is not None:
-                record_success(st, ev.timings, arrived, req.input_length, ev.generated_tokens)
+            yield f"data:{json.dumps(stream_json(ev, events), ensure_ascii=False)}\n\n"
+            if ev.finish_reason is not None:
+                record_success(st, events.timings, arrived, events.req.input_length, ev.index)
     except InferError as exc:
         st.metrics.request_failure.labels(exc.error_type).inc()
         yield f"data:{json.dumps(error_body(exc.message, exc.error_type))}\n\n"
     finally:  # nothing awaited here: this may run inside a cancelled task (client gone)
-        if pending is not None:
-            pending.cancel()
         events.close()
 
 
@@ -209,6 +198,7 @@ async def invocations(request: Request, body: CompatGenerateRequest) -> Response
     return await compat_generate(request, body)
 
 
+@router.get("/", tags=["Text Generation Inference"])
 @router.get("/health", tags=["Text Generation Inference"])
 async def health(request: Request) -> Response:
     if state_of(request).client.healthy:
@@ -262,4 +252,4 @@ async def tokenize(request: Request, body: GenerateRequest) -> JSONResponse:
     return JSONResponse(await st.validation.validate_tokenize(body.inputs, body.add_special_tokens))
 
 
-__all__ = ["router", "infer_error_response"]
+__all__ = ["infer_error_response", "router"]

@@ -265,6 +265,10 @@ def test_chat_logprobs_equal_the_engine(client, llm):
     assert all(e.top_logprobs == [] for e in r.choices[0].logprobs.content)
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
     assert r.choices[0].logprobs is None
+    # up to OpenAI's 20 alternatives, whatever --max-top-n-tokens says for TGI's routes
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0, logprobs=True,
+                                       top_logprobs=20)
+    assert all(len(e.top_logprobs) == 20 for e in r.choices[0].logprobs.content)
 
 
 def test_completion_logprobs_equal_the_engine(client, llm):
@@ -306,7 +310,7 @@ CHAT_ERRORS = [
     dict(max_tokens=0),
     dict(max_tokens=9000),
     dict(stop=["a", "b", "c", "d", "e"]),
-    dict(logprobs=True, top_logprobs=6),  # over --max-top-n-tokens (5)
+    dict(logprobs=True, top_logprobs=21),  # over OpenAI's bound (20)
     dict(top_logprobs=2),  # without logprobs
     dict(response_format={"type": "json_object"}),
     dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),

@@ -41,6 +41,7 @@ VALIDATION = [
     ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
     ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
     ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
+    ({"adapter_id": "my-lora"}, "`adapter_id` is not supported: this server serves no LoRA adapters"),
     ({"max_new_tokens": 8190}, "`inputs` tokens + `max_new_tokens` must be <= 8192. Given: 5 `inputs` tokens and "
                                "8190 `max_new_tokens`"),
 ]
@@ -237,3 +238,14 @@ def test_watermark_is_detectable(server):
     vocab = 49152  # the default model's
     marked, plain = z_score(ids(True), vocab), z_score(ids(False), vocab)
     assert marked > 4 and plain < 2.5, (marked, plain)
+
+
+def test_a_lone_surrogate_in_stop_is_a_validation_error(server):
+    body = b'{"inputs": "Hi", "parameters": {"stop": ["\\ud800"]}}'  # valid JSON, not valid Unicode
+    r = httpx.post(f"{server.url}/generate", content=body, headers={"content-type": "application/json"}, timeout=60)
+    assert_error(r, 422, "validation",
+                 "Input validation error: `stop` sequences must be valid Unicode (no lone surrogates)")
+
+
+def test_get_root_is_a_health_check_as_in_tgi(server):
+    assert httpx.get(f"{server.url}/", timeout=10).status_code == 200

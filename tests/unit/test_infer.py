@@ -69,3 +69,93 @@ def test_a_submit_that_raises_keeps_no_slot():
         infer.stream(_req(), adm)
     adm.close()
     assert infer.in_flight == 0
+
+
+class PieceTokenizer:
+    """Token k decodes to `pieces[k]`; id 0 is a special token (EOS)."""
+
+    special_ids = {0}
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):  # type: ignore[no-untyped-def]
+        return "".join(self.pieces[i] for i in ids if not (skip_special_tokens and i == 0))
+
+    def id_to_piece(self, i: int) -> str:
+        return self.pieces[i]
+
+
+def _stream(pieces: list[str], **sampling):  # type: ignore[no-untyped-def]
+    client = FakeClient()
+    infer = Infer(client, PieceTokenizer(pieces), max_concurrent_requests=1)  # type: ignore[arg-type]
+    adm = infer.admission()
+    adm.take(1)
+    req = _req()
+    req.sampling = SamplingParams(max_new_tokens=8, temperature=0, **sampling)
+    return client, adm, infer.stream(req, adm)
+
+
+async def _drain(stream, updates):  # type: ignore[no-untyped-def]
+    for u in updates:
+        stream.queue.put_nowait(u)
+    return [d async for d in stream]
+
+
+def test_a_stream_yields_one_delta_per_token_and_releases_when_the_engine_finished():
+    from pytgi.protocol import TokenOut
+
+    client, adm, stream = _stream(["</s>", "Hel", "lo"])
+    deltas = asyncio.run(_drain(stream, [TokenOut("r", 1, -0.1), TokenOut("r", 2, -0.2),
+                                         TokenOut("r", 0, -0.3, finish_reason="eos_token")]))
+    assert [(d.index, d.token.text, d.text, d.finish_reason) for d in deltas] == [
+        (1, "Hel", "Hel", None), (2, "lo", "lo", None), (3, "</s>", "", "eos_token")]
+    assert deltas[-1].token.special and stream.output.text == "Hello"
+    assert client.released == [stream.rid] and client.aborted == []  # the engine already finished it
+    assert stream.timings.start and stream.timings.end
+
+
+def test_a_stop_string_ends_the_stream_and_aborts_the_engine_request():
+    from pytgi.protocol import TokenOut
+
+    client, adm, stream = _stream(["</s>", "Hel", "lo", " STOP", " more"], stop=["STOP"])
+    deltas = asyncio.run(_drain(stream, [TokenOut("r", 1, -0.1), TokenOut("r", 2, -0.1), TokenOut("r", 3, -0.1)]))
+    assert deltas[-1].finish_reason == "stop_sequence" and stream.output.text == "Hello "
+    assert client.aborted == [stream.rid]
+
+
+def test_engine_failure_and_death_are_generation_errors():
+    from pytgi.protocol import TokenOut
+    from pytgi.router.engine_client import EngineDead
+    from pytgi.router.infer import GenerationError
+
+    client, adm, stream = _stream(["</s>", "a", "b"])
+    with pytest.raises(GenerationError, match="boom"):
+        asyncio.run(_drain(stream, [TokenOut("r", 1, -0.1), TokenOut("r", error="boom", finish_reason="error")]))
+    assert client.released == [stream.rid] and client.aborted == []
+    client, adm, stream = _stream(["</s>", "a", "b"])
+    with pytest.raises(GenerationError, match="gone"):
+        asyncio.run(_drain(stream, [EngineDead("gone")]))
+
+
+def test_generate_collects_the_stream_and_best_of_keeps_the_likeliest():
+    from pytgi.protocol import TokenOut
+
+    client = FakeClient()
+    infer = Infer(client, PieceTokenizer(["</s>", "a", "b"]), max_concurrent_requests=2)  # type: ignore[arg-type]
+    adm = infer.admission()
+    adm.take(2)
+    req = _req()
+    req.best_of, req.sampling = 2, SamplingParams(max_new_tokens=1, temperature=1.0, do_sample=True)
+
+    async def main():  # type: ignore[no-untyped-def]
+        task = asyncio.ensure_future(infer.generate(req, adm))
+        await asyncio.sleep(0)
+        first, second = adm.streams
+        first.queue.put_nowait(TokenOut("r", 1, -2.0, finish_reason="length"))
+        second.queue.put_nowait(TokenOut("r", 2, -0.5, finish_reason="length"))
+        return await task
+
+    g = asyncio.run(main())
+    assert g.output.text == "b" and [o.output.text for o in g.best_of_sequences] == ["a"]
+    assert len(set(client.submitted)) == 2

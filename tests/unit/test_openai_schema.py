@@ -1,5 +1,5 @@
 """pytgi.server.openai without an engine: error shapes and where they apply, the parameter rules,
-the streaming hold-back of a possible stop string, and the decoder's stop cut for OpenAI."""
+the streaming hold-back of a possible stop string, and the output processor's stop cut for OpenAI."""
 
 from __future__ import annotations
 
@@ -14,36 +14,44 @@ from fastapi.testclient import TestClient
 
 from pytgi import protocol as P
 from pytgi.metrics import Metrics
-from pytgi.router.infer import StreamEvent, Token, _Decoder
-from pytgi.router.validation import ValidLimits, ValidRequest
+from pytgi.outputs import OutputProcessor
+from pytgi.router.infer import Infer
+from pytgi.router.validation import Validation, ValidLimits
 from pytgi.sampling_params import SamplingParams
 from pytgi.server import openai as oai
 from pytgi.server import tgi
 from pytgi.server.errors import install_handlers
+from pytgi.server.middleware import AdmissionMiddleware
+from pytgi.server.openai import render, schema
 from pytgi.tokenizer import Tokenizer
 
 MODEL = "org/served-model"
 
 
-@pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    from pytgi.models.registry import resolve_model
-
-    return Tokenizer.from_dir(Path(resolve_model(None)[0]))
+class _NoEngine:
+    def submit(self, *args: object) -> None:
+        raise AssertionError("a refused request reached the engine")
 
 
 @pytest.fixture(scope="module")
-def http(tok: Tokenizer) -> TestClient:
-    """The app's handlers and both routers over a stub state: requests refused before admission need
-    no engine."""
+def val(tok: Tokenizer):
+    v = Validation(tok, ValidLimits(max_input_tokens=32, max_total_tokens=48), workers=1)
+    yield v
+    v.close()
+
+
+@pytest.fixture(scope="module")
+def http(tok: Tokenizer, val: Validation) -> TestClient:
+    """The app's handlers and both routers over a stub state whose engine may never be reached: every
+    request here is refused by the checks."""
     app = FastAPI()
     install_handlers(app)
     app.include_router(tgi.router)
     oai.install(app)
+    app.add_middleware(AdmissionMiddleware)
     app.state.pytgi = SimpleNamespace(
         config=SimpleNamespace(model_id=MODEL), metrics=Metrics(), tokenizer=tok,
-        client=SimpleNamespace(info=None),
-        validation=SimpleNamespace(limits=ValidLimits(max_input_tokens=32, max_total_tokens=48)), infer=None)
+        client=SimpleNamespace(info=None), validation=val, infer=Infer(_NoEngine(), tok, 8))  # type: ignore[arg-type]
     return TestClient(app)
 
 
@@ -92,7 +100,7 @@ def test_models_and_unknown_models(http: TestClient) -> None:
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"n": 0}, "n"),
-    ({"n": oai.MAX_N + 1}, "n"),
+    ({"n": schema.MAX_N + 1}, "n"),
     ({"presence_penalty": -2.5}, "presence_penalty"),
     ({"frequency_penalty": 2.5}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -102,7 +110,7 @@ def test_models_and_unknown_models(http: TestClient) -> None:
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": [""]}, "stop"),
     ({"logit_bias": {"1": 5}}, "logit_bias"),
-    ({"logprobs": True, "top_logprobs": 6}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # OpenAI allows up to 20
     ({"top_logprobs": 1}, "top_logprobs"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -131,57 +139,78 @@ def test_completion_parameter_rules(http: TestClient, extra: dict, param: str) -
 
 
 def test_tools_with_tool_choice_none_are_accepted_by_the_checks() -> None:
-    body = oai.ChatCompletionRequest.model_validate(
+    body = schema.ChatCompletionRequest.model_validate(
         {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})
-    assert oai._check_sampling(body) == 1
-    assert oai._messages(body.messages) == [{"role": "user", "content": "hi"}]
+    assert schema.check_sampling(body) == 1
+    assert schema.check_chat(body) == [{"role": "user", "content": "hi"}]
 
 
 def test_messages_join_text_parts_and_map_developer() -> None:
-    body = oai.ChatCompletionRequest.model_validate({"messages": [
+    body = schema.ChatCompletionRequest.model_validate({"messages": [
         {"role": "developer", "content": "be brief"},
         {"role": "user", "name": "u",
          "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
     ]})
-    assert oai._messages(body.messages) == [{"role": "system", "content": "be brief"},
-                                            {"role": "user", "content": "a\nb", "name": "u"}]
+    assert schema.messages_for_template(body.messages) == [{"role": "system", "content": "be brief"},
+                                                           {"role": "user", "content": "a\nb", "name": "u"}]
 
 
-def test_sampling_defaults_and_seeds() -> None:
-    body = oai.CompletionRequest.model_validate({"prompt": "x", "seed": 5})
-    sp = [oai._sampling(body, 16, ["x"], i, 0) for i in range(2)]
+def test_sampling_defaults_and_seeds(val: Validation) -> None:
+    body = schema.CompletionRequest.model_validate({"prompt": "x", "seed": 5, "n": 2, "stop": "x"})
+    req = val.validate_sync(schema.to_input(body, "x", 16, None, 20))
+    sp = [r.sampling for r in schema.choices(req, 2, body.seed)]
     assert [s.seed for s in sp] == [5, 6]
     assert all(s.sampling and s.temperature == 1.0 and not s.include_stop_str_in_output for s in sp)
-    body = oai.CompletionRequest.model_validate({"prompt": "x", "temperature": 0})
-    greedy = oai._sampling(body, 4, [], 0, 2)
+    body = schema.CompletionRequest.model_validate({"prompt": "x", "temperature": 0})
+    greedy = val.validate_sync(schema.to_input(body, "x", 4, 2, 5)).sampling
     assert not greedy.sampling and greedy.seed is None and greedy.top_n_tokens == 2
+
+
+def test_top_logprobs_up_to_openais_bound(val: Validation) -> None:
+    body = schema.ChatCompletionRequest.model_validate({"messages": CHAT, "logprobs": True, "top_logprobs": 20})
+    req = val.validate_sync(schema.to_input(body, "hi", 4, body.top_logprobs, schema.MAX_CHAT_TOP_LOGPROBS))
+    assert req.sampling.top_n_tokens == 20  # above the server's --max-top-n-tokens (5), as OpenAI allows
 
 
 # -- streaming hold-back -----------------------------------------------------------------------------
 class _Tok:
+    """Token k is the k-th piece of `pieces`; no special tokens."""
+
+    special_ids: set[int] = set()
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
     def id_to_piece(self, i: int) -> str:
         return f"<{i}>"
 
 
-def renderer(stops: list[str], chat: bool = True) -> oai._StreamRenderer:
-    st = SimpleNamespace(config=SimpleNamespace(model_id=MODEL), tokenizer=_Tok())
-    return oai._StreamRenderer(st, chat, "id", 0, 1, stops, False, True, 3)  # type: ignore[arg-type]
+def renderer(chat: bool = True) -> render.StreamRenderer:
+    head = render.head("chat.completion.chunk" if chat else "text_completion", "id", 0, MODEL)
+    return render.StreamRenderer(chat, head, 1, False, True, 3, _Tok([]).id_to_piece)
 
 
-def events(deltas: list[str], final_text: str, reason: str) -> list[StreamEvent]:
-    out = [StreamEvent(index=k + 1, token=Token(k, d, -0.5)) for k, d in enumerate(deltas)]
-    out[-1].generated_text, out[-1].finish_reason, out[-1].generated_tokens = final_text, reason, len(deltas)
+def run(r: render.StreamRenderer, pieces: list[str], stops: list[str], last_reason: str) -> list[list[dict]]:
+    """Each piece as one token through the output processor, then into the renderer."""
+    sp = SamplingParams(max_new_tokens=50, temperature=0, stop=stops, include_stop_str_in_output=False)
+    proc = OutputProcessor(_Tok(pieces), [], sp)  # type: ignore[arg-type]
+    out = []
+    for k in range(len(pieces)):
+        delta = proc.process(P.TokenOut("r", k, -0.5, finish_reason=last_reason if k == len(pieces) - 1 else None))
+        assert delta is not None
+        out.append(r.delta(0, delta))
+        if proc.finished:
+            break
     return out
 
 
-def run(r: oai._StreamRenderer, evs: list[StreamEvent]) -> list[list[dict]]:
-    return [r.event(0, ev) for ev in evs]
-
-
 def test_a_possible_stop_is_held_back_and_the_stop_never_sent() -> None:
-    r = renderer(["STOP"])
-    # "S", "ST" could start "STOP": held; "x" rules it out; then "STOP" completes (the engine cut it)
-    out = run(r, events(["a", " S", "T", "x", " ST", "OP"], "a STx ", "stop_sequence"))
+    r = renderer()
+    # "S", "ST" could start "STOP": held; "x" rules it out; then "STOP" completes and is cut
+    out = run(r, ["a", " S", "T", "x", " ST", "OP"], ["STOP"], "length")
     sent = [[c["choices"][0]["delta"].get("content") for c in chunks] for chunks in out]
     assert sent == [["a"], [" "], [], ["STx"], [" "], [None]]
     assert "".join(s for chunks in sent for s in chunks if s) == "a STx "
@@ -192,33 +221,31 @@ def test_a_possible_stop_is_held_back_and_the_stop_never_sent() -> None:
 
 
 def test_without_stops_text_streams_as_it_comes() -> None:
-    r = renderer([], chat=False)
-    out = run(r, events(["Hel", "lo", "!"], "Hello!", "length"))
+    r = renderer(chat=False)
+    out = run(r, ["Hel", "lo", "!"], [], "length")
     texts = [c["choices"][0]["text"] for chunks in out for c in chunks]
     assert texts == ["Hel", "lo", "!", ""] and out[-1][-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_start_chunks() -> None:
-    (role,) = renderer([]).start()
+    (role,) = renderer().start()
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""} and role["usage"] is None
-    assert renderer([], chat=False).start() == []
+    assert renderer(chat=False).start() == []
 
 
-# -- the decoder's stop cut ------------------------------------------------------------------------
-def decode(tok: Tokenizer, text: str, stop: str, keep: bool) -> StreamEvent:
+# -- the output processor's stop cut -----------------------------------------------------------------
+def decode(tok: Tokenizer, text: str, stop: str, keep: bool) -> OutputProcessor:
     sp = SamplingParams(max_new_tokens=50, temperature=0, stop=[stop], include_stop_str_in_output=keep)
-    prompt = tok.encode("Say:")
-    req = ValidRequest(prompt, len(prompt), sp, 1, True, False, False, False, False, "Say:", None)
-    d = _Decoder(tok, req)
+    proc = OutputProcessor(tok, tok.encode("Say:"), sp)
     for tid in tok.encode(text, add_special_tokens=False):
-        ev = d.token(P.TokenOut("r", tid, -0.1))
-        if ev.finish_reason is not None:
-            return ev
+        proc.process(P.TokenOut("r", tid, -0.1))
+        if proc.finished:
+            return proc
     raise AssertionError("the stop did not match")
 
 
-def test_decoder_cuts_the_stop_for_openai_and_keeps_it_for_tgi(tok: Tokenizer) -> None:
-    ev = decode(tok, "Hello world, and more words", "world", keep=False)
-    assert ev.generated_text == "Hello " and ev.finish_reason == "stop_sequence"
-    ev = decode(tok, "Hello world, and more words", "world", keep=True)
-    assert ev.generated_text == "Hello world"
+def test_output_cuts_the_stop_for_openai_and_keeps_it_for_tgi(tok: Tokenizer) -> None:
+    out = decode(tok, "Hello world, and more words", "world", keep=False)
+    assert out.text == "Hello " and out.finish_reason == "stop_sequence" and out.stopped
+    out = decode(tok, "Hello world, and more words", "world", keep=True)
+    assert out.text == "Hello world"

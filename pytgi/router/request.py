@@ -1,0 +1,153 @@
+"""The router's request types: TGI's request bodies (which are also the parameters every API's request
+is converted into), the router's `GenerateInput`, the server's limits and a validated `ValidRequest`.
+
+Plain data, no torch: pydantic v2 and `pytgi.sampling_params` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pytgi.sampling_params import SamplingParams
+
+# --- JSON types as TGI's serde structs declare them -------------------------------------------
+# Strict: serde_json rejects "10" or 10.5 for an integer and "true" or 1 for a bool, so these do too
+# (pydantic's lax mode would coerce them). A float field accepts a JSON integer, like serde's f32.
+_U32 = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
+_U64 = Annotated[int, Field(strict=True, ge=0, le=2**64 - 1)]
+_USIZE = _U64
+_I32 = Annotated[int, Field(strict=True, ge=-(2**31), le=2**31 - 1)]
+_F32 = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+_Bool = Annotated[bool, Field(strict=True)]
+_Str = Annotated[str, Field(strict=True)]
+
+
+class _Body(BaseModel):
+    # Unknown fields are IGNORED, not rejected: TGI's request structs are plain serde derives without
+    # `#[serde(deny_unknown_fields)]`, so TGI drops fields it does not know. Clients rely on it (e.g. a
+    # `stream` key posted to /generate, fields of newer TGI versions). Wrong types still fail.
+    model_config = ConfigDict(extra="ignore")
+
+
+class GrammarType(_Body):
+    """`{type, value}`: json (a JSON schema, or a string holding one; `json_object` is TGI's alias),
+    json_schema (`{name?, schema}`), regex (a pattern)."""
+
+    type: Literal["json", "json_object", "json_schema", "regex"]
+    value: Any = None
+
+
+class GenerateParameters(_Body):
+    """TGI's `GenerateParameters`, with TGI's defaults (None = not given)."""
+
+    best_of: _USIZE | None = None
+    temperature: _F32 | None = None
+    repetition_penalty: _F32 | None = None
+    frequency_penalty: _F32 | None = None
+    top_k: _I32 | None = None
+    top_p: _F32 | None = None
+    typical_p: _F32 | None = None
+    do_sample: _Bool = False
+    # TGI >= 3: absent (or null) fills up to max_total_tokens; see Validation.
+    max_new_tokens: _U32 | None = None
+    return_full_text: _Bool | None = None
+    stop: list[_Str] = Field(default_factory=list)
+    truncate: _USIZE | None = None
+    watermark: _Bool = False
+    details: _Bool = False
+    decoder_input_details: _Bool = False
+    seed: _U64 | None = None
+    top_n_tokens: _U32 | None = None
+    grammar: GrammarType | None = None
+    adapter_id: _Str | None = None  # refused when given: no LoRA adapters here
+    ignore_eos_token: _Bool = False  # pytgi: keep generating past EOS (benchmarks)
+    presence_penalty: _F32 | None = None  # pytgi (OpenAI's): penalize tokens already generated
+
+
+class GenerateRequest(_Body):
+    """Body of /generate, /generate_stream and /tokenize."""
+
+    inputs: _Str
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    add_special_tokens: _Bool = True  # TGI's field (default true)
+
+
+class CompatGenerateRequest(_Body):
+    """Body of `POST /` and /invocations: a GenerateRequest plus `stream`."""
+
+    inputs: _Str
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    stream: _Bool = False
+
+    def to_generate_request(self) -> GenerateRequest:
+        return GenerateRequest(inputs=self.inputs, parameters=self.parameters)
+
+
+@dataclass(slots=True)
+class GenerateInput:
+    """The router's request, whichever API it came through: TGI's body converts field for field,
+    OpenAI's routes convert theirs (as TGI's `try_into_generate` does). `Validation` checks it."""
+
+    inputs: str | list[int]  # text, or token ids (OpenAI's token prompts)
+    parameters: GenerateParameters
+    stream: bool = False
+    add_special_tokens: bool = True
+    # Where the two APIs' contracts differ:
+    include_stop_str_in_output: bool = True  # TGI keeps the stop text in generated_text; OpenAI cuts it
+    max_top_n_tokens: int | None = None  # None: the server's --max-top-n-tokens (OpenAI's own bounds otherwise)
+
+    @classmethod
+    def from_body(cls, body: GenerateRequest | CompatGenerateRequest, stream: bool) -> GenerateInput:
+        return cls(body.inputs, body.parameters, stream, getattr(body, "add_special_tokens", True))
+
+
+class ValidationError(Exception):
+    """A request TGI answers with 422 (OpenAI's routes: 400); `message` lacks the "Input validation
+    error: " prefix. `param` names the parameter at fault (TGI's name), `code` is OpenAI's."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+@dataclass
+class ValidLimits:
+    """The server's bounds (TGI's launcher flags). Required fields first, so it also builds positionally."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+
+    def __post_init__(self) -> None:
+        # TGI's launcher refuses these too; max_input < max_total guarantees a default max_new_tokens >= 1.
+        if self.max_input_tokens < 1:
+            raise ValueError(f"max_input_tokens must be >= 1, got {self.max_input_tokens}")
+        if self.max_total_tokens <= self.max_input_tokens:
+            raise ValueError(
+                f"max_input_tokens ({self.max_input_tokens}) must be < "
+                f"max_total_tokens ({self.max_total_tokens})"
+            )
+        if self.max_best_of < 1:
+            raise ValueError(f"max_best_of must be >= 1, got {self.max_best_of}")
+        if self.max_stop_sequences < 0 or self.max_top_n_tokens < 0:
+            raise ValueError("max_stop_sequences and max_top_n_tokens must be >= 0")
+
+
+@dataclass
+class ValidRequest:
+    input_ids: list[int]  # after truncation
+    input_length: int
+    sampling: SamplingParams  # engine parameters (seed drawn when sampling and none given)
+    best_of: int
+    details: bool
+    decoder_input_details: bool
+    return_full_text: bool
+    watermark: bool
+    stream: bool
+    inputs: str  # the original text (what return_full_text prepends)
+    truncate: int | None  # as given

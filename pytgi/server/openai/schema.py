@@ -1,0 +1,219 @@
+"""OpenAI's request bodies, the rules only OpenAI's API has, and the conversion of a body into the
+router's `GenerateInput` (as TGI's `try_into_generate` does), so that every rule the two APIs share is
+checked once, by `pytgi.router.validation`. No torch here.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from pytgi.router.request import GenerateInput, GenerateParameters, ValidationError, ValidRequest
+from pytgi.server.openai.errors import OpenAIError, invalid
+
+MAX_N = 8  # choices per prompt
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for the legacy `logprobs`
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's bound for `top_logprobs`
+MODEL_ALIASES = ("", "tgi")  # also served: what TGI's OpenAI routes accept
+ROLES = {"system", "user", "assistant", "tool", "function", "developer"}
+
+
+# -- request bodies --------------------------------------------------------------------------------
+class _Body(BaseModel):
+    # Unknown fields are ignored: OpenAI clients send many (metadata, store, parallel_tool_calls, ...).
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingBody(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # extensions (vLLM / TGI)
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = False
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_calls, tool_call_id, ... reach the template
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(SamplingBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+    @property
+    def max_new_tokens(self) -> tuple[int | None, str]:
+        """The completion's length bound and the field it came from."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+# -- OpenAI's own rules ----------------------------------------------------------------------------
+def check_model(model: str | None, served: str) -> None:
+    if not (model is None or model in MODEL_ALIASES or model == served):
+        raise OpenAIError(404, f"The model `{model}` does not exist: this server serves `{served}`",
+                          "invalid_request_error", "model", "model_not_found")
+
+
+def check_sampling(body: SamplingBody) -> int:
+    """The rules TGI's parameters have no counterpart for; returns n."""
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_N:
+        raise invalid(f"`n` must be >= 1 and <= {MAX_N}. Given: {n}", "n")
+    if body.temperature is not None and body.temperature > 2.0:
+        raise invalid(f"`temperature` must be >= 0 and <= 2. Given: {body.temperature}", "temperature")
+    if body.logit_bias:
+        raise invalid("`logit_bias` is not supported yet", "logit_bias")
+    return n
+
+
+def check_completion(body: CompletionRequest) -> list[str | list[int]]:
+    """The completion route's own rules; returns the prompts."""
+    if body.best_of is not None and body.best_of not in (1, body.n or 1):
+        raise invalid("`best_of` other than `n` is not supported", "best_of")
+    if body.suffix:
+        raise invalid("`suffix` is not supported", "suffix")
+    if body.echo and body.logprobs is not None and body.stream:
+        raise invalid("`echo` with `logprobs` is not supported when streaming", "echo")
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise invalid("`prompt` cannot be empty", "prompt")
+    if isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def check_chat(body: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The chat route's own rules; returns the messages for the chat template."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise invalid(f"`response_format` of type `{body.response_format.type}` is not supported yet: "
+                      "this server has no constrained decoding", "response_format")
+    if body.tools and body.tool_choice != "none":
+        raise invalid("tool calling is not supported yet: send no `tools`, or `tool_choice: \"none\"`", "tools")
+    if body.tool_choice not in (None, "none", "auto"):
+        raise invalid("tool calling is not supported yet: `tool_choice` must be \"none\" or \"auto\"",
+                      "tool_choice")
+    return messages_for_template(body.messages)
+
+
+def messages_for_template(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages for the chat template: text parts joined; `developer` is the system role."""
+    if not messages:
+        raise invalid("`messages` cannot be empty", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise invalid(f"`messages[{i}].role` must be one of {sorted(ROLES)}. Given: {m.role!r}",
+                          f"messages.[{i}].role")
+        d = m.model_dump(exclude_none=True)
+        if m.role == "developer":
+            d["role"] = "system"
+        if isinstance(m.content, list):
+            texts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text":
+                    raise invalid(f"content parts of type `{part.type}` are not supported: only `text` parts "
+                                  "are", f"messages.[{i}].content.[{j}].type")
+                texts.append(part.text or "")
+            d["content"] = "\n".join(texts)
+        out.append(d)
+    return out
+
+
+# -- into the router's request ---------------------------------------------------------------------
+def to_input(body: SamplingBody, inputs: str | list[int], max_new_tokens: int | None, top_n: int | None,
+             max_top_n: int, prompt_logprobs: bool = False, add_special_tokens: bool = True) -> GenerateInput:
+    """TGI's parameters for an OpenAI body: temperature 0 is greedy, any other samples (OpenAI's default
+    temperature is 1); top_p 1 and top_k 0 / -1 disable them; the stop text is cut."""
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_k = None if body.top_k in (None, 0, -1) else body.top_k
+    params = GenerateParameters.model_construct(
+        temperature=temperature if temperature != 0 else None,
+        do_sample=temperature != 0,
+        top_p=None if body.top_p in (None, 1.0) else body.top_p,
+        top_k=top_k,
+        repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        max_new_tokens=max_new_tokens,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        seed=body.seed,
+        top_n_tokens=top_n,
+        decoder_input_details=prompt_logprobs,
+        ignore_eos_token=bool(body.ignore_eos),
+        best_of=None, typical_p=None, return_full_text=None, truncate=None, watermark=False, details=True,
+        grammar=None, adapter_id=None,
+    )
+    return GenerateInput(inputs, params, stream=bool(body.stream), add_special_tokens=add_special_tokens,
+                         include_stop_str_in_output=False, max_top_n_tokens=max_top_n)
+
+
+def as_openai(exc: ValidationError, names: dict[str, str]) -> OpenAIError:
+    """A shared rule's refusal, naming OpenAI's field (`names`: TGI's name → the body's)."""
+    param = names.get(exc.param or "", exc.param)
+    return invalid(exc.message, param, exc.code)
+
+
+def choices(req: ValidRequest, n: int, seed: int | None) -> list[ValidRequest]:
+    """n engine requests for n choices: a given seed becomes seed + choice, so each is reproducible;
+    without one each sampled choice draws its own."""
+    out = [req]
+    for i in range(1, n):
+        other = copy.copy(req)
+        other.sampling = copy.copy(req.sampling)
+        if req.sampling.sampling:
+            other.sampling.seed = random.getrandbits(63) if seed is None else (seed + i) % 2**64
+        out.append(other)
+    return out
