@@ -47,7 +47,7 @@ def tok(tokenizer_dir: Path) -> Tokenizer:
     return Tokenizer.from_dir(tokenizer_dir)
 
 
-def test_id_to_piece(tok: Tokenizer, hf) -> None:
+def test_id_to_piece(tok: Tokenizer, hf) -> None:  # noqa: F811 (the fixture imported above)
     for i in [0, 1, 2, 3, 17, 28, 200, 1000, 30000, tok.vocab_size - 1]:
         assert tok.id_to_piece(i) == hf.decode([i], skip_special_tokens=False)
     assert tok.id_to_piece(1) == "<|im_start|>"  # special tokens are reported, not skipped
