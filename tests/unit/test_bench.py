@@ -391,16 +391,7 @@ def test_llama_server_target(tmp_path: Path) -> None:
                                      "--host", "127.0.0.1", "--port", "5555"]
     with pytest.raises(peers.PeerError, match="no executable"):
         peers.LlamaServerTarget(str(tmp_path / "missing")).prepare()
-    # the default model file is the default GGUF
-    from pytgi.models.registry import ModelNotFound, default_gguf_path
-
-    try:
-        gguf = default_gguf_path()
-    except ModelNotFound:
-        pytest.skip("the default model is not installed")
-    t = peers.LlamaServerTarget(str(binary))
-    t.prepare()
-    assert t.build_command(1)[:3] == [str(binary), "-m", str(gguf)]
+    # without a model it serves the default GGUF: tests/model/test_default_model_api.py
 
 
 def test_llama_server_that_dies_is_reported(tmp_path: Path) -> None:
@@ -441,12 +432,12 @@ def test_transformers_serve_copy_has_no_eos(tmp_path: Path) -> None:
         peers.copy_without_eos(src, tmp_path / "dst3")
 
 
-def test_transformers_serve_command_and_target(tmp_path: Path, model_dir: Path) -> None:
+def test_transformers_serve_command_and_target(tmp_path: Path, tokenizer_dir: Path) -> None:
     cmd = peers.transformers_serve_command("/m", 8000, "python -m transformers.cli.transformers serve",
                                            "--dtype bfloat16")
     assert cmd == ["python", "-m", "transformers.cli.transformers", "serve", "/m", "--continuous-batching",
                    "--host", "127.0.0.1", "--port", "8000", "--dtype", "bfloat16"]
-    t = peers.TransformersServeTarget(model_dir, cmd="transformers serve")
+    t = peers.TransformersServeTarget(tokenizer_dir, cmd="transformers serve")
     t.prepare()
     try:
         assert t.protocol == "openai" and not t.send_ignore_eos and t.model == str(t.served_dir)
@@ -498,11 +489,11 @@ def test_cli_targets() -> None:
         parse("--peer", "vllm")
 
 
-def test_bench_never_imports_torch(model_dir: Path) -> None:
+def test_bench_never_imports_torch(tokenizer_dir: Path) -> None:
     code = ("import sys\nfrom pytgi.cli import build_parser\nbuild_parser()\n"
             # building the parser alone (as `pytgi serve` does) needs none of the bench's dependencies
             "assert 'httpx' not in sys.modules\n"
             "import pytgi.bench.cli, pytgi.bench.peers, pytgi.bench.report, pytgi.bench.workload\n"
-            f"from pytgi.bench.workload import load_tokenizer\nload_tokenizer({str(model_dir)!r})\n"
+            f"from pytgi.bench.workload import load_tokenizer\nload_tokenizer({str(tokenizer_dir)!r})\n"
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\nassert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})

@@ -52,12 +52,12 @@ def n_tokens(tok: Tokenizer, text: str) -> int:
 # --- process hygiene ---------------------------------------------------------------------------
 
 
-def test_module_does_not_import_torch(model_dir: Path) -> None:
+def test_module_does_not_import_torch(tokenizer_dir: Path) -> None:
     code = (
         "import sys, asyncio\n"
         "import pytgi.router.validation as v\n"
         "from pytgi.tokenizer import Tokenizer\n"
-        f"t = Tokenizer.from_dir({str(model_dir)!r})\n"
+        f"t = Tokenizer.from_dir({str(tokenizer_dir)!r})\n"
         "val = v.Validation(t, v.ValidLimits(max_input_tokens=16, max_total_tokens=32))\n"
         "r = asyncio.run(val.validate(v.GenerateRequest(inputs='hi'), stream=False))\n"
         "assert r.input_length > 0\n"
@@ -362,7 +362,7 @@ def test_truncate_keeps_last_tokens(val: Validation, tok: Tokenizer) -> None:
 
 
 def test_add_special_tokens_false(tok: Tokenizer) -> None:
-    # SmolLM2 adds no BOS, so check the flag reaches the tokenizer through a stub
+    # the tokenizers here add no BOS, so check the flag reaches the tokenizer through a stub
     seen = []
 
     class Stub:
