@@ -7,8 +7,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytgi import protocol as P
 from pytgi.config import EngineConfig
-from pytgi.engine.engine import LLMEngine, RequestUpdate
+from pytgi.engine.engine import LLMEngine
 from pytgi.sampling_params import InvalidRequest, SamplingParams
 from pytgi.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
@@ -44,22 +45,22 @@ class _Tracker:
         self.out, self.params = out, params
         self.detok = IncrementalDetokenizer(tokenizer, out.prompt_token_ids, params.skip_special_tokens)
 
-    def apply(self, u: RequestUpdate) -> tuple[str, bool]:
+    def apply(self, u: P.TokenOut) -> tuple[str, bool]:
         """Fold an update in; returns (new text, whether a stop string ended the request)."""
         out = self.out
         if u.prompt_logprobs is not None:
             out.prompt_logprobs = u.prompt_logprobs
         if u.error is not None:
             raise RuntimeError(f"request {out.request_id} failed during generation: {u.error}")
-        if u.token is None:
+        if u.token_id < 0:
             return "", False
         out.num_cached_tokens = u.num_cached_tokens
-        out.token_ids.append(u.token.token_id)
-        out.logprobs.append(u.token.logprob)
+        out.token_ids.append(u.token_id)
+        out.logprobs.append(u.logprob)
         if self.params.top_n_tokens:
-            out.top_logprobs.append(u.token.top)
+            out.top_logprobs.append(u.top)
         before = len(out.text)
-        out.text += self.detok.add(u.token.token_id)
+        out.text += self.detok.add(u.token_id)
         if u.finish_reason is not None:
             out.text += self.detok.flush()
             out.finish_reason = u.finish_reason
