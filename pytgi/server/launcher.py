@@ -104,7 +104,8 @@ def shard(args: argparse.Namespace) -> int:
     return run_worker(config, args.rank)
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process") -> int:
+    """`engine_module`: the engine process's entry point (tests run one that wraps the runner)."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -150,6 +151,7 @@ def serve(args: argparse.Namespace) -> int:
         validation_workers=args.validation_workers, api_key=args.api_key, payload_limit=args.payload_limit,
         cors_allow_origin=origins, json_output=args.json_output,
         graceful_termination_timeout=args.graceful_termination_timeout, revision=args.revision,
+        engine_module=engine_module,
     )
     app = create_app(config)
     server = _Server(uvicorn.Config(
