@@ -214,9 +214,9 @@ def bench_pytgi(llm: LLM, workload: Workload) -> tuple[SystemResult, Outputs]:
     outputs, seconds = timed(lambda w: run_pytgi(llm, w), workload)
     result = summarize("pytgi", workload, outputs, seconds)
     engine = llm.engine
-    result.notes = dict(engine_stats=engine.stats(), max_batch_prefill_tokens=engine.max_batch_prefill_tokens,
-                        max_batch_total_tokens=engine.max_batch_total_tokens,
-                        max_batch_size=engine.max_batch_size, dtype=str(engine.runner.dtype),
+    result.notes = dict(engine_stats=engine.stats(), max_batch_prefill_tokens=engine.info.max_batch_prefill_tokens,
+                        max_batch_total_tokens=engine.info.max_batch_total_tokens,
+                        max_batch_size=engine.info.max_batch_size, dtype=str(engine.runner.dtype),
                         device=str(engine.runner.device))
     return result, outputs
 
@@ -552,7 +552,7 @@ def run_systems(args: argparse.Namespace) -> tuple[Path, Workload, list[SystemRe
     set_threads(args.threads)
     llm = load_pytgi(args)
     model_path, vocab = llm.engine.model_path, llm.engine.runner.vocab_size
-    max_batch_tokens = llm.engine.max_batch_prefill_tokens
+    max_batch_tokens = llm.engine.info.max_batch_prefill_tokens
     workload = make_workload(args, vocab)
     results, outputs = [], {}
     if "pytgi" in args.systems:

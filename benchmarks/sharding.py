@@ -42,8 +42,8 @@ def run(n: int, args: argparse.Namespace) -> dict[str, float]:
         decode_steps: list[float] = []
         tokens, t0 = 0, time.perf_counter()
         while engine.has_unfinished():
-            tokens += sum(1 for u in engine.step() if u.token)
-            if not engine.last_step.prefill:
+            tokens += sum(1 for u in engine.step() if u.token_id >= 0)
+            if engine.last_step.method == "decode":
                 decode_steps.append(engine.last_step.seconds)
         wall = time.perf_counter() - t0
     finally:

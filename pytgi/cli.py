@@ -42,6 +42,12 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _shard(args: argparse.Namespace) -> int:
+    from pytgi.server.launcher import shard
+
+    return shard(args)
+
+
 def _bench(args: argparse.Namespace) -> int:
     from pytgi.bench.cli import run_bench
 
@@ -51,11 +57,14 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pytgi", description="Text generation inference in Python.")
     sub = parser.add_subparsers(dest="command", required=True)
-    from pytgi.server.launcher import add_serve_arguments
+    from pytgi.server.launcher import add_serve_arguments, add_shard_arguments
 
     srv = sub.add_parser("serve", help="serve a model over TGI's HTTP API (default: the embedded model)")
     add_serve_arguments(srv)
     srv.set_defaults(func=_serve)
+    shd = sub.add_parser("shard", help="run a tensor-parallel rank > 0 for a `pytgi serve` on another machine")
+    add_shard_arguments(shd)
+    shd.set_defaults(func=_shard)
     from pytgi.bench.cli import add_bench_arguments
 
     bench = sub.add_parser("bench", help="benchmark a server (default: pytgi) with streamed requests")

@@ -1,19 +1,27 @@
-"""Engine configuration: one dataclass, named as TGI's launcher names its flags."""
+"""Engine configuration: what is asked (`EngineConfig`, named as TGI's launcher names its flags) and
+what it resolves to once the model and the device are known (`EngineInfo`, frozen).
+
+`EngineInfo` is the one resolved configuration: the scheduler obeys it, `Ready` carries it to the
+API process, and /info shows it. No torch here: the API process imports this module.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 
-@dataclass(slots=True)
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf file; None = the embedded default
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16; float32 is the exact path)
     quantize: str = "auto"  # auto | none | int8 | int4: weight-only, for small CPU steps (pytgi.models.quant)
     device: str = "auto"  # auto | cpu | cuda
-    max_input_tokens: int | None = None  # default: the model's positions - 1
+    max_input_tokens: int | None = None  # default: max_total_tokens - 1
     max_total_tokens: int | None = None  # default: the model's positions
-    max_batch_prefill_tokens: int | None = None  # default: max(4096, max_input_tokens)... see resolve()
+    max_batch_prefill_tokens: int | None = None  # default: 4096 on GPU, 1024 on CPU
     max_prefill_tokens_while_decoding: int | None = None  # prompt tokens per step while others decode; None/0: no cap
     max_batch_total_tokens: int | None = None  # KV slots; default: sized from free memory
     max_batch_size: int | None = None  # default: 256
@@ -42,3 +50,62 @@ class EngineConfig:
                 raise ValueError(f"{name} must be strictly positive, got {value}")
         if self.num_shard < 1:
             raise ValueError(f"num_shard must be >= 1, got {self.num_shard}")
+
+    def resolve(self, *, model_id: str, model_path: str, dtype: str, device_type: str, vocab_size: int,
+                max_positions: int, kv_capacity: Callable[[], int]) -> EngineInfo:
+        """Fill the defaults from the loaded model and check the limits against each other;
+        `kv_capacity()` (KV slots that fit in memory) is asked only when no size was given."""
+        total = self.max_total_tokens or max_positions
+        if total > max_positions:
+            raise ValueError(f"max_total_tokens ({total}) exceeds the model's {max_positions} positions")
+        max_input = self.max_input_tokens or total - 1
+        if max_input >= total:
+            raise ValueError(f"max_input_tokens ({max_input}) must be < max_total_tokens ({total})")
+        prefill = self.max_batch_prefill_tokens or (4096 if device_type == "cuda" else 1024)
+        # Off by default: capping prompt tokens while others decode bounds the worst stall a long prompt
+        # causes, but throttles prefill under load (docs/benchmarks.md measures both sides).
+        cap = self.max_prefill_tokens_while_decoding or 0
+        if cap < 0:
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 0, got {cap}")
+        if not self.enable_chunked_prefill and max_input > prefill:
+            raise ValueError("without chunked prefill, max_input_tokens must be <= max_batch_prefill_tokens")
+        num_blocks = (self.max_batch_total_tokens or kv_capacity()) // self.block_size
+        if num_blocks * self.block_size < total:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than max_total_tokens "
+                f"({total}): raise max_batch_total_tokens or lower max_total_tokens"
+            )
+        return EngineInfo(
+            model_id=model_id, model_path=model_path, model_dtype=dtype, model_device_type=device_type,
+            vocab_size=vocab_size, num_shard=self.num_shard, max_input_tokens=max_input, max_total_tokens=total,
+            max_batch_prefill_tokens=prefill, max_prefill_tokens_while_decoding=min(cap, prefill) or None,
+            max_batch_total_tokens=num_blocks * self.block_size, max_batch_size=self.max_batch_size or 256,
+            waiting_served_ratio=self.waiting_served_ratio, max_waiting_tokens=self.max_waiting_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill, enable_prefix_caching=self.enable_prefix_caching,
+            block_size=self.block_size, num_blocks=num_blocks,
+        )
+
+
+class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The engine's configuration, resolved once (`EngineConfig.resolve`)."""
+
+    model_id: str
+    model_path: str
+    model_dtype: str
+    model_device_type: str
+    vocab_size: int
+    num_shard: int
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int  # tokens computed in one step (decodes count one each)
+    # Prompt tokens (new prefills and chunks) in a step that also decodes: keeps a step with a long
+    # prompt's chunk from stalling the streams (None: only max_batch_prefill_tokens applies).
+    max_prefill_tokens_while_decoding: int | None
+    max_batch_total_tokens: int  # KV slots: num_blocks * block_size
+    max_batch_size: int
+    waiting_served_ratio: float
+    max_waiting_tokens: int
+    enable_chunked_prefill: bool
+    enable_prefix_caching: bool
+    block_size: int
+    num_blocks: int

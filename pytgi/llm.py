@@ -136,7 +136,6 @@ class LLM:
         try:
             while pending and self.engine.has_unfinished():
                 for u in self.engine.step():
-                    u = _shim(u)  # TEMP until the engine returns TokenOut
                     tracker = trackers.get(u.request_id)
                     if tracker is None:
                         continue
@@ -150,10 +149,3 @@ class LLM:
             for rid in pending:  # an exception or an abandoned stream must not leave work behind
                 self.engine.abort_request(rid)
 
-
-def _shim(u):  # type: ignore[no-untyped-def]  # TEMP
-    if isinstance(u, TokenOut):
-        return u
-    t = u.token
-    return TokenOut(u.request_id, t.token_id if t else -1, t.logprob if t else 0.0, t.top if t else [],
-                    u.finish_reason, u.error, u.prompt_logprobs, u.num_cached_tokens)

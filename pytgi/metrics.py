@@ -55,16 +55,17 @@ class Metrics:
                                            registry=r)
         self.preemptions = Gauge("pytgi_preemptions_total", "Requests preempted (recomputed later)", registry=r)
 
-    def engine_step(self, step: P.StepOut) -> None:
+    def engine_step(self, out: P.StepOut) -> None:
+        step = out.step
         if step.batch_size:
             self.batch_inference_count.labels(step.method).inc()
             (self.batch_inference_failure if step.failed else self.batch_inference_success).labels(step.method).inc()
-            self.batch_inference_duration.labels(step.method).observe(step.step_seconds)
+            self.batch_inference_duration.labels(step.method).observe(step.seconds)
             self.batch_next_size.observe(step.batch_size)
             self.batch_current_max_tokens.set(step.num_tokens)
-            if step.method == "prefill" and step.stats.running > 1:
-                self.batch_concat.labels("backpressure" if step.stats.waiting else "wait_exceeded").inc()
-        self.engine_stats(step.stats)
+            if step.method == "prefill" and out.stats.running > 1:
+                self.batch_concat.labels("backpressure" if out.stats.waiting else "wait_exceeded").inc()
+        self.engine_stats(out.stats)
 
     def engine_stats(self, s: P.EngineStats) -> None:
         self.queue_size.set(s.waiting)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pytgi.config import EngineInfo
 from pytgi.sampling_params import SamplingParams
 
 
@@ -26,6 +27,9 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
 
 
 class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's news from one step: made by the runner for a sampled token, completed by the
+    scheduler, sent as is."""
+
     request_id: str
     token_id: int = -1  # -1: no token (an error, or prompt logprobs only)
     logprob: float = 0.0
@@ -45,36 +49,28 @@ class EngineStats(msgspec.Struct, array_like=True):
     failed_steps: int
 
 
+class StepInfo(msgspec.Struct, array_like=True):
+    """What one engine step did, for the metrics."""
+
+    seconds: float = 0.0
+    batch_size: int = 0  # 0: nothing ran (the metrics skip it)
+    num_tokens: int = 0
+    method: str = "decode"  # "prefill" when the step computed prompt (or recompute) chunks
+    failed: bool = False
+
+
 class StepOut(msgspec.Struct, tag="step"):
     updates: list[TokenOut]
     stats: EngineStats
-    step_seconds: float
-    batch_size: int
-    num_tokens: int
-    method: str  # "prefill" when the step computed prompt chunks, else "decode"
-    failed: bool = False
+    step: StepInfo
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):
     stats: EngineStats
 
 
-class EngineInfo(msgspec.Struct):
-    model_id: str
-    model_path: str
-    model_dtype: str
-    model_device_type: str
-    max_input_tokens: int
-    max_total_tokens: int
-    max_batch_prefill_tokens: int
-    max_batch_total_tokens: int
-    max_batch_size: int
-    num_shard: int
-    vocab_size: int
-
-
 class Ready(msgspec.Struct, tag="ready"):
-    info: EngineInfo
+    info: EngineInfo  # the engine's resolved configuration (pytgi.config)
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed"):

@@ -1,49 +1,30 @@
 """The engine: requests in, per-step token updates out (the seed's batching_task, one step a call).
 
 Single-threaded and synchronous: the caller (the offline `LLM`, or the engine process's loop)
-adds and aborts requests between steps and calls `step()` while `has_unfinished()`.
+adds and aborts requests between steps and calls `step()` while `has_unfinished()`. A step is
+schedule → execute → update; the scheduler keeps the books, the runner computes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
+from pytgi import protocol as P
 from pytgi.config import EngineConfig
 from pytgi.distributed import DistributedError
 from pytgi.engine.kv_cache import BlockManager
-from pytgi.engine.request import FinishReason, Request, Status
-from pytgi.engine.runner import ModelRunner, TokenSample, set_cpu_threads
+from pytgi.engine.request import Request
+from pytgi.engine.runner import ModelRunner, set_cpu_threads
+from pytgi.engine.scheduler import Scheduler
 from pytgi.engine.shards import ShardGroup
-from pytgi.engine.scheduler import Scheduler, SchedulerConfig
 from pytgi.models.registry import resolve_model
 from pytgi.sampling_params import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    """What one step produced for one request."""
-
-    request_id: str
-    token: TokenSample | None = None  # None: a prefill chunk that did not reach the end yet
-    finish_reason: str | None = None  # set on the request's last update
-    error: str | None = None  # the step failed; the request is finished
-    prompt_logprobs: list[float | None] | None = None  # once, when the prompt is fully computed
-    num_cached_tokens: int = 0
-
-
-@dataclass(slots=True)
-class StepInfo:
-    batch_size: int = 0
-    num_tokens: int = 0
-    prefill: bool = False  # the step computed prompt (or recompute) chunks, not only decodes
-    failed: bool = False
-    seconds: float = 0.0
 
 
 def _eos_ids(path: Path) -> frozenset[int]:
@@ -57,177 +38,97 @@ def _eos_ids(path: Path) -> frozenset[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    """`runner_cls` builds rank 0's runner from the placed config (tests pass a subclass that
+    fails on purpose)."""
+
+    def __init__(self, config: EngineConfig, runner_cls: type[ModelRunner] = ModelRunner) -> None:
         config.validate()
-        self.config = config
-        self.model_path, self.model_id = resolve_model(config.model, progress=config.progress)
+        model_path, model_id = resolve_model(config.model, progress=config.progress)
         t0 = time.perf_counter()
-        self.shards = ShardGroup(config, self.model_path)
+        self.shards = ShardGroup(dataclasses.replace(config, model=str(model_path)))
         set_cpu_threads(self.shards.local_ranks)
         try:
-            self.runner = ModelRunner(self.model_path, config.dtype, config.device, config.attention_backend,
-                                      0, config.num_shard, self.shards.master_addr, self.shards.master_port,
-                                      quantize=config.quantize)
+            self.runner = runner_cls(self.shards.config, rank=0)
         except BaseException:
             self.shards.stop()
             raise
-        self.load_seconds = time.perf_counter() - t0
-        self.eos_token_ids = _eos_ids(self.model_path)
-        self._resolve_limits()
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner.allocate_kv_cache(self.num_blocks, config.block_size)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_batch_size=self.max_batch_size,
-                max_batch_prefill_tokens=self.max_batch_prefill_tokens,
-                max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
-                waiting_served_ratio=config.waiting_served_ratio,
-                max_waiting_tokens=config.max_waiting_tokens,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-            ),
-            self.block_manager,
+        load_seconds = time.perf_counter() - t0
+        self.eos_token_ids = _eos_ids(model_path)
+        runner = self.runner
+        self.info = self.shards.config.resolve(
+            model_id=model_id, model_path=str(model_path), dtype=str(runner.dtype).removeprefix("torch."),
+            device_type=runner.device.type, vocab_size=runner.vocab_size,
+            max_positions=runner.config.max_position_embeddings,
+            kv_capacity=lambda: runner.auto_num_tokens(config.kv_cache_cpu_bytes, config.kv_cache_memory_fraction),
         )
-        self.requests: dict[str, Request] = {}
-        self._prompt_lps: dict[str, list[float | None]] = {}
+        self.block_manager = BlockManager(self.info.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner.allocate_kv_cache(self.info.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.info, self.block_manager)
         self.num_failed_steps = 0
-        self.last_step = StepInfo()
+        self.last_step = P.StepInfo()  # what the last step did, for the metrics
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks x %d, load %.1fs",
-            self.model_id, self.runner.device, self.runner.dtype, self.num_blocks, config.block_size,
-            self.load_seconds,
+            model_id, runner.device, runner.dtype, self.info.num_blocks, config.block_size, load_seconds,
         )
 
-    def _resolve_limits(self) -> None:
-        c, positions = self.config, self.runner.config.max_position_embeddings
-        self.max_total_tokens = c.max_total_tokens or positions
-        if self.max_total_tokens > positions:
-            raise ValueError(f"max_total_tokens ({self.max_total_tokens}) exceeds the model's {positions} positions")
-        self.max_input_tokens = c.max_input_tokens or self.max_total_tokens - 1
-        if self.max_input_tokens >= self.max_total_tokens:
-            raise ValueError(
-                f"max_input_tokens ({self.max_input_tokens}) must be < max_total_tokens ({self.max_total_tokens})"
-            )
-        on_gpu = self.runner.device.type == "cuda"
-        self.max_batch_prefill_tokens = c.max_batch_prefill_tokens or (4096 if on_gpu else 1024)
-        # Off by default: capping prompt tokens while others decode bounds the worst stall a long prompt
-        # causes, but throttles prefill under load (docs/benchmarks.md measures both sides).
-        cap = c.max_prefill_tokens_while_decoding or 0
-        if cap < 0:
-            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 0, got {cap}")
-        self.max_prefill_tokens_while_decoding = min(cap, self.max_batch_prefill_tokens) or None
-        if not c.enable_chunked_prefill and self.max_input_tokens > self.max_batch_prefill_tokens:
-            raise ValueError("without chunked prefill, max_input_tokens must be <= max_batch_prefill_tokens")
-        self.max_batch_size = c.max_batch_size or 256
-        tokens = c.max_batch_total_tokens or self.runner.auto_num_tokens(
-            c.kv_cache_cpu_bytes, c.kv_cache_memory_fraction
-        )
-        self.num_blocks = tokens // c.block_size
-        self.max_batch_total_tokens = self.num_blocks * c.block_size
-        if self.max_batch_total_tokens < self.max_total_tokens:
-            raise ValueError(
-                f"the KV cache holds {self.max_batch_total_tokens} tokens, fewer than max_total_tokens "
-                f"({self.max_total_tokens}): raise max_batch_total_tokens or lower max_total_tokens"
-            )
+    @property
+    def model_path(self) -> Path:
+        return Path(self.info.model_path)
 
     # -- requests ---------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.requests:
+        if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        n = len(prompt_ids)
+        n, info = len(prompt_ids), self.info
         if n == 0:
             raise InvalidRequest("the prompt is empty: give at least one token")
-        if n > self.max_input_tokens:
+        if n > info.max_input_tokens:
             raise InvalidRequest(
-                f"the prompt has {n} tokens; at most {self.max_input_tokens} are accepted (max_input_tokens)"
+                f"the prompt has {n} tokens; at most {info.max_input_tokens} are accepted (max_input_tokens)"
             )
-        if n + params.max_new_tokens > self.max_total_tokens:
+        if n + params.max_new_tokens > info.max_total_tokens:
             raise InvalidRequest(
-                f"prompt tokens + max_new_tokens must be <= {self.max_total_tokens}: "
+                f"prompt tokens + max_new_tokens must be <= {info.max_total_tokens}: "
                 f"given {n} prompt tokens and {params.max_new_tokens} max_new_tokens"
             )
-        vocab = self.runner.vocab_size
-        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= info.vocab_size:
+            raise InvalidRequest(f"prompt token ids must be in [0, {info.vocab_size})")
         params.validate()
-        req = Request(request_id, list(prompt_ids), params, self.eos_token_ids)
-        self.requests[request_id] = req
-        self.scheduler.add(req)
+        self.scheduler.add(Request(request_id, list(prompt_ids), params, self.eos_token_ids))
 
     def abort_request(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
+        req = self.scheduler.requests.get(request_id)
         if req is None:
             return False
-        req.finish_reason = FinishReason.ABORT
-        self._release(req)
+        self.scheduler.finish(req)
+        self.runner.release(request_id)
         return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def _release(self, req: Request) -> None:
-        self.scheduler.finish(req)
-        self.runner.release(req.request_id)
-        self._prompt_lps.pop(req.request_id, None)
-
     # -- one step ---------------------------------------------------------------------------------
-    def step(self) -> list[RequestUpdate]:
+    def step(self) -> list[P.TokenOut]:
         sched = self.scheduler.schedule()
-        for req in sched.preempted:
-            self._prompt_lps.pop(req.request_id, None)  # recomputed from the start
         if sched.is_empty:
+            self.last_step = P.StepInfo()
             return []
-        now = time.monotonic()
-        for s in sched.scheduled:
-            s.request.first_scheduled_time = s.request.first_scheduled_time or now
-        info = self.last_step = StepInfo(
-            len(sched.scheduled), sched.num_tokens, any(s.num_new_tokens > 1 or not s.samples for s in sched.scheduled)
-        )
+        t0 = time.monotonic()
+        failed = False
         try:
-            result = self.runner.execute(sched.scheduled)
+            updates = self.scheduler.update_from_output(sched, self.runner.execute(sched.scheduled))
         except DistributedError:
             raise  # a lost rank is not this step's fault: the engine cannot go on
         except Exception as exc:  # a failing step fails exactly its own requests
-            self.num_failed_steps += 1
-            info.failed, info.seconds = True, time.monotonic() - now
             log.exception("step failed for %d requests", len(sched.scheduled))
-            return [self._fail(s.request, exc) for s in sched.scheduled]
-        info.seconds = time.monotonic() - now
-        updates = []
-        for s in sched.scheduled:
-            req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(req)
-            update = RequestUpdate(req.request_id, num_cached_tokens=req.num_cached_tokens)
-            if req.request_id in result.prompt_logprobs:
-                update.prompt_logprobs = self._collect_prompt_logprobs(req, result.prompt_logprobs)
-            sample = result.samples.get(req.request_id)
-            if sample is not None:
-                req.append_token(sample.token_id)
-                update.token = sample
-                reason = req.check_stop()
-                if reason is not None:
-                    req.finish_reason = reason
-                    update.finish_reason = reason.value
-                    self.requests.pop(req.request_id, None)
-                    self._release(req)
-            if update.token is not None or update.prompt_logprobs is not None:
-                updates.append(update)
+            self.num_failed_steps += 1
+            failed, updates = True, self.scheduler.fail(sched, f"{type(exc).__name__}: {exc}")
+        self.last_step = P.StepInfo(time.monotonic() - t0, len(sched.scheduled), sched.num_tokens,
+                                    "prefill" if sched.has_prompt else "decode", failed)
+        for u in updates:
+            if u.finish_reason is not None:
+                self.runner.release(u.request_id)
         return updates
-
-    def _collect_prompt_logprobs(self, req: Request, chunks: dict[str, list[float | None]]) -> list | None:
-        acc = self._prompt_lps.setdefault(req.request_id, [])
-        acc.extend(chunks[req.request_id])
-        if req.num_computed_tokens < req.num_prompt_tokens:
-            return None
-        req.prompt_logprobs = self._prompt_lps.pop(req.request_id)
-        return req.prompt_logprobs
-
-    def _fail(self, req: Request, exc: Exception) -> RequestUpdate:
-        req.finish_reason = FinishReason.ERROR
-        self.requests.pop(req.request_id, None)
-        if req.status is not Status.FINISHED:
-            self._release(req)
-        return RequestUpdate(req.request_id, finish_reason=FinishReason.ERROR.value, error=f"{type(exc).__name__}: {exc}")
 
     def check_alive(self) -> None:
         """Raise DistributedError if a shard is gone (called while idle)."""

@@ -112,10 +112,6 @@ class BlockManager:
                 self.free_blocks[block] = None
         req.block_table = []
 
-    def reset_prefix_cache(self) -> None:
-        for block in list(self.free_blocks):
-            self._forget(block)
-
     def _claim(self, block: int) -> None:
         if self.ref_counts[block] == 0:
             del self.free_blocks[block]

@@ -1,6 +1,7 @@
 """The engine process: a busy loop around `LLMEngine`, fed and drained over ZMQ.
 
-Started by the API process as `python -m pytgi.engine.process --config JSON --inbox ADDR --outbox ADDR`.
+Started by the API process as `python -m pytgi.engine.process --config JSON --inbox ADDR --outbox ADDR`
+(or as another module whose entry point calls `main` with its own runner class).
 No asyncio: drain the inbox, step, publish, repeat; block on the inbox only while idle.
 """
 
@@ -27,23 +28,6 @@ IDLE_POLL_MS = 500  # idle: heartbeat and parent check this often
 
 def _stats(engine) -> P.EngineStats:  # type: ignore[no-untyped-def]
     return P.EngineStats(**engine.stats())
-
-
-def _fault_injector(engine) -> None:  # type: ignore[no-untyped-def]
-    """Testing hook: PYTGI_FAULT_INJECT="1,2,3" makes any step containing a request whose prompt
-    starts with these token ids raise, to exercise per-step failure isolation end to end."""
-    spec = os.environ.get("PYTGI_FAULT_INJECT")
-    if not spec:
-        return
-    prefix = [int(x) for x in spec.split(",")]
-    real = engine.runner.execute
-
-    def execute(batch):  # type: ignore[no-untyped-def]
-        if any(s.request.prompt_ids[: len(prefix)] == prefix for s in batch):
-            raise RuntimeError("injected fault (PYTGI_FAULT_INJECT)")
-        return real(batch)
-
-    engine.runner.execute = execute
 
 
 class EngineLoop:
@@ -82,33 +66,19 @@ class EngineLoop:
             elif isinstance(msg, P.Shutdown):
                 self.running = False
         if errors:
-            self._send(P.StepOut(errors, _stats(self.engine), 0.0, 0, 0, "prefill", failed=True))
+            self._send(P.StepOut(errors, _stats(self.engine), P.StepInfo(failed=True)))
 
     def _step(self) -> None:
         updates = self.engine.step()
-        info = self.engine.last_step
-        out = [
-            P.TokenOut(
-                u.request_id,
-                token_id=u.token.token_id if u.token else -1,
-                logprob=u.token.logprob if u.token else 0.0,
-                top=u.token.top if u.token else [],
-                finish_reason=u.finish_reason,
-                error=u.error,
-                prompt_logprobs=u.prompt_logprobs,
-                num_cached_tokens=u.num_cached_tokens,
-            )
-            for u in updates
-        ]
-        method = "prefill" if info.prefill else "decode"
-        self._send(P.StepOut(out, _stats(self.engine), info.seconds, info.batch_size, info.num_tokens, method,
-                             info.failed))
+        self._send(P.StepOut(updates, _stats(self.engine), self.engine.last_step))
 
     def _send(self, msg: msgspec.Struct) -> None:
         self.outbox.send(P.encoder.encode(msg), copy=False)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, runner_cls: type | None = None) -> int:
+    """`runner_cls`: rank 0's runner class, `ModelRunner` by default (a test engine process passes
+    a subclass that fails some steps)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True, help="EngineConfig as JSON")
     ap.add_argument("--inbox", required=True)
@@ -124,22 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     outbox.setsockopt(zmq.LINGER, 2000)
     try:
         from pytgi.engine.engine import LLMEngine
+        from pytgi.engine.runner import ModelRunner
 
-        engine = LLMEngine(EngineConfig(**json.loads(args.config)))
-        _fault_injector(engine)
+        engine = LLMEngine(EngineConfig(**json.loads(args.config)), runner_cls or ModelRunner)
     except Exception as exc:
         log.exception("engine failed to start")
         outbox.send(P.encoder.encode(P.StartupFailed(f"{type(exc).__name__}: {exc}")))
         time.sleep(0.5)
         return 1
-    e = engine
-    outbox.send(P.encoder.encode(P.Ready(P.EngineInfo(
-        model_id=e.model_id, model_path=str(e.model_path), model_dtype=str(e.runner.dtype).removeprefix("torch."),
-        model_device_type=e.runner.device.type, max_input_tokens=e.max_input_tokens,
-        max_total_tokens=e.max_total_tokens, max_batch_prefill_tokens=e.max_batch_prefill_tokens,
-        max_batch_total_tokens=e.max_batch_total_tokens, max_batch_size=e.max_batch_size,
-        num_shard=e.config.num_shard, vocab_size=e.runner.vocab_size,
-    ))))
+    outbox.send(P.encoder.encode(P.Ready(engine.info)))
     try:
         EngineLoop(engine, inbox, outbox, args.parent_pid).run()
     except Exception:

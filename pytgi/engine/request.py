@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from pytgi.sampling_params import SamplingParams
@@ -19,7 +18,6 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     EOS = "eos_token"
     STOP = "stop_sequence"  # a stop token id here; stop strings are matched on text by the caller
-    ABORT = "abort"
     ERROR = "error"
 
 
@@ -29,7 +27,6 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
-    arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     # all_ids = prompt + output; KV exists for all_ids[:num_computed_tokens].
     all_ids: list[int] = field(default_factory=list)
@@ -38,10 +35,9 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
     status: Status = Status.WAITING
-    finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    first_scheduled_time: float | None = None
-    prompt_logprobs: list[float | None] | None = None  # filled while the prompt is prefilled, if asked
+    prompt_logprobs: list[float | None] | None = None  # set once the prompt is computed, if asked
+    partial_prompt_logprobs: list[float | None] = field(default_factory=list)  # until then, chunk by chunk
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.prompt_ids) + list(self.output_ids)
@@ -57,10 +53,6 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         return len(self.all_ids) - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 
@@ -13,27 +12,15 @@ import torch
 
 from pytgi import distributed as dist
 from pytgi import kernels
+from pytgi import protocol as P
+from pytgi.config import EngineConfig
 from pytgi.engine.sampler import Sampler, SamplingMetadata
-from pytgi.engine.scheduler import ScheduledRequest
+from pytgi.engine.scheduler import RunnerOutput, ScheduledRequest
 from pytgi.engine.watermark import apply_watermark
 from pytgi.models.attention import StepLayout, get_backend
 from pytgi.models.loader import load_model, read_config, resolve_dtype
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class TokenSample:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class RunnerOutput:
-    samples: dict[str, TokenSample] = field(default_factory=dict)  # request_id → this step's token
-    # request_id → logprobs of the prompt tokens this step's chunk predicted (first prompt token: None)
-    prompt_logprobs: dict[str, list[float | None]] = field(default_factory=dict)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -53,21 +40,23 @@ def _available_memory_bytes() -> int:
 
 class ModelRunner:
     """Rank 0's runner executes steps and samples; with tensor parallelism it first broadcasts each
-    step's inputs, and the workers (`pytgi.engine.worker`) run the same forward on their shards."""
+    step's inputs, and the workers (`pytgi.engine.worker`) run the same forward on their shards.
 
-    def __init__(self, model_path: Path, dtype: str, device: str, attention_backend: str = "torch",
-                 rank: int = 0, world_size: int = 1, master_addr: str = "localhost", master_port: int = 29500,
-                 quantize: str = "auto") -> None:
-        self.device = resolve_device(device)
+    `config.model` is the model's directory; with several shards `config.master_port` is set."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        assert config.model is not None, "the runner loads a resolved model directory"
+        model_path = Path(config.model)
+        self.device = resolve_device(config.device)
         self.rank = rank
-        dist.init(rank, world_size, master_addr, master_port, self.device)
+        dist.init(rank, config.num_shard, config.master_addr, config.master_port or 0, self.device)
         hf_config = read_config(model_path)
-        self.dtype = resolve_dtype(dtype, hf_config, self.device)
-        self.backend = get_backend(attention_backend)
+        self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
+        self.backend = get_backend(config.attention_backend)
         self.backend.dtype = self.dtype
         if self.device.type == "cpu":
             kernels.load()  # build the C kernels now (about a second, once), not on the first request
-        self.model = load_model(model_path, self.dtype, self.device, self.backend, quantize)
+        self.model = load_model(model_path, self.dtype, self.device, self.backend, config.quantize)
         attn = self.model.layers[0].self_attn
         self.backend.heads = (attn.n_heads, attn.n_kv, attn.head_dim)
         self.config = self.model.config
@@ -205,7 +194,7 @@ class ModelRunner:
             if top_ids is not None and r.params.top_n_tokens:
                 n = r.params.top_n_tokens
                 top = list(zip(top_ids[i][:n], top_lps[i][:n]))
-            out.samples[r.request_id] = TokenSample(tokens[i], logprobs[i], top)
+            out.samples[r.request_id] = P.TokenOut(r.request_id, tokens[i], logprobs[i], top)
 
     def _generator(self, req) -> torch.Generator | None:  # type: ignore[no-untyped-def]
         if not req.params.sampling:

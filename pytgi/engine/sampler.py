@@ -5,7 +5,8 @@ Face transformers' logits processors and warpers (and TGI's heterogeneous versio
 
 1. repetition penalty (HF ``RepetitionPenaltyLogitsProcessor``) over prompt and output tokens;
 2. frequency / presence penalties (OpenAI semantics) over output tokens only;
-3. optional ``logits_mask`` (grammar hook): forbidden tokens get ``-inf``;
+3. optional ``logits_mask``: forbidden tokens get ``-inf`` (the runner passes none: there is no
+   constrained decoding, and validation refuses grammars);
 4. greedy rows: ``argmax`` of the result;
 5. sampling rows: temperature, top-k, top-p, typical-p (HF ``TopKLogitsWarper``, ``TopPLogitsWarper``,
    ``TypicalLogitsWarper`` with ``min_tokens_to_keep=1``), then one draw from the softmax.
@@ -257,8 +258,8 @@ class Sampler:
         meta: SamplingMetadata,
         logits_mask: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """logits: [B, V] (upcast to float32). logits_mask: optional [B, V] bool, True = allowed (a hook for
-        grammars); masked tokens get -inf before choosing."""
+        """logits: [B, V] (upcast to float32). logits_mask: optional [B, V] bool, True = allowed;
+        masked tokens get -inf before choosing."""
         raw = logits.float()
         processed = raw if meta.no_penalties else _apply_penalties(raw, meta)
         if logits_mask is not None:

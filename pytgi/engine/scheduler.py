@@ -1,9 +1,11 @@
-"""Continuous batching: which requests run in the next forward pass, and how many tokens each.
+"""Continuous batching: which requests run in the next forward pass, how many tokens each, and
+what their results do to them.
 
-The seed's `batching_task` as one `schedule()` call per step. Every scheduled request gets
-`num_new_tokens` of its tokens computed (`all_ids[num_computed:num_computed + n]`): a decode is
-n == 1, a prefill or a recompute after preemption is the rest of its tokens, a chunk is a part
-of them. A request samples a token when its chunk reaches the end of its tokens.
+The seed's `batching_task` as one `schedule()` call per step, then one `update_from_output()` with
+what the runner computed. Every scheduled request gets `num_new_tokens` of its tokens computed
+(`all_ids[num_computed:num_computed + n]`): a decode is n == 1, a prefill or a recompute after
+preemption is the rest of its tokens, a chunk is a part of them. A request samples a token when its
+chunk reaches the end of its tokens.
 """
 
 from __future__ import annotations
@@ -12,21 +14,10 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from pytgi import protocol as P
+from pytgi.config import EngineInfo
 from pytgi.engine.kv_cache import BlockManager
-from pytgi.engine.request import Request, Status
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_batch_size: int = 256
-    max_batch_prefill_tokens: int = 4096  # tokens computed in one step (decodes count one each)
-    # Prompt tokens (new prefills and chunks) in a step that also decodes: keeps a step with a long
-    # prompt's chunk from stalling the streams (None: only max_batch_prefill_tokens applies).
-    max_prefill_tokens_while_decoding: int | None = None
-    waiting_served_ratio: float = 0.3
-    max_waiting_tokens: int = 20
-    enable_chunked_prefill: bool = True
-    watermark: float = 0.01  # fraction of blocks kept free when admitting, so decodes need not preempt
+from pytgi.engine.request import FinishReason, Request, Status
 
 
 @dataclass(slots=True)
@@ -53,17 +44,34 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def has_prompt(self) -> bool:
+        """Whether the step computes prompt (or recompute) chunks, not only decodes."""
+        return any(s.num_new_tokens > 1 or not s.samples for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """What the runner computed for a `SchedulerOutput`."""
+
+    samples: dict[str, P.TokenOut] = field(default_factory=dict)  # request_id → this step's token
+    # request_id → logprobs of the prompt tokens this step's chunk predicted (first prompt token: None)
+    prompt_logprobs: dict[str, list[float | None]] = field(default_factory=dict)
+
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineInfo, block_manager: BlockManager, watermark: float = 0.01) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.watermark = watermark  # fraction of blocks kept free when admitting, so decodes need not preempt
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last is the first preempted
         self.steps_since_admission = 0
         self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
+        self.requests[req.request_id] = req
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -76,6 +84,7 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self.block_manager.free(req)
+        self.requests.pop(req.request_id, None)
         req.status = Status.FINISHED
 
     def schedule(self) -> SchedulerOutput:
@@ -119,6 +128,7 @@ class Scheduler:
         self.running.remove(req)
         self.block_manager.free(req)
         req.num_computed_tokens = 0
+        req.partial_prompt_logprobs = []  # recomputed from the start
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -146,7 +156,7 @@ class Scheduler:
         bm, cfg = self.block_manager, self.config
         free = bm.num_free_blocks
         if self.running:
-            free -= int(cfg.watermark * bm.num_blocks)
+            free -= int(self.watermark * bm.num_blocks)
         slots = cfg.max_batch_size - len(self.running)
         plan: list[tuple[Request, int, list[int]]] = []
         claimed: set[int] = set()
@@ -168,3 +178,47 @@ class Scheduler:
             budget -= n
             plan.append((req, n, cached))
         return plan
+
+    # -- after the forward ------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[P.TokenOut]:
+        """Advance the scheduled requests by what the runner computed: their KV is now there (and
+        their full blocks join the prefix cache), sampled tokens are appended and checked for a
+        stop. Returns one update per request that got a token or its whole prompt's logprobs."""
+        updates = []
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.block_manager.cache_full_blocks(req)
+            prompt_logprobs = self._prompt_logprobs(req, out.prompt_logprobs.get(req.request_id))
+            update = out.samples.get(req.request_id)
+            if update is not None:
+                req.append_token(update.token_id)
+                reason = req.check_stop()
+                if reason is not None:
+                    self.finish(req)
+                    update.finish_reason = reason.value
+            elif prompt_logprobs is None:
+                continue  # a prefill chunk that did not reach the end of the prompt
+            else:
+                update = P.TokenOut(req.request_id)
+            update.prompt_logprobs, update.num_cached_tokens = prompt_logprobs, req.num_cached_tokens
+            updates.append(update)
+        return updates
+
+    def fail(self, sched: SchedulerOutput, error: str) -> list[P.TokenOut]:
+        """The step raised: its requests (and only they) end with the error."""
+        for s in sched.scheduled:
+            self.finish(s.request)
+        return [P.TokenOut(s.request.request_id, finish_reason=FinishReason.ERROR.value, error=error)
+                for s in sched.scheduled]
+
+    @staticmethod
+    def _prompt_logprobs(req: Request, chunk: list[float | None] | None) -> list[float | None] | None:
+        """Gather a chunk's prompt logprobs; the whole list once the prompt is computed."""
+        if chunk is None:
+            return None
+        req.partial_prompt_logprobs.extend(chunk)
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            return None
+        req.prompt_logprobs, req.partial_prompt_logprobs = req.partial_prompt_logprobs, []
+        return req.prompt_logprobs

@@ -1,11 +1,12 @@
 """The local tensor-parallel workers of rank 0: started before the group forms, watched, stopped.
 
-With `WORLD_SIZE`/`RANK` in the environment (torchrun, or by hand on several machines) the other
-ranks are started elsewhere and this group only knows the rendezvous address.
+With `WORLD_SIZE`/`RANK` in the environment (torchrun, or `pytgi shard` by hand on several
+machines) the other ranks are started elsewhere and this group only knows the rendezvous address.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -17,34 +18,35 @@ from pytgi.distributed import DistributedError, check_heads
 from pytgi.net import free_port
 
 
-
 class ShardGroup:
-    def __init__(self, config: EngineConfig, model_path: Path) -> None:
+    """`config.model` is the model's directory. `self.config` is the config every rank loads with:
+    the rendezvous address and port fixed."""
+
+    def __init__(self, config: EngineConfig) -> None:
         self.world_size = config.num_shard
         self.procs: list[subprocess.Popen] = []
         self.external = int(os.environ.get("WORLD_SIZE", "1")) > 1
-        self.master_addr = os.environ.get("MASTER_ADDR", config.master_addr)
         port = os.environ.get("MASTER_PORT") or config.master_port
-        self.master_port = int(port) if port else (29500 if self.external else free_port())
+        self.config = dataclasses.replace(
+            config, master_addr=os.environ.get("MASTER_ADDR", config.master_addr),
+            master_port=int(port) if port else (29500 if self.external else free_port()),
+        )
         if self.world_size == 1:
             return
-        cfg = json.loads((model_path / "config.json").read_text())
+        cfg = json.loads((Path(str(config.model)) / "config.json").read_text())
         heads = cfg["num_attention_heads"]
         check_heads(heads, cfg.get("num_key_value_heads") or heads, self.world_size)
         if not self.external:
-            self.procs = [self._spawn(rank, config, model_path) for rank in range(1, self.world_size)]
+            self.procs = [self._spawn(rank) for rank in range(1, self.world_size)]
 
     @property
     def local_ranks(self) -> int:
         """Ranks sharing this machine's cores."""
         return 1 if self.external else self.world_size
 
-    def _spawn(self, rank: int, config: EngineConfig, model_path: Path) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "pytgi.engine.worker", "--model", str(model_path), "--dtype", config.dtype,
-               "--quantize", config.quantize,
-               "--device", config.device, "--attention-backend", config.attention_backend, "--rank", str(rank),
-               "--world-size", str(self.world_size), "--master-addr", self.master_addr,
-               "--master-port", str(self.master_port)]
+    def _spawn(self, rank: int) -> subprocess.Popen:
+        config = json.dumps(dataclasses.asdict(self.config))
+        cmd = [sys.executable, "-m", "pytgi.engine.worker", "--config", config, "--rank", str(rank)]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.world_size)))
         return subprocess.Popen(cmd, env=env)

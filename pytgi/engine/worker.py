@@ -1,33 +1,33 @@
 """A tensor-parallel worker (ranks 1..N-1): join the group, load this rank's shard, then run the
 forward of every step rank 0 broadcasts until told to stop (or until a collective fails).
 
-Started by rank 0 for local shards, or by hand / torchrun on other machines:
-    RANK=1 WORLD_SIZE=2 MASTER_ADDR=host0 MASTER_PORT=29500 pytgi serve --model-id ...
+Rank 0 starts its local workers as `python -m pytgi.engine.worker --config JSON --rank R`, with the
+config it loads itself; on other machines `pytgi shard` (pytgi.server.launcher) builds the config
+from flags and the torchrun environment and calls `run_worker`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
 from pytgi import distributed as dist
+from pytgi.config import EngineConfig
 from pytgi.logs import setup_logging
 
 log = logging.getLogger("pytgi.worker")
 
 
-def run_worker(model: str, dtype: str, device: str, attention_backend: str, rank: int, world_size: int,
-               master_addr: str, master_port: int, quantize: str = "auto") -> int:
+def run_worker(config: EngineConfig, rank: int) -> int:
     from pytgi.engine.runner import ModelRunner, set_cpu_threads
 
-    set_cpu_threads(world_size if "WORLD_SIZE" not in os.environ else 1)
+    set_cpu_threads(1 if "WORLD_SIZE" in os.environ else config.num_shard)
     try:
-        runner = ModelRunner(Path(model), dtype, device, attention_backend, rank, world_size, master_addr, master_port,
-                             quantize)
+        runner = ModelRunner(config, rank)
     except Exception:
         log.exception("rank %d failed to start", rank)
         return 1
@@ -54,20 +54,12 @@ def run_worker(model: str, dtype: str, device: str, attention_backend: str, rank
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--quantize", default="auto")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--attention-backend", default="torch")
+    ap.add_argument("--config", required=True, help="rank 0's EngineConfig as JSON (model and rendezvous resolved)")
     ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--master-addr", default="localhost")
-    ap.add_argument("--master-port", type=int, required=True)
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process that started us decides when to stop
     setup_logging(prefix=f"rank{args.rank} ")
-    return run_worker(args.model, args.dtype, args.device, args.attention_backend, args.rank, args.world_size,
-                      args.master_addr, args.master_port, args.quantize)
+    return run_worker(EngineConfig(**json.loads(args.config)), args.rank)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ class EngineDead(RuntimeError):
 
 
 class EngineClient:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, engine_module: str = "pytgi.engine.process") -> None:
         self.config = config
+        self.engine_module = engine_module  # run as `python -m`; its main() is pytgi.engine.process's
         self.info: P.EngineInfo | None = None
         self.stats: P.EngineStats | None = None
         self.healthy = False
@@ -53,7 +54,7 @@ class EngineClient:
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self, timeout: float = 900.0) -> P.EngineInfo:
         """Spawn the engine process and wait until its model is loaded."""
-        cmd = [sys.executable, "-m", "pytgi.engine.process", "--config", json.dumps(dataclasses.asdict(self.config)),
+        cmd = [sys.executable, "-m", self.engine_module, "--config", json.dumps(dataclasses.asdict(self.config)),
                "--inbox", f"ipc://{self._dir}/inbox", "--outbox", f"ipc://{self._dir}/outbox",
                "--parent-pid", str(os.getpid())]
         self.proc = subprocess.Popen(cmd)

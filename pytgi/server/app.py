@@ -51,7 +51,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 def create_app(config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pytgi", version=pytgi.__version__, lifespan=lifespan,
                   description="Text Generation Inference, in Python")
-    app.state.pytgi = State(config, EngineClient(config.engine), Tokenizer.from_dir(config.model_path), Metrics())
+    client = EngineClient(config.engine, config.engine_module)
+    app.state.pytgi = State(config, client, Tokenizer.from_dir(config.model_path), Metrics())
     install_handlers(app)
     app.include_router(tgi.router)
     openai.install(app)  # OpenAI's routes, and OpenAI's error shape under /v1/

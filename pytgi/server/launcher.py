@@ -1,5 +1,7 @@
 """`pytgi serve`: TGI's launcher flags (each also read from its environment variable), the engine
-process, and uvicorn. Exits non-zero when the engine dies or cannot start."""
+process, and uvicorn. Exits non-zero when the engine dies or cannot start.
+
+`pytgi shard`: a tensor-parallel rank > 0 on another machine (docs/sharding.md)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import asyncio
 import logging
 import os
 import signal
+from pathlib import Path
 
 from pytgi.logs import JSON_ENV, setup_logging
 
@@ -48,11 +51,26 @@ def _env_name(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_").upper()
 
 
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+def _add_flags(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
     for flag, typ, default, help_ in FLAGS:
-        env = os.environ.get(_env_name(flag))
-        p.add_argument(flag, type=typ, default=typ(env) if env is not None else default,
-                       help=f"{help_} [env {_env_name(flag)}]")
+        if only is None or flag in only:
+            env = os.environ.get(_env_name(flag))
+            p.add_argument(flag, type=typ, default=typ(env) if env is not None else default,
+                           help=f"{help_} [env {_env_name(flag)}]")
+
+
+def _resolve_model(log: logging.Logger, model_id: str | None) -> tuple[Path, str] | None:
+    from pytgi.models.registry import ModelNotFound, resolve_model
+
+    try:
+        return resolve_model(model_id)
+    except ModelNotFound as exc:
+        log.error("%s", exc)
+        return None
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    _add_flags(p)
     p.add_argument("--cors-allow-origin", action="append", default=None,
                    help="allowed CORS origin (repeatable) [env CORS_ALLOW_ORIGIN, comma-separated]")
     p.add_argument("--json-output", action="store_true", default=os.environ.get("JSON_OUTPUT", "") not in ("", "0", "false"),
@@ -60,7 +78,34 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-prefix-caching", action="store_true", help="turn the prefix cache off")
 
 
-def serve(args: argparse.Namespace) -> int:
+def add_shard_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags a rank > 0 shares with rank 0's `pytgi serve` (give the same values), and its place."""
+    _add_flags(p, ("--model-id", "--dtype", "--quantize", "--master-addr", "--master-port"))
+    p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", "0")), help="this rank, >= 1 [env RANK]")
+    p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
+                   help="all ranks, rank 0 included [env WORLD_SIZE]")
+
+
+def shard(args: argparse.Namespace) -> int:
+    from pytgi.config import EngineConfig
+    from pytgi.engine.worker import run_worker
+
+    setup_logging(prefix=f"rank{args.rank} ")
+    log = logging.getLogger("pytgi.launcher")
+    if not 0 < args.rank < args.world_size:
+        log.error("pytgi shard needs 0 < --rank < --world-size, got rank %d of %d (rank 0 is `pytgi serve`)",
+                  args.rank, args.world_size)
+        return 2
+    model = _resolve_model(log, args.model_id)
+    if model is None:
+        return 2
+    config = EngineConfig(model=str(model[0]), dtype=args.dtype, quantize=args.quantize, num_shard=args.world_size,
+                          master_addr=args.master_addr, master_port=args.master_port or 29500)
+    return run_worker(config, args.rank)
+
+
+def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process") -> int:
+    """`engine_module`: the engine process's entry point (tests run one that wraps the runner)."""
     import uvicorn
 
     class _Server(uvicorn.Server):
@@ -70,7 +115,6 @@ def serve(args: argparse.Namespace) -> int:
                 self._captured_signals.remove(sig)
 
     from pytgi.config import EngineConfig
-    from pytgi.models.registry import ModelNotFound, resolve_model
     from pytgi.server.app import ServerConfig, create_app
 
     if args.json_output:
@@ -80,20 +124,16 @@ def serve(args: argparse.Namespace) -> int:
     if args.num_shard < 1:
         log.error("--num-shard must be >= 1, got %d", args.num_shard)
         return 2
-    try:
-        model_path, model_id = resolve_model(args.model_id)
-    except ModelNotFound as exc:
-        log.error("%s", exc)
-        return 2
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank > 0:
+        log.error("RANK=%d: `pytgi serve` is rank 0; start the other ranks with `pytgi shard`", rank)
+        return 2
+    model = _resolve_model(log, args.model_id)
+    if model is None:
+        return 2
+    model_path, model_id = model
     if world > 1:  # started per rank (torchrun, or by hand on several machines)
         args.num_shard = world
-        if rank > 0:
-            from pytgi.engine.worker import run_worker
-
-            port = int(os.environ.get("MASTER_PORT") or args.master_port or 29500)
-            addr = os.environ.get("MASTER_ADDR", args.master_addr)
-            return run_worker(str(model_path), args.dtype, "auto", "torch", rank, world, addr, port, args.quantize)
     engine = EngineConfig(
         model=str(model_path), dtype=args.dtype, quantize=args.quantize, max_input_tokens=args.max_input_tokens,
         max_total_tokens=args.max_total_tokens, max_batch_prefill_tokens=args.max_batch_prefill_tokens,
@@ -111,6 +151,7 @@ def serve(args: argparse.Namespace) -> int:
         validation_workers=args.validation_workers, api_key=args.api_key, payload_limit=args.payload_limit,
         cors_allow_origin=origins, json_output=args.json_output,
         graceful_termination_timeout=args.graceful_termination_timeout, revision=args.revision,
+        engine_module=engine_module,
     )
     app = create_app(config)
     server = _Server(uvicorn.Config(

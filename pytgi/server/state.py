@@ -35,6 +35,7 @@ class ServerConfig:
     json_output: bool = False
     graceful_termination_timeout: int = 90
     revision: str | None = None
+    engine_module: str = "pytgi.engine.process"  # the engine process's entry point
 
 
 @dataclass(slots=True)

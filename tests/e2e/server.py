@@ -21,11 +21,11 @@ class Server:
     across batch compositions, so only tests that say `exact=False` run them."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, log: Path | None = None,
-                 exact: bool = True) -> None:
+                 exact: bool = True, launcher: str = "pytgi.cli") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
-        cmd = [sys.executable, "-m", "pytgi.cli", "serve", "--hostname", "127.0.0.1", "--port", str(self.port),
+        cmd = [sys.executable, "-m", launcher, "serve", "--hostname", "127.0.0.1", "--port", str(self.port),
                "--max-batch-total-tokens", "32768", *(["--dtype", "float32"] if exact else []), *args]
         out = open(log, "wb") if log else subprocess.DEVNULL
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT)

@@ -13,26 +13,17 @@ import httpx
 import pytest
 import text_generation
 
-from pytgi.models.registry import resolve_model
-from pytgi.tokenizer import Tokenizer
+from tests.e2e.fault_engine import FAULT_PROMPT
 from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
-
-FAULT_PROMPT = "zqxj fault injection"
-
-
-def fault_ids() -> str:
-    tok = Tokenizer.from_dir(resolve_model(None)[0])
-    return ",".join(str(i) for i in tok.encode(FAULT_PROMPT)[:3])
 
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
     """Two concurrent requests at most, an API key, a small payload limit, a fault-injecting engine."""
     srv = Server("--max-concurrent-requests", "2", "--api-key", "sekret", "--payload-limit", "10000",
-                 "--cors-allow-origin", "http://example.com", "--json-output",
-                 env={"PYTGI_FAULT_INJECT": fault_ids()},
+                 "--cors-allow-origin", "http://example.com", "--json-output", launcher="tests.e2e.fault_engine",
                  log=tmp_path_factory.mktemp("logs") / "guarded.log").wait_ready()
     yield srv
     srv.stop()

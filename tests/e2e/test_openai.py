@@ -14,7 +14,7 @@ import pytest
 from openai import AsyncOpenAI, OpenAI
 
 from tests.e2e.server import Server
-from tests.e2e.test_failures import FAULT_PROMPT, fault_ids
+from tests.e2e.fault_engine import FAULT_PROMPT
 
 pytestmark = pytest.mark.slow
 
@@ -417,7 +417,7 @@ def test_non_streaming_disconnect_aborts_too(server):
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     """One concurrent request at most, a fault-injecting engine."""
-    srv = Server("--max-concurrent-requests", "1", env={"PYTGI_FAULT_INJECT": fault_ids()},
+    srv = Server("--max-concurrent-requests", "1", launcher="tests.e2e.fault_engine",
                  log=tmp_path_factory.mktemp("logs") / "limited.log").wait_ready()
     yield srv
     srv.stop()

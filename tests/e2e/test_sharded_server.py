@@ -84,6 +84,13 @@ def test_a_rendezvous_port_in_use_is_a_clear_start_up_error():
     assert "could not join the group" in proc.stderr
 
 
+def test_serve_is_rank_0_and_names_the_command_of_the_others():
+    proc = subprocess.run([sys.executable, "-m", "pytgi.cli", "serve", "--port", "0"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"})
+    assert proc.returncode == 2
+    assert "`pytgi shard`" in proc.stderr
+
+
 @pytest.mark.parametrize("n,message", [("0", "--num-shard must be >= 1"),
                                        ("4", "cannot shard a model with 3 key/value heads over 4 ranks")])
 def test_impossible_shard_counts_are_refused_at_start(n, message):

@@ -90,7 +90,7 @@ def test_preemption_gives_the_same_output(prompts, hf_greedy):
     small = LLM(dtype="float32", max_batch_total_tokens=256, max_total_tokens=256)
     assert greedy_ids(small, prompts) == hf_greedy
     assert small.engine.stats()["preemptions"] > 0
-    assert small.engine.block_manager.num_free_blocks == small.engine.num_blocks
+    assert small.engine.block_manager.num_free_blocks == small.engine.info.num_blocks
 
 
 def test_seed_reproduces_a_sample_alone_or_batched(llm, prompts):
@@ -146,11 +146,11 @@ def test_bad_input_is_refused_clearly(llm):
         llm.generate("", GREEDY)
     with pytest.raises(InvalidRequest, match="empty"):
         llm.generate([[]], GREEDY)
-    too_long = [100] * (llm.engine.max_input_tokens + 1)
+    too_long = [100] * (llm.engine.info.max_input_tokens + 1)
     with pytest.raises(InvalidRequest, match="at most"):
         llm.generate(too_long, GREEDY)
     with pytest.raises(InvalidRequest, match="max_new_tokens"):
-        llm.generate([100] * 10, SamplingParams(max_new_tokens=llm.engine.max_total_tokens))
+        llm.generate([100] * 10, SamplingParams(max_new_tokens=llm.engine.info.max_total_tokens))
     with pytest.raises(InvalidRequest, match="token ids"):
         llm.generate([10**9], GREEDY)
     with pytest.raises(InvalidRequest, match="top_p"):

@@ -60,7 +60,7 @@ def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on(engine, m
     assert {u.request_id for u in updates} == {"neighbour", "doomed"}
     assert all(u.error and "injected fault" in u.error and u.finish_reason == "error" for u in updates)
     assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert engine.block_manager.num_free_blocks == engine.info.num_blocks
 
     engine.add_request("ok-after", [1, 2, 3], params)
     out = run(engine)["ok-after"]
@@ -72,11 +72,11 @@ def test_abort_frees_blocks_within_a_step(engine):
     engine.add_request("a", list(range(1, 20)), SamplingParams(max_new_tokens=50, temperature=0))
     engine.add_request("b", list(range(1, 9)), SamplingParams(max_new_tokens=50, temperature=0))
     engine.step()
-    assert engine.block_manager.num_free_blocks < engine.num_blocks
+    assert engine.block_manager.num_free_blocks < engine.info.num_blocks
     assert engine.abort_request("a") and engine.abort_request("b")
     assert not engine.abort_request("a")
     assert not engine.has_unfinished()
-    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert engine.block_manager.num_free_blocks == engine.info.num_blocks
     assert engine.step() == []
 
 

@@ -3,6 +3,9 @@ uneven head splits included; impossible shard counts are refused at start."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import transformers
@@ -10,6 +13,7 @@ import transformers
 from pytgi import LLM, SamplingParams
 from pytgi.config import EngineConfig
 from pytgi.engine.engine import LLMEngine
+from pytgi.net import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -36,9 +40,9 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple[list[int], li
         for u in engine.step():
             if u.prompt_logprobs:
                 logprobs[u.request_id] += u.prompt_logprobs[1:]
-            if u.token:
-                tokens[u.request_id].append(u.token.token_id)
-                logprobs[u.request_id].append(u.token.logprob)
+            if u.token_id >= 0:
+                tokens[u.request_id].append(u.token_id)
+                logprobs[u.request_id].append(u.logprob)
     return [(tokens[str(i)], logprobs[str(i)]) for i in range(len(prompts))]
 
 
@@ -60,6 +64,29 @@ def test_tiny_model_logits_match_one_shard(tiny_path, tiny_reference, n):
         got = run(engine, prompts)
     finally:
         engine.shutdown()
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, ref):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
+
+
+def test_a_rank_started_by_pytgi_shard_joins_rank_0(tiny_path, tiny_reference, monkeypatch):
+    """Ranks on other machines: with WORLD_SIZE set, rank 0 starts no worker; `pytgi shard` is rank 1."""
+    prompts, ref = tiny_reference
+    port = free_port()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    shard = subprocess.Popen([sys.executable, "-m", "pytgi.cli", "shard", "--model-id", str(tiny_path),
+                              "--dtype", "float32", "--rank", "1", "--master-port", str(port)])
+    try:
+        engine = LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=1024, num_shard=2,
+                                        dtype="float32", master_port=port))
+        try:
+            assert engine.shards.procs == []
+            got = run(engine, prompts)
+        finally:
+            engine.shutdown()
+        assert shard.wait(30) == 0
+    finally:
+        shard.kill()
     for (tokens, lps), (ref_tokens, ref_lps) in zip(got, ref):
         assert tokens == ref_tokens
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)

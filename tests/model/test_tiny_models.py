@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from pytgi.config import EngineConfig
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import ScheduledRequest
@@ -49,7 +50,7 @@ def models(request, tmp_path_factory):
                 p.add_(torch.randn_like(p) * 0.1)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
-    runner = ModelRunner(path, dtype="float32", device="cpu")
+    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu"))
     runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
     return hf, runner
 

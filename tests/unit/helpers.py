@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import itertools
 
+from pytgi import protocol as P
 from pytgi.engine.request import Request
-from pytgi.engine.scheduler import Scheduler, SchedulerOutput
+from pytgi.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from pytgi.sampling_params import SamplingParams
 
 
@@ -19,15 +20,8 @@ def make_request(rid: str, prompt: list[int] | int, max_new_tokens: int = 16, **
 
 
 def run_step(sched: Scheduler, next_token: int = 7) -> SchedulerOutput:
-    """What the engine does after a successful forward: advance, cache blocks, sample, finish."""
+    """One engine step with a fake runner that samples `next_token` for every request at its end."""
     out = sched.schedule()
-    for s in out.scheduled:
-        req = s.request
-        samples = s.samples
-        req.num_computed_tokens += s.num_new_tokens
-        sched.block_manager.cache_full_blocks(req)
-        if samples:
-            req.append_token(next_token)
-            if req.check_stop() is not None:
-                sched.finish(req)
+    samples = {s.request.request_id: P.TokenOut(s.request.request_id, next_token) for s in out.scheduled if s.samples}
+    sched.update_from_output(out, RunnerOutput(samples))
     return out

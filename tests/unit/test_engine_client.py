@@ -41,8 +41,8 @@ class FakeEngine:
         await self.outbox.send(msg if isinstance(msg, bytes) else P.encoder.encode(msg))
 
     async def step(self, *updates: P.TokenOut) -> None:
-        await self.send(P.StepOut(list(updates), STATS, step_seconds=0.01, batch_size=len(updates),
-                                  num_tokens=len(updates), method="decode"))
+        await self.send(P.StepOut(list(updates), STATS, P.StepInfo(seconds=0.01, batch_size=len(updates),
+                                                                   num_tokens=len(updates), method="decode")))
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)

@@ -1,16 +1,21 @@
 """Scheduler behaviour with no model: build requests, schedule, feed fake tokens back."""
 
+from pytgi.config import EngineInfo
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import Status
-from pytgi.engine.scheduler import Scheduler, SchedulerConfig
+from pytgi.engine.scheduler import Scheduler
 from tests.unit.helpers import make_request, run_step
 
 
 def make_scheduler(num_blocks=64, block_size=4, **kw) -> Scheduler:
-    cfg = dict(max_batch_size=8, max_batch_prefill_tokens=64, waiting_served_ratio=0.3,
-               max_waiting_tokens=20, watermark=0.0)
+    cfg = dict(max_batch_size=8, max_batch_prefill_tokens=64, max_prefill_tokens_while_decoding=None,
+               waiting_served_ratio=0.3, max_waiting_tokens=20, enable_chunked_prefill=True)
     cfg.update(kw)
-    return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size))
+    info = EngineInfo(model_id="fake", model_path="", model_dtype="float32", model_device_type="cpu",
+                      vocab_size=1000, num_shard=1, max_input_tokens=255, max_total_tokens=256,
+                      max_batch_total_tokens=num_blocks * block_size, enable_prefix_caching=True,
+                      block_size=block_size, num_blocks=num_blocks, **cfg)
+    return Scheduler(info, BlockManager(num_blocks, block_size), watermark=0.0)
 
 
 def scheduled(out) -> dict[str, int]:
