@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from pytgi.kernels import amx_supported as amx_available, vnni_supported as vnni_available
+from pytgi import kernels
 from pytgi.models.cpu import CpuKernels
 from pytgi.models.quant import (
     QuantizedWeight,
@@ -59,7 +59,7 @@ def test_int8_groups_hold_q8_0_weights():
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("M", [1, 3, 4, 7])
 def test_kernel_multiplies_by_the_dequantized_weight(kind, vnni, M):
-    if vnni and not vnni_available():
+    if vnni and not kernels.vnni_supported():
         pytest.skip("this CPU has no AVX-512 VNNI")
     w = q4_1_weight(N=48, K=96)
     qw = QuantizedWeight(kind, w, torch.bfloat16, cpu(vnni=vnni))
@@ -71,7 +71,7 @@ def test_kernel_multiplies_by_the_dequantized_weight(kind, vnni, M):
 
 
 def test_vnni_kernel_on_a_model_sized_weight():
-    if not vnni_available():
+    if not kernels.vnni_supported():
         pytest.skip("this CPU has no AVX-512 VNNI")
     w = torch.randn(960, 576) * 0.05
     for kind in ("int4", "int8"):
@@ -103,7 +103,7 @@ def test_plan_follows_the_gguf_types(tmp_path):
 def test_amx_kernel_multiplies_by_the_dequantized_weight(kind, M):
     """Steps of 13..96 tokens: AMX tiles over the same packed weights (bf16 activations, float32
     sums), in passes of 64 rows."""
-    if not amx_available():
+    if not kernels.amx_supported():
         pytest.skip("this CPU (or kernel) has no AMX")
     w = torch.randn(96, 160) * 0.05
     qw = QuantizedWeight(kind, w, torch.bfloat16, cpu())
@@ -115,7 +115,7 @@ def test_amx_kernel_multiplies_by_the_dequantized_weight(kind, M):
 
 def test_amx_kernel_leaves_pytorch_bf16_matmuls_alone():
     """PyTorch's bf16 matmuls use AMX tiles too (oneDNN): ours restore the tile configuration."""
-    if not amx_available():
+    if not kernels.amx_supported():
         pytest.skip("this CPU (or kernel) has no AMX")
     a, b = torch.randn(256, 576).bfloat16(), torch.randn(1024, 576).bfloat16()
     before = torch.nn.functional.linear(a, b)
