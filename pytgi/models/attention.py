@@ -78,8 +78,6 @@ def _group(layout: StepLayout, rows: np.ndarray, starts: np.ndarray, device: tor
 
 
 class TorchAttention:
-    name = "torch"
-
     def __init__(self, cpu: CpuKernels, heads: tuple[int, int, int]) -> None:
         """heads: (query heads, kv heads, head dim) on this rank."""
         self.paged = cpu.fused  # decodes (and small prefill chunks) in the paged C kernel
