@@ -2,7 +2,8 @@
 down) plus its LM head, timed with float32, bfloat16, int8 and int4 weight-only kernels at each M
 (tokens in the step): pytgi's kernels (`pytgi/kernels/qgemv.c`: VNNI, then AMX for bigger steps,
 where the CPU has them; `int4-vnni` without AMX) and PyTorch's (`int8-torch`, `int4-torch`). This
-is what the crossovers in `pytgi.models.quant` (`VNNI_MAX_M`, `SMALL_M_*`) rest on.
+is what the crossovers in `pytgi.models.cpu.Crossovers` (the `lowbit_*` and `vnni_before_amx`
+step sizes) rest on.
 
     .venv/bin/python benchmarks/kernels.py                 # M = 1 2 4 8 12 16 32 64 256
     .venv/bin/python benchmarks/kernels.py --m 1 16
@@ -25,6 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from pytgi.models.cpu import CpuKernels  # noqa: E402
 from pytgi.models.quant import QuantizedWeight  # noqa: E402
 
 LAYERS = 30
@@ -41,7 +43,8 @@ def build(kind: str) -> list:
         w = torch.randn(n, k, generator=g) * 0.02
         if kind.startswith("int"):
             bits, _, only = kind.partition("-")
-            out.append(QuantizedWeight(bits, w, torch.bfloat16, vnni=only != "torch", amx=only == ""))
+            cpu = CpuKernels.for_device(torch.device("cpu"), torch.bfloat16, vnni=only != "torch", amx=only == "")
+            out.append(QuantizedWeight(bits, w, torch.bfloat16, cpu))
         else:
             out.append(w.to(getattr(torch, kind)))
     return out

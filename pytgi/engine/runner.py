@@ -11,13 +11,13 @@ import numpy as np
 import torch
 
 from pytgi import distributed as dist
-from pytgi import kernels
 from pytgi import protocol as P
 from pytgi.config import EngineConfig
 from pytgi.engine.sampler import Sampler, SamplingMetadata
 from pytgi.engine.scheduler import RunnerOutput, ScheduledRequest
 from pytgi.engine.watermark import apply_watermark
-from pytgi.models.attention import StepLayout, get_backend
+from pytgi.models.attention import StepLayout
+from pytgi.models.cpu import CpuKernels
 from pytgi.models.loader import load_model, read_config, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -52,13 +52,10 @@ class ModelRunner:
         dist.init(rank, config.num_shard, config.master_addr, config.master_port or 0, self.device)
         hf_config = read_config(model_path)
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
-        self.backend = get_backend(config.attention_backend)
-        self.backend.dtype = self.dtype
-        if self.device.type == "cpu":
-            kernels.load()  # build the C kernels now (about a second, once), not on the first request
-        self.model = load_model(model_path, self.dtype, self.device, self.backend, config.quantize)
-        attn = self.model.layers[0].self_attn
-        self.backend.heads = (attn.n_heads, attn.n_kv, attn.head_dim)
+        # On CPU this builds the C kernels now (about a second, once), not on the first request.
+        cpu = CpuKernels.for_device(self.device, self.dtype)
+        self.model = load_model(model_path, self.dtype, self.device, cpu, config.quantize, config.attention_backend)
+        self.backend = self.model.attention  # builds each step's attention metadata
         self.config = self.model.config
         self.vocab_size = self.config.vocab_size
         self.sampler = Sampler()

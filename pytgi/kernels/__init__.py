@@ -1,102 +1,190 @@
-"""Small C kernels for the CPU, compiled on first use with the system C compiler and loaded with
-ctypes (no torch headers, so a build takes about a second).
+"""pytgi's C kernels for the CPU, as typed Python functions: the one module that calls them.
 
-The library is built with `-fopenmp` and so needs `libgomp.so.1`: in a process where torch is
-loaded that is torch's own copy, so the kernels share torch's OpenMP thread pool instead of
-starting a second one whose idle spinning would steal the cores. Builds are cached under
-`$PYTGI_CACHE/kernels`, keyed by the source, the compiler flags and the CPU. Without a compiler
-(or with PYTGI_NO_KERNELS=1) `load()` returns None and callers use their torch paths.
+The library is compiled on first use with the system C compiler (`pytgi.kernels.build`: no torch
+headers, so a build takes about a second) and loaded with ctypes; the argument and result types
+of every function are read from its one header, `pytgi_kernels.h`. Without a compiler (or with
+PYTGI_NO_KERNELS=1) `available()` is False and callers keep their PyTorch paths.
+
+Tensors passed in must be contiguous, on the CPU, float32 or bfloat16 (`supports(dtype)`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
+import re
 import shutil
 import subprocess
-import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from pytgi.models.registry import cache_dir
+import numpy as np
+import torch
+
+from pytgi.kernels.build import build
 
 log = logging.getLogger(__name__)
 
-SOURCES = ["paged_attention.c", "fused.c", "qgemv.c", "decoder.c"]
-HEADERS = ["bf16.h", "amx.h"]  # part of the cache key
-CFLAGS = ["-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_CTYPES = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int, "void": None}
 
 
-def _cflags() -> list[str]:
-    """-march=native, or PYTGI_MARCH (e.g. x86-64-v3: how the kernels' portable paths are tested)."""
-    return [f"-march={os.environ.get('PYTGI_MARCH') or 'native'}", *CFLAGS]
-
-
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return platform.processor()
-
-
-def _build(compiler: str) -> Path:
-    here = Path(__file__).parent
-    srcs = [here / s for s in SOURCES]
-    key = hashlib.sha256()
-    for part in [compiler, *_cflags(), _cpu_id(), *((here / f).read_text() for f in SOURCES + HEADERS)]:
-        key.update(part.encode())
-    out = cache_dir() / "kernels" / f"pytgi_kernels-{key.hexdigest()[:16]}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *_cflags(), *map(str, srcs), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True)
-        os.replace(tmp, out)  # atomic: concurrent builders (shards) each write their own temp file
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _signatures(header: str) -> dict[str, tuple[object, list[object]]]:
+    """name → (result type, argument types), from the header's declarations."""
+    out = {}
+    for result, name, params in re.findall(r"^(int|void) (pytgi_\w+)\(([^)]*)\);", header, re.M):
+        args = [] if params.strip() == "void" else [
+            ctypes.c_void_p if "*" in p else _CTYPES[p.split()[0]] for p in params.split(",")]
+        out[name] = (_CTYPES[result], args)
     return out
 
 
 @cache
-def load() -> ctypes.CDLL | None:
+def _lib() -> ctypes.CDLL | None:
     if os.environ.get("PYTGI_NO_KERNELS", "") not in ("", "0"):
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.warning("no C compiler found: CPU decode attention uses the (slower) torch path")
+        log.warning("no C compiler found: the CPU runs the (slower) PyTorch paths")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(build(compiler)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("building the CPU kernels failed, using the torch path: %s", detail)
+        log.warning("building the CPU kernels failed, using the PyTorch paths: %s", detail)
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    f32 = ctypes.c_float
-    signatures = {
-        "decode_attention": (ctypes.c_int, [ptr] * 7 + [i64] * 6 + [f32]),
-        "paged_prefill": (ctypes.c_int, [ptr] * 8 + [i64] * 6 + [f32]),
-        "add_rms_norm": (None, [ptr] * 4 + [i64] * 2 + [f32]),
-        "silu_mul": (None, [ptr] * 2 + [i64] * 2),
-        "rope_write_kv": (None, [ptr] * 7 + [i64] * 4),
-    }
-    lib.pytgi_paged_prefill_supported.restype, lib.pytgi_paged_prefill_supported.argtypes = ctypes.c_int, [i64] * 3
-    lib.pytgi_qgemv_supported.restype, lib.pytgi_qgemv_supported.argtypes = ctypes.c_int, []
-    lib.pytgi_qgemv_bf16.restype, lib.pytgi_qgemv_bf16.argtypes = ctypes.c_int, [ptr] * 3 + [i64] * 4
-    lib.pytgi_qgemm_amx_supported.restype, lib.pytgi_qgemm_amx_supported.argtypes = ctypes.c_int, []
-    lib.pytgi_qgemm_amx_bf16.restype, lib.pytgi_qgemm_amx_bf16.argtypes = ctypes.c_int, [ptr] * 3 + [i64] * 4
-    lib.pytgi_decoder_layers_bf16.restype = ctypes.c_int
-    lib.pytgi_decoder_layers_bf16.argtypes = [ptr, i64, ptr, ptr] + [i64] * 6 + [f32] * 2 + [ptr] * 7 + [i64] * 5
-    for name, (restype, argtypes) in signatures.items():
-        for suffix in ("f32", "bf16"):
-            fn = getattr(lib, f"pytgi_{name}_{suffix}")
-            fn.restype, fn.argtypes = restype, argtypes
+    header = (Path(__file__).parent / "pytgi_kernels.h").read_text()
+    for name, (result, args) in _signatures(header).items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = result, args
     return lib
+
+
+def _fn(name: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    return getattr(_lib(), f"pytgi_{name}_{_SUFFIX[dtype]}")
+
+
+def _ptr(t: torch.Tensor | np.ndarray | None) -> int | None:
+    if t is None:
+        return None
+    return t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
+
+
+def _check(failed: int, what: str) -> None:
+    if failed:
+        raise MemoryError(f"{what}: out of memory")
+
+
+# -- what this machine's build can do ---------------------------------------------------------------
+def available() -> bool:
+    """The library built and loaded (the first call builds it: about a second, once)."""
+    return _lib() is not None
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """The fused element-wise and paged attention kernels take this dtype."""
+    return dtype in _SUFFIX and available()
+
+
+def vnni_supported() -> bool:
+    """The low-bit matmul (`qgemv.c`) is built: AVX-512 VNNI."""
+    return available() and bool(_lib().pytgi_qgemv_supported())
+
+
+def amx_supported() -> bool:
+    """AMX tiles built in, and the OS let this process use them."""
+    return available() and bool(_lib().pytgi_qgemm_amx_supported())
+
+
+def paged_prefill_supported(H: int, KVH: int, D: int) -> bool:
+    """The paged kernel also takes prefill chunks for these head counts (AVX-512)."""
+    return available() and bool(_lib().pytgi_paged_prefill_supported(H, KVH, D))
+
+
+# -- fused element-wise steps (fused.c) ---------------------------------------------------------------
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place, unless x is None); returns weight * rms_norm(residual)."""
+    assert residual.is_contiguous() and (x is None or x.is_contiguous())
+    out = torch.empty_like(residual)
+    T, D = residual.shape
+    _fn("add_rms_norm", residual.dtype)(_ptr(x), _ptr(residual), _ptr(weight), _ptr(out), T, D, eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up from the fused [T, 2 I] gate/up output."""
+    assert gate_up.is_contiguous()
+    T, I2 = gate_up.shape
+    out = gate_up.new_empty(T, I2 // 2)
+    _fn("silu_mul", gate_up.dtype)(_ptr(gate_up), _ptr(out), T, I2 // 2)
+    return out
+
+
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, H: int, KVH: int, D: int) -> torch.Tensor:
+    """Rotary embedding of q and k from the fused qkv output; k and v go to their cache slots.
+    cos, sin: float32 [T, D]; slots: int64 [T]. Returns the rotated q, [T, H, D]."""
+    assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and slots.is_contiguous()
+    T = qkv.shape[0]
+    q = qkv.new_empty(T, H, D)
+    _fn("rope_write_kv", qkv.dtype)(_ptr(qkv), _ptr(cos), _ptr(sin), _ptr(slots), _ptr(q), _ptr(k_cache),
+                                    _ptr(v_cache), T, H, KVH, D)
+    return q
+
+
+# -- paged attention (paged_attention.c) ----------------------------------------------------------------
+@dataclass(slots=True)
+class PagedBatch:
+    """The requests of a step whose attention the paged kernel computes (int64 numpy arrays, kept
+    referenced while the step runs)."""
+
+    q_starts: np.ndarray  # [B] flat token index of each request's first query token
+    q_lens: np.ndarray  # [B] 1 for decodes
+    block_tables: np.ndarray  # [B, max_blocks]
+    context_lens: np.ndarray  # [B]
+    block_size: int
+    decodes_only: bool  # all q_lens are 1: the decode entry point
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                    p: PagedBatch, scale: float) -> None:
+    """out[rows of p's requests] = attention of their queries over their cached context."""
+    _, H, D = q.shape
+    common = (_ptr(p.block_tables), _ptr(p.context_lens), len(p.q_starts), p.block_tables.shape[1], p.block_size,
+              H, k_cache.shape[1], D, scale)
+    if p.decodes_only:
+        failed = _fn("decode_attention", q.dtype)(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out),
+                                                  _ptr(p.q_starts), *common)
+    else:
+        failed = _fn("paged_prefill", q.dtype)(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts),
+                                               _ptr(p.q_lens), *common)
+    _check(failed, "paged attention")
+
+
+# -- low-bit matmuls (qgemv.c) ----------------------------------------------------------------------------
+def lowbit_matmul(x: torch.Tensor, packed: torch.Tensor, N: int, bits: int, amx: bool) -> torch.Tensor:
+    """bf16 x [M, K] times a packed low-bit weight [N, K] (`pytgi.models.quant.pack_vnni`): with
+    VNNI, or with AMX tiles when `amx`."""
+    M, K = x.shape
+    out = x.new_empty(M, N)
+    kernel = _lib().pytgi_qgemm_amx_bf16 if amx else _lib().pytgi_qgemv_bf16
+    _check(kernel(_ptr(x), _ptr(packed), _ptr(out), M, N, K, bits), "low-bit matmul")
+    return out
+
+
+# -- all decoder layers in one call (decoder.c) ------------------------------------------------------------
+def decoder_layers(table: np.ndarray, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                   p: PagedBatch, sizes: tuple[int, int, int, int, int], eps: float, scale: float,
+                   vnni_max_m: int) -> torch.Tensor:
+    """Run every layer on the residual stream x (bf16 [T, hidden], updated in place) and return its
+    final RMSNorm. table: int64 [layers, fields] of pointers (see decoder.c); sizes: (hidden,
+    intermediate, query heads, kv heads, head dim)."""
+    h = torch.empty_like(x)
+    failed = _lib().pytgi_decoder_layers_bf16(
+        _ptr(table), len(table), _ptr(x), _ptr(h), x.shape[0], *sizes, eps, scale, _ptr(cos), _ptr(sin),
+        _ptr(slots), _ptr(p.q_starts), _ptr(p.q_lens), _ptr(p.block_tables), _ptr(p.context_lens), len(p.q_starts),
+        p.block_tables.shape[1], p.block_size, int(p.decodes_only), vnni_max_m)
+    _check(failed, "decoder layers")
+    return h

@@ -1,15 +1,18 @@
 /* All decoder layers of a Llama-family model in one call, for CPU steps of few tokens in bf16.
  *
- * A decode step of one token runs ~10 kernels per layer; called one by one from Python, their
- * dispatch (ctypes, tensor allocation, module calls) cost ~2 ms of a ~9 ms step. This loop calls
- * the very same kernels (paged_attention.c, fused.c, qgemv.c) with the same arguments, so its
- * output equals the Python path's bit for bit. pytgi/models/llama.py uses it when every linear has
- * a packed low-bit weight, attention is all paged, and the model is unsharded and bias-free.
+ * A decode step of one token runs ~10 kernels per layer; called one by one from Python, each pays
+ * for a ctypes call, tensor allocations and module calls, which add up to a sizeable part of a
+ * small step (docs/benchmarks.md has the figures). This loop calls the very same kernels
+ * (paged_attention.c, fused.c, qgemv.c) with the same arguments, so its output equals the Python
+ * path's bit for bit. pytgi/models/decoder_loop.py uses it when every linear has a packed low-bit
+ * weight, attention is all paged, and the model is unsharded and bias-free.
  *
  * layers: per layer LAYER_FIELDS int64 values (see below); the residual stream `x` [T, hidden] is
  * updated in place and `h` receives the final RMSNorm of it. Returns nonzero on out of memory. */
 #include <stdint.h>
 #include <stdlib.h>
+
+#include "pytgi_kernels.h"
 
 enum {
     IN_NORM,   /* bf16 [hidden] */
@@ -28,26 +31,7 @@ enum {
     LAYER_FIELDS
 };
 
-void pytgi_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t T,
-                             int64_t D, float eps);
-void pytgi_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I);
-void pytgi_rope_write_kv_bf16(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *slots,
-                              uint16_t *q, uint16_t *k_cache, uint16_t *v_cache, int64_t T, int64_t H, int64_t KVH,
-                              int64_t D);
-int pytgi_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out,
-                                const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B,
-                                int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D,
-                                float scale);
-int pytgi_paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out,
-                             const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
-                             const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H,
-                             int64_t KVH, int64_t D, float scale);
-int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
-                     int64_t bits);
-int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
-                         int64_t bits);
-
-/* the same choice as QuantizedWeight.matmul */
+/* the same choice as QuantizedWeight.matmul: qgemv up to vnni_max_m rows, AMX tiles above */
 static int matmul(const uint16_t *x, int64_t w, int64_t bits, uint16_t *out, int64_t M, int64_t N, int64_t K,
                   int64_t vnni_max_m) {
     if (M > vnni_max_m) return pytgi_qgemm_amx_bf16(x, (const uint8_t *)w, out, M, N, K, bits);

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "pytgi_kernels.h"
 
 /* residual[t] += x[t]; out[t] = w * rms_norm(residual[t]).  x may be NULL (no add). */
 void pytgi_add_rms_norm_f32(const float *x, float *residual, const float *w, float *out, int64_t T, int64_t D,

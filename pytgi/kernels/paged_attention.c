@@ -1,18 +1,22 @@
-/* Paged decode attention for CPU: one query token per request, keys and values read in place
- * from the block-paged cache (no gather into a padded copy).
+/* Paged attention for CPU: the query tokens of decodes and of prefill chunks attend to their
+ * request's context, keys and values read in place from the block-paged cache (no gather into a
+ * padded copy).
  *
  * Layouts (row-major, element type T = float or bf16 stored as uint16):
- *   q, out        [T_flat, H, D]        the step's flat query tokens; row rows[b] is request b's
+ *   q, out        [T_flat, H, D]        the step's flat query tokens; request b's start at row q_starts[b]
  *   k_cache, v    [num_slots, KVH, D]   slot = block_tables[b][pos / block_size] * block_size + pos % block_size
  *   block_tables  [B, max_blocks] int64
- *   ctx_lens      [B] int64             keys 0 .. ctx_lens[b]-1 are attended (the new token included)
+ *   ctx_lens      [B] int64             keys 0 .. ctx_lens[b]-1 exist (this step's included); query
+ *                                       token i of q_lens[b] sits at ctx_lens[b] - q_lens[b] + i (causal)
  * Query head h uses key/value head h / (H / KVH) (grouped-query attention).
  *
  * Two implementations, all math in float32: with AVX-512 (and D a multiple of 16) a split-K
- * kernel with an online softmax (see attention512); otherwise a portable one that splits work over
- * (request, kv head) pairs, each computing scores for its group of query heads in one pass over
- * the keys, a softmax, then one pass over the values. Built and loaded by
- * pytgi/kernels/__init__.py. */
+ * kernel with an online softmax that takes decodes and prefill chunks alike (see attention512;
+ * AMX tiles for bf16 when enough query rows share a kv head); otherwise a portable one for decodes
+ * only, which splits work over (request, kv head) pairs, each computing scores for its group of
+ * query heads in one pass over the keys, a softmax, then one pass over the values. Without
+ * AVX-512, prefill chunks stay with PyTorch (pytgi_paged_prefill_supported says so). Built and
+ * loaded by pytgi/kernels/__init__.py. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -20,6 +24,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "pytgi_kernels.h"
 
 static inline void row_f32(const float *restrict src, float *restrict dst, int64_t n) {
     memcpy(dst, src, sizeof(float) * (size_t)n);
@@ -286,7 +291,6 @@ static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, con
  * values interleaved by key pairs, for every row tile. P is rounded to bf16 for the P·V product. */
 #define AMX_ATTN 1
 #include "amx.h"
-int pytgi_qgemm_amx_supported(void); /* qgemv.c: asks the kernel for the AMX state */
 
 /* rows[i] (16 dwords each) → out row j holds dword j of every input row */
 static inline void transpose16(__m512i r[16]) {

@@ -27,6 +27,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "pytgi_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #include <immintrin.h>

@@ -1,31 +1,31 @@
 """Paged attention over a flat batch of mixed prefills and decodes.
 
-Interface: a backend builds its per-step metadata once (`prepare`), then each layer calls
+Interface: a backend, built once per model with the kernels it may use and the model's heads on
+this rank, builds its per-step metadata once (`prepare`), then each layer calls
 `forward(q, k, v, k_cache, v_cache, meta)`: write the step's keys/values into their cache
 slots, attend every query token to its request's context. The `torch` backend gathers each
 request's context from its blocks and runs SDPA twice per layer: once over all single-token
 queries (decodes), once over all multi-token queries (prefill chunks), each padded to the
 longest member. It is portable (CPU, CUDA) and the reference for faster backends.
 
-On CPU, when the C kernels build (`pytgi.kernels`), decodes skip the gather: a paged kernel
-reads keys and values in place. Gathering each decode's whole context into a padded copy was half
-of a 16-request decode step. With AVX-512 the same kernel also takes prefill chunks of up to
-`PAGED_PREFILL_MAX` tokens (with AMX tiles for bf16): a small chunk of a long prompt, scheduled
-next to running decodes, paid more for its gather and mask than for its attention. Bigger chunks
-keep SDPA, whose flash kernel wins from about 128 query tokens at a 2,000-token context.
+On CPU, when the C kernels build (`pytgi.kernels`; `CpuKernels.fused`), decodes skip the
+gather: a paged kernel reads keys and values in place. Gathering each decode's whole context into
+a padded copy was half of a 16-request decode step. With AVX-512 the same kernel also takes
+prefill chunks of up to `Crossovers.paged_prefill` tokens (with AMX tiles for bf16): a small chunk
+of a long prompt, scheduled next to running decodes, paid more for its gather and mask than for
+its attention. Bigger chunks keep SDPA, whose flash kernel wins on long chunks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import ctypes
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from pytgi import kernels
+from pytgi.models.cpu import CpuKernels
 
 
 @dataclass(slots=True)
@@ -47,27 +47,12 @@ class _Group:
     mask: torch.Tensor  # [G, 1, Q, L] bool: may attend
 
 
-# Prefill chunks of at most this many tokens go to the paged kernel (measured, see module doc).
-PAGED_PREFILL_MAX = 64
-
-
-@dataclass(slots=True)
-class _Paged:
-    """Arguments of the C kernels (numpy arrays stay referenced while the step runs)."""
-
-    q_starts: np.ndarray  # [Bp] flat token index of each request's first query token
-    q_lens: np.ndarray  # [Bp] 1 for decodes
-    block_tables: np.ndarray  # [Bp, max_blocks]
-    context_lens: np.ndarray  # [Bp]
-    block_size: int
-
-
 @dataclass(slots=True)
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     decode: _Group | None
     prefill: _Group | None
-    paged: _Paged | None = None
+    paged: kernels.PagedBatch | None = None  # requests whose attention the C kernel computes
 
 
 def _group(layout: StepLayout, rows: np.ndarray, starts: np.ndarray, device: torch.device) -> _Group:
@@ -92,63 +77,34 @@ def _group(layout: StepLayout, rows: np.ndarray, starts: np.ndarray, device: tor
     )
 
 
-_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-
-
-def _ptr(t: torch.Tensor | np.ndarray) -> int:
-    return t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
-
-
 class TorchAttention:
-    name = "torch"
-
-    def __init__(self, use_kernels: bool = True) -> None:
-        self.use_kernels = use_kernels
-        self.dtype: torch.dtype | None = None  # the model's; set by the runner
-        self.heads: tuple[int, int, int] | None = None  # (query heads, kv heads, head dim) on this rank; ditto
+    def __init__(self, cpu: CpuKernels, heads: tuple[int, int, int]) -> None:
+        """heads: (query heads, kv heads, head dim) on this rank."""
+        self.paged = cpu.fused  # decodes (and small prefill chunks) in the paged C kernel
+        self.paged_prefill_max = cpu.paged_prefill_max(heads)
 
     def prepare(self, layout: StepLayout, device: torch.device) -> TorchAttentionMetadata:
         starts = np.concatenate(([0], np.cumsum(layout.query_lens)[:-1]))
         is_decode = layout.query_lens == 1
         dec, pre = np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]
         paged = None
-        if self._kernels_on(device):
-            if self._prefill_kernel_on():
-                small = layout.query_lens[pre] <= PAGED_PREFILL_MAX
+        if self.paged:
+            small = layout.query_lens[pre] <= self.paged_prefill_max
+            if small.any():
                 dec, pre = np.sort(np.concatenate([dec, pre[small]])), pre[~small]
             if len(dec):
                 i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
-                paged = _Paged(q_starts=i64(starts[dec]), q_lens=i64(layout.query_lens[dec]),
-                               block_tables=i64(layout.block_tables[dec]), context_lens=i64(layout.context_lens[dec]),
-                               block_size=layout.block_size)
+                q_lens = i64(layout.query_lens[dec])
+                paged = kernels.PagedBatch(q_starts=i64(starts[dec]), q_lens=q_lens,
+                                           block_tables=i64(layout.block_tables[dec]),
+                                           context_lens=i64(layout.context_lens[dec]),
+                                           block_size=layout.block_size, decodes_only=bool((q_lens == 1).all()))
         return TorchAttentionMetadata(
             slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
             decode=_group(layout, dec, starts, device) if len(dec) and paged is None else None,
             prefill=_group(layout, pre, starts, device) if len(pre) else None,
             paged=paged,
         )
-
-    def _kernels_on(self, device: torch.device) -> bool:
-        return self.use_kernels and device.type == "cpu" and self.dtype in _SUFFIX and kernels.load() is not None
-
-    def _prefill_kernel_on(self) -> bool:
-        return self.heads is not None and bool(kernels.load().pytgi_paged_prefill_supported(*self.heads))
-
-    def _paged(self, q, k_cache, v_cache, out, p: _Paged, scale: float) -> None:  # type: ignore[no-untyped-def]
-        _, H, D = q.shape
-        lib, suffix = kernels.load(), _SUFFIX[q.dtype]
-        if (p.q_lens == 1).all():
-            failed = getattr(lib, f"pytgi_decode_attention_{suffix}")(
-                _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts), _ptr(p.block_tables),
-                _ptr(p.context_lens), len(p.q_starts), p.block_tables.shape[1], p.block_size, H, k_cache.shape[1],
-                D, ctypes.c_float(scale))
-        else:
-            failed = getattr(lib, f"pytgi_paged_prefill_{suffix}")(
-                _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts), _ptr(p.q_lens),
-                _ptr(p.block_tables), _ptr(p.context_lens), len(p.q_starts), p.block_tables.shape[1], p.block_size,
-                H, k_cache.shape[1], D, ctypes.c_float(scale))
-        if failed:
-            raise MemoryError("paged attention: out of memory")
 
     def forward(
         self,
@@ -165,7 +121,7 @@ class TorchAttention:
             v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if meta.paged is not None:
-            self._paged(q.contiguous(), k_cache, v_cache, out, meta.paged, scale)
+            kernels.paged_attention(q.contiguous(), k_cache, v_cache, out, meta.paged, scale)
         for g in (meta.decode, meta.prefill):
             if g is None:
                 continue
@@ -184,7 +140,7 @@ class TorchAttention:
 BACKENDS = {"torch": TorchAttention}
 
 
-def get_backend(name: str) -> TorchAttention:
+def get_backend(name: str, cpu: CpuKernels, heads: tuple[int, int, int]) -> TorchAttention:
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(BACKENDS)})")
-    return BACKENDS[name]()
+    return BACKENDS[name](cpu, heads)

@@ -2,7 +2,9 @@
 
 Column-parallel layers split their output features over ranks, row-parallel layers split their
 input features and all-reduce the result. Each parameter has a `weight_loader(param, tensor, shard)`
-that copies this rank's slice of a checkpoint tensor into place.
+that copies this rank's slice of a checkpoint tensor into place. Each linear's `finish(y)` is what
+follows its local product x W^T (bias, all-reduce or gather), so that a quantized stand-in
+(`pytgi.models.quant.QuantizedLinear`) can compute that product with another kernel.
 """
 
 from __future__ import annotations
@@ -13,16 +15,6 @@ import torch
 from torch import nn
 
 from pytgi.distributed import all_gather_last_dim, all_reduce, local_range, tp_rank, tp_size
-from pytgi.models.quant import QuantizedWeight
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, quant: QuantizedWeight | None,
-            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b): the low-bit kernel for steps of few tokens when the layer is quantized."""
-    if quant is not None and x.shape[0] <= quant.max_m:
-        y = quant.matmul(x)
-        return y if bias is None else y + bias
-    return nn.functional.linear(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -39,7 +31,6 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out), requires_grad=False)
             self.bias.weight_loader = self.load_shard
-        self.quant: QuantizedWeight | None = None
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         start, size = self.shards[shard]
@@ -47,7 +38,10 @@ class ColumnParallelLinear(nn.Module):
         param.data.narrow(0, offset, size).copy_(loaded.narrow(0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.quant, self.bias)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
 
 
 def merged_shards(sizes: list[int]) -> list[tuple[int, int]]:
@@ -75,13 +69,15 @@ class RowParallelLinear(nn.Module):
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
-        self.quant: QuantizedWeight | None = None
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         param.data.copy_(loaded.narrow(1, self.in_start, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(_linear(x, self.weight, self.quant))
+        return self.finish(nn.functional.linear(x, self.weight))
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
@@ -110,14 +106,11 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    quant: QuantizedWeight | None = None
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        # Quantized (and tied to the embedding), the big-batch path uses the dequantized copy, so
-        # both paths multiply by the same weights.
-        weight = self.weight if self.quant is None else self.quant.dequantized
-        logits = all_gather_last_dim(_linear(hidden, weight, self.quant))
-        return logits[..., : self.vocab_size]
+        return self.finish(nn.functional.linear(hidden, self.weight))
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        return all_gather_last_dim(y)[..., : self.vocab_size]
 
 
 class RMSNorm(nn.Module):

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
+from pytgi.models.cpu import CpuKernels
 from pytgi.models.llama import SUPPORTED_ARCHITECTURES, LlamaConfig, LlamaForCausalLM
 from pytgi.models.quant import resolve_plan
 
@@ -64,14 +65,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device, backend: Any,
-               quantize: str = "none") -> LlamaForCausalLM:
-    """`quantize`: none | auto | int8 | int4 (see `pytgi.models.quant`)."""
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, cpu: CpuKernels, quantize: str = "none",
+               attention: str = "torch") -> LlamaForCausalLM:
+    """`cpu`: the kernels to run on; `quantize`: none | auto | int8 | int4 (see `pytgi.models.quant`);
+    `attention`: the attention backend's name."""
     cfg = LlamaConfig.from_hf(read_config(path))
     plan = resolve_plan(quantize, path, dtype, device)
     # A quantized model is loaded in float32 first, so the low-bit grids see the checkpoint's values.
     with _default_dtype(torch.float32 if plan else dtype), torch.device(device):
-        model = LlamaForCausalLM(cfg, backend)
+        model = LlamaForCausalLM(cfg, cpu, attention)
     model.load_weights(iter_safetensors(path))
     if plan:
         model.quantize(plan, dtype)

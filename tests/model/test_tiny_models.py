@@ -15,6 +15,8 @@ from pytgi.config import EngineConfig
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import ScheduledRequest
+from pytgi.models.cpu import CpuKernels
+from pytgi.models.llama import LlamaForCausalLM
 from pytgi.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -151,8 +153,9 @@ def test_prefill_on_top_of_cached_prefix_blocks_matches(models):
 
 def test_pure_torch_path_matches(models, monkeypatch):
     """Without the C kernels (no compiler, or CUDA): PyTorch ops for attention and the fused steps."""
-    from pytgi.models import fused
-
-    monkeypatch.setattr(fused, "enabled", lambda device, dtype: False)
-    monkeypatch.setattr(models[1].backend, "use_kernels", False)
+    runner = models[1]
+    model = LlamaForCausalLM(runner.config, CpuKernels.none())  # the same weights on PyTorch's ops
+    model.load_state_dict(runner.model.state_dict())
+    monkeypatch.setattr(runner, "model", model.eval())
+    monkeypatch.setattr(runner, "backend", model.attention)
     test_chunks_and_paged_decodes_in_mixed_steps_match(models)

@@ -6,8 +6,14 @@ import torch
 
 from pytgi import kernels
 from pytgi.models.attention import StepLayout, TorchAttention
+from pytgi.models.cpu import CROSSOVERS, CpuKernels, Crossovers
 
-pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
+
+
+def attention(dtype, heads, **kernel_choice):
+    """The attention backend on this CPU's kernels (`fused=False`: the gather + SDPA path)."""
+    return TorchAttention(CpuKernels.for_device(torch.device("cpu"), dtype, **kernel_choice), heads)
 
 
 def reference(q, k_cache, v_cache, tables, ctx, rows, bs, scale):
@@ -37,12 +43,11 @@ def test_decode_kernel_matches_softmax_attention(dtype, tol, H, KVH):
     rows = [6, 0, 3, 2]
     layout = StepLayout(query_lens=np.ones(4, np.int64), context_lens=ctx, block_tables=tables,
                         slot_mapping=np.zeros(4, np.int64), block_size=bs)
-    backend = TorchAttention()
-    backend.dtype = dtype
+    backend = attention(dtype, (H, KVH, D))
     meta = backend.prepare(layout, torch.device("cpu"))
     meta.paged.q_starts = np.array(rows, np.int64)
     out = torch.zeros_like(q)
-    backend._paged(q, k_cache, v_cache, out, meta.paged, 0.25)
+    kernels.paged_attention(q, k_cache, v_cache, out, meta.paged, 0.25)
     ref = reference(q, k_cache, v_cache, tables, ctx, rows, bs, 0.25)
     torch.testing.assert_close(out[rows].float(), ref[rows], atol=tol, rtol=tol)
     assert out[[1, 4, 5]].abs().sum() == 0  # rows that are not decodes are left alone
@@ -62,8 +67,7 @@ def test_decode_kernel_equals_torch_path_in_a_mixed_step():
     q, k, v = torch.randn(7, H, D), torch.randn(7, KVH, D), torch.randn(7, KVH, D)
     outs = []
     for use in (True, False):
-        backend = TorchAttention(use_kernels=use)
-        backend.dtype = torch.float32
+        backend = attention(torch.float32, (H, KVH, D), fused=use)
         meta = backend.prepare(layout, torch.device("cpu"))
         assert (meta.paged is not None) == use
         outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, D**-0.5))
@@ -72,13 +76,12 @@ def test_decode_kernel_equals_torch_path_in_a_mixed_step():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (4, 2, 16), (8, 8, 128)])
-def test_paged_prefill_kernel_equals_torch_path(dtype, tol, H, KVH, D, monkeypatch):
+def test_paged_prefill_kernel_equals_torch_path(dtype, tol, H, KVH, D):
     """Prefill chunks next to decodes, with contexts that span several of the kernel's 128-key
     chunks: the in-place kernel agrees with gather+SDPA (for chunks bigger than the default
     threshold too)."""
-    if not kernels.load().pytgi_paged_prefill_supported(H, KVH, D):
+    if not kernels.paged_prefill_supported(H, KVH, D):
         pytest.skip("the paged prefill kernel needs AVX-512")
-    monkeypatch.setattr("pytgi.models.attention.PAGED_PREFILL_MAX", 64)
     torch.manual_seed(0)
     bs = 16
     q_lens, ctx = np.array([1, 40, 3, 1, 17, 64]), np.array([300, 300, 3, 129, 17, 200])
@@ -99,8 +102,7 @@ def test_paged_prefill_kernel_equals_torch_path(dtype, tol, H, KVH, D, monkeypat
     q, k, v = (torch.randn(T, n, D).to(dtype) for n in (H, KVH, KVH))
     outs = []
     for use in (True, False):
-        backend = TorchAttention(use_kernels=use)
-        backend.dtype, backend.heads = dtype, (H, KVH, D)
+        backend = attention(dtype, (H, KVH, D), fused=use, limits=Crossovers(paged_prefill=64))
         meta = backend.prepare(layout, torch.device("cpu"))
         if use:
             assert meta.prefill is None and meta.paged is not None and meta.paged.q_lens.tolist() == q_lens.tolist()
@@ -109,12 +111,9 @@ def test_paged_prefill_kernel_equals_torch_path(dtype, tol, H, KVH, D, monkeypat
 
 
 def test_big_prefill_chunks_keep_sdpa():
-    from pytgi.models.attention import PAGED_PREFILL_MAX
-
-    n = PAGED_PREFILL_MAX + 1
+    n = CROSSOVERS.paged_prefill + 1
     layout = StepLayout(np.array([1, n]), np.array([5, n]), np.array([[0, 0], [1, 2]], np.int64),
                         np.zeros(n + 1, np.int64), 64)
-    backend = TorchAttention()
-    backend.dtype, backend.heads = torch.float32, (4, 2, 16)
+    backend = attention(torch.float32, (4, 2, 16))
     meta = backend.prepare(layout, torch.device("cpu"))
     assert meta.prefill is not None and meta.paged.q_lens.tolist() == [1]

@@ -4,10 +4,9 @@ import pytest
 import torch
 
 from pytgi import kernels
-from pytgi.models import fused
 from pytgi.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
-pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C compiler")
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
@@ -20,17 +19,17 @@ def test_add_rms_norm(dtype, T):
     x, residual = torch.randn(T, 64).to(dtype), torch.randn(T, 64).to(dtype)
     expected_residual = residual + x
     expected = norm(expected_residual)
-    out = fused.add_rms_norm(x, residual, norm.weight, 1e-5)
+    out = kernels.add_rms_norm(x, residual, norm.weight, 1e-5)
     torch.testing.assert_close(residual, expected_residual, **TOL[dtype])
     torch.testing.assert_close(out, expected, **TOL[dtype])
-    torch.testing.assert_close(fused.add_rms_norm(None, residual, norm.weight, 1e-5), expected, **TOL[dtype])
+    torch.testing.assert_close(kernels.add_rms_norm(None, residual, norm.weight, 1e-5), expected, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(dtype):
     gu = torch.randn(5, 2 * 48).to(dtype)
     gate, up = gu.chunk(2, dim=-1)
-    torch.testing.assert_close(fused.silu_mul(gu), torch.nn.functional.silu(gate) * up, **TOL[dtype])
+    torch.testing.assert_close(kernels.silu_mul(gu), torch.nn.functional.silu(gate) * up, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -42,7 +41,7 @@ def test_rope_write_kv(dtype):
     qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
     slots = torch.tensor([9, 2, 3, 4, 17, 0])
     k_cache, v_cache = torch.zeros(20, KVH, D, dtype=dtype), torch.zeros(20, KVH, D, dtype=dtype)
-    q = fused.rope_write_kv(qkv, rope.cos[positions], rope.sin[positions], slots, k_cache, v_cache, H, KVH, D)
+    q = kernels.rope_write_kv(qkv, rope.cos[positions], rope.sin[positions], slots, k_cache, v_cache, H, KVH, D)
     cos, sin = rope(positions, dtype)
     qk = apply_rotary(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
     torch.testing.assert_close(q, qk[:, :H], **TOL[dtype])

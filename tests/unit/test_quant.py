@@ -5,16 +5,21 @@ import json
 import pytest
 import torch
 
+from pytgi import kernels
+from pytgi.models.cpu import CpuKernels
 from pytgi.models.quant import (
     QuantizedWeight,
     gguf_plan,
     quantize_int4,
     quantize_int8,
     quantize_int8_groups,
-    amx_available,
     resolve_plan,
-    vnni_available,
 )
+
+
+def cpu(**kernel_choice) -> CpuKernels:
+    """This CPU's kernels for bf16 (`vnni=False`: PyTorch's low-bit kernels)."""
+    return CpuKernels.for_device(torch.device("cpu"), torch.bfloat16, **kernel_choice)
 
 
 def q4_1_weight(N=32, K=64, seed=0):
@@ -54,10 +59,10 @@ def test_int8_groups_hold_q8_0_weights():
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 @pytest.mark.parametrize("M", [1, 3, 4, 7])
 def test_kernel_multiplies_by_the_dequantized_weight(kind, vnni, M):
-    if vnni and not vnni_available():
+    if vnni and not kernels.vnni_supported():
         pytest.skip("this CPU has no AVX-512 VNNI")
     w = q4_1_weight(N=48, K=96)
-    qw = QuantizedWeight(kind, w, torch.bfloat16, vnni=vnni)
+    qw = QuantizedWeight(kind, w, torch.bfloat16, cpu(vnni=vnni))
     assert qw.vnni == vnni
     x = torch.randn(M, 96).bfloat16()
     ref = x.float() @ qw.dequantized.float().t()
@@ -66,11 +71,11 @@ def test_kernel_multiplies_by_the_dequantized_weight(kind, vnni, M):
 
 
 def test_vnni_kernel_on_a_model_sized_weight():
-    if not vnni_available():
+    if not kernels.vnni_supported():
         pytest.skip("this CPU has no AVX-512 VNNI")
     w = torch.randn(960, 576) * 0.05
     for kind in ("int4", "int8"):
-        qw = QuantizedWeight(kind, w, torch.bfloat16)
+        qw = QuantizedWeight(kind, w, torch.bfloat16, cpu())
         x = torch.randn(5, 576).bfloat16()
         y, ref = qw.matmul(x).float(), x.float() @ qw.dequantized.float().t()
         assert ((y - ref).norm() / ref.norm()).item() < 0.02, kind
@@ -98,10 +103,10 @@ def test_plan_follows_the_gguf_types(tmp_path):
 def test_amx_kernel_multiplies_by_the_dequantized_weight(kind, M):
     """Steps of 13..96 tokens: AMX tiles over the same packed weights (bf16 activations, float32
     sums), in passes of 64 rows."""
-    if not amx_available():
+    if not kernels.amx_supported():
         pytest.skip("this CPU (or kernel) has no AMX")
     w = torch.randn(96, 160) * 0.05
-    qw = QuantizedWeight(kind, w, torch.bfloat16)
+    qw = QuantizedWeight(kind, w, torch.bfloat16, cpu())
     assert qw.amx and qw.max_m >= M
     x = torch.randn(M, 160).bfloat16()
     y, ref = qw.matmul(x).float(), x.float() @ qw.dequantized.float().t()
@@ -110,11 +115,11 @@ def test_amx_kernel_multiplies_by_the_dequantized_weight(kind, M):
 
 def test_amx_kernel_leaves_pytorch_bf16_matmuls_alone():
     """PyTorch's bf16 matmuls use AMX tiles too (oneDNN): ours restore the tile configuration."""
-    if not amx_available():
+    if not kernels.amx_supported():
         pytest.skip("this CPU (or kernel) has no AMX")
     a, b = torch.randn(256, 576).bfloat16(), torch.randn(1024, 576).bfloat16()
     before = torch.nn.functional.linear(a, b)
-    qw = QuantizedWeight("int4", torch.randn(256, 576), torch.bfloat16)
+    qw = QuantizedWeight("int4", torch.randn(256, 576), torch.bfloat16, cpu())
     for _ in range(3):
         qw.matmul(torch.randn(32, 576).bfloat16())
         assert torch.equal(torch.nn.functional.linear(a, b), before)

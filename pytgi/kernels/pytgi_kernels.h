@@ -1,0 +1,39 @@
+/* Every function the pytgi kernel library exports: each .c file includes this header (so the
+ * compiler checks its definitions against it), and pytgi/kernels/__init__.py reads the ctypes
+ * signatures from it. Keep one declaration per function, on lines of its own, with parameter
+ * types among: pointers, int64_t, float (and int or void results).
+ *
+ * bf16 values are stored as uint16_t. Row-major layouts:
+ *   activations  [T, features]; q, out of attention [T, H, D]
+ *   k_cache, v_cache [num_slots, KVH, D], slot = block_tables[b][pos / block_size] * block_size + pos % block_size
+ * Functions returning int return nonzero on failure (out of memory; 2: kernel not built here). */
+#ifndef PYTGI_KERNELS_H
+#define PYTGI_KERNELS_H
+#include <stdint.h>
+
+/* fused.c: element-wise steps of a decoder layer. x may be NULL (no residual add). */
+void pytgi_add_rms_norm_f32(const float *x, float *residual, const float *w, float *out, int64_t T, int64_t D, float eps);
+void pytgi_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t T, int64_t D, float eps);
+void pytgi_silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I);
+void pytgi_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I);
+void pytgi_rope_write_kv_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q, float *k_cache, float *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D);
+void pytgi_rope_write_kv_bf16(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *slots, uint16_t *q, uint16_t *k_cache, uint16_t *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D);
+
+/* paged_attention.c: attention over the paged cache, read in place. Decodes: one query token per
+ * request, at flat row rows[b]. Prefill chunks (and decodes): q_lens[b] tokens from row q_starts[b]. */
+int pytgi_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, float *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale);
+int pytgi_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale);
+int pytgi_paged_prefill_supported(int64_t H, int64_t KVH, int64_t D);
+int pytgi_paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache, float *out, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale);
+int pytgi_paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale);
+
+/* qgemv.c: bf16 activations [M, K] times a packed low-bit weight [N, K] (VNNI; AMX tiles). */
+int pytgi_qgemv_supported(void);
+int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K, int64_t bits);
+int pytgi_qgemm_amx_supported(void);
+int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K, int64_t bits);
+
+/* decoder.c: all decoder layers in one call (bf16, packed weights, paged attention). */
+int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, uint16_t *h, int64_t T, int64_t hidden, int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale, const float *cos, const float *sin, const int64_t *slots, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m);
+
+#endif

@@ -1,0 +1,125 @@
+"""Which kernels run a model: decided once, at load, from the machine, the device and the dtype.
+
+`CpuKernels` says which of the C kernels (`pytgi.kernels`) this process uses and, from one table
+of measured crossovers, which of them serves a step of a given size. Its `ops()` are the
+element-wise steps of the model's one forward: PyTorch's (`TorchOps`: CUDA, float16, no compiler,
+and the reference the kernels are tested against) or the fused C kernels (`KernelOps`).
+Tests build a model with the choice they want (`CpuKernels.none()`, `for_device(..., vnni=False)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pytgi import kernels
+from pytgi.models.layers import apply_rotary
+
+
+@dataclass(frozen=True)
+class Crossovers:
+    """Step sizes in tokens where one kernel stops beating the next, measured with
+    `benchmarks/kernels.py` (figures in docs/benchmarks.md). A step of at most `n` tokens takes the
+    kernel named, a bigger one the alternative."""
+
+    lowbit_torch: int = 10  # PyTorch's int4/int8 weight-only kernels, else the bf16 matmul
+    lowbit_vnni: int = 32  # qgemv.c without AMX, else the bf16 matmul
+    lowbit_amx: int = 96  # qgemv.c or its AMX tiles, else the bf16 matmul
+    vnni_before_amx: int = 12  # with AMX: qgemv.c up to here, AMX tiles above
+    paged_prefill: int = 64  # a prefill chunk in the paged attention kernel, else gather + SDPA
+
+
+CROSSOVERS = Crossovers()
+
+
+@dataclass(frozen=True)
+class CpuKernels:
+    """The C kernels this process uses. All False: PyTorch everywhere."""
+
+    fused: bool = False  # the fused element-wise kernels and paged attention
+    vnni: bool = False  # low-bit matmuls with qgemv.c (bf16 activations)
+    amx: bool = False  # ... and with AMX tiles for bigger steps
+    decoder_loop: bool = False  # all layers in one C call where a step allows (decoder.c)
+    limits: Crossovers = field(default=CROSSOVERS)
+
+    @classmethod
+    def none(cls) -> CpuKernels:
+        return cls()
+
+    @classmethod
+    def for_device(cls, device: torch.device, dtype: torch.dtype, *, fused: bool = True, vnni: bool = True,
+                   amx: bool = True, decoder_loop: bool = True, limits: Crossovers = CROSSOVERS) -> CpuKernels:
+        """Every kernel that applies, less those switched off (to compare paths)."""
+        fused = fused and device.type == "cpu" and kernels.supports(dtype)
+        vnni = vnni and device.type == "cpu" and dtype == torch.bfloat16 and kernels.vnni_supported()
+        amx = amx and vnni and kernels.amx_supported()
+        return cls(fused, vnni, amx, decoder_loop and fused and vnni, limits)
+
+    def lowbit_max_m(self, vnni: bool, amx: bool) -> int:
+        """Steps of at most this many tokens use a weight's low-bit kernel, bigger ones bf16 weights."""
+        return self.limits.lowbit_amx if amx else self.limits.lowbit_vnni if vnni else self.limits.lowbit_torch
+
+    def paged_prefill_max(self, heads: tuple[int, int, int]) -> int:
+        """Prefill chunks of at most this many tokens go to the paged attention kernel (0: none)."""
+        return self.limits.paged_prefill if self.fused and kernels.paged_prefill_supported(*heads) else 0
+
+    def ops(self) -> TorchOps:
+        return KernelOps() if self.fused else TorchOps()
+
+
+class TorchOps:
+    """The element-wise steps of a decoder layer in PyTorch ops."""
+
+    def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+        return rotary(positions, dtype)  # cos, signed sin: [T, 1, D] in the model's dtype
+
+    def add_norm(self, x: torch.Tensor | None, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+        """(residual + x, norm of it); x None: no add."""
+        residual = residual if x is None else residual + x
+        return residual, norm(residual)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def qkv_rotary(self, attn, qkv: torch.Tensor, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
+        """q [T, H, D] and k, v [T, KVH, D] with the rotary embedding applied; k, v are None when
+        they are already in their cache slots."""
+        return _rotate(attn, qkv, *rope)
+
+
+class KernelOps(TorchOps):
+    """The same steps with the fused C kernels: each residual add shares a pass with the RMSNorm that
+    follows it, and rope writes k and v straight into the cache."""
+
+    def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+        return rotary.cos[positions].float(), rotary.sin[positions].float()  # float32 [T, D]
+
+    def add_norm(self, x: torch.Tensor | None, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+        if x is None:
+            residual = residual.contiguous()  # updated in place from here on
+        return residual, kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return kernels.silu_mul(gate_up)
+
+    def qkv_rotary(self, attn, qkv: torch.Tensor, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
+        if attn.q_norm is not None:  # q and k are normed before rotating: PyTorch's rotation
+            cos, sin = (t.unsqueeze(1).to(qkv.dtype) for t in rope)
+            return _rotate(attn, qkv, cos, sin)
+        q = kernels.rope_write_kv(qkv, *rope, meta.slot_mapping, kv_cache[0], kv_cache[1], attn.n_heads, attn.n_kv,
+                                  attn.head_dim)
+        return q, None, None
+
+
+def _rotate(attn, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[no-untyped-def]
+    T, H, KVH, D = qkv.shape[0], attn.n_heads, attn.n_kv, attn.head_dim
+    v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
+    if attn.q_norm is None:  # rotate q and k in one go
+        qk = apply_rotary(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
+        return qk[:, :H], qk[:, H:], v
+    q = attn.q_norm(qkv[:, : H * D].view(T, H, D))
+    k = attn.k_norm(qkv[:, H * D : (H + KVH) * D].view(T, KVH, D))
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
