@@ -87,8 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pytgi.errors import UserError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except UserError as exc:  # the user's to fix: one line, no traceback
+        print(f"pytgi: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ queries (decodes), once over all multi-token queries (prefill chunks), each padd
 longest member. It is portable (CPU, CUDA) and the reference for faster backends.
 
 On CPU, when the C kernels build (`pytgi.kernels`; `CpuKernels.fused`), decodes skip the
-gather: a paged kernel reads keys and values in place. Gathering each decode's whole context into
-a padded copy was half of a 16-request decode step. With AVX-512 the same kernel also takes
+gather: a paged kernel reads keys and values in place, since copying each decode's whole context
+into a padded tensor costs more than attending to it. With AVX-512 the same kernel also takes
 prefill chunks of up to `Crossovers.paged_prefill` tokens (with AMX tiles for bf16): a small chunk
 of a long prompt, scheduled next to running decodes, paid more for its gather and mask than for
 its attention. Bigger chunks keep SDPA, whose flash kernel wins on long chunks.

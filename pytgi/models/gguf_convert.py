@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from pytgi.errors import UserError
+
 # GGUF architecture → (HF architecture class, model_type). llama.cpp stores Mistral as "llama".
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
@@ -50,7 +52,7 @@ _QWEN2_REGEX = (
 )
 
 
-class GGUFConversionError(ValueError):
+class GGUFConversionError(UserError, ValueError):
     pass
 
 

@@ -9,6 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
+from pytgi.errors import UserError
 from pytgi.models.cpu import CpuKernels
 from pytgi.models.llama import SUPPORTED_ARCHITECTURES, LlamaConfig, LlamaForCausalLM
 from pytgi.models.quant import resolve_plan
@@ -16,7 +17,7 @@ from pytgi.models.quant import resolve_plan
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class UnsupportedModel(ValueError):
+class UnsupportedModel(UserError, ValueError):
     pass
 
 

