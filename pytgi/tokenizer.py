@@ -160,6 +160,12 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True
+                            ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and the character span of `text` each covers."""
+        enc = self._hf.encode(text, add_special_tokens=add_special_tokens)
+        return enc.ids, enc.offsets
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up else text

@@ -276,21 +276,13 @@ class Validation:
         ids = await loop.run_in_executor(self._pool, self._encode, gi.inputs, gi.add_special_tokens)
         return self._finish(checked, ids)
 
-    def validate_sync(self, req: _Request, stream: bool = False) -> ValidRequest:
-        """`validate` without an event loop (tokenizes in the calling thread)."""
-        checked = self._check_parameters(_as_input(req, stream))
-        return self._finish(checked, self._encode(checked.input.inputs, checked.input.add_special_tokens))
-
     def _tokenize(self, inputs: str, add_special_tokens: bool) -> list[dict]:
-        # Offsets need the `tokenizers.Tokenizer` that pytgi.tokenizer.Tokenizer keeps as `_hf`
-        # (private, read only); a bare `tokenizers.Tokenizer` works as well.
-        hf = getattr(self.tokenizer, "_hf", self.tokenizer)
         try:
-            enc = hf.encode(inputs, add_special_tokens=add_special_tokens)
-        except Exception as e:
+            ids, offsets = self.tokenizer.encode_with_offsets(inputs, add_special_tokens=add_special_tokens)
+        except Exception as e:  # noqa: BLE001 - any tokenizer failure is the client's input
             raise ValidationError(f"tokenizer error {e}") from e
         out = []
-        for tid, (cs, ce) in zip(enc.ids, enc.offsets):
+        for tid, (cs, ce) in zip(ids, offsets):
             # Python's `tokenizers` reports character offsets; TGI (Rust) reports byte offsets of the
             # UTF-8 input, so convert. `text` is the slice of the input the token covers.
             out.append({
@@ -305,9 +297,6 @@ class Validation:
         """/tokenize: `[{id, text, start, stop}]` (TGI does no parameter checks on this route)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self._tokenize, inputs, add_special_tokens)
-
-    def validate_tokenize_sync(self, inputs: str, add_special_tokens: bool = True) -> list[dict]:
-        return self._tokenize(inputs, add_special_tokens)
 
 
 def _as_input(req: _Request, stream: bool) -> GenerateInput:

@@ -17,6 +17,7 @@ from pytgi.metrics import Metrics
 from pytgi.outputs import OutputProcessor
 from pytgi.router.infer import Infer
 from pytgi.router.validation import Validation, ValidLimits
+from tests.unit.test_validation import validate
 from pytgi.sampling_params import SamplingParams
 from pytgi.server import openai as oai
 from pytgi.server import tgi
@@ -157,18 +158,18 @@ def test_messages_join_text_parts_and_map_developer() -> None:
 
 def test_sampling_defaults_and_seeds(val: Validation) -> None:
     body = schema.CompletionRequest.model_validate({"prompt": "x", "seed": 5, "n": 2, "stop": "x"})
-    req = val.validate_sync(schema.to_input(body, "x", 16, None, 20))
+    req = validate(val, schema.to_input(body, "x", 16, None, 20))
     sp = [r.sampling for r in schema.choices(req, 2, body.seed)]
     assert [s.seed for s in sp] == [5, 6]
     assert all(s.sampling and s.temperature == 1.0 and not s.include_stop_str_in_output for s in sp)
     body = schema.CompletionRequest.model_validate({"prompt": "x", "temperature": 0})
-    greedy = val.validate_sync(schema.to_input(body, "x", 4, 2, 5)).sampling
+    greedy = validate(val, schema.to_input(body, "x", 4, 2, 5)).sampling
     assert not greedy.sampling and greedy.seed is None and greedy.top_n_tokens == 2
 
 
 def test_top_logprobs_up_to_openais_bound(val: Validation) -> None:
     body = schema.ChatCompletionRequest.model_validate({"messages": CHAT, "logprobs": True, "top_logprobs": 20})
-    req = val.validate_sync(schema.to_input(body, "hi", 4, body.top_logprobs, schema.MAX_CHAT_TOP_LOGPROBS))
+    req = validate(val, schema.to_input(body, "hi", 4, body.top_logprobs, schema.MAX_CHAT_TOP_LOGPROBS))
     assert req.sampling.top_n_tokens == 20  # above the server's --max-top-n-tokens (5), as OpenAI allows
 
 

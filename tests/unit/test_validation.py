@@ -34,13 +34,22 @@ def val(tok: Tokenizer):
     v.close()
 
 
+def validate(v: Validation, r, stream: bool = False) -> ValidRequest:  # type: ignore[no-untyped-def]
+    """`Validation.validate` from a test without an event loop."""
+    return asyncio.run(v.validate(r, stream))
+
+
+def tokenize(v: Validation, text: str) -> list[dict]:
+    return asyncio.run(v.validate_tokenize(text))
+
+
 def req(inputs: str = "Hello world", **params) -> GenerateRequest:
     return GenerateRequest.model_validate({"inputs": inputs, "parameters": params})
 
 
 def err(val: Validation, r: GenerateRequest, stream: bool = False) -> str:
     with pytest.raises(ValidationError) as e:
-        val.validate_sync(r, stream)
+        validate(val, r, stream)
     assert e.value.message == str(e.value)
     return e.value.message
 
@@ -173,12 +182,12 @@ def test_parameter_rules(val: Validation, params: dict, message: str) -> None:
 def test_boundaries_pass(val: Validation) -> None:
     ok = req(frequency_penalty=2.0, top_p=0.999, typical_p=0.01, top_k=1, top_n_tokens=5,
              stop=["a", "b", "c", "d"], truncate=MAX_INPUT, max_new_tokens=1, repetition_penalty=0.01)
-    assert isinstance(val.validate_sync(ok), ValidRequest)
-    assert val.validate_sync(req(frequency_penalty=-2.0, top_n_tokens=0)).sampling.top_n_tokens == 0
-    r = val.validate_sync(req(best_of=2, do_sample=True))
+    assert isinstance(validate(val, ok), ValidRequest)
+    assert validate(val, req(frequency_penalty=-2.0, top_n_tokens=0)).sampling.top_n_tokens == 0
+    r = validate(val, req(best_of=2, do_sample=True))
     assert r.best_of == 2 and r.sampling.sampling
     # TGI's router counts a *given* temperature as sampling for best_of, even 1.0
-    assert val.validate_sync(req(best_of=2, temperature=1.0)).best_of == 2
+    assert validate(val, req(best_of=2, temperature=1.0)).best_of == 2
 
 
 def test_streaming_rules(val: Validation) -> None:
@@ -187,8 +196,8 @@ def test_streaming_rules(val: Validation) -> None:
     assert err(val, req(best_of=0), stream=True) == "`best_of` != 1 is not supported when streaming tokens"
     assert err(val, req(decoder_input_details=True), stream=True) == (
         "`decoder_input_details` == true is not supported when streaming tokens")
-    assert val.validate_sync(req(decoder_input_details=True), stream=False).sampling.prompt_logprobs
-    r = val.validate_sync(req(best_of=1), stream=True)
+    assert validate(val, req(decoder_input_details=True), stream=False).sampling.prompt_logprobs
+    r = validate(val, req(best_of=1), stream=True)
     assert r.stream and r.best_of == 1
 
 
@@ -196,7 +205,7 @@ def test_best_of_disabled(tok: Tokenizer) -> None:
     v = Validation(tok, ValidLimits(max_input_tokens=8, max_total_tokens=16, max_best_of=1), workers=1)
     try:
         assert err(v, req(best_of=2, do_sample=True)) == "`best_of` != 1 is not allowed for this endpoint"
-        assert v.validate_sync(req(best_of=1)).best_of == 1
+        assert validate(v, req(best_of=1)).best_of == 1
     finally:
         v.close()
 
@@ -242,13 +251,13 @@ def test_total_tokens(val: Validation, tok: Tokenizer) -> None:
     assert err(val, req(max_new_tokens=m)) == (
         f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}. Given: {n} `inputs` tokens and {m} "
         "`max_new_tokens`")
-    assert val.validate_sync(req(max_new_tokens=m - 1)).sampling.max_new_tokens == m - 1
+    assert validate(val, req(max_new_tokens=m - 1)).sampling.max_new_tokens == m - 1
 
 
 def test_max_input_checked_after_truncation(val: Validation, tok: Tokenizer) -> None:
     text = "hello " * 34
     assert n_tokens(tok, text) > MAX_INPUT
-    r = val.validate_sync(req(text, truncate=MAX_INPUT, max_new_tokens=4))
+    r = validate(val, req(text, truncate=MAX_INPUT, max_new_tokens=4))
     assert r.input_length == MAX_INPUT == len(r.input_ids)
     # the total bound uses the truncated length too
     assert err(val, req(text, truncate=MAX_INPUT, max_new_tokens=MAX_TOTAL - MAX_INPUT + 1)).startswith(
@@ -292,11 +301,11 @@ def test_order(val: Validation, params: dict, inputs: str, stream: bool, first: 
 
 
 def test_max_new_tokens_fills_to_max_total(val: Validation, tok: Tokenizer) -> None:
-    r = val.validate_sync(req("Hello world"))
+    r = validate(val, req("Hello world"))
     n = n_tokens(tok, "Hello world")
     assert r.input_length == n and r.input_ids == tok.encode("Hello world")
     assert r.sampling.max_new_tokens == MAX_TOTAL - n
-    assert val.validate_sync(req(max_new_tokens=7)).sampling.max_new_tokens == 7
+    assert validate(val, req(max_new_tokens=7)).sampling.max_new_tokens == 7
 
 
 @pytest.mark.parametrize(
@@ -314,14 +323,14 @@ def test_max_new_tokens_fills_to_max_total(val: Validation, tok: Tokenizer) -> N
     ],
 )
 def test_do_sample_semantics(val: Validation, params: dict, samples: bool) -> None:
-    s = val.validate_sync(req(**params)).sampling
+    s = validate(val, req(**params)).sampling
     assert s.sampling is samples
     if samples:
         assert isinstance(s.seed, int)  # drawn so it can be echoed in details
 
 
 def test_sampling_params_mapping(val: Validation) -> None:
-    r = val.validate_sync(req(
+    r = validate(val, req(
         temperature=0.5, top_k=7, top_p=0.8, typical_p=0.95, repetition_penalty=1.3, frequency_penalty=-0.5,
         seed=1234, stop=["\n\n", "END"], max_new_tokens=9, top_n_tokens=3, ignore_eos_token=True,
         decoder_input_details=True, details=True, return_full_text=True, watermark=True,
@@ -334,17 +343,17 @@ def test_sampling_params_mapping(val: Validation) -> None:
     assert s.ignore_eos is True and s.prompt_logprobs is True
     assert r.details and r.decoder_input_details and r.return_full_text and r.watermark
     assert r.stream is False and r.best_of == 1 and r.inputs == "Hello world" and r.truncate is None
-    d = val.validate_sync(req()).sampling
+    d = validate(val, req()).sampling
     assert (d.temperature, d.top_k, d.top_p, d.typical_p, d.repetition_penalty, d.frequency_penalty) == (
         1.0, 0, 1.0, 1.0, 1.0, 0.0)
     assert d.stop == [] and d.ignore_eos is False and d.top_n_tokens == 0 and d.prompt_logprobs is False
-    r = val.validate_sync(req())
+    r = validate(val, req())
     assert not (r.details or r.decoder_input_details or r.return_full_text or r.watermark)
 
 
 def test_seed_kept_when_given(val: Validation) -> None:
-    assert val.validate_sync(req(do_sample=True, seed=0)).sampling.seed == 0
-    assert val.validate_sync(req(do_sample=True, seed=2**64 - 1)).sampling.seed == 2**64 - 1
+    assert validate(val, req(do_sample=True, seed=0)).sampling.seed == 0
+    assert validate(val, req(do_sample=True, seed=2**64 - 1)).sampling.seed == 2**64 - 1
 
 
 def test_empty_stop_string_refused(val: Validation) -> None:
@@ -354,10 +363,10 @@ def test_empty_stop_string_refused(val: Validation) -> None:
 def test_truncate_keeps_last_tokens(val: Validation, tok: Tokenizer) -> None:
     text = "one two three four five six seven eight nine ten"
     ids = tok.encode(text)
-    r = val.validate_sync(req(text, truncate=4, max_new_tokens=2))
+    r = validate(val, req(text, truncate=4, max_new_tokens=2))
     assert r.input_ids == ids[-4:] and r.input_length == 4
     assert r.inputs == text and r.truncate == 4  # the original text stays
-    r = val.validate_sync(req("hi", truncate=MAX_INPUT, max_new_tokens=2))  # truncate longer than input
+    r = validate(val, req("hi", truncate=MAX_INPUT, max_new_tokens=2))  # truncate longer than input
     assert r.input_ids == tok.encode("hi")
 
 
@@ -372,7 +381,7 @@ def test_add_special_tokens_false(tok: Tokenizer) -> None:
 
     v = Validation(Stub(), ValidLimits(8, 16), workers=1)
     try:
-        r = v.validate_sync(GenerateRequest(inputs="x", add_special_tokens=False))
+        r = validate(v, GenerateRequest(inputs="x", add_special_tokens=False))
         assert r.input_ids == [1, 2, 3] and seen == [False]
     finally:
         v.close()
@@ -452,13 +461,13 @@ def test_async_validate(tok: Tokenizer) -> None:
 def test_async_matches_sync(val: Validation) -> None:
     r = req("Deterministic check", max_new_tokens=5, seed=3, do_sample=True)
     a = asyncio.run(val.validate(r, stream=True))
-    b = val.validate_sync(r, stream=True)
+    b = validate(val, r, stream=True)
     assert a == b
 
 
 def test_tokenize(val: Validation, tok: Tokenizer) -> None:
     text = "héllo wörld ☃ x"
-    toks = val.validate_tokenize_sync(text)
+    toks = tokenize(val, text)
     assert [t["id"] for t in toks] == tok.encode(text)
     assert all(set(t) == {"id", "text", "start", "stop"} for t in toks)
     raw = text.encode("utf-8")
@@ -467,12 +476,12 @@ def test_tokenize(val: Validation, tok: Tokenizer) -> None:
     assert toks[0] == {"id": toks[0]["id"], "text": "h", "start": 0, "stop": 1}
     assert toks[1]["text"] == "é" and (toks[1]["start"], toks[1]["stop"]) == (1, 3)
     assert asyncio.run(val.validate_tokenize(text)) == toks
-    assert val.validate_tokenize_sync("") == []
+    assert tokenize(val, "") == []
 
 
 def test_compat_request_validates(val: Validation, tok: Tokenizer) -> None:
     c = CompatGenerateRequest.model_validate({"inputs": "Hello", "parameters": {"max_new_tokens": 2},
                                               "stream": True})
-    r = val.validate_sync(c, stream=c.stream)
+    r = validate(val, c, stream=c.stream)
     assert r.stream and r.input_ids == tok.encode("Hello")
-    assert val.validate_sync(c.to_generate_request(), stream=True).input_ids == r.input_ids
+    assert validate(val, c.to_generate_request(), stream=True).input_ids == r.input_ids
