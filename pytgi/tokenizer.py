@@ -125,7 +125,7 @@ class Tokenizer:
         self._clean_up = bool(config.get("clean_up_tokenization_spaces")) and not is_bpe
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
+    def from_dir(cls, path: str | Path) -> Tokenizer:
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():

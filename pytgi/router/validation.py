@@ -66,7 +66,7 @@ class _Checked:
     truncate: int | None
 
 
-_Request = Union[GenerateRequest, CompatGenerateRequest, GenerateInput]
+_Request = GenerateRequest | CompatGenerateRequest | GenerateInput
 
 
 def _tgi_samples(p: GenerateParameters) -> bool:
@@ -279,7 +279,7 @@ class Validation:
     def _tokenize(self, inputs: str, add_special_tokens: bool) -> list[dict]:
         try:
             ids, offsets = self.tokenizer.encode_with_offsets(inputs, add_special_tokens=add_special_tokens)
-        except Exception as e:  # noqa: BLE001 - any tokenizer failure is the client's input
+        except Exception as e:
             raise ValidationError(f"tokenizer error {e}") from e
         out = []
         for tid, (cs, ce) in zip(ids, offsets):
