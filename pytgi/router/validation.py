@@ -27,7 +27,7 @@ import json
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from pytgi.router.request import (
     CompatGenerateRequest,
