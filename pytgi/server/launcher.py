@@ -43,7 +43,8 @@ FLAGS: list[tuple[str, type, object, str]] = [
     ("--payload-limit", int, 2_000_000, "largest request body in bytes"),
     ("--graceful-termination-timeout", int, 90, "seconds to finish in-flight requests on SIGTERM"),
     ("--master-addr", str, "localhost", "torch.distributed rendezvous address (shards on several machines)"),
-    ("--master-port", int, None, "torch.distributed rendezvous port (default: a free local port)"),
+    ("--master-port", int, None,
+     "torch.distributed rendezvous port (default: a free local port; 29500 when ranks start apart)"),
 ]
 
 
