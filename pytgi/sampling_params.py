@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class InvalidRequest(ValueError):
@@ -31,6 +32,11 @@ class SamplingParams:
     prompt_logprobs: bool = False  # logprobs of the prompt tokens (TGI's decoder_input_details)
     skip_special_tokens: bool = True
     watermark: bool = False  # green-list watermark (Kirchenbauer et al. 2023), as TGI's `watermark`
+    # Structured output (`pytgi.structured`), at most one: the output must match it.
+    json_schema: dict[str, Any] | str | None = None  # a JSON schema (or its text)
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # Lark, or GBNF/EBNF
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,0 +1,78 @@
+"""Structured output: what a request's output must match, as one llguidance grammar.
+
+`SamplingParams` carries the user's constraint: a JSON schema, a regex, a choice among strings, or a
+grammar (Lark, or GBNF/EBNF as llama.cpp and vLLM users write it). `grammar_of` turns it into the
+grammar string llguidance's matcher takes, and `check` refuses an invalid one with a message that
+names what is wrong. Torch-free: the API process checks a request's grammar before anything is
+queued, and the engine builds its matchers from the same string (`pytgi.engine.structured`).
+
+llguidance rather than xgrammar: it needs no torch (so the API process can check grammars), builds a
+matcher lazily (no per-grammar compile of the whole vocabulary), and computes masks fast on this CPU
+(docs/structured-output.md has the measurements).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pytgi.sampling_params import InvalidRequest, SamplingParams
+
+# OpenAI's json_object: any JSON object.
+ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def has_constraint(p: SamplingParams) -> bool:
+    return p.json_schema is not None or p.regex is not None or p.choice is not None or p.grammar is not None
+
+
+def _schema(value: dict[str, Any] | str) -> dict[str, Any]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"the JSON schema is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest("the JSON schema must be an object")
+    return value
+
+
+def grammar_of(p: SamplingParams) -> str | None:
+    """llguidance's grammar for the request's constraint, or None when it has none."""
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(p, name) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise InvalidRequest(f"give one structured-output constraint, not several: {', '.join(given)}")
+    if p.json_schema is not None:
+        return LLMatcher.grammar_from_json_schema(_schema(p.json_schema))
+    if p.regex is not None:
+        return LLMatcher.grammar_from_regex(p.regex)
+    if p.choice is not None:
+        if not p.choice or not all(isinstance(c, str) and c for c in p.choice):
+            raise InvalidRequest("`choice` must be a non-empty list of non-empty strings")
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in p.choice))
+    assert p.grammar is not None
+    try:
+        return LLMatcher.grammar_from_lark(any_to_lark(p.grammar))
+    except Exception as e:  # noqa: BLE001 - the converter's own error names the place
+        raise InvalidRequest(f"the grammar is not valid: {e}") from None
+
+
+def check(p: SamplingParams) -> str | None:
+    """The request's grammar, validated; `InvalidRequest` names the fault."""
+    from llguidance import LLMatcher
+
+    grammar = grammar_of(p)
+    if grammar is None:
+        return None
+    try:
+        error = LLMatcher.validate_grammar(grammar)
+    except Exception as e:  # noqa: BLE001 - e.g. a schema llguidance cannot represent
+        error = str(e)
+    if error:
+        raise InvalidRequest(error.strip())
+    return grammar
