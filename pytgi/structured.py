@@ -14,6 +14,7 @@ matcher lazily (no per-grammar compile of the whole vocabulary), and computes ma
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from typing import Any
 
 from pytgi.sampling_params import InvalidRequest, SamplingParams
@@ -64,15 +65,22 @@ def grammar_of(p: SamplingParams) -> str | None:
 
 def check(p: SamplingParams) -> str | None:
     """The request's grammar, validated; `InvalidRequest` names the fault."""
-    from llguidance import LLMatcher
-
     grammar = grammar_of(p)
     if grammar is None:
         return None
-    try:
-        error = LLMatcher.validate_grammar(grammar)
-    except Exception as e:  # noqa: BLE001 - e.g. a schema llguidance cannot represent
-        error = str(e)
+    error = _validate(grammar)
     if error:
-        raise InvalidRequest(error.strip())
+        raise InvalidRequest(error)
     return grammar
+
+
+@lru_cache(maxsize=256)
+def _validate(grammar: str) -> str:
+    """llguidance's complaint about a grammar ("" when valid), cached: clients repeat their schemas."""
+    from llguidance import LLMatcher
+
+    try:
+        message = LLMatcher.validate_grammar(grammar).strip()
+        return "" if message.startswith("WARNING") else message
+    except Exception as e:  # noqa: BLE001 - e.g. a schema llguidance cannot represent
+        return str(e).strip() or type(e).__name__

@@ -34,9 +34,10 @@ class _Body(BaseModel):
 
 class GrammarType(_Body):
     """`{type, value}`: json (a JSON schema, or a string holding one; `json_object` is TGI's alias),
-    json_schema (`{name?, schema}`), regex (a pattern)."""
+    json_schema (`{name?, schema}`), regex (a pattern); pytgi's own: choice (a list of strings) and
+    grammar (Lark, or GBNF/EBNF)."""
 
-    type: Literal["json", "json_object", "json_schema", "regex"]
+    type: Literal["json", "json_object", "json_schema", "regex", "choice", "grammar"]
     value: Any = None
 
 

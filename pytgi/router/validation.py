@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from pytgi import structured
 from pytgi.router.request import (
     CompatGenerateRequest,
     GenerateInput,
@@ -39,10 +39,9 @@ from pytgi.router.request import (
     ValidLimits,
     ValidRequest,
 )
-from pytgi.sampling_params import SamplingParams
+from pytgi.sampling_params import InvalidRequest, SamplingParams
 
 __all__ = [
-    "GRAMMAR_UNSUPPORTED",
     "CompatGenerateRequest",
     "GenerateInput",
     "GenerateParameters",
@@ -53,9 +52,6 @@ __all__ = [
     "Validation",
     "ValidationError",
 ]
-
-# Refusal for a well-formed grammar: the engine has no constrained decoding yet.
-GRAMMAR_UNSUPPORTED = "grammar is not supported yet: this server has no constrained decoding"
 
 @dataclass(slots=True)
 class _Checked:
@@ -225,10 +221,7 @@ class Validation:
             )
         input_ids = ids[len(ids) - input_length:]  # truncation keeps the last tokens
 
-        # 15. grammar
-        if p.grammar is not None:
-            _check_grammar(p.grammar)
-            raise ValidationError(GRAMMAR_UNSUPPORTED, "grammar")
+        constraint = {} if p.grammar is None else _constraint(p.grammar)  # 15. grammar
 
         # TGI's engine samples when do_sample or a warper is active; SamplingParams gets that answer as an
         # explicit do_sample, with temperature kept as given (it never turns a request greedy: > 0 here).
@@ -249,7 +242,10 @@ class Validation:
             top_n_tokens=0 if p.top_n_tokens is None else p.top_n_tokens,
             prompt_logprobs=p.decoder_input_details,
             watermark=p.watermark,
+            **constraint,
         )
+        if constraint:
+            _checked_grammar(sampling)
         text = gi.inputs if isinstance(gi.inputs, str) else self.tokenizer.decode(gi.inputs, False)
         return ValidRequest(
             input_ids=input_ids,
@@ -274,7 +270,7 @@ class Validation:
         gi = checked.input
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._pool, self._encode, gi.inputs, gi.add_special_tokens)
-        return self._finish(checked, ids)
+        return await loop.run_in_executor(self._pool, self._finish, checked, ids)  # a grammar check may take ms
 
     def _tokenize(self, inputs: str, add_special_tokens: bool) -> list[dict]:
         try:
@@ -303,22 +299,22 @@ def _as_input(req: _Request, stream: bool) -> GenerateInput:
     return req if isinstance(req, GenerateInput) else GenerateInput.from_body(req, stream)
 
 
-def _check_grammar(grammar: GrammarType) -> None:
-    """Raise "grammar is not valid: ..." for a malformed grammar (TGI's checks, without a JSON-schema
-    meta-validator: the schema must be an object with `properties`; a regex must compile)."""
+def _constraint(grammar: GrammarType) -> dict[str, Any]:
+    """The `SamplingParams` fields of a TGI grammar (plus pytgi's `choice` and `grammar` types), or
+    "grammar is not valid: ..." for a malformed one. llguidance judges the rest (`pytgi.structured`)."""
 
     def invalid(msg: str) -> ValidationError:
         return ValidationError(f"grammar is not valid: {msg}", "grammar")
 
     value = grammar.value
-    if grammar.type == "regex":
+    if grammar.type in ("regex", "grammar"):
         if not isinstance(value, str):
-            raise invalid("a regex grammar's `value` must be a string")
-        try:
-            re.compile(value)
-        except re.error as e:
-            raise invalid(f"cannot compile regex: {e}") from None
-        return
+            raise invalid(f"a {grammar.type} grammar's `value` must be a string")
+        return {grammar.type: value}
+    if grammar.type == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise invalid("a choice grammar's `value` must be a non-empty list of non-empty strings")
+        return {"choice": value}
     if grammar.type == "json_schema":  # TGI's JsonSchemaConfig: {name?, schema}
         if not isinstance(value, dict) or "schema" not in value:
             raise invalid("a json_schema grammar's `value` must be an object with a `schema` field")
@@ -330,5 +326,11 @@ def _check_grammar(grammar: GrammarType) -> None:
             raise invalid(str(e)) from None
     if not isinstance(value, dict):
         raise invalid("the JSON schema must be an object")
-    if "properties" not in value:
-        raise invalid("Grammar must have a 'properties' field")
+    return {"json_schema": value}
+
+
+def _checked_grammar(sampling: SamplingParams) -> None:
+    try:
+        structured.check(sampling)
+    except InvalidRequest as e:
+        raise ValidationError(f"grammar is not valid: {e}", "grammar") from None

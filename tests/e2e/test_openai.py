@@ -312,8 +312,8 @@ CHAT_ERRORS = [
     dict(stop=["a", "b", "c", "d", "e"]),
     dict(logprobs=True, top_logprobs=21),  # over OpenAI's bound (20)
     dict(top_logprobs=2),  # without logprobs
-    dict(response_format={"type": "json_object"}),
-    dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+    dict(extra_body={"guided_regex": "("}),
     dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
     dict(messages=[]),
     dict(messages=[{"role": "user",

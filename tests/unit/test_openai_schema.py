@@ -36,7 +36,7 @@ class _NoEngine:
 
 @pytest.fixture(scope="module")
 def val(tok: Tokenizer):
-    v = Validation(tok, ValidLimits(max_input_tokens=32, max_total_tokens=48), workers=1)
+    v = Validation(tok, ValidLimits(max_input_tokens=1000, max_total_tokens=1048), workers=1)
     yield v
     v.close()
 
@@ -113,7 +113,12 @@ def test_models_and_unknown_models(http: TestClient) -> None:
     ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # OpenAI allows up to 20
     ({"top_logprobs": 1}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_regex": "a", "guided_json": {"type": "object"}}, "guided_regex"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"messages": []}, "messages"),

@@ -12,7 +12,6 @@ import pydantic
 import pytest
 
 from pytgi.router.validation import (
-    GRAMMAR_UNSUPPORTED,
     CompatGenerateRequest,
     GenerateParameters,
     GenerateRequest,
@@ -405,30 +404,35 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}}
 
 
 @pytest.mark.parametrize(
-    "grammar",
+    ("grammar", "field", "expected"),
     [
-        {"type": "json", "value": SCHEMA},
-        {"type": "json", "value": json.dumps(SCHEMA)},
-        {"type": "json_object", "value": SCHEMA},
-        {"type": "json_schema", "value": {"name": "person", "schema": SCHEMA}},
-        {"type": "regex", "value": r"\d{3}-[a-z]+"},
+        ({"type": "json", "value": SCHEMA}, "json_schema", SCHEMA),
+        ({"type": "json", "value": json.dumps(SCHEMA)}, "json_schema", SCHEMA),
+        ({"type": "json_object", "value": SCHEMA}, "json_schema", SCHEMA),
+        ({"type": "json", "value": {"type": "array"}}, "json_schema", {"type": "array"}),  # no `properties` needed
+        ({"type": "json_schema", "value": {"name": "person", "schema": SCHEMA}}, "json_schema", SCHEMA),
+        ({"type": "regex", "value": r"\d{3}-[a-z]+"}, "regex", r"\d{3}-[a-z]+"),
+        ({"type": "choice", "value": ["yes", "no"]}, "choice", ["yes", "no"]),
+        ({"type": "grammar", "value": 'root ::= "a" | "b"'}, "grammar", 'root ::= "a" | "b"'),
     ],
 )
-def test_valid_grammar_is_refused_as_unsupported(val: Validation, grammar: dict) -> None:
-    assert err(val, req(grammar=grammar)) == GRAMMAR_UNSUPPORTED
-    assert "not supported" in GRAMMAR_UNSUPPORTED
+def test_valid_grammar_constrains_the_engine_request(val: Validation, grammar: dict, field: str, expected) -> None:
+    sampling = validate(val, req(grammar=grammar)).sampling
+    assert getattr(sampling, field) == expected
 
 
 @pytest.mark.parametrize(
     ("grammar", "detail"),
     [
         ({"type": "json", "value": "{not json"}, ""),
-        ({"type": "json", "value": {"type": "object"}}, "Grammar must have a 'properties' field"),
-        ({"type": "json", "value": [1, 2]}, ""),
+        ({"type": "json", "value": {"type": "nonsense"}}, "nonsense"),
+        ({"type": "json", "value": [1, 2]}, "must be an object"),
         ({"type": "json", "value": None}, ""),
         ({"type": "json_schema", "value": SCHEMA}, "`schema`"),
-        ({"type": "regex", "value": "(unclosed"}, "cannot compile regex"),
+        ({"type": "regex", "value": "(unclosed"}, "regex"),
         ({"type": "regex", "value": 5}, "string"),
+        ({"type": "choice", "value": []}, "non-empty"),
+        ({"type": "grammar", "value": "root ::= undefined_rule"}, "undefined_rule"),
     ],
 )
 def test_invalid_grammar(val: Validation, grammar: dict, detail: str) -> None:

@@ -227,17 +227,18 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
     st, n = _begin(request, body)
     with _refused(st):
         prompts = schema.check_completion(body)
+        grammar, grammar_field = schema.constraint(body)
     assert st.validation is not None
     validation = st.validation
     echo = bool(body.echo)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
-    names = {"inputs": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"}
+    names = {"inputs": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs", "grammar": grammar_field}
 
     async def prepare() -> list[ValidRequest]:
         reqs = []
         for prompt in prompts:
             gi = schema.to_input(body, prompt, max_tokens, body.logprobs, schema.MAX_COMPLETION_LOGPROBS,
-                                 prompt_logprobs=echo and body.logprobs is not None)
+                                 prompt_logprobs=echo and body.logprobs is not None, grammar=grammar)
             reqs += schema.choices(await validation.validate(gi), n, body.seed)
         return reqs
 
@@ -266,10 +267,12 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
     st, n = _begin(request, body)
     with _refused(st):
         messages = schema.check_chat(body)
+        grammar, grammar_field = schema.constraint(body)
     assert st.validation is not None
     validation = st.validation
     max_tokens, max_tokens_name = body.max_new_tokens
-    names = {"inputs": "messages", "max_new_tokens": max_tokens_name, "top_n_tokens": "top_logprobs"}
+    names = {"inputs": "messages", "max_new_tokens": max_tokens_name, "top_n_tokens": "top_logprobs",
+             "grammar": grammar_field}
 
     def render_template() -> str:
         try:
@@ -280,7 +283,7 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
     async def prepare() -> list[ValidRequest]:
         text = await _in_thread(render_template)
         gi = schema.to_input(body, text, max_tokens, body.top_logprobs if body.logprobs else None,
-                             schema.MAX_CHAT_TOP_LOGPROBS, add_special_tokens=False)
+                             schema.MAX_CHAT_TOP_LOGPROBS, add_special_tokens=False, grammar=grammar)
         return schema.choices(await validation.validate(gi), n, body.seed)
 
     reqs, adm, vtime = await _admit(request, n, names, prepare)

@@ -9,9 +9,9 @@ import copy
 import random
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from pytgi.router.request import GenerateInput, GenerateParameters, ValidationError, ValidRequest
+from pytgi.router.request import GenerateInput, GenerateParameters, GrammarType, ValidationError, ValidRequest
 from pytgi.server.openai.errors import OpenAIError, invalid
 
 MAX_N = 8  # choices per prompt
@@ -31,6 +31,27 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` (one of them)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
 class SamplingBody(_Body):
     model: str | None = None
     max_tokens: int | None = None
@@ -45,10 +66,16 @@ class SamplingBody(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
     # extensions (vLLM / TGI)
     top_k: int | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = False
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -75,16 +102,11 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
-class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -137,9 +159,6 @@ def check_chat(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The chat route's own rules; returns the messages for the chat template."""
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise invalid(f"`response_format` of type `{body.response_format.type}` is not supported yet: "
-                      "this server has no constrained decoding", "response_format")
     if body.tools and body.tool_choice != "none":
         raise invalid("tool calling is not supported yet: send no `tools`, or `tool_choice: \"none\"`", "tools")
     if body.tool_choice not in (None, "none", "auto"):
@@ -172,9 +191,36 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
+def constraint(body: SamplingBody) -> tuple[GrammarType | None, str]:
+    """What the output must match, as the router's grammar, and the field that asked for it: OpenAI's
+    `response_format`, or vLLM's `structured_outputs` / `guided_*`."""
+    given: list[tuple[GrammarType, str]] = []
+    rf = body.response_format
+    if rf is not None and rf.type == "json_object":
+        given.append((GrammarType(type="json", value={"type": "object"}), "response_format"))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise invalid("`response_format` of type `json_schema` needs `json_schema.schema`", "response_format")
+        given.append((GrammarType(type="json", value=rf.json_schema.schema_), "response_format"))
+    so = body.structured_outputs
+    for kind, value, field in [
+        ("json", so and so.json_, "structured_outputs"), ("regex", so and so.regex, "structured_outputs"),
+        ("choice", so and so.choice, "structured_outputs"), ("grammar", so and so.grammar, "structured_outputs"),
+        ("json", body.guided_json, "guided_json"), ("regex", body.guided_regex, "guided_regex"),
+        ("choice", body.guided_choice, "guided_choice"), ("grammar", body.guided_grammar, "guided_grammar"),
+    ]:
+        if value is not None:
+            given.append((GrammarType(type=kind, value=value), field))  # type: ignore[arg-type]
+    if len(given) > 1:
+        raise invalid("give one structured-output constraint, not several: "
+                      + ", ".join(field for _, field in given), given[1][1])
+    return given[0] if given else (None, "response_format")
+
+
 # -- into the router's request ---------------------------------------------------------------------
 def to_input(body: SamplingBody, inputs: str | list[int], max_new_tokens: int | None, top_n: int | None,
-             max_top_n: int, prompt_logprobs: bool = False, add_special_tokens: bool = True) -> GenerateInput:
+             max_top_n: int, prompt_logprobs: bool = False, add_special_tokens: bool = True,
+             grammar: GrammarType | None = None) -> GenerateInput:
     """TGI's parameters for an OpenAI body: temperature 0 is greedy, any other samples (OpenAI's default
     temperature is 1); top_p 1 and top_k 0 / -1 disable them; the stop text is cut."""
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -194,7 +240,7 @@ def to_input(body: SamplingBody, inputs: str | list[int], max_new_tokens: int | 
         decoder_input_details=prompt_logprobs,
         ignore_eos_token=bool(body.ignore_eos),
         best_of=None, typical_p=None, return_full_text=None, truncate=None, watermark=False, details=True,
-        grammar=None, adapter_id=None,
+        grammar=grammar, adapter_id=None,
     )
     return GenerateInput(inputs, params, stream=bool(body.stream), add_special_tokens=add_special_tokens,
                          include_stop_str_in_output=False, max_top_n_tokens=max_top_n)
