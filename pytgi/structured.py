@@ -38,6 +38,26 @@ def _schema(value: dict[str, Any] | str) -> dict[str, Any]:
     return value
 
 
+def ascii_digits(regex: str) -> str:
+    """`\\d` as `[0-9]`, as JavaScript, JSON Schema's patterns and other servers' regexes read it
+    (llguidance's, like Python's, also matches every Unicode digit, and a model will pick them)."""
+    out, i, in_class = [], 0, False
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            pair = regex[i : i + 2]
+            out.append(("0-9" if in_class else "[0-9]") if pair == "\\d" else pair)
+            i += 2
+            continue
+        if c == "[" and not in_class:
+            in_class = True
+        elif c == "]" and in_class:
+            in_class = False
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
 def grammar_of(p: SamplingParams) -> str | None:
     """llguidance's grammar for the request's constraint, or None when it has none."""
     from llguidance import LLMatcher
@@ -51,7 +71,7 @@ def grammar_of(p: SamplingParams) -> str | None:
     if p.json_schema is not None:
         return LLMatcher.grammar_from_json_schema(_schema(p.json_schema))
     if p.regex is not None:
-        return LLMatcher.grammar_from_regex(p.regex)
+        return LLMatcher.grammar_from_regex(ascii_digits(p.regex))
     if p.choice is not None:
         if not p.choice or not all(isinstance(c, str) and c for c in p.choice):
             raise InvalidRequest("`choice` must be a non-empty list of non-empty strings")

@@ -8,12 +8,12 @@ schedule → execute → update; the scheduler keeps the books, the runner compu
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from pathlib import Path
 
 from pytgi import protocol as P
+from pytgi import structured
 from pytgi.config import EngineConfig
 from pytgi.distributed import DistributedError
 from pytgi.engine.kv_cache import BlockManager
@@ -25,16 +25,6 @@ from pytgi.models.registry import resolve_model
 from pytgi.sampling_params import InvalidRequest, SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-def _eos_ids(path: Path) -> frozenset[int]:
-    ids: set[int] = set()
-    for name in ("config.json", "generation_config.json"):
-        file = path / name
-        if file.is_file():
-            eos = json.loads(file.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-    return frozenset(ids)
 
 
 class LLMEngine:
@@ -53,8 +43,8 @@ class LLMEngine:
             self.shards.stop()
             raise
         load_seconds = time.perf_counter() - t0
-        self.eos_token_ids = _eos_ids(model_path)
         runner = self.runner
+        self.eos_token_ids = runner.eos_token_ids
         self.info = self.shards.config.resolve(
             model_id=model_id, model_path=str(model_path), dtype=str(runner.dtype).removeprefix("torch."),
             device_type=runner.device.type, vocab_size=runner.vocab_size,
@@ -94,7 +84,10 @@ class LLMEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= info.vocab_size:
             raise InvalidRequest(f"prompt token ids must be in [0, {info.vocab_size})")
         params.validate()
+        grammar = structured.check(params)  # cached per grammar: the API process checked it already
         self.scheduler.add(Request(request_id, list(prompt_ids), params, self.eos_token_ids))
+        if grammar is not None:
+            self.runner.grammars.add(request_id, grammar)
 
     def abort_request(self, request_id: str) -> bool:
         req = self.scheduler.requests.get(request_id)

@@ -15,10 +15,11 @@ from pytgi import protocol as P
 from pytgi.config import EngineConfig
 from pytgi.engine.sampler import Sampler, SamplingMetadata
 from pytgi.engine.scheduler import RunnerOutput, ScheduledRequest
+from pytgi.engine.structured import GrammarError, GrammarMatchers, StepMasks
 from pytgi.engine.watermark import apply_watermark
 from pytgi.models.attention import StepLayout
 from pytgi.models.cpu import CpuKernels
-from pytgi.models.loader import load_model, read_config, resolve_dtype
+from pytgi.models.loader import eos_token_ids, load_model, read_config, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
+        self.eos_token_ids = eos_token_ids(model_path)
+        # Structured output's matchers (rank 0 samples; nothing is built until a request asks).
+        self.grammars = GrammarMatchers(model_path / "tokenizer.json", self.vocab_size, self.eos_token_ids)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
 
@@ -123,12 +127,15 @@ class ModelRunner:
         spans = self._prompt_logprob_spans(batch, ends)
         # Logits only where needed: each sampling request's last token, then prompt-logprob positions.
         rows = np.concatenate([ends[sampling], *(np.arange(a, a + n) for _, a, n in spans)]).astype(np.int64)
+        reqs = [batch[i].request for i in sampling]
+        # Structured output's masks are computed while the forward runs.
+        masks = self.grammars.start_masks([r.request_id for r in reqs]) if reqs else None
         if dist.tp_size() > 1:
             self._broadcast_step(ids, positions, layout, rows)
         logits = self._forward(ids, positions, layout, rows)
         out = RunnerOutput()
         if sampling:
-            self._sample(logits[: len(sampling)], [batch[i].request for i in sampling], out)
+            self._sample(logits[: len(sampling)], reqs, out, masks)
         offset = len(sampling)
         for i, _, n in spans:
             req = batch[i].request
@@ -166,6 +173,7 @@ class ModelRunner:
             dist.barrier()
 
     def shutdown(self) -> None:
+        self.grammars.shutdown()
         if self.rank == 0 and dist.tp_size() > 1:
             try:
                 dist.broadcast_command(dist.CMD_SHUTDOWN)
@@ -173,7 +181,7 @@ class ModelRunner:
                 pass
         dist.shutdown()
 
-    def _sample(self, logits: torch.Tensor, reqs: list, out: RunnerOutput) -> None:
+    def _sample(self, logits: torch.Tensor, reqs: list, out: RunnerOutput, masks: StepMasks | None) -> None:
         marked = [i for i, r in enumerate(reqs) if r.params.watermark]
         if marked:
             apply_watermark(logits, marked, [reqs[i].all_ids[-1] for i in marked])
@@ -182,8 +190,15 @@ class ModelRunner:
             [r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
             gens, self.vocab_size, self.device,
         )
-        res = self.sampler(logits, meta)
+        res = self.sampler(logits, meta, masks.result() if masks is not None else None)
         tokens, logprobs = res.token_ids.tolist(), res.logprobs.tolist()
+        for i in masks.rows if masks is not None else ():
+            rid = reqs[i].request_id
+            try:
+                if self.grammars.accept(rid, tokens[i]):
+                    out.complete.add(rid)
+            except GrammarError as e:
+                out.errors[rid] = str(e)
         top_ids = res.top_ids.tolist() if res.top_ids is not None else None
         top_lps = res.top_logprobs.tolist() if res.top_logprobs is not None else None
         for i, r in enumerate(reqs):
@@ -204,6 +219,7 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
+        self.grammars.remove(request_id)
 
     @staticmethod
     def _prompt_logprob_spans(batch: list[ScheduledRequest], ends: np.ndarray) -> list[tuple[int, int, int]]:

@@ -5,8 +5,8 @@ Face transformers' logits processors and warpers (and TGI's heterogeneous versio
 
 1. repetition penalty (HF ``RepetitionPenaltyLogitsProcessor``) over prompt and output tokens;
 2. frequency / presence penalties (OpenAI semantics) over output tokens only;
-3. optional ``logits_mask``: forbidden tokens get ``-inf`` (the runner passes none: there is no
-   constrained decoding, and validation refuses grammars);
+3. optional ``logits_mask`` (structured output's grammar): forbidden tokens get ``-inf``, so greedy and
+   sampling rows alike choose among the allowed ones;
 4. greedy rows: ``argmax`` of the result;
 5. sampling rows: temperature, top-k, top-p, typical-p (HF ``TopKLogitsWarper``, ``TopPLogitsWarper``,
    ``TypicalLogitsWarper`` with ``min_tokens_to_keep=1``), then one draw from the softmax.

@@ -57,6 +57,8 @@ class RunnerOutput:
     samples: dict[str, P.TokenOut] = field(default_factory=dict)  # request_id → this step's token
     # request_id → logprobs of the prompt tokens this step's chunk predicted (first prompt token: None)
     prompt_logprobs: dict[str, list[float | None]] = field(default_factory=dict)
+    complete: set[str] = field(default_factory=set)  # structured output whose grammar is complete
+    errors: dict[str, str] = field(default_factory=dict)  # requests that cannot go on (and why)
 
 
 class Scheduler:
@@ -193,7 +195,10 @@ class Scheduler:
             update = out.samples.get(req.request_id)
             if update is not None:
                 req.append_token(update.token_id)
-                reason = req.check_stop()
+                update.error = out.errors.get(req.request_id)
+                reason = FinishReason.ERROR if update.error else req.check_stop()
+                if reason is None and req.request_id in out.complete:
+                    reason = FinishReason.EOS  # the grammar allows nothing but the end now
                 if reason is not None:
                     self.finish(req)
                     update.finish_reason = reason.value

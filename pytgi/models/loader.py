@@ -31,6 +31,17 @@ def read_config(path: Path) -> dict[str, Any]:
     return cfg
 
 
+def eos_token_ids(path: Path) -> frozenset[int]:
+    """The ids that end a generation, from config.json and generation_config.json."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        file = path / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
 def resolve_dtype(name: str, cfg: dict[str, Any], device: torch.device) -> torch.dtype:
     if name != "auto":
         if name not in DTYPES:
