@@ -314,7 +314,9 @@ CHAT_ERRORS = [
     dict(top_logprobs=2),  # without logprobs
     dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
     dict(extra_body={"guided_regex": "("}),
-    dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+         tool_choice={"type": "function", "function": {"name": "g"}}),
+    dict(tool_choice="required"),  # without tools
     dict(messages=[]),
     dict(messages=[{"role": "user",
                     "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),

@@ -7,15 +7,18 @@ from typing import Any
 
 import pytgi
 from pytgi.outputs import Delta, OutputProcessor, Token
+from pytgi.server.openai import tools
 
 MIN_LOGPROB = -9999.0  # -inf is not JSON
 SYSTEM_FINGERPRINT = f"pytgi-{pytgi.__version__}"
 
 
-def finish_reason(reason: str | None) -> str | None:
+def finish_reason(reason: str | None, tool_calls: bool = False) -> str | None:
     if reason is None:
         return None
-    return "length" if reason == "length" else "stop"  # eos_token, stop_sequence
+    if reason == "length":
+        return "length"
+    return "tool_calls" if tool_calls else "stop"  # eos_token, stop_sequence
 
 
 def _lp(value: float | None) -> float | None:
@@ -79,6 +82,17 @@ def completion_logprobs(out: OutputProcessor, echo: str | None) -> dict[str, Any
     return {k: head_lps[k] + lps[k] for k in lps}
 
 
+def chat_message(text: str, finish: str | None, tool_style: tools.Style | None) -> tuple[dict[str, Any], str | None]:
+    """A whole answer's message and finish reason (OpenAI's); with tools, the calls found in its text."""
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if tool_style is None:
+        return message, finish_reason(finish)
+    content, calls = tools.parse(text, tool_style)
+    if calls:
+        message = {**message, "content": content, "tool_calls": [c.as_openai() for c in calls]}
+    return message, finish_reason(finish, bool(calls))
+
+
 def chat_message_logprobs(out: OutputProcessor) -> dict[str, Any]:
     return chat_logprobs([out.tokenizer.id_to_piece(t.id) for t in out.tokens], out.tokens, out.top_tokens)
 
@@ -88,7 +102,8 @@ class StreamRenderer:
     a stop string, so nothing sent is ever taken back; logprobs go with the text they belong to."""
 
     def __init__(self, chat: bool, head: dict[str, Any], count: int, logprobs: bool, include_usage: bool,
-                 prompt_tokens: int, id_to_piece: Any, echo: list[str] | None = None) -> None:
+                 prompt_tokens: int, id_to_piece: Any, echo: list[str] | None = None,
+                 tool_style: tools.Style | None = None) -> None:
         self.chat, self.logprobs, self.id_to_piece = chat, logprobs, id_to_piece
         self.head = dict(head)
         if include_usage:
@@ -99,6 +114,8 @@ class StreamRenderer:
         self.pending: list[list[Delta]] = [[] for _ in range(count)]  # deltas whose logprobs are unsent
         self.offsets = [len(e) if e and not chat else 0 for e in (echo or [""] * count)]
         self.completion_tokens = 0
+        # chat with tools: each choice's text goes through a tool-call parser
+        self.parsers = [tools.ToolParser(tool_style) for _ in range(count)] if tool_style else None
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {**self.head, "choices": [choice]}
@@ -136,12 +153,30 @@ class StreamRenderer:
 
     def delta(self, i: int, d: Delta) -> list[dict[str, Any]]:
         self.pending[i].append(d)
-        out = [self._choice(i, d.text, self._take_logprobs(i), None)] if d.text else []
+        parser = self.parsers[i] if self.parsers else None
+        if parser is None:
+            out = [self._choice(i, d.text, self._take_logprobs(i), None)] if d.text else []
+        else:
+            events = parser.feed(d.text) if d.text else []
+            if d.finish_reason is not None:
+                events += parser.finish()
+            out = [self._tool_chunk(i, e) for e in events]
         if d.finish_reason is not None:
             self.completion_tokens += d.index
-            out.append(self._choice(i, None if self.chat else "", self._take_logprobs(i),
-                                    finish_reason(d.finish_reason)))
+            reason = finish_reason(d.finish_reason, bool(parser and parser.calls))
+            out.append(self._choice(i, None if self.chat else "", self._take_logprobs(i), reason))
         return out
+
+    def _tool_chunk(self, i: int, e: tools.Event) -> dict[str, Any]:
+        """A chat chunk for what the tool parser found: content, a call's start, a piece of arguments."""
+        if isinstance(e, tools.Content):
+            delta: dict[str, Any] = {"content": e.text}
+        elif isinstance(e, tools.CallStart):
+            delta = {"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
+                                     "function": {"name": e.name, "arguments": ""}}]}
+        else:
+            delta = {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
+        return self._chunk({"index": i, "delta": delta, "logprobs": self._take_logprobs(i), "finish_reason": None})
 
     def end(self) -> list[dict[str, Any]]:
         if not self.include_usage:

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 
 from pytgi.router.infer import Admission, Generation, InferError, RequestStream, Timings
 from pytgi.router.request import ValidationError, ValidRequest
-from pytgi.server.openai import render, schema
+from pytgi.server.openai import render, schema, tools
 from pytgi.server.openai.errors import OpenAIError, from_infer_error, invalid
 from pytgi.server.state import State, admission, state_of
 from pytgi.server.streaming import KEEP_ALIVE, record_success, sse_response, wait_disconnect, with_keep_alive
@@ -265,9 +265,17 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
 async def chat_completions(request: Request, body: schema.ChatCompletionRequest) -> Response:
     arrived, created = time.monotonic(), int(time.time())
     st, n = _begin(request, body)
+    template = st.tokenizer.chat_template
     with _refused(st):
         messages = schema.check_chat(body)
         grammar, grammar_field = schema.constraint(body)
+        tool_plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, template)
+        if tool_plan is not None and tool_plan.forced:
+            if grammar is not None:
+                raise invalid(f"`tool_choice` \"{body.tool_choice if isinstance(body.tool_choice, str) else 'function'}\""
+                              f" forces a tool call: it cannot be combined with `{grammar_field}`", grammar_field)
+            grammar, grammar_field = tools.grammar(tool_plan), "tools"
+    tool_style = tool_plan.style if tool_plan is not None else None
     assert st.validation is not None
     validation = st.validation
     max_tokens, max_tokens_name = body.max_new_tokens
@@ -275,8 +283,9 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
              "grammar": grammar_field}
 
     def render_template() -> str:
+        msgs, tool_list = tools.template_messages(messages, tool_plan, tools.style_of(template))
         try:
-            return st.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return st.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tool_list)
         except ValueError as exc:
             raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
 
@@ -292,11 +301,12 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
     def renderer() -> render.StreamRenderer:
         return render.StreamRenderer(True, {**head, "object": "chat.completion.chunk"}, len(reqs),
                                      bool(body.logprobs), body.include_usage, reqs[0].input_length,
-                                     st.tokenizer.id_to_piece)
+                                     st.tokenizer.id_to_piece, tool_style=tool_style)
 
     def choice(index: int, req: ValidRequest, g: Generation) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": g.output.text, "refusal": None},
+        message, finish = render.chat_message(g.output.text, g.output.finish_reason, tool_style)
+        return {"index": index, "message": message,
                 "logprobs": render.chat_message_logprobs(g.output) if body.logprobs else None,
-                "finish_reason": render.finish_reason(g.output.finish_reason)}
+                "finish_reason": finish}
 
     return await _answer(request, body, reqs, adm, vtime, arrived, head, reqs[0].input_length, renderer, choice)

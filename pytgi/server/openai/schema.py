@@ -109,6 +109,7 @@ class ChatCompletionRequest(SamplingBody):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def max_new_tokens(self) -> tuple[int | None, str]:
@@ -159,11 +160,6 @@ def check_chat(body: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The chat route's own rules; returns the messages for the chat template."""
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
-    if body.tools and body.tool_choice != "none":
-        raise invalid("tool calling is not supported yet: send no `tools`, or `tool_choice: \"none\"`", "tools")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise invalid("tool calling is not supported yet: `tool_choice` must be \"none\" or \"auto\"",
-                      "tool_choice")
     return messages_for_template(body.messages)
 
 
