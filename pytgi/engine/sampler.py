@@ -6,14 +6,19 @@ Face transformers' logits processors and warpers (and TGI's heterogeneous versio
 1. repetition penalty (HF ``RepetitionPenaltyLogitsProcessor``) over prompt and output tokens;
 2. frequency / presence penalties (OpenAI semantics) over output tokens only;
 3. optional ``logits_mask`` (structured output's grammar): forbidden tokens get ``-inf``, so greedy and
-   sampling rows alike choose among the allowed ones;
+   sampling rows alike choose among the allowed ones (a bool mask, or the additive 0 / -inf bias the
+   engine builds from llguidance's bitmasks, which is cheaper to apply);
 4. greedy rows: ``argmax`` of the result;
 5. sampling rows: temperature, top-k, top-p, typical-p (HF ``TopKLogitsWarper``, ``TopPLogitsWarper``,
    ``TypicalLogitsWarper`` with ``min_tokens_to_keep=1``), then one draw from the softmax.
 
 Draws use the exponential race: with ``q ~ Exp(1)`` i.i.d. per token, ``argmax(p / q)`` is distributed as
-``p``. Each sampling row draws exactly ``V`` noise values from its own generator per call, so a request's
-sample depends only on its own seed, step count and probabilities -- never on what it is batched with.
+``p``. Each sampling row draws exactly ``V`` uniform values from its own generator per call (``q = -log(1 - u)``:
+several times cheaper than ``exponential_``), so a request's sample depends only on its own seed, step
+count and probabilities -- never on what it is batched with.
+
+Top-k and top-p find their cut-offs with ``topk`` over a few dozen candidates (widened until the kept
+mass is covered) instead of sorting the whole vocabulary per row; the kept set is the same as the sort's.
 
 Reported logprobs (chosen token and top-n alternatives) are ``log_softmax`` of the *raw* float32 logits,
 before penalties, mask, temperature and warpers (vLLM's default "raw" logprobs): they describe the
@@ -176,24 +181,37 @@ def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
 def _top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, use_k: bool, use_p: bool
 ) -> torch.Tensor:
-    """Top-k then top-p with one shared sort; rows with k == 0 / p == 1 are left untouched."""
+    """Top-k then top-p; rows with k == 0 / p == 1 are left untouched."""
     vocab_size = logits.shape[1]
-    sorted_desc, idx_desc = logits.sort(dim=-1, descending=True)
     if use_k:
         # HF keeps every token >= the k-th largest value, so ties at the threshold survive.
         k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
-        threshold = sorted_desc.gather(1, (k - 1)[:, None])
+        widest = int(torch.where(k < vocab_size, k, 1).max())
+        kth = logits.topk(widest, dim=-1).values.gather(1, (k.clamp(max=widest) - 1)[:, None])
+        threshold = torch.where((k < vocab_size)[:, None], kth, logits.min(dim=-1, keepdim=True).values)
         logits = logits.masked_fill(logits < threshold, float("-inf"))
-        sorted_desc = sorted_desc.masked_fill(sorted_desc < threshold, float("-inf"))
     if use_p:
-        # HF works on the ascending order: drop the low tail whose mass is <= 1 - p, keep the top token.
-        sorted_asc, idx_asc = sorted_desc.flip(-1), idx_desc.flip(-1)
-        cumulative = sorted_asc.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= (1 - top_p)[:, None]
-        remove[:, -1] = False
-        remove &= (top_p < 1)[:, None]  # float error must not touch rows that have top_p off
-        logits = logits.masked_fill(remove.scatter(1, idx_asc, remove), float("-inf"))
+        logits = logits.masked_fill(_top_p_removed(logits.softmax(dim=-1), top_p), float("-inf"))
     return logits
+
+
+def _top_p_removed(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[B, V] bool: HF's top-p drops the low tail whose mass is <= 1 - p, i.e. every token whose more
+    probable tokens already hold >= p (the most probable is always kept). Only the candidates before the
+    cut are sorted: the widest top-`n` whose mass reaches p on every row (all V at worst)."""
+    vocab_size = probs.shape[1]
+    active = top_p < 1
+    n = min(64, vocab_size)
+    while True:
+        values, ids = probs.topk(n, dim=-1)
+        if n == vocab_size or bool(((values.sum(dim=-1) >= top_p) | ~active).all()):
+            break
+        n = min(4 * n, vocab_size)
+    before = values.cumsum(dim=-1) - values  # mass of the more probable candidates
+    keep = before < top_p[:, None]
+    keep[:, 0] = True
+    removed = torch.ones_like(probs, dtype=torch.bool).scatter_(1, ids, ~keep)
+    return removed & active[:, None]  # float error must not touch rows that have top_p off
 
 
 def _typical(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
@@ -240,8 +258,8 @@ def _exponential_noise(
 ) -> torch.Tensor:
     """[S, V] Exp(1) noise, one row per generator: exactly V draws each, so generators advance identically
     whatever the batch looks like. Drawn on the generator's own device, then moved."""
-    rows = [torch.empty(vocab_size, device=g.device).exponential_(generator=g) for g in generators]
-    return torch.stack(rows).to(device).clamp_(min=_NOISE_FLOOR)
+    rows = [torch.rand(vocab_size, device=g.device, generator=g) for g in generators]
+    return torch.stack(rows).to(device).neg_().log1p_().neg_().clamp_(min=_NOISE_FLOOR)
 
 
 def _draw(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -258,12 +276,14 @@ class Sampler:
         meta: SamplingMetadata,
         logits_mask: torch.Tensor | None = None,
     ) -> SamplerOutput:
-        """logits: [B, V] (upcast to float32). logits_mask: optional [B, V] bool, True = allowed;
-        masked tokens get -inf before choosing."""
+        """logits: [B, V] (upcast to float32). logits_mask: optional [B, V], bool (True = allowed) or
+        float (added: 0 = allowed, -inf = forbidden); forbidden tokens get -inf before choosing."""
         raw = logits.float()
         processed = raw if meta.no_penalties else _apply_penalties(raw, meta)
-        if logits_mask is not None:
-            processed = processed.masked_fill(~logits_mask.to(torch.bool), float("-inf"))
+        if logits_mask is not None and logits_mask.dtype == torch.bool:
+            processed = processed.masked_fill(~logits_mask, float("-inf"))
+        elif logits_mask is not None:
+            processed = processed + logits_mask
 
         token_ids = processed.argmax(dim=-1)  # greedy answer for every row (the whole job when all greedy)
         sample_rows = [i for i, g in enumerate(meta.generators) if g is not None]

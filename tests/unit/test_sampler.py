@@ -86,7 +86,7 @@ def ref_warped(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def race(probs: torch.Tensor, g: torch.Generator) -> int:
     """The token an exponential race picks with this generator's next V draws."""
-    q = torch.empty(probs.shape[-1]).exponential_(generator=g)
+    q = -torch.log1p(-torch.rand(probs.shape[-1], generator=g))
     return int((probs / q).argmax())
 
 
@@ -260,6 +260,18 @@ def test_warped_logits_match_transformers_per_row() -> None:
     assert 1 <= kept[4] < 5 and 1 <= kept[6] < V // 2  # the tiny masses keep few tokens
 
 
+@pytest.mark.parametrize("scale", [0.05, 1.0, 6.0])  # flat (the cut needs most of V), medium, peaked
+def test_top_k_and_top_p_cut_like_transformers_over_a_large_vocabulary(scale: float) -> None:
+    """The cut-offs come from a widening topk, not a sort of V: the kept sets must still be HF's."""
+    v = 5000
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams(temperature=1.0, top_k=3000, seed=2),
+              SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=3), SamplingParams(temperature=0.5, seed=4)]
+    logits = rand_logits(len(params), v=v, seed=13, scale=scale)
+    warped = _warp(logits, build(params, v=v), rows=None)
+    for i, p in enumerate(params):
+        assert_same_logits(warped[i], ref_warped(logits[i], p))
+
+
 def test_top_k_keeps_ties_at_threshold_like_transformers() -> None:
     logits = rand_logits(2, seed=7)
     order = logits[0].argsort(descending=True)
@@ -287,7 +299,7 @@ def test_generator_advances_exactly_v_draws_per_call() -> None:
     SAMPLER(rand_logits(1), meta)
     SAMPLER(rand_logits(1), meta)
     reference = gen(42)
-    torch.empty(2 * V).exponential_(generator=reference)
+    torch.rand(2 * V, generator=reference)
     g = meta.generators[0]
     assert g is not None
     assert torch.equal(torch.rand(8, generator=g), torch.rand(8, generator=reference))
@@ -404,6 +416,10 @@ def test_logits_mask_forbids_tokens() -> None:
             assert int(out.token_ids[i]) in ids
     assert int(out.token_ids[0]) == max(allowed[0], key=lambda t: float(logits[0, t]))
     assert int(out.token_ids[1]) == 7 and int(out.token_ids[4]) == 199
+    # The additive form (0 / -inf, what the engine builds from bitmasks) chooses the same tokens.
+    bias = torch.zeros(b, V).masked_fill(~mask, float("-inf"))
+    assert torch.equal(SAMPLER(logits, build(params, prompts=[[110, 111]] * b, outputs=[[]] * b), bias).token_ids,
+                       SAMPLER(logits, build(params, prompts=[[110, 111]] * b, outputs=[[]] * b), mask).token_ids)
     # Without the mask the greedy row picks its unconstrained argmax, which the mask forbade.
     assert int(SAMPLER(logits, build(params[:1]), None).token_ids[0]) not in allowed[0]
 
