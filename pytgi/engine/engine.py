@@ -87,7 +87,7 @@ class LLMEngine:
         grammar = structured.check(params)  # cached per grammar: the API process checked it already
         self.scheduler.add(Request(request_id, list(prompt_ids), params, self.eos_token_ids))
         if grammar is not None:
-            self.runner.grammars.add(request_id, grammar)
+            self.runner.grammars.add(request_id, grammar, params.ignore_eos)
 
     def abort_request(self, request_id: str) -> bool:
         req = self.scheduler.requests.get(request_id)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -119,8 +118,10 @@ def test_models_and_unknown_models(http: TestClient) -> None:
     ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_regex": "a", "guided_json": {"type": "object"}}, "guided_regex"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),  # without tools
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages.[0].content.[0].type"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.[0].role"),

@@ -44,7 +44,7 @@ def grammar(**constraint) -> str:
 def allowed(grammars: GrammarMatchers, ids: list[str]) -> torch.Tensor:
     masks = grammars.start_masks(ids)
     assert masks is not None
-    return masks.result()
+    return masks.result() == 0
 
 
 def generate(grammars: GrammarMatchers, tok: Tokenizer, rids: list[str], params: list[SamplingParams],
@@ -96,6 +96,19 @@ def test_masks_allow_only_what_the_grammar_can_continue_with(grammars, tok):
     assert allowed(grammars, ["r"])[0, EOS]  # one digit matches: now the request may end
     firsts = {tok.decode([t]) for t in mask[2].nonzero().flatten().tolist()}
     assert firsts and all("hello".startswith(f) or "world".startswith(f) for f in firsts)
+
+
+def test_ignore_eos_masks_eos_until_the_grammar_admits_nothing_else(grammars, tok):
+    grammars.add("keep", grammar(regex=r"\d+"), ignore_eos=True)
+    grammars.add("plain", grammar(regex=r"\d+"))
+    grammars.add("done", grammar(choice=["ok"]), ignore_eos=True)
+    for rid, text in (("keep", "7"), ("plain", "7"), ("done", "ok")):
+        for t in tok.encode(text):
+            grammars.accept(rid, t)
+    mask = allowed(grammars, ["keep", "plain", "done"])
+    assert not mask[0, EOS] and mask[0].any()  # more digits may follow: no end yet
+    assert mask[1, EOS]  # without ignore_eos the request may end here
+    assert mask[2, EOS] and mask[2].sum() == 1  # complete: the end is all that is left
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
