@@ -96,6 +96,21 @@ def test_response_format_json_schema_and_json_object(client):
         assert isinstance(json.loads(r.choices[0].message.content), dict)
 
 
+def test_n_choices_and_best_of_each_keep_the_grammar(client, server):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A person as JSON."}],
+                                       n=3, max_tokens=80, temperature=1.0, seed=11, response_format={
+                                           "type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}})
+    assert len(r.choices) == 3
+    for c in r.choices:  # the schema is short: every object closes well inside the budget
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+    out = httpx.post(server.url + "/generate", json={"inputs": PROMPT, "parameters": {
+        "max_new_tokens": 60, "best_of": 2, "do_sample": True, "details": True,
+        "grammar": {"type": "json", "value": PERSON}}}, timeout=120).json()
+    for text in [out["generated_text"], *(s["generated_text"] for s in out["details"]["best_of_sequences"])]:
+        jsonschema.validate(json.loads(text), PERSON)
+
+
 def test_vllm_structured_outputs_and_guided_names(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}],
                                        max_tokens=5, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
