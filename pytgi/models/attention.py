@@ -55,24 +55,30 @@ class TorchAttentionMetadata:
     paged: kernels.PagedBatch | None = None  # requests whose attention the C kernel computes
 
 
-def _group(layout: StepLayout, rows: np.ndarray, starts: np.ndarray, device: torch.device) -> _Group:
+def _group(layout: StepLayout, rows: np.ndarray, starts: np.ndarray, device: torch.device,
+           window: int | None = None) -> _Group:
+    """`window`: keys more than `window - 1` positions before a query are not seen, and the positions
+    before the first query's window are not gathered at all."""
     q_lens, ctx = layout.query_lens[rows], layout.context_lens[rows]
-    Q, L, bs = int(q_lens.max()), int(ctx.max()), layout.block_size
+    first = np.zeros_like(ctx) if window is None else np.maximum(ctx - q_lens - window + 1, 0)
+    Q, L, bs = int(q_lens.max()), int((ctx - first).max()), layout.block_size
     qi = np.arange(Q)
     valid = qi[None, :] < q_lens[:, None]
     token_idx = np.where(valid, starts[rows][:, None] + qi[None, :], 0)
-    pos = np.arange(L)
+    pos = first[:, None] + np.arange(L)[None, :]  # [G, L] the context positions gathered
     tables = layout.block_tables[rows]
-    slots = tables[:, np.minimum(pos // bs, tables.shape[1] - 1)] * bs + pos % bs
+    slots = np.take_along_axis(tables, np.minimum(pos // bs, tables.shape[1] - 1), axis=1) * bs + pos % bs
     # Query i of a request sits at position ctx - q_len + i and sees keys up to that position.
     q_pos = (ctx - q_lens)[:, None] + qi[None, :]
-    mask = pos[None, None, :] <= q_pos[:, :, None]
-    mask[~valid] = pos[None, :] < 1  # padding queries see one key (no all-masked rows: NaN)
+    mask = pos[:, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        mask &= pos[:, None, :] > q_pos[:, :, None] - window
+    mask[~valid] = (np.arange(L) < 1)[None, :]  # padding queries see one key (no all-masked rows: NaN)
     to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)  # noqa: E731
     return _Group(
         token_idx=to(token_idx),
         valid=to(valid) if Q > 1 else None,
-        slots=to(np.where(pos[None, :] < ctx[:, None], slots, 0)),
+        slots=to(np.where(pos < ctx[:, None], slots, 0)),
         mask=to(mask[:, None]),
     )
 
@@ -83,12 +89,13 @@ class TorchAttention:
         self.paged = cpu.fused  # decodes (and small prefill chunks) in the paged C kernel
         self.paged_prefill_max = cpu.paged_prefill_max(heads)
 
-    def prepare(self, layout: StepLayout, device: torch.device) -> TorchAttentionMetadata:
+    def prepare(self, layout: StepLayout, device: torch.device, window: int | None = None) -> TorchAttentionMetadata:
+        """`window`: a sliding window for every query (the paged kernel has none: SDPA then)."""
         starts = np.concatenate(([0], np.cumsum(layout.query_lens)[:-1]))
         is_decode = layout.query_lens == 1
         dec, pre = np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]
         paged = None
-        if self.paged:
+        if self.paged and window is None:
             small = layout.query_lens[pre] <= self.paged_prefill_max
             if small.any():
                 dec, pre = np.sort(np.concatenate([dec, pre[small]])), pre[~small]
@@ -101,8 +108,8 @@ class TorchAttention:
                                            block_size=layout.block_size, decodes_only=bool((q_lens == 1).all()))
         return TorchAttentionMetadata(
             slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
-            decode=_group(layout, dec, starts, device) if len(dec) and paged is None else None,
-            prefill=_group(layout, pre, starts, device) if len(pre) else None,
+            decode=_group(layout, dec, starts, device, window) if len(dec) and paged is None else None,
+            prefill=_group(layout, pre, starts, device, window) if len(pre) else None,
             paged=paged,
         )
 

@@ -198,7 +198,11 @@ class LlamaForCausalLM(nn.Module):
         if kind([head]) is not None:
             todo[self.lm_head] = "int8"  # logits are sensitive: never below 8 bits
         quantize_model(self, todo, act_dtype, self.cpu)
-        self.decoder_loop = DecoderLoop.build(self, self.cpu)
+        self.decoder_loop = self._decoder_loop()
+
+    def _decoder_loop(self) -> DecoderLoop | None:
+        """All layers in one C call, where the model and kernels allow (Llama's layer only)."""
+        return DecoderLoop.build(self, self.cpu)
 
     def load_weights(self, weights) -> None:  # type: ignore[no-untyped-def]
         """Copy (name, tensor) pairs in Hugging Face naming into this rank's parameters."""

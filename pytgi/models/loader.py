@@ -11,7 +11,16 @@ import torch
 
 from pytgi.errors import UserError
 from pytgi.models.cpu import CpuKernels
-from pytgi.models.llama import SUPPORTED_ARCHITECTURES, LlamaConfig, LlamaForCausalLM
+from pytgi.models.gemma import Gemma3Config, Gemma3ForCausalLM
+from pytgi.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
+from pytgi.models.llama import LlamaConfig, LlamaForCausalLM
+
+# architecture → (its config, its model)
+MODELS: dict[str, tuple[Any, type[LlamaForCausalLM]]] = {
+    **{arch: (LlamaConfig, LlamaForCausalLM) for arch in LLAMA_ARCHITECTURES},
+    "Gemma3ForCausalLM": (Gemma3Config, Gemma3ForCausalLM),
+}
+SUPPORTED_ARCHITECTURES = tuple(MODELS)
 from pytgi.models.quant import resolve_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,11 +90,13 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, cpu: CpuKer
                attention: str = "torch") -> LlamaForCausalLM:
     """`cpu`: the kernels to run on; `quantize`: none | auto | int8 | int4 (see `pytgi.models.quant`);
     `attention`: the attention backend's name."""
-    cfg = LlamaConfig.from_hf(read_config(path))
+    hf = read_config(path)
+    config_cls, model_cls = MODELS[hf["architectures"][0]]
+    cfg = config_cls.from_hf(hf)
     plan = resolve_plan(quantize, path, dtype, device)
     # A quantized model is loaded in float32 first, so the low-bit grids see the checkpoint's values.
     with _default_dtype(torch.float32 if plan else dtype), torch.device(device):
-        model = LlamaForCausalLM(cfg, cpu, attention)
+        model = model_cls(cfg, cpu, attention)
     model.load_weights(iter_safetensors(path))
     if plan:
         model.quantize(plan, dtype)

@@ -1,4 +1,4 @@
-"""pytgi's Llama-family model against transformers' on tiny random-weight configs (fp32).
+"""pytgi's models (the Llama family, Gemma 3) against transformers' on tiny random-weight configs (fp32).
 
 Logits are compared at every position for mixed batches of prefills, prefill chunks and paged
 decodes, with block tables that are deliberately not contiguous.
@@ -16,7 +16,6 @@ from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import ScheduledRequest
 from pytgi.models.cpu import CpuKernels
-from pytgi.models.llama import LlamaForCausalLM
 from pytgi.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -35,10 +34,17 @@ CONFIGS = {
     "mistral": (transformers.MistralConfig, dict(BASE, sliding_window=None)),
     "qwen2-bias": (transformers.Qwen2Config, dict(BASE, tie_word_embeddings=True)),
     "qwen3-qknorm": (transformers.Qwen3Config, dict(BASE, head_dim=32)),
+    # sliding layers see 8 positions: the test sequences (up to 30 tokens) reach past it
+    "gemma3-sliding": (transformers.Gemma3TextConfig, dict(
+        BASE, num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
 }
 ARCH = {transformers.LlamaConfig: transformers.LlamaForCausalLM, transformers.MistralConfig:
         transformers.MistralForCausalLM, transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
-        transformers.Qwen3Config: transformers.Qwen3ForCausalLM}
+        transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+        transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -154,7 +160,7 @@ def test_prefill_on_top_of_cached_prefix_blocks_matches(models):
 def test_pure_torch_path_matches(models, monkeypatch):
     """Without the C kernels (no compiler, or CUDA): PyTorch ops for attention and the fused steps."""
     runner = models[1]
-    model = LlamaForCausalLM(runner.config, CpuKernels.none())  # the same weights on PyTorch's ops
+    model = type(runner.model)(runner.config, CpuKernels.none())  # the same weights on PyTorch's ops
     model.load_state_dict(runner.model.state_dict())
     monkeypatch.setattr(runner, "model", model.eval())
     monkeypatch.setattr(runner, "backend", model.attention)
