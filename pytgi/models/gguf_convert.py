@@ -23,6 +23,13 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+}
+# Gemma's layers have four norms: llama.cpp's ffn_norm is the one before the MLP there.
+GEMMA_LAYER_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 
 LAYER_TENSORS = {
@@ -98,6 +105,12 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    if model_type == "gemma3_text":
+        config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                      sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", 4096)),
+                      query_pre_attn_scalar=int(head_dim), tie_word_embeddings=True,
+                      rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     if model_type == "qwen2":
         config["attention_bias"] = True
     if model_type == "llama":
@@ -106,13 +119,14 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     return config
 
 
-def _hf_tensor_name(name: str) -> str:
+def _hf_tensor_name(name: str, model_type: str = "llama") -> str:
     stem, _, kind = name.rpartition(".")  # kind: weight | bias
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{kind}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{LAYER_TENSORS[parts[2]]}.{kind}"
+    layer = {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS} if model_type.startswith("gemma") else LAYER_TENSORS
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}.{kind}"
     raise GGUFConversionError(f"unexpected tensor {name!r} in GGUF file")
 
 
@@ -121,11 +135,14 @@ def _tensors(reader: Any, config: dict[str, Any], progress: bool):
     from tqdm import tqdm
 
     permute = config["model_type"] == "llama"
+    gemma = config["model_type"].startswith("gemma")
     tensors = reader.tensors
     bar = tqdm(tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress)
     for t in bar:
         w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        name = _hf_tensor_name(t.name)
+        name = _hf_tensor_name(t.name, config["model_type"])
+        if gemma and name.endswith("norm.weight"):
+            w = w - 1  # llama.cpp stores Gemma's norms as 1 + w
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
             w = _unpermute(w, config["num_attention_heads"])
         elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -133,14 +150,74 @@ def _tensors(reader: Any, config: dict[str, Any], progress: bool):
         yield name, w
 
 
+def _recovered_merges(tokens: list[str], rank: dict[str, float]) -> list[tuple[str, str]]:
+    """A SentencePiece BPE file keeps no merges: every token that two others join into is one, and
+    merges apply best-ranked first (then the longer left part first; ties in file order)."""
+    index = {tok: i for i, tok in enumerate(tokens)}
+    merges: list[tuple[float, int, int, str, str]] = []
+    for tok in rank:
+        pairs = [(tok[:k], tok[k:]) for k in range(1, len(tok)) if tok[:k] in index and tok[k:] in index]
+        pairs.sort(key=lambda lr: (index[lr[0]], index[lr[1]]))
+        merges += [(rank[tok], len(left), len(right), left, right) for left, right in pairs]
+    merges.sort(key=lambda m: (-m[0], -m[1], -m[2]))  # stable: equal keys keep their order
+    return [(left, right) for _, _, _, left, right in merges]
+
+
+def _sentencepiece_tokenizer_json(reader: Any, arch: str) -> str:
+    """A SentencePiece BPE vocabulary (`tokenizer.ggml.model` = llama) as the Gemma family's
+    tokenizer.json spells it: spaces become '▁' (no prefix space), unknown bytes fall back to
+    <0xNN> tokens, the merges recovered from the vocabulary in file order (Gemma's scores do not
+    follow its merge order), BOS added as the file says."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    if not arch.startswith("gemma") or _field(reader, "tokenizer.ggml.add_space_prefix", False):
+        raise GGUFConversionError(
+            f"a SentencePiece tokenizer in a {arch!r} GGUF file is not supported yet (only the Gemma family's); "
+            "convert the model to a Hugging Face directory and pass that instead"
+        )
+    # A blank token with a space in it is stored with real spaces; the normalized text has '▁' there.
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in _field(reader, "tokenizer.ggml.tokens")]
+    types = list(_field(reader, "tokenizer.ggml.token_type"))
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    rank = {tok: -float(i) for i, tok in enumerate(tokens)}
+    unk = _field(reader, "tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_recovered_merges(tokens, rank), fuse_unk=True,
+                               byte_fallback=True, unk_token=None if unk is None else tokens[int(unk)]))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if bos is not None and _field(reader, "tokenizer.ggml.add_bos_token", True):
+        b = tokens[int(bos)]
+        tok.post_processor = processors.TemplateProcessing(single=f"{b} $A", pair=f"{b} $A {b}:1 $B:1",
+                                                           special_tokens=[(b, int(bos))])
+    _add_marked_tokens(tok, tokens, types, vocab)
+    return tok.to_str()
+
+
+def _add_marked_tokens(tok: Any, tokens: list[str], types: list[int], vocab: dict[str, int] | None) -> None:
+    """Control tokens (type 3) are added special tokens, user-defined ones (4) plain added tokens:
+    both are matched whole in the text."""
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
+    )
+    tok.add_tokens([AddedToken(tokens[i], normalized=False) for i, t in enumerate(types)
+                    if t == 4 and (vocab is None or tokens[i] in vocab)])
+
+
 def gguf_tokenizer_json(reader: Any) -> str:
-    """Build a `tokenizers` byte-level BPE tokenizer equal to the one the GGUF file describes."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    """Build a `tokenizers` tokenizer equal to the one the GGUF file describes: byte-level BPE
+    ('gpt2'), or the Gemma family's SentencePiece BPE ('llama')."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = _field(reader, "tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece_tokenizer_json(reader, _field(reader, "general.architecture"))
     if kind != "gpt2":
         raise GGUFConversionError(
-            f"GGUF tokenizer type {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
+            f"GGUF tokenizer type {kind!r} is not supported (byte-level BPE 'gpt2', or Gemma's SentencePiece); "
             "convert the model to a Hugging Face directory and pass that instead"
         )
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
@@ -167,11 +244,7 @@ def gguf_tokenizer_json(reader: Any) -> str:
         )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    # Control (3) and user-defined (4) tokens are added tokens; control ones are special.
-    tok.add_special_tokens(
-        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
-    )
-    tok.add_tokens([AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == 4])
+    _add_marked_tokens(tok, tokens, types, None)
     return tok.to_str()
 
 
@@ -209,7 +282,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
-        types = {_hf_tensor_name(t.name): t.tensor_type.name for t in reader.tensors}
+        types = {_hf_tensor_name(t.name, config["model_type"]): t.tensor_type.name for t in reader.tensors}
         (tmp / "quantization.json").write_text(json.dumps({"source": "gguf", "tensors": types}, indent=2))
         save_file(dict(_tensors(reader, config, progress)), str(tmp / "model.safetensors"),
                   metadata={"format": "pt", "source": Path(gguf_path).name})
