@@ -52,7 +52,8 @@ class EngineConfig:
             raise ValueError(f"num_shard must be >= 1, got {self.num_shard}")
 
     def resolve(self, *, model_id: str, model_path: str, dtype: str, device_type: str, vocab_size: int,
-                max_positions: int, kv_capacity: Callable[[], int]) -> EngineInfo:
+                max_positions: int, kv_capacity: Callable[[], int],
+                quantization: dict[str, int] | None = None) -> EngineInfo:
         """Fill the defaults from the loaded model and check the limits against each other;
         `kv_capacity()` (KV slots that fit in memory) is asked only when no size was given."""
         total = self.max_total_tokens or max_positions
@@ -82,7 +83,7 @@ class EngineConfig:
             max_batch_total_tokens=num_blocks * self.block_size, max_batch_size=self.max_batch_size or 256,
             waiting_served_ratio=self.waiting_served_ratio, max_waiting_tokens=self.max_waiting_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill, enable_prefix_caching=self.enable_prefix_caching,
-            block_size=self.block_size, num_blocks=num_blocks,
+            block_size=self.block_size, num_blocks=num_blocks, quantization=quantization,
         )
 
 
@@ -109,3 +110,5 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     enable_prefix_caching: bool
     block_size: int
     num_blocks: int
+    # A GGUF model's tensor types as the file has them, with their counts (e.g. {"Q4_K": 27, "F32": 109})
+    quantization: dict[str, int] | None = None

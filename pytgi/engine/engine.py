@@ -21,6 +21,7 @@ from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner, set_cpu_threads
 from pytgi.engine.scheduler import Scheduler
 from pytgi.engine.shards import ShardGroup
+from pytgi.models.quant import file_quantization
 from pytgi.models.registry import resolve_model
 from pytgi.sampling_params import InvalidRequest, SamplingParams
 
@@ -48,7 +49,7 @@ class LLMEngine:
         self.info = self.shards.config.resolve(
             model_id=model_id, model_path=str(model_path), dtype=str(runner.dtype).removeprefix("torch."),
             device_type=runner.device.type, vocab_size=runner.vocab_size,
-            max_positions=runner.config.max_position_embeddings,
+            max_positions=runner.config.max_position_embeddings, quantization=file_quantization(model_path),
             kv_capacity=lambda: runner.auto_num_tokens(config.kv_cache_cpu_bytes, config.kv_cache_memory_fraction),
         )
         self.block_manager = BlockManager(self.info.num_blocks, config.block_size, config.enable_prefix_caching)

@@ -68,6 +68,13 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
+def _required(reader: Any, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise GGUFConversionError(f"the GGUF file has no {key!r}: it is incomplete or not a model file")
+    return value
+
+
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's interleaving of Q/K rows, back to the rotate-half layout HF's Llama uses."""
     rows = w.shape[0]
@@ -81,17 +88,17 @@ def gguf_config(reader: Any) -> dict[str, Any]:
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
     hf_arch, model_type = ARCHITECTURES[arch]
-    n_heads = int(_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    n_heads = int(_required(reader, f"{arch}.attention.head_count"))
+    hidden = int(_required(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
-    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_required(reader, "tokenizer.ggml.tokens"))
     head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // n_heads
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "intermediate_size": int(_required(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_required(reader, f"{arch}.block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
         "head_dim": int(head_dim),

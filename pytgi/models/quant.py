@@ -41,6 +41,15 @@ INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"}
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 MODES = ("none", "auto", "int8", "int4")
 
+def file_quantization(model_dir: Path) -> dict[str, int] | None:
+    """A converted GGUF model's tensor types with their counts (None for other models)."""
+    path = Path(model_dir) / "quantization.json"
+    if not path.is_file():
+        return None
+    types = list(json.loads(path.read_text()).get("tensors", {}).values())
+    return {t: types.count(t) for t in sorted(set(types))}
+
+
 def gguf_plan(model_dir: Path) -> dict[str, str]:
     """HF tensor name → "int4" | "int8" from the converter's record of the GGUF types ({} if none)."""
     path = Path(model_dir) / "quantization.json"

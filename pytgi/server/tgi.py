@@ -216,6 +216,7 @@ async def info(request: Request) -> JSONResponse:
         "model_sha": cfg.revision,
         "model_dtype": eng.model_dtype,
         "model_device_type": eng.model_device_type,
+        "model_quantization": eng.quantization,  # pytgi's: a GGUF file's tensor types and counts
         "model_pipeline_tag": "text-generation",
         "max_concurrent_requests": cfg.max_concurrent_requests,
         "max_best_of": cfg.max_best_of,

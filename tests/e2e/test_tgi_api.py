@@ -151,6 +151,7 @@ def test_info_health_metrics_tokenize(server):
     assert info["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert info["max_total_tokens"] == 8192 and info["max_input_tokens"] == 8191
     assert info["max_best_of"] == 2 and info["max_concurrent_requests"] == 128 and info["version"]
+    assert info["model_quantization"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1}  # the GGUF file's tensor types
     assert httpx.get(f"{server.url}/health").status_code == 200
     metrics = httpx.get(f"{server.url}/metrics").text
     for name in ("tgi_request_count", "tgi_request_success", "tgi_queue_size", "tgi_batch_current_size",

@@ -20,7 +20,7 @@ def test_an_unsupported_gguf_is_one_line(tmp_path: Path) -> None:
     import gguf
 
     path = tmp_path / "other.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
+    w = gguf.GGUFWriter(str(path), "mamba")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file()
@@ -29,8 +29,24 @@ def test_an_unsupported_gguf_is_one_line(tmp_path: Path) -> None:
     w.close()
     proc = _pytgi("serve", "--model-id", str(path), "--port", "1", cache=tmp_path / "cache")
     assert proc.returncode == 2
-    assert "pytgi: error: GGUF architecture 'gemma3' is not supported" in proc.stderr
+    assert "pytgi: error: GGUF architecture 'mamba' is not supported" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_an_incomplete_gguf_is_one_line(tmp_path: Path) -> None:
+    import gguf
+
+    path = tmp_path / "half.gguf"
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    proc = _pytgi("serve", "--model-id", str(path), "--port", "1", cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "pytgi: error: the GGUF file has no 'gemma3.attention.head_count'" in proc.stderr
 
 
 def test_a_missing_model_is_one_line(tmp_path: Path) -> None:
