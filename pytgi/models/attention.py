@@ -144,6 +144,43 @@ class TorchAttention:
         return out
 
 
+@dataclass(slots=True)
+class WindowedMetadata:
+    """A step's metadata for a model with sliding-window layers: `full` for the layers that see the
+    whole context, `sliding` for the others (the same object while no context reaches past the window)."""
+
+    full: TorchAttentionMetadata
+    sliding: TorchAttentionMetadata
+
+    @property
+    def uniform(self) -> TorchAttentionMetadata | None:
+        """The one metadata every layer can use, if there is one."""
+        return self.full if self.full is self.sliding else None
+
+
+class SlidingWindowBackend:
+    """A backend for models whose sliding layers see the last `window` positions only."""
+
+    def __init__(self, inner: TorchAttention, window: int) -> None:
+        self.inner, self.window = inner, window
+
+    def prepare(self, layout: StepLayout, device: torch.device) -> WindowedMetadata:
+        full = self.inner.prepare(layout, device)
+        if int(layout.context_lens.max()) <= self.window:
+            return WindowedMetadata(full, full)
+        return WindowedMetadata(full, self.inner.prepare(layout, device, window=self.window))
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        return self.inner.forward(*args, **kwargs)
+
+
+def layer_metadata(meta, sliding: bool | None):  # type: ignore[no-untyped-def]
+    """A layer's own metadata: `sliding` None for models without windows."""
+    if sliding is None:
+        return meta
+    return meta.sliding if sliding else meta.full
+
+
 BACKENDS = {"torch": TorchAttention}
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pytgi.distributed import check_heads, tp_size
-from pytgi.models.attention import TorchAttention, get_backend
+from pytgi.models.attention import SlidingWindowBackend, TorchAttention, get_backend, layer_metadata
 from pytgi.models.cpu import CpuKernels, TorchOps
 from pytgi.models.layers import (
     ColumnParallelLinear,
@@ -131,8 +131,8 @@ class Gemma3Attention(nn.Module):
         v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = self.backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], meta.sliding if self.sliding
-                                 else meta.full, self.scale)
+        o = self.backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], layer_metadata(meta, self.sliding),
+                                 self.scale)
         return self.o_proj(o.reshape(T, H * D))
 
 
@@ -166,29 +166,6 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
-@dataclass(slots=True)
-class _Metas:
-    full: Any
-    sliding: Any
-
-
-class GemmaAttentionBackend:
-    """The attention backend's metadata twice a step: for full layers, and for sliding ones (which
-    see only the last `window` positions; the same object when no context reaches past it)."""
-
-    def __init__(self, inner: TorchAttention, window: int) -> None:
-        self.inner, self.window = inner, window
-
-    def prepare(self, layout, device: torch.device) -> _Metas:  # type: ignore[no-untyped-def]
-        full = self.inner.prepare(layout, device)
-        if int(layout.context_lens.max()) <= self.window:
-            return _Metas(full, full)
-        return _Metas(full, self.inner.prepare(layout, device, window=self.window))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 class Gemma3ForCausalLM(LlamaForCausalLM):
     FUSED = LlamaForCausalLM.FUSED
 
@@ -197,7 +174,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())
         self.config, self.cpu, self.ops = cfg, cpu, TorchOps()
         inner = get_backend(attention, cpu, _local_heads(cfg))
-        self.attention = GemmaAttentionBackend(inner, cfg.sliding_window)
+        self.attention = SlidingWindowBackend(inner, cfg.sliding_window)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, inner, t == SLIDING) for t in cfg.layer_types)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

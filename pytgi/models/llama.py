@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from pytgi.distributed import check_heads, tp_size
-from pytgi.models.attention import TorchAttention, get_backend
+from pytgi.models.attention import (
+    SlidingWindowBackend,
+    TorchAttention,
+    WindowedMetadata,
+    get_backend,
+    layer_metadata,
+)
 from pytgi.models.cpu import CpuKernels, TorchOps
 from pytgi.models.decoder_loop import DecoderLoop
 from pytgi.models.layers import (
@@ -56,6 +62,8 @@ class LlamaConfig:
     o_proj_bias: bool
     mlp_bias: bool
     qk_norm: bool
+    sliding_window: int | None = None  # Mistral's (and Qwen2's with use_sliding_window)
+    layer_types: list[str] | None = None  # per layer, "sliding_attention" | "full_attention" (with a window)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
@@ -63,6 +71,8 @@ class LlamaConfig:
         n_heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
         theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        uses_window = arch == "MistralForCausalLM" or cfg.get("use_sliding_window", False)
+        window = cfg.get("sliding_window") if uses_window else None
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -80,6 +90,9 @@ class LlamaConfig:
             o_proj_bias=cfg.get("attention_bias", False) and arch != "Qwen2ForCausalLM",
             mlp_bias=cfg.get("mlp_bias", False),
             qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            layer_types=(cfg.get("layer_types") or ["sliding_attention"] * cfg["num_hidden_layers"]) if window
+            else None,
         )
 
 
@@ -91,8 +104,10 @@ def local_heads(cfg: LlamaConfig) -> tuple[int, int, int]:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: TorchAttention, ops: TorchOps) -> None:
+    def __init__(self, cfg: LlamaConfig, backend: TorchAttention, ops: TorchOps, sliding: bool | None = None) -> None:
+        """sliding: whether this layer attends within the model's window (None: the model has none)."""
         super().__init__()
+        self.sliding = sliding
         self.n_heads, self.n_kv, self.head_dim = local_heads(cfg)
         self.scale = cfg.head_dim**-0.5
         self.backend, self.ops = backend, ops
@@ -103,6 +118,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
+        meta = layer_metadata(meta, self.sliding)
         q, k, v = self.ops.qkv_rotary(self, self.qkv_proj(x), rope, kv_cache, meta)
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.head_dim))
@@ -121,9 +137,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: TorchAttention, ops: TorchOps) -> None:
+    def __init__(self, cfg: LlamaConfig, backend: TorchAttention, ops: TorchOps, sliding: bool | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, backend, ops)
+        self.self_attn = Attention(cfg, backend, ops, sliding)
         self.mlp = MLP(cfg, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -154,9 +170,14 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())
         self.config, self.cpu, self.ops = cfg, cpu, cpu.ops()
-        self.attention = get_backend(attention, cpu, local_heads(cfg))
+        backend = get_backend(attention, cpu, local_heads(cfg))
+        self.attention: TorchAttention | SlidingWindowBackend = backend
+        slidings: list[bool | None] = [None] * cfg.num_hidden_layers
+        if cfg.sliding_window and cfg.layer_types:
+            self.attention = SlidingWindowBackend(backend, cfg.sliding_window)
+            slidings = [t == "sliding_attention" for t in cfg.layer_types]
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.attention, self.ops) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, self.ops, s) for s in slidings)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
@@ -167,7 +188,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
         x = self.embed_tokens(input_ids)
         rope = self.ops.rope_tables(self.rotary, positions, x.dtype)
-        if self.decoder_loop is not None and (h := self.decoder_loop(x, rope, kv_caches, meta)) is not None:
+        whole = meta.uniform if isinstance(meta, WindowedMetadata) else meta  # one metadata for every layer
+        if self.decoder_loop is not None and whole is not None and \
+                (h := self.decoder_loop(x, rope, kv_caches, whole)) is not None:
             return h
         residual, h = self.ops.add_norm(None, x, self.layers[0].input_layernorm)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]

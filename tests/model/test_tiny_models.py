@@ -32,6 +32,7 @@ CONFIGS = {
         "original_max_position_embeddings": 32})),
     "llama-biases": (transformers.LlamaConfig, dict(BASE, attention_bias=True, mlp_bias=True)),
     "mistral": (transformers.MistralConfig, dict(BASE, sliding_window=None)),
+    "mistral-sliding": (transformers.MistralConfig, dict(BASE, sliding_window=8)),  # sequences reach past it
     "qwen2-bias": (transformers.Qwen2Config, dict(BASE, tie_word_embeddings=True)),
     "qwen3-qknorm": (transformers.Qwen3Config, dict(BASE, head_dim=32)),
     # sliding layers see 8 positions: the test sequences (up to 30 tokens) reach past it
