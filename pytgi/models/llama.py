@@ -41,6 +41,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",  # Llama with q, k, v (and gate, up) fused in the checkpoint
 )
 
 
@@ -70,6 +71,9 @@ class LlamaConfig:
         arch = (cfg.get("architectures") or [""])[0]
         n_heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
+        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial rotary embeddings (partial_rotary_factor {cfg['partial_rotary_factor']}) "
+                             "are not supported")
         theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         uses_window = arch == "MistralForCausalLM" or cfg.get("use_sliding_window", False)
         window = cfg.get("sliding_window") if uses_window else None
@@ -227,11 +231,25 @@ class LlamaForCausalLM(nn.Module):
         """All layers in one C call, where the model and kernels allow (Llama's layer only)."""
         return DecoderLoop.build(self, self.cpu)
 
+    def _unfused(self, weights):  # type: ignore[no-untyped-def]
+        """Checkpoints that store q, k, v (or gate, up) as one tensor (Phi-3) as separate ones, so each
+        part reaches its shard of the fused layer."""
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        for name, tensor in weights:
+            if ".qkv_proj." in name:
+                yield from zip([name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")],
+                               tensor.split([q, kv, kv]))
+            elif ".gate_up_proj." in name:
+                yield from zip([name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")], tensor.chunk(2))
+            else:
+                yield name, tensor
+
     def load_weights(self, weights) -> None:  # type: ignore[no-untyped-def]
         """Copy (name, tensor) pairs in Hugging Face naming into this rank's parameters."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        for name, tensor in weights:
+        for name, tensor in self._unfused(weights):
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue

@@ -35,6 +35,7 @@ CONFIGS = {
     "mistral-sliding": (transformers.MistralConfig, dict(BASE, sliding_window=8)),  # sequences reach past it
     "qwen2-bias": (transformers.Qwen2Config, dict(BASE, tie_word_embeddings=True)),
     "qwen3-qknorm": (transformers.Qwen3Config, dict(BASE, head_dim=32)),
+    "phi3-fused-checkpoint": (transformers.Phi3Config, dict(BASE, pad_token_id=0)),
     # sliding layers see 8 positions: the test sequences (up to 30 tokens) reach past it
     "gemma3-sliding": (transformers.Gemma3TextConfig, dict(
         BASE, num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
@@ -45,7 +46,7 @@ CONFIGS = {
 ARCH = {transformers.LlamaConfig: transformers.LlamaForCausalLM, transformers.MistralConfig:
         transformers.MistralForCausalLM, transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
         transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
-        transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM}
+        transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM, transformers.Phi3Config: transformers.Phi3ForCausalLM}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
