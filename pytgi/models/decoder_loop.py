@@ -36,7 +36,7 @@ class DecoderLoop:
         """The loop for this model, or None when it does not apply (see the module doc)."""
         cfg = model.config
         if not cpu.decoder_loop or tp_size() != 1 or cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias \
-                or cfg.qk_norm:
+                or cfg.qk_norm or cfg.moe is not None:
             return None
         quants = [getattr(m, "quant", None) for layer in model.layers for m in _linears(layer)]
         return cls(model) if all(q is not None and q.vnni for q in quants) else None

@@ -34,6 +34,7 @@ from pytgi.models.layers import (
     merged_shards,
     qkv_shards,
 )
+from pytgi.models.moe import SparseMoE
 from pytgi.models.quant import quantize_model
 
 SUPPORTED_ARCHITECTURES = (
@@ -42,7 +43,34 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Phi3ForCausalLM",  # Llama with q, k, v (and gate, up) fused in the checkpoint
+    "MixtralForCausalLM",  # ... and with a sparse mixture of experts for MLP (pytgi.models.moe)
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+@dataclass(slots=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk: bool  # renormalize the chosen experts' weights
+    shared_intermediate_size: int | None  # Qwen2-MoE's shared expert
+    sparse_layers: list[bool]  # which layers route (the others keep the dense MLP)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], arch: str) -> MoEConfig | None:
+        if arch not in MOE_ARCHITECTURES:
+            return None
+        if arch == "MixtralForCausalLM":
+            return cls(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"], True, None,
+                       [True] * cfg["num_hidden_layers"])
+        step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or [])
+        experts = cfg.get("num_experts") or cfg["num_local_experts"]  # transformers 5 names Qwen3-MoE's so
+        return cls(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+                   bool(cfg.get("norm_topk_prob", False)), cfg.get("shared_expert_intermediate_size") or None,
+                   [i not in dense and (i + 1) % step == 0 for i in range(cfg["num_hidden_layers"])])
 
 
 @dataclass(slots=True)
@@ -65,6 +93,7 @@ class LlamaConfig:
     qk_norm: bool
     sliding_window: int | None = None  # Mistral's (and Qwen2's with use_sliding_window)
     layer_types: list[str] | None = None  # per layer, "sliding_attention" | "full_attention" (with a window)
+    moe: MoEConfig | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
@@ -90,10 +119,12 @@ class LlamaConfig:
             rope_scaling=rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            o_proj_bias=cfg.get("attention_bias", False) and arch != "Qwen2ForCausalLM",
+            attention_bias=cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
+            else cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            o_proj_bias=cfg.get("attention_bias", False) and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
             mlp_bias=cfg.get("mlp_bias", False),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            moe=MoEConfig.from_hf(cfg, arch),
             sliding_window=window,
             layer_types=(cfg.get("layer_types") or ["sliding_attention"] * cfg["num_hidden_layers"]) if window
             else None,
@@ -141,10 +172,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: TorchAttention, ops: TorchOps, sliding: bool | None = None) -> None:
+    def __init__(self, cfg: LlamaConfig, backend: TorchAttention, ops: TorchOps, sliding: bool | None = None,
+                 sparse: bool = False) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, backend, ops, sliding)
-        self.mlp = MLP(cfg, ops)
+        moe = cfg.moe
+        self.mlp: MLP | SparseMoE = MLP(cfg, ops) if moe is None or not sparse else SparseMoE(
+            cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.norm_topk,
+            moe.shared_intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ops = ops
@@ -181,7 +216,8 @@ class LlamaForCausalLM(nn.Module):
             self.attention = SlidingWindowBackend(backend, cfg.sliding_window)
             slidings = [t == "sliding_attention" for t in cfg.layer_types]
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, self.ops, s) for s in slidings)
+        sparse = cfg.moe.sparse_layers if cfg.moe else [False] * cfg.num_hidden_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, self.ops, s, m) for s, m in zip(slidings, sparse))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
@@ -250,8 +286,13 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in self._unfused(weights):
-            name = name.removeprefix("model.")
+            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
             if "rotary_emb" in name:
+                continue
+            if ".mlp.experts." in name:  # a mixture of experts' stacked weights
+                layer, rest = name.split(".mlp.", 1)
+                mlp = self.get_submodule(layer + ".mlp")
+                loaded.update(f"{layer}.mlp.{p}" for p in mlp.load_experts(rest, tensor))
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue

@@ -36,6 +36,12 @@ CONFIGS = {
     "qwen2-bias": (transformers.Qwen2Config, dict(BASE, tie_word_embeddings=True)),
     "qwen3-qknorm": (transformers.Qwen3Config, dict(BASE, head_dim=32)),
     "phi3-fused-checkpoint": (transformers.Phi3Config, dict(BASE, pad_token_id=0)),
+    "mixtral-moe": (transformers.MixtralConfig, dict(BASE, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2-moe-shared": (transformers.Qwen2MoeConfig, dict(
+        BASE, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3-moe": (transformers.Qwen3MoeConfig, dict(BASE, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=48, norm_topk_prob=True)),
     # sliding layers see 8 positions: the test sequences (up to 30 tokens) reach past it
     "gemma3-sliding": (transformers.Gemma3TextConfig, dict(
         BASE, num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
@@ -46,7 +52,10 @@ CONFIGS = {
 ARCH = {transformers.LlamaConfig: transformers.LlamaForCausalLM, transformers.MistralConfig:
         transformers.MistralForCausalLM, transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
         transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
-        transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM, transformers.Phi3Config: transformers.Phi3ForCausalLM}
+        transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM, transformers.Phi3Config: transformers.Phi3ForCausalLM,
+        transformers.MixtralConfig: transformers.MixtralForCausalLM,
+        transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
+        transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
