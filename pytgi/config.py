@@ -33,6 +33,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.9  # of free memory left after the weights (CUDA)
     kv_cache_cpu_bytes: int = 4 << 30  # on CPU: the most the KV cache takes by default
     attention_backend: str = "torch"
+    model_impl: str = "auto"  # auto | pytgi | transformers: whose model code (auto: pytgi's where it has it)
     num_shard: int = 1
     master_addr: str = "localhost"  # torch.distributed rendezvous (MASTER_ADDR)
     master_port: int | None = None  # None: a free local port (all shards on this machine)

@@ -55,7 +55,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         # On CPU this builds the C kernels now (about a second, once), not on the first request.
         cpu = CpuKernels.for_device(self.device, self.dtype)
-        self.model = load_model(model_path, self.dtype, self.device, cpu, config.quantize, config.attention_backend)
+        self.model = load_model(model_path, self.dtype, self.device, cpu, config.quantize, config.attention_backend,
+                                config.model_impl)
         self.backend = self.model.attention  # builds each step's attention metadata
         self.config = self.model.config
         self.vocab_size = self.config.vocab_size

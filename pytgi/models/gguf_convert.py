@@ -175,7 +175,7 @@ def _sentencepiece_tokenizer_json(reader: Any, arch: str) -> str:
     tokenizer.json spells it: spaces become '▁' (no prefix space), unknown bytes fall back to
     <0xNN> tokens, the merges recovered from the vocabulary in file order (Gemma's scores do not
     follow its merge order), BOS added as the file says."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     if not arch.startswith("gemma") or _field(reader, "tokenizer.ggml.add_space_prefix", False):
         raise GGUFConversionError(

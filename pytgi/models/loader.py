@@ -14,6 +14,7 @@ from pytgi.models.cpu import CpuKernels
 from pytgi.models.gemma import Gemma3Config, Gemma3ForCausalLM
 from pytgi.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from pytgi.models.llama import LlamaConfig, LlamaForCausalLM
+from pytgi.models.quant import resolve_plan
 
 # architecture → (its config, its model)
 MODELS: dict[str, tuple[Any, type[LlamaForCausalLM]]] = {
@@ -21,7 +22,6 @@ MODELS: dict[str, tuple[Any, type[LlamaForCausalLM]]] = {
     "Gemma3ForCausalLM": (Gemma3Config, Gemma3ForCausalLM),
 }
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
-from pytgi.models.quant import resolve_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,13 +31,25 @@ class UnsupportedModel(UserError, ValueError):
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    cfg = json.loads((path / "config.json").read_text())
+    return json.loads((path / "config.json").read_text())
+
+
+MODEL_IMPLS = ("auto", "pytgi", "transformers")
+
+
+def model_impl(cfg: dict[str, Any], path: Path, impl: str = "auto") -> str:
+    """Whose model code runs this model: pytgi's where it has it (auto), or transformers'."""
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"unknown model implementation {impl!r} ({' | '.join(MODEL_IMPLS)})")
     arch = (cfg.get("architectures") or [None])[0]
+    if impl == "transformers" or (impl == "auto" and arch not in SUPPORTED_ARCHITECTURES and arch is not None):
+        return "transformers"
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModel(
-            f"architecture {arch!r} of {path} is not supported; pytgi runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"architecture {arch!r} of {path} is not supported; pytgi runs {', '.join(SUPPORTED_ARCHITECTURES)} "
+            "(--model-impl auto runs others through transformers' model code)"
         )
-    return cfg
+    return "pytgi"
 
 
 def eos_token_ids(path: Path) -> frozenset[int]:
@@ -87,10 +99,16 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, cpu: CpuKernels, quantize: str = "none",
-               attention: str = "torch") -> LlamaForCausalLM:
+               attention: str = "torch", impl: str = "auto") -> Any:
     """`cpu`: the kernels to run on; `quantize`: none | auto | int8 | int4 (see `pytgi.models.quant`);
-    `attention`: the attention backend's name."""
+    `attention`: the attention backend's name; `impl`: auto | pytgi | transformers (whose model code)."""
     hf = read_config(path)
+    if model_impl(hf, path, impl) == "transformers":
+        if quantize not in ("auto", "none"):
+            raise ValueError(f"--quantize {quantize} needs pytgi's own model code (--model-impl pytgi)")
+        from pytgi.models.transformers_impl import TransformersModel
+
+        return TransformersModel(path, dtype, device, cpu, attention)
     config_cls, model_cls = MODELS[hf["architectures"][0]]
     cfg = config_cls.from_hf(hf)
     plan = resolve_plan(quantize, path, dtype, device)

@@ -30,7 +30,6 @@ import json
 from pathlib import Path
 
 import torch
-
 from torch import nn
 
 from pytgi import kernels

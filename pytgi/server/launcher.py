@@ -23,6 +23,8 @@ FLAGS: list[tuple[str, type, object, str]] = [
     ("--num-shard", int, 1, "tensor-parallel ranks"),
     ("--dtype", str, "auto", "auto (bfloat16) | float32 (exact) | bfloat16 | float16"),
     ("--quantize", str, "auto", "weight-only for small CPU steps: auto (as the GGUF file) | none | int8 | int4"),
+    ("--model-impl", str, "auto", "whose model code: auto (pytgi's where it has it, else transformers') | pytgi | "
+     "transformers"),
     ("--hostname", str, "0.0.0.0", "address to listen on"),
     ("--port", int, 3000, "port to listen on"),
     ("--max-concurrent-requests", int, 128, "in-flight requests before answering 429"),
@@ -136,7 +138,8 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
     if world > 1:  # started per rank (torchrun, or by hand on several machines)
         args.num_shard = world
     engine = EngineConfig(
-        model=str(model_path), dtype=args.dtype, quantize=args.quantize, max_input_tokens=args.max_input_tokens,
+        model=str(model_path), dtype=args.dtype, quantize=args.quantize, model_impl=args.model_impl,
+        max_input_tokens=args.max_input_tokens,
         max_total_tokens=args.max_total_tokens, max_batch_prefill_tokens=args.max_batch_prefill_tokens,
         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         max_batch_total_tokens=args.max_batch_total_tokens, max_batch_size=args.max_batch_size,

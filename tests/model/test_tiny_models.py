@@ -48,14 +48,25 @@ CONFIGS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    # architectures pytgi does not implement: transformers' model code inside pytgi's engine
+    "olmo2-via-transformers": (transformers.Olmo2Config, dict(BASE)),
+    "gpt-neox-via-transformers": (transformers.GPTNeoXConfig, dict(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=256, rotary_pct=0.5)),
+    "llama-via-transformers": (transformers.LlamaConfig, dict(BASE, rope_theta=10000.0)),
+    "gemma3-sliding-via-transformers": (transformers.Gemma3TextConfig, dict(
+        BASE, num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
 }
+IMPL = {"llama-via-transformers": "transformers", "gemma3-sliding-via-transformers": "transformers"}  # others: auto
 ARCH = {transformers.LlamaConfig: transformers.LlamaForCausalLM, transformers.MistralConfig:
         transformers.MistralForCausalLM, transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
         transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
         transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM, transformers.Phi3Config: transformers.Phi3ForCausalLM,
         transformers.MixtralConfig: transformers.MixtralForCausalLM,
         transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
-        transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM}
+        transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
+        transformers.Olmo2Config: transformers.Olmo2ForCausalLM, transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -69,7 +80,9 @@ def models(request, tmp_path_factory):
                 p.add_(torch.randn_like(p) * 0.1)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
-    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu",
+                                      model_impl=IMPL.get(request.param, "auto")))
+    assert ("via-transformers" in request.param) == (type(runner.model).__name__ == "TransformersModel")
     runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
     return hf, runner
 
@@ -171,6 +184,8 @@ def test_prefill_on_top_of_cached_prefix_blocks_matches(models):
 def test_pure_torch_path_matches(models, monkeypatch):
     """Without the C kernels (no compiler, or CUDA): PyTorch ops for attention and the fused steps."""
     runner = models[1]
+    if type(runner.model).__name__ == "TransformersModel":
+        pytest.skip("transformers' model code has no kernel choice")
     model = type(runner.model)(runner.config, CpuKernels.none())  # the same weights on PyTorch's ops
     model.load_state_dict(runner.model.state_dict())
     monkeypatch.setattr(runner, "model", model.eval())

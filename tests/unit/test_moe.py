@@ -9,18 +9,18 @@ import torch.nn.functional as F
 
 from pytgi.models.moe import SparseMoE
 
-H, I, E = 16, 24, 5
+H, INTER, E = 16, 24, 5
 
 
 def experts(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(E, H, generator=g), torch.randn(E, I, H, generator=g) * 0.2,
-            torch.randn(E, I, H, generator=g) * 0.2, torch.randn(E, H, I, generator=g) * 0.2)
+    return (torch.randn(E, H, generator=g), torch.randn(E, INTER, H, generator=g) * 0.2,
+            torch.randn(E, INTER, H, generator=g) * 0.2, torch.randn(E, H, INTER, generator=g) * 0.2)
 
 
 def per_expert_moe(norm_topk: bool) -> SparseMoE:
     router, gate, up, down = experts()
-    moe = SparseMoE(H, I, E, top_k=2, norm_topk=norm_topk)
+    moe = SparseMoE(H, INTER, E, top_k=2, norm_topk=norm_topk)
     moe.gate.weight.data.copy_(router)
     for e in range(E):
         moe.load_experts(f"experts.{e}.w1.weight", gate[e])
@@ -45,7 +45,7 @@ def test_each_token_gets_its_top_k_experts_weighted(norm_topk):
 
 def test_stacked_and_per_expert_checkpoints_load_the_same():
     _, gate, up, down = experts()
-    stacked = SparseMoE(H, I, E, top_k=2, norm_topk=True)
+    stacked = SparseMoE(H, INTER, E, top_k=2, norm_topk=True)
     assert stacked.load_experts("experts.gate_up_proj", torch.cat([gate, up], dim=1)) == ["gate_up"]
     assert stacked.load_experts("experts.down_proj", down) == ["down"]
     one_by_one = per_expert_moe(True)
