@@ -49,8 +49,8 @@ import torch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-    from transformers.generation.continuous_batching import ContinuousBatchingManager
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching import ContinuousBatchingManager
 
     from pytgi import LLM
 

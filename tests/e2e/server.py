@@ -14,7 +14,6 @@ import httpx
 from pytgi.net import free_port
 
 
-
 class Server:
     """`exact` (the default) serves in float32, where outputs are batch-, chunk- and shard-invariant
     and equal transformers'; the default flags (bfloat16 + the GGUF's int4) are not bit-stable

@@ -13,8 +13,8 @@ import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.e2e.server import Server
 from tests.e2e.fault_engine import FAULT_PROMPT
+from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,6 @@ from pytgi.engine.request import Request
 from pytgi.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
 from pytgi.sampling_params import SamplingParams
 
-
 _unique = itertools.count(1)
 
 

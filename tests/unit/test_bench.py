@@ -18,8 +18,15 @@ import pytest
 
 from pytgi.bench import client as bc
 from pytgi.bench import peers, report
-from pytgi.bench.workload import (BenchRequest, count_tokens, dataset_requests, exact_length_text,
-                                  poisson_arrivals, synthetic_requests, token_pool)
+from pytgi.bench.workload import (
+    BenchRequest,
+    count_tokens,
+    dataset_requests,
+    exact_length_text,
+    poisson_arrivals,
+    synthetic_requests,
+    token_pool,
+)
 from pytgi.tokenizer import Tokenizer
 
 

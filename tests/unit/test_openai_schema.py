@@ -16,7 +16,6 @@ from pytgi.metrics import Metrics
 from pytgi.outputs import OutputProcessor
 from pytgi.router.infer import Infer
 from pytgi.router.validation import Validation, ValidLimits
-from tests.unit.test_validation import validate
 from pytgi.sampling_params import SamplingParams
 from pytgi.server import openai as oai
 from pytgi.server import tgi
@@ -24,6 +23,7 @@ from pytgi.server.errors import install_handlers
 from pytgi.server.middleware import AdmissionMiddleware
 from pytgi.server.openai import render, schema
 from pytgi.tokenizer import Tokenizer
+from tests.unit.test_validation import validate
 
 MODEL = "org/served-model"
 
