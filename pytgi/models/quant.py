@@ -18,9 +18,10 @@ them:
   (whose per-channel scales need a per-channel int8 grid instead).
 
 Which tensors to quantize, and how, is a per-tensor plan:
-- a GGUF model follows its file (`quantization.json`, written by the converter): Q4_0/Q4_1
-  tensors become int4, whose grid holds them exactly; Q8_0 and other types become int8;
-  float tensors stay as they are;
+- a GGUF model follows its file (`quantization.json`, written by the converter): tensors of 4 bits
+  or fewer (Q4_0/Q4_1/Q4_K/Q3_K/Q2_K) become int4, re-packed on each block's own grid where its
+  values lie on one (Q4_0, Q4_1, Q4_K's sub-blocks; exact but for fp16 scales); Q5, Q6 and Q8
+  types become int8 (5 and 6 bits rounded onto 8); float tensors stay as they are;
 - a Hugging Face model is quantized only on request (`--quantize int8|int4`).
 """
 
@@ -36,7 +37,7 @@ from pytgi import kernels
 from pytgi.models.cpu import CpuKernels
 
 GROUP = 32
-INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q3_K", "Q2_K"}
+INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K"}  # 4 bits or fewer; Q5/Q6 keep 8
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 MODES = ("none", "auto", "int8", "int4")
 
@@ -104,13 +105,26 @@ def quantize_int8_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Ten
     return q.view(N, K).to(torch.int32), d, (q * d[..., None]).view(N, K)
 
 
+def _grid_step(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Per group, the step of the 16-level grid its values already lie on (a GGUF 4-bit block's:
+    Q4_0, Q4_1, Q4_K's sub-blocks), found from the smallest gap between its values; where they lie on
+    none, the min/max grid's step. So a 4-bit tensor keeps its own grid instead of being rounded
+    again onto a new one."""
+    span = hi - lo
+    gaps = g.sort(dim=-1).values.diff(dim=-1)
+    step = torch.where(gaps > span[..., None] * 1e-3, gaps, torch.inf).amin(dim=-1)
+    k = (g - lo[..., None]) / step[..., None]
+    on_grid = torch.isfinite(step) & ((k - k.round()).abs() < 1e-3).all(dim=-1) & (k.round().amax(dim=-1) <= 15)
+    return torch.where(on_grid, step, span / 15)
+
+
 def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1's grid: w ≈ d·q + m, q in 0..15 per `group` inputs (min/max), d and m in fp16.
     Returns (q [N, K] int32, d, m [N, K/group], dequantized w)."""
     N, K = w.shape
     g = w.float().view(N, K // group, group)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    d, m = _fp16((hi - lo) / 15), _fp16(lo)
+    d, m = _fp16(_grid_step(g, lo, hi)), _fp16(lo)
     q = torch.round((g - m[..., None]) / d.clamp(min=1e-30)[..., None]).clamp(0, 15)
     return q.view(N, K).to(torch.int32), d, m, (q * d[..., None] + m[..., None]).view(N, K)
 

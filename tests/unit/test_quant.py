@@ -38,6 +38,28 @@ def test_int4_grid_holds_q4_1_weights():
     torch.testing.assert_close(deq, w, atol=1e-6, rtol=0)
 
 
+def test_int4_keeps_the_grid_of_4_bit_blocks_that_do_not_span_it():
+    """Q4_0 / Q4_1 blocks using only some of their 16 levels, and Q4_K sub-blocks (scale d·sc and
+    min dmin·m from 6-bit integers): the re-pack finds their own grid instead of rounding onto a new
+    one (min/max would put level 15 on the block's largest value)."""
+    g = torch.Generator().manual_seed(3)
+    N, K = 16, 128
+    q = torch.randint(2, 12, (N, K // 32, 32), generator=g).float()  # levels 2..11 only
+    d = (torch.rand(N, K // 32, 1, generator=g) * 0.01 + 0.001).half().float()
+    sc = torch.randint(1, 64, (N, K // 32, 1), generator=g).float()
+    mn = torch.randint(0, 64, (N, K // 32, 1), generator=g).float()
+    for w, step in [((q * d - 0.03).view(N, K), d), ((d * sc * q - 0.0005 * mn).view(N, K), d * sc)]:
+        *_, deq = quantize_int4(w)
+        # exact but for the step and offset held in fp16 (the kernel's scales): under 1% of a step
+        err = (deq - w).view(N, K // 32, 32).abs()
+        assert (err <= 0.01 * step).all()
+        lo, hi = w.view(N, K // 32, 32).amin(-1, keepdim=True), w.view(N, K // 32, 32).amax(-1, keepdim=True)
+        minmax = ((w.view(N, K // 32, 32) - lo) / ((hi - lo) / 15)).round() * ((hi - lo) / 15) + lo
+        assert ((minmax - w.view(N, K // 32, 32)).abs() > 0.1 * step).any()  # what a new grid would cost
+    _, _, _, regrid = quantize_int4(torch.randn(N, K, generator=g))  # off any grid: min/max, as before
+    assert regrid.shape == (N, K)
+
+
 def test_int8_is_per_channel_and_close():
     w = torch.randn(16, 64)
     q, scale, deq = quantize_int8(w)
@@ -84,9 +106,13 @@ def test_vnni_kernel_on_a_model_sized_weight():
 def test_plan_follows_the_gguf_types(tmp_path):
     (tmp_path / "quantization.json").write_text(json.dumps({"source": "gguf", "tensors": {
         "model.layers.0.self_attn.q_proj.weight": "Q4_1", "model.embed_tokens.weight": "Q8_0",
-        "model.norm.weight": "F32"}}))
+        "model.layers.0.mlp.down_proj.weight": "Q6_K", "model.layers.0.mlp.up_proj.weight": "Q5_0",
+        "model.layers.0.self_attn.o_proj.weight": "Q4_K", "model.norm.weight": "F32"}}))
     assert gguf_plan(tmp_path) == {"model.layers.0.self_attn.q_proj.weight": "int4",
-                                   "model.embed_tokens.weight": "int8"}
+                                   "model.embed_tokens.weight": "int8",
+                                   "model.layers.0.mlp.down_proj.weight": "int8",  # 5 and 6 bits keep 8
+                                   "model.layers.0.mlp.up_proj.weight": "int8",
+                                   "model.layers.0.self_attn.o_proj.weight": "int4"}
     cpu = torch.device("cpu")
     assert resolve_plan("auto", tmp_path, torch.bfloat16, cpu) == gguf_plan(tmp_path)
     assert resolve_plan("auto", tmp_path, torch.float32, cpu) == {}  # float32 stays exact
