@@ -167,9 +167,9 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
-    FUSED = LlamaForCausalLM.FUSED
+    """Llama's loading and quantization, Gemma's layers."""
 
-    def __init__(self, cfg: Gemma3Config, cpu: CpuKernels, attention: str = "torch") -> None:  # noqa: D107
+    def __init__(self, cfg: Gemma3Config, cpu: CpuKernels, attention: str = "torch") -> None:
         nn.Module.__init__(self)
         check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())
         self.config, self.cpu, self.ops = cfg, cpu, TorchOps()
