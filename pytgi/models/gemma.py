@@ -34,7 +34,7 @@ from pytgi.models.layers import (
     merged_shards,
     qkv_shards,
 )
-from pytgi.models.llama import LlamaForCausalLM
+from pytgi.models.llama import LlamaForCausalLM, local_heads
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -105,16 +105,10 @@ class GemmaRMSNorm(RMSNorm):
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
 
 
-def _local_heads(cfg: Gemma3Config) -> tuple[int, int, int]:
-    shards = qkv_shards(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
-    n_kv = shards[1][1] // cfg.head_dim
-    return n_kv * (cfg.num_attention_heads // cfg.num_key_value_heads), n_kv, cfg.head_dim
-
-
 class Gemma3Attention(nn.Module):
     def __init__(self, cfg: Gemma3Config, backend: TorchAttention, sliding: bool) -> None:
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = _local_heads(cfg)
+        self.n_heads, self.n_kv, self.head_dim = local_heads(cfg)
         self.scale = cfg.query_pre_attn_scalar**-0.5
         self.backend, self.sliding = backend, sliding
         shards = qkv_shards(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
@@ -173,7 +167,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())
         self.config, self.cpu, self.ops = cfg, cpu, TorchOps()
-        inner = get_backend(attention, cpu, _local_heads(cfg))
+        inner = get_backend(attention, cpu, local_heads(cfg))
         self.attention = SlidingWindowBackend(inner, cfg.sliding_window)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, inner, t == SLIDING) for t in cfg.layer_types)

@@ -131,7 +131,7 @@ class LlamaConfig:
         )
 
 
-def local_heads(cfg: LlamaConfig) -> tuple[int, int, int]:
+def local_heads(cfg: Any) -> tuple[int, int, int]:
     """(query heads, kv heads, head dim) on this rank: split by kv heads, each with its query group."""
     shards = qkv_shards(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
     n_kv = shards[1][1] // cfg.head_dim

@@ -16,17 +16,22 @@ def _pytgi(*args: str, cache: Path) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def test_an_unsupported_gguf_is_one_line(tmp_path: Path) -> None:
+def _tiny_gguf(path: Path, arch: str) -> Path:
+    """A GGUF file with one block count and one tensor: not a model anyone can serve."""
     import gguf
 
-    path = tmp_path / "other.gguf"
-    w = gguf.GGUFWriter(str(path), "mamba")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_an_unsupported_gguf_is_one_line(tmp_path: Path) -> None:
+    path = _tiny_gguf(tmp_path / "other.gguf", "mamba")
     proc = _pytgi("serve", "--model-id", str(path), "--port", "1", cache=tmp_path / "cache")
     assert proc.returncode == 2
     assert "pytgi: error: GGUF architecture 'mamba' is not supported" in proc.stderr
@@ -34,16 +39,7 @@ def test_an_unsupported_gguf_is_one_line(tmp_path: Path) -> None:
 
 
 def test_an_incomplete_gguf_is_one_line(tmp_path: Path) -> None:
-    import gguf
-
-    path = tmp_path / "half.gguf"
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    path = _tiny_gguf(tmp_path / "half.gguf", "gemma3")
     proc = _pytgi("serve", "--model-id", str(path), "--port", "1", cache=tmp_path / "cache")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "pytgi: error: the GGUF file has no 'gemma3.attention.head_count'" in proc.stderr
