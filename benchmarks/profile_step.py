@@ -6,6 +6,7 @@ time less the ops' total.
     .venv/bin/python benchmarks/profile_step.py             # B = 1
     .venv/bin/python benchmarks/profile_step.py --batch 16
     .venv/bin/python benchmarks/profile_step.py --dtype float32
+    .venv/bin/python benchmarks/profile_step.py --model-id gemma-3-270m-q4_k_m.gguf
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=300)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--model-id", default=None, help="a model directory or GGUF file (default: the embedded model)")
     args = ap.parse_args()
-    llm = LLM(dtype=args.dtype, max_batch_total_tokens=16384)
+    llm = LLM(args.model_id, dtype=args.dtype, max_batch_total_tokens=16384, max_total_tokens=4096,
+              max_input_tokens=4000)
     engine = llm.engine
     params = SamplingParams(max_new_tokens=args.steps + 40, temperature=0, ignore_eos=True)
     for i in range(args.batch):
-        engine.add_request(f"r{i}", [(7 * j + i) % 40000 + 100 for j in range(args.prompt)], params)
+        engine.add_request(f"r{i}", [(7 * j + i) % 30000 + 100 for j in range(args.prompt)], params)
     while engine.scheduler.waiting or any(r.num_uncomputed > 1 for r in engine.scheduler.running):
         engine.step()  # prefills
     for _ in range(5):

@@ -89,7 +89,7 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def vnni_supported() -> bool:
-    """The low-bit matmul (`qgemv.c`) is built: AVX-512 VNNI."""
+    """The low-bit matmul (`qgemv.c`) is built: AVX-512 VNNI, or AVX2."""
     return available() and bool(_lib().pytgi_qgemv_supported())
 
 

@@ -1,4 +1,4 @@
-/* Low-bit weight × int8 activation matmul for decode steps of a few tokens (AVX-512 VNNI).
+/* Low-bit weight × int8 activation matmul for decode steps of a few tokens (AVX-512 VNNI, or AVX2).
  *
  * A decode step reads every weight once for a handful of activation rows, so it is bound by
  * memory: the weights are stored in 4 or 8 bits with a scale and an offset per group of 32 inputs
@@ -19,7 +19,8 @@
  *   16 fp16 d, then 16 fp16 m (64 bytes).
  * Blocks are contiguous in (tile, group) order, so a tile is one sequential read.
  *
- * Without AVX-512 VNNI `pytgi_qgemv_supported()` returns 0 and callers use PyTorch's kernels.
+ * With AVX2 only, the same layout is multiplied with AVX2's byte multiply-adds (below); with
+ * neither, `pytgi_qgemv_supported()` returns 0 and callers use PyTorch's kernels.
  * Built and loaded by pytgi/kernels/__init__.py. */
 #define _GNU_SOURCE /* syscall() */
 #include <stdint.h>
@@ -98,33 +99,16 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
         t += MR;                                                                                      \
     } while (0)
 
-/* x: bf16 [M, K]; w: packed as above for N rows (N % 16 == 0, K % 32 == 0); out: bf16 [M, N].
- * Returns nonzero on out of memory. */
-int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
-                     int64_t bits) {
-    const int64_t G = K / 32, tile_bytes = G * ((bits == 4 ? 256 : 512) + 64);
-    int8_t *xq = malloc((size_t)(M * K));
-    float *sx = malloc(sizeof(float) * (size_t)(2 * M * G));
-    if (xq == NULL || sx == NULL) {
-        free(xq);
-        free(sx);
-        return 1;
-    }
-    float *sxs = sx + M * G;
-    for (int64_t t = 0; t < M; t++) quantize_row(x + t * K, K, xq + t * K, sx + t * G, sxs + t * G);
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t n16 = 0; n16 < N / 16; n16++) {
-        const uint8_t *blk = w + n16 * tile_bytes;
-        int64_t t = 0;
-        while (M - t >= 4) ROWS(4);
-        if (M - t == 3) ROWS(3);
-        else if (M - t == 2) ROWS(2);
-        else if (M - t == 1) ROWS(1);
-    }
-    free(xq);
-    free(sx);
-    return 0;
+/* Output tiles n16 of all M rows, MR rows at a time. */
+static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t *xq, const float *sx,
+                      const float *sxs, int64_t K, int64_t M, uint16_t *out, int64_t N, int64_t n16) {
+    int64_t t = 0;
+    while (M - t >= 4) ROWS(4);
+    if (M - t == 3) ROWS(3);
+    else if (M - t == 2) ROWS(2);
+    else if (M - t == 1) ROWS(1);
 }
+#define QGEMV_BUILT 1
 
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -137,6 +121,7 @@ int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t
 
 #include "amx.h"
 
+#define QGEMM_AMX_BUILT 1
 int pytgi_qgemm_amx_supported(void) {
     static int ok = -1;
     if (ok < 0) ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
@@ -229,26 +214,174 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
     free(xp);
     return 0;
 }
-#else
-int pytgi_qgemm_amx_supported(void) { return 0; }
-int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
-                         int64_t bits) {
-    (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)bits;
-    abort();
-}
 #endif
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* AVX2 (x86-64-v3: most laptops, desktops and cloud CPUs without AVX-512): the same packed layout
+ * and the same sums, with `vpmaddubsw` (unsigned weight byte × signed activation byte, pairs
+ * summed to int16) and `vpmaddwd` by ones (int16 pairs to int32) in place of `vpdpbusd`. A
+ * 64-byte vector of the layout is two 32-byte halves: rows 0-7, then rows 8-15.
+ * 4-bit weights: each int16 pair sum is at most 2·15·127, so the 8 vectors of a group add up in
+ * int16 (≤ 30480) before one widening. 8-bit weights (unsigned 1..255) would saturate the int16
+ * pairs, so they are made signed (q − 128, offset m + 128·d) and multiplied as |x| × sign(x)·q,
+ * as llama.cpp does (≤ 2·127·127 a pair), widened every vector. */
+#include <immintrin.h>
+
+int pytgi_qgemv_supported(void) { return 1; }
+
+static inline __m256 bf16x8_load(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const void *)p)), 16));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline int32_t hsum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+/* As the AVX-512 version: one bf16 row → int8 per group of 32, its scale and scale·Σq. */
+static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, float *sxs) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t g = 0; g < K / 32; g++) {
+        __m256 a[4];
+        __m256 mx = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            a[i] = bf16x8_load(x + 32 * g + 8 * i);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, a[i]));
+        }
+        const float amax = hmax8(mx), d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256i qi[4];
+        for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], _mm256_set1_ps(inv)));
+        /* packs work per 128-bit lane: dwords come out as q0[0:4] q1[0:4] q2[0:4] q3[0:4] | q0[4:8] ... */
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((void *)(q + 32 * g), p);
+        sx[g] = d;
+        sxs[g] = d * (float)hsum8i(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+    }
+}
+
+#ifndef PREFETCH
+#define PREFETCH 1024
+#endif
+
+/* Rows t0 .. t0+MR-1 of the output for one tile of 16 columns; acc[2r + h] holds row r's half h. */
+static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int bits, int64_t G, const int8_t *xq,
+                                                        const float *sx, const float *sxs, int64_t K, int MR,
+                                                        __m256 *acc) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const int64_t wbytes = bits == 4 ? 256 : 512;
+    for (int r = 0; r < 2 * MR; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++, blk += wbytes + 64) {
+        for (int64_t i = 0; i < wbytes + 64; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256i w[8];
+            if (bits == 4) {
+                for (int v = 0; v < 4; v++) {
+                    const __m256i p = _mm256_loadu_si256((const void *)(blk + 64 * v + 32 * h));
+                    w[v] = _mm256_and_si256(p, nib);
+                    w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), nib);
+                }
+            } else {
+                for (int j = 0; j < 8; j++)
+                    w[j] = _mm256_xor_si256(_mm256_loadu_si256((const void *)(blk + 64 * j + 32 * h)), flip);
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes + 16 * h)));
+            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes + 32 + 16 * h)));
+            if (bits == 8) m = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d, m);
+            for (int r = 0; r < MR; r++) {
+                const int32_t *xr = (const int32_t *)(xq + r * K + 32 * g);
+                __m256i s;
+                if (bits == 4) {
+                    __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xr[0]));
+                    for (int j = 1; j < 8; j++)
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xr[j])));
+                    s = _mm256_madd_epi16(s16, ones);
+                } else {
+                    s = _mm256_setzero_si256();
+                    for (int j = 0; j < 8; j++) {
+                        const __m256i xb = _mm256_set1_epi32(xr[j]);
+                        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(w[j], xb));
+                        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+                    }
+                }
+                __m256 *a = acc + 2 * r + h;
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(sx[r * G + g])), *a);
+                *a = _mm256_fmadd_ps(m, _mm256_set1_ps(sxs[r * G + g]), *a);
+            }
+        }
+    }
+}
+
+/* 16 float32 (two halves) → 16 bf16, rounded to nearest even. */
+static inline void store_bf16x16(uint16_t *out, __m256 lo, __m256 hi) {
+    const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+    __m256i a = _mm256_castps_si256(lo), b = _mm256_castps_si256(hi);
+    a = _mm256_srli_epi32(_mm256_add_epi32(a, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(a, 16), one))), 16);
+    b = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(b, 16), one))), 16);
+    _mm256_storeu_si256((void *)out, _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8));
+}
+
+#define ROWS(MR)                                                                        \
+    do {                                                                                \
+        __m256 acc[2 * MR];                                                             \
+        tile(blk, (int)bits, G, xq + t * K, sx + t * G, sxs + t * G, K, MR, acc);       \
+        for (int r = 0; r < MR; r++) store_bf16x16(out + (t + r) * N + 16 * n16, acc[2 * r], acc[2 * r + 1]); \
+        t += MR;                                                                        \
+    } while (0)
+
+static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t *xq, const float *sx,
+                      const float *sxs, int64_t K, int64_t M, uint16_t *out, int64_t N, int64_t n16) {
+    int64_t t = 0;
+    while (M - t >= 2) ROWS(2);
+    if (M - t == 1) ROWS(1);
+}
+#define QGEMV_BUILT 1
+
 
 #else
 int pytgi_qgemv_supported(void) { return 0; }
-int pytgi_qgemm_amx_supported(void) { return 0; }
-int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
-                         int64_t bits) {
-    (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)bits;
-    abort();
-}
 int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
                      int64_t bits) {
     (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)bits;
     abort(); /* never called: pytgi_qgemv_supported() said no */
+}
+#endif
+
+#if !QGEMM_AMX_BUILT
+int pytgi_qgemm_amx_supported(void) { return 0; }
+int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
+                         int64_t bits) {
+    (void)x, (void)w, (void)out, (void)M, (void)N, (void)K, (void)bits;
+    abort(); /* never called: pytgi_qgemm_amx_supported() said no */
+}
+#endif
+
+#if QGEMV_BUILT
+/* x: bf16 [M, K]; w: packed as above for N rows (N % 16 == 0, K % 32 == 0); out: bf16 [M, N].
+ * Returns nonzero on out of memory. */
+int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
+                     int64_t bits) {
+    const int64_t G = K / 32, tile_bytes = G * ((bits == 4 ? 256 : 512) + 64);
+    int8_t *xq = malloc((size_t)(M * K));
+    float *sx = malloc(sizeof(float) * (size_t)(2 * M * G));
+    if (xq == NULL || sx == NULL) {
+        free(xq);
+        free(sx);
+        return 1;
+    }
+    float *sxs = sx + M * G;
+    for (int64_t t = 0; t < M; t++) quantize_row(x + t * K, K, xq + t * K, sx + t * G, sxs + t * G);
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t n16 = 0; n16 < N / 16; n16++) tile_rows(w + n16 * tile_bytes, bits, G, xq, sx, sxs, K, M, out, N, n16);
+    free(xq);
+    free(sx);
+    return 0;
 }
 #endif

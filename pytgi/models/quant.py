@@ -18,10 +18,13 @@ them:
   (whose per-channel scales need a per-channel int8 grid instead).
 
 Which tensors to quantize, and how, is a per-tensor plan:
-- a GGUF model follows its file (`quantization.json`, written by the converter): tensors of 4 bits
-  or fewer (Q4_0/Q4_1/Q4_K/Q3_K/Q2_K) become int4, re-packed on each block's own grid where its
-  values lie on one (Q4_0, Q4_1, Q4_K's sub-blocks; exact but for fp16 scales); Q5, Q6 and Q8
-  types become int8 (5 and 6 bits rounded onto 8); float tensors stay as they are;
+- a GGUF model follows its file (`quantization.json`, written by the converter): Q4_0, Q4_1 and
+  Q4_K tensors become int4 and every other quantized type int8, each group of 32 re-packed on its
+  own grid (`_own_grid`): exact but for fp16 scales for Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q8_0, and
+  for Q3_K's pairs of 16-value sub-blocks where their scales share a small divisor; groups on no
+  grid of 256 levels (Q6_K and Q2_K blocks whose two sub-blocks' scales differ, the rest of Q3_K)
+  are rounded onto Q8_0's grid, an error under half a step of 8 bits (docs/models.md has the
+  measured figures); float tensors stay as they are;
 - a Hugging Face model is quantized only on request (`--quantize int8|int4`).
 """
 
@@ -37,7 +40,7 @@ from pytgi import kernels
 from pytgi.models.cpu import CpuKernels
 
 GROUP = 32
-INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K"}  # 4 bits or fewer; Q5/Q6 keep 8
+INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # on a 16-level grid per 32 values; the other types take 8 bits
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 MODES = ("none", "auto", "int8", "int4")
 
@@ -95,36 +98,48 @@ def _fp16(t: torch.Tensor) -> torch.Tensor:
     return t.clamp(min=-65504, max=65504).half().float()
 
 
-def quantize_int8_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q8_0's grid: w ≈ d·q, q in -127..127 per `group` inputs, d in fp16. Returns (q [N, K] int32,
-    d [N, K/group], dequantized w)."""
-    N, K = w.shape
-    g = w.float().view(N, K // group, group)
-    d = _fp16(g.abs().amax(dim=-1) / 127)
-    q = torch.round(g / d.clamp(min=1e-30)[..., None]).clamp(-127, 127)
-    return q.view(N, K).to(torch.int32), d, (q * d[..., None]).view(N, K)
-
-
-def _grid_step(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """Per group, the step of the 16-level grid its values already lie on (a GGUF 4-bit block's:
-    Q4_0, Q4_1, Q4_K's sub-blocks), found from the smallest gap between its values; where they lie on
-    none, the min/max grid's step. So a 4-bit tensor keeps its own grid instead of being rounded
-    again onto a new one."""
+def _own_grid(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group, the step of the grid of at most `levels` + 1 values its values already lie on (a
+    GGUF block's: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the 32-value sub-blocks of Q4_K/Q5_K, pairs of Q3_K's
+    16-value ones whose scales share a small divisor), found from the smallest gap between its
+    values, and whether they lie on it. So a GGUF tensor keeps its own grid instead of being rounded
+    again onto a new one. Returns (step, on_grid)."""
     span = hi - lo
     gaps = g.sort(dim=-1).values.diff(dim=-1)
-    step = torch.where(gaps > span[..., None] * 1e-3, gaps, torch.inf).amin(dim=-1)
+    step = torch.where(gaps > span[..., None] * 1e-4, gaps, torch.inf).amin(dim=-1)
     k = (g - lo[..., None]) / step[..., None]
-    on_grid = torch.isfinite(step) & ((k - k.round()).abs() < 1e-3).all(dim=-1) & (k.round().amax(dim=-1) <= 15)
-    return torch.where(on_grid, step, span / 15)
+    on_grid = torch.isfinite(step) & ((k - k.round()).abs() < 1e-3).all(dim=-1) & (k.round().amax(dim=-1) <= levels)
+    return step, on_grid
+
+
+def quantize_int8_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor]:
+    """w = d·u + m, u in 1..255 per `group` inputs, d and m in fp16. A group on a grid of its own
+    (a GGUF Q5/Q6/Q8 block) keeps it: symmetric (m = -128·d, exact) where zero is on it, else from
+    its smallest value; any other group gets Q8_0's grid (d = absmax / 127, m = -128·d).
+    Returns (u [N, K] int32, d, m [N, K/group], dequantized w)."""
+    N, K = w.shape
+    g = w.float().view(N, K // group, group)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    amax = torch.maximum(-lo, hi)
+    step, on_grid = _own_grid(g, lo, hi, 254)
+    z = lo / step  # zero on the grid, within the symmetric range: the form with an exact offset
+    symmetric = ~on_grid | (((z - z.round()).abs() < 1e-3) & (amax / step <= 127.001))
+    d = _fp16(torch.where(on_grid, step, amax / 127))
+    m = torch.where(symmetric, -128 * d, _fp16(lo - d))
+    u = torch.round((g - m[..., None]) / d.clamp(min=1e-30)[..., None]).clamp(1, 255)
+    return u.view(N, K).to(torch.int32), d, m, (u * d[..., None] + m[..., None]).view(N, K)
 
 
 def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_1's grid: w ≈ d·q + m, q in 0..15 per `group` inputs (min/max), d and m in fp16.
+    """Q4_1's grid: w ≈ d·q + m, q in 0..15 per `group` inputs, d and m in fp16: the group's own
+    16-level grid where it lies on one (`_own_grid`), else min/max.
     Returns (q [N, K] int32, d, m [N, K/group], dequantized w)."""
     N, K = w.shape
     g = w.float().view(N, K // group, group)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    d, m = _fp16(_grid_step(g, lo, hi)), _fp16(lo)
+    step, on_grid = _own_grid(g, lo, hi, 15)
+    d, m = _fp16(torch.where(on_grid, step, (hi - lo) / 15)), _fp16(lo)
     q = torch.round((g - m[..., None]) / d.clamp(min=1e-30)[..., None]).clamp(0, 15)
     return q.view(N, K).to(torch.int32), d, m, (q * d[..., None] + m[..., None]).view(N, K)
 
@@ -164,8 +179,8 @@ class QuantizedWeight:
                 # The kernel computes (q - 8)·s + z per group: z = m + 8·s. Layout [K/group, N, 2].
                 self.scales = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).contiguous().to(act_dtype)
         elif self.vnni:
-            q, d, deq = quantize_int8_groups(w)
-            self.packed = pack_vnni(q + 128, d, -128 * d, 8)  # unsigned: d·(q + 128) − 128·d
+            u, d, m, deq = quantize_int8_groups(w)
+            self.packed = pack_vnni(u, d, m, 8)
         else:
             self.packed, scale, deq = quantize_int8(w)
             self.scales = scale.to(act_dtype)

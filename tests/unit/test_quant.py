@@ -73,8 +73,54 @@ def test_int8_groups_hold_q8_0_weights():
     q[..., 0] = 127  # Q8_0 scales by the group's absolute max
     d = (torch.rand(16, 2, 1, generator=g) * 0.01 + 0.001).half().float()
     w = (q * d).view(16, 64)
-    qi, dd, deq = quantize_int8_groups(w)
-    assert torch.equal(deq, w) and torch.equal(qi.float().view(16, 2, 32), q)
+    u, dd, m, deq = quantize_int8_groups(w)
+    assert torch.equal(deq, w) and torch.equal(u.float().view(16, 2, 32) - 128, q) and torch.equal(m, -128 * dd)
+
+
+def _blocks(levels: range, N: int = 16, K: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Generator]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(levels.start, levels.stop, (N, K // 32, 32), generator=g).float(), g
+
+
+def _fp16_rounding(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """What holding a group's step and offset in fp16 may cost (half an fp16 ulp of each, the step's
+    times the levels): the only error of a re-pack onto the group's own grid."""
+    lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    return 2.0**-11 * (lo.abs() + step + (hi - lo + step)) + 1e-9
+
+
+def test_int8_keeps_the_grids_of_5_to_8_bit_gguf_blocks():
+    """Q8_0 blocks whose largest |q| is under 127, Q5_0 (d·(q − 16)), Q5_1 (d·q + m) and Q5_K
+    sub-blocks (d·sc·q − dmin·mn, 6-bit sc and mn): each keeps its own grid (exact but for fp16
+    scales), where absmax / 127 would round every value again."""
+    N, K = 16, 128
+    q8, g = _blocks(range(-90, 91))
+    d = (torch.rand(N, K // 32, 1, generator=g) * 0.01 + 0.001).half().float()
+    sc = torch.randint(1, 64, (N, K // 32, 1), generator=g).float()
+    mn = torch.randint(0, 64, (N, K // 32, 1), generator=g).float()
+    q5, _ = _blocks(range(0, 32), seed=1)
+    cases = {"Q8_0": (q8 * d, d), "Q5_0": ((q5 - 16) * d, d), "Q5_1": (q5 * d - 0.07, d),
+             "Q5_K": (d * sc * q5 - 0.0004 * mn, d * sc)}
+    for name, (w, step) in cases.items():
+        *_, deq = quantize_int8_groups(w.view(N, K))
+        err = (deq.view(N, K // 32, 32) - w).abs()
+        assert (err <= _fp16_rounding(w, step)).all(), name
+        if name in ("Q8_0", "Q5_0"):  # zero on the grid: the symmetric form, exact
+            assert torch.equal(deq, w.view(N, K)), name
+
+
+def test_int8_keeps_q3_k_pairs_whose_scales_share_a_divisor():
+    """Q3_K: d·sc·(q − 4) per 16 values, sc signed 6-bit. Two sub-blocks whose scales share a
+    divisor s lie on one grid of step d·s; scales with none (gcd 1) still fit 256 levels. Exact but
+    for the step and offset held in fp16."""
+    N, K = 16, 64
+    q, g = _blocks(range(0, 8), N, K)
+    d = (torch.rand(N, K // 32, 1, generator=g) * 0.01 + 0.001).half().float()
+    sc = torch.tensor([[-32.0, 31.0, 12.0, 18.0]]).repeat(N, 1)  # group 0: gcd 1 (the widest); group 1: gcd 6
+    w = d * sc.repeat_interleave(16, dim=1).view(N, K // 32, 32) * (q - 4)
+    deq = quantize_int8_groups(w.view(N, K))[-1].view(N, K // 32, 32)
+    assert ((deq - w).abs()[:, 0] <= _fp16_rounding(w, d)[:, 0]).all()  # 253 levels from -124·d: m rounded
+    assert ((deq - w).abs()[:, 1] <= _fp16_rounding(w, 6 * d)[:, 1]).all()  # steps of 6·d: 2·(q − 4), 3·(q − 4)
 
 
 @pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "torch"])
@@ -82,7 +128,7 @@ def test_int8_groups_hold_q8_0_weights():
 @pytest.mark.parametrize("M", [1, 3, 4, 7])
 def test_kernel_multiplies_by_the_dequantized_weight(kind, vnni, M):
     if vnni and not kernels.vnni_supported():
-        pytest.skip("this CPU has no AVX-512 VNNI")
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
     w = q4_1_weight(N=48, K=96)
     qw = QuantizedWeight(kind, w, torch.bfloat16, cpu(vnni=vnni))
     assert qw.vnni == vnni
@@ -92,9 +138,34 @@ def test_kernel_multiplies_by_the_dequantized_weight(kind, vnni, M):
     torch.testing.assert_close(qw.matmul(x).float(), ref, atol=0.05 * ref.abs().max().item(), rtol=0.02)
 
 
+def _int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel sees it: rounded to int8 per group of 32 (scale amax / 127)."""
+    g = x.float().view(x.shape[0], -1, 32)
+    amax = g.abs().amax(dim=-1, keepdim=True)
+    return (torch.round(g * (127 / amax)) * (amax / 127)).view(x.shape)  # the kernel's own rounding
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("M", [1, 2, 5])
+def test_low_bit_kernel_sums_exactly_what_the_layout_holds(kind, M):
+    """Against the dequantized weight times the int8-rounded activations, the kernel is off only by
+    float32 sums and the bf16 output: a layout or sign slip would show far above that."""
+    if not kernels.vnni_supported():
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
+    torch.manual_seed(3)
+    w = torch.randn(64, 256) * 0.05
+    w[:16, :32] = 0.0  # a block of one value
+    qw = QuantizedWeight(kind, w, torch.bfloat16, cpu())
+    x = torch.randn(M, 256).bfloat16()
+    x[:, 32:64] = -x[:, 32:64].abs()  # negative activations against the 8-bit sign trick
+    deq = (quantize_int4(w) if kind == "int4" else quantize_int8_groups(w))[-1]  # float32, not bf16
+    ref = _int8_activations(x) @ deq.t()
+    torch.testing.assert_close(qw.matmul(x).float(), ref, atol=2e-4 * ref.abs().max().item(), rtol=8e-3)
+
+
 def test_vnni_kernel_on_a_model_sized_weight():
     if not kernels.vnni_supported():
-        pytest.skip("this CPU has no AVX-512 VNNI")
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
     w = torch.randn(960, 576) * 0.05
     for kind in ("int4", "int8"):
         qw = QuantizedWeight(kind, w, torch.bfloat16, cpu())
