@@ -271,7 +271,9 @@ static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, flo
 #define PREFETCH 1024
 #endif
 
-/* Rows t0 .. t0+MR-1 of the output for one tile of 16 columns; acc[2r + h] holds row r's half h. */
+/* Rows t0 .. t0+MR-1 of the output for one tile of 16 columns; acc[2r + h] holds row r's half h.
+ * Each weight vector is used for all MR rows as it is loaded (AVX2's 16 registers hold no whole
+ * block), so the sums stay in registers. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int bits, int64_t G, const int8_t *xq,
                                                         const float *sx, const float *sxs, int64_t K, int MR,
                                                         __m256 *acc) {
@@ -281,38 +283,35 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
     for (int64_t g = 0; g < G; g++, blk += wbytes + 64) {
         for (int64_t i = 0; i < wbytes + 64; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
-            __m256i w[8];
+            __m256i s[4];
+            for (int r = 0; r < MR; r++) s[r] = _mm256_setzero_si256();
             if (bits == 4) {
-                for (int v = 0; v < 4; v++) {
+                for (int v = 0; v < 4; v++) {  /* low nibbles: inputs 4v..4v+3, high: 4v+16.. */
                     const __m256i p = _mm256_loadu_si256((const void *)(blk + 64 * v + 32 * h));
-                    w[v] = _mm256_and_si256(p, nib);
-                    w[v + 4] = _mm256_and_si256(_mm256_srli_epi16(p, 4), nib);
+                    const __m256i lo = _mm256_and_si256(p, nib), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nib);
+                    for (int r = 0; r < MR; r++) {
+                        const int32_t *xr = (const int32_t *)(xq + r * K + 32 * g);
+                        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[v])));
+                        s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[v + 4])));
+                    }
                 }
+                for (int r = 0; r < MR; r++) s[r] = _mm256_madd_epi16(s[r], ones);
             } else {
-                for (int j = 0; j < 8; j++)
-                    w[j] = _mm256_xor_si256(_mm256_loadu_si256((const void *)(blk + 64 * j + 32 * h)), flip);
+                for (int j = 0; j < 8; j++) {
+                    const __m256i wj = _mm256_xor_si256(_mm256_loadu_si256((const void *)(blk + 64 * j + 32 * h)), flip);
+                    for (int r = 0; r < MR; r++) {
+                        const __m256i xb = _mm256_set1_epi32(((const int32_t *)(xq + r * K + 32 * g))[j]);
+                        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(wj, xb));
+                        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, ones));
+                    }
+                }
             }
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes + 16 * h)));
             __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes + 32 + 16 * h)));
             if (bits == 8) m = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d, m);
             for (int r = 0; r < MR; r++) {
-                const int32_t *xr = (const int32_t *)(xq + r * K + 32 * g);
-                __m256i s;
-                if (bits == 4) {
-                    __m256i s16 = _mm256_maddubs_epi16(w[0], _mm256_set1_epi32(xr[0]));
-                    for (int j = 1; j < 8; j++)
-                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xr[j])));
-                    s = _mm256_madd_epi16(s16, ones);
-                } else {
-                    s = _mm256_setzero_si256();
-                    for (int j = 0; j < 8; j++) {
-                        const __m256i xb = _mm256_set1_epi32(xr[j]);
-                        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(w[j], xb));
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-                    }
-                }
                 __m256 *a = acc + 2 * r + h;
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(sx[r * G + g])), *a);
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(sx[r * G + g])), *a);
                 *a = _mm256_fmadd_ps(m, _mm256_set1_ps(sxs[r * G + g]), *a);
             }
         }
@@ -328,10 +327,10 @@ static inline void store_bf16x16(uint16_t *out, __m256 lo, __m256 hi) {
     _mm256_storeu_si256((void *)out, _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xD8));
 }
 
-#define ROWS(MR)                                                                        \
+#define ROWS_BITS(MR, BITS)                                                             \
     do {                                                                                \
         __m256 acc[2 * MR];                                                             \
-        tile(blk, (int)bits, G, xq + t * K, sx + t * G, sxs + t * G, K, MR, acc);       \
+        tile(blk, BITS, G, xq + t * K, sx + t * G, sxs + t * G, K, MR, acc);            \
         for (int r = 0; r < MR; r++) store_bf16x16(out + (t + r) * N + 16 * n16, acc[2 * r], acc[2 * r + 1]); \
         t += MR;                                                                        \
     } while (0)
@@ -339,8 +338,13 @@ static inline void store_bf16x16(uint16_t *out, __m256 lo, __m256 hi) {
 static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t *xq, const float *sx,
                       const float *sxs, int64_t K, int64_t M, uint16_t *out, int64_t N, int64_t n16) {
     int64_t t = 0;
-    while (M - t >= 2) ROWS(2);
-    if (M - t == 1) ROWS(1);
+    if (bits == 4) {  /* the bit width a literal in each copy */
+        while (M - t >= 4) ROWS_BITS(4, 4);
+        while (M - t >= 1) ROWS_BITS(1, 4);
+    } else {
+        while (M - t >= 4) ROWS_BITS(4, 8);
+        while (M - t >= 1) ROWS_BITS(1, 8);
+    }
 }
 #define QGEMV_BUILT 1
 

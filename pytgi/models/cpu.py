@@ -42,6 +42,7 @@ class CpuKernels:
     vnni: bool = False  # low-bit matmuls with qgemv.c (bf16 activations)
     amx: bool = False  # ... and with AMX tiles for bigger steps
     decoder_loop: bool = False  # all layers in one C call where a step allows (decoder.c)
+    native_bf16: bool = True  # the CPU multiplies bf16 itself (AVX512_BF16 or AMX), so bf16 GEMMs are fast
     limits: Crossovers = field(default=CROSSOVERS)
 
     @classmethod
@@ -55,10 +56,14 @@ class CpuKernels:
         fused = fused and device.type == "cpu" and kernels.supports(dtype)
         vnni = vnni and device.type == "cpu" and dtype == torch.bfloat16 and kernels.vnni_supported()
         amx = amx and vnni and kernels.amx_supported()
-        return cls(fused, vnni, amx, decoder_loop and fused and vnni, limits)
+        return cls(fused, vnni, amx, decoder_loop and fused and vnni, native_bf16(), limits)
 
     def lowbit_max_m(self, vnni: bool, amx: bool) -> int:
-        """Steps of at most this many tokens use a weight's low-bit kernel, bigger ones bf16 weights."""
+        """Steps of at most this many tokens use a weight's low-bit kernel, bigger ones bf16 weights.
+        Without bf16 in the CPU (AVX2, AVX-512 without BF16) a bf16 GEMM is emulated, 4-10x slower
+        than the low-bit kernel at every step size (docs/benchmarks.md), so that serves them all."""
+        if vnni and not amx and not self.native_bf16:
+            return 1 << 30
         return self.limits.lowbit_amx if amx else self.limits.lowbit_vnni if vnni else self.limits.lowbit_torch
 
     def paged_prefill_max(self, heads: tuple[int, int, int]) -> int:
@@ -67,6 +72,16 @@ class CpuKernels:
 
     def ops(self) -> TorchOps:
         return KernelOps() if self.fused else TorchOps()
+
+
+def native_bf16() -> bool:
+    """The CPU has bf16 arithmetic (AVX512_BF16 or AMX-BF16): PyTorch's bf16 GEMMs run natively."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return True  # not Linux x86: assume the GEMMs are fine
+    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 class TorchOps:

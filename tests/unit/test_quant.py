@@ -220,3 +220,13 @@ def test_amx_kernel_leaves_pytorch_bf16_matmuls_alone():
     for _ in range(3):
         qw.matmul(torch.randn(32, 576).bfloat16())
         assert torch.equal(torch.nn.functional.linear(a, b), before)
+
+
+def test_without_bf16_in_the_cpu_the_low_bit_kernel_serves_every_step():
+    """AVX2 emulates bf16 GEMMs (several times slower than the low-bit kernel at any step size), so
+    prefill chunks stay on the packed weights there; with AVX512_BF16 big steps take bf16 GEMMs."""
+    emulated = CpuKernels(fused=True, vnni=True, native_bf16=False)
+    assert emulated.lowbit_max_m(True, False) >= 1 << 20
+    assert emulated.lowbit_max_m(False, False) == emulated.limits.lowbit_torch
+    native = CpuKernels(fused=True, vnni=True, native_bf16=True)
+    assert native.lowbit_max_m(True, False) == native.limits.lowbit_vnni
