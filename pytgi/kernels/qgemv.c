@@ -318,6 +318,56 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
     }
 }
 
+/* One activation row (decode steps of one token: most of them), written out so that every value
+ * stays in a register: per group, each half's 8 weight vectors meet the row's 8 broadcast dwords. */
+static inline __attribute__((always_inline)) void tile1(const uint8_t *blk, int bits, int64_t G, const int8_t *xq,
+                                                         const float *sx, const float *sxs, __m256 *acc) {
+    const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const int64_t wbytes = bits == 4 ? 256 : 512;
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++, blk += wbytes + 64) {
+        for (int64_t i = 0; i < wbytes + 64; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
+        const int32_t *xr = (const int32_t *)(xq + 32 * g);
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        if (bits == 4) {
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                const __m256i xl = _mm256_set1_epi32(xr[v]), xh = _mm256_set1_epi32(xr[v + 4]);
+                const __m256i p0 = _mm256_loadu_si256((const void *)(blk + 64 * v));
+                const __m256i p1 = _mm256_loadu_si256((const void *)(blk + 64 * v + 32));
+                s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(p0, nib), xl));
+                s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p0, 4), nib), xh));
+                s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(p1, nib), xl));
+                s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p1, 4), nib), xh));
+            }
+            s0 = _mm256_madd_epi16(s0, ones);
+            s1 = _mm256_madd_epi16(s1, ones);
+        } else {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m256i xb = _mm256_set1_epi32(xr[j]), xa = _mm256_sign_epi8(xb, xb);
+                const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const void *)(blk + 64 * j)), flip);
+                const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const void *)(blk + 64 * j + 32)), flip);
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xb)), ones));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xb)), ones));
+            }
+        }
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes)));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes + 16)));
+        __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes + 32)));
+        __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes + 48)));
+        if (bits == 8) {
+            m0 = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d0, m0);
+            m1 = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d1, m1);
+        }
+        const __m256 xs = _mm256_set1_ps(sx[g]), xss = _mm256_set1_ps(sxs[g]);
+        a0 = _mm256_fmadd_ps(m0, xss, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, xs), a0));
+        a1 = _mm256_fmadd_ps(m1, xss, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, xs), a1));
+    }
+    acc[0] = a0;
+    acc[1] = a1;
+}
+
 /* 16 float32 (two halves) → 16 bf16, rounded to nearest even. */
 static inline void store_bf16x16(uint16_t *out, __m256 lo, __m256 hi) {
     const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
@@ -335,15 +385,23 @@ static inline void store_bf16x16(uint16_t *out, __m256 lo, __m256 hi) {
         t += MR;                                                                        \
     } while (0)
 
+#define ROW1_BITS(BITS)                                                                 \
+    do {                                                                                \
+        __m256 acc[2];                                                                  \
+        tile1(blk, BITS, G, xq + t * K, sx + t * G, sxs + t * G, acc);                  \
+        store_bf16x16(out + t * N + 16 * n16, acc[0], acc[1]);                          \
+        t += 1;                                                                         \
+    } while (0)
+
 static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t *xq, const float *sx,
                       const float *sxs, int64_t K, int64_t M, uint16_t *out, int64_t N, int64_t n16) {
     int64_t t = 0;
     if (bits == 4) {  /* the bit width a literal in each copy */
         while (M - t >= 4) ROWS_BITS(4, 4);
-        while (M - t >= 1) ROWS_BITS(1, 4);
+        while (M - t >= 1) ROW1_BITS(4);
     } else {
         while (M - t >= 4) ROWS_BITS(4, 8);
-        while (M - t >= 1) ROWS_BITS(1, 8);
+        while (M - t >= 1) ROW1_BITS(8);
     }
 }
 #define QGEMV_BUILT 1
