@@ -113,13 +113,39 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up from the fused [T, 2 I] gate/up output."""
+def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor:
     assert gate_up.is_contiguous()
     T, I2 = gate_up.shape
     out = gate_up.new_empty(T, I2 // 2)
-    _fn("silu_mul", gate_up.dtype)(_ptr(gate_up), _ptr(out), T, I2 // 2)
+    _fn(kernel, gate_up.dtype)(_ptr(gate_up), _ptr(out), T, I2 // 2)
     return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up from the fused [T, 2 I] gate/up output."""
+    return _gated("silu_mul", gate_up)
+
+
+def norm_add_norm(x: torch.Tensor | None, residual: torch.Tensor, wa: torch.Tensor | None, wb: torch.Tensor | None,
+                  eps: float) -> torch.Tensor | None:
+    """Gemma's sandwich norms: residual += rms_norm(x)·wa (in place; skipped when x is None), then
+    returns rms_norm(residual)·wb (None when wb is None). wa, wb: float32 (Gemma's 1 + w)."""
+    assert residual.is_contiguous() and (x is None or x.is_contiguous())
+    T, D = residual.shape
+    out = None if wb is None else torch.empty_like(residual)
+    _fn("norm_add_norm", residual.dtype)(_ptr(x), _ptr(residual), _ptr(wa), _ptr(wb), _ptr(out), T, D, eps)
+    return out
+
+
+def qk_norm_(qkv: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, H: int, KVH: int, D: int, eps: float) -> None:
+    """Gemma's per-head RMSNorm of the q and k parts of the fused qkv output, in place (float32 weights)."""
+    assert qkv.is_contiguous()
+    _fn("qk_norm", qkv.dtype)(_ptr(qkv), _ptr(qw), _ptr(kw), qkv.shape[0], H, KVH, D, eps)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU-tanh(gate) * up from the fused [T, 2 I] gate/up output."""
+    return _gated("gelu_tanh_mul", gate_up)
 
 
 def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,

@@ -87,3 +87,66 @@ static inline float f32_load(float x) { return x; }
 static inline float f32_id(float x) { return x; }
 DEFINE_ROPE(pytgi_rope_write_kv_f32, float, f32_load, f32_id, f32_id)
 DEFINE_ROPE(pytgi_rope_write_kv_bf16, uint16_t, bf16_load, bf16_round, bf16_rt)
+
+/* Gemma's layers. Its RMSNorm scales by float32 `1 + w` (wa, wb here) and rounds once, at the
+ * end; a layer norms both sides of attention and of the MLP ("sandwich" norms):
+ *   residual[t] += rms_norm(x[t])·wa;  out[t] = rms_norm(residual[t])·wb
+ * x NULL: no first norm or add (the layer's input norm); out NULL: no second norm. */
+#define DEFINE_NORM_ADD_NORM(NAME, T_, LOAD, STORE)                                                  \
+    void NAME(const T_ *x, T_ *residual, const float *wa, const float *wb, T_ *out, int64_t T, int64_t D, \
+              float eps) {                                                                           \
+        _Pragma("omp parallel for if (T >= 8)")                                                      \
+        for (int64_t t = 0; t < T; t++) {                                                            \
+            T_ *r = residual + t * D;                                                                \
+            if (x != NULL) {                                                                         \
+                const T_ *xt = x + t * D;                                                            \
+                float ss = 0.0f;                                                                     \
+                for (int64_t i = 0; i < D; i++) ss += LOAD(xt[i]) * LOAD(xt[i]);                     \
+                const float rstd = 1.0f / sqrtf(ss / (float)D + eps);                                \
+                for (int64_t i = 0; i < D; i++) r[i] = STORE(LOAD(r[i]) + LOAD(STORE(LOAD(xt[i]) * rstd * wa[i]))); \
+            }                                                                                        \
+            if (out != NULL) {                                                                       \
+                float ss = 0.0f;                                                                     \
+                for (int64_t i = 0; i < D; i++) ss += LOAD(r[i]) * LOAD(r[i]);                       \
+                const float rstd = 1.0f / sqrtf(ss / (float)D + eps);                                \
+                for (int64_t i = 0; i < D; i++) out[t * D + i] = STORE(LOAD(r[i]) * rstd * wb[i]);   \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+/* Gemma's per-head query and key norms, in place on the q and k parts of each fused qkv row. */
+#define DEFINE_QK_NORM(NAME, T_, LOAD, STORE)                                                        \
+    void NAME(T_ *qkv, const float *qw, const float *kw, int64_t T, int64_t H, int64_t KVH, int64_t D, float eps) { \
+        _Pragma("omp parallel for if (T >= 8)")                                                      \
+        for (int64_t t = 0; t < T; t++) {                                                            \
+            for (int64_t h = 0; h < H + KVH; h++) {                                                  \
+                T_ *v = qkv + t * (H + 2 * KVH) * D + h * D;                                         \
+                const float *w = h < H ? qw : kw;                                                    \
+                float ss = 0.0f;                                                                     \
+                for (int64_t i = 0; i < D; i++) ss += LOAD(v[i]) * LOAD(v[i]);                       \
+                const float rstd = 1.0f / sqrtf(ss / (float)D + eps);                                \
+                for (int64_t i = 0; i < D; i++) v[i] = STORE(LOAD(v[i]) * rstd * w[i]);              \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+/* out[t, i] = gelu_tanh(gate_up[t, i]) * gate_up[t, I + i] (the gelu rounded, as PyTorch's is) */
+#define DEFINE_GELU_MUL(NAME, T_, LOAD, STORE, RT)                                                   \
+    void NAME(const T_ *gu, T_ *out, int64_t T, int64_t I) {                                         \
+        _Pragma("omp parallel for if (T >= 8)")                                                      \
+        for (int64_t t = 0; t < T; t++) {                                                            \
+            const T_ *g = gu + t * 2 * I, *u = g + I;                                                \
+            for (int64_t i = 0; i < I; i++) {                                                        \
+                const float x = LOAD(g[i]);                                                          \
+                const float y = 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x))); \
+                out[t * I + i] = STORE(RT(y) * LOAD(u[i]));                                          \
+            }                                                                                        \
+        }                                                                                            \
+    }
+
+DEFINE_NORM_ADD_NORM(pytgi_norm_add_norm_f32, float, f32_load, f32_id)
+DEFINE_NORM_ADD_NORM(pytgi_norm_add_norm_bf16, uint16_t, bf16_load, bf16_round)
+DEFINE_QK_NORM(pytgi_qk_norm_f32, float, f32_load, f32_id)
+DEFINE_QK_NORM(pytgi_qk_norm_bf16, uint16_t, bf16_load, bf16_round)
+DEFINE_GELU_MUL(pytgi_gelu_tanh_mul_f32, float, f32_load, f32_id, f32_id)
+DEFINE_GELU_MUL(pytgi_gelu_tanh_mul_bf16, uint16_t, bf16_load, bf16_round, bf16_rt)

@@ -17,6 +17,12 @@ void pytgi_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16
 void pytgi_silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I);
 void pytgi_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I);
 void pytgi_rope_write_kv_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q, float *k_cache, float *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D);
+void pytgi_norm_add_norm_f32(const float *x, float *residual, const float *wa, const float *wb, float *out, int64_t T, int64_t D, float eps);
+void pytgi_norm_add_norm_bf16(const uint16_t *x, uint16_t *residual, const float *wa, const float *wb, uint16_t *out, int64_t T, int64_t D, float eps);
+void pytgi_qk_norm_f32(float *qkv, const float *qw, const float *kw, int64_t T, int64_t H, int64_t KVH, int64_t D, float eps);
+void pytgi_qk_norm_bf16(uint16_t *qkv, const float *qw, const float *kw, int64_t T, int64_t H, int64_t KVH, int64_t D, float eps);
+void pytgi_gelu_tanh_mul_f32(const float *gu, float *out, int64_t T, int64_t I);
+void pytgi_gelu_tanh_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I);
 void pytgi_rope_write_kv_bf16(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *slots, uint16_t *q, uint16_t *k_cache, uint16_t *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D);
 
 /* paged_attention.c: attention over the paged cache, read in place. Decodes: one query token per

@@ -135,13 +135,34 @@ class TorchAttention:
             qg = q[g.token_idx].transpose(1, 2)  # [G, H, Q, D]
             kg = k_cache[g.slots].transpose(1, 2)  # [G, KVH, L, D]
             vg = v_cache[g.slots].transpose(1, 2)
-            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale, enable_gqa=True)
-            o = o.transpose(1, 2)  # [G, Q, H, D]
+            o = self._attend(qg, kg, vg, g.mask, scale).transpose(1, 2)  # [G, Q, H, D]
             if g.valid is None:
                 out[g.token_idx[:, 0]] = o[:, 0]
             else:
                 out[g.token_idx[g.valid]] = o[g.valid]
         return out
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [G, H, Q, D], k and v [G, KVH, L, D], mask [G, 1, Q, L] → [G, H, Q, D]."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+class SoftcapAttention(TorchAttention):
+    """Attention whose scores are soft-capped before the softmax, cap·tanh(s / cap) (Gemma 2).
+    Neither SDPA nor the paged kernel takes a cap, so every request's context is gathered and
+    attended with two matmuls, the softmax in float32 (as transformers' eager attention)."""
+
+    def __init__(self, cpu: CpuKernels, heads: tuple[int, int, int], cap: float) -> None:
+        super().__init__(cpu, heads)
+        self.paged, self.paged_prefill_max, self.cap = False, 0, cap
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        s = torch.tanh((q @ k.transpose(-1, -2)) * scale / self.cap) * self.cap
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")).float(), dim=-1).to(q.dtype)
+        return p @ v
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from pytgi.models.quant import resolve_plan
 MODELS: dict[str, tuple[Any, type[LlamaForCausalLM]]] = {
     **{arch: (LlamaConfig, LlamaForCausalLM) for arch in LLAMA_ARCHITECTURES},
     "Gemma3ForCausalLM": (Gemma3Config, Gemma3ForCausalLM),
+    "Gemma2ForCausalLM": (Gemma3Config, Gemma3ForCausalLM),  # Gemma 3's layers, without q/k norms, soft-capped
 }
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
 

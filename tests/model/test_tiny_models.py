@@ -1,4 +1,4 @@
-"""pytgi's models (the Llama family, Gemma 3) against transformers' on tiny random-weight configs (fp32).
+"""pytgi's models (the Llama family, Gemma 2 and 3, mixtures of experts) against transformers' on tiny random-weight configs (fp32).
 
 Logits are compared at every position for mixed batches of prefills, prefill chunks and paged
 decodes, with block tables that are deliberately not contiguous.
@@ -48,6 +48,11 @@ CONFIGS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    # Gemma 2: every other layer sliding, one RoPE base, scores and logits soft-capped (caps small
+    # enough to bite on random weights)
+    "gemma2-softcap": (transformers.Gemma2Config, dict(
+        BASE, num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+        attn_logit_softcapping=0.5, final_logit_softcapping=0.3)),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
     "olmo2-via-transformers": (transformers.Olmo2Config, dict(BASE)),
     "gpt-neox-via-transformers": (transformers.GPTNeoXConfig, dict(
@@ -62,7 +67,8 @@ IMPL = {"llama-via-transformers": "transformers", "gemma3-sliding-via-transforme
 ARCH = {transformers.LlamaConfig: transformers.LlamaForCausalLM, transformers.MistralConfig:
         transformers.MistralForCausalLM, transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
         transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
-        transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM, transformers.Phi3Config: transformers.Phi3ForCausalLM,
+        transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM,
+        transformers.Gemma2Config: transformers.Gemma2ForCausalLM, transformers.Phi3Config: transformers.Phi3ForCausalLM,
         transformers.MixtralConfig: transformers.MixtralForCausalLM,
         transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
         transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
@@ -74,6 +80,8 @@ def models(request, tmp_path_factory):
     cfg_cls, kw = CONFIGS[request.param]
     torch.manual_seed(0)
     hf = ARCH[cfg_cls](cfg_cls(**kw)).float().eval()
+    if cfg_cls is transformers.Gemma2Config:
+        hf.set_attn_implementation("eager")  # SDPA would drop the soft cap
     with torch.no_grad():  # random norms, so a wrong norm weight cannot hide behind ones
         for name, p in hf.named_parameters():
             if "norm" in name or "bias" in name:

@@ -48,3 +48,50 @@ def test_rope_write_kv(dtype):
     torch.testing.assert_close(k_cache[slots], qk[:, H:], **TOL[dtype])
     torch.testing.assert_close(v_cache[slots], qkv[:, (H + KVH) * D :].view(T, KVH, D))
     assert k_cache[1].abs().sum() == 0  # untouched slots stay untouched
+
+
+def _gemma_norm(dim: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    from pytgi.models.gemma import GemmaRMSNorm
+
+    norm = GemmaRMSNorm(dim, 1e-6)
+    norm.weight.data = (0.5 * torch.randn(dim)).to(dtype)
+    return norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 9])
+def test_gemma_norm_add_norm(dtype, T):
+    """Gemma's sandwich: residual += post(x); out = pre(residual), with (1 + w) norms; and each half alone."""
+    torch.manual_seed(0)
+    post, pre = _gemma_norm(64, dtype), _gemma_norm(64, dtype)
+    x, residual = torch.randn(T, 64).to(dtype), torch.randn(T, 64).to(dtype)
+    expected_residual = residual + post(x)
+    expected = pre(expected_residual)
+    out = kernels.norm_add_norm(x, residual, post.scale(), pre.scale(), 1e-6)
+    torch.testing.assert_close(residual, expected_residual, **TOL[dtype])
+    torch.testing.assert_close(out, expected, **TOL[dtype])
+    torch.testing.assert_close(kernels.norm_add_norm(None, residual, None, pre.scale(), 1e-6), expected, **TOL[dtype])
+    assert kernels.norm_add_norm(x, residual, post.scale(), None, 1e-6) is None
+    torch.testing.assert_close(residual, expected_residual + post(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_qk_norm_in_place(dtype):
+    torch.manual_seed(0)
+    T, H, KVH, D = 3, 4, 1, 32
+    qn, kn = _gemma_norm(D, dtype), _gemma_norm(D, dtype)
+    qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
+    q, k, v = qkv[:, : H * D].view(T, H, D), qkv[:, H * D : (H + KVH) * D].view(T, KVH, D), qkv[:, (H + KVH) * D :]
+    expected_q, expected_k, expected_v = qn(q), kn(k), v.clone()
+    kernels.qk_norm_(qkv, qn.scale(), kn.scale(), H, KVH, D, 1e-6)
+    torch.testing.assert_close(q, expected_q, **TOL[dtype])
+    torch.testing.assert_close(k, expected_k, **TOL[dtype])
+    assert torch.equal(qkv[:, (H + KVH) * D :], expected_v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul(dtype):
+    gu = (3 * torch.randn(5, 2 * 48)).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    expected = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    torch.testing.assert_close(kernels.gelu_tanh_mul(gu), expected, **TOL[dtype])
