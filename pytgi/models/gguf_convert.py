@@ -24,7 +24,13 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+# A "llama" file with experts is Mixtral.
+MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # Gemma's layers have four norms: llama.cpp's ffn_norm is the one before the MLP there.
 GEMMA_LAYER_TENSORS = {
     "post_attention_norm": "post_attention_layernorm",
@@ -44,7 +50,18 @@ LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, the experts stacked ([E, I, H], [E, H, I]), a shared expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Phi-3 keeps q, k, v and gate, up fused
+PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 # llama.cpp's pre-tokenizer names → the Hugging Face pre-tokenizer that splits text the same way.
@@ -88,6 +105,9 @@ def gguf_config(reader: Any) -> dict[str, Any]:
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
     hf_arch, model_type = ARCHITECTURES[arch]
+    experts = _field(reader, f"{arch}.expert_count")
+    if arch == "llama" and experts:
+        hf_arch, model_type = MIXTRAL
     n_heads = int(_required(reader, f"{arch}.attention.head_count"))
     hidden = int(_required(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
@@ -118,8 +138,31 @@ def gguf_config(reader: Any) -> dict[str, Any]:
                       query_pre_attn_scalar=int(head_dim), tie_word_embeddings=True,
                       rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": config["rope_theta"]},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    if model_type == "gemma2":
+        config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                      sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", 4096)),
+                      query_pre_attn_scalar=int(head_dim), tie_word_embeddings=True,
+                      attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping", 50.0),
+                      final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping", 30.0))
     if model_type == "qwen2":
         config["attention_bias"] = True
+    if model_type == "mixtral":
+        config.update(num_local_experts=int(experts), num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")))
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        config.update(num_experts=int(experts), num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")),
+                      moe_intermediate_size=int(_required(reader, f"{arch}.expert_feed_forward_length")),
+                      decoder_sparse_step=1, mlp_only_layers=[])
+    if model_type == "qwen2_moe":
+        config.update(attention_bias=True, norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", False)),
+                      shared_expert_intermediate_size=int(
+                          _field(reader, f"{arch}.expert_shared_feed_forward_length", 0)))
+    if model_type == "qwen3_moe":
+        config["norm_topk_prob"] = bool(_field(reader, f"{arch}.expert_weights_norm", True))
+    if model_type == "phi3":
+        if "rope_factors_long.weight" in names:
+            raise GGUFConversionError("Phi-3's long-context rope (rope_factors_long) is not supported yet")
+        config.update(original_max_position_embeddings=config["max_position_embeddings"], pad_token_id=None,
+                      tie_word_embeddings="output.weight" not in names)
     if model_type == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = False
@@ -131,9 +174,11 @@ def _hf_tensor_name(name: str, model_type: str = "llama") -> str:
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{kind}"
     parts = stem.split(".")
-    layer = {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS} if model_type.startswith("gemma") else LAYER_TENSORS
+    layer = {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS} if model_type.startswith("gemma") else \
+        {**LAYER_TENSORS, **PHI3_LAYER_TENSORS} if model_type == "phi3" else LAYER_TENSORS
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
-        return f"model.layers.{parts[1]}.{layer[parts[2]]}.{kind}"
+        hf = f"model.layers.{parts[1]}.{layer[parts[2]]}"
+        return hf if parts[2].endswith("_exps") else f"{hf}.{kind}"  # stacked experts: a parameter, no .weight
     raise GGUFConversionError(f"unexpected tensor {name!r} in GGUF file")
 
 
@@ -141,13 +186,15 @@ def _tensors(reader: Any, config: dict[str, Any], progress: bool):
     from gguf import dequantize
     from tqdm import tqdm
 
-    permute = config["model_type"] == "llama"
+    permute = config["model_type"] in ("llama", "mixtral")  # llama.cpp interleaves these archs' q/k rows
     gemma = config["model_type"].startswith("gemma")
     tensors = reader.tensors
     bar = tqdm(tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress)
     for t in bar:
         w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         name = _hf_tensor_name(t.name, config["model_type"])
+        if name.endswith("shared_expert_gate.weight") and w.ndim == 1:
+            w = w[None, :]  # stored as a vector: the gate's one output row
         if gemma and name.endswith("norm.weight"):
             w = w - 1  # llama.cpp stores Gemma's norms as 1 + w
         if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -171,28 +218,44 @@ def _recovered_merges(tokens: list[str], rank: dict[str, float]) -> list[tuple[s
 
 
 def _sentencepiece_tokenizer_json(reader: Any, arch: str) -> str:
-    """A SentencePiece BPE vocabulary (`tokenizer.ggml.model` = llama) as the Gemma family's
-    tokenizer.json spells it: spaces become '▁' (no prefix space), unknown bytes fall back to
-    <0xNN> tokens, the merges recovered from the vocabulary in file order (Gemma's scores do not
-    follow its merge order), BOS added as the file says."""
+    """A SentencePiece BPE vocabulary (`tokenizer.ggml.model` = llama) as transformers reads it from
+    the file, byte fallback to <0xNN> tokens, BOS added as the file says (by default, as llama.cpp):
+    - the Llama family's (Llama 2, Mistral, TinyLlama...): words split on '▁' with one prepended to
+      the first (`add_space_prefix`, by default on), merges recovered from the scores;
+    - the Gemma family's: spaces become '▁' with no prefix, merges recovered in file order (Gemma's
+      scores do not follow its merge order)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    if not arch.startswith("gemma") or _field(reader, "tokenizer.ggml.add_space_prefix", False):
-        raise GGUFConversionError(
-            f"a SentencePiece tokenizer in a {arch!r} GGUF file is not supported yet (only the Gemma family's); "
-            "convert the model to a Hugging Face directory and pass that instead"
-        )
-    # A blank token with a space in it is stored with real spaces; the normalized text has '▁' there.
-    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in _field(reader, "tokenizer.ggml.tokens")]
-    types = list(_field(reader, "tokenizer.ggml.token_type"))
+    gemma = arch.startswith("gemma")
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    if gemma:  # a blank token with a space in it is stored with real spaces; the normalized text has '▁'
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    types = list(_field(reader, "tokenizer.ggml.token_type") or [])
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    rank = {tok: -float(i) for i, tok in enumerate(tokens)}
+    if gemma:
+        rank = {tok: -float(i) for i, tok in enumerate(tokens)}
+    else:
+        scores = _field(reader, "tokenizer.ggml.scores")
+        if scores is None:
+            raise GGUFConversionError("the GGUF file's SentencePiece vocabulary has no tokenizer.ggml.scores")
+        rank = dict(zip(tokens, map(float, scores)))
     unk = _field(reader, "tokenizer.ggml.unknown_token_id")
+    unk_token = tokens[int(unk)] if gemma and unk is not None else None
     tok = Tokenizer(models.BPE(vocab=vocab, merges=_recovered_merges(tokens, rank), fuse_unk=True,
-                               byte_fallback=True, unk_token=None if unk is None else tokens[int(unk)]))
-    tok.normalizer = normalizers.Replace(" ", "\u2581")
-    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+                               byte_fallback=True, unk_token=unk_token))
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    else:
+        prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+        if arch == "phi3" and prefix:  # as transformers reads Phi-3: the prefix from a normalizer
+            tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
+                                                         prepend_scheme="first" if prefix else "never", split=False)
+        steps += [decoders.Strip(content=" ", left=1, right=0)] if prefix else []
+    tok.decoder = decoders.Sequence(steps)
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     if bos is not None and _field(reader, "tokenizer.ggml.add_bos_token", True):
         b = tokens[int(bos)]
@@ -216,7 +279,7 @@ def _add_marked_tokens(tok: Any, tokens: list[str], types: list[int], vocab: dic
 
 def gguf_tokenizer_json(reader: Any) -> str:
     """Build a `tokenizers` tokenizer equal to the one the GGUF file describes: byte-level BPE
-    ('gpt2'), or the Gemma family's SentencePiece BPE ('llama')."""
+    ('gpt2'), or SentencePiece BPE ('llama': the Llama and Gemma families')."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = _field(reader, "tokenizer.ggml.model")
@@ -224,12 +287,12 @@ def gguf_tokenizer_json(reader: Any) -> str:
         return _sentencepiece_tokenizer_json(reader, _field(reader, "general.architecture"))
     if kind != "gpt2":
         raise GGUFConversionError(
-            f"GGUF tokenizer type {kind!r} is not supported (byte-level BPE 'gpt2', or Gemma's SentencePiece); "
+            f"GGUF tokenizer type {kind!r} is not supported (byte-level BPE 'gpt2', or SentencePiece BPE 'llama'); "
             "convert the model to a Hugging Face directory and pass that instead"
         )
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    types = list(_field(reader, "tokenizer.ggml.token_type"))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    types = list(_field(reader, "tokenizer.ggml.token_type") or [])
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges") or []]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     pre = _field(reader, "tokenizer.ggml.pre", "default")
@@ -268,7 +331,8 @@ def _tokenizer_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
         "eos_token": tok("tokenizer.ggml.eos_token_id"),
         "unk_token": tok("tokenizer.ggml.unknown_token_id"),
         "pad_token": tok("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", _field(reader, "tokenizer.ggml.model") == "llama")),
         "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
         "chat_template": _field(reader, "tokenizer.chat_template"),
         "model_max_length": config["max_position_embeddings"],

@@ -60,6 +60,10 @@ class SparseMoE(nn.Module):
         if name == "experts.down_proj":  # stacked [E, H, I]
             self.down.data.copy_(tensor[:, :, s : s + n])
             return ["down"]
+        if name in ("experts.gate_proj", "experts.up_proj"):  # stacked [E, I, H] apart (from GGUF files)
+            half = 0 if name == "experts.gate_proj" else n
+            self.gate_up.data[:, half : half + n].copy_(tensor[:, s : s + n])
+            return ["gate_up"]
         m = _EXPERT.match(name)
         if m is None:
             raise ValueError(f"unexpected expert weight {name!r}")

@@ -1,0 +1,131 @@
+"""GGUF files of the families beyond Llama/Qwen/Gemma (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-3): a tiny
+random transformers model is written out as llama.cpp's converter writes it (tensor names, q/k row
+interleaving, experts stacked per kind, Phi-3's fused tensors, the metadata keys), pytgi converts
+and serves the file, and its logits equal transformers' on the original model (fp32).
+
+The layout below was checked against files that llama.cpp's own `convert_hf_to_gguf.py` made from
+such models (docs/models.md says how)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pytgi.config import EngineConfig
+from pytgi.engine.runner import ModelRunner
+from pytgi.models.registry import resolve_model
+
+BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+FAMILIES = {
+    "mixtral": ("llama", transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(BASE, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2moe": ("qwen2moe", transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                 dict(BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=80, decoder_sparse_step=1, mlp_only_layers=[],
+                      norm_topk_prob=False)),
+    "qwen3moe": ("qwen3moe", transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                 dict(BASE, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=True)),
+    "phi3": ("phi3", transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(BASE, pad_token_id=0)),
+}
+LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up",
+         "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+         "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+         "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's interleaving of the q/k rows of a "llama" file."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf, arch: str, path: Path) -> Path:
+    import gguf
+
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    # a byte-level vocabulary of single characters, no merges
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(0x21 + i) for i in range(cfg.vocab_size)])
+    w.add_token_merges([])
+    w.add_token_types([1] * cfg.vocab_size)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    for name, t in hf.state_dict().items():
+        a = t.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", a)
+        elif name == "lm_head.weight":
+            w.add_tensor("output.weight", a)
+        elif name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", a)
+        else:
+            _, _, i, rest = name.split(".", 3)
+            stem, _, kind = rest.rpartition(".")
+            if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):  # stacked [E, 2I, H] / [E, H, I]
+                if rest.endswith("down_proj"):
+                    w.add_tensor(f"blk.{i}.ffn_down_exps.weight", a)
+                else:
+                    gate, up = np.split(a, 2, axis=1)
+                    w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+                    w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
+                continue
+            if arch == "llama" and stem in ("self_attn.q_proj", "self_attn.k_proj"):
+                a = _permute(a, cfg.num_attention_heads if stem.endswith("q_proj") else cfg.num_key_value_heads)
+            w.add_tensor(f"blk.{i}.{LAYER[stem]}.{kind}", np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_gguf_of_the_family_serves_transformers_logits(tmp_path, monkeypatch, family):
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    arch, cfg_cls, model_cls, kw = FAMILIES[family]
+    torch.manual_seed(0)
+    hf = model_cls(cfg_cls(**kw)).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = write_gguf(hf, arch, tmp_path / f"{family}.gguf")
+    model_dir, _ = resolve_model(str(path), progress=False)  # converted once, as `pytgi serve` does
+    runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
+    assert type(runner.model).__name__ == "LlamaForCausalLM"  # pytgi's own code, not the fallback
+    from tests.model.test_tiny_models import BLOCK, NUM_BLOCKS, Paged, reference, step
+
+    runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
+    seq = np.random.default_rng(1).integers(0, 97, 23).tolist()
+    pager = Paged()
+    req = pager.request("r", seq)
+    got = step(runner, pager, [(req, req.num_tokens)])[0]
+    torch.testing.assert_close(got, reference(hf, seq), atol=2e-5, rtol=1e-4)
