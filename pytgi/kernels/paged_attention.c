@@ -13,8 +13,9 @@
  * Two implementations, all math in float32: with AVX-512 (and D a multiple of 16) a split-K
  * kernel with an online softmax that takes decodes and prefill chunks alike (see attention512;
  * AMX tiles for bf16 when enough query rows share a kv head); otherwise a portable one for decodes
- * only, which splits work over (request, kv head) pairs, each computing scores for its group of
- * query heads in one pass over the keys, a softmax, then one pass over the values. Without
+ * only, which splits work over (request, kv head) pairs (or over query heads, when the pairs are
+ * fewer than the threads), each computing scores for its group of query heads in one pass over the
+ * keys, a softmax, then one pass over the values. Without
  * AVX-512, prefill chunks stay with PyTorch (pytgi_paged_prefill_supported says so). Built and
  * loaded by pytgi/kernels/__init__.py. */
 #include <math.h>
@@ -71,13 +72,17 @@ static inline void restore_csr(unsigned int csr) { (void)csr; }
     static int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int64_t *rows,            \
              const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks,    \
              int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale) {                  \
-        const int64_t G = H / KVH;                                                                   \
-        const int64_t ng = B >= 2 * omp_get_max_threads() ? KVH : 1, per_b = KVH / ng;               \
+        const int64_t G = H / KVH, threads = omp_get_max_threads();                                   \
+        const int64_t ng = B >= 2 * threads ? KVH : 1;                                               \
+        /* fewer (request, kv head) pairs than threads: one task per query head, so a lone request  \
+         * with one kv head (Gemma 3) still keeps every thread busy */                              \
+        const int64_t split = ng == 1 && B * KVH < threads ? G : 1, per_b = KVH / ng * split;       \
         int failed = 0;                                                                              \
         _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
         for (int64_t task = 0; task < B * per_b; task++) {                                           \
-            const int64_t b = task / per_b, g0 = (task % per_b) * ng, L = ctx_lens[b];               \
-            const int64_t nh = ng * G, *table = block_tables + b * max_blocks;                       \
+            const int64_t b = task / per_b, g0 = (task % per_b) / split * ng, L = ctx_lens[b];       \
+            const int64_t nh = ng * G / split, *table = block_tables + b * max_blocks;               \
+            const int64_t h0 = g0 * G + (task % per_b) % split * nh; /* first query head */         \
             float *buf = malloc(sizeof(float) * (size_t)(nh * D * 2 + ng * D + nh * L));             \
             if (buf == NULL) {                                                                       \
                 failed = 1;                                                                          \
@@ -85,7 +90,7 @@ static inline void restore_csr(unsigned int csr) { (void)csr; }
             }                                                                                        \
             float *qf = buf, *acc = buf + nh * D, *row = acc + nh * D, *s = row + ng * D;            \
             const unsigned int csr = flush_denormals();                                              \
-            ROW(q + (rows[b] * H + g0 * G) * D, qf, nh * D);                                         \
+            ROW(q + (rows[b] * H + h0) * D, qf, nh * D);                                             \
             for (int64_t i = 0; i < nh * D; i++) {                                                   \
                 qf[i] *= scale;                                                                      \
                 acc[i] = 0.0f;                                                                       \
@@ -118,7 +123,7 @@ static inline void restore_csr(unsigned int csr) { (void)csr; }
                         axpy(acc + h * D, s[h * L + j0 + j], row + (h / G) * D, D);                  \
                 }                                                                                    \
             }                                                                                        \
-            STORE(out + (rows[b] * H + g0 * G) * D, acc, nh * D);                                    \
+            STORE(out + (rows[b] * H + h0) * D, acc, nh * D);                                        \
             restore_csr(csr);                                                                        \
             free(buf);                                                                               \
         }                                                                                            \

@@ -30,19 +30,20 @@ def reference(q, k_cache, v_cache, tables, ctx, rows, bs, scale):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("H, KVH", [(4, 4), (6, 2), (9, 3)])
-def test_decode_kernel_matches_softmax_attention(dtype, tol, H, KVH):
+@pytest.mark.parametrize("H, KVH", [(4, 4), (6, 2), (9, 3), (4, 1)])
+@pytest.mark.parametrize("B", [4, 1])  # one request with few kv heads: a task per query head
+def test_decode_kernel_matches_softmax_attention(dtype, tol, H, KVH, B):
     g = torch.Generator().manual_seed(0)
     bs, D, num_blocks = 4, 16, 32
     k_cache = torch.randn(num_blocks * bs, KVH, D, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks * bs, KVH, D, generator=g).to(dtype)
     rng = np.random.default_rng(0)
-    ctx = np.array([1, 5, 17, 30])
+    ctx = np.array([30, 5, 17, 1])[:B]
     tables = np.stack([rng.permutation(num_blocks)[:8] for _ in ctx]).astype(np.int64)  # scattered blocks
     q = torch.randn(7, H, D, generator=g).to(dtype)  # flat step: decodes sit at rows 6, 0, 3, 2
-    rows = [6, 0, 3, 2]
-    layout = StepLayout(query_lens=np.ones(4, np.int64), context_lens=ctx, block_tables=tables,
-                        slot_mapping=np.zeros(4, np.int64), block_size=bs)
+    rows = [6, 0, 3, 2][:B]
+    layout = StepLayout(query_lens=np.ones(B, np.int64), context_lens=ctx, block_tables=tables,
+                        slot_mapping=np.zeros(B, np.int64), block_size=bs)
     backend = attention(dtype, (H, KVH, D))
     meta = backend.prepare(layout, torch.device("cpu"))
     meta.paged.q_starts = np.array(rows, np.int64)
