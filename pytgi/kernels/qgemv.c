@@ -297,11 +297,12 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                 }
                 for (int r = 0; r < MR; r++) s[r] = _mm256_madd_epi16(s[r], ones);
             } else {
-                for (int j = 0; j < 8; j++) {
+                for (int j = 0; j < 8; j++) {  /* |q| shared by the rows, each row's x takes q's sign */
                     const __m256i wj = _mm256_xor_si256(_mm256_loadu_si256((const void *)(blk + 64 * j + 32 * h)), flip);
+                    const __m256i wa = _mm256_sign_epi8(wj, wj);
                     for (int r = 0; r < MR; r++) {
                         const __m256i xb = _mm256_set1_epi32(((const int32_t *)(xq + r * K + 32 * g))[j]);
-                        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(xb, xb), _mm256_sign_epi8(wj, xb));
+                        const __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xb, wj));
                         s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, ones));
                     }
                 }
