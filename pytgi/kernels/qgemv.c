@@ -224,7 +224,8 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
  * 4-bit weights: each int16 pair sum is at most 2·15·127, so the 8 vectors of a group add up in
  * int16 (≤ 30480) before one widening. 8-bit weights (unsigned 1..255) would saturate the int16
  * pairs, so they are made signed (q − 128, offset m + 128·d) and multiplied as |x| × sign(x)·q,
- * as llama.cpp does (≤ 2·127·127 a pair), widened every vector. */
+ * as llama.cpp does, or with several rows as |q| × sign(q)·x, |q| shared by the rows (≤ 2·127·127
+ * a pair either way), widened every vector. */
 #include <immintrin.h>
 
 int pytgi_qgemv_supported(void) { return 1; }
