@@ -132,17 +132,15 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    if model_type in ("gemma3_text", "gemma2"):
+        config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+                      sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", 4096)),
+                      query_pre_attn_scalar=int(head_dim), tie_word_embeddings=True)
     if model_type == "gemma3_text":
-        config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
-                      sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", 4096)),
-                      query_pre_attn_scalar=int(head_dim), tie_word_embeddings=True,
-                      rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": config["rope_theta"]},
-                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+        config["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     if model_type == "gemma2":
-        config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
-                      sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", 4096)),
-                      query_pre_attn_scalar=int(head_dim), tie_word_embeddings=True,
-                      attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping", 50.0),
+        config.update(attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping", 50.0),
                       final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping", 30.0))
     if model_type == "qwen2":
         config["attention_bias"] = True
