@@ -19,6 +19,11 @@
  *   16 fp16 d, then 16 fp16 m (64 bytes).
  * Blocks are contiguous in (tile, group) order, so a tile is one sequential read.
  *
+ * `bits` names the format: 4 or 8 as above, or 16 (QFMT_I8_16): 8-bit weights whose scale and offset
+ * change every 16 inputs (the sub-blocks of GGUF's Q6_K and Q2_K), stored as the 8-bit block
+ * followed by 16 fp16 d and 16 m for inputs 0..15 of the group, then 16 d and 16 m for 16..31
+ * (128 bytes); the sums of the two halves are scaled apart, and x's offset sums are kept per half.
+ *
  * With AVX2 only, the same layout is multiplied with AVX2's byte multiply-adds (below); with
  * neither, `pytgi_qgemv_supported()` returns 0 and callers use PyTorch's kernels.
  * Built and loaded by pytgi/kernels/__init__.py. */
@@ -30,13 +35,17 @@
 #include "bf16.h"
 #include "pytgi_kernels.h"
 
+/* Bytes of one (tile, group) block in format `bits` (4, 8 or 16: see above). */
+static inline int64_t block_bytes(int64_t bits) { return bits == 4 ? 320 : bits == 8 ? 576 : 640; }
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
 int pytgi_qgemv_supported(void) { return 1; }
 
-/* One activation row (bf16) → int8 per group of 32, its scale and scale·Σq per group. */
-static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, float *sxs) {
+/* One activation row (bf16) → int8 per group of 32, its scale, scale·Σq per group and scale·Σq
+ * over the group's first 16 (for the formats with scales per 16). */
+static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, float *sxs, float *sxh) {
     for (int64_t g = 0; g < K / 32; g++) {
         __m512 a = bf16x16_load(x + 32 * g), b = bf16x16_load(x + 32 * g + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
@@ -46,7 +55,8 @@ static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, flo
         _mm_storeu_si128((void *)(q + 32 * g), _mm512_cvtsepi32_epi8(qa));
         _mm_storeu_si128((void *)(q + 32 * g + 16), _mm512_cvtsepi32_epi8(qb));
         sx[g] = d;
-        sxs[g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        sxh[g] = d * (float)_mm512_reduce_add_epi32(qa);
+        sxs[g] = sxh[g] + d * (float)_mm512_reduce_add_epi32(qb);
     }
 }
 
@@ -57,13 +67,13 @@ static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, flo
 /* Rows t0 .. t0+MR-1 of the output for one tile of 16 columns. MR is a literal at each call, so
  * the row loops unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int bits, int64_t G, const int8_t *xq,
-                                                        const float *sx, const float *sxs, int64_t K, int MR,
-                                                        __m512 *acc) {
+                                                        const float *sx, const float *sxs, const float *sxh,
+                                                        int64_t K, int MR, __m512 *acc) {
     const __m512i nib = _mm512_set1_epi8(0x0F);
-    const int64_t wbytes = bits == 4 ? 256 : 512;
+    const int64_t wbytes = bits == 4 ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < G; g++, blk += wbytes + 64) {
-        for (int64_t i = 0; i < wbytes + 64; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
+    for (int64_t g = 0; g < G; g++, blk += bbytes) {
+        for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
         __m512i w[8];
         if (bits == 4) {
             for (int v = 0; v < 4; v++) {
@@ -78,14 +88,25 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 32)));
         for (int r = 0; r < MR; r++) {
             const int32_t *xr = (const int32_t *)(xq + r * K + 32 * g);
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {
+            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  /* inputs 0..15, 16..31 */
+            for (int j = 0; j < 4; j++) {
                 s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(xr[j]));
-                s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(xr[j + 1]));
+                s1 = _mm512_dpbusd_epi32(s1, w[j + 4], _mm512_set1_epi32(xr[j + 4]));
             }
-            const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-            acc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(sx[r * G + g])), acc[r]);
-            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sxs[r * G + g]), acc[r]);
+            const __m512 xs = _mm512_set1_ps(sx[r * G + g]);
+            if (bits == 16) {
+                const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 64)));
+                const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 96)));
+                const float lo = sxh[r * G + g];
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d, xs), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, xs), acc[r]);
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(lo), acc[r]);
+                acc[r] = _mm512_fmadd_ps(m1, _mm512_set1_ps(sxs[r * G + g] - lo), acc[r]);
+            } else {
+                const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                acc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, xs), acc[r]);
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sxs[r * G + g]), acc[r]);
+            }
         }
     }
 }
@@ -93,7 +114,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
 #define ROWS(MR)                                                                                      \
     do {                                                                                              \
         __m512 acc[MR];                                                                               \
-        tile(blk, (int)bits, G, xq + t * K, sx + t * G, sxs + t * G, K, MR, acc);                     \
+        tile(blk, (int)bits, G, xq + t * K, sx + t * G, sxs + t * G, sxh + t * G, K, MR, acc);                     \
         for (int r = 0; r < MR; r++)                                                                  \
             _mm256_storeu_si256((void *)(out + (t + r) * N + 16 * n16), (__m256i)_mm512_cvtneps_pbh(acc[r])); \
         t += MR;                                                                                      \
@@ -101,7 +122,8 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
 
 /* Output tiles n16 of all M rows, MR rows at a time. */
 static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t *xq, const float *sx,
-                      const float *sxs, int64_t K, int64_t M, uint16_t *out, int64_t N, int64_t n16) {
+                      const float *sxs, const float *sxh, int64_t K, int64_t M, uint16_t *out, int64_t N,
+                      int64_t n16) {
     int64_t t = 0;
     while (M - t >= 4) ROWS(4);
     if (M - t == 3) ROWS(3);
@@ -132,15 +154,18 @@ int pytgi_qgemm_amx_supported(void) {
  * packed block has w[n][4j + b] at byte 4n + b, so B rows 2j and 2j+1 are its even and odd pairs. */
 static inline void dequant_block(const uint8_t *blk, int bits, uint16_t *B) {
     const int64_t wbytes = bits == 4 ? 256 : 512;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes)));
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 32)));
     const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    __m512 dq[4], mq[4]; /* lane l of quarter q belongs to output 4q + l/4 */
-    for (int q = 0; q < 4; q++) {
-        const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * q), _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2));
-        dq[q] = _mm512_permutexvar_ps(idx, d);
-        mq[q] = _mm512_permutexvar_ps(idx, m);
+    __m512 dq[2][4], mq[2][4]; /* [inputs 0..15 | 16..31][quarter]: lane l of quarter q belongs to output 4q + l/4 */
+    for (int h = 0; h < (bits == 16 ? 2 : 1); h++) {
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 64 * h)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 64 * h + 32)));
+        for (int q = 0; q < 4; q++) {
+            const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * q), _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2));
+            dq[h][q] = _mm512_permutexvar_ps(idx, d);
+            mq[h][q] = _mm512_permutexvar_ps(idx, m);
+            if (bits != 16) dq[1][q] = dq[0][q], mq[1][q] = mq[0][q];
+        }
     }
     const __m512i nib = _mm512_set1_epi8(0x0F);
     for (int j = 0; j < 8; j++) {
@@ -151,11 +176,12 @@ static inline void dequant_block(const uint8_t *blk, int bits, uint16_t *B) {
         } else {
             v = _mm512_loadu_si512((const void *)(blk + 64 * j));
         }
+        const __m512 *dh = dq[j >= 4], *mh = mq[j >= 4];
         __m512 f[4];
-        f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(v))), dq[0], mq[0]);
-        f[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 1))), dq[1], mq[1]);
-        f[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 2))), dq[2], mq[2]);
-        f[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 3))), dq[3], mq[3]);
+        f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(v))), dh[0], mh[0]);
+        f[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 1))), dh[1], mh[1]);
+        f[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 2))), dh[2], mh[2]);
+        f[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 3))), dh[3], mh[3]);
         const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
         _mm512_store_si512((void *)(B + 64 * j), _mm512_permutex2var_epi32(lo, ev, hi));
         _mm512_store_si512((void *)(B + 64 * j + 32), _mm512_permutex2var_epi32(lo, od, hi));
@@ -168,7 +194,7 @@ static inline void dequant_block(const uint8_t *blk, int bits, uint16_t *B) {
  * pytgi_qgemm_amx_supported() said yes. Returns nonzero on out of memory. */
 int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
                          int64_t bits) {
-    const int64_t G = K / 32, tile_bytes = G * ((bits == 4 ? 256 : 512) + 64), Mp = (M + 15) / 16 * 16;
+    const int64_t G = K / 32, tile_bytes = G * block_bytes(bits), Mp = (M + 15) / 16 * 16;
     uint16_t *xp = aligned_alloc(64, (size_t)(Mp * K * 2)); /* zero-padded to whole 16-row tiles */
     if (xp == NULL) return 1;
     memcpy(xp, x, (size_t)(M * K * 2));
@@ -246,8 +272,9 @@ static inline int32_t hsum8i(__m256i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-/* As the AVX-512 version: one bf16 row → int8 per group of 32, its scale and scale·Σq. */
-static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, float *sxs) {
+/* As the AVX-512 version: one bf16 row → int8 per group of 32, its scale, scale·Σq and the first
+ * 16's scale·Σq. */
+static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, float *sxs, float *sxh) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t g = 0; g < K / 32; g++) {
         __m256 a[4];
@@ -264,7 +291,8 @@ static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, flo
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
         _mm256_storeu_si256((void *)(q + 32 * g), p);
         sx[g] = d;
-        sxs[g] = d * (float)hsum8i(_mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3])));
+        sxh[g] = d * (float)hsum8i(_mm256_add_epi32(qi[0], qi[1]));
+        sxs[g] = sxh[g] + d * (float)hsum8i(_mm256_add_epi32(qi[2], qi[3]));
     }
 }
 
@@ -272,17 +300,29 @@ static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, flo
 #define PREFETCH 1024
 #endif
 
+/* acc += s·d·sx + m'·xsum for one half of a group, where m' is the offset of the weights as
+ * multiplied (8-bit weights are made signed: + 128·d). */
+static inline __attribute__((always_inline)) __m256 fold(__m256 acc, __m256i s, const uint8_t *dp, int bits,
+                                                          float sx, float xsum) {
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const void *)dp));
+    __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(dp + 32)));
+    if (bits != 4) m = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d, m);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(sx)), acc);
+    return _mm256_fmadd_ps(m, _mm256_set1_ps(xsum), acc);
+}
+
 /* Rows t0 .. t0+MR-1 of the output for one tile of 16 columns; acc[2r + h] holds row r's half h.
  * Each weight vector is used for all MR rows as it is loaded (AVX2's 16 registers hold no whole
- * block), so the sums stay in registers. */
+ * block), so the sums stay in registers. With scales per 16 inputs (bits 16) the sums are folded
+ * in after vector 3 and again after vector 7. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int bits, int64_t G, const int8_t *xq,
-                                                        const float *sx, const float *sxs, int64_t K, int MR,
-                                                        __m256 *acc) {
+                                                        const float *sx, const float *sxs, const float *sxh,
+                                                        int64_t K, int MR, __m256 *acc) {
     const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    const int64_t wbytes = bits == 4 ? 256 : 512;
+    const int64_t wbytes = bits == 4 ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
     for (int r = 0; r < 2 * MR; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++, blk += wbytes + 64) {
-        for (int64_t i = 0; i < wbytes + 64; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
+    for (int64_t g = 0; g < G; g++, blk += bbytes) {
+        for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
         for (int h = 0; h < 2; h++) {
             __m256i s[4];
             for (int r = 0; r < MR; r++) s[r] = _mm256_setzero_si256();
@@ -306,16 +346,19 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                         const __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xb, wj));
                         s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, ones));
                     }
+                    if (bits == 16 && j == 3) {  /* inputs 0..15 have their own scales */
+                        for (int r = 0; r < MR; r++) {
+                            acc[2 * r + h] = fold(acc[2 * r + h], s[r], blk + wbytes + 16 * h, bits, sx[r * G + g],
+                                                  sxh[r * G + g]);
+                            s[r] = _mm256_setzero_si256();
+                        }
+                    }
                 }
             }
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes + 16 * h)));
-            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes + 32 + 16 * h)));
-            if (bits == 8) m = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d, m);
-            for (int r = 0; r < MR; r++) {
-                __m256 *a = acc + 2 * r + h;
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(sx[r * G + g])), *a);
-                *a = _mm256_fmadd_ps(m, _mm256_set1_ps(sxs[r * G + g]), *a);
-            }
+            const uint8_t *dp = blk + wbytes + (bits == 16 ? 64 : 0) + 16 * h;
+            for (int r = 0; r < MR; r++)
+                acc[2 * r + h] = fold(acc[2 * r + h], s[r], dp, bits, sx[r * G + g],
+                                      bits == 16 ? sxs[r * G + g] - sxh[r * G + g] : sxs[r * G + g]);
         }
     }
 }
@@ -323,12 +366,13 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
 /* One activation row (decode steps of one token: most of them), written out so that every value
  * stays in a register: per group, each half's 8 weight vectors meet the row's 8 broadcast dwords. */
 static inline __attribute__((always_inline)) void tile1(const uint8_t *blk, int bits, int64_t G, const int8_t *xq,
-                                                         const float *sx, const float *sxs, __m256 *acc) {
+                                                         const float *sx, const float *sxs, const float *sxh,
+                                                         __m256 *acc) {
     const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    const int64_t wbytes = bits == 4 ? 256 : 512;
+    const int64_t wbytes = bits == 4 ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++, blk += wbytes + 64) {
-        for (int64_t i = 0; i < wbytes + 64; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
+    for (int64_t g = 0; g < G; g++, blk += bbytes) {
+        for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
         const int32_t *xr = (const int32_t *)(xq + 32 * g);
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
         if (bits == 4) {
@@ -352,19 +396,17 @@ static inline __attribute__((always_inline)) void tile1(const uint8_t *blk, int 
                 const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const void *)(blk + 64 * j + 32)), flip);
                 s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xb)), ones));
                 s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xb)), ones));
+                if (bits == 16 && j == 3) {  /* inputs 0..15 have their own scales */
+                    a0 = fold(a0, s0, blk + wbytes, bits, sx[g], sxh[g]);
+                    a1 = fold(a1, s1, blk + wbytes + 16, bits, sx[g], sxh[g]);
+                    s0 = s1 = _mm256_setzero_si256();
+                }
             }
         }
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes)));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes + 16)));
-        __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes + 32)));
-        __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(blk + wbytes + 48)));
-        if (bits == 8) {
-            m0 = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d0, m0);
-            m1 = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d1, m1);
-        }
-        const __m256 xs = _mm256_set1_ps(sx[g]), xss = _mm256_set1_ps(sxs[g]);
-        a0 = _mm256_fmadd_ps(m0, xss, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(d0, xs), a0));
-        a1 = _mm256_fmadd_ps(m1, xss, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(d1, xs), a1));
+        const uint8_t *dp = blk + wbytes + (bits == 16 ? 64 : 0);
+        const float xsum = bits == 16 ? sxs[g] - sxh[g] : sxs[g];
+        a0 = fold(a0, s0, dp, bits, sx[g], xsum);
+        a1 = fold(a1, s1, dp + 16, bits, sx[g], xsum);
     }
     acc[0] = a0;
     acc[1] = a1;
@@ -382,7 +424,7 @@ static inline void store_bf16x16(uint16_t *out, __m256 lo, __m256 hi) {
 #define ROWS_BITS(MR, BITS)                                                             \
     do {                                                                                \
         __m256 acc[2 * MR];                                                             \
-        tile(blk, BITS, G, xq + t * K, sx + t * G, sxs + t * G, K, MR, acc);            \
+        tile(blk, BITS, G, xq + t * K, sx + t * G, sxs + t * G, sxh + t * G, K, MR, acc);            \
         for (int r = 0; r < MR; r++) store_bf16x16(out + (t + r) * N + 16 * n16, acc[2 * r], acc[2 * r + 1]); \
         t += MR;                                                                        \
     } while (0)
@@ -390,20 +432,24 @@ static inline void store_bf16x16(uint16_t *out, __m256 lo, __m256 hi) {
 #define ROW1_BITS(BITS)                                                                 \
     do {                                                                                \
         __m256 acc[2];                                                                  \
-        tile1(blk, BITS, G, xq + t * K, sx + t * G, sxs + t * G, acc);                  \
+        tile1(blk, BITS, G, xq + t * K, sx + t * G, sxs + t * G, sxh + t * G, acc);                  \
         store_bf16x16(out + t * N + 16 * n16, acc[0], acc[1]);                          \
         t += 1;                                                                         \
     } while (0)
 
 static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t *xq, const float *sx,
-                      const float *sxs, int64_t K, int64_t M, uint16_t *out, int64_t N, int64_t n16) {
+                      const float *sxs, const float *sxh, int64_t K, int64_t M, uint16_t *out, int64_t N,
+                      int64_t n16) {
     int64_t t = 0;
     if (bits == 4) {  /* the bit width a literal in each copy */
         while (M - t >= 4) ROWS_BITS(4, 4);
         while (M - t >= 1) ROW1_BITS(4);
-    } else {
+    } else if (bits == 8) {
         while (M - t >= 4) ROWS_BITS(4, 8);
         while (M - t >= 1) ROW1_BITS(8);
+    } else {
+        while (M - t >= 4) ROWS_BITS(4, 16);
+        while (M - t >= 1) ROW1_BITS(16);
     }
 }
 #define QGEMV_BUILT 1
@@ -432,18 +478,19 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
  * Returns nonzero on out of memory. */
 int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
                      int64_t bits) {
-    const int64_t G = K / 32, tile_bytes = G * ((bits == 4 ? 256 : 512) + 64);
+    const int64_t G = K / 32, tile_bytes = G * block_bytes(bits);
     int8_t *xq = malloc((size_t)(M * K));
-    float *sx = malloc(sizeof(float) * (size_t)(2 * M * G));
+    float *sx = malloc(sizeof(float) * (size_t)(3 * M * G));
     if (xq == NULL || sx == NULL) {
         free(xq);
         free(sx);
         return 1;
     }
-    float *sxs = sx + M * G;
-    for (int64_t t = 0; t < M; t++) quantize_row(x + t * K, K, xq + t * K, sx + t * G, sxs + t * G);
+    float *sxs = sx + M * G, *sxh = sxs + M * G;
+    for (int64_t t = 0; t < M; t++) quantize_row(x + t * K, K, xq + t * K, sx + t * G, sxs + t * G, sxh + t * G);
     _Pragma("omp parallel for schedule(static)")
-    for (int64_t n16 = 0; n16 < N / 16; n16++) tile_rows(w + n16 * tile_bytes, bits, G, xq, sx, sxs, K, M, out, N, n16);
+    for (int64_t n16 = 0; n16 < N / 16; n16++)
+        tile_rows(w + n16 * tile_bytes, bits, G, xq, sx, sxs, sxh, K, M, out, N, n16);
     free(xq);
     free(sx);
     return 0;

@@ -52,7 +52,7 @@ class DecoderLoop:
             row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                    nxt.weight.data_ptr()]
             for mod in _linears(layer):
-                row += [mod.quant.packed.data_ptr(), 4 if mod.quant.kind == "int4" else 8]
+                row += [mod.quant.packed.data_ptr(), mod.quant.bits]
             rows.append(row + [k_cache.data_ptr(), v_cache.data_ptr()])
         self._table = (kv_caches[0][0].data_ptr(), np.array(rows, dtype=np.int64))
         return self._table[1]

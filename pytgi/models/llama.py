@@ -248,7 +248,9 @@ class LlamaForCausalLM(nn.Module):
 
         def kind(hf_names: list[str]) -> str | None:
             kinds = {plan} if isinstance(plan, str) else {plan.get(n) for n in hf_names}
-            return None if None in kinds else ("int4" if kinds == {"int4"} else "int8")
+            if None in kinds:
+                return None
+            return "int4" if kinds == {"int4"} else "int8x16" if "int8x16" in kinds else "int8"
 
         todo: dict[nn.Module, str] = {}
         for name, mod in self.named_modules():
@@ -258,8 +260,8 @@ class LlamaForCausalLM(nn.Module):
                 if (k := kind(names)) is not None:
                     todo[mod] = k
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
-        if kind([head]) is not None:
-            todo[self.lm_head] = "int8"  # logits are sensitive: never below 8 bits
+        if (k := kind([head])) is not None:
+            todo[self.lm_head] = "int8x16" if k == "int8x16" else "int8"  # logits are sensitive: never below 8 bits
         quantize_model(self, todo, act_dtype, self.cpu)
         self.decoder_loop = self._decoder_loop()
 

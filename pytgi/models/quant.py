@@ -7,9 +7,10 @@ low-bit weight for steps of at most `max_m` tokens, and the bf16 weight *made fr
 low-bit values* for bigger ones, so both paths multiply by the same weights. At load,
 `quantize_model` swaps each planned linear for a `QuantizedLinear` holding both.
 
-The grids are GGUF's, per group of 32 input features with fp16 scales: int4 is Q4_1's
-(w = d·q + m, q in 0..15), int8 is Q8_0's (w = d·q, q in -127..127). Three kernels multiply by
-them:
+The grids are GGUF's, with fp16 scales: int4 is Q4_1's (w = d·q + m, q in 0..15 per group of 32
+input features), int8 holds 8-bit values u with w = d·u + m per group of 32, and int8x16 the same
+with a scale and offset per 16 inputs, the sub-blocks of GGUF's Q6_K and Q2_K. Three
+kernels multiply by them:
 - on CPUs with AVX-512 VNNI, pytgi's own (`pytgi/kernels/qgemv.c`), which also quantizes the
   activations to int8 per group of 32, as llama.cpp does, and runs near memory speed;
 - on CPUs with AMX as well, bigger steps dequantize each block of the same packed
@@ -19,12 +20,10 @@ them:
 
 Which tensors to quantize, and how, is a per-tensor plan:
 - a GGUF model follows its file (`quantization.json`, written by the converter): Q4_0, Q4_1 and
-  Q4_K tensors become int4 and every other quantized type int8, each group of 32 re-packed on its
-  own grid (`_own_grid`): exact but for fp16 scales for Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q8_0, and
-  for Q3_K's pairs of 16-value sub-blocks where their scales share a small divisor; groups on no
-  grid of 256 levels (Q6_K and Q2_K blocks whose two sub-blocks' scales differ, the rest of Q3_K)
-  are rounded onto Q8_0's grid, an error under half a step of 8 bits (docs/models.md has the
-  measured figures); float tensors stay as they are;
+  Q4_K tensors become int4, Q3_K/Q5_0/Q5_1/Q5_K/Q8_0 int8 (Q3_K's two 16-value sub-blocks of a
+  group always lie on one grid of step d within 256 levels) and Q2_K/Q6_K int8x16, each group (of
+  32, or 16 for int8x16) re-packed on its own grid (`_own_grid`): exact but for fp16 scales, for
+  every type; float tensors stay as they are;
 - a Hugging Face model is quantized only on request (`--quantize int8|int4`).
 """
 
@@ -40,9 +39,11 @@ from pytgi import kernels
 from pytgi.models.cpu import CpuKernels
 
 GROUP = 32
-INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # on a 16-level grid per 32 values; the other types take 8 bits
+INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # on a 16-level grid per 32 values
+SUB16_TYPES = {"Q2_K", "Q6_K"}  # scales per 16 values no grid per 32 holds; the other types: 8 bits per 32
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 MODES = ("none", "auto", "int8", "int4")
+BITS = {"int4": 4, "int8": 8, "int8x16": 16}  # the kernels' name for each layout (qgemv.c)
 
 def file_quantization(model_dir: Path) -> dict[str, int] | None:
     """A converted GGUF model's tensor types with their counts (None for other models)."""
@@ -54,7 +55,8 @@ def file_quantization(model_dir: Path) -> dict[str, int] | None:
 
 
 def gguf_plan(model_dir: Path) -> dict[str, str]:
-    """HF tensor name → "int4" | "int8" from the converter's record of the GGUF types ({} if none)."""
+    """HF tensor name → "int4" | "int8" | "int8x16" from the converter's record of the GGUF types
+    ({} if none)."""
     path = Path(model_dir) / "quantization.json"
     if not path.is_file():
         return {}
@@ -63,7 +65,7 @@ def gguf_plan(model_dir: Path) -> dict[str, str]:
     for name, t in types.items():
         if t in FLOAT_TYPES:
             continue
-        plan[name] = "int4" if t in INT4_TYPES else "int8"
+        plan[name] = "int4" if t in INT4_TYPES else "int8x16" if t in SUB16_TYPES else "int8"
     return plan
 
 
@@ -100,15 +102,25 @@ def _fp16(t: torch.Tensor) -> torch.Tensor:
 
 def _own_grid(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group, the step of the grid of at most `levels` + 1 values its values already lie on (a
-    GGUF block's: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the 32-value sub-blocks of Q4_K/Q5_K, pairs of Q3_K's
-    16-value ones whose scales share a small divisor), found from the smallest gap between its
-    values, and whether they lie on it. So a GGUF tensor keeps its own grid instead of being rounded
-    again onto a new one. Returns (step, on_grid)."""
+    GGUF block's: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the 32-value sub-blocks of Q4_K/Q5_K, the 16-value ones
+    of Q2_K/Q3_K/Q6_K, pairs of those whose scales share a small divisor), and whether they lie on
+    it. So a GGUF tensor keeps its own grid instead of being rounded again onto a new one. The step
+    is the smallest gap between the group's values, or a fraction of it (1/2 .. 1/8) where the
+    values use only some levels (gaps of 2 and 3 steps). Returns (step, on_grid)."""
     span = hi - lo
     gaps = g.sort(dim=-1).values.diff(dim=-1)
-    step = torch.where(gaps > span[..., None] * 1e-4, gaps, torch.inf).amin(dim=-1)
-    k = (g - lo[..., None]) / step[..., None]
-    on_grid = torch.isfinite(step) & ((k - k.round()).abs() < 1e-3).all(dim=-1) & (k.round().amax(dim=-1) <= levels)
+    gap = torch.where(gaps > span[..., None] * 1e-4, gaps, torch.inf).amin(dim=-1)
+    step, on_grid = gap.clone(), torch.zeros_like(gap, dtype=torch.bool)
+    for div in range(1, 9):
+        # only groups that would still fit the levels with this step, and have no grid yet
+        todo = (~on_grid & gap.isfinite() & (span * div <= (levels + 1e-3) * gap)).nonzero(as_tuple=True)
+        if not todo[0].numel():
+            continue
+        s = gap[todo] / div
+        k = (g[todo] - lo[todo][..., None]) / s[..., None]
+        ok = ((k - k.round()).abs() < 1e-3).all(dim=-1)
+        step[todo] = torch.where(ok, s, step[todo])
+        on_grid[todo] = ok
     return step, on_grid
 
 
@@ -145,18 +157,20 @@ def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, to
 
 
 def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
-    """The layout `pytgi/kernels/qgemv.c` reads: q unsigned ([N, K], values < 2**bits), d and m
-    [N, K/32]; per tile of 16 rows and group of 32 inputs, the weight bytes then 16 fp16 d and m."""
+    """The layout `pytgi/kernels/qgemv.c` reads: q unsigned ([N, K], values < 256), d and m
+    [N, K/32] (bits 4, 8) or [N, K/16] (bits 16: int8x16); per tile of 16 rows and group of 32
+    inputs, the weight bytes then 16 fp16 d and m (for each 16 inputs with bits 16)."""
     N, K = q.shape
     G = K // GROUP
     v = q.to(torch.uint8).view(N // 16, 16, G, 8, 4).permute(0, 2, 3, 1, 4).reshape(N // 16, G, 8, 64)
     if bits == 4:
         v = v[:, :, :4] | (v[:, :, 4:] << 4)
 
-    def scales(t: torch.Tensor) -> torch.Tensor:
+    def scales(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 32 bytes]
         return t.half().view(N // 16, 16, G).permute(0, 2, 1).contiguous().view(torch.uint8)
 
-    return torch.cat([v.reshape(N // 16, G, -1), scales(d), scales(m)], dim=-1).contiguous()
+    halves = [(d, m)] if bits != 16 else [(d.view(N, G, 2)[..., h], m.view(N, G, 2)[..., h]) for h in (0, 1)]
+    return torch.cat([v.reshape(N // 16, G, -1)] + [scales(t) for pair in halves for t in pair], dim=-1).contiguous()
 
 
 class QuantizedWeight:
@@ -165,7 +179,7 @@ class QuantizedWeight:
     def __init__(self, kind: str, w: torch.Tensor, act_dtype: torch.dtype, cpu: CpuKernels) -> None:
         """`cpu`: the kernels this process uses (`CpuKernels.for_device`)."""
         N, K = w.shape
-        self.kind, self.shape = kind, (N, K)
+        self.kind, self.shape, self.bits = kind, (N, K), BITS[kind]
         self.vnni = cpu.vnni and act_dtype == torch.bfloat16 and N % 16 == 0 and K % GROUP == 0
         self.amx = self.vnni and cpu.amx
         self.max_m = cpu.lowbit_max_m(self.vnni, self.amx)
@@ -179,9 +193,9 @@ class QuantizedWeight:
                 # The kernel computes (q - 8)·s + z per group: z = m + 8·s. Layout [K/group, N, 2].
                 self.scales = torch.stack([d.t(), (m + 8 * d).t()], dim=-1).contiguous().to(act_dtype)
         elif self.vnni:
-            u, d, m, deq = quantize_int8_groups(w)
-            self.packed = pack_vnni(u, d, m, 8)
-        else:
+            u, d, m, deq = quantize_int8_groups(w, 16 if kind == "int8x16" else GROUP)
+            self.packed = pack_vnni(u, d, m, BITS[kind])
+        else:  # PyTorch's kernel: one grid per output channel (both 8-bit kinds)
             self.packed, scale, deq = quantize_int8(w)
             self.scales = scale.to(act_dtype)
         self.dequantized = deq.to(act_dtype)
@@ -190,8 +204,7 @@ class QuantizedWeight:
         """x: [T, in_features] → [T, out_features]."""
         if self.vnni:
             x = x.contiguous()
-            bits = 4 if self.kind == "int4" else 8
-            return kernels.lowbit_matmul(x, self.packed, self.shape[0], bits, amx=x.shape[0] > self.vnni_max_m)
+            return kernels.lowbit_matmul(x, self.packed, self.shape[0], self.bits, amx=x.shape[0] > self.vnni_max_m)
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
@@ -199,7 +212,7 @@ class QuantizedWeight:
 
 def can_quantize(kind: str, w: torch.Tensor) -> bool:
     N, K = w.shape
-    return kind == "int8" or (K % GROUP == 0 and N % 16 == 0)
+    return kind != "int4" or (K % GROUP == 0 and N % 16 == 0)
 
 
 class QuantizedLinear(nn.Module):
@@ -218,7 +231,7 @@ class QuantizedLinear(nn.Module):
 
 
 def quantize_model(model: nn.Module, kinds: dict[nn.Module, str], act_dtype: torch.dtype, cpu: CpuKernels) -> None:
-    """Swap each linear in `kinds` ("int4" | "int8") for a `QuantizedLinear`, and cast the model to
+    """Swap each linear in `kinds` ("int4" | "int8" | "int8x16") for a `QuantizedLinear`, and cast the model to
     `act_dtype`. Call on float32 weights, so the low-bit grids see the checkpoint's values."""
     quants = {mod: QuantizedWeight(k if can_quantize(k, mod.weight) else "int8", mod.weight.data, act_dtype, cpu)
               for mod, k in kinds.items()}

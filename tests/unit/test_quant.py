@@ -123,8 +123,45 @@ def test_int8_keeps_q3_k_pairs_whose_scales_share_a_divisor():
     assert ((deq - w).abs()[:, 1] <= _fp16_rounding(w, 6 * d)[:, 1]).all()  # steps of 6·d: 2·(q − 4), 3·(q − 4)
 
 
+def _sub16_blocks(N: int = 32, K: int = 256, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Q6_K- and Q2_K-shaped weights: a super-block scale d (fp16) times a signed 8-bit (Q6_K) or
+    4-bit (Q2_K, with a min) scale per 16 values. name → (w [N, K], the step of each 16 values'
+    grid [N, K/16, 1]). (Q3_K's 16-value sub-blocks always share a grid of step d per 32: int8.)"""
+    g = torch.Generator().manual_seed(seed)
+    d = (torch.rand(N, K // 256, 1, 1, generator=g) * 1e-3 + 1e-4).half().float()
+    dmin = (torch.rand(N, K // 256, 1, 1, generator=g) * 1e-3).half().float()
+
+    def sub(lo: int, hi: int) -> torch.Tensor:
+        return torch.randint(lo, hi, (N, K // 256, 16, 1), generator=g).float()
+
+    def vals(lo: int, hi: int) -> torch.Tensor:
+        return torch.randint(lo, hi, (N, K // 256, 16, 16), generator=g).float()
+
+    s6, s2 = sub(-128, 128), sub(1, 16)
+    cases = {"Q6_K": (d * s6 * (vals(0, 64) - 32), d * s6), "Q2_K": (d * s2 * vals(0, 4) - dmin * sub(0, 16), d * s2)}
+    return {name: (w.view(N, K), step.abs().view(N, K // 16, 1)) for name, (w, step) in cases.items()}
+
+
+def test_int8x16_keeps_the_grids_of_k_quant_sub_blocks():
+    """Q6_K and Q2_K scale every 16 values on their own: int8x16 holds each sub-block on its
+    grid (exact but for its step and offset held in fp16), where one grid per 32 rounds them."""
+    for name, (w, step) in _sub16_blocks().items():
+        *_, deq = quantize_int8_groups(w, 16)
+        g = w.view(w.shape[0], -1, 16)
+        assert ((deq.view_as(g) - g).abs() <= _fp16_rounding(g, step)).all(), name
+        *_, per32 = quantize_int8_groups(w, 32)
+        assert (per32 - w).abs().mean() > 10 * (deq - w).abs().mean(), name  # what one grid per 32 costs
+
+
+def test_own_grid_finds_steps_the_smallest_gap_overstates():
+    """A block using only levels 0, 2 and 5 has no gap of one step: the grid is still found."""
+    w = torch.tensor([0.0, 2.0, 5.0] * 5 + [5.0] * 17).view(1, 32) * 2**-7  # a step fp16 holds exactly
+    deq = quantize_int8_groups(w.repeat(16, 1))[-1]
+    assert torch.equal(deq, w.repeat(16, 1))
+
+
 @pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "torch"])
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8x16"])
 @pytest.mark.parametrize("M", [1, 3, 4, 7])
 def test_kernel_multiplies_by_the_dequantized_weight(kind, vnni, M):
     if vnni and not kernels.vnni_supported():
@@ -145,7 +182,7 @@ def _int8_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(g * (127 / amax)) * (amax / 127)).view(x.shape)  # the kernel's own rounding
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8x16"])
 @pytest.mark.parametrize("M", [1, 2, 5])
 def test_low_bit_kernel_sums_exactly_what_the_layout_holds(kind, M):
     """Against the dequantized weight times the int8-rounded activations, the kernel is off only by
@@ -155,10 +192,12 @@ def test_low_bit_kernel_sums_exactly_what_the_layout_holds(kind, M):
     torch.manual_seed(3)
     w = torch.randn(64, 256) * 0.05
     w[:16, :32] = 0.0  # a block of one value
+    w[16:32, 64:96] *= torch.linspace(0.1, 10, 32)  # halves of very different scales (int8x16's own)
     qw = QuantizedWeight(kind, w, torch.bfloat16, cpu())
     x = torch.randn(M, 256).bfloat16()
     x[:, 32:64] = -x[:, 32:64].abs()  # negative activations against the 8-bit sign trick
-    deq = (quantize_int4(w) if kind == "int4" else quantize_int8_groups(w))[-1]  # float32, not bf16
+    x[:, 64:80] *= 8  # the two halves of a group with unequal sums
+    deq = (quantize_int4(w) if kind == "int4" else quantize_int8_groups(w, 16 if kind == "int8x16" else 32))[-1]
     ref = _int8_activations(x) @ deq.t()
     torch.testing.assert_close(qw.matmul(x).float(), ref, atol=2e-4 * ref.abs().max().item(), rtol=8e-3)
 
@@ -167,7 +206,7 @@ def test_vnni_kernel_on_a_model_sized_weight():
     if not kernels.vnni_supported():
         pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
     w = torch.randn(960, 576) * 0.05
-    for kind in ("int4", "int8"):
+    for kind in ("int4", "int8", "int8x16"):
         qw = QuantizedWeight(kind, w, torch.bfloat16, cpu())
         x = torch.randn(5, 576).bfloat16()
         y, ref = qw.matmul(x).float(), x.float() @ qw.dequantized.float().t()
@@ -181,7 +220,7 @@ def test_plan_follows_the_gguf_types(tmp_path):
         "model.layers.0.self_attn.o_proj.weight": "Q4_K", "model.norm.weight": "F32"}}))
     assert gguf_plan(tmp_path) == {"model.layers.0.self_attn.q_proj.weight": "int4",
                                    "model.embed_tokens.weight": "int8",
-                                   "model.layers.0.mlp.down_proj.weight": "int8",  # 5 and 6 bits keep 8
+                                   "model.layers.0.mlp.down_proj.weight": "int8x16",  # K-quant sub-blocks
                                    "model.layers.0.mlp.up_proj.weight": "int8",
                                    "model.layers.0.self_attn.o_proj.weight": "int4"}
     cpu = torch.device("cpu")
@@ -195,7 +234,7 @@ def test_plan_follows_the_gguf_types(tmp_path):
         resolve_plan("fp3", tmp_path, torch.bfloat16, cpu)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8x16"])
 @pytest.mark.parametrize("M", [13, 16, 40, 64, 65, 96])
 def test_amx_kernel_multiplies_by_the_dequantized_weight(kind, M):
     """Steps of 13..96 tokens: AMX tiles over the same packed weights (bf16 activations, float32
