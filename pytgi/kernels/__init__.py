@@ -200,7 +200,7 @@ def lowbit_matmul(x: torch.Tensor, packed: torch.Tensor, N: int, bits: int, amx:
     return out
 
 
-# -- all decoder layers in one call (decoder.c) ------------------------------------------------------------
+# -- all decoder layers in one call (decoder.c): Llama's, Gemma 3's --------------------------------------------
 def decoder_layers(table: np.ndarray, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                    p: PagedBatch, sizes: tuple[int, int, int, int, int], eps: float, scale: float,
                    vnni_max_m: int) -> torch.Tensor:
@@ -214,3 +214,15 @@ def decoder_layers(table: np.ndarray, x: torch.Tensor, cos: torch.Tensor, sin: t
         p.block_tables.shape[1], p.block_size, int(p.decodes_only), vnni_max_m)
     _check(failed, "decoder layers")
     return h
+
+
+def gemma_layers(table: np.ndarray, x: torch.Tensor, ropes, slots: torch.Tensor, p: PagedBatch,  # type: ignore[no-untyped-def]
+                 sizes: tuple[int, int, int, int, int], eps: float, scale: float, vnni_max_m: int) -> None:
+    """Run every Gemma 3 layer on the residual stream x (bf16 [T, hidden], updated in place).
+    ropes: ((cos, sin) of the full layers, (cos, sin) of the sliding ones), float32 [T, D]."""
+    (cos, sin), (cos_l, sin_l) = ropes
+    failed = _lib().pytgi_gemma_layers_bf16(
+        _ptr(table), len(table), _ptr(x), x.shape[0], *sizes, eps, scale, _ptr(cos), _ptr(sin), _ptr(cos_l),
+        _ptr(sin_l), _ptr(slots), _ptr(p.q_starts), _ptr(p.q_lens), _ptr(p.block_tables), _ptr(p.context_lens),
+        len(p.q_starts), p.block_tables.shape[1], p.block_size, int(p.decodes_only), vnni_max_m)
+    _check(failed, "decoder layers")

@@ -38,6 +38,18 @@ static int matmul(const uint16_t *x, int64_t w, int64_t bits, uint16_t *out, int
     return pytgi_qgemv_bf16(x, (const uint8_t *)w, out, M, N, K, bits);
 }
 
+/* this step's attention over the paged cache: the decode entry point when every query is one token */
+static int attend(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, uint16_t *out, const int64_t *q_starts,
+                  const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B,
+                  int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale,
+                  int64_t all_decodes) {
+    if (all_decodes)
+        return pytgi_decode_attention_bf16(q, kc, vc, out, q_starts, block_tables, ctx_lens, B, max_blocks, block_size,
+                                           H, KVH, D, scale);
+    return pytgi_paged_prefill_bf16(q, kc, vc, out, q_starts, q_lens, block_tables, ctx_lens, B, max_blocks,
+                                    block_size, H, KVH, D, scale);
+}
+
 int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, uint16_t *h, int64_t T,
                               int64_t hidden, int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale,
                               const float *cos, const float *sin, const int64_t *slots, const int64_t *q_starts,
@@ -55,18 +67,72 @@ int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t 
         uint16_t *kc = (uint16_t *)L[K_CACHE], *vc = (uint16_t *)L[V_CACHE];
         failed |= matmul(h, L[QKV_W], L[QKV_BITS], qkv, T, nqkv, hidden, vnni_max_m);
         pytgi_rope_write_kv_bf16(qkv, cos, sin, slots, q, kc, vc, T, H, KVH, D);
-        if (all_decodes)
-            failed |= pytgi_decode_attention_bf16(q, kc, vc, attn, q_starts, block_tables, ctx_lens, B, max_blocks,
-                                                  block_size, H, KVH, D, scale);
-        else
-            failed |= pytgi_paged_prefill_bf16(q, kc, vc, attn, q_starts, q_lens, block_tables, ctx_lens, B,
-                                               max_blocks, block_size, H, KVH, D, scale);
+        failed |= attend(q, kc, vc, attn, q_starts, q_lens, block_tables, ctx_lens, B, max_blocks, block_size, H, KVH,
+                         D, scale, all_decodes);
         failed |= matmul(attn, L[O_W], L[O_BITS], o, T, hidden, H * D, vnni_max_m);
         pytgi_add_rms_norm_bf16(o, x, (const uint16_t *)L[POST_NORM], h, T, hidden, eps);
         failed |= matmul(h, L[GU_W], L[GU_BITS], gu, T, 2 * I, hidden, vnni_max_m);
         pytgi_silu_mul_bf16(gu, act, T, I);
         failed |= matmul(act, L[DOWN_W], L[DOWN_BITS], down, T, hidden, I, vnni_max_m);
         pytgi_add_rms_norm_bf16(down, x, (const uint16_t *)L[NEXT_NORM], h, T, hidden, eps);
+    }
+    free(buf);
+    return failed;
+}
+
+/* Gemma 3's layers (pytgi/models/gemma.py with the fused kernels), the same calls in the same
+ * order: sandwich norms around each residual add, per-head q/k norms, each layer's own RoPE table
+ * (sliding layers rotate with the local base), GELU-tanh·up. The residual stream `x` is updated in
+ * place; the final norm stays with the caller. Norm weights are float32 (Gemma's 1 + w). */
+enum {
+    G_IN_NORM,   /* float32 [hidden] */
+    G_POST_ATTN, /* float32 [hidden] */
+    G_PRE_FF,    /* float32 [hidden] */
+    G_POST_FF,   /* float32 [hidden] */
+    G_Q_NORM,    /* float32 [D] */
+    G_K_NORM,    /* float32 [D] */
+    G_QKV_W,
+    G_QKV_BITS,
+    G_O_W,
+    G_O_BITS,
+    G_GU_W,
+    G_GU_BITS,
+    G_DOWN_W,
+    G_DOWN_BITS,
+    G_K_CACHE,
+    G_V_CACHE,
+    G_LOCAL, /* 1: the sliding layers' RoPE table */
+    G_FIELDS
+};
+
+int pytgi_gemma_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, int64_t T, int64_t hidden,
+                            int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale, const float *cos,
+                            const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
+                            const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
+                            const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size,
+                            int64_t all_decodes, int64_t vnni_max_m) {
+    const int64_t nqkv = (H + 2 * KVH) * D;
+    uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)(T * (nqkv + 2 * H * D + 3 * hidden + 3 * I)));
+    if (buf == NULL) return 1;
+    uint16_t *qkv = buf, *q = qkv + T * nqkv, *attn = q + T * H * D, *o = attn + T * H * D, *down = o + T * hidden;
+    uint16_t *h = down + T * hidden, *gu = h + T * hidden, *act = gu + T * 2 * I;
+    int failed = 0;
+    for (int64_t i = 0; i < n_layers && !failed; i++) {
+        const int64_t *L = layers + i * G_FIELDS;
+        uint16_t *kc = (uint16_t *)L[G_K_CACHE], *vc = (uint16_t *)L[G_V_CACHE];
+        pytgi_norm_add_norm_bf16(NULL, x, NULL, (const float *)L[G_IN_NORM], h, T, hidden, eps);
+        failed |= matmul(h, L[G_QKV_W], L[G_QKV_BITS], qkv, T, nqkv, hidden, vnni_max_m);
+        if (L[G_Q_NORM]) pytgi_qk_norm_bf16(qkv, (const float *)L[G_Q_NORM], (const float *)L[G_K_NORM], T, H, KVH, D, eps);
+        pytgi_rope_write_kv_bf16(qkv, L[G_LOCAL] ? cos_local : cos, L[G_LOCAL] ? sin_local : sin, slots, q, kc, vc, T,
+                                 H, KVH, D);
+        failed |= attend(q, kc, vc, attn, q_starts, q_lens, block_tables, ctx_lens, B, max_blocks, block_size, H, KVH,
+                         D, scale, all_decodes);
+        failed |= matmul(attn, L[G_O_W], L[G_O_BITS], o, T, hidden, H * D, vnni_max_m);
+        pytgi_norm_add_norm_bf16(o, x, (const float *)L[G_POST_ATTN], (const float *)L[G_PRE_FF], h, T, hidden, eps);
+        failed |= matmul(h, L[G_GU_W], L[G_GU_BITS], gu, T, 2 * I, hidden, vnni_max_m);
+        pytgi_gelu_tanh_mul_bf16(gu, act, T, I);
+        failed |= matmul(act, L[G_DOWN_W], L[G_DOWN_BITS], down, T, hidden, I, vnni_max_m);
+        pytgi_norm_add_norm_bf16(down, x, (const float *)L[G_POST_FF], NULL, NULL, T, hidden, eps);
     }
     free(buf);
     return failed;

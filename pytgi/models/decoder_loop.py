@@ -21,6 +21,11 @@ def _linears(layer):  # type: ignore[no-untyped-def]
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
+def _packed(layer) -> list[int]:  # type: ignore[no-untyped-def]
+    """(address, format) of each linear's packed weight, in _linears' order."""
+    return [v for mod in _linears(layer) for v in (mod.quant.packed.data_ptr(), mod.quant.bits)]
+
+
 class DecoderLoop:
     def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
         self.layers, self.final_norm = list(model.layers), model.norm
@@ -34,27 +39,28 @@ class DecoderLoop:
     @classmethod
     def build(cls, model, cpu: CpuKernels) -> DecoderLoop | None:  # type: ignore[no-untyped-def]
         """The loop for this model, or None when it does not apply (see the module doc)."""
-        cfg = model.config
-        if not cpu.decoder_loop or tp_size() != 1 or cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias \
-                or cfg.qk_norm or cfg.moe is not None:
+        if not cpu.decoder_loop or tp_size() != 1 or not cls._applies(model.config):
             return None
         quants = [getattr(m, "quant", None) for layer in model.layers for m in _linears(layer)]
         return cls(model) if all(q is not None and q.vnni for q in quants) else None
 
+    @staticmethod
+    def _applies(cfg) -> bool:  # type: ignore[no-untyped-def]
+        return not (cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias or cfg.qk_norm or cfg.moe is not None)
+
+    def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
+        """Layer i's fields in decoder.c's order."""
+        layer = self.layers[i]
+        nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.final_norm
+        row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+               nxt.weight.data_ptr()]
+        return row + _packed(layer) + [k_cache.data_ptr(), v_cache.data_ptr()]
+
     def _layers(self, kv_caches) -> np.ndarray:  # type: ignore[no-untyped-def]
         """The per-layer pointers decoder.c reads (rebuilt when the KV cache is reallocated)."""
-        if self._table is not None and self._table[0] == kv_caches[0][0].data_ptr():
-            return self._table[1]
-        layers, final = self.layers, self.final_norm
-        rows = []
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches)):
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final
-            row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-                   nxt.weight.data_ptr()]
-            for mod in _linears(layer):
-                row += [mod.quant.packed.data_ptr(), mod.quant.bits]
-            rows.append(row + [k_cache.data_ptr(), v_cache.data_ptr()])
-        self._table = (kv_caches[0][0].data_ptr(), np.array(rows, dtype=np.int64))
+        if self._table is None or self._table[0] != kv_caches[0][0].data_ptr():
+            rows = [self._row(i, k, v) for i, (k, v) in enumerate(kv_caches)]
+            self._table = (kv_caches[0][0].data_ptr(), np.array(rows, dtype=np.int64))
         return self._table[1]
 
     def __call__(self, x: torch.Tensor, rope, kv_caches, meta) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
@@ -65,3 +71,31 @@ class DecoderLoop:
         cos, sin = rope
         return kernels.decoder_layers(self._layers(kv_caches), x.contiguous(), cos, sin, meta.slot_mapping,
                                       meta.paged, self.sizes, self.eps, self.scale, self.vnni_max_m)
+
+
+class GemmaDecoderLoop(DecoderLoop):
+    """Gemma 3's layers in one call. Returns the residual stream (the final norm is the caller's)."""
+
+    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(model)
+        self.sliding = [layer.sliding for layer in model.layers]
+
+    @staticmethod
+    def _applies(cfg) -> bool:  # type: ignore[no-untyped-def]
+        return not cfg.attention_bias and not cfg.attn_logit_softcapping  # soft-capped attention is not paged
+
+    def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
+        layer, attn = self.layers[i], self.layers[i].self_attn
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                 layer.post_feedforward_layernorm]
+        qk = [attn.q_norm.scale().data_ptr(), attn.k_norm.scale().data_ptr()] if attn.q_norm is not None else [0, 0]
+        return [n.scale().data_ptr() for n in norms] + qk + _packed(layer) + \
+            [k_cache.data_ptr(), v_cache.data_ptr(), int(self.sliding[i])]
+
+    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+        if x.shape[0] > self.max_m or meta.paged is None or meta.decode is not None or meta.prefill is not None:
+            return None
+        x = x.contiguous()
+        kernels.gemma_layers(self._layers(kv_caches), x, ropes, meta.slot_mapping, meta.paged, self.sizes, self.eps,
+                             self.scale, self.vnni_max_m)
+        return x

@@ -35,6 +35,7 @@ from pytgi.models.attention import (
     layer_metadata,
 )
 from pytgi.models.cpu import CpuKernels
+from pytgi.models.decoder_loop import GemmaDecoderLoop
 from pytgi.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -235,6 +236,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         ropes = (self.ops.rope_tables(self.rotary, positions, x.dtype),
                  self.ops.rope_tables(self.rotary_local, positions, x.dtype))
+        if self.decoder_loop is not None and meta.uniform is not None and \
+                (out := self.decoder_loop(x, ropes, kv_caches, meta.uniform)) is not None:
+            return self.norm(out)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, ropes, kv_cache, meta)
         return self.norm(x)
@@ -244,5 +248,5 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _decoder_loop(self) -> None:
-        return None  # the one-call C loop runs Llama's layer
+    def _decoder_loop(self) -> GemmaDecoderLoop | None:
+        return GemmaDecoderLoop.build(self, self.cpu)

@@ -3,13 +3,11 @@ invariance of the output under batching, chunking, prefix caching and preemption
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from pytgi import LLM, InvalidRequest, SamplingParams
-from pytgi.models.loader import load_model
+from tests.model.loop_check import assert_loop_equals_python_path
 
 pytestmark = pytest.mark.slow
 
@@ -195,27 +193,6 @@ def test_c_decoder_loop_equals_the_python_path(prompts):
     for batched decodes and for prefills small enough for it (both of which it must have run)."""
     fast = LLM(max_batch_total_tokens=16384)
     try:
-        runner = fast.engine.runner
-        model = runner.model
-        used, loop = [], model.decoder_loop
-        assert loop is not None
-
-        def counting(*args):  # type: ignore[no-untyped-def]
-            h = loop(*args)
-            used.append(h is not None)
-            return h
-
-        model.decoder_loop = counting
-        # The same model without the loop: the Python layer loop over the same kernels.
-        plain = load_model(fast.engine.model_path, runner.dtype, runner.device,
-                           dataclasses.replace(model.cpu, decoder_loop=False), "auto")
-        assert plain.decoder_loop is None
-        params = SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=True)
-        outs = []
-        for m in (model, plain):
-            runner.model, runner.backend = m, m.attention
-            outs.append([(o.token_ids, o.prompt_logprobs) for o in fast.generate(prompts, params)])
-        assert outs[0] == outs[1]
-        assert sum(used) >= 11, used  # at least the decode steps of the first run
+        assert_loop_equals_python_path(fast, prompts, 11)  # at least the decode steps of the first run
     finally:
         fast.shutdown()

