@@ -189,7 +189,11 @@ def _tensors(reader: Any, config: dict[str, Any], progress: bool):
     tensors = reader.tensors
     bar = tqdm(tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress)
     for t in bar:
-        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        try:
+            w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except NotImplementedError:
+            raise GGUFConversionError(f"tensor {t.name!r} is stored as {t.tensor_type.name}, a GGUF type pytgi "
+                                      "cannot read yet; use a file quantized to another type") from None
         name = _hf_tensor_name(t.name, config["model_type"])
         if name.endswith("shared_expert_gate.weight") and w.ndim == 1:
             w = w[None, :]  # stored as a vector: the gate's one output row

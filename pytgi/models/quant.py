@@ -23,7 +23,7 @@ Which tensors to quantize, and how, is a per-tensor plan:
   Q4_K tensors become int4, Q3_K/Q5_0/Q5_1/Q5_K/Q8_0 int8 (Q3_K's two 16-value sub-blocks of a
   group always lie on one grid of step d within 256 levels) and Q2_K/Q6_K int8x16, each group (of
   32, or 16 for int8x16) re-packed on its own grid (`_own_grid`): exact but for fp16 scales, for
-  every type; float tensors stay as they are;
+  every type; float tensors, and types on no uniform grid (IQ*, TQ*, MXFP4), stay as converted;
 - a Hugging Face model is quantized only on request (`--quantize int8|int4`).
 """
 
@@ -40,8 +40,8 @@ from pytgi.models.cpu import CpuKernels
 
 GROUP = 32
 INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # on a 16-level grid per 32 values
-SUB16_TYPES = {"Q2_K", "Q6_K"}  # scales per 16 values no grid per 32 holds; the other types: 8 bits per 32
-FLOAT_TYPES = {"F32", "F16", "BF16"}
+INT8_TYPES = {"Q3_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0"}  # on a grid of at most 256 levels per 32 values
+SUB16_TYPES = {"Q2_K", "Q6_K"}  # scales per 16 values that no grid per 32 holds
 MODES = ("none", "auto", "int8", "int4")
 BITS = {"int4": 4, "int8": 8, "int8x16": 16}  # the kernels' name for each layout (qgemv.c)
 
@@ -61,12 +61,18 @@ def gguf_plan(model_dir: Path) -> dict[str, str]:
     if not path.is_file():
         return {}
     types = json.loads(path.read_text()).get("tensors", {})
-    plan = {}
-    for name, t in types.items():
-        if t in FLOAT_TYPES:
-            continue
-        plan[name] = "int4" if t in INT4_TYPES else "int8x16" if t in SUB16_TYPES else "int8"
-    return plan
+    return {name: kind for name, t in types.items() if (kind := kind_for_gguf_type(t)) is not None}
+
+
+def kind_for_gguf_type(t: str) -> str | None:
+    """The packed layout that holds a GGUF type's values exactly (but for fp16 scales), or None to
+    keep the converted float values: float types, and types whose values lie on no uniform grid
+    (IQ*, TQ*, MXFP4: codebooks)."""
+    if t in INT4_TYPES:
+        return "int4"
+    if t in SUB16_TYPES:
+        return "int8x16"
+    return "int8" if t in INT8_TYPES else None
 
 
 def resolve_plan(mode: str, model_dir: Path, act_dtype: torch.dtype, device: torch.device) -> dict[str, str] | str:
@@ -105,17 +111,22 @@ def _own_grid(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int) 
     GGUF block's: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the 32-value sub-blocks of Q4_K/Q5_K, the 16-value ones
     of Q2_K/Q3_K/Q6_K, pairs of those whose scales share a small divisor), and whether they lie on
     it. So a GGUF tensor keeps its own grid instead of being rounded again onto a new one. The step
-    is the smallest gap between the group's values, or a fraction of it (1/2 .. 1/8) where the
-    values use only some levels (gaps of 2 and 3 steps). Returns (step, on_grid)."""
+    is the smallest gap between the group's values, or the first of gap/2, gap/3, ... that puts
+    every value on a grid, where the values use only some levels (gaps of 2 and 3 steps; two
+    sub-blocks of scales 29 and 10, whose smallest gap is 10 steps). Returns (step, on_grid)."""
     span = hi - lo
     gaps = g.sort(dim=-1).values.diff(dim=-1)
     gap = torch.where(gaps > span[..., None] * 1e-4, gaps, torch.inf).amin(dim=-1)
-    step, on_grid = gap.clone(), torch.zeros_like(gap, dtype=torch.bool)
-    for div in range(1, 9):
-        # only groups that would still fit the levels with this step, and have no grid yet
+    # a group of one value (a sub-block whose scale is 0) lies on the grid of step |value|
+    const = span == 0
+    step = torch.where(const, torch.where(lo != 0, lo.abs(), 1.0), gap)
+    on_grid = const.clone()
+    for div in range(1, levels + 1):
+        # the groups without a grid yet whose values would still fit the levels at this step (fewer
+        # with every div: none left, none later)
         todo = (~on_grid & gap.isfinite() & (span * div <= (levels + 1e-3) * gap)).nonzero(as_tuple=True)
         if not todo[0].numel():
-            continue
+            break
         s = gap[todo] / div
         k = (g[todo] - lo[todo][..., None]) / s[..., None]
         ok = ((k - k.round()).abs() < 1e-3).all(dim=-1)

@@ -1,0 +1,111 @@
+"""Every common GGUF tensor type, block by block: the converter reads it as gguf-py dequantizes it,
+and the fast path's re-pack (int4, int8 or int8x16, by `kind_for_gguf_type`) holds exactly those
+values, its kernel multiplying by them.
+
+The blocks are random bytes with their fp16 scale fields set to powers of two (and small integer
+multiples of them), so that every value a block holds is also exact in the packed layout's fp16
+scales and offsets: there, any rounding onto another grid shows as an inequality."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from pytgi import kernels  # noqa: E402
+from pytgi.models.cpu import CpuKernels  # noqa: E402
+from pytgi.models.gguf_convert import GGUFConversionError, _tensors  # noqa: E402
+from pytgi.models.quant import QuantizedWeight, kind_for_gguf_type, quantize_int4, quantize_int8_groups  # noqa: E402
+
+N, K = 32, 512  # rows, values per row: two K-quant super-blocks
+# byte offsets of each type's fp16 fields in its block: (super-)scales, then mins/offsets
+FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
+               "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+FLOATS = {"F32": np.float32, "F16": np.float16}
+
+
+def _raw(name: str, seed: int = 0) -> np.ndarray:
+    """N rows of random blocks of type `name` (uint8 [N, bytes per row]; float types: their values)."""
+    rng = np.random.default_rng(seed)
+    if name in FLOATS:
+        return rng.standard_normal((N, K)).astype(FLOATS[name])
+    if name == "BF16":  # the top halves of float32 values, as bytes
+        return (rng.standard_normal((N, K)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    qt = gguf.GGMLQuantizationType[name]
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, (N, K // block, size), dtype=np.uint8)
+    if name == "Q8_0":  # llama.cpp rounds x / (amax / 127): -128 never occurs
+        raw[..., 2:][raw[..., 2:] == 0x80] = 0x81
+    d = np.float16(2.0**-7)
+    for i, off in enumerate(FP16_FIELDS[name]):
+        if i == 0:  # the scale: 2^-7 (2^-8 on odd rows)
+            vals = np.where(np.arange(N)[:, None] % 2 == 0, d, d / 2).astype(np.float16)
+            vals = np.broadcast_to(vals, (N, K // block))
+        else:  # Q4_1/Q5_1's offset (a multiple of the scale, negative), K-quants' dmin (2^-7)
+            vals = (-d * rng.integers(0, 16, (N, K // block))).astype(np.float16) if name.endswith("_1") else \
+                np.full((N, K // block), d, dtype=np.float16)
+        raw[..., off:off + 2] = np.ascontiguousarray(vals).view(np.uint8).reshape(N, K // block, 2)
+    return raw.reshape(N, -1)
+
+
+def _gguf_tensor(tmp_path: Path, name: str, raw: np.ndarray):  # type: ignore[no-untyped-def]
+    """Write `raw` as one GGUF tensor of type `name` and read it back (gguf-py's reader)."""
+    path = tmp_path / f"{name}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    qt = gguf.GGMLQuantizationType[name]
+    if name in FLOATS:
+        w.add_tensor("blk.0.ffn_down.weight", raw)
+    else:
+        w.add_tensor("blk.0.ffn_down.weight", raw, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return gguf.GGUFReader(str(path))
+
+
+TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_the_converter_reads_each_type_as_gguf_py_dequantizes_it(tmp_path, name):
+    raw = _raw(name)
+    reader = _gguf_tensor(tmp_path, name, raw)
+    [(hf_name, w)] = list(_tensors(reader, {"model_type": "llama"}, progress=False))
+    assert hf_name == "model.layers.0.mlp.down_proj.weight" and w.shape == (N, K) and w.dtype == np.float32
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(N, K)
+    assert np.array_equal(w, ref)
+
+
+@pytest.mark.parametrize("name", [t for t in TYPES if t not in ("F32", "F16", "BF16")])
+def test_the_fast_path_keeps_each_types_values_exactly(name):
+    w = torch.from_numpy(gguf.quants.dequantize(_raw(name), gguf.GGMLQuantizationType[name]).reshape(N, K).copy())
+    kind = kind_for_gguf_type(name)
+    deq = quantize_int4(w)[-1] if kind == "int4" else quantize_int8_groups(w, 16 if kind == "int8x16" else 32)[-1]
+    assert torch.equal(deq, w), (kind, (deq - w).abs().max().item())
+    if kernels.vnni_supported():  # and the kernel multiplies by exactly them (x rounded to int8 per 32)
+        qw = QuantizedWeight(kind, w, torch.bfloat16, CpuKernels.for_device(torch.device("cpu"), torch.bfloat16))
+        x = torch.randn(3, K).bfloat16()
+        g = x.float().view(3, -1, 32)
+        amax = g.abs().amax(-1, keepdim=True)
+        xq = (torch.round(g * (127 / amax)) * (amax / 127)).view(3, K)
+        ref = xq @ w.t()
+        torch.testing.assert_close(qw.matmul(x).float(), ref, atol=2e-3 * ref.abs().max().item(), rtol=8e-3)
+
+
+def test_a_type_pytgi_cannot_read_is_one_clear_error(tmp_path):
+    reader = _gguf_tensor(tmp_path, "Q8_0", _raw("Q8_0"))  # then claim a type gguf-py cannot dequantize
+    reader.tensors[0] = reader.tensors[0]._replace(tensor_type=gguf.GGMLQuantizationType.Q8_K)
+    with pytest.raises(GGUFConversionError, match=r"tensor 'blk\.0\.ffn_down\.weight' is stored as Q8_K"):
+        list(_tensors(reader, {"model_type": "llama"}, progress=False))
+
+
+def test_types_without_a_uniform_grid_stay_unquantized():
+    """IQ and ternary types (codebooks, not grids) keep the converter's float values: no second rounding."""
+    assert kind_for_gguf_type("IQ4_NL") is None and kind_for_gguf_type("TQ2_0") is None
+    assert kind_for_gguf_type("F16") is None
+    assert [kind_for_gguf_type(t) for t in ("Q4_K", "Q5_0", "Q3_K", "Q6_K")] == ["int4", "int8", "int8", "int8x16"]
