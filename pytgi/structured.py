@@ -60,14 +60,25 @@ def ascii_digits(regex: str) -> str:
 
 def grammar_of(p: SamplingParams) -> str | None:
     """llguidance's grammar for the request's constraint, or None when it has none."""
-    from llguidance import LLMatcher
-    from llguidance.gbnf_to_lark import any_to_lark
-
     given = [name for name in ("json_schema", "regex", "choice", "grammar") if getattr(p, name) is not None]
     if not given:
         return None
     if len(given) > 1:
         raise InvalidRequest(f"give one structured-output constraint, not several: {', '.join(given)}")
+    try:
+        return _grammar(p)
+    except InvalidRequest:
+        raise
+    except UnicodeError:
+        raise InvalidRequest(f"`{given[0]}` must be valid Unicode (no lone surrogates)") from None
+    except Exception as e:  # noqa: BLE001 - the converter's own error names the place
+        raise InvalidRequest(f"the {given[0]} is not valid: {e}") from None
+
+
+def _grammar(p: SamplingParams) -> str:
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
     if p.json_schema is not None:
         return LLMatcher.grammar_from_json_schema(_schema(p.json_schema))
     if p.regex is not None:
@@ -77,10 +88,7 @@ def grammar_of(p: SamplingParams) -> str | None:
             raise InvalidRequest("`choice` must be a non-empty list of non-empty strings")
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in p.choice))
     assert p.grammar is not None
-    try:
-        return LLMatcher.grammar_from_lark(any_to_lark(p.grammar))
-    except Exception as e:  # noqa: BLE001 - the converter's own error names the place
-        raise InvalidRequest(f"the grammar is not valid: {e}") from None
+    return LLMatcher.grammar_from_lark(any_to_lark(p.grammar))
 
 
 def check(p: SamplingParams) -> str | None:

@@ -26,6 +26,15 @@ log = logging.getLogger("pytgi.engine")
 IDLE_POLL_MS = 500  # idle: heartbeat and parent check this often
 
 
+def _request_id(raw: bytes) -> str | None:
+    """The request id of an undecodable message, if it has one."""
+    try:
+        rid = msgspec.msgpack.decode(raw).get("request_id")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return rid if isinstance(rid, str) else None
+
+
 def _stats(engine) -> P.EngineStats:  # type: ignore[no-untyped-def]
     return P.EngineStats(**engine.stats())
 
@@ -52,9 +61,17 @@ class EngineLoop:
         errors: list[P.TokenOut] = []
         while True:
             try:
-                msg = P.to_engine.decode(self.inbox.recv(zmq.NOBLOCK))
+                raw = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
+            try:
+                msg = P.to_engine.decode(raw)
+            except msgspec.DecodeError as exc:  # a message the engine cannot take fails its request alone
+                rid = _request_id(raw)
+                log.warning("refused a message for %s: %s", rid or "no request", exc)
+                if rid is not None:
+                    errors.append(P.TokenOut(rid, finish_reason="error", error=f"invalid request: {exc}"))
+                continue
             if isinstance(msg, P.Submit):
                 try:
                     self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params)

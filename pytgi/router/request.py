@@ -9,20 +9,34 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from pytgi.sampling_params import SamplingParams
+
+F32_MAX, F32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38  # largest, smallest normal
+
+
+def as_f32(v: float) -> float:
+    """A value a 32-bit float holds (TGI parses these fields as serde's f32): past its range is an
+    error, and below its smallest normal is 0.0, as the engine sees it (sampling runs in float32, and
+    the engine process's compiled kernels set FTZ/DAZ, so 1e-320 reads as 0.0 there): the rules are
+    checked on the value the engine will use."""
+    if abs(v) > F32_MAX:
+        raise ValueError("number out of range for a 32-bit float")
+    return 0.0 if abs(v) < F32_TINY else v
+
 
 # --- JSON types as TGI's serde structs declare them -------------------------------------------
 # Strict: serde_json rejects "10" or 10.5 for an integer and "true" or 1 for a bool, so these do too
 # (pydantic's lax mode would coerce them). A float field accepts a JSON integer, like serde's f32.
-_U32 = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
-_U64 = Annotated[int, Field(strict=True, ge=0, le=2**64 - 1)]
-_USIZE = _U64
-_I32 = Annotated[int, Field(strict=True, ge=-(2**31), le=2**31 - 1)]
-_F32 = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-_Bool = Annotated[bool, Field(strict=True)]
-_Str = Annotated[str, Field(strict=True)]
+U32 = Annotated[int, Field(strict=True, ge=0, le=2**32 - 1)]
+U64 = Annotated[int, Field(strict=True, ge=0, le=2**64 - 1)]
+USIZE = U64
+I32 = Annotated[int, Field(strict=True, ge=-(2**31), le=2**31 - 1)]
+I64 = Annotated[int, Field(strict=True, ge=-(2**63), le=2**64 - 1)]  # OpenAI's seed: any 64-bit integer
+F32 = Annotated[float, Field(strict=True, allow_inf_nan=False), AfterValidator(as_f32)]
+Bool = Annotated[bool, Field(strict=True)]
+Str = Annotated[str, Field(strict=True)]
 
 
 class _Body(BaseModel):
@@ -44,44 +58,44 @@ class GrammarType(_Body):
 class GenerateParameters(_Body):
     """TGI's `GenerateParameters`, with TGI's defaults (None = not given)."""
 
-    best_of: _USIZE | None = None
-    temperature: _F32 | None = None
-    repetition_penalty: _F32 | None = None
-    frequency_penalty: _F32 | None = None
-    top_k: _I32 | None = None
-    top_p: _F32 | None = None
-    typical_p: _F32 | None = None
-    do_sample: _Bool = False
+    best_of: USIZE | None = None
+    temperature: F32 | None = None
+    repetition_penalty: F32 | None = None
+    frequency_penalty: F32 | None = None
+    top_k: I32 | None = None
+    top_p: F32 | None = None
+    typical_p: F32 | None = None
+    do_sample: Bool = False
     # TGI >= 3: absent (or null) fills up to max_total_tokens; see Validation.
-    max_new_tokens: _U32 | None = None
-    return_full_text: _Bool | None = None
-    stop: list[_Str] = Field(default_factory=list)
-    truncate: _USIZE | None = None
-    watermark: _Bool = False
-    details: _Bool = False
-    decoder_input_details: _Bool = False
-    seed: _U64 | None = None
-    top_n_tokens: _U32 | None = None
+    max_new_tokens: U32 | None = None
+    return_full_text: Bool | None = None
+    stop: list[Str] = Field(default_factory=list)
+    truncate: USIZE | None = None
+    watermark: Bool = False
+    details: Bool = False
+    decoder_input_details: Bool = False
+    seed: U64 | None = None
+    top_n_tokens: U32 | None = None
     grammar: GrammarType | None = None
-    adapter_id: _Str | None = None  # refused when given: no LoRA adapters here
-    ignore_eos_token: _Bool = False  # pytgi: keep generating past EOS (benchmarks)
-    presence_penalty: _F32 | None = None  # pytgi (OpenAI's): penalize tokens already generated
+    adapter_id: Str | None = None  # refused when given: no LoRA adapters here
+    ignore_eos_token: Bool = False  # pytgi: keep generating past EOS (benchmarks)
+    presence_penalty: F32 | None = None  # pytgi (OpenAI's): penalize tokens already generated
 
 
 class GenerateRequest(_Body):
     """Body of /generate, /generate_stream and /tokenize."""
 
-    inputs: _Str
+    inputs: Str
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
-    add_special_tokens: _Bool = True  # TGI's field (default true)
+    add_special_tokens: Bool = True  # TGI's field (default true)
 
 
 class CompatGenerateRequest(_Body):
     """Body of `POST /` and /invocations: a GenerateRequest plus `stream`."""
 
-    inputs: _Str
+    inputs: Str
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
-    stream: _Bool = False
+    stream: Bool = False
 
     def to_generate_request(self) -> GenerateRequest:
         return GenerateRequest(inputs=self.inputs, parameters=self.parameters)

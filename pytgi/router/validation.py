@@ -174,6 +174,8 @@ class Validation:
         # 12
         if not gi.inputs:
             raise ValidationError("`inputs` cannot be empty", "inputs")
+        if isinstance(gi.inputs, str) and not _is_unicode(gi.inputs):
+            raise ValidationError("`inputs` must be valid Unicode (no lone surrogates)", "inputs")
         if isinstance(gi.inputs, list) and self.vocab_size is not None and \
                 not all(0 <= t < self.vocab_size for t in gi.inputs):
             raise ValidationError(f"`inputs` token ids must be >= 0 and < {self.vocab_size}", "inputs")

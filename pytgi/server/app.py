@@ -18,6 +18,7 @@ from pytgi.router.validation import Validation, ValidLimits
 from pytgi.server import openai, tgi
 from pytgi.server.errors import install_handlers
 from pytgi.server.middleware import AdmissionMiddleware, ApiKeyMiddleware, PayloadLimitMiddleware
+from pytgi.server.responses import JSONResponse
 from pytgi.server.state import ServerConfig, State
 from pytgi.tokenizer import Tokenizer
 
@@ -50,7 +51,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 def create_app(config: ServerConfig) -> FastAPI:
     app = FastAPI(title="pytgi", version=pytgi.__version__, lifespan=lifespan,
-                  description="Text Generation Inference, in Python")
+                  description="Text Generation Inference, in Python", default_response_class=JSONResponse)
     client = EngineClient(config.engine, config.engine_module)
     app.state.pytgi = State(config, client, Tokenizer.from_dir(config.model_path), Metrics())
     install_handlers(app)

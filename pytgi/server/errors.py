@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pytgi.router.infer import InferError
 from pytgi.router.validation import ValidationError
+from pytgi.sampling_params import InvalidRequest
+from pytgi.server.responses import JSONResponse
 
 
 def error_body(message: str, error_type: str) -> dict[str, str]:
@@ -52,6 +53,10 @@ def install_handlers(app: FastAPI, openai_paths: tuple[str, ...] = ("/v1/",)) ->
     @app.exception_handler(ValidationError)
     async def _invalid(request: Request, exc: ValidationError) -> JSONResponse:
         return validation_response(exc.message)
+
+    @app.exception_handler(InvalidRequest)
+    async def _refused(request: Request, exc: InvalidRequest) -> JSONResponse:
+        return validation_response(str(exc))  # parameters the engine's SamplingParams refuses
 
     @app.exception_handler(InferError)
     async def _infer(request: Request, exc: InferError) -> JSONResponse:

@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 import pytgi
 from pytgi.outputs import Delta, OutputProcessor, Token
 from pytgi.router.infer import Admission, Generation, InferError, RequestStream, Timings
 from pytgi.router.validation import CompatGenerateRequest, GenerateRequest, ValidationError, ValidRequest
 from pytgi.server.errors import error_body, error_response, infer_error_response, validation_response
+from pytgi.server.responses import JSONResponse
 from pytgi.server.state import State, admission, state_of
 from pytgi.server.streaming import KEEP_ALIVE, record_success, sse_response, wait_disconnect, with_keep_alive
 

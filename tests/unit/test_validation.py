@@ -489,3 +489,18 @@ def test_compat_request_validates(val: Validation, tok: Tokenizer) -> None:
     r = validate(val, c, stream=c.stream)
     assert r.stream and r.input_ids == tok.encode("Hello")
     assert validate(val, c.to_generate_request(), stream=True).input_ids == r.input_ids
+
+
+def test_floats_are_checked_as_the_engine_reads_them(val: Validation) -> None:
+    """1e-320 passes `> 0` in Python but is 0.0 in the engine (float32 sampling, FTZ/DAZ kernels): it
+    must fail here like 0 does, not crash the engine; past float32's range is refused."""
+    assert "`repetition_penalty` must be strictly positive" in err(val, req(repetition_penalty=1e-320))
+    assert "`top_p` must be > 0.0" in err(val, req(top_p=1e-40))
+    assert "`temperature` must be strictly positive" in err(val, req(temperature=1e-39))  # 0.0 in float32
+    with pytest.raises(pydantic.ValidationError, match="out of range for a 32-bit float"):
+        req(temperature=1e39)
+    assert validate(val, req(top_p=0.8)).sampling.top_p == 0.8  # in range: the value as sent
+
+
+def test_lone_surrogates_in_inputs_are_refused(val: Validation) -> None:
+    assert "`inputs` must be valid Unicode" in err(val, req(inputs="a\ud800b"))

@@ -9,11 +9,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pytgi.router.infer import InferError, Overloaded
 from pytgi.router.request import ValidationError
+from pytgi.sampling_params import InvalidRequest
+from pytgi.server.responses import JSONResponse
 
 PREFIX = "/v1/"
 
@@ -61,6 +62,8 @@ def _as_openai(exc: Exception) -> OpenAIError:
         return from_infer_error(exc)
     if isinstance(exc, ValidationError):
         return invalid(exc.message, exc.param, exc.code)
+    if isinstance(exc, InvalidRequest):
+        return invalid(str(exc))
     if isinstance(exc, StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return OpenAIError(exc.status_code, str(exc.detail), kind)

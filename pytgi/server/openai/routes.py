@@ -16,12 +16,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
 
 from pytgi.router.infer import Admission, Generation, InferError, RequestStream, Timings
 from pytgi.router.request import ValidationError, ValidRequest
 from pytgi.server.openai import render, schema, tools
 from pytgi.server.openai.errors import OpenAIError, from_infer_error, invalid
+from pytgi.server.responses import JSONResponse
 from pytgi.server.state import State, admission, state_of
 from pytgi.server.streaming import KEEP_ALIVE, record_success, sse_response, wait_disconnect, with_keep_alive
 

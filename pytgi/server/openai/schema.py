@@ -11,7 +11,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pytgi.router.request import GenerateInput, GenerateParameters, GrammarType, ValidationError, ValidRequest
+from pytgi.router.request import (
+    F32,
+    I32,
+    I64,
+    U32,
+    Bool,
+    GenerateInput,
+    GenerateParameters,
+    GrammarType,
+    ValidationError,
+    ValidRequest,
+)
 from pytgi.server.openai.errors import OpenAIError, invalid
 
 MAX_N = 8  # choices per prompt
@@ -28,14 +39,14 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class JsonSchemaFormat(_Body):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class ResponseFormat(_Body):
@@ -54,23 +65,23 @@ class StructuredOutputs(_Body):
 
 class SamplingBody(_Body):
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
+    max_tokens: U32 | None = None
+    temperature: F32 | None = None
+    top_p: F32 | None = None
+    n: U32 | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    stream: bool | None = False
+    seed: I64 | None = None
+    presence_penalty: F32 | None = None
+    frequency_penalty: F32 | None = None
+    logit_bias: dict[str, F32] | None = None
+    stream: Bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     # extensions (vLLM / TGI)
-    top_k: int | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = False
+    top_k: I32 | None = None
+    repetition_penalty: F32 | None = None
+    ignore_eos: Bool | None = False
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs
     guided_regex: str | None = None
@@ -84,9 +95,9 @@ class SamplingBody(_Body):
 
 class CompletionRequest(SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
-    echo: bool | None = False
-    best_of: int | None = None
+    logprobs: U32 | None = None
+    echo: Bool | None = False
+    best_of: U32 | None = None
     suffix: str | None = None
 
 
@@ -104,12 +115,12 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
+    max_completion_tokens: U32 | None = None
+    logprobs: Bool | None = False
+    top_logprobs: U32 | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Bool | None = None
 
     @property
     def max_new_tokens(self) -> tuple[int | None, str]:
@@ -231,7 +242,7 @@ def to_input(body: SamplingBody, inputs: str | list[int], max_new_tokens: int | 
         presence_penalty=body.presence_penalty,
         max_new_tokens=max_new_tokens,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-        seed=body.seed,
+        seed=None if body.seed is None else body.seed % 2**64,  # OpenAI's int64 seeds into the engine's u64
         top_n_tokens=top_n,
         decoder_input_details=prompt_logprobs,
         ignore_eos_token=bool(body.ignore_eos),
