@@ -4,10 +4,13 @@ each step's tokens to per-request queues, and notice when the engine dies."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import json
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -43,7 +46,8 @@ class EngineClient:
         self.proc: subprocess.Popen | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._tasks: list[asyncio.Task] = []
-        self._dir = Path(tempfile.mkdtemp(prefix="pytgi-"))
+        self._dir = Path(tempfile.mkdtemp(prefix="pytgi-"))  # the two sockets; removed at stop, or at exit
+        atexit.register(shutil.rmtree, self._dir, True)
         self._ctx = zmq.asyncio.Context()
         self._inbox = self._ctx.socket(zmq.PUSH)  # the engine's inbox
         self._outbox = self._ctx.socket(zmq.PULL)
@@ -61,7 +65,7 @@ class EngineClient:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise EngineDead(f"engine process exited with code {self.proc.returncode} while starting")
+                raise EngineDead(f"{_exit_reason(self.proc.returncode)} while starting")
             if time.monotonic() > deadline:
                 self.proc.kill()
                 raise EngineDead(f"engine did not start within {timeout:.0f}s")
@@ -87,6 +91,7 @@ class EngineClient:
             except asyncio.TimeoutError:
                 self.proc.kill()
         self._ctx.destroy(linger=0)
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- requests --------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
@@ -158,13 +163,25 @@ class EngineClient:
         assert self.proc is not None
         while self.proc.poll() is None:
             await asyncio.sleep(0.2)
-        self._die(f"engine process exited with code {self.proc.returncode}")
+        self._die(_exit_reason(self.proc.returncode))
 
     def _die(self, reason: str) -> None:
-        log.error("%s; failing %d pending requests", reason, len(self._queues))
+        log.error("%s: failing %d pending requests; the server stops", reason, len(self._queues))
         self.healthy, self.dead_reason = False, reason
         for queue in self._queues.values():
             queue.put_nowait(EngineDead(reason))
         self._queues.clear()
         if self.on_death is not None:
             self.on_death(reason)
+
+
+def _exit_reason(code: int) -> str:
+    """Why the engine process ended, in words (a negative code is the signal that killed it)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        hint = " (the kernel's OOM killer sends it when memory runs out)" if name == "SIGKILL" else ""
+        return f"engine process killed by {name}{hint}"
+    return f"engine process exited with code {code}"

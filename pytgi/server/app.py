@@ -17,7 +17,12 @@ from pytgi.router.infer import Infer
 from pytgi.router.validation import Validation, ValidLimits
 from pytgi.server import openai, tgi
 from pytgi.server.errors import install_handlers
-from pytgi.server.middleware import AdmissionMiddleware, ApiKeyMiddleware, PayloadLimitMiddleware
+from pytgi.server.middleware import (
+    AdmissionMiddleware,
+    ApiKeyMiddleware,
+    OverloadMiddleware,
+    PayloadLimitMiddleware,
+)
 from pytgi.server.responses import JSONResponse
 from pytgi.server.state import ServerConfig, State
 from pytgi.tokenizer import Tokenizer
@@ -41,7 +46,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     st.client.on_step = st.metrics.engine_step
     st.client.on_stats = st.metrics.engine_stats
     st.client.on_death = lambda reason: [cb(reason) for cb in st.on_engine_death]
-    log.info("serving %s on http://%s:%d", info.model_id, cfg.hostname, cfg.port)
+    log.info("serving %s on %s://%s:%d", info.model_id, "https" if cfg.tls else "http", cfg.hostname, cfg.port)
     try:
         yield
     finally:
@@ -59,9 +64,10 @@ def create_app(config: ServerConfig) -> FastAPI:
     openai.install(app)  # OpenAI's routes, and OpenAI's error shape under /v1/
     # The last added runs first: CORS outermost, so that refusals (401, 413) carry its headers too.
     app.add_middleware(AdmissionMiddleware)
-    app.add_middleware(PayloadLimitMiddleware, limit=config.payload_limit)
+    app.add_middleware(PayloadLimitMiddleware, limit=config.payload_limit, body_timeout=config.request_body_timeout)
+    app.add_middleware(OverloadMiddleware)  # before the body is read
     if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, key=config.api_key)
+        app.add_middleware(ApiKeyMiddleware, key=config.api_key, exempt=config.api_key_exempt)
     if config.cors_allow_origin:
         app.add_middleware(CORSMiddleware, allow_origins=config.cors_allow_origin, allow_methods=["*"],
                            allow_headers=["*"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -10,6 +10,7 @@ from pytgi.router.infer import InferError
 from pytgi.router.validation import ValidationError
 from pytgi.sampling_params import InvalidRequest
 from pytgi.server.responses import JSONResponse
+from pytgi.server.streaming import ClientGone
 
 
 def error_body(message: str, error_type: str) -> dict[str, str]:
@@ -53,6 +54,10 @@ def install_handlers(app: FastAPI, openai_paths: tuple[str, ...] = ("/v1/",)) ->
     @app.exception_handler(ValidationError)
     async def _invalid(request: Request, exc: ValidationError) -> JSONResponse:
         return validation_response(exc.message)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     @app.exception_handler(InvalidRequest)
     async def _refused(request: Request, exc: InvalidRequest) -> JSONResponse:

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
+import resource
 import signal
 from pathlib import Path
 
 from pytgi.logs import JSON_ENV, setup_logging
 
 DEATH_GRACE_SECONDS = 2.0
+IGNORED_ENV: list[str] = []  # environment values not taken, said once logging is set up
 
 FLAGS: list[tuple[str, type, object, str]] = [
     # (flag, type, default, help); the environment variable is the flag in UPPER_SNAKE_CASE
@@ -41,7 +44,15 @@ FLAGS: list[tuple[str, type, object, str]] = [
     ("--max-waiting-tokens", int, 20, "steps before waiting requests join regardless"),
     ("--max-batch-size", int, None, "most running requests"),
     ("--validation-workers", int, 2, "tokenizer threads"),
-    ("--api-key", str, None, "require `Authorization: Bearer <key>` on POST routes"),
+    ("--api-key", str, None, "require `Authorization: Bearer <key>` on every route but --api-key-exempt's "
+     "(prefer the API_KEY environment variable: a flag shows in `ps` and /proc/*/cmdline)"),
+    ("--api-key-exempt", str, "health", "routes open without the key, comma-separated: health, metrics, info, docs, "
+     "openapi, models (or none)"),
+    ("--ssl-keyfile", str, None, "serve HTTPS with this private key (PEM)"),
+    ("--ssl-certfile", str, None, "... and this certificate chain (PEM)"),
+    ("--keep-alive-timeout", float, 5.0, "seconds an idle keep-alive connection stays open"),
+    ("--request-header-timeout", float, 10.0, "seconds a request's headers may take to arrive (else 408, closed)"),
+    ("--request-body-timeout", float, 30.0, "seconds a request body may pause between chunks (else 408)"),
     ("--payload-limit", int, 2_000_000, "largest request body in bytes"),
     ("--graceful-termination-timeout", int, 90, "seconds to finish in-flight requests on SIGTERM"),
     ("--master-addr", str, "localhost", "torch.distributed rendezvous address (shards on several machines)"),
@@ -54,10 +65,23 @@ def _env_name(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_").upper()
 
 
+def _is_bind_address(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return value == "localhost"
+    return True
+
+
 def _add_flags(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
     for flag, typ, default, help_ in FLAGS:
         if only is None or flag in only:
             env = os.environ.get(_env_name(flag))
+            if flag == "--hostname" and env is not None and not _is_bind_address(env):
+                # Docker and Kubernetes set HOSTNAME to the container's name: not an address to bind
+                IGNORED_ENV.append(f"HOSTNAME={env!r} is not an IP address (a container's name?): ignored; "
+                                   "pass --hostname to choose the address to listen on")
+                env = None
             p.add_argument(flag, type=typ, default=typ(env) if env is not None else default,
                            help=f"{help_} [env {_env_name(flag)}]")
 
@@ -87,6 +111,15 @@ def add_shard_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", "0")), help="this rank, >= 1 [env RANK]")
     p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
                    help="all ranks, rank 0 included [env WORLD_SIZE]")
+
+
+def _raise_open_files_limit() -> None:
+    """Each connection is a file descriptor: take the hard limit (Linux's soft default, 1024, is a
+    burst of a thousand clients)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 65536
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def shard(args: argparse.Namespace) -> int:
@@ -119,11 +152,24 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
 
     from pytgi.config import EngineConfig
     from pytgi.server.app import ServerConfig, create_app
+    from pytgi.server.http import with_header_timeout
+    from pytgi.server.middleware import EXEMPTIONS
 
     if args.json_output:
         os.environ[JSON_ENV] = "1"  # the engine and worker processes inherit it
     setup_logging(args.json_output)
     log = logging.getLogger("pytgi.launcher")
+    for line in IGNORED_ENV:
+        log.warning("%s", line)
+    exempt = tuple(e.strip() for e in args.api_key_exempt.split(",") if e.strip() and e.strip() != "none")
+    if unknown := [e for e in exempt if e not in EXEMPTIONS]:
+        log.error("--api-key-exempt: unknown route name(s) %s; choose among %s", ", ".join(unknown),
+                  ", ".join(EXEMPTIONS))
+        return 2
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        log.error("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        return 2
+    _raise_open_files_limit()
     if args.num_shard < 1:
         log.error("--num-shard must be >= 1, got %d", args.num_shard)
         return 2
@@ -152,15 +198,17 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
         engine=engine, model_path=model_path, model_id=model_id, hostname=args.hostname, port=args.port,
         max_concurrent_requests=args.max_concurrent_requests, max_best_of=args.max_best_of,
         max_stop_sequences=args.max_stop_sequences, max_top_n_tokens=args.max_top_n_tokens,
-        validation_workers=args.validation_workers, api_key=args.api_key, payload_limit=args.payload_limit,
-        cors_allow_origin=origins, json_output=args.json_output,
+        validation_workers=args.validation_workers, api_key=args.api_key, api_key_exempt=exempt,
+        payload_limit=args.payload_limit, request_body_timeout=args.request_body_timeout,
+        tls=bool(args.ssl_certfile), cors_allow_origin=origins, json_output=args.json_output,
         graceful_termination_timeout=args.graceful_termination_timeout, revision=args.revision,
         engine_module=engine_module,
     )
     app = create_app(config)
     server = _Server(uvicorn.Config(
-        app, host=args.hostname, port=args.port, loop="uvloop", http="httptools", log_config=None,
-        timeout_graceful_shutdown=args.graceful_termination_timeout, access_log=False,
+        app, host=args.hostname, port=args.port, loop="uvloop", http=with_header_timeout(args.request_header_timeout),
+        log_config=None, timeout_graceful_shutdown=args.graceful_termination_timeout, access_log=False,
+        timeout_keep_alive=args.keep_alive_timeout, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
     ))
     died: list[str] = []
 
@@ -172,8 +220,8 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
 
     app.state.pytgi.on_engine_death.append(on_death)
     server.run()
-    if died:
-        log.error("exiting: %s", died[0])
+    if died:  # the reason is already logged, once, by the engine client
+        log.info("exiting with status 1")
         return 1
     if not server.started:
         log.error("the server did not start")

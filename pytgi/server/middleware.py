@@ -1,11 +1,16 @@
-"""ASGI middlewares around the routes: slots given back, API key, payload limit."""
+"""ASGI middlewares around the routes: slots given back, API key, early 429, body limit and timeout."""
 
 from __future__ import annotations
 
+import asyncio
+import hmac
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pytgi.router.infer import Admission
-from pytgi.server.errors import path_error_response
+from pytgi.router.infer import Admission, Overloaded
+from pytgi.server.errors import infer_error_response, path_error_response
+from pytgi.server.openai.errors import from_infer_error
+from pytgi.server.responses import JSONResponse
 from pytgi.server.state import ADMISSIONS
 
 
@@ -28,16 +33,36 @@ class AdmissionMiddleware:
                 adm.close()
 
 
-class ApiKeyMiddleware:
-    """POST routes need `Authorization: Bearer <key>` when the server has an API key."""
+# Routes an API key may leave open (`--api-key-exempt`), by name: the paths each covers.
+EXEMPTIONS: dict[str, tuple[str, ...]] = {
+    "health": ("GET /health", "GET /"),  # load balancers' probes (POST / generates, and stays guarded)
+    "metrics": ("GET /metrics",),
+    "info": ("GET /info",),
+    "docs": ("GET /docs", "GET /docs/oauth2-redirect", "GET /redoc"),
+    "openapi": ("GET /openapi.json",),
+    "models": ("GET /v1/models", "GET /v1/models/*"),
+}
+GENERATION_ROUTES = {"/generate", "/generate_stream", "/", "/invocations", "/v1/completions",
+                     "/v1/chat/completions"}
 
-    def __init__(self, app: ASGIApp, key: str) -> None:
+
+class ApiKeyMiddleware:
+    """Every route needs `Authorization: Bearer <key>` when the server has an API key, but those named
+    in `exempt` (see EXEMPTIONS) and CORS preflights; the key is compared in constant time."""
+
+    def __init__(self, app: ASGIApp, key: str, exempt: tuple[str, ...] = ("health",)) -> None:
         self.app, self.expected = app, f"Bearer {key}".encode()
+        self.open = {route for name in exempt for route in EXEMPTIONS[name]}
+
+    def _exempt(self, method: str, path: str) -> bool:
+        if method == "OPTIONS" or f"{method} {path}" in self.open:
+            return True
+        return method == "GET" and path.startswith("/v1/models/") and "GET /v1/models/*" in self.open
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http" and not self._exempt(scope["method"], scope["path"]):
             auth = dict(scope["headers"]).get(b"authorization", b"")
-            if auth != self.expected:
+            if not hmac.compare_digest(auth, self.expected):
                 refusal = path_error_response(scope["path"], 401, "Unauthorized: send `Authorization: Bearer <key>`",
                                               "authentication", "authentication_error", "invalid_api_key")
                 await refusal(scope, receive, send)
@@ -45,11 +70,35 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class PayloadLimitMiddleware:
-    """Bodies over `--payload-limit` bytes are refused with 413, declared or streamed."""
+class OverloadMiddleware:
+    """Over `--max-concurrent-requests`, a generation request is answered 429 before its body is read,
+    parsed or validated: under a burst the refusals cost next to nothing and come at once. (The
+    admission itself is still taken after validation; this only spares doomed requests the work.)"""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_ROUTES:
+            infer = scope["app"].state.pytgi.infer
+            if infer is not None and infer.in_flight >= infer.max_concurrent_requests:
+                if scope["path"].startswith("/v1/"):
+                    err = from_infer_error(Overloaded())
+                    refusal = JSONResponse(err.body(), status_code=err.status)
+                else:
+                    refusal = infer_error_response(Overloaded())
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class PayloadLimitMiddleware:
+    """Reads the whole request body before the route runs: over `--payload-limit` bytes it is refused
+    with 413 (declared by Content-Length or streamed in chunks), and a body that stops arriving for
+    `body_timeout` seconds gets 408 (a short body under a long Content-Length holds nothing)."""
+
+    def __init__(self, app: ASGIApp, limit: int, body_timeout: float = 30.0) -> None:
+        self.app, self.limit, self.body_timeout = app, limit, body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -57,28 +106,38 @@ class PayloadLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(scope, receive, send)
+            await self._refuse(scope, receive, send, 413, f"Payload too large: the limit is {self.limit} bytes",
+                               "payload_too_large")
             return
-        seen = 0
-
-        async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
+        chunks, seen, more = [], 0, True
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except asyncio.TimeoutError:
+                await self._refuse(scope, receive, send, 408, f"Request timeout: no body data for "
+                                   f"{self.body_timeout:g} s", "request_timeout")
+                return
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            more = message.get("more_body", False)
             if seen > self.limit:
-                raise _TooLarge()
-            return message
+                await self._refuse(scope, receive, send, 413, f"Payload too large: the limit is {self.limit} bytes",
+                                   "payload_too_large")
+                return
+        body, replayed = b"".join(chunks), False
 
-        try:
-            await self.app(scope, counted, send)
-        except _TooLarge:
-            await self._refuse(scope, receive, send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then the client's disconnect, when it comes
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        msg = f"Payload too large: the limit is {self.limit} bytes"
-        refusal = path_error_response(scope["path"], 413, msg, "payload_too_large", "invalid_request_error")
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, msg: str, kind: str) -> None:
+        refusal = path_error_response(scope["path"], status, msg, kind, "invalid_request_error")
+        refusal.headers["connection"] = "close"  # the rest of the body is not read
         await refusal(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass

@@ -30,7 +30,10 @@ class ServerConfig:
     max_top_n_tokens: int = 5
     validation_workers: int = 2
     api_key: str | None = None
+    api_key_exempt: tuple[str, ...] = ("health",)  # route names (pytgi.server.middleware.EXEMPTIONS)
     payload_limit: int = 2_000_000
+    request_body_timeout: float = 30.0
+    tls: bool = False
     cors_allow_origin: list[str] = field(default_factory=list)
     json_output: bool = False
     graceful_termination_timeout: int = 90

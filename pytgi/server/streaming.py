@@ -4,6 +4,7 @@ success metrics, and noticing a client that went away."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TypeVar
@@ -14,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from pytgi.router.infer import Timings
 from pytgi.server.state import State
 
+log = logging.getLogger("pytgi.server")
 KEEP_ALIVE_SECONDS = 15.0
 KEEP_ALIVE = ":\n\n"  # an SSE comment: keeps proxies and clients from timing out on a slow step
 
@@ -61,10 +63,29 @@ def record_success(st: State, t: Timings, arrived: float, input_length: int, gen
     m.request_generated_tokens.observe(generated)
 
 
-async def wait_disconnect(request: Request, task: asyncio.Task) -> None:
-    """Cancel `task` if the client goes away before it completes (non-streaming routes)."""
+class ClientGone(Exception):
+    """The client left before its answer was ready: the request was aborted, nothing is sent."""
+
+
+async def wait_disconnect(request: Request, task: asyncio.Task) -> bool:
+    """Cancel `task` if the client goes away before it completes (non-streaming routes): True if so."""
     while not task.done():
         if await request.is_disconnected():
             task.cancel()
-            return
+            return True
         await asyncio.sleep(0.25)
+    return False
+
+
+async def unless_gone(request: Request, task: asyncio.Task[T]) -> T:
+    """`task`'s result, or `ClientGone` (an INFO line, not an error) when the client left first."""
+    watcher = asyncio.ensure_future(wait_disconnect(request, task))
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled() and watcher.result():
+            log.info("%s: the client went away before the answer; its request was aborted", request.url.path)
+            raise ClientGone() from None
+        raise
+    finally:
+        watcher.cancel()

@@ -17,7 +17,7 @@ from pytgi.router.validation import CompatGenerateRequest, GenerateRequest, Vali
 from pytgi.server.errors import error_body, error_response, infer_error_response, validation_response
 from pytgi.server.responses import JSONResponse
 from pytgi.server.state import State, admission, state_of
-from pytgi.server.streaming import KEEP_ALIVE, record_success, sse_response, wait_disconnect, with_keep_alive
+from pytgi.server.streaming import KEEP_ALIVE, record_success, sse_response, unless_gone, with_keep_alive
 
 router = APIRouter()
 
@@ -128,15 +128,11 @@ async def generate_response(request: Request, body: GenerateRequest) -> tuple[di
     arrived = time.monotonic()
     req, adm, vtime = await admit(request, body, stream=False)
     assert st.infer is not None
-    task = asyncio.ensure_future(st.infer.generate(req, adm, vtime))
-    watcher = asyncio.ensure_future(wait_disconnect(request, task))
     try:
-        g = await task
+        g = await unless_gone(request, asyncio.ensure_future(st.infer.generate(req, adm, vtime)))
     except InferError as exc:
         st.metrics.request_failure.labels(exc.error_type).inc()
         raise
-    finally:
-        watcher.cancel()
     generated = len(g.output.tokens)
     st.metrics.time_to_first_token.observe(max(g.timings.start - arrived, 0.0))
     record_success(st, g.timings, arrived, req.input_length, generated)

@@ -7,7 +7,9 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,8 +24,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
     """Two concurrent requests at most, an API key, a small payload limit, a fault-injecting engine."""
-    srv = Server("--max-concurrent-requests", "2", "--api-key", "sekret", "--payload-limit", "10000",
-                 "--cors-allow-origin", "http://example.com", "--json-output", launcher="tests.e2e.fault_engine",
+    srv = Server("--max-concurrent-requests", "2", "--payload-limit", "10000", "--request-header-timeout", "1",
+                 "--request-body-timeout", "1", "--cors-allow-origin", "http://example.com", "--json-output",
+                 launcher="tests.e2e.fault_engine", env={"API_KEY": "sekret"},  # the key from the environment
                  log=tmp_path_factory.mktemp("logs") / "guarded.log").wait_ready()
     yield srv
     srv.stop()
@@ -32,14 +35,19 @@ def guarded(tmp_path_factory):
 AUTH = {"Authorization": "Bearer sekret"}
 
 
-def test_api_key_guards_post_routes(guarded):
+def test_api_key_guards_every_route_but_health(guarded):
     body = {"inputs": "Hi", "parameters": {"max_new_tokens": 2}}
     r = httpx.post(f"{guarded.url}/generate", json=body)
     assert r.status_code == 401 and r.json()["error_type"] == "authentication"
     r = httpx.post(f"{guarded.url}/generate", json=body, headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
+    r = httpx.post(f"{guarded.url}/generate", json=body, headers={"Authorization": "Bearer sekre"})  # a prefix
+    assert r.status_code == 401
     assert httpx.post(f"{guarded.url}/generate", json=body, headers=AUTH).status_code == 200
     assert httpx.get(f"{guarded.url}/health").status_code == 200
+    for path in ("/metrics", "/info", "/docs", "/openapi.json", "/v1/models", "/v1/models/tgi"):
+        assert httpx.get(f"{guarded.url}{path}").status_code == 401, path
+        assert httpx.get(f"{guarded.url}{path}", headers=AUTH).status_code == 200, path
     client = text_generation.Client(guarded.url, headers=AUTH)
     assert client.generate("Hi", max_new_tokens=2).details.generated_tokens == 2
 
@@ -113,7 +121,7 @@ def test_a_failing_step_fails_only_its_requests(guarded):
     # the server goes on serving
     assert httpx.post(f"{guarded.url}/generate", json=ok, headers=AUTH).status_code == 200
     assert httpx.get(f"{guarded.url}/health").status_code == 200
-    failures = [line for line in httpx.get(f"{guarded.url}/metrics").text.splitlines()
+    failures = [line for line in httpx.get(f"{guarded.url}/metrics", headers=AUTH).text.splitlines()
                 if line.startswith('tgi_request_failure_total{err="generation"}')]
     assert failures and float(failures[0].rsplit(" ", 1)[1]) >= 3
 
@@ -126,7 +134,12 @@ def test_killed_engine_fails_requests_turns_unhealthy_and_exits_nonzero(tmp_path
             lines = s.iter_lines()
             while not next(lines).startswith("data:"):
                 pass
-            os.kill(srv.engine_pid(), signal.SIGKILL)
+            engine = srv.engine_pid()
+            argv = open(f"/proc/{engine}/cmdline").read().split("\0")
+            inbox = Path(argv[argv.index("--inbox") + 1].removeprefix("ipc://"))
+            sockets = inbox.parent
+            assert inbox.name == "inbox" and sockets.name.startswith("pytgi-") and sockets.exists()
+            os.kill(engine, signal.SIGKILL)
             t0 = time.monotonic()
             rest = [json.loads(line[5:]) for line in lines if line.startswith("data:")]
         assert rest[-1]["error_type"] == "generation" and time.monotonic() - t0 < 5
@@ -136,6 +149,9 @@ def test_killed_engine_fails_requests_turns_unhealthy_and_exits_nonzero(tmp_path
         r = httpx.post(f"{srv.url}/generate", json={"inputs": "Hi"}, timeout=5)
         assert r.status_code == 424 and r.json()["error_type"] == "generation"
         assert srv.proc.wait(30) != 0
+        errors = [line for line in srv.tail().splitlines() if " ERROR " in line]
+        assert len(errors) == 1 and "engine process killed by SIGKILL" in errors[0], errors  # one clear line
+        assert not sockets.exists()  # its /tmp/pytgi-* socket directory is gone
     finally:
         srv.stop()
 
@@ -202,3 +218,43 @@ def test_failed_requests_of_every_kind_give_their_slots_back(guarded):
             return await asyncio.gather(*(c.post("/generate", json=body) for _ in range(2)))
 
     assert [r.status_code for r in asyncio.run(full_capacity())] == [200, 200]
+
+
+def test_slow_clients_get_408_instead_of_holding_a_socket(guarded):
+    """`--request-header-timeout 1`, `--request-body-timeout 1`: a silent connection, headers that
+    trickle, a body shorter than its Content-Length."""
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", guarded.port)) as s:
+        assert s.recv(100).startswith(b"HTTP/1.1 408")
+    with socket.create_connection(("127.0.0.1", guarded.port)) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+        assert s.recv(100).startswith(b"HTTP/1.1 408")
+    with socket.create_connection(("127.0.0.1", guarded.port)) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"inputs\":")
+        reply = b""
+        while chunk := s.recv(1000):  # until the server closes
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_chunked_body_over_the_limit_is_413(guarded):
+    def chunks():
+        for _ in range(30):
+            yield b"x" * 1000
+
+    r = httpx.post(f"{guarded.url}/generate", content=chunks(), headers={**AUTH, "content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error_type"] == "payload_too_large"
+
+
+def test_an_abandoned_generate_is_an_info_line(guarded):
+    body = json.dumps({"inputs": "Count:", "parameters": {"max_new_tokens": 300, "ignore_eos_token": True}}).encode()
+    with socket.create_connection(("127.0.0.1", guarded.port)) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(0.5)
+    time.sleep(1.0)
+    records = [json.loads(line) for line in guarded.log_path.read_text().splitlines() if line.startswith("{")]
+    assert any("client went away" in r["message"] and r["level"] == "INFO" for r in records)
+    assert not any(r["target"].startswith("uvicorn") and r["level"] == "ERROR" for r in records)  # no traceback

@@ -48,3 +48,27 @@ def test_an_incomplete_gguf_is_one_line(tmp_path: Path) -> None:
 def test_a_missing_model_is_one_line(tmp_path: Path) -> None:
     proc = _pytgi("serve", "--model-id", str(tmp_path / "nowhere"), "--port", "1", cache=tmp_path / "cache")
     assert proc.returncode == 2 and "model not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unknown_api_key_exemptions_and_half_tls_are_one_line(tmp_path: Path) -> None:
+    proc = _pytgi("serve", "--api-key-exempt", "health,secrets", "--port", "1", cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--api-key-exempt: unknown route name(s) secrets" in proc.stderr
+    proc = _pytgi("serve", "--ssl-keyfile", "k.pem", "--port", "1", cache=tmp_path / "cache")
+    assert proc.returncode == 2 and "HTTPS needs both --ssl-keyfile and --ssl-certfile" in proc.stderr
+
+
+def test_a_containers_hostname_does_not_become_the_bind_address(monkeypatch) -> None:
+    """Docker and Kubernetes set HOSTNAME to the container's name; TGI reads HOSTNAME as the address."""
+    import argparse
+
+    from pytgi.server import launcher
+
+    for env, expected in [("4b1c9e0d2f3a", "0.0.0.0"), ("127.0.0.1", "127.0.0.1"), ("::1", "::1")]:
+        monkeypatch.setenv("HOSTNAME", env)
+        launcher.IGNORED_ENV.clear()
+        parser = argparse.ArgumentParser()
+        launcher.add_serve_arguments(parser)
+        assert parser.parse_args([]).hostname == expected
+        assert bool(launcher.IGNORED_ENV) == (expected == "0.0.0.0")
+    assert parser.parse_args(["--hostname", "localhost"]).hostname == "localhost"

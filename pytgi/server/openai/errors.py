@@ -15,6 +15,7 @@ from pytgi.router.infer import InferError, Overloaded
 from pytgi.router.request import ValidationError
 from pytgi.sampling_params import InvalidRequest
 from pytgi.server.responses import JSONResponse
+from pytgi.server.streaming import ClientGone
 
 PREFIX = "/v1/"
 
@@ -84,6 +85,8 @@ def install_handlers(app: FastAPI) -> None:
 
 def _dispatching(fallback: Callable | None) -> Callable:
     async def handler(request: Request, exc: Exception) -> Response:
+        if isinstance(exc, ClientGone):
+            return Response(status_code=499)  # nobody reads it
         if fallback is None or request.url.path.startswith(PREFIX) or isinstance(exc, OpenAIError):
             err = _as_openai(exc)
             return JSONResponse(err.body(), status_code=err.status)

@@ -23,7 +23,7 @@ from pytgi.server.openai import render, schema, tools
 from pytgi.server.openai.errors import OpenAIError, from_infer_error, invalid
 from pytgi.server.responses import JSONResponse
 from pytgi.server.state import State, admission, state_of
-from pytgi.server.streaming import KEEP_ALIVE, record_success, sse_response, wait_disconnect, with_keep_alive
+from pytgi.server.streaming import KEEP_ALIVE, record_success, sse_response, unless_gone, with_keep_alive
 
 router = APIRouter()
 _STARTED = int(time.time())
@@ -84,15 +84,11 @@ async def _generate_all(request: Request, reqs: list[ValidRequest], adm: Admissi
             for t in tasks:
                 t.cancel()
 
-    task = asyncio.ensure_future(run_all())
-    watcher = asyncio.ensure_future(wait_disconnect(request, task))
     try:
-        gens = await task
+        gens = await unless_gone(request, asyncio.ensure_future(run_all()))
     except InferError as exc:
         st.metrics.request_failure.labels(exc.error_type).inc()
         raise from_infer_error(exc) from None
-    finally:
-        watcher.cancel()
     timings = _combined([g.timings for g in gens])
     st.metrics.time_to_first_token.observe(max(timings.start - arrived, 0.0))
     record_success(st, timings, arrived, sum(r.input_length for r in reqs), sum(len(g.output.tokens) for g in gens))
