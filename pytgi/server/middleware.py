@@ -33,6 +33,14 @@ class AdmissionMiddleware:
                 adm.close()
 
 
+async def _receive_within(receive: Receive, seconds: float) -> Message:
+    """The next ASGI message, or asyncio.TimeoutError after `seconds`."""
+    if hasattr(asyncio, "timeout"):  # Python 3.11+: no task per message, unlike wait_for
+        async with asyncio.timeout(seconds):
+            return await receive()
+    return await asyncio.wait_for(receive(), seconds)
+
+
 # Routes an API key may leave open (`--api-key-exempt`), by name: the paths each covers.
 EXEMPTIONS: dict[str, tuple[str, ...]] = {
     "health": ("GET /health", "GET /"),  # load balancers' probes (POST / generates, and stays guarded)
@@ -80,8 +88,11 @@ class OverloadMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GENERATION_ROUTES:
-            infer = scope["app"].state.pytgi.infer
+            st = scope["app"].state.pytgi
+            infer = st.infer
             if infer is not None and infer.in_flight >= infer.max_concurrent_requests:
+                st.metrics.request_count.inc()  # counted as the routes count their 429s
+                st.metrics.request_failure.labels("overloaded").inc()
                 if scope["path"].startswith("/v1/"):
                     err = from_infer_error(Overloaded())
                     refusal = JSONResponse(err.body(), status_code=err.status)
@@ -112,7 +123,7 @@ class PayloadLimitMiddleware:
         chunks, seen, more = [], 0, True
         while more:
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout)
+                message = await _receive_within(receive, self.body_timeout)
             except asyncio.TimeoutError:
                 await self._refuse(scope, receive, send, 408, f"Request timeout: no body data for "
                                    f"{self.body_timeout:g} s", "request_timeout")
@@ -139,5 +150,4 @@ class PayloadLimitMiddleware:
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, msg: str, kind: str) -> None:
         refusal = path_error_response(scope["path"], status, msg, kind, "invalid_request_error")
-        refusal.headers["connection"] = "close"  # the rest of the body is not read
         await refusal(scope, receive, send)
