@@ -45,9 +45,14 @@ def test_the_key_guards_every_route_but_the_exempt_ones() -> None:
 def test_over_the_limit_a_generation_is_refused_before_its_body_is_read() -> None:
     app = Starlette(routes=APP.routes, middleware=[Middleware(OverloadMiddleware)])  # it reads the app's state
     infer = SimpleNamespace(in_flight=2, max_concurrent_requests=2)
-    app.state.pytgi = SimpleNamespace(infer=infer)
+    counts: list[str] = []
+    count = SimpleNamespace(inc=lambda: counts.append("request"))
+    failure = SimpleNamespace(labels=lambda kind: SimpleNamespace(inc=lambda: counts.append(kind)))
+    app.state.pytgi = SimpleNamespace(infer=infer, metrics=SimpleNamespace(request_count=count,
+                                                                            request_failure=failure))
     r = _call(app, "POST", "/generate", json={"inputs": "x"})
     assert r.status_code == 429 and r.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+    assert counts == ["request", "overloaded"]  # in TGI's metrics, as the routes count theirs
     assert _call(app, "GET", "/health").status_code == 200  # not a generation
     infer.in_flight = 1
     assert _call(app, "POST", "/generate", json={"inputs": "x"}).status_code == 200
