@@ -46,7 +46,7 @@ EXEMPTIONS: dict[str, tuple[str, ...]] = {
     "health": ("GET /health", "GET /"),  # load balancers' probes (POST / generates, and stays guarded)
     "metrics": ("GET /metrics",),
     "info": ("GET /info",),
-    "docs": ("GET /docs", "GET /docs/oauth2-redirect", "GET /redoc"),
+    "docs": ("GET /docs", "GET /docs/oauth2-redirect", "GET /redoc", "GET /openapi.json"),  # the page loads it
     "openapi": ("GET /openapi.json",),
     "models": ("GET /v1/models", "GET /v1/models/*"),
 }
