@@ -32,7 +32,11 @@ NASTY_TEXT = ["", "a", "Hello", "\ud800", "a\udfffb", "\x00", "é中🙂", "<|im
 texts = st.one_of(st.sampled_from(NASTY_TEXT), st.text(max_size=20),
                   st.lists(st.sampled_from(NASTY_TEXT), max_size=4).map("".join))
 numbers = st.one_of(st.integers(-3, 300), st.integers(-(2**130), 2**130), st.sampled_from([2**31, 2**63, 2**64, -1, 0]),
-                    st.floats(allow_nan=False, allow_infinity=False), st.sampled_from([0.0, -0.0, 1e308, 1e-320]))
+                    # no subnormals drawn: once pytgi's kernels are loaded in this process (other test modules
+                    # do), their -ffast-math start-up code flushes them to zero and hypothesis refuses them;
+                    # 1e-320 is sent as a literal instead
+                    st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=False),
+                    st.sampled_from([0.0, -0.0, 1e308, 1e-320]))
 scalars = st.one_of(st.none(), st.booleans(), numbers, texts)
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) |
                            st.dictionaries(texts, inner, max_size=3), max_leaves=12)
