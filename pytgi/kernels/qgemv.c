@@ -86,6 +86,11 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
         }
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes)));
         const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 32)));
+        __m512 d1 = d, m1 = m; /* inputs 16..31's own scales (bits 16), loaded once for the rows */
+        if (bits == 16) {
+            d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 64)));
+            m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 96)));
+        }
         for (int r = 0; r < MR; r++) {
             const int32_t *xr = (const int32_t *)(xq + r * K + 32 * g);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  /* inputs 0..15, 16..31 */
@@ -95,8 +100,6 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
             }
             const __m512 xs = _mm512_set1_ps(sx[r * G + g]);
             if (bits == 16) {
-                const __m512 d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 64)));
-                const __m512 m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 96)));
                 const float lo = sxh[r * G + g];
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d, xs), acc[r]);
                 acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, xs), acc[r]);
