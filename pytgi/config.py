@@ -30,6 +30,7 @@ class EngineConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    batch_invariant: bool = True  # CPU: a row's numerics do not depend on the step (docs/batch-invariance.md)
     kv_cache_memory_fraction: float = 0.9  # of free memory left after the weights (CUDA)
     kv_cache_cpu_bytes: int = 4 << 30  # on CPU: the most the KV cache takes by default
     attention_backend: str = "torch"

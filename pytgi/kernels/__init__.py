@@ -172,6 +172,7 @@ class PagedBatch:
     context_lens: np.ndarray  # [B]
     block_size: int
     decodes_only: bool  # all q_lens are 1: the decode entry point
+    tiles: np.ndarray | None = None  # [B] nonzero: this request's rows use AMX tiles (None: no request does)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
@@ -185,7 +186,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                                                   _ptr(p.q_starts), *common)
     else:
         failed = _fn("paged_prefill", q.dtype)(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts),
-                                               _ptr(p.q_lens), *common)
+                                               _ptr(p.q_lens), *common[:2], _ptr(p.tiles), *common[2:])
     _check(failed, "paged attention")
 
 
@@ -210,8 +211,8 @@ def decoder_layers(table: np.ndarray, x: torch.Tensor, cos: torch.Tensor, sin: t
     h = torch.empty_like(x)
     failed = _lib().pytgi_decoder_layers_bf16(
         _ptr(table), len(table), _ptr(x), _ptr(h), x.shape[0], *sizes, eps, scale, _ptr(cos), _ptr(sin),
-        _ptr(slots), _ptr(p.q_starts), _ptr(p.q_lens), _ptr(p.block_tables), _ptr(p.context_lens), len(p.q_starts),
-        p.block_tables.shape[1], p.block_size, int(p.decodes_only), vnni_max_m)
+        _ptr(slots), _ptr(p.q_starts), _ptr(p.q_lens), _ptr(p.block_tables), _ptr(p.context_lens), _ptr(p.tiles),
+        len(p.q_starts), p.block_tables.shape[1], p.block_size, int(p.decodes_only), vnni_max_m)
     _check(failed, "decoder layers")
     return h
 
@@ -224,5 +225,5 @@ def gemma_layers(table: np.ndarray, x: torch.Tensor, ropes, slots: torch.Tensor,
     failed = _lib().pytgi_gemma_layers_bf16(
         _ptr(table), len(table), _ptr(x), x.shape[0], *sizes, eps, scale, _ptr(cos), _ptr(sin), _ptr(cos_l),
         _ptr(sin_l), _ptr(slots), _ptr(p.q_starts), _ptr(p.q_lens), _ptr(p.block_tables), _ptr(p.context_lens),
-        len(p.q_starts), p.block_tables.shape[1], p.block_size, int(p.decodes_only), vnni_max_m)
+        _ptr(p.tiles), len(p.q_starts), p.block_tables.shape[1], p.block_size, int(p.decodes_only), vnni_max_m)
     _check(failed, "decoder layers")

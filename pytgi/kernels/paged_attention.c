@@ -143,7 +143,7 @@ DEFINE_DECODE(decode_generic_bf16, uint16_t, row_bf16, store_bf16)
  * every thread busy. Needs D % 16 == 0, D <= MAXD and at most MAXG query heads per kv head;
  * D = 64 and 128 get code compiled for their size. */
 #define CHUNK 128
-#define AMX_MIN_ROWS 16 /* query rows (tokens × heads per kv head) from which a chunk uses AMX */
+#define AMX_MIN_ROWS 1 /* query rows (tokens × heads per kv head) from which a chunk uses AMX */
 #define MAXD 256
 #define MAXG 16
 
@@ -428,13 +428,15 @@ static int chunk_amx(int64_t D, const uint16_t *q, int64_t qstride, int64_t Q, i
 #endif
 
 /* Requests b = 0 .. B-1, each with q_lens[b] query tokens (flat rows q_starts[b] ..; q_lens NULL:
- * one each) at the end of its ctx_lens[b] cached tokens (its own keys already written). Returns
+ * one each) at the end of its ctx_lens[b] cached tokens (its own keys already written); request b
+ * uses AMX tiles where tiles[b] is nonzero (tiles NULL: none). The caller chooses by the rows' role,
+ * not by how many there are, so that a row's numerics do not depend on the step it is in. Returns
  * nonzero on out of memory. */
 #define QLEN(b) (q_lens != NULL ? q_lens[b] : 1)
 static int attention512(int bf16, const char *q, const char *k_cache, const char *v_cache, char *out,
                         const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
-                        const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t bs, int64_t H, int64_t KVH,
-                        int64_t D, float scale) {
+                        const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t bs,
+                        int64_t H, int64_t KVH, int64_t D, float scale) {
     const int64_t G = H / KVH, es = bf16 ? 2 : 4;
     /* task i: request task_b[i], chunk task_c[i], all kv heads (task index * KVH + kvh); partial
      * results at part_off[i] + kvh * (its size) */
@@ -459,8 +461,8 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
     int failed = 0;
 #if AMX_ATTN
     int use_amx = 0;
-    if (bf16 && D % 32 == 0)
-        for (int64_t b = 0; b < B; b++) use_amx |= QLEN(b) * G >= AMX_MIN_ROWS;
+    if (bf16 && D % 32 == 0 && tiles != NULL)
+        for (int64_t b = 0; b < B; b++) use_amx |= tiles[b] != 0;
     use_amx = use_amx && pytgi_qgemm_amx_supported();
 #endif
     _Pragma("omp parallel")
@@ -479,7 +481,7 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
 #define CHUNK_ARGS qp, H * D, Q, ctx_lens[b], k_cache, v_cache, block_tables + b * max_blocks, bs, KVH, kvh, \
                    c * CHUNK, j_end, G, scale, acc, m, l
 #if AMX_ATTN
-            if (use_amx && Q * G >= AMX_MIN_ROWS) {
+            if (use_amx && tiles[b]) {
                 if (chunk_amx(D, (const uint16_t *)qp, H * D, Q, ctx_lens[b], (const uint16_t *)k_cache,
                               (const uint16_t *)v_cache, block_tables + b * max_blocks, bs, KVH, kvh, c * CHUNK, j_end,
                               G, scale, acc, m, l)) {
@@ -546,7 +548,7 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
              int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale) {                     \
         if (FAST_OK)                                                                                   \
             return attention512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,   \
-                                (char *)out, rows, NULL, block_tables, ctx_lens, B, max_blocks,        \
+                                (char *)out, rows, NULL, block_tables, ctx_lens, NULL, B, max_blocks,  \
                                 block_size, H, KVH, D, scale);                                         \
         return GENERIC(q, k_cache, v_cache, out, rows, block_tables, ctx_lens, B, max_blocks, block_size, \
                        H, KVH, D, scale);                                                              \
@@ -564,11 +566,12 @@ int pytgi_paged_prefill_supported(int64_t H, int64_t KVH, int64_t D) {
 
 #define DEFINE_PREFILL(NAME, T, BF16)                                                                  \
     int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int64_t *q_starts,          \
-             const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B,    \
-             int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale) {  \
+             const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens,               \
+             const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H,        \
+             int64_t KVH, int64_t D, float scale) {                                                     \
         if (!FAST_OK) return 2;                                                                        \
         return attention512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,       \
-                            (char *)out, q_starts, q_lens, block_tables, ctx_lens, B, max_blocks,      \
+                            (char *)out, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks, \
                             block_size, H, KVH, D, scale);                                             \
     }
 DEFINE_PREFILL(pytgi_paged_prefill_f32, float, 0)

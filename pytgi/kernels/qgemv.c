@@ -136,111 +136,181 @@ static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t 
 #define QGEMV_BUILT 1
 
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-/* Steps of more tokens (prefill chunks, decode batches of 9 to 64): dequantize each (tile, group)
- * block of the same packed weights to bf16 (16 outputs × 32 inputs, scales applied) and multiply
- * with AMX tiles (TDPBF16PS), accumulating in float32 over all of K. The block is dequantized once
- * for up to 64 activation rows, so the cost stays near one read of the packed weights. */
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+/* Steps of more tokens (prefill chunks, decode batches): the same sums with AMX tiles. The
+ * activations are quantized per row exactly as above, and each (tile, group) block of the packed
+ * weights is already an AMX B tile (8 rows of 16 outputs × 4 inputs) for TDPBSUD (signed
+ * activation bytes × unsigned weight bytes, int32 sums): with 4 bits its nibbles are spread to
+ * bytes first. The tile's int32 group sums are the integers `tile` above computes, and they are
+ * scaled into float32 with the same operations in the same order, so a row's output is bit for
+ * bit the VNNI kernel's whatever the number of rows: a request's numerics do not depend on the
+ * step it shares (batch invariance). With scales per 16 inputs (bits 16) each half is its own
+ * TDPBSUD over 16 inputs. */
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include "amx.h"
 
 #define QGEMM_AMX_BUILT 1
+#ifndef FOLDROWS
+#define FOLDROWS 16
+#endif
 int pytgi_qgemm_amx_supported(void) {
     static int ok = -1;
     if (ok < 0) ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
     return ok;
 }
 
-/* One block → B tile: row p holds (w[n][2p], w[n][2p+1]) for n = 0..15, as bf16. Vector j of the
- * packed block has w[n][4j + b] at byte 4n + b, so B rows 2j and 2j+1 are its even and odd pairs. */
-static inline void dequant_block(const uint8_t *blk, int bits, uint16_t *B) {
-    const int64_t wbytes = bits == 4 ? 256 : 512;
-    const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    __m512 dq[2][4], mq[2][4]; /* [inputs 0..15 | 16..31][quarter]: lane l of quarter q belongs to output 4q + l/4 */
-    for (int h = 0; h < (bits == 16 ? 2 : 1); h++) {
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 64 * h)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 64 * h + 32)));
-        for (int q = 0; q < 4; q++) {
-            const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * q), _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2));
-            dq[h][q] = _mm512_permutexvar_ps(idx, d);
-            mq[h][q] = _mm512_permutexvar_ps(idx, m);
-            if (bits != 16) dq[1][q] = dq[0][q], mq[1][q] = mq[0][q];
+/* tiles: 0, 1, 6, 7: C (16 rows × 16 int32); 2: A, 16 activation rows × 32 bytes; 3: B, 8 rows × 64
+ * bytes; 4: A over 16 inputs; 5: B over 16 inputs (4 rows) */
+static amx_config qgemm_config(void) {
+    amx_config cfg = {0};
+    cfg.palette_id = 1;
+    const int rows[8] = {16, 16, 16, 8, 16, 4, 16, 16}, colsb[8] = {64, 64, 32, 64, 16, 64, 64, 64};
+    for (int t = 0; t < 8; t++) cfg.rows[t] = (uint8_t)rows[t], cfg.colsb[t] = (uint16_t)colsb[t];
+    return cfg;
+}
+
+/* Group g's int32 sums for 16 activation rows into C (and C + 256: inputs 16..31, bits 16), with
+ * C tiles 0 and 1 (`odd` 0) or 6 and 7 (`odd` 1), so that a group's sums are made while the one
+ * before is scaled. B: room for a 4-bit block spread to bytes. */
+#define AMX_SUMS(CA, CB)                                                                              \
+    do {                                                                                              \
+        _tile_zero(CA);                                                                               \
+        if (bits == 16) {                                                                             \
+            _tile_zero(CB);                                                                           \
+            _tile_loadd(4, xq + 32 * g, K);                                                           \
+            _tile_loadd(5, b, 64);                                                                    \
+            _tile_dpbsud(CA, 4, 5);                                                                   \
+            _tile_loadd(4, xq + 32 * g + 16, K);                                                      \
+            _tile_loadd(5, b + 256, 64);                                                              \
+            _tile_dpbsud(CB, 4, 5);                                                                   \
+            _tile_stored(CB, C + 256, 64);                                                            \
+        } else {                                                                                      \
+            _tile_loadd(2, xq + 32 * g, K);                                                           \
+            _tile_loadd(3, b, 64);                                                                    \
+            _tile_dpbsud(CA, 2, 3);                                                                   \
+        }                                                                                             \
+        _tile_stored(CA, C, 64);                                                                      \
+    } while (0)
+
+static inline __attribute__((always_inline)) void amx_sums(const uint8_t *blk, int bits, int64_t g, const int8_t *xq,
+                                                            int64_t K, int odd, uint8_t *B, int32_t *C) {
+    const uint8_t *b = blk;
+    if (bits == 4) {
+        const __m512i nib = _mm512_set1_epi8(0x0F);
+        for (int v = 0; v < 4; v++) {
+            const __m512i p = _mm512_loadu_si512((const void *)(blk + 64 * v));
+            _mm512_store_si512((void *)(B + 64 * v), _mm512_and_si512(p, nib));
+            _mm512_store_si512((void *)(B + 64 * (v + 4)), _mm512_and_si512(_mm512_srli_epi16(p, 4), nib));
         }
+        b = B;
     }
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    for (int j = 0; j < 8; j++) {
-        __m512i v;
-        if (bits == 4) {
-            const __m512i p = _mm512_loadu_si512((const void *)(blk + 64 * (j & 3)));
-            v = _mm512_and_si512(j < 4 ? p : _mm512_srli_epi16(p, 4), nib);
-        } else {
-            v = _mm512_loadu_si512((const void *)(blk + 64 * j));
+    if (odd) AMX_SUMS(6, 7);
+    else AMX_SUMS(0, 1);
+}
+
+/* Output rows m0 .. m0+15 (of xq, zero-padded to whole tiles) for one tile of 16 columns; acc as
+ * in `tile`, one register per row. */
+static inline __attribute__((always_inline)) void amx_rows(const uint8_t *blk, int bits, int64_t G,
+                                                            const int8_t *xq, const float *sx, const float *sxs,
+                                                            const float *sxh, int64_t K, __m512 *acc) {
+    const int64_t wbytes = bits == 4 ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
+    uint8_t B[2][512] __attribute__((aligned(64)));
+    int32_t C[2][2 * 16 * 16] __attribute__((aligned(64)));
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+    amx_sums(blk, bits, 0, xq, K, 0, B[0], C[0]);
+    for (int64_t g = 0; g < G; g++, blk += bbytes) {
+        if (g + 1 < G) amx_sums(blk + bbytes, bits, g + 1, xq, K, (int)((g + 1) & 1), B[(g + 1) & 1], C[(g + 1) & 1]);
+        const int32_t *c = C[g & 1];
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes)));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 32)));
+        __m512 d1 = d, m1 = m;
+        if (bits == 16) {
+            d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 64)));
+            m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 96)));
         }
-        const __m512 *dh = dq[j >= 4], *mh = mq[j >= 4];
-        __m512 f[4];
-        f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(v))), dh[0], mh[0]);
-        f[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 1))), dh[1], mh[1]);
-        f[2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 2))), dh[2], mh[2]);
-        f[3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, 3))), dh[3], mh[3]);
-        const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]), hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
-        _mm512_store_si512((void *)(B + 64 * j), _mm512_permutex2var_epi32(lo, ev, hi));
-        _mm512_store_si512((void *)(B + 64 * j + 32), _mm512_permutex2var_epi32(lo, od, hi));
+#pragma GCC unroll 16
+        for (int r = 0; r < FOLDROWS; r++) { /* as `tile` does, operation for operation */
+            const __m512 xs = _mm512_set1_ps(sx[r * G + g]);
+            const __m512 s0 = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(c + 16 * r)));
+            if (bits == 16) {
+                const float lo = sxh[r * G + g];
+                acc[r] = _mm512_fmadd_ps(s0, _mm512_mul_ps(d, xs), acc[r]);
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(c + 256 + 16 * r))),
+                                         _mm512_mul_ps(d1, xs), acc[r]);
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(lo), acc[r]);
+                acc[r] = _mm512_fmadd_ps(m1, _mm512_set1_ps(sxs[r * G + g] - lo), acc[r]);
+            } else {
+                acc[r] = _mm512_fmadd_ps(s0, _mm512_mul_ps(d, xs), acc[r]);
+                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sxs[r * G + g]), acc[r]);
+            }
+        }
     }
 }
 
-#define DP(C) _tile_dpbf16ps(C, 4, 5)
-
-/* x: bf16 [M, K]; w: packed as for pytgi_qgemv_bf16; out: bf16 [M, N]. Call only when
- * pytgi_qgemm_amx_supported() said yes. Returns nonzero on out of memory. */
+/* x: bf16 [M, K]; w: packed as for pytgi_qgemv_bf16; out: bf16 [M, N], each row equal to
+ * pytgi_qgemv_bf16's. Call only when pytgi_qgemm_amx_supported() said yes. Returns nonzero on out
+ * of memory. */
 int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
                          int64_t bits) {
     const int64_t G = K / 32, tile_bytes = G * block_bytes(bits), Mp = (M + 15) / 16 * 16;
-    uint16_t *xp = aligned_alloc(64, (size_t)(Mp * K * 2)); /* zero-padded to whole 16-row tiles */
-    if (xp == NULL) return 1;
-    memcpy(xp, x, (size_t)(M * K * 2));
-    memset(xp + M * K, 0, (size_t)((Mp - M) * K * 2));
+    int8_t *xq = aligned_alloc(64, (size_t)(Mp * K)); /* zero-padded to whole 16-row tiles */
+    float *sx = malloc(sizeof(float) * (size_t)(3 * Mp * G));
+    if (xq == NULL || sx == NULL) {
+        free(xq);
+        free(sx);
+        return 1;
+    }
+    float *sxs = sx + Mp * G, *sxh = sxs + Mp * G;
+    memset(xq + M * K, 0, (size_t)((Mp - M) * K));
+    for (int64_t i = M * G; i < Mp * G; i++) sx[i] = sxs[i] = sxh[i] = 0.0f;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t t = 0; t < M; t++) quantize_row(x + t * K, K, xq + t * K, sx + t * G, sxs + t * G, sxh + t * G);
+    const amx_config cfg = qgemm_config();
     _Pragma("omp parallel")
     {
-        const amx_config saved = amx_borrow(6); /* 0-3: C, 4: A, 5: B */
-        uint16_t B[16 * 32] __attribute__((aligned(64)));
-        float C[16 * 16] __attribute__((aligned(64)));
+        amx_config saved;
+        _tile_storeconfig(&saved);
+        _tile_loadconfig(&cfg);
+        /* 4-bit blocks are spread to bytes once per column tile (as 8-bit blocks: the same sums and
+         * scales) when several row tiles read them */
+        uint8_t *wide = bits == 4 && Mp > 16 ? aligned_alloc(64, (size_t)(G * block_bytes(8))) : NULL;
         _Pragma("omp for schedule(static)")
         for (int64_t n16 = 0; n16 < N / 16; n16++) {
-            for (int64_t m0 = 0; m0 < Mp; m0 += 64) {
-                const int64_t nm = (Mp - m0) / 16 < 4 ? (Mp - m0) / 16 : 4;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                const uint8_t *blk = w + n16 * tile_bytes;
-                for (int64_t g = 0; g < G; g++, blk += tile_bytes / G) {
-                    dequant_block(blk, (int)bits, B);
-                    _tile_loadd(5, B, 64);
-                    for (int64_t c = 0; c < nm; c++) {
-                        _tile_loadd(4, xp + (m0 + 16 * c) * K + 32 * g, K * 2);
-                        if (c == 0) DP(0);
-                        else if (c == 1) DP(1);
-                        else if (c == 2) DP(2);
-                        else DP(3);
+            const uint8_t *blk = w + n16 * tile_bytes;
+            int64_t kind = bits;
+            if (wide != NULL) {
+                const __m512i nib = _mm512_set1_epi8(0x0F);
+                for (int64_t g = 0; g < G; g++) {
+                    const uint8_t *src = blk + g * block_bytes(4);
+                    uint8_t *dst = wide + g * block_bytes(8);
+                    for (int v = 0; v < 4; v++) {
+                        const __m512i p = _mm512_loadu_si512((const void *)(src + 64 * v));
+                        _mm512_store_si512((void *)(dst + 64 * v), _mm512_and_si512(p, nib));
+                        _mm512_store_si512((void *)(dst + 64 * (v + 4)), _mm512_and_si512(_mm512_srli_epi16(p, 4), nib));
                     }
+                    _mm512_store_si512((void *)(dst + 512), _mm512_loadu_si512((const void *)(src + 256)));
                 }
-                for (int64_t c = 0; c < nm; c++) {
-                    if (c == 0) _tile_stored(0, C, 64);
-                    else if (c == 1) _tile_stored(1, C, 64);
-                    else if (c == 2) _tile_stored(2, C, 64);
-                    else _tile_stored(3, C, 64);
-                    for (int64_t r = 0; r < 16 && m0 + 16 * c + r < M; r++)
-                        _mm256_storeu_si256((void *)(out + (m0 + 16 * c + r) * N + 16 * n16),
-                                            (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(C + 16 * r)));
-                }
+                blk = wide, kind = 8;
+            }
+            for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+                __m512 acc[16];
+                const int64_t rows = M - m0 < 16 ? M - m0 : 16;
+                const int8_t *xm = xq + m0 * K;
+                const float *s0 = sx + m0 * G, *s1 = sxs + m0 * G, *s2 = sxh + m0 * G;
+                if (kind == 4) amx_rows(blk, 4, G, xm, s0, s1, s2, K, acc); /* the width a literal in each copy */
+                else if (kind == 8) amx_rows(blk, 8, G, xm, s0, s1, s2, K, acc);
+                else amx_rows(blk, 16, G, xm, s0, s1, s2, K, acc);
+                for (int64_t r = 0; r < rows; r++)
+                    _mm256_storeu_si256((void *)(out + (m0 + r) * N + 16 * n16), (__m256i)_mm512_cvtneps_pbh(acc[r]));
             }
         }
+        free(wide);
         amx_return(&saved);
     }
-    free(xp);
+    free(xq);
+    free(sx);
     return 0;
 }
 #endif

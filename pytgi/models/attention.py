@@ -13,7 +13,10 @@ gather: a paged kernel reads keys and values in place, since copying each decode
 into a padded tensor costs more than attending to it. With AVX-512 the same kernel also takes
 prefill chunks of up to `Crossovers.paged_prefill` tokens (with AMX tiles for bf16): a small chunk
 of a long prompt, scheduled next to running decodes, paid more for its gather and mask than for
-its attention. Bigger chunks keep SDPA, whose flash kernel wins on long chunks.
+its attention. Bigger chunks keep SDPA, whose flash kernel wins on long chunks, unless the run is
+batch invariant (the default): then the paged kernel takes every chunk, with AMX tiles for prompt
+rows and without for generated ones, so a row's numerics never depend on its step
+(docs/batch-invariance.md).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class StepLayout:
     block_tables: np.ndarray  # [B, max_blocks] int64, padded with 0
     slot_mapping: np.ndarray  # [T] int64 cache slot of each new token
     block_size: int
+    prompt_lens: np.ndarray | None = None  # [B] positions below are prompt tokens (None: every multi-token query)
 
 
 @dataclass(slots=True)
@@ -88,6 +92,7 @@ class TorchAttention:
         """heads: (query heads, kv heads, head dim) on this rank."""
         self.paged = cpu.fused  # decodes (and small prefill chunks) in the paged C kernel
         self.paged_prefill_max = cpu.paged_prefill_max(heads)
+        self.invariant, self.group = cpu.batch_invariant, heads[0] // heads[1]
 
     def prepare(self, layout: StepLayout, device: torch.device, window: int | None = None) -> TorchAttentionMetadata:
         """`window`: a sliding window for every query (the paged kernel has none: SDPA then)."""
@@ -100,18 +105,41 @@ class TorchAttention:
             if small.any():
                 dec, pre = np.sort(np.concatenate([dec, pre[small]])), pre[~small]
             if len(dec):
-                i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
-                q_lens = i64(layout.query_lens[dec])
-                paged = kernels.PagedBatch(q_starts=i64(starts[dec]), q_lens=q_lens,
-                                           block_tables=i64(layout.block_tables[dec]),
-                                           context_lens=i64(layout.context_lens[dec]),
-                                           block_size=layout.block_size, decodes_only=bool((q_lens == 1).all()))
+                paged = self._paged(layout, dec, starts)
         return TorchAttentionMetadata(
             slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
             decode=_group(layout, dec, starts, device, window) if len(dec) and paged is None else None,
             prefill=_group(layout, pre, starts, device, window) if len(pre) else None,
             paged=paged,
         )
+
+    def _paged(self, layout: StepLayout, rows: np.ndarray, starts: np.ndarray) -> kernels.PagedBatch:
+        """The paged kernel's batch for requests `rows`, and which of them use AMX tiles (where the CPU
+        has them). Batch invariant, a row's role decides: prompt rows use tiles, generated rows (decodes,
+        and their recomputation after a preemption) do not, so a request whose chunk holds both is
+        split in two at its prompt's end. Else the tiles pay off from 16 query rows per kv head."""
+        q_starts, q_lens, ctx = starts[rows], layout.query_lens[rows], layout.context_lens[rows]
+        tables = layout.block_tables[rows]
+        if not self.invariant:
+            tiles = q_lens * self.group >= 16
+        elif layout.prompt_lens is None:
+            tiles = q_lens > 1
+        else:
+            prompt = layout.prompt_lens[rows]
+            split = (ctx - q_lens < prompt) & (prompt < ctx)  # first rows prompt, the rest generated
+            if split.any():
+                head = prompt[split] - (ctx - q_lens)[split]  # the prompt rows of each split request
+                order = np.argsort(np.concatenate([np.arange(len(rows)), np.nonzero(split)[0]]), kind="stable")
+                q_starts = np.concatenate([q_starts, q_starts[split] + head])[order]
+                q_lens = np.concatenate([np.where(split, prompt - (ctx - q_lens), q_lens), q_lens[split] - head])[order]
+                ctx = np.concatenate([np.where(split, prompt, ctx), ctx[split]])[order]
+                tables = np.concatenate([tables, tables[split]])[order]
+            tiles = ctx <= (np.concatenate([prompt, prompt[split]])[order] if split.any() else prompt)
+        i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
+        return kernels.PagedBatch(q_starts=i64(q_starts), q_lens=i64(q_lens), block_tables=i64(tables),
+                                  context_lens=i64(ctx), block_size=layout.block_size,
+                                  decodes_only=bool((q_lens == 1).all() and not tiles.any()),
+                                  tiles=i64(tiles) if tiles.any() else None)
 
     def forward(
         self,

@@ -44,6 +44,10 @@ class CpuKernels:
     decoder_loop: bool = False  # all layers in one C call where a step allows (decoder.c)
     native_bf16: bool = True  # the CPU multiplies bf16 itself (AVX512_BF16 or AMX), so bf16 GEMMs are fast
     limits: Crossovers = field(default=CROSSOVERS)
+    # A row's numerics do not depend on the step it shares (docs/batch-invariance.md): the low-bit
+    # kernels serve every step size and the paged kernel every prefill chunk, its AMX tiles chosen
+    # by the rows' role (prompt or generated), not by their number.
+    batch_invariant: bool = True
 
     @classmethod
     def none(cls) -> CpuKernels:
@@ -51,24 +55,30 @@ class CpuKernels:
 
     @classmethod
     def for_device(cls, device: torch.device, dtype: torch.dtype, *, fused: bool = True, vnni: bool = True,
-                   amx: bool = True, decoder_loop: bool = True, limits: Crossovers = CROSSOVERS) -> CpuKernels:
+                   amx: bool = True, decoder_loop: bool = True, limits: Crossovers = CROSSOVERS,
+                   batch_invariant: bool = True) -> CpuKernels:
         """Every kernel that applies, less those switched off (to compare paths)."""
         fused = fused and device.type == "cpu" and kernels.supports(dtype)
         vnni = vnni and device.type == "cpu" and dtype == torch.bfloat16 and kernels.vnni_supported()
         amx = amx and vnni and kernels.amx_supported()
-        return cls(fused, vnni, amx, decoder_loop and fused and vnni, native_bf16(), limits)
+        return cls(fused, vnni, amx, decoder_loop and fused and vnni, native_bf16(), limits, batch_invariant)
 
     def lowbit_max_m(self, vnni: bool, amx: bool) -> int:
         """Steps of at most this many tokens use a weight's low-bit kernel, bigger ones bf16 weights.
         Without bf16 in the CPU (AVX2, AVX-512 without BF16) a bf16 GEMM is emulated, 4-10x slower
-        than the low-bit kernel at every step size (docs/benchmarks.md), so that serves them all."""
-        if vnni and not amx and not self.native_bf16:
+        than the low-bit kernel at every step size (docs/benchmarks.md), so that serves them all.
+        Batch invariant, so does qgemv.c (VNNI or AVX2, with AMX tiles above `vnni_before_amx`: the same
+        sums): a bf16 matmul's rows change with the step's size (oneDNN picks its kernel by shape)."""
+        if vnni and (self.batch_invariant or (not amx and not self.native_bf16)):
             return 1 << 30
         return self.limits.lowbit_amx if amx else self.limits.lowbit_vnni if vnni else self.limits.lowbit_torch
 
     def paged_prefill_max(self, heads: tuple[int, int, int]) -> int:
-        """Prefill chunks of at most this many tokens go to the paged attention kernel (0: none)."""
-        return self.limits.paged_prefill if self.fused and kernels.paged_prefill_supported(*heads) else 0
+        """Prefill chunks of at most this many tokens go to the paged attention kernel (0: none):
+        every chunk when batch invariant, since SDPA's numerics differ from the kernel's."""
+        if not (self.fused and kernels.paged_prefill_supported(*heads)):
+            return 0
+        return 1 << 30 if self.batch_invariant else self.limits.paged_prefill
 
     def ops(self) -> TorchOps:
         return KernelOps() if self.fused else TorchOps()

@@ -1,11 +1,13 @@
 """Weight-only quantization for small-batch CPU decode.
 
 A decode step with a few tokens is bound by reading the weights: 4-bit weights are 4× fewer bytes
-than bf16. Large batches and prefill chunks are compute bound, where a bf16 matmul wins
-(`benchmarks/kernels.py` measures the crossover). So a quantized linear keeps both: the packed
-low-bit weight for steps of at most `max_m` tokens, and the bf16 weight *made from the same
-low-bit values* for bigger ones, so both paths multiply by the same weights. At load,
-`quantize_model` swaps each planned linear for a `QuantizedLinear` holding both.
+than bf16. By default (batch invariant, docs/batch-invariance.md) the packed low-bit weight serves
+every step size, so that a row's output does not depend on the step's. With
+`--disable-batch-invariance`, large batches and prefill chunks, which are compute bound, take a
+bf16 matmul instead (`benchmarks/kernels.py` measures the crossover). So a quantized linear keeps
+both: the packed weight for steps of at most `max_m` tokens, and the bf16 weight *made from the
+same low-bit values* for bigger ones. At load, `quantize_model` swaps each planned linear for a
+`QuantizedLinear` holding both.
 
 The grids are GGUF's, with fp16 scales: int4 is Q4_1's (w = d·q + m, q in 0..15 per group of 32
 input features), int8 holds 8-bit values u with w = d·u + m per group of 32, and int8x16 the same
@@ -13,8 +15,8 @@ with a scale and offset per 16 inputs, the sub-blocks of GGUF's Q6_K and Q2_K. T
 kernels multiply by them:
 - on CPUs with AVX-512 VNNI, pytgi's own (`pytgi/kernels/qgemv.c`), which also quantizes the
   activations to int8 per group of 32, as llama.cpp does, and runs near memory speed;
-- on CPUs with AMX as well, bigger steps dequantize each block of the same packed
-  weights to bf16 once and multiply it with AMX tiles (bf16 activations, float32 sums);
+- on CPUs with AMX as well, bigger steps make the same integer sums with AMX int8 tiles and scale
+  them in the same order, so their rows equal the VNNI kernel's bit for bit;
 - elsewhere PyTorch's `_weight_int4pack_mm_for_cpu` (bf16 scales) and `_weight_int8pack_mm`
   (whose per-channel scales need a per-channel int8 grid instead).
 

@@ -103,11 +103,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json-output", action="store_true", default=os.environ.get("JSON_OUTPUT", "") not in ("", "0", "false"),
                    help="log as JSON lines [env JSON_OUTPUT]")
     p.add_argument("--disable-prefix-caching", action="store_true", help="turn the prefix cache off")
+    _add_invariance_flag(p)
+
+
+def _add_invariance_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--disable-batch-invariance", action="store_true",
+                   help="let a step's size pick faster kernels for long prompts on CPU: a greedy output may then "
+                        "depend on what else runs (docs/batch-invariance.md)")
 
 
 def add_shard_arguments(p: argparse.ArgumentParser) -> None:
     """The flags a rank > 0 shares with rank 0's `pytgi serve` (give the same values), and its place."""
     _add_flags(p, ("--model-id", "--dtype", "--quantize", "--master-addr", "--master-port"))
+    _add_invariance_flag(p)
     p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", "0")), help="this rank, >= 1 [env RANK]")
     p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
                    help="all ranks, rank 0 included [env WORLD_SIZE]")
@@ -136,7 +144,7 @@ def shard(args: argparse.Namespace) -> int:
     if model is None:
         return 2
     config = EngineConfig(model=str(model[0]), dtype=args.dtype, quantize=args.quantize, num_shard=args.world_size,
-                          master_addr=args.master_addr, master_port=args.master_port or 29500)
+                          batch_invariant=not args.disable_batch_invariance, master_addr=args.master_addr, master_port=args.master_port or 29500)
     return run_worker(config, args.rank)
 
 
@@ -190,7 +198,8 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
         max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         max_batch_total_tokens=args.max_batch_total_tokens, max_batch_size=args.max_batch_size,
         waiting_served_ratio=args.waiting_served_ratio, max_waiting_tokens=args.max_waiting_tokens,
-        enable_prefix_caching=not args.disable_prefix_caching, num_shard=args.num_shard,
+        enable_prefix_caching=not args.disable_prefix_caching, batch_invariant=not args.disable_batch_invariance,
+        num_shard=args.num_shard,
         master_addr=args.master_addr, master_port=args.master_port,
     )
     origins = args.cors_allow_origin or [o for o in os.environ.get("CORS_ALLOW_ORIGIN", "").split(",") if o]

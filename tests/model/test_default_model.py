@@ -167,7 +167,7 @@ def test_bad_input_is_refused_clearly(llm):
 def test_fast_default_is_faithful_to_float32(llm, prompts, hf_greedy):
     """The default CPU path (bfloat16 activations, the GGUF's Q4_1 tensors as int4, its Q8_0 head as
     int8) scores transformers' float32 greedy continuations almost as float32 does, on the
-    small-step int4 kernels (alone) and on the bf16 matmuls (a prefill of the same tokens)."""
+    int4 kernels one token at a time (alone) and in a prefill of the same tokens."""
     fast = LLM(max_batch_total_tokens=16384)
     try:
         runner = fast.engine.runner
@@ -185,6 +185,36 @@ def test_fast_default_is_faithful_to_float32(llm, prompts, hf_greedy):
         assert sum(agree) >= len(agree) - 2, agree
     finally:
         fast.shutdown()
+
+
+TOPICS = ["the ocean", "a red bicycle", "quantum computers", "baking bread", "the moon landing", "a lost cat",
+          "winter in Norway", "learning Python", "a jazz concert", "volcanoes", "the Roman empire", "coffee",
+          "a robot gardener", "chess openings", "rain forests", "the stock market", "a haunted house",
+          "electric cars", "honey bees", "the Eiffel tower", "a marathon", "origami", "black holes", "tea ceremonies",
+          "a pirate ship"]
+
+
+def test_fast_default_is_batch_invariant():
+    """A request's greedy output does not depend on who else is on the server (issue 14): 50 chat
+    prompts sent together give the texts they give one at a time, and a long prompt gives the same
+    tokens prefilled in one step or in chunks of 64 next to others."""
+    fast = LLM(max_batch_total_tokens=16384)
+    chunked = LLM(max_batch_total_tokens=16384, max_batch_prefill_tokens=64)
+    try:
+        tok = fast.tokenizer
+        chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": k.format(t)}]), False)
+                 for k in ("Write a short story about {}.", "Explain {} in three sentences.") for t in TOPICS]
+        params = SamplingParams(max_new_tokens=32, temperature=0)
+        alone = [fast.generate(p, params)[0].token_ids for p in chats]
+        together = [o.token_ids for o in fast.generate(chats, params)]
+        assert sum(a == b for a, b in zip(alone, together)) == len(chats)
+        long = tok.encode("Summarize: " + " ".join(f"{t.capitalize()} is a topic worth a paragraph." for t in TOPICS * 2))
+        assert len(long) > 300
+        one_step = fast.generate(long, params)[0].token_ids
+        assert [o.token_ids for o in chunked.generate([long] + chats[:3], params)][0] == one_step
+    finally:
+        fast.shutdown()
+        chunked.shutdown()
 
 
 def test_c_decoder_loop_equals_the_python_path(prompts):

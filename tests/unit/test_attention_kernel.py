@@ -111,10 +111,66 @@ def test_paged_prefill_kernel_equals_torch_path(dtype, tol, H, KVH, D):
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
 
 
-def test_big_prefill_chunks_keep_sdpa():
+def test_big_prefill_chunks_keep_sdpa_unless_batch_invariant():
     n = CROSSOVERS.paged_prefill + 1
     layout = StepLayout(np.array([1, n]), np.array([5, n]), np.array([[0, 0], [1, 2]], np.int64),
                         np.zeros(n + 1, np.int64), 64)
-    backend = attention(torch.float32, (4, 2, 16))
+    backend = attention(torch.float32, (4, 2, 16), batch_invariant=False)
     meta = backend.prepare(layout, torch.device("cpu"))
     assert meta.prefill is not None and meta.paged.q_lens.tolist() == [1]
+    if kernels.paged_prefill_supported(4, 2, 16):  # AVX-512: SDPA's numerics differ from the kernel's
+        meta = attention(torch.float32, (4, 2, 16)).prepare(layout, torch.device("cpu"))
+        assert meta.prefill is None and meta.paged.q_lens.tolist() == [1, n]
+
+
+def test_tiles_follow_the_rows_role_not_their_number():
+    """Batch invariant: prompt rows take AMX tiles (even one), generated rows never (even several),
+    and a chunk holding both (a preempted request's recomputation) is split at the prompt's end."""
+    if not kernels.paged_prefill_supported(6, 2, 32):
+        pytest.skip("no AVX-512 paged prefill")
+    q_lens, ctx, prompt = np.array([1, 1, 5, 10, 3]), np.array([9, 4, 20, 30, 3]), np.array([4, 4, 30, 25, 3])
+    tables = np.arange(5 * 2, dtype=np.int64).reshape(5, 2)
+    layout = StepLayout(q_lens, ctx, tables, np.zeros(int(q_lens.sum()), np.int64), 16, prompt)
+    p = attention(torch.bfloat16, (6, 2, 32)).prepare(layout, torch.device("cpu")).paged
+    # request 3's rows sit at 20..29: 20..24 are prompt, 25..29 generated
+    assert p.q_starts.tolist() == [0, 1, 2, 7, 12, 17]
+    assert p.q_lens.tolist() == [1, 1, 5, 5, 5, 3]
+    assert p.context_lens.tolist() == [9, 4, 20, 25, 30, 3]
+    assert p.tiles.tolist() == [0, 1, 1, 1, 0, 1]
+    assert p.block_tables[4].tolist() == p.block_tables[3].tolist() == [6, 7]
+    assert not p.decodes_only
+    decodes = StepLayout(np.ones(2, np.int64), np.array([9, 12]), tables[:2], np.zeros(2, np.int64), 16,
+                         np.array([4, 4]))
+    p = attention(torch.bfloat16, (6, 2, 32)).prepare(decodes, torch.device("cpu")).paged
+    assert p.decodes_only and p.tiles is None
+    old = attention(torch.bfloat16, (6, 2, 32), batch_invariant=False).prepare(layout, torch.device("cpu")).paged
+    assert old.tiles.tolist() == [0, 0, 0, 1, 0]  # by size: 16 query rows per kv head
+
+
+@pytest.mark.parametrize("tiles", [0, 1])
+def test_a_rows_attention_does_not_depend_on_its_chunk(tiles):
+    """The same 40 query rows, in one chunk or in chunks of 7, 1 and 32 (the keys already written),
+    give the same bits: with AMX tiles (prompt rows, where the CPU has them) or without."""
+    if not kernels.paged_prefill_supported(6, 2, 32):
+        pytest.skip("no AVX-512 paged prefill")
+    torch.manual_seed(0)
+    bs, H, KVH, D, n = 16, 6, 2, 32, 40
+    k_cache, v_cache = (torch.randn(4 * bs, KVH, D).bfloat16() for _ in range(2))
+    q = torch.randn(n, H, D).bfloat16()
+    table = np.array([[2, 0, 3, 1]], np.int64)
+
+    def run(chunks):
+        out, start = torch.zeros_like(q), 0
+        for c in chunks:
+            p = kernels.PagedBatch(q_starts=np.array([0], np.int64), q_lens=np.array([c], np.int64),
+                                   block_tables=table, context_lens=np.array([start + c], np.int64), block_size=bs,
+                                   decodes_only=False, tiles=np.array([tiles], np.int64))
+            part = torch.zeros(c, H, D).bfloat16()
+            kernels.paged_attention(q[start:start + c].contiguous(), k_cache, v_cache, part, p, D**-0.5)
+            out[start:start + c] = part
+            start += c
+        return out
+
+    whole = run([n])
+    assert torch.equal(run([7, 1, 32]), whole)
+    assert torch.equal(run([1] * n), whole)
