@@ -15,9 +15,9 @@ from pytgi.net import free_port
 
 
 class Server:
-    """`exact` (the default) serves in float32, where outputs are batch-, chunk- and shard-invariant
-    and equal transformers'; the default flags (bfloat16 + the GGUF's int4) are not bit-stable
-    across batch compositions, so only tests that say `exact=False` run them."""
+    """`exact` (the default) serves in float32, where outputs equal transformers' and are batch-,
+    chunk- and shard-invariant; tests that say `exact=False` run the default flags (bfloat16 + the
+    GGUF's int4: batch and chunk invariant too, docs/batch-invariance.md, but not equal to float32)."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, log: Path | None = None,
                  exact: bool = True, launcher: str = "pytgi.cli") -> None:

