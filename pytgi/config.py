@@ -31,6 +31,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     batch_invariant: bool = True  # CPU: a row's numerics do not depend on the step (docs/batch-invariance.md)
+    speculate: int = 0  # n-gram draft tokens per decode step, at most (0: off; pytgi.engine.speculate)
     kv_cache_memory_fraction: float = 0.9  # of free memory left after the weights (CUDA)
     kv_cache_cpu_bytes: int = 4 << 30  # on CPU: the most the KV cache takes by default
     attention_backend: str = "torch"
@@ -85,7 +86,7 @@ class EngineConfig:
             max_batch_total_tokens=num_blocks * self.block_size, max_batch_size=self.max_batch_size or 256,
             waiting_served_ratio=self.waiting_served_ratio, max_waiting_tokens=self.max_waiting_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill, enable_prefix_caching=self.enable_prefix_caching,
-            block_size=self.block_size, num_blocks=num_blocks, quantization=quantization,
+            block_size=self.block_size, num_blocks=num_blocks, quantization=quantization, speculate=self.speculate,
         )
 
 
@@ -114,3 +115,4 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks: int
     # A GGUF model's tensor types as the file has them, with their counts (e.g. {"Q4_K": 27, "F32": 109})
     quantization: dict[str, int] | None = None
+    speculate: int = 0  # draft tokens per decode step, at most

@@ -137,7 +137,7 @@ class LLM:
             while pending and self.engine.has_unfinished():
                 for u in self.engine.step():
                     tracker = trackers.get(u.request_id)
-                    if tracker is None:
+                    if tracker is None or tracker.proc.finished:  # tokens of a step after a stop string
                         continue
                     delta = tracker.apply(u)
                     if tracker.proc.stopped:  # a stop string: the engine only knows token ids

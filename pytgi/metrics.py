@@ -54,6 +54,13 @@ class Metrics:
         self.prefix_cache_hit_rate = Gauge("pytgi_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
                                            registry=r)
         self.preemptions = Gauge("pytgi_preemptions_total", "Requests preempted (recomputed later)", registry=r)
+        # speculation (--speculate): TGI's per-request histogram, and pytgi's totals
+        self.request_skipped_tokens = Histogram("tgi_request_skipped_tokens",
+                                                "Tokens a request got as accepted draft tokens", buckets=_TOKENS,
+                                                registry=r)
+        self.spec_drafted = Gauge("pytgi_spec_draft_tokens_total", "Draft tokens verified", registry=r)
+        self.spec_accepted = Gauge("pytgi_spec_accepted_tokens_total", "Draft tokens accepted", registry=r)
+        self.spec_acceptance = Gauge("pytgi_spec_acceptance_rate", "Accepted / verified draft tokens", registry=r)
 
     def engine_step(self, out: P.StepOut) -> None:
         step = out.step
@@ -65,6 +72,9 @@ class Metrics:
             self.batch_current_max_tokens.set(step.num_tokens)
             if step.method == "prefill" and out.stats.running > 1:
                 self.batch_concat.labels("backpressure" if out.stats.waiting else "wait_exceeded").inc()
+        for u in out.updates:
+            if u.finish_reason is not None and u.error is None:
+                self.request_skipped_tokens.observe(u.num_skipped)
         self.engine_stats(out.stats)
 
     def engine_stats(self, s: P.EngineStats) -> None:
@@ -73,6 +83,9 @@ class Metrics:
         self.kv_cache_usage.set(s.kv_cache_usage)
         self.prefix_cache_hit_rate.set(s.prefix_cache_hit_rate)
         self.preemptions.set(s.preemptions)
+        self.spec_drafted.set(s.spec_drafted)
+        self.spec_accepted.set(s.spec_accepted)
+        self.spec_acceptance.set(s.spec_accepted / s.spec_drafted if s.spec_drafted else 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -38,6 +38,7 @@ class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True):
     error: str | None = None
     prompt_logprobs: list[float | None] | None = None
     num_cached_tokens: int = 0
+    num_skipped: int = 0  # on a request's last update: its tokens that came as accepted draft tokens
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -47,6 +48,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     prefix_cache_hit_rate: float
     preemptions: int
     failed_steps: int
+    spec_drafted: int = 0  # draft tokens verified, since start
+    spec_accepted: int = 0  # ... and accepted
 
 
 class StepInfo(msgspec.Struct, array_like=True):

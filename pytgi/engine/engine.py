@@ -86,7 +86,8 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids must be in [0, {info.vocab_size})")
         params.validate()
         grammar = structured.check(params)  # cached per grammar: the API process checked it already
-        self.scheduler.add(Request(request_id, list(prompt_ids), params, self.eos_token_ids))
+        self.scheduler.add(Request(request_id, list(prompt_ids), params, self.eos_token_ids,
+                                   speculative=grammar is None and not params.watermark))
         if grammar is not None:
             self.runner.grammars.add(request_id, grammar, params.ignore_eos)
 
@@ -141,4 +142,6 @@ class LLMEngine:
             "prefix_cache_hit_rate": self.block_manager.hit_rate,
             "preemptions": self.scheduler.num_preemptions,
             "failed_steps": self.num_failed_steps,
+            "spec_drafted": self.scheduler.spec_drafted,
+            "spec_accepted": self.scheduler.spec_accepted,
         }

@@ -93,6 +93,15 @@ class BlockManager:
             req.block_table.append(self._pop_free())
         return True
 
+    def trim(self, req: Request) -> None:
+        """Release the blocks past what the request's tokens need (those taken for a rejected draft)."""
+        keep = self.blocks_for(req.num_tokens)
+        while len(req.block_table) > keep:
+            block = req.block_table.pop()
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+
     def cache_full_blocks(self, req: Request) -> None:
         """Register the request's newly computed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pytgi.engine.speculate import DraftState
 from pytgi.sampling_params import SamplingParams
 
 
@@ -38,6 +39,8 @@ class Request:
     num_preemptions: int = 0
     prompt_logprobs: list[float | None] | None = None  # set once the prompt is computed, if asked
     partial_prompt_logprobs: list[float | None] = field(default_factory=list)  # until then, chunk by chunk
+    speculative: bool = True  # may decode with drafts (not with a grammar or a watermark)
+    spec: DraftState | None = None  # its n-gram index and draft length, once it drafted
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.prompt_ids) + list(self.output_ids)

@@ -15,6 +15,7 @@ from pytgi import protocol as P
 from pytgi.config import EngineConfig
 from pytgi.engine.sampler import Sampler, SamplingMetadata
 from pytgi.engine.scheduler import RunnerOutput, ScheduledRequest
+from pytgi.engine.speculate import accepted_prefix
 from pytgi.engine.structured import GrammarError, GrammarMatchers, StepMasks
 from pytgi.engine.watermark import apply_watermark
 from pytgi.models.attention import StepLayout
@@ -61,7 +62,6 @@ class ModelRunner:
         self.config = self.model.config
         self.vocab_size = self.config.vocab_size
         self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
         self.eos_token_ids = eos_token_ids(model_path)
         # Structured output's matchers (rank 0 samples; nothing is built until a request asks).
         self.grammars = GrammarMatchers(model_path / "tokenizer.json", self.vocab_size, self.eos_token_ids)
@@ -106,8 +106,9 @@ class ModelRunner:
         q_lens = np.fromiter((s.num_new_tokens for s in batch), np.int64, len(batch))
         starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(batch))
         T = int(q_lens.sum())
-        ids = np.fromiter(
-            chain.from_iterable(r.all_ids[s : s + n] for r, s, n in zip(reqs, starts, q_lens)), np.int64, T
+        ids = np.fromiter(  # a decode with a draft: its last token, then the draft
+            chain.from_iterable(r.all_ids[s : s + n] + b.draft if b.draft else r.all_ids[s : s + n]
+                                for b, r, s, n in zip(batch, reqs, starts, q_lens)), np.int64, T
         )
         cu = np.cumsum(q_lens)
         req_idx = np.repeat(np.arange(len(batch)), q_lens)
@@ -125,19 +126,26 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledRequest]) -> RunnerOutput:
         ids, positions, layout = self._layout(batch)
         ends = np.cumsum(layout.query_lens) - 1
-        sampling = [i for i, s in enumerate(batch) if s.samples]
+        # A sampled row per sampling request's last token, and one per draft token before it.
+        sampling: list[tuple[ScheduledRequest, int]] = []
+        sample_rows: list[int] = []
+        for i, s in enumerate(batch):
+            if s.samples:
+                k = len(s.draft)
+                sampling.extend((s, j) for j in range(k + 1))
+                sample_rows.extend(range(int(ends[i]) - k, int(ends[i]) + 1))
         spans = self._prompt_logprob_spans(batch, ends)
-        # Logits only where needed: each sampling request's last token, then prompt-logprob positions.
-        rows = np.concatenate([ends[sampling], *(np.arange(a, a + n) for _, a, n in spans)]).astype(np.int64)
-        reqs = [batch[i].request for i in sampling]
+        # Logits only where needed: the sampled rows, then prompt-logprob positions.
+        rows = np.concatenate([np.array(sample_rows, np.int64),
+                               *(np.arange(a, a + n) for _, a, n in spans)]).astype(np.int64)
         # Structured output's masks are computed while the forward runs.
-        masks = self.grammars.start_masks([r.request_id for r in reqs]) if reqs else None
+        masks = self.grammars.start_masks([s.request.request_id for s, _ in sampling]) if sampling else None
         if dist.tp_size() > 1:
             self._broadcast_step(ids, positions, layout, rows)
         logits = self._forward(ids, positions, layout, rows)
         out = RunnerOutput()
         if sampling:
-            self._sample(logits[: len(sampling)], reqs, out, masks)
+            self._sample(logits[: len(sampling)], sampling, out, masks)
         offset = len(sampling)
         for i, _, n in spans:
             req = batch[i].request
@@ -183,13 +191,19 @@ class ModelRunner:
                 pass
         dist.shutdown()
 
-    def _sample(self, logits: torch.Tensor, reqs: list, out: RunnerOutput, masks: StepMasks | None) -> None:
+    def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledRequest, int]], out: RunnerOutput,
+                masks: StepMasks | None) -> None:
+        """Sample each row: row (s, j) is s's output token number len(output) + j, after the first j
+        tokens of its draft. A request with a draft keeps the draft tokens its rows confirm, and the
+        row's token after them (`accepted_prefix`)."""
+        reqs = [s.request for s, _ in rows]
         marked = [i for i, r in enumerate(reqs) if r.params.watermark]
         if marked:
             apply_watermark(logits, marked, [reqs[i].all_ids[-1] for i in marked])
-        gens = [self._generator(r) for r in reqs]
+        gens = [self._generator(r, len(r.output_ids) + j) for r, (_, j) in zip(reqs, rows)]
         meta = SamplingMetadata.build(
-            [r.params for r in reqs], [r.prompt_ids for r in reqs], [r.output_ids for r in reqs],
+            [r.params for r in reqs], [r.prompt_ids for r in reqs],
+            [r.output_ids + s.draft[:j] if j else r.output_ids for r, (s, j) in zip(reqs, rows)],
             gens, self.vocab_size, self.device,
         )
         res = self.sampler(logits, meta, masks.result() if masks is not None else None)
@@ -203,24 +217,32 @@ class ModelRunner:
                 out.errors[rid] = str(e)
         top_ids = res.top_ids.tolist() if res.top_ids is not None else None
         top_lps = res.top_logprobs.tolist() if res.top_logprobs is not None else None
-        for i, r in enumerate(reqs):
-            top = []
+
+        def token(i: int) -> P.TokenOut:
+            r, top = reqs[i], []
             if top_ids is not None and r.params.top_n_tokens:
                 n = r.params.top_n_tokens
                 top = list(zip(top_ids[i][:n], top_lps[i][:n]))
-            out.samples[r.request_id] = P.TokenOut(r.request_id, tokens[i], logprobs[i], top)
+            return P.TokenOut(r.request_id, tokens[i], logprobs[i], top)
 
-    def _generator(self, req) -> torch.Generator | None:  # type: ignore[no-untyped-def]
+        i = 0
+        while i < len(rows):
+            s = rows[i][0]
+            keep = accepted_prefix(s.draft, tokens[i : i + len(s.draft) + 1]) if s.draft else 0
+            out.samples[s.request.request_id] = token(i)
+            if keep:
+                out.more[s.request.request_id] = [token(i + j) for j in range(1, keep + 1)]
+            i += len(s.draft) + 1
+
+    def _generator(self, req, position: int) -> torch.Generator | None:  # type: ignore[no-untyped-def]
+        """A seeded request's draw for its output token number `position`: seeded by (seed, position),
+        so the token does not depend on how many draws came before it (a step verifying a draft
+        draws for several positions at once, and drops the draws past a rejected token)."""
         if not req.params.sampling:
             return None
-        gen = self.generators.get(req.request_id)
-        if gen is None:
-            gen = torch.Generator(self.device).manual_seed(req.params.seed % (1 << 63))
-            self.generators[req.request_id] = gen
-        return gen
+        return torch.Generator(self.device).manual_seed(_mix(req.params.seed, position))
 
     def release(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
         self.grammars.remove(request_id)
 
     @staticmethod
@@ -241,8 +263,17 @@ class ModelRunner:
         lps: list[float | None] = [None] if first == 0 else []
         if len(logits):
             targets = torch.tensor(req.prompt_ids[first + 1 : first + 1 + len(logits)], device=self.device)
-            lps.extend(torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].tolist())
+            # float64 as the sampler's logprobs: a row's value must not change with the chunk's shape
+            lps.extend(torch.log_softmax(logits.double(), dim=-1).gather(1, targets[:, None])[:, 0].float().tolist())
         return lps
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): one well-spread 63-bit seed per output position."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) % (1 << 64)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % (1 << 64)
+    return (z ^ (z >> 31)) % (1 << 63)
 
 
 def set_cpu_threads(local_ranks: int = 1) -> None:

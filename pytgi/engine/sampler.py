@@ -191,7 +191,8 @@ def _top_k_top_p(
         threshold = torch.where((k < vocab_size)[:, None], kth, logits.min(dim=-1, keepdim=True).values)
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     if use_p:
-        logits = logits.masked_fill(_top_p_removed(logits.softmax(dim=-1), top_p), float("-inf"))
+        # float64: the row sums' order changes with the batch's shape, and must not move the cut
+        logits = logits.masked_fill(_top_p_removed(logits.double().softmax(dim=-1), top_p), float("-inf"))
     return logits
 
 
@@ -216,11 +217,11 @@ def _top_p_removed(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def _typical(logits: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
     """Locally typical sampling (HF TypicalLogitsWarper, min_tokens_to_keep=1) per row mass."""
-    log_p = torch.log_softmax(logits, dim=-1)
+    log_p = torch.log_softmax(logits.double(), dim=-1)  # float64: as in _top_k_top_p
     entropy = -(log_p * log_p.exp()).nansum(-1, keepdim=True)  # nansum: -inf * 0 on masked tokens
     shifted = (-log_p - entropy).abs()
     sorted_scores, sorted_idx = shifted.sort(dim=-1)
-    cumulative = logits.gather(1, sorted_idx).softmax(dim=-1).cumsum(dim=-1)
+    cumulative = logits.double().gather(1, sorted_idx).softmax(dim=-1).cumsum(dim=-1)
     last = (cumulative < mass[:, None]).sum(dim=1).clamp(max=logits.shape[1] - 1)
     remove = sorted_scores > sorted_scores.gather(1, last[:, None])
     remove[:, 0] = False
@@ -262,9 +263,11 @@ def _exponential_noise(
     return torch.stack(rows).to(device).neg_().log1p_().neg_().clamp_(min=_NOISE_FLOOR)
 
 
-def _draw(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """Exponential race: argmax(p / q) with q ~ Exp(1) picks token i with probability p_i."""
-    return (probs / noise).argmax(dim=-1)
+def _draw(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax(p / q) with q ~ Exp(1) picks token i with probability p_i; taken as
+    argmax(logit - log q), which needs no softmax (whose row sum would round differently as the
+    batch's shape changes: batch invariance)."""
+    return (logits - noise.log()).argmax(dim=-1)
 
 
 class Sampler:
@@ -300,7 +303,7 @@ class Sampler:
         warped = _warp(processed if rows is None else processed[rows], meta, rows)
         generators = [meta.generators[i] for i in sample_rows]
         noise = _exponential_noise(generators, processed.shape[1], processed.device)
-        sampled = _draw(warped.softmax(dim=-1), noise)
+        sampled = _draw(warped, noise)
         temperature = meta.temperature if rows is None else meta.temperature[rows]
         greedy = token_ids if rows is None else token_ids[rows]
         sampled = torch.where(temperature > 0, sampled, greedy)
@@ -310,11 +313,14 @@ class Sampler:
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, max_top_n: int) -> SamplerOutput:
+        # In float64, so that a row's logprobs do not change with the batch's shape (the order of a
+        # row's sum does), then rounded to float32.
+        raw = raw.double()
         if max_top_n == 0:
             # Only the chosen token's logprob: skip materialising the full [B, V] log_softmax.
             chosen = raw.gather(1, token_ids[:, None]).squeeze(1)
-            return SamplerOutput(token_ids, chosen - raw.logsumexp(dim=-1), None, None)
+            return SamplerOutput(token_ids, (chosen - raw.logsumexp(dim=-1)).float(), None, None)
         log_probs = torch.log_softmax(raw, dim=-1)
         top_logprobs, top_ids = log_probs.topk(max_top_n, dim=-1)
         chosen = log_probs.gather(1, token_ids[:, None]).squeeze(1)
-        return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
+        return SamplerOutput(token_ids, chosen.float(), top_ids, top_logprobs.float())

@@ -18,16 +18,18 @@ from pytgi import protocol as P
 from pytgi.config import EngineInfo
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import FinishReason, Request, Status
+from pytgi.engine.speculate import MAX_STEP_ROWS, Drafter
 
 
 @dataclass(slots=True)
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the draft's tokens included
+    draft: list[int] = field(default_factory=list)  # guessed tokens after the request's last, verified this step
 
     @property
     def samples(self) -> bool:
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.request.num_tokens
 
 
 @dataclass(slots=True)
@@ -55,6 +57,7 @@ class RunnerOutput:
     """What the runner computed for a `SchedulerOutput`."""
 
     samples: dict[str, P.TokenOut] = field(default_factory=dict)  # request_id → this step's token
+    more: dict[str, list[P.TokenOut]] = field(default_factory=dict)  # request_id → tokens after it (accepted drafts)
     # request_id → logprobs of the prompt tokens this step's chunk predicted (first prompt token: None)
     prompt_logprobs: dict[str, list[float | None]] = field(default_factory=dict)
     complete: set[str] = field(default_factory=set)  # structured output whose grammar is complete
@@ -71,6 +74,8 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the first preempted
         self.steps_since_admission = 0
         self.num_preemptions = 0
+        self.drafter = Drafter(config.speculate) if config.speculate > 0 else None
+        self.spec_drafted = self.spec_accepted = 0  # draft tokens verified / accepted since start
 
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
@@ -97,6 +102,8 @@ class Scheduler:
         cap = cfg.max_prefill_tokens_while_decoding
         decoding = cap is not None and cfg.enable_chunked_prefill and any(r.num_uncomputed == 1 for r in self.running)
         budget, prompt_budget = self._schedule_running(out, budget, cap if decoding else budget)
+        if self.drafter is not None and not out.preempted:
+            budget = self._draft(out, budget)
         if not out.preempted:
             self._admit_waiting(out, min(budget, prompt_budget))
         self.steps_since_admission = 1 if out.num_admitted else self.steps_since_admission + 1
@@ -124,6 +131,24 @@ class Scheduler:
                 if prompt:
                     prompt_budget -= n
         return budget, prompt_budget
+
+    def _draft(self, out: SchedulerOutput, budget: int) -> int:
+        """Give this step's decodes n-gram drafts while the step stays small (MAX_STEP_ROWS: a big
+        batch makes verification cost what it saves) and blocks are free; returns the budget left."""
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1 and s.samples and s.request.output_ids]
+        spare = min(budget, MAX_STEP_ROWS - len(decodes))
+        for s in decodes:
+            req = s.request
+            if spare <= 0:
+                break
+            if not req.speculative:
+                continue
+            draft = self.drafter.propose(req, spare)
+            if draft and self.block_manager.allocate(req, 1 + len(draft)):
+                s.draft, s.num_new_tokens = draft, 1 + len(draft)
+                spare -= len(draft)
+                budget -= len(draft)
+        return budget
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         """Free the request's blocks; it is recomputed from its tokens when readmitted (first)."""
@@ -189,6 +214,9 @@ class Scheduler:
         updates = []
         for s in sched.scheduled:
             req = s.request
+            if s.draft and req.request_id in out.samples:
+                updates.extend(self._verified(s, out))
+                continue
             req.num_computed_tokens += s.num_new_tokens
             self.block_manager.cache_full_blocks(req)
             prompt_logprobs = self._prompt_logprobs(req, out.prompt_logprobs.get(req.request_id))
@@ -202,12 +230,42 @@ class Scheduler:
                 if reason is not None:
                     self.finish(req)
                     update.finish_reason = reason.value
+                    update.num_skipped = req.spec.accepted if req.spec is not None else 0
             elif prompt_logprobs is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             else:
                 update = P.TokenOut(req.request_id)
             update.prompt_logprobs, update.num_cached_tokens = prompt_logprobs, req.num_cached_tokens
             updates.append(update)
+        return updates
+
+    def _verified(self, s: ScheduledRequest, out: RunnerOutput) -> list[P.TokenOut]:
+        """A decode with a draft: its tokens are the sample after its last token, then (when that
+        confirmed the draft's first token) the next, and so on: each one is appended and checked
+        for a stop in turn. The KV computed for rejected draft tokens is dropped, and their blocks."""
+        req = s.request
+        tokens = [out.samples[req.request_id], *out.more.get(req.request_id, ())]
+        accepted = len(tokens) - 1
+        self.drafter.observe(req, len(s.draft), accepted)
+        self.spec_drafted += len(s.draft)
+        self.spec_accepted += accepted
+        req.num_computed_tokens += 1 + accepted  # the last token and the accepted drafts have KV now
+        updates = []
+        for update in tokens:
+            req.append_token(update.token_id)
+            update.error = out.errors.get(req.request_id)
+            update.num_cached_tokens = req.num_cached_tokens
+            updates.append(update)
+            reason = FinishReason.ERROR if update.error else req.check_stop()
+            if reason is not None:
+                self.finish(req)
+                update.finish_reason = reason.value
+                break
+        if req.status is Status.FINISHED:
+            updates[-1].num_skipped = req.spec.accepted
+        else:
+            self.block_manager.cache_full_blocks(req)
+            self.block_manager.trim(req)
         return updates
 
     def fail(self, sched: SchedulerOutput, error: str) -> list[P.TokenOut]:

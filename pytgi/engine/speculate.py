@@ -1,0 +1,96 @@
+"""Speculative decoding with n-gram (prompt-lookup) drafts: TGI's `--speculate N` without a draft model.
+
+A decode step on the CPU reads every weight once whatever the number of rows, so a step that
+verifies a few guessed tokens costs little more than a step of one. The guesses come from the
+request's own tokens: the longest suffix (up to `MAX_NGRAM` tokens) that occurred before is
+looked up, and the tokens that followed its latest occurrence are the draft. That pays off where
+the output repeats its input (editing code, quoting, summaries with names) and costs a few rows
+where it does not.
+
+The scheduler asks `Drafter.propose` for each decode; the runner computes the request's last
+token and its draft in one step (a row per position), samples every row, and keeps the draft's
+longest prefix the samples agree with, plus the sample after it (`accepted_prefix`). Every row is
+sampled as the request's next token at that position would be without speculation: greedy rows
+by argmax, seeded rows with the draw of that position (`pytgi.engine.runner`), so a request's
+output is the one it would have had without speculation, token for token. For a draft of one
+token per position (a point mass) this is the rejection sampling of Leviathan et al.: the draft is
+accepted with probability p(draft), and on rejection the token comes from p without it.
+
+Hooks for other proposers (a draft model, Medusa/EAGLE heads): anything with `propose(req, k)`
+returning token ids, and `observe(req, drafted, accepted)` to adapt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_NGRAM = 3  # longest suffix looked up
+MIN_NGRAM = 1
+# The draft rows a step may add: verification is nearly free while the step stays small (the low-bit
+# kernels are bound by reading the weights), not once a big batch has made the step compute bound.
+MAX_STEP_ROWS = 16
+
+
+@dataclass(slots=True)
+class DraftState:
+    """One request's n-gram index and draft length."""
+
+    index: list[dict[tuple[int, ...], int]] = field(default_factory=lambda: [{} for _ in range(MAX_NGRAM + 1)])
+    indexed: int = 0  # n-grams ending before this position are in `index`
+    length: float = 0.0  # the next draft's length (adapted by acceptance); 0 until the first proposal
+    drafted: int = 0
+    accepted: int = 0
+
+
+class Drafter:
+    """Proposes n-gram drafts of at most `k` tokens and adapts each request's length to its
+    acceptance: every fully accepted draft lengthens the next one, a rejected one halves it."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def propose(self, req, budget: int) -> list[int]:  # type: ignore[no-untyped-def]
+        """Up to min(the request's draft length, `budget`) tokens that may follow `req.all_ids`."""
+        if self.k <= 0 or budget <= 0:
+            return []
+        state = req.spec
+        if state is None:
+            state = req.spec = DraftState(length=float(self.k))
+        ids = req.all_ids
+        L = len(ids)
+        # index every n-gram that ends before the last token (the suffix itself must not match itself)
+        for end in range(max(state.indexed, 1), L):
+            for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
+                state.index[n][tuple(ids[end - n:end])] = end
+        state.indexed = max(state.indexed, L)
+        room = req.params.max_new_tokens - len(req.output_ids) - 1  # the step samples one token anyway
+        want = min(int(state.length), budget, room)
+        if want <= 0:
+            return []
+        for n in range(min(MAX_NGRAM, L), MIN_NGRAM - 1, -1):
+            end = state.index[n].get(tuple(ids[L - n:]))
+            if end is not None:
+                draft = ids[end:end + want]
+                while len(draft) < want:  # the match runs into the suffix: a period, continued
+                    draft.append(draft[len(draft) - (L - end)])
+                return draft
+        return []
+
+    def observe(self, req, drafted: int, accepted: int) -> None:  # type: ignore[no-untyped-def]
+        """A step verified `drafted` tokens of `req`'s draft and kept `accepted`."""
+        state = req.spec
+        state.drafted += drafted
+        state.accepted += accepted
+        if accepted == drafted:
+            state.length = min(state.length + 1.0, float(self.k))
+        else:
+            state.length = max(1.0, state.length / 2 if accepted == 0 else float(accepted + 1))
+
+
+def accepted_prefix(draft: list[int], sampled: list[int]) -> int:
+    """How many draft tokens the rows' samples confirm: sampled[i] is the token chosen at draft
+    position i (sampled has one more row, the token after the last draft token)."""
+    a = 0
+    while a < len(draft) and sampled[a] == draft[a]:
+        a += 1
+    return a
