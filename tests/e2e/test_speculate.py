@@ -1,0 +1,51 @@
+"""`pytgi serve --speculate 4` with the default (fast) flags, against a server without it: the real
+clients get the same text, one stream event per token although steps verify several, and
+/metrics reports the accepted draft tokens."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.e2e.server import Server
+
+pytestmark = pytest.mark.slow
+
+CODE = "def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("spec")
+    plain = Server(exact=False, log=logs / "plain.log")
+    spec = Server("--speculate", "4", exact=False, log=logs / "spec.log")
+    try:
+        yield plain.wait_ready(), spec.wait_ready()
+    finally:
+        plain.stop()
+        spec.stop()
+
+
+def test_same_output_one_event_per_token_and_metrics(servers):
+    from huggingface_hub import InferenceClient
+    from text_generation import Client
+
+    plain, spec = servers
+    prompt = f"<|im_start|>user\nCopy this code exactly:\n\n{CODE}<|im_end|>\n<|im_start|>assistant\n"
+    want = Client(plain.url).generate(prompt, max_new_tokens=64)
+    got = Client(spec.url).generate(prompt, max_new_tokens=64)
+    assert got.generated_text == want.generated_text
+    assert [t.id for t in got.details.tokens] == [t.id for t in want.details.tokens]
+    assert [t.logprob for t in got.details.tokens] == [t.logprob for t in want.details.tokens]
+    events = list(Client(spec.url).generate_stream(prompt, max_new_tokens=64))
+    assert len(events) == got.details.generated_tokens  # several tokens a step, one event each
+    assert "".join(e.token.text for e in events) == want.generated_text
+    hub = InferenceClient(base_url=spec.url, timeout=120)
+    hf = "".join(hub.text_generation(prompt, max_new_tokens=64, stream=True))
+    assert hf == want.generated_text
+    metrics = httpx.get(f"{spec.url}/metrics").text
+    accepted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("pytgi_spec_accepted_tokens_total"))
+    skipped = next(float(line.split()[-1]) for line in metrics.splitlines()
+                   if line.startswith("tgi_request_skipped_tokens_sum"))
+    assert accepted > 10 and skipped == accepted  # every request has finished
