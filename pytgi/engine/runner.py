@@ -263,8 +263,9 @@ class ModelRunner:
         lps: list[float | None] = [None] if first == 0 else []
         if len(logits):
             targets = torch.tensor(req.prompt_ids[first + 1 : first + 1 + len(logits)], device=self.device)
-            # float64 as the sampler's logprobs: a row's value must not change with the chunk's shape
-            lps.extend(torch.log_softmax(logits.double(), dim=-1).gather(1, targets[:, None])[:, 0].float().tolist())
+            # row by row, as the sampler's logprobs: a row's value must not change with the chunk's shape
+            log_probs = torch.stack([torch.log_softmax(row, dim=0) for row in logits.float()])
+            lps.extend(log_probs.gather(1, targets[:, None])[:, 0].tolist())
         return lps
 
 

@@ -313,14 +313,13 @@ class Sampler:
 
     @staticmethod
     def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, max_top_n: int) -> SamplerOutput:
-        # In float64, so that a row's logprobs do not change with the batch's shape (the order of a
-        # row's sum does), then rounded to float32.
-        raw = raw.double()
+        # Row by row: a [B, V] reduction sums a row in an order that changes with B, and a row's
+        # logprobs must not depend on the batch (a [V] reduction's order is always the same).
         if max_top_n == 0:
-            # Only the chosen token's logprob: skip materialising the full [B, V] log_softmax.
+            # Only the chosen token's logprob: skip materialising the full log_softmax.
             chosen = raw.gather(1, token_ids[:, None]).squeeze(1)
-            return SamplerOutput(token_ids, (chosen - raw.logsumexp(dim=-1)).float(), None, None)
-        log_probs = torch.log_softmax(raw, dim=-1)
+            return SamplerOutput(token_ids, chosen - torch.stack([row.logsumexp(dim=0) for row in raw]), None, None)
+        log_probs = torch.stack([torch.log_softmax(row, dim=0) for row in raw])
         top_logprobs, top_ids = log_probs.topk(max_top_n, dim=-1)
         chosen = log_probs.gather(1, token_ids[:, None]).squeeze(1)
-        return SamplerOutput(token_ids, chosen.float(), top_ids, top_logprobs.float())
+        return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)

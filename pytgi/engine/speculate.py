@@ -44,7 +44,8 @@ class DraftState:
 
 class Drafter:
     """Proposes n-gram drafts of at most `k` tokens and adapts each request's length to its
-    acceptance: every fully accepted draft lengthens the next one, a rejected one halves it."""
+    acceptance: a fully accepted draft doubles the next one, a partly accepted one sets it to the
+    accepted count plus one, a rejected one halves it (never below one token)."""
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -81,8 +82,8 @@ class Drafter:
         state = req.spec
         state.drafted += drafted
         state.accepted += accepted
-        if accepted == drafted:
-            state.length = min(state.length + 1.0, float(self.k))
+        if accepted == drafted:  # a run of copied text: back to long drafts quickly
+            state.length = min(state.length * 2, float(self.k))
         else:
             state.length = max(1.0, state.length / 2 if accepted == 0 else float(accepted + 1))
 

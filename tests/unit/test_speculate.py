@@ -45,10 +45,12 @@ def test_draft_length_adapts_to_acceptance():
     assert req.spec.length == 1.0  # never below one while a match exists
     d.observe(req, 1, 1)
     d.observe(req, 2, 2)
-    assert req.spec.length == 3.0
-    d.observe(req, 3, 1)
+    assert req.spec.length == 4.0  # doubled twice
+    d.observe(req, 4, 4)
+    assert req.spec.length == 4.0  # at most k
+    d.observe(req, 4, 1)
     assert req.spec.length == 2.0  # accepted + 1
-    assert (req.spec.drafted, req.spec.accepted) == (13, 4)
+    assert (req.spec.drafted, req.spec.accepted) == (18, 8)
 
 
 def repeating_request(rid="a", max_new_tokens=16, **kw):
