@@ -4,10 +4,13 @@ invocation, on the same model and prompts (the default model unless --model).
 
 Decode tokens/s is measured per request from its first token to its last (the prefill excluded),
 greedy, each prompt alone; the outputs are checked to be the same with and without speculation.
-Prints a table and writes benchmarks/results/speculation-<timestamp>.json. The mixed concurrent
-load is `pytgi bench --peer pytgi --peer pytgi="--speculate 4"` (docs/benchmarks.md).
+With --llama-server BIN, llama.cpp's server runs the same prompts (as text, chat template applied
+by pytgi's tokenizer) on the same GGUF file, without and with its n-gram speculation
+(`--spec-type ngram-simple --spec-draft-n-max N`), one request at a time, and its own timings give
+its decode tokens/s. Prints a table and writes benchmarks/results/speculation-<timestamp>.json. The
+mixed concurrent load is `pytgi bench --peer pytgi --peer pytgi="--speculate 4"` (docs/benchmarks.md).
 
-    .venv/bin/python benchmarks/speculation.py [--speculate 4] [--max-new-tokens 256]
+    .venv/bin/python benchmarks/speculation.py [--speculate 4] [--max-new-tokens 256] [--llama-server BIN]
 """
 
 from __future__ import annotations
@@ -86,11 +89,52 @@ def decode_speed(llm, prompt: list[int], params) -> tuple[float, list[int], int,
     return (len(ids) - 1) / seconds, ids, steps, eng.scheduler.spec_accepted - accepted0
 
 
+def llama_server_speeds(binary: str, texts: dict[str, str], n: int, speculate: int) -> dict[str, dict]:
+    """name -> {"plain": tok/s, "spec": tok/s, "draft_n": ..., "accepted": ...} from llama-server."""
+    import subprocess
+
+    import httpx
+
+    from pytgi.bench.peers import llama_server_command
+    from pytgi.models.registry import default_gguf_path
+    from pytgi.net import free_port
+
+    out: dict[str, dict] = {name: {} for name in texts}
+    for mode, extra in (("plain", []), ("spec", ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(speculate)])):
+        port = free_port()
+        cmd = llama_server_command(binary, default_gguf_path(), port, ["-np", "1", "-c", "4096", "-t", "2", *extra])
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError(f"llama-server did not start: {cmd}")
+                time.sleep(0.5)
+            for name, text in texts.items():
+                body = {"prompt": text, "n_predict": n, "temperature": 0, "cache_prompt": True}
+                httpx.post(f"{url}/completion", json={**body, "n_predict": 2}, timeout=600)  # warm the cache
+                t = httpx.post(f"{url}/completion", json=body, timeout=600).json()["timings"]
+                out[name][mode] = round(t["predicted_per_second"], 1)
+                if mode == "spec":
+                    out[name]["draft_n"], out[name]["accepted"] = t.get("draft_n", 0), t.get("draft_n_accepted", 0)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--speculate", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--llama-server", default=None, help="llama-server binary to compare with")
     args = ap.parse_args()
     from pytgi import LLM, SamplingParams
     from pytgi.bench.report import git_commit, machine_info, utc_stamp
@@ -111,13 +155,22 @@ def main() -> None:
                          "spec_tok_s": round(fast, 1), "speedup": round(fast / base, 2),
                          "tokens_per_step": round((len(fast_ids) - 1) / max(steps, 1), 2),
                          "accepted": accepted, "same_output": fast_ids == base_ids})
+    texts = {name: tok.apply_chat_template([{"role": "user", "content": text}])
+             for prompts in (GROUNDED, OPEN) for name, text in prompts.items()}
     plain.shutdown()
     spec.shutdown()
+    llama = llama_server_speeds(args.llama_server, texts, args.max_new_tokens, args.speculate) \
+        if args.llama_server else {}
+    for r in rows:
+        if r["prompt"] in llama:
+            r["llama_server"] = llama[r["prompt"]]
     print(f"{'kind':11} {'prompt':15} {'tokens':>6} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} "
           f"{'tok/step':>8} {'same':>5}")
     for r in rows:
+        ls = r.get("llama_server")
+        extra = f"   llama-server {ls['plain']} -> {ls['spec']} tok/s ({ls['spec'] / ls['plain']:.2f}x)" if ls else ""
         print(f"{r['kind']:11} {r['prompt']:15} {r['tokens']:>6} {r['plain_tok_s']:>11} {r['spec_tok_s']:>10} "
-              f"{r['speedup']:>7}x {r['tokens_per_step']:>8} {str(r['same_output']):>5}")
+              f"{r['speedup']:>7}x {r['tokens_per_step']:>8} {str(r['same_output']):>5}{extra}")
     for kind in ("grounded", "open-ended"):
         sel = [r for r in rows if r["kind"] == kind]
         plain_s = sum(r["tokens"] - 1 for r in sel) / sum((r["tokens"] - 1) / r["plain_tok_s"] for r in sel)
