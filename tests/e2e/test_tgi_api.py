@@ -238,7 +238,9 @@ def test_watermark_is_detectable(server):
 
     vocab = 49152  # the default model's
     marked, plain = z_score(ids(True), vocab), z_score(ids(False), vocab)
-    assert marked > 4 and plain < 2.5, (marked, plain)
+    # The detector's rule (Kirchenbauer et al.'s threshold): watermarked iff z > 4. Unmarked text's z
+    # is about N(0, 1), so a tighter bound on it fails by chance for some seeds (2.56 for this one).
+    assert marked > 4 and plain < 4, (marked, plain)
 
 
 def test_a_lone_surrogate_in_stop_is_a_validation_error(server):
