@@ -91,41 +91,26 @@ def decode_speed(llm, prompt: list[int], params) -> tuple[float, list[int], int,
 
 def llama_server_speeds(binary: str, texts: dict[str, str], n: int, speculate: int) -> dict[str, dict]:
     """name -> {"plain": tok/s, "spec": tok/s, "draft_n": ..., "accepted": ...} from llama-server."""
-    import subprocess
-
     import httpx
 
-    from pytgi.bench.peers import llama_server_command
-    from pytgi.models.registry import default_gguf_path
-    from pytgi.net import free_port
+    from pytgi.bench.peers import LlamaServerTarget
 
     out: dict[str, dict] = {name: {} for name in texts}
-    for mode, extra in (("plain", []), ("spec", ["--spec-type", "ngram-simple", "--spec-draft-n-max", str(speculate)])):
-        port = free_port()
-        cmd = llama_server_command(binary, default_gguf_path(), port, ["-np", "1", "-c", "4096", "-t", "2", *extra])
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for mode, extra in (("plain", ""), ("spec", f" --spec-type ngram-simple --spec-draft-n-max {speculate}")):
+        server = LlamaServerTarget(binary, args="-np 1 -c 4096 -t 2" + extra)
+        server.prepare()
+        server.start()
         try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError(f"llama-server did not start: {cmd}")
-                time.sleep(0.5)
+            server.wait_ready()
             for name, text in texts.items():
                 body = {"prompt": text, "n_predict": n, "temperature": 0, "cache_prompt": True}
-                httpx.post(f"{url}/completion", json={**body, "n_predict": 2}, timeout=600)  # warm the cache
-                t = httpx.post(f"{url}/completion", json=body, timeout=600).json()["timings"]
+                httpx.post(f"{server.url}/completion", json={**body, "n_predict": 2}, timeout=600)  # warm the cache
+                t = httpx.post(f"{server.url}/completion", json=body, timeout=600).json()["timings"]
                 out[name][mode] = round(t["predicted_per_second"], 1)
                 if mode == "spec":
                     out[name]["draft_n"], out[name]["accepted"] = t.get("draft_n", 0), t.get("draft_n_accepted", 0)
         finally:
-            proc.terminate()
-            proc.wait(30)
+            server.stop()
     return out
 
 
