@@ -4,6 +4,11 @@ The library is built with `-fopenmp` and so needs `libgomp.so.1`: in a process w
 loaded that is torch's own copy, so the kernels share torch's OpenMP thread pool instead of
 starting a second one whose idle spinning would steal the cores. Builds are cached under
 `$PYTGI_CACHE/kernels`, keyed by the sources, the compiler flags and the CPU.
+
+The sources are compiled with `-ffast-math` but linked without it: linking with it (GCC before 13)
+adds `crtfastmath.o`, whose start-up code sets flush-to-zero and denormals-are-zero for the whole
+process that loads the library, torch's operations and Python's floats included. The kernels that
+want those modes (paged attention) set them for their own threads and restore them.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from pytgi.paths import cache_dir
 
 SOURCES = ["paged_attention.c", "fused.c", "qgemv.c", "decoder.c"]
 HEADERS = ["pytgi_kernels.h", "bf16.h", "amx.h"]  # part of the cache key
-CFLAGS = ["-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+CFLAGS = ["-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+LDFLAGS = ["-shared", "-fopenmp", "-lm"]  # no -ffast-math: see above
 
 
 def _cflags() -> list[str]:
@@ -40,7 +46,7 @@ def build(compiler: str) -> Path:
     here = Path(__file__).parent
     srcs = [here / s for s in SOURCES]
     key = hashlib.sha256()
-    for part in [compiler, *_cflags(), _cpu_id(), *((here / f).read_text() for f in SOURCES + HEADERS)]:
+    for part in [compiler, *_cflags(), *LDFLAGS, _cpu_id(), *((here / f).read_text() for f in SOURCES + HEADERS)]:
         key.update(part.encode())
     out = cache_dir() / "kernels" / f"pytgi_kernels-{key.hexdigest()[:16]}.so"
     if out.is_file():
@@ -49,8 +55,12 @@ def build(compiler: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *_cflags(), *map(str, srcs), "-o", tmp, "-lm"], check=True, capture_output=True,
-                       text=True)
+        with tempfile.TemporaryDirectory(dir=out.parent) as objdir:
+            objs = [str(Path(objdir) / f"{s.stem}.o") for s in srcs]
+            for src, obj in zip(srcs, objs):
+                subprocess.run([compiler, *_cflags(), "-c", str(src), "-o", obj], check=True, capture_output=True,
+                               text=True)
+            subprocess.run([compiler, *objs, "-o", tmp, *LDFLAGS], check=True, capture_output=True, text=True)
         os.replace(tmp, out)  # atomic: concurrent builders (shards) each write their own temp file
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -95,3 +95,15 @@ def test_gelu_tanh_mul(dtype):
     gate, up = gu.chunk(2, dim=-1)
     expected = torch.nn.functional.gelu(gate, approximate="tanh") * up
     torch.testing.assert_close(kernels.gelu_tanh_mul(gu), expected, **TOL[dtype])
+
+
+def test_loading_the_kernels_leaves_the_process_float_mode_alone():
+    """Linking with -ffast-math would add crtfastmath.o, which sets flush-to-zero for the whole
+    process on load: torch's and Python's subnormal floats would become 0 (a 1e-320 sampling
+    parameter then failed validation in the engine)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from pytgi import kernels; assert kernels.available(); print(sys.float_info.min * 0.5 > 0)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "True"
