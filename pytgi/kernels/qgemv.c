@@ -64,6 +64,26 @@ static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, flo
 #define PREFETCH 2048 /* bytes ahead of the block being read */
 #endif
 
+/* Add one row's group to its float32 accumulator (16 outputs): s0 and s1 are the int32 sums over the
+ * group's inputs 0..15 and 16..31 (with scales per 16 inputs, bits 16, they are scaled apart; else
+ * added first), xs the row's scale, xsum its scale·Σq and lo the first half's. The VNNI and the AMX
+ * paths both fold with this, in the same order, so a row's output is the same bits whichever made
+ * its sums: batch invariance rests on it. */
+static inline __attribute__((always_inline)) __m512 fold_group(__m512 acc, __m512i s0, __m512i s1, int bits, __m512 d,
+                                                                __m512 m, __m512 d1, __m512 m1, float xs, float xsum,
+                                                                float lo) {
+    const __m512 x = _mm512_set1_ps(xs);
+    if (bits == 16) {
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d, x), acc);
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, x), acc);
+        acc = _mm512_fmadd_ps(m, _mm512_set1_ps(lo), acc);
+        return _mm512_fmadd_ps(m1, _mm512_set1_ps(xsum - lo), acc);
+    }
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(d, x), acc);
+    return _mm512_fmadd_ps(m, _mm512_set1_ps(xsum), acc);
+}
+
+
 /* Rows t0 .. t0+MR-1 of the output for one tile of 16 columns. MR is a literal at each call, so
  * the row loops unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int bits, int64_t G, const int8_t *xq,
@@ -98,18 +118,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                 s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(xr[j]));
                 s1 = _mm512_dpbusd_epi32(s1, w[j + 4], _mm512_set1_epi32(xr[j + 4]));
             }
-            const __m512 xs = _mm512_set1_ps(sx[r * G + g]);
-            if (bits == 16) {
-                const float lo = sxh[r * G + g];
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d, xs), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, xs), acc[r]);
-                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(lo), acc[r]);
-                acc[r] = _mm512_fmadd_ps(m1, _mm512_set1_ps(sxs[r * G + g] - lo), acc[r]);
-            } else {
-                const __m512 s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-                acc[r] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, xs), acc[r]);
-                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sxs[r * G + g]), acc[r]);
-            }
+            acc[r] = fold_group(acc[r], s0, s1, bits, d, m, d1, m1, sx[r * G + g], sxs[r * G + g], sxh[r * G + g]);
         }
     }
 }
@@ -161,9 +170,6 @@ static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t 
 #include "amx.h"
 
 #define QGEMM_AMX_BUILT 1
-#ifndef FOLDROWS
-#define FOLDROWS 16
-#endif
 int pytgi_qgemm_amx_supported(void) {
     static int ok = -1;
     if (ok < 0) ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
@@ -240,20 +246,10 @@ static inline __attribute__((always_inline)) void amx_rows(const uint8_t *blk, i
             m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 96)));
         }
 #pragma GCC unroll 16
-        for (int r = 0; r < FOLDROWS; r++) { /* as `tile` does, operation for operation */
-            const __m512 xs = _mm512_set1_ps(sx[r * G + g]);
-            const __m512 s0 = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(c + 16 * r)));
-            if (bits == 16) {
-                const float lo = sxh[r * G + g];
-                acc[r] = _mm512_fmadd_ps(s0, _mm512_mul_ps(d, xs), acc[r]);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(c + 256 + 16 * r))),
-                                         _mm512_mul_ps(d1, xs), acc[r]);
-                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(lo), acc[r]);
-                acc[r] = _mm512_fmadd_ps(m1, _mm512_set1_ps(sxs[r * G + g] - lo), acc[r]);
-            } else {
-                acc[r] = _mm512_fmadd_ps(s0, _mm512_mul_ps(d, xs), acc[r]);
-                acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sxs[r * G + g]), acc[r]);
-            }
+        for (int r = 0; r < 16; r++) { /* fold_group, as `tile` calls it */
+            const __m512i s0 = _mm512_load_si512((const void *)(c + 16 * r));  /* the whole group's sum, or its first half */
+            const __m512i s1 = bits == 16 ? _mm512_load_si512((const void *)(c + 256 + 16 * r)) : _mm512_setzero_si512();
+            acc[r] = fold_group(acc[r], s0, s1, bits, d, m, d1, m1, sx[r * G + g], sxs[r * G + g], sxh[r * G + g]);
         }
     }
 }
