@@ -125,16 +125,14 @@ class TorchAttention:
         elif layout.prompt_lens is None:
             tiles = q_lens > 1
         else:
-            prompt = layout.prompt_lens[rows]
-            split = (ctx - q_lens < prompt) & (prompt < ctx)  # first rows prompt, the rest generated
-            if split.any():
-                head = prompt[split] - (ctx - q_lens)[split]  # the prompt rows of each split request
-                order = np.argsort(np.concatenate([np.arange(len(rows)), np.nonzero(split)[0]]), kind="stable")
-                q_starts = np.concatenate([q_starts, q_starts[split] + head])[order]
-                q_lens = np.concatenate([np.where(split, prompt - (ctx - q_lens), q_lens), q_lens[split] - head])[order]
-                ctx = np.concatenate([np.where(split, prompt, ctx), ctx[split]])[order]
-                tables = np.concatenate([tables, tables[split]])[order]
-            tiles = ctx <= (np.concatenate([prompt, prompt[split]])[order] if split.any() else prompt)
+            prompt, first = layout.prompt_lens[rows], ctx - q_lens  # first: each request's first query position
+            split = (first < prompt) & (prompt < ctx)  # its first rows prompt, the rest generated
+            idx = np.repeat(np.arange(len(rows)), 1 + split)  # a split request twice: prompt part, generated part
+            second = np.r_[False, idx[1:] == idx[:-1]]
+            lo = np.where(second, prompt[idx], first[idx])  # each entry's first query position
+            hi = np.where(split[idx] & ~second, prompt[idx], ctx[idx])  # and its context's end
+            q_starts, q_lens, ctx, tables = q_starts[idx] + lo - first[idx], hi - lo, hi, tables[idx]
+            tiles = ctx <= prompt[idx]
         i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
         return kernels.PagedBatch(q_starts=i64(q_starts), q_lens=i64(q_lens), block_tables=i64(tables),
                                   context_lens=i64(ctx), block_size=layout.block_size,
