@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pytgi import kernels
 from pytgi.sampling_params import SamplingParams
 
 # Tiny positive floor for the exponential noise: a zero draw would turn p / q into inf or nan.
@@ -270,6 +271,22 @@ def _draw(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (logits - noise.log()).argmax(dim=-1)
 
 
+def _row_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's argmax (first index of its largest value) and, if `lse`, its logsumexp: one pass of
+    the C kernel on the CPU (a few times faster than PyTorch's reductions, and each row's values the
+    same whatever the batch); PyTorch on CUDA, without the kernels, and for rows with NaN or inf."""
+    if logits.device.type != "cpu" or not kernels.available():
+        return logits.argmax(dim=-1), (torch.stack([row.logsumexp(dim=0) for row in logits]) if lse else None)
+    logits = logits.contiguous()
+    arg, out, bad = kernels.logit_stats(logits, lse)
+    if bad.any():
+        for i in bad.nonzero()[:, 0].tolist():
+            arg[i] = logits[i].argmax()
+            if out is not None:
+                out[i] = logits[i].logsumexp(dim=0)
+    return arg, out
+
+
 class Sampler:
     """Stateless; call once per step with the batch's logits and metadata."""
 
@@ -288,10 +305,14 @@ class Sampler:
         elif logits_mask is not None:
             processed = processed + logits_mask
 
-        token_ids = processed.argmax(dim=-1)  # greedy answer for every row (the whole job when all greedy)
+        # greedy answer for every row (the whole job when all greedy); with the raw logits' logsumexp
+        # when the same pass can give it
+        token_ids, lse = _row_stats(processed, processed is raw and meta.max_top_n == 0)
         sample_rows = [i for i, g in enumerate(meta.generators) if g is not None]
         if not meta.all_greedy and sample_rows:
             token_ids = self._sample_rows(processed, meta, token_ids, sample_rows)
+        if lse is not None:
+            return SamplerOutput(token_ids, raw.gather(1, token_ids[:, None]).squeeze(1) - lse, None, None)
         return self._logprobs(raw, token_ids, meta.max_top_n)
 
     @staticmethod

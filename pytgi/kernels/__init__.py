@@ -190,6 +190,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check(failed, "paged attention")
 
 
+# -- the sampler's row reductions (fused.c) ----------------------------------------------------------------
+def logit_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per row of float32 [B, V] logits: (argmax, logsumexp or None, bad), each row's values the same
+    whatever B (fixed pieces combined in order); `bad` rows hold a NaN or an infinity: use PyTorch."""
+    assert logits.dtype == torch.float32 and logits.is_contiguous()
+    B, V = logits.shape
+    arg = torch.empty(B, dtype=torch.int64)
+    bad = torch.empty(B, dtype=torch.int64)
+    out = torch.empty(B, dtype=torch.float32) if lse else None
+    _lib().pytgi_logit_stats_f32(_ptr(logits), B, V, _ptr(arg), _ptr(out), _ptr(bad))
+    return arg, out, bad
+
+
 # -- low-bit matmuls (qgemv.c) ----------------------------------------------------------------------------
 def lowbit_matmul(x: torch.Tensor, packed: torch.Tensor, N: int, bits: int, amx: bool) -> torch.Tensor:
     """bf16 x [M, K] times a packed low-bit weight [N, K] (`pytgi.models.quant.pack_vnni`): with

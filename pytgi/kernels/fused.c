@@ -6,9 +6,11 @@
  * unfused one. Built and loaded by pytgi/kernels/__init__.py. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "exp16.h"
 #include "pytgi_kernels.h"
 
 /* residual[t] += x[t]; out[t] = w * rms_norm(residual[t]).  x may be NULL (no add). */
@@ -150,3 +152,105 @@ DEFINE_QK_NORM(pytgi_qk_norm_f32, float, f32_load, f32_id)
 DEFINE_QK_NORM(pytgi_qk_norm_bf16, uint16_t, bf16_load, bf16_round)
 DEFINE_GELU_MUL(pytgi_gelu_tanh_mul_f32, float, f32_load, f32_id, f32_id)
 DEFINE_GELU_MUL(pytgi_gelu_tanh_mul_bf16, uint16_t, bf16_load, bf16_round, bf16_rt)
+
+/* The sampler's per-row reductions over a [B, V] float32 logits matrix: argmax[b] (the first index
+ * of the row's largest value), and, when lse is not NULL, lse[b] = log Σ exp(x[b, v]). Each row is
+ * cut into fixed pieces of LOGIT_PIECE values, reduced on their own (in any thread) and combined in
+ * order, so a row's results are the same bits whatever the number of rows or threads (batch
+ * invariance, docs/batch-invariance.md). bad[b] is set when the row holds a NaN or an infinity
+ * (checked on the bits, which -ffast-math cannot assume away): the caller then uses PyTorch. */
+#define LOGIT_PIECE 4096
+
+/* Σ exp(r[i] - m) for r[i] <= m, in a fixed order. */
+#if defined(__AVX512F__)
+static float sum_exp(const float *r, int64_t n, float m) {
+    const __m512 mv = _mm512_set1_ps(m);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + i), mv))));
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* The piece's largest value, its first index, and the largest |bits| (NaN/infinity check). */
+static int64_t piece_max(const float *r, int64_t n, float *max, uint32_t *worst) {
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    __m512i wv = _mm512_setzero_si512();
+    const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        const __m512i v = _mm512_maskz_loadu_epi32(k, r + i);
+        wv = _mm512_max_epu32(wv, _mm512_and_si512(v, abs));
+        mv = _mm512_mask_max_ps(mv, k, mv, _mm512_castsi512_ps(v));
+    }
+    const float m = _mm512_reduce_max_ps(mv);
+    *max = m, *worst = (uint32_t)_mm512_reduce_max_epu32(wv);
+    const __m512 target = _mm512_set1_ps(m);
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 k = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
+        const __mmask16 hit = _mm512_mask_cmp_ps_mask(k, _mm512_maskz_loadu_ps(k, r + i), target, _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    return 0;
+}
+#else
+static float sum_exp(const float *r, int64_t n, float m) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += expf(r[i] - m);
+    return s;
+}
+
+static int64_t piece_max(const float *r, int64_t n, float *max, uint32_t *worst) {
+    const uint32_t *u = (const uint32_t *)r;
+    uint32_t w = 0;
+    int64_t at = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t a = u[i] & 0x7FFFFFFFu;
+        w = a > w ? a : w;
+        if (r[i] > r[at]) at = i;
+    }
+    *max = r[at], *worst = w;
+    return at;
+}
+#endif
+void pytgi_logit_stats_f32(const float *x, int64_t B, int64_t V, int64_t *argmax, float *lse, int64_t *bad) {
+    const int64_t P = (V + LOGIT_PIECE - 1) / LOGIT_PIECE;
+    float *pmax = malloc(sizeof(float) * (size_t)(2 * B * P + 1));
+    int64_t *parg = malloc(sizeof(int64_t) * (size_t)(2 * B * P + 1));
+    if (pmax == NULL || parg == NULL) { /* rare: one piece at a time, same order */
+        free(pmax), free(parg);
+        for (int64_t b = 0; b < B; b++) bad[b] = 1;
+        return;
+    }
+    float *psum = pmax + B * P;
+    int64_t *pbad = parg + B * P;
+    _Pragma("omp parallel for schedule(static) if (B * V >= 32768)")
+    for (int64_t task = 0; task < B * P; task++) {
+        const int64_t b = task / P, v0 = task % P * LOGIT_PIECE, n = V - v0 < LOGIT_PIECE ? V - v0 : LOGIT_PIECE;
+        const float *r = x + b * V + v0;
+        uint32_t worst;
+        float m;
+        const int64_t at = piece_max(r, n, &m, &worst);
+        float s = 0.0f;
+        if (lse != NULL) s = sum_exp(r, n, m);
+        pmax[task] = m, psum[task] = s, parg[task] = v0 + at, pbad[task] = worst >= 0x7F800000u;
+    }
+    for (int64_t b = 0; b < B; b++) {
+        const float *mb = pmax + b * P, *sb = psum + b * P;
+        float m = mb[0];
+        int64_t at = parg[b * P], isbad = 0;
+        for (int64_t p = 0; p < P; p++) {
+            isbad |= pbad[b * P + p];
+            if (mb[p] > m) m = mb[p], at = parg[b * P + p];
+        }
+        argmax[b] = at, bad[b] = isbad;
+        if (lse != NULL) {
+            float s = 0.0f;
+            for (int64_t p = 0; p < P; p++) s += sb[p] * expf(mb[p] - m);
+            lse[b] = m + logf(s);
+        }
+    }
+    free(pmax);
+    free(parg);
+}

@@ -24,6 +24,7 @@ void pytgi_qk_norm_bf16(uint16_t *qkv, const float *qw, const float *kw, int64_t
 void pytgi_gelu_tanh_mul_f32(const float *gu, float *out, int64_t T, int64_t I);
 void pytgi_gelu_tanh_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I);
 void pytgi_rope_write_kv_bf16(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *slots, uint16_t *q, uint16_t *k_cache, uint16_t *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D);
+void pytgi_logit_stats_f32(const float *x, int64_t B, int64_t V, int64_t *argmax, float *lse, int64_t *bad);
 
 /* paged_attention.c: attention over the paged cache, read in place. Decodes: one query token per
  * request, at flat row rows[b]. Prefill chunks (and decodes): q_lens[b] tokens from row q_starts[b]. */

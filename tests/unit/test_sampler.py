@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from pytgi import kernels
 from pytgi.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, _apply_penalties, _warp
 from pytgi.sampling_params import SamplingParams
 
@@ -431,3 +432,33 @@ def test_zero_temperature_row_is_greedy_even_with_a_generator() -> None:
     meta.temperature = torch.tensor([1.5, 0.0, 1.5])  # hand-built metadata: row 1 greedy, generator kept
     for _ in range(5):
         assert int(SAMPLER(logits, meta).token_ids[1]) == int(logits[1].argmax())
+
+
+# --- the C kernel's row reductions (argmax, logsumexp) ----------------------------------------------------
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no C compiler")
+def test_row_stats_kernel_matches_torch_and_ignores_the_batch() -> None:
+    torch.manual_seed(0)
+    V = 49_157  # not a multiple of the kernel's pieces or of 16
+    logits = torch.randn(7, V) * 4
+    logits[1, 5000] = logits[1, 40_000] = logits[1].max() + 1  # a tie across pieces: the lower index
+    logits[2, 4095] = logits[2, 4096] = logits[2].max() + 1  # and at a piece boundary
+    arg, lse, bad = kernels.logit_stats(logits, True)
+    assert arg.tolist() == logits.argmax(-1).tolist() and arg[1] == 5000 and arg[2] == 4095
+    torch.testing.assert_close(lse, logits.double().logsumexp(-1).float(), rtol=0, atol=2e-5)
+    assert not bad.any()
+    for i in range(7):  # a row's values are the same bits alone as in the batch
+        one_arg, one_lse, _ = kernels.logit_stats(logits[i : i + 1].contiguous(), True)
+        assert one_arg[0] == arg[i] and torch.equal(one_lse[0], lse[i])
+
+
+def test_sampler_falls_back_for_rows_with_nan_or_inf() -> None:
+    logits = rand_logits(3, seed=9)
+    logits[0, 3] = float("inf")
+    logits[1, 4] = float("nan")
+    out = SAMPLER(logits, build([SamplingParams(temperature=0.0) for _ in range(3)]))
+    ref = logits.argmax(-1)
+    assert out.token_ids.tolist() == ref.tolist()
+    expected = torch.log_softmax(logits, -1).gather(1, ref[:, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs, expected, equal_nan=True)
