@@ -118,8 +118,7 @@ class ModelRunner:
             tables[i, : len(r.block_table)] = r.block_table
         bs = self.block_size
         slots = tables[req_idx, positions // bs] * bs + positions % bs
-        prompt_lens = np.fromiter((r.num_prompt_tokens for r in reqs), np.int64, len(batch))
-        layout = StepLayout(q_lens, starts + q_lens, tables, slots, bs, prompt_lens)
+        layout = StepLayout(q_lens, starts + q_lens, tables, slots, bs)
         return ids, positions, layout
 
     @torch.inference_mode()
@@ -162,19 +161,19 @@ class ModelRunner:
     # -- tensor parallelism ------------------------------------------------------------------------
     @staticmethod
     def _shapes(T: int, B: int, M: int, R: int) -> list[tuple[int, ...]]:
-        return [(T,), (T,), (B,), (B,), (B, M), (T,), (R,), (B,)]
+        return [(T,), (T,), (B,), (B,), (B, M), (T,), (R,)]
 
     def _broadcast_step(self, ids, positions, layout: StepLayout, rows) -> None:  # type: ignore[no-untyped-def]
         B, M = layout.block_tables.shape
         dist.broadcast_command(dist.CMD_STEP, len(ids), B, M, len(rows))
         dist.broadcast_arrays([ids, positions, layout.query_lens, layout.context_lens, layout.block_tables,
-                               layout.slot_mapping, rows, layout.prompt_lens], self._shapes(len(ids), B, M, len(rows)))
+                               layout.slot_mapping, rows], self._shapes(len(ids), B, M, len(rows)))
 
     @torch.inference_mode()
     def worker_step(self, T: int, B: int, M: int, R: int) -> None:
         """Ranks > 0: receive rank 0's step inputs and run this shard's forward."""
-        ids, positions, q_lens, ctx, tables, slots, rows, prompt = dist.broadcast_arrays(None, self._shapes(T, B, M, R))
-        self._forward(ids, positions, StepLayout(q_lens, ctx, tables, slots, self.block_size, prompt), rows)
+        ids, positions, q_lens, ctx, tables, slots, rows = dist.broadcast_arrays(None, self._shapes(T, B, M, R))
+        self._forward(ids, positions, StepLayout(q_lens, ctx, tables, slots, self.block_size), rows)
 
     def ping(self) -> None:
         """While idle, a no-op collective: a dead or stuck rank is noticed without waiting for traffic."""

@@ -40,7 +40,6 @@ class StepLayout:
     block_tables: np.ndarray  # [B, max_blocks] int64, padded with 0
     slot_mapping: np.ndarray  # [T] int64 cache slot of each new token
     block_size: int
-    prompt_lens: np.ndarray | None = None  # [B] positions below are prompt tokens (None: every multi-token query)
 
 
 @dataclass(slots=True)
@@ -93,6 +92,8 @@ class TorchAttention:
         self.paged = cpu.fused  # decodes (and small prefill chunks) in the paged C kernel
         self.paged_prefill_max = cpu.paged_prefill_max(heads)
         self.invariant, self.group = cpu.batch_invariant, heads[0] // heads[1]
+        # tiles for every row (batch invariant): only through the kernel's prefill entry, AVX-512's
+        self.tiles = bool(self.paged_prefill_max and kernels.amx_supported())
 
     def prepare(self, layout: StepLayout, device: torch.device, window: int | None = None) -> TorchAttentionMetadata:
         """`window`: a sliding window for every query (the paged kernel has none: SDPA then)."""
@@ -115,24 +116,13 @@ class TorchAttention:
 
     def _paged(self, layout: StepLayout, rows: np.ndarray, starts: np.ndarray) -> kernels.PagedBatch:
         """The paged kernel's batch for requests `rows`, and which of them use AMX tiles (where the CPU
-        has them). Batch invariant, a row's role decides: prompt rows use tiles, generated rows (decodes,
-        and their recomputation after a preemption) do not, so a request whose chunk holds both is
-        split in two at its prompt's end. Else the tiles pay off from 16 query rows per kv head."""
+        has them, for bf16). Batch invariant, every row does, decodes included: a row's numerics are
+        then the same whatever else its chunk holds, and the tiles cost a lone decode no more than the
+        vector path (a few more rows, such as a verified draft, far less). Else the tiles pay off from
+        16 query rows per kv head."""
         q_starts, q_lens, ctx = starts[rows], layout.query_lens[rows], layout.context_lens[rows]
         tables = layout.block_tables[rows]
-        if not self.invariant:
-            tiles = q_lens * self.group >= 16
-        elif layout.prompt_lens is None:
-            tiles = q_lens > 1
-        else:
-            prompt, first = layout.prompt_lens[rows], ctx - q_lens  # first: each request's first query position
-            split = (first < prompt) & (prompt < ctx)  # its first rows prompt, the rest generated
-            idx = np.repeat(np.arange(len(rows)), 1 + split)  # a split request twice: prompt part, generated part
-            second = np.r_[False, idx[1:] == idx[:-1]]
-            lo = np.where(second, prompt[idx], first[idx])  # each entry's first query position
-            hi = np.where(split[idx] & ~second, prompt[idx], ctx[idx])  # and its context's end
-            q_starts, q_lens, ctx, tables = q_starts[idx] + lo - first[idx], hi - lo, hi, tables[idx]
-            tiles = ctx <= prompt[idx]
+        tiles = np.full(len(rows), self.tiles) if self.invariant else q_lens * self.group >= 16
         i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
         return kernels.PagedBatch(q_starts=i64(q_starts), q_lens=i64(q_lens), block_tables=i64(tables),
                                   context_lens=i64(ctx), block_size=layout.block_size,

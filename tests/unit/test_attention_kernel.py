@@ -123,28 +123,48 @@ def test_big_prefill_chunks_keep_sdpa_unless_batch_invariant():
         assert meta.prefill is None and meta.paged.q_lens.tolist() == [1, n]
 
 
-def test_tiles_follow_the_rows_role_not_their_number():
-    """Batch invariant: prompt rows take AMX tiles (even one), generated rows never (even several),
-    and a chunk holding both (a preempted request's recomputation) is split at the prompt's end."""
+def test_every_row_takes_tiles_when_batch_invariant():
+    """Batch invariant, every request's rows use AMX tiles where the CPU has them (decodes, draft
+    verifications and prompt chunks alike), so no row's numerics depend on what else is in its
+    chunk; without invariance the tiles are chosen by size (16 query rows per kv head)."""
     if not kernels.paged_prefill_supported(6, 2, 32):
         pytest.skip("no AVX-512 paged prefill")
-    q_lens, ctx, prompt = np.array([1, 1, 5, 10, 3]), np.array([9, 4, 20, 30, 3]), np.array([4, 4, 30, 25, 3])
+    q_lens, ctx = np.array([1, 1, 5, 10, 3]), np.array([9, 4, 20, 30, 3])
     tables = np.arange(5 * 2, dtype=np.int64).reshape(5, 2)
-    layout = StepLayout(q_lens, ctx, tables, np.zeros(int(q_lens.sum()), np.int64), 16, prompt)
+    layout = StepLayout(q_lens, ctx, tables, np.zeros(int(q_lens.sum()), np.int64), 16)
     p = attention(torch.bfloat16, (6, 2, 32)).prepare(layout, torch.device("cpu")).paged
-    # request 3's rows sit at 20..29: 20..24 are prompt, 25..29 generated
-    assert p.q_starts.tolist() == [0, 1, 2, 7, 12, 17]
-    assert p.q_lens.tolist() == [1, 1, 5, 5, 5, 3]
-    assert p.context_lens.tolist() == [9, 4, 20, 25, 30, 3]
-    assert p.tiles.tolist() == [0, 1, 1, 1, 0, 1]
-    assert p.block_tables[4].tolist() == p.block_tables[3].tolist() == [6, 7]
-    assert not p.decodes_only
-    decodes = StepLayout(np.ones(2, np.int64), np.array([9, 12]), tables[:2], np.zeros(2, np.int64), 16,
-                         np.array([4, 4]))
-    p = attention(torch.bfloat16, (6, 2, 32)).prepare(decodes, torch.device("cpu")).paged
-    assert p.decodes_only and p.tiles is None
+    assert p.q_starts.tolist() == [0, 1, 2, 7, 17] and p.q_lens.tolist() == q_lens.tolist()
+    decodes = StepLayout(np.ones(2, np.int64), np.array([9, 12]), tables[:2], np.zeros(2, np.int64), 16)
+    d = attention(torch.bfloat16, (6, 2, 32)).prepare(decodes, torch.device("cpu")).paged
+    if kernels.amx_supported():
+        assert p.tiles.tolist() == [1] * 5 and not p.decodes_only
+        assert d.tiles.tolist() == [1, 1] and not d.decodes_only  # through the entry that takes tiles
+    else:
+        assert p.tiles is None and d.tiles is None and d.decodes_only
     old = attention(torch.bfloat16, (6, 2, 32), batch_invariant=False).prepare(layout, torch.device("cpu")).paged
-    assert old.tiles.tolist() == [0, 0, 0, 1, 0]  # by size: 16 query rows per kv head
+    assert old.tiles.tolist() == [0, 0, 0, 1, 0]  # by size
+
+
+def test_a_decode_row_is_the_same_in_a_verification_chunk():
+    """A decode's attention equals the same row's as the first of several query rows (a draft being
+    verified): bit for bit, tiles or not."""
+    if not kernels.paged_prefill_supported(6, 2, 32):
+        pytest.skip("no AVX-512 paged prefill")
+    torch.manual_seed(1)
+    bs, H, KVH, D = 16, 6, 2, 32
+    k_cache, v_cache = (torch.randn(4 * bs, KVH, D).bfloat16() for _ in range(2))
+    q = torch.randn(9, H, D).bfloat16()
+    table = np.array([[2, 0, 3, 1]], np.int64)
+    backend = attention(torch.bfloat16, (H, KVH, D))
+
+    def run(n: int, ctx: int) -> torch.Tensor:
+        layout = StepLayout(np.array([n]), np.array([ctx]), table, np.zeros(n, np.int64), bs)
+        out = torch.zeros(n, H, D).bfloat16()
+        p = backend.prepare(layout, torch.device("cpu")).paged
+        kernels.paged_attention(q[:n].contiguous(), k_cache, v_cache, out, p, D**-0.5)
+        return out
+
+    assert torch.equal(run(1, 50)[0], run(9, 58)[0])
 
 
 @pytest.mark.parametrize("tiles", [0, 1])
