@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_NGRAM = 3  # longest suffix looked up
-MIN_NGRAM = 1
+MAX_NGRAM = 8  # longest suffix matched: a longer match picks the right one of a token's occurrences
+CANDIDATES = 64  # a token's latest occurrences tried
+WEAK_DRAFT = 2  # tokens drafted on a one-token match (weak evidence: often the wrong occurrence)
 # The draft rows a step may add: verification is nearly free while the step stays small (the low-bit
 # kernels are bound by reading the weights), not once a big batch has made the step compute bound.
 MAX_STEP_ROWS = 16
@@ -33,10 +34,10 @@ MAX_STEP_ROWS = 16
 
 @dataclass(slots=True)
 class DraftState:
-    """One request's n-gram index and draft length."""
+    """One request's token index and draft length."""
 
-    index: list[dict[tuple[int, ...], int]] = field(default_factory=lambda: [{} for _ in range(MAX_NGRAM + 1)])
-    indexed: int = 0  # n-grams ending before this position are in `index`
+    where: dict[int, list[int]] = field(default_factory=dict)  # token → the positions it occurs at, in order
+    indexed: int = 0  # positions before this one are in `where`
     length: float = 0.0  # the next draft's length (adapted by acceptance); 0 until the first proposal
     drafted: int = 0
     accepted: int = 0
@@ -59,23 +60,33 @@ class Drafter:
             state = req.spec = DraftState(length=float(self.k))
         ids = req.all_ids
         L = len(ids)
-        # index every n-gram that ends before the last token (the suffix itself must not match itself)
-        for end in range(max(state.indexed, 1), L):
-            for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
-                state.index[n][tuple(ids[end - n:end])] = end
-        state.indexed = max(state.indexed, L)
+        where = state.where
+        for pos in range(state.indexed, L - 1):  # the last token must not match itself
+            where.setdefault(ids[pos], []).append(pos)
+        state.indexed = max(state.indexed, L - 1)
         room = req.params.max_new_tokens - len(req.output_ids) - 1  # the step samples one token anyway
         want = min(int(state.length), budget, room)
-        if want <= 0:
+        if want <= 0 or L < 2:
             return []
-        for n in range(min(MAX_NGRAM, L), MIN_NGRAM - 1, -1):
-            end = state.index[n].get(tuple(ids[L - n:]))
-            if end is not None:
-                draft = ids[end:end + want]
-                while len(draft) < want:  # the match runs into the suffix: a period, continued
-                    draft.append(draft[len(draft) - (L - end)])
-                return draft
-        return []
+        # the occurrence of the last token whose preceding tokens match the suffix longest (the latest on a tie)
+        best, best_n = -1, 0
+        for pos in reversed(where.get(ids[-1], ())[-CANDIDATES:]):
+            n = 1
+            while n < MAX_NGRAM and n <= pos and ids[pos - n] == ids[L - 1 - n]:
+                n += 1
+            if n > best_n:
+                best, best_n = pos, n
+                if n == MAX_NGRAM:
+                    break
+        if best < 0:
+            return []
+        if best_n == 1:
+            want = min(want, WEAK_DRAFT)
+        end = best + 1
+        draft = ids[end:end + want]
+        while len(draft) < want:  # the match runs into the suffix: a period, continued
+            draft.append(draft[len(draft) - (L - end)])
+        return draft
 
     def observe(self, req, drafted: int, accepted: int) -> None:  # type: ignore[no-untyped-def]
         """A step verified `drafted` tokens of `req`'s draft and kept `accepted`."""

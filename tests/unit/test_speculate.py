@@ -21,6 +21,15 @@ def test_ngram_draft_follows_the_latest_earlier_occurrence_of_the_longest_suffix
     assert Drafter(4).propose(req, 16) == [5]  # one token is sampled anyway: max_new_tokens - 1 drafted
 
 
+def test_a_longer_match_picks_an_older_occurrence_and_a_one_token_match_drafts_little():
+    # (1, 2, 3) occurs twice before the suffix; 8, 1, 2, 3 only at the first: its continuation wins
+    req = make_request("a", [7, 8, 1, 2, 3, 4, 9, 9, 1, 2, 3, 5, 7, 8, 1, 2, 3])
+    assert Drafter(4).propose(req, 16) == [4, 9, 9, 1]
+    # only the last token matches (weak evidence): at most WEAK_DRAFT tokens
+    req = make_request("b", [5, 1, 2, 3, 4, 5])
+    assert Drafter(4).propose(req, 16) == [1, 2]
+
+
 def test_the_index_grows_with_the_output():
     d, req = Drafter(2), make_request("a", [1, 2, 3])
     assert d.propose(req, 8) == []
