@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+DRAFT_MODEL_TOKENS = 4  # a draft model's tokens per step when --speculate is not given
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
@@ -31,7 +33,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     batch_invariant: bool = True  # CPU: a row's numerics do not depend on the step (docs/batch-invariance.md)
-    speculate: int = 0  # n-gram draft tokens per decode step, at most (0: off; pytgi.engine.speculate)
+    speculate: int = 0  # draft tokens per decode step, at most (0: off; pytgi.engine.speculate)
+    draft_model: str | None = None  # a smaller model with the same tokenizer drafts (else n-gram drafts)
     kv_cache_memory_fraction: float = 0.9  # of free memory left after the weights (CUDA)
     kv_cache_cpu_bytes: int = 4 << 30  # on CPU: the most the KV cache takes by default
     attention_backend: str = "torch"
@@ -53,6 +56,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be strictly positive, got {value}")
         if self.num_shard < 1:
             raise ValueError(f"num_shard must be >= 1, got {self.num_shard}")
+        if self.speculate < 0:
+            raise ValueError(f"speculate must be >= 0, got {self.speculate}")
+
+    @property
+    def draft_tokens(self) -> int:
+        """Draft tokens per decode step, at most: --speculate, or 4 with a draft model and no --speculate."""
+        return self.speculate or (DRAFT_MODEL_TOKENS if self.draft_model else 0)
 
     def resolve(self, *, model_id: str, model_path: str, dtype: str, device_type: str, vocab_size: int,
                 max_positions: int, kv_capacity: Callable[[], int],
@@ -86,7 +96,8 @@ class EngineConfig:
             max_batch_total_tokens=num_blocks * self.block_size, max_batch_size=self.max_batch_size or 256,
             waiting_served_ratio=self.waiting_served_ratio, max_waiting_tokens=self.max_waiting_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill, enable_prefix_caching=self.enable_prefix_caching,
-            block_size=self.block_size, num_blocks=num_blocks, quantization=quantization, speculate=self.speculate,
+            block_size=self.block_size, num_blocks=num_blocks, quantization=quantization, speculate=self.draft_tokens,
+            draft_model=self.draft_model,
         )
 
 
@@ -116,3 +127,4 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     # A GGUF model's tensor types as the file has them, with their counts (e.g. {"Q4_K": 27, "F32": 109})
     quantization: dict[str, int] | None = None
     speculate: int = 0  # draft tokens per decode step, at most
+    draft_model: str | None = None  # the draft model (--draft-model-id), if any

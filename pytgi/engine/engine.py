@@ -54,13 +54,26 @@ class LLMEngine:
         )
         self.block_manager = BlockManager(self.info.num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner.allocate_kv_cache(self.info.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.info, self.block_manager)
+        try:
+            drafter = self._draft_model(config, model_path) if config.draft_model else None
+        except BaseException:
+            self.shutdown()
+            raise
+        self.scheduler = Scheduler(self.info, self.block_manager, drafter=drafter)
         self.num_failed_steps = 0
         self.last_step = P.StepInfo()  # what the last step did, for the metrics
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks x %d, load %.1fs",
             model_id, runner.device, runner.dtype, self.info.num_blocks, config.block_size, load_seconds,
         )
+
+    def _draft_model(self, config: EngineConfig, model_path: Path):  # type: ignore[no-untyped-def]
+        from pytgi.engine.draft import DraftModel
+
+        runner = self.runner
+        return DraftModel(config.draft_model, self.info.speculate, model_path, runner.vocab_size, runner.device,
+                          config.block_size, self.info.num_blocks, self.eos_token_ids, config.batch_invariant,
+                          config.progress)
 
     @property
     def model_path(self) -> Path:

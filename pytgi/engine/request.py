@@ -41,6 +41,7 @@ class Request:
     partial_prompt_logprobs: list[float | None] = field(default_factory=list)  # until then, chunk by chunk
     speculative: bool = True  # may decode with drafts (not with a grammar or a watermark)
     spec: DraftState | None = None  # its n-gram index and draft length, once it drafted
+    num_accepted: int = 0  # draft tokens accepted (TGI's skipped tokens)
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.prompt_ids) + list(self.output_ids)

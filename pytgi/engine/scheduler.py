@@ -65,7 +65,10 @@ class RunnerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineInfo, block_manager: BlockManager, watermark: float = 0.01) -> None:
+    def __init__(self, config: EngineInfo, block_manager: BlockManager, watermark: float = 0.01,
+                 drafter=None) -> None:  # type: ignore[no-untyped-def]
+        """`drafter`: the draft proposer (`pytgi.engine.draft.DraftModel`); None: n-gram drafts when
+        `config.speculate`."""
         self.config = config
         self.block_manager = block_manager
         self.watermark = watermark  # fraction of blocks kept free when admitting, so decodes need not preempt
@@ -74,7 +77,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the first preempted
         self.steps_since_admission = 0
         self.num_preemptions = 0
-        self.drafter = Drafter(config.speculate) if config.speculate > 0 else None
+        self.drafter = drafter or (Drafter(config.speculate) if config.speculate > 0 else None)
         self.spec_drafted = self.spec_accepted = 0  # draft tokens verified / accepted since start
 
     def add(self, req: Request) -> None:
@@ -91,6 +94,8 @@ class Scheduler:
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
         self.block_manager.free(req)
+        if self.drafter is not None:
+            self.drafter.release(req)
         self.requests.pop(req.request_id, None)
         req.status = Status.FINISHED
 
@@ -133,20 +138,16 @@ class Scheduler:
         return budget, prompt_budget
 
     def _draft(self, out: SchedulerOutput, budget: int) -> int:
-        """Give this step's decodes n-gram drafts while the step stays small (MAX_STEP_ROWS: a big
-        batch makes verification cost what it saves) and blocks are free; returns the budget left."""
+        """Give this step's decodes drafts while the step stays small (MAX_STEP_ROWS: a big batch
+        makes verification cost what it saves) and blocks are free; returns the budget left."""
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1 and s.samples and s.request.output_ids]
         spare = min(budget, MAX_STEP_ROWS - len(decodes))
-        for s in decodes:
-            req = s.request
-            if spare <= 0:
-                break
-            if not req.speculative:
-                continue
-            draft = self.drafter.propose(req, spare)
-            if draft and self.block_manager.allocate(req, 1 + len(draft)):
+        decodes = [s for s in decodes if s.request.speculative]
+        if spare <= 0 or not decodes:
+            return budget
+        for s, draft in zip(decodes, self.drafter.propose_batch([s.request for s in decodes], spare)):
+            if draft and self.block_manager.allocate(s.request, 1 + len(draft)):
                 s.draft, s.num_new_tokens = draft, 1 + len(draft)
-                spare -= len(draft)
                 budget -= len(draft)
         return budget
 
@@ -154,6 +155,8 @@ class Scheduler:
         """Free the request's blocks; it is recomputed from its tokens when readmitted (first)."""
         self.running.remove(req)
         self.block_manager.free(req)
+        if self.drafter is not None:
+            self.drafter.release(req)
         req.num_computed_tokens = 0
         req.partial_prompt_logprobs = []  # recomputed from the start
         req.status = Status.WAITING
@@ -230,7 +233,7 @@ class Scheduler:
                 if reason is not None:
                     self.finish(req)
                     update.finish_reason = reason.value
-                    update.num_skipped = req.spec.accepted if req.spec is not None else 0
+                    update.num_skipped = req.num_accepted
             elif prompt_logprobs is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             else:
@@ -249,6 +252,7 @@ class Scheduler:
         self.drafter.observe(req, len(s.draft), accepted)
         self.spec_drafted += len(s.draft)
         self.spec_accepted += accepted
+        req.num_accepted += accepted
         req.num_computed_tokens += 1 + accepted  # the last token and the accepted drafts have KV now
         updates = []
         for update in tokens:
@@ -262,7 +266,7 @@ class Scheduler:
                 update.finish_reason = reason.value
                 break
         if req.status is Status.FINISHED:
-            updates[-1].num_skipped = req.spec.accepted
+            updates[-1].num_skipped = req.num_accepted
         else:
             self.block_manager.cache_full_blocks(req)
             self.block_manager.trim(req)

@@ -16,8 +16,9 @@ output is the one it would have had without speculation, token for token. For a 
 token per position (a point mass) this is the rejection sampling of Leviathan et al.: the draft is
 accepted with probability p(draft), and on rejection the token comes from p without it.
 
-Hooks for other proposers (a draft model, Medusa/EAGLE heads): anything with `propose(req, k)`
-returning token ids, and `observe(req, drafted, accepted)` to adapt.
+The scheduler takes any proposer with `propose_batch(reqs, spare)` (a draft per request, `spare`
+tokens in all), `observe(req, drafted, accepted)` (to adapt) and `release(req)`: this n-gram one,
+or a draft model's (`pytgi.engine.draft`, `--draft-model-id`). Medusa/EAGLE heads would be a third.
 """
 
 from __future__ import annotations
@@ -87,6 +88,17 @@ class Drafter:
         while len(draft) < want:  # the match runs into the suffix: a period, continued
             draft.append(draft[len(draft) - (L - end)])
         return draft
+
+    def propose_batch(self, reqs: list, spare: int) -> list[list[int]]:  # type: ignore[type-arg]
+        """A draft for each request in turn (possibly empty), `spare` tokens in all at most."""
+        drafts = []
+        for req in reqs:
+            drafts.append(self.propose(req, spare) if spare > 0 else [])
+            spare -= len(drafts[-1])
+        return drafts
+
+    def release(self, req) -> None:  # type: ignore[no-untyped-def]
+        """The request ended or was preempted (its n-gram index lives on the request)."""
 
     def observe(self, req, drafted: int, accepted: int) -> None:  # type: ignore[no-untyped-def]
         """A step verified `drafted` tokens of `req`'s draft and kept `accepted`."""

@@ -37,7 +37,10 @@ FLAGS: list[tuple[str, type, object, str]] = [
     ("--max-input-tokens", int, None, "longest prompt (default: max_total_tokens - 1)"),
     ("--max-total-tokens", int, None, "prompt + generated tokens (default: the model's positions)"),
     ("--waiting-served-ratio", float, 0.3, "admission rule for a running batch"),
-    ("--speculate", int, 0, "n-gram (prompt-lookup) draft tokens verified per decode step, at most (0: off)"),
+    ("--speculate", int, 0, "draft tokens verified per decode step, at most (0: off): n-gram (prompt-lookup) drafts, "
+     "or --draft-model-id's"),
+    ("--draft-model-id", str, None, "a smaller model with the same tokenizer drafts for --speculate (default 4 "
+     "tokens): HF directory or .gguf file"),
     ("--max-batch-prefill-tokens", int, None, "tokens computed per step (default 4096 GPU, 1024 CPU)"),
     ("--max-prefill-tokens-while-decoding", int, None,
      "prompt tokens per step while others decode: bounds a long prompt's stall of running streams (default: no cap)"),
@@ -200,7 +203,7 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
         max_batch_total_tokens=args.max_batch_total_tokens, max_batch_size=args.max_batch_size,
         waiting_served_ratio=args.waiting_served_ratio, max_waiting_tokens=args.max_waiting_tokens,
         enable_prefix_caching=not args.disable_prefix_caching, batch_invariant=not args.disable_batch_invariance,
-        speculate=args.speculate,
+        speculate=args.speculate, draft_model=args.draft_model_id,
         num_shard=args.num_shard,
         master_addr=args.master_addr, master_port=args.master_port,
     )

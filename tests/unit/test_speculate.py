@@ -150,3 +150,38 @@ def test_no_drafts_for_big_batches_grammars_or_without_speculate():
     sched.add(repeating_request())
     step(sched, lambda r, j: 4)
     assert step(sched, lambda r, j: 1)[0].scheduled[0].draft == []
+
+
+class FakeProposer:
+    """A draft model stand-in: records the scheduler's calls."""
+
+    def __init__(self, draft):
+        self.draft, self.calls, self.released, self.observed = draft, [], [], []
+
+    def propose_batch(self, reqs, spare):
+        self.calls.append(([r.request_id for r in reqs], spare))
+        return [self.draft[:spare] for _ in reqs]
+
+    def observe(self, req, drafted, accepted):
+        self.observed.append((req.request_id, drafted, accepted))
+
+    def release(self, req):
+        self.released.append(req.request_id)
+
+
+def test_a_proposer_drafts_for_the_steps_decodes_and_hears_of_their_end():
+    fake = FakeProposer([7, 7, 7])
+    sched = make_scheduler(num_blocks=64, block_size=4)
+    sched = type(sched)(sched.config, sched.block_manager, watermark=0.0, drafter=fake)
+    a, b = repeating_request("a", max_new_tokens=3), repeating_request("b", max_new_tokens=16)
+    for r in (a, b):
+        sched.add(r)
+    step(sched, lambda r, j: 4)  # prefills: no drafts
+    assert fake.calls == []
+    out, updates = step(sched, lambda r, j: 7)  # every draft token confirmed
+    assert fake.calls == [(["a", "b"], 14)]  # 16 rows less the two decodes
+    assert [len(s.draft) for s in out.scheduled] == [3, 3]
+    assert ("a", 3, 3) in fake.observed and ("b", 3, 3) in fake.observed
+    assert a.status is Status.FINISHED and fake.released == ["a"]  # max_new_tokens inside the draft
+    sched.finish(b)  # an abort
+    assert fake.released == ["a", "b"]

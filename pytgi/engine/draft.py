@@ -1,0 +1,180 @@
+"""Speculative decoding with a draft model (`--draft-model-id`): a smaller model with the same
+tokenizer guesses each decode's next tokens, and the model verifies them in its next step.
+
+The draft model runs in the engine process (rank 0, unsharded) on its own paged KV cache, with the
+kernels the machine has. Each step, for the decodes the scheduler lets draft, it computes in one
+batched forward the request's tokens it has not seen yet (the whole prompt the first time), then
+decodes the draft one token per forward, greedily. Its KV is kept for the tokens the model accepted;
+the rest is recomputed when needed, so a draft that was never verified (the step ran out of blocks)
+costs nothing but the work.
+
+Drafts are the draft model's argmax, a point mass, whatever the request's sampling: the runner
+samples every verified row as it would without speculation and keeps the draft's prefix those
+samples confirm (`pytgi.engine.speculate.accepted_prefix`). For a point-mass draft that is the
+rejection sampling of Leviathan et al. (the draft token is kept with probability p(token)), so the
+output distribution is the model's, and a seeded request's tokens are even the ones it gets without
+speculation. Drafting from the draft model's own distribution q would keep more tokens at high
+temperatures, at the price of a residual distribution max(0, p - q) per rejection and seeded outputs
+that change with speculation; pytgi does not do that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pytgi.engine.kv_cache import BlockManager
+from pytgi.engine.request import Request
+from pytgi.engine.sampler import _row_stats
+from pytgi.errors import UserError
+from pytgi.models.attention import StepLayout
+from pytgi.models.cpu import CpuKernels
+from pytgi.models.loader import load_model, read_config, resolve_dtype
+from pytgi.models.registry import resolve_model
+
+
+class DraftModelError(UserError, ValueError):
+    pass
+
+
+@dataclass(slots=True, eq=False)
+class _Seq:
+    """The draft model's view of one request: the tokens its KV holds and their blocks (the fields
+    `BlockManager` reads)."""
+
+    ids: list[int] = field(default_factory=list)  # the tokens whose KV the draft cache holds, in order
+    block_table: list[int] = field(default_factory=list)
+    length: float = 0.0  # the next draft's length, adapted by acceptance as the n-gram drafter's
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return len(self.ids)
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:  # BlockManager sets it on a first allocation
+        del self.ids[value:]
+
+    @property
+    def num_tokens(self) -> int:  # what `BlockManager.trim` keeps blocks for
+        return len(self.ids)
+
+
+def _same_tokenizer(a: Path, b: Path) -> bool:
+    from tokenizers import Tokenizer
+
+    ta, tb = (Tokenizer.from_file(str(p / "tokenizer.json")) for p in (a, b))
+    return ta.get_vocab(with_added_tokens=True) == tb.get_vocab(with_added_tokens=True)
+
+
+class DraftModel:
+    """Proposes drafts of at most `k` tokens with a second, smaller model (see the module's doc)."""
+
+    def __init__(self, model: str, k: int, target_path: Path, target_vocab: int, device: torch.device,
+                 block_size: int, num_blocks: int, eos_token_ids: frozenset[int], batch_invariant: bool = True,
+                 progress: bool = True) -> None:
+        path, self.model_id = resolve_model(model, progress=progress)
+        if not _same_tokenizer(path, target_path):
+            raise DraftModelError(f"the draft model {model!r} does not have the model's tokenizer: "
+                                  "speculative decoding needs the same token ids")
+        self.k, self.device, self.vocab, self.eos = k, device, target_vocab, eos_token_ids
+        dtype = resolve_dtype("auto", read_config(path), device)
+        cpu = CpuKernels.for_device(device, dtype, batch_invariant=batch_invariant)
+        self.model = load_model(path, dtype, device, cpu, "auto")
+        attn = self.model.layers[0].self_attn
+        shape = (2, num_blocks * block_size, attn.n_kv, attn.head_dim)
+        self.kv_caches = [tuple(torch.zeros(shape, dtype=dtype, device=device).unbind(0)) for _ in self.model.layers]
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.seqs: dict[str, _Seq] = {}
+
+    # -- the scheduler's proposer interface ------------------------------------------------------------
+    def propose_batch(self, reqs: list[Request], spare: int) -> list[list[int]]:
+        """A draft for each request (possibly empty), `spare` tokens in all at most."""
+        wants: list[tuple[Request, _Seq, int]] = []
+        for req in reqs:
+            seq = self.seqs.get(req.request_id)
+            if seq is None:
+                seq = self.seqs[req.request_id] = _Seq(length=float(self.k), num_prompt_tokens=req.num_prompt_tokens)
+            room = req.params.max_new_tokens - len(req.output_ids) - 1  # the step samples one token anyway
+            want = min(int(seq.length), spare, room)
+            if want <= 0:
+                continue
+            self._sync(seq, req.all_ids)
+            # blocks for the tokens to catch up on and the draft's first want - 1 tokens
+            if not self.blocks.allocate(seq, req.num_tokens - len(seq.ids) + want - 1):
+                continue
+            wants.append((req, seq, want))
+            spare -= want
+        drafts = {req.request_id: [] for req in reqs}
+        if wants:
+            self._draft(wants, drafts)
+        return [drafts[req.request_id] for req in reqs]
+
+    def observe(self, req: Request, drafted: int, accepted: int) -> None:
+        """The step kept `accepted` of the `drafted` tokens: adapt the next draft's length (as the
+        n-gram drafter does). The KV of rejected tokens is dropped at the next proposal."""
+        seq = self.seqs[req.request_id]
+        if accepted == drafted:
+            seq.length = min(seq.length * 2, float(self.k))
+        else:
+            seq.length = max(1.0, seq.length / 2 if accepted == 0 else float(accepted + 1))
+
+    def release(self, req: Request) -> None:
+        seq = self.seqs.pop(req.request_id, None)
+        if seq is not None:
+            self.blocks.free(seq)
+
+    # -- the draft model's forwards ----------------------------------------------------------------------
+    def _sync(self, seq: _Seq, ids: list[int]) -> None:
+        """Keep the KV of the longest common prefix of what the cache holds and the request's tokens,
+        less the last token (its logits give the draft's first token)."""
+        n, limit = 0, min(len(seq.ids), len(ids) - 1)
+        while n < limit and seq.ids[n] == ids[n]:
+            n += 1
+        del seq.ids[n:]
+        self.blocks.trim(seq)
+
+    @torch.inference_mode()
+    def _draft(self, wants: list[tuple[Request, _Seq, int]], drafts: dict[str, list[int]]) -> None:
+        feed = [req.all_ids[len(seq.ids):] for req, seq, _ in wants]  # catch up, then one draft token each
+        active = list(range(len(wants)))
+        while active:
+            nxt = self._forward([wants[i][1] for i in active], [feed[i] for i in active])
+            still = []
+            for i, token in zip(active, nxt):
+                req, seq, want = wants[i]
+                draft = drafts[req.request_id]
+                if token >= self.vocab:  # a token the model does not have (a padded vocabulary)
+                    continue
+                draft.append(token)
+                if len(draft) < want and token not in self.eos:
+                    feed[i] = [token]
+                    still.append(i)
+            active = still
+
+    def _forward(self, seqs: list[_Seq], tokens: list[list[int]]) -> list[int]:
+        """Compute `tokens` after each sequence's cached ones (appending them to it); the argmax after
+        each sequence's last token."""
+        bs = self.blocks.block_size
+        q_lens = np.array([len(t) for t in tokens], np.int64)
+        starts = np.array([len(s.ids) for s in seqs], np.int64)
+        req_idx = np.repeat(np.arange(len(seqs)), q_lens)
+        cu = np.cumsum(q_lens)
+        positions = starts[req_idx] + np.arange(int(cu[-1])) - (cu - q_lens)[req_idx]
+        tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), np.int64)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        slots = tables[req_idx, positions // bs] * bs + positions % bs
+        layout = StepLayout(q_lens, starts + q_lens, tables, slots, bs)
+        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=self.device)
+        meta = self.model.attention.prepare(layout, self.device)
+        hidden = self.model(ids, torch.from_numpy(positions).to(self.device), self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(cu - 1).to(self.device)]).float()
+        for s, ts in zip(seqs, tokens):
+            s.ids.extend(ts)
+        return _row_stats(logits, False)[0].tolist()
