@@ -10,7 +10,12 @@ by pytgi's tokenizer) on the same GGUF file, without and with its n-gram specula
 its decode tokens/s. Prints a table and writes benchmarks/results/speculation-<timestamp>.json. The
 mixed concurrent load is `pytgi bench --peer pytgi --peer pytgi="--speculate 4"` (docs/benchmarks.md).
 
+With --draft-model PATH the speculative run drafts with that model (`--draft-model-id`) instead of
+n-grams; --dtype sets the model's dtype for both runs (the draft model runs its own fast path), e.g.
+the exact float32 path drafted by the same GGUF's fast path:
+
     .venv/bin/python benchmarks/speculation.py [--speculate 4] [--max-new-tokens 256] [--llama-server BIN]
+    .venv/bin/python benchmarks/speculation.py --dtype float32 --draft-model $GGUF --speculate 4
 """
 
 from __future__ import annotations
@@ -120,12 +125,15 @@ def main() -> None:
     ap.add_argument("--speculate", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--llama-server", default=None, help="llama-server binary to compare with")
+    ap.add_argument("--draft-model", default=None, help="draft with this model (a directory or .gguf file)")
+    ap.add_argument("--dtype", default="auto", help="the model's dtype (auto: its fast path)")
     args = ap.parse_args()
     from pytgi import LLM, SamplingParams
     from pytgi.bench.report import git_commit, machine_info, utc_stamp
 
-    plain = LLM(args.model, max_batch_total_tokens=16384)
-    spec = LLM(args.model, max_batch_total_tokens=16384, speculate=args.speculate)
+    plain = LLM(args.model, dtype=args.dtype, max_batch_total_tokens=16384)
+    spec = LLM(args.model, dtype=args.dtype, max_batch_total_tokens=16384, speculate=args.speculate,
+               draft_model=args.draft_model)
     tok = plain.tokenizer
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)
     rows = []
@@ -163,6 +171,7 @@ def main() -> None:
         print(f"{kind}: {plain_s:.1f} -> {spec_s:.1f} tok/s over all its tokens = {spec_s / plain_s:.2f}x")
     path = REPO / "benchmarks" / "results" / f"speculation-{utc_stamp()}.json"
     path.write_text(json.dumps({"commit": git_commit(), "machine": machine_info(), "speculate": args.speculate,
+                                "dtype": args.dtype, "draft_model": args.draft_model,
                                 "max_new_tokens": args.max_new_tokens, "rows": rows}, indent=2))
     print(f"wrote {path.relative_to(REPO)}")
 
