@@ -178,10 +178,10 @@ int pytgi_qgemm_amx_supported(void) {
 
 /* tiles: 0, 1, 6, 7: C (16 rows × 16 int32); 2: A, 16 activation rows × 32 bytes; 3: B, 8 rows × 64
  * bytes; 4: A over 16 inputs; 5: B over 16 inputs (4 rows) */
-static amx_config qgemm_config(void) {
+static amx_config qgemm_config(int R) { /* R: activation rows per tile (16, or all of a smaller step's) */
     amx_config cfg = {0};
     cfg.palette_id = 1;
-    const int rows[8] = {16, 16, 16, 8, 16, 4, 16, 16}, colsb[8] = {64, 64, 32, 64, 16, 64, 64, 64};
+    const int rows[8] = {R, R, R, 8, R, 4, R, R}, colsb[8] = {64, 64, 32, 64, 16, 64, 64, 64};
     for (int t = 0; t < 8; t++) cfg.rows[t] = (uint8_t)rows[t], cfg.colsb[t] = (uint16_t)colsb[t];
     return cfg;
 }
@@ -229,7 +229,7 @@ static inline __attribute__((always_inline)) void amx_sums(const uint8_t *blk, i
  * in `tile`, one register per row. */
 static inline __attribute__((always_inline)) void amx_rows(const uint8_t *blk, int bits, int64_t G,
                                                             const int8_t *xq, const float *sx, const float *sxs,
-                                                            const float *sxh, int64_t K, __m512 *acc) {
+                                                            const float *sxh, int64_t K, int R, __m512 *acc) {
     const int64_t wbytes = bits == 4 ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
     uint8_t B[2][512] __attribute__((aligned(64)));
     int32_t C[2][2 * 16 * 16] __attribute__((aligned(64)));
@@ -246,7 +246,7 @@ static inline __attribute__((always_inline)) void amx_rows(const uint8_t *blk, i
             m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 96)));
         }
 #pragma GCC unroll 16
-        for (int r = 0; r < 16; r++) { /* fold_group, as `tile` calls it */
+        for (int r = 0; r < R; r++) { /* fold_group, as `tile` calls it */
             const __m512i s0 = _mm512_load_si512((const void *)(c + 16 * r));  /* the whole group's sum, or its first half */
             const __m512i s1 = bits == 16 ? _mm512_load_si512((const void *)(c + 256 + 16 * r)) : _mm512_setzero_si512();
             acc[r] = fold_group(acc[r], s0, s1, bits, d, m, d1, m1, sx[r * G + g], sxs[r * G + g], sxh[r * G + g]);
@@ -259,7 +259,10 @@ static inline __attribute__((always_inline)) void amx_rows(const uint8_t *blk, i
  * of memory. */
 int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
                          int64_t bits) {
-    const int64_t G = K / 32, tile_bytes = G * block_bytes(bits), Mp = (M + 15) / 16 * 16;
+    /* a step of fewer than 16 rows configures tiles of that many rows: the tiles' products, stores
+     * and folds cost what its rows need, not a whole tile's */
+    const int R = M < 16 ? (int)M : 16;
+    const int64_t G = K / 32, tile_bytes = G * block_bytes(bits), Mp = (M + R - 1) / R * R;
     int8_t *xq = aligned_alloc(64, (size_t)(Mp * K)); /* zero-padded to whole 16-row tiles */
     float *sx = malloc(sizeof(float) * (size_t)(3 * Mp * G));
     if (xq == NULL || sx == NULL) {
@@ -272,7 +275,7 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
     for (int64_t i = M * G; i < Mp * G; i++) sx[i] = sxs[i] = sxh[i] = 0.0f;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t t = 0; t < M; t++) quantize_row(x + t * K, K, xq + t * K, sx + t * G, sxs + t * G, sxh + t * G);
-    const amx_config cfg = qgemm_config();
+    const amx_config cfg = qgemm_config(R);
     _Pragma("omp parallel")
     {
         amx_config saved;
@@ -280,7 +283,7 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
         _tile_loadconfig(&cfg);
         /* 4-bit blocks are spread to bytes once per column tile (as 8-bit blocks: the same sums and
          * scales) when several row tiles read them */
-        uint8_t *wide = bits == 4 && Mp > 16 ? aligned_alloc(64, (size_t)(G * block_bytes(8))) : NULL;
+        uint8_t *wide = bits == 4 ? aligned_alloc(64, (size_t)(G * block_bytes(8))) : NULL;
         _Pragma("omp for schedule(static)")
         for (int64_t n16 = 0; n16 < N / 16; n16++) {
             const uint8_t *blk = w + n16 * tile_bytes;
@@ -299,14 +302,14 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
                 }
                 blk = wide, kind = 8;
             }
-            for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+            for (int64_t m0 = 0; m0 < Mp; m0 += R) {
                 __m512 acc[16];
                 const int64_t rows = M - m0 < 16 ? M - m0 : 16;
                 const int8_t *xm = xq + m0 * K;
                 const float *s0 = sx + m0 * G, *s1 = sxs + m0 * G, *s2 = sxh + m0 * G;
-                if (kind == 4) amx_rows(blk, 4, G, xm, s0, s1, s2, K, acc); /* the width a literal in each copy */
-                else if (kind == 8) amx_rows(blk, 8, G, xm, s0, s1, s2, K, acc);
-                else amx_rows(blk, 16, G, xm, s0, s1, s2, K, acc);
+                if (kind == 4) amx_rows(blk, 4, G, xm, s0, s1, s2, K, R, acc); /* the width a literal in each copy */
+                else if (kind == 8) amx_rows(blk, 8, G, xm, s0, s1, s2, K, R, acc);
+                else amx_rows(blk, 16, G, xm, s0, s1, s2, K, R, acc);
                 for (int64_t r = 0; r < rows; r++)
                     _mm256_storeu_si256((void *)(out + (m0 + r) * N + 16 * n16), (__m256i)_mm512_cvtneps_pbh(acc[r]));
             }

@@ -265,7 +265,7 @@ def test_every_row_is_the_same_whatever_the_step(kind):
         assert torch.equal(qw.matmul(x[:M]), full[:M]), M
         assert torch.equal(qw.matmul(x[M:M + 20]), full[M:M + 20]), M
     if kernels.amx_supported():
-        for M in (1, 5, 16, 33):
+        for M in (1, 2, 5, 9, 15, 16, 33):  # tiles of M rows below 16, of 16 above
             vnni = kernels.lowbit_matmul(x[:M].contiguous(), qw.packed, 96, qw.bits, amx=False)
             assert torch.equal(kernels.lowbit_matmul(x[:M].contiguous(), qw.packed, 96, qw.bits, amx=True), vnni)
 
