@@ -108,3 +108,19 @@ def test_a_draft_model_with_another_tokenizer_is_refused(pair, tmp_path):
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0")).save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(DraftModelError, match="tokenizer"):
         LLM(str(target_dir), draft_model=str(tmp_path), max_batch_total_tokens=1024)
+
+
+def test_preemption_keeps_the_output_and_frees_the_drafts_cache(pair, engines):
+    target_dir, draft_dir = pair
+    plain, _ = engines
+    small = LLM(str(target_dir), draft_model=str(draft_dir), speculate=4, max_batch_total_tokens=96,
+                max_total_tokens=64, max_batch_size=4, block_size=4)
+    try:
+        params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+        want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+        assert [o.token_ids for o in small.generate(PROMPTS, params)] == want
+        sched = small.engine.scheduler
+        assert sched.num_preemptions > 0 and sched.spec_accepted > 0
+        assert not sched.drafter.seqs and sched.drafter.blocks.num_free_blocks == sched.drafter.blocks.num_blocks
+    finally:
+        small.shutdown()
