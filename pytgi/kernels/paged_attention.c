@@ -308,156 +308,320 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
+/* Keys and values j0 .. j0+n-1 (n <= 32) of one kv head, for the tiles: Kᵀ tiles [D/32][2 halves][16][32]
+ * in kt and V tiles by key pairs [D/16][16][32] in vt (keys past n are zeros). */
+static void amx_block_kv(int64_t D, const uint16_t *kc, const uint16_t *vc, const int64_t *table, int64_t bs,
+                         int64_t row, int64_t kvh, int64_t j0, int64_t n, int64_t ctx, uint16_t *kt, uint16_t *vt) {
+    const uint16_t *krow[32], *vrow[32];
+    for (int64_t j = 0; j < 32; j++) {
+        const int64_t pos = j0 + (j < n ? j : 0), off = (table[pos / bs] * bs + pos % bs) * row + kvh * D;
+        krow[j] = kc + off, vrow[j] = vc + off;
+        if (j0 + 32 + j < ctx) { /* the next block's rows: the cache is read in scattered pieces of D values */
+            const int64_t ahead = (table[(j0 + 32 + j) / bs] * bs + (j0 + 32 + j) % bs) * row + kvh * D;
+            for (int64_t b = 0; b < D; b += 32) {
+                _mm_prefetch((const char *)(kc + ahead + b), _MM_HINT_T0);
+                _mm_prefetch((const char *)(vc + ahead + b), _MM_HINT_T0);
+            }
+        }
+    }
+    for (int64_t dc = 0; dc < D / 32; dc++)
+        for (int64_t h = 0; h < 2; h++) {
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++)
+                r[i] = 16 * h + i < n ? _mm512_loadu_si512(krow[16 * h + i] + 32 * dc) : _mm512_setzero_si512();
+            transpose16(r);
+            for (int64_t i = 0; i < 16; i++) _mm512_store_si512(kt + ((dc * 2 + h) * 16 + i) * 32, r[i]);
+        }
+    for (int64_t dv = 0; dv < D / 16; dv++)
+        for (int64_t p = 0; p < 16; p++) {
+            const __m512i a = 2 * p < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(vrow[2 * p] + 16 * dv))) : _mm512_setzero_si512();
+            const __m512i b = 2 * p + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(vrow[2 * p + 1] + 16 * dv))) : _mm512_setzero_si512();
+            _mm512_store_si512(vt + (dv * 16 + p) * 32, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+        }
+}
+
+/* One tile of query rows r0 .. r0+15 (of R = Q*G; qa: the tile's rows, D bf16 each, zero past R) against
+ * keys j0 .. j0+n-1 (amx_block_kv's kt and vt), online softmax: acc (D floats per row), m and l
+ * are the tile's rows' own. Row r is query token r / G at position ctx - Q + r / G (causal). */
+static inline void amx_block_rows(int64_t D, const uint16_t *qa, int64_t r0, int64_t R, int64_t G, int64_t Q,
+                                  int64_t ctx, int64_t j0, int64_t n, float scale, const uint16_t *kt,
+                                  const uint16_t *vt, float *acc, float *m, float *l) {
+    const int64_t last = (r0 + 15 < R - 1 ? r0 + 15 : R - 1) / G; /* the tile's last (latest) token */
+    if (ctx - Q + last + 1 <= j0) return;                          /* sees none of these keys */
+    float S[16 * 32] __attribute__((aligned(64))), Cv[16 * 16] __attribute__((aligned(64)));
+    uint16_t P[16 * 32] __attribute__((aligned(64)));
+    float alpha[16];
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t dc = 0; dc < D / 32; dc++) {
+        _tile_loadd(2, qa + 32 * dc, D * 2);
+        _tile_loadd(3, kt + (dc * 2) * 512, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_loadd(3, kt + (dc * 2 + 1) * 512, 64);
+        _tile_dpbf16ps(1, 2, 3);
+    }
+    _tile_stored(0, S, 128);
+    _tile_stored(1, S + 16, 128);
+    for (int64_t i = 0; i < 16; i++) {
+        const int64_t r = r0 + i;
+        const int64_t vis = r < R ? ctx - Q + r / G + 1 - j0 : 0; /* keys of this block the row sees */
+        const int64_t nv = vis < n ? (vis > 0 ? vis : 0) : n;
+        const __mmask16 k0 = (__mmask16)(nv >= 16 ? 0xFFFF : (1u << nv) - 1u);
+        const __mmask16 k1 = (__mmask16)(nv >= 32 ? 0xFFFF : nv > 16 ? (1u << (nv - 16)) - 1u : 0);
+        if (nv == 0) {
+            alpha[i] = 1.0f;
+            _mm512_store_si512(P + 32 * i, _mm512_setzero_si512());
+            continue;
+        }
+        const __m512 s0 = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), k0, _mm512_load_ps(S + 32 * i), _mm512_set1_ps(scale));
+        const __m512 s1 = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), k1, _mm512_load_ps(S + 32 * i + 16), _mm512_set1_ps(scale));
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)), m_new = mx > m[i] ? mx : m[i];
+        const __m512 p0 = _mm512_maskz_mov_ps(k0, exp16(_mm512_sub_ps(s0, _mm512_set1_ps(m_new))));
+        const __m512 p1 = _mm512_maskz_mov_ps(k1, exp16(_mm512_sub_ps(s1, _mm512_set1_ps(m_new))));
+        alpha[i] = m_new > m[i] ? (m[i] == -INFINITY ? 0.0f : expf(m[i] - m_new)) : 1.0f;
+        m[i] = m_new;
+        l[i] = l[i] * alpha[i] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+        _mm512_store_si512(P + 32 * i, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    _tile_loadd(5, P, 64);
+    for (int64_t dv = 0; dv < D / 16; dv++) {
+        _tile_zero(4);
+        _tile_loadd(6, vt + dv * 512, 64);
+        _tile_dpbf16ps(4, 5, 6);
+        _tile_stored(4, Cv, 64);
+        for (int64_t i = 0; i < 16 && r0 + i < R; i++) {
+            float *o = acc + i * D + 16 * dv;
+            _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), _mm512_set1_ps(alpha[i]), _mm512_load_ps(Cv + 16 * i)));
+        }
+    }
+}
+
+/* A pair's query rows (R = Q*G, zero-padded to whole tiles), gathered for the tiles: row r is query
+ * token r / G's head r % G; q points at the pair's first head of token 0, tokens qstride apart. */
+static uint16_t *amx_query_rows(int64_t D, const uint16_t *q, int64_t qstride, int64_t Q, int64_t G) {
+    const int64_t R = Q * G, RT = (R + 15) / 16;
+    uint16_t *qa = aligned_alloc(64, (size_t)(RT * 16 * D * 2));
+    if (qa == NULL) return NULL;
+    memset(qa, 0, (size_t)(RT * 16 * D * 2));
+    for (int64_t r = 0; r < R; r++) memcpy(qa + r * D, q + (r / G) * qstride + (r % G) * D, (size_t)(D * 2));
+    return qa;
+}
+
+/* Tiles with R query rows (S, q, P·V, P) and 16 (Kᵀ, V): a decode's few rows cost few rows. The
+ * thread's current R is remembered, so tasks of the same size do not configure again. */
+static _Thread_local int amx_rows_now = 0;
+static inline void amx_rows_config(int R) {
+    if (R == amx_rows_now) return;
+    amx_config cfg = {0};
+    cfg.palette_id = 1;
+    for (int t = 0; t < 7; t++) cfg.rows[t] = (uint8_t)(t == 3 || t == 6 ? 16 : R), cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+    amx_rows_now = R;
+}
+
 static int chunk_amx(int64_t D, const uint16_t *q, int64_t qstride, int64_t Q, int64_t ctx, const uint16_t *kc,
                       const uint16_t *vc, const int64_t *table, int64_t bs, int64_t KVH, int64_t kvh, int64_t j_begin,
                       int64_t j_end, int64_t G, float scale, float *acc, float *m, float *l) {
-    const int64_t R = Q * G, RT = (R + 15) / 16, row = KVH * D;
-    uint16_t *qa = aligned_alloc(64, (size_t)(RT * 16 * D * 2)); /* query rows, zero-padded to whole tiles */
-    uint16_t *kt = aligned_alloc(64, (size_t)(D / 32 * 2 * 1024)); /* Kᵀ tiles: [D/32][2 halves][16][32] */
-    uint16_t *vt = aligned_alloc(64, (size_t)(D / 16 * 1024));     /* V tiles by key pairs: [D/16][16][32] */
-    if (qa == NULL || kt == NULL || vt == NULL) {
-        free(qa);
-        free(kt);
-        free(vt);
-        return 1;
+    const int64_t R = Q * G, RT = (R + 15) / 16;
+    uint16_t kt[MAXD / 32 * 2 * 512] __attribute__((aligned(64))), vt[MAXD / 16 * 512] __attribute__((aligned(64)));
+    uint16_t one[16 * MAXD] __attribute__((aligned(64))); /* a decode's rows: one tile, no allocation */
+    uint16_t *qa = RT == 1 ? one : amx_query_rows(D, q, qstride, Q, G);
+    if (qa == NULL) return 1;
+    if (RT == 1) {
+        memset(one, 0, sizeof(uint16_t) * (size_t)(16 * D));
+        for (int64_t r = 0; r < R; r++) memcpy(one + r * D, q + (r / G) * qstride + (r % G) * D, (size_t)(D * 2));
     }
-    memset(qa, 0, (size_t)(RT * 16 * D * 2));
-    for (int64_t r = 0; r < R; r++) memcpy(qa + r * D, q + (r / G) * qstride + (r % G) * D, (size_t)(D * 2));
+    amx_rows_config(RT == 1 ? (int)R : 16);
     for (int64_t r = 0; r < R; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
         memset(acc + r * D, 0, sizeof(float) * (size_t)D);
     }
-    float S[16 * 32] __attribute__((aligned(64))), Cv[16 * 16] __attribute__((aligned(64)));
-    uint16_t P[16 * 32] __attribute__((aligned(64)));
-    float alpha[16];
     for (int64_t j0 = j_begin; j0 < j_end; j0 += 32) {
         const int64_t n = j_end - j0 < 32 ? j_end - j0 : 32;
-        const uint16_t *krow[32], *vrow[32];
-        for (int64_t j = 0; j < 32; j++) {
-            const int64_t pos = j0 + (j < n ? j : 0), off = (table[pos / bs] * bs + pos % bs) * row + kvh * D;
-            krow[j] = kc + off, vrow[j] = vc + off;
-        }
-        for (int64_t dc = 0; dc < D / 32; dc++)
-            for (int64_t h = 0; h < 2; h++) {
-                __m512i r[16];
-                for (int64_t i = 0; i < 16; i++)
-                    r[i] = 16 * h + i < n ? _mm512_loadu_si512(krow[16 * h + i] + 32 * dc) : _mm512_setzero_si512();
-                transpose16(r);
-                for (int64_t i = 0; i < 16; i++) _mm512_store_si512(kt + ((dc * 2 + h) * 16 + i) * 32, r[i]);
-            }
-        for (int64_t dv = 0; dv < D / 16; dv++)
-            for (int64_t p = 0; p < 16; p++) {
-                const __m512i a = 2 * p < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(vrow[2 * p] + 16 * dv))) : _mm512_setzero_si512();
-                const __m512i b = 2 * p + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(vrow[2 * p + 1] + 16 * dv))) : _mm512_setzero_si512();
-                _mm512_store_si512(vt + (dv * 16 + p) * 32, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
-            }
-        for (int64_t rt = 0; rt < RT; rt++) {
-            const int64_t r0 = rt * 16;
-            const int64_t last = (r0 + 15 < R - 1 ? r0 + 15 : R - 1) / G; /* the tile's last (latest) token */
-            if (ctx - Q + last + 1 <= j0) continue;                           /* sees none of these keys */
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int64_t dc = 0; dc < D / 32; dc++) {
-                _tile_loadd(2, qa + r0 * D + 32 * dc, D * 2);
-                _tile_loadd(3, kt + (dc * 2) * 512, 64);
-                _tile_dpbf16ps(0, 2, 3);
-                _tile_loadd(3, kt + (dc * 2 + 1) * 512, 64);
-                _tile_dpbf16ps(1, 2, 3);
-            }
-            _tile_stored(0, S, 128);
-            _tile_stored(1, S + 16, 128);
-            for (int64_t i = 0; i < 16; i++) {
-                const int64_t r = r0 + i;
-                const int64_t vis = r < R ? ctx - Q + r / G + 1 - j0 : 0; /* keys of this block the row sees */
-                const int64_t nv = vis < n ? (vis > 0 ? vis : 0) : n;
-                const __mmask16 k0 = (__mmask16)(nv >= 16 ? 0xFFFF : (1u << nv) - 1u);
-                const __mmask16 k1 = (__mmask16)(nv >= 32 ? 0xFFFF : nv > 16 ? (1u << (nv - 16)) - 1u : 0);
-                if (nv == 0) {
-                    alpha[i] = 1.0f;
-                    _mm512_store_si512(P + 32 * i, _mm512_setzero_si512());
-                    continue;
-                }
-                const __m512 s0 = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), k0, _mm512_load_ps(S + 32 * i), _mm512_set1_ps(scale));
-                const __m512 s1 = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), k1, _mm512_load_ps(S + 32 * i + 16), _mm512_set1_ps(scale));
-                const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)), m_new = mx > m[r] ? mx : m[r];
-                const __m512 p0 = _mm512_maskz_mov_ps(k0, exp16(_mm512_sub_ps(s0, _mm512_set1_ps(m_new))));
-                const __m512 p1 = _mm512_maskz_mov_ps(k1, exp16(_mm512_sub_ps(s1, _mm512_set1_ps(m_new))));
-                alpha[i] = m_new > m[r] ? (m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new)) : 1.0f;
-                m[r] = m_new;
-                l[r] = l[r] * alpha[i] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-                _mm512_store_si512(P + 32 * i, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-            }
-            _tile_loadd(5, P, 64);
-            for (int64_t dv = 0; dv < D / 16; dv++) {
-                _tile_zero(4);
-                _tile_loadd(6, vt + dv * 512, 64);
-                _tile_dpbf16ps(4, 5, 6);
-                _tile_stored(4, Cv, 64);
-                for (int64_t i = 0; i < 16 && r0 + i < R; i++) {
-                    float *o = acc + (r0 + i) * D + 16 * dv;
-                    _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_loadu_ps(o), _mm512_set1_ps(alpha[i]), _mm512_load_ps(Cv + 16 * i)));
-                }
-            }
-        }
+        amx_block_kv(D, kc, vc, table, bs, KVH * D, kvh, j0, n, j_end, kt, vt);
+        for (int64_t rt = 0; rt < RT; rt++)
+            amx_block_rows(D, qa + rt * 16 * D, rt * 16, R, G, Q, ctx, j0, n, scale, kt, vt, acc + rt * 16 * D,
+                           m + rt * 16, l + rt * 16);
     }
-    free(qa);
-    free(kt);
-    free(vt);
+    if (qa != one) free(qa);
     return 0;
 }
 #else
 #define AMX_ATTN 0
 #endif
 
+/* One query row's output from its chunks' partial results (the split-K kernel's second pass): chunk c's
+ * acc (D floats), m and l at acc + c * cs, m[c * cs], l[c * cs].
+ * out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) l_c. Both schedules below combine with this, so a
+ * row's result is the same bits whichever computed it. */
+static inline void combine_row(int64_t nc, const float *acc, const float *m, const float *l, int64_t cs, int64_t D,
+                               char *dst, int bf16) {
+    float M = -INFINITY, sum = 0.0f;
+    for (int64_t c = 0; c < nc; c++) M = m[c * cs] > M ? m[c * cs] : M;
+    __m512 o[MAXD / 16];
+    for (int64_t i = 0; i < D / 16; i++) o[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < nc; c++) {
+        if (m[c * cs] == -INFINITY) continue; /* this token sees no key in chunk c */
+        const float e = expf(m[c * cs] - M);
+        sum += e * l[c * cs];
+        for (int64_t i = 0; i < D / 16; i++) o[i] = _mm512_fmadd_ps(_mm512_set1_ps(e), _mm512_loadu_ps(acc + c * cs + 16 * i), o[i]);
+    }
+    const int64_t es = bf16 ? 2 : 4;
+    for (int64_t i = 0; i < D / 16; i++) st16(dst + 16 * i * es, _mm512_mul_ps(o[i], _mm512_set1_ps(1.0f / sum)), bf16);
+}
+
+#define BYROWS_MIN 64 /* query rows (tokens × heads per kv head) from which a tiled request goes by row tiles */
+#if AMX_ATTN
+/* Bytes of one block of 32 keys for the tiles: Kᵀ, then V by key pairs (amx_block_kv). */
+#define KV_BLOCK_BYTES(D) ((D) / 32 * 2 * 1024 + (D) / 16 * 1024)
+
+/* Task `task` of a request taken by row tiles (many query rows: a long prompt's chunk): kv head
+ * task / RT's query rows 16 * (task % RT) .. against every key, chunk by chunk as the split-K tasks
+ * cut them, with the chunks' partial results kept here (not in a buffer of every row × chunk, which
+ * for a long prompt is tens of MB written and read again), then combined. kv: the request's keys
+ * and values for the tiles, per kv head and block of 32 (amx_block_kv). */
+static int rows_task(int64_t task, int64_t RT, int64_t D, const uint16_t *q, int64_t q0, int64_t Q, int64_t ctx,
+                     const uint8_t *kv, int64_t H, int64_t KVH, int64_t G, float scale, uint16_t *out) {
+    const int64_t kvh = task / RT, r0 = task % RT * 16, R = Q * G, nc = (ctx + CHUNK - 1) / CHUNK, cs = 16 * (D + 2);
+    const int64_t nblk = (ctx + 31) / 32;
+    float *part = malloc(sizeof(float) * (size_t)(nc * cs));
+    uint16_t *qa = aligned_alloc(64, (size_t)(16 * D * 2));
+    if (part == NULL || qa == NULL) {
+        free(part);
+        free(qa);
+        return 1;
+    }
+    memset(qa, 0, (size_t)(16 * D * 2));
+    amx_rows_config(16);
+    for (int64_t i = 0; i < 16 && r0 + i < R; i++) {
+        const int64_t r = r0 + i;
+        memcpy(qa + i * D, q + ((q0 + r / G) * H + kvh * G + r % G) * D, (size_t)(D * 2));
+    }
+    for (int64_t c = 0; c < nc; c++) {
+        float *acc = part + c * cs, *m = acc + 16 * D, *l = m + 16;
+        for (int64_t i = 0; i < 16; i++) m[i] = -INFINITY, l[i] = 0.0f;
+        memset(acc, 0, sizeof(float) * (size_t)(16 * D));
+        const int64_t j_end = ctx < (c + 1) * CHUNK ? ctx : (c + 1) * CHUNK;
+        for (int64_t j0 = c * CHUNK; j0 < j_end; j0 += 32) {
+            const uint8_t *blk = kv + (kvh * nblk + j0 / 32) * KV_BLOCK_BYTES(D);
+            amx_block_rows(D, qa, r0, R, G, Q, ctx, j0, j_end - j0 < 32 ? j_end - j0 : 32, scale,
+                           (const uint16_t *)blk, (const uint16_t *)(blk + D / 32 * 2 * 1024), acc, m, l);
+        }
+    }
+    for (int64_t i = 0; i < 16 && r0 + i < R; i++) {
+        const int64_t r = r0 + i;
+        combine_row(nc, part + i * D, part + 16 * D + i, part + 16 * D + 16 + i, cs, D,
+                    (char *)(out + ((q0 + r / G) * H + kvh * G + r % G) * D), 1);
+    }
+    free(part);
+    free(qa);
+    return 0;
+}
+#endif
+
 /* Requests b = 0 .. B-1, each with q_lens[b] query tokens (flat rows q_starts[b] ..; q_lens NULL:
  * one each) at the end of its ctx_lens[b] cached tokens (its own keys already written); request b
- * uses AMX tiles where tiles[b] is nonzero (tiles NULL: none). The caller chooses by the rows' role,
- * not by how many there are, so that a row's numerics do not depend on the step it is in. Returns
- * nonzero on out of memory. */
+ * uses AMX tiles where tiles[b] is nonzero (tiles NULL: none). The caller chooses for every row alike,
+ * not by how many there are, so that a row's numerics do not depend on the step it is in. Two
+ * schedules, the same arithmetic per row: split-K (a task per request, chunk of keys and kv head,
+ * then a pass combining each row's chunks), and for a tiled request with many query rows a task per
+ * kv head and tile of 16 rows over all its keys (rows_task). Returns nonzero on out of memory. */
 #define QLEN(b) (q_lens != NULL ? q_lens[b] : 1)
 static int attention512(int bf16, const char *q, const char *k_cache, const char *v_cache, char *out,
                         const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
                         const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t bs,
                         int64_t H, int64_t KVH, int64_t D, float scale) {
     const int64_t G = H / KVH, es = bf16 ? 2 : 4;
-    /* task i: request task_b[i], chunk task_c[i], all kv heads (task index * KVH + kvh); partial
-     * results at part_off[i] + kvh * (its size) */
-    int64_t n_tasks = 0, floats = 0;
-    for (int64_t b = 0; b < B; b++) n_tasks += (ctx_lens[b] + CHUNK - 1) / CHUNK;
-    int64_t *meta = malloc(sizeof(int64_t) * (size_t)(3 * n_tasks + B + 1));
-    if (meta == NULL) return 1;
+    int use_amx = 0;
+#if AMX_ATTN
+    if (bf16 && D % 32 == 0 && tiles != NULL)
+        for (int64_t b = 0; b < B; b++) use_amx |= tiles[b] != 0;
+    use_amx = use_amx && pytgi_qgemm_amx_supported();
+#endif
+#define BYROWS(b) (use_amx && tiles[b] && QLEN(b) * G >= BYROWS_MIN && ctx_lens[b] > CHUNK)
+    /* split-K task i: request task_b[i], chunk task_c[i], all kv heads (task index * KVH + kvh); partial
+     * results at part_off[i] + kvh * (its size). Row-tile tasks: request rows_b[i], rows_first[i] its
+     * first, with its keys and values for the tiles at kv[i]. */
+    int64_t n_tasks = 0, floats = 0, n_rows = 0, row_tasks = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (BYROWS(b)) n_rows++, row_tasks += KVH * ((QLEN(b) * G + 15) / 16);
+        else n_tasks += (ctx_lens[b] + CHUNK - 1) / CHUNK;
+    }
+    int64_t *meta = malloc(sizeof(int64_t) * (size_t)(3 * n_tasks + 2 * B + 2 * n_rows + 2));
+    uint8_t **kv = calloc((size_t)(n_rows + 1), sizeof(uint8_t *));
+    if (meta == NULL || kv == NULL) {
+        free(meta);
+        free(kv);
+        return 1;
+    }
     int64_t *task_b = meta, *task_c = meta + n_tasks, *part_off = meta + 2 * n_tasks, *first_task = meta + 3 * n_tasks;
-    for (int64_t b = 0, i = 0; b < B; b++) {
+    int64_t *rows_b = first_task + B + 1, *rows_first = rows_b + n_rows;
+    for (int64_t b = 0, i = 0, k = 0, rt = 0; b < B; b++) {
         first_task[b] = i;
+        if (BYROWS(b)) {
+            rows_b[k] = b, rows_first[k++] = rt;
+            rt += KVH * ((QLEN(b) * G + 15) / 16);
+            continue;
+        }
         for (int64_t c = 0; c < (ctx_lens[b] + CHUNK - 1) / CHUNK; c++, i++) {
             task_b[i] = b, task_c[i] = c, part_off[i] = floats;
             floats += KVH * QLEN(b) * G * (D + 2);
         }
     }
     first_task[B] = n_tasks;
+    int failed = 0;
+    /* kv heads per split-K task: all of them when there are enough requests to keep the threads busy
+     * (a cache row's heads are then read together), else one */
+    const int64_t per = B >= 2 * omp_get_max_threads() ? KVH : 1;
     float *parts = malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));
-    if (parts == NULL) {
+#if AMX_ATTN
+    for (int64_t k = 0; k < n_rows; k++) {
+        kv[k] = aligned_alloc(64, (size_t)(KVH * ((ctx_lens[rows_b[k]] + 31) / 32) * KV_BLOCK_BYTES(D)));
+        failed |= kv[k] == NULL;
+    }
+#endif
+    if (parts == NULL || failed) {
+        for (int64_t k = 0; k < n_rows; k++) free(kv[k]);
+        free(parts);
         free(meta);
+        free(kv);
         return 1;
     }
-    int failed = 0;
-#if AMX_ATTN
-    int use_amx = 0;
-    if (bf16 && D % 32 == 0 && tiles != NULL)
-        for (int64_t b = 0; b < B; b++) use_amx |= tiles[b] != 0;
-    use_amx = use_amx && pytgi_qgemm_amx_supported();
-#endif
     _Pragma("omp parallel")
     {
         const unsigned int csr = flush_denormals();
 #if AMX_ATTN
         amx_config saved;
-        if (use_amx) saved = amx_borrow(7); /* 0,1: S; 2: q; 3: Kᵀ; 4: P·V; 5: P; 6: V */
+        if (use_amx) saved = amx_borrow(7), amx_rows_now = 16; /* 0,1: S; 2: q; 3: Kᵀ; 4: P·V; 5: P; 6: V */
+        /* the row-tile requests' keys and values, laid out for the tiles once */
+        for (int64_t k = 0; k < n_rows; k++) {
+            const int64_t b = rows_b[k], nblk = (ctx_lens[b] + 31) / 32;
+            _Pragma("omp for schedule(static) nowait")
+            for (int64_t i = 0; i < KVH * nblk; i++) {
+                const int64_t kvh = i / nblk, j0 = i % nblk * 32, n = ctx_lens[b] - j0 < 32 ? ctx_lens[b] - j0 : 32;
+                uint8_t *blk = kv[k] + i * KV_BLOCK_BYTES(D);
+                amx_block_kv(D, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_tables + b * max_blocks, bs,
+                             KVH * D, kvh, j0, n, ctx_lens[b], (uint16_t *)blk, (uint16_t *)(blk + D / 32 * 2 * 1024));
+            }
+        }
+        _Pragma("omp barrier")
+        _Pragma("omp for schedule(dynamic, 1) nowait")
+        for (int64_t t = 0; t < row_tasks; t++) {
+            int64_t k = 0;
+            while (k + 1 < n_rows && rows_first[k + 1] <= t) k++;
+            const int64_t b = rows_b[k], RT = (QLEN(b) * G + 15) / 16;
+            if (rows_task(t - rows_first[k], RT, D, (const uint16_t *)q, q_starts[b], QLEN(b), ctx_lens[b], kv[k], H,
+                          KVH, G, scale, (uint16_t *)out)) {
+                _Pragma("omp atomic write")
+                failed = 1;
+            }
+        }
 #endif
         _Pragma("omp for schedule(dynamic, 1)")
-        for (int64_t task = 0; task < n_tasks * KVH; task++) {
-            const int64_t i = task / KVH, kvh = task % KVH, b = task_b[i], c = task_c[i], Q = QLEN(b);
+        for (int64_t task = 0; task < n_tasks * KVH / per; task++)
+        for (int64_t kvh = task % (KVH / per) * per; kvh < (task % (KVH / per) + 1) * per; kvh++) {
+            const int64_t i = task / (KVH / per), b = task_b[i], c = task_c[i], Q = QLEN(b);
             const int64_t j_end = ctx_lens[b] < (c + 1) * CHUNK ? ctx_lens[b] : (c + 1) * CHUNK;
             const char *qp = q + (q_starts[b] * H + kvh * G) * D * es;
             float *acc = parts + part_off[i] + kvh * Q * G * (D + 2), *m = acc + Q * G * D, *l = m + Q * G;
@@ -481,38 +645,29 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
             else chunk(bf16, D, CHUNK_ARGS);
 #undef CHUNK_ARGS
         }
-        /* combine a request's chunks: out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) l_c */
+        /* combine each split-K request's chunks (chunk c's results KVH * size floats after c - 1's) */
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t pair = 0; pair < B * KVH; pair++) {
             const int64_t b = pair / KVH, kvh = pair % KVH, Q = QLEN(b), size = Q * G * (D + 2);
             const int64_t t0 = first_task[b], nc = first_task[b + 1] - t0;
+            if (nc == 0) continue; /* taken by row tiles */
+            const float *pc = parts + part_off[t0] + kvh * size;
             for (int64_t r = 0; r < Q * G; r++) {
-                float M = -INFINITY, sum = 0.0f;
-                for (int64_t c = 0; c < nc; c++) {
-                    const float mc = parts[part_off[t0 + c] + kvh * size + Q * G * D + r];
-                    M = mc > M ? mc : M;
-                }
-                __m512 o[MAXD / 16];
-                for (int64_t i = 0; i < D / 16; i++) o[i] = _mm512_setzero_ps();
-                for (int64_t c = 0; c < nc; c++) {
-                    const float *pc = parts + part_off[t0 + c] + kvh * size;
-                    if (pc[Q * G * D + r] == -INFINITY) continue; /* this token sees no key in chunk c */
-                    const float e = expf(pc[Q * G * D + r] - M);
-                    sum += e * pc[Q * G * D + Q * G + r];
-                    for (int64_t i = 0; i < D / 16; i++) o[i] = _mm512_fmadd_ps(_mm512_set1_ps(e), _mm512_loadu_ps(pc + r * D + 16 * i), o[i]);
-                }
                 const int64_t t = r / G, h = r % G;
-                for (int64_t i = 0; i < D / 16; i++)
-                    st16(out + (((q_starts[b] + t) * H + kvh * G + h) * D + 16 * i) * es, _mm512_mul_ps(o[i], _mm512_set1_ps(1.0f / sum)), bf16);
+                combine_row(nc, pc + r * D, pc + Q * G * D + r, pc + Q * G * D + Q * G + r, KVH * size, D,
+                            (char *)out + ((q_starts[b] + t) * H + kvh * G + h) * D * es, bf16);
             }
         }
 #if AMX_ATTN
-        if (use_amx) amx_return(&saved);
+        if (use_amx) amx_return(&saved), amx_rows_now = 0;
 #endif
         restore_csr(csr);
     }
+#undef BYROWS
+    for (int64_t k = 0; k < n_rows; k++) free(kv[k]);
     free(parts);
     free(meta);
+    free(kv);
     return failed;
 }
 

@@ -194,3 +194,33 @@ def test_a_rows_attention_does_not_depend_on_its_chunk(tiles):
     whole = run([n])
     assert torch.equal(run([7, 1, 32]), whole)
     assert torch.equal(run([1] * n), whole)
+
+
+def test_long_chunks_by_row_tiles_equal_split_k():
+    """A long prompt's chunk (many query rows, context past one key chunk) goes by row tiles, small
+    chunks and decodes by split-K: the same bits for every row, however the prompt is cut."""
+    if not kernels.paged_prefill_supported(6, 2, 64):
+        pytest.skip("no AVX-512 paged prefill")
+    torch.manual_seed(2)
+    bs, H, KVH, D, n = 16, 6, 2, 64, 500
+    nb = n // bs + 1
+    k_cache, v_cache = (torch.randn((nb + 2) * bs, KVH, D).bfloat16() for _ in range(2))
+    q = (3 * torch.randn(n, H, D)).bfloat16()  # sharp softmaxes: a different cut would show in the bits
+    table = np.random.default_rng(0).permutation(nb + 2)[:nb].astype(np.int64)[None]
+
+    def run(chunks):
+        out, start = torch.zeros_like(q), 0
+        for c in chunks:
+            p = kernels.PagedBatch(q_starts=np.array([0], np.int64), q_lens=np.array([c], np.int64),
+                                   block_tables=table, context_lens=np.array([start + c], np.int64), block_size=bs,
+                                   decodes_only=False, tiles=np.array([1], np.int64))
+            part = torch.zeros(c, H, D).bfloat16()
+            kernels.paged_attention(q[start:start + c].contiguous(), k_cache, v_cache, part, p, D**-0.5)
+            out[start:start + c] = part
+            start += c
+        return out
+
+    whole = run([n])  # row tiles
+    # rows past the first key chunk by split-K (decodes, a chunk of 20 rows), the rest by row tiles
+    assert torch.equal(run([200] + [1] * 10 + [20, 270]), whole)
+    assert torch.equal(run([7, 1, 100, 392]), whole)
