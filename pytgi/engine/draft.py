@@ -28,7 +28,7 @@ import torch
 
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import Request
-from pytgi.engine.sampler import _row_stats
+from pytgi.engine.sampler import row_stats
 from pytgi.errors import UserError
 from pytgi.models.attention import StepLayout
 from pytgi.models.cpu import CpuKernels
@@ -46,6 +46,7 @@ class _Seq:
     `BlockManager` reads)."""
 
     ids: list[int] = field(default_factory=list)  # the tokens whose KV the draft cache holds, in order
+    known: int = 0  # the request's tokens at the last proposal: ids[:known] are still its tokens
     block_table: list[int] = field(default_factory=list)
     length: float = 0.0  # the next draft's length, adapted by acceptance as the n-gram drafter's
     num_preemptions: int = 0
@@ -109,6 +110,7 @@ class DraftModel:
             if not self.blocks.allocate(seq, req.num_tokens - len(seq.ids) + want - 1):
                 continue
             wants.append((req, seq, want))
+            seq.known = req.num_tokens  # the catch-up below computes them all
             spare -= want
         drafts = {req.request_id: [] for req in reqs}
         if wants:
@@ -133,7 +135,8 @@ class DraftModel:
     def _sync(self, seq: _Seq, ids: list[int]) -> None:
         """Keep the KV of the longest common prefix of what the cache holds and the request's tokens,
         less the last token (its logits give the draft's first token)."""
-        n, limit = 0, min(len(seq.ids), len(ids) - 1)
+        limit = min(len(seq.ids), len(ids) - 1)
+        n = min(seq.known, limit)  # a request's tokens only grow: only what was drafted may differ
         while n < limit and seq.ids[n] == ids[n]:
             n += 1
         del seq.ids[n:]
@@ -177,4 +180,4 @@ class DraftModel:
         logits = self.model.compute_logits(hidden[torch.from_numpy(cu - 1).to(self.device)]).float()
         for s, ts in zip(seqs, tokens):
             s.ids.extend(ts)
-        return _row_stats(logits, False)[0].tolist()
+        return row_stats(logits, False)[0].tolist()

@@ -271,7 +271,7 @@ def _draw(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (logits - noise.log()).argmax(dim=-1)
 
 
-def _row_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def row_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's argmax (first index of its largest value) and, if `lse`, its logsumexp: one pass of
     the C kernel on the CPU (a few times faster than PyTorch's reductions, and each row's values the
     same whatever the batch); PyTorch on CUDA, without the kernels, and for rows with NaN or inf."""
@@ -307,7 +307,7 @@ class Sampler:
 
         # greedy answer for every row (the whole job when all greedy); with the raw logits' logsumexp
         # when the same pass can give it
-        token_ids, lse = _row_stats(processed, processed is raw and meta.max_top_n == 0)
+        token_ids, lse = row_stats(processed, processed is raw and meta.max_top_n == 0)
         sample_rows = [i for i, g in enumerate(meta.generators) if g is not None]
         if not meta.all_greedy and sample_rows:
             token_ids = self._sample_rows(processed, meta, token_ids, sample_rows)
