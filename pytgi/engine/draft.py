@@ -29,6 +29,7 @@ import torch
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import Request
 from pytgi.engine.sampler import row_stats
+from pytgi.engine.speculate import next_length
 from pytgi.errors import UserError
 from pytgi.models.attention import StepLayout
 from pytgi.models.cpu import CpuKernels
@@ -121,10 +122,7 @@ class DraftModel:
         """The step kept `accepted` of the `drafted` tokens: adapt the next draft's length (as the
         n-gram drafter does). The KV of rejected tokens is dropped at the next proposal."""
         seq = self.seqs[req.request_id]
-        if accepted == drafted:
-            seq.length = min(seq.length * 2, float(self.k))
-        else:
-            seq.length = max(1.0, seq.length / 2 if accepted == 0 else float(accepted + 1))
+        seq.length = next_length(seq.length, self.k, drafted, accepted)
 
     def release(self, req: Request) -> None:
         seq = self.seqs.pop(req.request_id, None)

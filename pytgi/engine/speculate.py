@@ -105,10 +105,16 @@ class Drafter:
         state = req.spec
         state.drafted += drafted
         state.accepted += accepted
-        if accepted == drafted:  # a run of copied text: back to long drafts quickly
-            state.length = min(state.length * 2, float(self.k))
-        else:
-            state.length = max(1.0, state.length / 2 if accepted == 0 else float(accepted + 1))
+        state.length = next_length(state.length, self.k, drafted, accepted)
+
+
+def next_length(length: float, k: int, drafted: int, accepted: int) -> float:
+    """The next draft's length after a step kept `accepted` of `drafted` tokens: doubled after a full
+    acceptance (a run of copied text: back to long drafts quickly, at most k), the accepted count
+    plus one after a partial one, halved after a rejection (never below one)."""
+    if accepted == drafted:
+        return min(length * 2, float(k))
+    return max(1.0, length / 2 if accepted == 0 else float(accepted + 1))
 
 
 def accepted_prefix(draft: list[int], sampled: list[int]) -> int:
