@@ -8,8 +8,10 @@ by key/value heads (with their query heads), the MLP by columns, the vocabulary 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -34,6 +36,19 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _TP_SIZE
+
+
+@contextlib.contextmanager
+def unsharded() -> Iterator[None]:
+    """Build or run a model on this rank alone (the draft model on rank 0), whatever the group: its
+    layers are whole and no collective runs. The engine is single-threaded, so this is safe."""
+    global _TP_RANK, _TP_SIZE
+    saved = _TP_RANK, _TP_SIZE
+    _TP_RANK, _TP_SIZE = 0, 1
+    try:
+        yield
+    finally:
+        _TP_RANK, _TP_SIZE = saved
 
 
 def init(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device,

@@ -1,8 +1,8 @@
 """Speculative decoding with a draft model (`--draft-model-id`): a smaller model with the same
 tokenizer guesses each decode's next tokens, and the model verifies them in its next step.
 
-The draft model runs in the engine process (rank 0, unsharded) on its own paged KV cache, with the
-kernels the machine has. Each step, for the decodes the scheduler lets draft, it computes in one
+The draft model runs in the engine process (rank 0, whole even when the model is sharded:
+`pytgi.distributed.unsharded`) on its own paged KV cache, with the kernels the machine has. Each step, for the decodes the scheduler lets draft, it computes in one
 batched forward the request's tokens it has not seen yet (the whole prompt the first time), then
 decodes the draft one token per forward, greedily. Its KV is kept for the tokens the model accepted;
 the rest is recomputed when needed, so a draft that was never verified (the step ran out of blocks)
@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pytgi import distributed as dist
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import Request
 from pytgi.engine.sampler import row_stats
@@ -87,7 +88,8 @@ class DraftModel:
         self.k, self.device, self.vocab, self.eos = k, device, target_vocab, eos_token_ids
         dtype = resolve_dtype("auto", read_config(path), device)
         cpu = CpuKernels.for_device(device, dtype, batch_invariant=batch_invariant)
-        self.model = load_model(path, dtype, device, cpu, "auto")
+        with dist.unsharded():  # whole on rank 0, whatever the model's shards
+            self.model = load_model(path, dtype, device, cpu, "auto")
         attn = self.model.layers[0].self_attn
         shape = (2, num_blocks * block_size, attn.n_kv, attn.head_dim)
         self.kv_caches = [tuple(torch.zeros(shape, dtype=dtype, device=device).unbind(0)) for _ in self.model.layers]
@@ -174,8 +176,9 @@ class DraftModel:
         layout = StepLayout(q_lens, starts + q_lens, tables, slots, bs)
         ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=self.device)
         meta = self.model.attention.prepare(layout, self.device)
-        hidden = self.model(ids, torch.from_numpy(positions).to(self.device), self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(cu - 1).to(self.device)]).float()
+        with dist.unsharded():
+            hidden = self.model(ids, torch.from_numpy(positions).to(self.device), self.kv_caches, meta)
+            logits = self.model.compute_logits(hidden[torch.from_numpy(cu - 1).to(self.device)]).float()
         for s, ts in zip(seqs, tokens):
             s.ids.extend(ts)
         return row_stats(logits, False)[0].tolist()

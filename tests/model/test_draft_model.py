@@ -124,3 +124,22 @@ def test_preemption_keeps_the_output_and_frees_the_drafts_cache(pair, engines):
         assert not sched.drafter.seqs and sched.drafter.blocks.num_free_blocks == sched.drafter.blocks.num_blocks
     finally:
         small.shutdown()
+
+
+def test_a_sharded_model_keeps_its_draft_model_whole(pair):
+    """With two shards the draft model runs whole on rank 0 (no collective of its own): the output is
+    the sharded model's without speculation."""
+    target_dir, draft_dir = pair
+    kw = dict(max_batch_total_tokens=2048, max_batch_size=4, block_size=4, num_shard=2)
+    params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    plain = LLM(str(target_dir), **kw)
+    try:
+        want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    finally:
+        plain.shutdown()
+    spec = LLM(str(target_dir), draft_model=str(draft_dir), speculate=4, **kw)
+    try:
+        assert [o.token_ids for o in spec.generate(PROMPTS, params)] == want
+        assert spec.engine.scheduler.spec_accepted > 0
+    finally:
+        spec.shutdown()
