@@ -37,6 +37,10 @@ from pytgi.models.cpu import CpuKernels
 from pytgi.models.loader import load_model, read_config, resolve_dtype
 from pytgi.models.registry import resolve_model
 
+# Prompt tokens the draft model computes per step for requests it is catching up on (a new prompt):
+# the step's other streams wait for them.
+CATCHUP_TOKENS = 512
+
 
 class DraftModelError(UserError, ValueError):
     pass
@@ -98,8 +102,11 @@ class DraftModel:
 
     # -- the scheduler's proposer interface ------------------------------------------------------------
     def propose_batch(self, reqs: list[Request], spare: int) -> list[list[int]]:
-        """A draft for each request (possibly empty), `spare` tokens in all at most."""
-        wants: list[tuple[Request, _Seq, int]] = []
+        """A draft for each request (possibly empty), `spare` tokens in all at most. A request the draft
+        model is far behind on (a new prompt) first catches up in pieces, CATCHUP_TOKENS a step for
+        all requests together, and drafts once it is near: a long prompt does not stall the step."""
+        wants: list[tuple[Request, _Seq, list[int], int]] = []  # (request, its view, tokens to compute, draft length)
+        catchup = CATCHUP_TOKENS
         for req in reqs:
             seq = self.seqs.get(req.request_id)
             if seq is None:
@@ -109,13 +116,21 @@ class DraftModel:
             if want <= 0:
                 continue
             self._sync(seq, req.all_ids)
+            behind = req.num_tokens - len(seq.ids)
+            if behind > catchup:
+                if catchup <= 0:
+                    continue
+                feed, want = req.all_ids[len(seq.ids):len(seq.ids) + catchup], 0  # a piece, no draft yet
+            else:
+                feed = req.all_ids[len(seq.ids):]
             # blocks for the tokens to catch up on and the draft's first want - 1 tokens
-            if not self.blocks.allocate(seq, req.num_tokens - len(seq.ids) + want - 1):
+            if not self.blocks.allocate(seq, len(feed) + max(want - 1, 0)):
                 continue
-            wants.append((req, seq, want))
-            seq.known = req.num_tokens  # the catch-up below computes them all
+            wants.append((req, seq, feed, want))
+            seq.known = len(seq.ids) + len(feed)  # the request's tokens, once computed below
+            catchup -= len(feed)
             spare -= want
-        drafts = {req.request_id: [] for req in reqs}
+        drafts: dict[str, list[int]] = {req.request_id: [] for req in reqs}
         if wants:
             self._draft(wants, drafts)
         return [drafts[req.request_id] for req in reqs]
@@ -143,16 +158,16 @@ class DraftModel:
         self.blocks.trim(seq)
 
     @torch.inference_mode()
-    def _draft(self, wants: list[tuple[Request, _Seq, int]], drafts: dict[str, list[int]]) -> None:
-        feed = [req.all_ids[len(seq.ids):] for req, seq, _ in wants]  # catch up, then one draft token each
+    def _draft(self, wants: list[tuple[Request, _Seq, list[int], int]], drafts: dict[str, list[int]]) -> None:
+        feed = [f for _, _, f, _ in wants]  # catch up, then one draft token each
         active = list(range(len(wants)))
         while active:
             nxt = self._forward([wants[i][1] for i in active], [feed[i] for i in active])
             still = []
             for i, token in zip(active, nxt):
-                req, seq, want = wants[i]
+                req, _, _, want = wants[i]
                 draft = drafts[req.request_id]
-                if token >= self.vocab:  # a token the model does not have (a padded vocabulary)
+                if want == 0 or token >= self.vocab:  # catching up; or a token the model lacks (padded vocabulary)
                     continue
                 draft.append(token)
                 if len(draft) < want and token not in self.eos:

@@ -143,3 +143,23 @@ def test_a_sharded_model_keeps_its_draft_model_whole(pair):
         assert spec.engine.scheduler.spec_accepted > 0
     finally:
         spec.shutdown()
+
+
+def test_a_long_prompt_catches_up_in_pieces(pair, engines, monkeypatch):
+    """The draft model computes a prompt it is far behind on a piece a step (here 4 tokens), and
+    drafts once near: the output is unchanged."""
+    import pytgi.engine.draft as draft_module
+
+    target_dir, draft_dir = pair
+    plain, spec = engines
+    monkeypatch.setattr(draft_module, "CATCHUP_TOKENS", 4)
+    pieces = []
+    real = spec.engine.scheduler.drafter._forward
+    monkeypatch.setattr(spec.engine.scheduler.drafter, "_forward",
+                        lambda seqs, tokens: pieces.append(max(map(len, tokens))) or real(seqs, tokens))
+    prompt = list(range(1, 30))
+    params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+    drafted = spec.engine.scheduler.spec_drafted
+    assert spec.generate(prompt, params)[0].token_ids == plain.generate(prompt, params)[0].token_ids
+    assert max(pieces) <= 4 and spec.engine.scheduler.drafter.seqs == {}
+    assert spec.engine.scheduler.spec_drafted > drafted  # it drafted once caught up
