@@ -13,7 +13,7 @@ import torch
 from pytgi import distributed as dist
 from pytgi import protocol as P
 from pytgi.config import EngineConfig
-from pytgi.engine.sampler import Sampler, SamplingMetadata
+from pytgi.engine.sampler import Sampler, SamplingMetadata, row_stats
 from pytgi.engine.scheduler import RunnerOutput, ScheduledRequest
 from pytgi.engine.speculate import accepted_prefix
 from pytgi.engine.structured import GrammarError, GrammarMatchers, StepMasks
@@ -262,9 +262,9 @@ class ModelRunner:
         lps: list[float | None] = [None] if first == 0 else []
         if len(logits):
             targets = torch.tensor(req.prompt_ids[first + 1 : first + 1 + len(logits)], device=self.device)
-            # row by row, as the sampler's logprobs: a row's value must not change with the chunk's shape
-            log_probs = torch.stack([torch.log_softmax(row, dim=0) for row in logits.float()])
-            lps.extend(log_probs.gather(1, targets[:, None])[:, 0].tolist())
+            # each row's logsumexp as the sampler's: a row's value must not change with the chunk's shape
+            logits = logits.float()
+            lps.extend((logits.gather(1, targets[:, None])[:, 0] - row_stats(logits, True)[1]).tolist())
         return lps
 
 

@@ -307,13 +307,11 @@ class Sampler:
 
         # greedy answer for every row (the whole job when all greedy); with the raw logits' logsumexp
         # when the same pass can give it
-        token_ids, lse = row_stats(processed, processed is raw and meta.max_top_n == 0)
+        token_ids, lse = row_stats(processed, processed is raw)
         sample_rows = [i for i, g in enumerate(meta.generators) if g is not None]
         if not meta.all_greedy and sample_rows:
             token_ids = self._sample_rows(processed, meta, token_ids, sample_rows)
-        if lse is not None:
-            return SamplerOutput(token_ids, raw.gather(1, token_ids[:, None]).squeeze(1) - lse, None, None)
-        return self._logprobs(raw, token_ids, meta.max_top_n)
+        return self._logprobs(raw, token_ids, meta.max_top_n, lse)
 
     @staticmethod
     def _sample_rows(
@@ -333,14 +331,15 @@ class Sampler:
         return token_ids.index_copy(0, rows, sampled)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, max_top_n: int) -> SamplerOutput:
-        # Row by row: a [B, V] reduction sums a row in an order that changes with B, and a row's
-        # logprobs must not depend on the batch (a [V] reduction's order is always the same).
-        if max_top_n == 0:
-            # Only the chosen token's logprob: skip materialising the full log_softmax.
-            chosen = raw.gather(1, token_ids[:, None]).squeeze(1)
-            return SamplerOutput(token_ids, chosen - torch.stack([row.logsumexp(dim=0) for row in raw]), None, None)
-        log_probs = torch.stack([torch.log_softmax(row, dim=0) for row in raw])
+    def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, max_top_n: int,
+                  lse: torch.Tensor | None) -> SamplerOutput:
+        """Log-softmax of the raw logits at the chosen tokens (and the top n): each row's logsumexp
+        from `row_stats`, whose value does not depend on the batch, subtracted element-wise."""
+        if lse is None:
+            lse = row_stats(raw, True)[1]
+        if max_top_n == 0:  # only the chosen token's: no [B, V] log-softmax
+            return SamplerOutput(token_ids, raw.gather(1, token_ids[:, None]).squeeze(1) - lse, None, None)
+        log_probs = raw - lse[:, None]
         top_logprobs, top_ids = log_probs.topk(max_top_n, dim=-1)
         chosen = log_probs.gather(1, token_ids[:, None]).squeeze(1)
         return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
