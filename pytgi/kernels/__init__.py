@@ -98,11 +98,6 @@ def amx_supported() -> bool:
     return available() and bool(_lib().pytgi_qgemm_amx_supported())
 
 
-def paged_prefill_supported(H: int, KVH: int, D: int) -> bool:
-    """The paged kernel also takes prefill chunks for these head counts (AVX-512)."""
-    return available() and bool(_lib().pytgi_paged_prefill_supported(H, KVH, D))
-
-
 # -- fused element-wise steps (fused.c) ---------------------------------------------------------------
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += x (in place, unless x is None); returns weight * rms_norm(residual)."""

@@ -10,13 +10,11 @@
  *                                       token i of q_lens[b] sits at ctx_lens[b] - q_lens[b] + i (causal)
  * Query head h uses key/value head h / (H / KVH) (grouped-query attention).
  *
- * Two implementations, all math in float32: with AVX-512 (and D a multiple of 16) a split-K
- * kernel with an online softmax that takes decodes and prefill chunks alike (see attention512;
- * AMX tiles for bf16 when enough query rows share a kv head); otherwise a portable one for decodes
- * only, which splits work over (request, kv head) pairs (or over query heads, when the pairs are
- * fewer than the threads), each computing scores for its group of query heads in one pass over the
- * keys, a softmax, then one pass over the values. Without
- * AVX-512, prefill chunks stay with PyTorch (pytgi_paged_prefill_supported says so). Built and
+ * Two implementations, all math in float32, both taking decodes and prefill chunks alike: with
+ * AVX-512 (and D a multiple of 16) a split-K kernel with an online softmax (see attention512; AMX
+ * tiles for bf16 when enough query rows share a kv head); otherwise a portable one (see
+ * attention_portable: GCC vector extensions, AVX2 on x86-64-v3) that computes every query row with
+ * the same three functions, so that it is batch invariant too. Built and
  * loaded by pytgi/kernels/__init__.py. */
 #include <math.h>
 #include <omp.h>
@@ -40,14 +38,6 @@ static inline void store_f32(float *restrict dst, const float *restrict src, int
 static inline void store_bf16(uint16_t *restrict dst, const float *restrict src, int64_t n) {
     for (int64_t i = 0; i < n; i++) dst[i] = bf16_round(src[i]);
 }
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float s = 0.0f;
-    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-static inline void axpy(float *restrict y, float a, const float *restrict x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
-}
 
 /* Softmax weights of far-off keys are tiny, and multiplying by a denormal float costs a microcode
  * assist of ~100 cycles: in a shared library -ffast-math does not set flush-to-zero, so each task
@@ -65,74 +55,210 @@ static inline unsigned int flush_denormals(void) { return 0; }
 static inline void restore_csr(unsigned int csr) { (void)csr; }
 #endif
 
-/* Keys and values are visited block by block (no division per position); each key or value row
- * is widened to float32 once and used by every query head that reads it. A task is one request
- * and `ng` of its key/value heads: all of them when there are enough requests to keep the threads
- * busy (each cache row is then read whole and in order), else one. */
-#define DEFINE_DECODE(NAME, T, ROW, STORE)                                                           \
-    static int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int64_t *rows,            \
-             const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks,    \
-             int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale) {                  \
-        const int64_t G = H / KVH, threads = omp_get_max_threads();                                   \
-        const int64_t ng = B >= 2 * threads ? KVH : 1;                                               \
-        /* fewer (request, kv head) pairs than threads: one task per query head, so a lone request  \
-         * with one kv head (Gemma 3) still keeps every thread busy */                              \
-        const int64_t split = ng == 1 && B * KVH < threads ? G : 1, per_b = KVH / ng * split;       \
-        int failed = 0;                                                                              \
-        _Pragma("omp parallel for schedule(dynamic, 1)")                                             \
-        for (int64_t task = 0; task < B * per_b; task++) {                                           \
-            const int64_t b = task / per_b, g0 = (task % per_b) / split * ng, L = ctx_lens[b];       \
-            const int64_t nh = ng * G / split, *table = block_tables + b * max_blocks;               \
-            const int64_t h0 = g0 * G + (task % per_b) % split * nh; /* first query head */         \
-            float *buf = malloc(sizeof(float) * (size_t)(nh * D * 2 + ng * D + nh * L));             \
-            if (buf == NULL) {                                                                       \
-                failed = 1;                                                                          \
-                continue;                                                                            \
-            }                                                                                        \
-            float *qf = buf, *acc = buf + nh * D, *row = acc + nh * D, *s = row + ng * D;            \
-            const unsigned int csr = flush_denormals();                                              \
-            ROW(q + (rows[b] * H + h0) * D, qf, nh * D);                                             \
-            for (int64_t i = 0; i < nh * D; i++) {                                                   \
-                qf[i] *= scale;                                                                      \
-                acc[i] = 0.0f;                                                                       \
-            }                                                                                        \
-            for (int64_t j0 = 0; j0 < L; j0 += block_size) {                                         \
-                const int64_t n = L - j0 < block_size ? L - j0 : block_size;                         \
-                const T *k = k_cache + (table[j0 / block_size] * block_size * KVH + g0) * D;         \
-                for (int64_t j = 0; j < n; j++) {                                                    \
-                    ROW(k + j * KVH * D, row, ng * D);                                               \
-                    for (int64_t h = 0; h < nh; h++)                                                 \
-                        s[h * L + j0 + j] = dot(qf + h * D, row + (h / G) * D, D);                   \
-                }                                                                                    \
-            }                                                                                        \
-            for (int64_t h = 0; h < nh; h++) {                                                       \
-                float *sh = s + h * L, m = -INFINITY, sum = 0.0f;                                    \
-                for (int64_t j = 0; j < L; j++) m = sh[j] > m ? sh[j] : m;                           \
-                for (int64_t j = 0; j < L; j++) {                                                    \
-                    sh[j] = expf(sh[j] - m);                                                         \
-                    sum += sh[j];                                                                    \
-                }                                                                                    \
-                const float inv = 1.0f / sum;                                                        \
-                for (int64_t j = 0; j < L; j++) sh[j] *= inv;                                        \
-            }                                                                                        \
-            for (int64_t j0 = 0; j0 < L; j0 += block_size) {                                         \
-                const int64_t n = L - j0 < block_size ? L - j0 : block_size;                         \
-                const T *v = v_cache + (table[j0 / block_size] * block_size * KVH + g0) * D;         \
-                for (int64_t j = 0; j < n; j++) {                                                    \
-                    ROW(v + j * KVH * D, row, ng * D);                                               \
-                    for (int64_t h = 0; h < nh; h++)                                                 \
-                        axpy(acc + h * D, s[h * L + j0 + j], row + (h / G) * D, D);                  \
-                }                                                                                    \
-            }                                                                                        \
-            STORE(out + (rows[b] * H + h0) * D, acc, nh * D);                                        \
-            restore_csr(csr);                                                                        \
-            free(buf);                                                                               \
-        }                                                                                            \
-        return failed;                                                                               \
-    }
+/* The portable kernel: decodes and prefill chunks alike where the AVX-512 kernel does not apply (no
+ * AVX-512, or heads it does not take). GCC's vector extensions (8 float lanes: AVX2 on x86-64-v3)
+ * instead of intrinsics.
+ *
+ * Batch invariance rests on one rule: every query row (one token, one query head) is computed by
+ * the same three functions, never inlined or specialised, with the same arguments, whatever else
+ * its task holds: qk_block (its scores for a block of 32 keys), softmax_row (over the row's own
+ * keys) and pv_block (Σ p·v over the keys of a block that the row sees). A key's score depends only
+ * on the row's query and that key; the softmax's sum runs over the row's own length. So a decode,
+ * the same token's row in a verified draft and in a prompt's chunk give the same bits.
+ *
+ * A task is one request's tile of up to 16 query tokens and one kv head (or one query head, when
+ * the tasks would not keep the threads busy): each block of keys, then of values, is widened to
+ * float32 once and used by every row of the tile. */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+#define KB 32   /* keys per block */
+#define ROWS 16 /* query tokens per task */
+#if defined(__clang__)
+#define ROW_FN __attribute__((noinline))
+#else
+#define ROW_FN __attribute__((noipa)) /* one copy of the code, never specialised for a call site */
+#endif
 
-DEFINE_DECODE(decode_generic_f32, float, row_f32, store_f32)
-DEFINE_DECODE(decode_generic_bf16, uint16_t, row_bf16, store_bf16)
+/* e^x lane by lane for x <= 0 (Cephes' expf polynomial, as exp16.h); below -87: 0. */
+static inline v8f exp8(v8f x) {
+    const v8f lowest = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+    const v8i tiny = x < lowest;
+    x = (v8f)(((v8i)x & ~tiny) | ((v8i)lowest & tiny));
+    const v8i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i); /* toward 0: nearest */
+    const v8f nf = __builtin_convertvector(n, v8f);
+    v8f r = x - nf * 0.693359375f;
+    r = r + nf * 2.12194440e-4f;
+    v8f p = r * 1.9875691500E-4f + 1.3981999507E-3f;
+    p = p * r + 8.3334519073E-3f;
+    p = p * r + 4.1665795894E-2f;
+    p = p * r + 1.6666665459E-1f;
+    p = p * r + 5.0000001201E-1f;
+    p = p * (r * r) + (r + 1.0f);
+    return (v8f)(((v8i)p + (n << 23)) & ~tiny);
+}
+
+/* r[i] = the sum of v[i]'s lanes, for 8 vectors at once (3 rounds of shuffles and adds). */
+static inline v8f sum8x8(const v8f v[8]) {
+    v8f t[4], u[2];
+    for (int i = 0; i < 4; i++)
+        t[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        u[i] = __builtin_shufflevector(t[2 * i], t[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(t[2 * i], t[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(u[0], u[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(u[0], u[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* s[j] = q · key j for the block's KB keys (kf: KB rows of Dv vectors, zeros past D and past the
+ * last key; q: Dv vectors, already scaled). */
+static inline __attribute__((always_inline)) void qk_body(const v8f *restrict q, const v8f *restrict kf, int64_t Dv,
+                                                          v8f *restrict s) {
+    for (int64_t g = 0; g < KB / 8; g++, kf += 8 * Dv) {
+        v8f acc[8] = {{0}};
+        for (int64_t c = 0; c < Dv; c++)
+            for (int i = 0; i < 8; i++) acc[i] += q[c] * kf[i * Dv + c];
+        s[g] = sum8x8(acc);
+    }
+}
+ROW_FN static void qk_block(const v8f *restrict q, const v8f *restrict kf, int64_t Dv, v8f *restrict s) {
+    if (Dv == 8) qk_body(q, kf, 8, s); /* D = 64 and 128 unrolled: a model has one D, so every row */
+    else if (Dv == 16) qk_body(q, kf, 16, s); /* of a run takes the same code all the same */
+    else qk_body(q, kf, Dv, s);
+}
+
+/* The row's L scores → e^(s - max) (padded with zeros to whole vectors); returns 1 / Σ. */
+ROW_FN static float softmax_row(float *restrict s, int64_t L) {
+    float m = -INFINITY;
+    for (int64_t j = 0; j < L; j++) m = s[j] > m ? s[j] : m;
+    for (int64_t j = L; j < (L + 7) / 8 * 8; j++) s[j] = m - 100.0f; /* e^-100: 0 */
+    v8f sum = {0};
+    for (int64_t j = 0; j < L; j += 8) {
+        v8f x;
+        memcpy(&x, s + j, sizeof x);
+        x = exp8(x - m);
+        memcpy(s + j, &x, sizeof x);
+        sum += x;
+    }
+    return 1.0f / (((sum[0] + sum[4]) + (sum[2] + sum[6])) + ((sum[1] + sum[5]) + (sum[3] + sum[7])));
+}
+
+/* acc (Dv vectors) += Σ_{j < n} p[j] · value j (vf: KB rows of Dv vectors). */
+static inline __attribute__((always_inline)) void pv_body(v8f *restrict acc, const float *restrict p,
+                                                          const v8f *restrict vf, int64_t Dv, int64_t n) {
+    v8f a[16];
+    for (int64_t c = 0; c < Dv; c++) a[c] = acc[c];
+    for (int64_t j = 0; j < n; j++, vf += Dv)
+        for (int64_t c = 0; c < Dv; c++) a[c] += p[j] * vf[c];
+    for (int64_t c = 0; c < Dv; c++) acc[c] = a[c];
+}
+ROW_FN static void pv_block(v8f *restrict acc, const float *restrict p, const v8f *restrict vf, int64_t Dv,
+                            int64_t n) {
+    if (Dv == 8) pv_body(acc, p, vf, 8, n);
+    else if (Dv == 16) pv_body(acc, p, vf, 16, n);
+    else
+        for (int64_t j = 0; j < n; j++, vf += Dv)
+            for (int64_t c = 0; c < Dv; c++) acc[c] += p[j] * vf[c];
+}
+
+/* Rows j0 .. j0+n-1 (n <= KB) of kv head kvh of `cache`, widened into out (KB rows of Dq floats,
+ * zeros past D and past n). */
+#define DEFINE_WIDEN(NAME, T, LOAD)                                                                    \
+    static void NAME(const T *cache, const int64_t *table, int64_t bs, int64_t KVH, int64_t kvh,       \
+                     int64_t D, int64_t j0, int64_t n, float *out, int64_t Dq) {                       \
+        for (int64_t j = 0; j < n; j++) {                                                              \
+            const int64_t pos = j0 + j;                                                                \
+            const T *src = cache + ((table[pos / bs] * bs + pos % bs) * KVH + kvh) * D;                \
+            for (int64_t d = 0; d < D; d++) out[j * Dq + d] = LOAD(src[d]);                            \
+            for (int64_t d = D; d < Dq; d++) out[j * Dq + d] = 0.0f;                                   \
+        }                                                                                              \
+        memset(out + n * Dq, 0, sizeof(float) * (size_t)((KB - n) * Dq));                             \
+    }
+static inline float load_f32(float x) { return x; }
+DEFINE_WIDEN(widen_f32, float, load_f32)
+DEFINE_WIDEN(widen_bf16, uint16_t, bf16_load)
+
+/* Request b's query tokens t0 .. t1-1 (of Q, the last of its ctx cached positions), query heads
+ * h0 .. h0+nh-1 (a kv head's group, or one of them). */
+#define DEFINE_PORTABLE_TASK(NAME, T, ROW, STORE, WIDEN)                                               \
+    static int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, int64_t q0, int64_t Q,     \
+                    int64_t t0, int64_t t1, int64_t ctx, const int64_t *table, int64_t bs, int64_t H,  \
+                    int64_t KVH, int64_t D, int64_t h0, int64_t nh, float scale) {                     \
+        const int64_t kvh = h0 / (H / KVH), Lmax = ctx - Q + t1, stride = (Lmax + KB - 1) / KB * KB;  \
+        const int64_t Dv = (D + 7) / 8, Dq = Dv * 8, R = (t1 - t0) * nh;                             \
+        /* kv: a block of keys or values; per row r: its query, output sums and scores */           \
+        float *kv = aligned_alloc(32, sizeof(float) * (size_t)(KB * Dq + R * (2 * Dq + stride + 8))); \
+        if (kv == NULL) return 1;                                                                    \
+        float *qf = kv + KB * Dq, *acc = qf + R * Dq, *s = acc + R * Dq, *inv = s + R * stride;      \
+        memset(qf, 0, sizeof(float) * (size_t)(2 * R * Dq));                                         \
+        for (int64_t r = 0; r < R; r++) {                                                            \
+            ROW(q + ((q0 + t0 + r / nh) * H + h0 + r % nh) * D, qf + r * Dq, D);                     \
+            for (int64_t d = 0; d < D; d++) qf[r * Dq + d] *= scale;                                 \
+        }                                                                                            \
+        for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {                                                  \
+            WIDEN(k_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq);     \
+            for (int64_t r = 0; r < R; r++) /* row r sees keys 0 .. ctx - Q + t0 + r / nh */         \
+                if (j0 < ctx - Q + t0 + r / nh + 1)                                                  \
+                    qk_block((const v8f *)(qf + r * Dq), (const v8f *)kv, Dv, (v8f *)(s + r * stride + j0)); \
+        }                                                                                            \
+        for (int64_t r = 0; r < R; r++) inv[r] = softmax_row(s + r * stride, ctx - Q + t0 + r / nh + 1); \
+        for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {                                                  \
+            WIDEN(v_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq);     \
+            for (int64_t r = 0; r < R; r++) {                                                        \
+                const int64_t L = ctx - Q + t0 + r / nh + 1;                                         \
+                if (j0 < L)                                                                          \
+                    pv_block((v8f *)(acc + r * Dq), s + r * stride + j0, (const v8f *)kv, Dv,        \
+                             L - j0 < KB ? L - j0 : KB);                                             \
+            }                                                                                        \
+        }                                                                                            \
+        for (int64_t r = 0; r < R; r++) {                                                            \
+            for (int64_t d = 0; d < D; d++) acc[r * Dq + d] *= inv[r];                               \
+            STORE(out + ((q0 + t0 + r / nh) * H + h0 + r % nh) * D, acc + r * Dq, D);                \
+        }                                                                                            \
+        free(kv);                                                                                    \
+        return 0;                                                                                    \
+    }
+DEFINE_PORTABLE_TASK(portable_task_f32, float, row_f32, store_f32, widen_f32)
+DEFINE_PORTABLE_TASK(portable_task_bf16, uint16_t, row_bf16, store_bf16, widen_bf16)
+
+/* Requests b = 0 .. B-1, q_lens[b] query tokens each (NULL: one) at flat rows q_starts[b] .., the
+ * last ones of their ctx_lens[b] cached positions. */
+static int attention_portable(int bf16, const void *q, const void *k_cache, const void *v_cache, void *out,
+                              const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
+                              const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t bs, int64_t H,
+                              int64_t KVH, int64_t D, float scale) {
+    const int64_t G = H / KVH;
+    int64_t tiles = 0;
+    for (int64_t b = 0; b < B; b++) tiles += ((q_lens ? q_lens[b] : 1) + ROWS - 1) / ROWS;
+    int64_t *first = malloc(sizeof(int64_t) * (size_t)(B + 1));
+    if (first == NULL) return 1;
+    for (int64_t b = 0, n = 0; b <= B; b++) {
+        first[b] = n;
+        if (b < B) n += ((q_lens ? q_lens[b] : 1) + ROWS - 1) / ROWS;
+    }
+    /* a task per (tile, kv head); per (tile, query head) when those would leave threads idle */
+    const int64_t nh = tiles * KVH < omp_get_max_threads() ? 1 : G, per = H / nh;
+    int failed = 0;
+    _Pragma("omp parallel for schedule(dynamic, 1)")
+    for (int64_t task = 0; task < tiles * per; task++) {
+        const int64_t tile = task / per, h0 = task % per * nh;
+        int64_t b = 0;
+        while (first[b + 1] <= tile) b++;
+        const int64_t Q = q_lens ? q_lens[b] : 1, t0 = (tile - first[b]) * ROWS, t1 = t0 + ROWS < Q ? t0 + ROWS : Q;
+        const unsigned int csr = flush_denormals();
+        const int err = bf16 ? portable_task_bf16(q, k_cache, v_cache, out, q_starts[b], Q, t0, t1, ctx_lens[b],
+                                                  block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale)
+                             : portable_task_f32(q, k_cache, v_cache, out, q_starts[b], Q, t0, t1, ctx_lens[b],
+                                                 block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale);
+        restore_csr(csr);
+        if (err) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+    }
+    free(first);
+    return failed;
+}
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -680,7 +806,7 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
 #endif
 
 /* Decodes (one query token per request, at flat row rows[b]): the AVX-512 kernel when it applies. */
-#define DEFINE_DECODE_ENTRY(NAME, T, BF16, GENERIC)                                                    \
+#define DEFINE_DECODE_ENTRY(NAME, T, BF16)                                                             \
     int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int64_t *rows,              \
              const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks,      \
              int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale) {                     \
@@ -688,26 +814,23 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
             return attention512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,   \
                                 (char *)out, rows, NULL, block_tables, ctx_lens, NULL, B, max_blocks,  \
                                 block_size, H, KVH, D, scale);                                         \
-        return GENERIC(q, k_cache, v_cache, out, rows, block_tables, ctx_lens, B, max_blocks, block_size, \
-                       H, KVH, D, scale);                                                              \
+        return attention_portable(BF16, q, k_cache, v_cache, out, rows, NULL, block_tables, ctx_lens, B, \
+                                  max_blocks, block_size, H, KVH, D, scale);                           \
     }
-DEFINE_DECODE_ENTRY(pytgi_decode_attention_f32, float, 0, decode_generic_f32)
-DEFINE_DECODE_ENTRY(pytgi_decode_attention_bf16, uint16_t, 1, decode_generic_bf16)
+DEFINE_DECODE_ENTRY(pytgi_decode_attention_f32, float, 0)
+DEFINE_DECODE_ENTRY(pytgi_decode_attention_bf16, uint16_t, 1)
 
 /* Prefill chunks (and decodes) in place: request b's q_lens[b] query tokens are flat rows
- * q_starts[b] .. (see attention512). Only with the AVX-512 kernel: returns 2 when
- * pytgi_paged_prefill_supported() says no. */
-int pytgi_paged_prefill_supported(int64_t H, int64_t KVH, int64_t D) {
-    (void)H, (void)KVH, (void)D; /* unused without AVX-512 */
-    return FAST_OK;
-}
-
+ * q_starts[b] .. (see attention512; the portable kernel where it does not apply, tiles ignored). */
 #define DEFINE_PREFILL(NAME, T, BF16)                                                                  \
     int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int64_t *q_starts,          \
              const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens,               \
              const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H,        \
              int64_t KVH, int64_t D, float scale) {                                                     \
-        if (!FAST_OK) return 2;                                                                        \
+        (void)tiles;                                                                                   \
+        if (!FAST_OK)                                                                                  \
+            return attention_portable(BF16, q, k_cache, v_cache, out, q_starts, q_lens, block_tables,  \
+                                      ctx_lens, B, max_blocks, block_size, H, KVH, D, scale);          \
         return attention512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,       \
                             (char *)out, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks, \
                             block_size, H, KVH, D, scale);                                             \

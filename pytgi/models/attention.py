@@ -10,13 +10,13 @@ longest member. It is portable (CPU, CUDA) and the reference for faster backends
 
 On CPU, when the C kernels build (`pytgi.kernels`; `CpuKernels.fused`), decodes skip the
 gather: a paged kernel reads keys and values in place, since copying each decode's whole context
-into a padded tensor costs more than attending to it. With AVX-512 the same kernel also takes
-prefill chunks of up to `Crossovers.paged_prefill` tokens (with AMX tiles for bf16): a small chunk
-of a long prompt, scheduled next to running decodes, paid more for its gather and mask than for
-its attention. Bigger chunks keep SDPA, whose flash kernel wins on long chunks, unless the run is
-batch invariant (the default): then the paged kernel takes every chunk, with AMX tiles for prompt
-rows and without for generated ones, so a row's numerics never depend on its step
-(docs/batch-invariance.md).
+into a padded tensor costs more than attending to it. The same kernel also takes prefill chunks of
+up to `Crossovers.paged_prefill` tokens (AVX-512's split-K kernel, with AMX tiles for bf16, or the
+portable one elsewhere): a small chunk of a long prompt, scheduled next to running decodes, paid
+more for its gather and mask than for its attention. Bigger chunks keep SDPA, whose flash kernel
+wins on long chunks, unless the run is batch invariant (the default): then the paged kernel takes
+every chunk, and every row (with AMX tiles where the CPU has them), so a row's numerics never
+depend on its step (docs/batch-invariance.md).
 """
 
 from __future__ import annotations
@@ -90,9 +90,9 @@ class TorchAttention:
     def __init__(self, cpu: CpuKernels, heads: tuple[int, int, int]) -> None:
         """heads: (query heads, kv heads, head dim) on this rank."""
         self.paged = cpu.fused  # decodes (and small prefill chunks) in the paged C kernel
-        self.paged_prefill_max = cpu.paged_prefill_max(heads)
+        self.paged_prefill_max = cpu.paged_prefill_max()
         self.invariant, self.group = cpu.batch_invariant, heads[0] // heads[1]
-        # tiles for every row (batch invariant): only through the kernel's prefill entry, AVX-512's
+        # tiles for every row (batch invariant): only through the kernel's prefill entry
         self.tiles = bool(self.paged_prefill_max and kernels.amx_supported())
 
     def prepare(self, layout: StepLayout, device: torch.device, window: int | None = None) -> TorchAttentionMetadata:

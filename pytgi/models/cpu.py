@@ -73,10 +73,10 @@ class CpuKernels:
             return 1 << 30
         return self.limits.lowbit_amx if amx else self.limits.lowbit_vnni if vnni else self.limits.lowbit_torch
 
-    def paged_prefill_max(self, heads: tuple[int, int, int]) -> int:
+    def paged_prefill_max(self) -> int:
         """Prefill chunks of at most this many tokens go to the paged attention kernel (0: none):
         every chunk when batch invariant, since SDPA's numerics differ from the kernel's."""
-        if not (self.fused and kernels.paged_prefill_supported(*heads)):
+        if not self.fused:
             return 0
         return 1 << 30 if self.batch_invariant else self.limits.paged_prefill
 

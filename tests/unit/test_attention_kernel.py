@@ -76,13 +76,12 @@ def test_decode_kernel_equals_torch_path_in_a_mixed_step():
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (4, 2, 16), (8, 8, 128)])
+# (10, 2, 20): heads the AVX-512 kernel does not take, so the portable kernel on every CPU
+@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (4, 2, 16), (8, 8, 128), (10, 2, 20)])
 def test_paged_prefill_kernel_equals_torch_path(dtype, tol, H, KVH, D):
     """Prefill chunks next to decodes, with contexts that span several of the kernel's 128-key
     chunks: the in-place kernel agrees with gather+SDPA (for chunks bigger than the default
     threshold too)."""
-    if not kernels.paged_prefill_supported(H, KVH, D):
-        pytest.skip("the paged prefill kernel needs AVX-512")
     torch.manual_seed(0)
     bs = 16
     q_lens, ctx = np.array([1, 40, 3, 1, 17, 64]), np.array([300, 300, 3, 129, 17, 200])
@@ -118,17 +117,14 @@ def test_big_prefill_chunks_keep_sdpa_unless_batch_invariant():
     backend = attention(torch.float32, (4, 2, 16), batch_invariant=False)
     meta = backend.prepare(layout, torch.device("cpu"))
     assert meta.prefill is not None and meta.paged.q_lens.tolist() == [1]
-    if kernels.paged_prefill_supported(4, 2, 16):  # AVX-512: SDPA's numerics differ from the kernel's
-        meta = attention(torch.float32, (4, 2, 16)).prepare(layout, torch.device("cpu"))
-        assert meta.prefill is None and meta.paged.q_lens.tolist() == [1, n]
+    meta = attention(torch.float32, (4, 2, 16)).prepare(layout, torch.device("cpu"))  # SDPA's numerics differ
+    assert meta.prefill is None and meta.paged.q_lens.tolist() == [1, n]
 
 
 def test_every_row_takes_tiles_when_batch_invariant():
     """Batch invariant, every request's rows use AMX tiles where the CPU has them (decodes, draft
     verifications and prompt chunks alike), so no row's numerics depend on what else is in its
     chunk; without invariance the tiles are chosen by size (16 query rows per kv head)."""
-    if not kernels.paged_prefill_supported(6, 2, 32):
-        pytest.skip("no AVX-512 paged prefill")
     q_lens, ctx = np.array([1, 1, 5, 10, 3]), np.array([9, 4, 20, 30, 3])
     tables = np.arange(5 * 2, dtype=np.int64).reshape(5, 2)
     layout = StepLayout(q_lens, ctx, tables, np.zeros(int(q_lens.sum()), np.int64), 16)
@@ -148,8 +144,6 @@ def test_every_row_takes_tiles_when_batch_invariant():
 def test_a_decode_row_is_the_same_in_a_verification_chunk():
     """A decode's attention equals the same row's as the first of several query rows (a draft being
     verified): bit for bit, tiles or not."""
-    if not kernels.paged_prefill_supported(6, 2, 32):
-        pytest.skip("no AVX-512 paged prefill")
     torch.manual_seed(1)
     bs, H, KVH, D = 16, 6, 2, 32
     k_cache, v_cache = (torch.randn(4 * bs, KVH, D).bfloat16() for _ in range(2))
@@ -167,14 +161,13 @@ def test_a_decode_row_is_the_same_in_a_verification_chunk():
     assert torch.equal(run(1, 50)[0], run(9, 58)[0])
 
 
-@pytest.mark.parametrize("tiles", [0, 1])
-def test_a_rows_attention_does_not_depend_on_its_chunk(tiles):
+@pytest.mark.parametrize("tiles, D", [(0, 32), (1, 32), (0, 20)])
+def test_a_rows_attention_does_not_depend_on_its_chunk(tiles, D):
     """The same 40 query rows, in one chunk or in chunks of 7, 1 and 32 (the keys already written),
-    give the same bits: with AMX tiles (prompt rows, where the CPU has them) or without."""
-    if not kernels.paged_prefill_supported(6, 2, 32):
-        pytest.skip("no AVX-512 paged prefill")
+    give the same bits: with AMX tiles (prompt rows, where the CPU has them) or without, and in the
+    portable kernel (D = 20 on every CPU; every D without AVX-512)."""
     torch.manual_seed(0)
-    bs, H, KVH, D, n = 16, 6, 2, 32, 40
+    bs, H, KVH, n = 16, 6, 2, 40
     k_cache, v_cache = (torch.randn(4 * bs, KVH, D).bfloat16() for _ in range(2))
     q = torch.randn(n, H, D).bfloat16()
     table = np.array([[2, 0, 3, 1]], np.int64)
@@ -199,8 +192,6 @@ def test_a_rows_attention_does_not_depend_on_its_chunk(tiles):
 def test_long_chunks_by_row_tiles_equal_split_k():
     """A long prompt's chunk (many query rows, context past one key chunk) goes by row tiles, small
     chunks and decodes by split-K: the same bits for every row, however the prompt is cut."""
-    if not kernels.paged_prefill_supported(6, 2, 64):
-        pytest.skip("no AVX-512 paged prefill")
     torch.manual_seed(2)
     bs, H, KVH, D, n = 16, 6, 2, 64, 500
     nb = n // bs + 1

@@ -21,10 +21,9 @@ HERE = Path(__file__).parent
 def test_kernel_tests_pass_on_the_portable_paths(tmp_path, march, qgemv):
     env = dict(os.environ, PYTGI_MARCH=march, PYTGI_CACHE=str(tmp_path))
     files = ["test_attention_kernel.py", "test_fused_kernels.py", "test_quant.py"]
-    probe = ("from pytgi import kernels; "
-             "print(kernels.vnni_supported(), kernels.amx_supported(), int(kernels.paged_prefill_supported(9, 3, 64)))")
+    probe = "from pytgi import kernels; print(kernels.vnni_supported(), kernels.amx_supported())"
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.split() == [qgemv, "False", "0"], out.stdout + out.stderr
+    assert out.stdout.split() == [qgemv, "False"], out.stdout + out.stderr
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(str(HERE / f) for f in files)],
                          env=env, capture_output=True, text=True, cwd=HERE.parent.parent)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
