@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pytgi import LLM, InvalidRequest, SamplingParams
+from tests.kernel_paths import batch_invariant, decoder_loop
 from tests.model.loop_check import assert_loop_equals_python_path
 
 pytestmark = pytest.mark.slow
@@ -194,6 +195,7 @@ TOPICS = ["the ocean", "a red bicycle", "quantum computers", "baking bread", "th
           "a pirate ship"]
 
 
+@batch_invariant
 def test_fast_default_is_batch_invariant():
     """A request's greedy output does not depend on who else is on the server (issue 14): 50 chat
     prompts sent together give the texts they give one at a time, and a long prompt gives the same
@@ -217,6 +219,7 @@ def test_fast_default_is_batch_invariant():
         chunked.shutdown()
 
 
+@decoder_loop
 def test_c_decoder_loop_equals_the_python_path(prompts):
     """The fast path's one-call decoder loop (`pytgi/kernels/decoder.c`) runs the kernels the
     Python path runs, with the same arguments: the same tokens and prompt logprobs, bit for bit,

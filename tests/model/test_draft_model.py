@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, models
 
 from pytgi import LLM, SamplingParams
 from pytgi.engine.draft import DraftModelError
+from tests.kernel_paths import batch_invariant
 
 VOCAB = 64
 
@@ -56,6 +57,7 @@ def engines(pair):
 PROMPTS = [[1, 2, 3], [5, 9, 11, 3, 7], [20, 21], [40, 41, 42, 43, 44, 45]]
 
 
+@batch_invariant
 def test_greedy_and_seeded_outputs_are_the_ones_without_speculation(engines):
     plain, spec = engines
     greedy = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
@@ -110,6 +112,7 @@ def test_a_draft_model_with_another_tokenizer_is_refused(pair, tmp_path):
         LLM(str(target_dir), draft_model=str(tmp_path), max_batch_total_tokens=1024)
 
 
+@batch_invariant
 def test_preemption_keeps_the_output_and_frees_the_drafts_cache(pair, engines):
     target_dir, draft_dir = pair
     plain, _ = engines
@@ -126,6 +129,7 @@ def test_preemption_keeps_the_output_and_frees_the_drafts_cache(pair, engines):
         small.shutdown()
 
 
+@batch_invariant
 def test_a_sharded_model_keeps_its_draft_model_whole(pair):
     """With two shards the draft model runs whole on rank 0 (no collective of its own): the output is
     the sharded model's without speculation."""
@@ -145,6 +149,7 @@ def test_a_sharded_model_keeps_its_draft_model_whole(pair):
         spec.shutdown()
 
 
+@batch_invariant
 def test_a_long_prompt_catches_up_in_pieces(pair, engines, monkeypatch):
     """The draft model computes a prompt it is far behind on a piece a step (here 4 tokens), and
     drafts once near: the output is unchanged."""

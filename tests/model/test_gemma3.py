@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from tests.kernel_paths import decoder_loop
 from tests.model.loop_check import assert_loop_equals_python_path
 
 pytestmark = pytest.mark.slow
@@ -70,6 +71,7 @@ def test_float32_greedy_equals_transformers_past_the_window(gguf, llm):
     assert [o.token_ids for o in batched[:2]] == expected
 
 
+@decoder_loop
 def test_c_decoder_loop_equals_the_python_path(gguf):
     """Gemma 3's one-call decoder loop (bf16, packed weights) gives the Python layer loop's tokens and
     prompt logprobs bit for bit; it runs while no context reaches past the window."""

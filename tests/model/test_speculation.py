@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 
 from pytgi import LLM, SamplingParams
+from tests.kernel_paths import batch_invariant
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, batch_invariant]  # every test compares with the output without drafts
 
 CODE = '''def area(width, height):
     """Return the area of a rectangle."""
