@@ -17,7 +17,8 @@ DRAFT_MODEL_TOKENS = 4  # a draft model's tokens per step when --speculate is no
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = None  # HF directory or .gguf file; None = the embedded default
+    model: str | None = None  # HF directory, .gguf file or Hub id (org/name[:TAG]); None = the embedded default
+    revision: str | None = None  # of a Hub id: a branch, tag or commit (default: main)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16; float32 is the exact path)
     quantize: str = "auto"  # auto | none | int8 | int4: weight-only, for small CPU steps (pytgi.models.quant)
     device: str = "auto"  # auto | cpu | cuda

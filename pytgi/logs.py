@@ -15,6 +15,7 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {"timestamp": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
                  "level": record.levelname, "target": record.name, "message": record.getMessage()}
+        entry.update(getattr(record, "fields", {}))  # logging's extra={"fields": {...}}: machine-readable values
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry)
@@ -27,3 +28,5 @@ def setup_logging(json_output: bool | None = None, prefix: str = "") -> None:
     handler.setFormatter(JsonFormatter() if json_output else
                          logging.Formatter(f"%(asctime)s %(levelname)s {prefix}%(name)s: %(message)s"))
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "INFO").upper(), handlers=[handler], force=True)
+    for name in ("httpx", "httpx2"):  # huggingface_hub's HTTP clients log every request at INFO
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -262,7 +262,7 @@ class TransformersServeTarget(ManagedTarget):
         if src is None:
             from pytgi.models.registry import resolve_model
 
-            src = resolve_model(None)[0]
+            src = resolve_model(None).path
         self.tmp = Path(tempfile.mkdtemp(prefix="pytgi-bench-tf-"))
         self.served_dir = copy_without_eos(src, self.tmp / "model")
         self.model = str(self.served_dir)  # a pinned server answers only to its own name

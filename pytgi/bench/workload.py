@@ -32,7 +32,7 @@ def default_tokenizer_dir() -> Path:
     """The default model's Hugging Face directory (converted from its GGUF file once, without torch)."""
     from pytgi.models.registry import resolve_model
 
-    return resolve_model(None, progress=True)[0]
+    return resolve_model(None, progress=True).path
 
 
 def load_tokenizer(path: str | Path | None) -> tuple[Tokenizer, Path]:

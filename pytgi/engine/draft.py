@@ -85,7 +85,8 @@ class DraftModel:
     def __init__(self, model: str, k: int, target_path: Path, target_vocab: int, device: torch.device,
                  block_size: int, num_blocks: int, eos_token_ids: frozenset[int], batch_invariant: bool = True,
                  progress: bool = True) -> None:
-        path, self.model_id = resolve_model(model, progress=progress)
+        resolved = resolve_model(model, progress=progress)
+        path, self.model_id = resolved.path, resolved.model_id
         if not _same_tokenizer(path, target_path):
             raise DraftModelError(f"the draft model {model!r} does not have the model's tokenizer: "
                                   "speculative decoding needs the same token ids")

@@ -34,7 +34,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, runner_cls: type[ModelRunner] = ModelRunner) -> None:
         config.validate()
-        model_path, model_id = resolve_model(config.model, progress=config.progress)
+        model = resolve_model(config.model, progress=config.progress, revision=config.revision)
+        model_path, model_id = model.path, model.model_id
         t0 = time.perf_counter()
         self.shards = ShardGroup(dataclasses.replace(config, model=str(model_path)))
         set_cpu_threads(self.shards.local_ranks)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -342,13 +343,41 @@ def _tokenizer_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.I)  # llama.cpp's gguf-split parts: model-00001-of-00003.gguf
+
+
+def gguf_parts(path: str | os.PathLike) -> list[Path]:
+    """A GGUF file's parts: itself, or, for the first part of a split file, every part in order."""
+    path = Path(path)
+    m = SPLIT.search(path.name)
+    if m is None:
+        return [path]
+    if int(m[1]) != 1:
+        raise GGUFConversionError(f"{path.name} is part {int(m[1])} of a split GGUF file: name its first part")
+    n = int(m[2])
+    parts = [path.with_name(SPLIT.sub(f"-{i:05d}-of-{m[2]}.gguf", path.name)) for i in range(1, n + 1)]
+    if missing := [p.name for p in parts if not p.is_file()]:
+        raise GGUFConversionError(f"{path.name} is split in {n} parts and {', '.join(missing)} is missing")
+    return parts
+
+
+class _SplitReader:
+    """The parts of a split GGUF file read as one: the first part's metadata, every part's tensors."""
+
+    def __init__(self, readers: list[Any]) -> None:
+        self.fields = readers[0].fields
+        self.tensors = [t for r in readers for t in r.tensors]
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True) -> Path:
-    """Write `out_dir` as a Hugging Face model directory; atomic (a half-written dir never appears)."""
+    """Write `out_dir` as a Hugging Face model directory; atomic (a half-written dir never appears).
+    `gguf_path`: a GGUF file, or the first part of a split one."""
     from gguf import GGUFReader
     from safetensors.numpy import save_file
 
     out_dir = Path(out_dir)
-    reader = GGUFReader(str(gguf_path))
+    readers = [GGUFReader(str(p)) for p in gguf_parts(gguf_path)]
+    reader = readers[0] if len(readers) == 1 else _SplitReader(readers)
     config = gguf_config(reader)
     tokenizer_json = gguf_tokenizer_json(reader)
     tok_config = _tokenizer_config(reader, config)

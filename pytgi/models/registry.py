@@ -1,4 +1,4 @@
-"""Where a model comes from: a Hugging Face directory, a GGUF file, or the embedded default."""
+"""Where a model comes from: a Hugging Face directory, a GGUF file, a Hub id, or the embedded default."""
 
 from __future__ import annotations
 
@@ -6,9 +6,11 @@ import hashlib
 import importlib.util
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from pytgi.errors import UserError
+from pytgi.models import hub
 from pytgi.paths import cache_dir
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -58,18 +60,32 @@ def converted_gguf_dir(gguf_path: Path, progress: bool = True) -> Path:
     return out
 
 
-def resolve_model(model: str | os.PathLike | None, progress: bool = True) -> tuple[Path, str]:
-    """Return (Hugging Face directory, model id to report)."""
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: Path  # the Hugging Face model directory pytgi loads
+    model_id: str  # as the user named it (reported by /info and /v1/models)
+    sha: str | None = None  # the Hub commit served, for a Hub id
+
+
+def resolve_model(model: str | os.PathLike | None, progress: bool = True, revision: str | None = None) -> ResolvedModel:
+    """The embedded default (None), a local directory or GGUF file, or a Hub id (`org/name`,
+    `org/name:TAG`, `org/name/file.gguf`; pytgi.models.hub), fetched at `revision`."""
     if model is None:
-        return converted_gguf_dir(default_gguf_path(), progress), DEFAULT_MODEL_NAME
+        return ResolvedModel(converted_gguf_dir(default_gguf_path(), progress), DEFAULT_MODEL_NAME)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return converted_gguf_dir(path, progress), str(model)
+        return ResolvedModel(converted_gguf_dir(path, progress), str(model))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFound(f"{path} is not a model directory: it has no config.json")
-        return path, str(model)
-    raise ModelNotFound(
-        f"model not found at {str(model)!r}: pass a Hugging Face model directory or a .gguf file "
-        "(pytgi never downloads from a hub), or omit it to serve the embedded default model"
-    )
+        return ResolvedModel(path, str(model))
+    ref = hub.parse_hub_id(str(model))
+    if ref is None:
+        raise ModelNotFound(
+            f"model not found at {str(model)!r}: pass a Hugging Face model directory, a .gguf file or a Hub id "
+            "(org/name, org/name:Q4_K_M), or omit it to serve the embedded default model"
+        )
+    fetched = hub.fetch(ref, revision, progress)
+    if fetched.parts:
+        return ResolvedModel(converted_gguf_dir(fetched.path, progress), str(model), fetched.sha)
+    return ResolvedModel(fetched.path, str(model), fetched.sha)

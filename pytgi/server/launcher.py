@@ -12,17 +12,21 @@ import logging
 import os
 import resource
 import signal
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pytgi.logs import JSON_ENV, setup_logging
+
+if TYPE_CHECKING:
+    from pytgi.models.registry import ResolvedModel
 
 DEATH_GRACE_SECONDS = 2.0
 IGNORED_ENV: list[str] = []  # environment values not taken, said once logging is set up
 
 FLAGS: list[tuple[str, type, object, str]] = [
     # (flag, type, default, help); the environment variable is the flag in UPPER_SNAKE_CASE
-    ("--model-id", str, None, "HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
-    ("--revision", str, None, "reported as model_sha in /info (nothing is downloaded)"),
+    ("--model-id", str, None, "Hub id (org/name, org/name-GGUF:Q4_K_M, org/name/file.gguf), HF directory or .gguf "
+     "file (default: the embedded SmolLM2-135M-Instruct, never downloaded)"),
+    ("--revision", str, None, "of a Hub id: a branch, tag or commit (default: main)"),
     ("--num-shard", int, 1, "tensor-parallel ranks"),
     ("--dtype", str, "auto", "auto (bfloat16) | float32 (exact) | bfloat16 | float16"),
     ("--quantize", str, "auto", "weight-only for small CPU steps: auto (as the GGUF file) | none | int8 | int4"),
@@ -40,7 +44,7 @@ FLAGS: list[tuple[str, type, object, str]] = [
     ("--speculate", int, 0, "draft tokens verified per decode step, at most (0: off): n-gram (prompt-lookup) drafts, "
      "or --draft-model-id's"),
     ("--draft-model-id", str, None, "a smaller model with the same tokenizer drafts for --speculate (default 4 "
-     "tokens): HF directory or .gguf file"),
+     "tokens): Hub id, HF directory or .gguf file"),
     ("--max-batch-prefill-tokens", int, None, "tokens computed per step (default 4096 GPU, 1024 CPU)"),
     ("--max-prefill-tokens-while-decoding", int, None,
      "prompt tokens per step while others decode: bounds a long prompt's stall of running streams (default: no cap)"),
@@ -90,12 +94,15 @@ def _add_flags(p: argparse.ArgumentParser, only: tuple[str, ...] | None = None) 
                            help=f"{help_} [env {_env_name(flag)}]")
 
 
-def _resolve_model(log: logging.Logger, model_id: str | None) -> tuple[Path, str] | None:
-    from pytgi.models.registry import ModelNotFound, resolve_model
+def _resolve_model(log: logging.Logger, model_id: str | None, revision: str | None = None,
+                   progress: bool = True) -> ResolvedModel | None:
+    """The model to serve, fetched from the Hub if named by its id; None (said in one line) if it cannot be."""
+    from pytgi.errors import UserError
+    from pytgi.models.registry import resolve_model
 
     try:
-        return resolve_model(model_id)
-    except ModelNotFound as exc:
+        return resolve_model(model_id, progress=progress, revision=revision)
+    except UserError as exc:
         log.error("%s", exc)
         return None
 
@@ -144,10 +151,10 @@ def shard(args: argparse.Namespace) -> int:
         log.error("pytgi shard needs 0 < --rank < --world-size, got rank %d of %d (rank 0 is `pytgi serve`)",
                   args.rank, args.world_size)
         return 2
-    model = _resolve_model(log, args.model_id)
+    model = _resolve_model(log, args.model_id, args.revision)
     if model is None:
         return 2
-    config = EngineConfig(model=str(model[0]), dtype=args.dtype, quantize=args.quantize, num_shard=args.world_size,
+    config = EngineConfig(model=str(model.path), dtype=args.dtype, quantize=args.quantize, num_shard=args.world_size,
                           batch_invariant=not args.disable_batch_invariance, master_addr=args.master_addr, master_port=args.master_port or 29500)
     return run_worker(config, args.rank)
 
@@ -189,10 +196,12 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
     if rank > 0:
         log.error("RANK=%d: `pytgi serve` is rank 0; start the other ranks with `pytgi shard`", rank)
         return 2
-    model = _resolve_model(log, args.model_id)
-    if model is None:
+    progress = not args.json_output  # JSON logs say each downloaded file instead of drawing bars
+    model = _resolve_model(log, args.model_id, args.revision, progress)
+    draft = _resolve_model(log, args.draft_model_id, progress=progress) if args.draft_model_id else None
+    if model is None or (args.draft_model_id and draft is None):
         return 2
-    model_path, model_id = model
+    model_path, model_id = model.path, model.model_id
     if world > 1:  # started per rank (torchrun, or by hand on several machines)
         args.num_shard = world
     engine = EngineConfig(
@@ -203,7 +212,7 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
         max_batch_total_tokens=args.max_batch_total_tokens, max_batch_size=args.max_batch_size,
         waiting_served_ratio=args.waiting_served_ratio, max_waiting_tokens=args.max_waiting_tokens,
         enable_prefix_caching=not args.disable_prefix_caching, batch_invariant=not args.disable_batch_invariance,
-        speculate=args.speculate, draft_model=args.draft_model_id,
+        speculate=args.speculate, draft_model=str(draft.path) if draft else None,
         num_shard=args.num_shard,
         master_addr=args.master_addr, master_port=args.master_port,
     )
@@ -215,7 +224,7 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
         validation_workers=args.validation_workers, api_key=args.api_key, api_key_exempt=exempt,
         payload_limit=args.payload_limit, request_body_timeout=args.request_body_timeout,
         tls=bool(args.ssl_certfile), cors_allow_origin=origins, json_output=args.json_output,
-        graceful_termination_timeout=args.graceful_termination_timeout, revision=args.revision,
+        graceful_termination_timeout=args.graceful_termination_timeout, model_sha=model.sha or args.revision,
         engine_module=engine_module,
     )
     app = create_app(config)

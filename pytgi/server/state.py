@@ -37,7 +37,7 @@ class ServerConfig:
     cors_allow_origin: list[str] = field(default_factory=list)
     json_output: bool = False
     graceful_termination_timeout: int = 90
-    revision: str | None = None
+    model_sha: str | None = None  # the Hub commit served (or --revision for a local model)
     engine_module: str = "pytgi.engine.process"  # the engine process's entry point
 
 

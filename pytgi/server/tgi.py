@@ -209,7 +209,7 @@ async def info(request: Request) -> JSONResponse:
     assert eng is not None
     return JSONResponse({
         "model_id": cfg.model_id,
-        "model_sha": cfg.revision,
+        "model_sha": cfg.model_sha,
         "model_dtype": eng.model_dtype,
         "model_device_type": eng.model_device_type,
         "model_quantization": eng.quantization,  # pytgi's: a GGUF file's tensor types and counts

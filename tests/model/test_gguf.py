@@ -27,7 +27,8 @@ def converted(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("PYTGI_CACHE", str(cache))
     t0 = time.perf_counter()
-    path, model_id = resolve_model(None, progress=False)
+    resolved = resolve_model(None, progress=False)
+    path, model_id = resolved.path, resolved.model_id
     first = time.perf_counter() - t0
     yield path, model_id, first
     mp.undo()
@@ -47,7 +48,7 @@ def test_second_resolve_uses_the_cache(converted):
     path, _, first = converted
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     t0 = time.perf_counter()
-    again, _ = resolve_model(None, progress=False)
+    again = resolve_model(None, progress=False).path
     assert again == path and (path / "model.safetensors").stat().st_mtime_ns == stamp
     assert time.perf_counter() - t0 < first
 
@@ -62,3 +63,26 @@ def test_tokenizer_equals_transformers_reading_of_the_gguf(converted):
     for text in TEXTS:
         assert ours.encode(text) == ref(text).input_ids
     assert ours.eos_token_ids == [2] and ours.chat_template
+
+
+def test_a_split_gguf_converts_as_the_whole_file(tmp_path):
+    """llama.cpp's split files (-00001-of-0000N.gguf), named by their first part: the same model
+    directory as the file written whole; another part, or a missing one, is refused by name."""
+    from safetensors.numpy import load_file
+
+    from pytgi.models.gguf_convert import GGUFConversionError, convert_gguf
+    from tests.tiny_repos import gguf_model
+
+    whole = gguf_model(tmp_path / "w-F16.gguf")[0]
+    parts = gguf_model(tmp_path / "s-F16.gguf", parts=3)
+    assert [p.name for p in parts] == [f"s-F16-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    a, b = convert_gguf(whole, tmp_path / "a", progress=False), convert_gguf(parts[0], tmp_path / "b", progress=False)
+    ta, tb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert ta.keys() == tb.keys() and all((ta[k] == tb[k]).all() for k in ta)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (a / name).read_text() == (b / name).read_text()
+    with pytest.raises(GGUFConversionError, match="part 2 of a split GGUF file: name its first part"):
+        convert_gguf(parts[1], tmp_path / "c")
+    parts[2].unlink()
+    with pytest.raises(GGUFConversionError, match="s-F16-00003-of-00003.gguf is missing"):
+        convert_gguf(parts[0], tmp_path / "d")

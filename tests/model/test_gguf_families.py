@@ -118,7 +118,7 @@ def test_gguf_of_the_family_serves_transformers_logits(tmp_path, monkeypatch, fa
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     path = write_gguf(hf, arch, tmp_path / f"{family}.gguf")
-    model_dir, _ = resolve_model(str(path), progress=False)  # converted once, as `pytgi serve` does
+    model_dir = resolve_model(str(path), progress=False).path  # converted once, as `pytgi serve` does
     runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
     assert type(runner.model).__name__ == "LlamaForCausalLM"  # pytgi's own code, not the fallback
     from tests.model.test_tiny_models import BLOCK, NUM_BLOCKS, Paged, reference, step

@@ -38,7 +38,7 @@ def tokenizer_dir() -> Path:
     """The default model's converted directory (tokenizer and config; converted once if missing)."""
     from pytgi.models.registry import resolve_model
 
-    path, _ = resolve_model(None)
+    path = resolve_model(None).path
     return Path(path)
 
 
