@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -92,7 +93,8 @@ class ManagedTarget(Target):
         self.command = self.build_command(self.port)
         log_dir = self.log_dir or Path(tempfile.gettempdir())
         log_dir.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_dir / f"pytgi-bench-{self.name}-{self.port}.log"
+        safe = re.sub(r"[^\w.-]+", "_", self.name)[:80]  # a peer's name may carry its flags and paths
+        self.log_path = log_dir / f"pytgi-bench-{safe}-{self.port}.log"
         log = open(self.log_path, "wb")
         try:
             # its own process group: stopping it also stops the children it started (pytgi's engine)

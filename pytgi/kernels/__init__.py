@@ -93,6 +93,11 @@ def vnni_supported() -> bool:
     return available() and bool(_lib().pytgi_qgemv_supported())
 
 
+def bf16gemm_supported() -> bool:
+    """The bf16-weight matmul (`bf16gemm.c`) is built: AVX-512 BF16, or AVX2."""
+    return available() and bool(_lib().pytgi_bf16gemm_supported())
+
+
 def amx_supported() -> bool:
     """AMX tiles built in, and the OS let this process use them."""
     return available() and bool(_lib().pytgi_qgemm_amx_supported())
@@ -206,6 +211,14 @@ def lowbit_matmul(x: torch.Tensor, packed: torch.Tensor, N: int, bits: int, amx:
     out = x.new_empty(M, N)
     kernel = _lib().pytgi_qgemm_amx_bf16 if amx else _lib().pytgi_qgemv_bf16
     _check(kernel(_ptr(x), _ptr(packed), _ptr(out), M, N, K, bits), "low-bit matmul")
+    return out
+
+
+def bf16_matmul(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor:
+    """bf16 x [M, K] times a packed bf16 weight [N, K] (`pytgi.models.quant.pack_bf16`)."""
+    M, K = x.shape
+    out = x.new_empty(M, N)
+    _check(_lib().pytgi_bf16gemm_bf16(_ptr(x), _ptr(packed), _ptr(out), M, N, K), "bf16 matmul")
     return out
 
 

@@ -28,6 +28,7 @@ class Crossovers:
     lowbit_vnni: int = 32  # qgemv.c without AMX, else the bf16 matmul
     lowbit_amx: int = 96  # qgemv.c or its AMX tiles, else the bf16 matmul
     vnni_before_amx: int = 12  # with AMX: qgemv.c up to here, AMX tiles above
+    bf16gemm: int = 128  # a bf16 model's weights: bf16gemm.c up to here (as fast as oneDNN at 64-256 rows)
     paged_prefill: int = 64  # a prefill chunk in the paged attention kernel, else gather + SDPA
 
 
@@ -48,6 +49,7 @@ class CpuKernels:
     # kernels serve every step size and the paged kernel every prefill chunk, its AMX tiles chosen
     # by the rows' role (prompt or generated), not by their number.
     batch_invariant: bool = True
+    bf16gemm: bool = False  # bf16 weights (a Hugging Face bf16 model) with bf16gemm.c
 
     @classmethod
     def none(cls) -> CpuKernels:
@@ -61,7 +63,8 @@ class CpuKernels:
         fused = fused and device.type == "cpu" and kernels.supports(dtype)
         vnni = vnni and device.type == "cpu" and dtype == torch.bfloat16 and kernels.vnni_supported()
         amx = amx and vnni and kernels.amx_supported()
-        return cls(fused, vnni, amx, decoder_loop and fused and vnni, native_bf16(), limits, batch_invariant)
+        bf16 = device.type == "cpu" and dtype == torch.bfloat16 and kernels.bf16gemm_supported()
+        return cls(fused, vnni, amx, decoder_loop and fused and vnni, native_bf16(), limits, batch_invariant, bf16)
 
     def lowbit_max_m(self, vnni: bool, amx: bool) -> int:
         """Steps of at most this many tokens use a weight's low-bit kernel, bigger ones bf16 weights.
@@ -72,6 +75,14 @@ class CpuKernels:
         if vnni and (self.batch_invariant or (not amx and not self.native_bf16)):
             return 1 << 30
         return self.limits.lowbit_amx if amx else self.limits.lowbit_vnni if vnni else self.limits.lowbit_torch
+
+    def bf16_max_m(self) -> int:
+        """Steps of at most this many tokens multiply a bf16 model's weights with bf16gemm.c, bigger ones
+        with oneDNN's bf16 matmul: every step when batch invariant (oneDNN's rows change with the step's
+        size) or when the CPU has no bf16 arithmetic (oneDNN then emulates it, slower at every size)."""
+        if self.batch_invariant or not self.native_bf16:
+            return 1 << 30
+        return self.limits.bf16gemm
 
     def paged_prefill_max(self) -> int:
         """Prefill chunks of at most this many tokens go to the paged attention kernel (0: none):

@@ -250,6 +250,8 @@ class LlamaForCausalLM(nn.Module):
             kinds = {plan} if isinstance(plan, str) else {plan.get(n) for n in hf_names}
             if None in kinds:
                 return None
+            if kinds == {"bf16"}:
+                return "bf16"
             return "int4" if kinds == {"int4"} else "int8x16" if "int8x16" in kinds else "int8"
 
         todo: dict[nn.Module, str] = {}
@@ -261,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
                     todo[mod] = k
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         if (k := kind([head])) is not None:
-            todo[self.lm_head] = "int8x16" if k == "int8x16" else "int8"  # logits are sensitive: never below 8 bits
+            todo[self.lm_head] = k if k in ("int8x16", "bf16") else "int8"  # logits are sensitive: never below 8 bits
         quantize_model(self, todo, act_dtype, self.cpu)
         self.decoder_loop = self._decoder_loop()
 

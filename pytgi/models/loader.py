@@ -113,8 +113,9 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, cpu: CpuKer
     config_cls, model_cls = MODELS[hf["architectures"][0]]
     cfg = config_cls.from_hf(hf)
     plan = resolve_plan(quantize, path, dtype, device)
-    # A quantized model is loaded in float32 first, so the low-bit grids see the checkpoint's values.
-    with _default_dtype(torch.float32 if plan else dtype), torch.device(device):
+    # A quantized model is loaded in float32 first, so the low-bit grids see the checkpoint's values
+    # (bf16 weights are only re-laid out: loaded as they are).
+    with _default_dtype(torch.float32 if plan and plan != "bf16" else dtype), torch.device(device):
         model = model_cls(cfg, cpu, attention)
     model.load_weights(iter_safetensors(path))
     if plan:

@@ -26,7 +26,10 @@ Which tensors to quantize, and how, is a per-tensor plan:
   group always lie on one grid of step d within 256 levels) and Q2_K/Q6_K int8x16, each group (of
   32, or 16 for int8x16) re-packed on its own grid (`_own_grid`): exact but for fp16 scales, for
   every type; float tensors, and types on no uniform grid (IQ*, TQ*, MXFP4), stay as converted;
-- a Hugging Face model is quantized only on request (`--quantize int8|int4`).
+- a Hugging Face model is quantized only on request (`--quantize int8|int4`). By default (bf16 on a CPU
+  whose kernels build) its weights stay as they are, bf16, and are only re-laid out for
+  `pytgi/kernels/bf16gemm.c` ("bf16"): a decode step then reads them at memory speed, every step size
+  gives a row the same bits (batch invariant), and nothing is rounded that the checkpoint did not.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ GROUP = 32
 INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # on a 16-level grid per 32 values
 INT8_TYPES = {"Q3_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0"}  # on a grid of at most 256 levels per 32 values
 SUB16_TYPES = {"Q2_K", "Q6_K"}  # scales per 16 values that no grid per 32 holds
-MODES = ("none", "auto", "int8", "int4")
+MODES = ("none", "auto", "int8", "int4", "bf16")
 BITS = {"int4": 4, "int8": 8, "int8x16": 16}  # the kernels' name for each layout (qgemv.c)
 
 def file_quantization(model_dir: Path) -> dict[str, int] | None:
@@ -91,7 +94,9 @@ def resolve_plan(mode: str, model_dir: Path, act_dtype: torch.dtype, device: tor
             f"on {device.type}); pass --dtype bfloat16"
         )
     if mode == "auto":
-        return gguf_plan(model_dir)
+        if (model_dir / "quantization.json").is_file():
+            return gguf_plan(model_dir)
+        return "bf16" if act_dtype == torch.bfloat16 and kernels.bf16gemm_supported() else {}
     return mode
 
 
@@ -186,13 +191,25 @@ def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> t
     return torch.cat([v.reshape(N // 16, G, -1)] + [scales(t) for pair in halves for t in pair], dim=-1).contiguous()
 
 
+def pack_bf16(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] → bf16gemm.c's layout: per tile of 16 rows, K/2 vectors of (row, pair of inputs)."""
+    N, K = w.shape
+    return w.to(torch.bfloat16).view(N // 16, 16, K // 2, 2).transpose(1, 2).contiguous()
+
+
 class QuantizedWeight:
     """The low-bit form of one linear's weight and the kernel that multiplies by it."""
 
     def __init__(self, kind: str, w: torch.Tensor, act_dtype: torch.dtype, cpu: CpuKernels) -> None:
         """`cpu`: the kernels this process uses (`CpuKernels.for_device`)."""
         N, K = w.shape
-        self.kind, self.shape, self.bits = kind, (N, K), BITS[kind]
+        self.kind, self.shape = kind, (N, K)
+        if kind == "bf16":  # the weight itself, laid out for bf16gemm.c
+            self.bits, self.vnni, self.amx, self.vnni_max_m = 0, False, False, 1 << 30
+            self.max_m = cpu.bf16_max_m()
+            self.packed, self.dequantized = pack_bf16(w), w.to(act_dtype)
+            return
+        self.bits = BITS[kind]
         self.vnni = cpu.vnni and act_dtype == torch.bfloat16 and N % 16 == 0 and K % GROUP == 0
         self.amx = self.vnni and cpu.amx
         self.max_m = cpu.lowbit_max_m(self.vnni, self.amx)
@@ -215,6 +232,8 @@ class QuantizedWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] → [T, out_features]."""
+        if self.kind == "bf16":
+            return kernels.bf16_matmul(x.contiguous(), self.packed, self.shape[0])
         if self.vnni:
             x = x.contiguous()
             return kernels.lowbit_matmul(x, self.packed, self.shape[0], self.bits, amx=x.shape[0] > self.vnni_max_m)
@@ -225,6 +244,8 @@ class QuantizedWeight:
 
 def can_quantize(kind: str, w: torch.Tensor) -> bool:
     N, K = w.shape
+    if kind == "bf16":
+        return N % 16 == 0 and K % 2 == 0
     return kind != "int4" or (K % GROUP == 0 and N % 16 == 0)
 
 
@@ -244,15 +265,24 @@ class QuantizedLinear(nn.Module):
 
 
 def quantize_model(model: nn.Module, kinds: dict[nn.Module, str], act_dtype: torch.dtype, cpu: CpuKernels) -> None:
-    """Swap each linear in `kinds` ("int4" | "int8" | "int8x16") for a `QuantizedLinear`, and cast the model to
-    `act_dtype`. Call on float32 weights, so the low-bit grids see the checkpoint's values."""
-    quants = {mod: QuantizedWeight(k if can_quantize(k, mod.weight) else "int8", mod.weight.data, act_dtype, cpu)
-              for mod, k in kinds.items()}
-    model.to(act_dtype)
+    """Swap each linear in `kinds` ("int4" | "int8" | "int8x16" | "bf16") for a `QuantizedLinear`, and cast the
+    model to `act_dtype`. Call on float32 weights, so the low-bit grids see the checkpoint's values (or on
+    bf16 ones for "bf16"). A layer whose packed weight serves every step size (batch invariant) keeps no
+    other copy."""
     for name, mod in list(model.named_modules()):
-        if mod in quants:
-            # The bf16 path multiplies by the dequantized values (the LM head stops sharing the
-            # embedding's tensor here: the embedding keeps the checkpoint's values).
-            mod.weight = nn.Parameter(quants[mod].dequantized, requires_grad=False)
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent), attr, QuantizedLinear(mod, quants[mod]))
+        if mod not in kinds:
+            continue
+        kind = kinds[mod]
+        if not can_quantize(kind, mod.weight):
+            if kind == "bf16":
+                continue  # a shape the bf16 kernel cannot take stays a linear
+            kind = "int8"
+        quant = QuantizedWeight(kind, mod.weight.data, act_dtype, cpu)
+        if quant.max_m >= 1 << 30:  # the layer's own matmul never runs
+            quant.dequantized = torch.empty(0, dtype=act_dtype)
+        # Bigger steps run the layer on the dequantized values (the LM head stops sharing the
+        # embedding's tensor here: the embedding keeps the checkpoint's values).
+        mod.weight = nn.Parameter(quant.dequantized, requires_grad=False)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, QuantizedLinear(mod, quant))
+    model.to(act_dtype)

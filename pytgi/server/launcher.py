@@ -29,7 +29,8 @@ FLAGS: list[tuple[str, type, object, str]] = [
     ("--revision", str, None, "of a Hub id: a branch, tag or commit (default: main)"),
     ("--num-shard", int, 1, "tensor-parallel ranks"),
     ("--dtype", str, "auto", "auto (bfloat16) | float32 (exact) | bfloat16 | float16"),
-    ("--quantize", str, "auto", "weight-only for small CPU steps: auto (as the GGUF file) | none | int8 | int4"),
+    ("--quantize", str, "auto", "weights on CPU: auto (as the GGUF file; a bf16 model as it is, on pytgi's bf16 "
+     "kernel) | none (PyTorch's matmuls) | int8 | int4 (weight-only, for small steps) | bf16"),
     ("--model-impl", str, "auto", "whose model code: auto (pytgi's where it has it, else transformers') | pytgi | "
      "transformers"),
     ("--hostname", str, "0.0.0.0", "address to listen on"),
@@ -125,7 +126,7 @@ def _add_invariance_flag(p: argparse.ArgumentParser) -> None:
 
 def add_shard_arguments(p: argparse.ArgumentParser) -> None:
     """The flags a rank > 0 shares with rank 0's `pytgi serve` (give the same values), and its place."""
-    _add_flags(p, ("--model-id", "--dtype", "--quantize", "--master-addr", "--master-port"))
+    _add_flags(p, ("--model-id", "--revision", "--dtype", "--quantize", "--master-addr", "--master-port"))
     _add_invariance_flag(p)
     p.add_argument("--rank", type=int, default=int(os.environ.get("RANK", "0")), help="this rank, >= 1 [env RANK]")
     p.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),

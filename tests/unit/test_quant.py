@@ -291,3 +291,55 @@ def test_without_bf16_in_the_cpu_the_low_bit_kernel_serves_every_step():
     native = CpuKernels(fused=True, vnni=True, native_bf16=True, batch_invariant=False)
     assert native.lowbit_max_m(True, False) == native.limits.lowbit_vnni
     assert CpuKernels(fused=True, vnni=True).lowbit_max_m(True, False) >= 1 << 20  # batch invariant: all sizes
+
+
+# -- a bf16 model's weights as they are (bf16gemm.c) -------------------------------------------------
+bf16_kernel = pytest.mark.skipif(not kernels.bf16gemm_supported(), reason="no bf16gemm.c here (AVX2 or AVX-512 BF16)")
+
+
+def bf16_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bf16gemm.c's sums, spelled out: per output, over input pairs in order, the odd product then the
+    even one added to a float32 sum (vdpbf16ps), denormals flushed (none arise here)."""
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for p in range(w.shape[1] // 2):
+        acc = acc + xf[:, 2 * p + 1, None] * wf[None, :, 2 * p + 1]
+        acc = acc + xf[:, 2 * p, None] * wf[None, :, 2 * p]
+    return acc.bfloat16()
+
+
+@bf16_kernel
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 17])
+def test_bf16_kernel_sums_the_weights_as_they_are(M):
+    """The same bits as the pairwise float32 sums written out (so the AVX2 path, run on this file by
+    test_portable_kernels.py, gives the AVX-512 BF16 path's bits too), for tile and row counts that
+    fill the kernel's blocks and that do not (48 rows: 3 tiles of 16)."""
+    g = torch.Generator().manual_seed(M)
+    w, x = torch.randn(48, 64, generator=g).bfloat16(), torch.randn(M, 64, generator=g).bfloat16()
+    qw = QuantizedWeight("bf16", w, torch.bfloat16, cpu())
+    assert torch.equal(qw.matmul(x), bf16_reference(x, w))
+    assert torch.equal(qw.dequantized, w)  # exact to the checkpoint: nothing re-quantized
+
+
+@bf16_kernel
+def test_bf16_kernel_rows_do_not_depend_on_the_step():
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(256, 576, generator=g).bfloat16(), torch.randn(37, 576, generator=g).bfloat16()
+    qw = QuantizedWeight("bf16", w, torch.bfloat16, cpu())
+    together = qw.matmul(x)
+    assert all(torch.equal(qw.matmul(x[i:i + 1]), together[i:i + 1]) for i in range(37))
+    ref = x.float() @ w.float().t()
+    assert ((together.float() - ref).norm() / ref.norm()).item() < 0.01
+
+
+def test_a_bf16_models_plan(tmp_path):
+    """A Hugging Face model (no quantization.json) in bf16 keeps its weights, on bf16gemm.c where it
+    builds; every step size takes it when batch invariant, else steps up to the crossover."""
+    cpu_dev = torch.device("cpu")
+    want = "bf16" if kernels.bf16gemm_supported() else {}
+    assert resolve_plan("auto", tmp_path, torch.bfloat16, cpu_dev) == want
+    assert resolve_plan("auto", tmp_path, torch.float32, cpu_dev) == {}
+    assert resolve_plan("none", tmp_path, torch.bfloat16, cpu_dev) == {}
+    assert CpuKernels(batch_invariant=True).bf16_max_m() >= 1 << 20
+    assert CpuKernels(batch_invariant=False, native_bf16=True).bf16_max_m() == CpuKernels().limits.bf16gemm
+    assert CpuKernels(batch_invariant=False, native_bf16=False).bf16_max_m() >= 1 << 20  # oneDNN emulates bf16
