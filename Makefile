@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-unit serve bench-engine clean
+.PHONY: install lint test test-unit serve bench-engine clean
 
 install: $(STAMP)
 
@@ -23,7 +23,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --no-deps text-generation==0.7.0
 	touch $(STAMP)
 
-test: install
+lint: install
+	$(BIN)/ruff check pytgi
+	$(BIN)/ruff format --check pytgi
+
+test: lint
 	$(BIN)/python -m pytest -q -ra --durations=20
 
 serve: install

@@ -9,7 +9,7 @@ from typing import Any
 from pytgi.sampling_params import InvalidRequest, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "InvalidRequest", "RequestOutput", "__version__"]
+__all__ = ["LLM", "InvalidRequest", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

@@ -14,8 +14,12 @@ def _env(name: str, default: str | None = None) -> str | None:
 def _generate(args: argparse.Namespace) -> int:
     from pytgi import LLM, InvalidRequest, SamplingParams
 
-    llm = LLM(model=args.model_id, revision=args.revision, dtype=args.dtype,
-              max_batch_total_tokens=args.max_batch_total_tokens)
+    llm = LLM(
+        model=args.model_id,
+        revision=args.revision,
+        dtype=args.dtype,
+        max_batch_total_tokens=args.max_batch_total_tokens,
+    )
     prompt: str = args.prompt
     if not args.raw and llm.tokenizer.chat_template:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -24,8 +28,12 @@ def _generate(args: argparse.Namespace) -> int:
         prompt_ids = llm.encode(prompt)
     try:
         params = SamplingParams(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed, stop=args.stop or [],
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=args.stop or [],
         )
         for text in llm.stream(prompt_ids, params):
             sys.stdout.write(text)
@@ -45,8 +53,10 @@ def _download(args: argparse.Namespace) -> int:
     setup_logging(args.json_output)
     ref = hub.parse_hub_id(args.model_id)
     if ref is None:
-        raise UserError(f"{args.model_id!r} is not a Hub id: org/name, org/name:TAG (a GGUF quantization) "
-                        "or org/name/file.gguf")
+        raise UserError(
+            f"{args.model_id!r} is not a Hub id: org/name, org/name:TAG (a GGUF quantization) "
+            "or org/name/file.gguf"
+        )
     print(hub.fetch(ref, args.revision, progress=not args.json_output).path)
     return 0
 
@@ -77,14 +87,26 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve a model over TGI's HTTP API (default: the embedded model)")
     add_serve_arguments(srv)
     srv.set_defaults(func=_serve)
-    shd = sub.add_parser("shard", help="run a tensor-parallel rank > 0 for a `pytgi serve` on another machine")
+    shd = sub.add_parser(
+        "shard", help="run a tensor-parallel rank > 0 for a `pytgi serve` on another machine"
+    )
     add_shard_arguments(shd)
     shd.set_defaults(func=_shard)
-    dl = sub.add_parser("download", help="fetch a model from the Hugging Face Hub into its cache; print its path")
-    dl.add_argument("model_id", help="org/name, org/name:TAG (a GGUF quantization, e.g. Q4_K_M) or org/name/file.gguf")
-    dl.add_argument("--revision", default=_env("REVISION"), help="a branch, tag or commit (default: main) [env REVISION]")
-    dl.add_argument("--json-output", action="store_true", default=_env("JSON_OUTPUT", "") not in ("", "0", "false"),
-                    help="log each file as a JSON line instead of progress bars [env JSON_OUTPUT]")
+    dl = sub.add_parser(
+        "download", help="fetch a model from the Hugging Face Hub into its cache; print its path"
+    )
+    dl.add_argument(
+        "model_id", help="org/name, org/name:TAG (a GGUF quantization, e.g. Q4_K_M) or org/name/file.gguf"
+    )
+    dl.add_argument(
+        "--revision", default=_env("REVISION"), help="a branch, tag or commit (default: main) [env REVISION]"
+    )
+    dl.add_argument(
+        "--json-output",
+        action="store_true",
+        default=_env("JSON_OUTPUT", "") not in ("", "0", "false"),
+        help="log each file as a JSON line instead of progress bars [env JSON_OUTPUT]",
+    )
     dl.set_defaults(func=_download)
     from pytgi.bench.cli import add_bench_arguments
 
@@ -93,7 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_bench)
     gen = sub.add_parser("generate", help="stream a completion of one prompt to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--model-id", default=_env("MODEL_ID"), help="Hub id, HF directory or .gguf (default: embedded)")
+    gen.add_argument(
+        "--model-id", default=_env("MODEL_ID"), help="Hub id, HF directory or .gguf (default: embedded)"
+    )
     gen.add_argument("--revision", default=_env("REVISION"), help="of a Hub id (default: main)")
     gen.add_argument("--dtype", default=_env("DTYPE", "auto"))
     gen.add_argument("--max-new-tokens", type=int, default=256)

@@ -17,7 +17,9 @@ DRAFT_MODEL_TOKENS = 4  # a draft model's tokens per step when --speculate is no
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = None  # HF directory, .gguf file or Hub id (org/name[:TAG]); None = the embedded default
+    model: str | None = (
+        None  # HF directory, .gguf file or Hub id (org/name[:TAG]); None = the embedded default
+    )
     revision: str | None = None  # of a Hub id: a branch, tag or commit (default: main)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16; float32 is the exact path)
     quantize: str = "auto"  # auto | none | int8 | int4: weight-only, for small CPU steps (pytgi.models.quant)
@@ -25,7 +27,9 @@ class EngineConfig:
     max_input_tokens: int | None = None  # default: max_total_tokens - 1
     max_total_tokens: int | None = None  # default: the model's positions
     max_batch_prefill_tokens: int | None = None  # default: 4096 on GPU, 1024 on CPU
-    max_prefill_tokens_while_decoding: int | None = None  # prompt tokens per step while others decode; None/0: no cap
+    max_prefill_tokens_while_decoding: int | None = (
+        None  # prompt tokens per step while others decode; None/0: no cap
+    )
     max_batch_total_tokens: int | None = None  # KV slots; default: sized from free memory
     max_batch_size: int | None = None  # default: 256
     waiting_served_ratio: float = 0.3
@@ -50,8 +54,13 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 <= self.waiting_served_ratio:
             raise ValueError("waiting_served_ratio must be >= 0")
-        for name in ("max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens",
-                     "max_batch_total_tokens", "max_batch_size"):
+        for name in (
+            "max_input_tokens",
+            "max_total_tokens",
+            "max_batch_prefill_tokens",
+            "max_batch_total_tokens",
+            "max_batch_size",
+        ):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be strictly positive, got {value}")
@@ -65,9 +74,18 @@ class EngineConfig:
         """Draft tokens per decode step, at most: --speculate, or 4 with a draft model and no --speculate."""
         return self.speculate or (DRAFT_MODEL_TOKENS if self.draft_model else 0)
 
-    def resolve(self, *, model_id: str, model_path: str, dtype: str, device_type: str, vocab_size: int,
-                max_positions: int, kv_capacity: Callable[[], int],
-                quantization: dict[str, int] | None = None) -> EngineInfo:
+    def resolve(
+        self,
+        *,
+        model_id: str,
+        model_path: str,
+        dtype: str,
+        device_type: str,
+        vocab_size: int,
+        max_positions: int,
+        kv_capacity: Callable[[], int],
+        quantization: dict[str, int] | None = None,
+    ) -> EngineInfo:
         """Fill the defaults from the loaded model and check the limits against each other;
         `kv_capacity()` (KV slots that fit in memory) is asked only when no size was given."""
         total = self.max_total_tokens or max_positions
@@ -91,13 +109,26 @@ class EngineConfig:
                 f"({total}): raise max_batch_total_tokens or lower max_total_tokens"
             )
         return EngineInfo(
-            model_id=model_id, model_path=model_path, model_dtype=dtype, model_device_type=device_type,
-            vocab_size=vocab_size, num_shard=self.num_shard, max_input_tokens=max_input, max_total_tokens=total,
-            max_batch_prefill_tokens=prefill, max_prefill_tokens_while_decoding=min(cap, prefill) or None,
-            max_batch_total_tokens=num_blocks * self.block_size, max_batch_size=self.max_batch_size or 256,
-            waiting_served_ratio=self.waiting_served_ratio, max_waiting_tokens=self.max_waiting_tokens,
-            enable_chunked_prefill=self.enable_chunked_prefill, enable_prefix_caching=self.enable_prefix_caching,
-            block_size=self.block_size, num_blocks=num_blocks, quantization=quantization, speculate=self.draft_tokens,
+            model_id=model_id,
+            model_path=model_path,
+            model_dtype=dtype,
+            model_device_type=device_type,
+            vocab_size=vocab_size,
+            num_shard=self.num_shard,
+            max_input_tokens=max_input,
+            max_total_tokens=total,
+            max_batch_prefill_tokens=prefill,
+            max_prefill_tokens_while_decoding=min(cap, prefill) or None,
+            max_batch_total_tokens=num_blocks * self.block_size,
+            max_batch_size=self.max_batch_size or 256,
+            waiting_served_ratio=self.waiting_served_ratio,
+            max_waiting_tokens=self.max_waiting_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_prefix_caching=self.enable_prefix_caching,
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            quantization=quantization,
+            speculate=self.draft_tokens,
             draft_model=self.draft_model,
         )
 

@@ -16,6 +16,7 @@ from pytgi.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
+
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
@@ -38,6 +39,7 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
 
 class _Tracker:
     """One request's `OutputProcessor` and the `RequestOutput` it fills."""
@@ -62,6 +64,7 @@ class _Tracker:
             out.top_logprobs.append([(t.id, t.logprob) for t in delta.top_tokens])
         out.text, out.finish_reason = proc.text, proc.finish_reason
         return delta
+
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args: Any) -> None:
@@ -119,7 +122,9 @@ class LLM:
             if text:
                 yield text
 
-    def chat(self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None) -> RequestOutput:
+    def chat(
+        self, messages: list[dict[str, str]], sampling_params: SamplingParams | None = None
+    ) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate(self.tokenizer.encode(prompt, add_special_tokens=False), sampling_params)[0]
 
@@ -148,4 +153,3 @@ class LLM:
         finally:
             for rid in pending:  # an exception or an abandoned stream must not leave work behind
                 self.engine.abort_request(rid)
-

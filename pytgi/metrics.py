@@ -16,57 +16,93 @@ class Metrics:
         self.request_count = Counter("tgi_request_count", "Requests received", registry=r)
         self.request_success = Counter("tgi_request_success", "Requests that succeeded", registry=r)
         self.request_failure = Counter("tgi_request_failure", "Requests that failed", ["err"], registry=r)
-        self.batch_inference_count = Counter("tgi_batch_inference_count", "Engine steps", ["method"], registry=r)
-        self.batch_inference_success = Counter("tgi_batch_inference_success", "Successful engine steps",
-                                               ["method"], registry=r)
-        self.batch_inference_failure = Counter("tgi_batch_inference_failure", "Failed engine steps",
-                                               ["method"], registry=r)
-        self.batch_concat = Counter("tgi_batch_concat", "Steps that admitted new requests into a running batch",
-                                    ["reason"], registry=r)
+        self.batch_inference_count = Counter(
+            "tgi_batch_inference_count", "Engine steps", ["method"], registry=r
+        )
+        self.batch_inference_success = Counter(
+            "tgi_batch_inference_success", "Successful engine steps", ["method"], registry=r
+        )
+        self.batch_inference_failure = Counter(
+            "tgi_batch_inference_failure", "Failed engine steps", ["method"], registry=r
+        )
+        self.batch_concat = Counter(
+            "tgi_batch_concat",
+            "Steps that admitted new requests into a running batch",
+            ["reason"],
+            registry=r,
+        )
         self.queue_size = Gauge("tgi_queue_size", "Requests waiting in the engine queue", registry=r)
         self.batch_current_size = Gauge("tgi_batch_current_size", "Running requests", registry=r)
-        self.batch_current_max_tokens = Gauge("tgi_batch_current_max_tokens", "Tokens computed in the last step",
-                                              registry=r)
-        self.request_duration = Histogram("tgi_request_duration", "End-to-end request time (s)",
-                                          buckets=_DURATION, registry=r)
-        self.request_validation_duration = Histogram("tgi_request_validation_duration", "Validation time (s)",
-                                                     buckets=_DURATION, registry=r)
-        self.request_queue_duration = Histogram("tgi_request_queue_duration", "Queue time (s)",
-                                                buckets=_DURATION, registry=r)
-        self.request_inference_duration = Histogram("tgi_request_inference_duration", "Inference time (s)",
-                                                    buckets=_DURATION, registry=r)
+        self.batch_current_max_tokens = Gauge(
+            "tgi_batch_current_max_tokens", "Tokens computed in the last step", registry=r
+        )
+        self.request_duration = Histogram(
+            "tgi_request_duration", "End-to-end request time (s)", buckets=_DURATION, registry=r
+        )
+        self.request_validation_duration = Histogram(
+            "tgi_request_validation_duration", "Validation time (s)", buckets=_DURATION, registry=r
+        )
+        self.request_queue_duration = Histogram(
+            "tgi_request_queue_duration", "Queue time (s)", buckets=_DURATION, registry=r
+        )
+        self.request_inference_duration = Histogram(
+            "tgi_request_inference_duration", "Inference time (s)", buckets=_DURATION, registry=r
+        )
         self.request_mean_time_per_token_duration = Histogram(
-            "tgi_request_mean_time_per_token_duration", "Mean time per generated token (s)",
-            buckets=_DURATION, registry=r)
-        self.request_input_length = Histogram("tgi_request_input_length", "Prompt tokens", buckets=_TOKENS,
-                                              registry=r)
-        self.request_generated_tokens = Histogram("tgi_request_generated_tokens", "Generated tokens",
-                                                  buckets=_TOKENS, registry=r)
-        self.batch_inference_duration = Histogram("tgi_batch_inference_duration", "Engine step time (s)",
-                                                  ["method"], buckets=_DURATION, registry=r)
-        self.batch_next_size = Histogram("tgi_batch_next_size", "Requests in a step", buckets=_TOKENS, registry=r)
+            "tgi_request_mean_time_per_token_duration",
+            "Mean time per generated token (s)",
+            buckets=_DURATION,
+            registry=r,
+        )
+        self.request_input_length = Histogram(
+            "tgi_request_input_length", "Prompt tokens", buckets=_TOKENS, registry=r
+        )
+        self.request_generated_tokens = Histogram(
+            "tgi_request_generated_tokens", "Generated tokens", buckets=_TOKENS, registry=r
+        )
+        self.batch_inference_duration = Histogram(
+            "tgi_batch_inference_duration", "Engine step time (s)", ["method"], buckets=_DURATION, registry=r
+        )
+        self.batch_next_size = Histogram(
+            "tgi_batch_next_size", "Requests in a step", buckets=_TOKENS, registry=r
+        )
         # beyond TGI
-        self.time_to_first_token = Histogram("pytgi_time_to_first_token_seconds", "Arrival to first token (s)",
-                                             buckets=_DURATION, registry=r)
-        self.inter_token_latency = Histogram("pytgi_inter_token_latency_seconds", "Time between streamed tokens (s)",
-                                             buckets=_DURATION, registry=r)
+        self.time_to_first_token = Histogram(
+            "pytgi_time_to_first_token_seconds", "Arrival to first token (s)", buckets=_DURATION, registry=r
+        )
+        self.inter_token_latency = Histogram(
+            "pytgi_inter_token_latency_seconds",
+            "Time between streamed tokens (s)",
+            buckets=_DURATION,
+            registry=r,
+        )
         self.kv_cache_usage = Gauge("pytgi_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
-        self.prefix_cache_hit_rate = Gauge("pytgi_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
-                                           registry=r)
-        self.preemptions = Gauge("pytgi_preemptions_total", "Requests preempted (recomputed later)", registry=r)
+        self.prefix_cache_hit_rate = Gauge(
+            "pytgi_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r
+        )
+        self.preemptions = Gauge(
+            "pytgi_preemptions_total", "Requests preempted (recomputed later)", registry=r
+        )
         # speculation (--speculate): TGI's per-request histogram, and pytgi's totals
-        self.request_skipped_tokens = Histogram("tgi_request_skipped_tokens",
-                                                "Tokens a request got as accepted draft tokens", buckets=_TOKENS,
-                                                registry=r)
+        self.request_skipped_tokens = Histogram(
+            "tgi_request_skipped_tokens",
+            "Tokens a request got as accepted draft tokens",
+            buckets=_TOKENS,
+            registry=r,
+        )
         self.spec_drafted = Gauge("pytgi_spec_draft_tokens_total", "Draft tokens verified", registry=r)
         self.spec_accepted = Gauge("pytgi_spec_accepted_tokens_total", "Draft tokens accepted", registry=r)
-        self.spec_acceptance = Gauge("pytgi_spec_acceptance_rate", "Accepted / verified draft tokens", registry=r)
+        self.spec_acceptance = Gauge(
+            "pytgi_spec_acceptance_rate", "Accepted / verified draft tokens", registry=r
+        )
 
     def engine_step(self, out: P.StepOut) -> None:
         step = out.step
         if step.batch_size:
             self.batch_inference_count.labels(step.method).inc()
-            (self.batch_inference_failure if step.failed else self.batch_inference_success).labels(step.method).inc()
+            (self.batch_inference_failure if step.failed else self.batch_inference_success).labels(
+                step.method
+            ).inc()
             self.batch_inference_duration.labels(step.method).observe(step.seconds)
             self.batch_next_size.observe(step.batch_size)
             self.batch_current_max_tokens.set(step.num_tokens)

@@ -70,7 +70,9 @@ class OutputProcessor:
         return [self._token(i, lp) for i, lp in zip(self.prompt_ids, self.prompt_logprobs)]
 
     def _token(self, token_id: int, logprob: float | None) -> Token:
-        return Token(token_id, self.tokenizer.id_to_piece(token_id), logprob, token_id in self.tokenizer.special_ids)
+        return Token(
+            token_id, self.tokenizer.id_to_piece(token_id), logprob, token_id in self.tokenizer.special_ids
+        )
 
     def process(self, out: P.TokenOut) -> Delta | None:
         """Fold one update in. None when it carried no token (prompt logprobs of a chunk);
@@ -95,8 +97,12 @@ class OutputProcessor:
             finish, self.stopped = "stop_sequence", True
         self.finish_reason = finish
         special = out.token_id in self.tokenizer.special_ids
-        token = Token(out.token_id, self.tokenizer.id_to_piece(out.token_id) if special else self.text[before:],
-                      out.logprob, special)
+        token = Token(
+            out.token_id,
+            self.tokenizer.id_to_piece(out.token_id) if special else self.text[before:],
+            out.logprob,
+            special,
+        )
         top = [self._token(i, lp) for i, lp in out.top]
         self.tokens.append(token)
         self.top_tokens.append(top)

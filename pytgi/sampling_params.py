@@ -52,9 +52,7 @@ class SamplingParams:
             return False
         if self.do_sample is not None:
             return self.do_sample
-        return (
-            self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0
-        )
+        return self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0
 
     def validate(self) -> None:
         def bad(msg: str) -> InvalidRequest:

@@ -73,8 +73,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # transformers' override: jinja's built-in tojson escapes HTML characters, which templates don't want.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -86,8 +87,9 @@ def _strftime_now(fmt: str) -> str:
 @lru_cache(maxsize=32)
 def _compile_template(source: str) -> jinja2.Template:
     """The same environment transformers renders chat templates in; compiled once per template text."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -96,8 +98,18 @@ def _compile_template(source: str) -> jinja2.Template:
 
 def _clean_up_tokenization(text: str) -> str:
     """transformers' clean_up_tokenization (only used for non-BPE tokenizers that ask for it)."""
-    for old, new in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                     (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+    for old, new in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(old, new)
     return text
 
@@ -105,8 +117,14 @@ def _clean_up_tokenization(text: str) -> str:
 class Tokenizer:
     """A Hugging Face tokenizer directory, read without transformers."""
 
-    def __init__(self, hf: _HFTokenizer, config: dict, special_map: dict, model_configs: list[dict],
-                 chat_template: str | None):
+    def __init__(
+        self,
+        hf: _HFTokenizer,
+        config: dict,
+        special_map: dict,
+        model_configs: list[dict],
+        chat_template: str | None,
+    ):
         # transformers encodes without the truncation/padding a tokenizer.json may carry
         hf.no_truncation()
         hf.no_padding()
@@ -115,7 +133,8 @@ class Tokenizer:
         self.special_tokens: dict[str, str] = _special_token_strings(config, special_map)
         self.chat_template: str | None = chat_template
         self.special_ids: frozenset[int] = frozenset(
-            i for i, tok in hf.get_added_tokens_decoder().items() if tok.special)
+            i for i, tok in hf.get_added_tokens_decoder().items() if tok.special
+        )
         self.bos_token_id: int | None = self._bos_id(model_configs)
         self.eos_token_ids: list[int] = self._eos_ids(model_configs)
         add_bos = config.get("add_bos_token")
@@ -134,9 +153,13 @@ class Tokenizer:
             )
         config = _read_json(path / "tokenizer_config.json")
         model_configs = [_read_json(path / "generation_config.json"), _read_json(path / "config.json")]
-        return cls(_HFTokenizer.from_file(str(tokenizer_file)), config,
-                   _read_json(path / "special_tokens_map.json"), model_configs,
-                   _load_chat_template(path, config))
+        return cls(
+            _HFTokenizer.from_file(str(tokenizer_file)),
+            config,
+            _read_json(path / "special_tokens_map.json"),
+            model_configs,
+            _load_chat_template(path, config),
+        )
 
     def _bos_id(self, model_configs: list[dict]) -> int | None:
         bos = self.special_tokens.get("bos_token")
@@ -160,8 +183,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_with_offsets(self, text: str, add_special_tokens: bool = True
-                            ) -> tuple[list[int], list[tuple[int, int]]]:
+    def encode_with_offsets(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[list[int], list[tuple[int, int]]]:
         """Token ids and the character span of `text` each covers."""
         enc = self._hf.encode(text, add_special_tokens=add_special_tokens)
         return enc.ids, enc.offsets
@@ -173,19 +197,26 @@ class Tokenizer:
     def id_to_piece(self, id: int) -> str:
         return self._hf.decode([id], skip_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list | None = None, **kwargs: Any) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        **kwargs: Any,
+    ) -> str:
         """Render like transformers' apply_chat_template(..., tokenize=False)."""
         if self.chat_template is None:
             raise ValueError(NO_TEMPLATE)
         # transformers drops None-valued keys (OpenAI clients send content=None with tool calls)
-        messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
-                    for m in messages]
+        messages = [
+            {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages
+        ]
         variables = {**self.special_tokens, "documents": None, **kwargs}  # kwargs override special tokens
         try:
             template = _compile_template(self.chat_template)
-            return template.render(messages=messages, tools=tools,
-                                   add_generation_prompt=add_generation_prompt, **variables)
+            return template.render(
+                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables
+            )
         except jinja2.TemplateError as e:
             raise ValueError(str(e)) from e  # the template's own message, e.g. from raise_exception
 
@@ -199,8 +230,9 @@ class IncrementalDetokenizer:
     U+FFFD, since the next token may complete a multi-byte UTF-8 character.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
-                 skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
+    ):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._window: list[int] = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:]) if prompt_ids else []
@@ -211,11 +243,11 @@ class IncrementalDetokenizer:
         """Text of the tokens after `_read`, decoded in the context of the tokens before it."""
         prefix = self._tokenizer.decode(self._window[: self._read], self._skip)
         full = self._tokenizer.decode(self._window, self._skip)
-        return full[len(prefix):] if len(full) > len(prefix) else ""
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
 
     def _emit(self, delta: str) -> str:
         # the emitted tokens become the next call's context; older ones are no longer needed
-        self._window = self._window[self._read:]
+        self._window = self._window[self._read :]
         self._read = len(self._window)
         self.text += delta
         return delta

@@ -73,11 +73,11 @@ class Chunk:
     """What one event means to the benchmark."""
 
     text: str = ""
-    final: bool = False              # the server says the generation ended
+    final: bool = False  # the server says the generation ended
     error: str | None = None
     reported_tokens: int | None = None  # the server's own count of generated tokens, when it sends one
-    token_event: bool = False        # the event stands for one generated token (TGI)
-    full_text: str | None = None     # the whole generated text, when the server sends it
+    token_event: bool = False  # the event stands for one generated token (TGI)
+    full_text: str | None = None  # the whole generated text, when the server sends it
 
 
 def _json_object(data: str) -> dict[str, Any] | Chunk:
@@ -132,9 +132,13 @@ class TGIProtocol(Protocol):
         text = "" if token.get("special") else (token.get("text") or "")
         details = obj.get("details") or {}
         final = obj.get("generated_text") is not None
-        return Chunk(text=text, final=final, token_event=bool(token),
-                     reported_tokens=details.get("generated_tokens"),
-                     full_text=obj.get("generated_text"))
+        return Chunk(
+            text=text,
+            final=final,
+            token_event=bool(token),
+            reported_tokens=details.get("generated_tokens"),
+            full_text=obj.get("generated_text"),
+        )
 
 
 class OpenAIProtocol(Protocol):
@@ -142,8 +146,13 @@ class OpenAIProtocol(Protocol):
 
     name = "openai"
 
-    def __init__(self, model: str = "default", chat: bool = False, send_ignore_eos: bool = True,
-                 include_usage: bool = True) -> None:
+    def __init__(
+        self,
+        model: str = "default",
+        chat: bool = False,
+        send_ignore_eos: bool = True,
+        include_usage: bool = True,
+    ) -> None:
         self.model = model
         self.chat = chat
         self.send_ignore_eos = send_ignore_eos  # a vLLM / llama.cpp extension; some servers reject it
@@ -151,8 +160,12 @@ class OpenAIProtocol(Protocol):
         self.path = "/v1/chat/completions" if chat else "/v1/completions"
 
     def body(self, req: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "stream": True, "temperature": 0,
-                                "max_tokens": req.output_len}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "stream": True,
+            "temperature": 0,
+            "max_tokens": req.output_len,
+        }
         if self.chat:
             body["messages"] = [{"role": "user", "content": req.prompt}]
         else:
@@ -184,8 +197,13 @@ class OpenAIProtocol(Protocol):
         return False  # some servers (transformers serve) end without [DONE]
 
 
-def make_protocol(name: str, model: str = "default", chat: bool = False, send_ignore_eos: bool = True,
-                  include_usage: bool = True) -> Protocol:
+def make_protocol(
+    name: str,
+    model: str = "default",
+    chat: bool = False,
+    send_ignore_eos: bool = True,
+    include_usage: bool = True,
+) -> Protocol:
     if name == "tgi":
         return TGIProtocol()
     if name == "openai":
@@ -214,14 +232,14 @@ class RequestResult:
     requested_output_len: int
     ok: bool = False
     error: str | None = None
-    start: float = 0.0                 # seconds from the benchmark's start
-    ttft: float | None = None          # time to the first non-empty text chunk
-    e2e: float | None = None           # time to the end of the stream
+    start: float = 0.0  # seconds from the benchmark's start
+    ttft: float | None = None  # time to the first non-empty text chunk
+    e2e: float | None = None  # time to the end of the stream
     itl: list[float] = field(default_factory=list)  # gaps between consecutive non-empty chunks
     text: str = ""
-    output_tokens: int = 0             # the generated text re-tokenized: the count every report uses
+    output_tokens: int = 0  # the generated text re-tokenized: the count every report uses
     reported_tokens: int | None = None  # the server's own count (TGI: token events or details; OpenAI: usage)
-    chunks: int = 0                    # non-empty text chunks received
+    chunks: int = 0  # non-empty text chunks received
 
     @property
     def tpot(self) -> float | None:
@@ -231,18 +249,34 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
     def to_json(self, with_text: bool = False) -> dict[str, Any]:
-        out = {"index": self.index, "input_len": self.input_len,
-               "requested_output_len": self.requested_output_len, "ok": self.ok, "error": self.error,
-               "start": self.start, "ttft": self.ttft, "e2e": self.e2e,
-               "tpot": self.tpot, "itl": self.itl, "output_tokens": self.output_tokens,
-               "reported_tokens": self.reported_tokens, "chunks": self.chunks}
+        out = {
+            "index": self.index,
+            "input_len": self.input_len,
+            "requested_output_len": self.requested_output_len,
+            "ok": self.ok,
+            "error": self.error,
+            "start": self.start,
+            "ttft": self.ttft,
+            "e2e": self.e2e,
+            "tpot": self.tpot,
+            "itl": self.itl,
+            "output_tokens": self.output_tokens,
+            "reported_tokens": self.reported_tokens,
+            "chunks": self.chunks,
+        }
         if with_text:
             out["text"] = self.text
         return out
 
 
-async def send_request(client: httpx.AsyncClient, protocol: Protocol, req: BenchRequest, ignore_eos: bool,
-                       count: Callable[[str], int], t_zero: float) -> RequestResult:
+async def send_request(
+    client: httpx.AsyncClient,
+    protocol: Protocol,
+    req: BenchRequest,
+    ignore_eos: bool,
+    count: Callable[[str], int],
+    t_zero: float,
+) -> RequestResult:
     """Send one streaming request and time its chunks; never raises (failures are in the result)."""
     res = RequestResult(req.index, req.input_len, req.output_len)
     t0 = time.perf_counter()
@@ -318,11 +352,21 @@ class LoadResult:
     duration: float  # from the first send to the last answer
 
 
-async def run_load(url: str, protocol: Protocol, requests: list[BenchRequest], *, count: Callable[[str], int],
-                   concurrency: int | None = None, request_rate: float | None = None, seed: int = 0,
-                   ignore_eos: bool = True, timeout: float = 600.0, headers: dict[str, str] | None = None,
-                   progress: Callable[[RequestResult], None] | None = None,
-                   transport: httpx.AsyncBaseTransport | None = None) -> LoadResult:
+async def run_load(
+    url: str,
+    protocol: Protocol,
+    requests: list[BenchRequest],
+    *,
+    count: Callable[[str], int],
+    concurrency: int | None = None,
+    request_rate: float | None = None,
+    seed: int = 0,
+    ignore_eos: bool = True,
+    timeout: float = 600.0,
+    headers: dict[str, str] | None = None,
+    progress: Callable[[RequestResult], None] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> LoadResult:
     """Closed loop (`concurrency` workers, each sending its next request when its last one finishes) or
     open loop (Poisson arrivals at `request_rate`/s, with at most `concurrency` in flight when given)."""
     from pytgi.bench.workload import poisson_arrivals
@@ -336,8 +380,10 @@ async def run_load(url: str, protocol: Protocol, requests: list[BenchRequest], *
     tmo = httpx.Timeout(timeout, connect=30.0)
     results: list[RequestResult] = []
 
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=tmo, limits=limits, headers=headers,
-                                 transport=transport) as client:
+    async with httpx.AsyncClient(
+        base_url=url.rstrip("/"), timeout=tmo, limits=limits, headers=headers, transport=transport
+    ) as client:
+
         def done(r: RequestResult) -> None:
             results.append(r)
             if progress is not None:

@@ -29,17 +29,16 @@ class PeerError(RuntimeError):
     pass
 
 
-
 @dataclass
 class Target:
     """A server to benchmark: where it is and how to talk to it."""
 
     name: str
     url: str = ""
-    protocol: str = "tgi"              # tgi | openai
-    chat: bool = False                 # OpenAI: /v1/chat/completions instead of /v1/completions
-    send_ignore_eos: bool = True       # OpenAI: send the `ignore_eos` extension
-    model: str | None = None           # OpenAI `model`; None: ask /v1/models
+    protocol: str = "tgi"  # tgi | openai
+    chat: bool = False  # OpenAI: /v1/chat/completions instead of /v1/completions
+    send_ignore_eos: bool = True  # OpenAI: send the `ignore_eos` extension
+    model: str | None = None  # OpenAI `model`; None: ask /v1/models
     command: list[str] = field(default_factory=list)
 
     def start(self) -> None:
@@ -49,10 +48,15 @@ class Target:
         pass
 
     def describe(self) -> dict[str, Any]:
-        return {"server": self.name, "url": self.url, "protocol": self.protocol,
-                "endpoint": ("/v1/chat/completions" if self.chat else "/v1/completions")
-                if self.protocol == "openai" else "/generate_stream",
-                "command": self.command or None}
+        return {
+            "server": self.name,
+            "url": self.url,
+            "protocol": self.protocol,
+            "endpoint": ("/v1/chat/completions" if self.chat else "/v1/completions")
+            if self.protocol == "openai"
+            else "/generate_stream",
+            "command": self.command or None,
+        }
 
     def __enter__(self) -> Target:
         self.start()
@@ -67,8 +71,15 @@ class ManagedTarget(Target):
 
     health_path = "/health"
 
-    def __init__(self, name: str, protocol: str, startup_timeout: float = 600.0, log_dir: Path | None = None,
-                 env: dict[str, str] | None = None, **kw: Any) -> None:
+    def __init__(
+        self,
+        name: str,
+        protocol: str,
+        startup_timeout: float = 600.0,
+        log_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+        **kw: Any,
+    ) -> None:
         super().__init__(name=name, protocol=protocol, **kw)
         self.startup_timeout = startup_timeout
         self.log_dir = log_dir
@@ -95,16 +106,19 @@ class ManagedTarget(Target):
         log_dir.mkdir(parents=True, exist_ok=True)
         safe = re.sub(r"[^\w.-]+", "_", self.name)[:80]  # a peer's name may carry its flags and paths
         self.log_path = log_dir / f"pytgi-bench-{safe}-{self.port}.log"
-        log = open(self.log_path, "wb")
-        try:
-            # its own process group: stopping it also stops the children it started (pytgi's engine)
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env={**os.environ, **self.env},
-                                         start_new_session=True)
-        except OSError as e:
-            raise PeerError(f"{self.name}: cannot run {shlex.join(self.command)}: {e}") from e
-        finally:
-            log.close()
+        # its own process group: stopping it also stops the children it started (pytgi's engine)
+        with open(self.log_path, "wb") as log:
+            try:
+                self.proc = subprocess.Popen(
+                    self.command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env={**os.environ, **self.env},
+                    start_new_session=True,
+                )
+            except OSError as e:
+                raise PeerError(f"{self.name}: cannot run {shlex.join(self.command)}: {e}") from e
         try:
             self.wait_ready()
         except BaseException:
@@ -118,16 +132,19 @@ class ManagedTarget(Target):
         assert self.proc is not None
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise PeerError(f"{self.name} exited with code {self.proc.returncode} before it was ready; "
-                                f"log {self.log_path}:\n{self.tail()}")
+                raise PeerError(
+                    f"{self.name} exited with code {self.proc.returncode} before it was ready; "
+                    f"log {self.log_path}:\n{self.tail()}"
+                )
             try:
                 if httpx.get(self.url + self.health_path, timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise PeerError(f"{self.name} not ready after {self.startup_timeout:.0f}s; "
-                        f"log {self.log_path}:\n{self.tail()}")
+        raise PeerError(
+            f"{self.name} not ready after {self.startup_timeout:.0f}s; log {self.log_path}:\n{self.tail()}"
+        )
 
     def tail(self, n: int = 3000) -> str:
         try:
@@ -160,8 +177,17 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 # -- pytgi ---------------------------------------------------------------------------------------------
 def pytgi_command(port: int, extra_args: str | list[str] = "", python: str | None = None) -> list[str]:
     extra = shlex.split(extra_args) if isinstance(extra_args, str) else list(extra_args)
-    return [python or sys.executable, "-m", "pytgi.cli", "serve", "--hostname", LOCALHOST,
-            "--port", str(port), *extra]
+    return [
+        python or sys.executable,
+        "-m",
+        "pytgi.cli",
+        "serve",
+        "--hostname",
+        LOCALHOST,
+        "--port",
+        str(port),
+        *extra,
+    ]
 
 
 class PytgiTarget(ManagedTarget):
@@ -174,9 +200,13 @@ class PytgiTarget(ManagedTarget):
 
 
 # -- llama.cpp -----------------------------------------------------------------------------------------
-def llama_server_command(binary: str | os.PathLike, model: str | os.PathLike, port: int,
-                         args: str | list[str] = DEFAULT_LLAMA_SERVER_ARGS,
-                         host: str = LOCALHOST) -> list[str]:
+def llama_server_command(
+    binary: str | os.PathLike,
+    model: str | os.PathLike,
+    port: int,
+    args: str | list[str] = DEFAULT_LLAMA_SERVER_ARGS,
+    host: str = LOCALHOST,
+) -> list[str]:
     """`llama-server -m <gguf> <args> --host H --port P` (args default: -np 16 -c 16384 -t 2)."""
     extra = shlex.split(args) if isinstance(args, str) else list(args)
     return [str(binary), "-m", str(model), *extra, "--host", host, "--port", str(port)]
@@ -185,8 +215,14 @@ def llama_server_command(binary: str | os.PathLike, model: str | os.PathLike, po
 class LlamaServerTarget(ManagedTarget):
     """llama.cpp's server on the same GGUF file; OpenAI protocol with `ignore_eos`."""
 
-    def __init__(self, binary: str, model: str | os.PathLike | None = None,
-                 args: str = DEFAULT_LLAMA_SERVER_ARGS, chat: bool = False, **kw: Any) -> None:
+    def __init__(
+        self,
+        binary: str,
+        model: str | os.PathLike | None = None,
+        args: str = DEFAULT_LLAMA_SERVER_ARGS,
+        chat: bool = False,
+        **kw: Any,
+    ) -> None:
         super().__init__("llama-server", "openai", chat=chat, **kw)
         self.binary = binary
         self.gguf = model
@@ -194,8 +230,9 @@ class LlamaServerTarget(ManagedTarget):
 
     def prepare(self) -> None:
         if not (Path(self.binary).is_file() or shutil.which(self.binary)):
-            raise PeerError(f"llama-server: no executable at {self.binary!r} "
-                            "(docs/bench.md says how to build it)")
+            raise PeerError(
+                f"llama-server: no executable at {self.binary!r} (docs/bench.md says how to build it)"
+            )
         if self.gguf is None:
             from pytgi.models.registry import default_gguf_path
 
@@ -232,9 +269,13 @@ def copy_without_eos(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     return dst
 
 
-def transformers_serve_command(model_dir: str | os.PathLike, port: int,
-                               cmd: str | list[str] = DEFAULT_TRANSFORMERS_SERVE_CMD,
-                               extra_args: str | list[str] = "", host: str = LOCALHOST) -> list[str]:
+def transformers_serve_command(
+    model_dir: str | os.PathLike,
+    port: int,
+    cmd: str | list[str] = DEFAULT_TRANSFORMERS_SERVE_CMD,
+    extra_args: str | list[str] = "",
+    host: str = LOCALHOST,
+) -> list[str]:
     """`transformers serve <model_dir> --continuous-batching --host H --port P <extra>`: the model given as
     the positional argument is preloaded and pinned (requests must name it or no model)."""
     base = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
@@ -250,8 +291,14 @@ class TransformersServeTarget(ManagedTarget):
     """`transformers serve --continuous-batching` on a copy of the model directory without EOS; OpenAI
     completions (or chat) without `ignore_eos`, which it rejects."""
 
-    def __init__(self, model_dir: str | os.PathLike | None = None, cmd: str = DEFAULT_TRANSFORMERS_SERVE_CMD,
-                 extra_args: str = "", chat: bool = False, **kw: Any) -> None:
+    def __init__(
+        self,
+        model_dir: str | os.PathLike | None = None,
+        cmd: str = DEFAULT_TRANSFORMERS_SERVE_CMD,
+        extra_args: str = "",
+        chat: bool = False,
+        **kw: Any,
+    ) -> None:
         super().__init__("transformers-serve", "openai", chat=chat, send_ignore_eos=False, **kw)
         self.model_dir = model_dir
         self.cmd = cmd

@@ -51,7 +51,7 @@ def summarize(load: LoadResult) -> dict[str, Any]:
     output_tokens = sum(r.output_tokens for r in ok)
     reported = [r.reported_tokens for r in ok if r.reported_tokens is not None]
     messages = Counter(r.error or "unknown error" for r in failed)
-    rate = (lambda x: x / duration if duration > 0 else 0.0)
+    rate = lambda x: x / duration if duration > 0 else 0.0
     return {
         "requests": len(results),
         "completed": len(ok),
@@ -98,9 +98,11 @@ def load_label(run: dict[str, Any]) -> str:
 
 def markdown_table(runs: list[dict[str, Any]]) -> str:
     """One row per run; ratios are against the first server run at the same load."""
-    head = ("| server | load | ok / err | out tok/s | total tok/s | req/s | TTFT ms p50 / p90 / p99 "
-            "| ITL ms p50 / p90 / p99 | TPOT ms p50 | E2E s p50 / p90 / p99 | out tok/s vs first "
-            "| ITL p50 vs first |")
+    head = (
+        "| server | load | ok / err | out tok/s | total tok/s | req/s | TTFT ms p50 / p90 / p99 "
+        "| ITL ms p50 / p90 / p99 | TPOT ms p50 | E2E s p50 / p90 / p99 | out tok/s vs first "
+        "| ITL p50 vs first |"
+    )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     firsts: dict[str, dict[str, Any]] = {}
     for run in runs:
@@ -113,7 +115,8 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
             f"| {_num(s['request_throughput'], 2)} | {_pcts(s['ttft_ms'])} "
             f"| {_pcts(s['itl_ms'])} | {_num(s['tpot_ms']['p50'])} | {_pcts(s['e2e_ms'], 1e-3, 2)} "
             f"| {_ratio(s['output_throughput'], base['output_throughput'])} "
-            f"| {_ratio(s['itl_ms']['p50'], base['itl_ms']['p50'])} |")
+            f"| {_ratio(s['itl_ms']['p50'], base['itl_ms']['p50'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -133,20 +136,31 @@ def machine_info() -> dict[str, Any]:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu, "cpus": os.cpu_count(),
-            "python": platform.python_version()}
+    return {
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
 
 
 def git_commit(path: Path | None = None) -> str | None:
     """The pytgi checkout's commit, with `-dirty` when it has uncommitted changes."""
     where = str(path or Path(__file__).resolve().parent)
     try:
-        sha = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip()
+        sha = subprocess.run(
+            ["git", "-C", where, "rev-parse", "HEAD"], check=False, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         if not sha:
             return None
-        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return sha + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
@@ -178,15 +192,21 @@ def plot_sweep(runs: list[dict[str, Any]], path: Path, title: str = "") -> Path 
         return None
     servers = list(dict.fromkeys(r["server"] for r in runs))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    panels = [("output tokens/s", lambda s: s["output_throughput"], None),
-              ("TTFT ms (p50 solid, p99 dashed)", lambda s: s["ttft_ms"]["p50"],
-               lambda s: s["ttft_ms"]["p99"]),
-              ("inter-token latency ms (p50 solid, p99 dashed)", lambda s: s["itl_ms"]["p50"],
-               lambda s: s["itl_ms"]["p99"])]
+    panels = [
+        ("output tokens/s", lambda s: s["output_throughput"], None),
+        ("TTFT ms (p50 solid, p99 dashed)", lambda s: s["ttft_ms"]["p50"], lambda s: s["ttft_ms"]["p99"]),
+        (
+            "inter-token latency ms (p50 solid, p99 dashed)",
+            lambda s: s["itl_ms"]["p50"],
+            lambda s: s["itl_ms"]["p99"],
+        ),
+    ]
     for ax, (label, main, tail) in zip(axes, panels):
         for i, name in enumerate(servers):
-            rs = sorted((r for r in runs if r["server"] == name and r.get("concurrency")),
-                        key=lambda r: r["concurrency"])
+            rs = sorted(
+                (r for r in runs if r["server"] == name and r.get("concurrency")),
+                key=lambda r: r["concurrency"],
+            )
             xs = [r["concurrency"] for r in rs]
             color = f"C{i}"
             ax.plot(xs, [main(r["summary"]) for r in rs], "o-", color=color, label=name)

@@ -75,8 +75,16 @@ def exact_length_text(tokenizer: Tokenizer, rng: random.Random, length: int, poo
     raise RuntimeError(f"could not build a prompt of exactly {length} tokens")
 
 
-def synthetic_requests(tokenizer: Tokenizer, num: int, input_min: int, input_max: int, output_min: int,
-                       output_max: int, seed: int = 0, shared_prefix_len: int = 0) -> list[BenchRequest]:
+def synthetic_requests(
+    tokenizer: Tokenizer,
+    num: int,
+    input_min: int,
+    input_max: int,
+    output_min: int,
+    output_max: int,
+    seed: int = 0,
+    shared_prefix_len: int = 0,
+) -> list[BenchRequest]:
     """`num` random-text prompts, input lengths uniform in [input_min, input_max], output lengths uniform
     in [output_min, output_max]; the same seed gives the same requests.
 
@@ -91,8 +99,11 @@ def synthetic_requests(tokenizer: Tokenizer, num: int, input_min: int, input_max
         raise ValueError(f"shared prefix length must be >= 0, got {shared_prefix_len}")
     rng = random.Random(seed)
     pool = token_pool(tokenizer)
-    prefix = exact_length_text(tokenizer, random.Random(seed + 1), shared_prefix_len, pool) + "\n" \
-        if shared_prefix_len else ""
+    prefix = (
+        exact_length_text(tokenizer, random.Random(seed + 1), shared_prefix_len, pool) + "\n"
+        if shared_prefix_len
+        else ""
+    )
     out = []
     for i in range(num):
         n_in = rng.randint(input_min, input_max)
@@ -118,11 +129,14 @@ def dataset_requests(tokenizer: Tokenizer, path: str | Path, num: int | None = N
                 item = json.loads(line)
                 prompt, output_len = item["prompt"], item["output_len"]
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: expected "
-                                 f"{{\"prompt\": str, \"output_len\": int}}: {e}") from e
+                raise ValueError(
+                    f'{path}:{lineno}: expected {{"prompt": str, "output_len": int}}: {e}'
+                ) from e
             if not isinstance(prompt, str) or not prompt or not isinstance(output_len, int) or output_len < 1:
-                raise ValueError(f"{path}:{lineno}: `prompt` must be a non-empty string and `output_len` a "
-                                 "positive integer")
+                raise ValueError(
+                    f"{path}:{lineno}: `prompt` must be a non-empty string and `output_len` a "
+                    "positive integer"
+                )
             out.append(BenchRequest(len(out), prompt, count_tokens(tokenizer, prompt), output_len))
             if num is not None and len(out) >= num:
                 break

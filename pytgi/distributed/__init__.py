@@ -51,16 +51,27 @@ def unsharded() -> Iterator[None]:
         _TP_RANK, _TP_SIZE = saved
 
 
-def init(rank: int, world_size: int, master_addr: str, master_port: int, device: torch.device,
-         timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def init(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> None:
     global _TP_RANK, _TP_SIZE
     if world_size == 1:
         return
     # On CUDA, tensors go through NCCL and the small CPU control tensors through gloo.
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     try:
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     except Exception as exc:
         raise DistributedError(
             f"rank {rank}/{world_size} could not join the group at {master_addr}:{master_port}: {exc} "

@@ -2,9 +2,10 @@
 tokenizer guesses each decode's next tokens, and the model verifies them in its next step.
 
 The draft model runs in the engine process (rank 0, whole even when the model is sharded:
-`pytgi.distributed.unsharded`) on its own paged KV cache, with the kernels the machine has. Each step, for the decodes the scheduler lets draft, it computes in one
-batched forward the request's tokens it has not seen yet (the whole prompt the first time), then
-decodes the draft one token per forward, greedily. Its KV is kept for the tokens the model accepted;
+`pytgi.distributed.unsharded`) on its own paged KV cache, with the kernels the machine has. Each
+step, for the decodes the scheduler lets draft, it computes in one batched forward the request's
+tokens it has not seen yet (the whole prompt the first time), then decodes the draft one token per
+forward, greedily. Its KV is kept for the tokens the model accepted;
 the rest is recomputed when needed, so a draft that was never verified (the step ran out of blocks)
 costs nothing but the work.
 
@@ -82,14 +83,26 @@ def _same_tokenizer(a: Path, b: Path) -> bool:
 class DraftModel:
     """Proposes drafts of at most `k` tokens with a second, smaller model (see the module's doc)."""
 
-    def __init__(self, model: str, k: int, target_path: Path, target_vocab: int, device: torch.device,
-                 block_size: int, num_blocks: int, eos_token_ids: frozenset[int], batch_invariant: bool = True,
-                 progress: bool = True) -> None:
+    def __init__(
+        self,
+        model: str,
+        k: int,
+        target_path: Path,
+        target_vocab: int,
+        device: torch.device,
+        block_size: int,
+        num_blocks: int,
+        eos_token_ids: frozenset[int],
+        batch_invariant: bool = True,
+        progress: bool = True,
+    ) -> None:
         resolved = resolve_model(model, progress=progress)
         path, self.model_id = resolved.path, resolved.model_id
         if not _same_tokenizer(path, target_path):
-            raise DraftModelError(f"the draft model {model!r} does not have the model's tokenizer: "
-                                  "speculative decoding needs the same token ids")
+            raise DraftModelError(
+                f"the draft model {model!r} does not have the model's tokenizer: "
+                "speculative decoding needs the same token ids"
+            )
         self.k, self.device, self.vocab, self.eos = k, device, target_vocab, eos_token_ids
         dtype = resolve_dtype("auto", read_config(path), device)
         cpu = CpuKernels.for_device(device, dtype, batch_invariant=batch_invariant)
@@ -97,7 +110,9 @@ class DraftModel:
             self.model = load_model(path, dtype, device, cpu, "auto")
         attn = self.model.layers[0].self_attn
         shape = (2, num_blocks * block_size, attn.n_kv, attn.head_dim)
-        self.kv_caches = [tuple(torch.zeros(shape, dtype=dtype, device=device).unbind(0)) for _ in self.model.layers]
+        self.kv_caches = [
+            tuple(torch.zeros(shape, dtype=dtype, device=device).unbind(0)) for _ in self.model.layers
+        ]
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[str, _Seq] = {}
 
@@ -106,12 +121,16 @@ class DraftModel:
         """A draft for each request (possibly empty), `spare` tokens in all at most. A request the draft
         model is far behind on (a new prompt) first catches up in pieces, CATCHUP_TOKENS a step for
         all requests together, and drafts once it is near: a long prompt does not stall the step."""
-        wants: list[tuple[Request, _Seq, list[int], int]] = []  # (request, its view, tokens to compute, draft length)
+        wants: list[
+            tuple[Request, _Seq, list[int], int]
+        ] = []  # (request, its view, tokens to compute, draft length)
         catchup = CATCHUP_TOKENS
         for req in reqs:
             seq = self.seqs.get(req.request_id)
             if seq is None:
-                seq = self.seqs[req.request_id] = _Seq(length=float(self.k), num_prompt_tokens=req.num_prompt_tokens)
+                seq = self.seqs[req.request_id] = _Seq(
+                    length=float(self.k), num_prompt_tokens=req.num_prompt_tokens
+                )
             room = req.params.max_new_tokens - len(req.output_ids) - 1  # the step samples one token anyway
             want = min(int(seq.length), spare, room)
             if want <= 0:
@@ -121,9 +140,9 @@ class DraftModel:
             if behind > catchup:
                 if catchup <= 0:
                     continue
-                feed, want = req.all_ids[len(seq.ids):len(seq.ids) + catchup], 0  # a piece, no draft yet
+                feed, want = req.all_ids[len(seq.ids) : len(seq.ids) + catchup], 0  # a piece, no draft yet
             else:
-                feed = req.all_ids[len(seq.ids):]
+                feed = req.all_ids[len(seq.ids) :]
             # blocks for the tokens to catch up on and the draft's first want - 1 tokens
             if not self.blocks.allocate(seq, len(feed) + max(want - 1, 0)):
                 continue
@@ -168,7 +187,9 @@ class DraftModel:
             for i, token in zip(active, nxt):
                 req, _, _, want = wants[i]
                 draft = drafts[req.request_id]
-                if want == 0 or token >= self.vocab:  # catching up; or a token the model lacks (padded vocabulary)
+                if (
+                    want == 0 or token >= self.vocab
+                ):  # catching up; or a token the model lacks (padded vocabulary)
                     continue
                 draft.append(token)
                 if len(draft) < want and token not in self.eos:

@@ -48,12 +48,20 @@ class LLMEngine:
         runner = self.runner
         self.eos_token_ids = runner.eos_token_ids
         self.info = self.shards.config.resolve(
-            model_id=model_id, model_path=str(model_path), dtype=str(runner.dtype).removeprefix("torch."),
-            device_type=runner.device.type, vocab_size=runner.vocab_size,
-            max_positions=runner.config.max_position_embeddings, quantization=file_quantization(model_path),
-            kv_capacity=lambda: runner.auto_num_tokens(config.kv_cache_cpu_bytes, config.kv_cache_memory_fraction),
+            model_id=model_id,
+            model_path=str(model_path),
+            dtype=str(runner.dtype).removeprefix("torch."),
+            device_type=runner.device.type,
+            vocab_size=runner.vocab_size,
+            max_positions=runner.config.max_position_embeddings,
+            quantization=file_quantization(model_path),
+            kv_capacity=lambda: runner.auto_num_tokens(
+                config.kv_cache_cpu_bytes, config.kv_cache_memory_fraction
+            ),
         )
-        self.block_manager = BlockManager(self.info.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.info.num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.runner.allocate_kv_cache(self.info.num_blocks, config.block_size)
         try:
             drafter = self._draft_model(config, model_path) if config.draft_model else None
@@ -65,16 +73,30 @@ class LLMEngine:
         self.last_step = P.StepInfo()  # what the last step did, for the metrics
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks x %d, load %.1fs",
-            model_id, runner.device, runner.dtype, self.info.num_blocks, config.block_size, load_seconds,
+            model_id,
+            runner.device,
+            runner.dtype,
+            self.info.num_blocks,
+            config.block_size,
+            load_seconds,
         )
 
     def _draft_model(self, config: EngineConfig, model_path: Path):  # type: ignore[no-untyped-def]
         from pytgi.engine.draft import DraftModel
 
         runner = self.runner
-        return DraftModel(config.draft_model, self.info.speculate, model_path, runner.vocab_size, runner.device,
-                          config.block_size, self.info.num_blocks, self.eos_token_ids, config.batch_invariant,
-                          config.progress)
+        return DraftModel(
+            config.draft_model,
+            self.info.speculate,
+            model_path,
+            runner.vocab_size,
+            runner.device,
+            config.block_size,
+            self.info.num_blocks,
+            self.eos_token_ids,
+            config.batch_invariant,
+            config.progress,
+        )
 
     @property
     def model_path(self) -> Path:
@@ -100,8 +122,15 @@ class LLMEngine:
             raise InvalidRequest(f"prompt token ids must be in [0, {info.vocab_size})")
         params.validate()
         grammar = structured.check(params)  # cached per grammar: the API process checked it already
-        self.scheduler.add(Request(request_id, list(prompt_ids), params, self.eos_token_ids,
-                                   speculative=grammar is None and not params.watermark))
+        self.scheduler.add(
+            Request(
+                request_id,
+                list(prompt_ids),
+                params,
+                self.eos_token_ids,
+                speculative=grammar is None and not params.watermark,
+            )
+        )
         if grammar is not None:
             self.runner.grammars.add(request_id, grammar, params.ignore_eos)
 
@@ -132,8 +161,13 @@ class LLMEngine:
             log.exception("step failed for %d requests", len(sched.scheduled))
             self.num_failed_steps += 1
             failed, updates = True, self.scheduler.fail(sched, f"{type(exc).__name__}: {exc}")
-        self.last_step = P.StepInfo(time.monotonic() - t0, len(sched.scheduled), sched.num_tokens,
-                                    "prefill" if sched.has_prompt else "decode", failed)
+        self.last_step = P.StepInfo(
+            time.monotonic() - t0,
+            len(sched.scheduled),
+            sched.num_tokens,
+            "prefill" if sched.has_prompt else "decode",
+            failed,
+        )
         for u in updates:
             if u.finish_reason is not None:
                 self.runner.release(u.request_id)

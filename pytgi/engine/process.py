@@ -75,7 +75,7 @@ class EngineLoop:
             if isinstance(msg, P.Submit):
                 try:
                     self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params)
-                except Exception as exc:  # a request the engine refuses fails alone
+                except Exception as exc:  # noqa: BLE001 - a request the engine refuses fails alone
                     errors.append(P.TokenOut(msg.request_id, finish_reason="error", error=str(exc)))
             elif isinstance(msg, P.Abort):
                 for rid in msg.request_ids:

@@ -56,8 +56,15 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, hf_config, self.device)
         # On CPU this builds the C kernels now (about a second, once), not on the first request.
         cpu = CpuKernels.for_device(self.device, self.dtype, batch_invariant=config.batch_invariant)
-        self.model = load_model(model_path, self.dtype, self.device, cpu, config.quantize, config.attention_backend,
-                                config.model_impl)
+        self.model = load_model(
+            model_path,
+            self.dtype,
+            self.device,
+            cpu,
+            config.quantize,
+            config.attention_backend,
+            config.model_impl,
+        )
         self.backend = self.model.attention  # builds each step's attention metadata
         self.config = self.model.config
         self.vocab_size = self.config.vocab_size
@@ -107,8 +114,12 @@ class ModelRunner:
         starts = np.fromiter((r.num_computed_tokens for r in reqs), np.int64, len(batch))
         T = int(q_lens.sum())
         ids = np.fromiter(  # a decode with a draft: its last token, then the draft
-            chain.from_iterable(r.all_ids[s : s + n] + b.draft if b.draft else r.all_ids[s : s + n]
-                                for b, r, s, n in zip(batch, reqs, starts, q_lens)), np.int64, T
+            chain.from_iterable(
+                r.all_ids[s : s + n] + b.draft if b.draft else r.all_ids[s : s + n]
+                for b, r, s, n in zip(batch, reqs, starts, q_lens)
+            ),
+            np.int64,
+            T,
         )
         cu = np.cumsum(q_lens)
         req_idx = np.repeat(np.arange(len(batch)), q_lens)
@@ -135,8 +146,9 @@ class ModelRunner:
                 sample_rows.extend(range(int(ends[i]) - k, int(ends[i]) + 1))
         spans = self._prompt_logprob_spans(batch, ends)
         # Logits only where needed: the sampled rows, then prompt-logprob positions.
-        rows = np.concatenate([np.array(sample_rows, np.int64),
-                               *(np.arange(a, a + n) for _, a, n in spans)]).astype(np.int64)
+        rows = np.concatenate(
+            [np.array(sample_rows, np.int64), *(np.arange(a, a + n) for _, a, n in spans)]
+        ).astype(np.int64)
         # Structured output's masks are computed while the forward runs.
         masks = self.grammars.start_masks([s.request.request_id for s, _ in sampling]) if sampling else None
         if dist.tp_size() > 1:
@@ -154,7 +166,7 @@ class ModelRunner:
 
     def _forward(self, ids: np.ndarray, positions: np.ndarray, layout: StepLayout, rows: np.ndarray):  # type: ignore[no-untyped-def]
         meta = self.backend.prepare(layout, self.device)
-        to = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        to = lambda a: torch.from_numpy(a).to(self.device)
         hidden = self.model(to(ids), to(positions), self.kv_caches, meta)
         return self.model.compute_logits(hidden[to(rows)]) if len(rows) else None
 
@@ -166,13 +178,25 @@ class ModelRunner:
     def _broadcast_step(self, ids, positions, layout: StepLayout, rows) -> None:  # type: ignore[no-untyped-def]
         B, M = layout.block_tables.shape
         dist.broadcast_command(dist.CMD_STEP, len(ids), B, M, len(rows))
-        dist.broadcast_arrays([ids, positions, layout.query_lens, layout.context_lens, layout.block_tables,
-                               layout.slot_mapping, rows], self._shapes(len(ids), B, M, len(rows)))
+        dist.broadcast_arrays(
+            [
+                ids,
+                positions,
+                layout.query_lens,
+                layout.context_lens,
+                layout.block_tables,
+                layout.slot_mapping,
+                rows,
+            ],
+            self._shapes(len(ids), B, M, len(rows)),
+        )
 
     @torch.inference_mode()
     def worker_step(self, T: int, B: int, M: int, R: int) -> None:
         """Ranks > 0: receive rank 0's step inputs and run this shard's forward."""
-        ids, positions, q_lens, ctx, tables, slots, rows = dist.broadcast_arrays(None, self._shapes(T, B, M, R))
+        ids, positions, q_lens, ctx, tables, slots, rows = dist.broadcast_arrays(
+            None, self._shapes(T, B, M, R)
+        )
         self._forward(ids, positions, StepLayout(q_lens, ctx, tables, slots, self.block_size), rows)
 
     def ping(self) -> None:
@@ -190,8 +214,13 @@ class ModelRunner:
                 pass
         dist.shutdown()
 
-    def _sample(self, logits: torch.Tensor, rows: list[tuple[ScheduledRequest, int]], out: RunnerOutput,
-                masks: StepMasks | None) -> None:
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        rows: list[tuple[ScheduledRequest, int]],
+        out: RunnerOutput,
+        masks: StepMasks | None,
+    ) -> None:
         """Sample each row: row (s, j) is s's output token number len(output) + j, after the first j
         tokens of its draft. A request with a draft keeps the draft tokens its rows confirm, and the
         row's token after them (`accepted_prefix`)."""
@@ -201,9 +230,12 @@ class ModelRunner:
             apply_watermark(logits, marked, [reqs[i].all_ids[-1] for i in marked])
         gens = [self._generator(r, len(r.output_ids) + j) for r, (_, j) in zip(reqs, rows)]
         meta = SamplingMetadata.build(
-            [r.params for r in reqs], [r.prompt_ids for r in reqs],
+            [r.params for r in reqs],
+            [r.prompt_ids for r in reqs],
             [r.output_ids + s.draft[:j] if j else r.output_ids for r, (s, j) in zip(reqs, rows)],
-            gens, self.vocab_size, self.device,
+            gens,
+            self.vocab_size,
+            self.device,
         )
         res = self.sampler(logits, meta, masks.result() if masks is not None else None)
         tokens, logprobs = res.token_ids.tolist(), res.logprobs.tolist()

@@ -13,9 +13,9 @@ Face transformers' logits processors and warpers (and TGI's heterogeneous versio
    ``TypicalLogitsWarper`` with ``min_tokens_to_keep=1``), then one draw from the softmax.
 
 Draws use the exponential race: with ``q ~ Exp(1)`` i.i.d. per token, ``argmax(p / q)`` is distributed as
-``p``. Each sampling row draws exactly ``V`` uniform values from its own generator per call (``q = -log(1 - u)``:
-several times cheaper than ``exponential_``), so a request's sample depends only on its own seed, step
-count and probabilities -- never on what it is batched with.
+``p``. Each sampling row draws exactly ``V`` uniform values from its own generator per call
+(``q = -log(1 - u)``: several times cheaper than ``exponential_``), so a request's sample depends only on
+its own seed, step count and probabilities -- never on what it is batched with.
 
 Top-k and top-p find their cut-offs with ``topk`` over a few dozen candidates (widened until the kept
 mass is covered) instead of sorting the whole vocabulary per row; the kept set is the same as the sort's.
@@ -331,8 +331,9 @@ class Sampler:
         return token_ids.index_copy(0, rows, sampled)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, token_ids: torch.Tensor, max_top_n: int,
-                  lse: torch.Tensor | None) -> SamplerOutput:
+    def _logprobs(
+        raw: torch.Tensor, token_ids: torch.Tensor, max_top_n: int, lse: torch.Tensor | None
+    ) -> SamplerOutput:
         """Log-softmax of the raw logits at the chosen tokens (and the top n): each row's logsumexp
         from `row_stats`, whose value does not depend on the batch, subtracted element-wise."""
         if lse is None:

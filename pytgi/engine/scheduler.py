@@ -25,11 +25,16 @@ from pytgi.engine.speculate import MAX_STEP_ROWS, Drafter
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # the draft's tokens included
-    draft: list[int] = field(default_factory=list)  # guessed tokens after the request's last, verified this step
+    draft: list[int] = field(
+        default_factory=list
+    )  # guessed tokens after the request's last, verified this step
 
     @property
     def samples(self) -> bool:
-        return self.request.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.request.num_tokens
+        return (
+            self.request.num_computed_tokens + self.num_new_tokens - len(self.draft)
+            == self.request.num_tokens
+        )
 
 
 @dataclass(slots=True)
@@ -57,7 +62,9 @@ class RunnerOutput:
     """What the runner computed for a `SchedulerOutput`."""
 
     samples: dict[str, P.TokenOut] = field(default_factory=dict)  # request_id → this step's token
-    more: dict[str, list[P.TokenOut]] = field(default_factory=dict)  # request_id → tokens after it (accepted drafts)
+    more: dict[str, list[P.TokenOut]] = field(
+        default_factory=dict
+    )  # request_id → tokens after it (accepted drafts)
     # request_id → logprobs of the prompt tokens this step's chunk predicted (first prompt token: None)
     prompt_logprobs: dict[str, list[float | None]] = field(default_factory=dict)
     complete: set[str] = field(default_factory=set)  # structured output whose grammar is complete
@@ -65,8 +72,9 @@ class RunnerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineInfo, block_manager: BlockManager, watermark: float = 0.01,
-                 drafter=None) -> None:  # type: ignore[no-untyped-def]
+    def __init__(
+        self, config: EngineInfo, block_manager: BlockManager, watermark: float = 0.01, drafter=None
+    ) -> None:  # type: ignore[no-untyped-def]
         """`drafter`: the draft proposer (`pytgi.engine.draft.DraftModel`); None: n-gram drafts when
         `config.speculate`."""
         self.config = config
@@ -105,7 +113,11 @@ class Scheduler:
         budget = cfg.max_batch_prefill_tokens
         # Prompt tokens (continuing chunks and new prefills) are capped in a step that also decodes.
         cap = cfg.max_prefill_tokens_while_decoding
-        decoding = cap is not None and cfg.enable_chunked_prefill and any(r.num_uncomputed == 1 for r in self.running)
+        decoding = (
+            cap is not None
+            and cfg.enable_chunked_prefill
+            and any(r.num_uncomputed == 1 for r in self.running)
+        )
         budget, prompt_budget = self._schedule_running(out, budget, cap if decoding else budget)
         if self.drafter is not None and not out.preempted:
             budget = self._draft(out, budget)
@@ -168,10 +180,11 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         plan = self._plan_admission(budget)
         batch_size = len(self.running)
-        if batch_size and self.steps_since_admission < self.config.max_waiting_tokens:
-            # The seed's rule: a running batch is only extended when enough requests can join.
-            if len(plan) < math.floor(batch_size * self.config.waiting_served_ratio):
-                return
+        # TGI's rule: a running batch is only extended when enough requests can join it, until it
+        # has waited max_waiting_tokens steps.
+        recent = self.steps_since_admission < self.config.max_waiting_tokens
+        if batch_size and recent and len(plan) < math.floor(batch_size * self.config.waiting_served_ratio):
+            return
         for req, n, cached in plan:
             ok = self.block_manager.allocate(req, n, cached)
             assert ok, "admission plan exceeded free blocks"
@@ -276,8 +289,10 @@ class Scheduler:
         """The step raised: its requests (and only they) end with the error."""
         for s in sched.scheduled:
             self.finish(s.request)
-        return [P.TokenOut(s.request.request_id, finish_reason=FinishReason.ERROR.value, error=error)
-                for s in sched.scheduled]
+        return [
+            P.TokenOut(s.request.request_id, finish_reason=FinishReason.ERROR.value, error=error)
+            for s in sched.scheduled
+        ]
 
     @staticmethod
     def _prompt_logprobs(req: Request, chunk: list[float | None] | None) -> list[float | None] | None:

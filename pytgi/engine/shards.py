@@ -28,7 +28,8 @@ class ShardGroup:
         self.external = int(os.environ.get("WORLD_SIZE", "1")) > 1
         port = os.environ.get("MASTER_PORT") or config.master_port
         self.config = dataclasses.replace(
-            config, master_addr=os.environ.get("MASTER_ADDR", config.master_addr),
+            config,
+            master_addr=os.environ.get("MASTER_ADDR", config.master_addr),
             master_port=int(port) if port else (29500 if self.external else free_port()),
         )
         if self.world_size == 1:

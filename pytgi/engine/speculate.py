@@ -69,7 +69,7 @@ class Drafter:
         want = min(int(state.length), budget, room)
         if want <= 0 or L < 2:
             return []
-        # the occurrence of the last token whose preceding tokens match the suffix longest (the latest on a tie)
+        # the occurrence of the last token whose preceding tokens match the suffix longest (latest on a tie)
         best, best_n = -1, 0
         for pos in reversed(where.get(ids[-1], ())[-CANDIDATES:]):
             n = 1
@@ -84,7 +84,7 @@ class Drafter:
         if best_n == 1:
             want = min(want, WEAK_DRAFT)
         end = best + 1
-        draft = ids[end:end + want]
+        draft = ids[end : end + want]
         while len(draft) < want:  # the match runs into the suffix: a period, continued
             draft.append(draft[len(draft) - (L - end)])
         return draft

@@ -37,7 +37,9 @@ class GrammarError(RuntimeError):
 
 # Each bitmask byte's 8 tokens as additive logits (0 allowed, -inf forbidden), bit i = token 8 * byte + i:
 # expanding a byte table with `embedding` costs a quarter of unpacking bits and a masked_fill.
-_BYTE_BIAS = torch.tensor([[0.0 if byte >> bit & 1 else float("-inf") for bit in range(8)] for byte in range(256)])
+_BYTE_BIAS = torch.tensor(
+    [[0.0 if byte >> bit & 1 else float("-inf") for bit in range(8)] for byte in range(256)]
+)
 
 
 class StepMasks:

@@ -6,6 +6,7 @@ scheme counts green tokens: a watermarked text has far more than the expected ga
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
@@ -21,7 +22,9 @@ def green_list(prev_token: int, vocab_size: int, gamma: float = GAMMA) -> torch.
     return torch.randperm(vocab_size, generator=gen)[: int(gamma * vocab_size)]
 
 
-def apply_watermark(logits: torch.Tensor, rows: list[int], prev_tokens: list[int], delta: float = DELTA) -> None:
+def apply_watermark(
+    logits: torch.Tensor, rows: list[int], prev_tokens: list[int], delta: float = DELTA
+) -> None:
     """In place: +delta on the green list of each watermarked row (one permutation per row)."""
     vocab = logits.shape[1]
     for row, prev in zip(rows, prev_tokens):
@@ -30,6 +33,8 @@ def apply_watermark(logits: torch.Tensor, rows: list[int], prev_tokens: list[int
 
 def z_score(token_ids: list[int], vocab_size: int, gamma: float = GAMMA) -> float:
     """Detection statistic over a token sequence (the first token has no predecessor)."""
-    hits = sum(int(t in set(green_list(p, vocab_size, gamma).tolist())) for p, t in zip(token_ids, token_ids[1:]))
+    hits = sum(
+        int(t in set(green_list(p, vocab_size, gamma).tolist())) for p, t in itertools.pairwise(token_ids)
+    )
     n = len(token_ids) - 1
     return (hits - gamma * n) / math.sqrt(n * gamma * (1 - gamma)) if n > 0 else 0.0

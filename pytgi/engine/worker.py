@@ -54,7 +54,9 @@ def run_worker(config: EngineConfig, rank: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--config", required=True, help="rank 0's EngineConfig as JSON (model and rendezvous resolved)")
+    ap.add_argument(
+        "--config", required=True, help="rank 0's EngineConfig as JSON (model and rendezvous resolved)"
+    )
     ap.add_argument("--rank", type=int, required=True)
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the process that started us decides when to stop

@@ -34,9 +34,12 @@ _CTYPES = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_i
 def _signatures(header: str) -> dict[str, tuple[object, list[object]]]:
     """name → (result type, argument types), from the header's declarations."""
     out = {}
-    for result, name, params in re.findall(r"^(int|void) (pytgi_\w+)\(([^)]*)\);", header, re.M):
-        args = [] if params.strip() == "void" else [
-            ctypes.c_void_p if "*" in p else _CTYPES[p.split()[0]] for p in params.split(",")]
+    for result, name, params in re.findall(r"^(int|void) (pytgi_\w+)\(([^)]*)\);", header, re.MULTILINE):
+        args = (
+            []
+            if params.strip() == "void"
+            else [ctypes.c_void_p if "*" in p else _CTYPES[p.split()[0]] for p in params.split(",")]
+        )
         out[name] = (_CTYPES[result], args)
     return out
 
@@ -104,7 +107,9 @@ def amx_supported() -> bool:
 
 
 # -- fused element-wise steps (fused.c) ---------------------------------------------------------------
-def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def add_rms_norm(
+    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     """residual += x (in place, unless x is None); returns weight * rms_norm(residual)."""
     assert residual.is_contiguous() and (x is None or x.is_contiguous())
     out = torch.empty_like(residual)
@@ -126,8 +131,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _gated("silu_mul", gate_up)
 
 
-def norm_add_norm(x: torch.Tensor | None, residual: torch.Tensor, wa: torch.Tensor | None, wb: torch.Tensor | None,
-                  eps: float) -> torch.Tensor | None:
+def norm_add_norm(
+    x: torch.Tensor | None,
+    residual: torch.Tensor,
+    wa: torch.Tensor | None,
+    wb: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor | None:
     """Gemma's sandwich norms: residual += rms_norm(x)·wa (in place; skipped when x is None), then
     returns rms_norm(residual)·wb (None when wb is None). wa, wb: float32 (Gemma's 1 + w)."""
     assert residual.is_contiguous() and (x is None or x.is_contiguous())
@@ -137,7 +147,9 @@ def norm_add_norm(x: torch.Tensor | None, residual: torch.Tensor, wa: torch.Tens
     return out
 
 
-def qk_norm_(qkv: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, H: int, KVH: int, D: int, eps: float) -> None:
+def qk_norm_(
+    qkv: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, H: int, KVH: int, D: int, eps: float
+) -> None:
     """Gemma's per-head RMSNorm of the q and k parts of the fused qkv output, in place (float32 weights)."""
     assert qkv.is_contiguous()
     _fn("qk_norm", qkv.dtype)(_ptr(qkv), _ptr(qw), _ptr(kw), qkv.shape[0], H, KVH, D, eps)
@@ -148,15 +160,25 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _gated("gelu_tanh_mul", gate_up)
 
 
-def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, H: int, KVH: int, D: int) -> torch.Tensor:
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    H: int,
+    KVH: int,
+    D: int,
+) -> torch.Tensor:
     """Rotary embedding of q and k from the fused qkv output; k and v go to their cache slots.
     cos, sin: float32 [T, D]; slots: int64 [T]. Returns the rotated q, [T, H, D]."""
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and slots.is_contiguous()
     T = qkv.shape[0]
     q = qkv.new_empty(T, H, D)
-    _fn("rope_write_kv", qkv.dtype)(_ptr(qkv), _ptr(cos), _ptr(sin), _ptr(slots), _ptr(q), _ptr(k_cache),
-                                    _ptr(v_cache), T, H, KVH, D)
+    _fn("rope_write_kv", qkv.dtype)(
+        _ptr(qkv), _ptr(cos), _ptr(sin), _ptr(slots), _ptr(q), _ptr(k_cache), _ptr(v_cache), T, H, KVH, D
+    )
     return q
 
 
@@ -175,18 +197,43 @@ class PagedBatch:
     tiles: np.ndarray | None = None  # [B] nonzero: this request's rows use AMX tiles (None: no request does)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                    p: PagedBatch, scale: float) -> None:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    p: PagedBatch,
+    scale: float,
+) -> None:
     """out[rows of p's requests] = attention of their queries over their cached context."""
     _, H, D = q.shape
-    common = (_ptr(p.block_tables), _ptr(p.context_lens), len(p.q_starts), p.block_tables.shape[1], p.block_size,
-              H, k_cache.shape[1], D, scale)
+    common = (
+        _ptr(p.block_tables),
+        _ptr(p.context_lens),
+        len(p.q_starts),
+        p.block_tables.shape[1],
+        p.block_size,
+        H,
+        k_cache.shape[1],
+        D,
+        scale,
+    )
     if p.decodes_only:
-        failed = _fn("decode_attention", q.dtype)(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out),
-                                                  _ptr(p.q_starts), *common)
+        failed = _fn("decode_attention", q.dtype)(
+            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts), *common
+        )
     else:
-        failed = _fn("paged_prefill", q.dtype)(_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts),
-                                               _ptr(p.q_lens), *common[:2], _ptr(p.tiles), *common[2:])
+        failed = _fn("paged_prefill", q.dtype)(
+            _ptr(q),
+            _ptr(k_cache),
+            _ptr(v_cache),
+            _ptr(out),
+            _ptr(p.q_starts),
+            _ptr(p.q_lens),
+            *common[:2],
+            _ptr(p.tiles),
+            *common[2:],
+        )
     _check(failed, "paged attention")
 
 
@@ -222,29 +269,86 @@ def bf16_matmul(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor:
     return out
 
 
-# -- all decoder layers in one call (decoder.c): Llama's, Gemma 3's --------------------------------------------
-def decoder_layers(table: np.ndarray, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                   p: PagedBatch, sizes: tuple[int, int, int, int, int], eps: float, scale: float,
-                   vnni_max_m: int) -> torch.Tensor:
+# -- all decoder layers in one call (decoder.c): Llama's, Gemma 3's ------------------------------------------
+def decoder_layers(
+    table: np.ndarray,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    p: PagedBatch,
+    sizes: tuple[int, int, int, int, int],
+    eps: float,
+    scale: float,
+    vnni_max_m: int,
+) -> torch.Tensor:
     """Run every layer on the residual stream x (bf16 [T, hidden], updated in place) and return its
     final RMSNorm. table: int64 [layers, fields] of pointers (see decoder.c); sizes: (hidden,
     intermediate, query heads, kv heads, head dim)."""
     h = torch.empty_like(x)
     failed = _lib().pytgi_decoder_layers_bf16(
-        _ptr(table), len(table), _ptr(x), _ptr(h), x.shape[0], *sizes, eps, scale, _ptr(cos), _ptr(sin),
-        _ptr(slots), _ptr(p.q_starts), _ptr(p.q_lens), _ptr(p.block_tables), _ptr(p.context_lens), _ptr(p.tiles),
-        len(p.q_starts), p.block_tables.shape[1], p.block_size, int(p.decodes_only), vnni_max_m)
+        _ptr(table),
+        len(table),
+        _ptr(x),
+        _ptr(h),
+        x.shape[0],
+        *sizes,
+        eps,
+        scale,
+        _ptr(cos),
+        _ptr(sin),
+        _ptr(slots),
+        _ptr(p.q_starts),
+        _ptr(p.q_lens),
+        _ptr(p.block_tables),
+        _ptr(p.context_lens),
+        _ptr(p.tiles),
+        len(p.q_starts),
+        p.block_tables.shape[1],
+        p.block_size,
+        int(p.decodes_only),
+        vnni_max_m,
+    )
     _check(failed, "decoder layers")
     return h
 
 
-def gemma_layers(table: np.ndarray, x: torch.Tensor, ropes, slots: torch.Tensor, p: PagedBatch,  # type: ignore[no-untyped-def]
-                 sizes: tuple[int, int, int, int, int], eps: float, scale: float, vnni_max_m: int) -> None:
+def gemma_layers(
+    table: np.ndarray,
+    x: torch.Tensor,
+    ropes,
+    slots: torch.Tensor,
+    p: PagedBatch,  # type: ignore[no-untyped-def]
+    sizes: tuple[int, int, int, int, int],
+    eps: float,
+    scale: float,
+    vnni_max_m: int,
+) -> None:
     """Run every Gemma 3 layer on the residual stream x (bf16 [T, hidden], updated in place).
     ropes: ((cos, sin) of the full layers, (cos, sin) of the sliding ones), float32 [T, D]."""
     (cos, sin), (cos_l, sin_l) = ropes
     failed = _lib().pytgi_gemma_layers_bf16(
-        _ptr(table), len(table), _ptr(x), x.shape[0], *sizes, eps, scale, _ptr(cos), _ptr(sin), _ptr(cos_l),
-        _ptr(sin_l), _ptr(slots), _ptr(p.q_starts), _ptr(p.q_lens), _ptr(p.block_tables), _ptr(p.context_lens),
-        _ptr(p.tiles), len(p.q_starts), p.block_tables.shape[1], p.block_size, int(p.decodes_only), vnni_max_m)
+        _ptr(table),
+        len(table),
+        _ptr(x),
+        x.shape[0],
+        *sizes,
+        eps,
+        scale,
+        _ptr(cos),
+        _ptr(sin),
+        _ptr(cos_l),
+        _ptr(sin_l),
+        _ptr(slots),
+        _ptr(p.q_starts),
+        _ptr(p.q_lens),
+        _ptr(p.block_tables),
+        _ptr(p.context_lens),
+        _ptr(p.tiles),
+        len(p.q_starts),
+        p.block_tables.shape[1],
+        p.block_size,
+        int(p.decodes_only),
+        vnni_max_m,
+    )
     _check(failed, "decoder layers")

@@ -46,7 +46,13 @@ def build(compiler: str) -> Path:
     here = Path(__file__).parent
     srcs = [here / s for s in SOURCES]
     key = hashlib.sha256()
-    for part in [compiler, *_cflags(), *LDFLAGS, _cpu_id(), *((here / f).read_text() for f in SOURCES + HEADERS)]:
+    for part in [
+        compiler,
+        *_cflags(),
+        *LDFLAGS,
+        _cpu_id(),
+        *((here / f).read_text() for f in SOURCES + HEADERS),
+    ]:
         key.update(part.encode())
     out = cache_dir() / "kernels" / f"pytgi_kernels-{key.hexdigest()[:16]}.so"
     if out.is_file():
@@ -58,8 +64,12 @@ def build(compiler: str) -> Path:
         with tempfile.TemporaryDirectory(dir=out.parent) as objdir:
             objs = [str(Path(objdir) / f"{s.stem}.o") for s in srcs]
             for src, obj in zip(srcs, objs):
-                subprocess.run([compiler, *_cflags(), "-c", str(src), "-o", obj], check=True, capture_output=True,
-                               text=True)
+                subprocess.run(
+                    [compiler, *_cflags(), "-c", str(src), "-o", obj],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
             subprocess.run([compiler, *objs, "-o", tmp, *LDFLAGS], check=True, capture_output=True, text=True)
         os.replace(tmp, out)  # atomic: concurrent builders (shards) each write their own temp file
     except BaseException:

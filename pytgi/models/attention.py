@@ -58,8 +58,9 @@ class TorchAttentionMetadata:
     paged: kernels.PagedBatch | None = None  # requests whose attention the C kernel computes
 
 
-def _group(layout: StepLayout, rows: np.ndarray, starts: np.ndarray, device: torch.device,
-           window: int | None = None) -> _Group:
+def _group(
+    layout: StepLayout, rows: np.ndarray, starts: np.ndarray, device: torch.device, window: int | None = None
+) -> _Group:
     """`window`: keys more than `window - 1` positions before a query are not seen, and the positions
     before the first query's window are not gathered at all."""
     q_lens, ctx = layout.query_lens[rows], layout.context_lens[rows]
@@ -77,7 +78,7 @@ def _group(layout: StepLayout, rows: np.ndarray, starts: np.ndarray, device: tor
     if window is not None:
         mask &= pos[:, None, :] > q_pos[:, :, None] - window
     mask[~valid] = (np.arange(L) < 1)[None, :]  # padding queries see one key (no all-masked rows: NaN)
-    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)  # noqa: E731
+    to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=True)
     return _Group(
         token_idx=to(token_idx),
         valid=to(valid) if Q > 1 else None,
@@ -95,7 +96,9 @@ class TorchAttention:
         # tiles for every row (batch invariant): only through the kernel's prefill entry
         self.tiles = bool(self.paged_prefill_max and kernels.amx_supported())
 
-    def prepare(self, layout: StepLayout, device: torch.device, window: int | None = None) -> TorchAttentionMetadata:
+    def prepare(
+        self, layout: StepLayout, device: torch.device, window: int | None = None
+    ) -> TorchAttentionMetadata:
         """`window`: a sliding window for every query (the paged kernel has none: SDPA then)."""
         starts = np.concatenate(([0], np.cumsum(layout.query_lens)[:-1]))
         is_decode = layout.query_lens == 1
@@ -123,11 +126,16 @@ class TorchAttention:
         q_starts, q_lens, ctx = starts[rows], layout.query_lens[rows], layout.context_lens[rows]
         tables = layout.block_tables[rows]
         tiles = np.full(len(rows), self.tiles) if self.invariant else q_lens * self.group >= 16
-        i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)  # noqa: E731
-        return kernels.PagedBatch(q_starts=i64(q_starts), q_lens=i64(q_lens), block_tables=i64(tables),
-                                  context_lens=i64(ctx), block_size=layout.block_size,
-                                  decodes_only=bool((q_lens == 1).all() and not tiles.any()),
-                                  tiles=i64(tiles) if tiles.any() else None)
+        i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)
+        return kernels.PagedBatch(
+            q_starts=i64(q_starts),
+            q_lens=i64(q_lens),
+            block_tables=i64(tables),
+            context_lens=i64(ctx),
+            block_size=layout.block_size,
+            decodes_only=bool((q_lens == 1).all() and not tiles.any()),
+            tiles=i64(tiles) if tiles.any() else None,
+        )
 
     def forward(
         self,
@@ -158,7 +166,9 @@ class TorchAttention:
                 out[g.token_idx[g.valid]] = o[g.valid]
         return out
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         """q [G, H, Q, D], k and v [G, KVH, L, D], mask [G, 1, Q, L] → [G, H, Q, D]."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
@@ -172,7 +182,9 @@ class SoftcapAttention(TorchAttention):
         super().__init__(cpu, heads)
         self.paged, self.paged_prefill_max, self.cap = False, 0, cap
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

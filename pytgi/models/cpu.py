@@ -56,15 +56,26 @@ class CpuKernels:
         return cls()
 
     @classmethod
-    def for_device(cls, device: torch.device, dtype: torch.dtype, *, fused: bool = True, vnni: bool = True,
-                   amx: bool = True, decoder_loop: bool = True, limits: Crossovers = CROSSOVERS,
-                   batch_invariant: bool = True) -> CpuKernels:
+    def for_device(
+        cls,
+        device: torch.device,
+        dtype: torch.dtype,
+        *,
+        fused: bool = True,
+        vnni: bool = True,
+        amx: bool = True,
+        decoder_loop: bool = True,
+        limits: Crossovers = CROSSOVERS,
+        batch_invariant: bool = True,
+    ) -> CpuKernels:
         """Every kernel that applies, less those switched off (to compare paths)."""
         fused = fused and device.type == "cpu" and kernels.supports(dtype)
         vnni = vnni and device.type == "cpu" and dtype == torch.bfloat16 and kernels.vnni_supported()
         amx = amx and vnni and kernels.amx_supported()
         bf16 = device.type == "cpu" and dtype == torch.bfloat16 and kernels.bf16gemm_supported()
-        return cls(fused, vnni, amx, decoder_loop and fused and vnni, native_bf16(), limits, batch_invariant, bf16)
+        return cls(
+            fused, vnni, amx, decoder_loop and fused and vnni, native_bf16(), limits, batch_invariant, bf16
+        )
 
     def lowbit_max_m(self, vnni: bool, amx: bool) -> int:
         """Steps of at most this many tokens use a weight's low-bit kernel, bigger ones bf16 weights.
@@ -74,7 +85,9 @@ class CpuKernels:
         sums): a bf16 matmul's rows change with the step's size (oneDNN picks its kernel by shape)."""
         if vnni and (self.batch_invariant or (not amx and not self.native_bf16)):
             return 1 << 30
-        return self.limits.lowbit_amx if amx else self.limits.lowbit_vnni if vnni else self.limits.lowbit_torch
+        return (
+            self.limits.lowbit_amx if amx else self.limits.lowbit_vnni if vnni else self.limits.lowbit_torch
+        )
 
     def bf16_max_m(self) -> int:
         """Steps of at most this many tokens multiply a bf16 model's weights with bf16gemm.c, bigger ones
@@ -111,7 +124,9 @@ class TorchOps:
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):  # type: ignore[no-untyped-def]
         return rotary(positions, dtype)  # cos, signed sin: [T, 1, D] in the model's dtype
 
-    def add_norm(self, x: torch.Tensor | None, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    def add_norm(
+        self, x: torch.Tensor | None, residual: torch.Tensor, norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
         """(residual + x, norm of it); x None: no add."""
         residual = residual if x is None else residual + x
         return residual, norm(residual)
@@ -133,7 +148,9 @@ class KernelOps(TorchOps):
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):  # type: ignore[no-untyped-def]
         return rotary.cos[positions].float(), rotary.sin[positions].float()  # float32 [T, D]
 
-    def add_norm(self, x: torch.Tensor | None, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
+    def add_norm(
+        self, x: torch.Tensor | None, residual: torch.Tensor, norm
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
         if x is None:
             residual = residual.contiguous()  # updated in place from here on
         return residual, kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
@@ -145,8 +162,9 @@ class KernelOps(TorchOps):
         if attn.q_norm is not None:  # q and k are normed before rotating: PyTorch's rotation
             cos, sin = (t.unsqueeze(1).to(qkv.dtype) for t in rope)
             return _rotate(attn, qkv, cos, sin)
-        q = kernels.rope_write_kv(qkv, *rope, meta.slot_mapping, kv_cache[0], kv_cache[1], attn.n_heads, attn.n_kv,
-                                  attn.head_dim)
+        q = kernels.rope_write_kv(
+            qkv, *rope, meta.slot_mapping, kv_cache[0], kv_cache[1], attn.n_heads, attn.n_kv, attn.head_dim
+        )
         return q, None, None
 
 

@@ -30,7 +30,13 @@ class DecoderLoop:
     def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
         self.layers, self.final_norm = list(model.layers), model.norm
         attn, cfg = model.layers[0].self_attn, model.config
-        self.sizes = (cfg.hidden_size, cfg.intermediate_size, attn.n_heads, attn.n_kv, attn.head_dim)  # unsharded
+        self.sizes = (
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            attn.n_heads,
+            attn.n_kv,
+            attn.head_dim,
+        )  # unsharded
         self.eps, self.scale = cfg.rms_norm_eps, attn.scale
         quant = model.layers[0].mlp.down_proj.quant
         self.max_m, self.vnni_max_m = quant.max_m, quant.vnni_max_m
@@ -46,14 +52,19 @@ class DecoderLoop:
 
     @staticmethod
     def _applies(cfg) -> bool:  # type: ignore[no-untyped-def]
-        return not (cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias or cfg.qk_norm or cfg.moe is not None)
+        return not (
+            cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias or cfg.qk_norm or cfg.moe is not None
+        )
 
     def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
         """Layer i's fields in decoder.c's order."""
         layer = self.layers[i]
         nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.final_norm
-        row = [layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-               nxt.weight.data_ptr()]
+        row = [
+            layer.input_layernorm.weight.data_ptr(),
+            layer.post_attention_layernorm.weight.data_ptr(),
+            nxt.weight.data_ptr(),
+        ]
         return row + _packed(layer) + [k_cache.data_ptr(), v_cache.data_ptr()]
 
     def _layers(self, kv_caches) -> np.ndarray:  # type: ignore[no-untyped-def]
@@ -66,11 +77,26 @@ class DecoderLoop:
     def __call__(self, x: torch.Tensor, rope, kv_caches, meta) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
         """The final hidden states for this step (x, updated in place, is the residual stream), or
         None when the step is not for the loop."""
-        if x.shape[0] > self.max_m or meta.paged is None or meta.decode is not None or meta.prefill is not None:
+        if (
+            x.shape[0] > self.max_m
+            or meta.paged is None
+            or meta.decode is not None
+            or meta.prefill is not None
+        ):
             return None
         cos, sin = rope
-        return kernels.decoder_layers(self._layers(kv_caches), x.contiguous(), cos, sin, meta.slot_mapping,
-                                      meta.paged, self.sizes, self.eps, self.scale, self.vnni_max_m)
+        return kernels.decoder_layers(
+            self._layers(kv_caches),
+            x.contiguous(),
+            cos,
+            sin,
+            meta.slot_mapping,
+            meta.paged,
+            self.sizes,
+            self.eps,
+            self.scale,
+            self.vnni_max_m,
+        )
 
 
 class GemmaDecoderLoop(DecoderLoop):
@@ -86,16 +112,42 @@ class GemmaDecoderLoop(DecoderLoop):
 
     def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
         layer, attn = self.layers[i], self.layers[i].self_attn
-        norms = [layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-                 layer.post_feedforward_layernorm]
-        qk = [attn.q_norm.scale().data_ptr(), attn.k_norm.scale().data_ptr()] if attn.q_norm is not None else [0, 0]
-        return [n.scale().data_ptr() for n in norms] + qk + _packed(layer) + \
-            [k_cache.data_ptr(), v_cache.data_ptr(), int(self.sliding[i])]
+        norms = [
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            layer.pre_feedforward_layernorm,
+            layer.post_feedforward_layernorm,
+        ]
+        qk = (
+            [attn.q_norm.scale().data_ptr(), attn.k_norm.scale().data_ptr()]
+            if attn.q_norm is not None
+            else [0, 0]
+        )
+        return (
+            [n.scale().data_ptr() for n in norms]
+            + qk
+            + _packed(layer)
+            + [k_cache.data_ptr(), v_cache.data_ptr(), int(self.sliding[i])]
+        )
 
     def __call__(self, x: torch.Tensor, ropes, kv_caches, meta) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
-        if x.shape[0] > self.max_m or meta.paged is None or meta.decode is not None or meta.prefill is not None:
+        if (
+            x.shape[0] > self.max_m
+            or meta.paged is None
+            or meta.decode is not None
+            or meta.prefill is not None
+        ):
             return None
         x = x.contiguous()
-        kernels.gemma_layers(self._layers(kv_caches), x, ropes, meta.slot_mapping, meta.paged, self.sizes, self.eps,
-                             self.scale, self.vnni_max_m)
+        kernels.gemma_layers(
+            self._layers(kv_caches),
+            x,
+            ropes,
+            meta.slot_mapping,
+            meta.paged,
+            self.sizes,
+            self.eps,
+            self.scale,
+            self.vnni_max_m,
+        )
         return x

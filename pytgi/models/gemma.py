@@ -163,8 +163,9 @@ class Gemma3Attention(nn.Module):
         v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = self.backend.forward(q, k, v.contiguous(), kv_cache[0], kv_cache[1], layer_metadata(meta, self.sliding),
-                                 self.scale)
+        o = self.backend.forward(
+            q, k, v.contiguous(), kv_cache[0], kv_cache[1], layer_metadata(meta, self.sliding), self.scale
+        )
         return self.o_proj(o.reshape(T, H * D))
 
 
@@ -201,8 +202,9 @@ class Gemma3DecoderLayer(nn.Module):
             eps = self.input_layernorm.eps
             h = kernels.norm_add_norm(None, x, None, self.input_layernorm.scale(), eps)
             a = self.self_attn(h, rope, kv_cache, meta)
-            h = kernels.norm_add_norm(a, x, self.post_attention_layernorm.scale(),
-                                      self.pre_feedforward_layernorm.scale(), eps)
+            h = kernels.norm_add_norm(
+                a, x, self.post_attention_layernorm.scale(), self.pre_feedforward_layernorm.scale(), eps
+            )
             kernels.norm_add_norm(self.mlp(h), x, self.post_feedforward_layernorm.scale(), None, eps)
             return x
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, kv_cache, meta))
@@ -222,22 +224,33 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
             inner = SoftcapAttention(cpu, local_heads(cfg), cfg.attn_logit_softcapping)
         self.attention = SlidingWindowBackend(inner, cfg.sliding_window)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, inner, t == SLIDING, cpu.fused) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, inner, t == SLIDING, cpu.fused) for t in cfg.layer_types
+        )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, None)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.rotary_local = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, None
+        )
         self.decoder_loop = None
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        ropes = (self.ops.rope_tables(self.rotary, positions, x.dtype),
-                 self.ops.rope_tables(self.rotary_local, positions, x.dtype))
-        if self.decoder_loop is not None and meta.uniform is not None and \
-                (out := self.decoder_loop(x, ropes, kv_caches, meta.uniform)) is not None:
+        ropes = (
+            self.ops.rope_tables(self.rotary, positions, x.dtype),
+            self.ops.rope_tables(self.rotary_local, positions, x.dtype),
+        )
+        if (
+            self.decoder_loop is not None
+            and meta.uniform is not None
+            and (out := self.decoder_loop(x, ropes, kv_caches, meta.uniform)) is not None
+        ):
             return self.norm(out)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, ropes, kv_cache, meta)

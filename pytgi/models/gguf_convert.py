@@ -134,34 +134,56 @@ def gguf_config(reader: Any) -> dict[str, Any]:
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
     }
     if model_type in ("gemma3_text", "gemma2"):
-        config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
-                      sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", 4096)),
-                      query_pre_attn_scalar=int(head_dim), tie_word_embeddings=True)
+        config.update(
+            hidden_act="gelu_pytorch_tanh",
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", 4096)),
+            query_pre_attn_scalar=int(head_dim),
+            tie_word_embeddings=True,
+        )
     if model_type == "gemma3_text":
-        config["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": config["rope_theta"]},
-                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        config["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
     if model_type == "gemma2":
-        config.update(attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping", 50.0),
-                      final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping", 30.0))
+        config.update(
+            attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping", 50.0),
+            final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping", 30.0),
+        )
     if model_type == "qwen2":
         config["attention_bias"] = True
     if model_type == "mixtral":
-        config.update(num_local_experts=int(experts), num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")))
+        config.update(
+            num_local_experts=int(experts),
+            num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")),
+        )
     if model_type in ("qwen2_moe", "qwen3_moe"):
-        config.update(num_experts=int(experts), num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")),
-                      moe_intermediate_size=int(_required(reader, f"{arch}.expert_feed_forward_length")),
-                      decoder_sparse_step=1, mlp_only_layers=[])
+        config.update(
+            num_experts=int(experts),
+            num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")),
+            moe_intermediate_size=int(_required(reader, f"{arch}.expert_feed_forward_length")),
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
     if model_type == "qwen2_moe":
-        config.update(attention_bias=True, norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", False)),
-                      shared_expert_intermediate_size=int(
-                          _field(reader, f"{arch}.expert_shared_feed_forward_length", 0)))
+        config.update(
+            attention_bias=True,
+            norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", False)),
+            shared_expert_intermediate_size=int(
+                _field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
+            ),
+        )
     if model_type == "qwen3_moe":
         config["norm_topk_prob"] = bool(_field(reader, f"{arch}.expert_weights_norm", True))
     if model_type == "phi3":
         if "rope_factors_long.weight" in names:
             raise GGUFConversionError("Phi-3's long-context rope (rope_factors_long) is not supported yet")
-        config.update(original_max_position_embeddings=config["max_position_embeddings"], pad_token_id=None,
-                      tie_word_embeddings="output.weight" not in names)
+        config.update(
+            original_max_position_embeddings=config["max_position_embeddings"],
+            pad_token_id=None,
+            tie_word_embeddings="output.weight" not in names,
+        )
     if model_type == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = False
@@ -173,11 +195,18 @@ def _hf_tensor_name(name: str, model_type: str = "llama") -> str:
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{kind}"
     parts = stem.split(".")
-    layer = {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS} if model_type.startswith("gemma") else \
-        {**LAYER_TENSORS, **PHI3_LAYER_TENSORS} if model_type == "phi3" else LAYER_TENSORS
+    layer = (
+        {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS}
+        if model_type.startswith("gemma")
+        else {**LAYER_TENSORS, **PHI3_LAYER_TENSORS}
+        if model_type == "phi3"
+        else LAYER_TENSORS
+    )
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
         hf = f"model.layers.{parts[1]}.{layer[parts[2]]}"
-        return hf if parts[2].endswith("_exps") else f"{hf}.{kind}"  # stacked experts: a parameter, no .weight
+        return (
+            hf if parts[2].endswith("_exps") else f"{hf}.{kind}"
+        )  # stacked experts: a parameter, no .weight
     raise GGUFConversionError(f"unexpected tensor {name!r} in GGUF file")
 
 
@@ -193,8 +222,10 @@ def _tensors(reader: Any, config: dict[str, Any], progress: bool):
         try:
             w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         except NotImplementedError:
-            raise GGUFConversionError(f"tensor {t.name!r} is stored as {t.tensor_type.name}, a GGUF type pytgi "
-                                      "cannot read yet; use a file quantized to another type") from None
+            raise GGUFConversionError(
+                f"tensor {t.name!r} is stored as {t.tensor_type.name}, a GGUF type pytgi "
+                "cannot read yet; use a file quantized to another type"
+            ) from None
         name = _hf_tensor_name(t.name, config["model_type"])
         if name.endswith("shared_expert_gate.weight") and w.ndim == 1:
             w = w[None, :]  # stored as a vector: the gate's one output row
@@ -212,10 +243,10 @@ def _recovered_merges(tokens: list[str], rank: dict[str, float]) -> list[tuple[s
     merges apply best-ranked first (then the longer left part first; ties in file order)."""
     index = {tok: i for i, tok in enumerate(tokens)}
     merges: list[tuple[float, int, int, str, str]] = []
-    for tok in rank:
+    for tok, score in rank.items():
         pairs = [(tok[:k], tok[k:]) for k in range(1, len(tok)) if tok[:k] in index and tok[k:] in index]
         pairs.sort(key=lambda lr: (index[lr[0]], index[lr[1]]))
-        merges += [(rank[tok], len(left), len(right), left, right) for left, right in pairs]
+        merges += [(score, len(left), len(right), left, right) for left, right in pairs]
     merges.sort(key=lambda m: (-m[0], -m[1], -m[2]))  # stable: equal keys keep their order
     return [(left, right) for _, _, _, left, right in merges]
 
@@ -244,8 +275,15 @@ def _sentencepiece_tokenizer_json(reader: Any, arch: str) -> str:
         rank = dict(zip(tokens, map(float, scores)))
     unk = _field(reader, "tokenizer.ggml.unknown_token_id")
     unk_token = tokens[int(unk)] if gemma and unk is not None else None
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=_recovered_merges(tokens, rank), fuse_unk=True,
-                               byte_fallback=True, unk_token=unk_token))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_recovered_merges(tokens, rank),
+            fuse_unk=True,
+            byte_fallback=True,
+            unk_token=unk_token,
+        )
+    )
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if gemma:
         tok.normalizer = normalizers.Replace(" ", "\u2581")
@@ -253,17 +291,21 @@ def _sentencepiece_tokenizer_json(reader: Any, arch: str) -> str:
     else:
         prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
         if arch == "phi3" and prefix:  # as transformers reads Phi-3: the prefix from a normalizer
-            tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+            tok.normalizer = normalizers.Sequence(
+                [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+            )
         else:
-            tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
-                                                         prepend_scheme="first" if prefix else "never", split=False)
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(
+                replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False
+            )
         steps += [decoders.Strip(content=" ", left=1, right=0)] if prefix else []
     tok.decoder = decoders.Sequence(steps)
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     if bos is not None and _field(reader, "tokenizer.ggml.add_bos_token", True):
         b = tokens[int(bos)]
-        tok.post_processor = processors.TemplateProcessing(single=f"{b} $A", pair=f"{b} $A {b}:1 $B:1",
-                                                           special_tokens=[(b, int(bos))])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{b} $A", pair=f"{b} $A {b}:1 $B:1", special_tokens=[(b, int(bos))]
+        )
     _add_marked_tokens(tok, tokens, types, vocab)
     return tok.to_str()
 
@@ -276,8 +318,13 @@ def _add_marked_tokens(tok: Any, tokens: list[str], types: list[int], vocab: dic
     tok.add_special_tokens(
         [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
     )
-    tok.add_tokens([AddedToken(tokens[i], normalized=False) for i, t in enumerate(types)
-                    if t == 4 and (vocab is None or tokens[i] in vocab)])
+    tok.add_tokens(
+        [
+            AddedToken(tokens[i], normalized=False)
+            for i, t in enumerate(types)
+            if t == 4 and (vocab is None or tokens[i] in vocab)
+        ]
+    )
 
 
 def gguf_tokenizer_json(reader: Any) -> str:
@@ -290,8 +337,8 @@ def gguf_tokenizer_json(reader: Any) -> str:
         return _sentencepiece_tokenizer_json(reader, _field(reader, "general.architecture"))
     if kind != "gpt2":
         raise GGUFConversionError(
-            f"GGUF tokenizer type {kind!r} is not supported (byte-level BPE 'gpt2', or SentencePiece BPE 'llama'); "
-            "convert the model to a Hugging Face directory and pass that instead"
+            f"GGUF tokenizer type {kind!r} is not supported (byte-level BPE 'gpt2', or SentencePiece BPE "
+            "'llama'); convert the model to a Hugging Face directory and pass that instead"
         )
     tokens = list(_field(reader, "tokenizer.ggml.tokens"))
     types = list(_field(reader, "tokenizer.ggml.token_type") or [])
@@ -335,7 +382,9 @@ def _tokenizer_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
         "unk_token": tok("tokenizer.ggml.unknown_token_id"),
         "pad_token": tok("tokenizer.ggml.padding_token_id"),
         # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
-        "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", _field(reader, "tokenizer.ggml.model") == "llama")),
+        "add_bos_token": bool(
+            _field(reader, "tokenizer.ggml.add_bos_token", _field(reader, "tokenizer.ggml.model") == "llama")
+        ),
         "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
         "chat_template": _field(reader, "tokenizer.chat_template"),
         "model_max_length": config["max_position_embeddings"],
@@ -343,7 +392,9 @@ def _tokenizer_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-SPLIT = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$", re.I)  # llama.cpp's gguf-split parts: model-00001-of-00003.gguf
+SPLIT = re.compile(
+    r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE
+)  # llama.cpp's gguf-split parts: model-00001-of-00003.gguf
 
 
 def gguf_parts(path: str | os.PathLike) -> list[Path]:
@@ -353,7 +404,9 @@ def gguf_parts(path: str | os.PathLike) -> list[Path]:
     if m is None:
         return [path]
     if int(m[1]) != 1:
-        raise GGUFConversionError(f"{path.name} is part {int(m[1])} of a split GGUF file: name its first part")
+        raise GGUFConversionError(
+            f"{path.name} is part {int(m[1])} of a split GGUF file: name its first part"
+        )
     n = int(m[2])
     parts = [path.with_name(SPLIT.sub(f"-{i:05d}-of-{m[2]}.gguf", path.name)) for i in range(1, n + 1)]
     if missing := [p.name for p in parts if not p.is_file()]:
@@ -386,8 +439,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     try:
         types = {_hf_tensor_name(t.name, config["model_type"]): t.tensor_type.name for t in reader.tensors}
         (tmp / "quantization.json").write_text(json.dumps({"source": "gguf", "tensors": types}, indent=2))
-        save_file(dict(_tensors(reader, config, progress)), str(tmp / "model.safetensors"),
-                  metadata={"format": "pt", "source": Path(gguf_path).name})
+        save_file(
+            dict(_tensors(reader, config, progress)),
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt", "source": Path(gguf_path).name},
+        )
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "tokenizer.json").write_text(tokenizer_json)
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))

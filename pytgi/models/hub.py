@@ -29,7 +29,7 @@ HUB_ID = re.compile(rf"^(?P<repo>{_NAME}/{_NAME})(?::(?P<tag>[\w.-]+)|/(?P<file>
 QUANT = re.compile(
     r"(?:^|[-._])((?:UD-)?(?:I?Q[1-8](?:_[0-9A-Z]+)*|T?Q[12]_0|BF16|F16|F32|FP16|FP32|MXFP4(?:_MOE)?))"
     r"(?=$|[-._])",
-    re.I,
+    re.IGNORECASE,
 )
 DEFAULT_TAG = "Q4_K_M"
 HF_FILES = {  # beside the *.safetensors, what pytgi reads of a Hugging Face model directory
@@ -176,7 +176,7 @@ def _unreachable_errors() -> tuple[type[BaseException], ...]:
             mod = importlib.import_module(module)
         except ImportError:
             continue
-        errors.append(getattr(mod, "TransportError", None) or getattr(mod.exceptions, "ConnectionError"))
+        errors.append(getattr(mod, "TransportError", None) or mod.exceptions.ConnectionError)
     return tuple(errors)
 
 

@@ -9,7 +9,7 @@ one C call (`DecoderLoop`) for the steps that allow it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -64,13 +64,24 @@ class MoEConfig:
         if arch not in MOE_ARCHITECTURES:
             return None
         if arch == "MixtralForCausalLM":
-            return cls(cfg["num_local_experts"], cfg["num_experts_per_tok"], cfg["intermediate_size"], True, None,
-                       [True] * cfg["num_hidden_layers"])
+            return cls(
+                cfg["num_local_experts"],
+                cfg["num_experts_per_tok"],
+                cfg["intermediate_size"],
+                True,
+                None,
+                [True] * cfg["num_hidden_layers"],
+            )
         step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or [])
         experts = cfg.get("num_experts") or cfg["num_local_experts"]  # transformers 5 names Qwen3-MoE's so
-        return cls(experts, cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
-                   bool(cfg.get("norm_topk_prob", False)), cfg.get("shared_expert_intermediate_size") or None,
-                   [i not in dense and (i + 1) % step == 0 for i in range(cfg["num_hidden_layers"])])
+        return cls(
+            experts,
+            cfg["num_experts_per_tok"],
+            cfg["moe_intermediate_size"],
+            bool(cfg.get("norm_topk_prob", False)),
+            cfg.get("shared_expert_intermediate_size") or None,
+            [i not in dense and (i + 1) % step == 0 for i in range(cfg["num_hidden_layers"])],
+        )
 
 
 @dataclass(slots=True)
@@ -101,8 +112,10 @@ class LlamaConfig:
         n_heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"partial rotary embeddings (partial_rotary_factor {cfg['partial_rotary_factor']}) "
-                             "are not supported")
+            raise ValueError(
+                f"partial rotary embeddings (partial_rotary_factor {cfg['partial_rotary_factor']}) "
+                "are not supported"
+            )
         theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
         uses_window = arch == "MistralForCausalLM" or cfg.get("use_sliding_window", False)
         window = cfg.get("sliding_window") if uses_window else None
@@ -119,14 +132,17 @@ class LlamaConfig:
             rope_scaling=rope,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("qkv_bias", True) if arch == "Qwen2MoeForCausalLM"
+            attention_bias=cfg.get("qkv_bias", True)
+            if arch == "Qwen2MoeForCausalLM"
             else cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            o_proj_bias=cfg.get("attention_bias", False) and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
+            o_proj_bias=cfg.get("attention_bias", False)
+            and arch not in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"),
             mlp_bias=cfg.get("mlp_bias", False),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             moe=MoEConfig.from_hf(cfg, arch),
             sliding_window=window,
-            layer_types=(cfg.get("layer_types") or ["sliding_attention"] * cfg["num_hidden_layers"]) if window
+            layer_types=(cfg.get("layer_types") or ["sliding_attention"] * cfg["num_hidden_layers"])
+            if window
             else None,
         )
 
@@ -139,7 +155,9 @@ def local_heads(cfg: Any) -> tuple[int, int, int]:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: TorchAttention, ops: TorchOps, sliding: bool | None = None) -> None:
+    def __init__(
+        self, cfg: LlamaConfig, backend: TorchAttention, ops: TorchOps, sliding: bool | None = None
+    ) -> None:
         """sliding: whether this layer attends within the model's window (None: the model has none)."""
         super().__init__()
         self.sliding = sliding
@@ -172,14 +190,29 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, backend: TorchAttention, ops: TorchOps, sliding: bool | None = None,
-                 sparse: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        backend: TorchAttention,
+        ops: TorchOps,
+        sliding: bool | None = None,
+        sparse: bool = False,
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, backend, ops, sliding)
         moe = cfg.moe
-        self.mlp: MLP | SparseMoE = MLP(cfg, ops) if moe is None or not sparse else SparseMoE(
-            cfg.hidden_size, moe.intermediate_size, moe.num_experts, moe.top_k, moe.norm_topk,
-            moe.shared_intermediate_size)
+        self.mlp: MLP | SparseMoE = (
+            MLP(cfg, ops)
+            if moe is None or not sparse
+            else SparseMoE(
+                cfg.hidden_size,
+                moe.intermediate_size,
+                moe.num_experts,
+                moe.top_k,
+                moe.norm_topk,
+                moe.shared_intermediate_size,
+            )
+        )
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ops = ops
@@ -195,7 +228,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # checkpoint name part → (our parameter name part, shard index in a fused layer)
-    FUSED = {
+    FUSED: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
         "v_proj": ("qkv_proj", 2),
@@ -217,20 +250,27 @@ class LlamaForCausalLM(nn.Module):
             slidings = [t == "sliding_attention" for t in cfg.layer_types]
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         sparse = cfg.moe.sparse_layers if cfg.moe else [False] * cfg.num_hidden_layers
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, self.ops, s, m) for s, m in zip(slidings, sparse))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, self.ops, s, m) for s, m in zip(slidings, sparse)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
         self.decoder_loop: DecoderLoop | None = None  # set by `quantize` where it applies
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:  # type: ignore[no-untyped-def]
         x = self.embed_tokens(input_ids)
         rope = self.ops.rope_tables(self.rotary, positions, x.dtype)
         whole = meta.uniform if isinstance(meta, WindowedMetadata) else meta  # one metadata for every layer
-        if self.decoder_loop is not None and whole is not None and \
-                (h := self.decoder_loop(x, rope, kv_caches, whole)) is not None:
+        if (
+            self.decoder_loop is not None
+            and whole is not None
+            and (h := self.decoder_loop(x, rope, kv_caches, whole)) is not None
+        ):
             return h
         residual, h = self.ops.add_norm(None, x, self.layers[0].input_layernorm)
         next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
@@ -244,7 +284,9 @@ class LlamaForCausalLM(nn.Module):
     def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype) -> None:
         """Swap each planned linear for a low-bit one (see `pytgi.models.quant`) and cast the model
         to `act_dtype`. Call on float32 weights, before the model is cast."""
-        parts = {fused: [p for p, (f, _) in self.FUSED.items() if f == fused] for fused, _ in self.FUSED.values()}
+        parts = {
+            fused: [p for p, (f, _) in self.FUSED.items() if f == fused] for fused, _ in self.FUSED.values()
+        }
 
         def kind(hf_names: list[str]) -> str | None:
             kinds = {plan} if isinstance(plan, str) else {plan.get(n) for n in hf_names}
@@ -263,7 +305,9 @@ class LlamaForCausalLM(nn.Module):
                     todo[mod] = k
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         if (k := kind([head])) is not None:
-            todo[self.lm_head] = k if k in ("int8x16", "bf16") else "int8"  # logits are sensitive: never below 8 bits
+            todo[self.lm_head] = (
+                k if k in ("int8x16", "bf16") else "int8"
+            )  # logits are sensitive: never below 8 bits
         quantize_model(self, todo, act_dtype, self.cpu)
         self.decoder_loop = self._decoder_loop()
 
@@ -278,10 +322,14 @@ class LlamaForCausalLM(nn.Module):
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         for name, tensor in weights:
             if ".qkv_proj." in name:
-                yield from zip([name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")],
-                               tensor.split([q, kv, kv]))
+                yield from zip(
+                    [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")],
+                    tensor.split([q, kv, kv]),
+                )
             elif ".gate_up_proj." in name:
-                yield from zip([name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")], tensor.chunk(2))
+                yield from zip(
+                    [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")], tensor.chunk(2)
+                )
             else:
                 yield name, tensor
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -20,7 +21,10 @@ from pytgi.models.quant import resolve_plan
 MODELS: dict[str, tuple[Any, type[LlamaForCausalLM]]] = {
     **{arch: (LlamaConfig, LlamaForCausalLM) for arch in LLAMA_ARCHITECTURES},
     "Gemma3ForCausalLM": (Gemma3Config, Gemma3ForCausalLM),
-    "Gemma2ForCausalLM": (Gemma3Config, Gemma3ForCausalLM),  # Gemma 3's layers, without q/k norms, soft-capped
+    "Gemma2ForCausalLM": (
+        Gemma3Config,
+        Gemma3ForCausalLM,
+    ),  # Gemma 3's layers, without q/k norms, soft-capped
 }
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
 
@@ -43,11 +47,14 @@ def model_impl(cfg: dict[str, Any], path: Path, impl: str = "auto") -> str:
     if impl not in MODEL_IMPLS:
         raise ValueError(f"unknown model implementation {impl!r} ({' | '.join(MODEL_IMPLS)})")
     arch = (cfg.get("architectures") or [None])[0]
-    if impl == "transformers" or (impl == "auto" and arch not in SUPPORTED_ARCHITECTURES and arch is not None):
+    if impl == "transformers" or (
+        impl == "auto" and arch not in SUPPORTED_ARCHITECTURES and arch is not None
+    ):
         return "transformers"
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModel(
-            f"architecture {arch!r} of {path} is not supported; pytgi runs {', '.join(SUPPORTED_ARCHITECTURES)} "
+            f"architecture {arch!r} of {path} is not supported; pytgi runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} "
             "(--model-impl auto runs others through transformers' model code)"
         )
     return "pytgi"
@@ -85,7 +92,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise UnsupportedModel(f"{path} has no *.safetensors weights (pytgi does not load .bin checkpoints)")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in f:
                 yield name, f.get_tensor(name)
 
 
@@ -99,8 +106,15 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device, cpu: CpuKernels, quantize: str = "none",
-               attention: str = "torch", impl: str = "auto") -> Any:
+def load_model(
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    cpu: CpuKernels,
+    quantize: str = "none",
+    attention: str = "torch",
+    impl: str = "auto",
+) -> Any:
     """`cpu`: the kernels to run on; `quantize`: none | auto | int8 | int4 (see `pytgi.models.quant`);
     `attention`: the attention backend's name; `impl`: auto | pytgi | transformers (whose model code)."""
     hf = read_config(path)

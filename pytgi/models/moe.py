@@ -36,8 +36,15 @@ class SharedExpert(nn.Module):
 
 
 class SparseMoE(nn.Module):
-    def __init__(self, hidden: int, inter: int, num_experts: int, top_k: int, norm_topk: bool,
-                 shared_inter: int | None = None) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk: bool,
+        shared_inter: int | None = None,
+    ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.start, self.local = local_range(inter)

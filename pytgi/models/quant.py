@@ -50,6 +50,7 @@ SUB16_TYPES = {"Q2_K", "Q6_K"}  # scales per 16 values that no grid per 32 holds
 MODES = ("none", "auto", "int8", "int4", "bf16")
 BITS = {"int4": 4, "int8": 8, "int8x16": 16}  # the kernels' name for each layout (qgemv.c)
 
+
 def file_quantization(model_dir: Path) -> dict[str, int] | None:
     """A converted GGUF model's tensor types with their counts (None for other models)."""
     path = Path(model_dir) / "quantization.json"
@@ -80,7 +81,9 @@ def kind_for_gguf_type(t: str) -> str | None:
     return "int8" if t in INT8_TYPES else None
 
 
-def resolve_plan(mode: str, model_dir: Path, act_dtype: torch.dtype, device: torch.device) -> dict[str, str] | str:
+def resolve_plan(
+    mode: str, model_dir: Path, act_dtype: torch.dtype, device: torch.device
+) -> dict[str, str] | str:
     """The plan for this run: a dict per tensor, a single kind for every linear, or {} for none."""
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r} ({' | '.join(MODES)})")
@@ -113,7 +116,9 @@ def _fp16(t: torch.Tensor) -> torch.Tensor:
     return t.clamp(min=-65504, max=65504).half().float()
 
 
-def _own_grid(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _own_grid(
+    g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group, the step of the grid of at most `levels` + 1 values its values already lie on (a
     GGUF block's: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the 32-value sub-blocks of Q4_K/Q5_K, the 16-value ones
     of Q2_K/Q3_K/Q6_K, pairs of those whose scales share a small divisor), and whether they lie on
@@ -142,8 +147,9 @@ def _own_grid(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int) 
     return step, on_grid
 
 
-def quantize_int8_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                         torch.Tensor]:
+def quantize_int8_groups(
+    w: torch.Tensor, group: int = GROUP
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """w = d·u + m, u in 1..255 per `group` inputs, d and m in fp16. A group on a grid of its own
     (a GGUF Q5/Q6/Q8 block) keeps it: symmetric (m = -128·d, exact) where zero is on it, else from
     its smallest value; any other group gets Q8_0's grid (d = absmax / 127, m = -128·d).
@@ -161,7 +167,9 @@ def quantize_int8_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Ten
     return u.view(N, K).to(torch.int32), d, m, (u * d[..., None] + m[..., None]).view(N, K)
 
 
-def quantize_int4(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(
+    w: torch.Tensor, group: int = GROUP
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1's grid: w ≈ d·q + m, q in 0..15 per `group` inputs, d and m in fp16: the group's own
     16-level grid where it lies on one (`_own_grid`), else min/max.
     Returns (q [N, K] int32, d, m [N, K/group], dequantized w)."""
@@ -188,7 +196,9 @@ def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> t
         return t.half().view(N // 16, 16, G).permute(0, 2, 1).contiguous().view(torch.uint8)
 
     halves = [(d, m)] if bits != 16 else [(d.view(N, G, 2)[..., h], m.view(N, G, 2)[..., h]) for h in (0, 1)]
-    return torch.cat([v.reshape(N // 16, G, -1)] + [scales(t) for pair in halves for t in pair], dim=-1).contiguous()
+    return torch.cat(
+        [v.reshape(N // 16, G, -1)] + [scales(t) for pair in halves for t in pair], dim=-1
+    ).contiguous()
 
 
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
@@ -236,7 +246,9 @@ class QuantizedWeight:
             return kernels.bf16_matmul(x.contiguous(), self.packed, self.shape[0])
         if self.vnni:
             x = x.contiguous()
-            return kernels.lowbit_matmul(x, self.packed, self.shape[0], self.bits, amx=x.shape[0] > self.vnni_max_m)
+            return kernels.lowbit_matmul(
+                x, self.packed, self.shape[0], self.bits, amx=x.shape[0] > self.vnni_max_m
+            )
         if self.kind == "int4":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales)
         return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
@@ -264,9 +276,11 @@ class QuantizedLinear(nn.Module):
         return self.layer.finish(self.quant.matmul(x))
 
 
-def quantize_model(model: nn.Module, kinds: dict[nn.Module, str], act_dtype: torch.dtype, cpu: CpuKernels) -> None:
-    """Swap each linear in `kinds` ("int4" | "int8" | "int8x16" | "bf16") for a `QuantizedLinear`, and cast the
-    model to `act_dtype`. Call on float32 weights, so the low-bit grids see the checkpoint's values (or on
+def quantize_model(
+    model: nn.Module, kinds: dict[nn.Module, str], act_dtype: torch.dtype, cpu: CpuKernels
+) -> None:
+    """Swap each linear in `kinds` ("int4" | "int8" | "int8x16" | "bf16") for a `QuantizedLinear`, and cast
+    the model to `act_dtype`. Call on float32 weights, so the low-bit grids see the checkpoint's values (or on
     bf16 ones for "bf16"). A layer whose packed weight serves every step size (batch invariant) keeps no
     other copy."""
     for name, mod in list(model.named_modules()):

@@ -67,7 +67,9 @@ class ResolvedModel:
     sha: str | None = None  # the Hub commit served, for a Hub id
 
 
-def resolve_model(model: str | os.PathLike | None, progress: bool = True, revision: str | None = None) -> ResolvedModel:
+def resolve_model(
+    model: str | os.PathLike | None, progress: bool = True, revision: str | None = None
+) -> ResolvedModel:
     """The embedded default (None), a local directory or GGUF file, or a Hub id (`org/name`,
     `org/name:TAG`, `org/name/file.gguf`; pytgi.models.hub), fetched at `revision`."""
     if model is None:
@@ -82,8 +84,8 @@ def resolve_model(model: str | os.PathLike | None, progress: bool = True, revisi
     ref = hub.parse_hub_id(str(model))
     if ref is None:
         raise ModelNotFound(
-            f"model not found at {str(model)!r}: pass a Hugging Face model directory, a .gguf file or a Hub id "
-            "(org/name, org/name:Q4_K_M), or omit it to serve the embedded default model"
+            f"model not found at {str(model)!r}: pass a Hugging Face model directory, a .gguf file or a "
+            "Hub id (org/name, org/name:Q4_K_M), or omit it to serve the embedded default model"
         )
     fetched = hub.fetch(ref, revision, progress)
     if fetched.parts:

@@ -100,40 +100,58 @@ class _LayerShape:
 
 
 class TransformersModel(nn.Module):
-    def __init__(self, path: Path, dtype: torch.dtype, device: torch.device, cpu: CpuKernels,
-                 attention: str = "torch") -> None:
+    def __init__(
+        self, path: Path, dtype: torch.dtype, device: torch.device, cpu: CpuKernels, attention: str = "torch"
+    ) -> None:
         super().__init__()
         try:
             import transformers
         except ImportError:
-            raise ImportError("this architecture runs through transformers' model code: pip install transformers") \
-                from None
+            raise ImportError(
+                "this architecture runs through transformers' model code: pip install transformers"
+            ) from None
         from pytgi.distributed import tp_size
 
         if tp_size() > 1:
             raise ValueError("a model run by transformers' code cannot be sharded (--num-shard 1)")
         _register()
-        self.hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, attn_implementation=ATTENTION).to(device).eval()
+        self.hf = (
+            transformers.AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=dtype, attn_implementation=ATTENTION
+            )
+            .to(device)
+            .eval()
+        )
         cfg = self.hf.config.get_text_config()
         heads = cfg.num_attention_heads
         self.config = TransformersConfig(
-            vocab_size=cfg.vocab_size, num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=heads,
+            vocab_size=cfg.vocab_size,
+            num_hidden_layers=cfg.num_hidden_layers,
+            num_attention_heads=heads,
             num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
             head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-            max_position_embeddings=getattr(cfg, "max_position_embeddings", 2048))
+            max_position_embeddings=getattr(cfg, "max_position_embeddings", 2048),
+        )
         c = self.config
-        self.attention = _Backend(get_backend(attention, cpu, (c.num_attention_heads, c.num_key_value_heads,
-                                                               c.head_dim)))
+        self.attention = _Backend(
+            get_backend(attention, cpu, (c.num_attention_heads, c.num_key_value_heads, c.head_dim))
+        )
         # What the runner sizes the KV cache from: one entry per layer.
         self.layers = [_LayerShape(c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
         self.final_logit_softcapping: float | None = getattr(cfg, "final_logit_softcapping", None)
-        log.info("%s runs through transformers' model code (%s): pytgi does not implement it",
-                 type(self.hf).__name__, path)
+        log.info(
+            "%s runs through transformers' model code (%s): pytgi does not implement it",
+            type(self.hf).__name__,
+            path,
+        )
 
     def forward(self, input_ids, positions, kv_caches, meta: StepContext) -> torch.Tensor:  # type: ignore[no-untyped-def]
-        out = self.hf.get_decoder()(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                                    pytgi_step=(kv_caches, meta))
+        out = self.hf.get_decoder()(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            pytgi_step=(kv_caches, meta),
+        )
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

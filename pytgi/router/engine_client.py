@@ -58,10 +58,20 @@ class EngineClient:
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self, timeout: float = 900.0) -> P.EngineInfo:
         """Spawn the engine process and wait until its model is loaded."""
-        cmd = [sys.executable, "-m", self.engine_module, "--config", json.dumps(dataclasses.asdict(self.config)),
-               "--inbox", f"ipc://{self._dir}/inbox", "--outbox", f"ipc://{self._dir}/outbox",
-               "--parent-pid", str(os.getpid())]
-        self.proc = subprocess.Popen(cmd)
+        cmd = [
+            sys.executable,
+            "-m",
+            self.engine_module,
+            "--config",
+            json.dumps(dataclasses.asdict(self.config)),
+            "--inbox",
+            f"ipc://{self._dir}/inbox",
+            "--outbox",
+            f"ipc://{self._dir}/outbox",
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        self.proc = subprocess.Popen(cmd)  # noqa: ASYNC220 (a fork and exec; the wait below is async)
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:

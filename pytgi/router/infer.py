@@ -127,10 +127,14 @@ class Infer:
         admission.streams.append(stream)
         return stream
 
-    async def generate(self, req: ValidRequest, admission: Admission, validation_time: float = 0.0) -> Generation:
+    async def generate(
+        self, req: ValidRequest, admission: Admission, validation_time: float = 0.0
+    ) -> Generation:
         """The collected stream; with best_of > 1 the best of several samples (mean token logprob)."""
-        runs = [self._collect(self.stream(_with_seed(req, i), admission, validation_time))
-                for i in range(req.best_of)]
+        runs = [
+            self._collect(self.stream(_with_seed(req, i), admission, validation_time))
+            for i in range(req.best_of)
+        ]
         results = await asyncio.gather(*runs, return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
@@ -152,7 +156,9 @@ class RequestStream:
     """One submitted request's `Delta`s: async-iterable once; `close()` ends it early. `output`
     holds what has been generated so far."""
 
-    def __init__(self, infer: Infer, rid: str, req: ValidRequest, queue: asyncio.Queue, timings: Timings) -> None:
+    def __init__(
+        self, infer: Infer, rid: str, req: ValidRequest, queue: asyncio.Queue, timings: Timings
+    ) -> None:
         self.infer, self.rid, self.req, self.queue, self.timings = infer, rid, req, queue, timings
         self.output = OutputProcessor(infer.tokenizer, req.input_ids, req.sampling)
         self.closed = False

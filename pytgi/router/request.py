@@ -112,7 +112,9 @@ class GenerateInput:
     add_special_tokens: bool = True
     # Where the two APIs' contracts differ:
     include_stop_str_in_output: bool = True  # TGI keeps the stop text in generated_text; OpenAI cuts it
-    max_top_n_tokens: int | None = None  # None: the server's --max-top-n-tokens (OpenAI's own bounds otherwise)
+    max_top_n_tokens: int | None = (
+        None  # None: the server's --max-top-n-tokens (OpenAI's own bounds otherwise)
+    )
 
     @classmethod
     def from_body(cls, body: GenerateRequest | CompatGenerateRequest, stream: bool) -> GenerateInput:

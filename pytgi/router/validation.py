@@ -53,6 +53,7 @@ __all__ = [
     "ValidationError",
 ]
 
+
 @dataclass(slots=True)
 class _Checked:
     """What the checks before tokenization resolved."""
@@ -78,7 +79,7 @@ def _tgi_samples(p: GenerateParameters) -> bool:
 
 
 def _is_unicode(text: str) -> bool:
-    """False for a lone surrogate (JSON's "\\ud800" decodes to one), which no tokenizer or wire format takes."""
+    """False for a lone surrogate (JSON's "\\ud800" decodes to one): no tokenizer or wire format takes it."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -114,16 +115,19 @@ class Validation:
             if p.best_of is not None and p.best_of != 1:
                 raise ValidationError("`best_of` != 1 is not supported when streaming tokens", "best_of")
             if p.decoder_input_details:
-                raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens",
-                                      "decoder_input_details")
+                raise ValidationError(
+                    "`decoder_input_details` == true is not supported when streaming tokens",
+                    "decoder_input_details",
+                )
         elif p.best_of is not None and p.best_of != 1:
             # TGI only calls validate_best_of for best_of > 1 (0 slips through as a single sequence);
             # pytgi refuses 0 here too, as the message ("must be > 0") says.
             if lim.max_best_of == 1:
                 raise ValidationError("`best_of` != 1 is not allowed for this endpoint", "best_of")
             if p.best_of == 0 or p.best_of > lim.max_best_of:
-                raise ValidationError(f"`best_of` must be > 0 and <= {lim.max_best_of}. Given: {p.best_of}",
-                                      "best_of")
+                raise ValidationError(
+                    f"`best_of` must be > 0 and <= {lim.max_best_of}. Given: {p.best_of}", "best_of"
+                )
         best_of = 1 if p.best_of is None else p.best_of
 
         # 1. TGI's router counts a *given* warper as sampling here (even temperature=1.0)
@@ -157,7 +161,8 @@ class Validation:
         # 9
         if len(p.stop) > lim.max_stop_sequences:
             raise ValidationError(
-                f"`stop` supports up to {lim.max_stop_sequences} stop sequences. Given: {len(p.stop)}", "stop")
+                f"`stop` supports up to {lim.max_stop_sequences} stop sequences. Given: {len(p.stop)}", "stop"
+            )
         if any(s == "" for s in p.stop):
             # pytgi: an empty stop string would match at once (the engine refuses it too)
             raise ValidationError("`stop` must be a list of non-empty strings", "stop")
@@ -169,25 +174,31 @@ class Validation:
         # 11
         max_top_n = lim.max_top_n_tokens if gi.max_top_n_tokens is None else gi.max_top_n_tokens
         if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= max_top_n:
-            raise ValidationError(f"`top_n_tokens` must be >= 0 and <= {max_top_n}. Given: {p.top_n_tokens}",
-                                  "top_n_tokens")
+            raise ValidationError(
+                f"`top_n_tokens` must be >= 0 and <= {max_top_n}. Given: {p.top_n_tokens}", "top_n_tokens"
+            )
         # 12
         if not gi.inputs:
             raise ValidationError("`inputs` cannot be empty", "inputs")
         if isinstance(gi.inputs, str) and not _is_unicode(gi.inputs):
             raise ValidationError("`inputs` must be valid Unicode (no lone surrogates)", "inputs")
-        if isinstance(gi.inputs, list) and self.vocab_size is not None and \
-                not all(0 <= t < self.vocab_size for t in gi.inputs):
+        if (
+            isinstance(gi.inputs, list)
+            and self.vocab_size is not None
+            and not all(0 <= t < self.vocab_size for t in gi.inputs)
+        ):
             raise ValidationError(f"`inputs` token ids must be >= 0 and < {self.vocab_size}", "inputs")
         # 13
         if p.truncate is not None and (p.truncate == 0 or p.truncate > lim.max_input_tokens):
             raise ValidationError(
                 f"`truncate` must be strictly positive and less than {lim.max_input_tokens}. "
-                f"Given: {p.truncate}", "truncate"
+                f"Given: {p.truncate}",
+                "truncate",
             )
         if p.adapter_id is not None:
-            raise ValidationError("`adapter_id` is not supported: this server serves no LoRA adapters",
-                                  "adapter_id")
+            raise ValidationError(
+                "`adapter_id` is not supported: this server serves no LoRA adapters", "adapter_id"
+            )
         return _Checked(input=gi, best_of=best_of, truncate=p.truncate)
 
     def _encode(self, inputs: str | list[int], add_special_tokens: bool) -> list[int]:
@@ -214,14 +225,16 @@ class Validation:
             raise ValidationError(
                 f"`inputs` tokens + `max_new_tokens` must be <= {lim.max_total_tokens}. "
                 f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`",
-                "max_new_tokens", "context_length_exceeded",
+                "max_new_tokens",
+                "context_length_exceeded",
             )
         if input_length > lim.max_input_tokens:
             raise ValidationError(
                 f"`inputs` must have less than {lim.max_input_tokens} tokens. Given: {input_length}",
-                "inputs", "context_length_exceeded",
+                "inputs",
+                "context_length_exceeded",
             )
-        input_ids = ids[len(ids) - input_length:]  # truncation keeps the last tokens
+        input_ids = ids[len(ids) - input_length :]  # truncation keeps the last tokens
 
         constraint = {} if p.grammar is None else _constraint(p.grammar)  # 15. grammar
 
@@ -272,7 +285,9 @@ class Validation:
         gi = checked.input
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._pool, self._encode, gi.inputs, gi.add_special_tokens)
-        return await loop.run_in_executor(self._pool, self._finish, checked, ids)  # a grammar check may take ms
+        return await loop.run_in_executor(
+            self._pool, self._finish, checked, ids
+        )  # a grammar check may take ms
 
     def _tokenize(self, inputs: str, add_special_tokens: bool) -> list[dict]:
         try:
@@ -283,12 +298,14 @@ class Validation:
         for tid, (cs, ce) in zip(ids, offsets):
             # Python's `tokenizers` reports character offsets; TGI (Rust) reports byte offsets of the
             # UTF-8 input, so convert. `text` is the slice of the input the token covers.
-            out.append({
-                "id": tid,
-                "text": inputs[cs:ce],
-                "start": len(inputs[:cs].encode("utf-8")),
-                "stop": len(inputs[:ce].encode("utf-8")),
-            })
+            out.append(
+                {
+                    "id": tid,
+                    "text": inputs[cs:ce],
+                    "start": len(inputs[:cs].encode("utf-8")),
+                    "stop": len(inputs[:ce].encode("utf-8")),
+                }
+            )
         return out
 
     async def validate_tokenize(self, inputs: str, add_special_tokens: bool = True) -> list[dict]:

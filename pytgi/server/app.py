@@ -37,8 +37,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     cfg = st.config
     st.validation = Validation(
         st.tokenizer,
-        ValidLimits(info.max_input_tokens, info.max_total_tokens, cfg.max_best_of, cfg.max_stop_sequences,
-                    cfg.max_top_n_tokens),
+        ValidLimits(
+            info.max_input_tokens,
+            info.max_total_tokens,
+            cfg.max_best_of,
+            cfg.max_stop_sequences,
+            cfg.max_top_n_tokens,
+        ),
         workers=cfg.validation_workers,
         vocab_size=info.vocab_size,
     )
@@ -46,7 +51,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     st.client.on_step = st.metrics.engine_step
     st.client.on_stats = st.metrics.engine_stats
     st.client.on_death = lambda reason: [cb(reason) for cb in st.on_engine_death]
-    log.info("serving %s on %s://%s:%d", info.model_id, "https" if cfg.tls else "http", cfg.hostname, cfg.port)
+    log.info(
+        "serving %s on %s://%s:%d", info.model_id, "https" if cfg.tls else "http", cfg.hostname, cfg.port
+    )
     try:
         yield
     finally:
@@ -55,8 +62,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="pytgi", version=pytgi.__version__, lifespan=lifespan,
-                  description="Text Generation Inference, in Python", default_response_class=JSONResponse)
+    app = FastAPI(
+        title="pytgi",
+        version=pytgi.__version__,
+        lifespan=lifespan,
+        description="Text Generation Inference, in Python",
+        default_response_class=JSONResponse,
+    )
     client = EngineClient(config.engine, config.engine_module)
     app.state.pytgi = State(config, client, Tokenizer.from_dir(config.model_path), Metrics())
     install_handlers(app)
@@ -64,13 +76,16 @@ def create_app(config: ServerConfig) -> FastAPI:
     openai.install(app)  # OpenAI's routes, and OpenAI's error shape under /v1/
     # The last added runs first: CORS outermost, so that refusals (401, 413) carry its headers too.
     app.add_middleware(AdmissionMiddleware)
-    app.add_middleware(PayloadLimitMiddleware, limit=config.payload_limit, body_timeout=config.request_body_timeout)
+    app.add_middleware(
+        PayloadLimitMiddleware, limit=config.payload_limit, body_timeout=config.request_body_timeout
+    )
     app.add_middleware(OverloadMiddleware)  # before the body is read
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, key=config.api_key, exempt=config.api_key_exempt)
     if config.cors_allow_origin:
-        app.add_middleware(CORSMiddleware, allow_origins=config.cors_allow_origin, allow_methods=["*"],
-                           allow_headers=["*"])
+        app.add_middleware(
+            CORSMiddleware, allow_origins=config.cors_allow_origin, allow_methods=["*"], allow_headers=["*"]
+        )
     return app
 
 

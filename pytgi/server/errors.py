@@ -21,8 +21,9 @@ def error_response(status: int, message: str, error_type: str) -> JSONResponse:
     return JSONResponse(error_body(message, error_type), status_code=status)
 
 
-def path_error_response(path: str, status: int, message: str, error_type: str, openai_type: str,
-                        code: str | None = None) -> JSONResponse:
+def path_error_response(
+    path: str, status: int, message: str, error_type: str, openai_type: str, code: str | None = None
+) -> JSONResponse:
     """For middlewares, which answer before routing: OpenAI's shape under /v1/, TGI's elsewhere."""
     if path.startswith("/v1/"):
         body = {"error": {"message": message, "type": openai_type, "param": None, "code": code}}

@@ -12,7 +12,10 @@ import asyncio
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+REQUEST_TIMEOUT = (
+    b"HTTP/1.1 408 Request Timeout\r\n"
+    b"content-type: text/plain\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+)
 
 
 class TimedHttpToolsProtocol(HttpToolsProtocol):

@@ -46,12 +46,23 @@ EXEMPTIONS: dict[str, tuple[str, ...]] = {
     "health": ("GET /health", "GET /"),  # load balancers' probes (POST / generates, and stays guarded)
     "metrics": ("GET /metrics",),
     "info": ("GET /info",),
-    "docs": ("GET /docs", "GET /docs/oauth2-redirect", "GET /redoc", "GET /openapi.json"),  # the page loads it
+    "docs": (
+        "GET /docs",
+        "GET /docs/oauth2-redirect",
+        "GET /redoc",
+        "GET /openapi.json",
+    ),  # the page loads it
     "openapi": ("GET /openapi.json",),
     "models": ("GET /v1/models", "GET /v1/models/*"),
 }
-GENERATION_ROUTES = {"/generate", "/generate_stream", "/", "/invocations", "/v1/completions",
-                     "/v1/chat/completions"}
+GENERATION_ROUTES = {
+    "/generate",
+    "/generate_stream",
+    "/",
+    "/invocations",
+    "/v1/completions",
+    "/v1/chat/completions",
+}
 
 
 class ApiKeyMiddleware:
@@ -71,8 +82,14 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and not self._exempt(scope["method"], scope["path"]):
             auth = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(auth, self.expected):
-                refusal = path_error_response(scope["path"], 401, "Unauthorized: send `Authorization: Bearer <key>`",
-                                              "authentication", "authentication_error", "invalid_api_key")
+                refusal = path_error_response(
+                    scope["path"],
+                    401,
+                    "Unauthorized: send `Authorization: Bearer <key>`",
+                    "authentication",
+                    "authentication_error",
+                    "invalid_api_key",
+                )
                 await refusal(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -117,16 +134,28 @@ class PayloadLimitMiddleware:
             return
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(scope, receive, send, 413, f"Payload too large: the limit is {self.limit} bytes",
-                               "payload_too_large")
+            await self._refuse(
+                scope,
+                receive,
+                send,
+                413,
+                f"Payload too large: the limit is {self.limit} bytes",
+                "payload_too_large",
+            )
             return
         chunks, seen, more = [], 0, True
         while more:
             try:
                 message = await _receive_within(receive, self.body_timeout)
             except asyncio.TimeoutError:
-                await self._refuse(scope, receive, send, 408, f"Request timeout: no body data for "
-                                   f"{self.body_timeout:g} s", "request_timeout")
+                await self._refuse(
+                    scope,
+                    receive,
+                    send,
+                    408,
+                    f"Request timeout: no body data for {self.body_timeout:g} s",
+                    "request_timeout",
+                )
                 return
             if message["type"] != "http.request":  # the client left before sending it all
                 return
@@ -134,8 +163,14 @@ class PayloadLimitMiddleware:
             seen += len(chunks[-1])
             more = message.get("more_body", False)
             if seen > self.limit:
-                await self._refuse(scope, receive, send, 413, f"Payload too large: the limit is {self.limit} bytes",
-                                   "payload_too_large")
+                await self._refuse(
+                    scope,
+                    receive,
+                    send,
+                    413,
+                    f"Payload too large: the limit is {self.limit} bytes",
+                    "payload_too_large",
+                )
                 return
         body, replayed = b"".join(chunks), False
 
@@ -148,6 +183,8 @@ class PayloadLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, status: int, msg: str, kind: str) -> None:
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, status: int, msg: str, kind: str
+    ) -> None:
         refusal = path_error_response(scope["path"], status, msg, kind, "invalid_request_error")
         await refusal(scope, receive, send)

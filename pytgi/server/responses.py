@@ -15,4 +15,6 @@ class JSONResponse(_StarletteJSON):
         try:
             return super().render(content)
         except UnicodeEncodeError:
-            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode(
+                "ascii"
+            )

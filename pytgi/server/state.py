@@ -60,8 +60,9 @@ ADMISSIONS = "pytgi.admissions"  # scope key: the admissions of one HTTP exchang
 
 
 def admission(request: Request) -> Admission:
-    """A new claim on the concurrency slots for this HTTP exchange; `pytgi.server.middleware.AdmissionMiddleware` closes it
-    when the exchange ends (response sent, error raised, client gone, stream never started)."""
+    """A new claim on the concurrency slots for this HTTP exchange;
+    `pytgi.server.middleware.AdmissionMiddleware` closes it when the exchange ends
+    (response sent, error raised, client gone, stream never started)."""
     st = state_of(request)
     assert st.infer is not None
     adm = st.infer.admission()

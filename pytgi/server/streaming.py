@@ -23,8 +23,11 @@ T = TypeVar("T")
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"x-accel-buffering": "no", "cache-control": "no-cache"})
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"x-accel-buffering": "no", "cache-control": "no-cache"},
+    )
 
 
 async def with_keep_alive(items: AsyncIterator[T]) -> AsyncIterator[T | None]:

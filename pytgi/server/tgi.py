@@ -66,17 +66,26 @@ def stream_json(delta: Delta, stream: RequestStream) -> dict[str, Any]:
     req, last = stream.req, delta.finish_reason is not None
     details = None
     if last and req.details:
-        details = {"finish_reason": delta.finish_reason, "generated_tokens": delta.index, "seed": _seed(req),
-                   "input_length": req.input_length}
-    out: dict[str, Any] = {"index": delta.index, "token": token_json(delta.token),
-                           "generated_text": generated_text(stream.output, req) if last else None,
-                           "details": details}
+        details = {
+            "finish_reason": delta.finish_reason,
+            "generated_tokens": delta.index,
+            "seed": _seed(req),
+            "input_length": req.input_length,
+        }
+    out: dict[str, Any] = {
+        "index": delta.index,
+        "token": token_json(delta.token),
+        "generated_text": generated_text(stream.output, req) if last else None,
+        "details": details,
+    }
     if req.sampling.top_n_tokens:
         out["top_tokens"] = [token_json(t) for t in delta.top_tokens]
     return out
 
 
-def timing_headers(st: State, t: Timings, arrived: float, prompt_tokens: int, generated: int) -> dict[str, str]:
+def timing_headers(
+    st: State, t: Timings, arrived: float, prompt_tokens: int, generated: int
+) -> dict[str, str]:
     total = time.monotonic() - arrived
     inference = max(t.end - t.start, 0.0) if t.end else 0.0
     info = st.client.info
@@ -94,7 +103,9 @@ def timing_headers(st: State, t: Timings, arrived: float, prompt_tokens: int, ge
 
 
 # -- shared request path ---------------------------------------------------------------------------
-async def admit(request: Request, body: GenerateRequest, stream: bool) -> tuple[ValidRequest, Admission, float]:
+async def admit(
+    request: Request, body: GenerateRequest, stream: bool
+) -> tuple[ValidRequest, Admission, float]:
     """The seed's order: take a slot (429 at once if none), then validate (422). The slots are held
     until the HTTP exchange ends (`AdmissionMiddleware`), whatever happens in between."""
     st = state_of(request)
@@ -157,7 +168,9 @@ async def sse(st: State, events: RequestStream, arrived: float) -> AsyncIterator
                 yield KEEP_ALIVE
                 continue
             now = time.monotonic()
-            (st.metrics.time_to_first_token if ev.index == 1 else st.metrics.inter_token_latency).observe(now - last)
+            (st.metrics.time_to_first_token if ev.index == 1 else st.metrics.inter_token_latency).observe(
+                now - last
+            )
             last = now
             yield f"data:{json.dumps(stream_json(ev, events), ensure_ascii=False)}\n\n"
             if ev.finish_reason is not None:
@@ -207,32 +220,34 @@ async def info(request: Request) -> JSONResponse:
     st = state_of(request)
     cfg, eng = st.config, st.client.info
     assert eng is not None
-    return JSONResponse({
-        "model_id": cfg.model_id,
-        "model_sha": cfg.model_sha,
-        "model_dtype": eng.model_dtype,
-        "model_device_type": eng.model_device_type,
-        "model_quantization": eng.quantization,  # pytgi's: a GGUF file's tensor types and counts
-        "model_pipeline_tag": "text-generation",
-        "max_concurrent_requests": cfg.max_concurrent_requests,
-        "max_best_of": cfg.max_best_of,
-        "max_stop_sequences": cfg.max_stop_sequences,
-        "max_input_tokens": eng.max_input_tokens,
-        "max_total_tokens": eng.max_total_tokens,
-        "max_input_length": eng.max_input_tokens,
-        "waiting_served_ratio": eng.waiting_served_ratio,
-        "max_batch_total_tokens": eng.max_batch_total_tokens,
-        "max_waiting_tokens": eng.max_waiting_tokens,
-        "max_batch_size": eng.max_batch_size,
-        "max_batch_prefill_tokens": eng.max_batch_prefill_tokens,
-        "validation_workers": cfg.validation_workers,
-        "max_client_batch_size": 4,
-        "num_shard": eng.num_shard,
-        "router": "pytgi",
-        "version": pytgi.__version__,
-        "sha": None,
-        "docker_label": None,
-    })
+    return JSONResponse(
+        {
+            "model_id": cfg.model_id,
+            "model_sha": cfg.model_sha,
+            "model_dtype": eng.model_dtype,
+            "model_device_type": eng.model_device_type,
+            "model_quantization": eng.quantization,  # pytgi's: a GGUF file's tensor types and counts
+            "model_pipeline_tag": "text-generation",
+            "max_concurrent_requests": cfg.max_concurrent_requests,
+            "max_best_of": cfg.max_best_of,
+            "max_stop_sequences": cfg.max_stop_sequences,
+            "max_input_tokens": eng.max_input_tokens,
+            "max_total_tokens": eng.max_total_tokens,
+            "max_input_length": eng.max_input_tokens,
+            "waiting_served_ratio": eng.waiting_served_ratio,
+            "max_batch_total_tokens": eng.max_batch_total_tokens,
+            "max_waiting_tokens": eng.max_waiting_tokens,
+            "max_batch_size": eng.max_batch_size,
+            "max_batch_prefill_tokens": eng.max_batch_prefill_tokens,
+            "validation_workers": cfg.validation_workers,
+            "max_client_batch_size": 4,
+            "num_shard": eng.num_shard,
+            "router": "pytgi",
+            "version": pytgi.__version__,
+            "sha": None,
+            "docker_label": None,
+        }
+    )
 
 
 @router.get("/metrics", tags=["Text Generation Inference"])

@@ -23,8 +23,14 @@ PREFIX = "/v1/"
 class OpenAIError(Exception):
     """An error answered as `{"error": {message, type, param, code}}`."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -38,8 +44,13 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 def from_infer_error(exc: InferError) -> OpenAIError:
     if isinstance(exc, Overloaded):
-        return OpenAIError(429, "Model is overloaded: too many concurrent requests, retry later", "requests",
-                           None, "rate_limit_exceeded")
+        return OpenAIError(
+            429,
+            "Model is overloaded: too many concurrent requests, retry later",
+            "requests",
+            None,
+            "rate_limit_exceeded",
+        )
     return OpenAIError(500, exc.message, "server_error", None, exc.error_type)
 
 

@@ -26,24 +26,42 @@ def _lp(value: float | None) -> float | None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def head(kind: str, rid: str, created: int, model: str) -> dict[str, Any]:
-    return {"id": rid, "object": kind, "created": created, "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
+    return {
+        "id": rid,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+    }
 
 
 def chat_logprobs(pieces: list[str], tokens: list[Token], tops: list[list[Token]]) -> dict[str, Any]:
-    content = [{"token": piece, "logprob": _lp(t.logprob), "bytes": list(piece.encode("utf-8")),
-                "top_logprobs": [{"token": a.text, "logprob": _lp(a.logprob), "bytes": list(a.text.encode("utf-8"))}
-                                 for a in alts]}
-               for piece, t, alts in zip(pieces, tokens, tops)]
+    content = [
+        {
+            "token": piece,
+            "logprob": _lp(t.logprob),
+            "bytes": list(piece.encode("utf-8")),
+            "top_logprobs": [
+                {"token": a.text, "logprob": _lp(a.logprob), "bytes": list(a.text.encode("utf-8"))}
+                for a in alts
+            ],
+        }
+        for piece, t, alts in zip(pieces, tokens, tops)
+    ]
     return {"content": content, "refusal": None}
 
 
-def text_logprobs(pieces: list[str], tokens: list[Token], tops: list[list[Token] | None], offsets: list[int]
-                  ) -> dict[str, Any]:
+def text_logprobs(
+    pieces: list[str], tokens: list[Token], tops: list[list[Token] | None], offsets: list[int]
+) -> dict[str, Any]:
     """The legacy completions shape; `top_logprobs` holds the alternatives and always the chosen token
     (None where there is no logprob: the prompt's first token)."""
     top: list[dict[str, float] | None] = []
@@ -56,8 +74,12 @@ def text_logprobs(pieces: list[str], tokens: list[Token], tops: list[list[Token]
             d.setdefault(a.text, _lp(a.logprob))  # type: ignore[arg-type]
         d.setdefault(piece, _lp(t.logprob))  # type: ignore[arg-type]
         top.append(d)
-    return {"tokens": pieces, "token_logprobs": [_lp(t.logprob) for t in tokens], "top_logprobs": top,
-            "text_offset": offsets}
+    return {
+        "tokens": pieces,
+        "token_logprobs": [_lp(t.logprob) for t in tokens],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 def _offsets(texts: list[str], base: int) -> list[int]:
@@ -72,8 +94,12 @@ def completion_logprobs(out: OutputProcessor, echo: str | None) -> dict[str, Any
     """A whole completion's logprobs; with `echo` (the prompt's text) the prompt's tokens first."""
     pieces = [t.id for t in out.tokens]
     texts = ["" if t.special else t.text for t in out.tokens]
-    lps = text_logprobs([out.tokenizer.id_to_piece(i) for i in pieces], out.tokens, list(out.top_tokens),
-                        _offsets(texts, len(echo or "")))
+    lps = text_logprobs(
+        [out.tokenizer.id_to_piece(i) for i in pieces],
+        out.tokens,
+        list(out.top_tokens),
+        _offsets(texts, len(echo or "")),
+    )
     if echo is None:
         return lps
     prefill = out.prefill or [Token(i, out.tokenizer.id_to_piece(i), None) for i in out.prompt_ids]
@@ -82,7 +108,9 @@ def completion_logprobs(out: OutputProcessor, echo: str | None) -> dict[str, Any
     return {k: head_lps[k] + lps[k] for k in lps}
 
 
-def chat_message(text: str, finish: str | None, tool_style: tools.Style | None) -> tuple[dict[str, Any], str | None]:
+def chat_message(
+    text: str, finish: str | None, tool_style: tools.Style | None
+) -> tuple[dict[str, Any], str | None]:
     """A whole answer's message and finish reason (OpenAI's); with tools, the calls found in its text."""
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if tool_style is None:
@@ -101,9 +129,18 @@ class StreamRenderer:
     """OpenAI chunks from each choice's `Delta`s. The deltas' text already holds back what might start
     a stop string, so nothing sent is ever taken back; logprobs go with the text they belong to."""
 
-    def __init__(self, chat: bool, head: dict[str, Any], count: int, logprobs: bool, include_usage: bool,
-                 prompt_tokens: int, id_to_piece: Any, echo: list[str] | None = None,
-                 tool_style: tools.Style | None = None) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        head: dict[str, Any],
+        count: int,
+        logprobs: bool,
+        include_usage: bool,
+        prompt_tokens: int,
+        id_to_piece: Any,
+        echo: list[str] | None = None,
+        tool_style: tools.Style | None = None,
+    ) -> None:
         self.chat, self.logprobs, self.id_to_piece = chat, logprobs, id_to_piece
         self.head = dict(head)
         if include_usage:
@@ -131,10 +168,20 @@ class StreamRenderer:
         out = []
         for i in range(self.count):
             if self.chat:
-                out.append(self._chunk({"index": i, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}))
+                out.append(
+                    self._chunk(
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
+                )
             elif self.echo and self.echo[i]:
-                out.append(self._chunk({"index": i, "text": self.echo[i], "logprobs": None, "finish_reason": None}))
+                out.append(
+                    self._chunk({"index": i, "text": self.echo[i], "logprobs": None, "finish_reason": None})
+                )
         return out
 
     def _take_logprobs(self, i: int) -> dict[str, Any] | None:
@@ -172,11 +219,21 @@ class StreamRenderer:
         if isinstance(e, tools.Content):
             delta: dict[str, Any] = {"content": e.text}
         elif isinstance(e, tools.CallStart):
-            delta = {"tool_calls": [{"index": e.index, "id": e.id, "type": "function",
-                                     "function": {"name": e.name, "arguments": ""}}]}
+            delta = {
+                "tool_calls": [
+                    {
+                        "index": e.index,
+                        "id": e.id,
+                        "type": "function",
+                        "function": {"name": e.name, "arguments": ""},
+                    }
+                ]
+            }
         else:
             delta = {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
-        return self._chunk({"index": i, "delta": delta, "logprobs": self._take_logprobs(i), "finish_reason": None})
+        return self._chunk(
+            {"index": i, "delta": delta, "logprobs": self._take_logprobs(i), "finish_reason": None}
+        )
 
     def end(self) -> list[dict[str, Any]]:
         if not self.include_usage:

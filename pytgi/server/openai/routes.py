@@ -44,8 +44,9 @@ def _refused(st: State, names: dict[str, str] | None = None) -> Iterator[None]:
         raise
 
 
-async def _admit(request: Request, count: int, names: dict[str, str],
-                 prepare: Callable[[], Awaitable[list[ValidRequest]]]) -> tuple[list[ValidRequest], Admission, float]:
+async def _admit(
+    request: Request, count: int, names: dict[str, str], prepare: Callable[[], Awaitable[list[ValidRequest]]]
+) -> tuple[list[ValidRequest], Admission, float]:
     """TGI's order: take one slot per engine request (429 at once if short), then validate/tokenize.
     The slots are held until the HTTP exchange ends (`AdmissionMiddleware`)."""
     st = state_of(request)
@@ -65,12 +66,17 @@ async def _admit(request: Request, count: int, names: dict[str, str],
 
 def _combined(timings: list[Timings]) -> Timings:
     starts = [t.start for t in timings if t.start]
-    return Timings(validation=timings[0].validation, queued=min(t.queued for t in timings),
-                   start=min(starts) if starts else 0.0, end=max(t.end for t in timings))
+    return Timings(
+        validation=timings[0].validation,
+        queued=min(t.queued for t in timings),
+        start=min(starts) if starts else 0.0,
+        end=max(t.end for t in timings),
+    )
 
 
-async def _generate_all(request: Request, reqs: list[ValidRequest], adm: Admission, vtime: float,
-                        arrived: float) -> list[Generation]:
+async def _generate_all(
+    request: Request, reqs: list[ValidRequest], adm: Admission, vtime: float, arrived: float
+) -> list[Generation]:
     """Every engine request to completion; the client going away (or one failing) aborts them all."""
     st = state_of(request)
     assert st.infer is not None
@@ -91,7 +97,9 @@ async def _generate_all(request: Request, reqs: list[ValidRequest], adm: Admissi
         raise from_infer_error(exc) from None
     timings = _combined([g.timings for g in gens])
     st.metrics.time_to_first_token.observe(max(timings.start - arrived, 0.0))
-    record_success(st, timings, arrived, sum(r.input_length for r in reqs), sum(len(g.output.tokens) for g in gens))
+    record_success(
+        st, timings, arrived, sum(r.input_length for r in reqs), sum(len(g.output.tokens) for g in gens)
+    )
     return gens
 
 
@@ -137,8 +145,13 @@ async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]
             t.cancel()
 
 
-async def _sse_events(st: State, streams: list[RequestStream], renderer: render.StreamRenderer, arrived: float,
-                      reqs: list[ValidRequest]) -> AsyncIterator[str]:
+async def _sse_events(
+    st: State,
+    streams: list[RequestStream],
+    renderer: render.StreamRenderer,
+    arrived: float,
+    reqs: list[ValidRequest],
+) -> AsyncIterator[str]:
     """Merge the choices' deltas into OpenAI chunks; `:` keep-alives; an error as a last event (no
     [DONE] then). The finally awaits nothing: it may run inside a cancelled task (client gone)."""
     last = [arrived] * len(streams)
@@ -162,8 +175,13 @@ async def _sse_events(st: State, streams: list[RequestStream], renderer: render.
                 yield _sse(chunk)
         for chunk in renderer.end():
             yield _sse(chunk)
-        record_success(st, _combined([s.timings for s in streams]), arrived,
-                       sum(r.input_length for r in reqs), renderer.completion_tokens)
+        record_success(
+            st,
+            _combined([s.timings for s in streams]),
+            arrived,
+            sum(r.input_length for r in reqs),
+            renderer.completion_tokens,
+        )
         yield "data: [DONE]\n\n"
     except InferError as exc:
         st.metrics.request_failure.labels(exc.error_type).inc()
@@ -203,18 +221,31 @@ def _begin(request: Request, body: schema.SamplingBody) -> tuple[State, int]:
         return st, schema.check_sampling(body)
 
 
-async def _answer(request: Request, body: schema.SamplingBody, reqs: list[ValidRequest], adm: Admission,
-                  vtime: float, arrived: float, head: dict[str, Any], prompt_tokens: int,
-                  renderer: Callable[[], render.StreamRenderer],
-                  choice: Callable[[int, ValidRequest, Generation], dict[str, Any]]) -> Response:
+async def _answer(
+    request: Request,
+    body: schema.SamplingBody,
+    reqs: list[ValidRequest],
+    adm: Admission,
+    vtime: float,
+    arrived: float,
+    head: dict[str, Any],
+    prompt_tokens: int,
+    renderer: Callable[[], render.StreamRenderer],
+    choice: Callable[[int, ValidRequest, Generation], dict[str, Any]],
+) -> Response:
     """Stream the choices, or run them to completion and answer them in one body."""
     st = state_of(request)
     if body.stream:
         return sse_response(_sse_events(st, _submit_all(st, reqs, adm, vtime), renderer(), arrived, reqs))
     gens = await _generate_all(request, reqs, adm, vtime, arrived)
     completion_tokens = sum(len(g.output.tokens) for g in gens)
-    return JSONResponse({**head, "choices": [choice(i, r, g) for i, (r, g) in enumerate(zip(reqs, gens))],
-                         "usage": render.usage(prompt_tokens, completion_tokens)})
+    return JSONResponse(
+        {
+            **head,
+            "choices": [choice(i, r, g) for i, (r, g) in enumerate(zip(reqs, gens))],
+            "usage": render.usage(prompt_tokens, completion_tokens),
+        }
+    )
 
 
 @router.post("/v1/completions", tags=["OpenAI"])
@@ -228,13 +259,25 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
     validation = st.validation
     echo = bool(body.echo)
     max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default for completions
-    names = {"inputs": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs", "grammar": grammar_field}
+    names = {
+        "inputs": "prompt",
+        "max_new_tokens": "max_tokens",
+        "top_n_tokens": "logprobs",
+        "grammar": grammar_field,
+    }
 
     async def prepare() -> list[ValidRequest]:
         reqs = []
         for prompt in prompts:
-            gi = schema.to_input(body, prompt, max_tokens, body.logprobs, schema.MAX_COMPLETION_LOGPROBS,
-                                 prompt_logprobs=echo and body.logprobs is not None, grammar=grammar)
+            gi = schema.to_input(
+                body,
+                prompt,
+                max_tokens,
+                body.logprobs,
+                schema.MAX_COMPLETION_LOGPROBS,
+                prompt_logprobs=echo and body.logprobs is not None,
+                grammar=grammar,
+            )
             reqs += schema.choices(await validation.validate(gi), n, body.seed)
         return reqs
 
@@ -242,16 +285,28 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
     head = render.head("text_completion", f"cmpl-{uuid.uuid4().hex}", created, st.config.model_id)
 
     def renderer() -> render.StreamRenderer:
-        return render.StreamRenderer(False, head, len(reqs), body.logprobs is not None, body.include_usage,
-                                     prompt_tokens, st.tokenizer.id_to_piece, [r.inputs if echo else "" for r in reqs])
+        return render.StreamRenderer(
+            False,
+            head,
+            len(reqs),
+            body.logprobs is not None,
+            body.include_usage,
+            prompt_tokens,
+            st.tokenizer.id_to_piece,
+            [r.inputs if echo else "" for r in reqs],
+        )
 
     def choice(index: int, req: ValidRequest, g: Generation) -> dict[str, Any]:
         prefix = req.inputs if echo else ""
         logprobs = None
         if body.logprobs is not None:
             logprobs = render.completion_logprobs(g.output, prefix if echo else None)
-        return {"index": index, "text": prefix + g.output.text, "logprobs": logprobs,
-                "finish_reason": render.finish_reason(g.output.finish_reason)}
+        return {
+            "index": index,
+            "text": prefix + g.output.text,
+            "logprobs": logprobs,
+            "finish_reason": render.finish_reason(g.output.finish_reason),
+        }
 
     prompt_tokens = sum(r.input_length for r in reqs[::n])
     return await _answer(request, body, reqs, adm, vtime, arrived, head, prompt_tokens, renderer, choice)
@@ -268,15 +323,22 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
         tool_plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, template)
         if tool_plan is not None and tool_plan.forced:
             if grammar is not None:
-                raise invalid(f"`tool_choice` \"{body.tool_choice if isinstance(body.tool_choice, str) else 'function'}\""
-                              f" forces a tool call: it cannot be combined with `{grammar_field}`", grammar_field)
+                raise invalid(
+                    f'`tool_choice` "{body.tool_choice if isinstance(body.tool_choice, str) else "function"}"'
+                    f" forces a tool call: it cannot be combined with `{grammar_field}`",
+                    grammar_field,
+                )
             grammar, grammar_field = tools.grammar(tool_plan), "tools"
     tool_style = tool_plan.style if tool_plan is not None else None
     assert st.validation is not None
     validation = st.validation
     max_tokens, max_tokens_name = body.max_new_tokens
-    names = {"inputs": "messages", "max_new_tokens": max_tokens_name, "top_n_tokens": "top_logprobs",
-             "grammar": grammar_field}
+    names = {
+        "inputs": "messages",
+        "max_new_tokens": max_tokens_name,
+        "top_n_tokens": "top_logprobs",
+        "grammar": grammar_field,
+    }
 
     def render_template() -> str:
         msgs, tool_list = tools.template_messages(messages, tool_plan, tools.style_of(template))
@@ -287,22 +349,41 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
 
     async def prepare() -> list[ValidRequest]:
         text = await _in_thread(render_template)
-        gi = schema.to_input(body, text, max_tokens, body.top_logprobs if body.logprobs else None,
-                             schema.MAX_CHAT_TOP_LOGPROBS, add_special_tokens=False, grammar=grammar)
+        gi = schema.to_input(
+            body,
+            text,
+            max_tokens,
+            body.top_logprobs if body.logprobs else None,
+            schema.MAX_CHAT_TOP_LOGPROBS,
+            add_special_tokens=False,
+            grammar=grammar,
+        )
         return schema.choices(await validation.validate(gi), n, body.seed)
 
     reqs, adm, vtime = await _admit(request, n, names, prepare)
     head = render.head("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", created, st.config.model_id)
 
     def renderer() -> render.StreamRenderer:
-        return render.StreamRenderer(True, {**head, "object": "chat.completion.chunk"}, len(reqs),
-                                     bool(body.logprobs), body.include_usage, reqs[0].input_length,
-                                     st.tokenizer.id_to_piece, tool_style=tool_style)
+        return render.StreamRenderer(
+            True,
+            {**head, "object": "chat.completion.chunk"},
+            len(reqs),
+            bool(body.logprobs),
+            body.include_usage,
+            reqs[0].input_length,
+            st.tokenizer.id_to_piece,
+            tool_style=tool_style,
+        )
 
     def choice(index: int, req: ValidRequest, g: Generation) -> dict[str, Any]:
         message, finish = render.chat_message(g.output.text, g.output.finish_reason, tool_style)
-        return {"index": index, "message": message,
-                "logprobs": render.chat_message_logprobs(g.output) if body.logprobs else None,
-                "finish_reason": finish}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": render.chat_message_logprobs(g.output) if body.logprobs else None,
+            "finish_reason": finish,
+        }
 
-    return await _answer(request, body, reqs, adm, vtime, arrived, head, reqs[0].input_length, renderer, choice)
+    return await _answer(
+        request, body, reqs, adm, vtime, arrived, head, reqs[0].input_length, renderer, choice
+    )

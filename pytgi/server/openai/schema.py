@@ -133,8 +133,13 @@ class ChatCompletionRequest(SamplingBody):
 # -- OpenAI's own rules ----------------------------------------------------------------------------
 def check_model(model: str | None, served: str) -> None:
     if not (model is None or model in MODEL_ALIASES or model == served):
-        raise OpenAIError(404, f"The model `{model}` does not exist: this server serves `{served}`",
-                          "invalid_request_error", "model", "model_not_found")
+        raise OpenAIError(
+            404,
+            f"The model `{model}` does not exist: this server serves `{served}`",
+            "invalid_request_error",
+            "model",
+            "model_not_found",
+        )
 
 
 def check_sampling(body: SamplingBody) -> int:
@@ -181,8 +186,10 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     out = []
     for i, m in enumerate(messages):
         if m.role not in ROLES:
-            raise invalid(f"`messages[{i}].role` must be one of {sorted(ROLES)}. Given: {m.role!r}",
-                          f"messages.[{i}].role")
+            raise invalid(
+                f"`messages[{i}].role` must be one of {sorted(ROLES)}. Given: {m.role!r}",
+                f"messages.[{i}].role",
+            )
         d = m.model_dump(exclude_none=True)
         if m.role == "developer":
             d["role"] = "system"
@@ -190,8 +197,10 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             texts = []
             for j, part in enumerate(m.content):
                 if part.type != "text":
-                    raise invalid(f"content parts of type `{part.type}` are not supported: only `text` parts "
-                                  "are", f"messages.[{i}].content.[{j}].type")
+                    raise invalid(
+                        f"content parts of type `{part.type}` are not supported: only `text` parts are",
+                        f"messages.[{i}].content.[{j}].type",
+                    )
                 texts.append(part.text or "")
             d["content"] = "\n".join(texts)
         out.append(d)
@@ -207,27 +216,42 @@ def constraint(body: SamplingBody) -> tuple[GrammarType | None, str]:
         given.append((GrammarType(type="json", value={"type": "object"}), "response_format"))
     elif rf is not None and rf.type == "json_schema":
         if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise invalid("`response_format` of type `json_schema` needs `json_schema.schema`", "response_format")
+            raise invalid(
+                "`response_format` of type `json_schema` needs `json_schema.schema`", "response_format"
+            )
         given.append((GrammarType(type="json", value=rf.json_schema.schema_), "response_format"))
     so = body.structured_outputs
     for kind, value, field in [
-        ("json", so and so.json_, "structured_outputs"), ("regex", so and so.regex, "structured_outputs"),
-        ("choice", so and so.choice, "structured_outputs"), ("grammar", so and so.grammar, "structured_outputs"),
-        ("json", body.guided_json, "guided_json"), ("regex", body.guided_regex, "guided_regex"),
-        ("choice", body.guided_choice, "guided_choice"), ("grammar", body.guided_grammar, "guided_grammar"),
+        ("json", so and so.json_, "structured_outputs"),
+        ("regex", so and so.regex, "structured_outputs"),
+        ("choice", so and so.choice, "structured_outputs"),
+        ("grammar", so and so.grammar, "structured_outputs"),
+        ("json", body.guided_json, "guided_json"),
+        ("regex", body.guided_regex, "guided_regex"),
+        ("choice", body.guided_choice, "guided_choice"),
+        ("grammar", body.guided_grammar, "guided_grammar"),
     ]:
         if value is not None:
             given.append((GrammarType(type=kind, value=value), field))  # type: ignore[arg-type]
     if len(given) > 1:
-        raise invalid("give one structured-output constraint, not several: "
-                      + ", ".join(field for _, field in given), given[1][1])
+        raise invalid(
+            "give one structured-output constraint, not several: " + ", ".join(field for _, field in given),
+            given[1][1],
+        )
     return given[0] if given else (None, "response_format")
 
 
 # -- into the router's request ---------------------------------------------------------------------
-def to_input(body: SamplingBody, inputs: str | list[int], max_new_tokens: int | None, top_n: int | None,
-             max_top_n: int, prompt_logprobs: bool = False, add_special_tokens: bool = True,
-             grammar: GrammarType | None = None) -> GenerateInput:
+def to_input(
+    body: SamplingBody,
+    inputs: str | list[int],
+    max_new_tokens: int | None,
+    top_n: int | None,
+    max_top_n: int,
+    prompt_logprobs: bool = False,
+    add_special_tokens: bool = True,
+    grammar: GrammarType | None = None,
+) -> GenerateInput:
     """TGI's parameters for an OpenAI body: temperature 0 is greedy, any other samples (OpenAI's default
     temperature is 1); top_p 1 and top_k 0 / -1 disable them; the stop text is cut."""
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -246,11 +270,23 @@ def to_input(body: SamplingBody, inputs: str | list[int], max_new_tokens: int | 
         top_n_tokens=top_n,
         decoder_input_details=prompt_logprobs,
         ignore_eos_token=bool(body.ignore_eos),
-        best_of=None, typical_p=None, return_full_text=None, truncate=None, watermark=False, details=True,
-        grammar=grammar, adapter_id=None,
+        best_of=None,
+        typical_p=None,
+        return_full_text=None,
+        truncate=None,
+        watermark=False,
+        details=True,
+        grammar=grammar,
+        adapter_id=None,
     )
-    return GenerateInput(inputs, params, stream=bool(body.stream), add_special_tokens=add_special_tokens,
-                         include_stop_str_in_output=False, max_top_n_tokens=max_top_n)
+    return GenerateInput(
+        inputs,
+        params,
+        stream=bool(body.stream),
+        add_special_tokens=add_special_tokens,
+        include_stop_str_in_output=False,
+        max_top_n_tokens=max_top_n,
+    )
 
 
 def as_openai(exc: ValidationError, names: dict[str, str]) -> OpenAIError:

@@ -67,18 +67,27 @@ def _functions(tools: list[dict[str, Any]]) -> tuple[Function, ...]:
     out: dict[str, Function] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
-            raise invalid(f"`tools[{i}]` must be {{\"type\": \"function\", \"function\": {{...}}}}", f"tools.[{i}]")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+        ):
+            raise invalid(f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}', f"tools.[{i}]")
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise invalid(f"`tools[{i}].function.name` must be 1 to 64 letters, digits, '_', '.' or '-'. "
-                          f"Given: {name!r}", f"tools.[{i}].function.name")
+            raise invalid(
+                f"`tools[{i}].function.name` must be 1 to 64 letters, digits, '_', '.' or '-'. "
+                f"Given: {name!r}",
+                f"tools.[{i}].function.name",
+            )
         if name in out:
             raise invalid(f"`tools` has two functions named `{name}`", f"tools.[{i}].function.name")
         params = fn.get("parameters", _EMPTY_PARAMETERS)
         if not isinstance(params, dict):
-            raise invalid(f"`tools[{i}].function.parameters` must be a JSON schema object",
-                          f"tools.[{i}].function.parameters")
+            raise invalid(
+                f"`tools[{i}].function.parameters` must be a JSON schema object",
+                f"tools.[{i}].function.parameters",
+            )
         desc = fn.get("description")
         out[name] = Function(name, desc if isinstance(desc, str) else None, params)
     return tuple(out.values())
@@ -89,16 +98,22 @@ def _choice(tool_choice: str | dict[str, Any] | None, names: set[str]) -> str:
         return "auto"
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise invalid(f"`tool_choice` must be \"none\", \"auto\", \"required\" or a named function. "
-                          f"Given: {tool_choice!r}", "tool_choice")
+            raise invalid(
+                f'`tool_choice` must be "none", "auto", "required" or a named function. '
+                f"Given: {tool_choice!r}",
+                "tool_choice",
+            )
         return tool_choice
     fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
-        raise invalid("a named `tool_choice` must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                      "tool_choice")
+        raise invalid(
+            'a named `tool_choice` must be {"type": "function", "function": {"name": ...}}', "tool_choice"
+        )
     if name not in names:
-        raise invalid(f"`tool_choice` names the function `{name}`, which `tools` does not have", "tool_choice")
+        raise invalid(
+            f"`tool_choice` names the function `{name}`, which `tools` does not have", "tool_choice"
+        )
     return name
 
 
@@ -110,8 +125,12 @@ def style_of(chat_template: str | None) -> Style:
     return "prompted"
 
 
-def plan(tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None,
-         parallel_tool_calls: bool | None, chat_template: str | None) -> ToolPlan | None:
+def plan(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    parallel_tool_calls: bool | None,
+    chat_template: str | None,
+) -> ToolPlan | None:
     """The request's tools and how they may be used; None when the model is to write text only."""
     if not tools:
         if tool_choice not in (None, "none"):
@@ -142,14 +161,19 @@ def _arguments(call: dict[str, Any]) -> Any:
 
 def _system_prompt(functions: tuple[Function, ...]) -> str:
     listed = "\n".join(json.dumps(f.as_tool(), ensure_ascii=False) for f in functions)
-    return ("You may call functions to answer. These are the functions, as JSON schemas:\n<tools>\n" + listed
-            + "\n</tools>\nTo call one, answer with a JSON object holding the function's name and its arguments "
-            f'inside tags, one block per call:\n{OPEN}\n{{"name": <function-name>, "arguments": <arguments-object>}}\n'
-            f"{CLOSE}\nOtherwise, answer in plain text.")
+    return (
+        "You may call functions to answer. These are the functions, as JSON schemas:\n<tools>\n"
+        + listed
+        + "\n</tools>\nTo call one, answer with a JSON object holding the function's name and its arguments "
+        f"inside tags, one block per call:\n{OPEN}\n"
+        '{"name": <function-name>, "arguments": <arguments-object>}\n'
+        f"{CLOSE}\nOtherwise, answer in plain text."
+    )
 
 
-def template_messages(messages: list[dict[str, Any]], tool_plan: ToolPlan | None, style: Style
-                      ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def template_messages(
+    messages: list[dict[str, Any]], tool_plan: ToolPlan | None, style: Style
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The messages and `tools` for the chat template. Earlier calls and tool results pass through as
     the template expects them; for a template that knows no tools they become text."""
     out: list[dict[str, Any]] = []
@@ -159,12 +183,19 @@ def template_messages(messages: list[dict[str, Any]], tool_plan: ToolPlan | None
         if style == "prompted":
             if m["role"] == "assistant" and calls:
                 texts = [_call_text((c.get("function") or {}).get("name", ""), _arguments(c)) for c in calls]
-                m = {"role": "assistant", "content": "\n".join(filter(None, [m.get("content") or "", *texts]))}
+                m = {
+                    "role": "assistant",
+                    "content": "\n".join(filter(None, [m.get("content") or "", *texts])),
+                }
             elif m["role"] == "tool":
-                m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+                m = {
+                    "role": "user",
+                    "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>",
+                }
         elif calls:
-            m["tool_calls"] = [{**c, "function": {**(c.get("function") or {}), "arguments": _arguments(c)}}
-                               for c in calls]
+            m["tool_calls"] = [
+                {**c, "function": {**(c.get("function") or {}), "arguments": _arguments(c)}} for c in calls
+            ]
         if m.get("content") is None:
             m["content"] = ""
         out.append(m)
@@ -182,8 +213,12 @@ def template_messages(messages: list[dict[str, Any]], tool_plan: ToolPlan | None
 
 # -- the grammar of a forced call ------------------------------------------------------------------
 def _call_schema(f: Function, arguments_key: str) -> dict[str, Any]:
-    return {"type": "object", "additionalProperties": False, "required": ["name", arguments_key],
-            "properties": {"name": {"const": f.name}, arguments_key: f.parameters}}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", arguments_key],
+        "properties": {"name": {"const": f.name}, arguments_key: f.parameters},
+    }
 
 
 def grammar(tool_plan: ToolPlan) -> GrammarType | None:
@@ -196,10 +231,14 @@ def grammar(tool_plan: ToolPlan) -> GrammarType | None:
         schemas = [_call_schema(f, "parameters") for f in functions]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         return GrammarType(type="json", value=schema)
-    rules = [f'call_{i}: "{OPEN}\\n" %json {json.dumps(_call_schema(f, "arguments"))} "\\n{CLOSE}"'
-             for i, f in enumerate(functions)]
+    rules = [
+        f'call_{i}: "{OPEN}\\n" %json {json.dumps(_call_schema(f, "arguments"))} "\\n{CLOSE}"'
+        for i, f in enumerate(functions)
+    ]
     calls = "call" if not tool_plan.parallel or tool_plan.choice != "required" else 'call ("\\n" call)*'
-    lark = "\n".join([f"start: {calls}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions))), *rules])
+    lark = "\n".join(
+        [f"start: {calls}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions))), *rules]
+    )
     return GrammarType(type="grammar", value=lark)
 
 
@@ -232,8 +271,11 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI sends it
 
     def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = {"id": self.id, "type": "function",
-                             "function": {"name": self.name, "arguments": self.arguments}}
+        d: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return d if index is None else {"index": index, **d}
 
 
@@ -306,11 +348,11 @@ class ToolParser:
         at = self._text.find(OPEN)
         if at >= 0:
             self._content(events, self._text[:at])
-            self._call, self._text = self._text[at + len(OPEN):], ""
+            self._call, self._text = self._text[at + len(OPEN) :], ""
             return True
         keep = _partial_suffix(self._text, OPEN)
         self._content(events, self._text[: len(self._text) - keep])
-        self._text = self._text[len(self._text) - keep:]
+        self._text = self._text[len(self._text) - keep :]
         return False
 
     def _content(self, events: list[Event], text: str) -> None:
@@ -329,10 +371,10 @@ class ToolParser:
         close = self._call.find(CLOSE) if self.style != "json" else -1
         if close < 0 and not final:
             if self._args_at >= 0:
-                self._send(events, _settled_arguments(self._call[self._args_at:]))
+                self._send(events, _settled_arguments(self._call[self._args_at :]))
             return False
         body = self._call if close < 0 else self._call[:close]
-        rest = "" if close < 0 else self._call[close + len(CLOSE):]
+        rest = "" if close < 0 else self._call[close + len(CLOSE) :]
         self._close(events, body)
         self._call, self._args_at, self._sent = None, -1, ""
         self._text += rest
@@ -344,7 +386,7 @@ class ToolParser:
 
     def _send(self, events: list[Event], settled: str) -> None:
         if len(settled) > len(self._sent) and settled.startswith(self._sent):
-            events.append(Arguments(len(self.calls) - 1, settled[len(self._sent):]))
+            events.append(Arguments(len(self.calls) - 1, settled[len(self._sent) :]))
             self._sent = settled
             self.calls[-1].arguments = settled
 
@@ -363,8 +405,11 @@ class ToolParser:
             return
         if self._args_at < 0:  # its fields came in another order: the call in one piece
             self._start(events, name)
-        text = json.dumps(args, ensure_ascii=False) if self._args_at < 0 else _settled_arguments(
-            body[self._args_at:])
+        text = (
+            json.dumps(args, ensure_ascii=False)
+            if self._args_at < 0
+            else _settled_arguments(body[self._args_at :])
+        )
         if not text.startswith(self._sent):
             text = self._sent  # cannot happen for well-formed text; never take back what was sent
         self._send(events, text)
