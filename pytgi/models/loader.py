@@ -92,7 +92,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise UnsupportedModel(f"{path} has no *.safetensors weights (pytgi does not load .bin checkpoints)")
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 yield name, f.get_tensor(name)
 
 
