@@ -26,6 +26,7 @@ $(STAMP): pyproject.toml
 lint: install
 	$(BIN)/ruff check pytgi
 	$(BIN)/ruff format --check pytgi
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest -q -ra --durations=20

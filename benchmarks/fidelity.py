@@ -3,7 +3,9 @@ negative log-likelihood per token of a held-out text under both, for one model.
 
     .venv/bin/python benchmarks/fidelity.py --model /path/to/model.gguf [--text FILE] [--tokens 1500]
 
-The text defaults to the first 6,000 characters of ../shared/DESIGN.md (prose no model trained on).
+The text defaults to the first 6,000 characters of docs/architecture.md (prose written after every
+model this is run on was trained). docs/benchmarks.md's figures up to December 2026 used the first
+6,000 characters of an unpublished design document instead.
 Prints both NLLs and their difference (nats/token); writes benchmarks/results/fidelity-<timestamp>.json.
 """
 
@@ -34,7 +36,7 @@ def nll(model: str | None, dtype: str, text: str, tokens: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded model)")
-    ap.add_argument("--text", default=str(Path(__file__).resolve().parents[2] / "shared" / "DESIGN.md"))
+    ap.add_argument("--text", default=str(Path(__file__).resolve().parents[1] / "docs" / "architecture.md"))
     ap.add_argument("--chars", type=int, default=6000)
     ap.add_argument("--tokens", type=int, default=1500)
     args = ap.parse_args()

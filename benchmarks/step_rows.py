@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 from pytgi import LLM, SamplingParams  # noqa: E402
 from pytgi.bench.report import git_commit, machine_info, utc_stamp  # noqa: E402
 from pytgi.engine.sampler import SamplingMetadata  # noqa: E402
-from pytgi.engine.scheduler import ScheduledRequest  # noqa: E402
+from pytgi.engine.step import ScheduledRequest  # noqa: E402
 
 
 def median_ms(fn, n: int = 30) -> float:  # type: ignore[no-untyped-def]
@@ -51,13 +51,14 @@ def main() -> None:
     model, rows_out = run.model, []
     params = SamplingParams(max_new_tokens=100, temperature=0)
     for k in (1, 2, 3, 4, 5, 6, 8, 9, 12, 16):
-        ids, pos, layout = run._layout([ScheduledRequest(req, k, [101 + i for i in range(k - 1)])])
-        ids_t, pos_t, rows = torch.from_numpy(ids), torch.from_numpy(pos), torch.arange(k)
+        step = run.layout([ScheduledRequest(req, k, [101 + i for i in range(k - 1)])])
+        ids_t, pos_t, rows = torch.from_numpy(step.ids), torch.from_numpy(step.positions), torch.arange(k)
         hidden = {}
 
         @torch.inference_mode()
         def body() -> None:
-            hidden["h"] = model(ids_t, pos_t, run.kv_caches, run.backend.prepare(layout, run.device))
+            meta = model.attention.prepare(step.layout, run.device)
+            hidden["h"] = model(ids_t, pos_t, run.paged.kv_caches, meta)
 
         @torch.inference_mode()
         def head() -> None:
@@ -66,7 +67,7 @@ def main() -> None:
         def sample() -> None:
             meta = SamplingMetadata.build([params] * k, [req.prompt_ids] * k, [req.output_ids] * k, [None] * k,
                                           run.vocab_size, run.device)
-            run.sampler(hidden["logits"], meta)
+            run.sampling.sampler(hidden["logits"], meta)
 
         b, h, s = median_ms(body), median_ms(head), median_ms(sample)
         rows_out.append({"rows": k, "layers_ms": round(b, 2), "head_ms": round(h, 2), "sampler_ms": round(s, 3),

@@ -5,11 +5,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from pytgi.config import EngineConfig
 from pytgi.engine.engine import LLMEngine
-from pytgi.outputs import Delta, OutputProcessor, RequestFailed
+from pytgi.outputs import Delta, OutputProcessor, RequestFailed, Token
 from pytgi.protocol import TokenOut
 from pytgi.sampling_params import InvalidRequest, SamplingParams
 from pytgi.tokenizer import Tokenizer
@@ -41,6 +41,11 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
+def _logprob(token: Token) -> float:
+    assert token.logprob is not None, "a generated token has its logprob"
+    return token.logprob
+
+
 class _Tracker:
     """One request's `OutputProcessor` and the `RequestOutput` it fills."""
 
@@ -59,9 +64,9 @@ class _Tracker:
             return None
         out.num_cached_tokens = proc.num_cached_tokens
         out.token_ids.append(delta.token.id)
-        out.logprobs.append(delta.token.logprob)
+        out.logprobs.append(_logprob(delta.token))
         if self.params.top_n_tokens:
-            out.top_logprobs.append([(t.id, t.logprob) for t in delta.top_tokens])
+            out.top_logprobs.append([(t.id, _logprob(t)) for t in delta.top_tokens])
         out.text, out.finish_reason = proc.text, proc.finish_reason
         return delta
 
@@ -98,14 +103,16 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run all prompts to completion, continuously batched; outputs in the prompts' order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            batch = [cast(Prompt, prompts)]
+        else:
+            batch = list(cast(Sequence[Prompt], prompts))
         params = sampling_params or SamplingParams()
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(plist) != len(prompts):
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
+        if len(plist) != len(batch):
             raise InvalidRequest("give one SamplingParams, or one per prompt")
         trackers: list[_Tracker] = []
         try:
-            for prompt, sp in zip(prompts, plist):
+            for prompt, sp in zip(batch, plist):
                 trackers.append(self._submit(prompt, sp))
         except Exception:  # all or nothing: a bad prompt must not leave the others running
             for t in trackers:

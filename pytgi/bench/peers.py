@@ -330,11 +330,11 @@ class TransformersServeTarget(ManagedTarget):
 def parse_peer(spec: str) -> tuple[str, str | None]:
     """`pytgi`, `pytgi=SERVE FLAGS`, `transformers-serve`, `llama-server=/path/to/llama-server`, `tgi=URL`,
     `openai=URL`."""
-    kind, sep, value = spec.partition("=")
+    kind, sep, given = spec.partition("=")
     kind = kind.strip()
     if kind not in PEER_KINDS:
         raise ValueError(f"unknown peer {kind!r}: one of {', '.join(PEER_KINDS)}")
-    value = value.strip() if sep else None
+    value = given.strip() if sep else None
     if kind in ("llama-server", "tgi", "openai") and not value:
         what = "the path of the llama-server binary" if kind == "llama-server" else "the server's URL"
         raise ValueError(f"--peer {kind}=... needs {what}")

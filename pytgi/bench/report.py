@@ -79,7 +79,8 @@ def _num(x: float | None, digits: int = 1) -> str:
 
 
 def _pcts(d: dict[str, float | None], scale: float = 1.0, digits: int = 1) -> str:
-    return " / ".join(_num(None if d[f"p{q}"] is None else d[f"p{q}"] * scale, digits) for q in PERCENTILES)
+    values = (d[f"p{q}"] for q in PERCENTILES)
+    return " / ".join(_num(None if v is None else v * scale, digits) for v in values)
 
 
 def _ratio(x: float | None, base: float | None) -> str:

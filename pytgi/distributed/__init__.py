@@ -114,7 +114,7 @@ def check_heads(num_heads: int, num_kv_heads: int, world_size: int) -> None:
 
 
 # -- collectives ------------------------------------------------------------------------------------
-def _guard(op, *args):  # type: ignore[no-untyped-def]
+def _guard(op, *args):
     try:
         return op(*args)
     except Exception as exc:  # gloo/nccl errors: a peer died, hung past the timeout, or the group broke

@@ -24,16 +24,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from pytgi import distributed as dist
+from pytgi.engine.batch import PagedModel, StepBatch
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import Request
 from pytgi.engine.sampler import row_stats
 from pytgi.engine.speculate import next_length
 from pytgi.errors import UserError
-from pytgi.models.attention import StepLayout
 from pytgi.models.cpu import CpuKernels
 from pytgi.models.loader import load_model, read_config, resolve_dtype
 from pytgi.models.registry import resolve_model
@@ -49,8 +48,8 @@ class DraftModelError(UserError, ValueError):
 
 @dataclass(slots=True, eq=False)
 class _Seq:
-    """The draft model's view of one request: the tokens its KV holds and their blocks (the fields
-    `BlockManager` reads)."""
+    """The draft model's view of one request: the tokens its KV holds and their blocks (a
+    `pytgi.engine.kv_cache.BlockSeq`)."""
 
     ids: list[int] = field(default_factory=list)  # the tokens whose KV the draft cache holds, in order
     known: int = 0  # the request's tokens at the last proposal: ids[:known] are still its tokens
@@ -107,12 +106,10 @@ class DraftModel:
         dtype = resolve_dtype("auto", read_config(path), device)
         cpu = CpuKernels.for_device(device, dtype, batch_invariant=batch_invariant)
         with dist.unsharded():  # whole on rank 0, whatever the model's shards
-            self.model = load_model(path, dtype, device, cpu, "auto")
-        attn = self.model.layers[0].self_attn
-        shape = (2, num_blocks * block_size, attn.n_kv, attn.head_dim)
-        self.kv_caches = [
-            tuple(torch.zeros(shape, dtype=dtype, device=device).unbind(0)) for _ in self.model.layers
-        ]
+            self.paged = PagedModel(
+                load_model(path, dtype, device, cpu, "auto"), dtype, device, unsharded=True
+            )
+        self.paged.allocate(num_blocks, block_size)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
         self.seqs: dict[str, _Seq] = {}
 
@@ -200,22 +197,11 @@ class DraftModel:
     def _forward(self, seqs: list[_Seq], tokens: list[list[int]]) -> list[int]:
         """Compute `tokens` after each sequence's cached ones (appending them to it); the argmax after
         each sequence's last token."""
-        bs = self.blocks.block_size
-        q_lens = np.array([len(t) for t in tokens], np.int64)
-        starts = np.array([len(s.ids) for s in seqs], np.int64)
-        req_idx = np.repeat(np.arange(len(seqs)), q_lens)
-        cu = np.cumsum(q_lens)
-        positions = starts[req_idx] + np.arange(int(cu[-1])) - (cu - q_lens)[req_idx]
-        tables = np.zeros((len(seqs), max(len(s.block_table) for s in seqs)), np.int64)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
-        slots = tables[req_idx, positions // bs] * bs + positions % bs
-        layout = StepLayout(q_lens, starts + q_lens, tables, slots, bs)
-        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=self.device)
-        meta = self.model.attention.prepare(layout, self.device)
-        with dist.unsharded():
-            hidden = self.model(ids, torch.from_numpy(positions).to(self.device), self.kv_caches, meta)
-            logits = self.model.compute_logits(hidden[torch.from_numpy(cu - 1).to(self.device)]).float()
+        step = StepBatch.build(
+            tokens, [len(s.ids) for s in seqs], [s.block_table for s in seqs], self.blocks.block_size
+        )
+        logits = self.paged.forward(step, step.last_rows)
+        assert logits is not None
         for s, ts in zip(seqs, tokens):
             s.ids.extend(ts)
         return row_stats(logits, False)[0].tolist()

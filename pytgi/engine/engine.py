@@ -1,4 +1,4 @@
-"""The engine: requests in, per-step token updates out (the seed's batching_task, one step a call).
+"""The engine: requests in, per-step token updates out (TGI's batching_task, one step a call).
 
 Single-threaded and synchronous: the caller (the offline `LLM`, or the engine process's loop)
 adds and aborts requests between steps and calls `step()` while `has_unfinished()`. A step is
@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pytgi import protocol as P
 from pytgi import structured
@@ -18,12 +19,15 @@ from pytgi.config import EngineConfig
 from pytgi.distributed import DistributedError
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import Request
-from pytgi.engine.runner import ModelRunner, set_cpu_threads
+from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import Scheduler
-from pytgi.engine.shards import ShardGroup
+from pytgi.engine.shards import ShardGroup, set_cpu_threads
 from pytgi.models.quant import file_quantization
 from pytgi.models.registry import resolve_model
 from pytgi.sampling_params import InvalidRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from pytgi.engine.draft import DraftModel
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +85,10 @@ class LLMEngine:
             load_seconds,
         )
 
-    def _draft_model(self, config: EngineConfig, model_path: Path):  # type: ignore[no-untyped-def]
+    def _draft_model(self, config: EngineConfig, model_path: Path) -> DraftModel:
         from pytgi.engine.draft import DraftModel
 
+        assert config.draft_model is not None
         runner = self.runner
         return DraftModel(
             config.draft_model,

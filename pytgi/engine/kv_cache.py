@@ -10,8 +10,26 @@ Python's tuple hash is 64-bit and deterministic for ints, so a collision is ~2**
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
 
 from pytgi.engine.request import Request
+
+
+class BlockSeq(Protocol):
+    """What the block manager reads and sets of a sequence: a `Request`, or the draft model's view of
+    one (`pytgi.engine.draft`). The prefix cache takes requests only."""
+
+    block_table: list[int]
+    num_computed_tokens: int  # tokens whose KV is in the blocks
+    num_cached_tokens: int  # of them, found in the prefix cache at the first allocation
+    num_preemptions: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
 
 
 class BlockManager:
@@ -67,7 +85,7 @@ class BlockManager:
             blocks.append(block)
         return blocks
 
-    def blocks_needed(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> int:
+    def blocks_needed(self, req: BlockSeq, num_new_tokens: int, cached: Sequence[int] = ()) -> int:
         """Free blocks that scheduling `num_new_tokens` more tokens of `req` would take."""
         have = len(req.block_table) or len(cached)
         start = req.num_computed_tokens or len(cached) * self.block_size
@@ -75,7 +93,7 @@ class BlockManager:
         return new + sum(1 for b in cached if self.ref_counts[b] == 0)  # claiming a free cached block
 
     # -- changes ---------------------------------------------------------------------------------
-    def allocate(self, req: Request, num_new_tokens: int, cached: list[int] = ()) -> bool:
+    def allocate(self, req: BlockSeq, num_new_tokens: int, cached: Sequence[int] = ()) -> bool:
         """Give `req` blocks for `num_new_tokens` more tokens (claiming `cached` first, for a new
         request); False, with nothing changed, if there are not enough free blocks."""
         if self.blocks_needed(req, num_new_tokens, cached) > self.num_free_blocks:
@@ -93,7 +111,7 @@ class BlockManager:
             req.block_table.append(self._pop_free())
         return True
 
-    def trim(self, req: Request) -> None:
+    def trim(self, req: BlockSeq) -> None:
         """Release the blocks past what the request's tokens need (those taken for a rejected draft)."""
         keep = self.blocks_for(req.num_tokens)
         while len(req.block_table) > keep:
@@ -113,7 +131,7 @@ class BlockManager:
                 self.block_hash[block] = h
                 self.hash_to_block[h] = block
 
-    def free(self, req: Request) -> None:
+    def free(self, req: BlockSeq) -> None:
         """Release the request's blocks; tail blocks first, so they are evicted before shared prefixes."""
         for block in reversed(req.block_table):
             self.ref_counts[block] -= 1

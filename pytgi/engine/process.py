@@ -35,12 +35,12 @@ def _request_id(raw: bytes) -> str | None:
     return rid if isinstance(rid, str) else None
 
 
-def _stats(engine) -> P.EngineStats:  # type: ignore[no-untyped-def]
+def _stats(engine) -> P.EngineStats:
     return P.EngineStats(**engine.stats())
 
 
 class EngineLoop:
-    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
         self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
         self.running = True
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from pytgi.engine.speculate import DraftState
 from pytgi.sampling_params import SamplingParams
 
 
@@ -40,7 +39,6 @@ class Request:
     prompt_logprobs: list[float | None] | None = None  # set once the prompt is computed, if asked
     partial_prompt_logprobs: list[float | None] = field(default_factory=list)  # until then, chunk by chunk
     speculative: bool = True  # may decode with drafts (not with a grammar or a watermark)
-    spec: DraftState | None = None  # its n-gram index and draft length, once it drafted
     num_accepted: int = 0  # draft tokens accepted (TGI's skipped tokens)
 
     def __post_init__(self) -> None:

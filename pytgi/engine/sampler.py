@@ -28,6 +28,7 @@ model, not the request's sampling settings, and are identical for greedy and sam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import torch
 
@@ -271,6 +272,12 @@ def _draw(logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return (logits - noise.log()).argmax(dim=-1)
 
 
+@overload
+def row_stats(logits: torch.Tensor, lse: Literal[True]) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def row_stats(logits: torch.Tensor, lse: Literal[False]) -> tuple[torch.Tensor, None]: ...
+@overload
+def row_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 def row_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's argmax (first index of its largest value) and, if `lse`, its logsumexp: one pass of
     the C kernel on the CPU (a few times faster than PyTorch's reductions, and each row's values the
@@ -320,7 +327,8 @@ class Sampler:
         all_rows = len(sample_rows) == processed.shape[0]
         rows = None if all_rows else torch.tensor(sample_rows, device=processed.device)
         warped = _warp(processed if rows is None else processed[rows], meta, rows)
-        generators = [meta.generators[i] for i in sample_rows]
+        generators = [g for i in sample_rows if (g := meta.generators[i]) is not None]
+        assert len(generators) == len(sample_rows), "a sampled row without its generator"
         noise = _exponential_noise(generators, processed.shape[1], processed.device)
         sampled = _draw(warped, noise)
         temperature = meta.temperature if rows is None else meta.temperature[rows]

@@ -1,7 +1,7 @@
 """Continuous batching: which requests run in the next forward pass, how many tokens each, and
 what their results do to them.
 
-The seed's `batching_task` as one `schedule()` call per step, then one `update_from_output()` with
+TGI router's `batching_task` as one `schedule()` call per step, then one `update_from_output()` with
 what the runner computed. Every scheduled request gets `num_new_tokens` of its tokens computed
 (`all_ids[num_computed:num_computed + n]`): a decode is n == 1, a prefill or a recompute after
 preemption is the rest of its tokens, a chunk is a part of them. A request samples a token when its
@@ -18,23 +18,8 @@ from pytgi import protocol as P
 from pytgi.config import EngineInfo
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import FinishReason, Request, Status
-from pytgi.engine.speculate import MAX_STEP_ROWS, Drafter
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # the draft's tokens included
-    draft: list[int] = field(
-        default_factory=list
-    )  # guessed tokens after the request's last, verified this step
-
-    @property
-    def samples(self) -> bool:
-        return (
-            self.request.num_computed_tokens + self.num_new_tokens - len(self.draft)
-            == self.request.num_tokens
-        )
+from pytgi.engine.speculate import MAX_STEP_ROWS, Drafter, Proposer
+from pytgi.engine.step import ScheduledRequest, StepOutput
 
 
 @dataclass(slots=True)
@@ -57,24 +42,14 @@ class SchedulerOutput:
         return any(s.num_new_tokens > 1 or not s.samples for s in self.scheduled)
 
 
-@dataclass(slots=True)
-class RunnerOutput:
-    """What the runner computed for a `SchedulerOutput`."""
-
-    samples: dict[str, P.TokenOut] = field(default_factory=dict)  # request_id → this step's token
-    more: dict[str, list[P.TokenOut]] = field(
-        default_factory=dict
-    )  # request_id → tokens after it (accepted drafts)
-    # request_id → logprobs of the prompt tokens this step's chunk predicted (first prompt token: None)
-    prompt_logprobs: dict[str, list[float | None]] = field(default_factory=dict)
-    complete: set[str] = field(default_factory=set)  # structured output whose grammar is complete
-    errors: dict[str, str] = field(default_factory=dict)  # requests that cannot go on (and why)
-
-
 class Scheduler:
     def __init__(
-        self, config: EngineInfo, block_manager: BlockManager, watermark: float = 0.01, drafter=None
-    ) -> None:  # type: ignore[no-untyped-def]
+        self,
+        config: EngineInfo,
+        block_manager: BlockManager,
+        watermark: float = 0.01,
+        drafter: Proposer | None = None,
+    ) -> None:
         """`drafter`: the draft proposer (`pytgi.engine.draft.DraftModel`); None: n-gram drafts when
         `config.speculate`."""
         self.config = config
@@ -85,7 +60,9 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the first preempted
         self.steps_since_admission = 0
         self.num_preemptions = 0
-        self.drafter = drafter or (Drafter(config.speculate) if config.speculate > 0 else None)
+        if drafter is None and config.speculate > 0:
+            drafter = Drafter(config.speculate)
+        self.drafter = drafter
         self.spec_drafted = self.spec_accepted = 0  # draft tokens verified / accepted since start
 
     def add(self, req: Request) -> None:
@@ -113,14 +90,11 @@ class Scheduler:
         budget = cfg.max_batch_prefill_tokens
         # Prompt tokens (continuing chunks and new prefills) are capped in a step that also decodes.
         cap = cfg.max_prefill_tokens_while_decoding
-        decoding = (
-            cap is not None
-            and cfg.enable_chunked_prefill
-            and any(r.num_uncomputed == 1 for r in self.running)
-        )
-        budget, prompt_budget = self._schedule_running(out, budget, cap if decoding else budget)
+        if cap is None or not cfg.enable_chunked_prefill or all(r.num_uncomputed != 1 for r in self.running):
+            cap = budget  # no decode runs: a prompt may take the whole step
+        budget, prompt_budget = self._schedule_running(out, budget, cap)
         if self.drafter is not None and not out.preempted:
-            budget = self._draft(out, budget)
+            budget = self._draft(out, budget, self.drafter)
         if not out.preempted:
             self._admit_waiting(out, min(budget, prompt_budget))
         self.steps_since_admission = 1 if out.num_admitted else self.steps_since_admission + 1
@@ -149,7 +123,7 @@ class Scheduler:
                     prompt_budget -= n
         return budget, prompt_budget
 
-    def _draft(self, out: SchedulerOutput, budget: int) -> int:
+    def _draft(self, out: SchedulerOutput, budget: int, drafter: Proposer) -> int:
         """Give this step's decodes drafts while the step stays small (MAX_STEP_ROWS: a big batch
         makes verification cost what it saves) and blocks are free; returns the budget left."""
         decodes = [s for s in out.scheduled if s.num_new_tokens == 1 and s.samples and s.request.output_ids]
@@ -157,7 +131,7 @@ class Scheduler:
         decodes = [s for s in decodes if s.request.speculative]
         if spare <= 0 or not decodes:
             return budget
-        for s, draft in zip(decodes, self.drafter.propose_batch([s.request for s in decodes], spare)):
+        for s, draft in zip(decodes, drafter.propose_batch([s.request for s in decodes], spare)):
             if draft and self.block_manager.allocate(s.request, 1 + len(draft)):
                 s.draft, s.num_new_tokens = draft, 1 + len(draft)
                 budget -= len(draft)
@@ -223,7 +197,7 @@ class Scheduler:
         return plan
 
     # -- after the forward ------------------------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[P.TokenOut]:
+    def update_from_output(self, sched: SchedulerOutput, out: StepOutput) -> list[P.TokenOut]:
         """Advance the scheduled requests by what the runner computed: their KV is now there (and
         their full blocks join the prefix cache), sampled tokens are appended and checked for a
         stop. Returns one update per request that got a token or its whole prompt's logprobs."""
@@ -255,13 +229,14 @@ class Scheduler:
             updates.append(update)
         return updates
 
-    def _verified(self, s: ScheduledRequest, out: RunnerOutput) -> list[P.TokenOut]:
+    def _verified(self, s: ScheduledRequest, out: StepOutput) -> list[P.TokenOut]:
         """A decode with a draft: its tokens are the sample after its last token, then (when that
         confirmed the draft's first token) the next, and so on: each one is appended and checked
         for a stop in turn. The KV computed for rejected draft tokens is dropped, and their blocks."""
         req = s.request
         tokens = [out.samples[req.request_id], *out.more.get(req.request_id, ())]
         accepted = len(tokens) - 1
+        assert self.drafter is not None, "a draft without a drafter"
         self.drafter.observe(req, len(s.draft), accepted)
         self.spec_drafted += len(s.draft)
         self.spec_accepted += accepted

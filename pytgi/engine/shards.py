@@ -63,3 +63,12 @@ class ShardGroup:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def set_cpu_threads(local_ranks: int = 1) -> None:
+    """Let the engine own the cores (shared evenly by the ranks on this machine) unless the user set
+    OMP_NUM_THREADS: more threads than cores makes OpenMP's spinning threads slow everyone down."""
+    import torch
+
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))

@@ -16,14 +16,17 @@ output is the one it would have had without speculation, token for token. For a 
 token per position (a point mass) this is the rejection sampling of Leviathan et al.: the draft is
 accepted with probability p(draft), and on rejection the token comes from p without it.
 
-The scheduler takes any proposer with `propose_batch(reqs, spare)` (a draft per request, `spare`
-tokens in all), `observe(req, drafted, accepted)` (to adapt) and `release(req)`: this n-gram one,
-or a draft model's (`pytgi.engine.draft`, `--draft-model-id`). Medusa/EAGLE heads would be a third.
+The scheduler takes any `Proposer`: this n-gram one, or a draft model's (`pytgi.engine.draft`,
+`--draft-model-id`). Medusa/EAGLE heads would be a third. A proposer keeps its own state per request
+id, from its first proposal for the request until `release` (the request ended or was preempted).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
+
+from pytgi.engine.request import Request
 
 MAX_NGRAM = 8  # longest suffix matched: a longer match picks the right one of a token's occurrences
 CANDIDATES = 64  # a token's latest occurrences tried
@@ -31,6 +34,20 @@ WEAK_DRAFT = 2  # tokens drafted on a one-token match (weak evidence: often the 
 # The draft rows a step may add: verification is nearly free while the step stays small (the low-bit
 # kernels are bound by reading the weights), not once a big batch has made the step compute bound.
 MAX_STEP_ROWS = 16
+
+
+class Proposer(Protocol):
+    def propose_batch(self, reqs: list[Request], spare: int) -> list[list[int]]:
+        """A draft for each request (possibly empty), `spare` tokens in all at most."""
+        ...
+
+    def observe(self, req: Request, drafted: int, accepted: int) -> None:
+        """A step verified `drafted` tokens of `req`'s draft and kept `accepted`: adapt."""
+        ...
+
+    def release(self, req: Request) -> None:
+        """The request ended or was preempted: drop its state."""
+        ...
 
 
 @dataclass(slots=True)
@@ -51,14 +68,15 @@ class Drafter:
 
     def __init__(self, k: int) -> None:
         self.k = k
+        self.states: dict[str, DraftState] = {}  # request id → its index and draft length
 
-    def propose(self, req, budget: int) -> list[int]:  # type: ignore[no-untyped-def]
+    def propose(self, req: Request, budget: int) -> list[int]:
         """Up to min(the request's draft length, `budget`) tokens that may follow `req.all_ids`."""
         if self.k <= 0 or budget <= 0:
             return []
-        state = req.spec
+        state = self.states.get(req.request_id)
         if state is None:
-            state = req.spec = DraftState(length=float(self.k))
+            state = self.states[req.request_id] = DraftState(length=float(self.k))
         ids = req.all_ids
         L = len(ids)
         where = state.where
@@ -89,7 +107,7 @@ class Drafter:
             draft.append(draft[len(draft) - (L - end)])
         return draft
 
-    def propose_batch(self, reqs: list, spare: int) -> list[list[int]]:  # type: ignore[type-arg]
+    def propose_batch(self, reqs: list[Request], spare: int) -> list[list[int]]:
         """A draft for each request in turn (possibly empty), `spare` tokens in all at most."""
         drafts = []
         for req in reqs:
@@ -97,12 +115,11 @@ class Drafter:
             spare -= len(drafts[-1])
         return drafts
 
-    def release(self, req) -> None:  # type: ignore[no-untyped-def]
-        """The request ended or was preempted (its n-gram index lives on the request)."""
+    def release(self, req: Request) -> None:
+        self.states.pop(req.request_id, None)
 
-    def observe(self, req, drafted: int, accepted: int) -> None:  # type: ignore[no-untyped-def]
-        """A step verified `drafted` tokens of `req`'s draft and kept `accepted`."""
-        state = req.spec
+    def observe(self, req: Request, drafted: int, accepted: int) -> None:
+        state = self.states[req.request_id]
         state.drafted += drafted
         state.accepted += accepted
         state.length = next_length(state.length, self.k, drafted, accepted)

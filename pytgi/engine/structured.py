@@ -22,6 +22,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,11 +65,11 @@ class GrammarMatchers:
         self._eos = sorted(eos_token_ids)
         self._pool: ThreadPoolExecutor | None = None
         self._tokenizer: Future | None = None
-        self._pristine: OrderedDict[str, object] = OrderedDict()  # grammar → its matcher before any token
+        self._pristine: OrderedDict[str, Any] = OrderedDict()  # grammar → its matcher before any token
         self._lock = threading.Lock()
         self._matchers: dict[str, Future] = {}  # request id → its matcher
         self._ignore_eos: set[str] = set()
-        self._executor = None
+        self._executor: Any = None  # llguidance.LLExecutor, made on first use
 
     # -- requests -----------------------------------------------------------------------------------
     def add(self, request_id: str, grammar: str, ignore_eos: bool = False) -> None:
@@ -120,7 +121,7 @@ class GrammarMatchers:
             self._tokenizer = self._pool.submit(self._load_tokenizer)
         return self._pool
 
-    def _load_tokenizer(self):  # type: ignore[no-untyped-def]
+    def _load_tokenizer(self):
         import llguidance
 
         if not self._tokenizer_json.is_file():
@@ -128,7 +129,7 @@ class GrammarMatchers:
         text = self._tokenizer_json.read_text(encoding="utf-8")
         return llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos or None)
 
-    def _copy_of(self, grammar: str):  # type: ignore[no-untyped-def]
+    def _copy_of(self, grammar: str):
         """A fresh matcher for the grammar: a copy of the cached one, built first if need be. (A task
         never waits on a task queued after it, so the pool cannot deadlock.)"""
         import llguidance

@@ -23,7 +23,8 @@ log = logging.getLogger("pytgi.worker")
 
 
 def run_worker(config: EngineConfig, rank: int) -> int:
-    from pytgi.engine.runner import ModelRunner, set_cpu_threads
+    from pytgi.engine.runner import ModelRunner
+    from pytgi.engine.shards import set_cpu_threads
 
     set_cpu_threads(1 if "WORLD_SIZE" in os.environ else config.num_shard)
     try:

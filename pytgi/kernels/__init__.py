@@ -19,6 +19,7 @@ import subprocess
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _CTYPES = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int, "void": None}
 
 
-def _signatures(header: str) -> dict[str, tuple[object, list[object]]]:
+def _signatures(header: str) -> dict[str, tuple[Any, list[Any]]]:
     """name → (result type, argument types), from the header's declarations."""
     out = {}
     for result, name, params in re.findall(r"^(int|void) (pytgi_\w+)\(([^)]*)\);", header, re.MULTILINE):
@@ -65,8 +66,15 @@ def _lib() -> ctypes.CDLL | None:
     return lib
 
 
-def _fn(name: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
-    return getattr(_lib(), f"pytgi_{name}_{_SUFFIX[dtype]}")
+def _built() -> ctypes.CDLL:
+    """The library, for callers that checked `available()` (or a `*_supported()`) first."""
+    lib = _lib()
+    assert lib is not None, "pytgi's C kernels are not built on this machine"
+    return lib
+
+
+def _fn(name: str, dtype: torch.dtype) -> Any:
+    return getattr(_built(), f"pytgi_{name}_{_SUFFIX[dtype]}")
 
 
 def _ptr(t: torch.Tensor | np.ndarray | None) -> int | None:
@@ -93,17 +101,17 @@ def supports(dtype: torch.dtype) -> bool:
 
 def vnni_supported() -> bool:
     """The low-bit matmul (`qgemv.c`) is built: AVX-512 VNNI, or AVX2."""
-    return available() and bool(_lib().pytgi_qgemv_supported())
+    return available() and bool(_built().pytgi_qgemv_supported())
 
 
 def bf16gemm_supported() -> bool:
     """The bf16-weight matmul (`bf16gemm.c`) is built: AVX-512 BF16, or AVX2."""
-    return available() and bool(_lib().pytgi_bf16gemm_supported())
+    return available() and bool(_built().pytgi_bf16gemm_supported())
 
 
 def amx_supported() -> bool:
     """AMX tiles built in, and the OS let this process use them."""
-    return available() and bool(_lib().pytgi_qgemm_amx_supported())
+    return available() and bool(_built().pytgi_qgemm_amx_supported())
 
 
 # -- fused element-wise steps (fused.c) ---------------------------------------------------------------
@@ -246,7 +254,7 @@ def logit_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Te
     arg = torch.empty(B, dtype=torch.int64)
     bad = torch.empty(B, dtype=torch.int64)
     out = torch.empty(B, dtype=torch.float32) if lse else None
-    _lib().pytgi_logit_stats_f32(_ptr(logits), B, V, _ptr(arg), _ptr(out), _ptr(bad))
+    _built().pytgi_logit_stats_f32(_ptr(logits), B, V, _ptr(arg), _ptr(out), _ptr(bad))
     return arg, out, bad
 
 
@@ -256,7 +264,7 @@ def lowbit_matmul(x: torch.Tensor, packed: torch.Tensor, N: int, bits: int, amx:
     VNNI, or with AMX tiles when `amx`."""
     M, K = x.shape
     out = x.new_empty(M, N)
-    kernel = _lib().pytgi_qgemm_amx_bf16 if amx else _lib().pytgi_qgemv_bf16
+    kernel = _built().pytgi_qgemm_amx_bf16 if amx else _built().pytgi_qgemv_bf16
     _check(kernel(_ptr(x), _ptr(packed), _ptr(out), M, N, K, bits), "low-bit matmul")
     return out
 
@@ -265,7 +273,7 @@ def bf16_matmul(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor:
     """bf16 x [M, K] times a packed bf16 weight [N, K] (`pytgi.models.quant.pack_bf16`)."""
     M, K = x.shape
     out = x.new_empty(M, N)
-    _check(_lib().pytgi_bf16gemm_bf16(_ptr(x), _ptr(packed), _ptr(out), M, N, K), "bf16 matmul")
+    _check(_built().pytgi_bf16gemm_bf16(_ptr(x), _ptr(packed), _ptr(out), M, N, K), "bf16 matmul")
     return out
 
 
@@ -286,7 +294,7 @@ def decoder_layers(
     final RMSNorm. table: int64 [layers, fields] of pointers (see decoder.c); sizes: (hidden,
     intermediate, query heads, kv heads, head dim)."""
     h = torch.empty_like(x)
-    failed = _lib().pytgi_decoder_layers_bf16(
+    failed = _built().pytgi_decoder_layers_bf16(
         _ptr(table),
         len(table),
         _ptr(x),
@@ -318,7 +326,7 @@ def gemma_layers(
     x: torch.Tensor,
     ropes,
     slots: torch.Tensor,
-    p: PagedBatch,  # type: ignore[no-untyped-def]
+    p: PagedBatch,
     sizes: tuple[int, int, int, int, int],
     eps: float,
     scale: float,
@@ -327,7 +335,7 @@ def gemma_layers(
     """Run every Gemma 3 layer on the residual stream x (bf16 [T, hidden], updated in place).
     ropes: ((cos, sin) of the full layers, (cos, sin) of the sliding ones), float32 [T, D]."""
     (cos, sin), (cos_l, sin_l) = ropes
-    failed = _lib().pytgi_gemma_layers_bf16(
+    failed = _built().pytgi_gemma_layers_bf16(
         _ptr(table),
         len(table),
         _ptr(x),

@@ -140,14 +140,14 @@ class TorchAttention:
     def forward(
         self,
         q: torch.Tensor,  # [T, H, D]
-        k: torch.Tensor,  # [T, KVH, D]
-        v: torch.Tensor,
+        k: torch.Tensor | None,  # [T, KVH, D]; None: the caller wrote the step's keys and values
+        v: torch.Tensor | None,
         k_cache: torch.Tensor,  # [num_blocks * block_size, KVH, D]
         v_cache: torch.Tensor,
         meta: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if k is not None:  # None: the caller already wrote this step's keys and values
+        if k is not None and v is not None:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
@@ -219,11 +219,11 @@ class SlidingWindowBackend:
             return WindowedMetadata(full, full)
         return WindowedMetadata(full, self.inner.prepare(layout, device, window=self.window))
 
-    def forward(self, *args, **kwargs) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def forward(self, *args, **kwargs) -> torch.Tensor:
         return self.inner.forward(*args, **kwargs)
 
 
-def layer_metadata(meta, sliding: bool | None):  # type: ignore[no-untyped-def]
+def layer_metadata(meta, sliding: bool | None):
     """A layer's own metadata: `sliding` None for models without windows."""
     if sliding is None:
         return meta

@@ -121,54 +121,66 @@ def native_bf16() -> bool:
 class TorchOps:
     """The element-wise steps of a decoder layer in PyTorch ops."""
 
-    def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
         return rotary(positions, dtype)  # cos, signed sin: [T, 1, D] in the model's dtype
 
     def add_norm(
-        self, x: torch.Tensor | None, residual: torch.Tensor, norm
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
-        """(residual + x, norm of it); x None: no add."""
-        residual = residual if x is None else residual + x
-        return residual, norm(residual)
+        self, y: torch.Tensor | None, residual: torch.Tensor, norm, out_norm=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(residual + y, `norm` of it): y None: no add; `out_norm`: y is normed before the add
+        (Gemma's sandwich); `norm` None: no norm after."""
+        if y is not None:
+            residual = residual + (y if out_norm is None else out_norm(y))
+        return residual, None if norm is None else norm(residual)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def act_mul(self, activation: str, gate_up: torch.Tensor) -> torch.Tensor:
+        """activation(gate) * up, for gate_up = [gate | up]: "silu" or "gelu_tanh"."""
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
 
-    def qkv_rotary(self, attn, qkv: torch.Tensor, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
+    def qkv_rotary(self, attn, qkv: torch.Tensor, rope, kv_cache, meta):
         """q [T, H, D] and k, v [T, KVH, D] with the rotary embedding applied; k, v are None when
         they are already in their cache slots."""
         return _rotate(attn, qkv, *rope)
 
 
 class KernelOps(TorchOps):
-    """The same steps with the fused C kernels: each residual add shares a pass with the RMSNorm that
-    follows it, and rope writes k and v straight into the cache."""
+    """The same steps with the fused C kernels: each residual add shares a pass with the norms around
+    it, and rope writes k and v straight into the cache."""
 
-    def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
         return rotary.cos[positions].float(), rotary.sin[positions].float()  # float32 [T, D]
 
     def add_norm(
-        self, x: torch.Tensor | None, residual: torch.Tensor, norm
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[no-untyped-def]
-        if x is None:
-            residual = residual.contiguous()  # updated in place from here on
-        return residual, kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+        self, y: torch.Tensor | None, residual: torch.Tensor, norm, out_norm=None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        residual = residual.contiguous()  # updated in place from here on
+        if out_norm is not None or (norm is not None and norm.offset):  # Gemma's float32 1 + w scales
+            eps = (norm if norm is not None else out_norm).eps
+            wa = out_norm.scale() if out_norm is not None else None
+            wb = norm.scale() if norm is not None else None
+            return residual, kernels.norm_add_norm(y, residual, wa, wb, eps)
+        return residual, kernels.add_rms_norm(y, residual, norm.weight, norm.eps)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return kernels.silu_mul(gate_up)
+    def act_mul(self, activation: str, gate_up: torch.Tensor) -> torch.Tensor:
+        if activation == "silu":
+            return kernels.silu_mul(gate_up)
+        return kernels.gelu_tanh_mul(gate_up.contiguous())
 
-    def qkv_rotary(self, attn, qkv: torch.Tensor, rope, kv_cache, meta):  # type: ignore[no-untyped-def]
-        if attn.q_norm is not None:  # q and k are normed before rotating: PyTorch's rotation
+    def qkv_rotary(self, attn, qkv: torch.Tensor, rope, kv_cache, meta):
+        if attn.q_norm is not None and not attn.q_norm.offset:  # Qwen3's q/k norms: PyTorch's rotation
             cos, sin = (t.unsqueeze(1).to(qkv.dtype) for t in rope)
             return _rotate(attn, qkv, cos, sin)
-        q = kernels.rope_write_kv(
-            qkv, *rope, meta.slot_mapping, kv_cache[0], kv_cache[1], attn.n_heads, attn.n_kv, attn.head_dim
-        )
+        qkv = qkv.contiguous()
+        H, KVH, D = attn.n_heads, attn.n_kv, attn.head_dim
+        if attn.q_norm is not None:  # Gemma 3's, in place
+            kernels.qk_norm_(qkv, attn.q_norm.scale(), attn.k_norm.scale(), H, KVH, D, attn.q_norm.eps)
+        cos, sin = rope
+        q = kernels.rope_write_kv(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], H, KVH, D)
         return q, None, None
 
 
-def _rotate(attn, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # type: ignore[no-untyped-def]
+def _rotate(attn, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     T, H, KVH, D = qkv.shape[0], attn.n_heads, attn.n_kv, attn.head_dim
     v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
     if attn.q_norm is None:  # rotate q and k in one go

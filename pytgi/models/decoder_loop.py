@@ -17,17 +17,17 @@ from pytgi.distributed import tp_size
 from pytgi.models.cpu import CpuKernels
 
 
-def _linears(layer):  # type: ignore[no-untyped-def]
+def _linears(layer):
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
-def _packed(layer) -> list[int]:  # type: ignore[no-untyped-def]
+def _packed(layer) -> list[int]:
     """(address, format) of each linear's packed weight, in _linears' order."""
     return [v for mod in _linears(layer) for v in (mod.quant.packed.data_ptr(), mod.quant.bits)]
 
 
 class DecoderLoop:
-    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, model) -> None:
         self.layers, self.final_norm = list(model.layers), model.norm
         attn, cfg = model.layers[0].self_attn, model.config
         self.sizes = (
@@ -43,7 +43,7 @@ class DecoderLoop:
         self._table: tuple[int, np.ndarray] | None = None  # (first K cache's address, per-layer pointers)
 
     @classmethod
-    def build(cls, model, cpu: CpuKernels) -> DecoderLoop | None:  # type: ignore[no-untyped-def]
+    def build(cls, model, cpu: CpuKernels) -> DecoderLoop | None:
         """The loop for this model, or None when it does not apply (see the module doc)."""
         if not cpu.decoder_loop or tp_size() != 1 or not cls._applies(model.config):
             return None
@@ -51,7 +51,7 @@ class DecoderLoop:
         return cls(model) if all(q is not None and q.vnni for q in quants) else None
 
     @staticmethod
-    def _applies(cfg) -> bool:  # type: ignore[no-untyped-def]
+    def _applies(cfg) -> bool:
         return not (
             cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias or cfg.qk_norm or cfg.moe is not None
         )
@@ -67,16 +67,17 @@ class DecoderLoop:
         ]
         return row + _packed(layer) + [k_cache.data_ptr(), v_cache.data_ptr()]
 
-    def _layers(self, kv_caches) -> np.ndarray:  # type: ignore[no-untyped-def]
+    def _layers(self, kv_caches) -> np.ndarray:
         """The per-layer pointers decoder.c reads (rebuilt when the KV cache is reallocated)."""
         if self._table is None or self._table[0] != kv_caches[0][0].data_ptr():
             rows = [self._row(i, k, v) for i, (k, v) in enumerate(kv_caches)]
             self._table = (kv_caches[0][0].data_ptr(), np.array(rows, dtype=np.int64))
         return self._table[1]
 
-    def __call__(self, x: torch.Tensor, rope, kv_caches, meta) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta) -> torch.Tensor | None:
         """The final hidden states for this step (x, updated in place, is the residual stream), or
-        None when the step is not for the loop."""
+        None when the step is not for the loop. `ropes`: the (full, sliding) layers' tables; Llama's
+        loop takes models without a sliding layer's base of its own: the first."""
         if (
             x.shape[0] > self.max_m
             or meta.paged is None
@@ -84,7 +85,7 @@ class DecoderLoop:
             or meta.prefill is not None
         ):
             return None
-        cos, sin = rope
+        cos, sin = ropes[0]
         return kernels.decoder_layers(
             self._layers(kv_caches),
             x.contiguous(),
@@ -102,12 +103,12 @@ class DecoderLoop:
 class GemmaDecoderLoop(DecoderLoop):
     """Gemma 3's layers in one call. Returns the residual stream (the final norm is the caller's)."""
 
-    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, model) -> None:
         super().__init__(model)
         self.sliding = [layer.sliding for layer in model.layers]
 
     @staticmethod
-    def _applies(cfg) -> bool:  # type: ignore[no-untyped-def]
+    def _applies(cfg) -> bool:
         return not cfg.attention_bias and not cfg.attn_logit_softcapping  # soft-capped attention is not paged
 
     def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
@@ -130,7 +131,7 @@ class GemmaDecoderLoop(DecoderLoop):
             + [k_cache.data_ptr(), v_cache.data_ptr(), int(self.sliding[i])]
         )
 
-    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta) -> torch.Tensor | None:  # type: ignore[no-untyped-def]
+    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta) -> torch.Tensor | None:
         if (
             x.shape[0] > self.max_m
             or meta.paged is None

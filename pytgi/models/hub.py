@@ -166,6 +166,13 @@ def choose_files(repo: str, files: list[str], ref: HubRef) -> Selection:
 
 
 # -- fetching -----------------------------------------------------------------------------------
+def _http_errors() -> tuple[type[BaseException], ...]:
+    """The Hub answered with an HTTP error, or could not be reached."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return (HfHubHTTPError, *_unreachable_errors())
+
+
 def _unreachable_errors() -> tuple[type[BaseException], ...]:
     """What huggingface_hub raises when the Hub cannot be reached (its HTTP library varies by version)."""
     from huggingface_hub.errors import OfflineModeIsEnabled
@@ -197,7 +204,7 @@ def _from_cache(ref: HubRef, revision: str | None, why: str) -> tuple[Path, str,
     ref_file = folder / "refs" / rev
     commit = rev if COMMIT.match(rev) else ref_file.read_text().strip() if ref_file.is_file() else None
     snapshot = folder / "snapshots" / commit if commit else None
-    if snapshot is None or not snapshot.is_dir():
+    if commit is None or snapshot is None or not snapshot.is_dir():
         raise HubError(
             f"{ref.repo}: {why}, and revision {rev} is not in the cache ({folder}); "
             f"fetch it where the Hub is reachable: pytgi download {ref}"
@@ -220,7 +227,6 @@ def fetch(ref: HubRef, revision: str | None = None, progress: bool = True) -> Fe
     from huggingface_hub import HfApi, constants, get_token, hf_hub_download
     from huggingface_hub.errors import (
         GatedRepoError,
-        HfHubHTTPError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
@@ -243,7 +249,7 @@ def fetch(ref: HubRef, revision: str | None = None, progress: bool = True) -> Fe
         raise HubError(_gated(ref.repo, where)) from None
     except RepositoryNotFoundError:
         raise HubError(f"{ref.repo}: repository not found on {where}{token}") from None
-    except (HfHubHTTPError, *_unreachable_errors()) as exc:
+    except _http_errors() as exc:
         why = f"the Hub at {where} is unreachable ({_cause(exc)})"
         snapshot, sha, files = _from_cache(ref, revision, why)
         sel = choose_files(ref.repo, files, ref)
@@ -262,7 +268,7 @@ def fetch(ref: HubRef, revision: str | None = None, progress: bool = True) -> Fe
             raise HubError(_gated(ref.repo, where)) from None
         except RepositoryNotFoundError:
             raise HubError(f"{ref.repo}: repository not found on {where}{token}") from None
-        except (HfHubHTTPError, *_unreachable_errors()) as exc:
+        except _http_errors() as exc:
             raise HubError(f"{ref.repo}: downloading {name} from {where} failed ({_cause(exc)})") from None
         size = path.stat().st_size
         log.info(

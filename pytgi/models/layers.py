@@ -10,11 +10,17 @@ follows its local product x W^T (bias, all-reduce or gather), so that a quantize
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from pytgi.distributed import all_gather_last_dim, all_reduce, local_range, tp_rank, tp_size
+
+
+def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
+    """How the checkpoint loader copies a tensor into `param` (this rank's part of it)."""
+    param.weight_loader = loader  # type: ignore[attr-defined]
 
 
 class ColumnParallelLinear(nn.Module):
@@ -26,11 +32,11 @@ class ColumnParallelLinear(nn.Module):
         self.shards = shards
         out = sum(size for _, size in shards)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
-        self.weight.weight_loader = self.load_shard
+        _set_loader(self.weight, self.load_shard)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out), requires_grad=False)
-            self.bias.weight_loader = self.load_shard
+            _set_loader(self.bias, self.load_shard)
 
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         start, size = self.shards[shard]
@@ -65,7 +71,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.in_start, self.local_in = in_shard
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
-        self.weight.weight_loader = self.load_weight
+        _set_loader(self.weight, self.load_weight)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -90,7 +96,7 @@ class VocabParallelEmbedding(nn.Module):
         self.local_vocab = math.ceil(vocab_size / tp_size())
         self.start = tp_rank() * self.local_vocab
         self.weight = nn.Parameter(torch.zeros(self.local_vocab, dim), requires_grad=False)
-        self.weight.weight_loader = self.load_weight
+        _set_loader(self.weight, self.load_weight)
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         part = loaded[self.start : self.start + self.local_vocab]
@@ -106,7 +112,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.finish(nn.functional.linear(hidden, self.weight))
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
@@ -114,16 +120,28 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """x / rms(x), computed in float32 whatever the dtype, times `weight` in the model's dtype; with
+    `offset` (Gemma, whose weights are offsets from 1) times `1 + weight`, in float32, then cast."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 whatever the dtype, as the reference implementation does.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
+
+    def scale(self) -> torch.Tensor:
+        """`1 + weight` in float32, what the fused kernels multiply an offset norm by (made once per
+        weight)."""
+        key = (self.weight.data_ptr(), self.weight._version)
+        if getattr(self, "_scale_key", None) != key:
+            self._scale, self._scale_key = (1.0 + self.weight.detach().float()).contiguous(), key
+        return self._scale
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -141,10 +159,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embeddings with a precomputed cos/sin table (default, linear, llama3)."""
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None) -> None:
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        scaling = scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif kind == "linear":

@@ -4,31 +4,47 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from pytgi.errors import UserError
 from pytgi.models.cpu import CpuKernels
-from pytgi.models.gemma import Gemma3Config, Gemma3ForCausalLM
+from pytgi.models.decoder import DecoderConfig, DecoderModel
+from pytgi.models.gemma import gemma_config
 from pytgi.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
-from pytgi.models.llama import LlamaConfig, LlamaForCausalLM
+from pytgi.models.llama import llama_config
 from pytgi.models.quant import resolve_plan
 
-# architecture → (its config, its model)
-MODELS: dict[str, tuple[Any, type[LlamaForCausalLM]]] = {
-    **{arch: (LlamaConfig, LlamaForCausalLM) for arch in LLAMA_ARCHITECTURES},
-    "Gemma3ForCausalLM": (Gemma3Config, Gemma3ForCausalLM),
-    "Gemma2ForCausalLM": (
-        Gemma3Config,
-        Gemma3ForCausalLM,
-    ),  # Gemma 3's layers, without q/k norms, soft-capped
+# architecture → its config.json read as a `DecoderConfig` (every family runs on `DecoderModel`)
+MODELS: dict[str, Callable[[dict[str, Any]], DecoderConfig]] = {
+    **{arch: llama_config for arch in LLAMA_ARCHITECTURES},
+    "Gemma3ForCausalLM": gemma_config,
+    "Gemma2ForCausalLM": gemma_config,  # Gemma 3's layers, without q/k norms, soft-capped
 }
 SUPPORTED_ARCHITECTURES = tuple(MODELS)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CausalLM(Protocol):
+    """What the engine uses of a loaded model, pytgi's code or transformers' (`load_model`)."""
+
+    config: Any  # its config: vocab_size, max_position_embeddings, ...
+    attention: Any  # its attention backend: `prepare(layout, device)` builds a step's metadata
+    layers: Any  # per layer, `self_attn.n_kv` and `self_attn.head_dim`: the KV cache's shape
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any], meta: Any
+    ) -> torch.Tensor:
+        """The last hidden states of the step's tokens (writing their keys and values)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the given hidden states."""
+        ...
 
 
 class UnsupportedModel(UserError, ValueError):
@@ -80,7 +96,7 @@ def resolve_dtype(name: str, cfg: dict[str, Any], device: torch.device) -> torch
         # bfloat16 activations: bf16 matmuls win for prefill and big batches, and the low-bit
         # decode kernels take bf16 inputs (`pytgi.models.quant`). --dtype float32 is the exact path.
         return torch.bfloat16
-    declared = cfg.get("torch_dtype") or cfg.get("dtype")
+    declared = str(cfg.get("torch_dtype") or cfg.get("dtype"))
     return DTYPES.get(declared, torch.bfloat16) if declared != "float32" else torch.bfloat16
 
 
@@ -114,7 +130,7 @@ def load_model(
     quantize: str = "none",
     attention: str = "torch",
     impl: str = "auto",
-) -> Any:
+) -> CausalLM:
     """`cpu`: the kernels to run on; `quantize`: none | auto | int8 | int4 (see `pytgi.models.quant`);
     `attention`: the attention backend's name; `impl`: auto | pytgi | transformers (whose model code)."""
     hf = read_config(path)
@@ -124,13 +140,12 @@ def load_model(
         from pytgi.models.transformers_impl import TransformersModel
 
         return TransformersModel(path, dtype, device, cpu, attention)
-    config_cls, model_cls = MODELS[hf["architectures"][0]]
-    cfg = config_cls.from_hf(hf)
+    cfg = MODELS[hf["architectures"][0]](hf)
     plan = resolve_plan(quantize, path, dtype, device)
     # A quantized model is loaded in float32 first, so the low-bit grids see the checkpoint's values
     # (bf16 weights are only re-laid out: loaded as they are).
     with _default_dtype(torch.float32 if plan and plan != "bf16" else dtype), torch.device(device):
-        model = model_cls(cfg, cpu, attention)
+        model = DecoderModel(cfg, cpu, attention)
     model.load_weights(iter_safetensors(path))
     if plan:
         model.quantize(plan, dtype)

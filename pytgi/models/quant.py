@@ -42,6 +42,7 @@ from torch import nn
 
 from pytgi import kernels
 from pytgi.models.cpu import CpuKernels
+from pytgi.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 GROUP = 32
 INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # on a 16-level grid per 32 values
@@ -266,7 +267,9 @@ class QuantizedLinear(nn.Module):
     low-bit copy: steps of at most `quant.max_m` tokens multiply by the packed weight, bigger ones
     run the layer itself, whose weight holds the same values dequantized."""
 
-    def __init__(self, layer: nn.Module, quant: QuantizedWeight) -> None:
+    def __init__(
+        self, layer: ColumnParallelLinear | RowParallelLinear | ParallelLMHead, quant: QuantizedWeight
+    ):
         super().__init__()
         self.layer, self.quant = layer, quant
 
@@ -286,6 +289,7 @@ def quantize_model(
     for name, mod in list(model.named_modules()):
         if mod not in kinds:
             continue
+        assert isinstance(mod, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)), name
         kind = kinds[mod]
         if not can_quantize(kind, mod.weight):
             if kind == "bf16":

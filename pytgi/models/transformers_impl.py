@@ -57,7 +57,7 @@ class _Backend:
         return StepContext(self.inner, layout, device, self.inner.prepare(layout, device))
 
 
-def _paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):  # type: ignore[no-untyped-def]
+def _paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function interface: [1, H, T, D] in, [1, T, H, D] out."""
     step: tuple[list, StepContext] | None = kwargs.get("pytgi_step")
     if step is None:
@@ -119,7 +119,7 @@ class TransformersModel(nn.Module):
             transformers.AutoModelForCausalLM.from_pretrained(
                 str(path), dtype=dtype, attn_implementation=ATTENTION
             )
-            .to(device)
+            .to(device)  # type: ignore[arg-type]  # transformers' decorator on `to` misleads mypy
             .eval()
         )
         cfg = self.hf.config.get_text_config()
@@ -145,7 +145,7 @@ class TransformersModel(nn.Module):
             path,
         )
 
-    def forward(self, input_ids, positions, kv_caches, meta: StepContext) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    def forward(self, input_ids, positions, kv_caches, meta: StepContext) -> torch.Tensor:
         out = self.hf.get_decoder()(
             input_ids=input_ids[None],
             position_ids=positions[None],

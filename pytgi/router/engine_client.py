@@ -134,14 +134,16 @@ class EngineClient:
         drains every waiting message with plain non-blocking reads: one step's tokens cost one
         callback, not the future per message that `await socket.recv()` costs (it showed in
         profiles as a large part of the API process's CPU per streamed token)."""
-        sock = zmq.Socket.shadow(self._outbox.underlying)
+        sock: zmq.Socket = zmq.Socket.shadow(self._outbox.underlying)
+        fd = sock.getsockopt(zmq.FD)
+        assert isinstance(fd, int)
         loop = asyncio.get_running_loop()
-        loop.add_reader(sock.getsockopt(zmq.FD), self._drain, sock)
+        loop.add_reader(fd, self._drain, sock)
         try:
             self._drain(sock)  # messages that arrived before the reader was registered
             await asyncio.Event().wait()  # until cancelled by stop()
         finally:
-            loop.remove_reader(sock.getsockopt(zmq.FD))
+            loop.remove_reader(fd)
 
     def _drain(self, sock: zmq.Socket) -> None:
         while True:  # the descriptor is edge-triggered: read until there is nothing left

@@ -1,4 +1,4 @@
-"""The seed's `Infer`: limit → validate → submit → stream of events; `generate` collects it.
+"""TGI router's `Infer`: limit → validate → submit → stream of events; `generate` collects it.
 
 Everything here runs in the API process (no torch): tokens arrive from the engine as ids, and each
 request's `OutputProcessor` (`pytgi.outputs`) turns them into text and `Delta`s that the TGI and OpenAI
@@ -136,13 +136,14 @@ class Infer:
             for i in range(req.best_of)
         ]
         results = await asyncio.gather(*runs, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if errors:
-            raise errors[0]
-        best = max(results, key=mean_logprob)  # type: ignore[arg-type]
-        if len(results) > 1:
-            best.best_of_sequences = [r for r in results if r is not best]  # type: ignore[misc]
-        return best  # type: ignore[return-value]
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        gens = [r for r in results if not isinstance(r, BaseException)]
+        best = max(gens, key=mean_logprob)
+        if len(gens) > 1:
+            best.best_of_sequences = [r for r in gens if r is not best]
+        return best
 
     async def _collect(self, stream: RequestStream) -> Generation:
         async for _ in stream:

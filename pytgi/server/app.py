@@ -50,7 +50,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     st.infer = Infer(st.client, st.tokenizer, cfg.max_concurrent_requests)
     st.client.on_step = st.metrics.engine_step
     st.client.on_stats = st.metrics.engine_stats
-    st.client.on_death = lambda reason: [cb(reason) for cb in st.on_engine_death]
+
+    def engine_died(reason: str) -> None:
+        for cb in st.on_engine_death:
+            cb(reason)
+
+    st.client.on_death = engine_died
     log.info(
         "serving %s on %s://%s:%d", info.model_id, "https" if cfg.tls else "http", cfg.hostname, cfg.port
     )

@@ -261,7 +261,7 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
     import uvicorn
 
     class _Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame) -> None:  # type: ignore[no-untyped-def]
+        def handle_exit(self, sig: int, frame) -> None:
             super().handle_exit(sig, frame)
             if sig == signal.SIGTERM:  # a graceful stop is a normal exit (0), not death by signal
                 self._captured_signals.remove(sig)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import TypeVar
 
 from fastapi import Request
@@ -30,7 +30,7 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     )
 
 
-async def with_keep_alive(items: AsyncIterator[T]) -> AsyncIterator[T | None]:
+async def with_keep_alive(items: AsyncIterable[T]) -> AsyncIterator[T | None]:
     """`items`, with a None whenever KEEP_ALIVE_SECONDS pass without one. Closing this closes `items`'s
     pending read without awaiting anything (it may run in a cancelled task)."""
     it = items.__aiter__()

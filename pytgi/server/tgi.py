@@ -106,7 +106,7 @@ def timing_headers(
 async def admit(
     request: Request, body: GenerateRequest, stream: bool
 ) -> tuple[ValidRequest, Admission, float]:
-    """The seed's order: take a slot (429 at once if none), then validate (422). The slots are held
+    """TGI's order: take a slot (429 at once if none), then validate (422). The slots are held
     until the HTTP exchange ends (`AdmissionMiddleware`), whatever happens in between."""
     st = state_of(request)
     st.metrics.request_count.inc()

@@ -24,12 +24,12 @@ def assert_loop_equals_python_path(fast: LLM, prompts: list, min_loop_steps: int
     model.decoder_loop = counting
     # The same model without the loop: the Python layer loop over the same kernels.
     plain = load_model(fast.engine.model_path, runner.dtype, runner.device,
-                       dataclasses.replace(model.cpu, decoder_loop=False), "auto")
+                       dataclasses.replace(model.kernels, decoder_loop=False), "auto")
     assert plain.decoder_loop is None
     params = SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=True)
     outs = []
     for m in (model, plain):
-        runner.model, runner.backend = m, m.attention
+        runner.paged.model = m
         outs.append([(o.token_ids, o.prompt_logprobs) for o in fast.generate(prompts, params)])
     assert outs[0] == outs[1]
     assert sum(used) >= min_loop_steps, used

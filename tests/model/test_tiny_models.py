@@ -14,7 +14,7 @@ import transformers
 from pytgi.config import EngineConfig
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
-from pytgi.engine.scheduler import ScheduledRequest
+from pytgi.engine.step import ScheduledRequest
 from pytgi.models.cpu import CpuKernels
 from pytgi.sampling_params import SamplingParams
 
@@ -115,11 +115,8 @@ def step(runner: ModelRunner, pager: Paged, work: list[tuple[Request, int]]) -> 
     for req, n in work:
         pager.grow(req, n)
         batch.append(ScheduledRequest(req, n))
-    ids, positions, layout = runner._layout(batch)
-    meta = runner.backend.prepare(layout, runner.device)
-    with torch.inference_mode():
-        hidden = runner.model(torch.from_numpy(ids), torch.from_numpy(positions), runner.kv_caches, meta)
-        logits = runner.model.compute_logits(hidden)
+    step = runner.layout(batch)
+    logits = runner.paged.forward(step, np.arange(len(step.ids)))
     out, start = [], 0
     for req, n in work:
         out.append(logits[start : start + n])

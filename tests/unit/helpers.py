@@ -6,7 +6,8 @@ import itertools
 
 from pytgi import protocol as P
 from pytgi.engine.request import Request
-from pytgi.engine.scheduler import RunnerOutput, Scheduler, SchedulerOutput
+from pytgi.engine.scheduler import Scheduler, SchedulerOutput
+from pytgi.engine.step import StepOutput
 from pytgi.sampling_params import SamplingParams
 
 _unique = itertools.count(1)
@@ -22,5 +23,5 @@ def run_step(sched: Scheduler, next_token: int = 7) -> SchedulerOutput:
     """One engine step with a fake runner that samples `next_token` for every request at its end."""
     out = sched.schedule()
     samples = {s.request.request_id: P.TokenOut(s.request.request_id, next_token) for s in out.scheduled if s.samples}
-    sched.update_from_output(out, RunnerOutput(samples))
+    sched.update_from_output(out, StepOutput(samples))
     return out

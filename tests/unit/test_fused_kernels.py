@@ -51,9 +51,7 @@ def test_rope_write_kv(dtype):
 
 
 def _gemma_norm(dim: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
-    from pytgi.models.gemma import GemmaRMSNorm
-
-    norm = GemmaRMSNorm(dim, 1e-6)
+    norm = RMSNorm(dim, 1e-6, offset=True)
     norm.weight.data = (0.5 * torch.randn(dim)).to(dtype)
     return norm
 

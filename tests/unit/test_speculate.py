@@ -3,7 +3,7 @@ scheduler (tokens, KV positions, blocks, stops) and the draft length's adaptatio
 
 from pytgi import protocol as P
 from pytgi.engine.request import Status
-from pytgi.engine.scheduler import RunnerOutput
+from pytgi.engine.step import StepOutput
 from pytgi.engine.speculate import Drafter, accepted_prefix
 from tests.unit.helpers import make_request
 from tests.unit.test_scheduler import make_scheduler
@@ -48,18 +48,18 @@ def test_draft_length_adapts_to_acceptance():
     d, req = Drafter(4), make_request("a", [1, 2, 1, 2, 1, 2, 1, 2, 1])
     assert len(d.propose(req, 16)) == 4
     d.observe(req, 4, 0)
-    assert req.spec.length == 2.0
+    assert d.states["a"].length == 2.0
     d.observe(req, 2, 0)
     d.observe(req, 1, 0)
-    assert req.spec.length == 1.0  # never below one while a match exists
+    assert d.states["a"].length == 1.0  # never below one while a match exists
     d.observe(req, 1, 1)
     d.observe(req, 2, 2)
-    assert req.spec.length == 4.0  # doubled twice
+    assert d.states["a"].length == 4.0  # doubled twice
     d.observe(req, 4, 4)
-    assert req.spec.length == 4.0  # at most k
+    assert d.states["a"].length == 4.0  # at most k
     d.observe(req, 4, 1)
-    assert req.spec.length == 2.0  # accepted + 1
-    assert (req.spec.drafted, req.spec.accepted) == (18, 8)
+    assert d.states["a"].length == 2.0  # accepted + 1
+    assert (d.states["a"].drafted, d.states["a"].accepted) == (18, 8)
 
 
 def repeating_request(rid="a", max_new_tokens=16, **kw):
@@ -70,7 +70,7 @@ def step(sched, sample):
     """One step whose fake model samples `sample(request, row)` for each sampled row; the runner's
     verification (accepted draft prefix plus one) is applied as ModelRunner._sample does."""
     out = sched.schedule()
-    res = RunnerOutput()
+    res = StepOutput()
     for s in out.scheduled:
         if not s.samples:
             continue
@@ -108,7 +108,7 @@ def test_a_rejected_draft_gives_back_its_blocks():
     assert [u.token_id for u in updates] == [9]
     assert req.num_computed_tokens == 12 and req.num_tokens == 13
     assert sched.block_manager.num_free_blocks == free - (sched.block_manager.blocks_for(13) - 3)
-    assert req.spec.length == 1.5  # halved
+    assert sched.drafter.states["a"].length == 1.5  # halved
     assert len(step(sched, lambda r, j: 9)[0].scheduled[0].draft) <= 1
 
 

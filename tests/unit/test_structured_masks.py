@@ -14,7 +14,7 @@ from pytgi import protocol as P
 from pytgi import structured
 from pytgi.engine.request import Status
 from pytgi.engine.sampler import Sampler, SamplingMetadata
-from pytgi.engine.scheduler import RunnerOutput
+from pytgi.engine.step import StepOutput
 from pytgi.engine.structured import GrammarError, GrammarMatchers
 from pytgi.sampling_params import SamplingParams
 from pytgi.tokenizer import Tokenizer
@@ -197,7 +197,7 @@ def test_a_complete_grammar_ends_the_request_and_an_error_fails_only_its_own():
     out = sched.schedule()
     samples = {s.request.request_id: P.TokenOut(s.request.request_id, 7) for s in out.scheduled}
     updates = {u.request_id: u for u in sched.update_from_output(
-        out, RunnerOutput(samples, complete={"done"}, errors={"bad": "structured output: no"}))}
+        out, StepOutput(samples, complete={"done"}, errors={"bad": "structured output: no"}))}
     assert updates["done"].finish_reason == "eos_token" and done.status is Status.FINISHED
     assert updates["bad"].finish_reason == "error" and updates["bad"].error == "structured output: no"
     assert updates["other"].finish_reason is None and other.status is Status.RUNNING

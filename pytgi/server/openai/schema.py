@@ -168,8 +168,8 @@ def check_completion(body: CompletionRequest) -> list[str | list[int]]:
     if not prompt:
         raise invalid("`prompt` cannot be empty", "prompt")
     if isinstance(prompt[0], int):
-        return [prompt]  # type: ignore[list-item]
-    return list(prompt)  # type: ignore[arg-type]
+        return [prompt]
+    return list(prompt)
 
 
 def check_chat(body: ChatCompletionRequest) -> list[dict[str, Any]]:

@@ -1,0 +1,94 @@
+"""A step's flat batch and the forward over a paged KV cache: used by the model and the draft model.
+
+A step computes some tokens of several sequences at once. `StepBatch.build` lays them out flat
+(token ids, positions, each token's KV slot, each sequence's block table) and `PagedModel.forward`
+runs the model over them, writing their keys and values into the cache and returning the logits
+of the rows asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+from pytgi import distributed as dist
+from pytgi.models.attention import StepLayout
+from pytgi.models.loader import CausalLM
+
+
+@dataclass(slots=True)
+class StepBatch:
+    ids: np.ndarray  # [T] int64: the tokens computed, sequence after sequence
+    positions: np.ndarray  # [T] int64: each token's position in its sequence
+    layout: StepLayout  # what attention needs: per-sequence lengths, block tables, slots
+
+    @classmethod
+    def build(
+        cls,
+        tokens: Sequence[Sequence[int]],
+        starts: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+    ) -> StepBatch:
+        """`tokens[i]` follow the `starts[i]` tokens of sequence i already in its blocks
+        (`block_tables[i]`, covering them all)."""
+        B = len(tokens)
+        q_lens = np.fromiter(map(len, tokens), np.int64, B)
+        first = np.asarray(starts, np.int64)
+        T = int(q_lens.sum())
+        ids = np.fromiter(chain.from_iterable(tokens), np.int64, T)
+        cu = np.cumsum(q_lens)
+        seq = np.repeat(np.arange(B), q_lens)
+        positions = first[seq] + np.arange(T) - (cu - q_lens)[seq]
+        tables = np.zeros((B, max(map(len, block_tables))), np.int64)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
+        slots = tables[seq, positions // block_size] * block_size + positions % block_size
+        return cls(ids, positions, StepLayout(q_lens, first + q_lens, tables, slots, block_size))
+
+    @property
+    def last_rows(self) -> np.ndarray:
+        """Each sequence's last flat row (whose logits predict its next token)."""
+        return np.cumsum(self.layout.query_lens) - 1
+
+
+class PagedModel:
+    """A loaded model and its paged KV cache (one K and one V tensor per layer, `num_blocks *
+    block_size` slots). `unsharded`: the model is whole on this rank whatever the tensor-parallel
+    group (the draft model)."""
+
+    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, unsharded: bool = False):
+        self.model, self.dtype, self.device, self.unsharded = model, dtype, device, unsharded
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+
+    def kv_bytes_per_token(self) -> int:
+        attn = self.model.layers[0].self_attn
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        return len(self.model.layers) * 2 * attn.n_kv * attn.head_dim * elt
+
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        attn = self.model.layers[0].self_attn
+        shape = (2, num_blocks * block_size, attn.n_kv, attn.head_dim)
+        self.block_size = block_size
+        self.kv_caches = []
+        for _ in self.model.layers:
+            k, v = torch.zeros(shape, dtype=self.dtype, device=self.device).unbind(0)
+            self.kv_caches.append((k, v))
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, rows: np.ndarray) -> torch.Tensor | None:
+        """Run the step; the logits (float32) of the flat rows `rows` (None if there are none)."""
+        meta = self.model.attention.prepare(batch.layout, self.device)
+        ids = torch.from_numpy(batch.ids).to(self.device)
+        positions = torch.from_numpy(batch.positions).to(self.device)
+        with dist.unsharded() if self.unsharded else nullcontext():
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            if not len(rows):
+                return None
+            return self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])

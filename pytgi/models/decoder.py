@@ -1,0 +1,360 @@
+"""One decoder-only transformer over the paged KV cache, for every family pytgi runs itself.
+
+Llama 2/3, Mistral, Qwen2/2.5/3 (and their mixtures of experts), Phi-3, SmolLM, Gemma 2 and Gemma 3
+differ in data, which `DecoderConfig` holds (parsed from each family's config.json by
+`pytgi.models.llama` and `pytgi.models.gemma`):
+
+- the norms: RMSNorm scaling by ``weight`` in the model's dtype, or by ``1 + weight`` in float32
+  (Gemma, `norm_offset`); two a layer (before attention and before the MLP), or four (Gemma's
+  `sandwich_norms`: the sublayers' outputs are normed too before they join the residual stream);
+  optional per-head q/k norms before the rotation (Qwen3, Gemma 3);
+- the MLP's activation (SiLU or tanh-GELU), biases, a sparse mixture of experts;
+- the embedding's scale, attention's scale, soft-capped attention scores and logits (Gemma 2);
+- sliding-window layers (`layer_types`), with their own RoPE base where the family has one.
+
+The forward is the same for all: which kernels run it is chosen at load (`CpuKernels`): its `ops()`
+give the element-wise steps (PyTorch's, or the fused C kernels: a residual add shares a pass with
+the norm after it, rope writes k and v straight into the cache), the attention backend is built for
+its kernels and heads, quantized linears are swapped in (`quantize`), and on CPU a quantized model
+may run all its layers in one C call (`pytgi.models.decoder_loop`) for the steps that allow it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from pytgi.distributed import check_heads, tp_size
+from pytgi.models.attention import (
+    SlidingWindowBackend,
+    SoftcapAttention,
+    TorchAttention,
+    WindowedMetadata,
+    get_backend,
+    layer_metadata,
+)
+from pytgi.models.cpu import CpuKernels, TorchOps
+from pytgi.models.decoder_loop import DecoderLoop, GemmaDecoderLoop
+from pytgi.models.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    merged_shards,
+    qkv_shards,
+)
+from pytgi.models.moe import SparseMoE
+from pytgi.models.quant import quantize_model
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(slots=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk: bool  # renormalize the chosen experts' weights
+    shared_intermediate_size: int | None  # Qwen2-MoE's shared expert
+    sparse_layers: list[bool]  # which layers route (the others keep the dense MLP)
+
+
+@dataclass(slots=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # on q, k, v
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm of q and k before the rotation
+    attn_scale: float  # queries' scale: head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer, SLIDING | FULL (with a window)
+    rope_local_theta: float | None = None  # sliding layers' own RoPE base (Gemma 3); None: rope_theta
+    activation: str = "silu"  # the MLP's: "silu" | "gelu_tanh"
+    norm_offset: bool = False  # RMSNorms scale by 1 + weight, in float32 (Gemma)
+    sandwich_norms: bool = False  # the attention's and the MLP's outputs are normed too (Gemma)
+    embed_scale: float | None = None  # the embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap · tanh(score / cap)
+    final_logit_softcapping: float | None = None
+    moe: MoEConfig | None = None
+
+
+def local_heads(cfg: DecoderConfig) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) on this rank: split by kv heads, each with its query group."""
+    shards = qkv_shards(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
+    n_kv = shards[1][1] // cfg.head_dim
+    return n_kv * (cfg.num_attention_heads // cfg.num_key_value_heads), n_kv, cfg.head_dim
+
+
+def _norm(cfg: DecoderConfig, dim: int) -> RMSNorm:
+    return RMSNorm(dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, cfg: DecoderConfig, backend: TorchAttention, ops: TorchOps, sliding: bool | None = None
+    ) -> None:
+        """sliding: whether this layer attends within the model's window (None: the model has none)."""
+        super().__init__()
+        self.sliding = sliding
+        self.n_heads, self.n_kv, self.head_dim = local_heads(cfg)
+        self.scale = cfg.attn_scale
+        self.backend, self.ops = backend, ops
+        shards = qkv_shards(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, shards, cfg.attention_bias)
+        self.o_proj = RowParallelLinear(shards[0], cfg.hidden_size, cfg.o_proj_bias)
+        self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: Any, kv_cache: Any, meta: Any) -> torch.Tensor:
+        meta = layer_metadata(meta, self.sliding)
+        q, k, v = self.ops.qkv_rotary(self, self.qkv_proj(x), rope, kv_cache, meta)
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig, ops: TorchOps) -> None:
+        super().__init__()
+        shards = merged_shards([cfg.intermediate_size] * 2)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, shards, cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(shards[0], cfg.hidden_size, cfg.mlp_bias)
+        self.ops, self.activation = ops, cfg.activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.act_mul(self.activation, self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        backend: TorchAttention,
+        ops: TorchOps,
+        sliding: bool | None = None,
+        sparse: bool = False,
+    ) -> None:
+        super().__init__()
+        self.sliding, self.sandwich, self.ops = sliding, cfg.sandwich_norms, ops
+        self.self_attn = Attention(cfg, backend, ops, sliding)
+        moe = cfg.moe
+        self.mlp: MLP | SparseMoE = (
+            MLP(cfg, ops)
+            if moe is None or not sparse
+            else SparseMoE(
+                cfg.hidden_size,
+                moe.intermediate_size,
+                moe.num_experts,
+                moe.top_k,
+                moe.norm_topk,
+                moe.shared_intermediate_size,
+            )
+        )
+        # The checkpoints' names: Llama's post_attention_layernorm is the MLP's input norm, Gemma's
+        # normalises the attention's output (its MLP's input norm is pre_feedforward_layernorm).
+        self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+
+    def forward(
+        self,
+        residual: torch.Tensor,
+        h: torch.Tensor,
+        ropes: tuple[Any, Any],
+        kv_cache: Any,
+        meta: Any,
+        next_norm: RMSNorm | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h: this layer's input, normed. Returns the residual stream and the next norm of it (the
+        next layer's input norm, or the model's final one; None: not normed): each residual add is
+        paired with the norm after it, which the C kernels do in one pass."""
+        a = self.self_attn(h, ropes[1] if self.sliding else ropes[0], kv_cache, meta)
+        if self.sandwich:  # the sublayers' outputs are normed before they join the residual stream
+            residual, mlp_in = self.ops.add_norm(
+                a, residual, self.pre_feedforward_layernorm, self.post_attention_layernorm
+            )
+            mlp_out_norm = self.post_feedforward_layernorm
+        else:
+            residual, mlp_in = self.ops.add_norm(a, residual, self.post_attention_layernorm)
+            mlp_out_norm = None
+        assert mlp_in is not None
+        return self.ops.add_norm(self.mlp(mlp_in), residual, next_norm, mlp_out_norm)
+
+
+class DecoderModel(nn.Module):
+    # checkpoint name part → (our parameter name part, shard index in a fused layer)
+    FUSED: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: DecoderConfig, cpu: CpuKernels, attention: str = "torch") -> None:
+        """cpu: the kernels to run on (`CpuKernels.for_device`, or `CpuKernels.none()`: PyTorch's
+        ops); attention: the attention backend's name."""
+        super().__init__()
+        check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())
+        self.config, self.kernels, self.ops = cfg, cpu, cpu.ops()
+        backend = get_backend(attention, cpu, local_heads(cfg))
+        if cfg.attn_logit_softcapping:
+            backend = SoftcapAttention(cpu, local_heads(cfg), cfg.attn_logit_softcapping)
+        self.attention: TorchAttention | SlidingWindowBackend = backend
+        slidings: list[bool | None] = [None] * cfg.num_hidden_layers
+        if cfg.sliding_window and cfg.layer_types:
+            self.attention = SlidingWindowBackend(backend, cfg.sliding_window)
+            slidings = [t == SLIDING for t in cfg.layer_types]
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        sparse = cfg.moe.sparse_layers if cfg.moe else [False] * cfg.num_hidden_layers
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, self.ops, s, m) for s, m in zip(slidings, sparse)
+        )
+        self.norm = _norm(cfg, cfg.hidden_size)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.rotary_local = (
+            RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, None)
+            if cfg.rope_local_theta is not None
+            else None
+        )
+        self.decoder_loop: DecoderLoop | None = None  # set by `quantize` where it applies
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any], meta: Any
+    ) -> torch.Tensor:
+        cfg = self.config
+        x = self.embed_tokens(input_ids)
+        if cfg.embed_scale is not None:
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        rope = self.ops.rope_tables(self.rotary, positions, x.dtype)
+        local = self.rotary_local
+        ropes = (rope, rope if local is None else self.ops.rope_tables(local, positions, x.dtype))
+        whole = meta.uniform if isinstance(meta, WindowedMetadata) else meta  # one metadata for every layer
+        if (
+            self.decoder_loop is not None
+            and whole is not None
+            and (h := self.decoder_loop(x, ropes, kv_caches, whole)) is not None
+        ):
+            return self.norm(h) if cfg.sandwich_norms else h
+        # With sandwich norms the final norm runs on its own, as the C loop's caller runs it.
+        final = None if cfg.sandwich_norms else self.norm
+        residual, h = self.ops.add_norm(None, x, self.layers[0].input_layernorm)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [final]
+        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms):
+            residual, h = layer(residual, h, ropes, kv_cache, meta, next_norm)
+        if final is None:
+            return self.norm(residual)
+        assert h is not None
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype) -> None:
+        """Swap each planned linear for a low-bit one (see `pytgi.models.quant`) and cast the model
+        to `act_dtype`. Call on float32 weights, before the model is cast."""
+        parts = {
+            fused: [p for p, (f, _) in self.FUSED.items() if f == fused] for fused, _ in self.FUSED.values()
+        }
+
+        def kind(hf_names: list[str]) -> str | None:
+            kinds = {plan} if isinstance(plan, str) else {plan.get(n) for n in hf_names}
+            if None in kinds:
+                return None
+            if kinds == {"bf16"}:
+                return "bf16"
+            return "int4" if kinds == {"int4"} else "int8x16" if "int8x16" in kinds else "int8"
+
+        todo: dict[nn.Module, str] = {}
+        for name, mod in self.named_modules():
+            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+                stem, last = name.rsplit(".", 1)
+                names = [f"model.{stem}.{p}.weight" for p in parts.get(last, [last])]
+                if (k := kind(names)) is not None:
+                    todo[mod] = k
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        if (k := kind([head])) is not None:
+            # logits are sensitive: never below 8 bits
+            todo[self.lm_head] = k if k in ("int8x16", "bf16") else "int8"
+        quantize_model(self, todo, act_dtype, self.kernels)
+        loop = GemmaDecoderLoop if self.config.sandwich_norms else DecoderLoop
+        self.decoder_loop = loop.build(self, self.kernels)
+
+    def _unfused(self, weights: Any) -> Any:
+        """Checkpoints that store q, k, v (or gate, up) as one tensor (Phi-3) as separate ones, so each
+        part reaches its shard of the fused layer."""
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        for name, tensor in weights:
+            if ".qkv_proj." in name:
+                yield from zip(
+                    [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")],
+                    tensor.split([q, kv, kv]),
+                )
+            elif ".gate_up_proj." in name:
+                yield from zip(
+                    [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")], tensor.chunk(2)
+                )
+            else:
+                yield name, tensor
+
+    def load_weights(self, weights: Any) -> None:
+        """Copy (name, tensor) pairs in Hugging Face naming into this rank's parameters."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in self._unfused(weights):
+            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+            if "rotary_emb" in name:
+                continue
+            if ".mlp.experts." in name:  # a mixture of experts' stacked weights
+                layer, rest = name.split(".mlp.", 1)
+                mlp = self.get_submodule(layer + ".mlp")
+                assert isinstance(mlp, SparseMoE), name
+                loaded.update(f"{layer}.mlp.{p}" for p in mlp.load_experts(rest, tensor))
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            shard = 0
+            for part, (fused, idx) in self.FUSED.items():
+                if f".{part}." in name:
+                    name, shard = name.replace(part, fused), idx
+                    break
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor.to(param.dtype), shard)
+            loaded.add(name)
+        missing = {n for n in params if n not in loaded}
+        if self.config.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")

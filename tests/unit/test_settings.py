@@ -1,0 +1,60 @@
+"""The serving settings' one table: flags, environment variables, configs and docs/flags.md from it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pytgi import settings
+from pytgi.config import EngineConfig, ServerConfig
+from pytgi.server import launcher
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    launcher.add_serve_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_docs_flag_list_is_the_table() -> None:
+    assert DOCS.read_text() == settings.markdown(), "run: python -m pytgi.settings > docs/flags.md"
+
+
+def test_each_setting_has_its_own_flag_and_variable() -> None:
+    table = settings.table()
+    assert len({s.flag for s in table}) == len({s.env for s in table}) == len(table)
+    assert {s.reader for s in table} == {"engine", "server"}
+    by_flag = {s.flag: s for s in table}
+    assert by_flag["--model-id"].name == "model" and by_flag["--model-id"].env == "MODEL_ID"
+    assert by_flag["--disable-prefix-caching"].name == "enable_prefix_caching"
+
+
+def test_flags_and_environment_build_both_configs(monkeypatch) -> None:
+    monkeypatch.setenv("MAX_BATCH_SIZE", "7")
+    monkeypatch.setenv("DISABLE_PREFIX_CACHING", "1")
+    monkeypatch.setenv("CORS_ALLOW_ORIGIN", "https://a.example,https://b.example")
+    monkeypatch.setenv("JSON_OUTPUT", "0")
+    args = parse(["--max-total-tokens", "512", "--api-key-exempt", "health,metrics", "--port", "8080"])
+    engine = EngineConfig(**settings.from_args(args, "engine"))
+    assert (engine.max_batch_size, engine.max_total_tokens, engine.enable_prefix_caching) == (7, 512, False)
+    assert engine.batch_invariant and engine.model is None
+    server = ServerConfig(engine, Path("."), "m", **settings.from_args(args, "server"))
+    assert server.port == 8080 and server.api_key_exempt == ("health", "metrics")
+    assert server.cors_allow_origin == ("https://a.example", "https://b.example") and not server.json_output
+    # flags given replace the environment's list; a switch flag flips its default
+    args = parse(["--cors-allow-origin", "https://c.example", "--cors-allow-origin", "https://d.example",
+                  "--disable-batch-invariance", "--json-output"])
+    server = ServerConfig(engine, Path("."), "m", **settings.from_args(args, "server"))
+    assert server.cors_allow_origin == ("https://c.example", "https://d.example") and server.json_output
+    assert not EngineConfig(**settings.from_args(args, "engine")).batch_invariant
+
+
+def test_defaults_are_the_configs_defaults(monkeypatch) -> None:
+    for s in settings.table():
+        monkeypatch.delenv(s.env, raising=False)
+    args = parse([])
+    assert EngineConfig(**settings.from_args(args, "engine")) == EngineConfig()
+    server = ServerConfig(EngineConfig(), Path("."), "m", **settings.from_args(args, "server"))
+    assert server == ServerConfig(EngineConfig(), Path("."), "m")

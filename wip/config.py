@@ -1,0 +1,259 @@
+"""Configuration: what the engine is asked for (`EngineConfig`, named as TGI's launcher names its
+flags), what that resolves to once the model and the device are known (`EngineInfo`, frozen), and
+the API process's (`ServerConfig`). Each serving setting is one field, declared with `setting`
+(`pytgi.settings` derives the flags, /info and docs/flags.md from them).
+
+`EngineInfo` is the one resolved configuration: the scheduler obeys it, `Ready` carries it to the
+API process, and /info shows it. No torch here: the API process imports this module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from pytgi.settings import setting
+
+DRAFT_MODEL_TOKENS = 4  # a draft model's tokens per step when --speculate is not given
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """What the engine is asked for: the serving settings the engine process reads (`setting`), and
+    knobs the offline `LLM` and the tests set."""
+
+    model: str | None = setting(
+        None,
+        "Hub id (org/name, org/name-GGUF:Q4_K_M, org/name/file.gguf), HF directory or .gguf file "
+        "(default: the embedded SmolLM2-135M-Instruct, never downloaded)",
+        flag="--model-id",
+    )
+    revision: str | None = setting(None, "of a Hub id: a branch, tag or commit (default: main)")
+    num_shard: int = setting(1, "tensor-parallel ranks", info=True)
+    dtype: str = setting("auto", "auto (bfloat16) | float32 (exact) | bfloat16 | float16")
+    quantize: str = setting(
+        "auto",
+        "weights on CPU: auto (as the GGUF file; a bf16 model as it is, on pytgi's bf16 kernel) | "
+        "none (PyTorch's matmuls) | int8 | int4 (weight-only, for small steps) | bf16",
+    )
+    model_impl: str = setting(
+        "auto", "whose model code: auto (pytgi's where it has it, else transformers') | pytgi | transformers"
+    )
+    max_input_tokens: int | None = setting(
+        None, "longest prompt (default: max_total_tokens - 1)", info=True
+    )
+    max_total_tokens: int | None = setting(
+        None, "prompt + generated tokens (default: the model's positions)", info=True
+    )
+    waiting_served_ratio: float = setting(0.3, "admission rule for a running batch", info=True)
+    speculate: int = setting(
+        0,
+        "draft tokens verified per decode step, at most (0: off): n-gram (prompt-lookup) drafts, "
+        "or --draft-model-id's",
+    )
+    draft_model: str | None = setting(
+        None,
+        "a smaller model with the same tokenizer drafts for --speculate (default 4 tokens): Hub id, "
+        "HF directory or .gguf file",
+        flag="--draft-model-id",
+    )
+    max_batch_prefill_tokens: int | None = setting(
+        None, "tokens computed per step (default 4096 GPU, 1024 CPU)", info=True
+    )
+    max_prefill_tokens_while_decoding: int | None = setting(
+        None,
+        "prompt tokens per step while others decode: bounds a long prompt's stall of running streams "
+        "(default: no cap)",
+    )
+    max_batch_total_tokens: int | None = setting(
+        None, "KV-cache slots (default: sized from memory)", info=True
+    )
+    max_waiting_tokens: int = setting(20, "steps before waiting requests join regardless", info=True)
+    max_batch_size: int | None = setting(None, "most running requests (default: 256)", info=True)
+    enable_prefix_caching: bool = setting(
+        True, "turn the prefix cache off", flag="--disable-prefix-caching", switch=True
+    )
+    # CPU: a row's numerics do not depend on the step (docs/batch-invariance.md)
+    batch_invariant: bool = setting(
+        True,
+        "let a step's size pick faster kernels for long prompts on CPU: a greedy output may then "
+        "depend on what else runs (docs/batch-invariance.md)",
+        flag="--disable-batch-invariance",
+        switch=True,
+    )
+    master_addr: str = setting(
+        "localhost", "torch.distributed rendezvous address (shards on several machines)"
+    )
+    master_port: int | None = setting(
+        None, "torch.distributed rendezvous port (default: a free local port; 29500 when ranks start apart)"
+    )
+    # Not flags: the offline API's and the tests' knobs.
+    device: str = "auto"  # auto | cpu | cuda
+    block_size: int = 16
+    enable_chunked_prefill: bool = True
+    kv_cache_memory_fraction: float = 0.9  # of free memory left after the weights (CUDA)
+    kv_cache_cpu_bytes: int = 4 << 30  # on CPU: the most the KV cache takes by default
+    attention_backend: str = "torch"
+    progress: bool = True  # show progress bars on first conversion
+
+    def validate(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 <= self.waiting_served_ratio:
+            raise ValueError("waiting_served_ratio must be >= 0")
+        for name in (
+            "max_input_tokens",
+            "max_total_tokens",
+            "max_batch_prefill_tokens",
+            "max_batch_total_tokens",
+            "max_batch_size",
+        ):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be strictly positive, got {value}")
+        if self.num_shard < 1:
+            raise ValueError(f"num_shard must be >= 1, got {self.num_shard}")
+        if self.speculate < 0:
+            raise ValueError(f"speculate must be >= 0, got {self.speculate}")
+
+    @property
+    def draft_tokens(self) -> int:
+        """Draft tokens per decode step, at most: --speculate, or 4 with a draft model and no --speculate."""
+        return self.speculate or (DRAFT_MODEL_TOKENS if self.draft_model else 0)
+
+    def resolve(
+        self,
+        *,
+        model_id: str,
+        model_path: str,
+        dtype: str,
+        device_type: str,
+        vocab_size: int,
+        max_positions: int,
+        kv_capacity: Callable[[], int],
+        quantization: dict[str, int] | None = None,
+    ) -> EngineInfo:
+        """Fill the defaults from the loaded model and check the limits against each other;
+        `kv_capacity()` (KV slots that fit in memory) is asked only when no size was given."""
+        total = self.max_total_tokens or max_positions
+        if total > max_positions:
+            raise ValueError(f"max_total_tokens ({total}) exceeds the model's {max_positions} positions")
+        max_input = self.max_input_tokens or total - 1
+        if max_input >= total:
+            raise ValueError(f"max_input_tokens ({max_input}) must be < max_total_tokens ({total})")
+        prefill = self.max_batch_prefill_tokens or (4096 if device_type == "cuda" else 1024)
+        # Off by default: capping prompt tokens while others decode bounds the worst stall a long prompt
+        # causes, but throttles prefill under load (docs/benchmarks.md measures both sides).
+        cap = self.max_prefill_tokens_while_decoding or 0
+        if cap < 0:
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 0, got {cap}")
+        if not self.enable_chunked_prefill and max_input > prefill:
+            raise ValueError("without chunked prefill, max_input_tokens must be <= max_batch_prefill_tokens")
+        num_blocks = (self.max_batch_total_tokens or kv_capacity()) // self.block_size
+        if num_blocks * self.block_size < total:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than max_total_tokens "
+                f"({total}): raise max_batch_total_tokens or lower max_total_tokens"
+            )
+        return EngineInfo(
+            model_id=model_id,
+            model_path=model_path,
+            model_dtype=dtype,
+            model_device_type=device_type,
+            vocab_size=vocab_size,
+            num_shard=self.num_shard,
+            max_input_tokens=max_input,
+            max_total_tokens=total,
+            max_batch_prefill_tokens=prefill,
+            max_prefill_tokens_while_decoding=min(cap, prefill) or None,
+            max_batch_total_tokens=num_blocks * self.block_size,
+            max_batch_size=self.max_batch_size or 256,
+            waiting_served_ratio=self.waiting_served_ratio,
+            max_waiting_tokens=self.max_waiting_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_prefix_caching=self.enable_prefix_caching,
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            quantization=quantization,
+            speculate=self.draft_tokens,
+            draft_model=self.draft_model,
+        )
+
+
+class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """The engine's configuration, resolved once (`EngineConfig.resolve`)."""
+
+    model_id: str
+    model_path: str
+    model_dtype: str
+    model_device_type: str
+    vocab_size: int
+    num_shard: int
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int  # tokens computed in one step (decodes count one each)
+    # Prompt tokens (new prefills and chunks) in a step that also decodes: keeps a step with a long
+    # prompt's chunk from stalling the streams (None: only max_batch_prefill_tokens applies).
+    max_prefill_tokens_while_decoding: int | None
+    max_batch_total_tokens: int  # KV slots: num_blocks * block_size
+    max_batch_size: int
+    waiting_served_ratio: float
+    max_waiting_tokens: int
+    enable_chunked_prefill: bool
+    enable_prefix_caching: bool
+    block_size: int
+    num_blocks: int
+    # A GGUF model's tensor types as the file has them, with their counts (e.g. {"Q4_K": 27, "F32": 109})
+    quantization: dict[str, int] | None = None
+    speculate: int = 0  # draft tokens per decode step, at most
+    draft_model: str | None = None  # the draft model (--draft-model-id), if any
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """The API process's configuration: its serving settings (`setting`), and what the launcher
+    resolved (the model, the engine's config)."""
+
+    engine: EngineConfig
+    model_path: Path
+    model_id: str
+    hostname: str = setting("0.0.0.0", "address to listen on")
+    port: int = setting(3000, "port to listen on")
+    max_concurrent_requests: int = setting(128, "in-flight requests before answering 429", info=True)
+    max_best_of: int = setting(2, "largest best_of", info=True)
+    max_stop_sequences: int = setting(4, "most stop sequences per request", info=True)
+    max_top_n_tokens: int = setting(5, "largest top_n_tokens")
+    validation_workers: int = setting(2, "tokenizer threads", info=True)
+    api_key: str | None = setting(
+        None,
+        "require `Authorization: Bearer <key>` on every route but --api-key-exempt's (prefer the "
+        "API_KEY environment variable: a flag shows in `ps` and /proc/*/cmdline)",
+    )
+    # route names (pytgi.server.middleware.EXEMPTIONS)
+    api_key_exempt: tuple[str, ...] = setting(
+        ("health",),
+        "routes open without the key, comma-separated: health, metrics, info, docs, openapi, models "
+        "(or none)",
+    )
+    ssl_keyfile: str | None = setting(None, "serve HTTPS with this private key (PEM)")
+    ssl_certfile: str | None = setting(None, "... and this certificate chain (PEM)")
+    keep_alive_timeout: float = setting(5.0, "seconds an idle keep-alive connection stays open")
+    request_header_timeout: float = setting(
+        10.0, "seconds a request's headers may take to arrive (else 408, closed)"
+    )
+    request_body_timeout: float = setting(30.0, "seconds a request body may pause between chunks (else 408)")
+    payload_limit: int = setting(2_000_000, "largest request body in bytes")
+    graceful_termination_timeout: int = setting(90, "seconds to finish in-flight requests on SIGTERM")
+    cors_allow_origin: tuple[str, ...] = setting(
+        (), "allowed CORS origins, comma-separated (or the flag repeated)", repeat=True
+    )
+    json_output: bool = setting(False, "log as JSON lines", switch=True)
+    model_sha: str | None = None  # the Hub commit served (or --revision for a local model)
+    engine_module: str = "pytgi.engine.process"  # the engine process's entry point
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ssl_certfile)
