@@ -46,9 +46,13 @@ class Server:
         return self.log_path.read_text()[-3000:] if self.log_path and self.log_path.exists() else ""
 
     def engine_pid(self) -> int:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", "pytgi.engine.process"],
-                             capture_output=True, text=True).stdout.split()
-        return int(out[0])
+        """The engine process: the one started with `--inbox` (pytgi.engine.process or a test's wrapper)."""
+        (pid,) = [p for p in descendants(self.proc.pid) if "--inbox" in argv(p)]
+        return pid
+
+    def worker_pids(self) -> list[int]:
+        """The tensor-parallel ranks 1.. that rank 0 started (`--num-shard`)."""
+        return [p for p in descendants(self.proc.pid) if "pytgi.engine.worker" in argv(p)]
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -60,8 +64,33 @@ class Server:
                 self.proc.wait()
         return self.proc.returncode
 
-    def metric(self, name: str) -> float:
-        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+    def metric(self, name: str, headers: dict[str, str] | None = None) -> float:
+        for line in httpx.get(f"{self.url}/metrics", headers=headers).text.splitlines():
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under `pid` (children, theirs, ...), from /proc/PID/task/TID/children."""
+    found = []
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:  # the process ended meanwhile
+        return []
+    for task in tasks:
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:  # the thread ended meanwhile
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def argv(pid: int) -> list[str]:
+    """`pid`'s command line; [] if it has ended."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
+    except OSError:
+        return []

@@ -16,7 +16,8 @@ import pytest
 import text_generation
 
 from tests.e2e.fault_engine import FAULT_PROMPT
-from tests.e2e.server import Server
+from tests.e2e.server import Server, argv
+from tests.waiting import async_wait_until, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,6 +34,22 @@ def guarded(tmp_path_factory):
 
 
 AUTH = {"Authorization": "Bearer sekret"}
+
+
+def received(srv: Server) -> float:
+    """The generation requests a route has taken so far: each took its slot then, or got its 429
+    (`guarded`'s /metrics needs the key)."""
+    return srv.metric("tgi_request_count_total", AUTH)
+
+
+def running(srv: Server) -> float:
+    """The requests in the engine's running batch."""
+    return srv.metric("tgi_batch_current_size", AUTH)
+
+
+def log_records(srv: Server) -> list[dict]:
+    """The server's JSON log records, whole lines only (it may be writing one now)."""
+    return [json.loads(line) for line in srv.log_path.read_text().split("\n")[:-1] if line.startswith("{")]
 
 
 def test_api_key_guards_every_route_but_health(guarded):
@@ -74,8 +91,9 @@ def test_over_the_limit_is_429_at_once_while_admitted_requests_complete(guarded)
 
     async def main():
         async with httpx.AsyncClient(base_url=guarded.url, headers=AUTH, timeout=120) as c:
+            before = received(guarded)
             first = [asyncio.ensure_future(c.post("/generate", json=long)) for _ in range(2)]
-            await asyncio.sleep(1.0)  # both admitted and generating
+            await async_wait_until(lambda: received(guarded) == before + 2, 30, "both requests admitted")
             t0 = time.monotonic()
             third = await c.post("/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}})
             waited = time.monotonic() - t0
@@ -96,8 +114,9 @@ def test_overloaded_maps_to_the_client_error(guarded):
 
     async def main():
         long = dict(max_new_tokens=40)
+        before = received(guarded)
         busy = [asyncio.ensure_future(client.generate("Count slowly:", **long)) for _ in range(2)]
-        await asyncio.sleep(1.0)
+        await async_wait_until(lambda: received(guarded) == before + 2, 30, "both requests admitted")
         with pytest.raises(text_generation.errors.OverloadedError):
             await client.generate("Hi", max_new_tokens=2)
         await asyncio.gather(*busy)
@@ -135,8 +154,8 @@ def test_killed_engine_fails_requests_turns_unhealthy_and_exits_nonzero(tmp_path
             while not next(lines).startswith("data:"):
                 pass
             engine = srv.engine_pid()
-            argv = open(f"/proc/{engine}/cmdline").read().split("\0")
-            inbox = Path(argv[argv.index("--inbox") + 1].removeprefix("ipc://"))
+            args = argv(engine)
+            inbox = Path(args[args.index("--inbox") + 1].removeprefix("ipc://"))
             sockets = inbox.parent
             assert inbox.name == "inbox" and sockets.name.startswith("pytgi-") and sockets.exists()
             os.kill(engine, signal.SIGKILL)
@@ -210,7 +229,7 @@ def test_failed_requests_of_every_kind_give_their_slots_back(guarded):
         with httpx.stream("POST", f"{guarded.url}/generate_stream", headers=AUTH, timeout=60,
                           json={"inputs": "Count:", "parameters": {"max_new_tokens": 200}}) as s:
             next(line for line in s.iter_lines() if line.startswith("data:"))
-    time.sleep(1.0)  # the server notices the disconnects
+    wait_until(lambda: running(guarded) == 0, 10, "the server to abort the streams whose clients went away")
 
     async def full_capacity():
         async with httpx.AsyncClient(base_url=guarded.url, headers=AUTH, timeout=120) as c:
@@ -250,11 +269,16 @@ def test_a_chunked_body_over_the_limit_is_413(guarded):
 
 def test_an_abandoned_generate_is_an_info_line(guarded):
     body = json.dumps({"inputs": "Count:", "parameters": {"max_new_tokens": 300, "ignore_eos_token": True}}).encode()
+    before = received(guarded)
     with socket.create_connection(("127.0.0.1", guarded.port)) as s:
         s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-        time.sleep(0.5)
-    time.sleep(1.0)
-    records = [json.loads(line) for line in guarded.log_path.read_text().splitlines() if line.startswith("{")]
-    assert any("client went away" in r["message"] and r["level"] == "INFO" for r in records)
+        wait_until(lambda: received(guarded) > before, 30, "the route to take the request")
+
+    def went_away() -> bool:
+        return any("client went away" in r["message"] and r["level"] == "INFO" for r in log_records(guarded))
+
+    wait_until(went_away, 10, "an INFO line saying the client went away")
+    wait_until(lambda: running(guarded) == 0, 10, "the abandoned request to be aborted")
+    records = log_records(guarded)
     assert not any(r["target"].startswith("uvicorn") and r["level"] == "ERROR" for r in records)  # no traceback

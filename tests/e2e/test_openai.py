@@ -15,6 +15,7 @@ from openai import AsyncOpenAI, OpenAI
 
 from tests.e2e.fault_engine import FAULT_PROMPT
 from tests.e2e.server import Server
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -391,10 +392,8 @@ def test_metrics_count_openai_requests(client, server):
 
 # -- disconnects -----------------------------------------------------------------------------------
 def wait_batch_empty(server) -> None:
-    deadline = time.monotonic() + 10
-    while server.metric("tgi_batch_current_size") > 0:
-        assert time.monotonic() < deadline, "the running batch did not empty after the disconnect"
-        time.sleep(0.2)
+    wait_until(lambda: server.metric("tgi_batch_current_size") == 0, 10,
+               "the running batch to empty after the disconnect")
 
 
 def test_a_closed_stream_frees_its_slot(client, server):

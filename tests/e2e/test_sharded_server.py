@@ -39,17 +39,6 @@ def test_shards_give_the_same_text_as_one(server, sharded):
         assert greedy(sharded.url, prompt) == greedy(server.url, prompt)
 
 
-def worker_pids(srv: Server) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "pytgi.engine.worker"], capture_output=True, text=True).stdout.split()
-    engine = srv.engine_pid()
-    return [int(p) for p in out if int(p) != engine and _parent(int(p)) == engine]
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
 def test_a_killed_rank_fails_requests_and_health_within_seconds(tmp_path):
     srv = Server("--num-shard", "2", log=tmp_path / "kill-rank.log").wait_ready()
     try:
@@ -58,7 +47,7 @@ def test_a_killed_rank_fails_requests_and_health_within_seconds(tmp_path):
             lines = s.iter_lines()
             while not next(lines).startswith("data:"):
                 pass
-            (victim,) = worker_pids(srv)
+            (victim,) = srv.worker_pids()
             os.kill(victim, signal.SIGKILL)
             t0 = time.monotonic()
             rest = [json.loads(line[5:]) for line in lines if line.startswith("data:")]

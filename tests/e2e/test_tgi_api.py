@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
+
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -210,20 +211,16 @@ def test_client_disconnect_aborts_the_request(server):
         while not next(lines).startswith("data:"):
             pass
         assert server.metric("tgi_batch_current_size") >= 1
-    deadline = time.monotonic() + 10
-    while server.metric("tgi_batch_current_size") > 0:
-        assert time.monotonic() < deadline, "the running batch did not empty after the disconnect"
-        time.sleep(0.2)
+    wait_until(lambda: server.metric("tgi_batch_current_size") == 0, 10,
+               "the running batch to empty after the disconnect")
 
 
 def test_non_streaming_disconnect_aborts_too(server):
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2000, "ignore_eos_token": True}}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/generate", json=body, timeout=2)
-    deadline = time.monotonic() + 10
-    while server.metric("tgi_batch_current_size") > 0:
-        assert time.monotonic() < deadline, "the running batch did not empty after the disconnect"
-        time.sleep(0.2)
+    wait_until(lambda: server.metric("tgi_batch_current_size") == 0, 10,
+               "the running batch to empty after the disconnect")
 
 
 def test_watermark_is_detectable(server):

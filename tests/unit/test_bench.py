@@ -288,7 +288,7 @@ def mock(streams: dict[str, tuple[int, str]], seen: list | None = None, delay: f
         async def body():
             try:
                 for part in text.split("\n\n"):
-                    if delay:
+                    if delay:  # on purpose: a server streaming at a pace, for ttft, itl and overlap to measure
                         await asyncio.sleep(delay)
                     if part:
                         yield (part + "\n\n").encode()

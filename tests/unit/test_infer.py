@@ -10,6 +10,7 @@ import pytest
 from pytgi.router.infer import Infer, Overloaded
 from pytgi.router.validation import ValidRequest
 from pytgi.sampling_params import SamplingParams
+from tests.waiting import async_wait_until
 
 
 class FakeClient:
@@ -150,7 +151,7 @@ def test_generate_collects_the_stream_and_best_of_keeps_the_likeliest():
 
     async def main():  # type: ignore[no-untyped-def]
         task = asyncio.ensure_future(infer.generate(req, adm))
-        await asyncio.sleep(0)
+        await async_wait_until(lambda: len(adm.streams) == 2, 5, "generate() to open both streams", interval=0)
         first, second = adm.streams
         first.queue.put_nowait(TokenOut("r", 1, -2.0, finish_reason="length"))
         second.queue.put_nowait(TokenOut("r", 2, -0.5, finish_reason="length"))
