@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-
-def _env(name: str, default: str | None = None) -> str | None:
-    return os.environ.get(name, default)
 
 
 def _generate(args: argparse.Namespace) -> int:
     from pytgi import LLM, InvalidRequest, SamplingParams
 
     llm = LLM(
-        model=args.model_id,
+        model=args.model,
         revision=args.revision,
         dtype=args.dtype,
         max_batch_total_tokens=args.max_batch_total_tokens,
@@ -82,6 +77,7 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pytgi", description="Text generation inference in Python.")
     sub = parser.add_subparsers(dest="command", required=True)
+    from pytgi import settings
     from pytgi.server.launcher import add_serve_arguments, add_shard_arguments
 
     srv = sub.add_parser("serve", help="serve a model over TGI's HTTP API (default: the embedded model)")
@@ -98,15 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument(
         "model_id", help="org/name, org/name:TAG (a GGUF quantization, e.g. Q4_K_M) or org/name/file.gguf"
     )
-    dl.add_argument(
-        "--revision", default=_env("REVISION"), help="a branch, tag or commit (default: main) [env REVISION]"
-    )
-    dl.add_argument(
-        "--json-output",
-        action="store_true",
-        default=_env("JSON_OUTPUT", "") not in ("", "0", "false"),
-        help="log each file as a JSON line instead of progress bars [env JSON_OUTPUT]",
-    )
+    settings.add_arguments(dl, only=("revision", "json_output"))
     dl.set_defaults(func=_download)
     from pytgi.bench.cli import add_bench_arguments
 
@@ -115,11 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=_bench)
     gen = sub.add_parser("generate", help="stream a completion of one prompt to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument(
-        "--model-id", default=_env("MODEL_ID"), help="Hub id, HF directory or .gguf (default: embedded)"
-    )
-    gen.add_argument("--revision", default=_env("REVISION"), help="of a Hub id (default: main)")
-    gen.add_argument("--dtype", default=_env("DTYPE", "auto"))
+    settings.add_arguments(gen, only=("model", "revision", "dtype", "max_batch_total_tokens"))
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0)
@@ -127,7 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
-    gen.add_argument("--max-batch-total-tokens", type=int, default=None)
     gen.set_defaults(func=_generate)
     return parser
 

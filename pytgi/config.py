@@ -1,5 +1,7 @@
-"""Engine configuration: what is asked (`EngineConfig`, named as TGI's launcher names its flags) and
-what it resolves to once the model and the device are known (`EngineInfo`, frozen).
+"""Configuration: what the engine is asked for (`EngineConfig`, named as TGI's launcher names its
+flags), what that resolves to once the model and the device are known (`EngineInfo`, frozen), and
+the API process's (`ServerConfig`). Each serving setting is one field, declared with `setting`
+(`pytgi.settings` derives the flags, /info and docs/flags.md from them).
 
 `EngineInfo` is the one resolved configuration: the scheduler obeys it, `Ready` carries it to the
 API process, and /info shows it. No torch here: the API process imports this module.
@@ -9,44 +11,90 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
+
+from pytgi.settings import setting
 
 DRAFT_MODEL_TOKENS = 4  # a draft model's tokens per step when --speculate is not given
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = (
-        None  # HF directory, .gguf file or Hub id (org/name[:TAG]); None = the embedded default
+    """What the engine is asked for: the serving settings the engine process reads (`setting`), and
+    knobs the offline `LLM` and the tests set."""
+
+    model: str | None = setting(
+        None,
+        "Hub id (org/name, org/name-GGUF:Q4_K_M, org/name/file.gguf), HF directory or .gguf file "
+        "(default: the embedded SmolLM2-135M-Instruct, never downloaded)",
+        flag="--model-id",
     )
-    revision: str | None = None  # of a Hub id: a branch, tag or commit (default: main)
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: bfloat16; float32 is the exact path)
-    quantize: str = "auto"  # auto | none | int8 | int4: weight-only, for small CPU steps (pytgi.models.quant)
+    revision: str | None = setting(None, "of a Hub id: a branch, tag or commit (default: main)")
+    num_shard: int = setting(1, "tensor-parallel ranks", info=True)
+    dtype: str = setting("auto", "auto (bfloat16) | float32 (exact) | bfloat16 | float16")
+    quantize: str = setting(
+        "auto",
+        "weights on CPU: auto (as the GGUF file; a bf16 model as it is, on pytgi's bf16 kernel) | "
+        "none (PyTorch's matmuls) | int8 | int4 (weight-only, for small steps) | bf16",
+    )
+    model_impl: str = setting(
+        "auto", "whose model code: auto (pytgi's where it has it, else transformers') | pytgi | transformers"
+    )
+    max_input_tokens: int | None = setting(None, "longest prompt (default: max_total_tokens - 1)", info=True)
+    max_total_tokens: int | None = setting(
+        None, "prompt + generated tokens (default: the model's positions)", info=True
+    )
+    waiting_served_ratio: float = setting(0.3, "admission rule for a running batch", info=True)
+    speculate: int = setting(
+        0,
+        "draft tokens verified per decode step, at most (0: off): n-gram (prompt-lookup) drafts, "
+        "or --draft-model-id's",
+    )
+    draft_model: str | None = setting(
+        None,
+        "a smaller model with the same tokenizer drafts for --speculate (default 4 tokens): Hub id, "
+        "HF directory or .gguf file",
+        flag="--draft-model-id",
+    )
+    max_batch_prefill_tokens: int | None = setting(
+        None, "tokens computed per step (default 4096 GPU, 1024 CPU)", info=True
+    )
+    max_prefill_tokens_while_decoding: int | None = setting(
+        None,
+        "prompt tokens per step while others decode: bounds a long prompt's stall of running streams "
+        "(default: no cap)",
+    )
+    max_batch_total_tokens: int | None = setting(
+        None, "KV-cache slots (default: sized from memory)", info=True
+    )
+    max_waiting_tokens: int = setting(20, "steps before waiting requests join regardless", info=True)
+    max_batch_size: int | None = setting(None, "most running requests (default: 256)", info=True)
+    enable_prefix_caching: bool = setting(
+        True, "turn the prefix cache off", flag="--disable-prefix-caching", switch=True
+    )
+    # CPU: a row's numerics do not depend on the step (docs/batch-invariance.md)
+    batch_invariant: bool = setting(
+        True,
+        "let a step's size pick faster kernels for long prompts on CPU: a greedy output may then "
+        "depend on what else runs (docs/batch-invariance.md)",
+        flag="--disable-batch-invariance",
+        switch=True,
+    )
+    master_addr: str = setting(
+        "localhost", "torch.distributed rendezvous address (shards on several machines)"
+    )
+    master_port: int | None = setting(
+        None, "torch.distributed rendezvous port (default: a free local port; 29500 when ranks start apart)"
+    )
+    # Not flags: the offline API's and the tests' knobs.
     device: str = "auto"  # auto | cpu | cuda
-    max_input_tokens: int | None = None  # default: max_total_tokens - 1
-    max_total_tokens: int | None = None  # default: the model's positions
-    max_batch_prefill_tokens: int | None = None  # default: 4096 on GPU, 1024 on CPU
-    max_prefill_tokens_while_decoding: int | None = (
-        None  # prompt tokens per step while others decode; None/0: no cap
-    )
-    max_batch_total_tokens: int | None = None  # KV slots; default: sized from free memory
-    max_batch_size: int | None = None  # default: 256
-    waiting_served_ratio: float = 0.3
-    max_waiting_tokens: int = 20
     block_size: int = 16
-    enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    batch_invariant: bool = True  # CPU: a row's numerics do not depend on the step (docs/batch-invariance.md)
-    speculate: int = 0  # draft tokens per decode step, at most (0: off; pytgi.engine.speculate)
-    draft_model: str | None = None  # a smaller model with the same tokenizer drafts (else n-gram drafts)
     kv_cache_memory_fraction: float = 0.9  # of free memory left after the weights (CUDA)
     kv_cache_cpu_bytes: int = 4 << 30  # on CPU: the most the KV cache takes by default
     attention_backend: str = "torch"
-    model_impl: str = "auto"  # auto | pytgi | transformers: whose model code (auto: pytgi's where it has it)
-    num_shard: int = 1
-    master_addr: str = "localhost"  # torch.distributed rendezvous (MASTER_ADDR)
-    master_port: int | None = None  # None: a free local port (all shards on this machine)
     progress: bool = True  # show progress bars on first conversion
 
     def validate(self) -> None:
@@ -160,3 +208,50 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     quantization: dict[str, int] | None = None
     speculate: int = 0  # draft tokens per decode step, at most
     draft_model: str | None = None  # the draft model (--draft-model-id), if any
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """The API process's configuration: its serving settings (`setting`), and what the launcher
+    resolved (the model, the engine's config)."""
+
+    engine: EngineConfig
+    model_path: Path
+    model_id: str
+    hostname: str = setting("0.0.0.0", "address to listen on")
+    port: int = setting(3000, "port to listen on")
+    max_concurrent_requests: int = setting(128, "in-flight requests before answering 429", info=True)
+    max_best_of: int = setting(2, "largest best_of", info=True)
+    max_stop_sequences: int = setting(4, "most stop sequences per request", info=True)
+    max_top_n_tokens: int = setting(5, "largest top_n_tokens")
+    validation_workers: int = setting(2, "tokenizer threads", info=True)
+    api_key: str | None = setting(
+        None,
+        "require `Authorization: Bearer <key>` on every route but --api-key-exempt's (prefer the "
+        "API_KEY environment variable: a flag shows in `ps` and /proc/*/cmdline)",
+    )
+    # route names (pytgi.server.middleware.EXEMPTIONS)
+    api_key_exempt: tuple[str, ...] = setting(
+        ("health",),
+        "routes open without the key, comma-separated: health, metrics, info, docs, openapi, models "
+        "(or none)",
+    )
+    ssl_keyfile: str | None = setting(None, "serve HTTPS with this private key (PEM)")
+    ssl_certfile: str | None = setting(None, "... and this certificate chain (PEM)")
+    keep_alive_timeout: int = setting(5, "seconds an idle keep-alive connection stays open")
+    request_header_timeout: float = setting(
+        10.0, "seconds a request's headers may take to arrive (else 408, closed)"
+    )
+    request_body_timeout: float = setting(30.0, "seconds a request body may pause between chunks (else 408)")
+    payload_limit: int = setting(2_000_000, "largest request body in bytes")
+    graceful_termination_timeout: int = setting(90, "seconds to finish in-flight requests on SIGTERM")
+    cors_allow_origin: tuple[str, ...] = setting(
+        (), "allowed CORS origins, comma-separated (or the flag repeated)", repeat=True
+    )
+    json_output: bool = setting(False, "log as JSON lines", switch=True)
+    model_sha: str | None = None  # the Hub commit served (or --revision for a local model)
+    engine_module: str = "pytgi.engine.process"  # the engine process's entry point
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.ssl_certfile)

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 import pytgi
+from pytgi.config import ServerConfig
 from pytgi.metrics import Metrics
 from pytgi.router.engine_client import EngineClient
 from pytgi.router.infer import Infer
@@ -24,7 +25,7 @@ from pytgi.server.middleware import (
     PayloadLimitMiddleware,
 )
 from pytgi.server.responses import JSONResponse
-from pytgi.server.state import ServerConfig, State
+from pytgi.server.state import State
 from pytgi.tokenizer import Tokenizer
 
 log = logging.getLogger("pytgi.server")

@@ -5,40 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from fastapi import Request
 
-from pytgi.config import EngineConfig
+from pytgi.config import ServerConfig
 from pytgi.metrics import Metrics
 from pytgi.router.engine_client import EngineClient
 from pytgi.router.infer import Admission, Infer
 from pytgi.router.validation import Validation
 from pytgi.tokenizer import Tokenizer
-
-
-@dataclass(slots=True)
-class ServerConfig:
-    engine: EngineConfig
-    model_path: Path
-    model_id: str
-    hostname: str = "0.0.0.0"
-    port: int = 3000
-    max_concurrent_requests: int = 128
-    max_best_of: int = 2
-    max_stop_sequences: int = 4
-    max_top_n_tokens: int = 5
-    validation_workers: int = 2
-    api_key: str | None = None
-    api_key_exempt: tuple[str, ...] = ("health",)  # route names (pytgi.server.middleware.EXEMPTIONS)
-    payload_limit: int = 2_000_000
-    request_body_timeout: float = 30.0
-    tls: bool = False
-    cors_allow_origin: list[str] = field(default_factory=list)
-    json_output: bool = False
-    graceful_termination_timeout: int = 90
-    model_sha: str | None = None  # the Hub commit served (or --revision for a local model)
-    engine_module: str = "pytgi.engine.process"  # the engine process's entry point
 
 
 @dataclass(slots=True)

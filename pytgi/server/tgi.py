@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 
 import pytgi
+from pytgi import settings
 from pytgi.outputs import Delta, OutputProcessor, Token
 from pytgi.router.infer import Admission, Generation, InferError, RequestStream, Timings
 from pytgi.router.validation import CompatGenerateRequest, GenerateRequest, ValidationError, ValidRequest
@@ -215,11 +216,16 @@ async def health(request: Request) -> Response:
     return error_response(503, "unhealthy", "healthcheck")
 
 
+INFO_SETTINGS = [s for s in settings.table() if s.info]
+
+
 @router.get("/info", tags=["Text Generation Inference"])
 async def info(request: Request) -> JSONResponse:
     st = state_of(request)
     cfg, eng = st.config, st.client.info
     assert eng is not None
+    # The settings marked for /info (pytgi.settings), as the engine resolved them.
+    resolved = {s.name: getattr(eng if s.reader == "engine" else cfg, s.name) for s in INFO_SETTINGS}
     return JSONResponse(
         {
             "model_id": cfg.model_id,
@@ -228,20 +234,9 @@ async def info(request: Request) -> JSONResponse:
             "model_device_type": eng.model_device_type,
             "model_quantization": eng.quantization,  # pytgi's: a GGUF file's tensor types and counts
             "model_pipeline_tag": "text-generation",
-            "max_concurrent_requests": cfg.max_concurrent_requests,
-            "max_best_of": cfg.max_best_of,
-            "max_stop_sequences": cfg.max_stop_sequences,
-            "max_input_tokens": eng.max_input_tokens,
-            "max_total_tokens": eng.max_total_tokens,
-            "max_input_length": eng.max_input_tokens,
-            "waiting_served_ratio": eng.waiting_served_ratio,
-            "max_batch_total_tokens": eng.max_batch_total_tokens,
-            "max_waiting_tokens": eng.max_waiting_tokens,
-            "max_batch_size": eng.max_batch_size,
-            "max_batch_prefill_tokens": eng.max_batch_prefill_tokens,
-            "validation_workers": cfg.validation_workers,
+            **resolved,
+            "max_input_length": eng.max_input_tokens,  # TGI's older name
             "max_client_batch_size": 4,
-            "num_shard": eng.num_shard,
             "router": "pytgi",
             "version": pytgi.__version__,
             "sha": None,

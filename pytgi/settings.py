@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import types
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,8 +65,9 @@ class Setting:
 
 def _parser(annotation: Any) -> Callable[[str], Any]:
     """int | None → int, and so on: what parses one value of the field."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    base = args[0] if args else annotation
+    base = annotation
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        base = next(a for a in typing.get_args(annotation) if a is not type(None))
     if typing.get_origin(base) is tuple:  # a comma-separated list
         return lambda text: tuple(p.strip() for p in text.split(",") if p.strip())
     return base
@@ -115,8 +117,12 @@ def add_arguments(
             parser.add_argument(
                 s.flag, dest=s.name, action="store_const", const=not s.default, default=default, help=help_
             )
+        elif s.repeat:  # the flag's values are joined; not given: the environment's (from_args)
+            parser.add_argument(
+                s.flag, dest=s.name, type=s.type, action="append", default=None, metavar=s.env, help=help_
+            )
         else:
-            parser.add_argument(s.flag, dest=s.name, type=s.type, default=default, help=help_)
+            parser.add_argument(s.flag, dest=s.name, type=s.type, default=default, metavar=s.env, help=help_)
 
 
 def from_args(args: argparse.Namespace, reader: str) -> dict[str, Any]:
@@ -127,7 +133,7 @@ def from_args(args: argparse.Namespace, reader: str) -> dict[str, Any]:
             continue
         value = getattr(args, s.name)
         if s.repeat:  # given: the flags' values, joined; not given: the environment's, or the default
-            value = getattr(args, f"{s.name}_env") if value is None else tuple(v for vs in value for v in vs)
+            value = s.from_env() if value is None else tuple(v for vs in value for v in vs)
         out[s.name] = value
     return out
 
@@ -145,7 +151,7 @@ def markdown() -> str:
     ]
     for s in table():
         default = "" if s.default is None else f"`{s.default}`"
-        flag = s.flag if s.switch else f"{s.flag} {s.name.upper()}"
+        flag = s.flag if s.switch else f"{s.flag} <{s.env}>"
         lines.append(f"| `{flag}` | `{s.env}` | {default} | {s.reader} | {s.help.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
 
