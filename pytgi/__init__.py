@@ -6,7 +6,8 @@ only need plain data (the API process) can import pytgi without torch.
 
 from typing import Any
 
-from pytgi.sampling_params import InvalidRequest, SamplingParams
+from pytgi.errors import InvalidRequest
+from pytgi.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "InvalidRequest", "RequestOutput", "SamplingParams", "__version__"]

@@ -7,7 +7,8 @@ import sys
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pytgi import LLM, InvalidRequest, SamplingParams
+    from pytgi import LLM, SamplingParams
+    from pytgi.errors import InvalidRequest
 
     llm = LLM(
         model=args.model,

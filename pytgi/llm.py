@@ -9,9 +9,10 @@ from typing import Any, cast
 
 from pytgi.config import EngineConfig
 from pytgi.engine.engine import LLMEngine
-from pytgi.outputs import Delta, OutputProcessor, RequestFailed, Token
+from pytgi.errors import InvalidRequest, RequestFailed
+from pytgi.outputs import Delta, OutputProcessor, Token
 from pytgi.protocol import TokenOut
-from pytgi.sampling_params import InvalidRequest, SamplingParams
+from pytgi.sampling_params import SamplingParams
 from pytgi.tokenizer import Tokenizer
 
 Prompt = str | list[int]
@@ -89,8 +90,6 @@ class LLM:
 
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequest("the prompt is empty: give a non-empty string or token ids")
             return self.tokenizer.encode(prompt)
         if not all(isinstance(t, int) for t in prompt):
             raise InvalidRequest("a prompt is a string or a list of token ids (ints)")

@@ -11,12 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pytgi import protocol as P
+from pytgi.errors import RequestFailed
 from pytgi.sampling_params import SamplingParams
 from pytgi.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
-
-
-class RequestFailed(RuntimeError):
-    """The engine failed the request (its step raised, or it refused the request)."""
 
 
 @dataclass(slots=True)

@@ -3,12 +3,66 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytgi.errors import InvalidRequest
 
-class InvalidRequest(ValueError):
-    """A request the engine refuses; the message names the parameter and the fix."""
+# The rules a request keeps, each written once. SHARED_RULES hold wherever a request comes from (the
+# API's validation checks them in TGI's words and order; SamplingParams checks them too); TGI's
+# stricter rules for its own parameters (temperature > 0, top_p < 1...) live in its validation.
+SHARED_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "max_new_tokens": (lambda v: isinstance(v, int) and v > 0, "must be strictly positive"),
+    "repetition_penalty": (lambda v: v > 0, "must be strictly positive"),
+    "frequency_penalty": (lambda v: -2.0 <= v <= 2.0, "must be >= -2.0 and <= 2.0"),
+    "presence_penalty": (lambda v: -2.0 <= v <= 2.0, "must be >= -2.0 and <= 2.0"),
+    "stop": (lambda v: all(isinstance(s, str) and s for s in v), "must be a list of non-empty strings"),
+    "inputs": (lambda v: len(v) > 0, "cannot be empty"),
+}
+# What the engine can run at all (0 and 1 disable a warper, 0 is greedy).
+ENGINE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (lambda v: v >= 0, "must be >= 0 (0 = greedy)"),
+    "top_k": (lambda v: v >= 0, "must be >= 0 (0 disables it)"),
+    "top_p": (lambda v: 0.0 < v <= 1.0, "must be > 0.0 and <= 1.0"),
+    "typical_p": (lambda v: 0.0 < v <= 1.0, "must be > 0.0 and <= 1.0"),
+    "top_n_tokens": (lambda v: v >= 0, "must be >= 0"),
+    "seed": (lambda v: 0 <= v < 2**64, "must be in [0, 2**64)"),
+}
+
+
+def check(name: str, value: Any) -> None:
+    """Refuse `value` for the field `name` if it breaks its shared rule (None: not given)."""
+    ok, rule = SHARED_RULES[name]
+    if value is not None and not ok(value):
+        raise InvalidRequest(f"`{name}` {rule}", name)
+
+
+def check_token_ids(ids: list[int], vocab_size: int | None) -> None:
+    if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):
+        raise InvalidRequest(f"`inputs` token ids must be >= 0 and < {vocab_size}", "inputs")
+
+
+def check_prompt(
+    ids: list[int], max_new_tokens: int, max_input_tokens: int, max_total_tokens: int, vocab_size: int | None
+) -> None:
+    """The prompt's rules (TGI's words, in TGI's order), for the API's validation and the engine alike."""
+    check("inputs", ids)
+    check_token_ids(ids, vocab_size)
+    n = len(ids)
+    if n + max_new_tokens > max_total_tokens:
+        raise InvalidRequest(
+            f"`inputs` tokens + `max_new_tokens` must be <= {max_total_tokens}. "
+            f"Given: {n} `inputs` tokens and {max_new_tokens} `max_new_tokens`",
+            "max_new_tokens",
+            "context_length_exceeded",
+        )
+    if n > max_input_tokens:
+        raise InvalidRequest(
+            f"`inputs` must have less than {max_input_tokens} tokens. Given: {n}",
+            "inputs",
+            "context_length_exceeded",
+        )
 
 
 @dataclass(slots=True)
@@ -55,28 +109,9 @@ class SamplingParams:
         return self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0
 
     def validate(self) -> None:
-        def bad(msg: str) -> InvalidRequest:
-            return InvalidRequest(msg)
-
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise bad(f"`max_new_tokens` must be strictly positive, got {self.max_new_tokens!r}")
-        if self.temperature < 0:
-            raise bad(f"`temperature` must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise bad(f"`top_k` must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad(f"`top_p` must be > 0.0 and <= 1.0, got {self.top_p}")
-        if not 0.0 < self.typical_p <= 1.0:
-            raise bad(f"`typical_p` must be > 0.0 and <= 1.0, got {self.typical_p}")
-        if self.repetition_penalty <= 0:
-            raise bad(f"`repetition_penalty` must be strictly positive, got {self.repetition_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad(f"`frequency_penalty` must be >= -2.0 and <= 2.0, got {self.frequency_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad(f"`presence_penalty` must be >= -2.0 and <= 2.0, got {self.presence_penalty}")
-        if self.top_n_tokens < 0:
-            raise bad(f"`top_n_tokens` must be >= 0, got {self.top_n_tokens}")
-        if self.seed is not None and not (0 <= self.seed < 2**64):
-            raise bad(f"`seed` must be in [0, 2**64), got {self.seed}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("`stop` must be a list of non-empty strings")
+        for name in [n for n in SHARED_RULES if n != "inputs"]:
+            check(name, getattr(self, name))
+        for name, (ok, rule) in ENGINE_RULES.items():
+            value = getattr(self, name)
+            if value is not None and not ok(value):
+                raise InvalidRequest(f"`{name}` {rule}, got {value!r}", name)

@@ -17,7 +17,8 @@ import json
 from functools import lru_cache
 from typing import Any
 
-from pytgi.sampling_params import InvalidRequest, SamplingParams
+from pytgi.errors import InvalidRequest
+from pytgi.sampling_params import SamplingParams
 
 # OpenAI's json_object: any JSON object.
 ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pytgi.errors import DistributedError
+
 _TP_RANK = 0
 _TP_SIZE = 1
 _CMD_GROUP = None  # commands: a long timeout, since workers wait on it while the engine is idle
@@ -24,10 +26,6 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("PYTGI_DIST_TIMEOUT", "20"))
 
 # Commands rank 0 broadcasts to the workers.
 CMD_STEP, CMD_NOOP, CMD_ALLOC, CMD_CAPACITY, CMD_SHUTDOWN = range(5)
-
-
-class DistributedError(RuntimeError):
-    """A collective failed or timed out: a rank is gone or stuck. Fatal for the engine."""
 
 
 def tp_rank() -> int:

@@ -32,7 +32,7 @@ from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import Request
 from pytgi.engine.sampler import row_stats
 from pytgi.engine.speculate import next_length
-from pytgi.errors import UserError
+from pytgi.errors import DraftModelError
 from pytgi.models.cpu import CpuKernels
 from pytgi.models.loader import load_model, read_config, resolve_dtype
 from pytgi.models.registry import resolve_model
@@ -40,10 +40,6 @@ from pytgi.models.registry import resolve_model
 # Prompt tokens the draft model computes per step for requests it is catching up on (a new prompt):
 # the step's other streams wait for them.
 CATCHUP_TOKENS = 512
-
-
-class DraftModelError(UserError, ValueError):
-    pass
 
 
 @dataclass(slots=True, eq=False)

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING
 from pytgi import protocol as P
 from pytgi import structured
 from pytgi.config import EngineConfig
-from pytgi.distributed import DistributedError
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import Scheduler
 from pytgi.engine.shards import ShardGroup, set_cpu_threads
+from pytgi.errors import DistributedError, InvalidRequest
 from pytgi.models.quant import file_quantization
 from pytgi.models.registry import resolve_model
-from pytgi.sampling_params import InvalidRequest, SamplingParams
+from pytgi.sampling_params import SamplingParams, check_prompt
 
 if TYPE_CHECKING:
     from pytgi.engine.draft import DraftModel
@@ -111,21 +111,11 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        n, info = len(prompt_ids), self.info
-        if n == 0:
-            raise InvalidRequest("the prompt is empty: give at least one token")
-        if n > info.max_input_tokens:
-            raise InvalidRequest(
-                f"the prompt has {n} tokens; at most {info.max_input_tokens} are accepted (max_input_tokens)"
-            )
-        if n + params.max_new_tokens > info.max_total_tokens:
-            raise InvalidRequest(
-                f"prompt tokens + max_new_tokens must be <= {info.max_total_tokens}: "
-                f"given {n} prompt tokens and {params.max_new_tokens} max_new_tokens"
-            )
-        if min(prompt_ids) < 0 or max(prompt_ids) >= info.vocab_size:
-            raise InvalidRequest(f"prompt token ids must be in [0, {info.vocab_size})")
+        info = self.info
         params.validate()
+        check_prompt(
+            prompt_ids, params.max_new_tokens, info.max_input_tokens, info.max_total_tokens, info.vocab_size
+        )
         grammar = structured.check(params)  # cached per grammar: the API process checked it already
         self.scheduler.add(
             Request(

@@ -21,8 +21,9 @@ from pytgi.engine.request import Request
 from pytgi.engine.sampler import Sampler, SamplingMetadata, row_stats
 from pytgi.engine.speculate import accepted_prefix
 from pytgi.engine.step import ScheduledRequest, StepOutput
-from pytgi.engine.structured import GrammarError, GrammarMatchers, StepMasks
+from pytgi.engine.structured import GrammarMatchers, StepMasks
 from pytgi.engine.watermark import apply_watermark
+from pytgi.errors import GrammarError
 
 
 @dataclass(slots=True)

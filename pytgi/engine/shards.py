@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from pytgi.config import EngineConfig
-from pytgi.distributed import DistributedError, check_heads
+from pytgi.distributed import check_heads
+from pytgi.errors import DistributedError
 from pytgi.net import free_port
 
 

@@ -27,13 +27,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from pytgi.errors import GrammarError
+
 log = logging.getLogger(__name__)
 
 _CACHED_GRAMMARS = 64
-
-
-class GrammarError(RuntimeError):
-    """A constrained request cannot go on (its matcher failed); only that request ends."""
 
 
 # Each bitmask byte's 8 tokens as additive logits (0 allowed, -inf forbidden), bit i = token 8 * byte + i:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from pytgi.errors import UserError
+from pytgi.errors import GGUFConversionError
 
 # GGUF architecture → (HF architecture class, model_type). llama.cpp stores Mistral as "llama".
 ARCHITECTURES = {
@@ -75,10 +75,6 @@ _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-
-
-class GGUFConversionError(UserError, ValueError):
-    pass
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

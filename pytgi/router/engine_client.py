@@ -23,13 +23,10 @@ import zmq.asyncio
 
 from pytgi import protocol as P
 from pytgi.config import EngineConfig
+from pytgi.errors import EngineDead
 from pytgi.sampling_params import SamplingParams
 
 log = logging.getLogger("pytgi.router")
-
-
-class EngineDead(RuntimeError):
-    pass
 
 
 class EngineClient:

@@ -15,38 +15,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from pytgi.outputs import Delta, OutputProcessor, RequestFailed
-from pytgi.router.engine_client import EngineClient, EngineDead
+from pytgi.errors import EngineDead, GenerationError, IncompleteGeneration, Overloaded, RequestFailed
+from pytgi.outputs import Delta, OutputProcessor
+from pytgi.router.engine_client import EngineClient
 from pytgi.router.validation import ValidRequest
 from pytgi.tokenizer import Tokenizer
-
-
-class InferError(Exception):
-    error_type = "generation"
-    status = 424
-    prefix = ""
-
-    @property
-    def message(self) -> str:
-        return f"{self.prefix}{self}"
-
-
-class Overloaded(InferError):
-    error_type, status = "overloaded", 429
-
-    def __init__(self) -> None:
-        super().__init__("Model is overloaded")
-
-
-class GenerationError(InferError):
-    error_type, status, prefix = "generation", 424, "Request failed during generation: "
-
-
-class IncompleteGeneration(InferError):
-    error_type, status = "incomplete_generation", 500
-
-    def __init__(self) -> None:
-        super().__init__("Incomplete generation")
 
 
 @dataclass(slots=True)

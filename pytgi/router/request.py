@@ -121,15 +121,6 @@ class GenerateInput:
         return cls(body.inputs, body.parameters, stream, getattr(body, "add_special_tokens", True))
 
 
-class ValidationError(Exception):
-    """A request TGI answers with 422 (OpenAI's routes: 400); `message` lacks the "Input validation
-    error: " prefix. `param` names the parameter at fault (TGI's name), `code` is OpenAI's."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.code = message, param, code
-
-
 @dataclass
 class ValidLimits:
     """The server's bounds (TGI's launcher flags). Required fields first, so it also builds positionally."""

@@ -29,17 +29,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytgi import structured
+from pytgi.errors import InvalidRequest
 from pytgi.router.request import (
     CompatGenerateRequest,
     GenerateInput,
     GenerateParameters,
     GenerateRequest,
     GrammarType,
-    ValidationError,
     ValidLimits,
     ValidRequest,
 )
-from pytgi.sampling_params import InvalidRequest, SamplingParams
+from pytgi.sampling_params import SamplingParams, check, check_prompt, check_token_ids
 
 __all__ = [
     "CompatGenerateRequest",
@@ -50,7 +50,6 @@ __all__ = [
     "ValidLimits",
     "ValidRequest",
     "Validation",
-    "ValidationError",
 ]
 
 
@@ -113,9 +112,9 @@ class Validation:
         # 0. what TGI's routes check before Validation::validate
         if gi.stream:
             if p.best_of is not None and p.best_of != 1:
-                raise ValidationError("`best_of` != 1 is not supported when streaming tokens", "best_of")
+                raise InvalidRequest("`best_of` != 1 is not supported when streaming tokens", "best_of")
             if p.decoder_input_details:
-                raise ValidationError(
+                raise InvalidRequest(
                     "`decoder_input_details` == true is not supported when streaming tokens",
                     "decoder_input_details",
                 )
@@ -123,9 +122,9 @@ class Validation:
             # TGI only calls validate_best_of for best_of > 1 (0 slips through as a single sequence);
             # pytgi refuses 0 here too, as the message ("must be > 0") says.
             if lim.max_best_of == 1:
-                raise ValidationError("`best_of` != 1 is not allowed for this endpoint", "best_of")
+                raise InvalidRequest("`best_of` != 1 is not allowed for this endpoint", "best_of")
             if p.best_of == 0 or p.best_of > lim.max_best_of:
-                raise ValidationError(
+                raise InvalidRequest(
                     f"`best_of` must be > 0 and <= {lim.max_best_of}. Given: {p.best_of}", "best_of"
                 )
         best_of = 1 if p.best_of is None else p.best_of
@@ -139,64 +138,52 @@ class Validation:
             or p.typical_p is not None
         )
         if best_of > 1 and not router_sampling:
-            raise ValidationError("you must use sampling when `best_of` is > 1", "best_of")
+            raise InvalidRequest("you must use sampling when `best_of` is > 1", "best_of")
         # 2..7
         if p.temperature is not None and p.temperature <= 0.0:
-            raise ValidationError("`temperature` must be strictly positive", "temperature")
-        if p.repetition_penalty is not None and p.repetition_penalty <= 0.0:
-            raise ValidationError("`repetition_penalty` must be strictly positive", "repetition_penalty")
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(p, name)
-            if value is not None and not -2.0 <= value <= 2.0:
-                raise ValidationError(f"`{name}` must be >= -2.0 and <= 2.0", name)
+            raise InvalidRequest("`temperature` must be strictly positive", "temperature")
+        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"):
+            check(name, getattr(p, name))
         if p.top_p is not None and not 0.0 < p.top_p < 1.0:
-            raise ValidationError("`top_p` must be > 0.0 and < 1.0", "top_p")
+            raise InvalidRequest("`top_p` must be > 0.0 and < 1.0", "top_p")
         if p.typical_p is not None and not 0.0 < p.typical_p < 1.0:
-            raise ValidationError("`typical_p` must be > 0.0 and < 1.0", "typical_p")
+            raise InvalidRequest("`typical_p` must be > 0.0 and < 1.0", "typical_p")
         if p.top_k is not None and p.top_k <= 0:
-            raise ValidationError("`top_k` must be strictly positive", "top_k")
+            raise InvalidRequest("`top_k` must be strictly positive", "top_k")
         # 8
-        if p.max_new_tokens is not None and p.max_new_tokens <= 0:
-            raise ValidationError("`max_new_tokens` must be strictly positive", "max_new_tokens")
+        check("max_new_tokens", p.max_new_tokens)
         # 9
         if len(p.stop) > lim.max_stop_sequences:
-            raise ValidationError(
+            raise InvalidRequest(
                 f"`stop` supports up to {lim.max_stop_sequences} stop sequences. Given: {len(p.stop)}", "stop"
             )
-        if any(s == "" for s in p.stop):
-            # pytgi: an empty stop string would match at once (the engine refuses it too)
-            raise ValidationError("`stop` must be a list of non-empty strings", "stop")
+        check("stop", p.stop)  # pytgi: an empty stop string would match at once
         if not all(_is_unicode(s) for s in p.stop):
-            raise ValidationError("`stop` sequences must be valid Unicode (no lone surrogates)", "stop")
+            raise InvalidRequest("`stop` sequences must be valid Unicode (no lone surrogates)", "stop")
         # 10
         if p.seed is not None and best_of > 1:
-            raise ValidationError("`seed` must not be set when `best_of` > 1", "seed")
+            raise InvalidRequest("`seed` must not be set when `best_of` > 1", "seed")
         # 11
         max_top_n = lim.max_top_n_tokens if gi.max_top_n_tokens is None else gi.max_top_n_tokens
         if p.top_n_tokens is not None and not 0 <= p.top_n_tokens <= max_top_n:
-            raise ValidationError(
+            raise InvalidRequest(
                 f"`top_n_tokens` must be >= 0 and <= {max_top_n}. Given: {p.top_n_tokens}", "top_n_tokens"
             )
         # 12
-        if not gi.inputs:
-            raise ValidationError("`inputs` cannot be empty", "inputs")
+        check("inputs", gi.inputs)
         if isinstance(gi.inputs, str) and not _is_unicode(gi.inputs):
-            raise ValidationError("`inputs` must be valid Unicode (no lone surrogates)", "inputs")
-        if (
-            isinstance(gi.inputs, list)
-            and self.vocab_size is not None
-            and not all(0 <= t < self.vocab_size for t in gi.inputs)
-        ):
-            raise ValidationError(f"`inputs` token ids must be >= 0 and < {self.vocab_size}", "inputs")
+            raise InvalidRequest("`inputs` must be valid Unicode (no lone surrogates)", "inputs")
+        if isinstance(gi.inputs, list):
+            check_token_ids(gi.inputs, self.vocab_size)
         # 13
         if p.truncate is not None and (p.truncate == 0 or p.truncate > lim.max_input_tokens):
-            raise ValidationError(
+            raise InvalidRequest(
                 f"`truncate` must be strictly positive and less than {lim.max_input_tokens}. "
                 f"Given: {p.truncate}",
                 "truncate",
             )
         if p.adapter_id is not None:
-            raise ValidationError(
+            raise InvalidRequest(
                 "`adapter_id` is not supported: this server serves no LoRA adapters", "adapter_id"
             )
         return _Checked(input=gi, best_of=best_of, truncate=p.truncate)
@@ -207,7 +194,7 @@ class Validation:
         try:
             return list(self.tokenizer.encode(inputs, add_special_tokens=add_special_tokens))
         except Exception as e:
-            raise ValidationError(f"tokenizer error {e}", "inputs") from e
+            raise InvalidRequest(f"tokenizer error {e}", "inputs") from e
 
     def _finish(self, c: _Checked, ids: list[int]) -> ValidRequest:
         lim, gi = self.limits, c.input
@@ -221,20 +208,9 @@ class Validation:
             # request in slices of min(that, 1024) tokens and re-queues it until the whole budget is used,
             # so the effective limit is max_total_tokens - input_length, which is what the engine gets.
             max_new_tokens = max(lim.max_total_tokens - input_length, 0)
-        if input_length + max_new_tokens > lim.max_total_tokens:
-            raise ValidationError(
-                f"`inputs` tokens + `max_new_tokens` must be <= {lim.max_total_tokens}. "
-                f"Given: {input_length} `inputs` tokens and {max_new_tokens} `max_new_tokens`",
-                "max_new_tokens",
-                "context_length_exceeded",
-            )
-        if input_length > lim.max_input_tokens:
-            raise ValidationError(
-                f"`inputs` must have less than {lim.max_input_tokens} tokens. Given: {input_length}",
-                "inputs",
-                "context_length_exceeded",
-            )
         input_ids = ids[len(ids) - input_length :]  # truncation keeps the last tokens
+        # token ids: checked above (a tokenizer's are in range)
+        check_prompt(input_ids, max_new_tokens, lim.max_input_tokens, lim.max_total_tokens, None)
 
         constraint = {} if p.grammar is None else _constraint(p.grammar)  # 15. grammar
 
@@ -293,7 +269,7 @@ class Validation:
         try:
             ids, offsets = self.tokenizer.encode_with_offsets(inputs, add_special_tokens=add_special_tokens)
         except Exception as e:
-            raise ValidationError(f"tokenizer error {e}") from e
+            raise InvalidRequest(f"tokenizer error {e}") from e
         out = []
         for tid, (cs, ce) in zip(ids, offsets):
             # Python's `tokenizers` reports character offsets; TGI (Rust) reports byte offsets of the
@@ -322,8 +298,8 @@ def _constraint(grammar: GrammarType) -> dict[str, Any]:
     """The `SamplingParams` fields of a TGI grammar (plus pytgi's `choice` and `grammar` types), or
     "grammar is not valid: ..." for a malformed one. llguidance judges the rest (`pytgi.structured`)."""
 
-    def invalid(msg: str) -> ValidationError:
-        return ValidationError(f"grammar is not valid: {msg}", "grammar")
+    def invalid(msg: str) -> InvalidRequest:
+        return InvalidRequest(f"grammar is not valid: {msg}", "grammar")
 
     value = grammar.value
     if grammar.type in ("regex", "grammar"):
@@ -352,4 +328,4 @@ def _checked_grammar(sampling: SamplingParams) -> None:
     try:
         structured.check(sampling)
     except InvalidRequest as e:
-        raise ValidationError(f"grammar is not valid: {e}", "grammar") from None
+        raise InvalidRequest(f"grammar is not valid: {e}", "grammar") from None

@@ -6,11 +6,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pytgi.router.infer import InferError
-from pytgi.router.validation import ValidationError
-from pytgi.sampling_params import InvalidRequest
+from pytgi.errors import ClientGone, InferError, InvalidRequest
 from pytgi.server.responses import JSONResponse
-from pytgi.server.streaming import ClientGone
 
 
 def error_body(message: str, error_type: str) -> dict[str, str]:
@@ -35,8 +32,12 @@ def validation_response(message: str) -> JSONResponse:
     return error_response(422, f"Input validation error: {message}", "validation")
 
 
+# TGI's status for each kind of InferError (pytgi.errors)
+INFER_STATUS = {"overloaded": 429, "generation": 424, "incomplete_generation": 500}
+
+
 def infer_error_response(exc: InferError) -> JSONResponse:
-    return error_response(exc.status, exc.message, exc.error_type)
+    return error_response(INFER_STATUS[exc.error_type], exc.message, exc.error_type)
 
 
 def _describe(exc: RequestValidationError) -> str:
@@ -52,17 +53,13 @@ def install_handlers(app: FastAPI, openai_paths: tuple[str, ...] = ("/v1/",)) ->
     async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         return validation_response(_describe(exc))
 
-    @app.exception_handler(ValidationError)
-    async def _invalid(request: Request, exc: ValidationError) -> JSONResponse:
-        return validation_response(exc.message)
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:
+        return validation_response(exc.message)  # the API's validation's, or the engine's
 
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-
-    @app.exception_handler(InvalidRequest)
-    async def _refused(request: Request, exc: InvalidRequest) -> JSONResponse:
-        return validation_response(str(exc))  # parameters the engine's SamplingParams refuses
 
     @app.exception_handler(InferError)
     async def _infer(request: Request, exc: InferError) -> JSONResponse:

@@ -7,7 +7,8 @@ import hmac
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pytgi.router.infer import Admission, Overloaded
+from pytgi.errors import Overloaded
+from pytgi.router.infer import Admission
 from pytgi.server.errors import infer_error_response, path_error_response
 from pytgi.server.openai.errors import from_infer_error
 from pytgi.server.responses import JSONResponse

@@ -12,6 +12,7 @@ from typing import TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from pytgi.errors import ClientGone
 from pytgi.router.infer import Timings
 from pytgi.server.state import State
 
@@ -64,10 +65,6 @@ def record_success(st: State, t: Timings, arrived: float, input_length: int, gen
     m.request_mean_time_per_token_duration.observe(inference / max(generated, 1))
     m.request_input_length.observe(input_length)
     m.request_generated_tokens.observe(generated)
-
-
-class ClientGone(Exception):
-    """The client left before its answer was ready: the request was aborted, nothing is sent."""
 
 
 async def wait_disconnect(request: Request, task: asyncio.Task) -> bool:

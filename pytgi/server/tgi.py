@@ -12,9 +12,10 @@ from fastapi import APIRouter, Request, Response
 
 import pytgi
 from pytgi import settings
+from pytgi.errors import InferError, InvalidRequest
 from pytgi.outputs import Delta, OutputProcessor, Token
-from pytgi.router.infer import Admission, Generation, InferError, RequestStream, Timings
-from pytgi.router.validation import CompatGenerateRequest, GenerateRequest, ValidationError, ValidRequest
+from pytgi.router.infer import Admission, Generation, RequestStream, Timings
+from pytgi.router.validation import CompatGenerateRequest, GenerateRequest, ValidRequest
 from pytgi.server.errors import error_body, error_response, infer_error_response, validation_response
 from pytgi.server.responses import JSONResponse
 from pytgi.server.state import State, admission, state_of
@@ -121,7 +122,7 @@ async def admit(
     t0 = time.monotonic()
     try:
         req = await st.validation.validate(body, stream)
-    except ValidationError:
+    except InvalidRequest:
         st.metrics.request_failure.labels("validation").inc()
         raise
     if req.best_of > 1:

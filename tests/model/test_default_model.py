@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytgi import LLM, InvalidRequest, SamplingParams
+from pytgi import LLM, SamplingParams
+from pytgi.errors import InvalidRequest
 from tests.kernel_paths import batch_invariant, decoder_loop
 from tests.model.loop_check import assert_loop_equals_python_path
 
@@ -149,7 +150,7 @@ def test_bad_input_is_refused_clearly(llm):
     with pytest.raises(InvalidRequest, match="empty"):
         llm.generate([[]], GREEDY)
     too_long = [100] * (llm.engine.info.max_input_tokens + 1)
-    with pytest.raises(InvalidRequest, match="at most"):
+    with pytest.raises(InvalidRequest, match="`inputs` tokens \\+ `max_new_tokens` must be <="):
         llm.generate(too_long, GREEDY)
     with pytest.raises(InvalidRequest, match="max_new_tokens"):
         llm.generate([100] * 10, SamplingParams(max_new_tokens=llm.engine.info.max_total_tokens))

@@ -22,7 +22,8 @@ def test_llama_server_target_defaults_to_the_default_gguf(tmp_path: Path) -> Non
     binary.write_text("#!/bin/sh\nexit 1\n")
     binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
     # the default model file is the default GGUF
-    from pytgi.models.registry import ModelNotFound, default_gguf_path
+    from pytgi.models.registry import default_gguf_path
+    from pytgi.errors import ModelNotFound
 
     try:
         gguf = default_gguf_path()

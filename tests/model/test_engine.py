@@ -11,8 +11,9 @@ import transformers
 
 from pytgi.config import EngineConfig
 from pytgi.engine.engine import LLMEngine
-from pytgi.models.loader import UnsupportedModel
-from pytgi.models.registry import ModelNotFound, resolve_model
+from pytgi.errors import UnsupportedModel
+from pytgi.models.registry import resolve_model
+from pytgi.errors import ModelNotFound
 from pytgi.sampling_params import SamplingParams
 
 

@@ -70,7 +70,8 @@ def test_a_split_gguf_converts_as_the_whole_file(tmp_path):
     directory as the file written whole; another part, or a missing one, is refused by name."""
     from safetensors.numpy import load_file
 
-    from pytgi.models.gguf_convert import GGUFConversionError, convert_gguf
+    from pytgi.models.gguf_convert import convert_gguf
+    from pytgi.errors import GGUFConversionError
     from tests.tiny_repos import gguf_model
 
     whole = gguf_model(tmp_path / "w-F16.gguf")[0]

@@ -11,7 +11,8 @@ import jsonschema
 import pytest
 
 from pytgi.llm import LLM
-from pytgi.sampling_params import InvalidRequest, SamplingParams
+from pytgi.sampling_params import SamplingParams
+from pytgi.errors import InvalidRequest
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "hobbies"],
           "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0},

@@ -13,7 +13,8 @@ import zmq.asyncio
 
 from pytgi import protocol as P
 from pytgi.config import EngineConfig
-from pytgi.router.engine_client import EngineClient, EngineDead
+from pytgi.router.engine_client import EngineClient
+from pytgi.errors import EngineDead
 from pytgi.sampling_params import SamplingParams
 
 TIMEOUT = 5.0

@@ -18,7 +18,8 @@ gguf = pytest.importorskip("gguf")
 
 from pytgi import kernels  # noqa: E402
 from pytgi.models.cpu import CpuKernels  # noqa: E402
-from pytgi.models.gguf_convert import GGUFConversionError, _tensors  # noqa: E402
+from pytgi.models.gguf_convert import _tensors  # noqa: E402
+from pytgi.errors import GGUFConversionError
 from pytgi.models.quant import QuantizedWeight, kind_for_gguf_type, quantize_int4, quantize_int8_groups  # noqa: E402
 
 N, K = 32, 512  # rows, values per row: two K-quant super-blocks

@@ -3,7 +3,8 @@ and the refusals, from a repository's file list alone (no network)."""
 
 import pytest
 
-from pytgi.models.hub import HubError, HubRef, choose_files, gguf_tag, parse_hub_id
+from pytgi.models.hub import HubRef, choose_files, gguf_tag, parse_hub_id
+from pytgi.errors import HubError
 
 HF_REPO = [
     "config.json",

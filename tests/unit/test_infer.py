@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from pytgi.router.infer import Infer, Overloaded
+from pytgi.router.infer import Infer
+from pytgi.errors import Overloaded
 from pytgi.router.validation import ValidRequest
 from pytgi.sampling_params import SamplingParams
 from tests.waiting import async_wait_until
@@ -127,8 +128,8 @@ def test_a_stop_string_ends_the_stream_and_aborts_the_engine_request():
 
 def test_engine_failure_and_death_are_generation_errors():
     from pytgi.protocol import TokenOut
-    from pytgi.router.engine_client import EngineDead
-    from pytgi.router.infer import GenerationError
+    from pytgi.errors import EngineDead
+    from pytgi.errors import GenerationError
 
     client, adm, stream = _stream(["</s>", "a", "b"])
     with pytest.raises(GenerationError, match="boom"):

@@ -15,7 +15,8 @@ from pytgi import structured
 from pytgi.engine.request import Status
 from pytgi.engine.sampler import Sampler, SamplingMetadata
 from pytgi.engine.step import StepOutput
-from pytgi.engine.structured import GrammarError, GrammarMatchers
+from pytgi.engine.structured import GrammarMatchers
+from pytgi.errors import GrammarError
 from pytgi.sampling_params import SamplingParams
 from pytgi.tokenizer import Tokenizer
 from tests.unit.helpers import make_request

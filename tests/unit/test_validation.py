@@ -16,10 +16,10 @@ from pytgi.router.validation import (
     GenerateParameters,
     GenerateRequest,
     Validation,
-    ValidationError,
     ValidLimits,
     ValidRequest,
 )
+from pytgi.errors import InvalidRequest
 from pytgi.tokenizer import Tokenizer
 
 MAX_INPUT = 32
@@ -47,7 +47,7 @@ def req(inputs: str = "Hello world", **params) -> GenerateRequest:
 
 
 def err(val: Validation, r: GenerateRequest, stream: bool = False) -> str:
-    with pytest.raises(ValidationError) as e:
+    with pytest.raises(InvalidRequest) as e:
         validate(val, r, stream)
     assert e.value.message == str(e.value)
     return e.value.message
@@ -449,9 +449,9 @@ def test_async_validate(tok: Tokenizer) -> None:
     async def main() -> list:
         good = [v.validate(req(f"request number {i}", max_new_tokens=3), stream=False) for i in range(8)]
         out = await asyncio.gather(*good)
-        with pytest.raises(ValidationError, match="`top_k` must be strictly positive"):
+        with pytest.raises(InvalidRequest, match="`top_k` must be strictly positive"):
             await v.validate(req(top_k=0), stream=False)
-        with pytest.raises(ValidationError, match="when streaming"):
+        with pytest.raises(InvalidRequest, match="when streaming"):
             await v.validate(req(decoder_input_details=True), stream=True)
         return out
 

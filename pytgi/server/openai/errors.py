@@ -11,11 +11,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pytgi.router.infer import InferError, Overloaded
-from pytgi.router.request import ValidationError
-from pytgi.sampling_params import InvalidRequest
+from pytgi.errors import ClientGone, InferError, InvalidRequest, Overloaded
 from pytgi.server.responses import JSONResponse
-from pytgi.server.streaming import ClientGone
 
 PREFIX = "/v1/"
 
@@ -72,10 +69,8 @@ def _as_openai(exc: Exception) -> OpenAIError:
         return invalid(message, param)
     if isinstance(exc, InferError):
         return from_infer_error(exc)
-    if isinstance(exc, ValidationError):
-        return invalid(exc.message, exc.param, exc.code)
     if isinstance(exc, InvalidRequest):
-        return invalid(str(exc))
+        return invalid(exc.message, exc.param, exc.code)
     if isinstance(exc, StarletteHTTPException):
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return OpenAIError(exc.status_code, str(exc.detail), kind)

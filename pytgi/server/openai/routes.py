@@ -17,8 +17,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from pytgi.router.infer import Admission, Generation, InferError, RequestStream, Timings
-from pytgi.router.request import ValidationError, ValidRequest
+from pytgi.errors import InferError, InvalidRequest
+from pytgi.router.infer import Admission, Generation, RequestStream, Timings
+from pytgi.router.request import ValidRequest
 from pytgi.server.openai import render, schema, tools
 from pytgi.server.openai.errors import OpenAIError, from_infer_error, invalid
 from pytgi.server.responses import JSONResponse
@@ -36,7 +37,7 @@ def _refused(st: State, names: dict[str, str] | None = None) -> Iterator[None]:
     shared rule's refusal with OpenAI's field names."""
     try:
         yield
-    except ValidationError as exc:
+    except InvalidRequest as exc:
         st.metrics.request_failure.labels("validation").inc()
         raise schema.as_openai(exc, names or {}) from None
     except OpenAIError:

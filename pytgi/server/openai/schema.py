@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pytgi.errors import InvalidRequest
 from pytgi.router.request import (
     F32,
     I32,
@@ -20,7 +21,6 @@ from pytgi.router.request import (
     GenerateInput,
     GenerateParameters,
     GrammarType,
-    ValidationError,
     ValidRequest,
 )
 from pytgi.server.openai.errors import OpenAIError, invalid
@@ -289,7 +289,7 @@ def to_input(
     )
 
 
-def as_openai(exc: ValidationError, names: dict[str, str]) -> OpenAIError:
+def as_openai(exc: InvalidRequest, names: dict[str, str]) -> OpenAIError:
     """A shared rule's refusal, naming OpenAI's field (`names`: TGI's name → the body's)."""
     param = names.get(exc.param or "", exc.param)
     return invalid(exc.message, param, exc.code)
