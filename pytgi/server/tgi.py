@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
 import pytgi
 from pytgi import settings
-from pytgi.errors import InferError, InvalidRequest
 from pytgi.outputs import Delta, OutputProcessor, Token
-from pytgi.router.infer import Admission, Generation, RequestStream, Timings
+from pytgi.router.infer import Generation, RequestStream, Timings
 from pytgi.router.validation import CompatGenerateRequest, GenerateRequest, ValidRequest
 from pytgi.server.errors import error_body, error_response, infer_error_response, validation_response
+from pytgi.server.exchange import Exchange, sse_event
 from pytgi.server.responses import JSONResponse
-from pytgi.server.state import State, admission, state_of
-from pytgi.server.streaming import KEEP_ALIVE, record_success, sse_response, unless_gone, with_keep_alive
+from pytgi.server.state import State, state_of
 
 router = APIRouter()
 
@@ -104,84 +100,40 @@ def timing_headers(
     }
 
 
-# -- shared request path ---------------------------------------------------------------------------
-async def admit(
-    request: Request, body: GenerateRequest, stream: bool
-) -> tuple[ValidRequest, Admission, float]:
-    """TGI's order: take a slot (429 at once if none), then validate (422). The slots are held
-    until the HTTP exchange ends (`AdmissionMiddleware`), whatever happens in between."""
-    st = state_of(request)
-    st.metrics.request_count.inc()
+# -- the request path (pytgi.server.exchange) -----------------------------------------------------
+async def admit(ex: Exchange, body: GenerateRequest, stream: bool) -> ValidRequest:
+    """A slot (429 at once if none), then validation (422), then best_of's other slots."""
+    st = ex.st
     assert st.validation is not None
-    adm = admission(request)
-    try:
-        adm.take(1)
-    except InferError:
-        st.metrics.request_failure.labels("overloaded").inc()
-        raise
-    t0 = time.monotonic()
-    try:
-        req = await st.validation.validate(body, stream)
-    except InvalidRequest:
-        st.metrics.request_failure.labels("validation").inc()
-        raise
+    validation = st.validation
+
+    async def prepare() -> list[ValidRequest]:
+        return [await validation.validate(body, stream)]
+
+    [req] = await ex.admit(1, prepare)
     if req.best_of > 1:
-        try:
-            adm.take(req.best_of - 1)
-        except InferError:
-            st.metrics.request_failure.labels("overloaded").inc()
-            raise
-    elapsed = time.monotonic() - t0
-    st.metrics.request_validation_duration.observe(elapsed)
-    return req, adm, elapsed
+        ex.take(req.best_of - 1)
+    return req
 
 
 async def generate_response(request: Request, body: GenerateRequest) -> tuple[dict[str, Any], dict[str, str]]:
-    st = state_of(request)
-    arrived = time.monotonic()
-    req, adm, vtime = await admit(request, body, stream=False)
-    assert st.infer is not None
-    try:
-        g = await unless_gone(request, asyncio.ensure_future(st.infer.generate(req, adm, vtime)))
-    except InferError as exc:
-        st.metrics.request_failure.labels(exc.error_type).inc()
-        raise
-    generated = len(g.output.tokens)
-    st.metrics.time_to_first_token.observe(max(g.timings.start - arrived, 0.0))
-    record_success(st, g.timings, arrived, req.input_length, generated)
-    return generate_json(g, req), timing_headers(st, g.timings, arrived, req.input_length, generated)
+    ex = Exchange(request)
+    req = await admit(ex, body, stream=False)
+    [g] = await ex.generate([req])
+    headers = timing_headers(ex.st, g.timings, ex.arrived, req.input_length, len(g.output.tokens))
+    return generate_json(g, req), headers
 
 
 async def stream_response(request: Request, body: GenerateRequest) -> Response:
-    st = state_of(request)
-    arrived = time.monotonic()
-    req, adm, vtime = await admit(request, body, stream=True)
-    assert st.infer is not None
-    events = st.infer.stream(req, adm, vtime)
-    return sse_response(sse(st, events, arrived))
-
-
-async def sse(st: State, events: RequestStream, arrived: float) -> AsyncIterator[str]:
     """`data:{json}` per token, `:` keep-alive comments, errors as a last event."""
-    last = arrived
-    try:
-        async for ev in with_keep_alive(events):
-            if ev is None:
-                yield KEEP_ALIVE
-                continue
-            now = time.monotonic()
-            (st.metrics.time_to_first_token if ev.index == 1 else st.metrics.inter_token_latency).observe(
-                now - last
-            )
-            last = now
-            yield f"data:{json.dumps(stream_json(ev, events), ensure_ascii=False)}\n\n"
-            if ev.finish_reason is not None:
-                record_success(st, events.timings, arrived, events.req.input_length, ev.index)
-    except InferError as exc:
-        st.metrics.request_failure.labels(exc.error_type).inc()
-        yield f"data:{json.dumps(error_body(exc.message, exc.error_type))}\n\n"
-    finally:  # nothing awaited here: this may run inside a cancelled task (client gone)
-        events.close()
+    ex = Exchange(request)
+    req = await admit(ex, body, stream=True)
+    [stream] = ex.streams([req])
+    return ex.sse(
+        [stream],
+        lambda _, delta: [sse_event(stream_json(delta, stream), space=False)],
+        lambda exc: sse_event(error_body(exc.message, exc.error_type), space=False),
+    )
 
 
 # -- routes ----------------------------------------------------------------------------------------

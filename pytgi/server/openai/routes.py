@@ -8,188 +8,39 @@ shapes (`render`). No torch here.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from pytgi.errors import InferError, InvalidRequest
-from pytgi.router.infer import Admission, Generation, RequestStream, Timings
+from pytgi.errors import InvalidRequest
+from pytgi.router.infer import Generation
 from pytgi.router.request import ValidRequest
+from pytgi.server.exchange import Exchange, sse_event
 from pytgi.server.openai import render, schema, tools
 from pytgi.server.openai.errors import OpenAIError, from_infer_error, invalid
 from pytgi.server.responses import JSONResponse
-from pytgi.server.state import State, admission, state_of
-from pytgi.server.streaming import KEEP_ALIVE, record_success, sse_response, unless_gone, with_keep_alive
+from pytgi.server.state import State, state_of
 
 router = APIRouter()
 _STARTED = int(time.time())
 
 
-# -- admission and generation ----------------------------------------------------------------------
+# -- admission and generation (pytgi.server.exchange) ---------------------------------------------
 @contextmanager
-def _refused(st: State, names: dict[str, str] | None = None) -> Iterator[None]:
-    """Count a 4xx refusal as TGI's routes do (`tgi_request_failure{err="validation"}`), and answer a
-    shared rule's refusal with OpenAI's field names."""
+def _named(names: dict[str, str]) -> Iterator[None]:
+    """A shared rule's refusal, answered with OpenAI's field names (`max_tokens`, not `max_new_tokens`)."""
     try:
         yield
     except InvalidRequest as exc:
-        st.metrics.request_failure.labels("validation").inc()
-        raise schema.as_openai(exc, names or {}) from None
-    except OpenAIError:
-        st.metrics.request_failure.labels("validation").inc()
-        raise
-
-
-async def _admit(
-    request: Request, count: int, names: dict[str, str], prepare: Callable[[], Awaitable[list[ValidRequest]]]
-) -> tuple[list[ValidRequest], Admission, float]:
-    """TGI's order: take one slot per engine request (429 at once if short), then validate/tokenize.
-    The slots are held until the HTTP exchange ends (`AdmissionMiddleware`)."""
-    st = state_of(request)
-    adm = admission(request)
-    try:
-        adm.take(count)
-    except InferError as exc:
-        st.metrics.request_failure.labels("overloaded").inc()
-        raise from_infer_error(exc) from None
-    t0 = time.monotonic()
-    with _refused(st, names):
-        reqs = await prepare()
-    elapsed = time.monotonic() - t0
-    st.metrics.request_validation_duration.observe(elapsed)
-    return reqs, adm, elapsed
-
-
-def _combined(timings: list[Timings]) -> Timings:
-    starts = [t.start for t in timings if t.start]
-    return Timings(
-        validation=timings[0].validation,
-        queued=min(t.queued for t in timings),
-        start=min(starts) if starts else 0.0,
-        end=max(t.end for t in timings),
-    )
-
-
-async def _generate_all(
-    request: Request, reqs: list[ValidRequest], adm: Admission, vtime: float, arrived: float
-) -> list[Generation]:
-    """Every engine request to completion; the client going away (or one failing) aborts them all."""
-    st = state_of(request)
-    assert st.infer is not None
-    infer = st.infer
-
-    async def run_all() -> list[Generation]:
-        tasks = [asyncio.ensure_future(infer.generate(r, adm, vtime)) for r in reqs]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    try:
-        gens = await unless_gone(request, asyncio.ensure_future(run_all()))
-    except InferError as exc:
-        st.metrics.request_failure.labels(exc.error_type).inc()
-        raise from_infer_error(exc) from None
-    timings = _combined([g.timings for g in gens])
-    st.metrics.time_to_first_token.observe(max(timings.start - arrived, 0.0))
-    record_success(
-        st, timings, arrived, sum(r.input_length for r in reqs), sum(len(g.output.tokens) for g in gens)
-    )
-    return gens
-
-
-def _submit_all(st: State, reqs: list[ValidRequest], adm: Admission, vtime: float) -> list[RequestStream]:
-    assert st.infer is not None
-    try:
-        return [st.infer.stream(r, adm, vtime) for r in reqs]
-    except InferError as exc:  # the streams already opened are closed with the admission
-        st.metrics.request_failure.labels(exc.error_type).inc()
-        raise from_infer_error(exc) from None
+        raise schema.as_openai(exc, names) from None
 
 
 def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
-    """(choice, delta) from every stream as they come."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, stream: RequestStream) -> None:
-        try:
-            async for d in stream:
-                queue.put_nowait((i, d))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, exc))
-        finally:
-            queue.put_nowait((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    live = len(streams)
-    try:
-        while live:
-            i, item = await queue.get()
-            if item is None:
-                live -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for t in tasks:
-            t.cancel()
-
-
-async def _sse_events(
-    st: State,
-    streams: list[RequestStream],
-    renderer: render.StreamRenderer,
-    arrived: float,
-    reqs: list[ValidRequest],
-) -> AsyncIterator[str]:
-    """Merge the choices' deltas into OpenAI chunks; `:` keep-alives; an error as a last event (no
-    [DONE] then). The finally awaits nothing: it may run inside a cancelled task (client gone)."""
-    last = [arrived] * len(streams)
-    first_token = True
-    try:
-        for chunk in renderer.start():
-            yield _sse(chunk)
-        async for item in with_keep_alive(_merged(streams)):
-            if item is None:
-                yield KEEP_ALIVE
-                continue
-            i, delta = item
-            now = time.monotonic()
-            if first_token:
-                st.metrics.time_to_first_token.observe(now - arrived)
-                first_token = False
-            elif delta.index > 1:
-                st.metrics.inter_token_latency.observe(now - last[i])
-            last[i] = now
-            for chunk in renderer.delta(i, delta):
-                yield _sse(chunk)
-        for chunk in renderer.end():
-            yield _sse(chunk)
-        record_success(
-            st,
-            _combined([s.timings for s in streams]),
-            arrived,
-            sum(r.input_length for r in reqs),
-            renderer.completion_tokens,
-        )
-        yield "data: [DONE]\n\n"
-    except InferError as exc:
-        st.metrics.request_failure.labels(exc.error_type).inc()
-        yield _sse(from_infer_error(exc).body())
-    finally:
-        for s in streams:
-            s.close()
+    return sse_event(data)
 
 
 async def _in_thread(fn: Callable, *args: Any) -> Any:
@@ -213,32 +64,34 @@ async def retrieve_model(request: Request, model: str) -> JSONResponse:
     return JSONResponse(_model_card(st))
 
 
-def _begin(request: Request, body: schema.SamplingBody) -> tuple[State, int]:
-    """What both routes check first; returns the state and n."""
-    st = state_of(request)
-    st.metrics.request_count.inc()
-    with _refused(st):
-        schema.check_model(body.model, st.config.model_id)
-        return st, schema.check_sampling(body)
+def _begin(request: Request, body: schema.SamplingBody) -> tuple[Exchange, int]:
+    """What both routes check first; returns the exchange and n."""
+    ex = Exchange(request, refusals=(OpenAIError,))
+    with ex.refused():
+        schema.check_model(body.model, ex.st.config.model_id)
+        return ex, schema.check_sampling(body)
 
 
 async def _answer(
-    request: Request,
+    ex: Exchange,
     body: schema.SamplingBody,
     reqs: list[ValidRequest],
-    adm: Admission,
-    vtime: float,
-    arrived: float,
     head: dict[str, Any],
     prompt_tokens: int,
     renderer: Callable[[], render.StreamRenderer],
     choice: Callable[[int, ValidRequest, Generation], dict[str, Any]],
 ) -> Response:
     """Stream the choices, or run them to completion and answer them in one body."""
-    st = state_of(request)
     if body.stream:
-        return sse_response(_sse_events(st, _submit_all(st, reqs, adm, vtime), renderer(), arrived, reqs))
-    gens = await _generate_all(request, reqs, adm, vtime, arrived)
+        r = renderer()
+        return ex.sse(
+            ex.streams(reqs),
+            lambda i, delta: [_sse(chunk) for chunk in r.delta(i, delta)],
+            lambda exc: _sse(from_infer_error(exc).body()),  # no [DONE] after an error
+            start=[_sse(chunk) for chunk in r.start()],
+            end=lambda: [*(_sse(chunk) for chunk in r.end()), "data: [DONE]\n\n"],
+        )
+    gens = await ex.generate(reqs)
     completion_tokens = sum(len(g.output.tokens) for g in gens)
     return JSONResponse(
         {
@@ -251,9 +104,10 @@ async def _answer(
 
 @router.post("/v1/completions", tags=["OpenAI"])
 async def completions(request: Request, body: schema.CompletionRequest) -> Response:
-    arrived, created = time.monotonic(), int(time.time())
-    st, n = _begin(request, body)
-    with _refused(st):
+    created = int(time.time())
+    ex, n = _begin(request, body)
+    st = ex.st
+    with ex.refused():
         prompts = schema.check_completion(body)
         grammar, grammar_field = schema.constraint(body)
     assert st.validation is not None
@@ -269,20 +123,21 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
 
     async def prepare() -> list[ValidRequest]:
         reqs = []
-        for prompt in prompts:
-            gi = schema.to_input(
-                body,
-                prompt,
-                max_tokens,
-                body.logprobs,
-                schema.MAX_COMPLETION_LOGPROBS,
-                prompt_logprobs=echo and body.logprobs is not None,
-                grammar=grammar,
-            )
-            reqs += schema.choices(await validation.validate(gi), n, body.seed)
+        with _named(names):
+            for prompt in prompts:
+                gi = schema.to_input(
+                    body,
+                    prompt,
+                    max_tokens,
+                    body.logprobs,
+                    schema.MAX_COMPLETION_LOGPROBS,
+                    prompt_logprobs=echo and body.logprobs is not None,
+                    grammar=grammar,
+                )
+                reqs += schema.choices(await validation.validate(gi), n, body.seed)
         return reqs
 
-    reqs, adm, vtime = await _admit(request, len(prompts) * n, names, prepare)
+    reqs = await ex.admit(len(prompts) * n, prepare)
     head = render.head("text_completion", f"cmpl-{uuid.uuid4().hex}", created, st.config.model_id)
 
     def renderer() -> render.StreamRenderer:
@@ -310,15 +165,16 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
         }
 
     prompt_tokens = sum(r.input_length for r in reqs[::n])
-    return await _answer(request, body, reqs, adm, vtime, arrived, head, prompt_tokens, renderer, choice)
+    return await _answer(ex, body, reqs, head, prompt_tokens, renderer, choice)
 
 
 @router.post("/v1/chat/completions", tags=["OpenAI"])
 async def chat_completions(request: Request, body: schema.ChatCompletionRequest) -> Response:
-    arrived, created = time.monotonic(), int(time.time())
-    st, n = _begin(request, body)
+    created = int(time.time())
+    ex, n = _begin(request, body)
+    st = ex.st
     template = st.tokenizer.chat_template
-    with _refused(st):
+    with ex.refused():
         messages = schema.check_chat(body)
         grammar, grammar_field = schema.constraint(body)
         tool_plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, template)
@@ -349,6 +205,10 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
             raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
 
     async def prepare() -> list[ValidRequest]:
+        with _named(names):
+            return await prepare_named()
+
+    async def prepare_named() -> list[ValidRequest]:
         text = await _in_thread(render_template)
         gi = schema.to_input(
             body,
@@ -361,7 +221,7 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
         )
         return schema.choices(await validation.validate(gi), n, body.seed)
 
-    reqs, adm, vtime = await _admit(request, n, names, prepare)
+    reqs = await ex.admit(n, prepare)
     head = render.head("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", created, st.config.model_id)
 
     def renderer() -> render.StreamRenderer:
@@ -385,6 +245,4 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
             "finish_reason": finish,
         }
 
-    return await _answer(
-        request, body, reqs, adm, vtime, arrived, head, reqs[0].input_length, renderer, choice
-    )
+    return await _answer(ex, body, reqs, head, reqs[0].input_length, renderer, choice)
