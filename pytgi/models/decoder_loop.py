@@ -74,16 +74,20 @@ class DecoderLoop:
             self._table = (kv_caches[0][0].data_ptr(), np.array(rows, dtype=np.int64))
         return self._table[1]
 
+    def takes(self, x: torch.Tensor, meta) -> bool:
+        """Whether the loop runs this step: few enough rows, all attending through the paged kernel."""
+        return (
+            x.shape[0] <= self.max_m
+            and meta.paged is not None
+            and meta.decode is None
+            and meta.prefill is None
+        )
+
     def __call__(self, x: torch.Tensor, ropes, kv_caches, meta) -> torch.Tensor | None:
         """The final hidden states for this step (x, updated in place, is the residual stream), or
         None when the step is not for the loop. `ropes`: the (full, sliding) layers' tables; Llama's
         loop takes models without a sliding layer's base of its own: the first."""
-        if (
-            x.shape[0] > self.max_m
-            or meta.paged is None
-            or meta.decode is not None
-            or meta.prefill is not None
-        ):
+        if not self.takes(x, meta):
             return None
         cos, sin = ropes[0]
         return kernels.decoder_layers(
@@ -132,12 +136,7 @@ class GemmaDecoderLoop(DecoderLoop):
         )
 
     def __call__(self, x: torch.Tensor, ropes, kv_caches, meta) -> torch.Tensor | None:
-        if (
-            x.shape[0] > self.max_m
-            or meta.paged is None
-            or meta.decode is not None
-            or meta.prefill is not None
-        ):
+        if not self.takes(x, meta):
             return None
         x = x.contiguous()
         kernels.gemma_layers(
