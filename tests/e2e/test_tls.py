@@ -6,12 +6,12 @@ from __future__ import annotations
 import shutil
 import ssl
 import subprocess
-import time
 
 import httpx
 import pytest
 
 from tests.e2e.server import Server
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")]
 
@@ -25,14 +25,14 @@ def test_https(tmp_path):
     srv = Server("--ssl-keyfile", str(key), "--ssl-certfile", str(cert), log=tmp_path / "tls.log")
     url = srv.url.replace("http://", "https://")
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert srv.proc.poll() is None and time.monotonic() < deadline, srv.tail()
+        def healthy() -> bool:
+            assert srv.proc.poll() is None, srv.tail()
             try:
-                if httpx.get(f"{url}/health", verify=trust, timeout=1).status_code == 200:
-                    break
+                return httpx.get(f"{url}/health", verify=trust, timeout=1).status_code == 200
             except httpx.HTTPError:
-                time.sleep(0.25)
+                return False
+
+        wait_until(healthy, 300, "the TLS server's /health", interval=0.25)
         r = httpx.post(f"{url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, verify=trust)
         assert r.status_code == 200 and r.json()["generated_text"]
         import openai
