@@ -94,6 +94,7 @@ class ModelRunner:
             self.paged.block_size,
         )
 
+    @torch.inference_mode()  # the sampling step too: it edits the logits in place
     def execute(self, batch: list[ScheduledRequest]) -> StepOutput:
         step = self.layout(batch)
         plan = self.sampling.plan(batch, step.last_rows)
@@ -117,6 +118,7 @@ class ModelRunner:
         arrays = [step.ids, step.positions, layout.query_lens, layout.context_lens, layout.block_tables]
         dist.broadcast_arrays([*arrays, layout.slot_mapping, rows], self._shapes(T, B, M, R))
 
+    @torch.inference_mode()
     def worker_step(self, T: int, B: int, M: int, R: int) -> None:
         """Ranks > 0: receive rank 0's step arrays and run this shard's forward."""
         ids, positions, q_lens, ctx, tables, slots, rows = dist.broadcast_arrays(
