@@ -194,5 +194,4 @@ def test_pure_torch_path_matches(models, monkeypatch):
     model = type(runner.model)(runner.config, CpuKernels.none())  # the same weights on PyTorch's ops
     model.load_state_dict(runner.model.state_dict())
     monkeypatch.setattr(runner, "model", model.eval())
-    monkeypatch.setattr(runner, "backend", model.attention)
     test_chunks_and_paged_decodes_in_mixed_steps_match(models)
