@@ -18,9 +18,16 @@ What it measures
     Each mode runs `--repeats` times; medians are reported. The issue's goal: every constrained
     mode ≥ 0.75× its unconstrained twin (``sample`` for ``json-sample``, ``none`` for the rest).
 
+Whether constrained answers end (``--ends N``, run alone)
+    N chat requests for one person as JSON (``PERSON``) at temperature 0.7 (a seed each), EOS honoured,
+    at most 256 tokens: how many end by themselves (``eos_token``) and how many validate against the
+    schema, with pytgi's bounded JSON whitespace and with llguidance's unbounded default (the schema's
+    own ``"x-guidance": {"whitespace_flexible": true}``), in the same run.
+
 How to run
     .venv/bin/python benchmarks/structured.py                 # 16 requests x 128 tokens, 3 repeats
     .venv/bin/python benchmarks/structured.py --tokens 64 --repeats 1     # quick
+    .venv/bin/python benchmarks/structured.py --ends 20       # do 20 sampled JSON answers end?
 A markdown table goes to stdout; the record to ``benchmarks/results/structured-<timestamp>.json``.
 """
 
@@ -63,6 +70,38 @@ def params(mode: str, i: int, tokens: int) -> SamplingParams:
     if mode == "mixed":
         return params("json" if i % 2 == 0 else "none", i, tokens)
     return SamplingParams(**base)
+
+
+ENDS_PROMPTS = {
+    "asks for JSON": "Describe one person as a JSON object: name, age, city, hobbies.",
+    "JSON not asked for": "Tell me about someone you admire.",  # only the schema says JSON
+}
+
+
+def ends(llm: LLM, n: int) -> list[dict]:
+    """N sampled JSON answers per prompt, bounded whitespace against unbounded: finish reasons and
+    validity."""
+    import jsonschema
+
+    unbounded = {"x-guidance": {"whitespace_flexible": True}, **PERSON}
+    out = []
+    for label, text in ENDS_PROMPTS.items():
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        for name, schema in [("bounded", PERSON), ("unbounded", unbounded)]:
+            ps = [SamplingParams(max_new_tokens=256, temperature=0.7, seed=i, json_schema=schema) for i in range(n)]
+            outs = llm.generate([prompt] * n, ps)
+            valid = 0
+            for o in outs:
+                try:
+                    jsonschema.validate(json.loads(o.text), PERSON)
+                    valid += 1
+                except (ValueError, jsonschema.ValidationError):
+                    pass
+            reasons = [o.finish_reason for o in outs]
+            out.append({"prompt": label, "whitespace": name, "requests": n, "ended": reasons.count("eos_token"),
+                        "length": reasons.count("length"), "valid": valid,
+                        "tokens_mean": statistics.mean(len(o.token_ids) for o in outs)})
+    return out
 
 
 def run_mode(llm: LLM, prompts: list[str], mode: str, tokens: int) -> dict:
@@ -123,7 +162,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--modes", default="none,json,regex,mixed,sample,json-sample")
+    ap.add_argument("--ends", type=int, default=0, help="only this: N sampled JSON answers, do they end?")
     args = ap.parse_args()
+    if args.ends:
+        return main_ends(args)
 
     from pytgi import structured
 
@@ -169,6 +211,25 @@ def main() -> None:
     path = out_dir / f"structured-{stamp}.json"
     path.write_text(json.dumps({"args": vars(args), "machine": platform.processor() or platform.machine(),
                                 "modes": result, "masks": masks}, indent=2))
+    print(f"\nwrote {path}")
+
+
+def main_ends(args: argparse.Namespace) -> None:
+    llm = LLM(dtype=args.dtype, max_batch_total_tokens=16384, progress=False)
+    try:
+        result = ends(llm, args.ends)
+    finally:
+        llm.shutdown()
+    print(f"\n{args.ends} JSON answers (PERSON), temperature 0.7, at most 256 tokens, dtype {args.dtype}\n")
+    print("| prompt | JSON whitespace | ended (EOS) | hit max tokens | valid for the schema | mean tokens |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in result:
+        print(f"| {r['prompt']} | {r['whitespace']} | {r['ended']}/{r['requests']} | {r['length']} | "
+              f"{r['valid']}/{r['requests']} | {r['tokens_mean']:.0f} |")
+    out_dir = Path(__file__).resolve().parent / "results"
+    out_dir.mkdir(exist_ok=True)
+    path = out_dir / f"structured-ends-{datetime.now(timezone.utc).strftime('%Y%m%dT%H%M%SZ')}.json"
+    path.write_text(json.dumps({"args": vars(args), "ends": result}, indent=2))
     print(f"\nwrote {path}")
 
 

@@ -28,6 +28,11 @@ ENGINE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "typical_p": (lambda v: 0.0 < v <= 1.0, "must be > 0.0 and <= 1.0"),
     "top_n_tokens": (lambda v: v >= 0, "must be >= 0"),
     "seed": (lambda v: 0 <= v < 2**64, "must be in [0, 2**64)"),
+    "min_p": (lambda v: 0.0 <= v <= 1.0, "must be >= 0.0 and <= 1.0 (0 disables it)"),
+    "logit_bias": (
+        lambda v: all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0 for t, b in v.items()),
+        "must map token ids (>= 0) to biases in [-100, 100]",
+    ),
 }
 
 
@@ -41,6 +46,11 @@ def check(name: str, value: Any) -> None:
 def check_token_ids(ids: list[int], vocab_size: int | None) -> None:
     if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):
         raise InvalidRequest(f"`inputs` token ids must be >= 0 and < {vocab_size}", "inputs")
+
+
+def check_logit_bias(bias: dict[int, float] | None, vocab_size: int | None) -> None:
+    if bias and vocab_size is not None and max(bias) >= vocab_size:
+        raise InvalidRequest(f"`logit_bias` token ids must be >= 0 and < {vocab_size}", "logit_bias")
 
 
 def check_prompt(
@@ -72,6 +82,8 @@ class SamplingParams:
     top_k: int = 0  # 0 disables
     top_p: float = 1.0  # 1 disables
     typical_p: float = 1.0  # 1 disables
+    min_p: float = 0.0  # 0 disables: keep tokens with probability >= min_p * the top token's
+    logit_bias: dict[int, float] | None = None  # OpenAI's: added to those tokens' logits, greedy or not
     repetition_penalty: float = 1.0  # HF / TGI style, on prompt and output tokens
     frequency_penalty: float = 0.0  # OpenAI style, on output tokens
     presence_penalty: float = 0.0  # OpenAI style, on output tokens
@@ -106,7 +118,8 @@ class SamplingParams:
             return False
         if self.do_sample is not None:
             return self.do_sample
-        return self.temperature != 1.0 or self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0
+        warped = self.top_k > 0 or self.top_p < 1.0 or self.typical_p < 1.0 or self.min_p > 0.0
+        return self.temperature != 1.0 or warped
 
     def validate(self) -> None:
         for name in [n for n in SHARED_RULES if n != "inputs"]:

@@ -28,6 +28,19 @@ def has_constraint(p: SamplingParams) -> bool:
     return p.json_schema is not None or p.regex is not None or p.choice is not None or p.grammar is not None
 
 
+# JSON's free whitespace, bounded (as llama.cpp's JSON grammars bound it): one space, or a newline and
+# an indent of at most 20. Unbounded, a small model sampling at a high temperature can run on in
+# whitespace until max_tokens and never close the object. A schema's own "x-guidance" wins.
+JSON_WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})"
+
+
+def bounded_whitespace(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema, with JSON_WHITESPACE as its whitespace unless it says its own."""
+    if "x-guidance" in schema:
+        return schema
+    return {"x-guidance": {"whitespace_pattern": JSON_WHITESPACE}, **schema}
+
+
 def _schema(value: dict[str, Any] | str) -> dict[str, Any]:
     if isinstance(value, str):
         try:
@@ -81,7 +94,7 @@ def _grammar(p: SamplingParams) -> str:
     from llguidance.gbnf_to_lark import any_to_lark
 
     if p.json_schema is not None:
-        return LLMatcher.grammar_from_json_schema(_schema(p.json_schema))
+        return LLMatcher.grammar_from_json_schema(bounded_whitespace(_schema(p.json_schema)))
     if p.regex is not None:
         return LLMatcher.grammar_from_regex(ascii_digits(p.regex))
     if p.choice is not None:

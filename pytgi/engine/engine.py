@@ -24,7 +24,7 @@ from pytgi.engine.shards import ShardGroup, set_cpu_threads
 from pytgi.errors import DistributedError, InvalidRequest
 from pytgi.models.quant import file_quantization
 from pytgi.models.registry import resolve_model
-from pytgi.sampling_params import SamplingParams, check_prompt
+from pytgi.sampling_params import SamplingParams, check_logit_bias, check_prompt
 
 if TYPE_CHECKING:
     from pytgi.engine.draft import DraftModel
@@ -113,6 +113,7 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         info = self.info
         params.validate()
+        check_logit_bias(params.logit_bias, info.vocab_size)
         check_prompt(
             prompt_ids, params.max_new_tokens, info.max_input_tokens, info.max_total_tokens, info.vocab_size
         )

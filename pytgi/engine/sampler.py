@@ -4,13 +4,15 @@ One row of ``logits`` per request that picks a token this step. The processing o
 Face transformers' logits processors and warpers (and TGI's heterogeneous versions of them):
 
 1. repetition penalty (HF ``RepetitionPenaltyLogitsProcessor``) over prompt and output tokens;
-2. frequency / presence penalties (OpenAI semantics) over output tokens only;
+2. frequency / presence penalties (OpenAI semantics) over output tokens only, then OpenAI's
+   ``logit_bias`` (added to the listed tokens' logits);
 3. optional ``logits_mask`` (structured output's grammar): forbidden tokens get ``-inf``, so greedy and
    sampling rows alike choose among the allowed ones (a bool mask, or the additive 0 / -inf bias the
    engine builds from llguidance's bitmasks, which is cheaper to apply);
 4. greedy rows: ``argmax`` of the result;
-5. sampling rows: temperature, top-k, top-p, typical-p (HF ``TopKLogitsWarper``, ``TopPLogitsWarper``,
-   ``TypicalLogitsWarper`` with ``min_tokens_to_keep=1``), then one draw from the softmax.
+5. sampling rows: temperature, top-k, top-p, min-p, typical-p (HF ``TopKLogitsWarper``, ``TopPLogitsWarper``,
+   ``MinPLogitsWarper``, ``TypicalLogitsWarper``, in that order, with ``min_tokens_to_keep=1``; min-p
+   drops tokens less likely than ``min_p`` times the top token), then one draw from the softmax.
 
 Draws use the exponential race: with ``q ~ Exp(1)`` i.i.d. per token, ``argmax(p / q)`` is distributed as
 ``p``. Each sampling row draws exactly ``V`` uniform values from its own generator per call
@@ -58,6 +60,9 @@ class SamplingMetadata:
     top_k: torch.Tensor  # [B] int64, 0 = off
     top_p: torch.Tensor  # [B] float32, 1 = off
     typical_p: torch.Tensor  # [B] float32, 1 = off
+    min_p: torch.Tensor  # [B] float32, 0 = off
+    # logit_bias as (rows, token ids, biases) to add; None when no row has one
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     repetition_penalty: torch.Tensor  # [B] float32, 1 = off
     frequency_penalty: torch.Tensor  # [B] float32
     presence_penalty: torch.Tensor  # [B] float32
@@ -67,7 +72,7 @@ class SamplingMetadata:
     max_top_n: int  # max top_n_tokens over rows (0 = none asked)
     all_greedy: bool
     no_penalties: bool  # fast path flags so a plain greedy batch costs one argmax
-    no_warpers: bool  # no top_k/top_p/typical_p row
+    no_warpers: bool  # no top_k/top_p/typical_p/min_p row
 
     @classmethod
     def build(
@@ -95,6 +100,16 @@ class SamplingMetadata:
         top_k = [p.top_k if s and p.top_k < vocab_size else 0 for p, s in zip(params, sampling)]
         top_p = [p.top_p if s else 1.0 for p, s in zip(params, sampling)]
         typical_p = [p.typical_p if s else 1.0 for p, s in zip(params, sampling)]
+        min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampling)]
+        bias = [(i, t, b) for i, p in enumerate(params) for t, b in (p.logit_bias or {}).items()]
+        logit_bias = None
+        if bias:
+            at_row, at_token, value = zip(*bias)
+            logit_bias = (
+                torch.tensor(at_row, dtype=torch.int64, device=device),
+                torch.tensor(at_token, dtype=torch.int64, device=device),
+                torch.tensor(value, dtype=torch.float32, device=device),
+            )
         rep = [p.repetition_penalty for p in params]
         freq = [p.frequency_penalty for p in params]
         pres = [p.presence_penalty for p in params]
@@ -119,6 +134,8 @@ class SamplingMetadata:
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
             top_p=f32(top_p),
             typical_p=f32(typical_p),
+            min_p=f32(min_p),
+            logit_bias=logit_bias,
             repetition_penalty=f32(rep),
             frequency_penalty=f32(freq),
             presence_penalty=f32(pres),
@@ -127,8 +144,11 @@ class SamplingMetadata:
             generators=gens,
             max_top_n=min(max((p.top_n_tokens for p in params), default=0), vocab_size),
             all_greedy=not any(sampling),
-            no_penalties=not any(uses_any),
-            no_warpers=not any(k > 0 or tp < 1.0 or ty < 1.0 for k, tp, ty in zip(top_k, top_p, typical_p)),
+            no_penalties=not any(uses_any) and logit_bias is None,
+            no_warpers=not any(
+                k > 0 or tp < 1.0 or ty < 1.0 or mp > 0.0
+                for k, tp, ty, mp in zip(top_k, top_p, typical_p, min_p)
+            ),
         )
 
 
@@ -174,6 +194,9 @@ def _apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tens
             - meta.frequency_penalty[:, None] * counts
             - meta.presence_penalty[:, None] * (counts > 0).to(torch.float32)
         )
+    if meta.logit_bias is not None:
+        rows, cols, vals = meta.logit_bias
+        logits = logits.index_put((rows, cols), vals, accumulate=True)  # a new tensor: raw stays raw
     return logits
 
 
@@ -243,14 +266,26 @@ def _warp(logits: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor | Non
     if meta.no_warpers:
         return logits
     top_k, top_p, typical_p = pick(meta.top_k), pick(meta.top_p), pick(meta.typical_p)
+    min_p = pick(meta.min_p)
     # One small host sync to skip the warpers no row of this batch uses (each costs a V-wide sort).
-    used = torch.stack([(top_k > 0).any(), (top_p < 1).any(), (typical_p < 1).any()])
-    use_k, use_p, use_typ = used.tolist()
+    used = torch.stack([(top_k > 0).any(), (top_p < 1).any(), (typical_p < 1).any(), (min_p > 0).any()])
+    use_k, use_p, use_typ, use_min_p = used.tolist()
     if use_k or use_p:
         logits = _top_k_top_p(logits, top_k, top_p, use_k, use_p)
+    if use_min_p:  # HF's order: top-k, top-p, min-p, typical-p
+        logits = _min_p(logits, min_p)
     if use_typ:
         logits = _typical(logits, typical_p)
     return logits
+
+
+def _min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """HF MinPLogitsWarper: drop tokens whose probability is below min_p times the top token's; in
+    logits, below the row's largest + log(min_p) (no softmax: each row's cut is exact whatever the
+    batch). Rows with min_p 0 keep everything."""
+    top = logits.max(dim=-1, keepdim=True).values
+    cut = top + torch.log(min_p)[:, None]  # -inf where min_p == 0
+    return logits.masked_fill(logits < cut, float("-inf"))
 
 
 # --- drawing -------------------------------------------------------------------------------------------

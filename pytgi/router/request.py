@@ -90,6 +90,13 @@ class GenerateRequest(_Body):
     add_special_tokens: Bool = True  # TGI's field (default true)
 
 
+class DetokenizeRequest(_Body):
+    """vLLM's `POST /detokenize` body: token ids to text (`model` is accepted and ignored)."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
 class CompatGenerateRequest(_Body):
     """Body of `POST /` and /invocations: a GenerateRequest plus `stream`."""
 
@@ -115,6 +122,9 @@ class GenerateInput:
     max_top_n_tokens: int | None = (
         None  # None: the server's --max-top-n-tokens (OpenAI's own bounds otherwise)
     )
+    # OpenAI's (and vLLM's) sampling knobs TGI's parameters do not have
+    min_p: float | None = None
+    logit_bias: dict[int, float] | None = None
 
     @classmethod
     def from_body(cls, body: GenerateRequest | CompatGenerateRequest, stream: bool) -> GenerateInput:

@@ -39,7 +39,7 @@ from pytgi.router.request import (
     ValidLimits,
     ValidRequest,
 )
-from pytgi.sampling_params import SamplingParams, check, check_prompt, check_token_ids
+from pytgi.sampling_params import SamplingParams, check, check_logit_bias, check_prompt, check_token_ids
 
 __all__ = [
     "CompatGenerateRequest",
@@ -169,6 +169,7 @@ class Validation:
             raise InvalidRequest(
                 f"`top_n_tokens` must be >= 0 and <= {max_top_n}. Given: {p.top_n_tokens}", "top_n_tokens"
             )
+        check_logit_bias(gi.logit_bias, self.vocab_size)  # OpenAI's knobs (their ranges: SamplingParams)
         # 12
         check("inputs", gi.inputs)
         if isinstance(gi.inputs, str) and not _is_unicode(gi.inputs):
@@ -222,6 +223,8 @@ class Validation:
             top_k=0 if p.top_k is None else p.top_k,
             top_p=1.0 if p.top_p is None else p.top_p,
             typical_p=1.0 if p.typical_p is None else p.typical_p,
+            min_p=0.0 if gi.min_p is None else gi.min_p,
+            logit_bias=gi.logit_bias,
             repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
             frequency_penalty=0.0 if p.frequency_penalty is None else p.frequency_penalty,
             presence_penalty=0.0 if p.presence_penalty is None else p.presence_penalty,

@@ -11,7 +11,9 @@ import pytgi
 from pytgi import settings
 from pytgi.outputs import Delta, OutputProcessor, Token
 from pytgi.router.infer import Generation, RequestStream, Timings
+from pytgi.router.request import DetokenizeRequest
 from pytgi.router.validation import CompatGenerateRequest, GenerateRequest, ValidRequest
+from pytgi.sampling_params import check_token_ids
 from pytgi.server.errors import error_body, error_response, infer_error_response, validation_response
 from pytgi.server.exchange import Exchange, sse_event
 from pytgi.server.responses import JSONResponse
@@ -210,6 +212,15 @@ async def tokenize(request: Request, body: GenerateRequest) -> JSONResponse:
     if not body.inputs:
         return validation_response("`inputs` cannot be empty")
     return JSONResponse(await st.validation.validate_tokenize(body.inputs, body.add_special_tokens))
+
+
+@router.post("/detokenize", tags=["Text Generation Inference"])
+async def detokenize(request: Request, body: DetokenizeRequest) -> JSONResponse:
+    """vLLM's route (TGI has none): `{"tokens": [ids]}` → `{"prompt": text}`, special tokens kept."""
+    st = state_of(request)
+    assert st.validation is not None
+    check_token_ids(body.tokens, st.validation.vocab_size)
+    return JSONResponse({"prompt": st.tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
 
 __all__ = ["infer_error_response", "router"]

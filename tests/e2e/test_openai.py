@@ -300,6 +300,30 @@ def test_completion_logprobs_equal_the_engine(client, llm):
     assert all(abs(a - b) < TOL for a, b in zip(lps, want.logprobs, strict=True))
 
 
+def test_logit_bias_min_p_and_20_logprobs_equal_the_engine(client, llm):
+    greedy = offline(llm, PROMPT, 6)
+    banned = {str(greedy.token_ids[0]): -100}
+    want = offline(llm, PROMPT, 6, logit_bias={greedy.token_ids[0]: -100.0})
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logit_bias=banned)
+    assert r.choices[0].text == want.text and want.token_ids[0] != greedy.token_ids[0]
+    (yes,) = llm.tokenizer.encode("yes")
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
+                                          logit_bias={str(yes): 100})  # one token forced
+    assert chat.choices[0].message.content == "yes" * 3
+    want = offline(llm, PROMPT, 8, temperature=0.9, seed=7, min_p=0.2)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.9, seed=7,
+                                  extra_body={"min_p": 0.2})
+    assert r.choices[0].text == want.text
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=20)
+    assert all(len(d) >= 20 for d in r.choices[0].logprobs.top_logprobs)
+
+
+def test_detokenize(server, llm):
+    ids = llm.tokenizer.encode("Hello, world!")
+    r = httpx.post(f"{server.url}/detokenize", json={"tokens": ids, "model": MODEL}, timeout=60)
+    assert r.status_code == 200 and r.json() == {"prompt": "Hello, world!"}
+
+
 # -- errors ----------------------------------------------------------------------------------------
 CHAT_ERRORS = [
     dict(temperature=2.5),
@@ -341,7 +365,11 @@ COMPLETION_ERRORS = [
     dict(prompt=[]),
     dict(prompt="hi " * 9000),
     dict(prompt=[10**9]),
-    dict(logprobs=6),
+    dict(logprobs=21),  # over the bound (20, as chat's)
+    dict(logit_bias={"hello": 1}),
+    dict(logit_bias={"5": 101}),
+    dict(logit_bias={str(10**7): 1}),  # past the vocabulary
+    dict(extra_body={"min_p": 1.5}),
     dict(temperature=-1),
     dict(max_tokens=-1),
     dict(stop=""),

@@ -109,7 +109,10 @@ def test_models_and_unknown_models(http: TestClient) -> None:
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": [""]}, "stop"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ({"logit_bias": {"x": 5}}, "logit_bias"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logit_bias": {"1000000": 1}}, "logit_bias"),  # past the vocabulary
+    ({"min_p": 1.5}, "min_p"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # OpenAI allows up to 20
     ({"top_logprobs": 1}, "top_logprobs"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
@@ -133,7 +136,7 @@ def test_chat_parameter_rules(http: TestClient, extra: dict, param: str) -> None
 
 @pytest.mark.parametrize("extra,param", [
     ({"prompt": []}, "prompt"),
-    ({"logprobs": 6}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
     ({"best_of": 3}, "best_of"),
     ({"suffix": "x"}, "suffix"),
@@ -256,3 +259,17 @@ def test_output_cuts_the_stop_for_openai_and_keeps_it_for_tgi(tok: Tokenizer) ->
     assert out.text == "Hello " and out.finish_reason == "stop_sequence" and out.stopped
     out = decode(tok, "Hello world, and more words", "world", keep=True)
     assert out.text == "Hello world"
+
+
+def test_logit_bias_min_p_and_20_logprobs_reach_the_engine(val: Validation) -> None:
+    body = schema.CompletionRequest.model_validate(
+        {"prompt": "x", "logit_bias": {"5": -100, "17": 2.5}, "min_p": 0.05, "logprobs": 20})
+    sp = validate(val, schema.to_input(body, "x", 4, body.logprobs, schema.MAX_COMPLETION_LOGPROBS)).sampling
+    assert sp.logit_bias == {5: -100.0, 17: 2.5} and sp.min_p == 0.05 and sp.top_n_tokens == 20
+
+
+def test_detokenize_is_vllms_route(http: TestClient, tok: Tokenizer) -> None:
+    ids = tok.encode("Hello world")
+    assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": "Hello world"}
+    r = http.post("/detokenize", json={"tokens": [10**9]})
+    assert r.status_code == 422 and "token ids must be" in r.json()["error"]

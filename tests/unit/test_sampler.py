@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 import torch
 from transformers.generation.logits_process import (
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -80,6 +81,8 @@ def ref_warped(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         scores = TopKLogitsWarper(p.top_k)(dummy_ids, scores)
     if p.top_p < 1.0:
         scores = TopPLogitsWarper(p.top_p)(dummy_ids, scores)
+    if p.min_p > 0.0:
+        scores = MinPLogitsWarper(p.min_p)(dummy_ids, scores)
     if p.typical_p < 1.0:
         scores = TypicalLogitsWarper(p.typical_p)(dummy_ids, scores)
     return scores[0]
@@ -462,3 +465,44 @@ def test_sampler_falls_back_for_rows_with_nan_or_inf() -> None:
     assert out.token_ids.tolist() == ref.tolist()
     expected = torch.log_softmax(logits, -1).gather(1, ref[:, None]).squeeze(1)
     torch.testing.assert_close(out.logprobs, expected, equal_nan=True)
+
+
+def test_min_p_cuts_like_transformers_alone_and_after_top_k_and_top_p() -> None:
+    params = [
+        SamplingParams(temperature=0.8, min_p=0.1, seed=1),
+        SamplingParams(temperature=1.3, min_p=0.5, top_k=20, seed=2),
+        SamplingParams(temperature=1.0, min_p=0.05, top_p=0.9, typical_p=0.8, seed=3),
+        SamplingParams(temperature=0.7, seed=4),  # no min_p beside rows that have one
+    ]
+    logits = rand_logits(len(params), seed=11)
+    warped = _warp(logits, build(params), rows=None)
+    for i, p in enumerate(params):
+        assert_same_logits(warped[i], ref_warped(logits[i], p))
+    kept = torch.isfinite(warped).sum(-1).tolist()
+    assert 1 <= kept[1] < 20 and kept[3] == V
+
+
+def test_logit_bias_moves_the_choice_but_not_the_reported_logprobs() -> None:
+    logits = rand_logits(3, seed=12)
+    top = logits.argmax(-1).tolist()
+    params = [
+        SamplingParams(temperature=0, logit_bias={top[0]: -100.0}),  # the top token is banned
+        SamplingParams(temperature=0, logit_bias={7: 100.0}),  # token 7 is forced
+        SamplingParams(temperature=0),  # no bias beside rows that have one
+    ]
+    out = SAMPLER(logits, build(params))
+    banned = logits[0].clone()
+    banned[top[0]] -= 100.0
+    assert out.token_ids.tolist() == [int(banned.argmax()), 7, top[2]]
+    want = torch.log_softmax(logits, -1).gather(1, out.token_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(out.logprobs, want)  # raw logprobs: the model's, not the request's
+
+
+def test_min_p_and_logit_bias_are_checked() -> None:
+    from pytgi.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="min_p"):
+        SamplingParams(min_p=1.5)
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        SamplingParams(logit_bias={3: 101.0})
+    assert SamplingParams(min_p=0.1).sampling and not SamplingParams(min_p=0.1, temperature=0).sampling

@@ -26,7 +26,7 @@ from pytgi.router.request import (
 from pytgi.server.openai.errors import OpenAIError, invalid
 
 MAX_N = 8  # choices per prompt
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for the legacy `logprobs`
+MAX_COMPLETION_LOGPROBS = 20  # as chat's top_logprobs (OpenAI's legacy bound was 5; vLLM allows 20)
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's bound for `top_logprobs`
 MODEL_ALIASES = ("", "tgi")  # also served: what TGI's OpenAI routes accept
 ROLES = {"system", "user", "assistant", "tool", "function", "developer"}
@@ -80,6 +80,7 @@ class SamplingBody(_Body):
     response_format: ResponseFormat | None = None
     # extensions (vLLM / TGI)
     top_k: I32 | None = None
+    min_p: F32 | None = None
     repetition_penalty: F32 | None = None
     ignore_eos: Bool | None = False
     structured_outputs: StructuredOutputs | None = None
@@ -149,9 +150,19 @@ def check_sampling(body: SamplingBody) -> int:
         raise invalid(f"`n` must be >= 1 and <= {MAX_N}. Given: {n}", "n")
     if body.temperature is not None and body.temperature > 2.0:
         raise invalid(f"`temperature` must be >= 0 and <= 2. Given: {body.temperature}", "temperature")
-    if body.logit_bias:
-        raise invalid("`logit_bias` is not supported yet", "logit_bias")
     return n
+
+
+def logit_bias(body: SamplingBody) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids as strings) as the engine's; its range rule is the engine's."""
+    if not body.logit_bias:
+        return None
+    out = {}
+    for key, bias in body.logit_bias.items():
+        if not key.strip().isdigit():
+            raise invalid(f"`logit_bias` keys must be token ids. Given: {key!r}", "logit_bias")
+        out[int(key)] = float(bias)
+    return out
 
 
 def check_completion(body: CompletionRequest) -> list[str | list[int]]:
@@ -286,6 +297,8 @@ def to_input(
         add_special_tokens=add_special_tokens,
         include_stop_str_in_output=False,
         max_top_n_tokens=max_top_n,
+        min_p=body.min_p,
+        logit_bias=logit_bias(body),
     )
 
 

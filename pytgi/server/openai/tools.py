@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from pytgi.router.request import GrammarType
 from pytgi.server.openai.errors import invalid
+from pytgi.structured import bounded_whitespace
 
 Style = Literal["hermes", "json", "prompted"]
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -231,10 +232,8 @@ def grammar(tool_plan: ToolPlan) -> GrammarType | None:
         schemas = [_call_schema(f, "parameters") for f in functions]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         return GrammarType(type="json", value=schema)
-    rules = [
-        f'call_{i}: "{OPEN}\\n" %json {json.dumps(_call_schema(f, "arguments"))} "\\n{CLOSE}"'
-        for i, f in enumerate(functions)
-    ]
+    texts = [json.dumps(bounded_whitespace(_call_schema(f, "arguments"))) for f in functions]
+    rules = [f'call_{i}: "{OPEN}\\n" %json {text} "\\n{CLOSE}"' for i, text in enumerate(texts)]
     calls = "call" if not tool_plan.parallel or tool_plan.choice != "required" else 'call ("\\n" call)*'
     lark = "\n".join(
         [f"start: {calls}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions))), *rules]
