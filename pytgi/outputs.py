@@ -48,6 +48,7 @@ class OutputProcessor:
     prompt_logprobs: list[float | None] | None = None  # when asked; the first is None
     finish_reason: str | None = None
     stopped: bool = False  # a stop string ended it here: the engine does not know, tell it (abort)
+    stop_sequence: str | None = None  # which stop string ended it
     num_cached_tokens: int = 0
     _detok: IncrementalDetokenizer | None = None
     _sent: int = 0  # how much of `text` the deltas have handed out
@@ -90,6 +91,7 @@ class OutputProcessor:
         stops = self.params.stop
         match = find_stop(self.text, stops, before) if stops else None
         if match is not None:
+            self.stop_sequence = self.text[match[0] : match[1]]
             self.text = self.text[: match[1] if self.params.include_stop_str_in_output else match[0]]
             finish, self.stopped = "stop_sequence", True
         self.finish_reason = finish

@@ -16,7 +16,7 @@ from pytgi.metrics import Metrics
 from pytgi.router.engine_client import EngineClient
 from pytgi.router.infer import Infer
 from pytgi.router.validation import Validation, ValidLimits
-from pytgi.server import openai, tgi
+from pytgi.server import anthropic, openai, tgi
 from pytgi.server.errors import install_handlers
 from pytgi.server.middleware import (
     AdmissionMiddleware,
@@ -80,6 +80,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     install_handlers(app)
     app.include_router(tgi.router)
     openai.install(app)  # OpenAI's routes, and OpenAI's error shape under /v1/
+    anthropic.install(app)  # Anthropic's Messages routes, and its error shape under /v1/messages
     # The last added runs first: CORS outermost, so that refusals (401, 413) carry its headers too.
     app.add_middleware(AdmissionMiddleware)
     app.add_middleware(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -21,11 +23,32 @@ def error_response(status: int, message: str, error_type: str) -> JSONResponse:
 def path_error_response(
     path: str, status: int, message: str, error_type: str, openai_type: str, code: str | None = None
 ) -> JSONResponse:
-    """For middlewares, which answer before routing: OpenAI's shape under /v1/, TGI's elsewhere."""
+    """For middlewares, which answer before routing: Anthropic's shape under /v1/messages, OpenAI's
+    under the rest of /v1/, TGI's elsewhere."""
+    if path.startswith("/v1/messages"):
+        return JSONResponse(anthropic_error_body(status, message), status_code=status)
     if path.startswith("/v1/"):
         body = {"error": {"message": message, "type": openai_type, "param": None, "code": code}}
         return JSONResponse(body, status_code=status)
     return error_response(status, message, error_type)
+
+
+# Anthropic's error type for each status (its API's errors page)
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's `{"type": "error", "error": {"type", "message"}}`."""
+    kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def validation_response(message: str) -> JSONResponse:

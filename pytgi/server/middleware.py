@@ -63,15 +63,17 @@ GENERATION_ROUTES = {
     "/invocations",
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/messages",
 }
 
 
 class ApiKeyMiddleware:
-    """Every route needs `Authorization: Bearer <key>` when the server has an API key, but those named
-    in `exempt` (see EXEMPTIONS) and CORS preflights; the key is compared in constant time."""
+    """Every route needs `Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`) when the
+    server has an API key, but those named in `exempt` (see EXEMPTIONS) and CORS preflights; the key
+    is compared in constant time."""
 
     def __init__(self, app: ASGIApp, key: str, exempt: tuple[str, ...] = ("health",)) -> None:
-        self.app, self.expected = app, f"Bearer {key}".encode()
+        self.app, self.expected, self.key = app, f"Bearer {key}".encode(), key.encode()
         self.open = {route for name in exempt for route in EXEMPTIONS[name]}
 
     def _exempt(self, method: str, path: str) -> bool:
@@ -81,8 +83,9 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self._exempt(scope["method"], scope["path"]):
-            auth = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(auth, self.expected):
+            headers = dict(scope["headers"])
+            auth, x_key = headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")
+            if not (hmac.compare_digest(auth, self.expected) or hmac.compare_digest(x_key, self.key)):
                 refusal = path_error_response(
                     scope["path"],
                     401,
@@ -111,7 +114,9 @@ class OverloadMiddleware:
             if infer is not None and infer.in_flight >= infer.max_concurrent_requests:
                 st.metrics.request_count.inc()  # counted as the routes count their 429s
                 st.metrics.request_failure.labels("overloaded").inc()
-                if scope["path"].startswith("/v1/"):
+                if scope["path"].startswith("/v1/messages"):
+                    refusal = path_error_response(scope["path"], 429, "Model is overloaded", "", "")
+                elif scope["path"].startswith("/v1/"):
                     err = from_infer_error(Overloaded())
                     refusal = JSONResponse(err.body(), status_code=err.status)
                 else:

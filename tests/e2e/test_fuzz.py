@@ -83,6 +83,21 @@ def openai_bodies(draw, chat: bool):  # type: ignore[no-untyped-def]
     return body
 
 
+ANTHROPIC_FIELDS = ["model", "max_tokens", "messages", "system", "temperature", "top_p", "top_k", "stop_sequences",
+                    "stream", "tools", "tool_choice", "output_config", "output_format", "metadata"]
+BLOCKS = st.fixed_dictionaries({"type": st.sampled_from(["text", "tool_use", "tool_result", "image", "thinking",
+                                                         "nope"]), "text": texts, "input": json_values,
+                                "content": texts | json_values, "id": texts, "name": texts})
+
+
+@st.composite
+def anthropic_bodies(draw):  # type: ignore[no-untyped-def]
+    content = draw(texts | st.lists(BLOCKS, max_size=3))
+    body = {"model": "", "max_tokens": 2, "messages": [{"role": draw(st.sampled_from(["user", "assistant"])),
+                                                         "content": content}]}
+    return _mutated(draw, body, ANTHROPIC_FIELDS)
+
+
 def _raw_bodies() -> list[bytes]:
     deep = 20_000
     return [b"", b"{", b"null", b"[]", b'"x"', b"\xff\xfe", b'{"inputs": NaN}', b'{"inputs": "a", "parameters": '
@@ -124,6 +139,16 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database
 def test_tgi_routes_never_answer_5xx(fuzz_server, path):
     @FUZZ
     @given(tgi_bodies())
+    def check(body):  # type: ignore[no-untyped-def]
+        send(fuzz_server, "POST", path, body)
+
+    check()
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_anthropic_routes_never_answer_5xx(fuzz_server, path):
+    @FUZZ
+    @given(anthropic_bodies())
     def check(body):  # type: ignore[no-untyped-def]
         send(fuzz_server, "POST", path, body)
 

@@ -61,7 +61,7 @@ def _describe(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "malformed request body", param
 
 
-def _as_openai(exc: Exception) -> OpenAIError:
+def as_openai_error(exc: Exception) -> OpenAIError:
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, RequestValidationError):
@@ -94,7 +94,7 @@ def _dispatching(fallback: Callable | None) -> Callable:
         if isinstance(exc, ClientGone):
             return Response(status_code=499)  # nobody reads it
         if fallback is None or request.url.path.startswith(PREFIX) or isinstance(exc, OpenAIError):
-            err = _as_openai(exc)
+            err = as_openai_error(exc)
             return JSONResponse(err.body(), status_code=err.status)
         result = fallback(request, exc)
         return await result if asyncio.iscoroutine(result) else result

@@ -168,10 +168,11 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
     return await _answer(ex, body, reqs, head, prompt_tokens, renderer, choice)
 
 
-@router.post("/v1/chat/completions", tags=["OpenAI"])
-async def chat_completions(request: Request, body: schema.ChatCompletionRequest) -> Response:
-    created = int(time.time())
-    ex, n = _begin(request, body)
+async def chat_requests(
+    ex: Exchange, body: schema.ChatCompletionRequest, n: int
+) -> tuple[list[ValidRequest], tools.Style | None]:
+    """A chat body's engine requests, admitted: OpenAI's chat rules, tools and constraints, the
+    chat template, validation. Anthropic's Messages route converts its body and comes here too."""
     st = ex.st
     template = st.tokenizer.chat_template
     with ex.refused():
@@ -221,7 +222,15 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
         )
         return schema.choices(await validation.validate(gi), n, body.seed)
 
-    reqs = await ex.admit(n, prepare)
+    return await ex.admit(n, prepare), tool_style
+
+
+@router.post("/v1/chat/completions", tags=["OpenAI"])
+async def chat_completions(request: Request, body: schema.ChatCompletionRequest) -> Response:
+    created = int(time.time())
+    ex, n = _begin(request, body)
+    st = ex.st
+    reqs, tool_style = await chat_requests(ex, body, n)
     head = render.head("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", created, st.config.model_id)
 
     def renderer() -> render.StreamRenderer:
