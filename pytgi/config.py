@@ -249,6 +249,11 @@ class ServerConfig:
         (), "allowed CORS origins, comma-separated (or the flag repeated)", repeat=True
     )
     json_output: bool = setting(False, "log as JSON lines", switch=True)
+    reasoning_parser: str | None = setting(
+        None,
+        "split a chat answer's reasoning (<think>…</think>) from its content: qwen3 (the model opens "
+        "the block) | deepseek_r1 (the template opens it)",
+    )
     model_sha: str | None = None  # the Hub commit served (or --revision for a local model)
     engine_module: str = "pytgi.engine.process"  # the engine process's entry point
 

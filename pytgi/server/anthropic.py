@@ -21,6 +21,7 @@ from pydantic import Field
 from pytgi.errors import ClientGone, InferError
 from pytgi.outputs import Delta, OutputProcessor
 from pytgi.router.request import F32, I32, U32, Bool
+from pytgi.server import reasoning
 from pytgi.server.errors import anthropic_error_body
 from pytgi.server.exchange import Exchange
 from pytgi.server.openai import schema, tools
@@ -68,8 +69,19 @@ class OutputConfig(schema._Body):
     format: OutputFormat | None = None  # `effort` is accepted and ignored
 
 
+class Thinking(schema._Body):
+    type: Literal["enabled", "disabled", "adaptive"]
+
+
 class MessagesRequest(CountTokensRequest):
     max_tokens: U32
+    thinking: Thinking | None = None  # → the template's enable_thinking (Qwen3's switch)
+    # vLLM's structured-output extensions, as its OpenAI routes take them
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     output_config: OutputConfig | None = None
     output_format: OutputFormat | None = None  # the structured-outputs beta's name
     temperature: F32 | None = None
@@ -168,6 +180,9 @@ def _response_format(body: MessagesRequest) -> dict[str, Any]:
     }
 
 
+VLLM_EXTENSIONS = {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+
+
 def to_chat(body: MessagesRequest) -> schema.ChatCompletionRequest:
     """OpenAI's chat body for a Messages body (Anthropic's temperature is 0..1)."""
     if body.temperature is not None and not 0.0 <= body.temperature <= 1.0:
@@ -184,6 +199,12 @@ def to_chat(body: MessagesRequest) -> schema.ChatCompletionRequest:
             "stream": body.stream,
             **_tools(body),
             **_response_format(body),
+            **body.model_dump(include=VLLM_EXTENSIONS, exclude_none=True),
+            **(
+                {"chat_template_kwargs": {"enable_thinking": body.thinking.type != "disabled"}}
+                if body.thinking
+                else {}
+            ),
         }
     )
 
@@ -203,10 +224,19 @@ def _input(arguments: str) -> Any:
 
 
 def message_json(
-    mid: str, model: str, out: OutputProcessor, tool_style: tools.Style | None, prompt: int
+    mid: str,
+    model: str,
+    out: OutputProcessor,
+    tool_style: tools.Style | None,
+    reasoning_style: str | None,
+    prompt: int,
 ) -> dict:
-    content_text, calls = (out.text, []) if tool_style is None else tools.parse(out.text, tool_style)
-    content: list[dict[str, Any]] = [{"type": "text", "text": content_text}] if content_text else []
+    thinking, text = reasoning.split(out.text, reasoning_style) if reasoning_style else (None, out.text)
+    content_text, calls = (text, []) if tool_style is None else tools.parse(text, tool_style)
+    content: list[dict[str, Any]] = (
+        [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
+    )
+    content += [{"type": "text", "text": content_text}] if content_text else []
     content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)} for c in calls]
     return {
         "id": mid,
@@ -230,10 +260,15 @@ class MessageStream:
     message_delta (stop reason, output tokens) and message_stop."""
 
     def __init__(
-        self, head: dict[str, Any], out: Callable[[], OutputProcessor], tool_style: tools.Style | None
+        self,
+        head: dict[str, Any],
+        out: Callable[[], OutputProcessor],
+        tool_style: tools.Style | None,
+        reasoning_style: str | None = None,
     ):
         self.head, self.out = head, out
         self.parser = tools.ToolParser(tool_style) if tool_style else None
+        self.reasoner = reasoning.ReasoningParser(reasoning_style) if reasoning_style else None
         self.index, self.kind = -1, ""  # the open block, and its kind ("" when none is open)
 
     def start(self) -> list[str]:
@@ -252,13 +287,23 @@ class MessageStream:
         return [event("content_block_stop", {"index": self.index})]
 
     def delta(self, d: Delta) -> list[str]:
+        text, events = d.text, []
+        if self.reasoner is not None:
+            pieces = self.reasoner.feed(d.text) if d.text else []
+            pieces += self.reasoner.finish() if d.finish_reason is not None else []
+            for kind, t in pieces:
+                if kind == "reasoning":
+                    if self.kind != "thinking":
+                        events += self._open({"type": "thinking", "thinking": "", "signature": ""})
+                    delta = {"type": "thinking_delta", "thinking": t}
+                    events.append(event("content_block_delta", {"index": self.index, "delta": delta}))
+            text = "".join(t for kind, t in pieces if kind == "content")
         if self.parser is None:
-            found: list[tools.Event] = [tools.Content(d.text)] if d.text else []
+            found: list[tools.Event] = [tools.Content(text)] if text else []
         else:
-            found = self.parser.feed(d.text) if d.text else []
+            found = self.parser.feed(text) if text else []
             if d.finish_reason is not None:
                 found += self.parser.finish()
-        events = []
         for e in found:
             if isinstance(e, tools.Content):
                 if not e.text:
@@ -300,7 +345,8 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
     mid = f"msg_{uuid.uuid4().hex}"
     if not body.stream:
         [g] = await ex.generate(reqs)
-        return JSONResponse(message_json(mid, body.model, g.output, tool_style, reqs[0].input_length))
+        style = ex.st.config.reasoning_parser
+        return JSONResponse(message_json(mid, body.model, g.output, tool_style, style, reqs[0].input_length))
     [stream] = ex.streams(reqs)
     head = {
         "id": mid,
@@ -309,7 +355,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
         "model": body.model,
         "usage": {"input_tokens": reqs[0].input_length, "output_tokens": 0},
     }
-    renderer = MessageStream(head, lambda: stream.output, tool_style)
+    renderer = MessageStream(head, lambda: stream.output, tool_style, ex.st.config.reasoning_parser)
     return ex.sse([stream], lambda _, d: renderer.delta(d), error_event, start=renderer.start())
 
 

@@ -143,6 +143,13 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
             ", ".join(EXEMPTIONS),
         )
         return 2
+    from pytgi.server.reasoning import PARSERS
+
+    if args.reasoning_parser is not None and args.reasoning_parser not in PARSERS:
+        log.error(
+            "--reasoning-parser: unknown %r; choose among %s", args.reasoning_parser, ", ".join(PARSERS)
+        )
+        return 2
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         log.error("HTTPS needs both --ssl-keyfile and --ssl-certfile")
         return 2

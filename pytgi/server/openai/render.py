@@ -7,6 +7,7 @@ from typing import Any
 
 import pytgi
 from pytgi.outputs import Delta, OutputProcessor, Token
+from pytgi.server import reasoning
 from pytgi.server.openai import tools
 
 MIN_LOGPROB = -9999.0  # -inf is not JSON
@@ -109,10 +110,15 @@ def completion_logprobs(out: OutputProcessor, echo: str | None) -> dict[str, Any
 
 
 def chat_message(
-    text: str, finish: str | None, tool_style: tools.Style | None
+    text: str, finish: str | None, tool_style: tools.Style | None, reasoning_style: str | None = None
 ) -> tuple[dict[str, Any], str | None]:
-    """A whole answer's message and finish reason (OpenAI's); with tools, the calls found in its text."""
+    """A whole answer's message and finish reason (OpenAI's); with a reasoning parser, the reasoning
+    apart (`reasoning_content`, as vLLM and DeepSeek's API name it); with tools, the calls found in
+    the rest."""
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if reasoning_style is not None:
+        message["reasoning_content"], text = reasoning.split(text, reasoning_style)
+        message["content"] = text
     if tool_style is None:
         return message, finish_reason(finish)
     content, calls = tools.parse(text, tool_style)
@@ -140,6 +146,7 @@ class StreamRenderer:
         id_to_piece: Any,
         echo: list[str] | None = None,
         tool_style: tools.Style | None = None,
+        reasoning_style: str | None = None,
     ) -> None:
         self.chat, self.logprobs, self.id_to_piece = chat, logprobs, id_to_piece
         self.head = dict(head)
@@ -153,6 +160,10 @@ class StreamRenderer:
         self.completion_tokens = 0
         # chat with tools: each choice's text goes through a tool-call parser
         self.parsers = [tools.ToolParser(tool_style) for _ in range(count)] if tool_style else None
+        # with a reasoning parser, each choice's reasoning goes out as `delta.reasoning_content` first
+        self.reasoners = (
+            [reasoning.ReasoningParser(reasoning_style) for _ in range(count)] if reasoning_style else None
+        )
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {**self.head, "choices": [choice]}
@@ -200,14 +211,26 @@ class StreamRenderer:
 
     def delta(self, i: int, d: Delta) -> list[dict[str, Any]]:
         self.pending[i].append(d)
+        text, out = d.text, []
+        if self.reasoners:
+            r = self.reasoners[i]
+            pieces = (r.feed(d.text) if d.text else []) + (r.finish() if d.finish_reason is not None else [])
+            out = [
+                self._chunk(
+                    {"index": i, "delta": {"reasoning_content": t}, "logprobs": None, "finish_reason": None}
+                )
+                for kind, t in pieces
+                if kind == "reasoning"
+            ]
+            text = "".join(t for kind, t in pieces if kind == "content")
         parser = self.parsers[i] if self.parsers else None
         if parser is None:
-            out = [self._choice(i, d.text, self._take_logprobs(i), None)] if d.text else []
+            out += [self._choice(i, text, self._take_logprobs(i), None)] if text else []
         else:
-            events = parser.feed(d.text) if d.text else []
+            events = parser.feed(text) if text else []
             if d.finish_reason is not None:
                 events += parser.finish()
-            out = [self._tool_chunk(i, e) for e in events]
+            out += [self._tool_chunk(i, e) for e in events]
         if d.finish_reason is not None:
             self.completion_tokens += d.index
             reason = finish_reason(d.finish_reason, bool(parser and parser.calls))

@@ -201,7 +201,9 @@ async def chat_requests(
     def render_template() -> str:
         msgs, tool_list = tools.template_messages(messages, tool_plan, tools.style_of(template))
         try:
-            return st.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tool_list)
+            return st.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, tools=tool_list, **(body.chat_template_kwargs or {})
+            )
         except ValueError as exc:
             raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
 
@@ -243,10 +245,13 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
             reqs[0].input_length,
             st.tokenizer.id_to_piece,
             tool_style=tool_style,
+            reasoning_style=st.config.reasoning_parser,
         )
 
     def choice(index: int, req: ValidRequest, g: Generation) -> dict[str, Any]:
-        message, finish = render.chat_message(g.output.text, g.output.finish_reason, tool_style)
+        message, finish = render.chat_message(
+            g.output.text, g.output.finish_reason, tool_style, st.config.reasoning_parser
+        )
         return {
             "index": index,
             "message": message,

@@ -122,6 +122,7 @@ class ChatCompletionRequest(SamplingBody):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: Bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
 
     @property
     def max_new_tokens(self) -> tuple[int | None, str]:
