@@ -63,6 +63,7 @@ GENERATION_ROUTES = {
     "/invocations",
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
     "/v1/messages",
 }
 

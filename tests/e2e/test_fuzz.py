@@ -98,6 +98,21 @@ def anthropic_bodies(draw):  # type: ignore[no-untyped-def]
     return _mutated(draw, body, ANTHROPIC_FIELDS)
 
 
+RESPONSES_FIELDS = ["model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools",
+                    "tool_choice", "parallel_tool_calls", "text", "stream", "store", "previous_response_id"]
+ITEMS = st.fixed_dictionaries({"type": st.sampled_from(["message", "function_call", "function_call_output",
+                                                        "reasoning", "input_image", "nope"]),
+                               "role": st.sampled_from(["user", "assistant", "system", "x"]),
+                               "content": texts | json_values, "call_id": texts, "name": texts,
+                               "arguments": texts, "output": texts | json_values})
+
+
+@st.composite
+def responses_bodies(draw):  # type: ignore[no-untyped-def]
+    body = {"model": "", "max_output_tokens": 2, "input": draw(texts | st.lists(ITEMS, max_size=3))}
+    return _mutated(draw, body, RESPONSES_FIELDS)
+
+
 def _raw_bodies() -> list[bytes]:
     deep = 20_000
     return [b"", b"{", b"null", b"[]", b'"x"', b"\xff\xfe", b'{"inputs": NaN}', b'{"inputs": "a", "parameters": '
@@ -141,6 +156,15 @@ def test_tgi_routes_never_answer_5xx(fuzz_server, path):
     @given(tgi_bodies())
     def check(body):  # type: ignore[no-untyped-def]
         send(fuzz_server, "POST", path, body)
+
+    check()
+
+
+def test_responses_route_never_answers_5xx(fuzz_server):
+    @FUZZ
+    @given(responses_bodies())
+    def check(body):  # type: ignore[no-untyped-def]
+        send(fuzz_server, "POST", "/v1/responses", body)
 
     check()
 
