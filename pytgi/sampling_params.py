@@ -103,6 +103,8 @@ class SamplingParams:
     regex: str | None = None
     choice: list[str] | None = None  # exactly one of these strings
     grammar: str | None = None  # Lark, or GBNF/EBNF
+    # The answer's reasoning format (--reasoning-parser): a constraint applies after its <think> block
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

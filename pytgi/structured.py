@@ -14,6 +14,7 @@ matcher lazily (no per-grammar compile of the whole vocabulary), and computes ma
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -93,6 +94,10 @@ def _grammar(p: SamplingParams) -> str:
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
+    if p.reasoning is not None:
+        answer = _answer_lark(p)
+        if answer is not None:
+            return LLMatcher.grammar_from_lark(_after_reasoning(answer, p.reasoning))
     if p.json_schema is not None:
         return LLMatcher.grammar_from_json_schema(bounded_whitespace(_schema(p.json_schema)))
     if p.regex is not None:
@@ -103,6 +108,36 @@ def _grammar(p: SamplingParams) -> str:
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in p.choice))
     assert p.grammar is not None
     return LLMatcher.grammar_from_lark(any_to_lark(p.grammar))
+
+
+def _answer_lark(p: SamplingParams) -> str | None:
+    """The constraint as Lark rules whose start is `pytgi_answer`; None (it then applies from the
+    first token) for a choice, for a regex or grammar that writes the `<think>` block itself, and for
+    a grammar that refers to its own start."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if "<think>" in (p.regex or p.grammar or ""):
+        return None
+    if p.json_schema is not None:
+        return "pytgi_answer: %json " + json.dumps(bounded_whitespace(_schema(p.json_schema)))
+    if p.regex is not None:
+        return "pytgi_answer: /" + ascii_digits(p.regex).replace("/", "\\/") + "/"
+    if p.choice is not None:
+        return None  # a choice is short: no room to reason before it
+    assert p.grammar is not None
+    lark = re.sub(r"^start(\s*[:\[])", r"pytgi_answer\1", any_to_lark(p.grammar), count=1, flags=re.MULTILINE)
+    return None if re.search(r"\bstart\b", lark) else lark
+
+
+def _after_reasoning(answer: str, parser: str) -> str:
+    """A grammar whose constraint applies once the `<think>` block (pytgi.server.reasoning) ends:
+    the block is free text up to `</think>`; `qwen3` may skip it, `deepseek_r1` starts inside it."""
+    think = 'pytgi_think[stop="</think>"]: /(.|\\n)*/'
+    if parser == "deepseek_r1":
+        start = "start: pytgi_think /[ \\t\\n]*/ pytgi_answer"
+    else:
+        start = 'start: ("<think>" pytgi_think /[ \\t\\n]*/)? pytgi_answer'
+    return f"{start}\n{think}\n{answer}"
 
 
 def check(p: SamplingParams) -> str | None:

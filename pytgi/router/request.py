@@ -125,6 +125,7 @@ class GenerateInput:
     # OpenAI's (and vLLM's) sampling knobs TGI's parameters do not have
     min_p: float | None = None
     logit_bias: dict[int, float] | None = None
+    reasoning: str | None = None  # chat answers with --reasoning-parser: constraints apply after <think>
 
     @classmethod
     def from_body(cls, body: GenerateRequest | CompatGenerateRequest, stream: bool) -> GenerateInput:

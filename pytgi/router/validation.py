@@ -224,6 +224,7 @@ class Validation:
             top_p=1.0 if p.top_p is None else p.top_p,
             typical_p=1.0 if p.typical_p is None else p.typical_p,
             min_p=0.0 if gi.min_p is None else gi.min_p,
+            reasoning=gi.reasoning,
             logit_bias=gi.logit_bias,
             repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
             frequency_penalty=0.0 if p.frequency_penalty is None else p.frequency_penalty,

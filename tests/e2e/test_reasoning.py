@@ -51,3 +51,4 @@ def test_anthropic_thinking_blocks(server):
                                extra_body={"temperature": 0, **THINKS})
     assert [b.type for b in r.content] == ["thinking", "text"]
     assert r.content[0].thinking == want.model_extra["reasoning_content"] and r.content[1].text == want.content
+

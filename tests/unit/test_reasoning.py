@@ -82,3 +82,34 @@ def test_anthropic_thinking_blocks() -> None:
     starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
     kinds = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
     assert starts == ["thinking", "text"] and kinds == ["thinking_delta", "text_delta"]
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "grammar"])
+def test_constraints_apply_after_the_think_block(kind: str, tokenizer_dir, tok) -> None:  # type: ignore[no-untyped-def]
+    import llguidance
+
+    from pytgi import structured
+    from pytgi.sampling_params import SamplingParams
+
+    given = {"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                             "additionalProperties": False},
+             "regex": r'\{"a": [0-9]\}', "grammar": 'start: "{\\"a\\": " /[0-9]/ "}"'}[kind]
+    ll = llguidance.LLTokenizer((tokenizer_dir / "tokenizer.json").read_text(), n_vocab=tok.vocab_size)
+    for style, texts_ok, texts_bad in [
+        ("qwen3", ['<think>a is 1</think>\n{"a": 1}', '{"a": 1}'], ['<think>x</think>no', 'no']),
+        ("deepseek_r1", ['a is 1</think>{"a": 1}'], ['a</think>no']),
+    ]:
+        grammar = structured.check(SamplingParams(**{kind: given}, reasoning=style))
+        for text, want in [(t, True) for t in texts_ok] + [(t, False) for t in texts_bad]:
+            m = llguidance.LLMatcher(ll, grammar)
+            ok = bool(m.consume_tokens(ll.tokenize_str(text))) and m.is_accepting()
+            assert ok == want, (style, kind, text)
+
+
+def test_a_constraint_that_writes_the_think_block_applies_from_the_start() -> None:
+    from pytgi import structured
+    from pytgi.sampling_params import SamplingParams
+
+    regex = r"<think>[a-z]+</think>[A-Z]"
+    assert structured.check(SamplingParams(regex=regex, reasoning="qwen3")) == structured.check(
+        SamplingParams(regex=regex))

@@ -222,6 +222,7 @@ async def chat_requests(
             add_special_tokens=False,
             grammar=grammar,
         )
+        gi.reasoning = st.config.reasoning_parser
         return schema.choices(await validation.validate(gi), n, body.seed)
 
     return await ex.admit(n, prepare), tool_style
