@@ -50,7 +50,7 @@ def http(tok: Tokenizer, val: Validation) -> TestClient:
     oai.install(app)
     app.add_middleware(AdmissionMiddleware)
     app.state.pytgi = SimpleNamespace(
-        config=SimpleNamespace(model_id=MODEL), metrics=Metrics(), tokenizer=tok,
+        config=SimpleNamespace(model_id=MODEL, reasoning_parser=None), metrics=Metrics(), tokenizer=tok,
         client=SimpleNamespace(info=None), validation=val, infer=Infer(_NoEngine(), tok, 8))  # type: ignore[arg-type]
     return TestClient(app)
 
