@@ -345,17 +345,14 @@ class ResponseStream:
         index = len(self.items)
         events.append(self.event("response.output_item.added", output_index=index, item=item))
         if item["type"] in ("message", "reasoning"):
-            part = item["content"][0]
             events.append(
-                self.event(
-                    "response.content_part.added",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part={**part, "text": ""},
-                )
+                self._part_event("content_part.added", item, index, part={**item["content"][0], "text": ""})
             )
         return events
+
+    def _part_event(self, kind: str, item: dict[str, Any], index: int, **data: Any) -> str:
+        """An event about the (only) content part of a message or reasoning item."""
+        return self.event(f"response.{kind}", item_id=item["id"], output_index=index, content_index=0, **data)
 
     def _end(self) -> list[str]:
         item, self.open = self.open, None
@@ -365,24 +362,8 @@ class ResponseStream:
         self.items.append(item)
         if item["type"] in ("message", "reasoning"):
             part, kind = item["content"][0], "output_text" if item["type"] == "message" else "reasoning_text"
-            events.append(
-                self.event(
-                    f"response.{kind}.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=part["text"],
-                )
-            )
-            events.append(
-                self.event(
-                    "response.content_part.done",
-                    item_id=item["id"],
-                    output_index=index,
-                    content_index=0,
-                    part=part,
-                )
-            )
+            events.append(self._part_event(f"{kind}.done", item, index, text=part["text"]))
+            events.append(self._part_event("content_part.done", item, index, part=part))
         else:
             events.append(
                 self.event(
