@@ -23,7 +23,7 @@ from pytgi.outputs import Delta, OutputProcessor
 from pytgi.router.request import F32, I32, U32, Bool
 from pytgi.server import reasoning
 from pytgi.server.errors import anthropic_error_body
-from pytgi.server.exchange import Exchange
+from pytgi.server.exchange import Exchange, in_thread
 from pytgi.server.openai import schema, tools
 from pytgi.server.openai.errors import OpenAIError, as_openai_error, invalid
 from pytgi.server.openai.routes import chat_requests
@@ -369,7 +369,6 @@ async def count_tokens(request: Request, body: CountTokensRequest) -> JSONRespon
     template = st.tokenizer.chat_template
     plan = tools.plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls, template)
     msgs, tool_list = tools.template_messages(messages, plan, tools.style_of(template))
-    loop = asyncio.get_running_loop()
 
     def count() -> int:
         try:
@@ -382,7 +381,7 @@ async def count_tokens(request: Request, body: CountTokensRequest) -> JSONRespon
             raise invalid("`messages` must be valid Unicode (no lone surrogates)", "messages") from None
         return len(st.tokenizer.encode(text, add_special_tokens=False))
 
-    return JSONResponse({"input_tokens": await loop.run_in_executor(None, count)})
+    return JSONResponse({"input_tokens": await in_thread(count)})
 
 
 # -- errors ----------------------------------------------------------------------------------------

@@ -282,3 +282,8 @@ class Exchange:
 def sse_event(data: Any, space: bool = True) -> str:
     """One server-sent event of JSON (TGI writes `data:{...}`, OpenAI `data: {...}`)."""
     return f"data:{' ' if space else ''}{json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in the default thread pool, off the event loop (a chat template, a tokenization)."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)

@@ -7,7 +7,6 @@ shapes (`render`). No torch here.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,7 +18,7 @@ from fastapi import APIRouter, Request, Response
 from pytgi.errors import InvalidRequest
 from pytgi.router.infer import Generation
 from pytgi.router.request import ValidRequest
-from pytgi.server.exchange import Exchange, sse_event
+from pytgi.server.exchange import Exchange, in_thread, sse_event
 from pytgi.server.openai import render, schema, tools
 from pytgi.server.openai.errors import OpenAIError, from_infer_error, invalid
 from pytgi.server.responses import JSONResponse
@@ -37,14 +36,6 @@ def _named(names: dict[str, str]) -> Iterator[None]:
         yield
     except InvalidRequest as exc:
         raise schema.as_openai(exc, names) from None
-
-
-def _sse(data: dict[str, Any]) -> str:
-    return sse_event(data)
-
-
-async def _in_thread(fn: Callable, *args: Any) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 # -- routes ----------------------------------------------------------------------------------------
@@ -86,10 +77,10 @@ async def _answer(
         r = renderer()
         return ex.sse(
             ex.streams(reqs),
-            lambda i, delta: [_sse(chunk) for chunk in r.delta(i, delta)],
-            lambda exc: _sse(from_infer_error(exc).body()),  # no [DONE] after an error
-            start=[_sse(chunk) for chunk in r.start()],
-            end=lambda: [*(_sse(chunk) for chunk in r.end()), "data: [DONE]\n\n"],
+            lambda i, delta: [sse_event(chunk) for chunk in r.delta(i, delta)],
+            lambda exc: sse_event(from_infer_error(exc).body()),  # no [DONE] after an error
+            start=[sse_event(chunk) for chunk in r.start()],
+            end=lambda: [*(sse_event(chunk) for chunk in r.end()), "data: [DONE]\n\n"],
         )
     gens = await ex.generate(reqs)
     completion_tokens = sum(len(g.output.tokens) for g in gens)
@@ -212,7 +203,7 @@ async def chat_requests(
             return await prepare_named()
 
     async def prepare_named() -> list[ValidRequest]:
-        text = await _in_thread(render_template)
+        text = await in_thread(render_template)
         gi = schema.to_input(
             body,
             text,
