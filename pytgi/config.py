@@ -254,6 +254,11 @@ class ServerConfig:
         "split a chat answer's reasoning (<think>…</think>) from its content: qwen3 (the model opens "
         "the block) | deepseek_r1 (the template opens it)",
     )
+    chat_template: str | None = setting(
+        None,
+        "a Jinja chat template (or a file holding one) instead of the model's, e.g. a pythonic "
+        "tool-calling template",
+    )
     model_sha: str | None = None  # the Hub commit served (or --revision for a local model)
     engine_module: str = "pytgi.engine.process"  # the engine process's entry point
 

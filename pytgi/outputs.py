@@ -84,8 +84,9 @@ class OutputProcessor:
         assert self._detok is not None and not self.finished
         self.num_cached_tokens = out.num_cached_tokens
         before = len(self.text)
-        self.text += self._detok.add(out.token_id)
         finish = out.finish_reason
+        if not (finish == "eos_token" and out.token_id in self.tokenizer.eos_token_ids):
+            self.text += self._detok.add(out.token_id)  # (the EOS is no text, even with special tokens kept)
         if finish is not None:
             self.text += self._detok.flush()
         stops = self.params.stop

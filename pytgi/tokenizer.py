@@ -114,6 +114,16 @@ def _clean_up_tokenization(text: str) -> str:
     return text
 
 
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file's text, or the template itself (it has Jinja's `{{` or `{%`)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"{value!r} is neither a file nor a Jinja template")
+
+
 class Tokenizer:
     """A Hugging Face tokenizer directory, read without transformers."""
 
@@ -193,6 +203,11 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up else text
+
+    def special_id(self, text: str) -> int | None:
+        """The id of the special token written `text`; None when there is no such token."""
+        id = self._hf.token_to_id(text)
+        return id if id is not None and id in self.special_ids else None
 
     def id_to_piece(self, id: int) -> str:
         return self._hf.decode([id], skip_special_tokens=False)

@@ -126,6 +126,7 @@ class GenerateInput:
     min_p: float | None = None
     logit_bias: dict[int, float] | None = None
     reasoning: str | None = None  # chat answers with --reasoning-parser: constraints apply after <think>
+    skip_special_tokens: bool = True  # False: special tokens stay in the text (Mistral's [TOOL_CALLS])
 
     @classmethod
     def from_body(cls, body: GenerateRequest | CompatGenerateRequest, stream: bool) -> GenerateInput:

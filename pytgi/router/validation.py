@@ -225,6 +225,7 @@ class Validation:
             typical_p=1.0 if p.typical_p is None else p.typical_p,
             min_p=0.0 if gi.min_p is None else gi.min_p,
             reasoning=gi.reasoning,
+            skip_special_tokens=gi.skip_special_tokens,
             logit_bias=gi.logit_bias,
             repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
             frequency_penalty=0.0 if p.frequency_penalty is None else p.frequency_penalty,

@@ -267,7 +267,7 @@ class MessageStream:
         reasoning_style: str | None = None,
     ):
         self.head, self.out = head, out
-        self.parser = tools.ToolParser(tool_style) if tool_style else None
+        self.parser = tools.parser(tool_style) if tool_style else None
         self.reasoner = reasoning.ReasoningParser(reasoning_style) if reasoning_style else None
         self.index, self.kind = -1, ""  # the open block, and its kind ("" when none is open)
 

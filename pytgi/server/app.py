@@ -26,7 +26,7 @@ from pytgi.server.middleware import (
 )
 from pytgi.server.responses import JSONResponse
 from pytgi.server.state import State
-from pytgi.tokenizer import Tokenizer
+from pytgi.tokenizer import Tokenizer, read_chat_template
 
 log = logging.getLogger("pytgi.server")
 
@@ -76,7 +76,10 @@ def create_app(config: ServerConfig) -> FastAPI:
         default_response_class=JSONResponse,
     )
     client = EngineClient(config.engine, config.engine_module)
-    app.state.pytgi = State(config, client, Tokenizer.from_dir(config.model_path), Metrics())
+    tokenizer = Tokenizer.from_dir(config.model_path)
+    if config.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
+    app.state.pytgi = State(config, client, tokenizer, Metrics())
     install_handlers(app)
     app.include_router(tgi.router)
     openai.install(app)  # OpenAI's routes, and OpenAI's error shape under /v1/

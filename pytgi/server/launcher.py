@@ -150,6 +150,14 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
             "--reasoning-parser: unknown %r; choose among %s", args.reasoning_parser, ", ".join(PARSERS)
         )
         return 2
+    if args.chat_template is not None:
+        from pytgi.tokenizer import read_chat_template
+
+        try:
+            read_chat_template(args.chat_template)
+        except ValueError as e:
+            log.error("--chat-template: %s", e)
+            return 2
     if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
         log.error("HTTPS needs both --ssl-keyfile and --ssl-certfile")
         return 2

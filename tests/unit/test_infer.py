@@ -77,6 +77,7 @@ class PieceTokenizer:
     """Token k decodes to `pieces[k]`; id 0 is a special token (EOS)."""
 
     special_ids = {0}
+    eos_token_ids = [0]
 
     def __init__(self, pieces: list[str]) -> None:
         self.pieces = pieces

@@ -187,6 +187,7 @@ class _Tok:
     """Token k is the k-th piece of `pieces`; no special tokens."""
 
     special_ids: set[int] = set()
+    eos_token_ids: list[int] = []
 
     def __init__(self, pieces: list[str]) -> None:
         self.pieces = pieces
@@ -259,6 +260,25 @@ def test_output_cuts_the_stop_for_openai_and_keeps_it_for_tgi(tok: Tokenizer) ->
     assert out.text == "Hello " and out.finish_reason == "stop_sequence" and out.stopped
     out = decode(tok, "Hello world, and more words", "world", keep=True)
     assert out.text == "Hello world"
+
+
+def test_kept_special_tokens_are_text_but_the_end_of_sequence_is_not(tok: Tokenizer) -> None:
+    """Mistral's tool calls keep special tokens in the text (`[TOOL_CALLS]`); the EOS that ends the answer
+    still is no text."""
+    marker, eos = tok.special_id("<reponame>"), tok.eos_token_ids[0]
+    assert marker is not None
+    for skip, text in ((True, "hello"), (False, "<reponame>hello")):
+        sp = SamplingParams(max_new_tokens=50, temperature=0, skip_special_tokens=skip)
+        proc = OutputProcessor(tok, tok.encode("Say:"), sp)
+        for tid in [marker, *tok.encode("hello", add_special_tokens=False)]:
+            proc.process(P.TokenOut("r", tid, -0.1))
+        proc.process(P.TokenOut("r", eos, -0.1, finish_reason="eos_token"))
+        assert proc.text == text and proc.finish_reason == "eos_token"
+    # a grammar that is complete ends its request on its last token, which is text
+    proc = OutputProcessor(tok, [], SamplingParams(max_new_tokens=50, temperature=0))
+    (brace,) = tok.encode("}", add_special_tokens=False)
+    proc.process(P.TokenOut("r", brace, -0.1, finish_reason="eos_token"))
+    assert proc.text == "}"
 
 
 def test_logit_bias_min_p_and_20_logprobs_reach_the_engine(val: Validation) -> None:

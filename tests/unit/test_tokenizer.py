@@ -409,3 +409,13 @@ def test_partial_stop_len() -> None:
     assert partial_stop_len("ab", ["abab"]) == 2
     assert partial_stop_len("", ["abc"]) == 0
     assert partial_stop_len("abc", [""]) == 0
+
+
+def test_chat_template_flag_takes_a_file_or_a_template(tmp_path) -> None:
+    from pytgi.tokenizer import read_chat_template
+
+    (tmp_path / "t.jinja").write_text("{{ messages[0].content }}")
+    assert read_chat_template(str(tmp_path / "t.jinja")) == "{{ messages[0].content }}"
+    assert read_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{%")
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))

@@ -13,6 +13,7 @@ from pytgi import structured
 from pytgi.sampling_params import SamplingParams
 from pytgi.server.openai import tools
 from pytgi.server.openai.errors import OpenAIError
+from pytgi.tokenizer import Tokenizer
 from tests.unit.tiny_tokenizer import VOCAB_SIZE
 
 WEATHER = {"type": "function", "function": {
@@ -30,8 +31,27 @@ def plan(choice=None, parallel=None, style_template=HERMES_TEMPLATE, fns=(WEATHE
 
 
 # -- tools and tool_choice ---------------------------------------------------------------------------
+MISTRAL_TEMPLATE = (  # shaped like Mistral v0.3's: ids of 9 letters and digits, or it refuses
+    "{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]"
+    "{% elif m.tool_calls %}[TOOL_CALLS][{% for c in m.tool_calls %}"
+    "{% if c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{% endif %}{{ {'name': c.function.name, 'arguments': c.function.arguments, 'id': c.id} | tojson }}"
+    "{% endfor %}]</s>{% elif m.role == 'tool' %}"
+    "{% if m.tool_call_id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings "
+    "with length 9!') }}{% endif %}[TOOL_RESULTS]{{ {'content': m.content, 'call_id': m.tool_call_id} | tojson }}"
+    "[/TOOL_RESULTS]{% else %}{{ m.content }}</s>{% endif %}{% endfor %}"
+)
+PYTHONIC_TEMPLATE = (
+    "{% if tools %}Respond in the format [func_name1(params_name1=params_value1, params_name2=params_value2...), "
+    "func_name2(params)]{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+)
+
+
 def test_styles_follow_the_chat_template():
     assert tools.style_of(HERMES_TEMPLATE) == "hermes"
+    assert tools.style_of(MISTRAL_TEMPLATE) == "mistral"
+    assert tools.style_of("{{ '[TOOL_CALLS]' + name + '[ARGS]' + args }}") == "mistral_v11"
+    assert tools.style_of(PYTHONIC_TEMPLATE) == "pythonic"
     assert tools.style_of("{% if tools %}{{ tools | tojson }}{% endif %}") == "json"
     assert tools.style_of("{% for m in messages %}{{ m.content }}{% endfor %}") == "prompted"
     assert tools.style_of(None) == "prompted"
@@ -91,6 +111,20 @@ def test_a_template_without_tools_gets_them_as_text():
     assert listed is None and msgs[0] == {"role": "system", "content": "Be brief."} and msgs[3]["role"] == "user"
 
 
+def test_mistral_templates_get_call_ids_they_accept(tokenizer_dir):
+    history = [{"role": "user", "content": "Weather in Paris?"}, *HISTORY[1:]]
+    msgs, _ = tools.template_messages(history, plan(style_template=MISTRAL_TEMPLATE), "mistral")
+    (call,) = msgs[1]["tool_calls"]
+    assert len(call["id"]) == 9 and call["id"].isalnum() and msgs[2]["tool_call_id"] == call["id"]
+    assert tools.template_messages(msgs, None, "mistral")[0][1]["tool_calls"][0]["id"] == call["id"]  # kept
+    mistral = Tokenizer.from_dir(tokenizer_dir)
+    mistral.chat_template = MISTRAL_TEMPLATE
+    text = mistral.apply_chat_template(msgs)
+    assert f'"call_id": "{call["id"]}"' in text and '"arguments": {"city": "Paris"}' in text
+    with pytest.raises(ValueError, match="length 9"):
+        mistral.apply_chat_template(history)  # what an OpenAI client sends, unmapped
+
+
 # -- forced calls' grammars --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lltok(tokenizer_dir):
@@ -138,11 +172,11 @@ def test_the_bare_json_style_forces_one_object(lltok, tok):
 
 
 # -- what the model wrote ----------------------------------------------------------------------------
-def stream(text: str, style: tools.Style, cut: int) -> tuple[str, list[dict], tools.ToolParser]:
-    """Feed `text` in pieces of `cut` characters; returns the content, the calls as a client would
-    assemble them from the events, and the parser."""
-    parser = tools.ToolParser(style)
-    events = [e for i in range(0, len(text), cut) for e in parser.feed(text[i:i + cut])] + parser.finish()
+def stream(pieces: list[str], style: tools.Style) -> tuple[str, list[dict], tools.CallParser]:
+    """Feed the pieces; returns the content, the calls as a client would assemble them from the
+    events, and the parser."""
+    parser = tools.parser(style)
+    events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
     content, calls = "", []
     for e in events:
         if isinstance(e, tools.Content):
@@ -170,6 +204,36 @@ ANSWERS = [  # (style, the model's text, content, [(name, arguments)])
     ("json", ' {"name": "get_time", "parameters": {"zone": "UTC"}}', None, [("get_time", {"zone": "UTC"})]),
     ("json", "The time is noon. {\"name\": \"x\"}", "The time is noon. {\"name\": \"x\"}", []),
     ("json", '{"not": "a call"}', '{"not": "a call"}', []),
+    ("mistral", "Paris is lovely.", "Paris is lovely.", []),
+    ("mistral", "see [1] and [TOOL", "see [1] and [TOOL", []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', None,
+     [("get_weather", {"city": "Paris"})]),
+    ("mistral", 'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
+     '{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}]', "Let me look.",
+     [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "Europe/Paris"})]),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": [1, "]}"]}, "id": "abcdefghi"}]', None,
+     [("f", {"a": [1, "]}"]})]),
+    ("mistral", '[TOOL_CALLS][{"arguments": {"q": "}"}, "name": "f"}]', None, [("f", {"q": "}"})]),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": "{\\"x\\": 1}"}]', None, [("f", {"x": 1})]),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": "a\\"b}"}}', None, [("f", {"x": 'a"b}'})]),
+    ("mistral", '[TOOL_CALLS][{"not": "a call"}]', '{"not": "a call"}', []),
+    ("mistral", '[TOOL_CALLS] [ { "name" : "f" ,\n "arguments" :\n  { "x" :\n 1 } } ]', None, [("f", {"x": 1})]),
+    ("hermes", '<tool_call>{ "name" : "f" , "arguments" :\n  { "x" :\n 1 } }</tool_call>', None, [("f", {"x": 1})]),
+    ("mistral_v11", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}',
+     "Sure.", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})]),
+    ("mistral_v11", '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS] {"zone": "{UTC}"}', None,
+     [("get_time", {"zone": "{UTC}"})]),
+    ("mistral_v11", "[TOOL_CALLS]get_wea", "get_wea", []),
+    ("pythonic", '[get_weather(city="Paris")]', None, [("get_weather", {"city": "Paris"})]),
+    ("pythonic", ' [get_weather(city=\'Paris\', unit="c"), get_time(zone="UTC")]', None,
+     [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "UTC"})]),
+    ("pythonic", '[f(a=True, b=null, c=-1.5, d=[1, "x)"], e={"k": None}, g=(1, 2))]', None,
+     [("f", {"a": True, "b": None, "c": -1.5, "d": [1, "x)"], "e": {"k": None}, "g": [1, 2]})]),
+    ("pythonic", '[tools.search(q="a]"), ping()] done', "done", [("tools.search", {"q": "a]"}), ("ping", {})]),
+    ("pythonic", "[1] Paris is lovely.", "[1] Paris is lovely.", []),
+    ("pythonic", "[get_weather(1)]", "[get_weather(1)]", []),
+    ("pythonic", "[get_weather(city=town)]", "[get_weather(city=town)]", []),
+    ("pythonic", "Sure: [f(a=1)]", "Sure: [f(a=1)]", []),
 ]
 
 
@@ -178,12 +242,18 @@ def test_calls_are_found_whole_and_streamed_in_any_cut(style, text, content, cal
     got_content, got_calls = tools.parse(text, style)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
-    assert all(c.id.startswith("call_") for c in got_calls) and len({c.id for c in got_calls}) == len(got_calls)
-    for cut in (1, 2, 3, 7, len(text)):
-        s_content, s_calls, parser = stream(text, style, cut)
-        assert (s_content.strip() or None if calls else s_content) == content, cut
-        assert [(c["name"], json.loads(c["arguments"])) for c in s_calls] == calls, cut
+    assert len({c.id for c in got_calls}) == len(got_calls)
+    assert all(c.id.startswith("call_") for c in got_calls) or style.startswith("mistral")
+    cuts = [[text[i:i + n] for i in range(0, len(text), n)] for n in (1, 2, 3, 7)]
+    cuts += [[text[:at], text[at:]] for at in range(len(text) + 1)]  # in two at every character
+    for pieces in cuts:
+        s_content, s_calls, parser = stream(pieces, style)
+        assert (s_content.strip() or None if calls else s_content) == content, pieces
+        assert [(c["name"], json.loads(c["arguments"])) for c in s_calls] == calls, pieces
         assert [c.arguments for c in parser.calls] == [c["arguments"] for c in s_calls]
+        assert [c.arguments for c in parser.calls] == [c.arguments for c in got_calls], pieces
+        if style in ("mistral", "mistral_v11"):
+            assert all(len(c.id) == 9 and c.id.isalnum() for c in parser.calls)
 
 
 def test_arguments_stream_as_they_are_written():
@@ -193,3 +263,81 @@ def test_arguments_stream_as_they_are_written():
     pieces = [parser.feed(p) for p in ['{"ci', 'ty": "Pa', 'ris"', '}', '}', "\n</tool_call>"]]
     assert [[e.text for e in p] for p in pieces] == [['{"ci'], ['ty": "Pa'], ['ris"'], [], ['}'], []]
     assert parser.finish() == [] and parser.calls[0].arguments == '{"city": "Paris"}'
+
+
+def test_mistral_arguments_stream_as_they_are_written():
+    parser = tools.parser("mistral")
+    assert parser.feed("Sure.[TOOL_") == [tools.Content("Sure.")]
+    assert [type(e) for e in parser.feed('CALLS] [{"name": "get_weather", "arguments": ')] == [tools.CallStart]
+    pieces = [parser.feed(p) for p in ['{"ci', 'ty": "Pa}', 'ris"', '}', ', "id": "abcdefghi"}', "]"]]
+    assert [[e.text for e in p] for p in pieces] == [['{"ci'], ['ty": "Pa}'], ['ris"'], ['}'], [], []]
+    assert parser.finish() == [] and parser.calls[0].arguments == '{"city": "Pa}ris"}'
+    v11 = tools.parser("mistral_v11")
+    assert [type(e) for e in v11.feed("[TOOL_CALLS]get_time[ARGS]")] == [tools.CallStart]
+    assert [e.text for e in v11.feed('{"zone"') + v11.feed(': "UTC"}')] == ['{"zone"', ': "UTC"}']
+
+
+def test_pythonic_calls_are_sent_as_each_closes():
+    parser = tools.parser("pythonic")
+    assert parser.feed("[get_weather(city=") == []
+    found = parser.feed('"Paris"), get_')
+    assert [(type(e), getattr(e, "text", None)) for e in found] == [
+        (tools.CallStart, None), (tools.Arguments, '{"city": "Paris"}')]
+    assert [type(e) for e in parser.feed('time(zone="UTC")]')] == [tools.CallStart, tools.Arguments]
+    assert parser.finish() == []
+
+
+def accepts_ids(lltok, g, ids: list[int]) -> bool:
+    matcher = llguidance.LLMatcher(lltok, structured.check(SamplingParams(grammar=g.value)))
+    return all(matcher.consume_token(t) for t in ids) and matcher.is_accepting()
+
+
+def test_mistral_forces_its_special_token_then_a_list_of_calls(lltok, tok):
+    marker = tok.special_id("<reponame>")  # the tiny tokenizer's stand-in for [TOOL_CALLS]
+    assert marker == 4 and tok.special_id("reponame") is None and tok.special_id("hello") is None
+    special = {"[TOOL_CALLS]": marker}.get
+    g = tools.grammar(plan("required", style_template=MISTRAL_TEMPLATE), special)
+    assert g is not None and f"<[{marker}]>" in g.value
+
+    def ids(text: str) -> list[int]:
+        return [marker, *tok.encode(text, add_special_tokens=False)]
+
+    one = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    two = one + ', {"name": "get_time", "arguments": {"zone": "UTC"}}'
+    assert accepts_ids(lltok, g, ids(f" [{one}]")) and accepts_ids(lltok, g, ids(f"[{two}]"))
+    assert not accepts_ids(lltok, g, tok.encode(f"[{one}]", add_special_tokens=False))  # no marker
+    assert not accepts_ids(lltok, g, ids('[{"name": "get_weather", "arguments": {"town": "Paris"}}]'))
+    single = tools.grammar(plan("required", parallel=False, style_template=MISTRAL_TEMPLATE), special)
+    assert single is not None and not accepts_ids(lltok, single, ids(f"[{two}]"))
+    # without the special token in the vocabulary, the marker is text
+    text_marker = tools.grammar(plan({"type": "function", "function": {"name": "get_time"}},
+                                     style_template=MISTRAL_TEMPLATE))
+    assert text_marker is not None
+    assert accepts(lltok, tok, text_marker, '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]')
+    v11 = tools.grammar(plan("required", style_template="[TOOL_CALLS][ARGS]"), special)
+    assert v11 is not None
+    assert accepts_ids(lltok, v11, ids('get_time[ARGS]{"zone": "UTC"}') + ids('get_weather[ARGS]{"city": "Oslo"}'))
+    assert not accepts_ids(lltok, v11, ids('get_time[ARGS]{"city": "Oslo"}'))
+
+
+def test_pythonic_forces_keyword_calls_whose_values_follow_the_schema(lltok, tok):
+    g = tools.grammar(plan("required", style_template=PYTHONIC_TEMPLATE))
+    assert g is not None
+    for text in ['[get_weather(city="Paris")]', '[get_weather(city="Paris", unit="c"), get_time(zone="UTC")]']:
+        assert accepts(lltok, tok, g, text), text
+        assert tools.parse(text, "pythonic")[1]
+    for text in ['[get_weather(unit="c")]', '[get_weather(city=1)]', '[get_weather(city="Paris", town="x")]',
+                 '[get_weather(unit="c", city="Paris")]', "[get_news()]", "It is sunny."]:
+        assert not accepts(lltok, tok, g, text), text
+    optional = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}}}}
+    g = tools.grammar(plan("required", style_template=PYTHONIC_TEMPLATE, fns=(optional,)))
+    assert g is not None
+    for text in ["[f()]", "[f(a=1)]", "[f(b=true)]", "[f(a=1, b=false)]"]:
+        assert accepts(lltok, tok, g, text), text
+        assert tools.parse(text, "pythonic")[1], text
+    assert not accepts(lltok, tok, g, "[f(, b=true)]")
+    odd = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"user-id": {"type": "string"}}}}}
+    g = tools.grammar(plan("required", style_template=PYTHONIC_TEMPLATE, fns=(odd,)))
+    assert g is not None and accepts(lltok, tok, g, '[g(user=1, x="y")]')

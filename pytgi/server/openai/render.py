@@ -159,7 +159,7 @@ class StreamRenderer:
         self.offsets = [len(e) if e and not chat else 0 for e in (echo or [""] * count)]
         self.completion_tokens = 0
         # chat with tools: each choice's text goes through a tool-call parser
-        self.parsers = [tools.ToolParser(tool_style) for _ in range(count)] if tool_style else None
+        self.parsers = [tools.parser(tool_style) for _ in range(count)] if tool_style else None
         # with a reasoning parser, each choice's reasoning goes out as `delta.reasoning_content` first
         self.reasoners = (
             [reasoning.ReasoningParser(reasoning_style) for _ in range(count)] if reasoning_style else None

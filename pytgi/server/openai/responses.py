@@ -321,7 +321,7 @@ class ResponseStream:
 
     def __init__(self, final: Any, tool_style: tools.Style | None, reasoning_style: str | None) -> None:
         self.final = final  # (status, output items, output tokens) → the completed response
-        self.parser = tools.ToolParser(tool_style) if tool_style else None
+        self.parser = tools.parser(tool_style) if tool_style else None
         self.reasoner = reasoning.ReasoningParser(reasoning_style) if reasoning_style else None
         self.seq = 0
         self.items: list[dict[str, Any]] = []

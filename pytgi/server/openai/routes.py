@@ -177,7 +177,7 @@ async def chat_requests(
                     f" forces a tool call: it cannot be combined with `{grammar_field}`",
                     grammar_field,
                 )
-            grammar, grammar_field = tools.grammar(tool_plan), "tools"
+            grammar, grammar_field = tools.grammar(tool_plan, st.tokenizer.special_id), "tools"
     tool_style = tool_plan.style if tool_plan is not None else None
     assert st.validation is not None
     validation = st.validation
@@ -214,6 +214,8 @@ async def chat_requests(
             grammar=grammar,
         )
         gi.reasoning = st.config.reasoning_parser
+        # Mistral's calls open with a special token: the answer's text keeps special tokens (as vLLM's)
+        gi.skip_special_tokens = tool_style not in tools.MISTRAL_STYLES
         return schema.choices(await validation.validate(gi), n, body.seed)
 
     return await ex.admit(n, prepare), tool_style

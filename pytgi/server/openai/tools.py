@@ -1,11 +1,17 @@
 """OpenAI's tool calling: which tools a request offers and how it lets the model use them, the prompt
-they reach the model in, the grammar that forces a call, and the parser that finds calls in what the
-model writes (whole or as it streams). No torch here.
+they reach the model in, and the grammar that forces a call; `tool_calls` finds the calls in what the
+model writes. No torch here.
 
 The model's chat template decides the format (`style_of`):
 
 - ``hermes``: the template knows ``<tool_call>`` (Qwen2.5/3, Hermes, SmolLM3, ...). It renders the
   tools itself, and the model answers ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+- ``mistral``: the template knows ``[TOOL_CALLS]`` (Mistral 7B v0.3, Nemo, Small, ...): the answer is
+  ``[TOOL_CALLS]`` and a JSON list of calls; ``mistral_v11`` when the template writes ``[ARGS]``
+  (Mistral Small 3.2, Magistral, Devstral): ``[TOOL_CALLS]name[ARGS]{...}`` per call. Call ids are 9
+  letters and digits, as these templates demand of the history.
+- ``pythonic``: the template asks for a Python list of calls (``[func_name1(params_name1=...``, as the
+  Llama 3.2 / Llama 4 pythonic templates do): ``[get_weather(city="Paris")]``.
 - ``json``: the template takes ``tools`` but has no tag (Llama 3.1/3.2): the answer is one bare JSON
   object ``{"name": ..., "parameters": {...}}``.
 - ``prompted``: the template knows no tools (SmolLM2, the default model). The tools go into the
@@ -21,19 +27,55 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from pytgi.router.request import GrammarType
 from pytgi.server.openai.errors import invalid
+from pytgi.server.openai.tool_calls import (
+    CLOSE,
+    MISTRAL_ARGS,
+    MISTRAL_CALLS,
+    MISTRAL_STYLES,
+    OPEN,
+    Arguments,
+    CallParser,
+    CallStart,
+    Content,
+    Event,
+    Style,
+    ToolCall,
+    ToolParser,
+    mistral_id,
+    parse,
+    parser,
+)
 from pytgi.structured import bounded_whitespace
 
-Style = Literal["hermes", "json", "prompted"]
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+__all__ = [
+    "CLOSE",
+    "MISTRAL_STYLES",
+    "OPEN",
+    "Arguments",
+    "CallParser",
+    "CallStart",
+    "Content",
+    "Event",
+    "Function",
+    "Style",
+    "ToolCall",
+    "ToolParser",
+    "ToolPlan",
+    "grammar",
+    "parse",
+    "parser",
+    "plan",
+    "style_of",
+    "template_messages",
+]
 _NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
-# A call's head, as soon as its name is known: {"name": "f", "arguments": (or "parameters")
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_PYTHONIC = re.compile(r"\[\s*func_name1\s*\(")  # the pythonic templates' instruction shows the format
 _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -121,6 +163,10 @@ def _choice(tool_choice: str | dict[str, Any] | None, names: set[str]) -> str:
 def style_of(chat_template: str | None) -> Style:
     if chat_template and OPEN in chat_template:
         return "hermes"
+    if chat_template and MISTRAL_CALLS in chat_template:
+        return "mistral_v11" if MISTRAL_ARGS in chat_template else "mistral"
+    if chat_template and _PYTHONIC.search(chat_template):
+        return "pythonic"
     if chat_template and re.search(r"\btools\b", chat_template):
         return "json"
     return "prompted"
@@ -197,6 +243,11 @@ def template_messages(
             m["tool_calls"] = [
                 {**c, "function": {**(c.get("function") or {}), "arguments": _arguments(c)}} for c in calls
             ]
+        if style in MISTRAL_STYLES:
+            if m.get("tool_calls"):
+                m["tool_calls"] = [_with_mistral_id(c) for c in m["tool_calls"]]
+            if isinstance(m.get("tool_call_id"), str):
+                m["tool_call_id"] = mistral_id(m["tool_call_id"])
         if m.get("content") is None:
             m["content"] = ""
         out.append(m)
@@ -212,6 +263,10 @@ def template_messages(
     return out, None
 
 
+def _with_mistral_id(call: dict[str, Any]) -> dict[str, Any]:
+    return {**call, "id": mistral_id(call["id"])} if isinstance(call.get("id"), str) else call
+
+
 # -- the grammar of a forced call ------------------------------------------------------------------
 def _call_schema(f: Function, arguments_key: str) -> dict[str, Any]:
     return {
@@ -222,204 +277,87 @@ def _call_schema(f: Function, arguments_key: str) -> dict[str, Any]:
     }
 
 
-def grammar(tool_plan: ToolPlan) -> GrammarType | None:
+def grammar(
+    tool_plan: ToolPlan, special_id: Callable[[str], int | None] = lambda _: None
+) -> GrammarType | None:
     """For `required` or a named function: a grammar that admits only well-formed calls (llguidance's
-    Lark with JSON schemas inside); None for `auto`."""
+    Lark with JSON schemas inside); None for `auto`. `special_id` gives the id of a special token
+    (Mistral's `[TOOL_CALLS]`), which the grammar names by id."""
     if not tool_plan.forced:
         return None
     functions = [f for f in tool_plan.functions if tool_plan.choice in ("required", f.name)]
-    if tool_plan.style == "json":
+    many = tool_plan.parallel and tool_plan.choice == "required"
+    style = tool_plan.style
+    if style == "json":
         schemas = [_call_schema(f, "parameters") for f in functions]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
         return GrammarType(type="json", value=schema)
-    texts = [json.dumps(bounded_whitespace(_call_schema(f, "arguments"))) for f in functions]
-    rules = [f'call_{i}: "{OPEN}\\n" %json {text} "\\n{CLOSE}"' for i, text in enumerate(texts)]
-    calls = "call" if not tool_plan.parallel or tool_plan.choice != "required" else 'call ("\\n" call)*'
+
+    def marker(text: str) -> str:
+        token = special_id(text)
+        return json.dumps(text) if token is None else f"<[{token}]>"
+
+    bodies, rules = [], []
+    for i, f in enumerate(functions):
+        if style == "pythonic":
+            args, arg_rules = _python_arguments(f, i)
+            bodies.append(f'"{f.name}(" {args} ")"')
+            rules += arg_rules
+        elif style == "mistral_v11":
+            params = json.dumps(bounded_whitespace(f.parameters or _EMPTY_PARAMETERS))
+            bodies.append(f'{marker(MISTRAL_CALLS)} "{f.name}" {marker(MISTRAL_ARGS)} %json {params}')
+        elif style == "mistral":
+            bodies.append(f"%json {json.dumps(bounded_whitespace(_call_schema(f, 'arguments')))}")
+        else:
+            text = json.dumps(bounded_whitespace(_call_schema(f, "arguments")))
+            bodies.append(f'"{OPEN}\\n" %json {text} "\\n{CLOSE}"')
+    if style == "pythonic":
+        start = '"[" call (", " call)* "]"' if many else '"[" call "]"'
+    elif style == "mistral":
+        more = ' ("," " "? call)*' if many else ""
+        start = f'{marker(MISTRAL_CALLS)} " "? "[" call{more} "]"'
+    elif style == "mistral_v11":
+        start = "call+" if many else "call"
+    else:
+        start = 'call ("\\n" call)*' if many else "call"
     lark = "\n".join(
-        [f"start: {calls}", "call: " + " | ".join(f"call_{i}" for i in range(len(functions))), *rules]
+        [
+            f"start: {start}",
+            "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+            *(f"call_{i}: {body}" for i, body in enumerate(bodies)),
+            *rules,
+        ]
     )
     return GrammarType(type="grammar", value=lark)
 
 
-# -- what the model wrote --------------------------------------------------------------------------
-@dataclass
-class Content:
-    text: str
+def _python_arguments(f: Function, i: int) -> tuple[str, list[str]]:
+    """A pythonic call's keyword arguments for function `i`: each property of its schema as
+    `name=<JSON value of its schema>` in the schema's order, the required ones always, the others
+    optional; any keyword with any JSON value when the properties are no Python names."""
+    schema = f.parameters or _EMPTY_PARAMETERS
+    found = schema.get("properties")
+    props: dict[str, Any] = found if isinstance(found, dict) else {}
+    required = set(schema.get("required") or ()) if isinstance(schema.get("required"), list) else set()
+    names = list(props)
+    if not all(isinstance(n, str) and n.isidentifier() for n in names):
+        kwarg = f"kw_{i}"
+        return f'({kwarg} (", " {kwarg})*)?', [f'{kwarg}: /[A-Za-z_][A-Za-z0-9_]*/ "=" %json {{}}']
+    if not names:
+        return "", []
+    values = [bounded_whitespace(props[n]) if isinstance(props[n], dict) else {} for n in names]
+    rules = [f'kw_{i}_{j}: "{n}=" %json {json.dumps(v)}' for j, (n, v) in enumerate(zip(names, values))]
 
-
-@dataclass
-class CallStart:
-    index: int
-    id: str
-    name: str
-
-
-@dataclass
-class Arguments:
-    index: int
-    text: str
-
-
-Event = Content | CallStart | Arguments
-
-
-@dataclass
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-    def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        return d if index is None else {"index": index, **d}
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that could begin `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def _settled_arguments(text: str) -> str:
-    """A call's arguments so far, without what may yet turn out to close the call (the outer object's
-    `}`, whitespace, a partial closing tag)."""
-    text = text[: len(text) - _partial_suffix(text, CLOSE)].rstrip()
-    return text[:-1].rstrip() if text.endswith("}") else text
-
-
-@dataclass
-class ToolParser:
-    """Finds tool calls in the model's text, fed piece by piece as it streams; `feed` and `finish`
-    return what can be said now: content, a call's start (its id and name), pieces of its arguments.
-    Nothing said is taken back: text that may begin a call is held until it is clear."""
-
-    style: Style
-    calls: list[ToolCall] = field(default_factory=list)
-    _text: str = ""  # held text outside a call
-    _call: str | None = None  # the open call's text after its opening tag (None: outside a call)
-    _args_at: int = -1  # where the open call's arguments start in `_call` (-1: name not known yet)
-    _sent: str = ""  # the open call's arguments sent so far
-    _started: bool = False  # anything but whitespace seen (the bare JSON style opens only at the start)
-
-    def feed(self, text: str) -> list[Event]:
-        events: list[Event] = []
-        if self._call is not None:
-            self._call += text
-        else:
-            self._text += text
-        while True:
-            if self._call is None:
-                if not self._outside(events):
-                    return events
-            elif not self._inside(events, final=False):
-                return events
-
-    def finish(self) -> list[Event]:
-        events: list[Event] = []
-        if self._call is not None:
-            self._inside(events, final=True)
-        if self._text:
-            self._content(events, self._text)
-            self._text = ""
-        return events
-
-    # -- outside a call: content, until a call opens ----------------------------------------------
-    def _outside(self, events: list[Event]) -> bool:
-        """Move on through held text; True when a call opened (more to do)."""
-        if self.style == "json":
-            if not self._started:
-                stripped = self._text.lstrip()
-                if not stripped:
-                    return False
-                self._started = True
-                if stripped[0] == "{":
-                    self._call, self._text = stripped, ""
-                    return True
-            self._content(events, self._text)
-            self._text = ""
-            return False
-        at = self._text.find(OPEN)
-        if at >= 0:
-            self._content(events, self._text[:at])
-            self._call, self._text = self._text[at + len(OPEN) :], ""
-            return True
-        keep = _partial_suffix(self._text, OPEN)
-        self._content(events, self._text[: len(self._text) - keep])
-        self._text = self._text[len(self._text) - keep :]
-        return False
-
-    def _content(self, events: list[Event], text: str) -> None:
-        if text and not (self.calls and not text.strip()):  # no whitespace between calls
-            events.append(Content(text))
-
-    # -- inside a call -----------------------------------------------------------------------------
-    def _inside(self, events: list[Event], final: bool) -> bool:
-        """Move on through the open call; True when it closed and text follows it."""
-        assert self._call is not None
-        if self._args_at < 0:
-            head = _HEAD.match(self._call)
-            if head:
-                self._start(events, json.loads(f'"{head.group(1)}"'))
-                self._args_at = head.end()
-        close = self._call.find(CLOSE) if self.style != "json" else -1
-        if close < 0 and not final:
-            if self._args_at >= 0:
-                self._send(events, _settled_arguments(self._call[self._args_at :]))
-            return False
-        body = self._call if close < 0 else self._call[:close]
-        rest = "" if close < 0 else self._call[close + len(CLOSE) :]
-        self._close(events, body)
-        self._call, self._args_at, self._sent = None, -1, ""
-        self._text += rest
-        return bool(rest)
-
-    def _start(self, events: list[Event], name: str) -> None:
-        self.calls.append(ToolCall(f"call_{uuid.uuid4().hex[:24]}", name, ""))
-        events.append(CallStart(len(self.calls) - 1, self.calls[-1].id, name))
-
-    def _send(self, events: list[Event], settled: str) -> None:
-        if len(settled) > len(self._sent) and settled.startswith(self._sent):
-            events.append(Arguments(len(self.calls) - 1, settled[len(self._sent) :]))
-            self._sent = settled
-            self.calls[-1].arguments = settled
-
-    def _close(self, events: list[Event], body: str) -> None:
-        """The call's whole text is known: finish it, or, if it is no call after all, say it as text."""
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            obj = None
-        args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
-        name = obj.get("name") if isinstance(obj, dict) else None
-        if not isinstance(name, str) or not isinstance(args, dict):
-            if self._args_at < 0:  # nothing of it was sent as a call: it is text
-                opener = "" if self.style == "json" else OPEN
-                self._content(events, opener + body + ("" if self.style == "json" else CLOSE))
-            return
-        if self._args_at < 0:  # its fields came in another order: the call in one piece
-            self._start(events, name)
-        text = (
-            json.dumps(args, ensure_ascii=False)
-            if self._args_at < 0
-            else _settled_arguments(body[self._args_at :])
+    def rest(j: int) -> str:  # the properties from j on, each after ", "
+        return " ".join(
+            f'", " kw_{i}_{k}' if names[k] in required else f'(", " kw_{i}_{k})?'
+            for k in range(j, len(names))
         )
-        if not text.startswith(self._sent):
-            text = self._sent  # cannot happen for well-formed text; never take back what was sent
-        self._send(events, text)
-        self.calls[-1].arguments = text
 
-
-def parse(text: str, style: Style) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer's content (None when only calls) and its calls."""
-    parser = ToolParser(style)
-    events = parser.feed(text) + parser.finish()
-    content = "".join(e.text for e in events if isinstance(e, Content))
-    if parser.calls:
-        return (content.strip() or None), parser.calls
-    return content, []
+    # args_{i}_{j}: the arguments when property j is the first one written
+    for j, n in enumerate(names):
+        first = f"kw_{i}_{j} {rest(j + 1)}".strip()
+        if n not in required and j + 1 < len(names):
+            first += f" | args_{i}_{j + 1}"
+        rules.append(f"args_{i}_{j}: {first}")
+    return (f"args_{i}_0" if required else f"args_{i}_0?"), rules
