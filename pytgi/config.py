@@ -58,6 +58,14 @@ class EngineConfig:
         "HF directory or .gguf file",
         flag="--draft-model-id",
     )
+    lora_adapters: tuple[str, ...] = setting(
+        (),
+        "LoRA adapters (PEFT) to serve beside the base model: name=PATH_OR_HUB_ID, or a bare one named "
+        "by itself; comma-separated or the flag repeated",
+        repeat=True,
+        info=True,
+    )
+    max_lora_rank: int = setting(64, "the highest rank a LoRA adapter may have")
     max_batch_prefill_tokens: int | None = setting(
         None, "tokens computed per step (default 4096 GPU, 1024 CPU)", info=True
     )
@@ -116,6 +124,8 @@ class EngineConfig:
             raise ValueError(f"num_shard must be >= 1, got {self.num_shard}")
         if self.speculate < 0:
             raise ValueError(f"speculate must be >= 0, got {self.speculate}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
 
     @property
     def draft_tokens(self) -> int:
@@ -133,6 +143,7 @@ class EngineConfig:
         max_positions: int,
         kv_capacity: Callable[[], int],
         quantization: dict[str, int] | None = None,
+        lora_adapters: dict[str, str] | None = None,
     ) -> EngineInfo:
         """Fill the defaults from the loaded model and check the limits against each other;
         `kv_capacity()` (KV slots that fit in memory) is asked only when no size was given."""
@@ -178,6 +189,7 @@ class EngineConfig:
             quantization=quantization,
             speculate=self.draft_tokens,
             draft_model=self.draft_model,
+            lora_adapters=lora_adapters or {},
         )
 
 
@@ -208,6 +220,7 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     quantization: dict[str, int] | None = None
     speculate: int = 0  # draft tokens per decode step, at most
     draft_model: str | None = None  # the draft model (--draft-model-id), if any
+    lora_adapters: dict[str, str] = {}  # the LoRA adapters served: name → their directory
 
 
 @dataclass(slots=True)

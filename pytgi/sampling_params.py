@@ -105,6 +105,7 @@ class SamplingParams:
     grammar: str | None = None  # Lark, or GBNF/EBNF
     # The answer's reasoning format (--reasoning-parser): a constraint applies after its <think> block
     reasoning: str | None = None
+    adapter: str | None = None  # the LoRA adapter (--lora-adapters) that generates; None: the base model
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -22,8 +22,9 @@ from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import Scheduler
 from pytgi.engine.shards import ShardGroup, set_cpu_threads
 from pytgi.errors import DistributedError, InvalidRequest
+from pytgi.lora import AdapterError
 from pytgi.models.quant import file_quantization
-from pytgi.models.registry import resolve_model
+from pytgi.models.registry import resolve_adapters, resolve_model
 from pytgi.sampling_params import SamplingParams, check_logit_bias, check_prompt
 
 if TYPE_CHECKING:
@@ -40,6 +41,12 @@ class LLMEngine:
         config.validate()
         model = resolve_model(config.model, progress=config.progress, revision=config.revision)
         model_path, model_id = model.path, model.model_id
+        adapters = resolve_adapters(config.lora_adapters, config.progress)
+        if model_id in adapters:
+            raise AdapterError(
+                f"--lora-adapters: {model_id!r} names the base model; name the adapter otherwise"
+            )
+        config = dataclasses.replace(config, lora_adapters=tuple(f"{n}={p}" for n, p in adapters.items()))
         t0 = time.perf_counter()
         self.shards = ShardGroup(dataclasses.replace(config, model=str(model_path)))
         set_cpu_threads(self.shards.local_ranks)
@@ -59,6 +66,7 @@ class LLMEngine:
             vocab_size=runner.vocab_size,
             max_positions=runner.config.max_position_embeddings,
             quantization=file_quantization(model_path),
+            lora_adapters={name: str(path) for name, path in adapters.items()},
             kv_capacity=lambda: runner.auto_num_tokens(
                 config.kv_cache_cpu_bytes, config.kv_cache_memory_fraction
             ),
@@ -113,6 +121,8 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         info = self.info
         params.validate()
+        if params.adapter is not None and params.adapter not in info.lora_adapters:
+            raise InvalidRequest(f"unknown LoRA adapter {params.adapter!r}", "adapter_id")
         check_logit_bias(params.logit_bias, info.vocab_size)
         check_prompt(
             prompt_ids, params.max_new_tokens, info.max_input_tokens, info.max_total_tokens, info.vocab_size

@@ -21,9 +21,13 @@ from pytgi.engine.kv_sizing import kv_capacity_tokens
 from pytgi.engine.sampling_step import SamplingStep
 from pytgi.engine.step import ScheduledRequest, StepOutput
 from pytgi.engine.structured import GrammarMatchers
+from pytgi.errors import UnsupportedModel
+from pytgi.lora import parse_specs
 from pytgi.models.attention import StepLayout
 from pytgi.models.cpu import CpuKernels
+from pytgi.models.decoder import DecoderModel
 from pytgi.models.loader import CausalLM, eos_token_ids, load_model, read_config, resolve_dtype
+from pytgi.models.lora import LoraAdapters
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +60,23 @@ class ModelRunner:
             config.model_impl,
         )
         self.paged = PagedModel(model, self.dtype, self.device)
+        self.lora = self._adapters(model, config) if config.lora_adapters else None
         self.config = model.config
         self.vocab_size = self.config.vocab_size
         self.eos_token_ids = eos_token_ids(model_path)
         # Structured output's matchers (rank 0 samples; nothing is built until a request asks).
         self.grammars = GrammarMatchers(model_path / "tokenizer.json", self.vocab_size, self.eos_token_ids)
         self.sampling = SamplingStep(self.vocab_size, self.device, self.grammars)
+
+    @staticmethod
+    def _adapters(model: CausalLM, config: EngineConfig) -> LoraAdapters:
+        """The LoRA adapters of `config.lora_adapters` (name=directory, as the engine resolved them)."""
+        if not isinstance(model, DecoderModel):
+            raise UnsupportedModel("LoRA adapters need pytgi's own implementation of the model")
+        adapters = LoraAdapters(model, config.max_lora_rank)
+        for spec in parse_specs(config.lora_adapters):
+            adapters.load(spec.name, Path(spec.source))
+        return adapters
 
     @property
     def model(self) -> CausalLM:
@@ -98,34 +113,52 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledRequest]) -> StepOutput:
         step = self.layout(batch)
         plan = self.sampling.plan(batch, step.last_rows)
+        slots = None
+        if self.lora is not None:
+            adapters = [s.request.params.adapter for s in batch]
+            slots = self.lora.row_slots(adapters, step.layout.query_lens)
         if dist.tp_size() > 1:
-            self._broadcast_step(step, plan.rows)
-        return self.sampling.run(self.paged.forward(step, plan.rows), plan)
+            self._broadcast_step(step, plan.rows, slots)
+        return self.sampling.run(self._forward(step, plan.rows, slots), plan)
+
+    def _forward(self, step: StepBatch, rows: np.ndarray, slots: np.ndarray | None) -> torch.Tensor | None:
+        """The forward, with each row's LoRA adapter (`slots`, None: no row has one)."""
+        if slots is None or self.lora is None:
+            return self.paged.forward(step, rows)
+        self.lora.ctx.set(slots, self.device)
+        try:
+            return self.paged.forward(step, rows)
+        finally:
+            self.lora.ctx.clear()
 
     def release(self, request_id: str) -> None:
         self.grammars.remove(request_id)
 
     # -- tensor parallelism ------------------------------------------------------------------------
-    @staticmethod
-    def _shapes(T: int, B: int, M: int, R: int) -> list[tuple[int, ...]]:
-        return [(T,), (T,), (B,), (B,), (B, M), (T,), (R,)]
+    def _shapes(self, T: int, B: int, M: int, R: int) -> list[tuple[int, ...]]:
+        lora = [(T,)] if self.lora is not None else []  # each row's adapter slot
+        return [(T,), (T,), (B,), (B,), (B, M), (T,), (R,), *lora]
 
-    def _broadcast_step(self, step: StepBatch, rows: np.ndarray) -> None:
+    def _broadcast_step(self, step: StepBatch, rows: np.ndarray, slots: np.ndarray | None) -> None:
         layout = step.layout
         B, M = layout.block_tables.shape
         T, R = len(step.ids), len(rows)
         dist.broadcast_command(dist.CMD_STEP, T, B, M, R)
         arrays = [step.ids, step.positions, layout.query_lens, layout.context_lens, layout.block_tables]
-        dist.broadcast_arrays([*arrays, layout.slot_mapping, rows], self._shapes(T, B, M, R))
+        arrays += [layout.slot_mapping, rows]
+        if self.lora is not None:
+            arrays.append(slots if slots is not None else np.full(T, -1, np.int64))
+        dist.broadcast_arrays(arrays, self._shapes(T, B, M, R))
 
     @torch.inference_mode()
     def worker_step(self, T: int, B: int, M: int, R: int) -> None:
         """Ranks > 0: receive rank 0's step arrays and run this shard's forward."""
-        ids, positions, q_lens, ctx, tables, slots, rows = dist.broadcast_arrays(
+        ids, positions, q_lens, ctx, tables, slot_mapping, rows, *lora = dist.broadcast_arrays(
             None, self._shapes(T, B, M, R)
         )
-        layout = StepLayout(q_lens, ctx, tables, slots, self.paged.block_size)
-        self.paged.forward(StepBatch(ids, positions, layout), rows)
+        layout = StepLayout(q_lens, ctx, tables, slot_mapping, self.paged.block_size)
+        slots = lora[0] if lora and (lora[0] >= 0).any() else None
+        self._forward(StepBatch(ids, positions, layout), rows, slots)
 
     def ping(self) -> None:
         """While idle, a no-op collective: a dead or stuck rank is noticed without waiting for traffic."""

@@ -241,6 +241,7 @@ class DecoderModel(nn.Module):
             else None
         )
         self.decoder_loop: DecoderLoop | None = None  # set by `quantize` where it applies
+        self.lora_ctx: Any = None  # LoRA adapters' step context (`pytgi.models.lora`), once registered
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any], meta: Any
@@ -256,6 +257,7 @@ class DecoderModel(nn.Module):
         if (
             self.decoder_loop is not None
             and whole is not None
+            and not (self.lora_ctx is not None and self.lora_ctx.active)  # the loop knows no adapters
             and (h := self.decoder_loop(x, ropes, kv_caches, whole)) is not None
         ):
             return self.norm(h) if cfg.sandwich_norms else h

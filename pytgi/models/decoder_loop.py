@@ -18,7 +18,9 @@ from pytgi.models.cpu import CpuKernels
 
 
 def _linears(layer):
-    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+    """The layer's four linears (their base layers where LoRA wraps them: `pytgi.models.lora`)."""
+    mods = layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+    return tuple(getattr(m, "inner", m) for m in mods)
 
 
 def _packed(layer) -> list[int]:

@@ -120,6 +120,8 @@ def choose_files(repo: str, files: list[str], ref: HubRef) -> Selection:
             raise HubError(f"{repo}: no file {ref.file} in the repository (GGUF files: {have})")
         return Selection("gguf", _split_parts(group, repo))
     top = [f for f in files if "/" not in f]
+    if ref.tag is None and {"adapter_config.json", "adapter_model.safetensors"} <= set(top):
+        return Selection("hf", ("adapter_config.json", "adapter_model.safetensors"))  # a LoRA adapter
     safetensors = [f for f in top if f.endswith(".safetensors")]
     if ref.tag is None and "config.json" in top and safetensors:
         return Selection("hf", tuple(sorted(safetensors + [f for f in top if f in HF_FILES])))

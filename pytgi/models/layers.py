@@ -46,6 +46,10 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T alone: what `finish` completes."""
+        return nn.functional.linear(x, self.weight)
+
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
 
@@ -80,7 +84,11 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded.narrow(1, self.in_start, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.finish(nn.functional.linear(x, self.weight))
+        return self.finish(self.product(x))
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial x W^T: what `finish` sums over the ranks."""
+        return nn.functional.linear(x, self.weight)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         y = all_reduce(y)

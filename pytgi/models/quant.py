@@ -278,6 +278,15 @@ class QuantizedLinear(nn.Module):
             return self.layer(x)
         return self.layer.finish(self.quant.matmul(x))
 
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T before the layer's `finish` (bias, all-reduce), as `forward` computes it."""
+        if x.shape[0] > self.quant.max_m:
+            return nn.functional.linear(x, self.layer.weight)
+        return self.quant.matmul(x)
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        return self.layer.finish(y)
+
 
 def quantize_model(
     model: nn.Module, kinds: dict[nn.Module, str], act_dtype: torch.dtype, cpu: CpuKernels

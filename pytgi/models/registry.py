@@ -87,3 +87,27 @@ def resolve_model(
     if fetched.parts:
         return ResolvedModel(converted_gguf_dir(fetched.path, progress), str(model), fetched.sha)
     return ResolvedModel(fetched.path, str(model), fetched.sha)
+
+
+def resolve_adapter(source: str, progress: bool = True) -> Path:
+    """A LoRA adapter's directory: a local one, or a Hub id's files (adapter_config.json and
+    adapter_model.safetensors) fetched as a model's are."""
+    from pytgi.lora import CONFIG_FILE, AdapterError
+
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    ref = hub.parse_hub_id(source)
+    if ref is None or ref.tag is not None or ref.file is not None:
+        raise AdapterError(f"LoRA adapter not found at {source!r}: pass a PEFT adapter directory or a Hub id")
+    fetched = hub.fetch(ref, progress=progress)
+    if not (fetched.path / CONFIG_FILE).is_file():
+        raise AdapterError(f"{source} is a model, not a LoRA adapter: it has no {CONFIG_FILE}")
+    return fetched.path
+
+
+def resolve_adapters(specs: tuple[str, ...], progress: bool = True) -> dict[str, Path]:
+    """`--lora-adapters` entries → each adapter's name and directory (fetched where needed)."""
+    from pytgi.lora import parse_specs
+
+    return {s.name: resolve_adapter(s.source, progress) for s in parse_specs(specs)}

@@ -77,7 +77,7 @@ class GenerateParameters(_Body):
     seed: U64 | None = None
     top_n_tokens: U32 | None = None
     grammar: GrammarType | None = None
-    adapter_id: Str | None = None  # refused when given: no LoRA adapters here
+    adapter_id: Str | None = None  # a LoRA adapter of --lora-adapters (None: the base model)
     ignore_eos_token: Bool = False  # pytgi: keep generating past EOS (benchmarks)
     presence_penalty: F32 | None = None  # pytgi (OpenAI's): penalize tokens already generated
 

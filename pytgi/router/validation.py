@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -90,11 +91,20 @@ class Validation:
     """TGI's validation: parameter rules, tokenization in a thread pool, the engine's SamplingParams.
     Every API's request reaches it as a `GenerateInput`, so each rule exists once."""
 
-    def __init__(self, tokenizer: Any, limits: ValidLimits, workers: int = 2, vocab_size: int | None = None):
+    def __init__(
+        self,
+        tokenizer: Any,
+        limits: ValidLimits,
+        workers: int = 2,
+        vocab_size: int | None = None,
+        adapters: Collection[str] = (),
+    ):
+        """adapters: the LoRA adapters' names that `adapter_id` may take."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.tokenizer = tokenizer
         self.limits = limits
+        self.adapters = frozenset(adapters)
         self.workers = workers
         self.vocab_size = vocab_size or getattr(tokenizer, "vocab_size", None)  # bounds token-id prompts
         # `tokenizers` releases the GIL while encoding, so threads tokenize in parallel off the event loop.
@@ -183,9 +193,11 @@ class Validation:
                 f"Given: {p.truncate}",
                 "truncate",
             )
-        if p.adapter_id is not None:
+        if p.adapter_id is not None and p.adapter_id not in self.adapters:
+            served = ", ".join(f"`{a}`" for a in sorted(self.adapters)) or "none"
             raise InvalidRequest(
-                "`adapter_id` is not supported: this server serves no LoRA adapters", "adapter_id"
+                f"`adapter_id` `{p.adapter_id}` is not a LoRA adapter of this server (adapters: {served})",
+                "adapter_id",
             )
         return _Checked(input=gi, best_of=best_of, truncate=p.truncate)
 
@@ -226,6 +238,7 @@ class Validation:
             min_p=0.0 if gi.min_p is None else gi.min_p,
             reasoning=gi.reasoning,
             skip_special_tokens=gi.skip_special_tokens,
+            adapter=p.adapter_id,
             logit_bias=gi.logit_bias,
             repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
             frequency_penalty=0.0 if p.frequency_penalty is None else p.frequency_penalty,

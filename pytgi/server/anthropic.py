@@ -339,7 +339,7 @@ class MessageStream:
 async def messages(request: Request, body: MessagesRequest) -> Response:
     ex = Exchange(request, refusals=(OpenAIError,))
     with ex.refused():
-        schema.check_model(body.model, ex.st.config.model_id)
+        schema.check_model(body.model, ex.st.config.model_id, ex.st.adapters)
         chat = to_chat(body)
     reqs, tool_style = await chat_requests(ex, chat, 1)
     mid = f"msg_{uuid.uuid4().hex}"
@@ -363,7 +363,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
 async def count_tokens(request: Request, body: CountTokensRequest) -> JSONResponse:
     """The prompt's tokens as `messages` would count them (the chat template with the tools)."""
     st = state_of(request)
-    schema.check_model(body.model, st.config.model_id)
+    schema.check_model(body.model, st.config.model_id, st.adapters)
     chat = to_chat(MessagesRequest.model_validate({**body.model_dump(), "max_tokens": 1}))
     messages = schema.check_chat(chat)
     template = st.tokenizer.chat_template

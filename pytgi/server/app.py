@@ -47,6 +47,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ),
         workers=cfg.validation_workers,
         vocab_size=info.vocab_size,
+        adapters=info.lora_adapters,
     )
     st.infer = Infer(st.client, st.tokenizer, cfg.max_concurrent_requests)
     st.client.on_step = st.metrics.engine_step

@@ -26,6 +26,16 @@ class State:
     validation: Validation | None = None
     on_engine_death: list[Callable[[str], None]] = field(default_factory=list)
 
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters served: name → directory (none before the engine is up)."""
+        info = self.client.info
+        return info.lora_adapters if info is not None else {}
+
+    def adapter_of(self, model: str | None) -> str | None:
+        """The adapter an OpenAI or Anthropic `model` names; None: the base model."""
+        return model if model is not None and model in self.adapters else None
+
 
 def state_of(request: Request) -> State:
     return request.app.state.pytgi

@@ -22,6 +22,7 @@ from pytgi.server import tgi
 from pytgi.server.errors import install_handlers
 from pytgi.server.middleware import AdmissionMiddleware
 from pytgi.server.openai import render, schema
+from pytgi.server.state import State
 from pytgi.tokenizer import Tokenizer
 from tests.unit.test_validation import validate
 
@@ -49,9 +50,9 @@ def http(tok: Tokenizer, val: Validation) -> TestClient:
     app.include_router(tgi.router)
     oai.install(app)
     app.add_middleware(AdmissionMiddleware)
-    app.state.pytgi = SimpleNamespace(
+    app.state.pytgi = State(  # type: ignore[arg-type]
         config=SimpleNamespace(model_id=MODEL, reasoning_parser=None), metrics=Metrics(), tokenizer=tok,
-        client=SimpleNamespace(info=None), validation=val, infer=Infer(_NoEngine(), tok, 8))  # type: ignore[arg-type]
+        client=SimpleNamespace(info=None), validation=val, infer=Infer(_NoEngine(), tok, 8))
     return TestClient(app)
 
 

@@ -457,11 +457,12 @@ async def create_response(request: Request, body: ResponseRequest) -> Response:
     ex = Exchange(request, refusals=(OpenAIError,))
     st = ex.st
     with ex.refused():
-        schema.check_model(body.model, st.config.model_id)
+        schema.check_model(body.model, st.config.model_id, st.adapters)
         messages = conversation(body)
         chat = to_chat(body, messages)
     reqs, tool_style = await chat_requests(ex, chat, 1)
-    model, style, prompt = st.config.model_id, st.config.reasoning_parser, reqs[0].input_length
+    model = st.adapter_of(body.model) or st.config.model_id
+    style, prompt = st.config.reasoning_parser, reqs[0].input_length
 
     def final(status: str, items: list[dict[str, Any]], generated: int) -> dict[str, Any]:
         response = response_json(body, rid, created, model, status, items, (prompt, generated))

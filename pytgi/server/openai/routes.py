@@ -39,27 +39,33 @@ def _named(names: dict[str, str]) -> Iterator[None]:
 
 
 # -- routes ----------------------------------------------------------------------------------------
-def _model_card(st: State) -> dict[str, Any]:
-    return {"id": st.config.model_id, "object": "model", "created": _STARTED, "owned_by": "pytgi"}
+def _model_card(st: State, adapter: str | None = None) -> dict[str, Any]:
+    """The served model's card, or an adapter's (vLLM's shape: its directory and its parent)."""
+    card = {"object": "model", "created": _STARTED, "owned_by": "pytgi"}
+    if adapter is None:
+        return {"id": st.config.model_id, **card}
+    return {"id": adapter, **card, "root": st.adapters[adapter], "parent": st.config.model_id}
 
 
 @router.get("/v1/models", tags=["OpenAI"])
 async def list_models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(state_of(request))]})
+    st = state_of(request)
+    cards = [_model_card(st), *(_model_card(st, a) for a in st.adapters)]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model:path}", tags=["OpenAI"])
 async def retrieve_model(request: Request, model: str) -> JSONResponse:
     st = state_of(request)
-    schema.check_model(model, st.config.model_id)  # the names the other routes accept
-    return JSONResponse(_model_card(st))
+    schema.check_model(model, st.config.model_id, st.adapters)  # the names the other routes accept
+    return JSONResponse(_model_card(st, st.adapter_of(model)))
 
 
 def _begin(request: Request, body: schema.SamplingBody) -> tuple[Exchange, int]:
     """What both routes check first; returns the exchange and n."""
     ex = Exchange(request, refusals=(OpenAIError,))
     with ex.refused():
-        schema.check_model(body.model, ex.st.config.model_id)
+        schema.check_model(body.model, ex.st.config.model_id, ex.st.adapters)
         return ex, schema.check_sampling(body)
 
 
@@ -124,12 +130,14 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
                     schema.MAX_COMPLETION_LOGPROBS,
                     prompt_logprobs=echo and body.logprobs is not None,
                     grammar=grammar,
+                    adapter=ex.st.adapter_of(body.model),
                 )
                 reqs += schema.choices(await validation.validate(gi), n, body.seed)
         return reqs
 
     reqs = await ex.admit(len(prompts) * n, prepare)
-    head = render.head("text_completion", f"cmpl-{uuid.uuid4().hex}", created, st.config.model_id)
+    model = st.adapter_of(body.model) or st.config.model_id
+    head = render.head("text_completion", f"cmpl-{uuid.uuid4().hex}", created, model)
 
     def renderer() -> render.StreamRenderer:
         return render.StreamRenderer(
@@ -212,6 +220,7 @@ async def chat_requests(
             schema.MAX_CHAT_TOP_LOGPROBS,
             add_special_tokens=False,
             grammar=grammar,
+            adapter=st.adapter_of(body.model),
         )
         gi.reasoning = st.config.reasoning_parser
         # Mistral's calls open with a special token: the answer's text keeps special tokens (as vLLM's)
@@ -227,7 +236,8 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
     ex, n = _begin(request, body)
     st = ex.st
     reqs, tool_style = await chat_requests(ex, body, n)
-    head = render.head("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", created, st.config.model_id)
+    model = st.adapter_of(body.model) or st.config.model_id
+    head = render.head("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", created, model)
 
     def renderer() -> render.StreamRenderer:
         return render.StreamRenderer(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Collection
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -133,11 +134,13 @@ class ChatCompletionRequest(SamplingBody):
 
 
 # -- OpenAI's own rules ----------------------------------------------------------------------------
-def check_model(model: str | None, served: str) -> None:
-    if not (model is None or model in MODEL_ALIASES or model == served):
+def check_model(model: str | None, served: str, adapters: Collection[str] = ()) -> None:
+    """`model` names the served model (or an alias of it) or one of its LoRA adapters."""
+    if not (model is None or model in MODEL_ALIASES or model == served or model in adapters):
+        also = "".join(f", `{a}`" for a in sorted(adapters))
         raise OpenAIError(
             404,
-            f"The model `{model}` does not exist: this server serves `{served}`",
+            f"The model `{model}` does not exist: this server serves `{served}`{also}",
             "invalid_request_error",
             "model",
             "model_not_found",
@@ -263,6 +266,7 @@ def to_input(
     prompt_logprobs: bool = False,
     add_special_tokens: bool = True,
     grammar: GrammarType | None = None,
+    adapter: str | None = None,
 ) -> GenerateInput:
     """TGI's parameters for an OpenAI body: temperature 0 is greedy, any other samples (OpenAI's default
     temperature is 1); top_p 1 and top_k 0 / -1 disable them; the stop text is cut."""
@@ -289,7 +293,7 @@ def to_input(
         watermark=False,
         details=True,
         grammar=grammar,
-        adapter_id=None,
+        adapter_id=adapter,
     )
     return GenerateInput(
         inputs,

@@ -1,0 +1,236 @@
+"""LoRA adapters in the step: many adapters on one base model, mixed in one batch.
+
+Each targeted linear of the base model is wrapped (`LoraLinear`) once, when the first adapter is
+registered. A step tells the wrappers which of its flat rows use which adapter (`LoraContext`, set
+by the runner around the forward); each wrapper then adds `x Aᵀ (scaling·B)ᵀ` to the rows of each
+adapter in the step, gathered per adapter as punica's SGMV does (the rows of another adapter, or of
+none, are untouched). A step in which no row uses an adapter runs exactly the code it ran before:
+the wrappers pass straight through and the C decoder loop stays in use.
+
+The fused layers (q|k|v, gate|up) hold one A and one B per adapter: A stacks the parts' A matrices
+(rank rows each), and B puts each part's columns in that part's output rows, zeros elsewhere, so a
+fused layer costs two small products however many of its parts the adapter targets. A and B are
+kept in float32 whatever the model's dtype (they are small); with tensor parallelism B is split as
+a column-parallel weight's rows are, A as a row-parallel weight's columns are, and a row-parallel
+layer's partial products are summed by the layer's own all-reduce.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pytgi.distributed import tp_size
+from pytgi.lora import TARGETS, WEIGHTS_FILE, AdapterConfig, AdapterError, read_config
+from pytgi.models.layers import ColumnParallelLinear, RowParallelLinear
+from pytgi.models.quant import QuantizedLinear
+
+# the base model's module (in a decoder layer) that holds each target, and its part in a fused one
+MODULE_OF = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+}
+_KEY = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight"
+)
+
+
+@dataclass
+class LoraContext:
+    """The step's rows of each adapter slot; empty outside a step that uses adapters."""
+
+    groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.groups)
+
+    def set(self, row_slots: np.ndarray, device: torch.device) -> None:
+        """`row_slots[t]`: the slot of flat row t's adapter, -1 for the base model."""
+        self.groups = []
+        for slot in np.unique(row_slots[row_slots >= 0]).tolist():
+            (rows,) = np.nonzero(row_slots == slot)
+            if rows[-1] - rows[0] + 1 == len(rows):  # one run of rows: a view, no gather
+                self.groups.append((slot, slice(int(rows[0]), int(rows[-1]) + 1)))
+            else:
+                self.groups.append((slot, torch.from_numpy(rows).to(device)))
+
+    def clear(self) -> None:
+        self.groups = []
+
+
+Linear = ColumnParallelLinear | RowParallelLinear | QuantizedLinear
+
+
+def _base(inner: Linear) -> ColumnParallelLinear | RowParallelLinear:
+    layer = inner.layer if isinstance(inner, QuantizedLinear) else inner
+    assert isinstance(layer, (ColumnParallelLinear, RowParallelLinear))
+    return layer
+
+
+class LoraLinear(nn.Module):
+    """A targeted linear (plain or quantized) plus its adapters' low-rank products."""
+
+    def __init__(self, inner: Linear, ctx: LoraContext) -> None:
+        super().__init__()
+        self.inner, self.ctx = inner, ctx
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot → (A [R, K], Bᵀ [R, N])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.ctx.active or not self.weights:
+            return self.inner(x)
+        y = self.inner.product(x)
+        for slot, rows in self.ctx.groups:
+            w = self.weights.get(slot)
+            if w is not None:
+                a, bt = w
+                delta = ((x[rows].float() @ a.T) @ bt).to(y.dtype)
+                if isinstance(rows, slice):
+                    y[rows] += delta
+                else:
+                    y.index_add_(0, rows, delta)
+        return self.inner.finish(y)
+
+    def put(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
+        """Slot `slot`'s weights from the checkpoint's whole A and B of each targeted part."""
+        base = _base(self.inner)
+        a_rows, b_rows = [], []
+        n_local = base.weight.shape[0]
+        for part, (a, b) in sorted(parts.items()):
+            b = b.float() * scaling
+            if isinstance(base, RowParallelLinear):
+                a_rows.append(a.float().narrow(1, base.in_start, base.local_in))
+                b_rows.append(b.T)
+                continue
+            start, size = base.shards[part]
+            offset = sum(s for _, s in base.shards[:part])
+            bt = torch.zeros(a.shape[0], n_local)
+            bt[:, offset : offset + size] = b.narrow(0, start, size).T
+            a_rows.append(a.float())
+            b_rows.append(bt)
+        device = base.weight.device
+        self.weights[slot] = (torch.cat(a_rows).to(device), torch.cat(b_rows).to(device).contiguous())
+
+    def drop(self, slot: int) -> None:
+        self.weights.pop(slot, None)
+
+
+def wrap_model(model: nn.Module, ctx: LoraContext) -> dict[tuple[int, str], LoraLinear]:
+    """Wrap every targetable linear of the model's decoder layers; (layer, module path) → wrapper."""
+    wrapped: dict[tuple[int, str], LoraLinear] = {}
+    for i, layer in enumerate(model.layers):  # type: ignore[arg-type]
+        for path in dict.fromkeys(p for p, _ in MODULE_OF.values()):
+            parent_path, attr = path.rsplit(".", 1)
+            parent = layer.get_submodule(parent_path)
+            inner = getattr(parent, attr, None)
+            if isinstance(inner, LoraLinear):
+                wrapped[i, path] = inner
+                continue
+            if not isinstance(inner, (ColumnParallelLinear, RowParallelLinear, QuantizedLinear)):
+                continue  # e.g. a mixture of experts' MLP: not targetable
+            w = LoraLinear(inner, ctx)
+            setattr(parent, attr, w)
+            wrapped[i, path] = w
+    return wrapped
+
+
+def read_weights(
+    path: Path, config: AdapterConfig, num_layers: int
+) -> Iterator[tuple[int, str, torch.Tensor, torch.Tensor]]:
+    """(layer, target, A, B) for each targeted linear of the adapter, checked."""
+    from safetensors.torch import load_file
+
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(path / WEIGHTS_FILE)).items():
+        m = _KEY.fullmatch(key)
+        if m is None or m.group(2) not in TARGETS:
+            what = m.group(2) if m else key
+            raise AdapterError(
+                f"{path}: {what}: pytgi applies LoRA to {', '.join(TARGETS)} of the decoder layers only"
+            )
+        layer, target = int(m.group(1)), m.group(2)
+        if layer >= num_layers:
+            raise AdapterError(f"{path}: {key}: the base model has {num_layers} layers")
+        pairs.setdefault((layer, target), {})[m.group(3)] = tensor
+    if not pairs:
+        raise AdapterError(f"{path}: {WEIGHTS_FILE} holds no LoRA weights")
+    for (layer, target), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            missing = "A" if "A" not in ab else "B"
+            raise AdapterError(f"{path}: layer {layer} {target} has no lora_{missing}")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != config.rank or b.shape[1] != config.rank:
+            raise AdapterError(
+                f"{path}: layer {layer} {target}: A {tuple(a.shape)} and B {tuple(b.shape)} do not have "
+                f"rank {config.rank}"
+            )
+        yield layer, target, a, b
+
+
+class LoraAdapters:
+    """The adapters registered on one model (one rank's shard of it): name → slot."""
+
+    def __init__(self, model: nn.Module, max_rank: int) -> None:
+        self.max_rank = max_rank
+        self.ctx = LoraContext()
+        self.wrapped = wrap_model(model, self.ctx)
+        model.lora_ctx = self.ctx  # type: ignore[assignment]  # the decoder keeps its C loop out of adapter steps
+        self.slots: dict[str, int] = {}
+        self.configs: dict[str, AdapterConfig] = {}
+
+    def load(self, name: str, path: Path) -> None:
+        config = read_config(path, self.max_rank)
+        num_layers = 1 + max(i for i, _ in self.wrapped)
+        by_module: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for layer, target, a, b in read_weights(path, config, num_layers):
+            module, part = MODULE_OF[target]
+            w = self.wrapped.get((layer, module))
+            if w is None:
+                raise AdapterError(f"{path}: layer {layer} has no {target} that LoRA can target")
+            base = _base(w.inner)
+            out, k = base.weight.shape
+            if isinstance(base, ColumnParallelLinear):
+                start, size = base.shards[part]
+                whole = b.shape[0] == size if tp_size() == 1 else b.shape[0] >= start + size
+                fits = a.shape[1] == k and whole
+            else:
+                whole = a.shape[1] == k if tp_size() == 1 else a.shape[1] >= base.in_start + k
+                fits = b.shape[0] == out and whole
+            if not fits:
+                raise AdapterError(
+                    f"{path}: layer {layer} {target}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
+                    "the base model"
+                )
+            by_module.setdefault((layer, module), {})[part] = (a, b)
+        slot = self.slots.get(name)
+        if slot is None:
+            slot = next(i for i in range(len(self.slots) + 1) if i not in self.slots.values())
+        self.unload(name)
+        for key, parts in by_module.items():
+            self.wrapped[key].put(slot, parts, config.scaling)
+        self.slots[name], self.configs[name] = slot, config
+
+    def unload(self, name: str) -> None:
+        slot = self.slots.pop(name, None)
+        self.configs.pop(name, None)
+        if slot is not None:
+            for w in self.wrapped.values():
+                w.drop(slot)
+
+    def row_slots(self, adapters: list[str | None], query_lens: np.ndarray) -> np.ndarray | None:
+        """Each flat row's slot (-1: the base model); None when no request uses an adapter."""
+        if not any(adapters):
+            return None
+        slots = np.fromiter((-1 if a is None else self.slots[a] for a in adapters), np.int64, len(adapters))
+        return np.repeat(slots, query_lens)

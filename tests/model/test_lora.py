@@ -1,0 +1,150 @@
+"""LoRA adapters against transformers + peft (float32, greedy): adapters made by peft in the test with
+random nonzero A and B, on tiny random Llama and Qwen2 models; alone, batched with each other and with
+base-model requests; refusals; the prefix cache keeps each adapter's blocks apart."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+peft = pytest.importorskip("peft")
+
+from pytgi.config import EngineConfig  # noqa: E402
+from pytgi.engine.engine import LLMEngine  # noqa: E402
+from pytgi.errors import InvalidRequest  # noqa: E402
+from pytgi.lora import AdapterError  # noqa: E402
+from pytgi.sampling_params import SamplingParams  # noqa: E402
+
+BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, tie_word_embeddings=False)
+# name → (peft config, whether to scale its weights up so that the adapter changes greedy outputs)
+ADAPTERS = {
+    "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "all": dict(r=4, lora_alpha=8, use_rslora=True,
+                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "mlp": dict(r=16, lora_alpha=4, target_modules=["gate_proj", "down_proj"]),
+}
+PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20, list(range(30, 60)), [11, 12, 13]]
+NEW = 10
+
+
+def make_adapter(base_dir, out, cfg: dict, seed: int):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    lora = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **cfg))
+    with torch.no_grad():  # big enough to change what greedy picks
+        for name, p in lora.named_parameters():
+            if "lora_" in name:
+                p.mul_(3.0)
+    lora.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tiny(request, tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(f"tiny-lora-{request.param}")
+    if request.param == "llama":
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE)).save_pretrained(path)
+    else:  # q, k, v biases
+        transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**BASE)).save_pretrained(path)
+    adapters = {name: make_adapter(path, tmp_path_factory.mktemp(name), cfg, seed)
+                for seed, (name, cfg) in enumerate(ADAPTERS.items(), start=1)}
+    return path, adapters
+
+
+def reference(base_dir, adapter_dir, prompts):
+    """transformers (+ peft) greedy continuations, one prompt at a time."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
+                                 min_new_tokens=NEW, pad_token_id=0)
+        out.append(gen[0, len(p):].tolist())
+    return out
+
+
+def run(engine, jobs):
+    """jobs: (prompt, adapter) all submitted at once; each one's greedy tokens."""
+    got: dict[str, list[int]] = {}
+    for i, (prompt, adapter) in enumerate(jobs):
+        engine.add_request(str(i), prompt, SamplingParams(max_new_tokens=NEW, temperature=0, adapter=adapter))
+        got[str(i)] = []
+    while engine.has_unfinished():
+        for u in engine.step():
+            if u.token_id >= 0:
+                got[u.request_id].append(u.token_id)
+    return [got[str(i)] for i in range(len(jobs))]
+
+
+def engine_for(path, adapters, **kw):
+    specs = tuple(f"{name}={d}" for name, d in adapters.items())
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", max_batch_total_tokens=2048,
+                                  lora_adapters=specs, **kw))
+
+
+def test_each_adapter_equals_peft_alone_and_mixed_in_one_batch(tiny):
+    path, adapters = tiny
+    want = {None: reference(path, None, PROMPTS)}
+    want |= {name: reference(path, d, PROMPTS) for name, d in adapters.items()}
+    assert all(want[name] != want[None] for name in adapters), "an adapter that changes nothing tests nothing"
+    engine = engine_for(path, adapters)
+    try:
+        for name in [None, *adapters]:  # alone: one adapter's requests at a time
+            assert run(engine, [(p, name) for p in PROMPTS]) == want[name], name
+        # mixed: every prompt with every adapter and the base model, all in one batch
+        jobs = [(p, name) for i, p in enumerate(PROMPTS) for name in [None, *adapters][i % 4:] + [None, *adapters][:i % 4]]
+        got = run(engine, jobs)
+        assert got == [want[name][PROMPTS.index(p)] for p, name in jobs]
+    finally:
+        engine.shutdown()
+
+
+def test_unknown_adapters_and_unservable_ones_are_refused(tiny, tmp_path):
+    path, adapters = tiny
+    engine = engine_for(path, {"qv": adapters["qv"]})
+    try:
+        with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'nope'"):
+            engine.add_request("x", [1, 2, 3], SamplingParams(max_new_tokens=2, adapter="nope"))
+        assert engine.info.lora_adapters == {"qv": str(adapters["qv"])}
+    finally:
+        engine.shutdown()
+    big = make_adapter(path, tmp_path / "big", dict(r=8, target_modules=["q_proj"]), 9)
+    with pytest.raises(AdapterError, match="rank 8 is above --max-lora-rank 4"):
+        engine_for(path, {"big": big}, max_lora_rank=4)
+    head = make_adapter(path, tmp_path / "head", dict(r=2, target_modules=["q_proj", "lm_head"]), 9)
+    with pytest.raises(AdapterError, match="lm_head"):
+        engine_for(path, {"head": head})
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    (dora / "adapter_model.safetensors").write_bytes((big / "adapter_model.safetensors").read_bytes())
+    config = json.loads((big / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(AdapterError, match="DoRA is not supported"):
+        engine_for(path, {"dora": dora})
+
+
+def test_the_prefix_cache_keeps_each_adapters_blocks_apart(tiny):
+    path, adapters = tiny
+    engine = engine_for(path, adapters, block_size=4)
+    prompt = list(range(40, 70))
+    try:
+        first = run(engine, [(prompt, "qv")])
+        cached = {}
+        for name in ["qv", None, "all", "qv"]:
+            engine.add_request(name or "base", prompt, SamplingParams(max_new_tokens=1, temperature=0, adapter=name))
+            while engine.has_unfinished():
+                for u in engine.step():
+                    cached[u.request_id] = u.num_cached_tokens
+        assert cached["qv"] > 0 and cached["base"] == 0 and cached["all"] == 0
+        assert run(engine, [(prompt, "qv")]) == first  # from its own cached blocks, the same
+    finally:
+        engine.shutdown()
