@@ -66,6 +66,9 @@ class EngineConfig:
         info=True,
     )
     max_lora_rank: int = setting(64, "the highest rank a LoRA adapter may have")
+    max_cpu_loras: int | None = setting(
+        None, "LoRA adapters kept in memory, the least recently used out (default: all of them)"
+    )
     max_batch_prefill_tokens: int | None = setting(
         None, "tokens computed per step (default 4096 GPU, 1024 CPU)", info=True
     )
@@ -126,6 +129,8 @@ class EngineConfig:
             raise ValueError(f"speculate must be >= 0, got {self.speculate}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ValueError(f"max_cpu_loras must be >= 1, got {self.max_cpu_loras}")
 
     @property
     def draft_tokens(self) -> int:

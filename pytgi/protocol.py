@@ -80,8 +80,22 @@ class StartupFailed(msgspec.Struct, tag="startup_failed"):
     message: str
 
 
-ToEngine = Submit | Abort | Shutdown
-FromEngine = StepOut | Heartbeat | Ready | StartupFailed
+class AdapterOp(msgspec.Struct, tag="adapter"):
+    """Load (`source`: a directory or a Hub id) or unload a LoRA adapter at run time."""
+
+    op_id: str
+    name: str
+    source: str | None = None  # None: unload
+
+
+class AdapterDone(msgspec.Struct, tag="adapter_done"):
+    op_id: str
+    error: str | None  # why it failed (the adapters are then as they were)
+    adapters: dict[str, str]  # the adapters served now: name → directory
+
+
+ToEngine = Submit | Abort | Shutdown | AdapterOp
+FromEngine = StepOut | Heartbeat | Ready | StartupFailed | AdapterDone
 
 encoder = msgspec.msgpack.Encoder()
 to_engine = msgspec.msgpack.Decoder(ToEngine)

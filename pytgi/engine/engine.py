@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from pytgi import protocol as P
 from pytgi import structured
 from pytgi.config import EngineConfig
@@ -22,9 +24,9 @@ from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import Scheduler
 from pytgi.engine.shards import ShardGroup, set_cpu_threads
 from pytgi.errors import DistributedError, InvalidRequest
-from pytgi.lora import AdapterError
+from pytgi.lora import AdapterError, check_name
 from pytgi.models.quant import file_quantization
-from pytgi.models.registry import resolve_adapters, resolve_model
+from pytgi.models.registry import resolve_adapter, resolve_adapters, resolve_model
 from pytgi.sampling_params import SamplingParams, check_logit_bias, check_prompt
 
 if TYPE_CHECKING:
@@ -47,6 +49,7 @@ class LLMEngine:
                 f"--lora-adapters: {model_id!r} names the base model; name the adapter otherwise"
             )
         config = dataclasses.replace(config, lora_adapters=tuple(f"{n}={p}" for n, p in adapters.items()))
+        self.config = config
         t0 = time.perf_counter()
         self.shards = ShardGroup(dataclasses.replace(config, model=str(model_path)))
         set_cpu_threads(self.shards.local_ranks)
@@ -82,6 +85,7 @@ class LLMEngine:
             raise
         self.scheduler = Scheduler(self.info, self.block_manager, drafter=drafter)
         self.num_failed_steps = 0
+        self.unloading: set[str] = set()  # LoRA adapters refused to new requests, unloaded once unused
         self.last_step = P.StepInfo()  # what the last step did, for the metrics
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks x %d, load %.1fs",
@@ -121,8 +125,12 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         info = self.info
         params.validate()
-        if params.adapter is not None and params.adapter not in info.lora_adapters:
-            raise InvalidRequest(f"unknown LoRA adapter {params.adapter!r}", "adapter_id")
+        if params.adapter is not None:
+            if params.adapter not in info.lora_adapters:
+                raise InvalidRequest(f"unknown LoRA adapter {params.adapter!r}", "adapter_id")
+            if params.adapter in self.unloading:
+                raise InvalidRequest(f"LoRA adapter {params.adapter!r} is being unloaded", "adapter_id")
+            self.runner.adapters().ensure(params.adapter, self._adapters_in_use())
         check_logit_bias(params.logit_bias, info.vocab_size)
         check_prompt(
             prompt_ids, params.max_new_tokens, info.max_input_tokens, info.max_total_tokens, info.vocab_size
@@ -139,6 +147,37 @@ class LLMEngine:
         )
         if grammar is not None:
             self.runner.grammars.add(request_id, grammar, params.ignore_eos)
+
+    # -- LoRA adapters at run time -------------------------------------------------------------------
+    def _adapters_in_use(self) -> set[str | None]:
+        return {r.params.adapter for r in self.scheduler.requests.values()}
+
+    def load_adapter(self, name: str, source: str) -> None:
+        """Serve the adapter at `source` (a directory or a Hub id) as `name`."""
+        check_name(name)
+        if name in self.info.lora_adapters or name == self.info.model_id:
+            raise AdapterError(f"a model or LoRA adapter named {name!r} is already served")
+        if self.info.num_shard > 1:
+            raise AdapterError("loading LoRA adapters at run time with --num-shard > 1 is not supported yet")
+        path = resolve_adapter(source, self.config.progress)
+        self.runner.adapters().register(name, path, self._adapters_in_use())
+        self._set_adapters({**self.info.lora_adapters, name: str(path)})
+
+    def unload_adapter(self, name: str) -> bool:
+        """Stop serving `name`: refused to new requests now, unloaded once no request uses it
+        (False until then: call again after a step)."""
+        if name not in self.info.lora_adapters:
+            raise AdapterError(f"no LoRA adapter named {name!r} is served")
+        self.unloading.add(name)
+        if name in self._adapters_in_use():
+            return False
+        self.runner.adapters().remove(name)
+        self.unloading.discard(name)
+        self._set_adapters({n: p for n, p in self.info.lora_adapters.items() if n != name})
+        return True
+
+    def _set_adapters(self, adapters: dict[str, str]) -> None:
+        self.info = msgspec.structs.replace(self.info, lora_adapters=adapters)
 
     def abort_request(self, request_id: str) -> bool:
         req = self.scheduler.requests.get(request_id)

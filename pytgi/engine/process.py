@@ -43,6 +43,7 @@ class EngineLoop:
     def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
         self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
         self.running = True
+        self.unloads: list[P.AdapterOp] = []  # adapter unloads waiting for their requests to finish
 
     def run(self) -> None:
         while self.running:
@@ -56,6 +57,8 @@ class EngineLoop:
                     return
             if self.running and self.engine.has_unfinished():
                 self._step()
+            if self.unloads:
+                self.unloads = [op for op in self.unloads if not self._adapter(op)]
 
     def _drain(self) -> None:
         errors: list[P.TokenOut] = []
@@ -80,10 +83,26 @@ class EngineLoop:
             elif isinstance(msg, P.Abort):
                 for rid in msg.request_ids:
                     self.engine.abort_request(rid)
+            elif isinstance(msg, P.AdapterOp):
+                if not self._adapter(msg):
+                    self.unloads.append(msg)
             elif isinstance(msg, P.Shutdown):
                 self.running = False
         if errors:
             self._send(P.StepOut(errors, _stats(self.engine), P.StepInfo(failed=True)))
+
+    def _adapter(self, op: P.AdapterOp) -> bool:
+        """Load or unload a LoRA adapter and say so; False: an unload that waits for its requests."""
+        error = None
+        try:
+            if op.source is not None:
+                self.engine.load_adapter(op.name, op.source)
+            elif not self.engine.unload_adapter(op.name):
+                return False
+        except Exception as exc:  # noqa: BLE001 - a refused operation changes nothing
+            error = str(exc)
+        self._send(P.AdapterDone(op.op_id, error, self.engine.info.lora_adapters))
+        return True
 
     def _step(self) -> None:
         updates = self.engine.step()

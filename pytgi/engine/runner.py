@@ -60,7 +60,12 @@ class ModelRunner:
             config.model_impl,
         )
         self.paged = PagedModel(model, self.dtype, self.device)
-        self.lora = self._adapters(model, config) if config.lora_adapters else None
+        self.lora_config = config
+        self.lora: LoraAdapters | None = None
+        if config.lora_adapters:
+            self.lora = self.adapters()
+            for spec in parse_specs(config.lora_adapters):
+                self.lora.register(spec.name, Path(spec.source))
         self.config = model.config
         self.vocab_size = self.config.vocab_size
         self.eos_token_ids = eos_token_ids(model_path)
@@ -68,15 +73,16 @@ class ModelRunner:
         self.grammars = GrammarMatchers(model_path / "tokenizer.json", self.vocab_size, self.eos_token_ids)
         self.sampling = SamplingStep(self.vocab_size, self.device, self.grammars)
 
-    @staticmethod
-    def _adapters(model: CausalLM, config: EngineConfig) -> LoraAdapters:
-        """The LoRA adapters of `config.lora_adapters` (name=directory, as the engine resolved them)."""
-        if not isinstance(model, DecoderModel):
-            raise UnsupportedModel("LoRA adapters need pytgi's own implementation of the model")
-        adapters = LoraAdapters(model, config.max_lora_rank)
-        for spec in parse_specs(config.lora_adapters):
-            adapters.load(spec.name, Path(spec.source))
-        return adapters
+    def adapters(self) -> LoraAdapters:
+        """The model's LoRA adapters (the targeted linears are wrapped the first time)."""
+        if self.lora is None:
+            if not isinstance(self.model, DecoderModel):
+                raise UnsupportedModel("LoRA adapters need pytgi's own implementation of the model")
+            cfg = self.lora_config
+            self.lora = LoraAdapters(
+                self.model, cfg.max_lora_rank, self.dtype, self.device, cfg.max_cpu_loras
+            )
+        return self.lora
 
     @property
     def model(self) -> CausalLM:

@@ -360,3 +360,20 @@ def gemma_layers(
         vnni_max_m,
     )
     _check(failed, "decoder layers")
+
+
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    slots: np.ndarray,
+    a_ptrs: np.ndarray,
+    bt_ptrs: np.ndarray,
+    ranks: np.ndarray,
+) -> None:
+    """y[t] += (x[t] · A_sᵀ) · Bt_s in place, s = slots[t] (< 0: none), row by row (lora.c)."""
+    assert y.is_contiguous() and x.is_contiguous() and y.dtype == x.dtype
+    T, K = x.shape
+    failed = _fn("lora_add", y.dtype)(
+        _ptr(y), _ptr(x), T, K, y.shape[1], _ptr(slots), _ptr(a_ptrs), _ptr(bt_ptrs), _ptr(ranks)
+    )
+    _check(failed, "lora_add")

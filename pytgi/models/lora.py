@@ -18,7 +18,7 @@ layer's partial products are summed by the layer's own all-reduce.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pytgi import kernels
 from pytgi.distributed import tp_size
 from pytgi.lora import TARGETS, WEIGHTS_FILE, AdapterConfig, AdapterError, read_config
 from pytgi.models.layers import ColumnParallelLinear, RowParallelLinear
@@ -48,9 +49,12 @@ _KEY = re.compile(
 
 @dataclass
 class LoraContext:
-    """The step's rows of each adapter slot; empty outside a step that uses adapters."""
+    """The step's rows of each adapter slot; empty outside a step that uses adapters. `c_kernel`: the
+    products run in lora.c (CPU, float32 or bfloat16), else in PyTorch, gathered per adapter."""
 
+    c_kernel: bool = False
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+    row_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def active(self) -> bool:
@@ -58,6 +62,7 @@ class LoraContext:
 
     def set(self, row_slots: np.ndarray, device: torch.device) -> None:
         """`row_slots[t]`: the slot of flat row t's adapter, -1 for the base model."""
+        self.row_slots = np.ascontiguousarray(row_slots, dtype=np.int64)
         self.groups = []
         for slot in np.unique(row_slots[row_slots >= 0]).tolist():
             (rows,) = np.nonzero(row_slots == slot)
@@ -79,6 +84,14 @@ def _base(inner: Linear) -> ColumnParallelLinear | RowParallelLinear:
     return layer
 
 
+def _shape(inner: Linear) -> tuple[int, int]:
+    """(out, in) features on this rank (a quantized layer may keep no float weight)."""
+    if isinstance(inner, QuantizedLinear):
+        return inner.quant.shape
+    n, k = inner.weight.shape
+    return n, k
+
+
 class LoraLinear(nn.Module):
     """A targeted linear (plain or quantized) plus its adapters' low-rank products."""
 
@@ -86,11 +99,23 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.inner, self.ctx = inner, ctx
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot → (A [R, K], Bᵀ [R, N])
+        # for lora.c, by slot: A's and Bᵀ's addresses and the rank (0: the slot's adapter skips this layer)
+        self.table = np.zeros((3, 0), np.int64)
+
+    def refresh(self, capacity: int) -> None:
+        """Rebuild the kernel's table for slots 0 .. capacity - 1 (after any slot changed)."""
+        self.table = np.zeros((3, capacity), np.int64)
+        for slot, (a, bt) in self.weights.items():
+            self.table[:, slot] = a.data_ptr(), bt.data_ptr(), a.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.ctx.active or not self.weights:
             return self.inner(x)
         y = self.inner.product(x)
+        if self.ctx.c_kernel:
+            table = self.table
+            kernels.lora_add(y, x.contiguous(), self.ctx.row_slots, table[0], table[1], table[2])
+            return self.inner.finish(y)
         for slot, rows in self.ctx.groups:
             w = self.weights.get(slot)
             if w is not None:
@@ -106,7 +131,7 @@ class LoraLinear(nn.Module):
         """Slot `slot`'s weights from the checkpoint's whole A and B of each targeted part."""
         base = _base(self.inner)
         a_rows, b_rows = [], []
-        n_local = base.weight.shape[0]
+        n_local = _shape(self.inner)[0]
         for part, (a, b) in sorted(parts.items()):
             b = b.float() * scaling
             if isinstance(base, RowParallelLinear):
@@ -179,15 +204,50 @@ def read_weights(
 
 
 class LoraAdapters:
-    """The adapters registered on one model (one rank's shard of it): name → slot."""
+    """The adapters served on one model (one rank's shard of it). Each registered adapter has a
+    directory; at most `capacity` of them have their weights in memory (a slot), the least recently
+    used without a running request going first; one that is asked for again is loaded back."""
 
-    def __init__(self, model: nn.Module, max_rank: int) -> None:
-        self.max_rank = max_rank
-        self.ctx = LoraContext()
+    def __init__(
+        self,
+        model: nn.Module,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity: int | None = None,
+    ) -> None:
+        self.max_rank, self.capacity = max_rank, capacity
+        self.ctx = LoraContext(c_kernel=device.type == "cpu" and kernels.supports(dtype))
         self.wrapped = wrap_model(model, self.ctx)
         model.lora_ctx = self.ctx  # type: ignore[assignment]  # the decoder keeps its C loop out of adapter steps
-        self.slots: dict[str, int] = {}
+        self.paths: dict[str, Path] = {}  # every adapter served
+        self.slots: dict[str, int] = {}  # those in memory, least recently used first
         self.configs: dict[str, AdapterConfig] = {}
+
+    def register(self, name: str, path: Path, in_use: Collection[str | None] = ()) -> None:
+        """Serve the adapter at `path` as `name` (its weights loaded and checked now)."""
+        self.load(name, path)
+        self.paths[name] = path
+        self._evict({*in_use, name})
+
+    def remove(self, name: str) -> None:
+        self.unload(name)
+        self.paths.pop(name, None)
+
+    def ensure(self, name: str, in_use: Collection[str | None] = ()) -> None:
+        """A request is about to use `name`: load it back if it was evicted, mark it used."""
+        if name in self.slots:
+            self.slots[name] = self.slots.pop(name)  # the most recently used now
+        else:
+            self.load(name, self.paths[name])
+        self._evict({*in_use, name})
+
+    def _evict(self, keep: set[str | None]) -> None:
+        """Unload the least recently used adapters that no request uses, down to `capacity`."""
+        if self.capacity is None:
+            return
+        for name in [n for n in self.slots if n not in keep][: max(0, len(self.slots) - self.capacity)]:
+            self.unload(name)
 
     def load(self, name: str, path: Path) -> None:
         config = read_config(path, self.max_rank)
@@ -199,7 +259,7 @@ class LoraAdapters:
             if w is None:
                 raise AdapterError(f"{path}: layer {layer} has no {target} that LoRA can target")
             base = _base(w.inner)
-            out, k = base.weight.shape
+            out, k = _shape(w.inner)
             if isinstance(base, ColumnParallelLinear):
                 start, size = base.shards[part]
                 whole = b.shape[0] == size if tp_size() == 1 else b.shape[0] >= start + size
@@ -220,6 +280,7 @@ class LoraAdapters:
         for key, parts in by_module.items():
             self.wrapped[key].put(slot, parts, config.scaling)
         self.slots[name], self.configs[name] = slot, config
+        self._refresh()
 
     def unload(self, name: str) -> None:
         slot = self.slots.pop(name, None)
@@ -227,6 +288,12 @@ class LoraAdapters:
         if slot is not None:
             for w in self.wrapped.values():
                 w.drop(slot)
+            self._refresh()
+
+    def _refresh(self) -> None:
+        capacity = 1 + max(self.slots.values(), default=-1)
+        for w in self.wrapped.values():
+            w.refresh(capacity)
 
     def row_slots(self, adapters: list[str | None], query_lens: np.ndarray) -> np.ndarray | None:
         """Each flat row's slot (-1: the base model); None when no request uses an adapter."""

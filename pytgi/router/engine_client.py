@@ -15,15 +15,18 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from pytgi import protocol as P
 from pytgi.config import EngineConfig
 from pytgi.errors import EngineDead
+from pytgi.lora import AdapterError
 from pytgi.sampling_params import SamplingParams
 
 log = logging.getLogger("pytgi.router")
@@ -42,6 +45,7 @@ class EngineClient:
         self.on_death: Callable[[str], None] | None = None
         self.proc: subprocess.Popen | None = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._adapter_ops: dict[str, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []
         self._dir = Path(tempfile.mkdtemp(prefix="pytgi-"))  # the two sockets; removed at stop, or at exit
         atexit.register(shutil.rmtree, self._dir, True)
@@ -111,6 +115,19 @@ class EngineClient:
         self._inbox.send(msg)
         return queue
 
+    async def adapter(self, name: str, source: str | None) -> None:
+        """Load (`source`: a directory or a Hub id) or unload (None) a LoRA adapter; an unload returns
+        once the adapter's requests are done. `AdapterError` when the engine refused it."""
+        if not self.healthy:
+            raise EngineDead(self.dead_reason or "engine is not running")
+        op_id = uuid.uuid4().hex
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._adapter_ops[op_id] = future
+        self._inbox.send(P.encoder.encode(P.AdapterOp(op_id, name, source)))
+        error = await future
+        if error is not None:
+            raise AdapterError(error)
+
     def abort(self, request_id: str) -> None:
         """Forget the request here and free its KV blocks in the engine's next drain."""
         log.debug("abort %s", request_id)
@@ -154,6 +171,13 @@ class EngineClient:
                 log.exception("failed to handle an engine message")
 
     def _handle(self, msg: object) -> None:
+        if isinstance(msg, P.AdapterDone):
+            if self.info is not None:
+                self.info = msgspec.structs.replace(self.info, lora_adapters=msg.adapters)
+            future = self._adapter_ops.pop(msg.op_id, None)
+            if future is not None and not future.done():
+                future.set_result(msg.error)
+            return
         if isinstance(msg, P.Heartbeat):
             self.stats = msg.stats
             if self.on_stats is not None:
@@ -180,6 +204,10 @@ class EngineClient:
         for queue in self._queues.values():
             queue.put_nowait(EngineDead(reason))
         self._queues.clear()
+        for future in self._adapter_ops.values():
+            if not future.done():
+                future.set_exception(EngineDead(reason))
+        self._adapter_ops.clear()
         if self.on_death is not None:
             self.on_death(reason)
 

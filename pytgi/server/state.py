@@ -25,12 +25,19 @@ class State:
     infer: Infer | None = None
     validation: Validation | None = None
     on_engine_death: list[Callable[[str], None]] = field(default_factory=list)
+    unloading: set[str] = field(default_factory=set)  # LoRA adapters on their way out: refused already
 
     @property
     def adapters(self) -> dict[str, str]:
         """The LoRA adapters served: name → directory (none before the engine is up)."""
         info = self.client.info
-        return info.lora_adapters if info is not None else {}
+        served = info.lora_adapters if info is not None else {}
+        return {n: p for n, p in served.items() if n not in self.unloading} if self.unloading else served
+
+    def adapters_changed(self) -> None:
+        """After a load or unload: validation takes the adapters served now."""
+        if self.validation is not None:
+            self.validation.adapters = frozenset(self.adapters)
 
     def adapter_of(self, model: str | None) -> str | None:
         """The adapter an OpenAI or Anthropic `model` names; None: the base model."""

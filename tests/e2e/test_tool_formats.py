@@ -12,12 +12,9 @@ import json
 import anthropic
 import openai
 import pytest
-import torch
-import transformers
-from tokenizers import Tokenizer
 
 from tests.e2e.server import Server
-from tests.unit import tiny_tokenizer
+from tests.e2e.tiny import tiny_model
 from tests.unit.test_tools import MISTRAL_TEMPLATE, PYTHONIC_TEMPLATE
 
 pytestmark = pytest.mark.slow
@@ -27,24 +24,6 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
                    "properties": {"city": {"enum": ["Paris", "Oslo"]}}}}}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-
-
-def tiny_model(path, template: str | None):
-    """The tiny tokenizer plus Mistral's two control tokens, the template (else ChatML), random Llama
-    weights."""
-    tiny_tokenizer.build(path)
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok.add_special_tokens(["[TOOL_CALLS]", "[ARGS]"])
-    tok.save(str(path / "tokenizer.json"))
-    if template is not None:
-        config = json.loads((path / "tokenizer_config.json").read_text())
-        (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module", params=["mistral", "pythonic"])
