@@ -289,10 +289,12 @@ def decoder_layers(
     eps: float,
     scale: float,
     vnni_max_m: int,
+    lora: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> torch.Tensor:
     """Run every layer on the residual stream x (bf16 [T, hidden], updated in place) and return its
     final RMSNorm. table: int64 [layers, fields] of pointers (see decoder.c); sizes: (hidden,
-    intermediate, query heads, kv heads, head dim)."""
+    intermediate, query heads, kv heads, head dim); lora: the LoRA tables by layer and each row's
+    adapter slot (decoder.c), or None."""
     h = torch.empty_like(x)
     failed = _built().pytgi_decoder_layers_bf16(
         _ptr(table),
@@ -316,6 +318,8 @@ def decoder_layers(
         p.block_size,
         int(p.decodes_only),
         vnni_max_m,
+        _ptr(lora[0]) if lora is not None else None,
+        _ptr(lora[1]) if lora is not None else None,
     )
     _check(failed, "decoder layers")
     return h

@@ -8,7 +8,12 @@
  * weight, attention is all paged, and the model is unsharded and bias-free.
  *
  * layers: per layer LAYER_FIELDS int64 values (see below); the residual stream `x` [T, hidden] is
- * updated in place and `h` receives the final RMSNorm of it. Returns nonzero on out of memory. */
+ * updated in place and `h` receives the final RMSNorm of it. Returns nonzero on out of memory.
+ *
+ * LoRA adapters (pytgi/models/lora.py): with `row_slots` (each row's adapter slot, -1: none) not NULL,
+ * `lora` holds per layer LORA_FIELDS addresses, for each of the four linears lora.c's table (A's and
+ * Bt's addresses and the ranks, by slot; 0: no adapter targets it), and each linear's product gets
+ * lora.c's rows added before what follows it, as the Python path adds them. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -30,6 +35,18 @@ enum {
     V_CACHE,
     LAYER_FIELDS
 };
+
+enum { LORA_A, LORA_BT, LORA_RANKS, LORA_TABLE }; /* per linear: qkv, o, gate_up, down */
+#define LORA_FIELDS (4 * LORA_TABLE)
+
+/* out += the rows' LoRA products for linear `which` of a layer (a no-op without adapters) */
+static int lora(const int64_t *L, int which, const int64_t *row_slots, uint16_t *out, const uint16_t *in, int64_t T,
+                int64_t K, int64_t N) {
+    if (row_slots == NULL || L == NULL || L[which * LORA_TABLE + LORA_RANKS] == 0) return 0;
+    const int64_t *t = L + which * LORA_TABLE;
+    return pytgi_lora_add_bf16(out, in, T, K, N, row_slots, (const int64_t *)t[LORA_A], (const int64_t *)t[LORA_BT],
+                               (const int64_t *)t[LORA_RANKS]);
+}
 
 /* the same choice as QuantizedWeight.matmul: qgemv up to vnni_max_m rows, AMX tiles above */
 static int matmul(const uint16_t *x, int64_t w, int64_t bits, uint16_t *out, int64_t M, int64_t N, int64_t K,
@@ -54,7 +71,8 @@ int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t 
                               int64_t hidden, int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale,
                               const float *cos, const float *sin, const int64_t *slots, const int64_t *q_starts,
                               const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B,
-                              int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m) {
+                              int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m,
+                              const int64_t *lora_layers, const int64_t *row_slots) {
     const int64_t nqkv = (H + 2 * KVH) * D;
     uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)(T * (nqkv + 2 * H * D + 2 * hidden + 3 * I)));
     if (buf == NULL) return 1;
@@ -64,16 +82,21 @@ int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t 
     pytgi_add_rms_norm_bf16(NULL, x, (const uint16_t *)layers[IN_NORM], h, T, hidden, eps);
     for (int64_t i = 0; i < n_layers && !failed; i++) {
         const int64_t *L = layers + i * LAYER_FIELDS;
+        const int64_t *R = lora_layers == NULL ? NULL : lora_layers + i * LORA_FIELDS;
         uint16_t *kc = (uint16_t *)L[K_CACHE], *vc = (uint16_t *)L[V_CACHE];
         failed |= matmul(h, L[QKV_W], L[QKV_BITS], qkv, T, nqkv, hidden, vnni_max_m);
+        failed |= lora(R, 0, row_slots, qkv, h, T, hidden, nqkv);
         pytgi_rope_write_kv_bf16(qkv, cos, sin, slots, q, kc, vc, T, H, KVH, D);
         failed |= attend(q, kc, vc, attn, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks, block_size, H, KVH,
                          D, scale, all_decodes);
         failed |= matmul(attn, L[O_W], L[O_BITS], o, T, hidden, H * D, vnni_max_m);
+        failed |= lora(R, 1, row_slots, o, attn, T, H * D, hidden);
         pytgi_add_rms_norm_bf16(o, x, (const uint16_t *)L[POST_NORM], h, T, hidden, eps);
         failed |= matmul(h, L[GU_W], L[GU_BITS], gu, T, 2 * I, hidden, vnni_max_m);
+        failed |= lora(R, 2, row_slots, gu, h, T, hidden, 2 * I);
         pytgi_silu_mul_bf16(gu, act, T, I);
         failed |= matmul(act, L[DOWN_W], L[DOWN_BITS], down, T, hidden, I, vnni_max_m);
+        failed |= lora(R, 3, row_slots, down, act, T, I, hidden);
         pytgi_add_rms_norm_bf16(down, x, (const uint16_t *)L[NEXT_NORM], h, T, hidden, eps);
     }
     free(buf);

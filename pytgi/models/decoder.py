@@ -254,11 +254,13 @@ class DecoderModel(nn.Module):
         local = self.rotary_local
         ropes = (rope, rope if local is None else self.ops.rope_tables(local, positions, x.dtype))
         whole = meta.uniform if isinstance(meta, WindowedMetadata) else meta  # one metadata for every layer
+        ctx = self.lora_ctx
+        lora = (ctx.loop_table, ctx.row_slots) if ctx is not None and ctx.active else None
         if (
             self.decoder_loop is not None
             and whole is not None
-            and not (self.lora_ctx is not None and self.lora_ctx.active)  # the loop knows no adapters
-            and (h := self.decoder_loop(x, ropes, kv_caches, whole)) is not None
+            and (lora is None or self.decoder_loop.takes_lora)
+            and (h := self.decoder_loop(x, ropes, kv_caches, whole, lora)) is not None
         ):
             return self.norm(h) if cfg.sandwich_norms else h
         # With sandwich norms the final norm runs on its own, as the C loop's caller runs it.

@@ -85,10 +85,13 @@ class DecoderLoop:
             and meta.prefill is None
         )
 
-    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta) -> torch.Tensor | None:
+    takes_lora = True  # LoRA adapters' products inside the loop (decoder.c)
+
+    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta, lora=None) -> torch.Tensor | None:
         """The final hidden states for this step (x, updated in place, is the residual stream), or
         None when the step is not for the loop. `ropes`: the (full, sliding) layers' tables; Llama's
-        loop takes models without a sliding layer's base of its own: the first."""
+        loop takes models without a sliding layer's base of its own: the first. `lora`: the adapters'
+        tables and each row's slot (`pytgi.models.lora.LoraContext`), or None."""
         if not self.takes(x, meta):
             return None
         cos, sin = ropes[0]
@@ -103,6 +106,7 @@ class DecoderLoop:
             self.eps,
             self.scale,
             self.vnni_max_m,
+            lora,
         )
 
 
@@ -137,7 +141,9 @@ class GemmaDecoderLoop(DecoderLoop):
             + [k_cache.data_ptr(), v_cache.data_ptr(), int(self.sliding[i])]
         )
 
-    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta) -> torch.Tensor | None:
+    takes_lora = False  # a step with adapters runs the layers one by one
+
+    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta, lora=None) -> torch.Tensor | None:
         if not self.takes(x, meta):
             return None
         x = x.contiguous()

@@ -42,6 +42,7 @@ MODULE_OF = {
     "up_proj": ("mlp.gate_up_proj", 1),
     "down_proj": ("mlp.down_proj", 0),
 }
+LOOP_ORDER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # decoder.c's
 _KEY = re.compile(
     r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight"
 )
@@ -55,6 +56,8 @@ class LoraContext:
     c_kernel: bool = False
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
     row_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # the C decoder loop's view: per layer, lora.c's table addresses for qkv, o, gate_up, down (decoder.c)
+    loop_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 12), np.int64))
 
     @property
     def active(self) -> bool:
@@ -294,6 +297,12 @@ class LoraAdapters:
         capacity = 1 + max(self.slots.values(), default=-1)
         for w in self.wrapped.values():
             w.refresh(capacity)
+        num_layers = 1 + max(i for i, _ in self.wrapped)
+        table = np.zeros((num_layers, 4, 3), np.int64)
+        for (layer, path), w in self.wrapped.items():
+            if w.weights and path in LOOP_ORDER:
+                table[layer, LOOP_ORDER.index(path)] = [row.ctypes.data for row in w.table]
+        self.ctx.loop_table = table.reshape(num_layers, 12)
 
     def row_slots(self, adapters: list[str | None], query_lens: np.ndarray) -> np.ndarray | None:
         """Each flat row's slot (-1: the base model); None when no request uses an adapter."""

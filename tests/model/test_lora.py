@@ -17,6 +17,7 @@ from pytgi.engine.engine import LLMEngine  # noqa: E402
 from pytgi.errors import InvalidRequest  # noqa: E402
 from pytgi.lora import AdapterError  # noqa: E402
 from pytgi.sampling_params import SamplingParams  # noqa: E402
+from tests.kernel_paths import decoder_loop  # noqa: E402
 
 BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, tie_word_embeddings=False)
@@ -87,8 +88,8 @@ def run(engine, jobs):
 
 def engine_for(path, adapters, **kw):
     specs = tuple(f"{name}={d}" for name, d in adapters.items())
-    return LLMEngine(EngineConfig(model=str(path), dtype="float32", max_batch_total_tokens=2048,
-                                  lora_adapters=specs, **kw))
+    return LLMEngine(EngineConfig(**{"model": str(path), "dtype": "float32", "max_batch_total_tokens": 2048,
+                                     "lora_adapters": specs, **kw}))
 
 
 def test_each_adapter_equals_peft_alone_and_mixed_in_one_batch(tiny):
@@ -146,5 +147,104 @@ def test_the_prefix_cache_keeps_each_adapters_blocks_apart(tiny):
                     cached[u.request_id] = u.num_cached_tokens
         assert cached["qv"] > 0 and cached["base"] == 0 and cached["all"] == 0
         assert run(engine, [(prompt, "qv")]) == first  # from its own cached blocks, the same
+    finally:
+        engine.shutdown()
+
+
+def test_preemption_speculation_and_shards_keep_each_adapters_output(tiny):
+    """A KV cache too small for the batch (requests preempted and recomputed), n-gram speculation,
+    and two tensor-parallel shards all give what one unhurried engine gives, adapter by adapter."""
+    path, adapters = tiny
+    jobs = [(p, name) for p in PROMPTS for name in [None, *adapters]]
+    engine = engine_for(path, adapters)
+    try:
+        want = run(engine, jobs)
+    finally:
+        engine.shutdown()
+    for kw in [dict(max_batch_total_tokens=96, max_total_tokens=48, block_size=4), dict(speculate=3),
+               dict(num_shard=2)]:
+        engine = engine_for(path, adapters, **kw)
+        try:
+            assert run(engine, jobs) == want, kw
+            if "block_size" in kw:
+                assert engine.scheduler.num_preemptions > 0
+        finally:
+            engine.shutdown()
+
+
+@pytest.mark.slow
+def test_the_default_models_hf_copy_with_an_adapter_equals_peft(tmp_path):
+    from pytgi.models.registry import resolve_model
+    from pytgi.tokenizer import Tokenizer
+
+    base = resolve_model(None).path
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
+                                                      target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_" in name:
+                p.mul_(2.0)
+    lora.save_pretrained(tmp_path / "a")
+    tok = Tokenizer.from_dir(base)
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+               for q in ["What is the capital of France?", "Write a haiku about rain."]]
+    want = reference(base, tmp_path / "a", prompts)
+    assert want != reference(base, None, prompts)
+    engine = LLMEngine(EngineConfig(dtype="float32", max_batch_total_tokens=4096, max_total_tokens=1024,
+                                    lora_adapters=(f"a={tmp_path / 'a'}",)))
+    try:
+        assert run(engine, [(p, "a") for p in prompts]) == want
+    finally:
+        engine.shutdown()
+
+
+@decoder_loop
+def test_the_c_decoder_loop_adds_the_adapters_as_the_python_path_does(tmp_path):
+    """The fast path's one-call decoder loop (decoder.c) adds each row's LoRA products (lora.c) where
+    the Python layer path adds them: the same tokens and prompt logprobs, bit for bit, for a batch of
+    requests with two adapters and none."""
+    from pytgi.models.registry import resolve_model
+    from pytgi.tokenizer import Tokenizer
+
+    base = resolve_model(None).path
+    adapters = {}
+    for i, targets in enumerate([["q_proj", "v_proj"], ["o_proj", "gate_proj", "up_proj", "down_proj"]]):
+        torch.manual_seed(i)
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        peft.get_peft_model(model, peft.LoraConfig(r=8, init_lora_weights=False, target_modules=targets)) \
+            .save_pretrained(tmp_path / str(i))
+        adapters[f"a{i}"] = tmp_path / str(i)
+    tok = Tokenizer.from_dir(base)
+    prompts = [tok.encode(f"Question {i}: what is {i} plus {i}?") for i in range(6)]
+    engine = engine_for(base, adapters, dtype="auto", max_total_tokens=1024, max_batch_total_tokens=8192)
+    model = engine.runner.model
+    loop, used = model.decoder_loop, []
+    assert loop is not None and loop.takes_lora
+
+    def counting(*args):  # type: ignore[no-untyped-def]
+        h = loop(*args)
+        used.append(h is not None and args[-1] is not None)
+        return h
+
+    counting.takes_lora = True  # type: ignore[attr-defined]
+
+    def outputs():
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_new_tokens=8, temperature=0, prompt_logprobs=True, ignore_eos=True,
+                                                         adapter=[None, "a0", "a1"][i % 3]))
+        got: dict[str, list] = {str(i): [] for i in range(len(prompts))}
+        while engine.has_unfinished():
+            for u in engine.step():
+                got[u.request_id].append((u.token_id, u.logprob, u.prompt_logprobs))
+        return got
+
+    try:
+        model.decoder_loop = counting
+        with_loop = outputs()
+        model.decoder_loop = None
+        assert outputs() == with_loop
+        assert sum(used) >= 7, used  # the decode steps ran in the loop, with their adapters
     finally:
         engine.shutdown()
