@@ -54,13 +54,28 @@ def repos(tmp_path_factory) -> dict[str, Repo]:
     shutil.copy(whole, gg / "mmproj-tiny-F16.gguf")  # a vision projector: never a model to serve
     gguf_model(gg / "tiny-Q8_0.gguf", parts=2)
     pickled = {"config.json": hf / "config.json", "pytorch_model.bin": hf / "pytorch_model.bin"}
+    adapter = _lora_adapter(hf, root / "lora")
     return {
+        "test-org/tiny-lora": Repo({p.name: p for p in adapter.iterdir()} | {"README.md": hf / "README.md"}),
         HF: Repo(files, branches={"v1": "1" * 40}),
         GGUF: Repo({p.name: p for p in gg.iterdir()}),
         "test-org/gated-llama": Repo(files, gated=True),
         "test-org/private-llama": Repo(files, private=True),
         "test-org/pickled": Repo(pickled),
     }
+
+
+def _lora_adapter(base: Path, out: Path) -> Path:
+    """A PEFT adapter for the tiny model, made by peft (random nonzero A and B)."""
+    import torch
+    import transformers
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    peft.get_peft_model(model, peft.LoraConfig(r=4, init_lora_weights=False, target_modules=["q_proj"])) \
+        .save_pretrained(out)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +198,17 @@ def test_refusals_are_one_line_and_quick(hub, tmp_path, model, extra, said):
     assert done.returncode != 0 and seconds < 30, (done.returncode, seconds)
     assert "Traceback" not in done.stderr and len(errors) == 1, done.stderr
     assert all(s in errors[0] for s in said), errors[0]
+
+
+def test_a_lora_adapter_by_its_hub_id(hub, tmp_path):
+    before = len(hub.downloads())
+    srv = Server("--model-id", HF, "--lora-adapters", "sql=test-org/tiny-lora",
+                 env=hub_env(hub.url, tmp_path / "hf"), log=tmp_path / "lora.log").wait_ready()
+    try:
+        assert list(httpx.get(f"{srv.url}/info").json()["lora_adapters"]) == ["sql"]
+        body = {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "adapter_id": "sql"}}
+        assert httpx.post(f"{srv.url}/generate", json=body, timeout=60).status_code == 200
+    finally:
+        srv.stop()
+    assert "adapter_model.safetensors" in hub.downloads()[before:]
+    assert "README.md" not in hub.downloads()[before:]

@@ -105,6 +105,13 @@ def test_gguf_by_tag_default_and_file():
     )
 
 
+def test_a_lora_adapter_repository_takes_its_config_and_weights():
+    files = ["README.md", "adapter_config.json", "adapter_model.safetensors", "training_args.bin",
+             "tokenizer.json"]
+    sel = choose_files("org/lora", files, HubRef("org/lora"))
+    assert sel.kind == "hf" and sel.files == ("adapter_config.json", "adapter_model.safetensors")
+
+
 def test_a_tag_in_a_model_directory_means_its_gguf_files():
     files = HF_REPO + ["model-Q4_K_M.gguf"]
     assert choose_files("org/m", files, HubRef("org/m")).kind == "hf"
