@@ -204,7 +204,8 @@ def test_the_default_models_hf_copy_with_an_adapter_equals_peft(tmp_path):
 def test_the_c_decoder_loop_adds_the_adapters_as_the_python_path_does(tmp_path):
     """The fast path's one-call decoder loop (decoder.c) adds each row's LoRA products (lora.c) where
     the Python layer path adds them: the same tokens and prompt logprobs, bit for bit, for a batch of
-    requests with two adapters and none."""
+    requests with two adapters and none; and each request alone gives the bits it gives in the batch
+    (batch invariance with adapters)."""
     from pytgi.models.registry import resolve_model
     from pytgi.tokenizer import Tokenizer
 
@@ -230,11 +231,11 @@ def test_the_c_decoder_loop_adds_the_adapters_as_the_python_path_does(tmp_path):
 
     counting.takes_lora = True  # type: ignore[attr-defined]
 
-    def outputs():
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(max_new_tokens=8, temperature=0, prompt_logprobs=True, ignore_eos=True,
+    def outputs(which=range(len(prompts))):
+        for i in which:
+            engine.add_request(str(i), prompts[i], SamplingParams(max_new_tokens=8, temperature=0, prompt_logprobs=True, ignore_eos=True,
                                                          adapter=[None, "a0", "a1"][i % 3]))
-        got: dict[str, list] = {str(i): [] for i in range(len(prompts))}
+        got: dict[str, list] = {str(i): [] for i in which}
         while engine.has_unfinished():
             for u in engine.step():
                 got[u.request_id].append((u.token_id, u.logprob, u.prompt_logprobs))
@@ -243,8 +244,10 @@ def test_the_c_decoder_loop_adds_the_adapters_as_the_python_path_does(tmp_path):
     try:
         model.decoder_loop = counting
         with_loop = outputs()
+        assert sum(used) >= 7, used  # the decode steps ran in the loop, with their adapters
+        for i in range(len(prompts)):
+            assert outputs([i]) == {str(i): with_loop[str(i)]}, i
         model.decoder_loop = None
         assert outputs() == with_loop
-        assert sum(used) >= 7, used  # the decode steps ran in the loop, with their adapters
     finally:
         engine.shutdown()
