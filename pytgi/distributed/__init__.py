@@ -25,7 +25,7 @@ _CMD_GROUP = None  # commands: a long timeout, since workers wait on it while th
 DEFAULT_TIMEOUT_S = float(os.environ.get("PYTGI_DIST_TIMEOUT", "20"))
 
 # Commands rank 0 broadcasts to the workers.
-CMD_STEP, CMD_NOOP, CMD_ALLOC, CMD_CAPACITY, CMD_SHUTDOWN = range(5)
+CMD_STEP, CMD_NOOP, CMD_ALLOC, CMD_CAPACITY, CMD_SHUTDOWN, CMD_LORA = range(6)
 
 
 def tp_rank() -> int:

@@ -130,7 +130,8 @@ class LLMEngine:
                 raise InvalidRequest(f"unknown LoRA adapter {params.adapter!r}", "adapter_id")
             if params.adapter in self.unloading:
                 raise InvalidRequest(f"LoRA adapter {params.adapter!r} is being unloaded", "adapter_id")
-            self.runner.adapters().ensure(params.adapter, self._adapters_in_use())
+            if self.runner.adapters().ensure(params.adapter, self._adapters_in_use()):
+                self.runner.adapters_changed()
         check_logit_bias(params.logit_bias, info.vocab_size)
         check_prompt(
             prompt_ids, params.max_new_tokens, info.max_input_tokens, info.max_total_tokens, info.vocab_size
@@ -157,10 +158,11 @@ class LLMEngine:
         check_name(name)
         if name in self.info.lora_adapters or name == self.info.model_id:
             raise AdapterError(f"a model or LoRA adapter named {name!r} is already served")
-        if self.info.num_shard > 1:
-            raise AdapterError("loading LoRA adapters at run time with --num-shard > 1 is not supported yet")
         path = resolve_adapter(source, self.config.progress)
-        self.runner.adapters().register(name, path, self._adapters_in_use())
+        try:
+            self.runner.adapters().register(name, path, self._adapters_in_use())
+        finally:
+            self.runner.adapters_changed()  # the other ranks wrap their linears even if it failed
         self._set_adapters({**self.info.lora_adapters, name: str(path)})
 
     def unload_adapter(self, name: str) -> bool:
@@ -172,6 +174,7 @@ class LLMEngine:
         if name in self._adapters_in_use():
             return False
         self.runner.adapters().remove(name)
+        self.runner.adapters_changed()
         self.unloading.discard(name)
         self._set_adapters({n: p for n, p in self.info.lora_adapters.items() if n != name})
         return True

@@ -8,6 +8,7 @@ run the same forward on their shards: the commands of that protocol are `pytgi.d
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -83,6 +84,19 @@ class ModelRunner:
                 self.model, cfg.max_lora_rank, self.dtype, self.device, cfg.max_cpu_loras
             )
         return self.lora
+
+    def adapters_changed(self) -> None:
+        """Rank 0, after adapters were loaded or unloaded: the other ranks mirror them."""
+        if self.rank != 0 or dist.tp_size() == 1 or self.lora is None:
+            return
+        state = np.frombuffer(json.dumps(self.lora.state()).encode(), np.uint8).astype(np.int64)
+        dist.broadcast_command(dist.CMD_LORA, len(state))
+        dist.broadcast_arrays([state], [(len(state),)])
+
+    def worker_adapters(self, n: int) -> None:
+        """Ranks > 0: load and unload adapters as rank 0 did."""
+        (state,) = dist.broadcast_arrays(None, [(n,)])
+        self.adapters().mirror(json.loads(state.astype(np.uint8).tobytes()))
 
     @property
     def model(self) -> CausalLM:

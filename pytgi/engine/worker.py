@@ -43,6 +43,8 @@ def run_worker(config: EngineConfig, rank: int) -> int:
                 runner.allocate_kv_cache(a, b)
             elif cmd == dist.CMD_CAPACITY:
                 runner.auto_num_tokens(a, b / 1000)
+            elif cmd == dist.CMD_LORA:
+                runner.worker_adapters(a)
             elif cmd == dist.CMD_SHUTDOWN:
                 break
     except dist.DistributedError as exc:

@@ -237,13 +237,29 @@ class LoraAdapters:
         self.unload(name)
         self.paths.pop(name, None)
 
-    def ensure(self, name: str, in_use: Collection[str | None] = ()) -> None:
-        """A request is about to use `name`: load it back if it was evicted, mark it used."""
+    def ensure(self, name: str, in_use: Collection[str | None] = ()) -> bool:
+        """A request is about to use `name`: load it back if it was evicted, mark it used. True when
+        adapters were loaded or unloaded."""
         if name in self.slots:
             self.slots[name] = self.slots.pop(name)  # the most recently used now
-        else:
-            self.load(name, self.paths[name])
+            return False
+        self.load(name, self.paths[name])
         self._evict({*in_use, name})
+        return True
+
+    def state(self) -> list[tuple[str, str, int]]:
+        """The adapters in memory, as (name, directory, slot): what the other ranks mirror."""
+        return [(name, str(self.paths.get(name, "")), slot) for name, slot in self.slots.items()]
+
+    def mirror(self, state: list[tuple[str, str, int]]) -> None:
+        """Make this rank's adapters in memory rank 0's `state`, slot for slot."""
+        want = {name: (Path(path), slot) for name, path, slot in state}
+        for name in [n for n, s in self.slots.items() if want.get(n, (None, -1))[1] != s]:
+            self.unload(name)
+        for name, (path, slot) in want.items():
+            if name not in self.slots:
+                self.load(name, path, slot)
+            self.paths[name] = path
 
     def _evict(self, keep: set[str | None]) -> None:
         """Unload the least recently used adapters that no request uses, down to `capacity`."""
@@ -252,7 +268,8 @@ class LoraAdapters:
         for name in [n for n in self.slots if n not in keep][: max(0, len(self.slots) - self.capacity)]:
             self.unload(name)
 
-    def load(self, name: str, path: Path) -> None:
+    def load(self, name: str, path: Path, slot: int | None = None) -> None:
+        """Put the adapter's weights in a slot (`slot`, or the first free one)."""
         config = read_config(path, self.max_rank)
         num_layers = 1 + max(i for i, _ in self.wrapped)
         by_module: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -276,10 +293,9 @@ class LoraAdapters:
                     "the base model"
                 )
             by_module.setdefault((layer, module), {})[part] = (a, b)
-        slot = self.slots.get(name)
+        self.unload(name)
         if slot is None:
             slot = next(i for i in range(len(self.slots) + 1) if i not in self.slots.values())
-        self.unload(name)
         for key, parts in by_module.items():
             self.wrapped[key].put(slot, parts, config.scaling)
         self.slots[name], self.configs[name] = slot, config

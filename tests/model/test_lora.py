@@ -251,3 +251,30 @@ def test_the_c_decoder_loop_adds_the_adapters_as_the_python_path_does(tmp_path):
         assert outputs() == with_loop
     finally:
         engine.shutdown()
+
+
+def test_adapters_loaded_at_run_time_on_two_shards_with_one_in_memory(tiny):
+    """Loading, evicting (--max-cpu-loras 1), loading back and unloading at run time: rank 0 decides,
+    the other rank mirrors it slot for slot, and every adapter still gives what it gives alone."""
+    path, adapters = tiny
+    engine = engine_for(path, {})
+    try:
+        for name, d in adapters.items():
+            engine.load_adapter(name, str(d))
+        jobs = [(p, name) for p in PROMPTS[:2] for name in [None, *adapters]]
+        want = [run(engine, [job])[0] for job in jobs]
+    finally:
+        engine.shutdown()
+    engine = engine_for(path, {}, num_shard=2, max_cpu_loras=1)
+    try:
+        for name, d in adapters.items():
+            engine.load_adapter(name, str(d))
+        assert list(engine.runner.adapters().slots) == ["mlp"]  # the last one loaded stays in memory
+        assert [run(engine, [job])[0] for job in jobs] == want  # each one loaded back in turn
+        assert engine.unload_adapter("qv")
+        assert "qv" not in engine.info.lora_adapters
+        with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'qv'"):
+            engine.add_request("x", [1, 2], SamplingParams(max_new_tokens=1, adapter="qv"))
+        assert run(engine, [(PROMPTS[0], "all")]) == [want[jobs.index((PROMPTS[0], "all"))]]
+    finally:
+        engine.shutdown()
