@@ -42,7 +42,7 @@ VALIDATION = [
     ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
     ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
     ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
-    ({"adapter_id": "my-lora"}, "`adapter_id` is not supported: this server serves no LoRA adapters"),
+    ({"adapter_id": "my-lora"}, "`adapter_id` `my-lora` is not a LoRA adapter of this server (adapters: none)"),
     ({"max_new_tokens": 8190}, "`inputs` tokens + `max_new_tokens` must be <= 8192. Given: 5 `inputs` tokens and "
                                "8190 `max_new_tokens`"),
 ]
