@@ -366,18 +366,12 @@ def gemma_layers(
     _check(failed, "decoder layers")
 
 
-def lora_add(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    slots: np.ndarray,
-    a_ptrs: np.ndarray,
-    bt_ptrs: np.ndarray,
-    ranks: np.ndarray,
-) -> None:
-    """y[t] += (x[t] · A_sᵀ) · Bt_s in place, s = slots[t] (< 0: none), row by row (lora.c)."""
-    assert y.is_contiguous() and x.is_contiguous() and y.dtype == x.dtype
+def lora_add(y: torch.Tensor, x: torch.Tensor, slots: np.ndarray, table: np.ndarray) -> None:
+    """y[t] += (x[t] · A_sᵀ) · B_sᵀ in place, s = slots[t] (< 0: none), row by row (lora.c). table:
+    int64 [4, slots]: A's address, Bᵀ's, the rank, the column spans' address, by slot."""
+    assert y.is_contiguous() and x.is_contiguous() and y.dtype == x.dtype and table.flags.c_contiguous
     T, K = x.shape
     failed = _fn("lora_add", y.dtype)(
-        _ptr(y), _ptr(x), T, K, y.shape[1], _ptr(slots), _ptr(a_ptrs), _ptr(bt_ptrs), _ptr(ranks)
+        _ptr(y), _ptr(x), T, K, y.shape[1], _ptr(slots), *(_ptr(row) for row in table)
     )
     _check(failed, "lora_add")

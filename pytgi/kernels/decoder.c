@@ -12,7 +12,7 @@
  *
  * LoRA adapters (pytgi/models/lora.py): with `row_slots` (each row's adapter slot, -1: none) not NULL,
  * `lora` holds per layer LORA_FIELDS addresses, for each of the four linears lora.c's table (A's and
- * Bt's addresses and the ranks, by slot; 0: no adapter targets it), and each linear's product gets
+ * Bt's addresses, the ranks and the column spans, by slot; 0: no adapter targets it), and each linear's product gets
  * lora.c's rows added before what follows it, as the Python path adds them. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,7 +36,7 @@ enum {
     LAYER_FIELDS
 };
 
-enum { LORA_A, LORA_BT, LORA_RANKS, LORA_TABLE }; /* per linear: qkv, o, gate_up, down */
+enum { LORA_A, LORA_BT, LORA_RANKS, LORA_COLS, LORA_TABLE }; /* per linear: qkv, o, gate_up, down */
 #define LORA_FIELDS (4 * LORA_TABLE)
 
 /* out += the rows' LoRA products for linear `which` of a layer (a no-op without adapters) */
@@ -45,7 +45,7 @@ static int lora(const int64_t *L, int which, const int64_t *row_slots, uint16_t 
     if (row_slots == NULL || L == NULL || L[which * LORA_TABLE + LORA_RANKS] == 0) return 0;
     const int64_t *t = L + which * LORA_TABLE;
     return pytgi_lora_add_bf16(out, in, T, K, N, row_slots, (const int64_t *)t[LORA_A], (const int64_t *)t[LORA_BT],
-                               (const int64_t *)t[LORA_RANKS]);
+                               (const int64_t *)t[LORA_RANKS], (const int64_t *)t[LORA_COLS]);
 }
 
 /* the same choice as QuantizedWeight.matmul: qgemv up to vnni_max_m rows, AMX tiles above */

@@ -47,9 +47,10 @@ int pytgi_bf16gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int
 int pytgi_gemma_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, int64_t T, int64_t hidden, int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale, const float *cos, const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m);
 int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, uint16_t *h, int64_t T, int64_t hidden, int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale, const float *cos, const float *sin, const int64_t *slots, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m, const int64_t *lora_layers, const int64_t *row_slots);
 
-/* lora.c: LoRA's low-rank products per row: y[t] += (x[t] · A_sᵀ) · Bt_s for the row's adapter slot s
- * (slots[t] < 0: none); A_s [R_s, K], Bt_s [R_s, N] float32 at a_ptrs[s], bt_ptrs[s]; R_s = ranks[s]. */
-int pytgi_lora_add_f32(float *y, const float *x, int64_t T, int64_t K, int64_t N, const int64_t *slots, const int64_t *a_ptrs, const int64_t *bt_ptrs, const int64_t *ranks);
-int pytgi_lora_add_bf16(uint16_t *y, const uint16_t *x, int64_t T, int64_t K, int64_t N, const int64_t *slots, const int64_t *a_ptrs, const int64_t *bt_ptrs, const int64_t *ranks);
+/* lora.c: LoRA's low-rank products per row: y[t] += (x[t] · A_sᵀ) · B_sᵀ for the row's adapter slot s
+ * (slots[t] < 0: none); A_s [R_s, K] at a_ptrs[s], R_s = ranks[s]; B_sᵀ's rows at bt_ptrs[s], each over
+ * the columns its (start, length) pair at col_ptrs[s] gives; weights in the activations' type. */
+int pytgi_lora_add_f32(float *y, const float *x, int64_t T, int64_t K, int64_t N, const int64_t *slots, const int64_t *a_ptrs, const int64_t *bt_ptrs, const int64_t *ranks, const int64_t *col_ptrs);
+int pytgi_lora_add_bf16(uint16_t *y, const uint16_t *x, int64_t T, int64_t K, int64_t N, const int64_t *slots, const int64_t *a_ptrs, const int64_t *bt_ptrs, const int64_t *ranks, const int64_t *col_ptrs);
 
 #endif

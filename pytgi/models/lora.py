@@ -54,10 +54,11 @@ class LoraContext:
     products run in lora.c (CPU, float32 or bfloat16), else in PyTorch, gathered per adapter."""
 
     c_kernel: bool = False
+    dtype: torch.dtype = torch.float32  # the activations' (lora.c keeps the weights in it)
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
     row_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # the C decoder loop's view: per layer, lora.c's table addresses for qkv, o, gate_up, down (decoder.c)
-    loop_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 12), np.int64))
+    loop_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 16), np.int64))
 
     @property
     def active(self) -> bool:
@@ -101,28 +102,30 @@ class LoraLinear(nn.Module):
     def __init__(self, inner: Linear, ctx: LoraContext) -> None:
         super().__init__()
         self.inner, self.ctx = inner, ctx
-        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # slot → (A [R, K], Bᵀ [R, N])
-        # for lora.c, by slot: A's and Bᵀ's addresses and the rank (0: the slot's adapter skips this layer)
-        self.table = np.zeros((3, 0), np.int64)
+        # slot → (A [R, K], Bᵀ, the column span of each of Bᵀ's rows (lora.c) or None (PyTorch: dense))
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]] = {}
+        # for lora.c, by slot: A's and Bᵀ's addresses, the rank (0: the slot's adapter skips this layer),
+        # the spans' address
+        self.table = np.zeros((4, 0), np.int64)
 
     def refresh(self, capacity: int) -> None:
         """Rebuild the kernel's table for slots 0 .. capacity - 1 (after any slot changed)."""
-        self.table = np.zeros((3, capacity), np.int64)
-        for slot, (a, bt) in self.weights.items():
-            self.table[:, slot] = a.data_ptr(), bt.data_ptr(), a.shape[0]
+        self.table = np.zeros((4, capacity), np.int64)
+        for slot, (a, bt, cols) in self.weights.items():
+            if cols is not None:
+                self.table[:, slot] = a.data_ptr(), bt.data_ptr(), a.shape[0], cols.ctypes.data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.ctx.active or not self.weights:
             return self.inner(x)
         y = self.inner.product(x)
         if self.ctx.c_kernel:
-            table = self.table
-            kernels.lora_add(y, x.contiguous(), self.ctx.row_slots, table[0], table[1], table[2])
+            kernels.lora_add(y, x.contiguous(), self.ctx.row_slots, self.table)
             return self.inner.finish(y)
         for slot, rows in self.ctx.groups:
             w = self.weights.get(slot)
             if w is not None:
-                a, bt = w
+                a, bt, _ = w
                 delta = ((x[rows].float() @ a.T) @ bt).to(y.dtype)
                 if isinstance(rows, slice):
                     y[rows] += delta
@@ -131,24 +134,38 @@ class LoraLinear(nn.Module):
         return self.inner.finish(y)
 
     def put(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
-        """Slot `slot`'s weights from the checkpoint's whole A and B of each targeted part."""
+        """Slot `slot`'s weights from the checkpoint's whole A and B of each targeted part: for lora.c,
+        A and each part's Bᵀ over its own output columns only, in the activations' dtype; for PyTorch,
+        A and a dense Bᵀ in float32."""
         base = _base(self.inner)
-        a_rows, b_rows = [], []
         n_local = _shape(self.inner)[0]
+        a_rows, b_blocks, spans = [], [], []  # each part's A (this rank's), its Bᵀ block and its columns
         for part, (a, b) in sorted(parts.items()):
             b = b.float() * scaling
             if isinstance(base, RowParallelLinear):
                 a_rows.append(a.float().narrow(1, base.in_start, base.local_in))
-                b_rows.append(b.T)
+                b_blocks.append(b.T)
+                spans.append((0, n_local))
                 continue
             start, size = base.shards[part]
-            offset = sum(s for _, s in base.shards[:part])
-            bt = torch.zeros(a.shape[0], n_local)
-            bt[:, offset : offset + size] = b.narrow(0, start, size).T
             a_rows.append(a.float())
-            b_rows.append(bt)
-        device = base.weight.device
-        self.weights[slot] = (torch.cat(a_rows).to(device), torch.cat(b_rows).to(device).contiguous())
+            b_blocks.append(b.narrow(0, start, size).T)
+            spans.append((sum(s for _, s in base.shards[:part]), size))
+        device, a = base.weight.device, torch.cat(a_rows)
+        if self.ctx.c_kernel:
+            bt = torch.cat([blk.reshape(-1) for blk in b_blocks])
+            cols = np.array(
+                [span for blk, span in zip(b_blocks, spans) for _ in range(blk.shape[0])], np.int64
+            )
+            dtype = self.ctx.dtype
+            self.weights[slot] = (a.to(device, dtype).contiguous(), bt.to(device, dtype), cols)
+            return
+        dense = torch.zeros(a.shape[0], n_local)
+        r = 0
+        for blk, (c0, n) in zip(b_blocks, spans):
+            dense[r : r + blk.shape[0], c0 : c0 + n] = blk
+            r += blk.shape[0]
+        self.weights[slot] = (a.to(device), dense.to(device), None)
 
     def drop(self, slot: int) -> None:
         self.weights.pop(slot, None)
@@ -220,7 +237,7 @@ class LoraAdapters:
         capacity: int | None = None,
     ) -> None:
         self.max_rank, self.capacity = max_rank, capacity
-        self.ctx = LoraContext(c_kernel=device.type == "cpu" and kernels.supports(dtype))
+        self.ctx = LoraContext(c_kernel=device.type == "cpu" and kernels.supports(dtype), dtype=dtype)
         self.wrapped = wrap_model(model, self.ctx)
         model.lora_ctx = self.ctx  # type: ignore[assignment]  # the decoder keeps its C loop out of adapter steps
         self.paths: dict[str, Path] = {}  # every adapter served
@@ -314,11 +331,11 @@ class LoraAdapters:
         for w in self.wrapped.values():
             w.refresh(capacity)
         num_layers = 1 + max(i for i, _ in self.wrapped)
-        table = np.zeros((num_layers, 4, 3), np.int64)
+        table = np.zeros((num_layers, 4, 4), np.int64)
         for (layer, path), w in self.wrapped.items():
             if w.weights and path in LOOP_ORDER:
                 table[layer, LOOP_ORDER.index(path)] = [row.ctypes.data for row in w.table]
-        self.ctx.loop_table = table.reshape(num_layers, 12)
+        self.ctx.loop_table = table.reshape(num_layers, 16)
 
     def row_slots(self, adapters: list[str | None], query_lens: np.ndarray) -> np.ndarray | None:
         """Each flat row's slot (-1: the base model); None when no request uses an adapter."""

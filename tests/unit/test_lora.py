@@ -58,24 +58,35 @@ needs_kernels = pytest.mark.skipif(not kernels.available(), reason="the C kernel
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lora_kernel_rows_do_not_depend_on_the_step(dtype):
+    """Against PyTorch's dense product; slot 1 is a fused layer's two parts, each reaching only its
+    own columns (4 rank rows over columns 0..29, 20 over 30..79); slot 2 skips the layer."""
     torch.manual_seed(0)
     K, N = 96, 80
-    weights = [(torch.randn(r, K), torch.randn(r, N)) for r in (8, 24, 0)]  # slot 2 skips the layer
-    table = np.array([[a.data_ptr() for a, _ in weights], [b.data_ptr() for _, b in weights],
-                      [a.shape[0] for a, _ in weights]], np.int64)
+    dense, compact = [], []
+    for spans in ([(0, N)] * 8, [(0, 30)] * 4 + [(30, 50)] * 20, []):
+        a = torch.randn(len(spans), K).to(dtype)
+        bt = torch.zeros(len(spans), N)
+        for r, (c0, n) in enumerate(spans):
+            bt[r, c0:c0 + n] = torch.randn(n)
+        bt = bt.to(dtype)
+        dense.append((a.float(), bt.float()))
+        flat = torch.cat([bt[r, c0:c0 + n] for r, (c0, n) in enumerate(spans)]) if spans else bt.reshape(-1)
+        compact.append((a, flat.contiguous(), np.array(spans, np.int64).reshape(-1, 2)))
+    table = np.array([[w.data_ptr() for w, _, _ in compact], [b.data_ptr() for _, b, _ in compact],
+                      [w.shape[0] for w, _, _ in compact], [c.ctypes.data for _, _, c in compact]], np.int64)
     x = torch.randn(13, K).to(dtype)
     y0 = torch.randn(13, N).to(dtype)
     slots = np.array([0, 1, -1, 2, 0, 0, 1, -1, 1, 0, 2, 1, 0], np.int64)
     y = y0.clone()
-    kernels.lora_add(y, x, slots, table[0], table[1], table[2])
+    kernels.lora_add(y, x, slots, table)
     want = y0.float().clone()
     for t, s in enumerate(slots):
         if s >= 0:
-            a, bt = weights[s]
+            a, bt = dense[s]
             want[t] += (x[t].float() @ a.T) @ bt
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert torch.allclose(y.float(), want.to(dtype).float(), rtol=tol, atol=tol * want.abs().max().item())
     for t in range(13):  # each row alone gives the same bits as in the step
         alone = y0[t:t + 1].clone()
-        kernels.lora_add(alone, x[t:t + 1].contiguous(), slots[t:t + 1], table[0], table[1], table[2])
+        kernels.lora_add(alone, x[t:t + 1].contiguous(), slots[t:t + 1], table)
         assert torch.equal(alone[0], y[t]), t
