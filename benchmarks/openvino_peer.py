@@ -60,6 +60,7 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 # -- the OpenVINO side (run with the OpenVINO venv's python) -------------------------------------------
 def ov_worker(model: str, jobs: list[dict], threads: int) -> None:
     """Read the workloads, run each (warm-up first), print one JSON line of wall times."""
+    import numpy as np
     import openvino as ov
     import openvino_genai as genai
 
@@ -71,7 +72,7 @@ def ov_worker(model: str, jobs: list[dict], threads: int) -> None:
     pipe = genai.ContinuousBatchingPipeline(model, sched, "CPU", {"INFERENCE_NUM_THREADS": threads})
     out = []
     for job in jobs:
-        ids = [ov.Tensor(__import__("numpy").array([p], dtype="int64")) for p in job["prompts"]]
+        ids = [ov.Tensor(np.array([p], dtype=np.int64)) for p in job["prompts"]]
         config = genai.GenerationConfig()
         config.max_new_tokens = config.min_new_tokens = job["new"]
         config.ignore_eos = True
@@ -83,7 +84,8 @@ def ov_worker(model: str, jobs: list[dict], threads: int) -> None:
             results = pipe.generate(ids, [config] * len(ids))
             times.append(time.perf_counter() - t0)
             outputs = [list(r.m_generation_ids[0]) for r in results]
-        out.append({"times": times, "lengths": [len(o) for o in outputs or []], "first": (outputs or [[]])[0][:16]})
+        outputs = outputs or [[]]
+        out.append({"times": times, "lengths": [len(o) for o in outputs], "first": outputs[0][:16]})
     print(json.dumps(out))
 
 
@@ -133,8 +135,9 @@ def main() -> None:
     spec.write_text(json.dumps(jobs))
     mine = [pytgi_run(llm, job["prompts"], job["new"], args.repeats) for job in jobs]
     llm.shutdown()
-    done = subprocess.run([args.ov_python, __file__, "--worker", str(spec), "--ov-model", args.ov_model,
-                           "--threads", str(args.threads)], capture_output=True, text=True, check=False)
+    worker = [args.ov_python, __file__, "--worker", str(spec), "--ov-model", args.ov_model,
+              "--threads", str(args.threads)]
+    done = subprocess.run(worker, capture_output=True, text=True, check=False)
     spec.unlink()
     if done.returncode != 0:
         sys.exit(f"the OpenVINO side failed:\n{done.stderr[-3000:]}")
@@ -142,13 +145,15 @@ def main() -> None:
 
     print(f"pytgi vs OpenVINO GenAI ({Path(args.ov_model).name}), {args.threads} threads, "
           f"median of {args.repeats}\n")
-    print("| workload | tok/s counted | pytgi | OpenVINO | ratio | same first tokens |\n|---|---|---:|---:|---:|---|")
+    print("| workload | tok/s counted | pytgi | OpenVINO | ratio | same first tokens |")
+    print("|---|---|---:|---:|---:|---|")
     rows = []
     for job, a, b in zip(jobs, mine, theirs):
         n, length, new, counted = WORKLOADS[job["name"]]
         tokens = n * (new + (length if counted == "total" else 0))
         ours, peer = tokens / statistics.median(a["times"]), tokens / statistics.median(b["times"])
-        assert all(x == new for x in a["lengths"] + b["lengths"]), "a request did not produce its exact length"
+        exact = all(x == new for x in a["lengths"] + b["lengths"])
+        assert exact, "a request did not produce its exact length"
         same = a["first"] == b["first"]
         rows.append({"workload": job["name"], "counted": counted, "pytgi": ours, "openvino": peer,
                      "ratio": ours / peer, "same_first_tokens": same, "pytgi_times": a["times"],
