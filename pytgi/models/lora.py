@@ -50,8 +50,8 @@ _KEY = re.compile(
 
 @dataclass
 class LoraContext:
-    """The step's rows of each adapter slot; empty outside a step that uses adapters. `c_kernel`: the
-    products run in lora.c (CPU, float32 or bfloat16), else in PyTorch, gathered per adapter."""
+    """Each row's adapter slot in the step; empty outside a step that uses adapters. `c_kernel`: the
+    products run in lora.c (CPU, float32 or bfloat16), else in PyTorch, gathered per adapter (`groups`)."""
 
     c_kernel: bool = False
     dtype: torch.dtype = torch.float32  # the activations' (lora.c keeps the weights in it)
@@ -62,12 +62,14 @@ class LoraContext:
 
     @property
     def active(self) -> bool:
-        return bool(self.groups)
+        return len(self.row_slots) > 0
 
     def set(self, row_slots: np.ndarray, device: torch.device) -> None:
-        """`row_slots[t]`: the slot of flat row t's adapter, -1 for the base model."""
+        """`row_slots[t]`: the slot of flat row t's adapter, -1 for the base model (some row has one)."""
         self.row_slots = np.ascontiguousarray(row_slots, dtype=np.int64)
         self.groups = []
+        if self.c_kernel:
+            return  # lora.c reads row_slots itself
         for slot in np.unique(row_slots[row_slots >= 0]).tolist():
             (rows,) = np.nonzero(row_slots == slot)
             if rows[-1] - rows[0] + 1 == len(rows):  # one run of rows: a view, no gather
@@ -76,7 +78,7 @@ class LoraContext:
                 self.groups.append((slot, torch.from_numpy(rows).to(device)))
 
     def clear(self) -> None:
-        self.groups = []
+        self.row_slots, self.groups = self.row_slots[:0], []
 
 
 Linear = ColumnParallelLinear | RowParallelLinear | QuantizedLinear
@@ -242,7 +244,6 @@ class LoraAdapters:
         model.lora_ctx = self.ctx  # type: ignore[assignment]  # the decoder keeps its C loop out of adapter steps
         self.paths: dict[str, Path] = {}  # every adapter served
         self.slots: dict[str, int] = {}  # those in memory, least recently used first
-        self.configs: dict[str, AdapterConfig] = {}
 
     def register(self, name: str, path: Path, in_use: Collection[str | None] = ()) -> None:
         """Serve the adapter at `path` as `name` (its weights loaded and checked now)."""
@@ -315,12 +316,11 @@ class LoraAdapters:
             slot = next(i for i in range(len(self.slots) + 1) if i not in self.slots.values())
         for key, parts in by_module.items():
             self.wrapped[key].put(slot, parts, config.scaling)
-        self.slots[name], self.configs[name] = slot, config
+        self.slots[name] = slot
         self._refresh()
 
     def unload(self, name: str) -> None:
         slot = self.slots.pop(name, None)
-        self.configs.pop(name, None)
         if slot is not None:
             for w in self.wrapped.values():
                 w.drop(slot)
