@@ -311,13 +311,7 @@ static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, con
                                                          int64_t j_begin, int64_t j_end, int64_t G, float scale,
                                                          float *acc, float *m, float *l) {
     const int64_t es = bf16 ? 2 : 4, DV = D / 16, row = KVH * D * es;
-#if defined(__AVX512BF16__)
-    const int dp = bf16 && D % 32 == 0; /* bf16 scores with vdpbf16ps: products exact, sums in float32 */
-#else
-    const int dp = 0;
-#endif
     float kf[16 * MAXD], vf[16 * MAXD];
-    uint16_t kb[16 * MAXD];
     for (int64_t r = 0; r < Q * G; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -335,11 +329,7 @@ static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, con
                 }
             }
             for (int64_t i = 0; i < DV; i++) {
-                if (dp) {
-                    if (i % 2 == 0) _mm512_storeu_si512(kb + j * D + 16 * i, _mm512_loadu_si512(kc + off + 16 * i * es));
-                } else {
-                    _mm512_storeu_ps(kf + j * D + 16 * i, ld16(kc + off + 16 * i * es, bf16));
-                }
+                _mm512_storeu_ps(kf + j * D + 16 * i, ld16(kc + off + 16 * i * es, bf16));
                 _mm512_storeu_ps(vf + j * D + 16 * i, ld16(vc + off + 16 * i * es, bf16));
             }
         }
@@ -350,28 +340,14 @@ static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, con
             for (int64_t h = 0; h < G; h++) {
                 const int64_t r = t * G + h;
                 __m512 qv[MAXD / 16], dots[16], a[MAXD / 16];
-                if (dp) {
-#if defined(__AVX512BF16__)
-                    __m512bh qb[MAXD / 32];
-                    for (int64_t i = 0; i < D / 32; i++) qb[i] = (__m512bh)_mm512_loadu_si512(q + (t * qstride + h * D + 32 * i) * es);
-                    for (int64_t j = 0; j < 16; j++) {
-                        dots[j] = _mm512_setzero_ps();
-                        if (j < nq)
-                            for (int64_t i = 0; i < D / 32; i++)
-                                dots[j] = _mm512_dpbf16_ps(dots[j], qb[i], (__m512bh)_mm512_loadu_si512(kb + j * D + 32 * i));
-                    }
-#endif
-                } else {
-                    for (int64_t i = 0; i < DV; i++)
-                        qv[i] = _mm512_mul_ps(ld16(q + (t * qstride + h * D + 16 * i) * es, bf16), _mm512_set1_ps(scale));
-                    for (int64_t j = 0; j < 16; j++) {
-                        dots[j] = _mm512_setzero_ps();
-                        if (j < nq)
-                            for (int64_t i = 0; i < DV; i++) dots[j] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kf + j * D + 16 * i), dots[j]);
-                    }
+                for (int64_t i = 0; i < DV; i++)
+                    qv[i] = _mm512_mul_ps(ld16(q + (t * qstride + h * D + 16 * i) * es, bf16), _mm512_set1_ps(scale));
+                for (int64_t j = 0; j < 16; j++) {
+                    dots[j] = _mm512_setzero_ps();
+                    if (j < nq)
+                        for (int64_t i = 0; i < DV; i++) dots[j] = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kf + j * D + 16 * i), dots[j]);
                 }
-                const __m512 sum = dp ? _mm512_mul_ps(reduce16(dots), _mm512_set1_ps(scale)) : reduce16(dots);
-                const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, sum);
+                const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, reduce16(dots));
                 const float mx = _mm512_reduce_max_ps(s), m_new = mx > m[r] ? mx : m[r];
                 const __m512 p = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
                 const float alpha = m_new > m[r] ? (m[r] == -INFINITY ? 0.0f : expf(m[r] - m_new)) : 1.0f;
@@ -398,13 +374,17 @@ static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, con
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-/* The same chunk with AMX tiles, for bf16 prefill chunks (Q*G query rows, in tiles of 16):
- * S = Q·Kᵀ and O += P·V with TDPBF16PS (bf16 in, float32 sums), the online softmax in AVX-512
- * between them. Per block of 32 keys the keys are transposed once (16×16 dword transposes) and the
- * values interleaved by key pairs, for every row tile. P is rounded to bf16 for the P·V product. */
-#define AMX_ATTN 1
-#include "amx.h"
+#if defined(__AVX512BF16__)
+/* bf16 with D a multiple of 32 (the models' head sizes): scores and P·V with vdpbf16ps (bf16
+ * products, float32 sums), keys in the vector lanes. Per block of LB keys the keys are transposed
+ * once, so that lane j of kt[p] holds key j's dims 2p and 2p+1: a query row's scores are D/2
+ * multiply-adds of its broadcast dim pairs, with no horizontal sums. The values are interleaved by
+ * key pairs (lane d of vp[k] holds dim d of keys 2k and 2k+1), and P, rounded to bf16 as the AMX
+ * kernel rounds it, multiplies them a pair at a time. The block's layout work is shared by all the
+ * query rows that see it. Rows go two at a time for independent chains of multiply-adds, but each
+ * row's operations and their order are its own, whatever row it is paired with and however many
+ * tokens the step has (batch invariance). */
+#define LB 64 /* keys per block: the softmax's reductions and rescaling are per row and block */
 
 /* rows[i] (16 dwords each) → out row j holds dword j of every input row */
 static inline void transpose16(__m512i r[16]) {
@@ -433,6 +413,147 @@ static inline void transpose16(__m512i r[16]) {
         r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xDD);
     }
 }
+
+/* Keys j0 .. j0+n-1 (n <= LB) of kv head kvh into kt [D/2][LB] and vp [LB/2][D] (dwords; zeros past
+ * n), and the next block's cache rows prefetched. */
+static inline __attribute__((always_inline)) void lanes_block(int64_t D, const char *kc, const char *vc,
+                                                              const int64_t *table, int64_t bs, int64_t row,
+                                                              int64_t kvh, int64_t j0, int64_t n, int64_t j_end,
+                                                              uint32_t *kt, uint32_t *vp) {
+    const __m512i zero = _mm512_setzero_si512();
+    int64_t off[LB];
+    for (int64_t j = 0; j < LB; j++) off[j] = j < n ? (table[(j0 + j) / bs] * bs + (j0 + j) % bs) * row + kvh * D * 2 : -1;
+    for (int64_t pos = j0 + LB; pos < j0 + 2 * LB && pos < j_end; pos++) {
+        const int64_t ahead = (table[pos / bs] * bs + pos % bs) * row + kvh * D * 2;
+        for (int64_t b = 0; b < D * 2; b += 64) {
+            _mm_prefetch(kc + ahead + b, _MM_HINT_T0);
+            _mm_prefetch(vc + ahead + b, _MM_HINT_T0);
+        }
+    }
+    for (int64_t h = 0; h < LB / 16; h++)
+        for (int64_t c = 0; c < D / 32; c++) { /* dwords 16c .. 16c+15 of keys 16h .. 16h+15 */
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                const int64_t o = off[16 * h + j];
+                r[j] = o >= 0 ? _mm512_loadu_si512(kc + o + 64 * c) : zero;
+            }
+            transpose16(r);
+            for (int p = 0; p < 16; p++) _mm512_store_si512(kt + (16 * c + p) * LB + 16 * h, r[p]);
+        }
+    for (int64_t k = 0; k < LB / 2; k++) {
+        const int64_t a = off[2 * k], b = off[2 * k + 1];
+        for (int64_t i = 0; i < D / 16; i++) {
+            const __m512i va = a >= 0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(vc + a + 32 * i))) : zero;
+            const __m512i vb = b >= 0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(vc + b + 32 * i))) : zero;
+            _mm512_store_si512(vp + k * D + 16 * i, _mm512_or_si512(va, _mm512_slli_epi32(vb, 16)));
+        }
+    }
+}
+
+/* MR (1 or 2) query rows against one block: row i's query qr[i] (D bf16) sees the block's first
+ * nq[i] keys; its running max m[i], sum l[i] and output acc[i] (D floats) are updated. */
+static inline __attribute__((always_inline)) void lanes_rows(int64_t D, int MR, const uint16_t *const *qr,
+                                                             const int64_t *nq, const uint32_t *kt,
+                                                             const uint32_t *vp, float scale, float *const *acc,
+                                                             float *const *m, float *const *l) {
+    __m512 sa[2][LB / 16], sb[2][LB / 16]; /* even and odd dim pairs: two chains per row and half */
+    for (int r = 0; r < MR; r++)
+        for (int h = 0; h < LB / 16; h++) sa[r][h] = sb[r][h] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; p += 2)
+        for (int r = 0; r < MR; r++) {
+            const __m512bh q0 = (__m512bh)_mm512_set1_epi32(((const int32_t *)qr[r])[p]);
+            const __m512bh q1 = (__m512bh)_mm512_set1_epi32(((const int32_t *)qr[r])[p + 1]);
+            for (int h = 0; h < LB / 16; h++) {
+                sa[r][h] = _mm512_dpbf16_ps(sa[r][h], q0, (__m512bh)_mm512_load_si512(kt + p * LB + 16 * h));
+                sb[r][h] = _mm512_dpbf16_ps(sb[r][h], q1, (__m512bh)_mm512_load_si512(kt + (p + 1) * LB + 16 * h));
+            }
+        }
+    uint32_t pw[2][LB / 2] __attribute__((aligned(64)));
+    float alpha[2];
+    int64_t np[2], most = 0;
+    for (int r = 0; r < MR; r++) {
+        const __m512 ninf = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+        __m512 sv[LB / 16], mxv = ninf;
+        __mmask16 v[LB / 16];
+        for (int h = 0; h < LB / 16; h++) { /* keys 16h .. 16h+15 */
+            v[h] = nq[r] >= 16 * (h + 1) ? 0xFFFF : nq[r] > 16 * h ? (__mmask16)((1u << (nq[r] - 16 * h)) - 1u) : 0;
+            sv[h] = _mm512_mask_mov_ps(ninf, v[h], _mm512_mul_ps(_mm512_add_ps(sa[r][h], sb[r][h]), sc));
+            mxv = _mm512_max_ps(mxv, sv[h]);
+        }
+        const float mx = _mm512_reduce_max_ps(mxv), mo = *m[r], mn = mx > mo ? mx : mo;
+        __m512 sum = _mm512_setzero_ps();
+        for (int h = 0; h < LB / 16; h++) {
+            sv[h] = _mm512_maskz_mov_ps(v[h], exp16(_mm512_sub_ps(sv[h], _mm512_set1_ps(mn))));
+            sum = _mm512_add_ps(sum, sv[h]);
+        }
+        alpha[r] = mn > mo ? _mm512_cvtss_f32(exp16(_mm512_set1_ps(mo - mn))) : 1.0f; /* mo = -inf: 0 */
+        *m[r] = mn;
+        *l[r] = *l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+        for (int h = 0; h < LB / 16; h += 2) /* dword k: keys 2k, 2k+1 */
+            _mm512_store_si512(pw[r] + 8 * h, (__m512i)_mm512_cvtne2ps_pbh(sv[h + 1], sv[h]));
+        np[r] = (nq[r] + 1) / 2;
+        most = np[r] > most ? np[r] : most;
+    }
+    __m512 o[2][MAXD / 16];
+    for (int r = 0; r < MR; r++)
+        for (int64_t i = 0; i < D / 16; i++) {
+            o[r][i] = _mm512_loadu_ps(acc[r] + 16 * i);
+            if (alpha[r] != 1.0f) o[r][i] = _mm512_mul_ps(o[r][i], _mm512_set1_ps(alpha[r]));
+        }
+    for (int64_t k = 0; k < most; k++)
+        for (int r = 0; r < MR; r++) {
+            if (k >= np[r]) continue; /* pairs past the row's keys: P is zero there */
+            const __m512bh pk = (__m512bh)_mm512_set1_epi32((int32_t)pw[r][k]);
+            for (int64_t i = 0; i < D / 16; i++)
+                o[r][i] = _mm512_dpbf16_ps(o[r][i], pk, (__m512bh)_mm512_load_si512(vp + k * D + 16 * i));
+        }
+    for (int r = 0; r < MR; r++)
+        for (int64_t i = 0; i < D / 16; i++) _mm512_storeu_ps(acc[r] + 16 * i, o[r][i]);
+}
+
+/* `chunk` for bf16 and D % 32 == 0 (same arguments and results). */
+static inline __attribute__((always_inline)) void chunk_lanes(int64_t D, const char *q, int64_t qstride, int64_t Q,
+                                                              int64_t ctx, const char *kc, const char *vc,
+                                                              const int64_t *table, int64_t bs, int64_t KVH,
+                                                              int64_t kvh, int64_t j_begin, int64_t j_end, int64_t G,
+                                                              float scale, float *acc, float *m, float *l) {
+    uint32_t kt[MAXD / 2 * LB] __attribute__((aligned(64))), vp[LB / 2 * MAXD] __attribute__((aligned(64)));
+    for (int64_t r = 0; r < Q * G; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        for (int64_t i = 0; i < D / 16; i++) _mm512_storeu_ps(acc + r * D + 16 * i, _mm512_setzero_ps());
+    }
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += LB) {
+        const int64_t n = j_end - j0 < LB ? j_end - j0 : LB;
+        lanes_block(D, kc, vc, table, bs, KVH * D * 2, kvh, j0, n, j_end, kt, vp);
+        /* from the first token that sees key j0, two rows (token × head) at a time (four measured
+         * no faster) */
+        for (int64_t r = (j0 - (ctx - Q) > 0 ? j0 - (ctx - Q) : 0) * G; r < Q * G; r += 2) {
+            const int MR = r + 1 < Q * G ? 2 : 1;
+            const uint16_t *qr[2];
+            int64_t nq[2];
+            float *ar[2], *mr[2], *lr[2];
+            for (int i = 0; i < MR; i++) {
+                const int64_t t = (r + i) / G, h = (r + i) % G, lim = ctx - Q + t + 1 - j0;
+                qr[i] = (const uint16_t *)(q + (t * qstride + h * D) * 2);
+                nq[i] = lim < n ? lim : n;
+                ar[i] = acc + (r + i) * D, mr[i] = m + r + i, lr[i] = l + r + i;
+            }
+            if (MR == 2) lanes_rows(D, 2, qr, nq, kt, vp, scale, ar, mr, lr);
+            else lanes_rows(D, 1, qr, nq, kt, vp, scale, ar, mr, lr);
+        }
+    }
+}
+#define LANES_BUILT 1
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+/* The same chunk with AMX tiles, for bf16 prefill chunks (Q*G query rows, in tiles of 16):
+ * S = Q·Kᵀ and O += P·V with TDPBF16PS (bf16 in, float32 sums), the online softmax in AVX-512
+ * between them. Per block of 32 keys the keys are transposed once (16×16 dword transposes) and the
+ * values interleaved by key pairs, for every row tile. P is rounded to bf16 for the P·V product. */
+#define AMX_ATTN 1
+#include "amx.h"
 
 /* Keys and values j0 .. j0+n-1 (n <= 32) of one kv head, for the tiles: Kᵀ tiles [D/32][2 halves][16][32]
  * in kt and V tiles by key pairs [D/16][16][32] in vt (keys past n are zeros). */
@@ -761,6 +882,14 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
                     _Pragma("omp atomic write")
                     failed = 1;
                 }
+                continue;
+            }
+#endif
+#if LANES_BUILT
+            if (bf16 && D % 32 == 0) {
+                if (D == 64) chunk_lanes(64, CHUNK_ARGS);
+                else if (D == 128) chunk_lanes(128, CHUNK_ARGS);
+                else chunk_lanes(D, CHUNK_ARGS);
                 continue;
             }
 #endif

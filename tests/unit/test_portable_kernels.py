@@ -1,5 +1,7 @@
-"""The C kernels built for older x86-64s, as on many CPU servers and laptops: AVX2 without AVX-512
-(x86-64-v3: the low-bit matmul's AVX2 path) and SSE4 only (x86-64-v2: PyTorch's low-bit kernels).
+"""The C kernels built for older x86-64s, as on many CPU servers and laptops: AVX-512 without VNNI and
+BF16 (x86-64-v4, Skylake-SP: the low-bit matmul's AVX2 path, attention's float32 AVX-512 path for
+bf16 too), AVX2 without AVX-512 (x86-64-v3: the low-bit matmul's AVX2 path, the portable attention)
+and SSE4 only (x86-64-v2: PyTorch's low-bit kernels).
 Their portable paths run, and the kernel tests pass on them. Runs those tests in a subprocess
 with PYTGI_MARCH (the kernel build's -march) and a cache of its own."""
 
@@ -17,7 +19,7 @@ HERE = Path(__file__).parent
 
 
 @pytest.mark.skipif(not kernels.available() or platform.machine() != "x86_64", reason="needs an x86-64 C compiler")
-@pytest.mark.parametrize("march, qgemv", [("x86-64-v3", "True"), ("x86-64-v2", "False")])
+@pytest.mark.parametrize("march, qgemv", [("x86-64-v4", "True"), ("x86-64-v3", "True"), ("x86-64-v2", "False")])
 def test_kernel_tests_pass_on_the_portable_paths(tmp_path, march, qgemv):
     env = dict(os.environ, PYTGI_MARCH=march, PYTGI_CACHE=str(tmp_path))
     files = ["test_attention_kernel.py", "test_fused_kernels.py", "test_quant.py"]
