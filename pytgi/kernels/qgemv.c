@@ -44,19 +44,21 @@ static inline int64_t block_bytes(int64_t bits) { return bits == 4 ? 320 : bits 
 int pytgi_qgemv_supported(void) { return 1; }
 
 /* One activation row (bf16) → int8 per group of 32, its scale, scale·Σq per group and scale·Σq
- * over the group's first 16 (for the formats with scales per 16). */
-static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, float *sxs, float *sxh) {
+ * over the group's first 16 (for the formats with scales per 16). Group g's bytes go to q + qs·g,
+ * its floats to index ss·g (qs 32, ss 1: row-major; see pytgi_qgemv_bf16 for the other). */
+static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, int64_t qs, float *sx, float *sxs, float *sxh,
+                         int64_t ss) {
     for (int64_t g = 0; g < K / 32; g++) {
         __m512 a = bf16x16_load(x + 32 * g), b = bf16x16_load(x + 32 * g + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
         float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv)));  /* round to nearest even */
         __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv)));
-        _mm_storeu_si128((void *)(q + 32 * g), _mm512_cvtsepi32_epi8(qa));
-        _mm_storeu_si128((void *)(q + 32 * g + 16), _mm512_cvtsepi32_epi8(qb));
-        sx[g] = d;
-        sxh[g] = d * (float)_mm512_reduce_add_epi32(qa);
-        sxs[g] = sxh[g] + d * (float)_mm512_reduce_add_epi32(qb);
+        _mm_storeu_si128((void *)(q + qs * g), _mm512_cvtsepi32_epi8(qa));
+        _mm_storeu_si128((void *)(q + qs * g + 16), _mm512_cvtsepi32_epi8(qb));
+        sx[ss * g] = d;
+        sxh[ss * g] = d * (float)_mm512_reduce_add_epi32(qa);
+        sxs[ss * g] = sxh[ss * g] + d * (float)_mm512_reduce_add_epi32(qb);
     }
 }
 
@@ -84,11 +86,13 @@ static inline __attribute__((always_inline)) __m512 fold_group(__m512 acc, __m51
 }
 
 
-/* Rows t0 .. t0+MR-1 of the output for one tile of 16 columns. MR is a literal at each call, so
- * the row loops unroll and the accumulators stay in registers. */
+/* MR rows of the output for one tile of 16 columns. MR and bits are literals at each call, so the
+ * row loops unroll and the accumulators stay in registers. The activations are group-major (see
+ * pytgi_qgemv_bf16): the MR rows' bytes of group g are 32·MR contiguous bytes at xq, and their
+ * scales MR contiguous floats at sx (and sxs, sxh); the next group's are 32·M bytes and M floats on. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int bits, int64_t G, const int8_t *xq,
                                                         const float *sx, const float *sxs, const float *sxh,
-                                                        int64_t K, int MR, __m512 *acc) {
+                                                        int64_t M, int MR, __m512 *acc) {
     const __m512i nib = _mm512_set1_epi8(0x0F);
     const int64_t wbytes = bits == 4 ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
@@ -112,44 +116,56 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
             m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 96)));
         }
         for (int r = 0; r < MR; r++) {
-            const int32_t *xr = (const int32_t *)(xq + r * K + 32 * g);
+            const int32_t *xr = (const int32_t *)(xq + 32 * r);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();  /* inputs 0..15, 16..31 */
             for (int j = 0; j < 4; j++) {
                 s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(xr[j]));
                 s1 = _mm512_dpbusd_epi32(s1, w[j + 4], _mm512_set1_epi32(xr[j + 4]));
             }
-            acc[r] = fold_group(acc[r], s0, s1, bits, d, m, d1, m1, sx[r * G + g], sxs[r * G + g], sxh[r * G + g]);
+            acc[r] = fold_group(acc[r], s0, s1, bits, d, m, d1, m1, sx[r], sxs[r], sxh[r]);
         }
+        xq += 32 * M, sx += M, sxs += M, sxh += M;
     }
 }
 
-#define ROWS(MR)                                                                                      \
+#define ROWS(MR, BITS)                                                                                \
     do {                                                                                              \
         __m512 acc[MR];                                                                               \
-        tile(blk, (int)bits, G, xq + t * K, sx + t * G, sxs + t * G, sxh + t * G, K, MR, acc);                     \
+        tile(blk, BITS, G, xq + 32 * t, sx + t, sxs + t, sxh + t, M, MR, acc);                        \
         for (int r = 0; r < MR; r++)                                                                  \
             _mm256_storeu_si256((void *)(out + (t + r) * N + 16 * n16), (__m256i)_mm512_cvtneps_pbh(acc[r])); \
         t += MR;                                                                                      \
     } while (0)
 
-/* Output tiles n16 of all M rows, MR rows at a time. */
-static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t *xq, const float *sx,
-                      const float *sxs, const float *sxh, int64_t K, int64_t M, uint16_t *out, int64_t N,
-                      int64_t n16) {
-    /* up to 8 rows a pass: a pass's cost is mostly loading and spreading the weights (a 5-row step
-     * in passes of 4 and 1 cost twice a 4-row one), and 8 accumulators still fit the registers */
-    int64_t t = 0;
-    while (M - t >= 8) ROWS(8);
-    switch (M - t) {
-    case 7: ROWS(7); break;
-    case 6: ROWS(6); break;
-    case 5: ROWS(5); break;
-    case 4: ROWS(4); break;
-    case 3: ROWS(3); break;
-    case 2: ROWS(2); break;
-    case 1: ROWS(1); break;
-    default: break;
+/* Output tiles n16 of all M rows, up to 8 rows a pass: a pass's cost is mostly loading and spreading
+ * the weights (a 5-row step in passes of 4 and 1 cost twice a 4-row one), and 8 accumulators still
+ * fit the registers. */
+#define TILE_ROWS(BITS)                                                                               \
+    static void tile_rows_##BITS(const uint8_t *blk, int64_t G, const int8_t *xq, const float *sx,       \
+                                 const float *sxs, const float *sxh, int64_t M, uint16_t *out, int64_t N, \
+                                 int64_t n16) {                                                       \
+        int64_t t = 0;                                                                                \
+        while (M - t >= 8) ROWS(8, BITS);                                                             \
+        switch (M - t) {                                                                              \
+        case 7: ROWS(7, BITS); break;                                                                 \
+        case 6: ROWS(6, BITS); break;                                                                 \
+        case 5: ROWS(5, BITS); break;                                                                 \
+        case 4: ROWS(4, BITS); break;                                                                 \
+        case 3: ROWS(3, BITS); break;                                                                 \
+        case 2: ROWS(2, BITS); break;                                                                 \
+        case 1: ROWS(1, BITS); break;                                                                 \
+        default: break;                                                                               \
+        }                                                                                             \
     }
+TILE_ROWS(4)
+TILE_ROWS(8)
+TILE_ROWS(16)
+
+static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t *xq, const float *sx,
+                      const float *sxs, const float *sxh, int64_t M, uint16_t *out, int64_t N, int64_t n16) {
+    if (bits == 4) tile_rows_4(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
+    else if (bits == 8) tile_rows_8(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
+    else tile_rows_16(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
 }
 #define QGEMV_BUILT 1
 
@@ -274,7 +290,8 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
     memset(xq + M * K, 0, (size_t)((Mp - M) * K));
     for (int64_t i = M * G; i < Mp * G; i++) sx[i] = sxs[i] = sxh[i] = 0.0f;
     _Pragma("omp parallel for schedule(static)")
-    for (int64_t t = 0; t < M; t++) quantize_row(x + t * K, K, xq + t * K, sx + t * G, sxs + t * G, sxh + t * G);
+    for (int64_t t = 0; t < M; t++)
+        quantize_row(x + t * K, K, xq + t * K, 32, sx + t * G, sxs + t * G, sxh + t * G, 1);
     const amx_config cfg = qgemm_config(R);
     _Pragma("omp parallel")
     {
@@ -354,8 +371,9 @@ static inline int32_t hsum8i(__m256i v) {
 }
 
 /* As the AVX-512 version: one bf16 row → int8 per group of 32, its scale, scale·Σq and the first
- * 16's scale·Σq. */
-static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, float *sxs, float *sxh) {
+ * 16's scale·Σq, group g at q + qs·g and index ss·g. */
+static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, int64_t qs, float *sx, float *sxs, float *sxh,
+                         int64_t ss) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t g = 0; g < K / 32; g++) {
         __m256 a[4];
@@ -370,10 +388,10 @@ static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, float *sx, flo
         /* packs work per 128-bit lane: dwords come out as q0[0:4] q1[0:4] q2[0:4] q3[0:4] | q0[4:8] ... */
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((void *)(q + 32 * g), p);
-        sx[g] = d;
-        sxh[g] = d * (float)hsum8i(_mm256_add_epi32(qi[0], qi[1]));
-        sxs[g] = sxh[g] + d * (float)hsum8i(_mm256_add_epi32(qi[2], qi[3]));
+        _mm256_storeu_si256((void *)(q + qs * g), p);
+        sx[ss * g] = d;
+        sxh[ss * g] = d * (float)hsum8i(_mm256_add_epi32(qi[0], qi[1]));
+        sxs[ss * g] = sxh[ss * g] + d * (float)hsum8i(_mm256_add_epi32(qi[2], qi[3]));
     }
 }
 
@@ -392,13 +410,14 @@ static inline __attribute__((always_inline)) __m256 fold(__m256 acc, __m256i s, 
     return _mm256_fmadd_ps(m, _mm256_set1_ps(xsum), acc);
 }
 
-/* Rows t0 .. t0+MR-1 of the output for one tile of 16 columns; acc[2r + h] holds row r's half h.
+/* MR rows of the output for one tile of 16 columns (activations group-major, as the AVX-512 tile
+ * reads them); acc[2r + h] holds row r's half h.
  * Each weight vector is used for all MR rows as it is loaded (AVX2's 16 registers hold no whole
  * block), so the sums stay in registers. With scales per 16 inputs (bits 16) the sums are folded
  * in after vector 3 and again after vector 7. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int bits, int64_t G, const int8_t *xq,
                                                         const float *sx, const float *sxs, const float *sxh,
-                                                        int64_t K, int MR, __m256 *acc) {
+                                                        int64_t M, int MR, __m256 *acc) {
     const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     const int64_t wbytes = bits == 4 ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
     for (int r = 0; r < 2 * MR; r++) acc[r] = _mm256_setzero_ps();
@@ -412,7 +431,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                     const __m256i p = _mm256_loadu_si256((const void *)(blk + 64 * v + 32 * h));
                     const __m256i lo = _mm256_and_si256(p, nib), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), nib);
                     for (int r = 0; r < MR; r++) {
-                        const int32_t *xr = (const int32_t *)(xq + r * K + 32 * g);
+                        const int32_t *xr = (const int32_t *)(xq + 32 * r);
                         s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[v])));
                         s[r] = _mm256_add_epi16(s[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[v + 4])));
                     }
@@ -423,14 +442,13 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                     const __m256i wj = _mm256_xor_si256(_mm256_loadu_si256((const void *)(blk + 64 * j + 32 * h)), flip);
                     const __m256i wa = _mm256_sign_epi8(wj, wj);
                     for (int r = 0; r < MR; r++) {
-                        const __m256i xb = _mm256_set1_epi32(((const int32_t *)(xq + r * K + 32 * g))[j]);
+                        const __m256i xb = _mm256_set1_epi32(((const int32_t *)(xq + 32 * r))[j]);
                         const __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xb, wj));
                         s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p, ones));
                     }
                     if (bits == 16 && j == 3) {  /* inputs 0..15 have their own scales */
                         for (int r = 0; r < MR; r++) {
-                            acc[2 * r + h] = fold(acc[2 * r + h], s[r], blk + wbytes + 16 * h, bits, sx[r * G + g],
-                                                  sxh[r * G + g]);
+                            acc[2 * r + h] = fold(acc[2 * r + h], s[r], blk + wbytes + 16 * h, bits, sx[r], sxh[r]);
                             s[r] = _mm256_setzero_si256();
                         }
                     }
@@ -438,9 +456,9 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
             }
             const uint8_t *dp = blk + wbytes + (bits == 16 ? 64 : 0) + 16 * h;
             for (int r = 0; r < MR; r++)
-                acc[2 * r + h] = fold(acc[2 * r + h], s[r], dp, bits, sx[r * G + g],
-                                      bits == 16 ? sxs[r * G + g] - sxh[r * G + g] : sxs[r * G + g]);
+                acc[2 * r + h] = fold(acc[2 * r + h], s[r], dp, bits, sx[r], bits == 16 ? sxs[r] - sxh[r] : sxs[r]);
         }
+        xq += 32 * M, sx += M, sxs += M, sxh += M;
     }
 }
 
@@ -448,13 +466,13 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
  * stays in a register: per group, each half's 8 weight vectors meet the row's 8 broadcast dwords. */
 static inline __attribute__((always_inline)) void tile1(const uint8_t *blk, int bits, int64_t G, const int8_t *xq,
                                                          const float *sx, const float *sxs, const float *sxh,
-                                                         __m256 *acc) {
+                                                         int64_t M, __m256 *acc) {
     const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     const int64_t wbytes = bits == 4 ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++, blk += bbytes) {
         for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
-        const int32_t *xr = (const int32_t *)(xq + 32 * g);
+        const int32_t *xr = (const int32_t *)(xq + 32 * M * g);
         __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
         if (bits == 4) {
 #pragma GCC unroll 4
@@ -478,16 +496,16 @@ static inline __attribute__((always_inline)) void tile1(const uint8_t *blk, int 
                 s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xb)), ones));
                 s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xb)), ones));
                 if (bits == 16 && j == 3) {  /* inputs 0..15 have their own scales */
-                    a0 = fold(a0, s0, blk + wbytes, bits, sx[g], sxh[g]);
-                    a1 = fold(a1, s1, blk + wbytes + 16, bits, sx[g], sxh[g]);
+                    a0 = fold(a0, s0, blk + wbytes, bits, sx[M * g], sxh[M * g]);
+                    a1 = fold(a1, s1, blk + wbytes + 16, bits, sx[M * g], sxh[M * g]);
                     s0 = s1 = _mm256_setzero_si256();
                 }
             }
         }
         const uint8_t *dp = blk + wbytes + (bits == 16 ? 64 : 0);
-        const float xsum = bits == 16 ? sxs[g] - sxh[g] : sxs[g];
-        a0 = fold(a0, s0, dp, bits, sx[g], xsum);
-        a1 = fold(a1, s1, dp + 16, bits, sx[g], xsum);
+        const float xsum = bits == 16 ? sxs[M * g] - sxh[M * g] : sxs[M * g];
+        a0 = fold(a0, s0, dp, bits, sx[M * g], xsum);
+        a1 = fold(a1, s1, dp + 16, bits, sx[M * g], xsum);
     }
     acc[0] = a0;
     acc[1] = a1;
@@ -505,7 +523,7 @@ static inline void store_bf16x16(uint16_t *out, __m256 lo, __m256 hi) {
 #define ROWS_BITS(MR, BITS)                                                             \
     do {                                                                                \
         __m256 acc[2 * MR];                                                             \
-        tile(blk, BITS, G, xq + t * K, sx + t * G, sxs + t * G, sxh + t * G, K, MR, acc);            \
+        tile(blk, BITS, G, xq + 32 * t, sx + t, sxs + t, sxh + t, M, MR, acc);                       \
         for (int r = 0; r < MR; r++) store_bf16x16(out + (t + r) * N + 16 * n16, acc[2 * r], acc[2 * r + 1]); \
         t += MR;                                                                        \
     } while (0)
@@ -513,14 +531,13 @@ static inline void store_bf16x16(uint16_t *out, __m256 lo, __m256 hi) {
 #define ROW1_BITS(BITS)                                                                 \
     do {                                                                                \
         __m256 acc[2];                                                                  \
-        tile1(blk, BITS, G, xq + t * K, sx + t * G, sxs + t * G, sxh + t * G, acc);                  \
+        tile1(blk, BITS, G, xq + 32 * t, sx + t, sxs + t, sxh + t, M, acc);                          \
         store_bf16x16(out + t * N + 16 * n16, acc[0], acc[1]);                          \
         t += 1;                                                                         \
     } while (0)
 
 static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t *xq, const float *sx,
-                      const float *sxs, const float *sxh, int64_t K, int64_t M, uint16_t *out, int64_t N,
-                      int64_t n16) {
+                      const float *sxs, const float *sxh, int64_t M, uint16_t *out, int64_t N, int64_t n16) {
     int64_t t = 0;
     if (bits == 4) {  /* the bit width a literal in each copy */
         while (M - t >= 4) ROWS_BITS(4, 4);
@@ -556,6 +573,8 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
 
 #if QGEMV_BUILT
 /* x: bf16 [M, K]; w: packed as above for N rows (N % 16 == 0, K % 32 == 0); out: bf16 [M, N].
+ * The activations are quantized group-major: group g of row t at xq + 32 (g M + t) and its scalars
+ * at index g M + t, so that a pass over some rows reads each group's bytes and scales in one place.
  * Returns nonzero on out of memory. */
 int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K,
                      int64_t bits) {
@@ -568,10 +587,11 @@ int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t
         return 1;
     }
     float *sxs = sx + M * G, *sxh = sxs + M * G;
-    for (int64_t t = 0; t < M; t++) quantize_row(x + t * K, K, xq + t * K, sx + t * G, sxs + t * G, sxh + t * G);
+    _Pragma("omp parallel for schedule(static) if (M >= 8)")
+    for (int64_t t = 0; t < M; t++) quantize_row(x + t * K, K, xq + 32 * t, 32 * M, sx + t, sxs + t, sxh + t, M);
     _Pragma("omp parallel for schedule(static)")
     for (int64_t n16 = 0; n16 < N / 16; n16++)
-        tile_rows(w + n16 * tile_bytes, bits, G, xq, sx, sxs, sxh, K, M, out, N, n16);
+        tile_rows(w + n16 * tile_bytes, bits, G, xq, sx, sxs, sxh, M, out, N, n16);
     free(xq);
     free(sx);
     return 0;
