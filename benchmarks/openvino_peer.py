@@ -256,10 +256,12 @@ def main() -> None:
               f"{r['pytgi']:.1f} | {r['openvino']:.1f} | {r['ratio']:.2f}x | {roof} | {same} |")
     if fidelity:
         print(f"\nfidelity over {fidelity['tokens']} tokens, nats/token above float32 "
-              f"({fidelity['float32']:.4f}): pytgi {fidelity['pytgi']:+.4f}, OpenVINO {fidelity['openvino']:+.4f}")
+              f"({fidelity['float32']:.4f}): pytgi {fidelity['pytgi']:+.4f}, "
+              f"OpenVINO {fidelity['openvino']:+.4f}")
     if probe:
         print(f"int8 peak: {args.threads} cores x {probe['clock_ghz']:.2f} GHz x "
-              f"{probe['int8_macs_per_cycle']:.0f} MAC/cycle ({probe['isa']}) = {probe['int8_peak_macs'] / 1e9:.0f} GMAC/s")
+              f"{probe['int8_macs_per_cycle']:.0f} MAC/cycle ({probe['isa']}) = "
+              f"{probe['int8_peak_macs'] / 1e9:.0f} GMAC/s")
     record = {"args": vars(args), "machine": platform.processor() or platform.machine(),
               "date": datetime.now(timezone.utc).isoformat(), "peak": probe, "fidelity": fidelity,
               "rows": rows}
