@@ -440,12 +440,17 @@ static inline __attribute__((always_inline)) void lanes_block(int64_t D, const c
             transpose16(r);
             for (int p = 0; p < 16; p++) _mm512_store_si512(kt + (16 * c + p) * LB + 16 * h, r[p]);
         }
+    /* bf16 lane 2i of `lo` is element i of key a, 2i + 1 element i of key b; `hi` the same for i + 16 */
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int64_t k = 0; k < LB / 2; k++) {
         const int64_t a = off[2 * k], b = off[2 * k + 1];
-        for (int64_t i = 0; i < D / 16; i++) {
-            const __m512i va = a >= 0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(vc + a + 32 * i))) : zero;
-            const __m512i vb = b >= 0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const void *)(vc + b + 32 * i))) : zero;
-            _mm512_store_si512(vp + k * D + 16 * i, _mm512_or_si512(va, _mm512_slli_epi32(vb, 16)));
+        for (int64_t i = 0; i < D / 32; i++) {
+            const __m512i va = a >= 0 ? _mm512_loadu_si512(vc + a + 64 * i) : zero;
+            const __m512i vb = b >= 0 ? _mm512_loadu_si512(vc + b + 64 * i) : zero;
+            _mm512_store_si512(vp + k * D + 32 * i, _mm512_permutex2var_epi16(va, lo, vb));
+            _mm512_store_si512(vp + k * D + 32 * i + 16, _mm512_permutex2var_epi16(va, hi, vb));
         }
     }
 }
