@@ -22,13 +22,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pytgi import LLM, SamplingParams  # noqa: E402
 
 
+def mean_nll(llm: LLM, ids: list[int]) -> float:
+    """The mean negative log-likelihood per token of `ids` (each token given the ones before it)."""
+    out = llm.generate([ids], SamplingParams(max_new_tokens=1, prompt_logprobs=True, temperature=0))[0]
+    lps = [x for x in out.prompt_logprobs if x is not None]
+    return -sum(lps) / len(lps)
+
+
 def nll(model: str | None, dtype: str, text: str, tokens: int) -> float:
     llm = LLM(model=model, dtype=dtype, max_batch_total_tokens=8192, max_total_tokens=4096, progress=False)
     try:
-        ids = llm.tokenizer.encode(text)[:tokens]
-        out = llm.generate([ids], SamplingParams(max_new_tokens=1, prompt_logprobs=True, temperature=0))[0]
-        lps = [x for x in out.prompt_logprobs if x is not None]
-        return -sum(lps) / len(lps)
+        return mean_nll(llm, llm.tokenizer.encode(text)[:tokens])
     finally:
         llm.shutdown()
 

@@ -148,14 +148,6 @@ def pytgi_run(llm, prompts: list[list[int]], new: int) -> dict:
             "first": outs[0].token_ids[:16]}
 
 
-def pytgi_nll(llm, ids: list[int]) -> float:
-    from pytgi.sampling_params import SamplingParams
-
-    out = llm.generate([ids], SamplingParams(max_new_tokens=1, prompt_logprobs=True, temperature=0))[0]
-    lps = [x for x in out.prompt_logprobs if x is not None]
-    return -sum(lps) / len(lps)
-
-
 # -- the roofline --------------------------------------------------------------------------------------
 def peak(threads: int) -> dict | None:
     """benchmarks/peak.c's figures for this core, and the int8 peak of `threads` cores (MAC/s)."""
@@ -232,12 +224,14 @@ def main() -> None:
                      "pytgi_times": [r["time"] for r in mine], "openvino_times": [r["time"] for r in theirs]})
     fidelity = None
     if args.fidelity:
+        from fidelity import mean_nll  # benchmarks/fidelity.py, beside this script
+
         text = FIDELITY_TEXT.read_text(encoding="utf-8")[:FIDELITY_CHARS]
         ids = llm.tokenizer.encode(text)[:FIDELITY_TOKENS]
-        fast = pytgi_nll(llm, ids)
+        fast = mean_nll(llm, ids)
         llm.shutdown()
         exact_llm = LLM(dtype="float32", max_batch_total_tokens=8192, max_total_tokens=4096)
-        exact = pytgi_nll(exact_llm, ids)
+        exact = mean_nll(exact_llm, ids)
         exact_llm.shutdown()
         fidelity = {"tokens": len(ids), "float32": exact, "pytgi": fast - exact,
                     "openvino": peer.ask({"nll": ids})["nll"] - exact}

@@ -10,9 +10,10 @@
  *                                       token i of q_lens[b] sits at ctx_lens[b] - q_lens[b] + i (causal)
  * Query head h uses key/value head h / (H / KVH) (grouped-query attention).
  *
- * Two implementations, all math in float32, both taking decodes and prefill chunks alike: with
- * AVX-512 (and D a multiple of 16) a split-K kernel with an online softmax (see attention512; AMX
- * tiles for bf16 when enough query rows share a kv head); otherwise a portable one (see
+ * Two implementations, sums in float32, both taking decodes and prefill chunks alike: with
+ * AVX-512 (and D a multiple of 16) a split-K kernel with an online softmax (see attention512; for
+ * bf16 with AVX-512 BF16, vdpbf16ps with keys in the lanes, see chunk_lanes, or AMX tiles; both
+ * round P to bf16); otherwise a portable one (see
  * attention_portable: GCC vector extensions, AVX2 on x86-64-v3) that computes every query row with
  * the same three functions, so that it is batch invariant too. Built and
  * loaded by pytgi/kernels/__init__.py. */
@@ -461,7 +462,7 @@ static inline __attribute__((always_inline)) void lanes_rows(int64_t D, int MR, 
                                                              const int64_t *nq, const uint32_t *kt,
                                                              const uint32_t *vp, float scale, float *const *acc,
                                                              float *const *m, float *const *l) {
-    __m512 sa[2][LB / 16], sb[2][LB / 16]; /* even and odd dim pairs: two chains per row and half */
+    __m512 sa[2][LB / 16], sb[2][LB / 16]; /* even and odd dim pairs: two chains per row and 16 keys */
     for (int r = 0; r < MR; r++)
         for (int h = 0; h < LB / 16; h++) sa[r][h] = sb[r][h] = _mm512_setzero_ps();
     for (int64_t p = 0; p < D / 2; p += 2)
