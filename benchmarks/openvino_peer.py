@@ -172,7 +172,7 @@ def macs(config: dict, n: int, prompt: int, new: int) -> float:
     q = heads * head_dim
     linear = layers * (hidden * (q + 2 * kv) + q * hidden + 3 * hidden * config["intermediate_size"])
     through = prompt + new - 1  # every token but the last generated one goes through the layers
-    attention = layers * 2 * q * sum(p + 1 for p in range(through))  # Q·K and P·V over p + 1 keys
+    attention = layers * 2 * q * through * (through + 1) // 2  # Q·K and P·V: token p over p + 1 keys
     return n * (linear * through + attention + new * hidden * config["vocab_size"])
 
 

@@ -43,6 +43,8 @@ MODULE_OF = {
     "down_proj": ("mlp.down_proj", 0),
 }
 LOOP_ORDER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # decoder.c's
+TABLE_ROWS = 4  # lora.c's table: A's and Bᵀ's addresses, the ranks, the column spans (by slot)
+LOOP_FIELDS = TABLE_ROWS * len(LOOP_ORDER)  # decoder.c's LORA_FIELDS, per layer
 _KEY = re.compile(
     r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight"
 )
@@ -58,7 +60,7 @@ class LoraContext:
     groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
     row_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # the C decoder loop's view: per layer, lora.c's table addresses for qkv, o, gate_up, down (decoder.c)
-    loop_table: np.ndarray = field(default_factory=lambda: np.zeros((0, 16), np.int64))
+    loop_table: np.ndarray = field(default_factory=lambda: np.zeros((0, LOOP_FIELDS), np.int64))
 
     @property
     def active(self) -> bool:
@@ -108,11 +110,11 @@ class LoraLinear(nn.Module):
         self.weights: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]] = {}
         # for lora.c, by slot: A's and Bᵀ's addresses, the rank (0: the slot's adapter skips this layer),
         # the spans' address
-        self.table = np.zeros((4, 0), np.int64)
+        self.table = np.zeros((TABLE_ROWS, 0), np.int64)
 
     def refresh(self, capacity: int) -> None:
         """Rebuild the kernel's table for slots 0 .. capacity - 1 (after any slot changed)."""
-        self.table = np.zeros((4, capacity), np.int64)
+        self.table = np.zeros((TABLE_ROWS, capacity), np.int64)
         for slot, (a, bt, cols) in self.weights.items():
             if cols is not None:
                 self.table[:, slot] = a.data_ptr(), bt.data_ptr(), a.shape[0], cols.ctypes.data
@@ -331,11 +333,11 @@ class LoraAdapters:
         for w in self.wrapped.values():
             w.refresh(capacity)
         num_layers = 1 + max(i for i, _ in self.wrapped)
-        table = np.zeros((num_layers, 4, 4), np.int64)
+        table = np.zeros((num_layers, len(LOOP_ORDER), TABLE_ROWS), np.int64)
         for (layer, path), w in self.wrapped.items():
             if w.weights and path in LOOP_ORDER:
                 table[layer, LOOP_ORDER.index(path)] = [row.ctypes.data for row in w.table]
-        self.ctx.loop_table = table.reshape(num_layers, 16)
+        self.ctx.loop_table = table.reshape(num_layers, LOOP_FIELDS)
 
     def row_slots(self, adapters: list[str | None], query_lens: np.ndarray) -> np.ndarray | None:
         """Each flat row's slot (-1: the base model); None when no request uses an adapter."""
