@@ -86,6 +86,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.info, self.block_manager, drafter=drafter)
         self.num_failed_steps = 0
         self.unloading: set[str] = set()  # LoRA adapters refused to new requests, unloaded once unused
+        # each adapter's load number: the root of its prefix-cache blocks, new at each (re)load
+        self.adapter_loads = {name: i for i, name in enumerate(self.info.lora_adapters)}
         self.last_step = P.StepInfo()  # what the last step did, for the metrics
         log.info(
             "engine ready: %s on %s (%s), %d KV blocks x %d, load %.1fs",
@@ -125,7 +127,8 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         info = self.info
         params.validate()
-        if params.adapter is not None:
+        adapter = params.adapter
+        if adapter is not None:
             if params.adapter not in info.lora_adapters:
                 raise InvalidRequest(f"unknown LoRA adapter {params.adapter!r}", "adapter_id")
             if params.adapter in self.unloading:
@@ -144,6 +147,7 @@ class LLMEngine:
                 params,
                 self.eos_token_ids,
                 speculative=grammar is None and not params.watermark,
+                cache_root=None if adapter is None else (adapter, self.adapter_loads[adapter]),
             )
         )
         if grammar is not None:
@@ -163,6 +167,7 @@ class LLMEngine:
             self.runner.adapters().register(name, path, self._adapters_in_use())
         finally:
             self.runner.adapters_changed()  # the other ranks wrap their linears even if it failed
+        self.adapter_loads[name] = max(self.adapter_loads.values(), default=-1) + 1
         self._set_adapters({**self.info.lora_adapters, name: str(path)})
 
     def unload_adapter(self, name: str) -> bool:

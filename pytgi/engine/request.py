@@ -40,6 +40,9 @@ class Request:
     partial_prompt_logprobs: list[float | None] = field(default_factory=list)  # until then, chunk by chunk
     speculative: bool = True  # may decode with drafts (not with a grammar or a watermark)
     num_accepted: int = 0  # draft tokens accepted (TGI's skipped tokens)
+    # where the prefix cache's hash chain starts: None for the base model, the adapter's name and
+    # load number for an adapter (blocks of an adapter unloaded and loaded again are not its own)
+    cache_root: object = None
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.prompt_ids) + list(self.output_ids)

@@ -147,6 +147,15 @@ def test_the_prefix_cache_keeps_each_adapters_blocks_apart(tiny):
                     cached[u.request_id] = u.num_cached_tokens
         assert cached["qv"] > 0 and cached["base"] == 0 and cached["all"] == 0
         assert run(engine, [(prompt, "qv")]) == first  # from its own cached blocks, the same
+        # a name unloaded and loaded again with other weights does not find the old weights' blocks
+        assert engine.unload_adapter("qv")
+        engine.load_adapter("qv", str(adapters["all"]))
+        engine.add_request("again", prompt, SamplingParams(max_new_tokens=1, temperature=0, adapter="qv"))
+        while engine.has_unfinished():
+            for u in engine.step():
+                cached[u.request_id] = u.num_cached_tokens
+        assert cached["again"] == 0
+        assert run(engine, [(prompt, "qv")]) == run(engine, [(prompt, "all")]) != first
     finally:
         engine.shutdown()
 
