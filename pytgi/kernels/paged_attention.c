@@ -725,6 +725,57 @@ static inline void combine_row(int64_t nc, const float *acc, const float *m, con
 }
 
 #define BYROWS_MIN 64 /* query rows (tokens × heads per kv head) from which a tiled request goes by row tiles */
+#if LANES_BUILT
+/* Bytes of one block of LB keys laid out for lanes_rows: kt [D/2][LB], then vp [LB/2][D] (dwords). */
+#define LANES_BLOCK_BYTES(D) ((D) / 2 * LB * 4 + LB / 2 * (D) * 4)
+
+/* rows_task for the lanes kernel: kv head task / RT's query rows 16 * (task % RT) .. against every key,
+ * chunk by chunk as the split-K tasks cut them, each chunk's partial results kept for the tile (in L2,
+ * not a buffer of every row × chunk in memory) and combined at the end. The same blocks, the same
+ * rows against them and the same combine as chunk_lanes and the split-K pass: the same bits. kv: the
+ * request's keys and values laid out by lanes_block, per kv head and block of LB. */
+static inline __attribute__((always_inline)) int lanes_rows_task(int64_t task, int64_t RT, int64_t D, const char *q,
+                                                                 int64_t q0, int64_t Q, int64_t ctx, const uint8_t *kv,
+                                                                 int64_t H, int64_t KVH, int64_t G, float scale,
+                                                                 char *out) {
+    const int64_t kvh = task / RT, r0 = task % RT * 16, R = Q * G, r1 = r0 + 16 < R ? r0 + 16 : R;
+    const int64_t nc = (ctx + CHUNK - 1) / CHUNK, cs = 16 * (D + 2), nblk = (ctx + LB - 1) / LB;
+    float *part = malloc(sizeof(float) * (size_t)(nc * cs));
+    if (part == NULL) return 1;
+    for (int64_t c = 0; c < nc; c++) {
+        float *acc = part + c * cs, *m = acc + 16 * D, *l = m + 16;
+        for (int64_t i = 0; i < 16; i++) {
+            m[i] = -INFINITY, l[i] = 0.0f;
+            for (int64_t d = 0; d < D / 16; d++) _mm512_storeu_ps(acc + i * D + 16 * d, _mm512_setzero_ps());
+        }
+        const int64_t j_end = ctx < (c + 1) * CHUNK ? ctx : (c + 1) * CHUNK;
+        for (int64_t j0 = c * CHUNK; j0 < j_end; j0 += LB) {
+            const int64_t n = j_end - j0 < LB ? j_end - j0 : LB, first = (j0 - (ctx - Q) > 0 ? j0 - (ctx - Q) : 0) * G;
+            const uint32_t *kt = (const uint32_t *)(kv + (kvh * nblk + j0 / LB) * LANES_BLOCK_BYTES(D));
+            const uint32_t *vp = kt + D / 2 * LB;
+            for (int64_t r = first > r0 ? first : r0; r < r1; r += 2) {
+                const int MR = r + 1 < r1 ? 2 : 1;
+                const uint16_t *qr[2];
+                int64_t nq[2];
+                float *ar[2], *mr[2], *lr[2];
+                for (int i = 0; i < MR; i++) {
+                    const int64_t t = (r + i) / G, h = (r + i) % G, lim = ctx - Q + t + 1 - j0;
+                    qr[i] = (const uint16_t *)(q + ((q0 + t) * H + kvh * G + h) * D * 2);
+                    nq[i] = lim < n ? lim : n;
+                    ar[i] = acc + (r + i - r0) * D, mr[i] = m + r + i - r0, lr[i] = l + r + i - r0;
+                }
+                if (MR == 2) lanes_rows(D, 2, qr, nq, kt, vp, scale, ar, mr, lr);
+                else lanes_rows(D, 1, qr, nq, kt, vp, scale, ar, mr, lr);
+            }
+        }
+    }
+    for (int64_t r = r0; r < r1; r++)
+        combine_row(nc, part + (r - r0) * D, part + 16 * D + (r - r0), part + 16 * D + 16 + (r - r0), cs, D,
+                    out + ((q0 + r / G) * H + kvh * G + r % G) * D * 2, 1);
+    free(part);
+    return 0;
+}
+#endif
 #if AMX_ATTN
 /* Bytes of one block of 32 keys for the tiles: Kᵀ, then V by key pairs (amx_block_kv). */
 #define KV_BLOCK_BYTES(D) ((D) / 32 * 2 * 1024 + (D) / 16 * 1024)
@@ -792,7 +843,13 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
         for (int64_t b = 0; b < B; b++) use_amx |= tiles[b] != 0;
     use_amx = use_amx && pytgi_qgemm_amx_supported();
 #endif
-#define BYROWS(b) (use_amx && tiles[b] && QLEN(b) * G >= BYROWS_MIN && ctx_lens[b] > CHUNK)
+#if LANES_BUILT
+    const int lanes = bf16 && D % 32 == 0; /* requests not on the tiles take chunk_lanes */
+#else
+    const int lanes = 0;
+#endif
+#define ROW_AMX(b) (use_amx && tiles[b])
+#define BYROWS(b) ((ROW_AMX(b) || lanes) && QLEN(b) * G >= BYROWS_MIN && ctx_lens[b] > CHUNK)
     /* split-K task i: request task_b[i], chunk task_c[i], all kv heads (task index * KVH + kvh); partial
      * results at part_off[i] + kvh * (its size). Row-tile tasks: request rows_b[i], rows_first[i] its
      * first, with its keys and values for the tiles at kv[i]. */
@@ -828,12 +885,17 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
      * (a cache row's heads are then read together), else one */
     const int64_t per = B >= 2 * omp_get_max_threads() ? KVH : 1;
     float *parts = malloc(sizeof(float) * (size_t)(floats > 0 ? floats : 1));
-#if AMX_ATTN
     for (int64_t k = 0; k < n_rows; k++) {
-        kv[k] = aligned_alloc(64, (size_t)(KVH * ((ctx_lens[rows_b[k]] + 31) / 32) * KV_BLOCK_BYTES(D)));
+        const int64_t ctx = ctx_lens[rows_b[k]];
+        (void)ctx;
+#if AMX_ATTN
+        if (ROW_AMX(rows_b[k])) kv[k] = aligned_alloc(64, (size_t)(KVH * ((ctx + 31) / 32) * KV_BLOCK_BYTES(D)));
+#endif
+#if LANES_BUILT
+        if (!ROW_AMX(rows_b[k])) kv[k] = aligned_alloc(64, (size_t)(KVH * ((ctx + LB - 1) / LB) * LANES_BLOCK_BYTES(D)));
+#endif
         failed |= kv[k] == NULL;
     }
-#endif
     if (parts == NULL || failed) {
         for (int64_t k = 0; k < n_rows; k++) free(kv[k]);
         free(parts);
@@ -847,30 +909,59 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
 #if AMX_ATTN
         amx_config saved;
         if (use_amx) saved = amx_borrow(7), amx_rows_now = 16; /* 0,1: S; 2: q; 3: Kᵀ; 4: P·V; 5: P; 6: V */
-        /* the row-tile requests' keys and values, laid out for the tiles once */
+#endif
+        /* the row-tile requests' keys and values, laid out once for the tiles or the lanes */
         for (int64_t k = 0; k < n_rows; k++) {
-            const int64_t b = rows_b[k], nblk = (ctx_lens[b] + 31) / 32;
+            const int64_t b = rows_b[k], ctx = ctx_lens[b], *table = block_tables + b * max_blocks;
+            (void)ctx, (void)table; /* unused in builds with neither tiles nor lanes */
+#if AMX_ATTN
+            if (ROW_AMX(b)) {
+                const int64_t nblk = (ctx + 31) / 32;
+                _Pragma("omp for schedule(static) nowait")
+                for (int64_t i = 0; i < KVH * nblk; i++) {
+                    const int64_t kvh = i / nblk, j0 = i % nblk * 32, n = ctx - j0 < 32 ? ctx - j0 : 32;
+                    uint8_t *blk = kv[k] + i * KV_BLOCK_BYTES(D);
+                    amx_block_kv(D, (const uint16_t *)k_cache, (const uint16_t *)v_cache, table, bs, KVH * D, kvh, j0,
+                                 n, ctx, (uint16_t *)blk, (uint16_t *)(blk + D / 32 * 2 * 1024));
+                }
+                continue;
+            }
+#endif
+#if LANES_BUILT
+            const int64_t nblk = (ctx + LB - 1) / LB;
             _Pragma("omp for schedule(static) nowait")
             for (int64_t i = 0; i < KVH * nblk; i++) {
-                const int64_t kvh = i / nblk, j0 = i % nblk * 32, n = ctx_lens[b] - j0 < 32 ? ctx_lens[b] - j0 : 32;
-                uint8_t *blk = kv[k] + i * KV_BLOCK_BYTES(D);
-                amx_block_kv(D, (const uint16_t *)k_cache, (const uint16_t *)v_cache, block_tables + b * max_blocks, bs,
-                             KVH * D, kvh, j0, n, ctx_lens[b], (uint16_t *)blk, (uint16_t *)(blk + D / 32 * 2 * 1024));
+                const int64_t kvh = i / nblk, j0 = i % nblk * LB, n = ctx - j0 < LB ? ctx - j0 : LB;
+                uint32_t *kt = (uint32_t *)(kv[k] + i * LANES_BLOCK_BYTES(D)), *vp = kt + D / 2 * LB;
+                if (D == 64) lanes_block(64, k_cache, v_cache, table, bs, KVH * 64 * 2, kvh, j0, n, ctx, kt, vp);
+                else if (D == 128) lanes_block(128, k_cache, v_cache, table, bs, KVH * 128 * 2, kvh, j0, n, ctx, kt, vp);
+                else lanes_block(D, k_cache, v_cache, table, bs, KVH * D * 2, kvh, j0, n, ctx, kt, vp);
             }
+#endif
         }
         _Pragma("omp barrier")
         _Pragma("omp for schedule(dynamic, 1) nowait")
         for (int64_t t = 0; t < row_tasks; t++) {
             int64_t k = 0;
             while (k + 1 < n_rows && rows_first[k + 1] <= t) k++;
-            const int64_t b = rows_b[k], RT = (QLEN(b) * G + 15) / 16;
-            if (rows_task(t - rows_first[k], RT, D, (const uint16_t *)q, q_starts[b], QLEN(b), ctx_lens[b], kv[k], H,
-                          KVH, G, scale, (uint16_t *)out)) {
+            const int64_t b = rows_b[k], RT = (QLEN(b) * G + 15) / 16, task = t - rows_first[k];
+            int bad = 0;
+            (void)RT, (void)task;
+#if AMX_ATTN
+            if (ROW_AMX(b))
+                bad = rows_task(task, RT, D, (const uint16_t *)q, q_starts[b], QLEN(b), ctx_lens[b], kv[k], H, KVH, G,
+                                scale, (uint16_t *)out);
+#endif
+#if LANES_BUILT
+#define LANES_TASK(D) lanes_rows_task(task, RT, D, q, q_starts[b], QLEN(b), ctx_lens[b], kv[k], H, KVH, G, scale, out)
+            if (!ROW_AMX(b)) bad = D == 64 ? LANES_TASK(64) : D == 128 ? LANES_TASK(128) : LANES_TASK(D);
+#undef LANES_TASK
+#endif
+            if (bad) {
                 _Pragma("omp atomic write")
                 failed = 1;
             }
         }
-#endif
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t task = 0; task < n_tasks * KVH / per; task++)
         for (int64_t kvh = task % (KVH / per) * per; kvh < (task % (KVH / per) + 1) * per; kvh++) {
@@ -925,6 +1016,7 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
         restore_csr(csr);
     }
 #undef BYROWS
+#undef ROW_AMX
     for (int64_t k = 0; k < n_rows; k++) free(kv[k]);
     free(parts);
     free(meta);

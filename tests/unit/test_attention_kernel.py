@@ -189,11 +189,13 @@ def test_a_rows_attention_does_not_depend_on_its_chunk(tiles, D):
     assert torch.equal(run([1] * n), whole)
 
 
-def test_long_chunks_by_row_tiles_equal_split_k():
-    """A long prompt's chunk (many query rows, context past one key chunk) goes by row tiles, small
-    chunks and decodes by split-K: the same bits for every row, however the prompt is cut."""
+@pytest.mark.parametrize("D", [64, 96, 128])
+def test_long_chunks_by_row_tiles_equal_split_k(D):
+    """A long prompt's chunk (many query rows, context past one key chunk) goes by row tiles (AMX
+    tiles, or the lanes kernel on AVX-512 BF16), small chunks and decodes by split-K: the same bits
+    for every row, however the prompt is cut."""
     torch.manual_seed(2)
-    bs, H, KVH, D, n = 16, 6, 2, 64, 500
+    bs, H, KVH, n = 16, 6, 2, 500
     nb = n // bs + 1
     k_cache, v_cache = (torch.randn((nb + 2) * bs, KVH, D).bfloat16() for _ in range(2))
     q = (3 * torch.randn(n, H, D)).bfloat16()  # sharp softmaxes: a different cut would show in the bits
