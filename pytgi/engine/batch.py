@@ -82,13 +82,19 @@ class PagedModel:
             self.kv_caches.append((k, v))
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, rows: np.ndarray) -> torch.Tensor | None:
-        """Run the step; the logits (float32) of the flat rows `rows` (None if there are none)."""
+    def forward(
+        self, batch: StepBatch, rows: np.ndarray, image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
+        """Run the step; the logits (float32) of the flat rows `rows` (None if there are none).
+        `image_rows`: flat rows whose embeddings are an image's rows (a vision model's)."""
         meta = self.model.attention.prepare(batch.layout, self.device)
         ids = torch.from_numpy(batch.ids).to(self.device)
         positions = torch.from_numpy(batch.positions).to(self.device)
         with dist.unsharded() if self.unsharded else nullcontext():
-            hidden = self.model(ids, positions, self.kv_caches, meta)
+            if image_rows is None:
+                hidden = self.model(ids, positions, self.kv_caches, meta)
+            else:
+                hidden = self.model(ids, positions, self.kv_caches, meta, image_rows)
             if not len(rows):
                 return None
             return self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,12 +19,13 @@ import msgspec
 from pytgi import protocol as P
 from pytgi import structured
 from pytgi.config import EngineConfig
+from pytgi.engine.images import ImageInputs, PromptImage
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import Scheduler
 from pytgi.engine.shards import ShardGroup, set_cpu_threads
-from pytgi.errors import DistributedError, InvalidRequest
+from pytgi.errors import DistributedError, InvalidRequest, UnsupportedModel
 from pytgi.lora import AdapterError, check_name
 from pytgi.models.quant import file_quantization
 from pytgi.models.registry import resolve_adapter, resolve_adapters, resolve_model
@@ -78,6 +80,11 @@ class LLMEngine:
             self.info.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.runner.allocate_kv_cache(self.info.num_blocks, config.block_size)
+        spec = getattr(self.runner.model, "spec", None)  # a vision model's (pytgi.models.llava)
+        if spec is not None and self.shards.config.num_shard > 1:
+            self.shutdown()
+            raise UnsupportedModel("vision models run on one shard for now (--num-shard 1)")
+        self.images = ImageInputs(model_path, spec) if spec is not None else None
         try:
             drafter = self._draft_model(config, model_path) if config.draft_model else None
         except BaseException:
@@ -122,11 +129,20 @@ class LLMEngine:
         return Path(self.info.model_path)
 
     # -- requests ---------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, images: Sequence[bytes] = ()
+    ) -> None:
+        """`images`: the encoded images (PNG, JPEG, ...) of the prompt's image tokens, in order (a
+        vision model's; pytgi.engine.images)."""
         if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         info = self.info
         params.validate()
+        placed: list[PromptImage] = []
+        if images:
+            if self.images is None:
+                raise InvalidRequest(f"the model {info.model_id!r} does not take images", "images")
+            prompt_ids, placed = self.images.prepare(prompt_ids, images)
         adapter = params.adapter
         if adapter is not None:
             if params.adapter not in info.lora_adapters:
@@ -147,11 +163,18 @@ class LLMEngine:
                 params,
                 self.eos_token_ids,
                 speculative=grammar is None and not params.watermark,
-                cache_root=None if adapter is None else (adapter, self.adapter_loads[adapter]),
+                cache_root=self._cache_root(adapter, placed),
+                images=placed,
             )
         )
         if grammar is not None:
             self.runner.grammars.add(request_id, grammar, params.ignore_eos)
+
+    def _cache_root(self, adapter: str | None, images: list[PromptImage]) -> object:
+        """Where the request's prefix-cache chain starts: blocks are shared only among requests for
+        the same adapter load and the same images (by content)."""
+        root = None if adapter is None else (adapter, self.adapter_loads[adapter])
+        return (root, tuple(img.digest for img in images)) if images else root
 
     # -- LoRA adapters at run time -------------------------------------------------------------------
     def _adapters_in_use(self) -> set[str | None]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pytgi.sampling_params import SamplingParams
 
@@ -43,6 +44,9 @@ class Request:
     # where the prefix cache's hash chain starts: None for the base model, the adapter's name and
     # load number for an adapter (blocks of an adapter unloaded and loaded again are not its own)
     cache_root: object = None
+    images: list[Any] = field(
+        default_factory=list
+    )  # PromptImage per image in the prompt (pytgi.engine.images)
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.prompt_ids) + list(self.output_ids)

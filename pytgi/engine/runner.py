@@ -18,6 +18,7 @@ import torch
 from pytgi import distributed as dist
 from pytgi.config import EngineConfig
 from pytgi.engine.batch import PagedModel, StepBatch
+from pytgi.engine.images import step_rows
 from pytgi.engine.kv_sizing import kv_capacity_tokens
 from pytgi.engine.sampling_step import SamplingStep
 from pytgi.engine.step import ScheduledRequest, StepOutput
@@ -139,15 +140,33 @@ class ModelRunner:
             slots = self.lora.row_slots(adapters, step.layout.query_lens)
         if dist.tp_size() > 1:
             self._broadcast_step(step, plan.rows, slots)
-        return self.sampling.run(self._forward(step, plan.rows, slots), plan)
+        return self.sampling.run(self._forward(step, plan.rows, slots, self._image_rows(batch, step)), plan)
 
-    def _forward(self, step: StepBatch, rows: np.ndarray, slots: np.ndarray | None) -> torch.Tensor | None:
+    def _image_rows(
+        self, batch: list[ScheduledRequest], step: StepBatch
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's rows at image positions and their image rows (computed now where not yet)."""
+        firsts = np.cumsum(step.layout.query_lens) - step.layout.query_lens
+        spans = [
+            (int(first), s.request.num_computed_tokens, s.num_new_tokens - len(s.draft), s.request.images)
+            for s, first in zip(batch, firsts)
+            if s.request.images
+        ]
+        return step_rows(self.paged.model, spans) if spans else None
+
+    def _forward(
+        self,
+        step: StepBatch,
+        rows: np.ndarray,
+        slots: np.ndarray | None,
+        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | None:
         """The forward, with each row's LoRA adapter (`slots`, None: no row has one)."""
         if slots is None or self.lora is None:
-            return self.paged.forward(step, rows)
+            return self.paged.forward(step, rows, image_rows)
         self.lora.ctx.set(slots, self.device)
         try:
-            return self.paged.forward(step, rows)
+            return self.paged.forward(step, rows, image_rows)
         finally:
             self.lora.ctx.clear()
 

@@ -244,12 +244,20 @@ class DecoderModel(nn.Module):
         self.lora_ctx: Any = None  # LoRA adapters' step context (`pytgi.models.lora`), once registered
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any], meta: Any
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[Any],
+        meta: Any,
+        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """`image_rows`: (flat rows, rows of images) that replace those rows' embeddings (LLaVA)."""
         cfg = self.config
         x = self.embed_tokens(input_ids)
         if cfg.embed_scale is not None:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        if image_rows is not None:
+            x[image_rows[0]] = image_rows[1].to(x.dtype)
         rope = self.ops.rope_tables(self.rotary, positions, x.dtype)
         local = self.rotary_local
         ropes = (rope, rope if local is None else self.ops.rope_tables(local, positions, x.dtype))

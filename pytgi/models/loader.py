@@ -16,6 +16,8 @@ from pytgi.models.decoder import DecoderConfig, DecoderModel
 from pytgi.models.gemma import gemma_config
 from pytgi.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from pytgi.models.llama import llama_config
+from pytgi.models.llava import ARCHITECTURES as LLAVA_ARCHITECTURES
+from pytgi.models.llava import LlavaModel, text_config
 from pytgi.models.quant import resolve_plan
 
 # architecture → its config.json read as a `DecoderConfig` (every family runs on `DecoderModel`)
@@ -24,7 +26,7 @@ MODELS: dict[str, Callable[[dict[str, Any]], DecoderConfig]] = {
     "Gemma3ForCausalLM": gemma_config,
     "Gemma2ForCausalLM": gemma_config,  # Gemma 3's layers, without q/k norms, soft-capped
 }
-SUPPORTED_ARCHITECTURES = tuple(MODELS)
+SUPPORTED_ARCHITECTURES = (*MODELS, *LLAVA_ARCHITECTURES)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,9 +39,15 @@ class CausalLM(Protocol):
     layers: Any  # per layer, `self_attn.n_kv` and `self_attn.head_dim`: the KV cache's shape
 
     def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[Any], meta: Any
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[Any],
+        meta: Any,
+        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The last hidden states of the step's tokens (writing their keys and values)."""
+        """The last hidden states of the step's tokens (writing their keys and values); `image_rows`
+        (a vision model's): flat rows whose embeddings are an image's rows."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -136,12 +144,17 @@ def load_model(
         from pytgi.models.transformers_impl import TransformersModel
 
         return TransformersModel(path, dtype, device, cpu, attention)
-    cfg = MODELS[hf["architectures"][0]](hf)
+    arch = hf["architectures"][0]
+    vision = arch in LLAVA_ARCHITECTURES
+    cfg = llama_config(text_config(hf)) if vision else MODELS[arch](hf)
     plan = resolve_plan(quantize, path, dtype, device)
     # A quantized model is loaded in float32 first, so the low-bit grids see the checkpoint's values
     # (bf16 weights are only re-laid out: loaded as they are).
+    model: DecoderModel | LlavaModel
     with _default_dtype(torch.float32 if plan and plan != "bf16" else dtype), torch.device(device):
         model = DecoderModel(cfg, cpu, attention)
+        if vision:
+            model = LlavaModel(hf, model)
     model.load_weights(iter_safetensors(path))
     if plan:
         model.quantize(plan, dtype)

@@ -1,0 +1,124 @@
+"""Images of a request, in the engine: decoded, made pixels by the model's own image processor, and
+given their places in the prompt.
+
+A prompt holds one image token per image (what the model's chat template writes for an image part).
+`ImageInputs.prepare` checks that the counts agree, decodes each image with Pillow (a decompression
+bomb is refused before its pixels are allocated), runs the model's image processor
+(`preprocessor_config.json`), and expands each image token to the positions the image takes
+(`VisionSpec.tokens_per_image`). The model computes an image's rows once, in the first step that
+reaches its positions (`PromptImage.rows`), and keeps them while the request lives, so chunked
+prefill may cut through an image and a preempted request recomputes only its keys and values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pytgi.errors import InvalidRequest
+from pytgi.models.llava import VisionSpec
+
+MAX_IMAGE_PIXELS = 64_000_000  # decoded width × height above which an image is refused (8000 × 8000)
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
+@dataclass(slots=True, eq=False)
+class PromptImage:
+    offset: int  # the prompt position of its first token
+    length: int  # positions it takes
+    pixels: torch.Tensor  # [1, 3, H, W] from the model's image processor
+    digest: str  # sha256 of the image's bytes (the prefix cache keys blocks by it)
+    rows: torch.Tensor | None = None  # [length, hidden] once the model computed them
+
+
+def decode_image(data: bytes, index: int, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
+    """A PIL image in RGB, or InvalidRequest naming image `index` and why."""
+    from PIL import Image, UnidentifiedImageError
+
+    where = f"image {index}"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            if img.format not in FORMATS:
+                raise InvalidRequest(
+                    f"{where} is {img.format}: the formats accepted are {', '.join(FORMATS)}", "images"
+                )
+            w, h = img.size
+            if w * h > max_pixels:
+                raise InvalidRequest(
+                    f"{where} is {w}×{h} pixels, more than the {max_pixels} allowed", "images"
+                )
+            img.load()
+    except InvalidRequest:
+        raise
+    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise InvalidRequest(f"{where} is not an image pytgi can decode ({exc})", "images") from None
+    except (OSError, ValueError, SyntaxError) as exc:  # truncated or corrupt data
+        raise InvalidRequest(f"{where} is broken: {exc}", "images") from None
+    return img.convert("RGB")
+
+
+class ImageInputs:
+    """The model's image processor and image token; `prepare` turns a request's images into places in
+    its prompt."""
+
+    def __init__(self, model_path: Path, spec: VisionSpec) -> None:
+        from transformers import AutoImageProcessor
+
+        self.spec = spec
+        with warnings.catch_warnings():  # the slow (PIL) processor is the exact one; no torchvision
+            warnings.simplefilter("ignore")
+            self.processor = AutoImageProcessor.from_pretrained(str(model_path))
+
+    def prepare(
+        self, prompt_ids: Sequence[int], images: Sequence[bytes]
+    ) -> tuple[list[int], list[PromptImage]]:
+        token, n = self.spec.image_token_id, self.spec.tokens_per_image
+        places = [i for i, t in enumerate(prompt_ids) if t == token]
+        if len(places) != len(images):
+            raise InvalidRequest(
+                f"the prompt has {len(places)} image token(s) (id {token}) for {len(images)} image(s)",
+                "images",
+            )
+        out: list[PromptImage] = []
+        ids: list[int] = []
+        last = 0
+        for k, (place, data) in enumerate(zip(places, images)):
+            img = decode_image(data, k)
+            pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"]
+            ids += prompt_ids[last:place]
+            out.append(PromptImage(len(ids), n, pixels, hashlib.sha256(data).hexdigest()))
+            ids += [token] * n
+            last = place + 1
+        ids += prompt_ids[last:]
+        return ids, out
+
+
+def step_rows(
+    model: Any, spans: Sequence[tuple[int, int, int, Sequence[PromptImage]]]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The flat rows of a step that are image positions, and their image rows. `spans`: per request in
+    the step with images, (its first flat row, the first position the step computes, how many it
+    computes, its images)."""
+    flat: list[torch.Tensor] = []
+    rows: list[torch.Tensor] = []
+    for first_row, start, count, images in spans:
+        for img in images:
+            lo, hi = max(img.offset, start), min(img.offset + img.length, start + count)
+            if lo >= hi:
+                continue
+            if img.rows is None:
+                img.rows = model.encode_image(img.pixels)
+            flat.append(torch.arange(first_row + lo - start, first_row + hi - start))
+            rows.append(img.rows[lo - img.offset : hi - img.offset])
+    if not flat:
+        return None
+    return torch.cat(flat), torch.cat(rows)

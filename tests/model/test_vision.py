@@ -1,0 +1,153 @@
+"""LLaVA against transformers (float32, greedy): a tiny random LLaVA-1.5 (a CLIP tower, the MLP
+projector, a Llama) built in the test, its images made pixels by its own image processor; alone,
+batched with text-only requests and with other images, cut by chunked prefill, through the prefix
+cache; and the refusals."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from PIL import Image
+
+from pytgi.config import EngineConfig
+from pytgi.engine.engine import LLMEngine
+from pytgi.errors import InvalidRequest
+from pytgi.sampling_params import SamplingParams
+
+TEXT = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, tie_word_embeddings=False)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=56,
+              patch_size=14, projection_dim=32)
+IMAGE = 100  # the image token
+PER_IMAGE = (56 // 14) ** 2  # CLIP's patches, the CLS row dropped ("default")
+NEW = 8
+
+
+def png(seed: int, size=(70, 45)) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llava")
+    cfg = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**VISION),
+                                   text_config=transformers.LlamaConfig(**TEXT), image_token_index=IMAGE,
+                                   vision_feature_layer=-2, vision_feature_select_strategy="default")
+    model = transformers.LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():  # the image must matter to greedy: make its rows large
+        model.model.multi_modal_projector.linear_2.weight.mul_(8.0)
+    model.save_pretrained(path)
+    transformers.CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}).save_pretrained(path)
+    return path
+
+
+def reference(path, prompt: list[int], images: list[bytes]) -> list[int]:
+    """transformers' generate, the prompt's image tokens expanded as LlavaProcessor expands them."""
+    model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    processor = transformers.AutoImageProcessor.from_pretrained(path)
+    ids = [x for t in prompt for x in ([t] * PER_IMAGE if t == IMAGE else [t])]
+    kw = {}
+    if images:
+        pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+        kw["pixel_values"] = processor(images=pil, return_tensors="pt")["pixel_values"]
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, min_new_tokens=NEW,
+                             do_sample=False, pad_token_id=0, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def run(engine, jobs):
+    """jobs: (prompt, images) submitted together; each one's greedy tokens and cached prompt tokens."""
+    got, cached = {}, {}
+    for i, (prompt, images) in enumerate(jobs):
+        engine.add_request(str(i), prompt, SamplingParams(max_new_tokens=NEW, temperature=0), images=images)
+        got[str(i)] = []
+    while engine.has_unfinished():
+        for u in engine.step():
+            cached.setdefault(u.request_id, u.num_cached_tokens)
+            if u.token_id >= 0:
+                got[u.request_id].append(u.token_id)
+    return [got[str(i)] for i in range(len(jobs))], [cached[str(i)] for i in range(len(jobs))]
+
+
+def engine_for(path, **kw):
+    return LLMEngine(EngineConfig(**{"model": str(path), "dtype": "float32", "max_batch_total_tokens": 2048,
+                                     **kw}))
+
+
+PROMPTS = [([5, 17, IMAGE, 3, 99, 42], [png(1)]),
+           ([IMAGE, 8, 1, 64, 2], [png(2, (30, 90))]),
+           ([7, IMAGE, 9, IMAGE, 11], [png(3), png(4, (56, 56))]),
+           ([11, 12, 13, 14], [])]
+
+
+def test_llava_equals_transformers_alone_batched_and_chunked(tiny):
+    want = [reference(tiny, p, imgs) for p, imgs in PROMPTS]
+    other = reference(tiny, PROMPTS[0][0], [png(9)])
+    assert other != want[0], "an image that changes nothing tests nothing"
+    engine = engine_for(tiny)
+    try:
+        for job, w in zip(PROMPTS, want):  # alone
+            assert run(engine, [job])[0] == [w]
+        assert run(engine, PROMPTS)[0] == want  # batched, text-only included
+    finally:
+        engine.shutdown()
+    # prefill chunks of 5 tokens cut through the images' 16 positions
+    engine = engine_for(tiny, max_batch_prefill_tokens=5, enable_prefix_caching=False)
+    try:
+        assert run(engine, PROMPTS)[0] == want
+    finally:
+        engine.shutdown()
+
+
+def test_the_prefix_cache_keys_blocks_by_image_content(tiny):
+    prompt = [5, 17, IMAGE, 3, 99, 42] + list(range(20, 40))
+    engine = engine_for(tiny, block_size=4)
+    try:
+        first, _ = run(engine, [(prompt, [png(1)])])
+        again, cached = run(engine, [(prompt, [png(1)])])  # the same image: a prefix hit
+        assert again == first and cached[0] > 0
+        other, cached = run(engine, [(prompt, [png(9)])])  # another image: no block shared
+        assert cached[0] == 0 and other != first
+        assert other == [reference(tiny, prompt, [png(9)])]
+    finally:
+        engine.shutdown()
+
+
+def test_bad_images_are_refused_by_index_and_the_engine_keeps_serving(tiny):
+    engine = engine_for(tiny)
+    try:
+        with pytest.raises(InvalidRequest, match=r"1 image token\(s\) \(id 100\) for 2 image"):
+            engine.add_request("a", [1, IMAGE, 2], SamplingParams(max_new_tokens=2), images=[png(1), png(2)])
+        with pytest.raises(InvalidRequest, match="image 1 is not an image pytgi can decode"):
+            engine.add_request("b", [IMAGE, IMAGE], SamplingParams(max_new_tokens=2), images=[png(1), b"not a png"])
+        with pytest.raises(InvalidRequest, match="image 0 is broken"):
+            engine.add_request("c", [IMAGE], SamplingParams(max_new_tokens=2), images=[png(1)[:60]])
+        bomb = io.BytesIO()
+        Image.new("L", (9000, 9000)).save(bomb, format="PNG")  # small file, 81 M pixels decoded
+        with pytest.raises(InvalidRequest, match="image 0 is .*9000.*pixels|image 0 is not an image"):
+            engine.add_request("d", [IMAGE], SamplingParams(max_new_tokens=2), images=[bomb.getvalue()])
+        assert not engine.has_unfinished()
+        assert run(engine, [PROMPTS[0]])[0] == [reference(tiny, *PROMPTS[0])]
+    finally:
+        engine.shutdown()
+
+
+def test_a_text_model_refuses_images(tmp_path):
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**TEXT)).save_pretrained(tmp_path)
+    engine = engine_for(tmp_path)
+    try:
+        with pytest.raises(InvalidRequest, match="does not take images"):
+            engine.add_request("x", [1, 2, 3], SamplingParams(max_new_tokens=2), images=[png(1)])
+    finally:
+        engine.shutdown()
