@@ -226,6 +226,8 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     speculate: int = 0  # draft tokens per decode step, at most
     draft_model: str | None = None  # the draft model (--draft-model-id), if any
     lora_adapters: dict[str, str] = {}  # the LoRA adapters served: name → their directory
+    image_token_id: int | None = None  # a vision model's image token (one per image in a prompt)
+    tokens_per_image: int = 0  # ... and the positions the engine expands each one to
 
 
 @dataclass(slots=True)
@@ -277,6 +279,14 @@ class ServerConfig:
         "a Jinja chat template (or a file holding one) instead of the model's, e.g. a pythonic "
         "tool-calling template",
     )
+    max_images_per_request: int = setting(8, "most images in one request (a vision model's)")
+    allowed_media_domains: tuple[str, ...] = setting(
+        (),
+        "hosts whose image URLs are fetched even at loopback or private addresses, comma-separated "
+        "(others must resolve to public addresses)",
+        repeat=True,
+    )
+    media_fetch_timeout: float = setting(10.0, "seconds to fetch one image URL")
     model_sha: str | None = None  # the Hub commit served (or --revision for a local model)
     engine_module: str = "pytgi.engine.process"  # the engine process's entry point
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 from pytgi.config import EngineConfig
 from pytgi.engine.engine import LLMEngine
@@ -15,7 +15,16 @@ from pytgi.protocol import TokenOut
 from pytgi.sampling_params import SamplingParams
 from pytgi.tokenizer import Tokenizer
 
-Prompt = str | list[int]
+
+class ImagePrompt(TypedDict):
+    """A vision model's prompt: its text (or ids) with one image token per image, and the images'
+    encoded bytes (PNG, JPEG, ...) in order."""
+
+    prompt: str | list[int]
+    images: list[bytes]
+
+
+Prompt = str | list[int] | ImagePrompt
 
 
 @dataclass(slots=True)
@@ -88,7 +97,7 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
         if not all(isinstance(t, int) for t in prompt):
@@ -101,7 +110,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run all prompts to completion, continuously batched; outputs in the prompts' order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)):
+            batch: list[Prompt] = [prompts]
+        elif prompts and isinstance(cast(Sequence[Any], prompts)[0], int):
             batch = [cast(Prompt, prompts)]
         else:
             batch = list(cast(Sequence[Prompt], prompts))
@@ -135,10 +146,16 @@ class LLM:
         return self.generate(self.tokenizer.encode(prompt, add_special_tokens=False), sampling_params)[0]
 
     def _submit(self, prompt: Prompt, params: SamplingParams) -> _Tracker:
-        ids = self.encode(prompt)
+        images: list[bytes] = []
+        text: str | list[int]
+        if isinstance(prompt, dict):
+            text, images = prompt["prompt"], list(prompt["images"])
+        else:
+            text = prompt
+        ids = self.encode(text)
         rid = f"llm-{next(self._ids)}"
-        out = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids, seed=params.seed)
-        self.engine.add_request(rid, ids, params)
+        out = RequestOutput(rid, text if isinstance(text, str) else None, ids, seed=params.seed)
+        self.engine.add_request(rid, ids, params, images)
         return _Tracker(out, params, self.tokenizer)
 
     def _run(self, trackers: dict[str, _Tracker]) -> Iterator[tuple[str, str]]:

@@ -16,6 +16,7 @@ class Submit(msgspec.Struct, tag="submit"):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    images: list[bytes] = []  # encoded images for the prompt's image tokens, in order (a vision model's)
 
 
 class Abort(msgspec.Struct, tag="abort"):

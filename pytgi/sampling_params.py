@@ -54,12 +54,18 @@ def check_logit_bias(bias: dict[int, float] | None, vocab_size: int | None) -> N
 
 
 def check_prompt(
-    ids: list[int], max_new_tokens: int, max_input_tokens: int, max_total_tokens: int, vocab_size: int | None
+    ids: list[int],
+    max_new_tokens: int,
+    max_input_tokens: int,
+    max_total_tokens: int,
+    vocab_size: int | None,
+    extra: int = 0,
 ) -> None:
-    """The prompt's rules (TGI's words, in TGI's order), for the API's validation and the engine alike."""
+    """The prompt's rules (TGI's words, in TGI's order), for the API's validation and the engine alike.
+    `extra`: positions the engine adds (a vision model's image tokens, expanded)."""
     check("inputs", ids)
     check_token_ids(ids, vocab_size)
-    n = len(ids)
+    n = len(ids) + extra
     if n + max_new_tokens > max_total_tokens:
         raise InvalidRequest(
             f"`inputs` tokens + `max_new_tokens` must be <= {max_total_tokens}. "

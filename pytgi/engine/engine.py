@@ -85,6 +85,10 @@ class LLMEngine:
             self.shutdown()
             raise UnsupportedModel("vision models run on one shard for now (--num-shard 1)")
         self.images = ImageInputs(model_path, spec) if spec is not None else None
+        if spec is not None:
+            self.info = msgspec.structs.replace(
+                self.info, image_token_id=spec.image_token_id, tokens_per_image=spec.tokens_per_image
+            )
         try:
             drafter = self._draft_model(config, model_path) if config.draft_model else None
         except BaseException:
@@ -139,10 +143,10 @@ class LLMEngine:
         info = self.info
         params.validate()
         placed: list[PromptImage] = []
-        if images:
-            if self.images is None:
-                raise InvalidRequest(f"the model {info.model_id!r} does not take images", "images")
+        if self.images is not None:  # its image tokens and its images must agree, none included
             prompt_ids, placed = self.images.prepare(prompt_ids, images)
+        elif images:
+            raise InvalidRequest(f"the model {info.model_id!r} does not take images", "images")
         adapter = params.adapter
         if adapter is not None:
             if params.adapter not in info.lora_adapters:

@@ -77,7 +77,7 @@ class EngineLoop:
                 continue
             if isinstance(msg, P.Submit):
                 try:
-                    self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params)
+                    self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.images)
                 except Exception as exc:  # noqa: BLE001 - a request the engine refuses fails alone
                     errors.append(P.TokenOut(msg.request_id, finish_reason="error", error=str(exc)))
             elif isinstance(msg, P.Abort):

@@ -105,11 +105,19 @@ class EngineClient:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     # -- requests --------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
-        """Send a request; its `TokenOut`s (or an `EngineDead`) arrive on the returned queue."""
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        images: list[bytes] | None = None,
+    ) -> asyncio.Queue:
+        """Send a request (`images`: for its image tokens); its `TokenOut`s (or an `EngineDead`) arrive
+        on the returned queue."""
         if not self.healthy:
             raise EngineDead(self.dead_reason or "engine is not running")
-        msg = P.encoder.encode(P.Submit(request_id, prompt_ids, params))  # may raise: nothing registered yet
+        # may raise: nothing registered yet
+        msg = P.encoder.encode(P.Submit(request_id, prompt_ids, params, images or []))
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._inbox.send(msg)

@@ -6,7 +6,7 @@ Plain data, no torch: pydantic v2 and `pytgi.sampling_params` only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -127,6 +127,7 @@ class GenerateInput:
     logit_bias: dict[int, float] | None = None
     reasoning: str | None = None  # chat answers with --reasoning-parser: constraints apply after <think>
     skip_special_tokens: bool = True  # False: special tokens stay in the text (Mistral's [TOOL_CALLS])
+    images: list[bytes] = field(default_factory=list)  # for the prompt's image tokens, fetched and checked
 
     @classmethod
     def from_body(cls, body: GenerateRequest | CompatGenerateRequest, stream: bool) -> GenerateInput:
@@ -171,3 +172,4 @@ class ValidRequest:
     stream: bool
     inputs: str  # the original text (what return_full_text prepends)
     truncate: int | None  # as given
+    images: list[bytes] = field(default_factory=list)  # for the prompt's image tokens, in order

@@ -98,13 +98,16 @@ class Validation:
         workers: int = 2,
         vocab_size: int | None = None,
         adapters: Collection[str] = (),
+        image_token: tuple[int, int] | None = None,
     ):
-        """adapters: the LoRA adapters' names that `adapter_id` may take."""
+        """adapters: the LoRA adapters' names that `adapter_id` may take; image_token: a vision model's
+        image token id and the positions the engine expands each one to."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.tokenizer = tokenizer
         self.limits = limits
         self.adapters = frozenset(adapters)
+        self.image_token = image_token
         self.workers = workers
         self.vocab_size = vocab_size or getattr(tokenizer, "vocab_size", None)  # bounds token-id prompts
         # `tokenizers` releases the GIL while encoding, so threads tokenize in parallel off the event loop.
@@ -209,6 +212,21 @@ class Validation:
         except Exception as e:
             raise InvalidRequest(f"tokenizer error {e}", "inputs") from e
 
+    def _image_positions(self, ids: list[int], images: list[bytes]) -> int:
+        """The positions the engine adds to the prompt when it expands its image tokens (each image's
+        token must be in the prompt, truncation included)."""
+        if self.image_token is None:
+            if images:
+                raise InvalidRequest("this model does not take images", "inputs")
+            return 0
+        token, per_image = self.image_token
+        found = ids.count(token)
+        if found != len(images):
+            raise InvalidRequest(
+                f"the prompt holds {found} image token(s) for {len(images)} image(s)", "inputs"
+            )
+        return len(images) * (per_image - 1)
+
     def _finish(self, c: _Checked, ids: list[int]) -> ValidRequest:
         lim, gi = self.limits, c.input
         p = gi.parameters
@@ -222,8 +240,11 @@ class Validation:
             # so the effective limit is max_total_tokens - input_length, which is what the engine gets.
             max_new_tokens = max(lim.max_total_tokens - input_length, 0)
         input_ids = ids[len(ids) - input_length :]  # truncation keeps the last tokens
+        extra = self._image_positions(input_ids, gi.images)
+        if p.max_new_tokens is None:
+            max_new_tokens = max(max_new_tokens - extra, 0)
         # token ids: checked above (a tokenizer's are in range)
-        check_prompt(input_ids, max_new_tokens, lim.max_input_tokens, lim.max_total_tokens, None)
+        check_prompt(input_ids, max_new_tokens, lim.max_input_tokens, lim.max_total_tokens, None, extra)
 
         constraint = {} if p.grammar is None else _constraint(p.grammar)  # 15. grammar
 
@@ -258,7 +279,7 @@ class Validation:
         text = gi.inputs if isinstance(gi.inputs, str) else self.tokenizer.decode(gi.inputs, False)
         return ValidRequest(
             input_ids=input_ids,
-            input_length=input_length,
+            input_length=input_length + extra,  # the prompt's positions, images expanded
             sampling=sampling,
             best_of=c.best_of,
             details=p.details,
@@ -268,6 +289,7 @@ class Validation:
             stream=gi.stream,
             inputs=text,
             truncate=c.truncate,
+            images=gi.images,
         )
 
     # --- public ------------------------------------------------------------------------------

@@ -104,6 +104,16 @@ def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
     return "\n".join(texts)
 
 
+def _image_url(source: Any, where: str) -> str:
+    """An image block's source as an OpenAI image URL: base64 data as a data: URL, or its URL."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return str(source["url"])
+    raise invalid("an image block's `source` is {type: base64, media_type, data} or {type: url, url}", where)
+
+
 def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if body.system:
@@ -113,10 +123,14 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
             out.append({"role": m.role, "content": m.content})
             continue
         texts, calls, results = [], [], []
+        parts: list[dict[str, Any]] = []  # text and image parts in order, where the message has an image
         for j, b in enumerate(m.content):
             where, kind = f"messages.{i}.content.{j}", b.get("type")
             if kind == "text" and isinstance(b.get("text"), str):
                 texts.append(b["text"])
+                parts.append({"type": "text", "text": b["text"]})
+            elif kind == "image" and m.role == "user":
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(b.get("source"), where)}})
             elif kind == "tool_use" and m.role == "assistant":
                 arguments = json.dumps(b.get("input") or {}, ensure_ascii=False)
                 calls.append(
@@ -138,7 +152,9 @@ def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
                     f"content blocks of type `{kind}` are not supported in {m.role} messages", where
                 )
         out += results  # a user turn's tool results answer the assistant's calls before its text
-        if texts or calls:
+        if any(p["type"] == "image_url" for p in parts):
+            out.append({"role": m.role, "content": parts})
+        elif texts or calls:
             message: dict[str, Any] = {"role": m.role, "content": "\n".join(texts) if texts else None}
             if calls:
                 message["tool_calls"] = calls
@@ -366,6 +382,10 @@ async def count_tokens(request: Request, body: CountTokensRequest) -> JSONRespon
     schema.check_model(body.model, st.config.model_id, st.adapters)
     chat = to_chat(MessagesRequest.model_validate({**body.model_dump(), "max_tokens": 1}))
     messages = schema.check_chat(chat)
+    images = schema.take_images(messages)  # counted, not fetched: each takes the model's positions
+    if images and not st.takes_images:
+        raise invalid(f"the model `{st.config.model_id}` does not take images", images[0].where)
+    per_image = st.client.info.tokens_per_image if st.client.info is not None else 0
     template = st.tokenizer.chat_template
     plan = tools.plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls, template)
     msgs, tool_list = tools.template_messages(messages, plan, tools.style_of(template))
@@ -379,7 +399,7 @@ async def count_tokens(request: Request, body: CountTokensRequest) -> JSONRespon
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise invalid("`messages` must be valid Unicode (no lone surrogates)", "messages") from None
-        return len(st.tokenizer.encode(text, add_special_tokens=False))
+        return len(st.tokenizer.encode(text, add_special_tokens=False)) + len(images) * (per_image - 1)
 
     return JSONResponse({"input_tokens": await in_thread(count)})
 

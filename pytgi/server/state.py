@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from pytgi.config import ServerConfig
+from pytgi.errors import InvalidRequest
 from pytgi.metrics import Metrics
 from pytgi.router.engine_client import EngineClient
 from pytgi.router.infer import Admission, Infer
+from pytgi.router.media import ImageRef, MediaLimits, load_images
 from pytgi.router.validation import Validation
 from pytgi.tokenizer import Tokenizer
 
@@ -38,6 +40,34 @@ class State:
         """After a load or unload: validation takes the adapters served now."""
         if self.validation is not None:
             self.validation.adapters = frozenset(self.adapters)
+
+    @property
+    def takes_images(self) -> bool:
+        info = self.client.info
+        return info is not None and info.image_token_id is not None
+
+    def image_token_text(self) -> str:
+        """The image token as the chat template and TGI's inputs write it (e.g. `<image>`)."""
+        info = self.client.info
+        assert info is not None and info.image_token_id is not None
+        return self.tokenizer.id_to_piece(info.image_token_id)
+
+    def media_limits(self) -> MediaLimits:
+        cfg = self.config
+        return MediaLimits(
+            max_images=cfg.max_images_per_request,
+            timeout=cfg.media_fetch_timeout,
+            allowed_domains=tuple(d.lower() for d in cfg.allowed_media_domains),
+        )
+
+    async def load_images(self, refs: list[ImageRef]) -> list[bytes]:
+        """The images a request names, fetched and checked; refused for a model without images."""
+        if not refs:
+            return []
+        if not self.takes_images:
+            model = self.client.info.model_id if self.client.info is not None else "served"
+            raise InvalidRequest(f"the model `{model}` does not take images", refs[0].where)
+        return await load_images(refs, self.media_limits())
 
     def adapter_of(self, model: str | None) -> str | None:
         """The adapter an OpenAI or Anthropic `model` names; None: the base model."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -11,7 +12,8 @@ import pytgi
 from pytgi import settings
 from pytgi.outputs import Delta, OutputProcessor, Token
 from pytgi.router.infer import Generation, RequestStream, Timings
-from pytgi.router.request import DetokenizeRequest
+from pytgi.router.media import ImageRef
+from pytgi.router.request import DetokenizeRequest, GenerateInput
 from pytgi.router.validation import CompatGenerateRequest, GenerateRequest, ValidRequest
 from pytgi.sampling_params import check_token_ids
 from pytgi.server.errors import error_body, error_response, infer_error_response, validation_response
@@ -103,6 +105,21 @@ def timing_headers(
 
 
 # -- the request path (pytgi.server.exchange) -----------------------------------------------------
+MARKDOWN_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def markdown_images(inputs: str, image_token: str) -> tuple[str, list[ImageRef]]:
+    """TGI's images in `inputs` (a vision model's): each `![alt](url)` becomes the model's image token,
+    its URL (a data: or http(s) URL) one of the request's images."""
+    refs: list[ImageRef] = []
+
+    def one(m: re.Match[str]) -> str:
+        refs.append(ImageRef(m.group(1), f"inputs: image {len(refs)}"))
+        return image_token
+
+    return MARKDOWN_IMAGE.sub(one, inputs), refs
+
+
 async def admit(ex: Exchange, body: GenerateRequest, stream: bool) -> ValidRequest:
     """A slot (429 at once if none), then validation (422), then best_of's other slots."""
     st = ex.st
@@ -110,7 +127,12 @@ async def admit(ex: Exchange, body: GenerateRequest, stream: bool) -> ValidReque
     validation = st.validation
 
     async def prepare() -> list[ValidRequest]:
-        return [await validation.validate(body, stream)]
+        if not st.takes_images or "![" not in body.inputs:
+            return [await validation.validate(body, stream)]
+        gi = GenerateInput.from_body(body, stream)
+        gi.inputs, refs = markdown_images(body.inputs, st.image_token_text())
+        gi.images = await st.load_images(refs)
+        return [await validation.validate(gi)]
 
     [req] = await ex.admit(1, prepare)
     if req.best_of > 1:

@@ -151,3 +151,19 @@ def test_a_text_model_refuses_images(tmp_path):
             engine.add_request("x", [1, 2, 3], SamplingParams(max_new_tokens=2), images=[png(1)])
     finally:
         engine.shutdown()
+
+
+def test_the_offline_llm_takes_image_prompts(tiny):
+    """`LLM.generate` with `{"prompt": ids, "images": [...]}` gives the engine's answer (the tiny
+    model has no tokenizer of its own: the test gives it the tiny one)."""
+    from pytgi.llm import LLM
+    from tests.unit import tiny_tokenizer
+
+    tiny_tokenizer.build(tiny)
+    llm = LLM(str(tiny), dtype="float32", max_batch_total_tokens=2048)
+    try:
+        prompt, images = PROMPTS[0]
+        out = llm.generate({"prompt": prompt, "images": images}, SamplingParams(max_new_tokens=NEW, temperature=0))
+        assert list(out[0].token_ids) == reference(tiny, prompt, images)
+    finally:
+        llm.shutdown()

@@ -15,7 +15,7 @@ class RecordingEngine:
     def __init__(self) -> None:
         self.added: list[str] = []
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, images=()) -> None:
         self.added.append(rid)
 
     def abort_request(self, rid: str) -> None:

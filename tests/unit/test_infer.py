@@ -18,7 +18,7 @@ class FakeClient:
     def __init__(self, fail: Exception | None = None) -> None:
         self.fail, self.submitted, self.aborted, self.released = fail, [], [], []
 
-    def submit(self, rid, ids, params):  # type: ignore[no-untyped-def]
+    def submit(self, rid, ids, params, images=None):  # type: ignore[no-untyped-def]
         if self.fail is not None:
             raise self.fail
         self.submitted.append(rid)

@@ -71,20 +71,28 @@ STORE = Store()
 
 
 # -- the body → chat ---------------------------------------------------------------------------------
-def _content_text(content: Any, where: str) -> str:
+def _content_text(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: its text parts joined, or (with an `input_image`) chat content parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise invalid(f"`{where}` must be a string or a list of content parts", where)
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if isinstance(part, dict) and kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif isinstance(part, dict) and kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
             raise invalid(
-                f"content parts of type `{kind}` are not supported: only text parts are", f"{where}.{j}"
+                f"content parts of type `{kind}` are not supported: only text parts and `input_image` "
+                "parts with an `image_url` are",
+                f"{where}.{j}",
             )
-        texts.append(str(part.get("text", "")))
-    return "\n".join(texts)
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -237,6 +237,7 @@ async def chat_requests(
     template = st.tokenizer.chat_template
     with ex.refused():
         messages = schema.check_chat(body)
+        image_refs = schema.take_images(messages)
         grammar, grammar_field = schema.constraint(body)
         tool_plan = tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, template)
         if tool_plan is not None and tool_plan.forced:
@@ -272,6 +273,7 @@ async def chat_requests(
             return await prepare_named()
 
     async def prepare_named() -> list[ValidRequest]:
+        images = await st.load_images(image_refs)
         text = await in_thread(render_template)
         gi = schema.to_input(
             body,
@@ -284,6 +286,7 @@ async def chat_requests(
             adapter=st.adapter_of(body.model),
         )
         gi.reasoning = st.config.reasoning_parser
+        gi.images = images
         # Mistral's calls open with a special token: the answer's text keeps special tokens (as vLLM's)
         gi.skip_special_tokens = tool_style not in tools.MISTRAL_STYLES
         return schema.choices(await validation.validate(gi), n, body.seed)

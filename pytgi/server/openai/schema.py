@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pytgi.errors import InvalidRequest
+from pytgi.router.media import ImageRef
 from pytgi.router.request import (
     F32,
     I32,
@@ -209,17 +210,43 @@ def messages_for_template(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if m.role == "developer":
             d["role"] = "system"
         if isinstance(m.content, list):
-            texts = []
+            parts: list[dict[str, Any]] = []
             for j, part in enumerate(m.content):
-                if part.type != "text":
+                where = f"messages.[{i}].content.[{j}]"
+                if part.type == "text":
+                    parts.append({"type": "text", "text": part.text or ""})
+                elif part.type == "image_url":
+                    image = getattr(part, "image_url", None)
+                    url = image.get("url") if isinstance(image, dict) else image
+                    if not isinstance(url, str) or not url:
+                        raise invalid("an `image_url` part needs `image_url.url`", f"{where}.image_url")
+                    parts.append({"type": "image", IMAGE_REF: ImageRef(url, f"{where}.image_url")})
+                else:
                     raise invalid(
-                        f"content parts of type `{part.type}` are not supported: only `text` parts are",
-                        f"messages.[{i}].content.[{j}].type",
+                        f"content parts of type `{part.type}` are not supported: only `text` and "
+                        "`image_url` parts are",
+                        f"{where}.type",
                     )
-                texts.append(part.text or "")
-            d["content"] = "\n".join(texts)
+            has_image = any(p["type"] == "image" for p in parts)
+            # text alone is joined, as every template takes; with images the template gets the parts
+            d["content"] = parts if has_image else "\n".join(p["text"] for p in parts)
         out.append(d)
     return out
+
+
+IMAGE_REF = "_pytgi_image"  # an image part's reference, taken out (`take_images`) before the template
+
+
+def take_images(messages: list[dict[str, Any]]) -> list[ImageRef]:
+    """The image parts' references in prompt order, removed from the parts (the template sees
+    `{"type": "image"}`)."""
+    refs: list[ImageRef] = []
+    for m in messages:
+        if isinstance(m.get("content"), list):
+            for part in m["content"]:
+                if IMAGE_REF in part:
+                    refs.append(part.pop(IMAGE_REF))
+    return refs
 
 
 def constraint(body: SamplingBody) -> tuple[GrammarType | None, str]:

@@ -1,0 +1,162 @@
+"""Images a request names, fetched and checked in the API process (no torch): `data:` URLs, and
+`http(s)` URLs fetched with a size limit, a timeout and a content-type check, never from a loopback,
+private, link-local or otherwise internal address unless its host is in --allowed-media-domains.
+Each image's header is read with Pillow here (format, dimensions, a decompression bomb refused
+before any pixel is decoded); the engine decodes the pixels with the model's own image processor.
+A refusal is an `InvalidRequest` that names the image (its field) and says why."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import ipaddress
+import re
+import socket
+import warnings
+from dataclasses import dataclass
+from urllib.parse import urljoin, urlsplit
+
+from pytgi.errors import InvalidRequest
+
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # what the engine's decoder takes too
+MAX_REDIRECTS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class MediaLimits:
+    max_images: int = 8  # --max-images-per-request
+    max_bytes: int = 20 * 1024 * 1024  # one image, encoded
+    max_pixels: int = 64_000_000  # one image, decoded (width × height)
+    timeout: float = 10.0  # seconds for one URL, connection to last byte
+    allowed_domains: tuple[str, ...] = ()  # hosts fetched even at internal addresses
+
+
+@dataclass(frozen=True, slots=True)
+class ImageRef:
+    url: str  # a data: or http(s): URL
+    where: str  # the request field that gave it (e.g. messages.[0].content.[1].image_url)
+
+
+def _refuse(ref: ImageRef, why: str) -> InvalidRequest:
+    return InvalidRequest(f"image `{ref.where}`: {why}", ref.where)
+
+
+def _from_data_url(ref: ImageRef, limits: MediaLimits) -> bytes:
+    m = re.match(r"data:([^;,]*)((?:;[^;,]*)*),", ref.url, re.IGNORECASE)
+    if m is None:
+        raise _refuse(ref, "a data URL is `data:image/<type>;base64,<data>`")
+    mime, params = m.group(1).strip().lower(), m.group(2).lower()
+    if not mime.startswith("image/"):
+        raise _refuse(ref, f"the data URL's media type is {mime or 'missing'}, not image/*")
+    if ";base64" not in params:
+        raise _refuse(ref, "the data URL must be base64 (`;base64,`)")
+    payload = ref.url[m.end() :]
+    if len(payload) > limits.max_bytes * 4 // 3 + 4:
+        raise _refuse(ref, f"the image is larger than {limits.max_bytes} bytes")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise _refuse(ref, "the data URL's base64 is not valid") from None
+
+
+def _internal(address: str) -> bool:
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not ip.is_global or ip.is_multicast
+
+
+async def _check_host(ref: ImageRef, url: str, limits: MediaLimits) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _refuse(ref, "only data:, http: and https: URLs are fetched")
+    host = parts.hostname.lower()
+    if host in limits.allowed_domains:
+        return
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, parts.port or 443, type=socket.SOCK_STREAM)
+    except OSError:
+        raise _refuse(ref, f"cannot resolve {host}") from None
+    if any(_internal(str(info[4][0])) for info in infos):
+        raise _refuse(
+            ref, f"{host} is an internal address; list it in --allowed-media-domains to fetch from it"
+        )
+
+
+async def _fetch(ref: ImageRef, limits: MediaLimits) -> bytes:
+    import httpx
+
+    url = ref.url
+    async with httpx.AsyncClient(follow_redirects=False, timeout=limits.timeout, trust_env=False) as client:
+        for _ in range(MAX_REDIRECTS + 1):
+            await _check_host(ref, url, limits)  # every hop: a redirect must not reach inside
+            try:
+                async with client.stream("GET", url) as r:
+                    if r.is_redirect and "location" in r.headers:
+                        url = urljoin(url, r.headers["location"])
+                        continue
+                    if r.status_code != 200:
+                        raise _refuse(ref, f"fetching it answered HTTP {r.status_code}")
+                    ctype = r.headers.get("content-type", "").split(";")[0].strip().lower()
+                    if not ctype.startswith("image/"):
+                        raise _refuse(ref, f"its content type is {ctype or 'missing'}, not image/*")
+                    size = int(r.headers.get("content-length") or 0)
+                    if size > limits.max_bytes:
+                        raise _refuse(ref, f"the image is larger than {limits.max_bytes} bytes")
+                    data = bytearray()
+                    async for chunk in r.aiter_bytes():
+                        data += chunk
+                        if len(data) > limits.max_bytes:
+                            raise _refuse(ref, f"the image is larger than {limits.max_bytes} bytes")
+                    return bytes(data)
+            except httpx.TimeoutException:
+                raise _refuse(ref, f"fetching it took more than {limits.timeout:g} s") from None
+            except httpx.HTTPError as exc:
+                raise _refuse(ref, f"fetching it failed: {exc}") from None
+    raise _refuse(ref, f"more than {MAX_REDIRECTS} redirects")
+
+
+def check_image(ref: ImageRef, data: bytes, limits: MediaLimits) -> None:
+    """Decode the image as the engine will: a format it takes, at most `max_pixels` pixels (checked
+    from the header, before decoding), not truncated or corrupt. Blocking: run it in a thread."""
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:  # pragma: no cover - a vision model's install has it (pytgi[vision])
+        raise _refuse(
+            ref, "this server cannot read images: install Pillow (pip install pytgi[vision])"
+        ) from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data))
+            fmt, (w, h) = img.format, img.size
+            if fmt not in FORMATS:
+                raise _refuse(ref, f"it is {fmt}; the formats read are {', '.join(FORMATS)}")
+            if w * h > limits.max_pixels:
+                raise _refuse(ref, f"it is {w}×{h} pixels, more than the {limits.max_pixels} allowed")
+            img.load()
+    except InvalidRequest:
+        raise
+    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise _refuse(ref, "it is not an image in a format pytgi reads") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise _refuse(ref, f"it is broken ({exc})") from None
+
+
+async def load_images(refs: list[ImageRef], limits: MediaLimits) -> list[bytes]:
+    """The images' bytes, in order: fetched concurrently, each checked."""
+    if len(refs) > limits.max_images:
+        raise InvalidRequest(
+            f"{len(refs)} images in one request; at most {limits.max_images} are allowed "
+            "(--max-images-per-request)",
+            refs[limits.max_images].where,
+        )
+
+    async def one(ref: ImageRef) -> bytes:
+        data = _from_data_url(ref, limits) if ref.url[:5].lower() == "data:" else await _fetch(ref, limits)
+        await asyncio.to_thread(check_image, ref, data, limits)
+        return data
+
+    return list(await asyncio.gather(*(one(r) for r in refs)))

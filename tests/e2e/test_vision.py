@@ -1,0 +1,201 @@
+"""Images end to end: a tiny random LLaVA-1.5 (the tiny tokenizer with an `<image>` token, a template
+that writes it for an image part) served by `pytgi serve`, asked through the `openai` SDK with
+`data:` URLs and with `http` URLs fetched from a loopback server (allowed by --allowed-media-domains);
+the refusals name the image and say why, and the server keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import json
+import threading
+
+import numpy as np
+import openai
+import pytest
+import torch
+import transformers
+from PIL import Image
+from tokenizers import Tokenizer
+
+from tests.e2e.server import Server
+from tests.unit import tiny_tokenizer
+
+pytestmark = pytest.mark.slow
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def png(seed: int, size=(64, 48)) -> bytes:
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(b: bytes, mime="image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(b).decode()}"
+
+
+def tiny_llava(path):
+    tiny_tokenizer.build(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens(["<image>"])
+    tok.save(str(path / "tokenizer.json"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    torch.manual_seed(0)
+    text = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=2, image_size=56, patch_size=14)
+    cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.token_to_id("<image>"),
+                                   vision_feature_layer=-2, vision_feature_select_strategy="default")
+    model = transformers.LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():  # the image must matter to greedy
+        model.model.multi_modal_projector.linear_2.weight.mul_(8.0)
+    model.save_pretrained(path)
+    transformers.CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}).save_pretrained(path)
+    return path
+
+
+class Images(http.server.BaseHTTPRequestHandler):
+    """/a.png, /b.png: images; /text: not an image; /redirect: to /a.png."""
+
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        if self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", "/a.png")
+            self.end_headers()
+            return
+        body, ctype = {"/a.png": (png(1), "image/png"), "/b.png": (png(2), "image/png"),
+                       "/text": (b"hello", "text/plain")}.get(self.path, (b"", "text/plain"))
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Images)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    srv = Server("--model-id", str(path), "--allowed-media-domains", "127.0.0.1", "--max-images-per-request", "2",
+                 log=path / "server.log").wait_ready()
+    yield srv, str(path), f"http://127.0.0.1:{httpd.server_address[1]}"
+    srv.stop()
+    httpd.shutdown()
+
+
+def ask(client, model, *urls, stream=False, text="What is in the picture?"):
+    parts = [{"type": "text", "text": text}, *({"type": "image_url", "image_url": {"url": u}} for u in urls)]
+    kw = dict(model=model, messages=[{"role": "user", "content": parts}], max_tokens=12, temperature=0)
+    if stream:
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                       if c.choices)
+    return client.chat.completions.create(**kw)
+
+
+def test_data_urls_and_fetched_urls_give_the_same_answer(served):
+    srv, model, images = served
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-")
+    a = ask(client, model, data_url(png(1)))
+    assert a.usage.prompt_tokens > 16  # the image takes 16 positions of the prompt
+    assert ask(client, model, f"{images}/a.png").choices[0].message.content == a.choices[0].message.content
+    assert ask(client, model, f"{images}/redirect").choices[0].message.content == a.choices[0].message.content
+    assert ask(client, model, data_url(png(1)), stream=True) == a.choices[0].message.content
+    b = ask(client, model, data_url(png(2)))
+    assert b.choices[0].message.content != a.choices[0].message.content  # the image is seen
+    two = ask(client, model, f"{images}/a.png", f"{images}/b.png")
+    assert two.usage.prompt_tokens == a.usage.prompt_tokens + 16
+
+
+@pytest.mark.parametrize("url, why", [
+    ("data:image/png;base64,@@@", "base64 is not valid"),
+    ("data:text/plain;base64,aGVsbG8=", "not image/*"),
+    (data_url(b"not an image at all"), "not an image in a format pytgi reads"),
+    (data_url(png(1)[:70]), "broken"),
+    ("{images}/text", "content type is text/plain"),
+    ("{images}/missing.png", "HTTP 404"),
+    ("http://localhost:{port}/a.png", "internal address"),
+    ("ftp://example.com/a.png", "only data:, http: and https: URLs"),
+])
+def test_bad_images_are_refused_by_field(served, url, why):
+    srv, model, images = served
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-", max_retries=0)
+    url = url.format(images=images, port=images.rsplit(":", 1)[1])
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, model, url)
+    assert why in e.value.body["message"], e.value.body
+    assert e.value.body["param"] == "messages.[0].content.[1].image_url"
+    assert ask(client, model, data_url(png(1))).choices[0].finish_reason in ("stop", "length")  # still serving
+
+
+def test_image_count_and_tokens_must_agree(served):
+    srv, model, _ = served
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="at most 2 are allowed"):
+        ask(client, model, *[data_url(png(i)) for i in range(3)])
+    with pytest.raises(openai.BadRequestError, match="1 image token"):  # an <image> typed as text
+        ask(client, model, text="look: <image>")
+
+
+def test_tgi_markdown_anthropic_blocks_and_responses_items_see_the_same_image(served):
+    """TGI's `![](url)` in `inputs`, an Anthropic image block and a Responses `input_image` reach the
+    model as the OpenAI part does: the same greedy answer for the same prompt."""
+    import anthropic
+    from text_generation import Client
+
+    srv, model, images = served
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-")
+    want = ask(client, model, data_url(png(1)), text="Hi").choices[0].message.content
+    # TGI: the chat template's text, the image written as markdown
+    prompt = "<|im_start|>user\nHi![](" + data_url(png(1)) + ")<|im_end|>\n<|im_start|>assistant\n"
+    tgi = Client(srv.url).generate(prompt, max_new_tokens=12)
+    assert tgi.generated_text == want
+    fetched = Client(srv.url).generate(prompt.replace(data_url(png(1)), f"{images}/a.png"), max_new_tokens=12)
+    assert fetched.generated_text == want
+    # Anthropic: a base64 block and a URL block
+    claude = anthropic.Anthropic(base_url=srv.url, api_key="-")
+    for source in ({"type": "base64", "media_type": "image/png", "data": base64.b64encode(png(1)).decode()},
+                   {"type": "url", "url": f"{images}/a.png"}):
+        msg = claude.messages.create(model=model, max_tokens=12, extra_body={"temperature": 0}, messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image", "source": source}]}])
+        assert msg.content[0].text == want
+    n = claude.messages.count_tokens(model=model, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image", "source": source}]}])
+    assert n.input_tokens == ask(client, model, data_url(png(1)), text="Hi").usage.prompt_tokens
+    # Responses: an input_image item part
+    r = client.responses.create(model=model, max_output_tokens=12, temperature=0, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": "Hi"},
+                                     {"type": "input_image", "image_url": data_url(png(1))}]}])
+    assert r.output_text == want
+
+
+def test_a_text_model_refuses_images(tmp_path):
+    from tests.e2e.tiny import tiny_model
+
+    srv = Server("--model-id", str(tiny_model(tmp_path)), log=tmp_path / "server.log").wait_ready()
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="does not take images"):
+            ask(client, str(tmp_path), data_url(png(1)))
+        # TGI's inputs stay text for a text model: markdown is not an image there
+        import httpx
+
+        r = httpx.post(f"{srv.url}/generate", json={"inputs": "![](http://x/y.png)", "parameters": {"max_new_tokens": 2}})
+        assert r.status_code == 200
+    finally:
+        srv.stop()
