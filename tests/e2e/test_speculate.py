@@ -37,12 +37,12 @@ def test_same_output_one_event_per_token_and_metrics(servers):
 
     plain, spec, _ = servers
     prompt = f"<|im_start|>user\nCopy this code exactly:\n\n{CODE}<|im_end|>\n<|im_start|>assistant\n"
-    want = Client(plain.url).generate(prompt, max_new_tokens=128)
-    got = Client(spec.url).generate(prompt, max_new_tokens=128)
+    want = Client(plain.url, timeout=120).generate(prompt, max_new_tokens=128)
+    got = Client(spec.url, timeout=120).generate(prompt, max_new_tokens=128)
     assert got.generated_text == want.generated_text
     assert [t.id for t in got.details.tokens] == [t.id for t in want.details.tokens]
     assert [t.logprob for t in got.details.tokens] == [t.logprob for t in want.details.tokens]
-    events = list(Client(spec.url).generate_stream(prompt, max_new_tokens=128))
+    events = list(Client(spec.url, timeout=120).generate_stream(prompt, max_new_tokens=128))
     assert len(events) == got.details.generated_tokens  # several tokens a step, one event each
     # Where the answer ends depends on the CPU's kernels: an EOS token is streamed, marked special,
     # and is not part of generated_text (TGI's behaviour), whichever way this run went.
@@ -68,8 +68,8 @@ def test_a_draft_model_gives_the_same_output(servers):
 
     plain, _, draft = servers
     prompt = "<|im_start|>user\nName three rivers in Europe.<|im_end|>\n<|im_start|>assistant\n"
-    want = Client(plain.url).generate(prompt, max_new_tokens=48)
-    got = Client(draft.url).generate(prompt, max_new_tokens=48)
+    want = Client(plain.url, timeout=120).generate(prompt, max_new_tokens=48)
+    got = Client(draft.url, timeout=120).generate(prompt, max_new_tokens=48)
     assert [t.id for t in got.details.tokens] == [t.id for t in want.details.tokens]
     chat = [{"role": "user", "content": "Say hello in French."}]
     oa = [OpenAI(base_url=f"{s.url}/v1", api_key="-").chat.completions.create(

@@ -153,14 +153,19 @@ def test_a_text_model_refuses_images(tmp_path):
         engine.shutdown()
 
 
-def test_the_offline_llm_takes_image_prompts(tiny):
-    """`LLM.generate` with `{"prompt": ids, "images": [...]}` gives the engine's answer (the tiny
-    model has no tokenizer of its own: the test gives it the tiny one)."""
+def test_the_offline_llm_takes_image_prompts(tiny, tmp_path):
+    """`LLM.generate` with `{"prompt": ids, "images": [...]}` gives transformers' answer (the tiny
+    model has no tokenizer of its own: a copy of it gets the tiny one's files)."""
+    import shutil
+
     from pytgi.llm import LLM
     from tests.unit import tiny_tokenizer
 
-    tiny_tokenizer.build(tiny)
-    llm = LLM(str(tiny), dtype="float32", max_batch_total_tokens=2048)
+    tiny_tokenizer.build(tmp_path / "tok")
+    model = shutil.copytree(tiny, tmp_path / "model")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tmp_path / "tok" / name, model / name)
+    llm = LLM(str(model), dtype="float32", max_batch_total_tokens=2048)
     try:
         prompt, images = PROMPTS[0]
         out = llm.generate({"prompt": prompt, "images": images}, SamplingParams(max_new_tokens=NEW, temperature=0))
