@@ -2,8 +2,8 @@
 given their places in the prompt.
 
 A prompt holds one image token per image (what the model's chat template writes for an image part).
-`ImageInputs.prepare` checks that the counts agree, decodes each image with Pillow (a decompression
-bomb is refused before its pixels are allocated), runs the model's image processor
+`ImageInputs.prepare` checks that the counts agree, decodes each image (`pytgi.router.media.decode_image`,
+as the API process checked it), runs the model's image processor
 (`preprocessor_config.json`), and expands each image token to the positions the image takes
 (`VisionSpec.tokens_per_image`). The model computes an image's rows once, in the first step that
 reaches its positions (`PromptImage.rows`), and keeps them while the request lives, so chunked
@@ -13,7 +13,6 @@ prefill may cut through an image and a preempted request recomputes only its key
 from __future__ import annotations
 
 import hashlib
-import io
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,9 +23,7 @@ import torch
 
 from pytgi.errors import InvalidRequest
 from pytgi.models.llava import VisionSpec
-
-MAX_IMAGE_PIXELS = 64_000_000  # decoded width × height above which an image is refused (8000 × 8000)
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+from pytgi.router.media import decode_image
 
 
 @dataclass(slots=True, eq=False)
@@ -36,34 +33,6 @@ class PromptImage:
     pixels: torch.Tensor  # [1, 3, H, W] from the model's image processor
     digest: str  # sha256 of the image's bytes (the prefix cache keys blocks by it)
     rows: torch.Tensor | None = None  # [length, hidden] once the model computed them
-
-
-def decode_image(data: bytes, index: int, max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
-    """A PIL image in RGB, or InvalidRequest naming image `index` and why."""
-    from PIL import Image, UnidentifiedImageError
-
-    where = f"image {index}"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data))
-            if img.format not in FORMATS:
-                raise InvalidRequest(
-                    f"{where} is {img.format}: the formats accepted are {', '.join(FORMATS)}", "images"
-                )
-            w, h = img.size
-            if w * h > max_pixels:
-                raise InvalidRequest(
-                    f"{where} is {w}×{h} pixels, more than the {max_pixels} allowed", "images"
-                )
-            img.load()
-    except InvalidRequest:
-        raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise InvalidRequest(f"{where} is not an image pytgi can decode ({exc})", "images") from None
-    except (OSError, ValueError, SyntaxError) as exc:  # truncated or corrupt data
-        raise InvalidRequest(f"{where} is broken: {exc}", "images") from None
-    return img.convert("RGB")
 
 
 class ImageInputs:
@@ -92,7 +61,7 @@ class ImageInputs:
         ids: list[int] = []
         last = 0
         for k, (place, data) in enumerate(zip(places, images)):
-            img = decode_image(data, k)
+            img = decode_image(data, f"images.[{k}]")
             pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"]
             ids += prompt_ids[last:place]
             out.append(PromptImage(len(ids), n, pixels, hashlib.sha256(data).hexdigest()))

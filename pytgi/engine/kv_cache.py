@@ -67,7 +67,7 @@ class BlockManager:
         """The request's block hashes up to `num_full_blocks`, extending the memo on the request."""
         hashes, bs, ids = req.block_hashes, self.block_size, req.all_ids
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else req.cache_root  # an adapter's blocks are its own
+            parent = hashes[i - 1] if i else req.cache_root  # an adapter's or an image's blocks are their own
             hashes.append(hash((parent, tuple(ids[i * bs : (i + 1) * bs]))))
         return hashes[:num_full_blocks]
 

@@ -16,11 +16,13 @@ import re
 import socket
 import warnings
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urljoin, urlsplit
 
 from pytgi.errors import InvalidRequest
 
-FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")  # what the engine's decoder takes too
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+MAX_PIXELS = 64_000_000  # one image, decoded (width × height): 8000 × 8000
 MAX_REDIRECTS = 3
 
 
@@ -28,7 +30,7 @@ MAX_REDIRECTS = 3
 class MediaLimits:
     max_images: int = 8  # --max-images-per-request
     max_bytes: int = 20 * 1024 * 1024  # one image, encoded
-    max_pixels: int = 64_000_000  # one image, decoded (width × height)
+    max_pixels: int = MAX_PIXELS
     timeout: float = 10.0  # seconds for one URL, connection to last byte
     allowed_domains: tuple[str, ...] = ()  # hosts fetched even at internal addresses
 
@@ -118,31 +120,43 @@ async def _fetch(ref: ImageRef, limits: MediaLimits) -> bytes:
     raise _refuse(ref, f"more than {MAX_REDIRECTS} redirects")
 
 
-def check_image(ref: ImageRef, data: bytes, limits: MediaLimits) -> None:
-    """Decode the image as the engine will: a format it takes, at most `max_pixels` pixels (checked
-    from the header, before decoding), not truncated or corrupt. Blocking: run it in a thread."""
+def decode_image(data: bytes, where: str, max_pixels: int = MAX_PIXELS) -> Any:
+    """The image as a PIL image in RGB: a format in FORMATS, at most `max_pixels` pixels (checked from
+    the header, before decoding: a decompression bomb is refused), not truncated or corrupt; else an
+    `InvalidRequest` naming `where`. The API process checks each image with it before admission, the
+    engine decodes with it. Blocking: the API process runs it in a thread."""
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:  # pragma: no cover - a vision model's install has it (pytgi[vision])
-        raise _refuse(
-            ref, "this server cannot read images: install Pillow (pip install pytgi[vision])"
+        raise InvalidRequest(
+            f"image `{where}`: this server cannot read images: install Pillow (pip install pytgi[vision])",
+            where,
         ) from None
+
+    def refuse(why: str) -> InvalidRequest:
+        return InvalidRequest(f"image `{where}`: {why}", where)
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data))
             fmt, (w, h) = img.format, img.size
             if fmt not in FORMATS:
-                raise _refuse(ref, f"it is {fmt}; the formats read are {', '.join(FORMATS)}")
-            if w * h > limits.max_pixels:
-                raise _refuse(ref, f"it is {w}×{h} pixels, more than the {limits.max_pixels} allowed")
+                raise refuse(f"it is {fmt}; the formats read are {', '.join(FORMATS)}")
+            if w * h > max_pixels:
+                raise refuse(f"it is {w}×{h} pixels, more than the {max_pixels} allowed")
             img.load()
     except InvalidRequest:
         raise
     except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise _refuse(ref, "it is not an image in a format pytgi reads") from None
+        raise refuse("it is not an image in a format pytgi reads") from None
     except (OSError, ValueError, SyntaxError) as exc:
-        raise _refuse(ref, f"it is broken ({exc})") from None
+        raise refuse(f"it is broken ({exc})") from None
+    return img.convert("RGB")
+
+
+def check_image(ref: ImageRef, data: bytes, limits: MediaLimits) -> None:
+    decode_image(data, ref.where, limits.max_pixels)
 
 
 async def load_images(refs: list[ImageRef], limits: MediaLimits) -> list[bytes]:

@@ -128,13 +128,13 @@ def test_bad_images_are_refused_by_index_and_the_engine_keeps_serving(tiny):
     try:
         with pytest.raises(InvalidRequest, match=r"1 image token\(s\) \(id 100\) for 2 image"):
             engine.add_request("a", [1, IMAGE, 2], SamplingParams(max_new_tokens=2), images=[png(1), png(2)])
-        with pytest.raises(InvalidRequest, match="image 1 is not an image pytgi can decode"):
+        with pytest.raises(InvalidRequest, match=r"image `images.\[1\]`: it is not an image in a format pytgi reads"):
             engine.add_request("b", [IMAGE, IMAGE], SamplingParams(max_new_tokens=2), images=[png(1), b"not a png"])
-        with pytest.raises(InvalidRequest, match="image 0 is broken"):
+        with pytest.raises(InvalidRequest, match=r"image `images.\[0\]`: it is broken"):
             engine.add_request("c", [IMAGE], SamplingParams(max_new_tokens=2), images=[png(1)[:60]])
         bomb = io.BytesIO()
         Image.new("L", (9000, 9000)).save(bomb, format="PNG")  # small file, 81 M pixels decoded
-        with pytest.raises(InvalidRequest, match="image 0 is .*9000.*pixels|image 0 is not an image"):
+        with pytest.raises(InvalidRequest, match=r"9000×9000 pixels|not an image"):
             engine.add_request("d", [IMAGE], SamplingParams(max_new_tokens=2), images=[bomb.getvalue()])
         assert not engine.has_unfinished()
         assert run(engine, [PROMPTS[0]])[0] == [reference(tiny, *PROMPTS[0])]
