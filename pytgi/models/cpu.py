@@ -21,7 +21,7 @@ from pytgi.models.layers import apply_rotary
 @dataclass(frozen=True)
 class Crossovers:
     """Step sizes in tokens where one kernel stops beating the next, measured with
-    `benchmarks/kernels.py` (figures in docs/benchmarks.md). A step of at most `n` tokens takes the
+    `benchmarks/matmul_kernels.py` (figures in docs/benchmarks.md). A step of at most `n` tokens takes the
     kernel named, a bigger one the alternative."""
 
     lowbit_torch: int = 10  # PyTorch's int4/int8 weight-only kernels, else the bf16 matmul

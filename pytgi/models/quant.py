@@ -4,7 +4,7 @@ A decode step with a few tokens is bound by reading the weights: 4-bit weights a
 than bf16. By default (batch invariant, docs/batch-invariance.md) the packed low-bit weight serves
 every step size, so that a row's output does not depend on the step's. With
 `--disable-batch-invariance`, large batches and prefill chunks, which are compute bound, take a
-bf16 matmul instead (`benchmarks/kernels.py` measures the crossover). So a quantized linear keeps
+bf16 matmul instead (`benchmarks/matmul_kernels.py` measures the crossover). So a quantized linear keeps
 both: the packed weight for steps of at most `max_m` tokens, and the bf16 weight *made from the
 same low-bit values* for bigger ones. At load, `quantize_model` swaps each planned linear for a
 `QuantizedLinear` holding both.

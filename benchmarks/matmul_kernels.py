@@ -5,8 +5,8 @@ where the CPU has them; `int4-vnni` without AMX) and PyTorch's (`int8-torch`, `i
 is what the crossovers in `pytgi.models.cpu.Crossovers` (the `lowbit_*` and `vnni_before_amx`
 step sizes) rest on.
 
-    .venv/bin/python benchmarks/kernels.py                 # M = 1 2 4 8 12 16 32 64 256
-    .venv/bin/python benchmarks/kernels.py --m 1 16
+    .venv/bin/python benchmarks/matmul_kernels.py                 # M = 1 2 4 8 12 16 32 64 256
+    .venv/bin/python benchmarks/matmul_kernels.py --m 1 16
 
 All layers are distinct tensors (as in the model), so the weights stream from memory as they do
 in a real step rather than staying in cache.
