@@ -69,6 +69,9 @@ class EngineConfig:
     max_cpu_loras: int | None = setting(
         None, "LoRA adapters kept in memory, the least recently used out (default: all of them)"
     )
+    mm_cache_size: int = setting(
+        32, "images whose rows a vision model keeps across requests, by content (0: none)"
+    )
     max_batch_prefill_tokens: int | None = setting(
         None, "tokens computed per step (default 4096 GPU, 1024 CPU)", info=True
     )
@@ -127,6 +130,8 @@ class EngineConfig:
             raise ValueError(f"num_shard must be >= 1, got {self.num_shard}")
         if self.speculate < 0:
             raise ValueError(f"speculate must be >= 0, got {self.speculate}")
+        if self.mm_cache_size < 0:
+            raise ValueError(f"mm_cache_size must be >= 0, got {self.mm_cache_size}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < 1:

@@ -84,7 +84,7 @@ class LLMEngine:
         if spec is not None and self.shards.config.num_shard > 1:
             self.shutdown()
             raise UnsupportedModel("vision models run on one shard for now (--num-shard 1)")
-        self.images = ImageInputs(model_path, spec) if spec is not None else None
+        self.images = ImageInputs(model_path, spec, config.mm_cache_size) if spec is not None else None
         if spec is not None:
             self.info = msgspec.structs.replace(
                 self.info, image_token_id=spec.image_token_id, tokens_per_image=spec.tokens_per_image

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,23 +27,51 @@ from pytgi.models.llava import VisionSpec
 from pytgi.router.media import decode_image
 
 
+class RowCache:
+    """Images' rows by content (sha256), the least recently used out past `size` (--mm-cache-size):
+    an image sent again, in another request, skips its pixels and the vision tower."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._rows: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, digest: str) -> torch.Tensor | None:
+        rows = self._rows.get(digest)
+        if rows is None:
+            self.misses += 1
+            return None
+        self._rows.move_to_end(digest)
+        self.hits += 1
+        return rows
+
+    def put(self, digest: str, rows: torch.Tensor) -> None:
+        if self.size == 0:
+            return
+        self._rows[digest] = rows
+        self._rows.move_to_end(digest)
+        while len(self._rows) > self.size:
+            self._rows.popitem(last=False)
+
+
 @dataclass(slots=True, eq=False)
 class PromptImage:
     offset: int  # the prompt position of its first token
     length: int  # positions it takes
-    pixels: torch.Tensor  # [1, 3, H, W] from the model's image processor
+    pixels: torch.Tensor | None  # [1, 3, H, W] from the model's image processor (None: rows cached)
     digest: str  # sha256 of the image's bytes (the prefix cache keys blocks by it)
     rows: torch.Tensor | None = None  # [length, hidden] once the model computed them
+    cache: RowCache | None = None  # where its rows go once computed
 
 
 class ImageInputs:
     """The model's image processor and image token; `prepare` turns a request's images into places in
     its prompt."""
 
-    def __init__(self, model_path: Path, spec: VisionSpec) -> None:
+    def __init__(self, model_path: Path, spec: VisionSpec, cache_size: int = 0) -> None:
         from transformers import AutoImageProcessor
 
-        self.spec = spec
+        self.spec, self.cache = spec, RowCache(cache_size)
         with warnings.catch_warnings():  # the slow (PIL) processor is the exact one; no torchvision
             warnings.simplefilter("ignore")
             self.processor = AutoImageProcessor.from_pretrained(str(model_path))
@@ -61,10 +90,14 @@ class ImageInputs:
         ids: list[int] = []
         last = 0
         for k, (place, data) in enumerate(zip(places, images)):
-            img = decode_image(data, f"images.[{k}]")
-            pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"]
+            digest = hashlib.sha256(data).hexdigest()
+            rows = self.cache.get(digest)
+            pixels = None
+            if rows is None:
+                img = decode_image(data, f"images.[{k}]")
+                pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"]
             ids += prompt_ids[last:place]
-            out.append(PromptImage(len(ids), n, pixels, hashlib.sha256(data).hexdigest()))
+            out.append(PromptImage(len(ids), n, pixels, digest, rows, self.cache))
             ids += [token] * n
             last = place + 1
         ids += prompt_ids[last:]
@@ -85,7 +118,11 @@ def step_rows(
             if lo >= hi:
                 continue
             if img.rows is None:
+                assert img.pixels is not None
                 img.rows = model.encode_image(img.pixels)
+                img.pixels = None  # the rows are kept; the pixels are not needed again
+                if img.cache is not None:
+                    img.cache.put(img.digest, img.rows)
             flat.append(torch.arange(first_row + lo - start, first_row + hi - start))
             rows.append(img.rows[lo - img.offset : hi - img.offset])
     if not flat:

@@ -172,3 +172,24 @@ def test_the_offline_llm_takes_image_prompts(tiny, tmp_path):
         assert list(out[0].token_ids) == reference(tiny, prompt, images)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("size", [0, 2])
+def test_the_image_cache_skips_the_tower_for_an_image_seen_before(tiny, size):
+    """--mm-cache-size: the same image in another request (another prompt: no prefix hit) takes the
+    rows computed before, and gives what transformers gives; with 0, the tower runs again."""
+    engine = engine_for(tiny, mm_cache_size=size, enable_prefix_caching=False)
+    model = engine.runner.model
+    calls = []
+    encode = model.encode_image
+    model.encode_image = lambda pixels: calls.append(1) or encode(pixels)
+    try:
+        a, b = ([5, 17, IMAGE, 3], [png(1)]), ([9, IMAGE, 8, 7, 6], [png(1)])
+        assert run(engine, [a])[0] == [reference(tiny, *a)]
+        assert run(engine, [b])[0] == [reference(tiny, *b)]
+        assert len(calls) == (1 if size else 2)
+        for seed in (2, 3, 1):  # one at a time: 2 and 3 push 1 out of a cache of 2
+            run(engine, [([IMAGE, 4], [png(seed)])])
+        assert len(calls) == (4 if size else 5)
+    finally:
+        engine.shutdown()
