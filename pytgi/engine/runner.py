@@ -146,13 +146,15 @@ class ModelRunner:
         self, batch: list[ScheduledRequest], step: StepBatch
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's rows at image positions and their image rows (computed now where not yet)."""
+        if not any(s.request.images for s in batch):
+            return None
         firsts = np.cumsum(step.layout.query_lens) - step.layout.query_lens
         spans = [
             (int(first), s.request.num_computed_tokens, s.num_new_tokens - len(s.draft), s.request.images)
             for s, first in zip(batch, firsts)
             if s.request.images
         ]
-        return step_rows(self.paged.model, spans) if spans else None
+        return step_rows(self.paged.model, spans)
 
     def _forward(
         self,

@@ -20,6 +20,7 @@ from PIL import Image
 from tokenizers import Tokenizer
 
 from tests.e2e.server import Server
+from tests.e2e.tiny import llama_config
 from tests.unit import tiny_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -51,9 +52,7 @@ def tiny_llava(path):
     config = json.loads((path / "tokenizer_config.json").read_text())
     (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
     torch.manual_seed(0)
-    text = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
-                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                    max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+    text = llama_config(tok.get_vocab_size())
     vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=2, image_size=56, patch_size=14)
     cfg = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=tok.token_to_id("<image>"),
