@@ -29,6 +29,7 @@ from pytgi.errors import DistributedError, InvalidRequest, UnsupportedModel
 from pytgi.lora import AdapterError, check_name
 from pytgi.models.quant import file_quantization
 from pytgi.models.registry import resolve_adapter, resolve_adapters, resolve_model
+from pytgi.router.media import image_places
 from pytgi.sampling_params import SamplingParams, check_logit_bias, check_prompt
 
 if TYPE_CHECKING:
@@ -145,8 +146,8 @@ class LLMEngine:
         placed: list[PromptImage] = []
         if self.images is not None:  # its image tokens and its images must agree, none included
             prompt_ids, placed = self.images.prepare(prompt_ids, images)
-        elif images:
-            raise InvalidRequest(f"the model {info.model_id!r} does not take images", "images")
+        else:
+            image_places(prompt_ids, None, len(images), "images")
         adapter = params.adapter
         if adapter is not None:
             if params.adapter not in info.lora_adapters:

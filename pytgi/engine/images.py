@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from pytgi.errors import InvalidRequest
 from pytgi.models.llava import VisionSpec
-from pytgi.router.media import decode_image
+from pytgi.router.media import decode_image, image_places
 
 
 class RowCache:
@@ -80,12 +79,9 @@ class ImageInputs:
         self, prompt_ids: Sequence[int], images: Sequence[bytes]
     ) -> tuple[list[int], list[PromptImage]]:
         token, n = self.spec.image_token_id, self.spec.tokens_per_image
-        places = [i for i, t in enumerate(prompt_ids) if t == token]
-        if len(places) != len(images):
-            raise InvalidRequest(
-                f"the prompt has {len(places)} image token(s) (id {token}) for {len(images)} image(s)",
-                "images",
-            )
+        places = image_places(prompt_ids, token, len(images), "images")
+        if not places:
+            return list(prompt_ids), []
         out: list[PromptImage] = []
         ids: list[int] = []
         last = 0

@@ -517,6 +517,32 @@ static inline __attribute__((always_inline)) void lanes_rows(int64_t D, int MR, 
         for (int64_t i = 0; i < D / 16; i++) _mm512_storeu_ps(acc[r] + 16 * i, o[r][i]);
 }
 
+/* Rows r_begin .. r_end-1 (token × head) of a request's Q*G against one laid-out block of keys
+ * j0 .. j0+n-1 (from the first row that sees key j0), two rows at a time (four measured no faster):
+ * row r's query at q + ((r / G) * qstride + (r % G) * D) bf16, its acc, m and l at index r - base. */
+static inline __attribute__((always_inline)) void lanes_block_rows(int64_t D, const char *q, int64_t qstride,
+                                                                   int64_t Q, int64_t ctx, int64_t G, int64_t j0,
+                                                                   int64_t n, int64_t r_begin, int64_t r_end,
+                                                                   int64_t base, const uint32_t *kt,
+                                                                   const uint32_t *vp, float scale, float *acc,
+                                                                   float *m, float *l) {
+    const int64_t first = (j0 - (ctx - Q) > 0 ? j0 - (ctx - Q) : 0) * G;
+    for (int64_t r = first > r_begin ? first : r_begin; r < r_end; r += 2) {
+        const int MR = r + 1 < r_end ? 2 : 1;
+        const uint16_t *qr[2];
+        int64_t nq[2];
+        float *ar[2], *mr[2], *lr[2];
+        for (int i = 0; i < MR; i++) {
+            const int64_t t = (r + i) / G, h = (r + i) % G, lim = ctx - Q + t + 1 - j0;
+            qr[i] = (const uint16_t *)(q + (t * qstride + h * D) * 2);
+            nq[i] = lim < n ? lim : n;
+            ar[i] = acc + (r + i - base) * D, mr[i] = m + r + i - base, lr[i] = l + r + i - base;
+        }
+        if (MR == 2) lanes_rows(D, 2, qr, nq, kt, vp, scale, ar, mr, lr);
+        else lanes_rows(D, 1, qr, nq, kt, vp, scale, ar, mr, lr);
+    }
+}
+
 /* `chunk` for bf16 and D % 32 == 0 (same arguments and results). */
 static inline __attribute__((always_inline)) void chunk_lanes(int64_t D, const char *q, int64_t qstride, int64_t Q,
                                                               int64_t ctx, const char *kc, const char *vc,
@@ -532,22 +558,7 @@ static inline __attribute__((always_inline)) void chunk_lanes(int64_t D, const c
     for (int64_t j0 = j_begin; j0 < j_end; j0 += LB) {
         const int64_t n = j_end - j0 < LB ? j_end - j0 : LB;
         lanes_block(D, kc, vc, table, bs, KVH * D * 2, kvh, j0, n, j_end, kt, vp);
-        /* from the first token that sees key j0, two rows (token × head) at a time (four measured
-         * no faster) */
-        for (int64_t r = (j0 - (ctx - Q) > 0 ? j0 - (ctx - Q) : 0) * G; r < Q * G; r += 2) {
-            const int MR = r + 1 < Q * G ? 2 : 1;
-            const uint16_t *qr[2];
-            int64_t nq[2];
-            float *ar[2], *mr[2], *lr[2];
-            for (int i = 0; i < MR; i++) {
-                const int64_t t = (r + i) / G, h = (r + i) % G, lim = ctx - Q + t + 1 - j0;
-                qr[i] = (const uint16_t *)(q + (t * qstride + h * D) * 2);
-                nq[i] = lim < n ? lim : n;
-                ar[i] = acc + (r + i) * D, mr[i] = m + r + i, lr[i] = l + r + i;
-            }
-            if (MR == 2) lanes_rows(D, 2, qr, nq, kt, vp, scale, ar, mr, lr);
-            else lanes_rows(D, 1, qr, nq, kt, vp, scale, ar, mr, lr);
-        }
+        lanes_block_rows(D, q, qstride, Q, ctx, G, j0, n, 0, Q * G, 0, kt, vp, scale, acc, m, l);
     }
 }
 #define LANES_BUILT 1
@@ -740,6 +751,7 @@ static inline __attribute__((always_inline)) int lanes_rows_task(int64_t task, i
                                                                  char *out) {
     const int64_t kvh = task / RT, r0 = task % RT * 16, R = Q * G, r1 = r0 + 16 < R ? r0 + 16 : R;
     const int64_t nc = (ctx + CHUNK - 1) / CHUNK, cs = 16 * (D + 2), nblk = (ctx + LB - 1) / LB;
+    const char *qp = q + (q0 * H + kvh * G) * D * 2; /* the kv head's first query row */
     float *part = malloc(sizeof(float) * (size_t)(nc * cs));
     if (part == NULL) return 1;
     for (int64_t c = 0; c < nc; c++) {
@@ -750,23 +762,9 @@ static inline __attribute__((always_inline)) int lanes_rows_task(int64_t task, i
         }
         const int64_t j_end = ctx < (c + 1) * CHUNK ? ctx : (c + 1) * CHUNK;
         for (int64_t j0 = c * CHUNK; j0 < j_end; j0 += LB) {
-            const int64_t n = j_end - j0 < LB ? j_end - j0 : LB, first = (j0 - (ctx - Q) > 0 ? j0 - (ctx - Q) : 0) * G;
+            const int64_t n = j_end - j0 < LB ? j_end - j0 : LB;
             const uint32_t *kt = (const uint32_t *)(kv + (kvh * nblk + j0 / LB) * LANES_BLOCK_BYTES(D));
-            const uint32_t *vp = kt + D / 2 * LB;
-            for (int64_t r = first > r0 ? first : r0; r < r1; r += 2) {
-                const int MR = r + 1 < r1 ? 2 : 1;
-                const uint16_t *qr[2];
-                int64_t nq[2];
-                float *ar[2], *mr[2], *lr[2];
-                for (int i = 0; i < MR; i++) {
-                    const int64_t t = (r + i) / G, h = (r + i) % G, lim = ctx - Q + t + 1 - j0;
-                    qr[i] = (const uint16_t *)(q + ((q0 + t) * H + kvh * G + h) * D * 2);
-                    nq[i] = lim < n ? lim : n;
-                    ar[i] = acc + (r + i - r0) * D, mr[i] = m + r + i - r0, lr[i] = l + r + i - r0;
-                }
-                if (MR == 2) lanes_rows(D, 2, qr, nq, kt, vp, scale, ar, mr, lr);
-                else lanes_rows(D, 1, qr, nq, kt, vp, scale, ar, mr, lr);
-            }
+            lanes_block_rows(D, qp, H * D, Q, ctx, G, j0, n, r0, r1, r0, kt, kt + D / 2 * LB, scale, acc, m, l);
         }
     }
     for (int64_t r = r0; r < r1; r++)

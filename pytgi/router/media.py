@@ -15,6 +15,7 @@ import ipaddress
 import re
 import socket
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
@@ -63,6 +64,21 @@ def _from_data_url(ref: ImageRef, limits: MediaLimits) -> bytes:
         raise _refuse(ref, "the data URL's base64 is not valid") from None
 
 
+def image_places(ids: Sequence[int], token: int | None, images: int, param: str) -> list[int]:
+    """The prompt positions of its image tokens, which must be one per image (none for a model
+    without images: `token` None). One rule for the API's validation and the engine alike."""
+    if token is None:
+        if images:
+            raise InvalidRequest("this model does not take images", param)
+        return []
+    places = [i for i, t in enumerate(ids) if t == token] if images or token in ids else []
+    if len(places) != images:
+        raise InvalidRequest(
+            f"the prompt holds {len(places)} image token(s) (id {token}) for {images} image(s)", param
+        )
+    return places
+
+
 def _internal(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
@@ -78,7 +94,7 @@ async def _check_host(ref: ImageRef, url: str, limits: MediaLimits) -> None:
     if host in limits.allowed_domains:
         return
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, parts.port or 443, type=socket.SOCK_STREAM)
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
         raise _refuse(ref, f"cannot resolve {host}") from None
     if any(_internal(str(info[4][0])) for info in infos):

@@ -31,6 +31,7 @@ from typing import Any
 
 from pytgi import structured
 from pytgi.errors import InvalidRequest
+from pytgi.router.media import image_places
 from pytgi.router.request import (
     CompatGenerateRequest,
     GenerateInput,
@@ -215,16 +216,8 @@ class Validation:
     def _image_positions(self, ids: list[int], images: list[bytes]) -> int:
         """The positions the engine adds to the prompt when it expands its image tokens (each image's
         token must be in the prompt, truncation included)."""
-        if self.image_token is None:
-            if images:
-                raise InvalidRequest("this model does not take images", "inputs")
-            return 0
-        token, per_image = self.image_token
-        found = ids.count(token)
-        if found != len(images):
-            raise InvalidRequest(
-                f"the prompt holds {found} image token(s) for {len(images)} image(s)", "inputs"
-            )
+        token, per_image = self.image_token or (None, 1)
+        image_places(ids, token, len(images), "inputs")
         return len(images) * (per_image - 1)
 
     def _finish(self, c: _Checked, ids: list[int]) -> ValidRequest:
