@@ -203,6 +203,24 @@ class EngineConfig:
         )
 
 
+class ImageLayout(msgspec.Struct, frozen=True, kw_only=True):
+    """How many prompt positions an image takes, once the engine expands its image token: what the API
+    process counts (`pytgi.router.media.image_positions`) before the engine runs the image processor.
+
+    LLaVA: `positions`, whatever the image. Idefics3/SmolVLM, when they split images (`tile` > 0): an
+    image is resized so that its longest edge is `longest_edge`, then cut into rows × cols tiles of
+    `tile` pixels; it takes rows × cols × `tile_positions`, `row_end` after each row of tiles but the
+    last, `split_end` after the last, and `positions` for the whole image, seen at one tile's size."""
+
+    token: int  # the image token: a prompt holds one per image, where the chat template puts it
+    positions: int  # an image that is not split
+    tile: int = 0  # the side of a tile (0: images are never split)
+    longest_edge: int = 0
+    tile_positions: int = 0
+    row_end: int = 0
+    split_end: int = 0
+
+
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     """The engine's configuration, resolved once (`EngineConfig.resolve`)."""
 
@@ -231,8 +249,7 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     speculate: int = 0  # draft tokens per decode step, at most
     draft_model: str | None = None  # the draft model (--draft-model-id), if any
     lora_adapters: dict[str, str] = {}  # the LoRA adapters served: name → their directory
-    image_token_id: int | None = None  # a vision model's image token (one per image in a prompt)
-    tokens_per_image: int = 0  # ... and the positions the engine expands each one to
+    image_layout: ImageLayout | None = None  # a vision model's: how its images take prompt positions
 
 
 @dataclass(slots=True)

@@ -81,15 +81,14 @@ class LLMEngine:
             self.info.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.runner.allocate_kv_cache(self.info.num_blocks, config.block_size)
-        spec = getattr(self.runner.model, "spec", None)  # a vision model's (pytgi.models.llava)
-        if spec is not None and self.shards.config.num_shard > 1:
-            self.shutdown()
-            raise UnsupportedModel("vision models run on one shard for now (--num-shard 1)")
-        self.images = ImageInputs(model_path, spec, config.mm_cache_size) if spec is not None else None
-        if spec is not None:
-            self.info = msgspec.structs.replace(
-                self.info, image_token_id=spec.image_token_id, tokens_per_image=spec.tokens_per_image
-            )
+        self.images: ImageInputs | None = None
+        image_processor = getattr(self.runner.model, "image_processor", None)  # a vision model's
+        if image_processor is not None:
+            if self.shards.config.num_shard > 1:
+                self.shutdown()
+                raise UnsupportedModel("vision models run on one shard for now (--num-shard 1)")
+            self.images = ImageInputs(image_processor(model_path), config.mm_cache_size)
+            self.info = msgspec.structs.replace(self.info, image_layout=self.images.layout)
         try:
             drafter = self._draft_model(config, model_path) if config.draft_model else None
         except BaseException:

@@ -3,39 +3,52 @@ given their places in the prompt.
 
 A prompt holds one image token per image (what the model's chat template writes for an image part).
 `ImageInputs.prepare` checks that the counts agree, decodes each image (`pytgi.router.media.decode_image`,
-as the API process checked it), runs the model's image processor
-(`preprocessor_config.json`), and expands each image token to the positions the image takes
-(`VisionSpec.tokens_per_image`). The model computes an image's rows once, in the first step that
-reaches its positions (`PromptImage.rows`), and keeps them while the request lives, so chunked
-prefill may cut through an image and a preempted request recomputes only its keys and values.
+as the API process checked it), and runs the model's `ImageProcessor`: its pixels, and the token ids
+its image token expands to (LLaVA: image tokens only; Idefics3: tile markers around them). Each image
+token of the expansion takes one of the image's rows. The model computes an image's rows once, in
+the first step that reaches its positions (`PromptImage.rows`), and keeps them while the request
+lives, so chunked prefill may cut through an image and a preempted request recomputes only its keys
+and values.
 """
 
 from __future__ import annotations
 
 import hashlib
-import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from pytgi.models.llava import VisionSpec
-from pytgi.router.media import decode_image, image_places
+from pytgi.config import ImageLayout
+from pytgi.errors import InvalidRequest
+from pytgi.router.media import decode_image, image_places, image_positions
+
+
+class ImageProcessor(Protocol):
+    """A vision model's image processor, in the engine (`model.image_processor(path)`)."""
+
+    layout: ImageLayout  # what the API process counts an image's positions by
+
+    def __call__(self, img: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """An image's pixels for `model.encode_image`, and the token ids of the positions it takes."""
+        ...
+
+
+Expansion = tuple[list[int], torch.Tensor]  # an image's positions' token ids, and its rows
 
 
 class RowCache:
-    """Images' rows by content (sha256), the least recently used out past `size` (--mm-cache-size):
-    an image sent again, in another request, skips its pixels and the vision tower."""
+    """Images' expansions and rows by content (sha256), the least recently used out past `size`
+    (--mm-cache-size): an image sent again, in another request, skips its pixels and the vision tower."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._rows: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._rows: OrderedDict[str, Expansion] = OrderedDict()
         self.hits = self.misses = 0
 
-    def get(self, digest: str) -> torch.Tensor | None:
+    def get(self, digest: str) -> Expansion | None:
         rows = self._rows.get(digest)
         if rows is None:
             self.misses += 1
@@ -44,7 +57,7 @@ class RowCache:
         self.hits += 1
         return rows
 
-    def put(self, digest: str, rows: torch.Tensor) -> None:
+    def put(self, digest: str, rows: Expansion) -> None:
         if self.size == 0:
             return
         self._rows[digest] = rows
@@ -56,29 +69,28 @@ class RowCache:
 @dataclass(slots=True, eq=False)
 class PromptImage:
     offset: int  # the prompt position of its first token
-    length: int  # positions it takes
-    pixels: torch.Tensor | None  # [1, 3, H, W] from the model's image processor (None: rows cached)
+    ids: list[int]  # the token ids of the positions it takes
+    places: torch.Tensor  # which of those positions take its rows, in order (its image tokens)
+    pixels: dict[str, torch.Tensor] | None  # from the model's image processor (None: rows cached)
     digest: str  # sha256 of the image's bytes (the prefix cache keys blocks by it)
-    rows: torch.Tensor | None = None  # [length, hidden] once the model computed them
+    rows: torch.Tensor | None = None  # [len(places), hidden] once the model computed them
     cache: RowCache | None = None  # where its rows go once computed
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
 
 
 class ImageInputs:
-    """The model's image processor and image token; `prepare` turns a request's images into places in
-    its prompt."""
+    """The model's image processor; `prepare` turns a request's images into places in its prompt."""
 
-    def __init__(self, model_path: Path, spec: VisionSpec, cache_size: int = 0) -> None:
-        from transformers import AutoImageProcessor
-
-        self.spec, self.cache = spec, RowCache(cache_size)
-        with warnings.catch_warnings():  # the slow (PIL) processor is the exact one; no torchvision
-            warnings.simplefilter("ignore")
-            self.processor = AutoImageProcessor.from_pretrained(str(model_path))
+    def __init__(self, processor: ImageProcessor, cache_size: int = 0) -> None:
+        self.processor, self.layout, self.cache = processor, processor.layout, RowCache(cache_size)
 
     def prepare(
         self, prompt_ids: Sequence[int], images: Sequence[bytes]
     ) -> tuple[list[int], list[PromptImage]]:
-        token, n = self.spec.image_token_id, self.spec.tokens_per_image
+        token = self.layout.token
         places = image_places(prompt_ids, token, len(images), "images")
         if not places:
             return list(prompt_ids), []
@@ -87,14 +99,24 @@ class ImageInputs:
         last = 0
         for k, (place, data) in enumerate(zip(places, images)):
             digest = hashlib.sha256(data).hexdigest()
-            rows = self.cache.get(digest)
-            pixels = None
-            if rows is None:
+            cached = self.cache.get(digest)
+            pixels, rows = None, None
+            if cached is None:
                 img = decode_image(data, f"images.[{k}]")
-                pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"]
+                pixels, expansion = self.processor(img)
+                want = image_positions(self.layout, *img.size)
+                if len(expansion) != want:  # the API process counted `want` for its limits
+                    raise InvalidRequest(
+                        f"image `images.[{k}]` takes {len(expansion)} positions, not the {want} "
+                        f"counted for it ({img.size[0]}×{img.size[1]} pixels)",
+                        f"images.[{k}]",
+                    )
+            else:
+                expansion, rows = cached
             ids += prompt_ids[last:place]
-            out.append(PromptImage(len(ids), n, pixels, digest, rows, self.cache))
-            ids += [token] * n
+            at = torch.tensor([i for i, t in enumerate(expansion) if t == token], dtype=torch.long)
+            out.append(PromptImage(len(ids), expansion, at, pixels, digest, rows, self.cache))
+            ids += expansion
             last = place + 1
         ids += prompt_ids[last:]
         return ids, out
@@ -113,14 +135,18 @@ def step_rows(
             lo, hi = max(img.offset, start), min(img.offset + img.length, start + count)
             if lo >= hi:
                 continue
+            at = img.places
+            sel = (at >= lo - img.offset) & (at < hi - img.offset)
+            if not bool(sel.any()):
+                continue
             if img.rows is None:
                 assert img.pixels is not None
                 img.rows = model.encode_image(img.pixels)
                 img.pixels = None  # the rows are kept; the pixels are not needed again
                 if img.cache is not None:
-                    img.cache.put(img.digest, img.rows)
-            flat.append(torch.arange(first_row + lo - start, first_row + hi - start))
-            rows.append(img.rows[lo - img.offset : hi - img.offset])
+                    img.cache.put(img.digest, (img.ids, img.rows))
+            flat.append(first_row + img.offset - start + at[sel])
+            rows.append(img.rows[sel])
     if not flat:
         return None
     return torch.cat(flat), torch.cat(rows)

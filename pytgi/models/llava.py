@@ -1,21 +1,23 @@
 """LLaVA (1.5): a vision tower and a projector in front of pytgi's own Llama decoder.
 
-An image becomes `tokens_per_image` rows of the language model's input: the tower's hidden states of
+An image becomes a fixed number of rows of the language model's input: the tower's hidden states of
 layer `vision_feature_layer` (without the CLS row under the "default" strategy), through the
-projector. The prompt holds one image token per image; the engine expands it to `tokens_per_image`
-copies (`pytgi.engine.images`), and the step that computes those positions takes the image's rows
+projector. The prompt holds one image token per image; the engine expands it to that many copies
+(`LlavaImages`, `pytgi.engine.images`), and the step that computes those positions takes the image's rows
 instead of the token's embedding. The tower and the projector are transformers' modules, run whole
 on this rank; the language model is `DecoderModel`, with its kernels, quantization and KV cache.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from pytgi.config import ImageLayout
 from pytgi.errors import UnsupportedModel
 from pytgi.models.decoder import DecoderModel
 
@@ -31,18 +33,8 @@ PREFIXES = {  # checkpoint prefix → part (transformers 5 names first, then the
 HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 
 
-@dataclass(frozen=True, slots=True)
-class VisionSpec:
-    """What the engine needs to know of a vision-language model, read from its config.json."""
-
-    image_token_id: int
-    tokens_per_image: int
-
-
-def vision_spec(hf: dict[str, Any]) -> VisionSpec | None:
-    """The model's image token and how many positions an image takes; None for a text-only model."""
-    if (hf.get("architectures") or [None])[0] not in ARCHITECTURES:
-        return None
+def vision_spec(hf: dict[str, Any]) -> tuple[int, int]:
+    """The model's image token and how many positions an image takes."""
     vision = hf["vision_config"]
     grid = vision["image_size"] // vision["patch_size"]
     strategy = hf.get("vision_feature_select_strategy", "default")
@@ -52,7 +44,29 @@ def vision_spec(hf: dict[str, Any]) -> VisionSpec | None:
         raise UnsupportedModel(f"this LLaVA checkpoint's vision tower ({tower}) is not supported")
     # CLIP's hidden states start with a CLS row; the "default" strategy drops the first row
     cls_row = tower == "clip_vision_model"
-    return VisionSpec(int(token), grid * grid + int(cls_row) - int(strategy == "default"))
+    return int(token), grid * grid + int(cls_row) - int(strategy == "default")
+
+
+def load_image_processor(path: Path) -> Any:
+    """The checkpoint's image processor (`preprocessor_config.json`), the PIL one: the exact one."""
+    from transformers import AutoImageProcessor
+
+    with warnings.catch_warnings():  # no torchvision: the slow processor, which is the reference
+        warnings.simplefilter("ignore")
+        return AutoImageProcessor.from_pretrained(str(path))
+
+
+class LlavaImages:
+    """The engine's image processor for LLaVA: every image takes the same positions, all image rows."""
+
+    def __init__(self, path: Path, hf: dict[str, Any]) -> None:
+        token, positions = vision_spec(hf)
+        self.layout = ImageLayout(token=token, positions=positions)
+        self.processor = load_image_processor(path)
+
+    def __call__(self, img: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
+        pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"]
+        return {"pixel_values": pixels}, [self.layout.token] * self.layout.positions
 
 
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -71,9 +85,8 @@ class LlavaModel(nn.Module):
         from transformers import AutoModel, LlavaConfig
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-        spec = vision_spec(hf)
-        assert spec is not None
-        self.spec, self.text = spec, text
+        vision_spec(hf)  # refuses a tower it does not know
+        self.hf, self.text = hf, text
         config = LlavaConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
         self.tower = AutoModel.from_config(config.vision_config)
         self.projector = LlavaMultiModalProjector(config)
@@ -114,12 +127,15 @@ class LlavaModel(nn.Module):
         self.tower.to(act_dtype)
         self.projector.to(act_dtype)
 
+    def image_processor(self, path: Path) -> LlavaImages:
+        return LlavaImages(path, self.hf)
+
     # -- the step ------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """One image's rows [tokens_per_image, hidden] from its pixels [1, 3, H, W]."""
+    def encode_image(self, pixels: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One image's rows [positions, hidden] from its pixels ([1, 3, H, W])."""
         dtype = self.projector.linear_1.weight.dtype
-        out = self.tower(pixel_values.to(dtype), output_hidden_states=True, return_dict=True)
+        out = self.tower(pixels["pixel_values"].to(dtype), output_hidden_states=True, return_dict=True)
         feats = out.hidden_states[self.feature_layer]
         if self.strategy == "default":
             feats = feats[:, 1:]

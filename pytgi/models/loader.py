@@ -11,13 +11,12 @@ from typing import Any, Protocol
 import torch
 
 from pytgi.errors import UnsupportedModel
+from pytgi.models import idefics3, llava
 from pytgi.models.cpu import CpuKernels
 from pytgi.models.decoder import DecoderConfig, DecoderModel
 from pytgi.models.gemma import gemma_config
 from pytgi.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from pytgi.models.llama import llama_config
-from pytgi.models.llava import ARCHITECTURES as LLAVA_ARCHITECTURES
-from pytgi.models.llava import LlavaModel, text_config
 from pytgi.models.quant import resolve_plan
 
 # architecture → its config.json read as a `DecoderConfig` (every family runs on `DecoderModel`)
@@ -26,7 +25,13 @@ MODELS: dict[str, Callable[[dict[str, Any]], DecoderConfig]] = {
     "Gemma3ForCausalLM": gemma_config,
     "Gemma2ForCausalLM": gemma_config,  # Gemma 3's layers, without q/k norms, soft-capped
 }
-SUPPORTED_ARCHITECTURES = (*MODELS, *LLAVA_ARCHITECTURES)
+# vision-language architecture → its model class (a vision part before `DecoderModel`) and the
+# language model's config.json read from its own
+VISION: dict[str, tuple[Any, Callable[[dict[str, Any]], dict[str, Any]]]] = {
+    **{arch: (llava.LlavaModel, llava.text_config) for arch in llava.ARCHITECTURES},
+    **{arch: (idefics3.Idefics3Model, idefics3.text_config) for arch in idefics3.ARCHITECTURES},
+}
+SUPPORTED_ARCHITECTURES = (*MODELS, *VISION)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -145,16 +150,16 @@ def load_model(
 
         return TransformersModel(path, dtype, device, cpu, attention)
     arch = hf["architectures"][0]
-    vision = arch in LLAVA_ARCHITECTURES
-    cfg = llama_config(text_config(hf)) if vision else MODELS[arch](hf)
+    vision = VISION.get(arch)
+    cfg = llama_config(vision[1](hf)) if vision else MODELS[arch](hf)
     plan = resolve_plan(quantize, path, dtype, device)
     # A quantized model is loaded in float32 first, so the low-bit grids see the checkpoint's values
     # (bf16 weights are only re-laid out: loaded as they are).
-    model: DecoderModel | LlavaModel
+    model: Any
     with _default_dtype(torch.float32 if plan and plan != "bf16" else dtype), torch.device(device):
         model = DecoderModel(cfg, cpu, attention)
         if vision:
-            model = LlavaModel(hf, model)
+            model = vision[0](hf, model)
     model.load_weights(iter_safetensors(path))
     if plan:
         model.quantize(plan, dtype)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urljoin, urlsplit
 
+from pytgi.config import ImageLayout
 from pytgi.errors import InvalidRequest
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
@@ -77,6 +78,60 @@ def image_places(ids: Sequence[int], token: int | None, images: int, param: str)
             f"the prompt holds {len(places)} image token(s) (id {token}) for {images} image(s)", param
         )
     return places
+
+
+def _fit_longest_edge(w: int, h: int, edge: int) -> tuple[int, int]:
+    """An image's size once its longest edge is `edge` (the aspect kept, the other edge made even, as
+    Idefics3's image processor resizes), then scaled under 4096 pixels a side."""
+    if w >= h:
+        w, h = edge, int(edge / (w / h))
+        h += h % 2
+    else:
+        w, h = int(edge * (w / h)), edge
+        w += w % 2
+    w, h = max(w, 1), max(h, 1)
+    if max(w, h) > 4096:
+        w, h = (4096, max(int(4096 / (w / h)), 1)) if w >= h else (max(int(4096 * (w / h)), 1), 4096)
+    return w, h
+
+
+def image_positions(layout: ImageLayout, width: int, height: int) -> int:
+    """The prompt positions an image of `width` × `height` pixels takes (`ImageLayout` says how). The
+    engine expands the image's token to that many; the API process counts them before admission."""
+    if not layout.tile:
+        return layout.positions
+    w, h = _fit_longest_edge(width, height, layout.longest_edge) if layout.longest_edge else (width, height)
+    # then the long edge goes up to a whole number of tiles, the short one follows the aspect and goes
+    # up to a whole number of tiles too
+    t, aspect = layout.tile, w / h
+    if w >= h:
+        cols = -(-w // t)
+        rows = -(-int(cols * t / aspect) // t)
+    else:
+        rows = -(-h // t)
+        cols = -(-int(rows * t * aspect) // t)
+    if rows == cols == 1:  # one tile: not split
+        return layout.positions
+    return (
+        rows * cols * layout.tile_positions
+        + (rows - 1) * layout.row_end
+        + layout.split_end
+        + layout.positions
+    )
+
+
+def added_positions(layout: ImageLayout, images: Sequence[bytes]) -> int:
+    """The positions a prompt's images add to it beyond their image tokens (each image was checked by
+    `decode_image`; its size is read from its header)."""
+    if not layout.tile:
+        return len(images) * (layout.positions - 1)
+    from PIL import Image
+
+    added = 0
+    for data in images:
+        with Image.open(io.BytesIO(data)) as img:
+            added += image_positions(layout, *img.size) - 1
+    return added
 
 
 def _internal(address: str) -> bool:

@@ -30,8 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pytgi import structured
+from pytgi.config import ImageLayout
 from pytgi.errors import InvalidRequest
-from pytgi.router.media import image_places
+from pytgi.router.media import added_positions, image_places
 from pytgi.router.request import (
     CompatGenerateRequest,
     GenerateInput,
@@ -99,16 +100,16 @@ class Validation:
         workers: int = 2,
         vocab_size: int | None = None,
         adapters: Collection[str] = (),
-        image_token: tuple[int, int] | None = None,
+        image_layout: ImageLayout | None = None,
     ):
-        """adapters: the LoRA adapters' names that `adapter_id` may take; image_token: a vision model's
-        image token id and the positions the engine expands each one to."""
+        """adapters: the LoRA adapters' names that `adapter_id` may take; image_layout: a vision
+        model's image token, and how many positions the engine expands each one to."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.tokenizer = tokenizer
         self.limits = limits
         self.adapters = frozenset(adapters)
-        self.image_token = image_token
+        self.image_layout = image_layout
         self.workers = workers
         self.vocab_size = vocab_size or getattr(tokenizer, "vocab_size", None)  # bounds token-id prompts
         # `tokenizers` releases the GIL while encoding, so threads tokenize in parallel off the event loop.
@@ -216,9 +217,9 @@ class Validation:
     def _image_positions(self, ids: list[int], images: list[bytes]) -> int:
         """The positions the engine adds to the prompt when it expands its image tokens (each image's
         token must be in the prompt, truncation included)."""
-        token, per_image = self.image_token or (None, 1)
-        image_places(ids, token, len(images), "inputs")
-        return len(images) * (per_image - 1)
+        layout = self.image_layout
+        image_places(ids, None if layout is None else layout.token, len(images), "inputs")
+        return added_positions(layout, images) if layout is not None and images else 0
 
     def _finish(self, c: _Checked, ids: list[int]) -> ValidRequest:
         lim, gi = self.limits, c.input

@@ -20,6 +20,7 @@ from pydantic import Field
 
 from pytgi.errors import ClientGone, InferError
 from pytgi.outputs import Delta, OutputProcessor
+from pytgi.router.media import added_positions, load_images
 from pytgi.router.request import F32, I32, U32, Bool
 from pytgi.server import reasoning
 from pytgi.server.errors import anthropic_error_body
@@ -382,10 +383,14 @@ async def count_tokens(request: Request, body: CountTokensRequest) -> JSONRespon
     schema.check_model(body.model, st.config.model_id, st.adapters)
     chat = to_chat(MessagesRequest.model_validate({**body.model_dump(), "max_tokens": 1}))
     messages = schema.check_chat(chat)
-    images = schema.take_images(messages)  # counted, not fetched: each takes the model's positions
+    images = schema.take_images(messages)
     if images and not st.takes_images:
         raise invalid(f"the model `{st.config.model_id}` does not take images", images[0].where)
-    per_image = st.client.info.tokens_per_image if st.client.info is not None else 0
+    layout = st.client.info.image_layout if st.client.info is not None else None
+    added = 0
+    if layout is not None and images:  # fetched only where an image's size decides its positions
+        data = await load_images(images, st.media_limits()) if layout.tile else [b""] * len(images)
+        added = added_positions(layout, data)
     template = st.tokenizer.chat_template
     plan = tools.plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls, template)
     msgs, tool_list = tools.template_messages(messages, plan, tools.style_of(template))
@@ -399,7 +404,7 @@ async def count_tokens(request: Request, body: CountTokensRequest) -> JSONRespon
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise invalid("`messages` must be valid Unicode (no lone surrogates)", "messages") from None
-        return len(st.tokenizer.encode(text, add_special_tokens=False)) + len(images) * (per_image - 1)
+        return len(st.tokenizer.encode(text, add_special_tokens=False)) + added
 
     return JSONResponse({"input_tokens": await in_thread(count)})
 

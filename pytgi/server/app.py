@@ -48,7 +48,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         workers=cfg.validation_workers,
         vocab_size=info.vocab_size,
         adapters=info.lora_adapters,
-        image_token=None if info.image_token_id is None else (info.image_token_id, info.tokens_per_image),
+        image_layout=info.image_layout,
     )
     st.infer = Infer(st.client, st.tokenizer, cfg.max_concurrent_requests)
     st.client.on_step = st.metrics.engine_step

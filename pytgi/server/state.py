@@ -44,13 +44,13 @@ class State:
     @property
     def takes_images(self) -> bool:
         info = self.client.info
-        return info is not None and info.image_token_id is not None
+        return info is not None and info.image_layout is not None
 
     def image_token_text(self) -> str:
         """The image token as the chat template and TGI's inputs write it (e.g. `<image>`)."""
         info = self.client.info
-        assert info is not None and info.image_token_id is not None
-        return self.tokenizer.id_to_piece(info.image_token_id)
+        assert info is not None and info.image_layout is not None
+        return self.tokenizer.id_to_piece(info.image_layout.token)
 
     def media_limits(self) -> MediaLimits:
         cfg = self.config

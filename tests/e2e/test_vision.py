@@ -198,3 +198,54 @@ def test_a_text_model_refuses_images(tmp_path):
         assert r.status_code == 200
     finally:
         srv.stop()
+
+
+def tiny_idefics3(path):
+    """A tiny random Idefics3 (SmolVLM's architecture): the tiny tokenizer with Idefics3's image tokens,
+    images resized to 224 pixels on their longest edge and cut into tiles of 56."""
+    tiny_tokenizer.build(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens(["<fake_token_around_image>", "<image>", "<global-img>",
+                            *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))])
+    tok.save(str(path / "tokenizer.json"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    torch.manual_seed(0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=56,
+                  patch_size=14)
+    cfg = transformers.Idefics3Config(vision_config=vision, text_config=llama_config(tok.get_vocab_size()).to_dict(),
+                                      scale_factor=2, image_token_id=tok.token_to_id("<image>"))
+    transformers.Idefics3ForConditionalGeneration(cfg).save_pretrained(path)
+    transformers.Idefics3ImageProcessorPil(size={"longest_edge": 224},
+                                           max_image_size={"longest_edge": 56}).save_pretrained(path)
+    return path
+
+
+def test_idefics3_counts_each_image_by_its_tiles(tmp_path):
+    """An image's positions depend on its size (its tiles): `usage`, Anthropic's `count_tokens` and
+    the --max-input-tokens check count them as the model's own processor expands the prompt."""
+    import anthropic
+
+    path = tiny_idefics3(tmp_path)
+    srv = Server("--model-id", str(path), "--max-input-tokens", "200", "--max-total-tokens", "256",
+                 log=tmp_path / "server.log").wait_ready()
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-", max_retries=0)
+        processor = transformers.Idefics3Processor(image_processor=transformers.AutoImageProcessor.from_pretrained(path),
+                                                   tokenizer=transformers.AutoTokenizer.from_pretrained(path),
+                                                   image_seq_len=4)
+        text = "<|im_start|>user\nWhat is in the picture?<image><|im_end|>\n<|im_start|>assistant\n"
+        for size in ((300, 300), (64, 48), (20, 90), (56, 56)):  # 4 × 4 tiles, 4 × 3, 2 × 4, 4 × 4
+            img = png(7, size)
+            want = len(processor(text=[text], images=[[Image.open(io.BytesIO(img))]])["input_ids"][0])
+            assert ask(client, str(path), data_url(img)).usage.prompt_tokens == want, size
+        claude = anthropic.Anthropic(base_url=srv.url, api_key="-")
+        source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png(7, (64, 48))).decode()}
+        n = claude.messages.count_tokens(model=str(path), messages=[
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image", "source": source}]}])
+        assert n.input_tokens == ask(client, str(path), data_url(png(7, (64, 48))), text="Hi").usage.prompt_tokens
+        with pytest.raises(openai.BadRequestError, match="must have less than 200 tokens"):  # 4 × 4 tiles each
+            ask(client, str(path), data_url(png(1, (300, 300))), data_url(png(2, (300, 300))))
+        assert ask(client, str(path), data_url(png(1))).choices[0].finish_reason in ("stop", "length")
+    finally:
+        srv.stop()
