@@ -207,18 +207,25 @@ class ImageLayout(msgspec.Struct, frozen=True, kw_only=True):
     """How many prompt positions an image takes, once the engine expands its image token: what the API
     process counts (`pytgi.router.media.image_positions`) before the engine runs the image processor.
 
-    LLaVA: `positions`, whatever the image. Idefics3/SmolVLM, when they split images (`tile` > 0): an
-    image is resized so that its longest edge is `longest_edge`, then cut into rows × cols tiles of
-    `tile` pixels; it takes rows × cols × `tile_positions`, `row_end` after each row of tiles but the
-    last, `split_end` after the last, and `positions` for the whole image, seen at one tile's size."""
+    - "fixed" (LLaVA-1.5): `positions`, whatever the image.
+    - "tiles" (Idefics3/SmolVLM): an image is resized so that its longest edge is `longest_edge`,
+      then cut into rows × cols tiles of `tile` pixels; it takes rows × cols × `tile_positions`,
+      `row_end` after each row of tiles but the last, `split_end` after the last, and `positions`
+      for the whole image seen at one tile's size. An image of one tile takes `positions` only.
+    - "anyres" (LLaVA-NeXT): the image is fitted to the best of `pinpoints` ([height, width]),
+      cut into tiles of `tile` pixels, and each tile into patches of `patch`; it takes its patches
+      with the padding cut off, one newline per row of them, and `positions` for the whole image."""
 
     token: int  # the image token: a prompt holds one per image, where the chat template puts it
     positions: int  # an image that is not split
-    tile: int = 0  # the side of a tile (0: images are never split)
+    kind: str = "fixed"
+    tile: int = 0
     longest_edge: int = 0
     tile_positions: int = 0
     row_end: int = 0
     split_end: int = 0
+    pinpoints: list[list[int]] = []
+    patch: int = 0
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

@@ -143,6 +143,10 @@ def step_rows(
                 assert img.pixels is not None
                 img.rows = model.encode_image(img.pixels)
                 img.pixels = None  # the rows are kept; the pixels are not needed again
+                if img.rows.shape[0] != len(img.places):  # fails this step's requests, not the server
+                    raise RuntimeError(
+                        f"an image of {len(img.places)} positions got {img.rows.shape[0]} rows"
+                    )
                 if img.cache is not None:
                     img.cache.put(img.digest, (img.ids, img.rows))
             flat.append(first_row + img.offset - start + at[sel])

@@ -105,6 +105,7 @@ class Idefics3Images:
         self.layout = ImageLayout(
             token=token,
             positions=len(self.whole),
+            kind="tiles",
             tile=_size(p.max_image_size) if split else 0,
             longest_edge=_size(p.size) if getattr(p, "do_resize", True) else 0,
             tile_positions=seq + 2,

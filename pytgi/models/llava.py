@@ -20,8 +20,10 @@ from torch import nn
 from pytgi.config import ImageLayout
 from pytgi.errors import UnsupportedModel
 from pytgi.models.decoder import DecoderModel
+from pytgi.router.media import image_positions
 
-ARCHITECTURES = ("LlavaForConditionalGeneration",)
+ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
+NEXT = "LlavaNextForConditionalGeneration"
 PREFIXES = {  # checkpoint prefix → part (transformers 5 names first, then the older ones)
     "model.language_model.": "text",
     "language_model.model.": "text",
@@ -31,15 +33,26 @@ PREFIXES = {  # checkpoint prefix → part (transformers 5 names first, then the
     "multi_modal_projector.": "projector",
 }
 HEADS = ("lm_head.weight", "language_model.lm_head.weight")
+NEWLINES = ("model.image_newline", "image_newline")  # LLaVA-NeXT's row end, in both namings
+
+
+def hf_config(hf: dict[str, Any]) -> Any:
+    """transformers' config of the checkpoint (its defaults filled in: llava-hf's config.json leaves
+    most of the language model's and the tower's out)."""
+    from transformers import LlavaConfig, LlavaNextConfig
+
+    config_cls: Any = LlavaNextConfig if hf["architectures"][0] == NEXT else LlavaConfig
+    return config_cls(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
 
 
 def vision_spec(hf: dict[str, Any]) -> tuple[int, int]:
-    """The model's image token and how many positions an image takes."""
-    vision = hf["vision_config"]
-    grid = vision["image_size"] // vision["patch_size"]
-    strategy = hf.get("vision_feature_select_strategy", "default")
+    """The model's image token and how many positions an image takes (LLaVA-NeXT: the whole image's)."""
+    config = hf_config(hf)
+    vision = config.vision_config
+    grid = vision.image_size // vision.patch_size
+    strategy = config.vision_feature_select_strategy
     token = hf.get("image_token_index", hf.get("image_token_id"))
-    tower = vision.get("model_type", "clip_vision_model")
+    tower = vision.model_type
     if token is None or tower not in ("clip_vision_model", "siglip_vision_model"):
         raise UnsupportedModel(f"this LLaVA checkpoint's vision tower ({tower}) is not supported")
     # CLIP's hidden states start with a CLS row; the "default" strategy drops the first row
@@ -57,23 +70,42 @@ def load_image_processor(path: Path) -> Any:
 
 
 class LlavaImages:
-    """The engine's image processor for LLaVA: every image takes the same positions, all image rows."""
+    """The engine's image processor for LLaVA: every position of an image is an image token (the same
+    count for every image in LLaVA-1.5; by the image's size in LLaVA-NeXT)."""
 
     def __init__(self, path: Path, hf: dict[str, Any]) -> None:
         token, positions = vision_spec(hf)
-        self.layout = ImageLayout(token=token, positions=positions)
         self.processor = load_image_processor(path)
+        self.layout = ImageLayout(token=token, positions=positions)
+        if hf["architectures"][0] == NEXT:
+            crop = self.processor.crop_size
+            side = crop["height"] if isinstance(crop, dict) else crop.height
+            vision = hf_config(hf).vision_config
+            if side != vision.image_size:
+                raise UnsupportedModel(f"LLaVA-NeXT tiles of {side} pixels for a tower of another size")
+            pinpoints = [list(p) for p in self.processor.image_grid_pinpoints]
+            self.layout = ImageLayout(
+                token=token,
+                positions=positions,
+                kind="anyres",
+                tile=side,
+                pinpoints=pinpoints,
+                patch=vision.patch_size,
+            )
 
     def __call__(self, img: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
-        pixels = self.processor(images=[img], return_tensors="pt")["pixel_values"]
-        return {"pixel_values": pixels}, [self.layout.token] * self.layout.positions
+        out = self.processor(images=[img], return_tensors="pt")
+        pixels = {k: out[k] for k in ("pixel_values", "image_sizes") if k in out}
+        return pixels, [self.layout.token] * image_positions(self.layout, *img.size)
 
 
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     """The language model's config.json, as a Llama checkpoint would have it."""
-    text = dict(hf["text_config"])
+    text = hf_config(hf).text_config.to_dict()
     text["architectures"] = ["LlamaForCausalLM"]
-    text.setdefault("tie_word_embeddings", hf.get("tie_word_embeddings", False))
+    text["tie_word_embeddings"] = hf.get(
+        "tie_word_embeddings", hf["text_config"].get("tie_word_embeddings", False)
+    )
     return text
 
 
@@ -82,16 +114,24 @@ class LlavaModel(nn.Module):
 
     def __init__(self, hf: dict[str, Any], text: DecoderModel) -> None:
         super().__init__()
-        from transformers import AutoModel, LlavaConfig
+        from transformers import AutoModel
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+        from transformers.models.llava_next.modeling_llava_next import LlavaNextMultiModalProjector
 
         vision_spec(hf)  # refuses a tower it does not know
         self.hf, self.text = hf, text
-        config = LlavaConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
+        self.next = hf["architectures"][0] == NEXT
+        projector_cls: Any = LlavaNextMultiModalProjector if self.next else LlavaMultiModalProjector
+        config = hf_config(hf)
         self.tower = AutoModel.from_config(config.vision_config)
-        self.projector = LlavaMultiModalProjector(config)
+        self.projector = projector_cls(config)
         self.feature_layer = config.vision_feature_layer
         self.strategy = config.vision_feature_select_strategy
+        if self.next:  # the row that ends each row of an image's patches
+            self.image_newline = nn.Parameter(torch.zeros(config.text_config.hidden_size))
+            self.pinpoints = config.image_grid_pinpoints
+            self.side = config.vision_config.image_size
+            self.patch = config.vision_config.patch_size
         self.config, self.attention, self.layers = text.config, text.attention, text.layers
 
     # -- weights -------------------------------------------------------------------------------------
@@ -102,6 +142,9 @@ class LlavaModel(nn.Module):
 
         def text_weights() -> Any:
             for name, tensor in weights:
+                if name in NEWLINES and self.next:
+                    self.image_newline.data.copy_(tensor)
+                    continue
                 if name in HEADS:
                     yield "lm_head.weight", tensor
                     continue
@@ -126,6 +169,8 @@ class LlavaModel(nn.Module):
         self.text.quantize(plan, act_dtype)
         self.tower.to(act_dtype)
         self.projector.to(act_dtype)
+        if self.next:
+            self.image_newline.data = self.image_newline.data.to(act_dtype)
 
     def image_processor(self, path: Path) -> LlavaImages:
         return LlavaImages(path, self.hf)
@@ -133,13 +178,33 @@ class LlavaModel(nn.Module):
     # -- the step ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def encode_image(self, pixels: dict[str, torch.Tensor]) -> torch.Tensor:
-        """One image's rows [positions, hidden] from its pixels ([1, 3, H, W])."""
+        """One image's rows [positions, hidden] from its pixels: [1, 3, H, W] (LLaVA-1.5), or the
+        whole image and its tiles [1, tiles + 1, 3, H, W] with its size (LLaVA-NeXT)."""
         dtype = self.projector.linear_1.weight.dtype
-        out = self.tower(pixels["pixel_values"].to(dtype), output_hidden_states=True, return_dict=True)
-        feats = out.hidden_states[self.feature_layer]
+        frames = pixels["pixel_values"][0] if self.next else pixels["pixel_values"]
+        out = self.tower(frames.to(dtype), output_hidden_states=True, return_dict=True)
+        layers = self.feature_layer if isinstance(self.feature_layer, list) else [self.feature_layer]
+        feats = torch.cat([out.hidden_states[i] for i in layers], dim=-1)
         if self.strategy == "default":
             feats = feats[:, 1:]
-        return self.projector(feats)[0]
+        rows = self.projector(feats)
+        return self._pack(rows, pixels["image_sizes"][0].tolist()) if self.next else rows[0]
+
+    def _pack(self, rows: torch.Tensor, size: list[int]) -> torch.Tensor:
+        """LLaVA-NeXT: the whole image's rows, then its tiles' patches as one grid in reading order,
+        the padding the fit to a pinpoint added cut off, a newline row after each row."""
+        from transformers.models.llava_next.modeling_llava_next import (
+            get_anyres_image_grid_shape,
+            unpad_image,
+        )
+
+        whole, tiles = rows[0], rows[1:]
+        side = self.side // self.patch
+        grid_h, grid_w = get_anyres_image_grid_shape(size, self.pinpoints, self.side)
+        x = tiles.view(grid_h, grid_w, side, side, -1).permute(4, 0, 2, 1, 3).flatten(1, 2).flatten(2, 3)
+        x = unpad_image(x, size)  # [hidden, rows, cols]
+        x = torch.cat((x, self.image_newline[:, None, None].expand(*x.shape[:-1], 1).to(x.dtype)), dim=-1)
+        return torch.cat((whole, x.flatten(1, 2).transpose(0, 1)), dim=0)
 
     def forward(
         self,

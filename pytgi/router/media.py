@@ -95,10 +95,30 @@ def _fit_longest_edge(w: int, h: int, edge: int) -> tuple[int, int]:
     return w, h
 
 
+def _anyres_positions(layout: ImageLayout, w: int, h: int) -> int:
+    """LLaVA-NeXT: the pinpoint that keeps most of the image's pixels (then wastes the fewest), its
+    patch grid, the rows or columns of padding cut off (the aspect kept), plus a newline per row."""
+    best, kept, waste = (0, 0), -1, 0
+    for ph, pw in layout.pinpoints:
+        scale = min(pw / w, ph / h)
+        effective = min(int(w * scale) * int(h * scale), w * h)
+        if effective > kept or (effective == kept and ph * pw - effective < waste):
+            best, kept, waste = (ph, pw), effective, ph * pw - effective
+    side = layout.tile // layout.patch
+    rows, cols = side * (best[0] // layout.tile), side * (best[1] // layout.tile)
+    if w / h > cols / rows:
+        rows -= (rows - int(round(h * (cols / w), 7))) // 2 * 2
+    else:
+        cols -= (cols - int(round(w * (rows / h), 7))) // 2 * 2
+    return rows * cols + rows + layout.positions
+
+
 def image_positions(layout: ImageLayout, width: int, height: int) -> int:
     """The prompt positions an image of `width` × `height` pixels takes (`ImageLayout` says how). The
     engine expands the image's token to that many; the API process counts them before admission."""
-    if not layout.tile:
+    if layout.kind == "anyres":
+        return _anyres_positions(layout, width, height)
+    if layout.kind != "tiles" or not layout.tile:
         return layout.positions
     w, h = _fit_longest_edge(width, height, layout.longest_edge) if layout.longest_edge else (width, height)
     # then the long edge goes up to a whole number of tiles, the short one follows the aspect and goes
@@ -123,7 +143,7 @@ def image_positions(layout: ImageLayout, width: int, height: int) -> int:
 def added_positions(layout: ImageLayout, images: Sequence[bytes]) -> int:
     """The positions a prompt's images add to it beyond their image tokens (each image was checked by
     `decode_image`; its size is read from its header)."""
-    if not layout.tile:
+    if layout.kind == "fixed":
         return len(images) * (layout.positions - 1)
     from PIL import Image
 

@@ -193,3 +193,88 @@ def test_the_image_cache_skips_the_tower_for_an_image_seen_before(tiny, size):
         assert len(calls) == (4 if size else 5)
     finally:
         engine.shutdown()
+
+
+# -- LLaVA-NeXT: an image's tiles by the best of the grid pinpoints, its padding cut off, newline rows
+PINPOINTS = [[28, 56], [56, 28], [56, 56], [84, 28], [28, 84]]
+
+
+@pytest.fixture(scope="module")
+def tiny_next(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llava-next")
+    vision = transformers.CLIPVisionConfig(**{**VISION, "image_size": 28})
+    cfg = transformers.LlavaNextConfig(vision_config=vision, text_config=transformers.LlamaConfig(**TEXT),
+                                       image_token_index=IMAGE, image_grid_pinpoints=PINPOINTS,
+                                       vision_feature_layer=-2, vision_feature_select_strategy="default")
+    model = transformers.LlavaNextForConditionalGeneration(cfg)
+    with torch.no_grad():  # the image must matter to greedy: make its rows large
+        model.model.multi_modal_projector.linear_2.weight.mul_(8.0)
+        model.model.image_newline.normal_(0, 4.0)
+    model.save_pretrained(path)
+    transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
+                                            image_grid_pinpoints=PINPOINTS).save_pretrained(path)
+    return path
+
+
+def next_features(path, images: list[bytes]):
+    """transformers' LLaVA-NeXT model, its pixels and image sizes, and each image's rows."""
+    model = transformers.LlavaNextForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    processor = transformers.AutoImageProcessor.from_pretrained(path)
+    if not images:
+        return model, {}, []
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
+    kw = {k: v for k, v in processor(images=pil, return_tensors="pt").items() if k in ("pixel_values", "image_sizes")}
+    with torch.no_grad():
+        feats = model.model.get_image_features(**kw).pooler_output
+    return model, kw, feats
+
+
+def next_reference(path, prompt: list[int], images: list[bytes]) -> list[int]:
+    """transformers' generate, each image token expanded to the rows the model packs for the image."""
+    model, kw, feats = next_features(path, images)
+    lengths = iter(f.shape[0] for f in feats)
+    ids = [x for t in prompt for x in ([t] * next(lengths) if t == IMAGE else [t])]
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, min_new_tokens=NEW,
+                             do_sample=False, pad_token_id=0, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def test_llava_next_equals_transformers_alone_batched_and_chunked(tiny_next):
+    jobs = [([5, 17, IMAGE, 3, 99, 42], [png(1)]),  # wide
+            ([IMAGE, 8, 1, 64, 2], [png(2, (30, 90))]),  # tall
+            ([7, IMAGE, 9, IMAGE, 11], [png(3), png(4, (56, 56))]),
+            ([11, 12, 13, 14], [])]
+    want = [next_reference(tiny_next, p, imgs) for p, imgs in jobs]
+    assert next_reference(tiny_next, jobs[0][0], [png(9)]) != want[0], "an image that changes nothing tests nothing"
+    engine = engine_for(tiny_next)
+    try:
+        for job, w in zip(jobs, want):
+            assert run(engine, [job])[0] == [w]
+        assert run(engine, jobs)[0] == want
+    finally:
+        engine.shutdown()
+    engine = engine_for(tiny_next, max_batch_prefill_tokens=7, enable_prefix_caching=False)
+    try:
+        assert run(engine, jobs)[0] == want
+    finally:
+        engine.shutdown()
+
+
+def test_llava_next_positions_are_counted_as_the_model_packs_them(tiny_next):
+    """The API process's count (no torch) equals the rows transformers' model packs for an image, for
+    sizes that pick each pinpoint and cut padding rows or columns off."""
+    from pytgi.router.media import image_positions
+
+    engine = engine_for(tiny_next)
+    try:
+        layout = engine.images.layout
+        assert layout.kind == "anyres"
+        for w, h in [(70, 45), (30, 90), (56, 56), (1, 1), (300, 7), (7, 300), (57, 56), (100, 33), (33, 100),
+                     (640, 480), (28, 84), (85, 28)]:
+            _, _, feats = next_features(tiny_next, [png(0, (w, h))])
+            assert image_positions(layout, w, h) == feats[0].shape[0], (w, h)
+    finally:
+        engine.shutdown()
