@@ -214,7 +214,10 @@ class ImageLayout(msgspec.Struct, frozen=True, kw_only=True):
       for the whole image seen at one tile's size. An image of one tile takes `positions` only.
     - "anyres" (LLaVA-NeXT): the image is fitted to the best of `pinpoints` ([height, width]),
       cut into tiles of `tile` pixels, and each tile into patches of `patch`; it takes its patches
-      with the padding cut off, one newline per row of them, and `positions` for the whole image."""
+      with the padding cut off, one newline per row of them, and `positions` for the whole image.
+    - "merge" (Qwen2-VL, Qwen2.5-VL): the image is resized to whole multiples of `patch` × `merge`
+      pixels with between `min_pixels` and `max_pixels` pixels; it takes one position per `merge`
+      × `merge` patches."""
 
     token: int  # the image token: a prompt holds one per image, where the chat template puts it
     positions: int  # an image that is not split
@@ -226,6 +229,9 @@ class ImageLayout(msgspec.Struct, frozen=True, kw_only=True):
     split_end: int = 0
     pinpoints: list[list[int]] = []
     patch: int = 0
+    merge: int = 0
+    min_pixels: int = 0
+    max_pixels: int = 0
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

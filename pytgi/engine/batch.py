@@ -18,6 +18,7 @@ import torch
 
 from pytgi import distributed as dist
 from pytgi.models.attention import StepLayout
+from pytgi.models.decoder import StepImages
 from pytgi.models.loader import CausalLM
 
 
@@ -83,7 +84,7 @@ class PagedModel:
 
     @torch.inference_mode()
     def forward(
-        self, batch: StepBatch, rows: np.ndarray, image_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self, batch: StepBatch, rows: np.ndarray, image_rows: StepImages | None = None
     ) -> torch.Tensor | None:
         """Run the step; the logits (float32) of the flat rows `rows` (None if there are none).
         `image_rows`: flat rows whose embeddings are an image's rows (a vision model's)."""

@@ -23,6 +23,8 @@ import torch
 
 from pytgi.config import ImageLayout
 from pytgi.errors import InvalidRequest
+from pytgi.models.decoder import StepImages
+from pytgi.models.vision import Expanded
 from pytgi.router.media import decode_image, image_places, image_positions
 
 
@@ -31,12 +33,10 @@ class ImageProcessor(Protocol):
 
     layout: ImageLayout  # what the API process counts an image's positions by
 
-    def __call__(self, img: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """An image's pixels for `model.encode_image`, and the token ids of the positions it takes."""
-        ...
+    def __call__(self, img: Any) -> Expanded: ...
 
 
-Expansion = tuple[list[int], torch.Tensor]  # an image's positions' token ids, and its rows
+Expansion = tuple[list[int], tuple[int, int] | None, torch.Tensor]  # ids, grid and rows, cached
 
 
 class RowCache:
@@ -75,6 +75,7 @@ class PromptImage:
     digest: str  # sha256 of the image's bytes (the prefix cache keys blocks by it)
     rows: torch.Tensor | None = None  # [len(places), hidden] once the model computed them
     cache: RowCache | None = None  # where its rows go once computed
+    grid: tuple[int, int] | None = None  # M-RoPE: its positions' grid (height, width)
 
     @property
     def length(self) -> int:
@@ -100,10 +101,11 @@ class ImageInputs:
         for k, (place, data) in enumerate(zip(places, images)):
             digest = hashlib.sha256(data).hexdigest()
             cached = self.cache.get(digest)
-            pixels, rows = None, None
+            pixels, rows, grid = None, None, None
             if cached is None:
                 img = decode_image(data, f"images.[{k}]")
-                pixels, expansion = self.processor(img)
+                made = self.processor(img)
+                pixels, expansion, grid = made.pixels, made.ids, made.grid
                 want = image_positions(self.layout, *img.size)
                 if len(expansion) != want:  # the API process counted `want` for its limits
                     raise InvalidRequest(
@@ -112,10 +114,10 @@ class ImageInputs:
                         f"images.[{k}]",
                     )
             else:
-                expansion, rows = cached
+                expansion, grid, rows = cached
             ids += prompt_ids[last:place]
             at = torch.tensor([i for i, t in enumerate(expansion) if t == token], dtype=torch.long)
-            out.append(PromptImage(len(ids), expansion, at, pixels, digest, rows, self.cache))
+            out.append(PromptImage(len(ids), expansion, at, pixels, digest, rows, self.cache, grid))
             ids += expansion
             last = place + 1
         ids += prompt_ids[last:]
@@ -123,14 +125,17 @@ class ImageInputs:
 
 
 def step_rows(
-    model: Any, spans: Sequence[tuple[int, int, int, Sequence[PromptImage]]]
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The flat rows of a step that are image positions, and their image rows. `spans`: per request in
-    the step with images, (its first flat row, the first position the step computes, how many it
-    computes, its images)."""
+    model: Any, spans: Sequence[tuple[int, int, int, int, Sequence[PromptImage]]]
+) -> StepImages | None:
+    """The flat rows of a step that are image positions, and their image rows (computed now where not
+    yet); with M-RoPE, the 3-D positions of every row of a request with images. `spans`: per request
+    in the step with images, (its first flat row, the first position the step computes, how many
+    prompt or decode positions it computes, its rows in the step (drafts included), its images)."""
     flat: list[torch.Tensor] = []
     rows: list[torch.Tensor] = []
-    for first_row, start, count, images in spans:
+    rope_rows: list[torch.Tensor] = []
+    rope_positions: list[torch.Tensor] = []
+    for first_row, start, count, step_len, images in spans:
         for img in images:
             lo, hi = max(img.offset, start), min(img.offset + img.length, start + count)
             if lo >= hi:
@@ -143,14 +148,43 @@ def step_rows(
                 assert img.pixels is not None
                 img.rows = model.encode_image(img.pixels)
                 img.pixels = None  # the rows are kept; the pixels are not needed again
-                if img.rows.shape[0] != len(img.places):  # fails this step's requests, not the server
-                    raise RuntimeError(
-                        f"an image of {len(img.places)} positions got {img.rows.shape[0]} rows"
-                    )
+                got, want = img.rows.shape[0], len(img.places)
+                if got != want:  # fails this step's requests, not the server
+                    raise RuntimeError(f"an image of {want} positions got {got} rows")
                 if img.cache is not None:
-                    img.cache.put(img.digest, (img.ids, img.rows))
+                    img.cache.put(img.digest, (img.ids, img.grid, img.rows))
             flat.append(first_row + img.offset - start + at[sel])
             rows.append(img.rows[sel])
-    if not flat:
+        if any(img.grid is not None for img in images):
+            rope_rows.append(torch.arange(first_row, first_row + step_len))
+            rope_positions.append(mrope_positions(images, start, step_len))
+    if not flat and not rope_rows:
         return None
-    return torch.cat(flat), torch.cat(rows)
+    return StepImages(
+        torch.cat(flat) if flat else torch.zeros(0, dtype=torch.long),
+        torch.cat(rows) if rows else torch.zeros(0, 0),
+        torch.cat(rope_rows) if rope_rows else None,
+        torch.cat(rope_positions, dim=1) if rope_positions else None,
+    )
+
+
+def mrope_positions(images: Sequence[PromptImage], start: int, count: int) -> torch.Tensor:
+    """M-RoPE's (temporal, height, width) positions [3, count] of a request's positions `start` on
+    (Qwen2-VL's rule): text counts on from the last position on all three axes; an image's rows take
+    (p, p + row, p + column) of its grid from the position p where it starts, and the text after it
+    goes on from p + max(height, width)."""
+    index = torch.arange(start, start + count)
+    pos = index.repeat(3, 1)
+    shift = 0  # how far the positions lag behind the indices, from the images before
+    for img in images:
+        if img.grid is None:
+            continue
+        h, w = img.grid
+        inside = (index >= img.offset) & (index < img.offset + img.length)
+        j = index[inside] - img.offset
+        base = img.offset - shift
+        pos[:, inside] = torch.stack((torch.full_like(j, base), base + j // w, base + j % w))
+        shift += img.length - max(h, w)
+        after = index >= img.offset + img.length
+        pos[:, after] = index[after] - shift
+    return pos

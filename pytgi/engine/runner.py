@@ -27,7 +27,7 @@ from pytgi.errors import UnsupportedModel
 from pytgi.lora import parse_specs
 from pytgi.models.attention import StepLayout
 from pytgi.models.cpu import CpuKernels
-from pytgi.models.decoder import DecoderModel
+from pytgi.models.decoder import DecoderModel, StepImages
 from pytgi.models.loader import CausalLM, eos_token_ids, load_model, read_config, resolve_dtype
 from pytgi.models.lora import LoraAdapters
 
@@ -142,16 +142,20 @@ class ModelRunner:
             self._broadcast_step(step, plan.rows, slots)
         return self.sampling.run(self._forward(step, plan.rows, slots, self._image_rows(batch, step)), plan)
 
-    def _image_rows(
-        self, batch: list[ScheduledRequest], step: StepBatch
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _image_rows(self, batch: list[ScheduledRequest], step: StepBatch) -> StepImages | None:
         """The step's rows at image positions and their image rows (computed now where not yet)."""
         if not any(s.request.images for s in batch):
             return None
         firsts = np.cumsum(step.layout.query_lens) - step.layout.query_lens
         spans = [
-            (int(first), s.request.num_computed_tokens, s.num_new_tokens - len(s.draft), s.request.images)
-            for s, first in zip(batch, firsts)
+            (
+                int(first),
+                s.request.num_computed_tokens,
+                s.num_new_tokens - len(s.draft),
+                int(n),
+                s.request.images,
+            )
+            for s, first, n in zip(batch, firsts, step.layout.query_lens)
             if s.request.images
         ]
         return step_rows(self.paged.model, spans)
@@ -161,7 +165,7 @@ class ModelRunner:
         step: StepBatch,
         rows: np.ndarray,
         slots: np.ndarray | None,
-        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        image_rows: StepImages | None = None,
     ) -> torch.Tensor | None:
         """The forward, with each row's LoRA adapter (`slots`, None: no row has one)."""
         if slots is None or self.lora is None:

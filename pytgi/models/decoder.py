@@ -22,7 +22,7 @@ may run all its layers in one C call (`pytgi.models.decoder_loop`) for the steps
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -52,6 +52,17 @@ from pytgi.models.moe import SparseMoE
 from pytgi.models.quant import quantize_model
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+class StepImages(NamedTuple):
+    """A step's image rows (a vision model's): `values` replace the embeddings of the flat `rows`;
+    with M-RoPE (Qwen2-VL), `rope_rows` take 3-D positions `rope_positions` [3, n] (temporal,
+    height, width) instead of their 1-D ones."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+    rope_rows: torch.Tensor | None = None
+    rope_positions: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -240,6 +251,7 @@ class DecoderModel(nn.Module):
             if cfg.rope_local_theta is not None
             else None
         )
+        self.mrope_section: list[int] | None = None  # M-RoPE's frequencies per axis (set by Qwen2-VL)
         self.decoder_loop: DecoderLoop | None = None  # set by `quantize` where it applies
         self.lora_ctx: Any = None  # LoRA adapters' step context (`pytgi.models.lora`), once registered
 
@@ -249,16 +261,21 @@ class DecoderModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[Any],
         meta: Any,
-        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        image_rows: StepImages | None = None,
     ) -> torch.Tensor:
-        """`image_rows`: (flat rows, rows of images) that replace those rows' embeddings (LLaVA)."""
+        """`image_rows`: a vision model's rows of images, and its M-RoPE positions (`StepImages`)."""
         cfg = self.config
         x = self.embed_tokens(input_ids)
         if cfg.embed_scale is not None:
             x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
-        if image_rows is not None:
-            x[image_rows[0]] = image_rows[1].to(x.dtype)
+        if image_rows is not None and len(image_rows.rows):
+            x[image_rows.rows] = image_rows.values.to(x.dtype)
         rope = self.ops.rope_tables(self.rotary, positions, x.dtype)
+        if image_rows is not None and image_rows.rope_rows is not None:
+            assert image_rows.rope_positions is not None and self.mrope_section is not None
+            cos, sin = self.rotary.mrope(image_rows.rope_positions, self.mrope_section)
+            for table, rows in zip(rope, (cos, sin)):  # each step's tables are its own copies
+                table[image_rows.rope_rows] = rows.reshape(len(rows), *table.shape[1:]).to(table.dtype)
         local = self.rotary_local
         ropes = (rope, rope if local is None else self.ops.rope_tables(local, positions, x.dtype))
         whole = meta.uniform if isinstance(meta, WindowedMetadata) else meta  # one metadata for every layer

@@ -27,8 +27,8 @@ from torch import nn
 
 from pytgi.config import ImageLayout
 from pytgi.errors import UnsupportedModel
-from pytgi.models.decoder import DecoderModel
-from pytgi.models.llava import load_image_processor
+from pytgi.models.decoder import DecoderModel, StepImages
+from pytgi.models.vision import Expanded, load_image_processor
 
 ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 PREFIXES = {"model.text_model.": "text", "model.vision_model.": "tower", "model.connector.": "connector"}
@@ -113,7 +113,7 @@ class Idefics3Images:
             split_end=len(self.split_end),
         )
 
-    def __call__(self, img: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
+    def __call__(self, img: Any) -> Expanded:
         out = self.processor(images=[img], return_tensors="pt", return_row_col_info=True)
         rows, cols = out["rows"][0][0], out["cols"][0][0]
         if max(rows, cols) > 6:
@@ -124,7 +124,7 @@ class Idefics3Images:
                 ids += self.tiles[(r, c)]
             ids += self.row_end if r < rows else self.split_end
         pixels = {k: out[k] for k in ("pixel_values", "pixel_attention_mask") if k in out}
-        return pixels, ids + self.whole
+        return Expanded(pixels, ids + self.whole)
 
 
 class Idefics3Model(nn.Module):
@@ -194,7 +194,7 @@ class Idefics3Model(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[Any],
         meta: Any,
-        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        image_rows: StepImages | None = None,
     ) -> torch.Tensor:
         return self.text(input_ids, positions, kv_caches, meta, image_rows)
 

@@ -179,7 +179,7 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif kind == "linear":
             inv_freq = inv_freq / scaling["factor"]
-        elif kind != "default":
+        elif kind not in ("default", "mrope"):  # M-RoPE: the default frequencies, by axis (`mrope`)
             raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -190,6 +190,18 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin for these positions, shaped [T, 1, head_dim] to broadcast over heads."""
         return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+    def mrope(self, positions: torch.Tensor, section: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """M-RoPE (Qwen2-VL): float32 cos, signed sin [n, head_dim] for 3-D positions [3, n]; the
+        frequencies go to the axes in `section`'s runs (temporal, height, width), in both halves."""
+        half = self.cos.shape[1] // 2
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(section))  # [half]
+        if axis.numel() != half:
+            raise ValueError(f"mrope_section {section} does not cover the rotary's {half} frequencies")
+        axis = torch.cat((axis, axis))
+        cols = torch.arange(2 * half)
+        at = positions[axis].T  # [n, head_dim]: each column's position on its axis
+        return self.cos[at, cols], self.sin[at, cols]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

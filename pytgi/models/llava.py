@@ -10,7 +10,6 @@ on this rank; the language model is `DecoderModel`, with its kernels, quantizati
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,8 @@ from torch import nn
 
 from pytgi.config import ImageLayout
 from pytgi.errors import UnsupportedModel
-from pytgi.models.decoder import DecoderModel
+from pytgi.models.decoder import DecoderModel, StepImages
+from pytgi.models.vision import Expanded, load_image_processor
 from pytgi.router.media import image_positions
 
 ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
@@ -60,15 +60,6 @@ def vision_spec(hf: dict[str, Any]) -> tuple[int, int]:
     return int(token), grid * grid + int(cls_row) - int(strategy == "default")
 
 
-def load_image_processor(path: Path) -> Any:
-    """The checkpoint's image processor (`preprocessor_config.json`), the PIL one: the exact one."""
-    from transformers import AutoImageProcessor
-
-    with warnings.catch_warnings():  # no torchvision: the slow processor, which is the reference
-        warnings.simplefilter("ignore")
-        return AutoImageProcessor.from_pretrained(str(path))
-
-
 class LlavaImages:
     """The engine's image processor for LLaVA: every position of an image is an image token (the same
     count for every image in LLaVA-1.5; by the image's size in LLaVA-NeXT)."""
@@ -93,10 +84,10 @@ class LlavaImages:
                 patch=vision.patch_size,
             )
 
-    def __call__(self, img: Any) -> tuple[dict[str, torch.Tensor], list[int]]:
+    def __call__(self, img: Any) -> Expanded:
         out = self.processor(images=[img], return_tensors="pt")
         pixels = {k: out[k] for k in ("pixel_values", "image_sizes") if k in out}
-        return pixels, [self.layout.token] * image_positions(self.layout, *img.size)
+        return Expanded(pixels, [self.layout.token] * image_positions(self.layout, *img.size))
 
 
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:
@@ -212,7 +203,7 @@ class LlavaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[Any],
         meta: Any,
-        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        image_rows: StepImages | None = None,
     ) -> torch.Tensor:
         """`image_rows`: (flat rows, their image rows) that replace those rows' token embeddings."""
         return self.text(input_ids, positions, kv_caches, meta, image_rows)

@@ -11,9 +11,9 @@ from typing import Any, Protocol
 import torch
 
 from pytgi.errors import UnsupportedModel
-from pytgi.models import idefics3, llava
+from pytgi.models import idefics3, llava, qwen2_vl
 from pytgi.models.cpu import CpuKernels
-from pytgi.models.decoder import DecoderConfig, DecoderModel
+from pytgi.models.decoder import DecoderConfig, DecoderModel, StepImages
 from pytgi.models.gemma import gemma_config
 from pytgi.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from pytgi.models.llama import llama_config
@@ -30,6 +30,7 @@ MODELS: dict[str, Callable[[dict[str, Any]], DecoderConfig]] = {
 VISION: dict[str, tuple[Any, Callable[[dict[str, Any]], dict[str, Any]]]] = {
     **{arch: (llava.LlavaModel, llava.text_config) for arch in llava.ARCHITECTURES},
     **{arch: (idefics3.Idefics3Model, idefics3.text_config) for arch in idefics3.ARCHITECTURES},
+    **{arch: (qwen2_vl.Qwen2VLModel, qwen2_vl.text_config) for arch in qwen2_vl.ARCHITECTURES},
 }
 SUPPORTED_ARCHITECTURES = (*MODELS, *VISION)
 
@@ -49,7 +50,7 @@ class CausalLM(Protocol):
         positions: torch.Tensor,
         kv_caches: list[Any],
         meta: Any,
-        image_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+        image_rows: StepImages | None = None,
     ) -> torch.Tensor:
         """The last hidden states of the step's tokens (writing their keys and values); `image_rows`
         (a vision model's): flat rows whose embeddings are an image's rows."""

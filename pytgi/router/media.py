@@ -12,6 +12,7 @@ import base64
 import binascii
 import io
 import ipaddress
+import math
 import re
 import socket
 import warnings
@@ -113,11 +114,32 @@ def _anyres_positions(layout: ImageLayout, w: int, h: int) -> int:
     return rows * cols + rows + layout.positions
 
 
+def _merge_resize(layout: ImageLayout, w: int, h: int) -> tuple[int, int]:
+    """Qwen2-VL: the (height, width) an image is resized to: each a multiple of patch × merge, the
+    aspect kept as near as may be, the pixels between `min_pixels` and `max_pixels`."""
+    f = layout.patch * layout.merge
+    if max(w, h) / min(w, h) > 200:
+        raise InvalidRequest(
+            f"an image of {w}×{h} pixels: this model takes aspect ratios up to 200", "images"
+        )
+    hb, wb = round(h / f) * f, round(w / f) * f
+    if hb * wb > layout.max_pixels:
+        beta = math.sqrt(h * w / layout.max_pixels)
+        hb, wb = max(f, math.floor(h / beta / f) * f), max(f, math.floor(w / beta / f) * f)
+    elif hb * wb < layout.min_pixels:
+        beta = math.sqrt(layout.min_pixels / (h * w))
+        hb, wb = math.ceil(h * beta / f) * f, math.ceil(w * beta / f) * f
+    return hb, wb
+
+
 def image_positions(layout: ImageLayout, width: int, height: int) -> int:
     """The prompt positions an image of `width` × `height` pixels takes (`ImageLayout` says how). The
     engine expands the image's token to that many; the API process counts them before admission."""
     if layout.kind == "anyres":
         return _anyres_positions(layout, width, height)
+    if layout.kind == "merge":
+        h, w = _merge_resize(layout, width, height)
+        return (h // layout.patch) * (w // layout.patch) // layout.merge**2
     if layout.kind != "tiles" or not layout.tile:
         return layout.positions
     w, h = _fit_longest_edge(width, height, layout.longest_edge) if layout.longest_edge else (width, height)

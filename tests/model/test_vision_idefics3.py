@@ -151,7 +151,7 @@ def test_the_api_counts_each_image_as_the_processor_expands_it(tiny):
         images = engine.images
         assert images is not None and images.layout.tile == TILE
         for w, h in SIZES:
-            _, ids = images.processor(Image.new("RGB", (w, h)))
+            ids = images.processor(Image.new("RGB", (w, h))).ids
             assert image_positions(images.layout, w, h) == len(ids), (w, h)
     finally:
         engine.shutdown()
