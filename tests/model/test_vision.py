@@ -49,19 +49,20 @@ def tiny(tmp_path_factory):
     return path
 
 
-def reference(path, prompt: list[int], images: list[bytes]) -> list[int]:
-    """transformers' generate, the prompt's image tokens expanded as LlavaProcessor expands them."""
+def reference(path, prompt: list[int], images: list[bytes], image: int = IMAGE, eos: int | None = None) -> list[int]:
+    """transformers' generate, the prompt's image tokens expanded as LlavaProcessor expands them (NEW
+    tokens, or up to `eos`)."""
     model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     processor = transformers.AutoImageProcessor.from_pretrained(path)
-    ids = [x for t in prompt for x in ([t] * PER_IMAGE if t == IMAGE else [t])]
-    kw = {}
+    ids = [x for t in prompt for x in ([t] * PER_IMAGE if t == image else [t])]
+    kw = {"min_new_tokens": NEW} if eos is None else {"eos_token_id": eos}
     if images:
         pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
         kw["pixel_values"] = processor(images=pil, return_tensors="pt")["pixel_values"]
     x = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, min_new_tokens=NEW,
-                             do_sample=False, pad_token_id=0, **kw)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False,
+                             pad_token_id=0, **kw)
     return out[0, len(ids):].tolist()
 
 
@@ -276,5 +277,47 @@ def test_llava_next_positions_are_counted_as_the_model_packs_them(tiny_next):
                      (640, 480), (28, 84), (85, 28)]:
             _, _, feats = next_features(tiny_next, [png(0, (w, h))])
             assert image_positions(layout, w, h) == feats[0].shape[0], (w, h)
+    finally:
+        engine.shutdown()
+
+
+def test_llava_on_the_default_models_real_text_weights(tmp_path):
+    """The default model's text weights (SmolLM2-135M, from its GGUF, in float32) behind a small random
+    CLIP tower and projector: greedy output equals transformers', alone and batched with text."""
+    from pytgi.models.registry import converted_gguf_dir, default_gguf_path
+    from pytgi.tokenizer import Tokenizer
+
+    text_dir = converted_gguf_dir(default_gguf_path(), progress=False)
+    llama = transformers.LlamaForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    tok = Tokenizer.from_dir(text_dir)
+    image = tok.special_id("<empty_output>")  # an unused special token stands for the image
+    torch.manual_seed(0)
+    cfg = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**VISION), text_config=llama.config,
+                                   image_token_index=image, vision_feature_layer=-2,
+                                   vision_feature_select_strategy="default")
+    model = transformers.LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():
+        model.model.language_model.load_state_dict(llama.model.state_dict())
+        model.lm_head.weight.copy_(llama.lm_head.weight)
+        model.model.multi_modal_projector.linear_2.weight.mul_(8.0)  # the image must matter to greedy
+    model.save_pretrained(tmp_path)
+    transformers.CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}).save_pretrained(tmp_path)
+    del model, llama
+
+    def chat(text: str, with_image: bool) -> list[int]:
+        head = tok.encode(f"<|im_start|>user\n{text}", add_special_tokens=False)
+        return head + [image] * with_image + tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+
+    jobs = [(chat("What is in this picture?", True), [png(1)]), (chat("Describe it.", True), [png(2, (30, 90))]),
+            (chat("What is the capital of France?", False), [])]
+    eos = tok.special_id("<|im_end|>")
+    want = [reference(tmp_path, p, imgs, image, eos) for p, imgs in jobs]
+    assert reference(tmp_path, jobs[0][0], [png(9)], image, eos) != want[0], "an image that changes nothing"
+    assert all(len(w) >= 4 for w in want), want
+    engine = engine_for(tmp_path, max_total_tokens=1024)
+    try:
+        for job, w in zip(jobs, want):
+            assert run(engine, [job])[0] == [w]
+        assert run(engine, jobs)[0] == want
     finally:
         engine.shutdown()
