@@ -155,6 +155,17 @@ def barrier() -> None:
     all_reduce_min(1)
 
 
+def broadcast_tensor(x: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Rank 0's tensor `x` (of `shape` and `dtype`, on the CPU), received by the others."""
+    if _TP_RANK == 0:
+        assert x is not None
+        t = x.detach().to("cpu", dtype).contiguous()
+    else:
+        t = torch.empty(shape, dtype=dtype)
+    _guard(dist.broadcast, t, 0)
+    return t
+
+
 def broadcast_arrays(arrays: list[np.ndarray] | None, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
     """Rank 0's int64 arrays of the given shapes, in one broadcast."""
     total = sum(int(np.prod(s)) for s in shapes)

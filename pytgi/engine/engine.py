@@ -25,7 +25,7 @@ from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import Scheduler
 from pytgi.engine.shards import ShardGroup, set_cpu_threads
-from pytgi.errors import DistributedError, InvalidRequest, UnsupportedModel
+from pytgi.errors import DistributedError, InvalidRequest
 from pytgi.lora import AdapterError, check_name
 from pytgi.models.quant import file_quantization
 from pytgi.models.registry import resolve_adapter, resolve_adapters, resolve_model
@@ -84,9 +84,6 @@ class LLMEngine:
         self.images: ImageInputs | None = None
         image_processor = getattr(self.runner.model, "image_processor", None)  # a vision model's
         if image_processor is not None:
-            if self.shards.config.num_shard > 1:
-                self.shutdown()
-                raise UnsupportedModel("vision models run on one shard for now (--num-shard 1)")
             self.images = ImageInputs(image_processor(model_path), config.mm_cache_size)
             self.info = msgspec.structs.replace(self.info, image_layout=self.images.layout)
         try:

@@ -138,9 +138,10 @@ class ModelRunner:
         if self.lora is not None:
             adapters = [s.request.params.adapter for s in batch]
             slots = self.lora.row_slots(adapters, step.layout.query_lens)
+        images = self._image_rows(batch, step)  # the tower runs on rank 0; the others get its rows
         if dist.tp_size() > 1:
-            self._broadcast_step(step, plan.rows, slots)
-        return self.sampling.run(self._forward(step, plan.rows, slots, self._image_rows(batch, step)), plan)
+            self._broadcast_step(step, plan.rows, slots, images)
+        return self.sampling.run(self._forward(step, plan.rows, slots, images), plan)
 
     def _image_rows(self, batch: list[ScheduledRequest], step: StepBatch) -> StepImages | None:
         """The step's rows at image positions and their image rows (computed now where not yet)."""
@@ -180,30 +181,60 @@ class ModelRunner:
         self.grammars.remove(request_id)
 
     # -- tensor parallelism ------------------------------------------------------------------------
-    def _shapes(self, T: int, B: int, M: int, R: int) -> list[tuple[int, ...]]:
+    def _shapes(self, T: int, B: int, M: int, R: int, n: int = 0, n_rope: int = 0) -> list[tuple[int, ...]]:
         lora = [(T,)] if self.lora is not None else []  # each row's adapter slot
-        return [(T,), (T,), (B,), (B,), (B, M), (T,), (R,), *lora]
+        images = [(n,)] if n + n_rope else []  # the image rows' flat rows
+        rope = [(n_rope,), (3, n_rope)] if n_rope else []  # M-RoPE's rows and their 3-D positions
+        return [(T,), (T,), (B,), (B,), (B, M), (T,), (R,), *lora, *images, *rope]
 
-    def _broadcast_step(self, step: StepBatch, rows: np.ndarray, slots: np.ndarray | None) -> None:
+    def _broadcast_step(
+        self, step: StepBatch, rows: np.ndarray, slots: np.ndarray | None, images: StepImages | None
+    ) -> None:
         layout = step.layout
         B, M = layout.block_tables.shape
         T, R = len(step.ids), len(rows)
-        dist.broadcast_command(dist.CMD_STEP, T, B, M, R)
+        # a vision model's step says how many image rows, their width, and M-RoPE rows follow
+        n, width, n_rope = 0, 0, 0
+        if images is not None:
+            n, width = images.values.shape if len(images.rows) else (0, 0)
+            n_rope = 0 if images.rope_rows is None else len(images.rope_rows)
+        dist.broadcast_command(dist.CMD_STEP, T, B, M, R, n, width, n_rope)
         arrays = [step.ids, step.positions, layout.query_lens, layout.context_lens, layout.block_tables]
         arrays += [layout.slot_mapping, rows]
         if self.lora is not None:
             arrays.append(slots if slots is not None else np.full(T, -1, np.int64))
-        dist.broadcast_arrays(arrays, self._shapes(T, B, M, R))
+        if images is not None and n + n_rope:
+            arrays.append(images.rows.numpy())
+            if n_rope:
+                assert images.rope_rows is not None and images.rope_positions is not None
+                arrays += [images.rope_rows.numpy(), images.rope_positions.numpy()]
+        dist.broadcast_arrays(arrays, self._shapes(T, B, M, R, n, n_rope))
+        if n:
+            dist.broadcast_tensor(images.values if images is not None else None, (n, width), self.dtype)
 
     @torch.inference_mode()
-    def worker_step(self, T: int, B: int, M: int, R: int) -> None:
-        """Ranks > 0: receive rank 0's step arrays and run this shard's forward."""
-        ids, positions, q_lens, ctx, tables, slot_mapping, rows, *lora = dist.broadcast_arrays(
-            None, self._shapes(T, B, M, R)
+    def worker_step(
+        self, T: int, B: int, M: int, R: int, n: int = 0, width: int = 0, n_rope: int = 0
+    ) -> None:
+        """Ranks > 0: receive rank 0's step arrays (and a vision model's image rows) and run this
+        shard's forward."""
+        ids, positions, q_lens, ctx, tables, slot_mapping, rows, *rest = dist.broadcast_arrays(
+            None, self._shapes(T, B, M, R, n, n_rope)
         )
         layout = StepLayout(q_lens, ctx, tables, slot_mapping, self.paged.block_size)
-        slots = lora[0] if lora and (lora[0] >= 0).any() else None
-        self._forward(StepBatch(ids, positions, layout), rows, slots)
+        lora = rest.pop(0) if self.lora is not None else None
+        slots = lora if lora is not None and (lora >= 0).any() else None
+        images = None
+        if n + n_rope:
+            flat = torch.from_numpy(rest[0].copy())
+            values = dist.broadcast_tensor(None, (n, width), self.dtype) if n else torch.zeros(0, 0)
+            rope = (
+                (torch.from_numpy(rest[1].copy()), torch.from_numpy(rest[2].copy()))
+                if n_rope
+                else (None, None)
+            )
+            images = StepImages(flat, values, *rope)
+        self._forward(StepBatch(ids, positions, layout), rows, slots, images)
 
     def ping(self) -> None:
         """While idle, a no-op collective: a dead or stuck rank is noticed without waiting for traffic."""

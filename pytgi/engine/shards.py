@@ -16,6 +16,7 @@ from pathlib import Path
 from pytgi.config import EngineConfig
 from pytgi.distributed import check_heads
 from pytgi.errors import DistributedError
+from pytgi.models.loader import VISION
 from pytgi.net import free_port
 
 
@@ -36,6 +37,9 @@ class ShardGroup:
         if self.world_size == 1:
             return
         cfg = json.loads((Path(str(config.model)) / "config.json").read_text())
+        vision = VISION.get((cfg.get("architectures") or [""])[0])
+        if vision is not None:  # a vision model's language model is what is sharded (its tower is not)
+            cfg = vision[1](cfg)
         heads = cfg["num_attention_heads"]
         check_heads(heads, cfg.get("num_key_value_heads") or heads, self.world_size)
         if not self.external:

@@ -34,11 +34,11 @@ def run_worker(config: EngineConfig, rank: int) -> int:
         return 1
     try:
         while True:
-            cmd, a, b, c, d = dist.broadcast_command(dist.CMD_NOOP)[:5]
+            cmd, a, b, c, d, *images = dist.broadcast_command(dist.CMD_NOOP)
             if cmd == dist.CMD_NOOP:
                 dist.barrier()
             elif cmd == dist.CMD_STEP:
-                runner.worker_step(a, b, c, d)
+                runner.worker_step(a, b, c, d, *images[:3])
             elif cmd == dist.CMD_ALLOC:
                 runner.allocate_kv_cache(a, b)
             elif cmd == dist.CMD_CAPACITY:

@@ -151,3 +151,14 @@ def test_positions_that_ignore_the_grid_give_another_answer(tiny, monkeypatch):
         assert run(engine, [JOBS[0]]) != [want]
     finally:
         engine.shutdown()
+
+
+def test_two_shards_equal_one(tiny):
+    """--num-shard 2: rank 0 runs the tower and sends each step's image rows and M-RoPE positions to
+    rank 1 with the step; the answers are transformers' (batched, and in prefill chunks)."""
+    want = [reference(tiny, p, imgs) for p, imgs in JOBS]
+    engine = engine_for(tiny[1], num_shard=2, max_batch_prefill_tokens=5)
+    try:
+        assert run(engine, JOBS) == want
+    finally:
+        engine.shutdown()
