@@ -15,7 +15,7 @@ The workload
     * ``distinct``  -- every request a new image: nothing cached helps;
     * ``repeated``  -- every request the same image: pytgi's image cache (--mm-cache-size) skips the
       image processor and the tower; run again with --mm-cache-size 0 to see what it saves.
-    At 1 client (`--requests` one after another) and at 8 (4 × 8 requests, 8 at a time). Reported:
+    At 1 client (`--requests` one after another) and at 8 (`--requests-8`, 8 at a time). Reported:
     output tok/s over the wall time, TTFT p50 / p90 (ms), and the prompt tokens the server counted.
 
 How to run
@@ -166,7 +166,7 @@ def measure(target: ManagedTarget, args: argparse.Namespace, label: str) -> list
         model = httpx.get(target.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         asyncio.run(load(target.url, model, [png(10_000)], 1, 4))  # warm-up, an image seen by nobody else
         seed = 0
-        for clients, n in ((1, args.requests), (8, 4 * 8)):
+        for clients, n in ((1, args.requests), (8, args.requests_8)):
             for workload in ("distinct", "repeated"):
                 images = [png(seed + i) for i in range(n)] if workload == "distinct" else [png(seed)] * n
                 seed += n
@@ -181,6 +181,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=8, help="requests at 1 client, per workload")
+    ap.add_argument("--requests-8", type=int, default=32, help="requests at 8 clients, per workload")
     ap.add_argument("--llama-server", help="llama-server binary (built with its mtmd tools)")
     ap.add_argument("--llama-cpp", type=Path, help="llama.cpp source tree (convert_hf_to_gguf.py, gguf-py)")
     ap.add_argument("--workdir", type=Path, default=cache_dir() / "bench-vision", help="the model and GGUFs")

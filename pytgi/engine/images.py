@@ -14,6 +14,7 @@ and values.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,50 +37,67 @@ class ImageProcessor(Protocol):
     def __call__(self, img: Any) -> Expanded: ...
 
 
-Expansion = tuple[list[int], tuple[int, int] | None, torch.Tensor]  # ids, grid and rows, cached
+@dataclass(eq=False)  # no slots: a RowCache holds it weakly
+class ImageRows:
+    """One image (by content): the token ids of the positions it takes, and its rows once the model
+    computed them. Every request holding the image shares it, so the tower runs once for them all."""
+
+    digest: str  # sha256 of the image's bytes (the prefix cache keys blocks by it)
+    ids: list[int]
+    places: torch.Tensor  # which of its positions take its rows, in order (its image tokens)
+    grid: tuple[int, int] | None  # M-RoPE: its positions' grid (height, width)
+    pixels: dict[str, torch.Tensor] | None  # from the model's image processor, until the rows exist
+    rows: torch.Tensor | None = None  # [len(places), hidden]
 
 
 class RowCache:
-    """Images' expansions and rows by content (sha256), the least recently used out past `size`
-    (--mm-cache-size): an image sent again, in another request, skips its pixels and the vision tower."""
+    """Images by content (sha256): those some request holds now, and the `size` (--mm-cache-size)
+    computed last, the least recently used out first. An image sent again, while another request
+    holds it or soon after, skips its pixels and the vision tower."""
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._rows: OrderedDict[str, Expansion] = OrderedDict()
+        self._kept: OrderedDict[str, ImageRows] = OrderedDict()
+        self._held: weakref.WeakValueDictionary[str, ImageRows] = weakref.WeakValueDictionary()
         self.hits = self.misses = 0
 
-    def get(self, digest: str) -> Expansion | None:
-        rows = self._rows.get(digest)
-        if rows is None:
+    def get(self, digest: str) -> ImageRows | None:
+        image = self._held.get(digest) or self._kept.get(digest)
+        if image is None:
             self.misses += 1
             return None
-        self._rows.move_to_end(digest)
+        if digest in self._kept:
+            self._kept.move_to_end(digest)
         self.hits += 1
-        return rows
+        return image
 
-    def put(self, digest: str, rows: Expansion) -> None:
+    def hold(self, image: ImageRows) -> None:
+        """`image` is in a request now (weakly: it goes when no request holds it)."""
+        self._held[image.digest] = image
+
+    def put(self, image: ImageRows) -> None:
+        """`image`'s rows were computed: keep it past its requests."""
         if self.size == 0:
             return
-        self._rows[digest] = rows
-        self._rows.move_to_end(digest)
-        while len(self._rows) > self.size:
-            self._rows.popitem(last=False)
+        self._kept[image.digest] = image
+        self._kept.move_to_end(image.digest)
+        while len(self._kept) > self.size:
+            self._kept.popitem(last=False)
 
 
 @dataclass(slots=True, eq=False)
 class PromptImage:
     offset: int  # the prompt position of its first token
-    ids: list[int]  # the token ids of the positions it takes
-    places: torch.Tensor  # which of those positions take its rows, in order (its image tokens)
-    pixels: dict[str, torch.Tensor] | None  # from the model's image processor (None: rows cached)
-    digest: str  # sha256 of the image's bytes (the prefix cache keys blocks by it)
-    rows: torch.Tensor | None = None  # [len(places), hidden] once the model computed them
+    image: ImageRows
     cache: RowCache | None = None  # where its rows go once computed
-    grid: tuple[int, int] | None = None  # M-RoPE: its positions' grid (height, width)
 
     @property
     def length(self) -> int:
-        return len(self.ids)
+        return len(self.image.ids)
+
+    @property
+    def digest(self) -> str:
+        return self.image.digest
 
 
 class ImageInputs:
@@ -100,25 +118,23 @@ class ImageInputs:
         last = 0
         for k, (place, data) in enumerate(zip(places, images)):
             digest = hashlib.sha256(data).hexdigest()
-            cached = self.cache.get(digest)
-            pixels, rows, grid = None, None, None
-            if cached is None:
+            image = self.cache.get(digest)
+            if image is None:
                 img = decode_image(data, f"images.[{k}]")
                 made = self.processor(img)
-                pixels, expansion, grid = made.pixels, made.ids, made.grid
                 want = image_positions(self.layout, *img.size)
-                if len(expansion) != want:  # the API process counted `want` for its limits
+                if len(made.ids) != want:  # the API process counted `want` for its limits
                     raise InvalidRequest(
-                        f"image `images.[{k}]` takes {len(expansion)} positions, not the {want} "
+                        f"image `images.[{k}]` takes {len(made.ids)} positions, not the {want} "
                         f"counted for it ({img.size[0]}×{img.size[1]} pixels)",
                         f"images.[{k}]",
                     )
-            else:
-                expansion, grid, rows = cached
+                at = torch.tensor([i for i, t in enumerate(made.ids) if t == token], dtype=torch.long)
+                image = ImageRows(digest, made.ids, at, made.grid, made.pixels)
+                self.cache.hold(image)
             ids += prompt_ids[last:place]
-            at = torch.tensor([i for i, t in enumerate(expansion) if t == token], dtype=torch.long)
-            out.append(PromptImage(len(ids), expansion, at, pixels, digest, rows, self.cache, grid))
-            ids += expansion
+            out.append(PromptImage(len(ids), image, self.cache))
+            ids += image.ids
             last = place + 1
         ids += prompt_ids[last:]
         return ids, out
@@ -140,22 +156,23 @@ def step_rows(
             lo, hi = max(img.offset, start), min(img.offset + img.length, start + count)
             if lo >= hi:
                 continue
-            at = img.places
+            image = img.image
+            at = image.places
             sel = (at >= lo - img.offset) & (at < hi - img.offset)
             if not bool(sel.any()):
                 continue
-            if img.rows is None:
-                assert img.pixels is not None
-                img.rows = model.encode_image(img.pixels)
-                img.pixels = None  # the rows are kept; the pixels are not needed again
-                got, want = img.rows.shape[0], len(img.places)
+            if image.rows is None:
+                assert image.pixels is not None
+                computed = model.encode_image(image.pixels)
+                got, want = computed.shape[0], len(at)
                 if got != want:  # fails this step's requests, not the server
                     raise RuntimeError(f"an image of {want} positions got {got} rows")
+                image.rows, image.pixels = computed, None  # the pixels are not needed again
                 if img.cache is not None:
-                    img.cache.put(img.digest, (img.ids, img.grid, img.rows))
+                    img.cache.put(image)
             flat.append(first_row + img.offset - start + at[sel])
-            rows.append(img.rows[sel])
-        if any(img.grid is not None for img in images):
+            rows.append(image.rows[sel])
+        if any(img.image.grid is not None for img in images):
             rope_rows.append(torch.arange(first_row, first_row + step_len))
             rope_positions.append(mrope_positions(images, start, step_len))
     if not flat and not rope_rows:
@@ -177,9 +194,9 @@ def mrope_positions(images: Sequence[PromptImage], start: int, count: int) -> to
     pos = index.repeat(3, 1)
     shift = 0  # how far the positions lag behind the indices, from the images before
     for img in images:
-        if img.grid is None:
+        if img.image.grid is None:
             continue
-        h, w = img.grid
+        h, w = img.image.grid
         inside = (index >= img.offset) & (index < img.offset + img.length)
         j = index[inside] - img.offset
         base = img.offset - shift

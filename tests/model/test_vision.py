@@ -178,7 +178,8 @@ def test_the_offline_llm_takes_image_prompts(tiny, tmp_path):
 @pytest.mark.parametrize("size", [0, 2])
 def test_the_image_cache_skips_the_tower_for_an_image_seen_before(tiny, size):
     """--mm-cache-size: the same image in another request (another prompt: no prefix hit) takes the
-    rows computed before, and gives what transformers gives; with 0, the tower runs again."""
+    rows computed before, and gives what transformers gives; with 0, the tower runs again. Requests
+    that hold the same image at once share it either way."""
     engine = engine_for(tiny, mm_cache_size=size, enable_prefix_caching=False)
     model = engine.runner.model
     calls = []
@@ -192,6 +193,10 @@ def test_the_image_cache_skips_the_tower_for_an_image_seen_before(tiny, size):
         for seed in (2, 3, 1):  # one at a time: 2 and 3 push 1 out of a cache of 2
             run(engine, [([IMAGE, 4], [png(seed)])])
         assert len(calls) == (4 if size else 5)
+        # one image in requests that run together: the tower runs once for them, cache or not
+        c, d = ([5, IMAGE, 3], [png(7)]), ([8, 8, IMAGE], [png(7)])
+        assert run(engine, [c, d])[0] == [reference(tiny, *c), reference(tiny, *d)]
+        assert len(calls) == (5 if size else 6)
     finally:
         engine.shutdown()
 
