@@ -4,9 +4,12 @@ the peer, in one invocation.
 The model
     SmolVLM-256M's shape (Idefics3): the default model's real text weights (SmolLM2-135M, from its
     GGUF) with Idefics3's image tokens added, a random SigLIP-B/16 tower at 512 pixels (12 layers of
-    768) and a random connector (pixel shuffle by 4: 64 rows a frame). Images are not split, so an
-    image is one 512 × 512 frame: 64 image positions and 3 markers. No real SmolVLM can be fetched
-    here; speed does not depend on what the weights are. llama.cpp's own converter makes the peer's
+    768) and a random connector (pixel shuffle by 4: 64 rows a frame). An image is resized to 1024
+    pixels on its longest edge and cut into 512-pixel tiles, so a square image is 2 × 2 tiles and
+    itself at 512: five frames, 320 image positions (SmolVLM-256M's own 2048 would make 17). Both
+    servers split it so (llama.cpp always adds the whole image to its slices, and at 512 pixels
+    would encode two frames to transformers' one). No real SmolVLM can be fetched here; speed does
+    not depend on what the weights are. llama.cpp's own converter makes the peer's
     GGUF (text in q8_0) and mmproj (f16) from the same directory; pytgi runs `--quantize int8`.
 
 The workload
@@ -94,8 +97,8 @@ def make_model(out: Path) -> Path:
     with torch.no_grad():
         model.model.text_model.load_state_dict(llama.model.state_dict())
     model.to(torch.bfloat16).save_pretrained(out)
-    transformers.Idefics3ImageProcessorPil(size={"longest_edge": 512}, max_image_size={"longest_edge": 512},
-                                           do_image_splitting=False).save_pretrained(out)
+    transformers.Idefics3ImageProcessorPil(size={"longest_edge": 1024}, max_image_size={"longest_edge": 512},
+                                           do_image_splitting=True).save_pretrained(out)
     return out
 
 
@@ -145,7 +148,8 @@ async def one(c: httpx.AsyncClient, model: str, image: str, question: str, token
 
 async def load(url: str, model: str, images: list[str], clients: int, tokens: int) -> dict:
     sem = asyncio.Semaphore(clients)
-    async with httpx.AsyncClient(base_url=url, timeout=600) as c:
+    # a connection per request: llama-server closes kept-alive ones after a stream
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as c:
         async def gated(i: int, image: str) -> dict:
             async with sem:
                 return await one(c, model, image, QUESTIONS[i % len(QUESTIONS)], tokens)
@@ -160,14 +164,15 @@ async def load(url: str, model: str, images: list[str], clients: int, tokens: in
             "prompt_tokens": res[0]["prompt_tokens"]}
 
 
-def measure(target: ManagedTarget, args: argparse.Namespace, label: str) -> list[dict]:
+def measure(target: ManagedTarget, args: argparse.Namespace, label: str,
+            workloads: tuple[str, ...] = ("distinct", "repeated")) -> list[dict]:
     rows = []
     with target:
         model = httpx.get(target.url + "/v1/models", timeout=10).json()["data"][0]["id"]
         asyncio.run(load(target.url, model, [png(10_000)], 1, 4))  # warm-up, an image seen by nobody else
         seed = 0
         for clients, n in ((1, args.requests), (8, args.requests_8)):
-            for workload in ("distinct", "repeated"):
+            for workload in workloads:
                 images = [png(seed + i) for i in range(n)] if workload == "distinct" else [png(seed)] * n
                 seed += n
                 row = {"server": label, "workload": workload, **asyncio.run(load(target.url, model, images, clients,
@@ -192,8 +197,8 @@ def main() -> int:
     rows = []
     pytgi_flags = f"--model-id {model} --quantize int8 --max-concurrent-requests 64"
     rows += measure(PytgiTarget(protocol="openai", extra_args=pytgi_flags), args, "pytgi")
-    rows += [r for r in measure(PytgiTarget(protocol="openai", extra_args=pytgi_flags + " --mm-cache-size 0"),
-                                args, "pytgi, --mm-cache-size 0") if r["workload"] == "repeated"]
+    rows += measure(PytgiTarget(protocol="openai", extra_args=pytgi_flags + " --mm-cache-size 0"), args,
+                    "pytgi, --mm-cache-size 0", ("repeated",))
     if args.llama_server and args.llama_cpp:
         text, mmproj = convert(model, args.llama_cpp, args.workdir)
         flags = f"--mmproj {mmproj} -np 8 -c 8192 -t {args.threads} --jinja --no-warmup"

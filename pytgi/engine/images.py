@@ -6,7 +6,7 @@ A prompt holds one image token per image (what the model's chat template writes 
 as the API process checked it), and runs the model's `ImageProcessor`: its pixels, and the token ids
 its image token expands to (LLaVA: image tokens only; Idefics3: tile markers around them). Each image
 token of the expansion takes one of the image's rows. The model computes an image's rows once, in
-the first step that reaches its positions (`PromptImage.rows`), and keeps them while the request
+the first step that reaches its positions (`ImageRows.rows`), and keeps them while a request
 lives, so chunked prefill may cut through an image and a preempted request recomputes only its keys
 and values.
 """
