@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from pytgi.config import ImageLayout
 from pytgi.errors import UnsupportedModel
-from pytgi.models.decoder import DecoderModel, StepImages
-from pytgi.models.vision import Expanded, load_image_processor
+from pytgi.models.decoder import DecoderModel
+from pytgi.models.vision import Expanded, VisionLanguageModel, load_image_processor
 
 ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 PREFIXES = {"model.text_model.": "text", "model.vision_model.": "tower", "model.connector.": "connector"}
@@ -127,39 +126,20 @@ class Idefics3Images:
         return Expanded(pixels, ids + self.whole)
 
 
-class Idefics3Model(nn.Module):
-    """The engine's `CausalLM` for Idefics3/SmolVLM: `forward` takes an image's rows where it has them."""
+class Idefics3Model(VisionLanguageModel):
+    """The engine's `CausalLM` for Idefics3/SmolVLM."""
+
+    PREFIXES = PREFIXES
 
     def __init__(self, hf: dict[str, Any], text: DecoderModel) -> None:
-        super().__init__()
+        super().__init__(hf, text)
         _, tower_cls, connector_cls = _family(hf)
         config = _config(hf)
-        self.hf, self.text = hf, text
         self.tower = tower_cls(config.vision_config)
         self.connector = connector_cls(config)
         self.patch = config.vision_config.patch_size
-        self.config, self.attention, self.layers = text.config, text.attention, text.layers
 
-    def load_weights(self, weights: Any) -> None:
-        """The language model's tensors go to `DecoderModel` (named as a Llama checkpoint's); the tower's
-        and the connector's are loaded strictly (a missing or unknown tensor is an error)."""
-        parts: dict[str, dict[str, torch.Tensor]] = {"tower": {}, "connector": {}}
-
-        def text_weights() -> Any:
-            for name, tensor in weights:
-                if name == "lm_head.weight":
-                    yield name, tensor
-                    continue
-                prefix = next((p for p in PREFIXES if name.startswith(p)), None)
-                if prefix is None:
-                    raise UnsupportedModel(f"unexpected tensor {name!r} in an Idefics3 checkpoint")
-                rest, part = name[len(prefix) :], PREFIXES[prefix]
-                if part == "text":
-                    yield "model." + rest, tensor
-                else:
-                    parts[part][rest] = tensor
-
-        self.text.load_weights(text_weights())
+    def load_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
         self.tower.load_state_dict(parts["tower"], strict=True)
         self.connector.load_state_dict(parts["connector"], strict=True)
 
@@ -187,16 +167,3 @@ class Idefics3Model(nn.Module):
         hidden = self.tower(pixel_values=frames, patch_attention_mask=patches).last_hidden_state
         rows = self.connector(hidden)
         return rows.reshape(-1, rows.shape[-1])
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[Any],
-        meta: Any,
-        image_rows: StepImages | None = None,
-    ) -> torch.Tensor:
-        return self.text(input_ids, positions, kv_caches, meta, image_rows)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.text.compute_logits(hidden)

@@ -18,13 +18,15 @@ from torch import nn
 
 from pytgi.config import ImageLayout
 from pytgi.errors import UnsupportedModel
-from pytgi.models.decoder import DecoderModel, StepImages
-from pytgi.models.vision import Expanded, load_image_processor
+from pytgi.models.decoder import DecoderModel
+from pytgi.models.vision import Expanded, VisionLanguageModel, load_image_processor
 from pytgi.router.media import image_positions
 
 ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 NEXT = "LlavaNextForConditionalGeneration"
 PREFIXES = {  # checkpoint prefix → part (transformers 5 names first, then the older ones)
+    "model.image_newline": "newline",  # LLaVA-NeXT's row end
+    "image_newline": "newline",
     "model.language_model.": "text",
     "language_model.model.": "text",
     "model.vision_tower.": "tower",
@@ -33,7 +35,6 @@ PREFIXES = {  # checkpoint prefix → part (transformers 5 names first, then the
     "multi_modal_projector.": "projector",
 }
 HEADS = ("lm_head.weight", "language_model.lm_head.weight")
-NEWLINES = ("model.image_newline", "image_newline")  # LLaVA-NeXT's row end, in both namings
 
 
 def hf_config(hf: dict[str, Any]) -> Any:
@@ -100,17 +101,19 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-class LlavaModel(nn.Module):
-    """The engine's `CausalLM` for LLaVA: `forward` takes an image's rows where it has them."""
+class LlavaModel(VisionLanguageModel):
+    """The engine's `CausalLM` for LLaVA-1.5 and LLaVA-NeXT."""
+
+    PREFIXES = PREFIXES
+    HEADS = HEADS
 
     def __init__(self, hf: dict[str, Any], text: DecoderModel) -> None:
-        super().__init__()
+        super().__init__(hf, text)
         from transformers import AutoModel
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
         from transformers.models.llava_next.modeling_llava_next import LlavaNextMultiModalProjector
 
         vision_spec(hf)  # refuses a tower it does not know
-        self.hf, self.text = hf, text
         self.next = hf["architectures"][0] == NEXT
         projector_cls: Any = LlavaNextMultiModalProjector if self.next else LlavaMultiModalProjector
         config = hf_config(hf)
@@ -123,37 +126,19 @@ class LlavaModel(nn.Module):
             self.pinpoints = config.image_grid_pinpoints
             self.side = config.vision_config.image_size
             self.patch = config.vision_config.patch_size
-        self.config, self.attention, self.layers = text.config, text.attention, text.layers
 
-    # -- weights -------------------------------------------------------------------------------------
-    def load_weights(self, weights: Any) -> None:
-        """Split the checkpoint between the language model (named as a Llama checkpoint) and the
-        tower and projector (loaded strictly: a missing or unknown tensor is an error)."""
-        parts: dict[str, dict[str, torch.Tensor]] = {"tower": {}, "projector": {}}
-
-        def text_weights() -> Any:
-            for name, tensor in weights:
-                if name in NEWLINES and self.next:
-                    self.image_newline.data.copy_(tensor)
-                    continue
-                if name in HEADS:
-                    yield "lm_head.weight", tensor
-                    continue
-                prefix = next((p for p in PREFIXES if name.startswith(p)), None)
-                if prefix is None:
-                    raise UnsupportedModel(f"unexpected tensor {name!r} in a LLaVA checkpoint")
-                rest, part = name[len(prefix) :], PREFIXES[prefix]
-                if part == "text":
-                    yield "model." + rest, tensor
-                else:
-                    parts[part][rest] = tensor
-
-        self.text.load_weights(text_weights())
+    def load_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
         tower = parts["tower"]
         if not any(k.startswith("vision_model.") for k in self.tower.state_dict()):
             tower = {k.removeprefix("vision_model."): v for k, v in tower.items()}
         self.tower.load_state_dict(tower, strict=True)
         self.projector.load_state_dict(parts["projector"], strict=True)
+        if self.next:
+            if "" not in parts["newline"]:
+                raise UnsupportedModel("this LLaVA-NeXT checkpoint has no image_newline")
+            self.image_newline.data.copy_(parts["newline"][""])
+        elif parts["newline"]:
+            raise UnsupportedModel("unexpected tensor 'image_newline' in a LLaVA-1.5 checkpoint")
 
     def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype) -> None:
         """Quantize the language model; the tower and the projector run in `act_dtype`."""
@@ -196,17 +181,3 @@ class LlavaModel(nn.Module):
         x = unpad_image(x, size)  # [hidden, rows, cols]
         x = torch.cat((x, self.image_newline[:, None, None].expand(*x.shape[:-1], 1).to(x.dtype)), dim=-1)
         return torch.cat((whole, x.flatten(1, 2).transpose(0, 1)), dim=0)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[Any],
-        meta: Any,
-        image_rows: StepImages | None = None,
-    ) -> torch.Tensor:
-        """`image_rows`: (flat rows, their image rows) that replace those rows' token embeddings."""
-        return self.text(input_ids, positions, kv_caches, meta, image_rows)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.text.compute_logits(hidden)

@@ -17,12 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from pytgi.config import ImageLayout
 from pytgi.errors import UnsupportedModel
-from pytgi.models.decoder import DecoderModel, StepImages
-from pytgi.models.vision import Expanded, load_image_processor
+from pytgi.models.decoder import DecoderModel
+from pytgi.models.vision import Expanded, VisionLanguageModel, load_image_processor
 
 ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration")
 # checkpoint prefix → part: transformers 5's names, then the Hub's older ones (the decoder at `model.`)
@@ -101,37 +100,18 @@ class Qwen2VLImages:
         return Expanded(pixels, [self.layout.token] * (grid[0] * grid[1]), grid)
 
 
-class Qwen2VLModel(nn.Module):
+class Qwen2VLModel(VisionLanguageModel):
     """The engine's `CausalLM` for Qwen2-VL and Qwen2.5-VL."""
 
+    PREFIXES = PREFIXES
+
     def __init__(self, hf: dict[str, Any], text: DecoderModel) -> None:
-        super().__init__()
-        config = _config(hf)
-        self.hf, self.text = hf, text
-        self.tower = _family(hf)[1]._from_config(config.vision_config)
+        super().__init__(hf, text)
+        self.tower = _family(hf)[1]._from_config(_config(hf).vision_config)
         text.mrope_section = mrope_section(text_config(hf))
-        self.config, self.attention, self.layers = text.config, text.attention, text.layers
 
-    def load_weights(self, weights: Any) -> None:
-        """The decoder's tensors go to `DecoderModel` (named as a Qwen2 checkpoint's); the vision
-        tower's are loaded strictly (a missing or unknown tensor is an error)."""
-        tower: dict[str, torch.Tensor] = {}
-
-        def text_weights() -> Any:
-            for name, tensor in weights:
-                if name == "lm_head.weight":
-                    yield name, tensor
-                    continue
-                prefix = next((p for p in PREFIXES if name.startswith(p)), None)
-                if prefix is None:
-                    raise UnsupportedModel(f"unexpected tensor {name!r} in a Qwen2-VL checkpoint")
-                if PREFIXES[prefix] == "text":
-                    yield "model." + name[len(prefix) :], tensor
-                else:
-                    tower[name[len(prefix) :]] = tensor
-
-        self.text.load_weights(text_weights())
-        self.tower.load_state_dict(tower, strict=True)
+    def load_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
+        self.tower.load_state_dict(parts["tower"], strict=True)
 
     def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype) -> None:
         """Quantize the language model; the tower runs in `act_dtype`."""
@@ -147,16 +127,3 @@ class Qwen2VLModel(nn.Module):
         dtype = next(self.tower.parameters()).dtype
         out = self.tower(pixels["pixel_values"].to(dtype), grid_thw=pixels["image_grid_thw"])
         return out.pooler_output
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[Any],
-        meta: Any,
-        image_rows: StepImages | None = None,
-    ) -> torch.Tensor:
-        return self.text(input_ids, positions, kv_caches, meta, image_rows)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.text.compute_logits(hidden)
