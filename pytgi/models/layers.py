@@ -186,6 +186,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         # The sine with rotate-half's sign folded in: the first half multiplies -x2.
         self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        self._axes: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # M-RoPE's, by section
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin for these positions, shaped [T, 1, head_dim] to broadcast over heads."""
@@ -194,14 +195,20 @@ class RotaryEmbedding(nn.Module):
     def mrope(self, positions: torch.Tensor, section: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """M-RoPE (Qwen2-VL): float32 cos, signed sin [n, head_dim] for 3-D positions [3, n]; the
         frequencies go to the axes in `section`'s runs (temporal, height, width), in both halves."""
+        axis, cols = self._mrope_axes(tuple(section))
+        at = positions[axis].T  # [n, head_dim]: each column's position on its axis
+        return self.cos[at, cols], self.sin[at, cols]
+
+    def _mrope_axes(self, section: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each rotary column's axis (0, 1, 2) under `section`, and the columns (made once)."""
+        if section in self._axes:
+            return self._axes[section]
         half = self.cos.shape[1] // 2
         axis = torch.repeat_interleave(torch.arange(3), torch.tensor(section))  # [half]
         if axis.numel() != half:
-            raise ValueError(f"mrope_section {section} does not cover the rotary's {half} frequencies")
-        axis = torch.cat((axis, axis))
-        cols = torch.arange(2 * half)
-        at = positions[axis].T  # [n, head_dim]: each column's position on its axis
-        return self.cos[at, cols], self.sin[at, cols]
+            raise ValueError(f"mrope_section {list(section)} does not cover the rotary's {half} frequencies")
+        self._axes[section] = torch.cat((axis, axis)), torch.arange(2 * half)
+        return self._axes[section]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import pytest
 import torch
 import transformers
 from PIL import Image
 
-from pytgi.config import EngineConfig
-from pytgi.engine.engine import LLMEngine
 from pytgi.errors import InvalidRequest
 from pytgi.sampling_params import SamplingParams
+from tests.model.vision_util import engine_for, greedy, png
 
 TEXT = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, tie_word_embeddings=False)
@@ -25,13 +23,6 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_att
 IMAGE = 100  # the image token
 PER_IMAGE = (56 // 14) ** 2  # CLIP's patches, the CLS row dropped ("default")
 NEW = 8
-
-
-def png(seed: int, size=(70, 45)) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -68,21 +59,7 @@ def reference(path, prompt: list[int], images: list[bytes], image: int = IMAGE, 
 
 def run(engine, jobs):
     """jobs: (prompt, images) submitted together; each one's greedy tokens and cached prompt tokens."""
-    got, cached = {}, {}
-    for i, (prompt, images) in enumerate(jobs):
-        engine.add_request(str(i), prompt, SamplingParams(max_new_tokens=NEW, temperature=0), images=images)
-        got[str(i)] = []
-    while engine.has_unfinished():
-        for u in engine.step():
-            cached.setdefault(u.request_id, u.num_cached_tokens)
-            if u.token_id >= 0:
-                got[u.request_id].append(u.token_id)
-    return [got[str(i)] for i in range(len(jobs))], [cached[str(i)] for i in range(len(jobs))]
-
-
-def engine_for(path, **kw):
-    return LLMEngine(EngineConfig(**{"model": str(path), "dtype": "float32", "max_batch_total_tokens": 2048,
-                                     **kw}))
+    return greedy(engine, jobs, NEW)
 
 
 PROMPTS = [([5, 17, IMAGE, 3, 99, 42], [png(1)]),

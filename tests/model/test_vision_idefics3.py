@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import pytest
 import torch
 import transformers
 from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pytgi.config import EngineConfig
-from pytgi.engine.engine import LLMEngine
 from pytgi.router.media import image_positions
-from pytgi.sampling_params import SamplingParams
+from tests.model.vision_util import engine_for, greedy, png
 
 SPECIAL = ["<|endoftext|>", "<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
            *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
@@ -32,13 +29,6 @@ FAMILIES = {  # architecture: (config, model, image processor, processor)
     "smolvlm": (transformers.SmolVLMConfig, transformers.SmolVLMForConditionalGeneration,
                 transformers.SmolVLMImageProcessorPil, None),
 }
-
-
-def png(seed: int, size=(70, 45)) -> bytes:
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def tokenizer() -> transformers.PreTrainedTokenizerFast:
@@ -97,21 +87,7 @@ def reference(tiny, text: str, images: list[bytes]) -> list[int]:
 def run(tiny, engine, jobs):
     """jobs: (text, images) submitted together, the text tokenized as the API process would."""
     tok = transformers.AutoTokenizer.from_pretrained(tiny[1])
-    got = {}
-    for i, (text, images) in enumerate(jobs):
-        params = SamplingParams(max_new_tokens=NEW, temperature=0)
-        engine.add_request(str(i), tok.encode(text), params, images=images)
-        got[str(i)] = []
-    while engine.has_unfinished():
-        for u in engine.step():
-            if u.token_id >= 0:
-                got[u.request_id].append(u.token_id)
-    return [got[str(i)] for i in range(len(jobs))]
-
-
-def engine_for(path, **kw):
-    return LLMEngine(EngineConfig(**{"model": str(path), "dtype": "float32", "max_batch_total_tokens": 4096,
-                                     **kw}))
+    return greedy(engine, [(tok.encode(text), images) for text, images in jobs], NEW)[0]
 
 
 JOBS = [("User: what is in this picture?<image>\n\nAssistant:", [png(1)]),  # 70×45: 3 rows × 4 tiles
