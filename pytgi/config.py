@@ -217,7 +217,11 @@ class ImageLayout(msgspec.Struct, frozen=True, kw_only=True):
       with the padding cut off, one newline per row of them, and `positions` for the whole image.
     - "merge" (Qwen2-VL, Qwen2.5-VL): the image is resized to whole multiples of `patch` × `merge`
       pixels with between `min_pixels` and `max_pixels` pixels; it takes one position per `merge`
-      × `merge` patches."""
+      × `merge` patches.
+
+    `wrap` (Gemma 3: a blank line, "\\n\\n"): text the model's processor puts on both sides of each
+    image token before the prompt is tokenized (`pytgi.router.media.wrap_images`); it may merge with
+    the text around it, so it is tokenized with the prompt, not counted in `positions`."""
 
     token: int  # the image token: a prompt holds one per image, where the chat template puts it
     positions: int  # an image that is not split
@@ -232,6 +236,7 @@ class ImageLayout(msgspec.Struct, frozen=True, kw_only=True):
     merge: int = 0
     min_pixels: int = 0
     max_pixels: int = 0
+    wrap: str = ""
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

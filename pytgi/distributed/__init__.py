@@ -142,8 +142,8 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_command(cmd: int, *args: int) -> tuple[int, ...]:
-    """Rank 0 sends (cmd, up to 7 ints); the others receive it. Returns what was broadcast."""
-    t = torch.zeros(8, dtype=torch.int64)
+    """Rank 0 sends (cmd, up to 9 ints); the others receive it. Returns what was broadcast."""
+    t = torch.zeros(10, dtype=torch.int64)
     if _TP_RANK == 0:
         t[: 1 + len(args)] = torch.tensor((cmd, *args))
     _guard(dist.broadcast, t, 0, _CMD_GROUP)

@@ -4,8 +4,9 @@ given their places in the prompt.
 A prompt holds one image token per image (what the model's chat template writes for an image part).
 `ImageInputs.prepare` checks that the counts agree, decodes each image (`pytgi.router.media.decode_image`,
 as the API process checked it), and runs the model's `ImageProcessor`: its pixels, and the token ids
-its image token expands to (LLaVA: image tokens only; Idefics3: tile markers around them). Each image
-token of the expansion takes one of the image's rows. The model computes an image's rows once, in
+its image token expands to (LLaVA: image tokens only; Idefics3: tile markers around them; Gemma 3:
+soft tokens between begin and end markers). Each row position of the expansion (the image token,
+or the family's `Expanded.row_token`) takes one of the image's rows. The model computes an image's rows once, in
 the first step that reaches its positions (`ImageRows.rows`), and keeps them while a request
 lives, so chunked prefill may cut through an image and a preempted request recomputes only its keys
 and values.
@@ -48,6 +49,7 @@ class ImageRows:
     grid: tuple[int, int] | None  # M-RoPE: its positions' grid (height, width)
     pixels: dict[str, torch.Tensor] | None  # from the model's image processor, until the rows exist
     rows: torch.Tensor | None = None  # [len(places), hidden]
+    span: tuple[int, int] | None = None  # positions [lo, hi) that attend to each other both ways
 
 
 class RowCache:
@@ -99,6 +101,13 @@ class PromptImage:
     def digest(self) -> str:
         return self.image.digest
 
+    @property
+    def span(self) -> tuple[int, int] | None:
+        """The prompt positions [lo, hi) whose rows attend to each other both ways (Gemma 3): a
+        prefill chunk holds all of them or none (`Scheduler`), attention unmasks them (`StepLayout`)."""
+        span = self.image.span
+        return None if span is None else (self.offset + span[0], self.offset + span[1])
+
 
 class ImageInputs:
     """The model's image processor; `prepare` turns a request's images into places in its prompt."""
@@ -129,8 +138,10 @@ class ImageInputs:
                         f"counted for it ({img.size[0]}×{img.size[1]} pixels)",
                         f"images.[{k}]",
                     )
-                at = torch.tensor([i for i, t in enumerate(made.ids) if t == token], dtype=torch.long)
-                image = ImageRows(digest, made.ids, at, made.grid, made.pixels)
+                row = token if made.row_token is None else made.row_token
+                at = torch.tensor([i for i, t in enumerate(made.ids) if t == row], dtype=torch.long)
+                span = (int(at[0]), int(at[-1]) + 1) if made.bidirectional and len(at) else None
+                image = ImageRows(digest, made.ids, at, made.grid, made.pixels, span=span)
                 self.cache.hold(image)
             ids += prompt_ids[last:place]
             out.append(PromptImage(len(ids), image, self.cache))

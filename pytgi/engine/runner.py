@@ -123,12 +123,23 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------------
     def layout(self, batch: list[ScheduledRequest]) -> StepBatch:
         reqs = [s.request for s in batch]
-        return StepBatch.build(
+        step = StepBatch.build(
             [s.tokens for s in batch],
             [r.num_computed_tokens for r in reqs],
             [r.block_table for r in reqs],
             self.paged.block_size,
         )
+        spans = [  # the images this step computes whose positions attend to each other both ways
+            (i, *img.span)
+            for i, r in enumerate(reqs)
+            for img in r.images
+            if img.span is not None
+            and img.span[0] < r.num_computed_tokens + batch[i].num_new_tokens
+            and img.span[1] > r.num_computed_tokens
+        ]
+        if spans:
+            step.layout.spans = np.array(spans, dtype=np.int64)
+        return step
 
     @torch.inference_mode()  # the sampling step too: it edits the logits in place
     def execute(self, batch: list[ScheduledRequest]) -> StepOutput:
@@ -181,11 +192,14 @@ class ModelRunner:
         self.grammars.remove(request_id)
 
     # -- tensor parallelism ------------------------------------------------------------------------
-    def _shapes(self, T: int, B: int, M: int, R: int, n: int = 0, n_rope: int = 0) -> list[tuple[int, ...]]:
+    def _shapes(
+        self, T: int, B: int, M: int, R: int, n: int = 0, n_rope: int = 0, n_spans: int = 0
+    ) -> list[tuple[int, ...]]:
         lora = [(T,)] if self.lora is not None else []  # each row's adapter slot
         images = [(n,)] if n + n_rope else []  # the image rows' flat rows
         rope = [(n_rope,), (3, n_rope)] if n_rope else []  # M-RoPE's rows and their 3-D positions
-        return [(T,), (T,), (B,), (B,), (B, M), (T,), (R,), *lora, *images, *rope]
+        spans = [(n_spans, 3)] if n_spans else []  # positions attending both ways (StepLayout.spans)
+        return [(T,), (T,), (B,), (B,), (B, M), (T,), (R,), *lora, *images, *rope, *spans]
 
     def _broadcast_step(
         self, step: StepBatch, rows: np.ndarray, slots: np.ndarray | None, images: StepImages | None
@@ -198,7 +212,8 @@ class ModelRunner:
         if images is not None:
             n, width = images.values.shape if len(images.rows) else (0, 0)
             n_rope = 0 if images.rope_rows is None else len(images.rope_rows)
-        dist.broadcast_command(dist.CMD_STEP, T, B, M, R, n, width, n_rope)
+        n_spans = 0 if layout.spans is None else len(layout.spans)
+        dist.broadcast_command(dist.CMD_STEP, T, B, M, R, n, width, n_rope, n_spans)
         arrays = [step.ids, step.positions, layout.query_lens, layout.context_lens, layout.block_tables]
         arrays += [layout.slot_mapping, rows]
         if self.lora is not None:
@@ -208,20 +223,23 @@ class ModelRunner:
             if n_rope:
                 assert images.rope_rows is not None and images.rope_positions is not None
                 arrays += [images.rope_rows.numpy(), images.rope_positions.numpy()]
-        dist.broadcast_arrays(arrays, self._shapes(T, B, M, R, n, n_rope))
+        if layout.spans is not None:
+            arrays.append(layout.spans)
+        dist.broadcast_arrays(arrays, self._shapes(T, B, M, R, n, n_rope, n_spans))
         if n:
             dist.broadcast_tensor(images.values if images is not None else None, (n, width), self.dtype)
 
     @torch.inference_mode()
     def worker_step(
-        self, T: int, B: int, M: int, R: int, n: int = 0, width: int = 0, n_rope: int = 0
+        self, T: int, B: int, M: int, R: int, n: int = 0, width: int = 0, n_rope: int = 0, n_spans: int = 0
     ) -> None:
         """Ranks > 0: receive rank 0's step arrays (and a vision model's image rows) and run this
         shard's forward."""
         ids, positions, q_lens, ctx, tables, slot_mapping, rows, *rest = dist.broadcast_arrays(
-            None, self._shapes(T, B, M, R, n, n_rope)
+            None, self._shapes(T, B, M, R, n, n_rope, n_spans)
         )
-        layout = StepLayout(q_lens, ctx, tables, slot_mapping, self.paged.block_size)
+        spans = rest.pop() if n_spans else None
+        layout = StepLayout(q_lens, ctx, tables, slot_mapping, self.paged.block_size, spans)
         lora = rest.pop(0) if self.lora is not None else None
         slots = lora if lora is not None and (lora >= 0).any() else None
         images = None

@@ -111,6 +111,7 @@ class Scheduler:
                 n = min(n, budget, prompt_budget)
                 if n <= 0:
                     continue
+                n = whole_images(req, req.num_computed_tokens, n)
             while not self.block_manager.allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -185,7 +186,7 @@ class Scheduler:
             if n > budget:
                 if not cfg.enable_chunked_prefill:
                     break
-                n = budget
+                n = whole_images(req, req.num_tokens - n, budget)
             need = bm.blocks_needed(req, n, cached)
             need -= sum(1 for b in cached if b in claimed and bm.ref_counts[b] == 0)
             if need > free:
@@ -279,3 +280,18 @@ class Scheduler:
             return None
         req.prompt_logprobs, req.partial_prompt_logprobs = req.partial_prompt_logprobs, []
         return req.prompt_logprobs
+
+
+def whole_images(req: Request, start: int, n: int) -> int:
+    """A prefill chunk of `n` tokens from `start`, moved so that it does not end inside an image whose
+    positions attend to each other both ways (Gemma 3's): it ends before the image, or, when the
+    image begins at or before `start` (a prefix-cache hit may end inside one), after it, over the
+    budget by less than one image."""
+    end = start + n
+    if end >= req.num_tokens:
+        return n
+    for img in req.images:
+        span = img.span
+        if span is not None and span[0] < end < span[1]:
+            end = span[0] if span[0] > start else span[1]
+    return end - start

@@ -38,7 +38,7 @@ def run_worker(config: EngineConfig, rank: int) -> int:
             if cmd == dist.CMD_NOOP:
                 dist.barrier()
             elif cmd == dist.CMD_STEP:
-                runner.worker_step(a, b, c, d, *images[:3])
+                runner.worker_step(a, b, c, d, *images[:4])
             elif cmd == dist.CMD_ALLOC:
                 runner.allocate_kv_cache(a, b)
             elif cmd == dist.CMD_CAPACITY:

@@ -40,6 +40,9 @@ class StepLayout:
     block_tables: np.ndarray  # [B, max_blocks] int64, padded with 0
     slot_mapping: np.ndarray  # [T] int64 cache slot of each new token
     block_size: int
+    # [S, 3] int64 (request, lo, hi): positions [lo, hi) of the request that attend to each other both
+    # ways (the rows of a Gemma 3 image, all in this step's chunk); None: causal everywhere
+    spans: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -75,6 +78,13 @@ def _group(
     # Query i of a request sits at position ctx - q_len + i and sees keys up to that position.
     q_pos = (ctx - q_lens)[:, None] + qi[None, :]
     mask = pos[:, None, :] <= q_pos[:, :, None]
+    if layout.spans is not None:  # ... and, within a span, the keys after it (then the window, if any)
+        where = {int(r): g for g, r in enumerate(rows)}
+        for r, lo, hi in layout.spans.tolist():
+            if r in where:
+                g = where[r]
+                inside = (q_pos[g] >= lo) & (q_pos[g] < hi)
+                mask[g] |= inside[:, None] & ((pos[g] >= lo) & (pos[g] < hi))[None, :]
     if window is not None:
         mask &= pos[:, None, :] > q_pos[:, :, None] - window
     mask[~valid] = (np.arange(L) < 1)[None, :]  # padding queries see one key (no all-masked rows: NaN)
@@ -106,6 +116,8 @@ class TorchAttention:
         paged = None
         if self.paged and window is None:
             small = layout.query_lens[pre] <= self.paged_prefill_max
+            if layout.spans is not None:  # the paged kernel is causal: spans take the masked path
+                small &= ~np.isin(pre, layout.spans[:, 0])
             if small.any():
                 dec, pre = np.sort(np.concatenate([dec, pre[small]])), pre[~small]
             if len(dec):

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from pytgi.errors import UnsupportedModel
-from pytgi.models import idefics3, llava, qwen2_vl
+from pytgi.models import gemma3_vision, idefics3, llava, qwen2_vl
 from pytgi.models.cpu import CpuKernels
 from pytgi.models.decoder import DecoderConfig, DecoderModel, StepImages
 from pytgi.models.gemma import gemma_config
@@ -31,6 +31,10 @@ VISION: dict[str, tuple[Any, Callable[[dict[str, Any]], dict[str, Any]]]] = {
     **{arch: (llava.LlavaModel, llava.text_config) for arch in llava.ARCHITECTURES},
     **{arch: (idefics3.Idefics3Model, idefics3.text_config) for arch in idefics3.ARCHITECTURES},
     **{arch: (qwen2_vl.Qwen2VLModel, qwen2_vl.text_config) for arch in qwen2_vl.ARCHITECTURES},
+    **{
+        arch: (gemma3_vision.Gemma3VisionModel, gemma3_vision.text_config)
+        for arch in gemma3_vision.ARCHITECTURES
+    },
 }
 SUPPORTED_ARCHITECTURES = (*MODELS, *VISION)
 
@@ -152,7 +156,8 @@ def load_model(
         return TransformersModel(path, dtype, device, cpu, attention)
     arch = hf["architectures"][0]
     vision = VISION.get(arch)
-    cfg = llama_config(vision[1](hf)) if vision else MODELS[arch](hf)
+    text = vision[1](hf) if vision else hf
+    cfg = MODELS[text["architectures"][0]](text)
     plan = resolve_plan(quantize, path, dtype, device)
     # A quantized model is loaded in float32 first, so the low-bit grids see the checkpoint's values
     # (bf16 weights are only re-laid out: loaded as they are).

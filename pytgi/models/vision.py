@@ -22,6 +22,8 @@ class Expanded:
     pixels: dict[str, torch.Tensor]  # for `model.encode_image`
     ids: list[int]  # the token ids of the positions it takes in the prompt
     grid: tuple[int, int] | None = None  # M-RoPE (Qwen2-VL): its rows as a (height, width) grid
+    row_token: int | None = None  # the positions that take its rows (None: the layout's image token)
+    bidirectional: bool = False  # its rows attend to each other both ways (Gemma 3)
 
 
 def load_image_processor(path: Path) -> Any:

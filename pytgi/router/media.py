@@ -81,6 +81,14 @@ def image_places(ids: Sequence[int], token: int | None, images: int, param: str)
     return places
 
 
+def wrap_images(text: str, layout: ImageLayout | None, token_text: str) -> str:
+    """The prompt's text as the model's processor tokenizes it: each image token (`token_text`) with
+    `layout.wrap` on both sides (Gemma 3's blank lines, which merge with newlines next to them)."""
+    if layout is None or not layout.wrap or token_text not in text:
+        return text
+    return text.replace(token_text, layout.wrap + token_text + layout.wrap)
+
+
 def _fit_longest_edge(w: int, h: int, edge: int) -> tuple[int, int]:
     """An image's size once its longest edge is `edge` (the aspect kept, the other edge made even, as
     Idefics3's image processor resizes), then scaled under 4096 pixels a side."""

@@ -32,7 +32,7 @@ from typing import Any
 from pytgi import structured
 from pytgi.config import ImageLayout
 from pytgi.errors import InvalidRequest
-from pytgi.router.media import added_positions, image_places
+from pytgi.router.media import added_positions, image_places, wrap_images
 from pytgi.router.request import (
     CompatGenerateRequest,
     GenerateInput,
@@ -209,6 +209,9 @@ class Validation:
     def _encode(self, inputs: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(inputs, list):
             return list(inputs)
+        layout = self.image_layout
+        if layout is not None and layout.wrap:  # as the model's processor tokenizes it
+            inputs = wrap_images(inputs, layout, self.tokenizer.id_to_piece(layout.token))
         try:
             return list(self.tokenizer.encode(inputs, add_special_tokens=add_special_tokens))
         except Exception as e:

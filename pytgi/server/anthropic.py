@@ -20,7 +20,7 @@ from pydantic import Field
 
 from pytgi.errors import ClientGone, InferError
 from pytgi.outputs import Delta, OutputProcessor
-from pytgi.router.media import added_positions, load_images
+from pytgi.router.media import added_positions, load_images, wrap_images
 from pytgi.router.request import F32, I32, U32, Bool
 from pytgi.server import reasoning
 from pytgi.server.errors import anthropic_error_body
@@ -404,6 +404,8 @@ async def count_tokens(request: Request, body: CountTokensRequest) -> JSONRespon
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise invalid("`messages` must be valid Unicode (no lone surrogates)", "messages") from None
+        if layout is not None:
+            text = wrap_images(text, layout, st.image_token_text())
         return len(st.tokenizer.encode(text, add_special_tokens=False)) + added
 
     return JSONResponse({"input_tokens": await in_thread(count)})

@@ -249,3 +249,36 @@ def test_idefics3_counts_each_image_by_its_tiles(tmp_path):
         assert ask(client, str(path), data_url(png(1))).choices[0].finish_reason in ("stop", "length")
     finally:
         srv.stop()
+
+
+def test_gemma3_tokenizes_the_blank_lines_around_each_image_as_its_processor(tmp_path):
+    """Gemma 3's processor puts a blank line on each side of an image, which merges with the newlines
+    beside it: `usage` and `count_tokens` count the prompt Gemma3Processor makes; the answer is the
+    same asked through OpenAI's and TGI's routes."""
+    import anthropic
+
+    from tests.model.test_vision_gemma3 import build, processor
+
+    path = build(tmp_path)
+    srv = Server("--model-id", str(path), log=tmp_path / "server.log").wait_ready()
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-", max_retries=0)
+        text = "<start_of_turn>user\nWhat is in the picture?\n<start_of_image><end_of_turn>\n<start_of_turn>model\n"
+        img = png(7)
+        want = len(processor(path)(text=[text], images=[[Image.open(io.BytesIO(img))]])["input_ids"][0])
+        r = ask(client, str(path), data_url(img), text="What is in the picture?\n")
+        assert r.usage.prompt_tokens == want
+        claude = anthropic.Anthropic(base_url=srv.url, api_key="-")
+        source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(img).decode()}
+        n = claude.messages.count_tokens(model=str(path), messages=[
+            {"role": "user", "content": [{"type": "text", "text": "What is in the picture?\n"},
+                                         {"type": "image", "source": source}]}])
+        assert n.input_tokens == want
+        from text_generation import Client
+
+        tgi = Client(srv.url).generate(f"{text}".replace("<start_of_image>", f"![]({data_url(img)})"),
+                                       max_new_tokens=12, decoder_input_details=True)
+        assert len(tgi.details.prefill) == want - 17  # the prompt's tokens: the image's once, not expanded
+        assert tgi.generated_text == r.choices[0].message.content
+    finally:
+        srv.stop()

@@ -217,3 +217,39 @@ def test_long_chunks_by_row_tiles_equal_split_k(D):
     # rows past the first key chunk by split-K (decodes, a chunk of 20 rows), the rest by row tiles
     assert torch.equal(run([200] + [1] * 10 + [20, 270]), whole)
     assert torch.equal(run([7, 1, 100, 392]), whole)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_two_way_spans_unmask_an_image_for_itself(window):
+    """`StepLayout.spans`: within a span a query sees the span's later keys too (causal OR same image,
+    then the window), on the gathered path even where the paged kernel would take the chunk; the
+    other requests and the rows outside the span stay causal."""
+    torch.manual_seed(0)
+    bs, H, KVH, D = 4, 4, 2, 8
+    q_lens, ctx = np.array([1, 9, 6]), np.array([5, 12, 6])  # a decode, a chunk after 3 cached, a prompt
+    T = int(q_lens.sum())
+    tables = np.array([[0, 1, 0], [2, 3, 4], [5, 6, 0]], np.int64)
+    starts = np.concatenate(([0], np.cumsum(q_lens)[:-1]))
+    slots = np.concatenate([tables[b, p // bs] * bs + p % bs for b in range(3) for p in [np.arange(ctx[b] - q_lens[b], ctx[b])]])
+    spans = np.array([[1, 2, 8], [2, 1, 4]], np.int64)  # request 1: positions 2-7 (from a cached one)
+    layout = StepLayout(q_lens, ctx, tables, slots, bs, spans)
+    k_cache, v_cache = torch.randn(32, KVH, D), torch.randn(32, KVH, D)
+    q, k, v = torch.randn(T, H, D), torch.randn(T, KVH, D), torch.randn(T, KVH, D)
+    backend = attention(torch.float32, (H, KVH, D), fused=True, limits=Crossovers(paged_prefill=64))
+    meta = backend.prepare(layout, torch.device("cpu"), window=window)
+    assert meta.prefill is not None and meta.prefill.token_idx.shape[0] == 2  # both spans' requests
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
+    spans_of = {int(r): (lo, hi) for r, lo, hi in spans}
+    for b in range(3):
+        pos = np.arange(ctx[b])
+        kv = torch.from_numpy(tables[b, pos // bs] * bs + pos % bs)
+        kb, vb = k_cache[kv].repeat_interleave(H // KVH, 1), v_cache[kv].repeat_interleave(H // KVH, 1)
+        for i in range(q_lens[b]):
+            p = ctx[b] - q_lens[b] + i
+            lo, hi = spans_of.get(b, (0, 0))
+            see = (pos <= p) | ((lo <= p < hi) & (pos >= lo) & (pos < hi))
+            if window is not None:
+                see &= pos > p - window
+            s = torch.einsum("hd,lhd->hl", q[starts[b] + i], kb) * D**-0.5
+            w = torch.softmax(s.masked_fill(~torch.from_numpy(see), float("-inf")), -1)
+            torch.testing.assert_close(out[starts[b] + i], torch.einsum("hl,lhd->hd", w, vb), atol=1e-5, rtol=1e-5)

@@ -202,3 +202,27 @@ def test_no_cap_without_decodes_or_when_unset():
     run_step(sched)
     sched.add(make_request("long", 40))
     assert scheduled(run_step(sched)) == {"a": 1, "long": 40}
+
+
+class _Span:
+    """An image in a prompt whose positions [lo, hi) attend to each other both ways (Gemma 3's)."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.span = (lo, hi)
+
+
+def test_a_chunk_never_ends_inside_a_two_way_image():
+    """Chunks end before such an image, or (when it starts where the chunk starts) after it, over the
+    budget; a prefix-cache hit that ends inside one is continued to its end."""
+    sched = make_scheduler(max_batch_prefill_tokens=6)
+    req = make_request("a", 30)
+    req.images = [_Span(4, 14), _Span(20, 22)]
+    sched.add(req)
+    chunks = [scheduled(run_step(sched))["a"] for _ in range(5)]
+    assert chunks == [4, 10, 6, 6, 4]  # 0-4 | the image 4-14 | 14-20 | 20-26 (the second image) | 26-30
+    from pytgi.engine.scheduler import whole_images
+
+    assert whole_images(req, 8, 3) == 6  # from inside an image (a cache hit): to its end
+    assert whole_images(req, 0, 30) == 30  # the whole prompt: nothing to move
+    req.images = []
+    assert whole_images(req, 0, 5) == 5
