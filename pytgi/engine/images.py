@@ -6,10 +6,10 @@ A prompt holds one image token per image (what the model's chat template writes 
 as the API process checked it), and runs the model's `ImageProcessor`: its pixels, and the token ids
 its image token expands to (LLaVA: image tokens only; Idefics3: tile markers around them; Gemma 3:
 soft tokens between begin and end markers). Each row position of the expansion (the image token,
-or the family's `Expanded.row_token`) takes one of the image's rows. The model computes an image's rows once, in
-the first step that reaches its positions (`ImageRows.rows`), and keeps them while a request
-lives, so chunked prefill may cut through an image and a preempted request recomputes only its keys
-and values.
+or the family's `Expanded.row_token`) takes one of the image's rows. The model computes an image's
+rows once, in the first step that reaches its positions (`ImageRows.rows`), and keeps them while a
+request lives, so chunked prefill may cut through an image and a preempted request recomputes only
+its keys and values.
 """
 
 from __future__ import annotations
