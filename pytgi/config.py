@@ -327,6 +327,21 @@ class ServerConfig:
         repeat=True,
     )
     media_fetch_timeout: float = setting(10.0, "seconds to fetch one image URL")
+    replicas: int = setting(
+        0,
+        "serve with this many engine replicas on Ray Serve behind this endpoint, each request routed "
+        "to the replica holding its prompt's longest cached prefix (0: one engine, no Ray)",
+    )
+    min_replicas: int | None = setting(None, "with --replicas: the autoscaler's lower bound")
+    max_replicas: int | None = setting(None, "with --replicas: the autoscaler's upper bound (on queue depth)")
+    ray_address: str | None = setting(
+        None, "with --replicas: the Ray cluster to join (default: start one on this machine)"
+    )
+    replica_routing: str = setting("prefix", "with --replicas: prefix (cache affinity) | round-robin")
+    otlp_endpoint: str | None = setting(
+        None, "export one OpenTelemetry trace per request over OTLP/HTTP to this collector URL"
+    )
+    otlp_service_name: str = setting("pytgi", "the service.name of the exported traces")
     model_sha: str | None = None  # the Hub commit served (or --revision for a local model)
     engine_module: str = "pytgi.engine.process"  # the engine process's entry point
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Collection
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pytgi import protocol as P
+from pytgi.config import EngineInfo
 
 _DURATION = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -95,6 +99,26 @@ class Metrics:
         self.spec_acceptance = Gauge(
             "pytgi_spec_acceptance_rate", "Accepted / verified draft tokens", registry=r
         )
+        # what the Gateway API Inference Extension's endpoint picker reads (docs/deploy.md): the
+        # model-server protocol's queued and running requests, KV-cache use and LoRA adapters
+        self.num_requests_waiting = Gauge(
+            "pytgi_num_requests_waiting", "Requests in the engine's queue", registry=r
+        )
+        self.num_requests_running = Gauge(
+            "pytgi_num_requests_running", "Requests in the running batch", registry=r
+        )
+        self.kv_cache_usage_perc = Gauge("pytgi_kv_cache_usage_perc", "KV-cache use (1 is full)", registry=r)
+        self.lora_requests_info = Gauge(
+            "pytgi_lora_requests_info",
+            "LoRA adapters: served (running_lora_adapters), asked for by waiting requests; the value "
+            "is when this was last updated",
+            ["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            registry=r,
+        )
+        self.cache_config_info = Gauge(
+            "pytgi_cache_config_info", "The KV cache's shape", ["block_size", "num_gpu_blocks"], registry=r
+        )
+        self.served_adapters: Callable[[], Collection[str]] = tuple
 
     def engine_step(self, out: P.StepOut) -> None:
         step = out.step
@@ -113,9 +137,22 @@ class Metrics:
                 self.request_skipped_tokens.observe(u.num_skipped)
         self.engine_stats(out.stats)
 
+    def model_info(self, info: EngineInfo, served_adapters: Callable[[], Collection[str]]) -> None:
+        """Once the engine is up: the KV cache's shape; `served_adapters`: the LoRA adapters now."""
+        self.cache_config_info.labels(str(info.block_size), str(info.num_blocks)).set(1)
+        self.served_adapters = served_adapters
+
     def engine_stats(self, s: P.EngineStats) -> None:
         self.queue_size.set(s.waiting)
         self.batch_current_size.set(s.running)
+        self.num_requests_waiting.set(s.waiting)
+        self.num_requests_running.set(s.running)
+        self.kv_cache_usage_perc.set(s.kv_cache_usage)
+        served = sorted(self.served_adapters())
+        self.lora_requests_info.clear()  # one series: the current one
+        self.lora_requests_info.labels(str(len(served)), ",".join(served), ",".join(s.waiting_adapters)).set(
+            time.time()
+        )
         self.kv_cache_usage.set(s.kv_cache_usage)
         self.prefix_cache_hit_rate.set(s.prefix_cache_hit_rate)
         self.preemptions.set(s.preemptions)

@@ -40,6 +40,7 @@ class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_logprobs: list[float | None] | None = None
     num_cached_tokens: int = 0
     num_skipped: int = 0  # on a request's last update: its tokens that came as accepted draft tokens
+    queue_time: float = 0.0  # on a request's first token: seconds it waited in the engine's queue
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -51,6 +52,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     failed_steps: int
     spec_drafted: int = 0  # draft tokens verified, since start
     spec_accepted: int = 0  # ... and accepted
+    waiting_adapters: list[str] = []  # the LoRA adapters waiting requests ask for
 
 
 class StepInfo(msgspec.Struct, array_like=True):

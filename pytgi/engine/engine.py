@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -259,7 +259,8 @@ class LLMEngine:
         self.runner.shutdown()
         self.shards.stop()
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
+        waiting_adapters = {r.params.adapter for r in self.scheduler.waiting if r.params.adapter}
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -269,4 +270,5 @@ class LLMEngine:
             "failed_steps": self.num_failed_steps,
             "spec_drafted": self.scheduler.spec_drafted,
             "spec_accepted": self.scheduler.spec_accepted,
+            "waiting_adapters": sorted(waiting_adapters),
         }

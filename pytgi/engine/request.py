@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,8 @@ class Request:
     images: list[Any] = field(
         default_factory=list
     )  # PromptImage per image in the prompt (pytgi.engine.images)
+    arrived: float = field(default_factory=time.monotonic)
+    scheduled: float = 0.0  # when it was first admitted to the running batch
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.prompt_ids) + list(self.output_ids)

@@ -11,6 +11,7 @@ chunk reaches the end of its tokens.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -165,6 +166,7 @@ class Scheduler:
             assert ok, "admission plan exceeded free blocks"
             self.waiting.popleft()
             req.status = Status.RUNNING
+            req.scheduled = req.scheduled or time.monotonic()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             out.num_admitted += 1
@@ -214,6 +216,8 @@ class Scheduler:
             update = out.samples.get(req.request_id)
             if update is not None:
                 req.append_token(update.token_id)
+                if len(req.output_ids) == 1:  # its first token: how long it waited to be scheduled
+                    update.queue_time = max(req.scheduled - req.arrived, 0.0)
                 update.error = out.errors.get(req.request_id)
                 reason = FinishReason.ERROR if update.error else req.check_stop()
                 if reason is None and req.request_id in out.complete:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pytgi.errors import EngineDead, GenerationError, IncompleteGeneration, Overloaded, RequestFailed
 from pytgi.outputs import Delta, OutputProcessor
+from pytgi.replicas.client import ReplicaClient
 from pytgi.router.engine_client import EngineClient
 from pytgi.router.validation import ValidRequest
 from pytgi.tokenizer import Tokenizer
@@ -28,6 +29,7 @@ class Timings:
     queued: float = 0.0  # monotonic time the request entered the engine's queue
     start: float = 0.0  # first token out of the engine (its prefill is done)
     end: float = 0.0
+    engine_queue: float = 0.0  # seconds it waited in the engine's queue (the engine says)
 
 
 @dataclass(slots=True)
@@ -75,7 +77,9 @@ class Admission:
 
 
 class Infer:
-    def __init__(self, client: EngineClient, tokenizer: Tokenizer, max_concurrent_requests: int) -> None:
+    def __init__(
+        self, client: EngineClient | ReplicaClient, tokenizer: Tokenizer, max_concurrent_requests: int
+    ) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.max_concurrent_requests = max_concurrent_requests
@@ -155,6 +159,7 @@ class RequestStream:
                     raise GenerationError(str(update))
                 if not timings.start:
                     timings.start = time.monotonic()
+                    timings.engine_queue = update.queue_time
                 try:
                     delta = self.output.process(update)
                 except RequestFailed as exc:

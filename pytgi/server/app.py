@@ -11,8 +11,10 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 import pytgi
+from pytgi import tracing
 from pytgi.config import ServerConfig
 from pytgi.metrics import Metrics
+from pytgi.replicas.client import ReplicaClient, ReplicaOptions
 from pytgi.router.engine_client import EngineClient
 from pytgi.router.infer import Infer
 from pytgi.router.validation import Validation, ValidLimits
@@ -23,6 +25,7 @@ from pytgi.server.middleware import (
     ApiKeyMiddleware,
     OverloadMiddleware,
     PayloadLimitMiddleware,
+    ReplicaHeaderMiddleware,
 )
 from pytgi.server.responses import JSONResponse
 from pytgi.server.state import State
@@ -34,8 +37,10 @@ log = logging.getLogger("pytgi.server")
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     st: State = app.state.pytgi
-    info = await st.client.start()
     cfg = st.config
+    if cfg.otlp_endpoint:
+        tracing.setup(cfg.otlp_endpoint, cfg.otlp_service_name)
+    info = await st.client.start()
     st.validation = Validation(
         st.tokenizer,
         ValidLimits(
@@ -51,6 +56,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         image_layout=info.image_layout,
     )
     st.infer = Infer(st.client, st.tokenizer, cfg.max_concurrent_requests)
+    st.metrics.model_info(info, lambda: st.adapters)
     st.client.on_step = st.metrics.engine_step
     st.client.on_stats = st.metrics.engine_stats
 
@@ -67,6 +73,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     finally:
         await st.client.stop()
         st.validation.close()
+        tracing.shutdown()
 
 
 def create_app(config: ServerConfig) -> FastAPI:
@@ -77,7 +84,18 @@ def create_app(config: ServerConfig) -> FastAPI:
         description="Text Generation Inference, in Python",
         default_response_class=JSONResponse,
     )
-    client = EngineClient(config.engine, config.engine_module)
+    client: EngineClient | ReplicaClient
+    if config.replicas > 0:  # engine replicas on Ray Serve (pytgi.replicas)
+        options = ReplicaOptions(
+            config.replicas,
+            config.min_replicas,
+            config.max_replicas,
+            config.ray_address,
+            config.replica_routing,
+        )
+        client = ReplicaClient(config.engine, options, config.engine_module)
+    else:
+        client = EngineClient(config.engine, config.engine_module)
     tokenizer = Tokenizer.from_dir(config.model_path)
     if config.chat_template is not None:
         tokenizer.chat_template = read_chat_template(config.chat_template)
@@ -92,6 +110,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         PayloadLimitMiddleware, limit=config.payload_limit, body_timeout=config.request_body_timeout
     )
     app.add_middleware(OverloadMiddleware)  # before the body is read
+    if config.replicas > 0:
+        app.add_middleware(ReplicaHeaderMiddleware)
     if config.api_key:
         app.add_middleware(ApiKeyMiddleware, key=config.api_key, exempt=config.api_key_exempt)
     if config.cors_allow_origin:

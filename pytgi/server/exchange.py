@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from pytgi import tracing
 from pytgi.errors import ClientGone, InferError, InvalidRequest
 from pytgi.outputs import Delta
 from pytgi.router.infer import Admission, Generation, RequestStream, Timings
@@ -28,6 +29,16 @@ KEEP_ALIVE_SECONDS = 15.0
 KEEP_ALIVE = ":\n\n"  # an SSE comment: keeps proxies and clients from timing out on a slow step
 
 T = TypeVar("T")
+# the route's span: TGI's names where TGI has the route
+ROUTE_SPANS = {
+    "/": "compat_generate",
+    "/generate": "generate",
+    "/generate_stream": "generate_stream",
+    "/v1/chat/completions": "chat_completions",
+    "/v1/completions": "completions",
+    "/v1/messages": "messages",
+    "/v1/responses": "responses",
+}
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
@@ -208,11 +219,13 @@ class Exchange:
             gens = await unless_gone(self.request, asyncio.ensure_future(run_all()))
         except InferError as exc:
             self._failed(exc)
+            self.trace(reqs, [], exc)
             raise
         timings = combined([g.timings for g in gens])
         self.st.metrics.time_to_first_token.observe(max(timings.start - self.arrived, 0.0))
         generated = sum(len(g.output.tokens) for g in gens)
         record_success(self.st, timings, self.arrived, sum(r.input_length for r in reqs), generated)
+        self.trace(reqs, [(g.timings, len(g.output.tokens), g.request.sampling.seed) for g in gens])
         return gens
 
     def streams(self, reqs: list[ValidRequest]) -> list[RequestStream]:
@@ -223,6 +236,38 @@ class Exchange:
         except InferError as exc:
             self._failed(exc)
             raise
+
+    @staticmethod
+    def _traced(streams: list[RequestStream], generated: list[int]) -> list[tuple[Timings, int, int | None]]:
+        return [(s.timings, n, s.req.sampling.seed) for s, n in zip(streams, generated)]
+
+    def trace(
+        self,
+        reqs: list[ValidRequest],
+        runs: list[tuple[Timings, int, int | None]],
+        error: InferError | None = None,
+    ) -> None:
+        """The request's trace, when tracing is on (`pytgi.tracing`)."""
+        if not tracing.enabled():
+            return
+        path = self.request.url.path
+        route = ROUTE_SPANS.get(path, path.strip("/").replace("/", "_"))
+        attributes = {
+            "http.route": path,
+            "gen_ai.request.model": self.st.config.model_id,
+            "input_length": sum(r.input_length for r in reqs),
+            "generated_tokens": sum(n for _, n, _ in runs),
+        }
+        items = [(t, t.engine_queue, n, seed) for t, n, seed in runs]
+        tracing.record(
+            route,
+            self.request.headers,
+            self.arrived,
+            self.validation_time,
+            items,
+            attributes,
+            None if error is None else error.message,
+        )
 
     def sse(
         self,
@@ -271,8 +316,10 @@ class Exchange:
             timings = combined([s.timings for s in streams])
             inputs = sum(s.req.input_length for s in streams)
             record_success(self.st, timings, self.arrived, inputs, sum(generated))
+            self.trace([s.req for s in streams], self._traced(streams, generated))
         except InferError as exc:
             self._failed(exc)
+            self.trace([s.req for s in streams], self._traced(streams, generated), exc)
             yield on_error(exc)
         finally:
             for s in streams:

@@ -114,6 +114,43 @@ def shard(args: argparse.Namespace) -> int:
     return run_worker(config, args.rank)
 
 
+def _replica_flags_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with --replicas and its flags, or --otlp-endpoint (its package missing)."""
+    import importlib.util
+
+    from pytgi.replicas.affinity import POLICIES
+
+    def installed(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            return False
+
+    if args.otlp_endpoint and not installed("opentelemetry.exporter.otlp.proto.http"):
+        return "--otlp-endpoint needs the OpenTelemetry SDK and OTLP/HTTP exporter: pip install 'pytgi[otel]'"
+    bounds = (args.min_replicas, args.max_replicas)
+    if args.replicas < 0 or any(b is not None and b < 1 for b in bounds):
+        return "--replicas must be >= 0, and --min-replicas / --max-replicas >= 1"
+    if args.replicas == 0:
+        if any(b is not None for b in bounds) or args.ray_address:
+            return "--min-replicas, --max-replicas and --ray-address need --replicas N (N >= 1)"
+        return None
+    if args.replica_routing not in POLICIES:
+        return f"--replica-routing: unknown {args.replica_routing!r}; choose among {', '.join(POLICIES)}"
+    lo, hi = bounds
+    if lo is not None and hi is not None and lo > hi:
+        return f"--min-replicas {lo} is above --max-replicas {hi}"
+    if (lo is not None and args.replicas < lo) or (hi is not None and args.replicas > hi):
+        return f"--replicas {args.replicas} (the replicas to start with) is outside the autoscaling bounds"
+    if not installed("ray.serve"):
+        return "--replicas needs Ray Serve: pip install 'pytgi[ray]'"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return (
+            "--replicas cannot run under torchrun's ranks (WORLD_SIZE > 1); use --num-shard for each replica"
+        )
+    return None
+
+
 def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process") -> int:
     """`engine_module`: the engine process's entry point (tests run one that wraps the runner)."""
     import uvicorn
@@ -164,6 +201,9 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
     _raise_open_files_limit()
     if args.num_shard < 1:
         log.error("--num-shard must be >= 1, got %d", args.num_shard)
+        return 2
+    if (why := _replica_flags_error(args)) is not None:
+        log.error("%s", why)
         return 2
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if rank > 0:

@@ -8,6 +8,7 @@ import hmac
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pytgi.errors import Overloaded
+from pytgi.replicas.client import NOTE, ReplicaNote
 from pytgi.router.infer import Admission
 from pytgi.server.errors import infer_error_response, path_error_response
 from pytgi.server.openai.errors import from_infer_error
@@ -195,3 +196,45 @@ class PayloadLimitMiddleware:
     ) -> None:
         refusal = path_error_response(scope["path"], status, msg, kind, "invalid_request_error")
         await refusal(scope, receive, send)
+
+
+class ReplicaHeaderMiddleware:
+    """With engine replicas (`--replicas`): each answer names the replica(s) that served it in an
+    `x-pytgi-replica` header. The replica is known once the router sent the request there, so the
+    headers wait for it (or for the request to fail) before they go out; answers that sent no
+    request (health, validation refusals) go out at once, without the header."""
+
+    HEADER = b"x-pytgi-replica"
+
+    def __init__(self, app: ASGIApp, wait: float = 600.0) -> None:
+        self.app, self.wait = app, wait
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        note = ReplicaNote()
+        token = NOTE.set(note)
+        held: list[Message] = []
+
+        async def send_named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                held.append(message)
+                return
+            if held:
+                start = held.pop()
+                if note.pending:
+                    try:
+                        await asyncio.wait_for(note.known.wait(), self.wait)
+                    except asyncio.TimeoutError:
+                        pass
+                if note.replicas:
+                    headers = [*start.get("headers", []), (self.HEADER, ",".join(note.replicas).encode())]
+                    start = {**start, "headers": headers}
+                await send(start)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_named)
+        finally:
+            NOTE.reset(token)

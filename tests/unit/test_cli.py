@@ -59,6 +59,21 @@ def test_unknown_api_key_exemptions_and_half_tls_are_one_line(tmp_path: Path) ->
     assert proc.returncode == 2 and "HTTPS needs both --ssl-keyfile and --ssl-certfile" in proc.stderr
 
 
+def test_replica_flags_that_do_not_fit_are_one_line(tmp_path: Path) -> None:
+    cases = [
+        (["--min-replicas", "2"], "need --replicas N"),
+        (["--ray-address", "127.0.0.1:6379"], "need --replicas N"),
+        (["--replicas", "2", "--replica-routing", "random"], "--replica-routing: unknown 'random'"),
+        (["--replicas", "1", "--min-replicas", "3", "--max-replicas", "2"], "is above --max-replicas 2"),
+        (["--replicas", "5", "--max-replicas", "4"], "outside the autoscaling bounds"),
+        (["--replicas", "-1"], "--replicas must be >= 0"),
+    ]
+    for flags, why in cases:
+        proc = _pytgi("serve", *flags, "--port", "1", cache=tmp_path / "cache")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, flags
+        assert why in proc.stderr, (flags, proc.stderr[-500:])
+
+
 def test_a_containers_hostname_does_not_become_the_bind_address(monkeypatch) -> None:
     """Docker and Kubernetes set HOSTNAME to the container's name; TGI reads HOSTNAME as the address."""
     import argparse

@@ -229,7 +229,8 @@ def test_a_possible_stop_is_held_back_and_the_stop_never_sent() -> None:
     assert out[-1][-1]["choices"][0]["finish_reason"] == "stop"
     (usage,) = r.end()
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 6,
-                                                         "total_tokens": 9}
+                                                         "total_tokens": 9,
+                                                         "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_without_stops_text_streams_as_it_comes() -> None:

@@ -26,11 +26,13 @@ def _lp(value: float | None) -> float | None:
     return None if value is None else max(float(value), MIN_LOGPROB)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: prompt tokens the prefix cache served."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -158,6 +160,7 @@ class StreamRenderer:
         self.pending: list[list[Delta]] = [[] for _ in range(count)]  # deltas whose logprobs are unsent
         self.offsets = [len(e) if e and not chat else 0 for e in (echo or [""] * count)]
         self.completion_tokens = 0
+        self.cached_tokens = 0  # set before `end` (the streams know it)
         # chat with tools: each choice's text goes through a tool-call parser
         self.parsers = [tools.parser(tool_style) for _ in range(count)] if tool_style else None
         # with a reasoning parser, each choice's reasoning goes out as `delta.reasoning_content` first
@@ -261,4 +264,5 @@ class StreamRenderer:
     def end(self) -> list[dict[str, Any]]:
         if not self.include_usage:
             return []
-        return [{**self.head, "choices": [], "usage": usage(self.prompt_tokens, self.completion_tokens)}]
+        use = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        return [{**self.head, "choices": [], "usage": use}]

@@ -142,20 +142,27 @@ async def _answer(
     """Stream the choices, or run them to completion and answer them in one body."""
     if body.stream:
         r = renderer()
+        streams = ex.streams(reqs)
+
+        def end() -> list[str]:
+            r.cached_tokens = sum(s.output.num_cached_tokens for s in streams)
+            return [*(sse_event(chunk) for chunk in r.end()), "data: [DONE]\n\n"]
+
         return ex.sse(
-            ex.streams(reqs),
+            streams,
             lambda i, delta: [sse_event(chunk) for chunk in r.delta(i, delta)],
             lambda exc: sse_event(from_infer_error(exc).body()),  # no [DONE] after an error
             start=[sse_event(chunk) for chunk in r.start()],
-            end=lambda: [*(sse_event(chunk) for chunk in r.end()), "data: [DONE]\n\n"],
+            end=end,
         )
     gens = await ex.generate(reqs)
     completion_tokens = sum(len(g.output.tokens) for g in gens)
+    cached = sum(g.output.num_cached_tokens for g in gens)
     return JSONResponse(
         {
             **head,
             "choices": [choice(i, r, g) for i, (r, g) in enumerate(zip(reqs, gens))],
-            "usage": render.usage(prompt_tokens, completion_tokens),
+            "usage": render.usage(prompt_tokens, completion_tokens, cached),
         }
     )
 
