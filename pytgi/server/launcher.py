@@ -142,7 +142,7 @@ def _replica_flags_error(args: argparse.Namespace) -> str | None:
         return f"--min-replicas {lo} is above --max-replicas {hi}"
     if (lo is not None and args.replicas < lo) or (hi is not None and args.replicas > hi):
         return f"--replicas {args.replicas} (the replicas to start with) is outside the autoscaling bounds"
-    if not installed("ray.serve"):
+    if not installed("ray"):  # (not ray.serve: that would import ray before its settings are made)
         return "--replicas needs Ray Serve: pip install 'pytgi[ray]'"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return (
