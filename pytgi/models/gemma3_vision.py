@@ -29,18 +29,15 @@ import torch
 from pytgi.config import ImageLayout
 from pytgi.errors import UnsupportedModel
 from pytgi.models.decoder import DecoderModel
-from pytgi.models.vision import Expanded, VisionLanguageModel, load_image_processor
+from pytgi.models.vision import (
+    TOWER_PROJECTOR_HEADS,
+    TOWER_PROJECTOR_PREFIXES,
+    Expanded,
+    VisionLanguageModel,
+    load_image_processor,
+)
 
 ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
-PREFIXES = {  # checkpoint prefix → part (transformers 5 names first, then the older ones)
-    "model.language_model.": "text",
-    "language_model.model.": "text",
-    "model.vision_tower.": "tower",
-    "vision_tower.": "tower",
-    "model.multi_modal_projector.": "projector",
-    "multi_modal_projector.": "projector",
-}
-HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 
 
 def hf_config(hf: dict[str, Any]) -> Any:
@@ -87,8 +84,8 @@ class Gemma3Images:
 class Gemma3VisionModel(VisionLanguageModel):
     """The engine's `CausalLM` for Gemma 3 with images."""
 
-    PREFIXES = PREFIXES
-    HEADS = HEADS
+    PREFIXES = TOWER_PROJECTOR_PREFIXES
+    HEADS = TOWER_PROJECTOR_HEADS
 
     def __init__(self, hf: dict[str, Any], text: DecoderModel) -> None:
         super().__init__(hf, text)
@@ -100,16 +97,6 @@ class Gemma3VisionModel(VisionLanguageModel):
             raise UnsupportedModel(f"a Gemma 3 vision tower of type {config.vision_config.model_type}")
         self.tower = AutoModel.from_config(config.vision_config)
         self.projector = Gemma3MultiModalProjector(config)
-
-    def load_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
-        self.tower.load_state_dict(parts["tower"], strict=True)
-        self.projector.load_state_dict(parts["projector"], strict=True)
-
-    def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype) -> None:
-        """Quantize the language model; the tower and the projector run in `act_dtype`."""
-        self.text.quantize(plan, act_dtype)
-        self.tower.to(act_dtype)
-        self.projector.to(act_dtype)
 
     def image_processor(self, path: Path) -> Gemma3Images:
         return Gemma3Images(path, self.hf)

@@ -139,16 +139,6 @@ class Idefics3Model(VisionLanguageModel):
         self.connector = connector_cls(config)
         self.patch = config.vision_config.patch_size
 
-    def load_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
-        self.tower.load_state_dict(parts["tower"], strict=True)
-        self.connector.load_state_dict(parts["connector"], strict=True)
-
-    def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype) -> None:
-        """Quantize the language model; the tower and the connector run in `act_dtype`."""
-        self.text.quantize(plan, act_dtype)
-        self.tower.to(act_dtype)
-        self.connector.to(act_dtype)
-
     def image_processor(self, path: Path) -> Idefics3Images:
         return Idefics3Images(path, self.hf)
 

@@ -19,22 +19,22 @@ from torch import nn
 from pytgi.config import ImageLayout
 from pytgi.errors import UnsupportedModel
 from pytgi.models.decoder import DecoderModel
-from pytgi.models.vision import Expanded, VisionLanguageModel, load_image_processor
+from pytgi.models.vision import (
+    TOWER_PROJECTOR_HEADS,
+    TOWER_PROJECTOR_PREFIXES,
+    Expanded,
+    VisionLanguageModel,
+    load_image_processor,
+)
 from pytgi.router.media import image_positions
 
 ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
 NEXT = "LlavaNextForConditionalGeneration"
-PREFIXES = {  # checkpoint prefix → part (transformers 5 names first, then the older ones)
+PREFIXES = {  # checkpoint prefix → part
     "model.image_newline": "newline",  # LLaVA-NeXT's row end
     "image_newline": "newline",
-    "model.language_model.": "text",
-    "language_model.model.": "text",
-    "model.vision_tower.": "tower",
-    "vision_tower.": "tower",
-    "model.multi_modal_projector.": "projector",
-    "multi_modal_projector.": "projector",
+    **TOWER_PROJECTOR_PREFIXES,
 }
-HEADS = ("lm_head.weight", "language_model.lm_head.weight")
 
 
 def hf_config(hf: dict[str, Any]) -> Any:
@@ -105,7 +105,7 @@ class LlavaModel(VisionLanguageModel):
     """The engine's `CausalLM` for LLaVA-1.5 and LLaVA-NeXT."""
 
     PREFIXES = PREFIXES
-    HEADS = HEADS
+    HEADS = TOWER_PROJECTOR_HEADS
 
     def __init__(self, hf: dict[str, Any], text: DecoderModel) -> None:
         super().__init__(hf, text)
@@ -139,14 +139,6 @@ class LlavaModel(VisionLanguageModel):
             self.image_newline.data.copy_(parts["newline"][""])
         elif parts["newline"]:
             raise UnsupportedModel("unexpected tensor 'image_newline' in a LLaVA-1.5 checkpoint")
-
-    def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype) -> None:
-        """Quantize the language model; the tower and the projector run in `act_dtype`."""
-        self.text.quantize(plan, act_dtype)
-        self.tower.to(act_dtype)
-        self.projector.to(act_dtype)
-        if self.next:
-            self.image_newline.data = self.image_newline.data.to(act_dtype)
 
     def image_processor(self, path: Path) -> LlavaImages:
         return LlavaImages(path, self.hf)

@@ -110,14 +110,6 @@ class Qwen2VLModel(VisionLanguageModel):
         self.tower = _family(hf)[1]._from_config(_config(hf).vision_config)
         text.mrope_section = mrope_section(text_config(hf))
 
-    def load_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
-        self.tower.load_state_dict(parts["tower"], strict=True)
-
-    def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype) -> None:
-        """Quantize the language model; the tower runs in `act_dtype`."""
-        self.text.quantize(plan, act_dtype)
-        self.tower.to(act_dtype)
-
     def image_processor(self, path: Path) -> Qwen2VLImages:
         return Qwen2VLImages(path, self.hf)
 

@@ -35,6 +35,19 @@ def load_image_processor(path: Path) -> Any:
         return AutoImageProcessor.from_pretrained(str(path))
 
 
+# the checkpoint layout of transformers' *ForConditionalGeneration with a vision tower and a projector
+# (LLaVA, Gemma 3): checkpoint prefix → part, transformers 5's names first, then the older ones
+TOWER_PROJECTOR_PREFIXES = {
+    "model.language_model.": "text",
+    "language_model.model.": "text",
+    "model.vision_tower.": "tower",
+    "vision_tower.": "tower",
+    "model.multi_modal_projector.": "projector",
+    "multi_modal_projector.": "projector",
+}
+TOWER_PROJECTOR_HEADS = ("lm_head.weight", "language_model.lm_head.weight")
+
+
 class VisionLanguageModel(nn.Module):
     """A vision part in front of pytgi's `DecoderModel` (`text`): the engine's `CausalLM` for a
     vision-language model. The engine sees the decoder's config, attention and layers; `forward`
@@ -75,7 +88,19 @@ class VisionLanguageModel(nn.Module):
         self.load_parts(parts)
 
     def load_parts(self, parts: dict[str, dict[str, torch.Tensor]]) -> None:
-        raise NotImplementedError
+        """Each part's tensors into the module of that name (strict: none missing, none extra)."""
+        for part, tensors in parts.items():
+            getattr(self, part).load_state_dict(tensors, strict=True)
+
+    def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype) -> None:
+        """Quantize the language model; the vision part runs in `act_dtype`."""
+        self.text.quantize(plan, act_dtype)
+        decoder = {id(m) for m in self.text.modules()}  # `layers` is the decoder's too
+        for module in self.children():
+            if id(module) not in decoder:
+                module.to(act_dtype)
+        for param in self.parameters(recurse=False):  # a family's own rows (LLaVA-NeXT's newline)
+            param.data = param.data.to(act_dtype)
 
     def encode_image(self, pixels: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError

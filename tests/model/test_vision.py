@@ -246,6 +246,22 @@ def test_llava_next_equals_transformers_alone_batched_and_chunked(tiny_next):
         engine.shutdown()
 
 
+def test_quantized_the_decoder_is_low_bit_and_the_vision_part_runs_in_bf16(tiny_next):
+    """--quantize int8 with bf16 activations: the decoder's linears are int8, the tower, projector
+    and LLaVA-NeXT's newline row are bf16, and image prompts still answer."""
+    engine = engine_for(tiny_next, dtype="bfloat16", quantize="int8")
+    try:
+        model = engine.runner.model
+        assert {p.dtype for p in model.tower.parameters()} == {torch.bfloat16}
+        assert {p.dtype for p in model.projector.parameters()} == {torch.bfloat16}
+        assert model.image_newline.dtype == torch.bfloat16
+        assert type(model.text.layers[0].self_attn.o_proj).__name__ == "QuantizedLinear"
+        got = run(engine, [([5, 17, IMAGE, 3, 99, 42], [png(1)])])[0]
+        assert len(got[0]) > 0
+    finally:
+        engine.shutdown()
+
+
 def test_llava_next_positions_are_counted_as_the_model_packs_them(tiny_next):
     """The API process's count (no torch) equals the rows transformers' model packs for an image, for
     sizes that pick each pinpoint and cut padding rows or columns off."""
