@@ -273,10 +273,14 @@ class ReplicaClient:
         return out
 
     async def _poll_stats(self) -> None:
-        """The replicas' numbers summed (KV use: their mean) as one engine's, for /metrics."""
+        """The replicas' numbers summed (KV use: their mean) as one engine's, for /metrics; /health
+        fails while every replica that reports says its engine is gone."""
         while True:
             await asyncio.sleep(1.0)
-            stats = [s for s in self.replica_stats().values() if "running" in s]
+            reported = self.replica_stats()
+            if reported:
+                self.healthy = any(s.get("healthy", True) for s in reported.values())
+            stats = [s for s in reported.values() if "running" in s]
             if not stats:
                 continue
             total = P.EngineStats(
@@ -288,6 +292,7 @@ class ReplicaClient:
                 failed_steps=sum(s["failed_steps"] for s in stats),
                 spec_drafted=sum(s.get("spec_drafted", 0) for s in stats),
                 spec_accepted=sum(s.get("spec_accepted", 0) for s in stats),
+                waiting_adapters=sorted({a for s in stats for a in s.get("waiting_adapters", ())}),
             )
             self.stats = total
             if self.on_stats is not None:
