@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pytgi.bench.peers import PytgiTarget  # noqa: E402
+from pytgi.bench.procs import busiest_engine, parent  # noqa: E402
 
 TOPICS = ["bakery", "bicycle shop", "law firm", "garden centre", "hotel", "library", "dentist", "museum",
           "train station", "pharmacy", "bookshop", "cinema", "zoo", "bank", "school", "airport"]
@@ -132,46 +133,9 @@ def measure(args: argparse.Namespace, router: str) -> dict:
     return row
 
 
-def descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            for task in Path(f"/proc/{p}/task").iterdir():
-                kids = [int(k) for k in (task / "children").read_text().split()]
-                found += kids
-                todo += kids
-        except OSError:
-            continue
-    return found
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
-    except OSError:
-        return ""
-
-
-def cpu_ticks(pid: int) -> int:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])
-
-
-def parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def kill_one_replica(server_pid: int) -> int:
     """SIGKILL the Ray actor of the busiest replica (by its engine process's CPU over a second)."""
-    engines = [p for p in descendants(server_pid) if "--inbox" in cmdline(p)]
-    before = {p: cpu_ticks(p) for p in engines}
-    time.sleep(1.0)
-    busiest = max(engines, key=lambda p: cpu_ticks(p) - before[p])
-    actor = parent(busiest)
+    actor = parent(busiest_engine(server_pid))
     os.kill(actor, signal.SIGKILL)
     return actor
 

@@ -119,6 +119,7 @@ class Metrics:
             "pytgi_cache_config_info", "The KV cache's shape", ["block_size", "num_gpu_blocks"], registry=r
         )
         self.served_adapters: Callable[[], Collection[str]] = tuple
+        self._lora_labels: tuple[str, str, str] | None = None
 
     def engine_step(self, out: P.StepOut) -> None:
         step = out.step
@@ -149,10 +150,11 @@ class Metrics:
         self.num_requests_running.set(s.running)
         self.kv_cache_usage_perc.set(s.kv_cache_usage)
         served = sorted(self.served_adapters())
-        self.lora_requests_info.clear()  # one series: the current one
-        self.lora_requests_info.labels(str(len(served)), ",".join(served), ",".join(s.waiting_adapters)).set(
-            time.time()
-        )
+        labels = (str(len(served)), ",".join(served), ",".join(s.waiting_adapters))
+        if labels != self._lora_labels:  # one series, the current one, stamped when it changed
+            self._lora_labels = labels
+            self.lora_requests_info.clear()
+            self.lora_requests_info.labels(*labels).set(time.time())
         self.kv_cache_usage.set(s.kv_cache_usage)
         self.prefix_cache_hit_rate.set(s.prefix_cache_hit_rate)
         self.preemptions.set(s.preemptions)

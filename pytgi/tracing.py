@@ -65,8 +65,7 @@ def record(
     error: str | None = None,
 ) -> None:
     """The trace of one HTTP request that ended now. `arrived`: its monotonic arrival; `requests`:
-    per engine request, (its `Timings`, its engine queue time in seconds, its tokens generated,
-    its seed)."""
+    per engine request, (its `Timings`, its tokens generated, its seed)."""
     if _tracer is None:
         return
     from opentelemetry.propagate import extract
@@ -81,14 +80,14 @@ def record(
     _tracer.start_span("validate", context=ctx, start_time=wall(arrived)).end(end_time=wall(validated))
     total_generated = 0
     queue_time = inference_time = 0.0
-    for timings, queued_for, generated, seed in requests:
+    for timings, generated, seed in requests:
         total_generated += generated
         submitted = timings.queued or validated
         first = timings.start or now_mono
         end = timings.end or now_mono
         infer = _tracer.start_span("infer", context=ctx, start_time=wall(submitted))
         ictx = set_span_in_context(infer)
-        scheduled = min(submitted + queued_for, first)
+        scheduled = min(submitted + timings.engine_queue, first)
         queue_time = max(queue_time, scheduled - submitted)
         inference_time = max(inference_time, end - scheduled)
         _tracer.start_span("queued", context=ictx, start_time=wall(submitted)).end(end_time=wall(scheduled))
@@ -106,7 +105,7 @@ def record(
     root.set_attribute("queue_time", f"{queue_time:.6f}s")
     root.set_attribute("inference_time", f"{inference_time:.6f}s")
     root.set_attribute("time_per_token", f"{inference_time / max(total_generated, 1):.6f}s")
-    seeds = [str(r[3]) for r in requests if r[3] is not None]
+    seeds = [str(seed) for _, _, seed in requests if seed is not None]
     if seeds:
         root.set_attribute("seed", ",".join(seeds))
     for key, value in attributes.items():

@@ -258,13 +258,12 @@ class Exchange:
             "input_length": sum(r.input_length for r in reqs),
             "generated_tokens": sum(n for _, n, _ in runs),
         }
-        items = [(t, t.engine_queue, n, seed) for t, n, seed in runs]
         tracing.record(
             route,
             self.request.headers,
             self.arrived,
             self.validation_time,
-            items,
+            runs,
             attributes,
             None if error is None else error.message,
         )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from pytgi.bench.procs import argv, descendants  # noqa: F401 - the tests take them from here
 from pytgi.net import free_port
 
 
@@ -69,28 +70,3 @@ class Server:
             if line.startswith(name + " ") or line.startswith(name + "{"):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes under `pid` (children, theirs, ...), from /proc/PID/task/TID/children."""
-    found = []
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:  # the process ended meanwhile
-        return []
-    for task in tasks:
-        try:
-            children = [int(c) for c in (task / "children").read_text().split()]
-        except OSError:  # the thread ended meanwhile
-            continue
-        for child in children:
-            found += [child, *descendants(child)]
-    return found
-
-
-def argv(pid: int) -> list[str]:
-    """`pid`'s command line; [] if it has ended."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1]
-    except OSError:
-        return []

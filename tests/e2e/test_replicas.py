@@ -17,8 +17,9 @@ import httpx
 import openai
 import pytest
 
+from pytgi.bench.procs import busiest_engine, engines, parent
 from pytgi.net import free_port
-from tests.e2e.server import Server, argv, descendants
+from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow
 HEADER = "x-pytgi-replica"
@@ -107,31 +108,14 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_cached_it(replicas):
         assert name in metrics
 
 
-def busy_engine(srv: Server) -> int:
-    """The engine process working now (the other replica's is idle): by CPU time over a second."""
-    engines = [p for p in descendants(srv.proc.pid) if "--inbox" in argv(p)]
-    assert len(engines) == 2, engines
-    before = {p: cpu_ticks(p) for p in engines}
-    time.sleep(1.0)
-    return max(engines, key=lambda p: cpu_ticks(p) - before[p])
-
-
-def cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def test_a_dead_replica_fails_its_requests_and_is_replaced(replicas):
     with httpx.stream("POST", f"{replicas.url}/generate_stream", timeout=120, json={
             "inputs": SYSTEM["a"] + "Tell me everything.", "parameters": {"max_new_tokens": 400}}) as s:
         victim = s.headers[HEADER]
         lines = s.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))  # it is generating
-        os.kill(parent(busy_engine(replicas)), signal.SIGKILL)  # the replica's actor process
+        assert len(engines(replicas.proc.pid)) == 2
+        os.kill(parent(busiest_engine(replicas.proc.pid)), signal.SIGKILL)  # the replica's actor process
         killed = time.monotonic()
         rest = "\n".join(lines)
     assert "error" in rest and "replica" in rest, rest[-500:]
