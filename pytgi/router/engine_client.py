@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -30,6 +31,37 @@ from pytgi.lora import AdapterError
 from pytgi.sampling_params import SamplingParams
 
 log = logging.getLogger("pytgi.router")
+
+
+class Engine(Protocol):
+    """What the API process uses of its engine: one engine process (`EngineClient`), or engine
+    replicas on Ray Serve (`pytgi.replicas.client.ReplicaClient`)."""
+
+    info: P.EngineInfo | None
+    healthy: bool
+    on_step: Callable[[P.StepOut], None] | None
+    on_stats: Callable[[P.EngineStats], None] | None
+    on_death: Callable[[str], None] | None
+
+    async def start(self, timeout: float = 900.0) -> P.EngineInfo: ...
+
+    async def stop(self, timeout: float = 5.0) -> None: ...
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        images: list[bytes] | None = None,
+    ) -> asyncio.Queue:
+        """Send a request; its `TokenOut`s (or an `EngineDead`) arrive on the returned queue."""
+        ...
+
+    async def adapter(self, name: str, source: str | None) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
 
 
 class EngineClient:

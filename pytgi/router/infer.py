@@ -17,8 +17,7 @@ from dataclasses import dataclass, field
 
 from pytgi.errors import EngineDead, GenerationError, IncompleteGeneration, Overloaded, RequestFailed
 from pytgi.outputs import Delta, OutputProcessor
-from pytgi.replicas.client import ReplicaClient
-from pytgi.router.engine_client import EngineClient
+from pytgi.router.engine_client import Engine
 from pytgi.router.validation import ValidRequest
 from pytgi.tokenizer import Tokenizer
 
@@ -77,9 +76,7 @@ class Admission:
 
 
 class Infer:
-    def __init__(
-        self, client: EngineClient | ReplicaClient, tokenizer: Tokenizer, max_concurrent_requests: int
-    ) -> None:
+    def __init__(self, client: Engine, tokenizer: Tokenizer, max_concurrent_requests: int) -> None:
         self.client = client
         self.tokenizer = tokenizer
         self.max_concurrent_requests = max_concurrent_requests

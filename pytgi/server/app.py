@@ -15,7 +15,7 @@ from pytgi import tracing
 from pytgi.config import ServerConfig
 from pytgi.metrics import Metrics
 from pytgi.replicas.client import ReplicaClient, ReplicaOptions
-from pytgi.router.engine_client import EngineClient
+from pytgi.router.engine_client import Engine, EngineClient
 from pytgi.router.infer import Infer
 from pytgi.router.validation import Validation, ValidLimits
 from pytgi.server import anthropic, openai, tgi
@@ -84,7 +84,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         description="Text Generation Inference, in Python",
         default_response_class=JSONResponse,
     )
-    client: EngineClient | ReplicaClient
+    client: Engine
     if config.replicas > 0:  # engine replicas on Ray Serve (pytgi.replicas)
         options = ReplicaOptions(
             config.replicas,

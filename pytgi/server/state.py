@@ -11,8 +11,7 @@ from fastapi import Request
 from pytgi.config import ServerConfig
 from pytgi.errors import InvalidRequest
 from pytgi.metrics import Metrics
-from pytgi.replicas.client import ReplicaClient
-from pytgi.router.engine_client import EngineClient
+from pytgi.router.engine_client import Engine
 from pytgi.router.infer import Admission, Infer
 from pytgi.router.media import ImageRef, MediaLimits, load_images
 from pytgi.router.validation import Validation
@@ -22,7 +21,7 @@ from pytgi.tokenizer import Tokenizer
 @dataclass(slots=True)
 class State:
     config: ServerConfig
-    client: EngineClient | ReplicaClient
+    client: Engine
     tokenizer: Tokenizer
     metrics: Metrics
     infer: Infer | None = None
