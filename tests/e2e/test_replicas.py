@@ -37,12 +37,16 @@ def test_joins_a_ray_cluster_by_address_and_leaves_it_running(tmp_path):
     starts its own cluster."""
     port = free_port()
     ray = Path(sys.executable).with_name("ray")
+    # Token authentication on, as a cluster should run (on a fresh machine `ray start` would otherwise
+    # start without it): the token made first where there is none (~/.ray/auth_token), where pytgi
+    # finds it
+    subprocess.run([str(ray), "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
+    token = {**os.environ, "RAY_AUTH_MODE": "token"}
     head = subprocess.Popen([str(ray), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
                              "--include-dashboard=false", "--disable-usage-stats"],
-                            stdout=open(tmp_path / "ray.log", "wb"), stderr=subprocess.STDOUT)
+                            stdout=open(tmp_path / "ray.log", "wb"), stderr=subprocess.STDOUT, env=token)
     try:
-        deadline = time.monotonic() + 120
-        token = {**os.environ, "RAY_AUTH_MODE": "token"}  # `ray start` made one (~/.ray/auth_token)
+        deadline = time.monotonic() + 180
         while subprocess.run([str(ray), "status", f"--address=127.0.0.1:{port}"], capture_output=True,
                              timeout=60, env=token).returncode != 0:
             assert time.monotonic() < deadline and head.poll() is None, (tmp_path / "ray.log").read_text()[-2000:]
