@@ -96,6 +96,11 @@ class EngineConfig:
         flag="--disable-batch-invariance",
         switch=True,
     )
+    cuda_graphs: str | None = setting(
+        None,
+        "CUDA: decode batch sizes captured as CUDA graphs, comma-separated (default: 1, 2, 4, 8, 16, 24, "
+        "32 ... 512, up to --max-batch-size; 0: none)",
+    )
     master_addr: str = setting(
         "localhost", "torch.distributed rendezvous address (shards on several machines)"
     )
@@ -108,7 +113,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     kv_cache_memory_fraction: float = 0.9  # of free memory left after the weights (CUDA)
     kv_cache_cpu_bytes: int = 4 << 30  # on CPU: the most the KV cache takes by default
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto | torch | triton
     progress: bool = True  # show progress bars on first conversion
 
     def validate(self) -> None:

@@ -242,10 +242,15 @@ def layer_metadata(meta, sliding: bool | None):
     return meta.sliding if sliding else meta.full
 
 
-BACKENDS = {"torch": TorchAttention}
+BACKENDS = ("auto", "torch", "triton")
 
 
 def get_backend(name: str, cpu: CpuKernels, heads: tuple[int, int, int]) -> TorchAttention:
+    """ "auto": Triton's paged kernel where the model runs on the Triton kernels (CUDA), else "torch"."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(BACKENDS)})")
-    return BACKENDS[name](cpu, heads)
+    if name == "triton" or (name == "auto" and cpu.triton):
+        from pytgi.models.gpu import TritonAttention
+
+        return TritonAttention(cpu, heads)
+    return TorchAttention(cpu, heads)

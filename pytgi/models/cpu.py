@@ -50,6 +50,7 @@ class CpuKernels:
     # by the rows' role (prompt or generated), not by their number.
     batch_invariant: bool = True
     bf16gemm: bool = False  # bf16 weights (a Hugging Face bf16 model) with bf16gemm.c
+    triton: bool = False  # CUDA: the Triton kernels (`pytgi.models.gpu`) and paged attention
 
     @classmethod
     def none(cls) -> CpuKernels:
@@ -74,7 +75,15 @@ class CpuKernels:
         amx = amx and vnni and kernels.amx_supported()
         bf16 = device.type == "cpu" and dtype == torch.bfloat16 and kernels.bf16gemm_supported()
         return cls(
-            fused, vnni, amx, decoder_loop and fused and vnni, native_bf16(), limits, batch_invariant, bf16
+            fused,
+            vnni,
+            amx,
+            decoder_loop and fused and vnni,
+            native_bf16(),
+            limits,
+            batch_invariant,
+            bf16,
+            triton=device.type == "cuda" and triton_available(),
         )
 
     def lowbit_max_m(self, vnni: bool, amx: bool) -> int:
@@ -105,7 +114,21 @@ class CpuKernels:
         return 1 << 30 if self.batch_invariant else self.limits.paged_prefill
 
     def ops(self) -> TorchOps:
-        return KernelOps() if self.fused else TorchOps()
+        if self.fused:
+            return KernelOps()
+        if self.triton:
+            from pytgi.models.gpu import TritonOps
+
+            return TritonOps()
+        return TorchOps()
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def native_bf16() -> bool:

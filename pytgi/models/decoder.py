@@ -220,7 +220,7 @@ class DecoderModel(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: DecoderConfig, cpu: CpuKernels, attention: str = "torch") -> None:
+    def __init__(self, cfg: DecoderConfig, cpu: CpuKernels, attention: str = "auto") -> None:
         """cpu: the kernels to run on (`CpuKernels.for_device`, or `CpuKernels.none()`: PyTorch's
         ops); attention: the attention backend's name."""
         super().__init__()

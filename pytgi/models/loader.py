@@ -142,7 +142,7 @@ def load_model(
     device: torch.device,
     cpu: CpuKernels,
     quantize: str = "none",
-    attention: str = "torch",
+    attention: str = "auto",
     impl: str = "auto",
 ) -> CausalLM:
     """`cpu`: the kernels to run on; `quantize`: none | auto | int8 | int4 (see `pytgi.models.quant`);

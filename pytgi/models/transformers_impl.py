@@ -101,7 +101,7 @@ class _LayerShape:
 
 class TransformersModel(nn.Module):
     def __init__(
-        self, path: Path, dtype: torch.dtype, device: torch.device, cpu: CpuKernels, attention: str = "torch"
+        self, path: Path, dtype: torch.dtype, device: torch.device, cpu: CpuKernels, attention: str = "auto"
     ) -> None:
         super().__init__()
         try:

@@ -195,3 +195,17 @@ def test_pure_torch_path_matches(models, monkeypatch):
     model.load_state_dict(runner.model.state_dict())
     monkeypatch.setattr(runner, "model", model.eval())
     test_chunks_and_paged_decodes_in_mixed_steps_match(models)
+
+
+def test_triton_path_matches(models, monkeypatch):
+    """The CUDA path's Triton kernels (paged attention, fused norms, rope and cache writes; in
+    Triton's interpreter on a machine without a GPU) give transformers' logits too."""
+    pytest.importorskip("triton")
+    runner = models[1]
+    if type(runner.model).__name__ == "TransformersModel":
+        pytest.skip("transformers' model code has no kernel choice")
+    model = type(runner.model)(runner.config, CpuKernels(triton=True))
+    assert type(model.attention).__name__ in ("TritonAttention", "SlidingWindowBackend")
+    model.load_state_dict(runner.model.state_dict())
+    monkeypatch.setattr(runner, "model", model.eval())
+    test_chunks_and_paged_decodes_in_mixed_steps_match(models)

@@ -1,0 +1,365 @@
+"""Triton kernels for the CUDA path: paged attention over the KV cache and the fused element-wise steps.
+
+`paged_attention` attends a flat batch of mixed prefill chunks and decodes in one launch, reading keys
+and values in place through each request's block table (no gather, no padding to the longest
+request). A program takes `BLOCK_M` query tokens of one request and the whole query group of one KV
+head (so a GQA model's four query heads share one load of each key tile), and walks the request's
+context in tiles of `BLOCK_N` keys with an online softmax, stopping at the tile its last query may
+see. Everything the kernel needs to know about the step lives in device tensors (query starts,
+context lengths, block tables), so a decode step's launch can be replayed from a CUDA graph.
+
+The element-wise kernels fuse what PyTorch runs as several launches: the residual add with the
+RMSNorm after it, SiLU(gate)·up, and the rotary embedding with the write of keys and values into
+their cache slots. Each rounds where PyTorch's ops round (the residual sum and the normed value to
+the model's dtype before the weight), so they agree with `TorchOps` to the dtype's last bit or so.
+
+On a machine without a GPU the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`), which is
+how the tests check them against the PyTorch reference in CI.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,  # [S, KVH, D]
+    v_cache_ptr,
+    out_ptr,  # [T, H, D]
+    programs_ptr,  # [P, 2] int32: each program's (request, block of BLOCK_M queries)
+    q_start_ptr,  # [B + 1] int32: request b's queries are rows q_start[b] .. q_start[b + 1]
+    ctx_ptr,  # [B] int32: tokens in the cache after this step (context lengths)
+    tables_ptr,  # [B, M] int32 block tables
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_ot,
+    stride_oh,
+    stride_tb,
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
+    HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr,  # the KV cache's block size
+    BLOCK_M: tl.constexpr,  # query tokens per program
+    BLOCK_N: tl.constexpr,  # keys per tile
+    IEEE: tl.constexpr,  # float32 products in full precision (else TF32)
+    UPCAST: tl.constexpr,  # products in float32 whatever the dtype (the interpreter's bf16 dot is wrong)
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.load(programs_ptr + 2 * pid)
+    qblock = tl.load(programs_ptr + 2 * pid + 1)
+    q_start = tl.load(q_start_ptr + b)
+    q_len = tl.load(q_start_ptr + b + 1) - q_start
+    ctx = tl.load(ctx_ptr + b)
+    rows = tl.arange(0, BLOCK_M * GROUP_PAD)
+    tok = qblock * BLOCK_M + rows // GROUP_PAD  # the query token of each row, within the request
+    g = rows % GROUP_PAD
+    valid = (tok < q_len) & (g < GROUP)
+    head = kvh * GROUP + g
+    q_pos = ctx - q_len + tok  # each query's position: it sees keys 0 ..= q_pos
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=valid[:, None],
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M * GROUP_PAD], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
+    # the keys this program's last query may see (none when the request has no queries this far)
+    kv_end = tl.minimum(ctx, ctx - q_len + (qblock + 1) * BLOCK_M)
+    kv_end = kv_end * (qblock * BLOCK_M < q_len).to(tl.int32)
+    for start in range(0, kv_end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        inside = n < kv_end
+        block = tl.load(tables_ptr + b * stride_tb + n // PAGE, mask=inside, other=0)
+        slot = block.to(tl.int64) * PAGE + n % PAGE
+        k = tl.load(
+            k_cache_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+            mask=inside[:, None],
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale
+        s = tl.where((n[None, :] <= q_pos[:, None]) & inside[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+            mask=inside[:, None],
+            other=0.0,
+        )
+        if UPCAST:
+            v = v.to(tl.float32)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=valid[:, None],
+    )
+
+
+def attention_tiles(max_query_len: int, group: int) -> tuple[int, int]:
+    """(query tokens per program, keys per tile): at least 16 rows per program for the tensor cores
+    (a decode's group of query heads fills some of them), more query tokens for prefill chunks."""
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(1, 16 // group_pad) if max_query_len <= max(1, 16 // group_pad) else max(1, 64 // group_pad)
+    return block_m, 64
+
+
+def attention_programs(query_lens: np.ndarray, block_m: int) -> np.ndarray:
+    """[P, 2] int32: one program per block of `block_m` queries of each request, as (request, block).
+    A grid of requests x the longest request's blocks would start a program for every block a short
+    request does not have: with a 4096-token chunk beside 255 decodes, over 99% of them."""
+    blocks = -(-query_lens // block_m)
+    req = np.repeat(np.arange(len(query_lens)), blocks)
+    first = np.cumsum(blocks) - blocks
+    return np.stack([req, np.arange(len(req)) - first[req]], axis=1).astype(np.int32)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [S, KVH, D]
+    v_cache: torch.Tensor,
+    out: torch.Tensor,  # [T, H, D]
+    programs: torch.Tensor,  # [P, 2] int32 (`attention_programs`)
+    q_start: torch.Tensor,  # [B + 1] int32
+    context_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [B, M] int32
+    block_m: int,  # query tokens per program (`attention_tiles`), as `programs` were made for
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each request's queries (the last rows of its context) to its context."""
+    H, D = q.shape[1], q.shape[2]
+    KVH = k_cache.shape[1]
+    group = H // KVH
+    grid = (programs.shape[0], KVH)
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        programs,
+        q_start,
+        context_lens,
+        block_tables,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group),
+        HEAD_DIM=D,
+        PAGE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        IEEE=q.dtype == torch.float32 or INTERPRETED,
+        UPCAST=INTERPRETED,
+    )
+    return out
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    y_ptr,  # [T, N] or unused
+    res_ptr,  # [T, N], updated in place to res + y
+    w_ptr,  # [N]
+    out_ptr,  # [T, N]
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_Y: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(res_ptr + row * N + cols, mask=mask, other=0.0)
+    if HAS_Y:
+        y = tl.load(y_ptr + row * N + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + y.to(tl.float32)).to(x.dtype)  # rounded as PyTorch's add rounds
+        tl.store(res_ptr + row * N + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
+    normed = (xf * inv).to(x.dtype).to(tl.float32)  # PyTorch's RMSNorm casts before the weight
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * N + cols, (normed * w).to(x.dtype), mask=mask)
+
+
+def add_rms_norm(
+    y: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += y (in place; y None: no add), then RMSNorm(residual) · weight."""
+    T, N = residual.shape
+    out = torch.empty_like(residual)
+    if T:
+        _add_rms_norm_kernel[(T,)](
+            y if y is not None else residual,
+            residual,
+            weight,
+            out,
+            eps,
+            N=N,
+            BLOCK=triton.next_power_of_2(N),
+            HAS_Y=y is not None,
+        )
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(x_ptr + row * 2 * N + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * 2 * N + N + cols, mask=mask, other=0.0)
+    gf = gate.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(gate.dtype)  # F.silu rounds to the dtype
+    tl.store(out_ptr + row * N + cols, (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) · up for gate_up = [gate | up] ([T, 2N] → [T, N])."""
+    gate_up = gate_up.contiguous()
+    T, N = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((T, N), dtype=gate_up.dtype, device=gate_up.device)
+    if T:
+        block = min(1024, triton.next_power_of_2(N))
+        _silu_mul_kernel[(T, triton.cdiv(N, block))](gate_up, out, N=N, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    qkv_ptr,  # [T, (H + 2 KVH) D]
+    cos_ptr,  # [T, D] float32
+    sin_ptr,  # [T, D] float32, rotate-half's sign folded in
+    slots_ptr,  # [T] int64
+    q_ptr,  # [T, H, D] out
+    k_cache_ptr,  # [S, KVH, D]
+    v_cache_ptr,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)  # 0 .. H + 2 KVH: query heads, key heads, value heads
+    half = tl.arange(0, D // 2)
+    row = qkv_ptr + t * (H + 2 * KVH) * D + h * D
+    x1 = tl.load(row + half)
+    x2 = tl.load(row + D // 2 + half)
+    slot = tl.load(slots_ptr + t)
+    if h >= H + KVH:  # a value head: copied into its slot as it is
+        dst = v_cache_ptr + slot * KVH * D + (h - H - KVH) * D
+        tl.store(dst + half, x1)
+        tl.store(dst + D // 2 + half, x2)
+    else:
+        c1 = tl.load(cos_ptr + t * D + half)
+        c2 = tl.load(cos_ptr + t * D + D // 2 + half)
+        s1 = tl.load(sin_ptr + t * D + half)
+        s2 = tl.load(sin_ptr + t * D + D // 2 + half)
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        o1 = (f1 * c1 + f2 * s1).to(x1.dtype)
+        o2 = (f2 * c2 + f1 * s2).to(x1.dtype)
+        if h < H:
+            dst = q_ptr + t * H * D + h * D
+        else:
+            dst = k_cache_ptr + slot * KVH * D + (h - H) * D
+        tl.store(dst + half, o1)
+        tl.store(dst + D // 2 + half, o2)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    H: int,
+    KVH: int,
+    D: int,
+) -> torch.Tensor:
+    """Rotate q and k of `qkv` ([T, (H + 2 KVH) D]); k and v go to their cache slots, q is returned
+    ([T, H, D]). cos and sin: float32 [T, D] (sin signed as `RotaryEmbedding` stores it)."""
+    qkv = qkv.contiguous()
+    T = qkv.shape[0]
+    q = torch.empty((T, H, D), dtype=qkv.dtype, device=qkv.device)
+    if T:
+        _rope_write_kv_kernel[(T, H + 2 * KVH)](
+            qkv, cos, sin, slot_mapping, q, k_cache, v_cache, H=H, KVH=KVH, D=D
+        )
+    return q
+
+
+@triton.jit
+def _row_stats_kernel(x_ptr, arg_ptr, lse_ptr, bad_ptr, V, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane: its largest value and where
+    where = tl.zeros([BLOCK], tl.int32)
+    m = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane: the running max and sum of exp
+    s = tl.zeros([BLOCK], tl.float32)
+    bad = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        x = tl.load(x_ptr + row * stride + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        bad |= ((x != x) | (x == float("inf"))).to(tl.int32)  # noqa: PLR0124 - NaN is not itself
+        better = x > best  # strictly: the first index of a tie stays
+        where = tl.where(better, idx, where)
+        best = tl.where(better, x, best)
+        m_new = tl.maximum(m, x)
+        scale = tl.where(m_new == float("-inf"), 0.0, tl.exp(m - m_new))
+        s = s * scale + tl.where(x == float("-inf"), 0.0, tl.exp(x - m_new))
+        m = m_new
+    top = tl.max(best, 0)
+    first = tl.min(tl.where(best == top, where, V), 0)
+    tl.store(arg_ptr + row, first.to(tl.int64))
+    mx = tl.max(m, 0)
+    total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mx)), 0)
+    tl.store(lse_ptr + row, mx + tl.log(total))
+    tl.store(bad_ptr + row, tl.max(bad, 0))
+
+
+def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's argmax (the first index of its largest value), logsumexp, and whether it holds NaN
+    or +inf (then neither is to be trusted), in one launch: a row's values are summed in the same
+    order whatever the batch, so they do not change with the rows beside it."""
+    logits = logits.contiguous()
+    B, V = logits.shape
+    arg = torch.empty(B, dtype=torch.int64, device=logits.device)
+    lse = torch.empty(B, dtype=torch.float32, device=logits.device)
+    bad = torch.empty(B, dtype=torch.int32, device=logits.device)
+    if B:
+        _row_stats_kernel[(B,)](logits, arg, lse, bad, V, logits.stride(0), BLOCK=1024)
+    return arg, lse, bad.bool()

@@ -1,0 +1,155 @@
+"""The CUDA path's Triton kernels (`pytgi.kernels.gpu`) against PyTorch's reference ops.
+
+Without a GPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so CI
+checks the kernels' logic; on a GPU machine the same tests check the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from pytgi.kernels import gpu
+from pytgi.models.attention import StepLayout, TorchAttention
+from pytgi.models.cpu import CpuKernels, TorchOps, _rotate
+from pytgi.models.gpu import TritonAttention, TritonOps
+from pytgi.models.layers import RMSNorm, RotaryEmbedding
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def mixed_step(q_lens, ctx, bs, num_blocks, seed=0):
+    """A flat step's layout: request i computes its last q_lens[i] of ctx[i] positions, its blocks
+    scattered over the cache."""
+    rng = np.random.default_rng(seed)
+    perm = rng.permutation(num_blocks)
+    width = max(-(-c // bs) for c in ctx)
+    tables, used = np.zeros((len(ctx), width), np.int64), 0
+    for i, c in enumerate(ctx):
+        n = -(-c // bs)
+        tables[i, :n] = perm[used : used + n]
+        used += n
+    positions = np.concatenate([np.arange(c - n, c) for n, c in zip(q_lens, ctx)])
+    req = np.repeat(np.arange(len(ctx)), q_lens)
+    slots = tables[req, positions // bs] * bs + positions % bs
+    return StepLayout(np.array(q_lens), np.array(ctx), tables, slots, bs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H, KVH, D", [(8, 2, 32), (4, 4, 16), (6, 2, 64), (3, 1, 16)])
+def test_paged_attention_matches_gather_and_sdpa(dtype, H, KVH, D):
+    """Prefill chunks on top of cached context, whole prompts and decodes in one step."""
+    torch.manual_seed(0)
+    bs, num_blocks = 4, 64
+    layout = mixed_step([1, 19, 1, 7, 70, 1], [33, 40, 1, 7, 70, 66], bs, num_blocks)
+    T = int(layout.query_lens.sum())
+    k_cache = torch.randn(num_blocks * bs, KVH, D, device=DEVICE).to(dtype)
+    v_cache = torch.randn(num_blocks * bs, KVH, D, device=DEVICE).to(dtype)
+    q, k, v = (torch.randn(T, n, D, device=DEVICE).to(dtype) for n in (H, KVH, KVH))
+    outs = []
+    for backend in (
+        TorchAttention(CpuKernels.none(), (H, KVH, D)),
+        TritonAttention(CpuKernels.none(), (H, KVH, D)),
+    ):
+        meta = backend.prepare(layout, DEVICE)
+        outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, D**-0.5).float())
+    torch.testing.assert_close(outs[1], outs[0], atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_window_and_spans_take_the_gather_path():
+    backend = TritonAttention(CpuKernels.none(), (4, 2, 16))
+    layout = mixed_step([3, 1], [3, 9], 4, 8)
+    assert type(backend.prepare(layout, DEVICE)).__name__ == "TritonMetadata"
+    assert type(backend.prepare(layout, DEVICE, window=4)).__name__ == "TorchAttentionMetadata"
+    layout.spans = np.array([[0, 0, 2]])
+    assert type(backend.prepare(layout, DEVICE)).__name__ == "TorchAttentionMetadata"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_y", [True, False])
+def test_add_rms_norm(dtype, with_y):
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-6).to(DEVICE, dtype)
+    norm.weight.data.normal_()
+    x, y = (torch.randn(5, 96, device=DEVICE).to(dtype) for _ in range(2))
+    ref_res, ref = TorchOps().add_norm(y if with_y else None, x.clone(), norm)
+    res = x.clone()
+    got_res, got = TritonOps().add_norm(y if with_y else None, res, norm)
+    exact = dtype == torch.float32 or DEVICE.type == "cuda"  # the interpreter rounds to bf16 its own way
+    tol = 0 if exact else TOL[dtype]
+    torch.testing.assert_close(got_res, ref_res, atol=tol, rtol=tol)
+    torch.testing.assert_close(got, ref, atol=TOL[dtype], rtol=TOL[dtype])
+    assert got_res.data_ptr() == res.data_ptr()  # the residual stream is updated in place
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    gate_up = torch.randn(3, 2 * 1500, device=DEVICE).to(dtype)  # wider than one program's block
+    ref = TorchOps().act_mul("silu", gate_up)
+    torch.testing.assert_close(TritonOps().act_mul("silu", gate_up), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+class _Attn:
+    n_heads, n_kv, head_dim, q_norm = 4, 2, 32, None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv(dtype):
+    """The rotation of q and k and the cache write of k and v, against PyTorch's rotation."""
+    torch.manual_seed(0)
+    attn, T, S = _Attn(), 6, 40
+    rotary = RotaryEmbedding(attn.head_dim, 64, 10000.0, None).to(DEVICE)
+    positions = torch.tensor([0, 5, 9, 10, 11, 63], device=DEVICE)
+    qkv = torch.randn(T, (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, device=DEVICE).to(dtype)
+    slots = torch.tensor([3, 17, 0, 39, 21, 8], device=DEVICE)
+    cache = [torch.zeros(S, attn.n_kv, attn.head_dim, device=DEVICE, dtype=dtype) for _ in range(2)]
+    meta = type("Meta", (), {"slot_mapping": slots})()
+    q, k, v = TritonOps().qkv_rotary(
+        attn, qkv, TritonOps().rope_tables(rotary, positions, dtype), cache, meta
+    )
+    assert k is None and v is None
+    rq, rk, rv = _rotate(attn, qkv, *TorchOps().rope_tables(rotary, positions, dtype))
+    tol = TOL[dtype]
+    torch.testing.assert_close(q, rq, atol=tol, rtol=tol)
+    torch.testing.assert_close(cache[0][slots], rk, atol=tol, rtol=tol)
+    torch.testing.assert_close(cache[1][slots], rv, atol=0, rtol=0)
+    untouched = torch.ones(S, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert cache[0][untouched].abs().sum() == 0 and cache[1][untouched].abs().sum() == 0
+
+
+def test_attention_tiles():
+    assert gpu.attention_tiles(1, 4) == (4, 64)  # a decode: 4 tokens x 4 heads fill 16 rows
+    assert gpu.attention_tiles(1, 1) == (16, 64)
+    assert gpu.attention_tiles(100, 4) == (16, 64)  # a prefill chunk: 64 rows a program
+    assert gpu.attention_tiles(4, 3) == (4, 64)
+
+
+def test_attention_programs():
+    """One program per block of queries a request has: none for blocks only a longer request has."""
+    progs = gpu.attention_programs(np.array([1, 40, 3, 16]), 16)
+    assert progs.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0], [3, 0]]
+    assert progs.dtype == np.int32
+
+
+def test_row_stats():
+    """The sampler's argmax and logsumexp on CUDA: ties go to the first index, -inf entries (a
+    grammar's forbidden tokens) count for nothing, rows with NaN or +inf are flagged."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 3000, device=DEVICE)
+    x[1, 100:2000] = float("-inf")
+    x[2, 7] = x[2, 2900] = 50.0  # a tie
+    x[3, 10] = float("nan")
+    x[4, 20] = float("inf")
+    arg, lse, bad = gpu.row_stats(x)
+    good = [0, 1, 2]
+    assert arg[good].tolist() == x[good].argmax(-1).tolist() and arg[2] == 7
+    torch.testing.assert_close(lse[good], x[good].logsumexp(-1))
+    assert bad.tolist() == [False, False, False, True, True]
+    # a row's values do not depend on the rows beside it
+    arg1, lse1, _ = gpu.row_stats(x[1:2])
+    assert arg1[0] == arg[1] and lse1[0] == lse[1]
