@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pytgi import distributed as dist
+from pytgi.engine.cuda_graphs import DecodeGraphs
 from pytgi.models.attention import StepLayout
 from pytgi.models.decoder import StepImages
 from pytgi.models.loader import CausalLM
@@ -66,7 +67,8 @@ class PagedModel:
     def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, unsharded: bool = False):
         self.model, self.dtype, self.device, self.unsharded = model, dtype, device, unsharded
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.block_size = 0
+        self.block_size = self.num_blocks = 0
+        self.graphs: DecodeGraphs | None = None  # CUDA: the captured decode steps
 
     def kv_bytes_per_token(self) -> int:
         attn = self.model.layers[0].self_attn
@@ -74,13 +76,32 @@ class PagedModel:
         return len(self.model.layers) * 2 * attn.n_kv * attn.head_dim * elt
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
+        """On CUDA one block more than asked: the scratch block of the decode graphs' padding rows."""
         attn = self.model.layers[0].self_attn
-        shape = (2, num_blocks * block_size, attn.n_kv, attn.head_dim)
-        self.block_size = block_size
+        spare = int(self.device.type == "cuda")
+        shape = (2, (num_blocks + spare) * block_size, attn.n_kv, attn.head_dim)
+        self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_caches = []
+        self.graphs = None
         for _ in self.model.layers:
             k, v = torch.zeros(shape, dtype=self.dtype, device=self.device).unbind(0)
             self.kv_caches.append((k, v))
+
+    def capture_graphs(self, sizes: tuple[int, ...], max_blocks: int) -> bool:
+        """Capture the decode step at these batch sizes (`pytgi.engine.cuda_graphs`), where the model
+        allows it: CUDA, the Triton attention backend with plain causal layers, no mixture of experts.
+        Whether it did."""
+        cfg = getattr(self.model, "config", None)
+        if (
+            not sizes
+            or self.device.type != "cuda"
+            or type(self.model.attention).__name__ != "TritonAttention"
+            or getattr(cfg, "moe", None) is not None
+        ):
+            return False
+        self.graphs = DecodeGraphs(self, sizes, min(max_blocks, self.num_blocks), self.num_blocks)
+        self.graphs.capture()
+        return True
 
     @torch.inference_mode()
     def forward(
@@ -88,6 +109,10 @@ class PagedModel:
     ) -> torch.Tensor | None:
         """Run the step; the logits (float32) of the flat rows `rows` (None if there are none).
         `image_rows`: flat rows whose embeddings are an image's rows (a vision model's)."""
+        if self.graphs is not None and image_rows is None and not self._lora_active():
+            logits = self.graphs.run(batch, rows)
+            if logits is not None:
+                return logits
         meta = self.model.attention.prepare(batch.layout, self.device)
         ids = torch.from_numpy(batch.ids).to(self.device)
         positions = torch.from_numpy(batch.positions).to(self.device)
@@ -99,3 +124,7 @@ class PagedModel:
             if not len(rows):
                 return None
             return self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+
+    def _lora_active(self) -> bool:
+        ctx = getattr(self.model, "lora_ctx", None)
+        return ctx is not None and ctx.active

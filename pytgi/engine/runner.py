@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 from pytgi import distributed as dist
 from pytgi.config import EngineConfig
 from pytgi.engine.batch import PagedModel, StepBatch
+from pytgi.engine.cuda_graphs import parse_sizes
 from pytgi.engine.images import step_rows
 from pytgi.engine.kv_sizing import kv_capacity_tokens
 from pytgi.engine.sampling_step import SamplingStep
@@ -119,6 +121,25 @@ class ModelRunner:
         if self.rank == 0 and dist.tp_size() > 1:
             dist.broadcast_command(dist.CMD_ALLOC, num_blocks, block_size)
         self.paged.allocate(num_blocks, block_size)
+        if self.device.type == "cuda" and dist.tp_size() == 1:
+            self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """The decode step's CUDA graphs, at `--cuda-graphs`' batch sizes up to `--max-batch-size`."""
+        cfg = self.lora_config
+        cap = cfg.max_batch_size or 256
+        sizes = tuple(s for s in parse_sizes(cfg.cuda_graphs) if s <= cap)
+        max_pos = (
+            getattr(self.config, "max_position_embeddings", None)
+            or self.paged.num_blocks * self.paged.block_size
+        )
+        start = time.perf_counter()
+        if self.paged.capture_graphs(sizes, -(-max_pos // self.paged.block_size)):
+            log.info(
+                "captured the decode step as CUDA graphs for batch sizes %s in %.1f s",
+                ",".join(map(str, sizes)),
+                time.perf_counter() - start,
+            )
 
     # -- one step ---------------------------------------------------------------------------------
     def layout(self, batch: list[ScheduledRequest]) -> StepBatch:
