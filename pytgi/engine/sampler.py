@@ -29,6 +29,7 @@ model, not the request's sampling settings, and are identical for greedy and sam
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal, overload
 
@@ -126,19 +127,22 @@ class SamplingMetadata:
             rows = [ids if u else [] for ids, u in zip(output_ids, uses_any)]
             output_t = _ids_tensor(rows, vocab_size, device)
 
-        def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+        # one copy to the device for all of them (top_k's values are exact in float32)
+        packed = torch.tensor(
+            [temperature, top_p, typical_p, min_p, rep, freq, pres, top_k], dtype=torch.float32
+        ).reshape(8, n)
+        f = packed.to(device, non_blocking=True)
 
         return cls(
-            temperature=f32(temperature),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=f32(top_p),
-            typical_p=f32(typical_p),
-            min_p=f32(min_p),
+            temperature=f[0],
+            top_k=f[7].long(),
+            top_p=f[1],
+            typical_p=f[2],
+            min_p=f[3],
             logit_bias=logit_bias,
-            repetition_penalty=f32(rep),
-            frequency_penalty=f32(freq),
-            presence_penalty=f32(pres),
+            repetition_penalty=f[4],
+            frequency_penalty=f[5],
+            presence_penalty=f[6],
             prompt_ids=prompt_t,
             output_ids=output_t,
             generators=gens,
@@ -316,17 +320,33 @@ def row_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tens
 def row_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's argmax (first index of its largest value) and, if `lse`, its logsumexp: one pass of
     the C kernel on the CPU (a few times faster than PyTorch's reductions, and each row's values the
-    same whatever the batch); PyTorch on CUDA, without the kernels, and for rows with NaN or inf."""
-    if logits.device.type != "cpu" or not kernels.available():
+    same whatever the batch); on CUDA the Triton kernel's one pass (`pytgi.kernels.gpu.row_stats`); PyTorch
+    without either, and for rows with NaN or inf."""
+    out: torch.Tensor | None
+    if logits.device.type == "cuda" and _triton():
+        from pytgi.kernels import gpu
+
+        arg, out, bad = gpu.row_stats(logits.float())
+        if not lse:
+            out = None
+    elif logits.device.type != "cpu" or not kernels.available():
         return logits.argmax(dim=-1), (torch.stack([row.logsumexp(dim=0) for row in logits]) if lse else None)
-    logits = logits.contiguous()
-    arg, out, bad = kernels.logit_stats(logits, lse)
+    else:
+        logits = logits.contiguous()
+        arg, out, bad = kernels.logit_stats(logits, lse)
     if bad.any():
         for i in bad.nonzero()[:, 0].tolist():
             arg[i] = logits[i].argmax()
             if out is not None:
                 out[i] = logits[i].logsumexp(dim=0)
     return arg, out
+
+
+@functools.cache
+def _triton() -> bool:
+    from pytgi.models.cpu import triton_available
+
+    return triton_available()
 
 
 class Sampler:
