@@ -198,6 +198,9 @@ def load_pytgi(args: argparse.Namespace) -> LLM:
     from pytgi import LLM
 
     extra = {} if args.device == "auto" else {"device": args.device}
+    for name in ("max_batch_size", "max_batch_prefill_tokens"):
+        if getattr(args, name, None) is not None:
+            extra[name] = getattr(args, name)
     return LLM(model=args.model, dtype=args.dtype, **extra)
 
 
@@ -208,13 +211,45 @@ def run_pytgi(llm: LLM, workload: Workload) -> Outputs:
     return [out.token_ids for out in llm.generate(workload.prompts, params)]
 
 
+class StepTimes:
+    """Wall time of each model step (`ModelRunner.execute`: layout, forward, sampling, up to the sampled
+    ids on the host), split into steps that decode only and steps with prompt tokens; the rest of the
+    run's wall time is the engine's own work (scheduling, outputs, detokenizing)."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.execute = runner, runner.execute
+        self.decode: list[float] = []
+        self.prefill: list[float] = []
+
+    def __enter__(self) -> StepTimes:
+        def execute(batch):
+            start = time.perf_counter()
+            out = self.execute(batch)
+            decode_only = all(s.num_new_tokens == 1 for s in batch)
+            (self.decode if decode_only else self.prefill).append(time.perf_counter() - start)
+            return out
+
+        self.runner.execute = execute
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.runner.execute  # the bound method again
+
+    def summary(self, wall: float) -> dict[str, float]:
+        dec, pre = sum(self.decode), sum(self.prefill)
+        return dict(decode_steps=len(self.decode), decode_step_ms=1e3 * dec / max(1, len(self.decode)),
+                    decode_s=dec, prefill_steps=len(self.prefill), prefill_s=pre, outside_steps_s=wall - dec - pre)
+
+
 def bench_pytgi(llm: LLM, workload: Workload) -> tuple[SystemResult, Outputs]:
     """Warm up, then time `LLM.generate` on the whole workload."""
     run_pytgi(llm, warmup_workload(llm.engine.runner.vocab_size))
-    outputs, seconds = timed(lambda w: run_pytgi(llm, w), workload)
+    with StepTimes(llm.engine.runner) as steps:
+        outputs, seconds = timed(lambda w: run_pytgi(llm, w), workload)
     result = summarize("pytgi", workload, outputs, seconds)
     engine = llm.engine
-    result.notes = dict(engine_stats=engine.stats(), max_batch_prefill_tokens=engine.info.max_batch_prefill_tokens,
+    result.notes = dict(steps=steps.summary(seconds[0]), engine_stats=engine.stats(),
+                        max_batch_prefill_tokens=engine.info.max_batch_prefill_tokens,
                         max_batch_total_tokens=engine.info.max_batch_total_tokens,
                         max_batch_size=engine.info.max_batch_size, dtype=str(engine.runner.dtype),
                         device=str(engine.runner.device))
@@ -408,6 +443,11 @@ def print_report(args: argparse.Namespace, machine: dict[str, object], model: st
           f"input {args.input_min}-{args.input_max}, output {args.output_min}-{args.output_max} tokens, "
           "EOS ignored, greedy\n")
     print(markdown_table(results))
+    for r in results:
+        if (steps := (r.notes or {}).get("steps")) is not None:
+            print(f"\n{r.system} steps: {steps['decode_steps']} decode-only, {steps['decode_s']:.2f} s "
+                  f"({steps['decode_step_ms']:.2f} ms each); {steps['prefill_steps']} with prompt tokens, "
+                  f"{steps['prefill_s']:.2f} s; outside the steps (scheduling, outputs) {steps['outside_steps_s']:.2f} s")
     for system, frac in agree.items():
         print(f"\ngreedy agreement {system} vs transformers: {frac:.3f} of requests have identical token ids")
 
@@ -424,7 +464,7 @@ def write_json(path: Path, payload: dict[str, object]) -> None:
 def default_model_dir() -> Path:
     from pytgi.models.registry import resolve_model
 
-    return resolve_model(None)[0]
+    return resolve_model(None).path
 
 
 def random_model_config(shape: str, src: Path) -> dict[str, object]:
@@ -444,12 +484,14 @@ def random_state_dict(config: dict[str, object]) -> Tensors:
 
     with torch.device("meta"):
         meta = LlamaForCausalLM(LlamaConfig(**config))
-    dtype, gen = DTYPES[str(config["torch_dtype"])], torch.Generator().manual_seed(0)
+    # drawn on the GPU where there is one: an 8B model's 8e9 draws take a minute on a CPU
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype, gen = DTYPES[str(config["torch_dtype"])], torch.Generator(device).manual_seed(0)
     for name, p in meta.state_dict().items():
         if name.endswith("norm.weight"):
             yield name, torch.ones(p.shape, dtype=dtype)
         else:
-            yield name, (torch.randn(p.shape, generator=gen) * 0.02).to(dtype)
+            yield name, (torch.randn(p.shape, generator=gen, device=device) * 0.02).to(dtype).cpu()
 
 
 def group_shards(tensors: Tensors, shard_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -487,9 +529,10 @@ def write_shards(out: Path, tensors: Tensors, shard_bytes: int = 4 << 30) -> Non
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def make_random_model(out: Path, shape: str) -> None:
-    """Write a random-weight HF Llama directory: config, safetensors, and the default model's tokenizer."""
-    src = default_model_dir()
+def make_random_model(out: Path, shape: str, tokenizer_dir: Path | None = None) -> None:
+    """Write a random-weight HF Llama directory: config, safetensors, and the default model's tokenizer
+    (or `tokenizer_dir`'s: its config.json and tokenizer files)."""
+    src = tokenizer_dir or default_model_dir()
     out.mkdir(parents=True, exist_ok=True)
     config = random_model_config(shape, src)
     (out / "config.json").write_text(json.dumps(config, indent=2))
@@ -529,6 +572,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--make-random-model", type=Path, default=None, metavar="DIR",
                    help="write a random-weight HF Llama directory to DIR and exit")
     p.add_argument("--shape", default="tiny", choices=list(SHAPES))
+    p.add_argument("--tokenizer-dir", type=Path, default=None,
+                   help="with --make-random-model: take config.json's vocabulary and the tokenizer from here")
+    p.add_argument("--max-batch-size", type=int, default=None, help="pytgi's --max-batch-size (default 256)")
+    p.add_argument("--max-batch-prefill-tokens", type=int, default=None,
+                   help="pytgi's --max-batch-prefill-tokens (default 1024 on CPU, 4096 on CUDA)")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if unknown := set(args.systems) - set(SYSTEMS):
@@ -572,7 +620,7 @@ def run_systems(args: argparse.Namespace) -> tuple[Path, Workload, list[SystemRe
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.make_random_model is not None:
-        make_random_model(args.make_random_model, args.shape)
+        make_random_model(args.make_random_model, args.shape, args.tokenizer_dir)
         return 0
     load_before = load_average()
     model_path, workload, results, outputs = run_systems(args)
