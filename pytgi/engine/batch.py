@@ -95,7 +95,7 @@ class PagedModel:
         if (
             not sizes
             or self.device.type != "cuda"
-            or type(self.model.attention).__name__ != "TritonAttention"
+            or not getattr(self.model.attention, "captures_decode", False)
             or getattr(cfg, "moe", None) is not None
         ):
             return False

@@ -52,6 +52,8 @@ def triton_metadata(layout: StepLayout, device: torch.device, group: int) -> Tri
 
 
 class TritonAttention(TorchAttention):
+    captures_decode = True  # a decode step's launches read only device tensors: CUDA graphs replay it
+
     def prepare(  # type: ignore[override]
         self, layout: StepLayout, device: torch.device, window: int | None = None
     ) -> TritonMetadata | TorchAttentionMetadata:
