@@ -16,12 +16,9 @@ LoRA adapters, more requests than the largest size, and models whose step needs 
 from __future__ import annotations
 
 import bisect
-import logging
 
 import numpy as np
 import torch
-
-log = logging.getLogger(__name__)
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -41,7 +38,7 @@ class DecodeGraphs:
     `scratch_block`, past those the block manager hands out)."""
 
     def __init__(self, paged, sizes: tuple[int, ...], max_blocks: int, scratch_block: int) -> None:
-        from pytgi.kernels.gpu import attention_tiles
+        from pytgi.kernels.gpu import query_block
         from pytgi.models.gpu import TritonMetadata
 
         self.paged, self.sizes = paged, sorted(sizes)
@@ -54,7 +51,7 @@ class DecodeGraphs:
         self.ints[2].fill_(self.scratch_slot)
         q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
         programs = torch.stack([q_start[:n], torch.zeros_like(q_start[:n])], dim=1).contiguous()
-        block_m, _ = attention_tiles(1, paged.model.attention.group)
+        block_m = query_block(1, paged.model.attention.group)
         # host staging (pinned: the copies do not wait for the GPU to go idle)
         pin = torch.cuda.is_available()
         self.host_ints = (

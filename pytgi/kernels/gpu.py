@@ -125,12 +125,12 @@ def _paged_attention_kernel(
     )
 
 
-def attention_tiles(max_query_len: int, group: int) -> tuple[int, int]:
-    """(query tokens per program, keys per tile): at least 16 rows per program for the tensor cores
-    (a decode's group of query heads fills some of them), more query tokens for prefill chunks."""
+def query_block(max_query_len: int, group: int) -> int:
+    """Query tokens per attention program: at least 16 rows for the tensor cores (a decode's group of
+    query heads fills some of them), 64 rows for a step with prefill chunks. Keys go 64 a tile."""
     group_pad = triton.next_power_of_2(group)
-    block_m = max(1, 16 // group_pad) if max_query_len <= max(1, 16 // group_pad) else max(1, 64 // group_pad)
-    return block_m, 64
+    decode = max(1, 16 // group_pad)
+    return decode if max_query_len <= decode else max(1, 64 // group_pad)
 
 
 def attention_programs(query_lens: np.ndarray, block_m: int) -> np.ndarray:
@@ -152,7 +152,7 @@ def paged_attention(
     q_start: torch.Tensor,  # [B + 1] int32
     context_lens: torch.Tensor,  # [B] int32
     block_tables: torch.Tensor,  # [B, M] int32
-    block_m: int,  # query tokens per program (`attention_tiles`), as `programs` were made for
+    block_m: int,  # query tokens per program (`query_block`), as `programs` were made for
     block_size: int,
     scale: float,
 ) -> torch.Tensor:

@@ -38,7 +38,7 @@ def triton_metadata(layout: StepLayout, device: torch.device, group: int) -> Tri
     """`group`: query heads per kv head."""
     q_start = np.zeros(len(layout.query_lens) + 1, np.int32)
     np.cumsum(layout.query_lens, out=q_start[1:])
-    block_m, _ = gpu.attention_tiles(int(layout.query_lens.max()), group)
+    block_m = gpu.query_block(int(layout.query_lens.max()), group)
     to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a, dtype=dt)).to(device, non_blocking=True)
     return TritonMetadata(
         slot_mapping=to(layout.slot_mapping, np.int64),

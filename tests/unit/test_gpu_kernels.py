@@ -122,11 +122,11 @@ def test_rope_write_kv(dtype):
     assert cache[0][untouched].abs().sum() == 0 and cache[1][untouched].abs().sum() == 0
 
 
-def test_attention_tiles():
-    assert gpu.attention_tiles(1, 4) == (4, 64)  # a decode: 4 tokens x 4 heads fill 16 rows
-    assert gpu.attention_tiles(1, 1) == (16, 64)
-    assert gpu.attention_tiles(100, 4) == (16, 64)  # a prefill chunk: 64 rows a program
-    assert gpu.attention_tiles(4, 3) == (4, 64)
+def test_query_block():
+    assert gpu.query_block(1, 4) == 4  # a decode: 4 tokens x 4 heads fill 16 rows
+    assert gpu.query_block(1, 1) == 16
+    assert gpu.query_block(100, 4) == 16  # a prefill chunk: 64 rows a program
+    assert gpu.query_block(4, 3) == 4
 
 
 def test_attention_programs():
