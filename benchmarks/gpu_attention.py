@@ -25,6 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from pytgi.engine.batch import StepBatch  # noqa: E402
 from pytgi.models.attention import StepLayout, TorchAttention  # noqa: E402
 from pytgi.models.cpu import CpuKernels  # noqa: E402
 from pytgi.models.gpu import TritonAttention  # noqa: E402
@@ -40,17 +41,12 @@ CASES = {  # name: (query lengths, context lengths)
 
 
 def layout(q_lens: list[int], ctx: list[int], rng: np.random.Generator) -> StepLayout:
+    """Request i computes its last q_lens[i] of ctx[i] positions; its blocks scattered over the cache."""
     blocks = [-(-c // BS) for c in ctx]
     perm = rng.permutation(sum(blocks)) + 1
-    tables = np.zeros((len(ctx), max(blocks)), np.int64)
-    used = 0
-    for i, n in enumerate(blocks):
-        tables[i, :n] = perm[used : used + n]
-        used += n
-    positions = np.concatenate([np.arange(c - n, c) for n, c in zip(q_lens, ctx)])
-    req = np.repeat(np.arange(len(ctx)), q_lens)
-    slots = tables[req, positions // BS] * BS + positions % BS
-    return StepLayout(np.array(q_lens), np.array(ctx), tables, slots, BS)
+    tables = [t.tolist() for t in np.split(perm, np.cumsum(blocks)[:-1])]
+    starts = [c - n for n, c in zip(q_lens, ctx)]
+    return StepBatch.build([[0] * n for n in q_lens], starts, tables, BS).layout
 
 
 def main() -> int:

@@ -29,13 +29,13 @@ model, not the request's sampling settings, and are identical for greedy and sam
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Literal, overload
 
 import torch
 
 from pytgi import kernels
+from pytgi.models.cpu import triton_available
 from pytgi.sampling_params import SamplingParams
 
 # Tiny positive floor for the exponential noise: a zero draw would turn p / q into inf or nan.
@@ -323,7 +323,7 @@ def row_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tens
     same whatever the batch); on CUDA the Triton kernel's one pass (`pytgi.kernels.gpu.row_stats`); PyTorch
     without either, and for rows with NaN or inf."""
     out: torch.Tensor | None
-    if logits.device.type == "cuda" and _triton():
+    if logits.device.type == "cuda" and triton_available():
         from pytgi.kernels import gpu
 
         arg, out, bad = gpu.row_stats(logits.float())
@@ -340,13 +340,6 @@ def row_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tens
             if out is not None:
                 out[i] = logits[i].logsumexp(dim=0)
     return arg, out
-
-
-@functools.cache
-def _triton() -> bool:
-    from pytgi.models.cpu import triton_available
-
-    return triton_available()
 
 
 class Sampler:

@@ -9,6 +9,7 @@ Tests build a model with the choice they want (`CpuKernels.none()`, `for_device(
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -123,6 +124,7 @@ class CpuKernels:
         return TorchOps()
 
 
+@functools.cache
 def triton_available() -> bool:
     try:
         import triton  # noqa: F401

@@ -88,10 +88,8 @@ class TritonOps(TorchOps):
         return rotary.cos[positions].float(), rotary.sin[positions].float()  # float32 [T, D]
 
     def add_norm(self, y, residual, norm, out_norm=None):
-        if out_norm is not None or (norm is not None and norm.offset):
+        if out_norm is not None or norm is None or norm.offset:  # nothing to fuse, or Gemma's norms
             return super().add_norm(y, residual, norm, out_norm)
-        if norm is None:
-            return (residual if y is None else residual + y), None
         residual = residual.contiguous()
         return residual, gpu.add_rms_norm(y, residual, norm.weight, norm.eps)
 

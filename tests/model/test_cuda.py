@@ -17,6 +17,7 @@ import transformers
 
 from pytgi import LLM, SamplingParams
 from pytgi.config import EngineConfig
+from pytgi.engine.batch import StepBatch
 from pytgi.engine.runner import ModelRunner
 from tests.unit import tiny_tokenizer
 
@@ -50,8 +51,6 @@ def test_logits_match_transformers_with_graphs(tiny):
     runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cuda"))
     runner.allocate_kv_cache(64, 16)
     assert runner.paged.graphs is not None and 4 in runner.paged.graphs.graphs
-    from pytgi.engine.batch import StepBatch
-
     prompts = [[5, 9, 2, 7, 11], list(range(20, 57)), [3]]
     tables = [[1, 2, 3, 4], [10, 11, 12, 13], [20, 21, 22, 23]]
     seqs = [list(p) for p in prompts]

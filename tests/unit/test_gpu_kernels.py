@@ -12,6 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from pytgi.engine.batch import StepBatch
 from pytgi.kernels import gpu
 from pytgi.models.attention import StepLayout, TorchAttention
 from pytgi.models.cpu import CpuKernels, TorchOps, _rotate
@@ -25,18 +26,11 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 def mixed_step(q_lens, ctx, bs, num_blocks, seed=0):
     """A flat step's layout: request i computes its last q_lens[i] of ctx[i] positions, its blocks
     scattered over the cache."""
-    rng = np.random.default_rng(seed)
-    perm = rng.permutation(num_blocks)
-    width = max(-(-c // bs) for c in ctx)
-    tables, used = np.zeros((len(ctx), width), np.int64), 0
-    for i, c in enumerate(ctx):
-        n = -(-c // bs)
-        tables[i, :n] = perm[used : used + n]
-        used += n
-    positions = np.concatenate([np.arange(c - n, c) for n, c in zip(q_lens, ctx)])
-    req = np.repeat(np.arange(len(ctx)), q_lens)
-    slots = tables[req, positions // bs] * bs + positions % bs
-    return StepLayout(np.array(q_lens), np.array(ctx), tables, slots, bs)
+    blocks = [-(-c // bs) for c in ctx]
+    perm = np.random.default_rng(seed).permutation(num_blocks)[: sum(blocks)]
+    tables = [t.tolist() for t in np.split(perm, np.cumsum(blocks)[:-1])]
+    starts = [c - n for n, c in zip(q_lens, ctx)]
+    return StepBatch.build([[0] * n for n in q_lens], starts, tables, bs).layout
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
