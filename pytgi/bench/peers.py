@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pytgi.bench.procs import PeakRss
 from pytgi.net import free_port
 
 PEER_KINDS = ("pytgi", "llama-server", "transformers-serve", "tgi", "openai")
@@ -87,6 +88,9 @@ class ManagedTarget(Target):
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.log_path: Path | None = None
+        self.ready_s: float | None = None  # from start to its first healthy answer
+        self._rss: PeakRss | None = None  # the peak resident memory of its process tree, start to stop
+        self.peak_rss: int | None = None
 
     def build_command(self, port: int) -> list[str]:
         raise NotImplementedError
@@ -119,8 +123,11 @@ class ManagedTarget(Target):
                 )
             except OSError as e:
                 raise PeerError(f"{self.name}: cannot run {shlex.join(self.command)}: {e}") from e
+        t0 = time.monotonic()
+        self._rss = PeakRss(self.proc.pid)
         try:
             self.wait_ready()
+            self.ready_s = time.monotonic() - t0
         except BaseException:
             self.stop()
             raise
@@ -152,7 +159,13 @@ class ManagedTarget(Target):
         except OSError:
             return ""
 
+    def describe(self) -> dict[str, Any]:
+        peak = self._rss.peak if self._rss is not None else self.peak_rss
+        return {**super().describe(), "ready_s": self.ready_s, "peak_rss_bytes": peak}
+
     def stop(self) -> None:
+        if self._rss is not None:
+            self.peak_rss, self._rss = self._rss.stop(), None
         proc, self.proc = self.proc, None
         if proc is not None and proc.poll() is None:
             _signal_group(proc, signal.SIGTERM)

@@ -3,8 +3,11 @@ and kill one part of a running `pytgi serve` (an engine process, a rank, a repli
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def descendants(pid: int) -> list[int]:
@@ -60,3 +63,36 @@ def busiest_engine(server_pid: int, seconds: float = 1.0) -> int:
     before = {p: cpu_ticks(p) for p in procs}
     time.sleep(seconds)
     return max(procs, key=lambda p: cpu_ticks(p) - before[p])
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and every process under it (0 once they have ended)."""
+    total = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * PAGE
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+class PeakRss:
+    """The largest `tree_rss(pid)` seen, sampled every `every` seconds in a thread until `stop()`."""
+
+    def __init__(self, pid: int, every: float = 0.25) -> None:
+        import threading
+
+        self.pid, self.every, self.peak = pid, every, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, tree_rss(self.pid))
+            self._done.wait(self.every)
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return self.peak

@@ -102,7 +102,7 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
     head = (
         "| server | load | ok / err | out tok/s | total tok/s | req/s | TTFT ms p50 / p90 / p99 "
         "| ITL ms p50 / p90 / p99 | TPOT ms p50 | E2E s p50 / p90 / p99 | out tok/s vs first "
-        "| ITL p50 vs first |"
+        "| ITL p50 vs first | ready s | peak RSS GiB |"
     )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     firsts: dict[str, dict[str, Any]] = {}
@@ -116,7 +116,8 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
             f"| {_num(s['request_throughput'], 2)} | {_pcts(s['ttft_ms'])} "
             f"| {_pcts(s['itl_ms'])} | {_num(s['tpot_ms']['p50'])} | {_pcts(s['e2e_ms'], 1e-3, 2)} "
             f"| {_ratio(s['output_throughput'], base['output_throughput'])} "
-            f"| {_ratio(s['itl_ms']['p50'], base['itl_ms']['p50'])} |"
+            f"| {_ratio(s['itl_ms']['p50'], base['itl_ms']['p50'])} "
+            f"| {_num(run.get('ready_s'))} | {_num((run.get('peak_rss_bytes') or 0) / 2**30 or None, 2)} |"
         )
     return "\n".join(lines)
 

@@ -187,9 +187,11 @@ def test_markdown_table_has_ratios_against_the_first_server() -> None:
     lines = table.splitlines()
     assert len(lines) == 6 and lines[1].startswith("| --- |")
     assert lines[0].count("|") == lines[2].count("|")
-    assert lines[2].endswith("| 1.00× | 1.00× |") and "| c=4 |" in lines[2]
-    assert lines[3].endswith("| 0.50× | 2.00× |")
-    assert lines[5].endswith("| 2.00× | 0.50× |") and "| c=16 |" in lines[5]
+    assert lines[2].endswith("| 1.00× | 1.00× | - | - |") and "| c=4 |" in lines[2]  # not started here
+    assert lines[3].endswith("| 0.50× | 2.00× | - | - |")
+    assert lines[5].endswith("| 2.00× | 0.50× | - | - |") and "| c=16 |" in lines[5]
+    started = {**run_doc("pytgi", 100.0, 10.0), "ready_s": 12.34, "peak_rss_bytes": 3 << 29}
+    assert report.markdown_table([started]).splitlines()[2].endswith("| 12.3 | 1.50 |")
 
 
 def test_plot_sweep(tmp_path: Path) -> None:
@@ -504,3 +506,19 @@ def test_bench_never_imports_torch(tokenizer_dir: Path) -> None:
             f"from pytgi.bench.workload import load_tokenizer\nload_tokenizer({str(tokenizer_dir)!r})\n"
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\nassert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def test_peak_rss_of_a_process_tree_counts_its_children() -> None:
+    """A parent whose child holds 200 MB for a moment: the peak of the tree sees the child's pages."""
+    import subprocess
+    import sys
+    import time
+
+    from pytgi.bench.procs import PeakRss, tree_rss
+
+    child = "import time; b = bytearray(200 << 20); time.sleep(1.5)"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"])
+    peak = PeakRss(parent.pid, every=0.05)
+    parent.wait(30)
+    time.sleep(0.1)
+    assert peak.stop() >= 200 << 20 and tree_rss(parent.pid) == 0
