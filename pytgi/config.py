@@ -44,7 +44,9 @@ class EngineConfig:
     )
     max_input_tokens: int | None = setting(None, "longest prompt (default: max_total_tokens - 1)", info=True)
     max_total_tokens: int | None = setting(
-        None, "prompt + generated tokens (default: the model's positions)", info=True
+        None,
+        "prompt + generated tokens (default: the model's positions, as many as the KV cache holds)",
+        info=True,
     )
     waiting_served_ratio: float = setting(0.3, "admission rule for a running batch", info=True)
     speculate: int = setting(
@@ -81,7 +83,13 @@ class EngineConfig:
         "(default: no cap)",
     )
     max_batch_total_tokens: int | None = setting(
-        None, "KV-cache slots (default: sized from memory)", info=True
+        None, "KV-cache slots (default: sized from memory, --kv-cache-memory-fraction)", info=True
+    )
+    kv_cache_memory_fraction: float | None = setting(
+        None,
+        "the share of the memory left once the weights are loaded (MemAvailable on CPU, free GPU memory "
+        "on CUDA) that the KV cache takes, split evenly over the ranks on this machine and over "
+        "--replicas (default 0.25 CPU, 0.9 GPU)",
     )
     max_waiting_tokens: int = setting(20, "steps before waiting requests join regardless", info=True)
     max_batch_size: int | None = setting(None, "most running requests (default: 256)", info=True)
@@ -111,8 +119,8 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     block_size: int = 16
     enable_chunked_prefill: bool = True
-    kv_cache_memory_fraction: float = 0.9  # of free memory left after the weights (CUDA)
-    kv_cache_cpu_bytes: int = 4 << 30  # on CPU: the most the KV cache takes by default
+    kv_cache_cpu_bytes: int | None = None  # the most the KV cache takes (tests; default: no cap)
+    local_replicas: int = 1  # engines of this server sharing the machine (--replicas on a local cluster)
     attention_backend: str = "auto"  # auto | torch | triton
     progress: bool = True  # show progress bars on first conversion
 
@@ -137,6 +145,10 @@ class EngineConfig:
             raise ValueError(f"speculate must be >= 0, got {self.speculate}")
         if self.mm_cache_size < 0:
             raise ValueError(f"mm_cache_size must be >= 0, got {self.mm_cache_size}")
+        if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(
+                f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
@@ -162,7 +174,14 @@ class EngineConfig:
     ) -> EngineInfo:
         """Fill the defaults from the loaded model and check the limits against each other;
         `kv_capacity()` (KV slots that fit in memory) is asked only when no size was given."""
-        total = self.max_total_tokens or max_positions
+        memory = self.max_batch_total_tokens or kv_capacity()  # the KV slots asked for, or that fit
+        # by default a request may take the model's positions, as far as the KV cache holds them
+        total = self.max_total_tokens or min(max_positions, memory // self.block_size * self.block_size)
+        if total < 2:
+            raise ValueError(
+                f"the KV cache holds {memory} tokens: too little memory is left for it (lower the other "
+                "engines' --kv-cache-memory-fraction, or set --max-batch-total-tokens)"
+            )
         if total > max_positions:
             raise ValueError(f"max_total_tokens ({total}) exceeds the model's {max_positions} positions")
         max_input = self.max_input_tokens or total - 1
@@ -176,7 +195,9 @@ class EngineConfig:
             raise ValueError(f"max_prefill_tokens_while_decoding must be >= 0, got {cap}")
         if not self.enable_chunked_prefill and max_input > prefill:
             raise ValueError("without chunked prefill, max_input_tokens must be <= max_batch_prefill_tokens")
-        num_blocks = (self.max_batch_total_tokens or kv_capacity()) // self.block_size
+        # sized from memory, up to what max_batch_size requests of max_total_tokens can use
+        slots = self.max_batch_total_tokens or min(memory, (self.max_batch_size or 256) * total)
+        num_blocks = slots // self.block_size
         if num_blocks * self.block_size < total:
             raise ValueError(
                 f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than max_total_tokens "

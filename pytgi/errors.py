@@ -20,6 +20,10 @@ class UnsupportedModel(UserError, ValueError):
     """A model whose architecture or files pytgi cannot serve."""
 
 
+class ModelTooLarge(UserError, MemoryError):
+    """The model's weights do not fit in the memory available (refused before loading)."""
+
+
 class GGUFConversionError(UserError, ValueError):
     """A GGUF file pytgi cannot read into a model."""
 

@@ -5,6 +5,7 @@ transformers and gguf-py. Random weights: these test how a model is found and fe
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -39,10 +40,65 @@ def hf_model(out: Path) -> Path:
     return out
 
 
+def declared_gguf(path: Path, layers: int, hidden: int, inter: int, qtype: str = "Q4_0") -> Path:
+    """A Llama-shaped GGUF file of any size with the default model's tokenizer whose tensors are only
+    declared: the data region is a hole in a sparse file (a loader that reads no weight before
+    checking the model's size never notices)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+    from pytgi.models.gguf_weights import read_tensor_index
+
+    qt = GGMLQuantizationType[qtype]
+    block, size = GGML_QUANT_SIZES[qt]
+    heads = hidden // 128
+    writer = GGUFWriter(path, "llama")
+    _llama_metadata(writer, layers, hidden, inter, heads, heads // 4 or 1, 4096)
+    shapes = {"token_embd.weight": (49152, hidden), "output_norm.weight": (hidden,)}
+    for i in range(layers):
+        shapes |= {f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (hidden // 4, hidden),
+                   f"blk.{i}.attn_v.weight": (hidden // 4, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                   f"blk.{i}.ffn_gate.weight": (inter, hidden), f"blk.{i}.ffn_up.weight": (inter, hidden),
+                   f"blk.{i}.ffn_down.weight": (hidden, inter), f"blk.{i}.attn_norm.weight": (hidden,),
+                   f"blk.{i}.ffn_norm.weight": (hidden,)}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            writer.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)
+        else:
+            nbytes = shape[0] * shape[1] // block * size
+            writer.add_tensor_info(name, (shape[0], shape[1] // block * size), np.dtype(np.uint8), nbytes, qt)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    writer.close()
+    with open(path, "rb") as f:
+        last = max(read_tensor_index(f.read()), key=lambda t: t.data_offset)
+    os.truncate(path, last.data_offset + last.n_bytes)
+    return path
+
+
+def _llama_metadata(writer, layers: int, hidden: int, inter: int, heads: int, kv: int, context: int) -> None:  # type: ignore[no-untyped-def]
+    """A Llama file's hyperparameters, and the default model's tokenizer as its file has it."""
+    from gguf import GGUFReader, GGUFValueType
+
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    source = GGUFReader(default_gguf_path())
+    for field in source.fields.values():
+        if field.name.startswith("tokenizer."):
+            sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+
+
 def gguf_model(path: Path, parts: int = 1) -> list[Path]:
     """A GGUF file of the same shape with the default model's tokenizer (F32 norms, F16 matrices);
     `parts` > 1 splits its tensors over that many files, as llama.cpp's gguf-split names them."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFWriter
 
     rng = np.random.default_rng(0)
     hidden, inter, layers = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_hidden_layers"]
@@ -67,19 +123,7 @@ def gguf_model(path: Path, parts: int = 1) -> list[Path]:
         tensors[f"blk.{i}.attn_norm.weight"] = np.ones(hidden, np.float32)
         tensors[f"blk.{i}.ffn_norm.weight"] = np.ones(hidden, np.float32)
     writer = GGUFWriter(path, "llama", split_max_tensors=-(-len(tensors) // parts) if parts > 1 else 0)
-    writer.add_block_count(layers)
-    writer.add_context_length(SHAPE["max_position_embeddings"])
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(inter)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    source = GGUFReader(default_gguf_path())
-    for field in source.fields.values():  # the tokenizer, as the default model's file has it
-        if field.name.startswith("tokenizer."):
-            sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    _llama_metadata(writer, layers, hidden, inter, heads, kv, SHAPE["max_position_embeddings"])
     for name, value in tensors.items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()

@@ -21,6 +21,7 @@ from pytgi import structured
 from pytgi.config import EngineConfig
 from pytgi.engine.images import ImageInputs, PromptImage
 from pytgi.engine.kv_cache import BlockManager
+from pytgi.engine.kv_sizing import GIB, free_bytes
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import Scheduler
@@ -74,7 +75,7 @@ class LLMEngine:
             quantization=file_quantization(model_path),
             lora_adapters={name: str(path) for name, path in adapters.items()},
             kv_capacity=lambda: runner.auto_num_tokens(
-                config.kv_cache_cpu_bytes, config.kv_cache_memory_fraction
+                config.kv_cache_memory_fraction, config.kv_cache_cpu_bytes
             ),
         )
         self.block_manager = BlockManager(
@@ -97,13 +98,17 @@ class LLMEngine:
         # each adapter's load number: the root of its prefix-cache blocks, new at each (re)load
         self.adapter_loads = {name: i for i, name in enumerate(self.info.lora_adapters)}
         self.last_step = P.StepInfo()  # what the last step did, for the metrics
+        kv_bytes = self.info.max_batch_total_tokens * runner.paged.kv_bytes_per_token()
         log.info(
-            "engine ready: %s on %s (%s), %d KV blocks x %d, load %.1fs",
+            "engine ready: %s on %s (%s): weights %.2f GiB, KV cache %d tokens (%.2f GiB), "
+            "%.1f GiB left available; load %.1fs",
             model_id,
             runner.device,
             runner.dtype,
-            self.info.num_blocks,
-            config.block_size,
+            runner.weights_bytes() / GIB,
+            self.info.max_batch_total_tokens,
+            kv_bytes / GIB,
+            free_bytes(runner.device) / GIB,
             load_seconds,
         )
 

@@ -1,12 +1,23 @@
-"""How many KV-cache slots fit on this rank: a fraction of free GPU memory on CUDA, on CPU up to a
-cap in bytes and a quarter of the memory available (the weights, activations and the OS need the
-rest)."""
+"""How much memory a model takes and how many KV-cache slots fit beside it.
+
+Before loading, a model whose weights do not fit in the memory available is refused with the numbers
+(`check_fits`), instead of being killed halfway. After loading, the KV cache takes a share
+(`--kv-cache-memory-fraction`) of what is left: free GPU memory on CUDA, `MemAvailable` on CPU, split
+evenly over the engines sharing the machine (local tensor-parallel ranks; replicas divide the
+fraction themselves)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+from pytgi.errors import ModelTooLarge
+
 GPU_HEADROOM = 1 << 30  # left free on a GPU for activations
+RUNTIME_BYTES = 3 << 29  # CPU: Python, torch, the kernels and a step's activations (1.5 GiB)
+DEFAULT_FRACTION = {"cuda": 0.9, "cpu": 0.25}
+GIB = float(1 << 30)
 
 
 def available_memory_bytes() -> int:
@@ -19,12 +30,51 @@ def available_memory_bytes() -> int:
         return 8 << 30
 
 
-def kv_capacity_tokens(
-    device: torch.device, bytes_per_token: int, cpu_cap_bytes: int, gpu_fraction: float
-) -> int:
+def memory_fraction(fraction: float | None, device: torch.device) -> float:
+    return DEFAULT_FRACTION["cuda" if device.type == "cuda" else "cpu"] if fraction is None else fraction
+
+
+def free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * gpu_fraction) - GPU_HEADROOM
-    else:
-        budget = min(cpu_cap_bytes, available_memory_bytes() // 4)
+        return torch.cuda.mem_get_info(device)[0]
+    return available_memory_bytes()
+
+
+def kv_capacity_tokens(
+    device: torch.device,
+    bytes_per_token: int,
+    fraction: float | None,
+    engines: int = 1,
+    cap_bytes: int | None = None,
+) -> int:
+    """KV slots for this engine: `fraction` of the memory free now (after the weights), shared by
+    `engines` engines on this machine, at most `cap_bytes`."""
+    budget = int(free_bytes(device) * memory_fraction(fraction, device) / max(engines, 1))
+    if device.type == "cuda":
+        budget -= GPU_HEADROOM
+    if cap_bytes is not None:
+        budget = min(budget, cap_bytes)
     return max(budget, 0) // bytes_per_token
+
+
+def local_engines(tp_size: int) -> int:
+    """Ranks sharing this machine's memory: all of them, unless they were started elsewhere (torchrun,
+    `pytgi shard`: LOCAL_WORLD_SIZE, or one)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return tp_size
+
+
+def check_fits(weight_bytes: int, device: torch.device, what: str) -> None:
+    """Refuse before loading a model whose weights (and, on CPU, the runtime) exceed the memory
+    available now."""
+    runtime = RUNTIME_BYTES if device.type == "cpu" else GPU_HEADROOM
+    free = free_bytes(device)
+    if weight_bytes + runtime > free:
+        where = "GPU memory free" if device.type == "cuda" else "memory available (MemAvailable)"
+        raise ModelTooLarge(
+            f"{what} does not fit: it needs about {weight_bytes / GIB:.1f} GiB for its weights and "
+            f"{runtime / GIB:.1f} GiB for the runtime, {(weight_bytes + runtime) / GIB:.1f} GiB in all, "
+            f"and this machine has {free / GIB:.1f} GiB of {where}; serve a smaller or more quantized "
+            "model, or shard it over more machines (--num-shard)"
+        )

@@ -20,6 +20,7 @@ import zmq
 
 from pytgi import protocol as P
 from pytgi.config import EngineConfig
+from pytgi.errors import UserError
 from pytgi.logs import setup_logging
 
 log = logging.getLogger("pytgi.engine")
@@ -134,7 +135,10 @@ def main(argv: list[str] | None = None, runner_cls: type | None = None) -> int:
 
         engine = LLMEngine(EngineConfig(**json.loads(args.config)), runner_cls or ModelRunner)
     except Exception as exc:
-        log.exception("engine failed to start")
+        if isinstance(exc, UserError):  # the user's to fix, and its message says how: no traceback
+            log.error("engine failed to start: %s", exc)
+        else:
+            log.exception("engine failed to start")
         outbox.send(P.encoder.encode(P.StartupFailed(f"{type(exc).__name__}: {exc}")))
         time.sleep(0.5)
         return 1

@@ -21,7 +21,7 @@ from pytgi.config import EngineConfig
 from pytgi.engine.batch import PagedModel, StepBatch
 from pytgi.engine.cuda_graphs import parse_sizes
 from pytgi.engine.images import step_rows
-from pytgi.engine.kv_sizing import kv_capacity_tokens
+from pytgi.engine.kv_sizing import check_fits, kv_capacity_tokens, local_engines
 from pytgi.engine.sampling_step import SamplingStep
 from pytgi.engine.step import ScheduledRequest, StepOutput
 from pytgi.engine.structured import GrammarMatchers
@@ -30,7 +30,15 @@ from pytgi.lora import parse_specs
 from pytgi.models.attention import StepLayout
 from pytgi.models.cpu import CpuKernels
 from pytgi.models.decoder import DecoderModel, StepImages
-from pytgi.models.loader import CausalLM, eos_token_ids, load_model, read_config, resolve_dtype
+from pytgi.models.loader import (
+    CausalLM,
+    eos_token_ids,
+    load_model,
+    loaded_bytes,
+    read_config,
+    resolve_dtype,
+    weight_bytes,
+)
 from pytgi.models.lora import LoraAdapters
 
 log = logging.getLogger(__name__)
@@ -54,6 +62,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, read_config(model_path), self.device)
         # On CPU this builds the C kernels now (about a second, once), not on the first request.
         cpu = CpuKernels.for_device(self.device, self.dtype, batch_invariant=config.batch_invariant)
+        share = local_engines(dist.tp_size()) / dist.tp_size()  # of the whole model, on this machine
+        need = weight_bytes(model_path, self.dtype, self.device, config.quantize)
+        check_fits(int(need * share), self.device, f"the model ({model_path.name})")
         model = load_model(
             model_path,
             self.dtype,
@@ -110,12 +121,24 @@ class ModelRunner:
         self.paged.model = model
 
     # -- KV cache ---------------------------------------------------------------------------------
-    def auto_num_tokens(self, cpu_cap_bytes: int, gpu_fraction: float) -> int:
-        """KV slots that fit on every rank (`pytgi.engine.kv_sizing`)."""
+    def auto_num_tokens(self, fraction: float | None, cap_bytes: int | None) -> int:
+        """KV slots that fit on every rank (`pytgi.engine.kv_sizing`): `fraction` (None: the device's
+        default) of the memory left now, shared by the ranks on this machine, at most `cap_bytes`."""
         if self.rank == 0 and dist.tp_size() > 1:
-            dist.broadcast_command(dist.CMD_CAPACITY, cpu_cap_bytes, int(gpu_fraction * 1000))
-        local = kv_capacity_tokens(self.device, self.paged.kv_bytes_per_token(), cpu_cap_bytes, gpu_fraction)
+            f = -1 if fraction is None else int(fraction * 1_000_000)
+            dist.broadcast_command(dist.CMD_CAPACITY, f, -1 if cap_bytes is None else cap_bytes)
+        local = kv_capacity_tokens(
+            self.device,
+            self.paged.kv_bytes_per_token(),
+            fraction,
+            local_engines(dist.tp_size()) * self.lora_config.local_replicas,
+            cap_bytes,
+        )
         return dist.all_reduce_min(local)
+
+    def weights_bytes(self) -> int:
+        """The bytes this rank's model holds (packed weights, dense ones, tables)."""
+        return loaded_bytes(self.model)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         if self.rank == 0 and dist.tp_size() > 1:

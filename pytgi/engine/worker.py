@@ -42,7 +42,7 @@ def run_worker(config: EngineConfig, rank: int) -> int:
             elif cmd == dist.CMD_ALLOC:
                 runner.allocate_kv_cache(a, b)
             elif cmd == dist.CMD_CAPACITY:
-                runner.auto_num_tokens(a, b / 1000)
+                runner.auto_num_tokens(None if a < 0 else a / 1_000_000, None if b < 0 else b)
             elif cmd == dist.CMD_LORA:
                 runner.worker_adapters(a)
             elif cmd == dist.CMD_SHUTDOWN:

@@ -21,6 +21,8 @@ may run all its layers in one C call (`pytgi.models.decoder_loop`) for the steps
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -38,6 +40,7 @@ from pytgi.models.attention import (
 )
 from pytgi.models.cpu import CpuKernels, TorchOps
 from pytgi.models.decoder_loop import DecoderLoop, GemmaDecoderLoop
+from pytgi.models.gguf_weights import DECODERS, ROWS_PER_SLICE, GGUFWeights
 from pytgi.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -49,7 +52,16 @@ from pytgi.models.layers import (
     qkv_shards,
 )
 from pytgi.models.moe import SparseMoE
-from pytgi.models.quant import quantize_model
+from pytgi.models.quant import (
+    GROUP,
+    Layout,
+    LayoutRows,
+    QuantizedLinear,
+    QuantizedWeight,
+    grid_layout,
+    kind_for_gguf_type,
+    quantize_model,
+)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -304,35 +316,96 @@ class DecoderModel(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype) -> None:
-        """Swap each planned linear for a low-bit one (see `pytgi.models.quant`) and cast the model
-        to `act_dtype`. Call on float32 weights, before the model is cast."""
+    def planned(self, plan: dict[str, str] | str) -> dict[nn.Module, tuple[str, list[str]]]:
+        """The linears a quantization plan packs: each with its kind and the checkpoint names of its
+        parts (q, k, v of a fused projection; the embedding's for a tied LM head)."""
         parts = {
             fused: [p for p, (f, _) in self.FUSED.items() if f == fused] for fused, _ in self.FUSED.values()
         }
 
         def kind(hf_names: list[str]) -> str | None:
-            kinds = {plan} if isinstance(plan, str) else {plan.get(n) for n in hf_names}
-            if None in kinds:
-                return None
-            if kinds == {"bf16"}:
-                return "bf16"
-            return "int4" if kinds == {"int4"} else "int8x16" if "int8x16" in kinds else "int8"
+            return merged_kind({plan} if isinstance(plan, str) else {plan.get(n) for n in hf_names})
 
-        todo: dict[nn.Module, str] = {}
+        todo: dict[nn.Module, tuple[str, list[str]]] = {}
         for name, mod in self.named_modules():
             if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
                 stem, last = name.rsplit(".", 1)
                 names = [f"model.{stem}.{p}.weight" for p in parts.get(last, [last])]
                 if (k := kind(names)) is not None:
-                    todo[mod] = k
+                    todo[mod] = (k, names)
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         if (k := kind([head])) is not None:
             # logits are sensitive: never below 8 bits
-            todo[self.lm_head] = k if k in ("int8x16", "bf16") else "int8"
-        quantize_model(self, todo, act_dtype, self.kernels)
+            todo[self.lm_head] = (k if k in ("int8x16", "bf16") else "int8", [head])
+        return todo
+
+    def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype, layouts: Any = None) -> None:
+        """Swap each planned linear for a low-bit one (see `pytgi.models.quant`) and cast the model
+        to `act_dtype`. Call on float32 weights, before the model is cast, or with `layouts` (module →
+        its levels and grids, `load_gguf`) for the linears whose float weights were never loaded."""
+        todo = {mod: kind for mod, (kind, _) in self.planned(plan).items()}
+        quantize_model(self, todo, act_dtype, self.kernels, layouts or {})
         loop = GemmaDecoderLoop if self.config.sandwich_norms else DecoderLoop
         self.decoder_loop = loop.build(self, self.kernels)
+
+    def load_gguf(self, weights: GGUFWeights, plan: dict[str, str], act_dtype: torch.dtype) -> None:
+        """Load a GGUF file's tensors one at a time: the planned linears packed from their blocks' levels
+        and grids (no float copy), the rest dequantized to this model's dtype. Build the model with
+        `torch.empty` weights (untouched pages cost no memory): the packed linears' are never written."""
+        packed: dict[nn.Module, tuple[str, list[str]]] = {}
+        for mod, (kind, names) in self.planned(plan).items():
+            if kind != "bf16" and _packable(weights, mod, kind, names):
+                packed[mod] = (kind, names)
+        own = {id(m): n for n, m in self.named_modules()}
+        experts: dict[SparseMoE, list[str]] = {}
+        for name, mod in self.named_modules():
+            parts = [f"model.{name}.experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+            if (
+                isinstance(mod, SparseMoE)
+                and mod.local % GROUP == 0
+                and mod.start % GROUP == 0
+                and all(p in plan and weights.type_name(p) in DECODERS for p in parts)
+            ):
+                experts[mod] = parts
+        # the embedding table too: rows read from a packed weight (the tied head's, or its own)
+        table = self.kernels.vnni and act_dtype == torch.bfloat16 and weights.type_name(EMBED) in DECODERS
+        skip = {n for _, names in packed.values() for n in names}
+        skip |= {n for names in experts.values() for n in names}
+        skip.discard(EMBED)  # a tied head's tensor is the table's too: read dense, unless packed rows serve
+        if table:
+            skip.add(EMBED)
+        self.load_weights(
+            weights.dense_tensors(act_dtype, frozenset(skip)),
+            expect_missing={f"{own[id(mod)]}.weight" for mod in packed}
+            | {f"{own[id(mod)]}.{p}" for mod in experts for p in ("gate_up", "down")}
+            | ({"embed_tokens.weight"} if table else set()),
+        )
+        for mod, (gate, up, down) in experts.items():
+            kinds = (merged_kind({plan[gate], plan[up]}) or "int8", plan[down])
+            mod.pack_experts(weights, [gate, up, down], kinds, act_dtype, self.kernels)
+        self.quantize(
+            {name: plan[name] for _, names in packed.values() for name in names},
+            act_dtype,
+            {mod: functools.partial(_grid_layout, weights, mod, names) for mod, (_, names) in packed.items()},
+        )
+        if table:
+            self._packed_table(weights, act_dtype)
+
+    def _packed_table(self, weights: GGUFWeights, act_dtype: torch.dtype) -> None:
+        """The embedding table as a packed weight's rows: the tied head's, or its own from the file's
+        blocks; dequantized into `weight` where the packed layout cannot hold it."""
+        head = self.lm_head.quant if isinstance(self.lm_head, QuantizedLinear) else None
+        if not (self.config.tie_word_embeddings and head is not None and head.vnni):
+            kind = kind_for_gguf_type(weights.type_name(EMBED)) or "int8"
+            head = QuantizedWeight(
+                kind, _grid_layout(weights, self.embed_tokens, [EMBED], kind), act_dtype, self.kernels
+            )
+            head.dequantized = torch.empty(0)
+        if head.vnni:
+            self.embed_tokens.packed = head
+            self.embed_tokens.weight = nn.Parameter(torch.empty(0, dtype=act_dtype), requires_grad=False)
+        else:
+            self.embed_tokens.load_weight(self.embed_tokens.weight, weights.dense(EMBED, act_dtype))
 
     def _unfused(self, weights: Any) -> Any:
         """Checkpoints that store q, k, v (or gate, up) as one tensor (Phi-3) as separate ones, so each
@@ -352,8 +425,9 @@ class DecoderModel(nn.Module):
             else:
                 yield name, tensor
 
-    def load_weights(self, weights: Any) -> None:
-        """Copy (name, tensor) pairs in Hugging Face naming into this rank's parameters."""
+    def load_weights(self, weights: Any, expect_missing: set[str] | frozenset[str] = frozenset()) -> None:
+        """Copy (name, tensor) pairs in Hugging Face naming into this rank's parameters (all of them but
+        `expect_missing`, which another step fills)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in self._unfused(weights):
@@ -382,8 +456,68 @@ class DecoderModel(nn.Module):
             else:
                 loader(param, tensor.to(param.dtype), shard)
             loaded.add(name)
-        missing = {n for n in params if n not in loaded}
+        missing = {n for n in params if n not in loaded and n not in expect_missing}
         if self.config.tie_word_embeddings:
             missing.discard("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+
+EMBED = "model.embed_tokens.weight"
+
+
+def merged_kind(kinds: set[str | None]) -> str | None:
+    """The one layout that holds every part of a fused weight (None: some part is not packed)."""
+    if None in kinds:
+        return None
+    if kinds == {"bf16"}:
+        return "bf16"
+    return "int4" if kinds == {"int4"} else "int8x16" if "int8x16" in kinds else "int8"
+
+
+def _packable(weights: GGUFWeights, mod: nn.Module, kind: str, names: list[str]) -> bool:
+    """Whether a planned linear's parts can be packed from their levels and grids as they are: every
+    part of a type with a decoder, a row-parallel shard on whole groups."""
+    if not all(weights.type_name(n) in DECODERS for n in names):
+        return False
+    if isinstance(mod, RowParallelLinear):
+        return mod.in_start % GROUP == 0 and mod.local_in % GROUP == 0
+    return True
+
+
+def _grid_layout(weights: GGUFWeights, mod: nn.Module, names: list[str], kind: str) -> LayoutRows:
+    """This rank's part of a linear's weight, read from its parts' blocks a slice of rows at a time,
+    in `kind`'s layout."""
+    ranges: list[tuple[str, int, int, tuple[int, int] | None]] = []  # per part: its rows here, its columns
+    for i, name in enumerate(names):
+        rows = weights.shape(name)[0]
+        if isinstance(mod, ColumnParallelLinear):
+            start, size = mod.shards[i]
+            ranges.append((name, start, start + size, None))
+        elif isinstance(mod, RowParallelLinear):
+            ranges.append((name, 0, rows, (mod.in_start, mod.local_in)))
+        elif isinstance(mod, VocabParallelEmbedding):  # an LM head, or the table itself
+            ranges.append((name, mod.start, min(mod.start + mod.local_vocab, rows), None))
+        else:
+            ranges.append((name, 0, rows, None))
+    total = sum(stop - start for _, start, stop, _ in ranges)
+    pad = mod.local_vocab - total if isinstance(mod, VocabParallelEmbedding) else 0
+
+    def slices() -> Iterator[Layout]:
+        for name, start, stop, cols in ranges:
+            for at in range(start, stop, ROWS_PER_SLICE):
+                grid = weights.grid(name, at, min(at + ROWS_PER_SLICE, stop))
+                assert grid is not None, name
+                yield grid_layout(grid if cols is None else grid.cols(*cols), kind)
+        if pad > 0:  # the last rank's rows past the vocabulary: zero
+            first = weights.grid(names[-1], 0, 1)
+            assert first is not None
+            u, d, _ = grid_layout(first, kind)
+            yield (
+                u.new_full((pad, u.shape[1]), 128),
+                d.new_zeros(pad, d.shape[1]),
+                d.new_zeros(pad, d.shape[1]),
+            )
+
+    width = mod.local_in if isinstance(mod, RowParallelLinear) else weights.shape(names[0])[-1]
+    return LayoutRows((total + pad, width), slices)

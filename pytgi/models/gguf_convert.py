@@ -1,8 +1,11 @@
-"""Convert a GGUF file into a Hugging Face model directory (dequantized safetensors, tokenizer, config).
+"""Describe a GGUF file as a Hugging Face model directory: config, tokenizer, the tensors' types.
 
-pytgi's loader reads one format; GGUF files are converted once into the cache and loaded from there.
-Quantized tensors are dequantized with the `gguf` package and stored as float32 (the dequantized values
-of Q4/Q8 blocks are not exactly representable in 16 bits).
+A GGUF file is read once into a small directory in the cache (config.json, tokenizer.json,
+tokenizer_config.json, generation_config.json, quantization.json with every tensor's type, and
+gguf.json naming the file's parts). The weights stay in the GGUF file: the loader reads them from
+there at every start, one tensor at a time (`pytgi.models.gguf_weights`), so no copy of the model
+is ever written. `export_float` writes a float32 safetensors copy for tools that want one
+(transformers, as the fidelity tests do).
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from pytgi.errors import GGUFConversionError
 
@@ -87,12 +88,6 @@ def _required(reader: Any, key: str) -> Any:
     if value is None:
         raise GGUFConversionError(f"the GGUF file has no {key!r}: it is incomplete or not a model file")
     return value
-
-
-def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's interleaving of Q/K rows, back to the rotate-half layout HF's Llama uses."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def gguf_config(reader: Any) -> dict[str, Any]:
@@ -186,7 +181,7 @@ def gguf_config(reader: Any) -> dict[str, Any]:
     return config
 
 
-def _hf_tensor_name(name: str, model_type: str = "llama") -> str:
+def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     stem, _, kind = name.rpartition(".")  # kind: weight | bias
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{kind}"
@@ -204,34 +199,6 @@ def _hf_tensor_name(name: str, model_type: str = "llama") -> str:
             hf if parts[2].endswith("_exps") else f"{hf}.{kind}"
         )  # stacked experts: a parameter, no .weight
     raise GGUFConversionError(f"unexpected tensor {name!r} in GGUF file")
-
-
-def _tensors(reader: Any, config: dict[str, Any], progress: bool):
-    from gguf import dequantize
-    from tqdm import tqdm
-
-    permute = config["model_type"] in ("llama", "mixtral")  # llama.cpp interleaves these archs' q/k rows
-    gemma = config["model_type"].startswith("gemma")
-    tensors = reader.tensors
-    bar = tqdm(tensors, desc="dequantizing GGUF", unit="tensor", disable=not progress)
-    for t in bar:
-        try:
-            w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except NotImplementedError:
-            raise GGUFConversionError(
-                f"tensor {t.name!r} is stored as {t.tensor_type.name}, a GGUF type pytgi "
-                "cannot read yet; use a file quantized to another type"
-            ) from None
-        name = _hf_tensor_name(t.name, config["model_type"])
-        if name.endswith("shared_expert_gate.weight") and w.ndim == 1:
-            w = w[None, :]  # stored as a vector: the gate's one output row
-        if gemma and name.endswith("norm.weight"):
-            w = w - 1  # llama.cpp stores Gemma's norms as 1 + w
-        if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
-            w = _unpermute(w, config["num_attention_heads"])
-        elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
-            w = _unpermute(w, config["num_key_value_heads"])
-        yield name, w
 
 
 def _recovered_merges(tokens: list[str], rank: dict[str, float]) -> list[tuple[str, str]]:
@@ -418,11 +385,21 @@ class _SplitReader:
         self.tensors = [t for r in readers for t in r.tensors]
 
 
+SOURCE_FILE = "gguf.json"  # in a converted directory: the GGUF file's parts, whose tensors it serves
+
+
+def write_source(out_dir: Path, gguf_path: str | os.PathLike) -> None:
+    """Name (again) the GGUF file a converted directory serves: the same file may have moved."""
+    parts = [str(p.resolve()) for p in gguf_parts(gguf_path)]
+    tmp = out_dir / f".{SOURCE_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps({"parts": parts}, indent=2))
+    os.replace(tmp, out_dir / SOURCE_FILE)
+
+
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True) -> Path:
-    """Write `out_dir` as a Hugging Face model directory; atomic (a half-written dir never appears).
-    `gguf_path`: a GGUF file, or the first part of a split one."""
+    """Write `out_dir` as a Hugging Face model directory whose weights stay in the GGUF file; atomic (a
+    half-written dir never appears). `gguf_path`: a GGUF file, or the first part of a split one."""
     from gguf import GGUFReader
-    from safetensors.numpy import save_file
 
     out_dir = Path(out_dir)
     readers = [GGUFReader(str(p)) for p in gguf_parts(gguf_path)]
@@ -433,18 +410,14 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
-        types = {_hf_tensor_name(t.name, config["model_type"]): t.tensor_type.name for t in reader.tensors}
+        types = {hf_tensor_name(t.name, config["model_type"]): t.tensor_type.name for t in reader.tensors}
         (tmp / "quantization.json").write_text(json.dumps({"source": "gguf", "tensors": types}, indent=2))
-        save_file(
-            dict(_tensors(reader, config, progress)),
-            str(tmp / "model.safetensors"),
-            metadata={"format": "pt", "source": Path(gguf_path).name},
-        )
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "tokenizer.json").write_text(tokenizer_json)
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
         gen = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        write_source(tmp, gguf_path)
         os.chmod(tmp, 0o755)
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -452,4 +425,24 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return out_dir
+
+
+def export_float(model_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+    """A converted GGUF directory as a self-contained Hugging Face directory with float32 safetensors
+    (the values `--dtype float32` serves), for transformers and other tools. Holds the float32 model
+    in memory: for small models."""
+    from safetensors.torch import save_file
+
+    from pytgi.models.gguf_weights import open_gguf
+
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    weights = open_gguf(model_dir)
+    if weights is None:
+        raise GGUFConversionError(f"{model_dir} is not a converted GGUF model directory")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(model_dir / name, out_dir / name)
+    tensors = {name: t.contiguous() for name, t in weights.dense_tensors()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir

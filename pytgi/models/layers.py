@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -103,19 +104,28 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.local_vocab = math.ceil(vocab_size / tp_size())
         self.start = tp_rank() * self.local_vocab
-        self.weight = nn.Parameter(torch.zeros(self.local_vocab, dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.local_vocab, dim), requires_grad=False)
         _set_loader(self.weight, self.load_weight)
+        # A packed weight whose rows stand for the table (`pytgi.models.quant.QuantizedWeight.rows`): a
+        # GGUF model's embedding, read from its blocks, shared with a tied LM head. None: `weight`.
+        self.packed: Any = None
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         part = loaded[self.start : self.start + self.local_vocab]
         param.data[: part.shape[0]].copy_(part)
+        param.data[part.shape[0] :].zero_()  # the last rank's rows past the vocabulary
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.rows(ids)
+        return nn.functional.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if tp_size() == 1:
-            return nn.functional.embedding(ids, self.weight)
+            return self.rows(ids)
         local = ids - self.start
         inside = (local >= 0) & (local < self.local_vocab)
-        y = nn.functional.embedding(local.clamp(0, self.local_vocab - 1), self.weight)
+        y = self.rows(local.clamp(0, self.local_vocab - 1))
         return all_reduce(y * inside.unsqueeze(-1))
 
 

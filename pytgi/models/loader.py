@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import mmap
+import struct
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -15,6 +19,7 @@ from pytgi.models import gemma3_vision, idefics3, llava, qwen2_vl
 from pytgi.models.cpu import CpuKernels
 from pytgi.models.decoder import DecoderConfig, DecoderModel, StepImages
 from pytgi.models.gemma import gemma_config
+from pytgi.models.gguf_weights import open_gguf
 from pytgi.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from pytgi.models.llama import llama_config
 from pytgi.models.quant import resolve_plan
@@ -114,16 +119,98 @@ def resolve_dtype(name: str, cfg: dict[str, Any], device: torch.device) -> torch
     return DTYPES.get(declared, torch.bfloat16) if declared != "float32" else torch.bfloat16
 
 
-def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of a directory's safetensors files, one at a time, as a view of the file's read-only
+    mapping (the consumer copies it where it goes); once consumed, its pages are let go from the
+    process (they stay in the page cache), so loading holds the model once, not the files beside it."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UnsupportedModel(f"{path} has no *.safetensors weights (pytgi does not load .bin checkpoints)")
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                yield name, f.get_tensor(name)
+        with open(file, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        (size,) = struct.unpack("<Q", mm[:8])
+        header = json.loads(mm[8 : 8 + size])
+        header.pop("__metadata__", None)
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = (8 + size + o for o in info["data_offsets"])
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            if end == begin:  # an empty tensor has no bytes to view
+                yield name, torch.empty(info["shape"], dtype=dtype)
+                continue
+            with warnings.catch_warnings():  # a read-only buffer: nothing writes to these views
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(mm, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin)
+            yield name, flat.view(info["shape"])
+            start = begin // mmap.PAGESIZE * mmap.PAGESIZE
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+# bytes per weight of each packed layout, its fp16 scales and offsets included (`pytgi.models.quant`)
+PACKED_BYTES = {"int4": 0.625, "int8": 1.125, "int8x16": 1.25}
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor's shape, from the GGUF file or the safetensors headers (no data read)."""
+    gguf = open_gguf(path)
+    if gguf is not None:
+        return {name: gguf.shape(name) for name in gguf.names()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        shapes.update({name: tuple(info["shape"]) for name, info in header.items()})
+    return shapes
+
+
+def weight_bytes(path: Path, dtype: torch.dtype, device: torch.device, quantize: str = "auto") -> int:
+    """About how many bytes the whole model's weights take at their largest while loading: a GGUF
+    model's packed tensors at their layouts' size and the rest in `dtype`; a Hugging Face model in
+    `dtype`, or in float32 when it is quantized on the fly (`--quantize int8|int4`)."""
+    plan = resolve_plan(quantize, path, dtype, device)
+    shapes = _shapes(path)
+    gguf = open_gguf(path) is not None
+    elt = 4 if isinstance(plan, str) and plan != "bf16" else torch.empty((), dtype=dtype).element_size()
+    total = 0.0
+    for name, shape in shapes.items():
+        kind = plan.get(name) if gguf and isinstance(plan, dict) else None
+        total += math.prod(shape) * PACKED_BYTES.get(kind or "", elt)
+    return int(total)
+
+
+def loaded_bytes(model: Any) -> int:
+    """The bytes a loaded model holds: its parameters and buffers, and its linears' packed weights."""
+    from pytgi.models.quant import QuantizedLinear
+
+    seen: set[int] = set()
+    total = 0
+    tensors = [*model.parameters(), *model.buffers()]
+    for mod in model.modules():
+        if isinstance(mod, QuantizedLinear):
+            tensors += [mod.quant.packed, getattr(mod.quant, "scales", None)]
+    for t in tensors:
+        if t is not None and t.device.type != "meta" and t.numel() and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
 
 
 @contextlib.contextmanager
@@ -159,14 +246,25 @@ def load_model(
     text = vision[1](hf) if vision else hf
     cfg = MODELS[text["architectures"][0]](text)
     plan = resolve_plan(quantize, path, dtype, device)
-    # A quantized model is loaded in float32 first, so the low-bit grids see the checkpoint's values
-    # (bf16 weights are only re-laid out: loaded as they are).
+    gguf = open_gguf(path)
+    if gguf is not None and not vision and isinstance(plan, dict):
+        # A GGUF file's tensors are read one at a time, the quantized linears packed from their blocks
+        # as they are and the rest dequantized to `dtype`: never a float copy of the model.
+        with _default_dtype(dtype), torch.device(device):
+            decoder = DecoderModel(cfg, cpu, attention)
+        if plan:
+            decoder.load_gguf(gguf, plan, dtype)
+        else:
+            decoder.load_weights(gguf.dense_tensors(dtype))
+        return decoder.eval()
+    # A Hugging Face model to quantize is loaded in float32 first, so the low-bit grids see the
+    # checkpoint's values (bf16 weights are only re-laid out: loaded as they are).
     model: Any
     with _default_dtype(torch.float32 if plan and plan != "bf16" else dtype), torch.device(device):
         model = DecoderModel(cfg, cpu, attention)
         if vision:
             model = vision[0](hf, model)
-    model.load_weights(iter_safetensors(path))
+    model.load_weights(gguf.dense_tensors() if gguf is not None else iter_safetensors(path))
     if plan:
         model.quantize(plan, dtype)
     return model.eval()

@@ -3,14 +3,18 @@
 Each token goes to its `top_k` experts by a softmax router (renormalized over the chosen ones when
 the model says so) and gets their SwiGLU outputs, weighted. The experts' weights are stacked, gate and
 up fused (`gate_up [E, 2I, H]`, `down [E, H, I]`), and a step runs one pair of matmuls per expert that
-has tokens: tokens are grouped by expert once, not visited one by one. Qwen2-MoE adds a shared expert,
-scaled by a sigmoid gate. With tensor parallelism each rank holds a slice of every expert's
-intermediate features and the partial outputs are all-reduced.
+has tokens: tokens are grouped by expert once, not visited one by one. A GGUF model's experts stay
+packed as the file holds them (`pack_experts`), each expert's pair multiplied by the low-bit
+kernels. Qwen2-MoE adds a shared expert, scaled by a sigmoid gate. With tensor parallelism each
+rank holds a slice of every expert's intermediate features and the partial outputs are all-reduced.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +57,7 @@ class SparseMoE(nn.Module):
         self.gate.weight.requires_grad_(False)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
+        self.packed: list[tuple[Any, Any]] = []  # per expert, gate|up and down packed (`pack_experts`)
         self.shared_expert = SharedExpert(hidden, shared_inter) if shared_inter else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
 
@@ -82,6 +87,36 @@ class SparseMoE(nn.Module):
         self.gate_up.data[e, half : half + n].copy_(tensor[s : s + n])
         return ["gate_up"]
 
+    def pack_experts(self, weights: Any, names: list[str], kinds: tuple[str, str], act_dtype, cpu) -> None:
+        """Keep the experts packed for the low-bit kernels, as a GGUF file's blocks hold them
+        (`pytgi.models.quant.grid_layout`): per expert, this rank's slice of gate|up in `kinds[0]`'s
+        layout and of down in `kinds[1]`'s, read from `weights` (`GGUFWeights`; `names`: the stacked
+        gate, up and down tensors). Every step then multiplies by the packed weights."""
+        from pytgi.models.quant import Layout, LayoutRows, QuantizedWeight, grid_layout
+
+        gate, up, down = names
+        s, n, inter = self.start, self.local, self.inter
+        hidden = weights.shape(down)[1]
+
+        def gate_up(e: int) -> Iterator[Layout]:  # this rank's rows of expert e's gate, then up
+            for name in (gate, up):
+                yield grid_layout(weights.grid(name, e * inter + s, e * inter + s + n), kinds[0])
+
+        def down_rows(e: int) -> Iterator[Layout]:  # expert e's rows, this rank's columns
+            yield grid_layout(weights.grid(down, e * hidden, (e + 1) * hidden).cols(s, n), kinds[1])
+
+        self.packed = []
+        for e in range(self.num_experts):
+            pair = (
+                QuantizedWeight(kinds[0], LayoutRows((2 * n, hidden), partial(gate_up, e)), act_dtype, cpu),
+                QuantizedWeight(kinds[1], LayoutRows((hidden, n), partial(down_rows, e)), act_dtype, cpu),
+            )
+            for w in pair:
+                w.dequantized = torch.empty(0)  # the packed weight serves every step here
+            self.packed.append(pair)
+        self.gate_up = nn.Parameter(torch.empty(0, dtype=act_dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(0, dtype=act_dtype), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
@@ -97,8 +132,12 @@ class SparseMoE(nn.Module):
             if count == 0:
                 continue
             idx = tokens[at : at + count]
-            gate, up = F.linear(x[idx], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down[e])
+            if self.packed:
+                gate, up = self.packed[e][0].matmul(x[idx]).chunk(2, dim=-1)
+                y = self.packed[e][1].matmul(F.silu(gate) * up)
+            else:
+                gate, up = F.linear(x[idx], self.gate_up[e]).chunk(2, dim=-1)
+                y = F.linear(F.silu(gate) * up, self.down[e])
             out.index_add_(0, idx, (y * picked[at : at + count, None]).to(x.dtype))
             at += count
         out = all_reduce(out)

@@ -22,10 +22,10 @@ kernels multiply by them:
 
 Which tensors to quantize, and how, is a per-tensor plan:
 - a GGUF model follows its file (`quantization.json`, written by the converter): Q4_0, Q4_1 and
-  Q4_K tensors become int4, Q3_K/Q5_0/Q5_1/Q5_K/Q8_0 int8 (Q3_K's two 16-value sub-blocks of a
-  group always lie on one grid of step d within 256 levels) and Q2_K/Q6_K int8x16, each group (of
-  32, or 16 for int8x16) re-packed on its own grid (`_own_grid`): exact but for fp16 scales, for
-  every type; float tensors, and types on no uniform grid (IQ*, TQ*, MXFP4), stay as converted;
+  Q4_K tensors become int4, Q5_0/Q5_1/Q5_K/Q8_0 int8 and Q2_K/Q3_K/Q6_K int8x16. The loader reads
+  each tensor's levels and grids from its blocks (`pytgi.models.gguf_weights`, `grid_layout`) and
+  packs them as they are: exact but for fp16 scales, for every type, with no float copy of the
+  model; float tensors, and types on no uniform grid (IQ*, TQ*, MXFP4), are dequantized to bf16;
 - a Hugging Face model is quantized only on request (`--quantize int8|int4`). By default (bf16 on a CPU
   whose kernels build) its weights stay as they are, bf16, and are only re-laid out for
   `pytgi/kernels/bf16gemm.c` ("bf16"): a decode step then reads them at memory speed, every step size
@@ -35,6 +35,8 @@ Which tensors to quantize, and how, is a per-tensor plan:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,12 +44,13 @@ from torch import nn
 
 from pytgi import kernels
 from pytgi.models.cpu import CpuKernels
+from pytgi.models.gguf_weights import Grid
 from pytgi.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 GROUP = 32
 INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # on a 16-level grid per 32 values
-INT8_TYPES = {"Q3_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0"}  # on a grid of at most 256 levels per 32 values
-SUB16_TYPES = {"Q2_K", "Q6_K"}  # scales per 16 values that no grid per 32 holds
+INT8_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q8_0"}  # on a grid of at most 256 levels per 32 values
+SUB16_TYPES = {"Q2_K", "Q3_K", "Q6_K"}  # scales per 16 values that no grid per 32 holds
 MODES = ("none", "auto", "int8", "int4", "bf16")
 BITS = {"int4": 4, "int8": 8, "int8x16": 16}  # the kernels' name for each layout (qgemv.c)
 
@@ -202,20 +205,113 @@ def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> t
     ).contiguous()
 
 
+def unpack_rows(packed: torch.Tensor, rows: torch.Tensor, bits: int) -> torch.Tensor:
+    """Rows of a `pack_vnni` layout, dequantized: float32 [len(rows), K]."""
+    T, G = len(rows), packed.shape[1]
+    wbytes = 256 if bits == 4 else 512
+    blocks = packed[rows // 16]  # [T, G, bytes]: each row's tile
+    r = (rows % 16).view(T, 1, 1, 1)
+    w = blocks[..., :wbytes]
+    if bits == 4:  # byte j of a quad holds quad j (low nibble) and quad j + 4 (high)
+        w = w.reshape(T, G, 4, 16, 4)
+        w = torch.cat([w & 15, w >> 4], dim=2)
+    w = w.reshape(T, G, 8, 16, 4)
+    q = w.gather(3, r.view(T, 1, 1, 1, 1).expand(T, G, 8, 1, 4)).view(T, G, 32).float()
+    scales = blocks[..., wbytes:].contiguous().view(torch.float16).view(T, G, -1, 16)
+    s = scales.gather(3, r.expand(T, G, scales.shape[2], 1)).squeeze(3).float()  # [T, G, d m (d m)]
+    groups = s.shape[2] // 2  # scales per 32 inputs: 1, or 2 for int8x16
+    q = q.view(T, G, groups, 32 // groups)
+    return (q * s[..., 0::2, None] + s[..., 1::2, None]).view(T, G * 32)
+
+
 def pack_bf16(w: torch.Tensor) -> torch.Tensor:
     """[N, K] → bf16gemm.c's layout: per tile of 16 rows, K/2 vectors of (row, pair of inputs)."""
     N, K = w.shape
     return w.to(torch.bfloat16).view(N // 16, 16, K // 2, 2).transpose(1, 2).contiguous()
 
 
+def grid_layout(grid: Grid, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF tensor's levels and grids (`pytgi.models.gguf_weights.Grid`) in a packed layout's terms,
+    its levels kept: (u uint8 [N, K], d, m float32 holding fp16 values [N, K / group]) with
+    w = d·u + m. int4 takes 16 levels per 32 values; int8 (per 32) and int8x16 (per 16) hold u in
+    1..255, symmetric grids (m = -zero·d) at u = q - zero + 128 with m = -128·d, offset ones at
+    u = q + 1 with m = fp16(m - d). Exact but for the fp16 rounding of d and m (and, for Q8_0 alone,
+    a level of -128, which no file llama.cpp writes, read as -127)."""
+    group = 16 if kind == "int8x16" else GROUP
+    if grid.group != group and not (grid.group == GROUP and group == 16):
+        raise ValueError(f"a grid per {grid.group} values does not fit {kind}")
+    if kind == "int4" and grid.levels > 16:
+        raise ValueError(f"{grid.levels} levels do not fit int4")
+    d = _fp16(grid.d)
+    if kind == "int4":
+        u = grid.q
+        m = -float(grid.zero or 0) * d if grid.m is None else _fp16(grid.m)
+    elif grid.m is None:  # q - zero + 128 stays in 0..255 (zero: half the levels); 0 only for Q8_0's -128
+        u = (grid.q + (128 - int(grid.zero or 0))).clamp_(min=1)
+        m = -128 * d
+    else:
+        u, m = grid.q + 1, _fp16(grid.m - d)
+    if grid.group != group:  # a grid per 32 values, repeated for each 16
+        d, m = d.repeat_interleave(2, dim=1), m.repeat_interleave(2, dim=1)
+    return u, d, m
+
+
+Layout = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (u, d, m) of `grid_layout`
+
+
+@dataclass
+class LayoutRows:
+    """A weight given a slice of rows at a time, each in a layout's terms (`grid_layout`), so that it
+    is packed without ever being whole in another form."""
+
+    shape: tuple[int, int]
+    slices: Callable[[], Iterator[Layout]]
+
+    def tiles(self) -> Iterator[Layout]:
+        """The slices regrouped on whole tiles of 16 rows (the packed layout's unit)."""
+        held: list[Layout] = []
+        for part in self.slices():
+            held.append(part)
+            rows = sum(len(u) for u, _, _ in held)
+            if rows % 16 == 0:
+                yield _joined(held)
+                held = []
+        if held:
+            yield _joined(held)
+
+    def whole(self) -> Layout:
+        return _joined(list(self.slices()))
+
+
+def _joined(parts: list[Layout]) -> Layout:
+    if len(parts) == 1:
+        return parts[0]
+    u, d, m = zip(*parts)
+    return torch.cat(u), torch.cat(d), torch.cat(m)
+
+
+def _dequantize(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    N, K = u.shape
+    g = u.view(N, d.shape[1], -1).float()
+    return (g * d[..., None] + m[..., None]).view(N, K)
+
+
 class QuantizedWeight:
     """The low-bit form of one linear's weight and the kernel that multiplies by it."""
 
-    def __init__(self, kind: str, w: torch.Tensor, act_dtype: torch.dtype, cpu: CpuKernels) -> None:
-        """`cpu`: the kernels this process uses (`CpuKernels.for_device`)."""
+    def __init__(
+        self,
+        kind: str,
+        w: torch.Tensor | LayoutRows,
+        act_dtype: torch.dtype,
+        cpu: CpuKernels,
+    ) -> None:
+        """`w`: the float weight, or its levels and grids already in the layout's terms, by rows
+        (`LayoutRows`); `cpu`: the kernels this process uses (`CpuKernels.for_device`)."""
         N, K = w.shape
-        self.kind, self.shape = kind, (N, K)
+        self.kind, self.shape, self.act_dtype = kind, (N, K), act_dtype
         if kind == "bf16":  # the weight itself, laid out for bf16gemm.c
+            assert isinstance(w, torch.Tensor)
             self.bits, self.vnni, self.amx, self.vnni_max_m = 0, False, False, 1 << 30
             self.max_m = cpu.bf16_max_m()
             self.packed, self.dequantized = pack_bf16(w), w.to(act_dtype)
@@ -225,6 +321,11 @@ class QuantizedWeight:
         self.amx = self.vnni and cpu.amx
         self.max_m = cpu.lowbit_max_m(self.vnni, self.amx)
         self.vnni_max_m = cpu.limits.vnni_before_amx if self.amx else 1 << 30  # AMX tiles above
+        if isinstance(w, LayoutRows):
+            if self.vnni:  # the file's levels, packed as they are, a slice of rows at a time
+                self._pack_rows(w, act_dtype)
+                return
+            w = _dequantize(*w.whole())  # PyTorch's kernels: their own grids
         if kind == "int4":
             q, d, m, deq = quantize_int4(w)
             if self.vnni:
@@ -240,6 +341,25 @@ class QuantizedWeight:
             self.packed, scale, deq = quantize_int8(w)
             self.scales = scale.to(act_dtype)
         self.dequantized = deq.to(act_dtype)
+
+    def _pack_rows(self, w: LayoutRows, act_dtype: torch.dtype) -> None:
+        N, K = self.shape
+        keep = self.max_m < 1 << 30  # bigger steps multiply by the dequantized weight
+        self.dequantized = torch.empty(N if keep else 0, K, dtype=act_dtype)
+        block = (256 if self.bits == 4 else 512) + (128 if self.bits == 16 else 64)  # bytes per 16 x 32
+        self.packed = torch.empty(N // 16, K // GROUP, block, dtype=torch.uint8)
+        at = 0
+        for u, d, m in w.tiles():
+            self.packed[at // 16 : (at + len(u)) // 16] = pack_vnni(u, d, m, self.bits)
+            if keep:
+                self.dequantized[at : at + len(u)] = _dequantize(u, d, m)
+            at += len(u)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight (an embedding table's, for token ids), dequantized to the activations'
+        dtype: read from the packed layout, so a GGUF model keeps one copy of a tied table."""
+        assert self.vnni, "rows are read from pytgi's packed layout"
+        return unpack_rows(self.packed, ids.reshape(-1), self.bits).to(self.act_dtype).view(*ids.shape, -1)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, in_features] → [T, out_features]."""
@@ -289,12 +409,18 @@ class QuantizedLinear(nn.Module):
 
 
 def quantize_model(
-    model: nn.Module, kinds: dict[nn.Module, str], act_dtype: torch.dtype, cpu: CpuKernels
+    model: nn.Module,
+    kinds: dict[nn.Module, str],
+    act_dtype: torch.dtype,
+    cpu: CpuKernels,
+    layouts: dict[nn.Module, Callable[[str], LayoutRows]] | None = None,
 ) -> None:
     """Swap each linear in `kinds` ("int4" | "int8" | "int8x16" | "bf16") for a `QuantizedLinear`, and cast
     the model to `act_dtype`. Call on float32 weights, so the low-bit grids see the checkpoint's values (or on
-    bf16 ones for "bf16"). A layer whose packed weight serves every step size (batch invariant) keeps no
-    other copy."""
+    bf16 ones for "bf16"), or give `layouts`: per linear, what reads its levels and grids (`grid_layout`),
+    for linears whose float weight was never loaded. A layer whose packed weight serves every step size
+    (batch invariant) keeps no other copy."""
+    layouts = layouts or {}
     for name, mod in list(model.named_modules()):
         if mod not in kinds:
             continue
@@ -304,7 +430,8 @@ def quantize_model(
             if kind == "bf16":
                 continue  # a shape the bf16 kernel cannot take stays a linear
             kind = "int8"
-        quant = QuantizedWeight(kind, mod.weight.data, act_dtype, cpu)
+        layout = layouts.get(mod)
+        quant = QuantizedWeight(kind, layout(kind) if layout else mod.weight.data, act_dtype, cpu)
         if quant.max_m >= 1 << 30:  # the layer's own matmul never runs
             quant.dequantized = torch.empty(0, dtype=act_dtype)
         # Bigger steps run the layer on the dequantized values (the LM head stops sharing the

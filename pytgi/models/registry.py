@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ def default_gguf_path() -> Path:
     )
 
 
-CONVERSION_VERSION = 2  # bump when the converted directory changes (2: quantization.json)
+CONVERSION_VERSION = 3  # bump when the converted directory changes (3: weights read from the GGUF file)
 
 
 def _fingerprint(path: Path) -> str:
@@ -45,14 +46,17 @@ def _fingerprint(path: Path) -> str:
 
 
 def converted_gguf_dir(gguf_path: Path, progress: bool = True) -> Path:
-    """Convert a GGUF file once into the cache and return the Hugging Face directory."""
+    """Describe a GGUF file once in the cache (config, tokenizer; its weights stay in the file) and
+    return that Hugging Face directory."""
+    from pytgi.models.gguf_convert import SOURCE_FILE, convert_gguf, write_source
+
     out = cache_dir() / "models" / f"{gguf_path.stem}-{_fingerprint(gguf_path)}"
     if not (out / "config.json").is_file():
-        from pytgi.models.gguf_convert import convert_gguf
-
         if progress:
-            print(f"pytgi: converting {gguf_path.name} into {out} (once)", file=sys.stderr)
+            print(f"pytgi: reading {gguf_path.name}'s metadata into {out} (once)", file=sys.stderr)
         convert_gguf(gguf_path, out, progress=progress)
+    elif json.loads((out / SOURCE_FILE).read_text())["parts"][0] != str(gguf_path.resolve()):
+        write_source(out, gguf_path)  # the same file, found elsewhere
     return out
 
 

@@ -174,9 +174,12 @@ class ReplicaClient:
         deployment = serve.deployment(EngineReplica).options(  # type: ignore[attr-defined]
             **deployment_options(o, self.config)
         )
-        # on a cluster started here, the replicas share this machine's cores
+        # on a cluster started here, the replicas share this machine's cores and memory
         threads = max(1, (os.cpu_count() or 1) // max(o.replicas, 1)) if self._started_ray else None
-        app = deployment.bind(asdict(self.config), self.engine_module, threads)
+        config = asdict(self.config)
+        if self._started_ray:
+            config["local_replicas"] = max(o.replicas, o.max_replicas or 0, 1)
+        app = deployment.bind(config, self.engine_module, threads)
         self._handle = serve.run(app, name=APP, route_prefix=None, blocking=False)
 
     async def stop(self, timeout: float = 5.0) -> None:

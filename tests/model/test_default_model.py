@@ -10,6 +10,7 @@ from pytgi import LLM, SamplingParams
 from pytgi.errors import InvalidRequest
 from tests.kernel_paths import batch_invariant, decoder_loop
 from tests.model.loop_check import assert_loop_equals_python_path
+from tests.reference import hf_copy
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,7 @@ def prompts(llm: LLM) -> list[list[int]]:
 def hf_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_copy(llm.engine.model_path), dtype=torch.float32).eval()
     out = []
     for ids in prompts:
         with torch.no_grad():
@@ -130,7 +131,7 @@ def test_logprobs_match_transformers(llm, prompts):
 
     params = SamplingParams(max_new_tokens=8, temperature=0, top_n_tokens=3, prompt_logprobs=True)
     out = llm.generate(prompts[3], params)[0]
-    model = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_copy(llm.engine.model_path), dtype=torch.float32).eval()
     full = out.prompt_token_ids + out.token_ids
     with torch.no_grad():
         lp = torch.log_softmax(model(torch.tensor([full])).logits[0].float(), -1)

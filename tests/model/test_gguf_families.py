@@ -47,11 +47,21 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf, arch: str, path: Path) -> Path:
+def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
+    """`quant(gguf_name, array)`: the GGUF type to store a tensor as (None, or no `quant`: as it is)."""
     import gguf
 
     cfg = hf.config
     w = gguf.GGUFWriter(str(path), arch)
+
+    def add(name: str, a: np.ndarray) -> None:
+        qtype = quant(name, a) if quant else None
+        if qtype is None:
+            w.add_tensor(name, a)
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, np.float32), t), raw_dtype=t)
+
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -81,25 +91,26 @@ def write_gguf(hf, arch: str, path: Path) -> Path:
     for name, t in hf.state_dict().items():
         a = t.detach().float().numpy()
         if name == "model.embed_tokens.weight":
-            w.add_tensor("token_embd.weight", a)
+            add("token_embd.weight", a)
         elif name == "lm_head.weight":
-            w.add_tensor("output.weight", a)
+            if not cfg.tie_word_embeddings:
+                add("output.weight", a)
         elif name == "model.norm.weight":
-            w.add_tensor("output_norm.weight", a)
+            add("output_norm.weight", a)
         else:
             _, _, i, rest = name.split(".", 3)
             stem, _, kind = rest.rpartition(".")
             if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):  # stacked [E, 2I, H] / [E, H, I]
                 if rest.endswith("down_proj"):
-                    w.add_tensor(f"blk.{i}.ffn_down_exps.weight", a)
+                    add(f"blk.{i}.ffn_down_exps.weight", a)
                 else:
                     gate, up = np.split(a, 2, axis=1)
-                    w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
-                    w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
+                    add(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+                    add(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
                 continue
             if arch == "llama" and stem in ("self_attn.q_proj", "self_attn.k_proj"):
                 a = _permute(a, cfg.num_attention_heads if stem.endswith("q_proj") else cfg.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{LAYER[stem]}.{kind}", np.ascontiguousarray(a))
+            add(f"blk.{i}.{LAYER[stem]}.{kind}", np.ascontiguousarray(a))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

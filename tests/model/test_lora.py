@@ -18,6 +18,7 @@ from pytgi.errors import InvalidRequest  # noqa: E402
 from pytgi.lora import AdapterError  # noqa: E402
 from pytgi.sampling_params import SamplingParams  # noqa: E402
 from tests.kernel_paths import decoder_loop  # noqa: E402
+from tests.reference import hf_copy  # noqa: E402
 
 BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, tie_word_embeddings=False)
@@ -59,7 +60,7 @@ def tiny(request, tmp_path_factory):
 
 def reference(base_dir, adapter_dir, prompts):
     """transformers (+ peft) greedy continuations, one prompt at a time."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_copy(base_dir), dtype=torch.float32)
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(model, adapter_dir)
     model.eval()
@@ -188,7 +189,7 @@ def test_the_default_models_hf_copy_with_an_adapter_equals_peft(tmp_path):
 
     base = resolve_model(None).path
     torch.manual_seed(3)
-    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_copy(base), dtype=torch.float32)
     lora = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
                                                       target_modules=["q_proj", "v_proj", "down_proj"]))
     with torch.no_grad():
@@ -222,7 +223,7 @@ def test_the_c_decoder_loop_adds_the_adapters_as_the_python_path_does(tmp_path):
     adapters = {}
     for i, targets in enumerate([["q_proj", "v_proj"], ["o_proj", "gate_proj", "up_proj", "down_proj"]]):
         torch.manual_seed(i)
-        model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_copy(base), dtype=torch.float32)
         peft.get_peft_model(model, peft.LoraConfig(r=8, init_lora_weights=False, target_modules=targets)) \
             .save_pretrained(tmp_path / str(i))
         adapters[f"a{i}"] = tmp_path / str(i)

@@ -15,6 +15,7 @@ from PIL import Image
 from pytgi.errors import InvalidRequest
 from pytgi.sampling_params import SamplingParams
 from tests.model.vision_util import engine_for, greedy, png
+from tests.reference import hf_copy
 
 TEXT = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, tie_word_embeddings=False)
@@ -286,7 +287,7 @@ def test_llava_on_the_default_models_real_text_weights(tmp_path):
     from pytgi.tokenizer import Tokenizer
 
     text_dir = converted_gguf_dir(default_gguf_path(), progress=False)
-    llama = transformers.LlamaForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    llama = transformers.LlamaForCausalLM.from_pretrained(hf_copy(text_dir), dtype=torch.float32)
     tok = Tokenizer.from_dir(text_dir)
     image = tok.special_id("<empty_output>")  # an unused special token stands for the image
     torch.manual_seed(0)

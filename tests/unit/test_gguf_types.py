@@ -1,6 +1,7 @@
-"""Every common GGUF tensor type, block by block: the converter reads it as gguf-py dequantizes it,
-and the fast path's re-pack (int4, int8 or int8x16, by `kind_for_gguf_type`) holds exactly those
-values, its kernel multiplying by them.
+"""Every common GGUF tensor type, block by block: the loader reads it as gguf-py dequantizes it,
+its blocks decode to levels and grids holding exactly those values, and the fast path's packed
+layout (int4, int8 or int8x16, by `kind_for_gguf_type`) holds them too, its kernel multiplying by
+them; a float weight re-packed on its own grids (`_own_grid`, for other sources) keeps them as well.
 
 The blocks are random bytes with their fp16 scale fields set to powers of two (and small integer
 multiples of them), so that every value a block holds is also exact in the packed layout's fp16
@@ -18,9 +19,16 @@ gguf = pytest.importorskip("gguf")
 
 from pytgi import kernels  # noqa: E402
 from pytgi.models.cpu import CpuKernels  # noqa: E402
-from pytgi.models.gguf_convert import _tensors  # noqa: E402
-from pytgi.errors import GGUFConversionError
-from pytgi.models.quant import QuantizedWeight, kind_for_gguf_type, quantize_int4, quantize_int8_groups  # noqa: E402
+from pytgi.errors import GGUFConversionError  # noqa: E402
+from pytgi.models.gguf_weights import GGUFWeights  # noqa: E402
+from pytgi.models.quant import (  # noqa: E402
+    LayoutRows,
+    QuantizedWeight,
+    grid_layout,
+    kind_for_gguf_type,
+    quantize_int4,
+    quantize_int8_groups,
+)
 
 N, K = 32, 512  # rows, values per row: two K-quant super-blocks
 # byte offsets of each type's fp16 fields in its block: (super-)scales, then mins/offsets
@@ -53,8 +61,9 @@ def _raw(name: str, seed: int = 0) -> np.ndarray:
     return raw.reshape(N, -1)
 
 
-def _gguf_tensor(tmp_path: Path, name: str, raw: np.ndarray):  # type: ignore[no-untyped-def]
-    """Write `raw` as one GGUF tensor of type `name` and read it back (gguf-py's reader)."""
+def _gguf_tensor(tmp_path: Path, name: str, raw: np.ndarray) -> GGUFWeights:
+    """Write `raw` as one GGUF tensor of type `name` and open it as the loader does."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / f"{name}.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     qt = gguf.GGMLQuantizationType[name]
@@ -66,20 +75,56 @@ def _gguf_tensor(tmp_path: Path, name: str, raw: np.ndarray):  # type: ignore[no
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return gguf.GGUFReader(str(path))
+    return GGUFWeights([path], {"model_type": "llama"})
 
 
+DOWN = "model.layers.0.mlp.down_proj.weight"
 TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
 @pytest.mark.parametrize("name", TYPES)
-def test_the_converter_reads_each_type_as_gguf_py_dequantizes_it(tmp_path, name):
+def test_the_loader_reads_each_type_as_gguf_py_dequantizes_it(tmp_path, name):
     raw = _raw(name)
-    reader = _gguf_tensor(tmp_path, name, raw)
-    [(hf_name, w)] = list(_tensors(reader, {"model_type": "llama"}, progress=False))
-    assert hf_name == "model.layers.0.mlp.down_proj.weight" and w.shape == (N, K) and w.dtype == np.float32
+    weights = _gguf_tensor(tmp_path, name, raw)
+    [(hf_name, w)] = list(weights.dense_tensors())
+    assert hf_name == DOWN and w.shape == (N, K) and w.dtype == torch.float32
     ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(N, K)
-    assert np.array_equal(w, ref)
+    assert np.array_equal(w.numpy(), ref)
+
+
+@pytest.mark.parametrize("name", [t for t in TYPES if t not in ("F32", "F16", "BF16")])
+def test_blocks_decode_to_their_values_and_pack_without_rounding(tmp_path, name):
+    """The levels and grids read from the blocks stand for gguf-py's values exactly (random blocks with
+    any fp16 scales too), and the packed layout of the type's kind holds them; the kernel multiplies by
+    them, as it does by a float weight re-packed on its own grids."""
+    for seed, raw in enumerate([_raw(name), _any_scales(name)]):
+        ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(N, K).copy())
+        grid = _gguf_tensor(tmp_path / str(seed), name, raw).grid(DOWN)
+        assert grid is not None and torch.equal(grid.dequantize(), ref)
+    kind = kind_for_gguf_type(name)
+    ref = torch.from_numpy(gguf.quants.dequantize(_raw(name), gguf.GGMLQuantizationType[name]).reshape(N, K).copy())
+    u, d, m = grid_layout(_gguf_tensor(tmp_path, name, _raw(name)).grid(DOWN), kind)
+    group = 16 if kind == "int8x16" else 32
+    assert int(u.min()) >= (0 if kind == "int4" else 1) and int(u.max()) <= (15 if kind == "int4" else 255)
+    assert torch.equal(d, d.half().float()) and torch.equal(m, m.half().float())  # fp16 scales
+    deq = (u.view(N, -1, group).float() * d[..., None] + m[..., None]).view(N, K)
+    assert torch.equal(deq, ref), (kind, (deq - ref).abs().max().item())
+    if kernels.vnni_supported():
+        cpu = CpuKernels.for_device(torch.device("cpu"), torch.bfloat16)
+        x = torch.randn(3, K).bfloat16()
+        rows = LayoutRows((N, K), lambda: iter([(u[:16], d[:16], m[:16]), (u[16:], d[16:], m[16:])]))
+        packed = QuantizedWeight(kind, rows, torch.bfloat16, cpu).matmul(x)
+        assert torch.equal(packed, QuantizedWeight(kind, ref, torch.bfloat16, cpu).matmul(x))
+
+
+def _any_scales(name: str) -> np.ndarray:
+    """Random blocks whose fp16 fields are any finite values of a weight's size."""
+    raw = _raw(name, seed=1).reshape(N, -1, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1]).copy()
+    rng = np.random.default_rng(2)
+    for off in FP16_FIELDS[name]:
+        vals = rng.uniform(-0.05, 0.05, raw.shape[:2]).astype(np.float16)
+        raw[..., off:off + 2] = vals.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(N, -1)
 
 
 @pytest.mark.parametrize("name", [t for t in TYPES if t not in ("F32", "F16", "BF16")])
@@ -99,14 +144,16 @@ def test_the_fast_path_keeps_each_types_values_exactly(name):
 
 
 def test_a_type_pytgi_cannot_read_is_one_clear_error(tmp_path):
-    reader = _gguf_tensor(tmp_path, "Q8_0", _raw("Q8_0"))  # then claim a type gguf-py cannot dequantize
-    reader.tensors[0] = reader.tensors[0]._replace(tensor_type=gguf.GGMLQuantizationType.Q8_K)
+    weights = _gguf_tensor(tmp_path, "Q8_0", _raw("Q8_0"))  # then claim a type gguf-py cannot dequantize
+    reader, t = weights.tensors[DOWN]
+    weights.tensors[DOWN] = (reader, t._replace(tensor_type=gguf.GGMLQuantizationType.Q8_K))
+    assert weights.grid(DOWN) is None
     with pytest.raises(GGUFConversionError, match=r"tensor 'blk\.0\.ffn_down\.weight' is stored as Q8_K"):
-        list(_tensors(reader, {"model_type": "llama"}, progress=False))
+        list(weights.dense_tensors())
 
 
 def test_types_without_a_uniform_grid_stay_unquantized():
     """IQ and ternary types (codebooks, not grids) keep the converter's float values: no second rounding."""
     assert kind_for_gguf_type("IQ4_NL") is None and kind_for_gguf_type("TQ2_0") is None
     assert kind_for_gguf_type("F16") is None
-    assert [kind_for_gguf_type(t) for t in ("Q4_K", "Q5_0", "Q3_K", "Q6_K")] == ["int4", "int8", "int8", "int8x16"]
+    assert [kind_for_gguf_type(t) for t in ("Q4_K", "Q5_0", "Q3_K", "Q6_K")] == ["int4", "int8", "int8x16", "int8x16"]

@@ -1,0 +1,154 @@
+"""A GGUF model loaded in its own bytes: every quantized linear (and a mixture's experts, and the
+embedding table) packed straight from the file's blocks, with no float copy of the model in memory
+or in the cache; its outputs as close to the float32 path's as the packed kernels allow; and a model
+larger than the machine refused before loading, with the numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pytgi import kernels
+from pytgi.config import EngineConfig
+from pytgi.engine.runner import ModelRunner
+from pytgi.models.quant import QuantizedLinear
+from pytgi.models.registry import default_gguf_path, resolve_model
+from tests.model.test_gguf_families import write_gguf
+
+SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+FAMILIES = {
+    "llama": ("llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(SHAPE, tie_word_embeddings=True)),
+    "qwen3moe": ("qwen3moe", transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                 dict(SHAPE, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      norm_topk_prob=True, tie_word_embeddings=False)),
+}
+# GGUF tensor → type: a mix as llama.cpp's Q4_K_M-like recipes give (4-bit, 5-bit and 8-bit blocks)
+TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_0",
+         "ffn_up": "Q4_1", "ffn_down": "Q5_1", "ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q8_0",
+         "ffn_down_exps": "Q5_0", "token_embd": "Q8_0", "output": "Q4_0"}
+
+
+def _quant(name: str, a: np.ndarray) -> str | None:
+    part = name.split(".")[-2]
+    return TYPES.get(part) if a.ndim >= 2 and a.shape[-1] % 32 == 0 else None
+
+
+def _logits(runner: ModelRunner, seq: list[int]) -> torch.Tensor:
+    from tests.model.test_tiny_models import BLOCK, NUM_BLOCKS, Paged, step
+
+    runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
+    pager = Paged()
+    req = pager.request("r", seq)
+    return step(runner, pager, [(req, req.num_tokens)])[0].float()
+
+
+@pytest.mark.skipif(not kernels.vnni_supported(), reason="the packed layouts need AVX2 or AVX-512 VNNI")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_quantized_tensors_are_packed_from_their_blocks(tmp_path, monkeypatch, family):
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    arch, cfg_cls, model_cls, kw = FAMILIES[family]
+    torch.manual_seed(0)
+    hf = model_cls(cfg_cls(**kw)).float().eval()
+    path = write_gguf(hf, arch, tmp_path / f"{family}.gguf", quant=_quant)
+    model_dir = resolve_model(str(path), progress=False).path
+    assert not list(model_dir.glob("*.safetensors"))  # the weights stay in the GGUF file
+    fast = ModelRunner(EngineConfig(model=str(model_dir), dtype="bfloat16", device="cpu"))
+    model = fast.model
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    per_layer = 2 if family == "qwen3moe" else 4  # qkv, o (and gate|up, down without experts)
+    assert len(linears) == 1 + per_layer * kw["num_hidden_layers"]
+    for m in linears:  # packed, and no float weight beside it
+        assert m.quant.vnni and m.layer.weight.numel() == 0
+    assert model.embed_tokens.packed is not None and model.embed_tokens.weight.numel() == 0
+    if family == "llama":  # a tied table reads the head's rows: one copy
+        assert model.embed_tokens.packed is model.lm_head.quant
+    else:
+        for layer in model.layers:
+            assert len(layer.mlp.packed) == 4 and layer.mlp.gate_up.numel() == layer.mlp.down.numel() == 0
+    exact = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
+    seq = np.random.default_rng(1).integers(0, kw["vocab_size"], 23).tolist()
+    got, want = _logits(fast, seq), _logits(exact, seq)
+    # bf16 activations rounded to int8 per group of 32 (as llama.cpp's kernels do), nothing else
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.slow
+def test_loading_the_default_gguf_makes_no_float_copy(tmp_path, monkeypatch):
+    """A memory probe around the load: the process grows by about the packed model (the file's size,
+    its 8-bit embedding kept once for the table and the tied head), never by a float copy."""
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    resolve_model(None, progress=False)  # its metadata read first, outside the probe
+    script = textwrap.dedent("""
+        import json, torch
+        from pytgi.models.cpu import CpuKernels
+        from pytgi.models.loader import load_model
+        from pytgi.models.registry import resolve_model
+        path = resolve_model(None, progress=False).path
+        cpu = CpuKernels.for_device(torch.device("cpu"), torch.bfloat16)  # kernels built before the probe
+        def status(key):
+            line = next(x for x in open("/proc/self/status") if x.startswith(key + ":"))
+            return int(line.split()[1]) * 1024
+        open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) from here on
+        before = status("VmRSS")
+        model = load_model(path, torch.bfloat16, torch.device("cpu"), cpu, "auto")
+        print(json.dumps({"before": before, "peak": status("VmHWM"), "after": status("VmRSS")}))
+    """)
+    env = {"PYTGI_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "2", "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads(out.stdout.strip().splitlines()[-1])
+    size = default_gguf_path().stat().st_size
+    assert m["peak"] - m["before"] <= 1.5 * size + (48 << 20), m
+    converted = list((tmp_path / "cache" / "models").iterdir())
+    assert len(converted) == 1
+    files = {f.name: f.stat().st_size for f in converted[0].iterdir()}
+    assert not any(n.endswith((".safetensors", ".bin")) for n in files) and sum(files.values()) < size / 10, files
+
+
+@pytest.mark.slow
+def test_a_model_larger_than_memory_is_refused_before_loading(tmp_path):
+    """A 70B-shaped file (its tensors a hole in a sparse file): `pytgi serve` exits with the numbers,
+    needed and available, before it reads a weight."""
+    from tests.tiny_repos import declared_gguf
+
+    big = declared_gguf(tmp_path / "big.gguf", layers=80, hidden=8192, inter=28672)
+    env = dict(os.environ, PYTGI_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-m", "pytgi.cli", "serve", "--model-id", str(big), "--port", "0"],
+                         capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert out.returncode != 0
+    line = next(x for x in out.stderr.splitlines() if "engine failed to start: the model (big-" in x)
+    need, avail = re.search(r"(\d+\.\d) GiB in all, and this machine has (\d+\.\d) GiB", line).groups()
+    assert float(need) > 36 and 0 < float(avail) < float(need)
+
+
+def test_safetensors_are_read_as_safetensors_reads_them(tmp_path):
+    """A Hugging Face directory's tensors through pytgi's read-only mapping (pages let go once read):
+    every dtype and shape as safetensors' own reader gives them, across several files."""
+    from safetensors.torch import load_file, save_file
+
+    from pytgi.models.loader import iter_safetensors
+
+    g = torch.Generator().manual_seed(0)
+    first = {"a.weight": torch.randn(48, 32, generator=g).bfloat16(), "b": torch.randn(7, generator=g),
+             "c": torch.randn(3, 5, generator=g).half(), "d": torch.arange(10), "e": torch.tensor([True, False])}
+    second = {"f.weight": torch.randn(2, 3, 4, generator=g).to(torch.float8_e4m3fn), "g": torch.zeros(0)}
+    save_file(first, str(tmp_path / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
+    save_file(second, str(tmp_path / "model-00002-of-00002.safetensors"))
+    got = {name: t.clone() for name, t in iter_safetensors(tmp_path)}
+    want = {**load_file(str(tmp_path / "model-00001-of-00002.safetensors")),
+            **load_file(str(tmp_path / "model-00002-of-00002.safetensors"))}
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape
+        assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name
