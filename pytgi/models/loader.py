@@ -197,15 +197,18 @@ def weight_bytes(path: Path, dtype: torch.dtype, device: torch.device, quantize:
 
 
 def loaded_bytes(model: Any) -> int:
-    """The bytes a loaded model holds: its parameters and buffers, and its linears' packed weights."""
+    """The bytes a loaded model holds: its parameters and buffers, its linears' and experts' packed
+    weights."""
+    from pytgi.models.moe import SparseMoE
     from pytgi.models.quant import QuantizedLinear
 
     seen: set[int] = set()
     total = 0
     tensors = [*model.parameters(), *model.buffers()]
     for mod in model.modules():
-        if isinstance(mod, QuantizedLinear):
-            tensors += [mod.quant.packed, getattr(mod.quant, "scales", None)]
+        quants = [mod.quant] if isinstance(mod, QuantizedLinear) else []
+        quants += [w for pair in mod.packed for w in pair] if isinstance(mod, SparseMoE) else []
+        tensors += [t for q in quants for t in (q.packed, getattr(q, "scales", None))]
     for t in tensors:
         if t is not None and t.device.type != "meta" and t.numel() and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
