@@ -19,7 +19,7 @@ from pytgi.models import gemma3_vision, idefics3, llava, qwen2_vl
 from pytgi.models.cpu import CpuKernels
 from pytgi.models.decoder import DecoderConfig, DecoderModel, StepImages
 from pytgi.models.gemma import gemma_config
-from pytgi.models.gguf_weights import open_gguf
+from pytgi.models.gguf_weights import GGUFWeights, open_gguf
 from pytgi.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from pytgi.models.llama import llama_config
 from pytgi.models.quant import resolve_plan
@@ -166,9 +166,8 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 PACKED_BYTES = {"int4": 0.625, "int8": 1.125, "int8x16": 1.25}
 
 
-def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def _shapes(path: Path, gguf: GGUFWeights | None) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor's shape, from the GGUF file or the safetensors headers (no data read)."""
-    gguf = open_gguf(path)
     if gguf is not None:
         return {name: gguf.shape(name) for name in gguf.names()}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -186,8 +185,8 @@ def weight_bytes(path: Path, dtype: torch.dtype, device: torch.device, quantize:
     model's packed tensors at their layouts' size and the rest in `dtype`; a Hugging Face model in
     `dtype`, or in float32 when it is quantized on the fly (`--quantize int8|int4`)."""
     plan = resolve_plan(quantize, path, dtype, device)
-    shapes = _shapes(path)
-    gguf = open_gguf(path) is not None
+    weights = open_gguf(path)
+    shapes, gguf = _shapes(path, weights), weights is not None
     elt = 4 if isinstance(plan, str) and plan != "bf16" else torch.empty((), dtype=dtype).element_size()
     total = 0.0
     for name, shape in shapes.items():

@@ -118,6 +118,16 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
     return path
 
 
+def prompt_logits(runner: ModelRunner, seq: list[int]) -> torch.Tensor:
+    """The logits of a prompt's tokens, computed by `runner` in one step over a fresh KV cache."""
+    from tests.model.test_tiny_models import BLOCK, NUM_BLOCKS, Paged, step
+
+    runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
+    pager = Paged()
+    req = pager.request("r", seq)
+    return step(runner, pager, [(req, req.num_tokens)])[0]
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_gguf_of_the_family_serves_transformers_logits(tmp_path, monkeypatch, family):
     monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
@@ -132,11 +142,7 @@ def test_gguf_of_the_family_serves_transformers_logits(tmp_path, monkeypatch, fa
     model_dir = resolve_model(str(path), progress=False).path  # converted once, as `pytgi serve` does
     runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
     assert type(runner.model).__name__ == "DecoderModel"  # pytgi's own code, not the fallback
-    from tests.model.test_tiny_models import BLOCK, NUM_BLOCKS, Paged, reference, step
+    from tests.model.test_tiny_models import reference
 
-    runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
     seq = np.random.default_rng(1).integers(0, 97, 23).tolist()
-    pager = Paged()
-    req = pager.request("r", seq)
-    got = step(runner, pager, [(req, req.num_tokens)])[0]
-    torch.testing.assert_close(got, reference(hf, seq), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(prompt_logits(runner, seq), reference(hf, seq), atol=2e-5, rtol=1e-4)

@@ -22,7 +22,7 @@ from pytgi.config import EngineConfig
 from pytgi.engine.runner import ModelRunner
 from pytgi.models.quant import QuantizedLinear
 from pytgi.models.registry import default_gguf_path, resolve_model
-from tests.model.test_gguf_families import write_gguf
+from tests.model.test_gguf_families import prompt_logits, write_gguf
 
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -41,15 +41,6 @@ TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q
 def _quant(name: str, a: np.ndarray) -> str | None:
     part = name.split(".")[-2]
     return TYPES.get(part) if a.ndim >= 2 and a.shape[-1] % 32 == 0 else None
-
-
-def _logits(runner: ModelRunner, seq: list[int]) -> torch.Tensor:
-    from tests.model.test_tiny_models import BLOCK, NUM_BLOCKS, Paged, step
-
-    runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
-    pager = Paged()
-    req = pager.request("r", seq)
-    return step(runner, pager, [(req, req.num_tokens)])[0].float()
 
 
 @pytest.mark.skipif(not kernels.vnni_supported(), reason="the packed layouts need AVX2 or AVX-512 VNNI")
@@ -77,7 +68,7 @@ def test_quantized_tensors_are_packed_from_their_blocks(tmp_path, monkeypatch, f
             assert len(layer.mlp.packed) == 4 and layer.mlp.gate_up.numel() == layer.mlp.down.numel() == 0
     exact = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
     seq = np.random.default_rng(1).integers(0, kw["vocab_size"], 23).tolist()
-    got, want = _logits(fast, seq), _logits(exact, seq)
+    got, want = prompt_logits(fast, seq).float(), prompt_logits(exact, seq).float()
     # bf16 activations rounded to int8 per group of 32 (as llama.cpp's kernels do), nothing else
     assert (got - want).abs().max() <= 0.03 * want.abs().max()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
