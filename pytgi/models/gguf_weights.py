@@ -47,14 +47,9 @@ class Grid:
     zero: int | None
     levels: int  # 16 for 4-bit levels: what the int4 layout can hold
 
-    def offset(self) -> torch.Tensor:
-        return self.m if self.m is not None else -float(self.zero or 0) * self.d
-
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: the values the grid stands for."""
-        N, K = self.q.shape
-        q = self.q.view(N, K // self.group, self.group).float()
-        return (q * self.d[..., None] + self.offset()[..., None]).view(N, K)
+        return group_values(self.q, self.d, self.m if self.m is not None else -float(self.zero or 0) * self.d)
 
     def cols(self, start: int, size: int) -> Grid:
         """Columns start .. start + size, on whole groups."""
@@ -66,6 +61,12 @@ class Grid:
     def rows(self, index: torch.Tensor | slice) -> Grid:
         m = None if self.m is None else self.m[index]
         return Grid(self.q[index], self.d[index], m, self.group, self.zero, self.levels)
+
+
+def group_values(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K] of levels q [N, K] with a step d and an offset m per group ([N, groups])."""
+    N, K = q.shape
+    return (q.view(N, d.shape[1], -1).float() * d[..., None] + m[..., None]).view(N, K)
 
 
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -216,7 +217,8 @@ _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12
 
 def read_tensor_index(buf: Any) -> list[TensorInfo]:
     """The tensors of a GGUF file (a buffer over its bytes), from its header alone: the metadata is
-    stepped over, not decoded (a 150k-token vocabulary costs gguf's reader seconds)."""
+    stepped over, not decoded (gguf's reader decoding the default model's 49k-token vocabulary was 7.7 s
+    of an 11 s profiled load)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     if bytes(buf[:4]) != b"GGUF":

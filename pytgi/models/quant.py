@@ -44,7 +44,7 @@ from torch import nn
 
 from pytgi import kernels
 from pytgi.models.cpu import CpuKernels
-from pytgi.models.gguf_weights import Grid
+from pytgi.models.gguf_weights import Grid, group_values
 from pytgi.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 GROUP = 32
@@ -290,12 +290,6 @@ def _joined(parts: list[Layout]) -> Layout:
     return torch.cat(u), torch.cat(d), torch.cat(m)
 
 
-def _dequantize(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    N, K = u.shape
-    g = u.view(N, d.shape[1], -1).float()
-    return (g * d[..., None] + m[..., None]).view(N, K)
-
-
 class QuantizedWeight:
     """The low-bit form of one linear's weight and the kernel that multiplies by it."""
 
@@ -325,7 +319,7 @@ class QuantizedWeight:
             if self.vnni:  # the file's levels, packed as they are, a slice of rows at a time
                 self._pack_rows(w, act_dtype)
                 return
-            w = _dequantize(*w.whole())  # PyTorch's kernels: their own grids
+            w = group_values(*w.whole())  # PyTorch's kernels: their own grids
         if kind == "int4":
             q, d, m, deq = quantize_int4(w)
             if self.vnni:
@@ -352,7 +346,7 @@ class QuantizedWeight:
         for u, d, m in w.tiles():
             self.packed[at // 16 : (at + len(u)) // 16] = pack_vnni(u, d, m, self.bits)
             if keep:
-                self.dequantized[at : at + len(u)] = _dequantize(u, d, m)
+                self.dequantized[at : at + len(u)] = group_values(u, d, m)
             at += len(u)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:

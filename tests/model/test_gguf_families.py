@@ -118,6 +118,13 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
     return path
 
 
+def tiny_model(spec: tuple) -> tuple[str, dict, torch.nn.Module]:
+    """A family's (GGUF arch, config kwargs, random float32 transformers model), seeded."""
+    arch, cfg_cls, model_cls, kw = spec
+    torch.manual_seed(0)
+    return arch, kw, model_cls(cfg_cls(**kw)).float().eval()
+
+
 def prompt_logits(runner: ModelRunner, seq: list[int]) -> torch.Tensor:
     """The logits of a prompt's tokens, computed by `runner` in one step over a fresh KV cache."""
     from tests.model.test_tiny_models import BLOCK, NUM_BLOCKS, Paged, step
@@ -131,9 +138,7 @@ def prompt_logits(runner: ModelRunner, seq: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_gguf_of_the_family_serves_transformers_logits(tmp_path, monkeypatch, family):
     monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
-    arch, cfg_cls, model_cls, kw = FAMILIES[family]
-    torch.manual_seed(0)
-    hf = model_cls(cfg_cls(**kw)).float().eval()
+    arch, _, hf = tiny_model(FAMILIES[family])
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name or "bias" in name:

@@ -22,7 +22,7 @@ from pytgi.config import EngineConfig
 from pytgi.engine.runner import ModelRunner
 from pytgi.models.quant import QuantizedLinear
 from pytgi.models.registry import default_gguf_path, resolve_model
-from tests.model.test_gguf_families import prompt_logits, write_gguf
+from tests.model.test_gguf_families import prompt_logits, tiny_model, write_gguf
 
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -47,9 +47,7 @@ def _quant(name: str, a: np.ndarray) -> str | None:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_quantized_tensors_are_packed_from_their_blocks(tmp_path, monkeypatch, family):
     monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
-    arch, cfg_cls, model_cls, kw = FAMILIES[family]
-    torch.manual_seed(0)
-    hf = model_cls(cfg_cls(**kw)).float().eval()
+    arch, kw, hf = tiny_model(FAMILIES[family])
     path = write_gguf(hf, arch, tmp_path / f"{family}.gguf", quant=_quant)
     model_dir = resolve_model(str(path), progress=False).path
     assert not list(model_dir.glob("*.safetensors"))  # the weights stay in the GGUF file
