@@ -83,7 +83,13 @@ def test_abort_frees_blocks_within_a_step(engine):
 
 def test_kv_cache_too_small_for_one_request_is_refused_at_start(tiny_path):
     with pytest.raises(ValueError, match="max_batch_total_tokens"):
-        LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=64))
+        LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=64, max_total_tokens=128))
+
+
+def test_max_total_tokens_defaults_to_what_the_kv_cache_holds(tiny_path):
+    """Unset, a request may take the model's positions as far as the KV cache holds them."""
+    info = LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=64)).info
+    assert (info.max_total_tokens, info.max_input_tokens, info.max_batch_total_tokens) == (64, 63, 64)
 
 
 def test_missing_model_path_names_the_fix(tmp_path):

@@ -75,7 +75,7 @@ def test_quantized_tensors_are_packed_from_their_blocks(tmp_path, monkeypatch, f
 @pytest.mark.slow
 def test_loading_the_default_gguf_makes_no_float_copy(tmp_path, monkeypatch):
     """A memory probe around the load: the process grows by about the packed model (the file's size,
-    its 8-bit embedding kept once for the table and the tied head), never by a float copy."""
+    its 8-bit embedding kept once for the table and the tied head), never by a float or bf16 copy."""
     monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
     resolve_model(None, progress=False)  # its metadata read first, outside the probe
     script = textwrap.dedent("""
@@ -98,7 +98,10 @@ def test_loading_the_default_gguf_makes_no_float_copy(tmp_path, monkeypatch):
     assert out.returncode == 0, out.stderr[-2000:]
     m = json.loads(out.stdout.strip().splitlines()[-1])
     size = default_gguf_path().stat().st_size
-    assert m["peak"] - m["before"] <= 1.5 * size + (48 << 20), m
+    # Packed, the 135M model is ~1.5x the file (146 MB here); a bf16 copy of its weights alone would be
+    # 2 bytes a parameter (270 MB), a float32 one twice that. The growth stays under the bf16 copy with
+    # room for what differs between machines (transparent huge pages, allocator arenas: 201 MB seen in CI).
+    assert m["peak"] - m["before"] < 2 * 134_515_008, m
     converted = list((tmp_path / "cache" / "models").iterdir())
     assert len(converted) == 1
     files = {f.name: f.stat().st_size for f in converted[0].iterdir()}
