@@ -269,6 +269,28 @@ def lowbit_matmul(x: torch.Tensor, packed: torch.Tensor, N: int, bits: int, amx:
     return out
 
 
+def pack_lowbit(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """Levels u (uint8 [N, K]) with d and m per group ([N, groups], any float dtype: rounded to fp16)
+    into `out` ([N/16, K/32, block bytes] uint8): `pytgi.models.quant.pack_vnni`'s layout."""
+    N, K = u.shape
+    assert u.dtype == torch.uint8 and out.is_contiguous() and out.numel() * 16 * 32 >= N * K
+    u, d16, m16 = u.contiguous(), d.half().contiguous(), m.half().contiguous()
+    _built().pytgi_pack_lowbit(_ptr(u), _ptr(d16), _ptr(m16), _ptr(out), N, K, bits)
+
+
+def gguf_decode(
+    ggml_type: int, blocks: np.ndarray, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+) -> None:
+    """GGUF blocks (uint8 [n_blocks, type size], a view of the file's mapping will do) → their levels
+    `q` (uint8), steps `d` and offsets `m` per group (float32; None for the symmetric types), written
+    in place: `pytgi.models.gguf_weights.decode_blocks`'s values."""
+    assert blocks.dtype == np.uint8 and blocks.flags.c_contiguous and q.is_contiguous() and d.is_contiguous()
+    assert m is None or m.is_contiguous()
+    failed = _built().pytgi_gguf_decode(ggml_type, _ptr(blocks), blocks.shape[0], _ptr(q), _ptr(d), _ptr(m))
+    if failed:
+        raise ValueError(f"ggml type {ggml_type} is not decoded by gguf.c" if failed == 2 else "no offsets given")
+
+
 def bf16_matmul(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor:
     """bf16 x [M, K] times a packed bf16 weight [N, K] (`pytgi.models.quant.pack_bf16`)."""
     M, K = x.shape

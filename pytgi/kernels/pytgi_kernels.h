@@ -39,6 +39,13 @@ int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t
 int pytgi_qgemm_amx_supported(void);
 int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K, int64_t bits);
 
+/* pack.c: levels u [N, K], fp16 bits of d and m per group → qgemv.c's packed layout (at load time). */
+void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m16, uint8_t *out, int64_t N, int64_t K, int64_t bits);
+
+/* gguf.c: n_blocks GGUF blocks of ggml type `type` → levels q, steps d and offsets m per group (m: NULL
+ * for the symmetric types); returns 2 for a type it does not decode. */
+int pytgi_gguf_decode(int64_t type, const uint8_t *blocks, int64_t n_blocks, uint8_t *q, float *d, float *m);
+
 /* bf16gemm.c: bf16 activations [M, K] times a packed bf16 weight [N, K] (AVX-512 BF16, or AVX2). */
 int pytgi_bf16gemm_supported(void);
 int pytgi_bf16gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K);

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from pytgi import kernels
 from pytgi.errors import GGUFConversionError
 
 ROWS_PER_SLICE = 1024  # rows dequantized or decoded at a time: bounds the transient float32
@@ -181,8 +182,29 @@ DECODERS: dict[str, tuple[Any, int]] = {
 }
 
 
-def decode_blocks(kind: str, blocks: torch.Tensor, n: int, k: int) -> Grid:
-    """`n` rows of `k` values as GGUF block bytes (uint8, `n` rows of whole blocks) → their `Grid`."""
+def decode_blocks(kind: str, blocks: np.ndarray, n: int, k: int) -> Grid:
+    """`n` rows of `k` values as GGUF block bytes (uint8, `n` rows of whole blocks; a view of the file's
+    mapping will do) → their `Grid`: decoded by `pytgi/kernels/gguf.c` where the kernels are built, else
+    by the PyTorch decoders above (its reference)."""
+    if not kernels.available():
+        return decode_blocks_reference(kind, torch.from_numpy(blocks.copy()), n, k)
+    from gguf import GGMLQuantizationType
+
+    _, levels = DECODERS[kind]
+    group = 32 if TYPE_SIZES[kind] < 84 or kind in ("Q4_K", "Q5_K") else 16
+    q = torch.empty(n, k, dtype=torch.uint8)
+    d = torch.empty(n, k // group)
+    m = torch.empty(n, k // group) if kind in OFFSET_TYPES else None
+    kernels.gguf_decode(GGMLQuantizationType[kind].value, blocks.reshape(-1, TYPE_SIZES[kind]), q, d, m)
+    return Grid(q, d, m, group, None if m is not None else ZEROS[kind], levels)
+
+
+OFFSET_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")  # w = d·q + m; the others are symmetric
+ZEROS = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "Q6_K": 32, "Q3_K": 4}  # their m = -zero·d
+
+
+def decode_blocks_reference(kind: str, blocks: torch.Tensor, n: int, k: int) -> Grid:
+    """`decode_blocks` in PyTorch's operations."""
     decoder, levels = DECODERS[kind]
     q, d, m, group, zero = decoder(blocks.reshape(-1, TYPE_SIZES[kind]))
     g = k // group
@@ -353,8 +375,8 @@ class GGUFWeights:
 
     def _decode(self, name: str, kind: str, start: int, stop: int, k: int) -> Grid:
         blocks = self._data(name).reshape(math.prod(self.shape(name)[:-1]), -1)
-        out = [  # each slice's bytes copied out of the read-only mapping
-            decode_blocks(kind, torch.from_numpy(blocks[at : min(at + ROWS_PER_SLICE, stop)].copy()), n, k)
+        out = [
+            decode_blocks(kind, blocks[at : min(at + ROWS_PER_SLICE, stop)], n, k)
             for at in range(start, stop, ROWS_PER_SLICE)
             if (n := min(ROWS_PER_SLICE, stop - at))
         ]

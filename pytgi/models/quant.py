@@ -191,6 +191,21 @@ def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> t
     [N, K/32] (bits 4, 8) or [N, K/16] (bits 16: int8x16); per tile of 16 rows and group of 32
     inputs, the weight bytes then 16 fp16 d and m (for each 16 inputs with bits 16)."""
     N, K = q.shape
+    if kernels.available():  # the same bytes in one pass (pack.c)
+        out = torch.empty(N // 16, K // GROUP, block_bytes(bits), dtype=torch.uint8)
+        kernels.pack_lowbit(q.to(torch.uint8), d, m, bits, out)
+        return out
+    return pack_vnni_reference(q, d, m, bits)
+
+
+def block_bytes(bits: int) -> int:
+    """Bytes of a packed (16 rows, 32 inputs) block: the levels, then fp16 d and m."""
+    return (256 if bits == 4 else 512) + (128 if bits == 16 else 64)
+
+
+def pack_vnni_reference(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
+    """`pack_vnni` in PyTorch's operations (where the C kernels are not built, and to test pack.c)."""
+    N, K = q.shape
     G = K // GROUP
     v = q.to(torch.uint8).view(N // 16, 16, G, 8, 4).permute(0, 2, 3, 1, 4).reshape(N // 16, G, 8, 64)
     if bits == 4:
@@ -340,11 +355,10 @@ class QuantizedWeight:
         N, K = self.shape
         keep = self.max_m < 1 << 30  # bigger steps multiply by the dequantized weight
         self.dequantized = torch.empty(N if keep else 0, K, dtype=act_dtype)
-        block = (256 if self.bits == 4 else 512) + (128 if self.bits == 16 else 64)  # bytes per 16 x 32
-        self.packed = torch.empty(N // 16, K // GROUP, block, dtype=torch.uint8)
+        self.packed = torch.empty(N // 16, K // GROUP, block_bytes(self.bits), dtype=torch.uint8)
         at = 0
         for u, d, m in w.tiles():
-            self.packed[at // 16 : (at + len(u)) // 16] = pack_vnni(u, d, m, self.bits)
+            kernels.pack_lowbit(u, d, m, self.bits, self.packed[at // 16 : (at + len(u)) // 16])
             if keep:
                 self.dequantized[at : at + len(u)] = group_values(u, d, m)
             at += len(u)

@@ -20,7 +20,7 @@ gguf = pytest.importorskip("gguf")
 from pytgi import kernels  # noqa: E402
 from pytgi.models.cpu import CpuKernels  # noqa: E402
 from pytgi.errors import GGUFConversionError  # noqa: E402
-from pytgi.models.gguf_weights import GGUFWeights  # noqa: E402
+from pytgi.models.gguf_weights import GGUFWeights, decode_blocks, decode_blocks_reference  # noqa: E402
 from pytgi.models.quant import (  # noqa: E402
     LayoutRows,
     QuantizedWeight,
@@ -115,6 +115,22 @@ def test_blocks_decode_to_their_values_and_pack_without_rounding(tmp_path, name)
         rows = LayoutRows((N, K), lambda: iter([(u[:16], d[:16], m[:16]), (u[16:], d[16:], m[16:])]))
         packed = QuantizedWeight(kind, rows, torch.bfloat16, cpu).matmul(x)
         assert torch.equal(packed, QuantizedWeight(kind, ref, torch.bfloat16, cpu).matmul(x))
+
+
+@pytest.mark.parametrize("name", [t for t in TYPES if t not in ("F32", "F16", "BF16")])
+def test_the_c_decoder_gives_the_reference_levels_and_grids(name):
+    """gguf.c (what a load runs) against the PyTorch decoders, on blocks of wholly random bytes: every
+    fp16 field any half (subnormals, infinities and NaN among them)."""
+    if not kernels.available():
+        pytest.skip("pytgi's C kernels are not built here")
+    raw = np.random.default_rng(5).integers(0, 256, (N, _raw(name).shape[1]), dtype=np.uint8)
+    raw[0, :2] = [1, 0]  # the smallest subnormal as the first block's first field
+    got, want = decode_blocks(name, raw, N, K), decode_blocks_reference(name, torch.from_numpy(raw), N, K)
+    assert torch.equal(got.q, want.q) and (got.group, got.zero, got.levels) == (want.group, want.zero, want.levels)
+    for a, b in [(got.d, want.d), (got.m, want.m)]:
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def _any_scales(name: str) -> np.ndarray:

@@ -10,6 +10,8 @@ from pytgi.models.cpu import CpuKernels
 from pytgi.models.quant import (
     QuantizedWeight,
     gguf_plan,
+    pack_vnni,
+    pack_vnni_reference,
     quantize_int4,
     quantize_int8,
     quantize_int8_groups,
@@ -200,6 +202,18 @@ def test_low_bit_kernel_sums_exactly_what_the_layout_holds(kind, M):
     deq = (quantize_int4(w) if kind == "int4" else quantize_int8_groups(w, 16 if kind == "int8x16" else 32))[-1]
     ref = _int8_activations(x) @ deq.t()
     torch.testing.assert_close(qw.matmul(x).float(), ref, atol=2e-4 * ref.abs().max().item(), rtol=8e-3)
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_packing_in_c_writes_the_reference_layout(bits):
+    """pack.c (what a model's load runs) writes byte for byte what the PyTorch reference does."""
+    if not kernels.available():
+        pytest.skip("pytgi's C kernels are not built here")
+    g = torch.Generator().manual_seed(bits)
+    N, K = 48, 96
+    q = torch.randint(0, 16 if bits == 4 else 256, (N, K), generator=g)
+    d, m = torch.rand(N, K // (16 if bits == 16 else 32), 2, generator=g).unbind(-1)
+    assert torch.equal(pack_vnni(q, d, m - 0.5, bits), pack_vnni_reference(q, d, m - 0.5, bits))
 
 
 def test_vnni_kernel_on_a_model_sized_weight():
