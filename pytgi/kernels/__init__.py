@@ -288,7 +288,8 @@ def gguf_decode(
     assert m is None or m.is_contiguous()
     failed = _built().pytgi_gguf_decode(ggml_type, _ptr(blocks), blocks.shape[0], _ptr(q), _ptr(d), _ptr(m))
     if failed:
-        raise ValueError(f"ggml type {ggml_type} is not decoded by gguf.c" if failed == 2 else "no offsets given")
+        what = f"ggml type {ggml_type} is not decoded by gguf.c" if failed == 2 else "no offsets given"
+        raise ValueError(what)
 
 
 def bf16_matmul(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor:
