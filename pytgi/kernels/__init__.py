@@ -156,11 +156,20 @@ def norm_add_norm(
 
 
 def qk_norm_(
-    qkv: torch.Tensor, qw: torch.Tensor, kw: torch.Tensor, H: int, KVH: int, D: int, eps: float
+    qkv: torch.Tensor,
+    qw: torch.Tensor,
+    kw: torch.Tensor,
+    H: int,
+    KVH: int,
+    D: int,
+    eps: float,
+    round_first: bool = False,
 ) -> None:
-    """Gemma's per-head RMSNorm of the q and k parts of the fused qkv output, in place (float32 weights)."""
+    """The per-head RMSNorm of the q and k parts of the fused qkv output, in place (float32 weights):
+    Gemma's (times 1 + w, rounded once), or with `round_first` Qwen3's (the normed value rounded to the
+    activations' dtype, then times w, as `pytgi.models.layers.RMSNorm` computes it)."""
     assert qkv.is_contiguous()
-    _fn("qk_norm", qkv.dtype)(_ptr(qkv), _ptr(qw), _ptr(kw), qkv.shape[0], H, KVH, D, eps)
+    _fn("qk_norm", qkv.dtype)(_ptr(qkv), _ptr(qw), _ptr(kw), qkv.shape[0], H, KVH, D, eps, int(round_first))
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -266,6 +275,36 @@ def lowbit_matmul(x: torch.Tensor, packed: torch.Tensor, N: int, bits: int, amx:
     out = x.new_empty(M, N)
     kernel = _built().pytgi_qgemm_amx_bf16 if amx else _built().pytgi_qgemv_bf16
     _check(kernel(_ptr(x), _ptr(packed), _ptr(out), M, N, K, bits), "low-bit matmul")
+    return out
+
+
+@dataclass(slots=True)
+class PackedExperts:
+    """A mixture-of-experts layer's experts as `moe_experts` takes them (int64 numpy arrays, per expert)."""
+
+    gate_up: np.ndarray  # addresses of the packed gate|up weights [2 I, H]
+    down: np.ndarray  # addresses of the packed down weights [H, I]
+    bits_gu: np.ndarray
+    bits_down: np.ndarray
+    inter: int  # I
+    amx_above: int  # steps of more rows use AMX tiles (where built)
+
+
+def moe_experts(
+    x: torch.Tensor, experts: PackedExperts, starts: np.ndarray, tokens: np.ndarray, weights: np.ndarray
+) -> torch.Tensor:
+    """Σ over each token's experts of weight · down(silu(gate) · up), bf16 x [T, H] → [T, H]. The step's
+    (token, expert) pairs sorted by expert: `tokens` (int64) and `weights` (float32) per pair, expert e's
+    pairs from starts[e] to starts[e + 1] (int64 [E + 1])."""
+    assert x.is_contiguous() and x.dtype == torch.bfloat16
+    T, H = x.shape
+    out = torch.empty_like(x)
+    failed = _built().pytgi_moe_experts_bf16(
+        _ptr(x), _ptr(out), T, H, experts.inter, len(experts.gate_up), _ptr(starts), _ptr(tokens),
+        _ptr(weights), _ptr(experts.gate_up), _ptr(experts.down), _ptr(experts.bits_gu),
+        _ptr(experts.bits_down), experts.amx_above,
+    )
+    _check(failed, "experts")
     return out
 
 

@@ -145,7 +145,7 @@ int pytgi_gemma_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x
         uint16_t *kc = (uint16_t *)L[G_K_CACHE], *vc = (uint16_t *)L[G_V_CACHE];
         pytgi_norm_add_norm_bf16(NULL, x, NULL, (const float *)L[G_IN_NORM], h, T, hidden, eps);
         failed |= matmul(h, L[G_QKV_W], L[G_QKV_BITS], qkv, T, nqkv, hidden, vnni_max_m);
-        if (L[G_Q_NORM]) pytgi_qk_norm_bf16(qkv, (const float *)L[G_Q_NORM], (const float *)L[G_K_NORM], T, H, KVH, D, eps);
+        if (L[G_Q_NORM]) pytgi_qk_norm_bf16(qkv, (const float *)L[G_Q_NORM], (const float *)L[G_K_NORM], T, H, KVH, D, eps, 0);
         pytgi_rope_write_kv_bf16(qkv, L[G_LOCAL] ? cos_local : cos, L[G_LOCAL] ? sin_local : sin, slots, q, kc, vc, T,
                                  H, KVH, D);
         failed |= attend(q, kc, vc, attn, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks, block_size, H, KVH,

@@ -117,8 +117,9 @@ DEFINE_ROPE(pytgi_rope_write_kv_bf16, uint16_t, bf16_load, bf16_round, bf16_rt)
     }
 
 /* Gemma's per-head query and key norms, in place on the q and k parts of each fused qkv row. */
-#define DEFINE_QK_NORM(NAME, T_, LOAD, STORE)                                                        \
-    void NAME(T_ *qkv, const float *qw, const float *kw, int64_t T, int64_t H, int64_t KVH, int64_t D, float eps) { \
+#define DEFINE_QK_NORM(NAME, T_, LOAD, STORE, RT)                                                    \
+    void NAME(T_ *qkv, const float *qw, const float *kw, int64_t T, int64_t H, int64_t KVH, int64_t D, float eps, \
+              int64_t round_first) {                                                                 \
         _Pragma("omp parallel for if (T >= 8)")                                                      \
         for (int64_t t = 0; t < T; t++) {                                                            \
             for (int64_t h = 0; h < H + KVH; h++) {                                                  \
@@ -127,7 +128,10 @@ DEFINE_ROPE(pytgi_rope_write_kv_bf16, uint16_t, bf16_load, bf16_round, bf16_rt)
                 float ss = 0.0f;                                                                     \
                 for (int64_t i = 0; i < D; i++) ss += LOAD(v[i]) * LOAD(v[i]);                       \
                 const float rstd = 1.0f / sqrtf(ss / (float)D + eps);                                \
-                for (int64_t i = 0; i < D; i++) v[i] = STORE(LOAD(v[i]) * rstd * w[i]);              \
+                if (round_first) /* Qwen3: the normed value in the model's dtype, times the weight */ \
+                    for (int64_t i = 0; i < D; i++) v[i] = STORE(RT(LOAD(v[i]) * rstd) * w[i]);      \
+                else /* Gemma: times 1 + w in float32, rounded once */                              \
+                    for (int64_t i = 0; i < D; i++) v[i] = STORE(LOAD(v[i]) * rstd * w[i]);          \
             }                                                                                        \
         }                                                                                            \
     }
@@ -148,8 +152,8 @@ DEFINE_ROPE(pytgi_rope_write_kv_bf16, uint16_t, bf16_load, bf16_round, bf16_rt)
 
 DEFINE_NORM_ADD_NORM(pytgi_norm_add_norm_f32, float, f32_load, f32_id)
 DEFINE_NORM_ADD_NORM(pytgi_norm_add_norm_bf16, uint16_t, bf16_load, bf16_round)
-DEFINE_QK_NORM(pytgi_qk_norm_f32, float, f32_load, f32_id)
-DEFINE_QK_NORM(pytgi_qk_norm_bf16, uint16_t, bf16_load, bf16_round)
+DEFINE_QK_NORM(pytgi_qk_norm_f32, float, f32_load, f32_id, f32_id)
+DEFINE_QK_NORM(pytgi_qk_norm_bf16, uint16_t, bf16_load, bf16_round, bf16_rt)
 DEFINE_GELU_MUL(pytgi_gelu_tanh_mul_f32, float, f32_load, f32_id, f32_id)
 DEFINE_GELU_MUL(pytgi_gelu_tanh_mul_bf16, uint16_t, bf16_load, bf16_round, bf16_rt)
 

@@ -19,8 +19,8 @@ void pytgi_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I
 void pytgi_rope_write_kv_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q, float *k_cache, float *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D);
 void pytgi_norm_add_norm_f32(const float *x, float *residual, const float *wa, const float *wb, float *out, int64_t T, int64_t D, float eps);
 void pytgi_norm_add_norm_bf16(const uint16_t *x, uint16_t *residual, const float *wa, const float *wb, uint16_t *out, int64_t T, int64_t D, float eps);
-void pytgi_qk_norm_f32(float *qkv, const float *qw, const float *kw, int64_t T, int64_t H, int64_t KVH, int64_t D, float eps);
-void pytgi_qk_norm_bf16(uint16_t *qkv, const float *qw, const float *kw, int64_t T, int64_t H, int64_t KVH, int64_t D, float eps);
+void pytgi_qk_norm_f32(float *qkv, const float *qw, const float *kw, int64_t T, int64_t H, int64_t KVH, int64_t D, float eps, int64_t round_first);
+void pytgi_qk_norm_bf16(uint16_t *qkv, const float *qw, const float *kw, int64_t T, int64_t H, int64_t KVH, int64_t D, float eps, int64_t round_first);
 void pytgi_gelu_tanh_mul_f32(const float *gu, float *out, int64_t T, int64_t I);
 void pytgi_gelu_tanh_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I);
 void pytgi_rope_write_kv_bf16(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *slots, uint16_t *q, uint16_t *k_cache, uint16_t *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D);
@@ -38,6 +38,10 @@ int pytgi_qgemv_supported(void);
 int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K, int64_t bits);
 int pytgi_qgemm_amx_supported(void);
 int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K, int64_t bits);
+
+/* moe.c: a mixture-of-experts layer's routed experts for a step (packed weights at the int64 addresses
+ * gate_up[e], down[e]; the step's (token, expert) pairs sorted by expert, expert e's from starts[e]). */
+int pytgi_moe_experts_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, const int64_t *starts, const int64_t *tok, const float *wt, const int64_t *gate_up, const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above);
 
 /* pack.c: levels u [N, K], fp16 bits of d and m per group → qgemv.c's packed layout (at load time). */
 void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m16, uint8_t *out, int64_t N, int64_t K, int64_t bits);

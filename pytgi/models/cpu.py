@@ -193,13 +193,11 @@ class KernelOps(TorchOps):
         return kernels.gelu_tanh_mul(gate_up.contiguous())
 
     def qkv_rotary(self, attn, qkv: torch.Tensor, rope, kv_cache, meta):
-        if attn.q_norm is not None and not attn.q_norm.offset:  # Qwen3's q/k norms: PyTorch's rotation
-            cos, sin = (t.unsqueeze(1).to(qkv.dtype) for t in rope)
-            return _rotate(attn, qkv, cos, sin)
         qkv = qkv.contiguous()
         H, KVH, D = attn.n_heads, attn.n_kv, attn.head_dim
-        if attn.q_norm is not None:  # Gemma 3's, in place
-            kernels.qk_norm_(qkv, attn.q_norm.scale(), attn.k_norm.scale(), H, KVH, D, attn.q_norm.eps)
+        if attn.q_norm is not None:  # Qwen3's and Gemma 3's, in place
+            norm = attn.q_norm
+            kernels.qk_norm_(qkv, norm.scale(), attn.k_norm.scale(), H, KVH, D, norm.eps, not norm.offset)
         cos, sin = rope
         q = kernels.rope_write_kv(qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], H, KVH, D)
         return q, None, None

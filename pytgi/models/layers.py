@@ -154,11 +154,12 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def scale(self) -> torch.Tensor:
-        """`1 + weight` in float32, what the fused kernels multiply an offset norm by (made once per
-        weight)."""
+        """What the fused kernels multiply by, in float32 (made once per weight): `1 + weight` for an
+        offset norm, else the weight."""
         key = (self.weight.data_ptr(), self.weight._version)
         if getattr(self, "_scale_key", None) != key:
-            self._scale, self._scale_key = (1.0 + self.weight.detach().float()).contiguous(), key
+            w = self.weight.detach().float()
+            self._scale, self._scale_key = ((1.0 + w) if self.offset else w).contiguous(), key
         return self._scale
 
 

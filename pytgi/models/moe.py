@@ -4,8 +4,8 @@ Each token goes to its `top_k` experts by a softmax router (renormalized over th
 the model says so) and gets their SwiGLU outputs, weighted. The experts' weights are stacked, gate and
 up fused (`gate_up [E, 2I, H]`, `down [E, H, I]`), and a step runs one pair of matmuls per expert that
 has tokens: tokens are grouped by expert once, not visited one by one. A GGUF model's experts stay
-packed as the file holds them (`pack_experts`), each expert's pair multiplied by the low-bit
-kernels. Qwen2-MoE adds a shared expert, scaled by a sigmoid gate. With tensor parallelism each
+packed as the file holds them (`pack_experts`), and a bf16 step runs all its experts in one C call
+(`pytgi/kernels/moe.c`: the same low-bit matmuls, no Python between them). Qwen2-MoE adds a shared expert, scaled by a sigmoid gate. With tensor parallelism each
 rank holds a slice of every expert's intermediate features and the partial outputs are all-reduced.
 """
 
@@ -16,10 +16,12 @@ from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pytgi import kernels
 from pytgi.distributed import all_reduce, local_range
 from pytgi.models.layers import ColumnParallelLinear, RowParallelLinear, merged_shards
 
@@ -58,6 +60,7 @@ class SparseMoE(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
         self.packed: list[tuple[Any, Any]] = []  # per expert, gate|up and down packed (`pack_experts`)
+        self.fused: kernels.PackedExperts | None = None  # the same, for moe.c
         self.shared_expert = SharedExpert(hidden, shared_inter) if shared_inter else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
 
@@ -116,6 +119,20 @@ class SparseMoE(nn.Module):
             self.packed.append(pair)
         self.gate_up = nn.Parameter(torch.empty(0, dtype=act_dtype), requires_grad=False)
         self.down = nn.Parameter(torch.empty(0, dtype=act_dtype), requires_grad=False)
+        self.fuse()
+
+    def fuse(self) -> None:
+        """Where every expert is packed for pytgi's low-bit kernel, hand them to one C call (moe.c)."""
+        if self.packed and all(w.vnni for pair in self.packed for w in pair):
+            gu, dn = zip(*self.packed)
+            self.fused = kernels.PackedExperts(
+                gate_up=np.array([w.packed.data_ptr() for w in gu], dtype=np.int64),
+                down=np.array([w.packed.data_ptr() for w in dn], dtype=np.int64),
+                bits_gu=np.array([w.bits for w in gu], dtype=np.int64),
+                bits_down=np.array([w.bits for w in dn], dtype=np.int64),
+                inter=gu[0].shape[0] // 2,
+                amx_above=min(w.vnni_max_m for pair in self.packed for w in pair),
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)
@@ -124,23 +141,33 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = experts.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tokens, picked = order // self.top_k, weights.flatten()[order]
-        out = torch.zeros_like(x)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if self.fused is not None and x.dtype == torch.bfloat16:
+            starts = np.zeros(self.num_experts + 1, dtype=np.int64)
+            np.cumsum(counts.numpy(), out=starts[1:])
+            pairs = (order // self.top_k).numpy(), weights.flatten()[order].float().numpy()
+            out = all_reduce(kernels.moe_experts(x.contiguous(), self.fused, starts, *pairs))
+            return self._shared(x, out)
+        xs = x[order // self.top_k]  # each (token, expert) pair's input, grouped by expert
+        ys = []
         at = 0
-        for e, count in enumerate(counts):
+        for e, count in enumerate(counts.tolist()):
             if count == 0:
                 continue
-            idx = tokens[at : at + count]
+            xe = xs[at : at + count]
             if self.packed:
-                gate, up = self.packed[e][0].matmul(x[idx]).chunk(2, dim=-1)
-                y = self.packed[e][1].matmul(F.silu(gate) * up)
+                gate, up = self.packed[e][0].matmul(xe).chunk(2, dim=-1)
+                ys.append(self.packed[e][1].matmul(F.silu(gate) * up))
             else:
-                gate, up = F.linear(x[idx], self.gate_up[e]).chunk(2, dim=-1)
-                y = F.linear(F.silu(gate) * up, self.down[e])
-            out.index_add_(0, idx, (y * picked[at : at + count, None]).to(x.dtype))
+                gate, up = F.linear(xe, self.gate_up[e]).chunk(2, dim=-1)
+                ys.append(F.linear(F.silu(gate) * up, self.down[e]))
             at += count
-        out = all_reduce(out)
+        # back in (token, choice) order, then each token's k outputs weighted and summed in float32
+        y = torch.cat(ys)[order.argsort()].view(len(x), self.top_k, -1).float()
+        return self._shared(x, all_reduce((y * weights[..., None]).sum(dim=1).to(x.dtype)))
+
+    def _shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output plus the shared expert's, where the model has one."""
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

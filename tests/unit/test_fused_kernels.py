@@ -88,6 +88,22 @@ def test_gemma_qk_norm_in_place(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3_qk_norm_in_place(dtype):
+    """Qwen3's norms (times w, the normed value rounded first): as RMSNorm computes them."""
+    torch.manual_seed(1)
+    T, H, KVH, D = 3, 4, 2, 32
+    qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
+    for n in (qn, kn):
+        n.weight.data = (1 + 0.5 * torch.randn(D)).to(dtype)
+    qkv = (3 * torch.randn(T, (H + 2 * KVH) * D)).to(dtype)
+    q, k = qkv[:, : H * D].view(T, H, D), qkv[:, H * D : (H + KVH) * D].view(T, KVH, D)
+    expected_q, expected_k = qn(q), kn(k)
+    kernels.qk_norm_(qkv, qn.scale(), kn.scale(), H, KVH, D, 1e-6, round_first=True)
+    torch.testing.assert_close(q, expected_q, **TOL[dtype])
+    torch.testing.assert_close(k, expected_k, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gelu_tanh_mul(dtype):
     gu = (3 * torch.randn(5, 2 * 48)).to(dtype)
     gate, up = gu.chunk(2, dim=-1)

@@ -7,7 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pytgi import kernels
+from pytgi.models.cpu import CpuKernels
 from pytgi.models.moe import SparseMoE
+from pytgi.models.quant import QuantizedWeight
 
 H, INTER, E = 16, 24, 5
 
@@ -52,3 +55,38 @@ def test_stacked_and_per_expert_checkpoints_load_the_same():
     assert torch.equal(stacked.gate_up, one_by_one.gate_up) and torch.equal(stacked.down, one_by_one.down)
     with pytest.raises(ValueError, match="unexpected expert weight"):
         stacked.load_experts("experts.0.w9.weight", gate[0])
+
+
+def packed_moe(kinds: tuple[str, str]) -> SparseMoE:
+    """Experts packed for the low-bit kernels (as a GGUF model's are), at sizes those take."""
+    h, inter, e = 64, 32, 6
+    g = torch.Generator().manual_seed(7)
+    moe = SparseMoE(h, inter, e, top_k=3, norm_topk=True)
+    moe.gate.weight.data.copy_(torch.randn(e, h, generator=g))
+    moe.to(torch.bfloat16)
+    cpu = CpuKernels.for_device(torch.device("cpu"), torch.bfloat16)
+    moe.packed = [
+        (QuantizedWeight(kinds[0], torch.randn(2 * inter, h, generator=g) * 0.2, torch.bfloat16, cpu),
+         QuantizedWeight(kinds[1], torch.randn(h, inter, generator=g) * 0.2, torch.bfloat16, cpu))
+        for _ in range(e)
+    ]
+    moe.fuse()
+    return moe
+
+
+@pytest.mark.parametrize("kinds", [("int4", "int4"), ("int4", "int8x16"), ("int8", "int4")])
+def test_one_c_call_runs_the_experts_as_the_step_by_step_path(kinds):
+    """moe.c against the expert-by-expert PyTorch loop over the same packed weights: the same matmuls,
+    the sums in another order; and a token's output does not depend on the rest of the step."""
+    if not kernels.vnni_supported():
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
+    moe = packed_moe(kinds)
+    assert moe.fused is not None
+    x = torch.randn(11, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    fused = moe(x)
+    fused_alone = torch.cat([moe(x[i : i + 1]) for i in range(len(x))])
+    fused_ref, moe.fused = moe.fused, None
+    stepwise = moe(x)
+    moe.fused = fused_ref
+    assert torch.equal(fused, fused_alone)
+    torch.testing.assert_close(fused.float(), stepwise.float(), atol=0.02 * stepwise.abs().max().item(), rtol=0.02)
