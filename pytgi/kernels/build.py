@@ -22,7 +22,10 @@ from pathlib import Path
 
 from pytgi.paths import cache_dir
 
-SOURCES = ["paged_attention.c", "fused.c", "qgemv.c", "bf16gemm.c", "decoder.c", "lora.c", "pack.c", "gguf.c", "moe.c"]
+SOURCES = [
+    *["paged_attention.c", "fused.c", "qgemv.c", "bf16gemm.c", "decoder.c", "lora.c"],
+    *["pack.c", "gguf.c", "moe.c"],  # load-time packing, GGUF blocks, mixture-of-experts layers
+]
 HEADERS = ["pytgi_kernels.h", "bf16.h", "amx.h", "exp16.h"]  # part of the cache key
 CFLAGS = ["-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 LDFLAGS = ["-shared", "-fopenmp", "-lm"]  # no -ffast-math: see above

@@ -5,8 +5,9 @@ the model says so) and gets their SwiGLU outputs, weighted. The experts' weights
 up fused (`gate_up [E, 2I, H]`, `down [E, H, I]`), and a step runs one pair of matmuls per expert that
 has tokens: tokens are grouped by expert once, not visited one by one. A GGUF model's experts stay
 packed as the file holds them (`pack_experts`), and a bf16 step runs all its experts in one C call
-(`pytgi/kernels/moe.c`: the same low-bit matmuls, no Python between them). Qwen2-MoE adds a shared expert, scaled by a sigmoid gate. With tensor parallelism each
-rank holds a slice of every expert's intermediate features and the partial outputs are all-reduced.
+(`pytgi/kernels/moe.c`: the same low-bit matmuls, no Python between them). Qwen2-MoE adds a shared
+expert, scaled by a sigmoid gate. With tensor parallelism each rank holds a slice of every expert's
+intermediate features and the partial outputs are all-reduced.
 """
 
 from __future__ import annotations
