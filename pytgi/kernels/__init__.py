@@ -300,9 +300,20 @@ def moe_experts(
     T, H = x.shape
     out = torch.empty_like(x)
     failed = _built().pytgi_moe_experts_bf16(
-        _ptr(x), _ptr(out), T, H, experts.inter, len(experts.gate_up), _ptr(starts), _ptr(tokens),
-        _ptr(weights), _ptr(experts.gate_up), _ptr(experts.down), _ptr(experts.bits_gu),
-        _ptr(experts.bits_down), experts.amx_above,
+        _ptr(x),
+        _ptr(out),
+        T,
+        H,
+        experts.inter,
+        len(experts.gate_up),
+        _ptr(starts),
+        _ptr(tokens),
+        _ptr(weights),
+        _ptr(experts.gate_up),
+        _ptr(experts.down),
+        _ptr(experts.bits_gu),
+        _ptr(experts.bits_down),
+        experts.amx_above,
     )
     _check(failed, "experts")
     return out
