@@ -12,7 +12,8 @@
 # Both servers get a 16,384-token KV cache (llama-server: -c 16384, split over its -np slots; pytgi:
 # --max-batch-total-tokens 16384) and 2 threads. The bench samples each server's process tree for its
 # peak resident memory and times its start (`ready s`, `peak RSS GiB` in the tables). JSON results go
-# to benchmarks/results/sizes-<model>-<workload>.json.
+# to benchmarks/results/sizes-<model>-<workload>.json. Tokens are timed and counted by the servers' token
+# events (`--count-tokens events`): a random-weight model's tokens often stream as empty text.
 set -euo pipefail
 model=$1
 llama_server=$2
@@ -27,6 +28,7 @@ run() {  # workload, llama-server flags, bench flags...
     echo "## $name: $w"
     .venv/bin/pytgi bench --peer pytgi --peer "llama-server=$llama_server" --pytgi-args "$pytgi_args" \
         --llama-server-model "$model" --llama-server-args "$ls_args" --tokenizer "$tok" --no-progress \
+        --count-tokens events \
         --out "benchmarks/results/sizes-$name-$w.json" "$@"
 }
 for w in ${workloads//,/ }; do

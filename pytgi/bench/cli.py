@@ -130,6 +130,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="tokenizer.json directory that builds prompts and counts tokens (default: the default model's)",
     )
     w.add_argument(
+        "--count-tokens",
+        choices=("text", "events"),
+        default="text",
+        help="count output tokens by re-tokenizing the text (the default: fair across servers), or by the "
+        "servers' token events and usage, and time TTFT and ITL by them (for random-weight models, whose "
+        "tokens often stream as empty text)",
+    )
+    w.add_argument(
         "--ignore-eos",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -420,6 +428,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     )
                 headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
                 protocol = protocol_for(target, headers=headers)
+                protocol.by_events = args.count_tokens == "events"
                 for msg in warmup(
                     target, requests, tokenizer, args.warmup, protocol, args.api_key, args.timeout
                 ):
@@ -473,6 +482,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "input_tokens": sum(r.input_len for r in requests),
             "requested_output_tokens": sum(r.output_len for r in requests),
             "ignore_eos": args.ignore_eos,
+            "count_tokens": args.count_tokens,
             "warmup": args.warmup,
         },
         "servers": [t.describe() for t in targets],

@@ -98,6 +98,10 @@ def _error_message(err: Any) -> str:
 class Protocol:
     name = ""
     path = ""
+    # Time and count tokens by the server's token events (an empty text included), not by the text:
+    # a random-weight model's tokens are often bytes of no whole character, or special tokens, which a
+    # server streams as empty text (`pytgi bench --count-tokens events`).
+    by_events = False
 
     def body(self, req: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
         raise NotImplementedError
@@ -184,14 +188,16 @@ class OpenAIProtocol(Protocol):
             return obj
         if obj.get("error") is not None:
             return Chunk(error=_error_message(obj["error"]), final=True)
-        text = ""
+        text, event = "", False
         for choice in obj.get("choices") or []:
             if self.chat or "delta" in choice:
-                text += (choice.get("delta") or {}).get("content") or ""
+                piece = (choice.get("delta") or {}).get("content") or ""
             else:
-                text += choice.get("text") or ""
+                piece = choice.get("text") or ""
+            text += piece
+            event = event or bool(piece) or choice.get("finish_reason") is None  # a closing chunk is none
         usage = obj.get("usage") or {}
-        return Chunk(text=text, reported_tokens=usage.get("completion_tokens"))
+        return Chunk(text=text, token_event=event, reported_tokens=usage.get("completion_tokens"))
 
     def needs_final(self) -> bool:
         return False  # some servers (transformers serve) end without [DONE]
@@ -239,7 +245,7 @@ class RequestResult:
     text: str = ""
     output_tokens: int = 0  # the generated text re-tokenized: the count every report uses
     reported_tokens: int | None = None  # the server's own count (TGI: token events or details; OpenAI: usage)
-    chunks: int = 0  # non-empty text chunks received
+    chunks: int = 0  # non-empty text chunks received (token events with `by_events`)
 
     @property
     def tpot(self) -> float | None:
@@ -299,14 +305,14 @@ async def send_request(
                 chunk = protocol.parse(data)
                 if chunk.error is not None:
                     raise _Failed(chunk.error)
-                if chunk.text:
+                if chunk.token_event if protocol.by_events else chunk.text:
                     if last is None:
                         res.ttft = now - t0
                     else:
                         res.itl.append(now - last)
                     last = now
                     res.chunks += 1
-                    pieces.append(chunk.text)
+                pieces.append(chunk.text)
                 token_events += chunk.token_event
                 if chunk.reported_tokens is not None:
                     res.reported_tokens = chunk.reported_tokens
@@ -325,7 +331,10 @@ async def send_request(
         res.text = full_text if full_text is not None else "".join(pieces)
         if res.reported_tokens is None and token_events:
             res.reported_tokens = token_events
-        res.output_tokens = count(res.text)
+        if protocol.by_events:
+            res.output_tokens = res.reported_tokens or token_events
+        else:
+            res.output_tokens = count(res.text)
         res.ok = True
     except _Failed as e:
         res.error = str(e)

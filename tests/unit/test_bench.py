@@ -334,6 +334,18 @@ def test_client_openai_stream(tok: Tokenizer) -> None:
     assert r.ok and r.text == "Hello" and r.reported_tokens == 2 and r.chunks == 2 and len(r.itl) == 1
 
 
+def test_counting_by_token_events(tok: Tokenizer) -> None:
+    """`--count-tokens events`: tokens streamed as empty text (a special token, bytes of no whole
+    character) are timed and counted, by the server's usage where it sends one."""
+    assert [c.token_event for c in map(bc.OpenAIProtocol("m").parse, bc.iter_sse(OPENAI_STREAM.split("\n")))] \
+        == [True, True, True, False, False]  # the usage and [DONE] events stand for no token
+    for proto, path, stream, tokens in [(bc.OpenAIProtocol("m"), "/v1/completions", OPENAI_STREAM, 2),
+                                        (bc.TGIProtocol(), "/generate_stream", TGI_STREAM, 3)]:
+        proto.by_events = True
+        r = load(tok, proto, mock({path: (200, stream)}, delay=0.01), n=1).results[0]
+        assert r.ok and r.text == "Hello" and r.chunks == 3 and len(r.itl) == 2 and r.output_tokens == tokens
+
+
 def test_client_openai_stream_without_done(tok: Tokenizer) -> None:
     stream = OPENAI_STREAM.replace("data: [DONE]\n\n", "")  # transformers serve ends like this
     res = load(tok, bc.OpenAIProtocol("m"), mock({"/v1/completions": (200, stream)}), n=1)
