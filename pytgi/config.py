@@ -352,7 +352,34 @@ class ServerConfig:
         "(others must resolve to public addresses)",
         repeat=True,
     )
-    media_fetch_timeout: float = setting(10.0, "seconds to fetch one image URL")
+    media_fetch_timeout: float = setting(
+        10.0, "seconds to fetch one image URL, its redirects included (one deadline for the whole fetch)"
+    )
+    max_concurrent_media_fetches: int = setting(
+        16, "image URLs fetched at once, across requests (more wait their turn, within their deadline)"
+    )
+    enable_lora_runtime_updates: bool = setting(
+        False,
+        "turn on POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off, they are 404); "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True turns them on too",
+        switch=True,
+        env="PYTGI_ALLOW_RUNTIME_LORA_UPDATING",
+    )
+    lora_dirs: tuple[str, ...] = setting(
+        (),
+        "directories a runtime adapter load may read (its lora_path inside one, after symlinks and `..`; "
+        "a relative path is looked up in each), comma-separated",
+        repeat=True,
+    )
+    allow_hub_adapters: bool = setting(
+        False, "let a runtime adapter load fetch the Hub id a client names", switch=True
+    )
+    responses_store_bytes: int = setting(
+        256 << 20, "bytes of Responses-API responses and conversations kept (the oldest dropped first)"
+    )
+    responses_store_size: int = setting(
+        1000, "Responses-API responses kept, at most (the oldest dropped first)"
+    )
     replicas: int = setting(
         0,
         "serve with this many engine replicas on Ray Serve behind this endpoint, each request routed "

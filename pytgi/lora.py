@@ -20,6 +20,7 @@ from pytgi.errors import UserError
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+HUB_PREFIX = "hub:"  # a runtime load's Hub id, as the API process passes it: never read as a local path
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/@+-]{0,127}")
 
 

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import ipaddress
 import os
+import socket
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,14 +65,20 @@ def init(
         return
     # On CUDA, tensors go through NCCL and the small CPU control tensors through gloo.
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        loopback = _loopback(master_addr)
+        if loopback is None:  # ranks on several machines: torch's rendezvous, on every interface
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{master_addr}:{master_port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
+        else:
+            store = _loopback_store(loopback, master_port, rank, world_size, timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except Exception as exc:
         raise DistributedError(
             f"rank {rank}/{world_size} could not join the group at {master_addr}:{master_port}: {exc} "
@@ -78,6 +87,44 @@ def init(
     global _CMD_GROUP
     _CMD_GROUP = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
     _TP_RANK, _TP_SIZE = rank, world_size
+
+
+def _loopback(address: str) -> str | None:
+    """The loopback address to rendezvous on, when `address` names this machine's loopback (all ranks
+    on one machine: the default), else None."""
+    try:
+        infos = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)
+        ips = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
+    except (OSError, ValueError):
+        return None
+    if not ips or not all(ip.is_loopback for ip in ips):
+        return None
+    return next((str(ip) for ip in ips if ip.version == 4), str(ips[0]))
+
+
+def _loopback_store(address: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    """The rendezvous store, listening on loopback only: torch's TCPStore server listens on every
+    interface, so rank 0 hands it a socket bound to `address`; gloo's own connections are kept to the
+    loopback interface too (GLOO_SOCKET_IFNAME, unless set). Nothing of a one-machine group is then
+    reachable from another machine (docs/security.md)."""
+    names = [name for _, name in socket.if_nameindex()]
+    lo = next((n for n in ("lo", "lo0") if n in names), None)
+    if lo is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+    if rank != 0:
+        return dist.TCPStore(address, port, world_size, False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    listener = socket.create_server((address, port), family=family, backlog=128)
+    return dist.TCPStore(  # the store owns the socket from here (detached: Python never closes it)
+        address,
+        port,
+        world_size,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+        use_libuv=False,
+    )
 
 
 def shutdown() -> None:

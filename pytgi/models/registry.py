@@ -96,11 +96,14 @@ def resolve_model(
 def resolve_adapter(source: str, progress: bool = True) -> Path:
     """A LoRA adapter's directory: a local one, or a Hub id's files (adapter_config.json and
     adapter_model.safetensors) fetched as a model's are."""
-    from pytgi.lora import CONFIG_FILE, AdapterError
+    from pytgi.lora import CONFIG_FILE, HUB_PREFIX, AdapterError
 
-    path = Path(source).expanduser()
-    if path.is_dir():
-        return path
+    if source.startswith(HUB_PREFIX):  # a runtime load's Hub id (the API process checked it)
+        source = source[len(HUB_PREFIX) :]
+    else:
+        path = Path(source).expanduser()
+        if path.is_dir():
+            return path
     ref = hub.parse_hub_id(source)
     if ref is None or ref.tag is not None or ref.file is not None:
         raise AdapterError(f"LoRA adapter not found at {source!r}: pass a PEFT adapter directory or a Hub id")

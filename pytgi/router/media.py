@@ -1,6 +1,7 @@
 """Images a request names, fetched and checked in the API process (no torch): `data:` URLs, and
-`http(s)` URLs fetched with a size limit, a timeout and a content-type check, never from a loopback,
-private, link-local or otherwise internal address unless its host is in --allowed-media-domains.
+`http(s)` URLs fetched with a size limit, one deadline and a content-type check, never from a loopback,
+private, link-local or otherwise internal address unless its host is in --allowed-media-domains: each
+hop's host is resolved once, checked, and connected to at that address (no second lookup to rebind).
 Each image's header is read with Pillow here (format, dimensions, a decompression bomb refused
 before any pixel is decoded); the engine decodes the pixels with the model's own image processor.
 A refusal is an `InvalidRequest` that names the image (its field) and says why."""
@@ -17,9 +18,9 @@ import re
 import socket
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin, urlsplit, urlunsplit
 
 from pytgi.config import ImageLayout
 from pytgi.errors import InvalidRequest
@@ -34,8 +35,9 @@ class MediaLimits:
     max_images: int = 8  # --max-images-per-request
     max_bytes: int = 20 * 1024 * 1024  # one image, encoded
     max_pixels: int = MAX_PIXELS
-    timeout: float = 10.0  # seconds for one URL, connection to last byte
+    timeout: float = 10.0  # seconds for one URL: its wait for a slot, lookups, redirects, last byte
     allowed_domains: tuple[str, ...] = ()  # hosts fetched even at internal addresses
+    slots: asyncio.Semaphore | None = field(default=None, compare=False)  # fetches at once, server-wide
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,32 +193,67 @@ def _internal(address: str) -> bool:
     return not ip.is_global or ip.is_multicast
 
 
-async def _check_host(ref: ImageRef, url: str, limits: MediaLimits) -> None:
+async def _vetted_address(ref: ImageRef, url: str, limits: MediaLimits) -> str:
+    """The one address a URL's host is fetched from: resolved once here, every answer checked (none
+    may be internal, unless the host is in --allowed-media-domains). The fetch connects to it, not to
+    the name: a second lookup could answer otherwise (DNS rebinding)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise _refuse(ref, "only data:, http: and https: URLs are fetched")
     host = parts.hostname.lower()
-    if host in limits.allowed_domains:
-        return
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except OSError:
         raise _refuse(ref, f"cannot resolve {host}") from None
-    if any(_internal(str(info[4][0])) for info in infos):
+    addresses = [str(info[4][0]) for info in infos]
+    if not addresses:
+        raise _refuse(ref, f"cannot resolve {host}")
+    if host not in limits.allowed_domains and any(_internal(a) for a in addresses):
         raise _refuse(
             ref, f"{host} is an internal address; list it in --allowed-media-domains to fetch from it"
         )
+    return addresses[0]
+
+
+def _pinned(url: str, address: str) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """The request that fetches `url` from `address`: the URL with the address for its host, the
+    name in the Host header and, for https, in TLS (the certificate is checked against the name)."""
+    parts = urlsplit(url)
+    netloc = f"[{address}]" if ":" in address else address
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    target = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
+    host = parts.netloc.rpartition("@")[2]  # host[:port], no credentials
+    extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
+    return target, {"Host": host}, extensions
 
 
 async def _fetch(ref: ImageRef, limits: MediaLimits) -> bytes:
+    """The URL's bytes: one deadline for the whole fetch (waiting for a fetch slot, every lookup,
+    redirect and read), each hop connected to its vetted address."""
+
+    async def within_a_slot() -> bytes:
+        if limits.slots is None:
+            return await _fetch_hops(ref, limits)
+        async with limits.slots:
+            return await _fetch_hops(ref, limits)
+
+    try:
+        return await asyncio.wait_for(within_a_slot(), limits.timeout)
+    except asyncio.TimeoutError:
+        raise _refuse(ref, f"fetching it took more than {limits.timeout:g} s") from None
+
+
+async def _fetch_hops(ref: ImageRef, limits: MediaLimits) -> bytes:
     import httpx
 
     url = ref.url
-    async with httpx.AsyncClient(follow_redirects=False, timeout=limits.timeout, trust_env=False) as client:
+    async with httpx.AsyncClient(follow_redirects=False, timeout=None, trust_env=False) as client:
         for _ in range(MAX_REDIRECTS + 1):
-            await _check_host(ref, url, limits)  # every hop: a redirect must not reach inside
+            address = await _vetted_address(ref, url, limits)  # every hop: a redirect must not reach inside
+            target, headers, extensions = _pinned(url, address)
             try:
-                async with client.stream("GET", url) as r:
+                async with client.stream("GET", target, headers=headers, extensions=extensions) as r:
                     if r.is_redirect and "location" in r.headers:
                         url = urljoin(url, r.headers["location"])
                         continue
@@ -234,8 +271,6 @@ async def _fetch(ref: ImageRef, limits: MediaLimits) -> bytes:
                         if len(data) > limits.max_bytes:
                             raise _refuse(ref, f"the image is larger than {limits.max_bytes} bytes")
                     return bytes(data)
-            except httpx.TimeoutException:
-                raise _refuse(ref, f"fetching it took more than {limits.timeout:g} s") from None
             except httpx.HTTPError as exc:
                 raise _refuse(ref, f"fetching it failed: {exc}") from None
     raise _refuse(ref, f"more than {MAX_REDIRECTS} redirects")

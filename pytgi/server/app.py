@@ -102,7 +102,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.state.pytgi = State(config, client, tokenizer, Metrics())
     install_handlers(app)
     app.include_router(tgi.router)
-    openai.install(app)  # OpenAI's routes, and OpenAI's error shape under /v1/
+    openai.install(app, config)  # OpenAI's routes, and OpenAI's error shape under /v1/
     anthropic.install(app)  # Anthropic's Messages routes, and its error shape under /v1/messages
     # The last added runs first: CORS outermost, so that refusals (401, 413) carry its headers too.
     app.add_middleware(AdmissionMiddleware)

@@ -3,6 +3,7 @@ request (its claim on the concurrency slots)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -28,6 +29,7 @@ class State:
     validation: Validation | None = None
     on_engine_death: list[Callable[[str], None]] = field(default_factory=list)
     unloading: set[str] = field(default_factory=set)  # LoRA adapters on their way out: refused already
+    media_slots: asyncio.Semaphore | None = None  # image URLs fetched at once (made on first use)
 
     @property
     def adapters(self) -> dict[str, str]:
@@ -54,10 +56,13 @@ class State:
 
     def media_limits(self) -> MediaLimits:
         cfg = self.config
+        if self.media_slots is None:
+            self.media_slots = asyncio.Semaphore(max(cfg.max_concurrent_media_fetches, 1))
         return MediaLimits(
             max_images=cfg.max_images_per_request,
             timeout=cfg.media_fetch_timeout,
             allowed_domains=tuple(d.lower() for d in cfg.allowed_media_domains),
+            slots=self.media_slots,
         )
 
     async def load_images(self, refs: list[ImageRef]) -> list[bytes]:

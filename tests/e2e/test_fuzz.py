@@ -113,6 +113,17 @@ def responses_bodies(draw):  # type: ignore[no-untyped-def]
     return _mutated(draw, body, RESPONSES_FIELDS)
 
 
+ADAPTER_PATHS = ["empty", "junk", "../junk", "/etc", "/", "org/adapter", ".", "", "\x00"]
+
+
+@st.composite
+def adapter_bodies(draw):  # type: ignore[no-untyped-def]
+    """The runtime adapter routes' bodies: paths inside --lora-dirs that hold no adapter, ways out of
+    it, Hub ids, and any JSON in any field."""
+    body = {"lora_name": draw(texts), "lora_path": draw(st.sampled_from(ADAPTER_PATHS) | texts)}
+    return _mutated(draw, body, ["lora_name", "lora_path", "lora_int_id"]) if draw(st.booleans()) else body
+
+
 def _raw_bodies() -> list[bytes]:
     deep = 20_000
     return [b"", b"{", b"null", b"[]", b'"x"', b"\xff\xfe", b'{"inputs": NaN}', b'{"inputs": "a", "parameters": '
@@ -125,9 +136,13 @@ def _raw_bodies() -> list[bytes]:
 # -- the server and the check -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
+    adapters = tmp_path_factory.mktemp("adapters")  # --lora-dirs: an empty directory, a broken adapter
+    (adapters / "empty").mkdir()
+    (adapters / "junk").mkdir()
+    (adapters / "junk" / "adapter_config.json").write_text("{")
     srv = Server("--max-total-tokens", "12", "--max-input-tokens", "8", "--max-concurrent-requests",
-                 str(CONCURRENCY), "--max-best-of", "2", exact=False,
-                 log=tmp_path_factory.mktemp("logs") / "fuzz.log").wait_ready()
+                 str(CONCURRENCY), "--max-best-of", "2", "--enable-lora-runtime-updates", "--lora-dirs",
+                 str(adapters), exact=False, log=tmp_path_factory.mktemp("logs") / "fuzz.log").wait_ready()
     yield srv
     srv.stop()
 
@@ -156,6 +171,16 @@ def test_tgi_routes_never_answer_5xx(fuzz_server, path):
     @given(tgi_bodies())
     def check(body):  # type: ignore[no-untyped-def]
         send(fuzz_server, "POST", path, body)
+
+    check()
+
+
+@pytest.mark.parametrize("path", ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"])
+def test_adapter_routes_never_answer_5xx(fuzz_server, path):
+    @FUZZ
+    @given(adapter_bodies())
+    def check(body):  # type: ignore[no-untyped-def]
+        assert send(fuzz_server, "POST", path, body) != 200 or path.endswith("unload_lora_adapter")
 
     check()
 
@@ -205,7 +230,7 @@ def test_every_field_with_every_edge_value(fuzz_server, path, base, fields):
 
 def test_any_json_and_raw_bytes_on_every_route(fuzz_server):
     posts = ["/generate", "/generate_stream", "/", "/invocations", "/tokenize", "/v1/completions",
-             "/v1/chat/completions"]
+             "/v1/chat/completions", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"]
 
     @FUZZ
     @given(st.sampled_from(posts), json_values)

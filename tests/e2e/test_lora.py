@@ -7,6 +7,7 @@ adapters (and none) giving what each gives alone."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -16,6 +17,7 @@ import torch
 import transformers
 from huggingface_hub import AsyncInferenceClient, InferenceClient
 
+from pytgi.server.openai.adapters import NOT_ALLOWED
 from tests.e2e.server import Server
 from tests.e2e.tiny import tiny_model
 
@@ -115,7 +117,9 @@ def runtime(served, tmp_path_factory):
     adapter in memory."""
     _, base, adapters = served
     log = tmp_path_factory.mktemp("runtime") / "server.log"
-    srv = Server("--model-id", base, "--api-key", "sekret", "--max-cpu-loras", "1", log=log).wait_ready()
+    dirs = ",".join(str(Path(p).parent) for p in adapters.values())  # where the adapters were made
+    srv = Server("--model-id", base, "--api-key", "sekret", "--max-cpu-loras", "1", "--enable-lora-runtime-updates",
+                 "--lora-dirs", dirs, log=log).wait_ready()
     yield srv
     srv.stop()
 
@@ -146,10 +150,25 @@ def test_adapters_load_and_unload_at_run_time(served, runtime):
     # refusals, in OpenAI's shape
     again = httpx.post(load, json={"lora_name": "gamma", "lora_path": adapters["beta"]}, headers=AUTH)
     assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
-    bad = httpx.post(load, json={"lora_name": "eps", "lora_path": "/nowhere/at/all"}, headers=AUTH, timeout=60)
-    assert bad.status_code == 400 and "/nowhere/at/all" in bad.json()["error"]["message"]
+    # paths outside --lora-dirs, there or not, and Hub ids (no --allow-hub-adapters): one answer, naming nothing
+    outside = Path(adapters["alpha"]).parent.parent
+    for path in ["/nowhere/at/all", "/etc", str(outside), f"{adapters['alpha']}/../../..", "org/adapter"]:
+        bad = httpx.post(load, json={"lora_name": "eps", "lora_path": path}, headers=AUTH, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["message"] == NOT_ALLOWED, path
+        assert bad.json()["error"]["param"] == "lora_path"
     gone = httpx.post(f"{runtime.url}/v1/unload_lora_adapter", json={"lora_name": "nope"}, headers=AUTH)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "lora_adapter_not_found"
+
+
+def test_without_the_flag_the_runtime_routes_are_not_there(served):
+    """Off by default (vLLM's rule): a client cannot load files of its choosing or take adapters away."""
+    srv, _, adapters = served
+    for route, body in [("load_lora_adapter", {"lora_name": "x", "lora_path": adapters["alpha"]}),
+                        ("unload_lora_adapter", {"lora_name": "alpha"})]:
+        r = httpx.post(f"{srv.url}/v1/{route}", json=body, timeout=60)
+        assert r.status_code == 404, route
+        assert r.json() == httpx.post(f"{srv.url}/v1/no_such_route", json=body).json()
+    assert "alpha" in [m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]]
 
 
 def test_unloading_waits_for_the_adapters_running_requests(served, runtime):

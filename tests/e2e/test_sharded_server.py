@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.e2e.server import Server
+from tests.e2e.server import Server, descendants, listening
 
 pytestmark = pytest.mark.slow
 
@@ -37,6 +38,15 @@ def test_shards_give_the_same_text_as_one(server, sharded):
     assert httpx.get(f"{sharded.url}/info").json()["num_shard"] == sharded.num_shard
     for prompt in PROMPTS:
         assert greedy(sharded.url, prompt) == greedy(server.url, prompt)
+
+
+def test_the_ranks_listen_on_loopback_only(sharded):
+    """torch.distributed's rendezvous store and gloo's connections, on one machine: nothing another
+    machine can reach (torch's own store would listen on every interface)."""
+    pids = [sharded.proc.pid, *descendants(sharded.proc.pid)]
+    sockets = listening(pids)
+    assert len(sockets) > 1  # the HTTP port, and the group's
+    assert all(ipaddress.ip_address(a).is_loopback for a, _ in sockets), sockets
 
 
 def test_a_killed_rank_fails_requests_and_health_within_seconds(tmp_path):

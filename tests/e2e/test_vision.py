@@ -10,6 +10,7 @@ import http.server
 import io
 import json
 import threading
+import time
 
 import numpy as np
 import openai
@@ -66,9 +67,23 @@ def tiny_llava(path):
 
 
 class Images(http.server.BaseHTTPRequestHandler):
-    """/a.png, /b.png: images; /text: not an image; /redirect: to /a.png."""
+    """/a.png, /b.png: images; /text: not an image; /redirect: to /a.png; /trickle: an image's headers,
+    then a byte a second."""
 
     def do_GET(self):  # noqa: N802 - the stdlib's name
+        if self.path == "/trickle":
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            try:
+                for _ in range(120):
+                    self.wfile.write(b"\0")
+                    self.wfile.flush()
+                    time.sleep(1)
+            except OSError:
+                pass  # the server gave up on it
+            return
         if self.path == "/redirect":
             self.send_response(302)
             self.send_header("Location", "/a.png")
@@ -91,7 +106,9 @@ def served(tmp_path_factory):
     path = tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Images)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    # one request at a time: a fetch that held its slot past its deadline would turn the next into a 429
     srv = Server("--model-id", str(path), "--allowed-media-domains", "127.0.0.1", "--max-images-per-request", "2",
+                 "--media-fetch-timeout", "3", "--max-concurrent-requests", "1",
                  log=path / "server.log").wait_ready()
     yield srv, str(path), f"http://127.0.0.1:{httpd.server_address[1]}"
     srv.stop()
@@ -140,6 +157,16 @@ def test_bad_images_are_refused_by_field(served, url, why):
     assert why in e.value.body["message"], e.value.body
     assert e.value.body["param"] == "messages.[0].content.[1].image_url"
     assert ask(client, model, data_url(png(1))).choices[0].finish_reason in ("stop", "length")  # still serving
+
+
+def test_a_trickling_image_server_is_cut_at_the_deadline_and_the_slot_freed(served):
+    srv, model, images = served
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-", max_retries=0)
+    t0 = time.monotonic()
+    with pytest.raises(openai.BadRequestError, match="took more than 3 s"):
+        ask(client, model, f"{images}/trickle")
+    assert time.monotonic() - t0 < 10  # one deadline for the fetch, not one per byte
+    assert ask(client, model, f"{images}/a.png").choices[0].message.content  # the one slot is free
 
 
 def test_image_count_and_tokens_must_agree(served):

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.server
 import io
+import socket
+import threading
+import time
 
 import pytest
 from PIL import Image
@@ -75,3 +79,120 @@ def test_image_positions_by_layout():
     anyres = ImageLayout(token=5, positions=576, kind="anyres", tile=336, patch=14,
                          pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]])
     assert image_positions(anyres, 800, 600) == 36 * 48 + 36 + 576
+
+
+# -- fetching: pinned to the vetted address, one deadline, a cap ---------------------------------------
+class _Images(http.server.BaseHTTPRequestHandler):
+    """/a.png: an image; /trickle: an image's headers, then a byte every 0.2 s; every request's Host
+    header recorded."""
+
+    hosts: list[str] = []
+
+    def do_GET(self):  # noqa: N802 - the stdlib's name
+        type(self).hosts.append(self.headers.get("Host", ""))
+        body = png()
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body) if self.path == "/a.png" else 10_000))
+        self.end_headers()
+        try:
+            if self.path == "/a.png":
+                self.wfile.write(body)
+                return
+            for _ in range(300):
+                self.wfile.write(b"\0")
+                self.wfile.flush()
+                time.sleep(0.2)
+        except OSError:
+            pass  # the client gave up
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def images():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    _Images.hosts = []
+    yield httpd.server_address[1]
+    httpd.shutdown()
+
+
+def _resolving(answers: dict[str, list[str]]):
+    """Run a coroutine with the loop's resolver answering from `answers` (name → the addresses of each
+    successive lookup, the last repeated): a DNS server whose answers change, TTL 0."""
+
+    async def run(coro):
+        loop = asyncio.get_running_loop()
+        seen: dict[str, int] = {}
+
+        async def getaddrinfo(host, port, *args, **kwargs):
+            if host not in answers:
+                raise OSError("unknown host")
+            n = seen[host] = seen.get(host, 0) + 1
+            address = answers[host][min(n, len(answers[host])) - 1]
+            family = socket.AF_INET6 if ":" in address else socket.AF_INET
+            return [(family, socket.SOCK_STREAM, 6, "", (address, port or 0))]
+
+        loop.getaddrinfo = getaddrinfo  # type: ignore[method-assign]
+        return await coro
+
+    return run
+
+
+def test_a_fetch_connects_to_the_address_that_was_checked(images, monkeypatch):
+    """A name that resolves to a public address when checked and to loopback afterwards (rebinding)
+    is fetched from the public address, never from loopback: the connection's host is the address
+    checked, the name only in the Host header."""
+    import httpx
+
+    connected: list[tuple[str, str]] = []
+
+    async def record(self, request):  # the transport's connection, recorded instead of made
+        connected.append((request.url.host, request.headers["host"]))
+        raise httpx.ConnectError("not connecting in a test")
+
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", record)
+    run = _resolving({"rebind.test": ["93.184.216.34", "127.0.0.1"]})
+    ref = ImageRef(f"http://rebind.test:{images}/a.png", "image")
+    with pytest.raises(InvalidRequest, match="fetching it failed"):
+        asyncio.run(run(load_images([ref], MediaLimits(timeout=5))))
+    assert connected == [("93.184.216.34", f"rebind.test:{images}")] and _Images.hosts == []
+
+
+def test_a_pinned_fetch_reaches_its_server_by_name(images):
+    """An allowed internal host, fetched at its checked address with its name as the Host header."""
+    run = _resolving({"images.internal": ["127.0.0.1"]})
+    ref = ImageRef(f"http://images.internal:{images}/a.png", "image")
+    limits = MediaLimits(allowed_domains=("images.internal",), timeout=5)
+    assert asyncio.run(run(load_images([ref], limits))) == [png()]
+    assert _Images.hosts == [f"images.internal:{images}"]
+    run = _resolving({"images.internal": ["127.0.0.1"], "other.test": ["127.0.0.1"]})
+    with pytest.raises(InvalidRequest, match="other.test is an internal address"):
+        asyncio.run(run(load_images([ImageRef(f"http://other.test:{images}/a.png", "image")], limits)))
+
+
+def test_a_trickling_server_is_cut_at_one_deadline(images):
+    """One deadline for the whole fetch, not per read: a server sending a byte every 0.2 s is cut at
+    1.5 s (a per-read timeout never fires on it)."""
+    ref = ImageRef(f"http://127.0.0.1:{images}/trickle", "image")
+    t0 = time.monotonic()
+    with pytest.raises(InvalidRequest, match="took more than 1.5 s"):
+        asyncio.run(load_images([ref], MediaLimits(allowed_domains=("127.0.0.1",), timeout=1.5)))
+    assert time.monotonic() - t0 < 4
+
+
+def test_fetches_wait_for_a_slot_within_their_deadline(images):
+    """With one fetch slot, a fetch behind a trickling one waits, and its deadline counts the wait."""
+    async def main():
+        limits = MediaLimits(allowed_domains=("127.0.0.1",), timeout=1.0, slots=asyncio.Semaphore(1))
+        slow = ImageRef(f"http://127.0.0.1:{images}/trickle", "slow")
+        fast = ImageRef(f"http://127.0.0.1:{images}/a.png", "fast")
+        return await asyncio.gather(load_images([slow], limits), load_images([fast], limits),
+                                    return_exceptions=True)
+
+    slow, fast = asyncio.run(main())
+    assert isinstance(slow, InvalidRequest) and "took more than 1 s" in str(slow)
+    assert isinstance(fast, InvalidRequest) and "took more than 1 s" in str(fast)  # it never got the slot
+    assert len(_Images.hosts) == 1

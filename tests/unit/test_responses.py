@@ -37,6 +37,23 @@ def test_the_store_keeps_the_newest() -> None:
     assert store.get("r0") is None and store.get("r2") == ({"id": "r2"}, [])
 
 
+def test_the_store_stays_under_its_byte_bound() -> None:
+    """2,000 large conversations (100 kB each) through a 1 MB store: the newest kept, the bytes bounded,
+    one bigger than the bound never kept; a response stored again under its id counts once."""
+    store = R.Store(size=1000, max_bytes=1_000_000)
+    big = [{"role": "user", "content": "x" * 100_000}]
+    for i in range(2000):
+        store.put({"id": f"r{i}"}, big)
+        assert store.bytes <= 1_000_000
+    kept = [i for i in range(2000) if store.get(f"r{i}") is not None]
+    assert kept == list(range(2000 - len(kept), 2000)) and 5 <= len(kept) <= 9
+    assert store.bytes == sum(len(json.dumps([{"id": f"r{i}"}, big]).encode()) for i in kept)
+    store.put({"id": "r1999"}, big)
+    assert len([i for i in range(2000) if store.get(f"r{i}") is not None]) == len(kept)
+    store.put({"id": "huge"}, [{"role": "user", "content": "y" * 2_000_000}])
+    assert store.get("huge") is None and store.get("r1999") is not None
+
+
 def stream_events(text: str, cut: int, style) -> list[dict]:
     done = {}
 

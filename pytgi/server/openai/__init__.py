@@ -6,16 +6,19 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from pytgi.server.openai import responses
+from pytgi.config import ServerConfig
+from pytgi.server.openai import adapters, responses
 from pytgi.server.openai.errors import OpenAIError, install_handlers
 from pytgi.server.openai.routes import router
 from pytgi.server.openai.schema import ChatCompletionRequest, CompletionRequest
 
 
-def install(app: FastAPI) -> None:
-    """OpenAI's routes, and OpenAI's error shape under /v1/ (call after the app's own handlers)."""
+def install(app: FastAPI, config: ServerConfig) -> None:
+    """OpenAI's routes, and OpenAI's error shape under /v1/ (call after the app's own handlers); the
+    runtime adapter routes where the operator turned them on."""
     app.include_router(router)
-    app.include_router(responses.router)
+    responses.install(app, config)
+    adapters.install(app, config)
     install_handlers(app)
 
 

@@ -15,8 +15,9 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 
+from pytgi.config import ServerConfig
 from pytgi.errors import InferError
 from pytgi.outputs import Delta, OutputProcessor
 from pytgi.router.request import F32, U32, Bool
@@ -28,7 +29,7 @@ from pytgi.server.openai.routes import chat_requests
 from pytgi.server.responses import JSONResponse
 
 router = APIRouter()
-STORE_SIZE = 1000  # responses kept for previous_response_id and GET, the oldest dropped first
+STORE_SIZE, STORE_BYTES = 1000, 256 << 20  # defaults of --responses-store-size, --responses-store-bytes
 
 
 class ResponseRequest(schema._Body):
@@ -52,22 +53,38 @@ class ResponseRequest(schema._Body):
 
 
 class Store:
-    """The last STORE_SIZE responses and the conversation each ends (chat messages), by id."""
+    """The newest responses and the conversation each ends (chat messages), by id: at most `size` of
+    them and `max_bytes` of their JSON, the oldest dropped first (`--responses-store-size`,
+    `--responses-store-bytes`). One that alone is over the byte bound is not kept."""
 
-    def __init__(self, size: int = STORE_SIZE) -> None:
-        self.size = size
-        self.items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+    def __init__(self, size: int = STORE_SIZE, max_bytes: int = STORE_BYTES) -> None:
+        self.size, self.max_bytes, self.bytes = size, max_bytes, 0
+        self.items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], int]] = OrderedDict()
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        self.items[response["id"]] = (response, conversation)
-        while len(self.items) > self.size:
-            self.items.popitem(last=False)
+        size = len(json.dumps([response, conversation], ensure_ascii=False).encode())
+        old = self.items.pop(response["id"], None)
+        if old is not None:
+            self.bytes -= old[2]
+        if size <= self.max_bytes:
+            self.items[response["id"]] = (response, conversation, size)
+            self.bytes += size
+        while self.items and (len(self.items) > self.size or self.bytes > self.max_bytes):
+            self.bytes -= self.items.popitem(last=False)[1][2]
 
     def get(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-        return self.items.get(rid)
+        item = self.items.get(rid)
+        return None if item is None else (item[0], item[1])
 
 
-STORE = Store()
+def store_of(request: Request) -> Store:
+    """The app's store (`install`)."""
+    return request.app.state.responses_store
+
+
+def install(app: FastAPI, config: ServerConfig) -> None:
+    app.include_router(router)
+    app.state.responses_store = Store(config.responses_store_size, config.responses_store_bytes)
 
 
 # -- the body → chat ---------------------------------------------------------------------------------
@@ -187,11 +204,11 @@ def _format(body: ResponseRequest) -> dict[str, Any]:
     raise invalid(f"`text.format` of type `{fmt.get('type')}` is not supported", "text.format")
 
 
-def conversation(body: ResponseRequest) -> list[dict[str, Any]]:
+def conversation(body: ResponseRequest, store: Store) -> list[dict[str, Any]]:
     """The messages before this turn's answer: a previous response's, then `instructions`, then `input`."""
     before: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
-        stored = STORE.get(body.previous_response_id)
+        stored = store.get(body.previous_response_id)
         if stored is None:
             raise OpenAIError(
                 404,
@@ -466,7 +483,7 @@ async def create_response(request: Request, body: ResponseRequest) -> Response:
     st = ex.st
     with ex.refused():
         schema.check_model(body.model, st.config.model_id, st.adapters)
-        messages = conversation(body)
+        messages = conversation(body, store_of(request))
         chat = to_chat(body, messages)
     reqs, tool_style = await chat_requests(ex, chat, 1)
     model = st.adapter_of(body.model) or st.config.model_id
@@ -475,7 +492,7 @@ async def create_response(request: Request, body: ResponseRequest) -> Response:
     def final(status: str, items: list[dict[str, Any]], generated: int) -> dict[str, Any]:
         response = response_json(body, rid, created, model, status, items, (prompt, generated))
         if body.store is not False:
-            STORE.put(response, messages + _assistant_turn(items))
+            store_of(request).put(response, messages + _assistant_turn(items))
         return response
 
     if not body.stream:
@@ -494,8 +511,8 @@ def _error_event(events: ResponseStream, exc: InferError) -> str:
 
 
 @router.get("/v1/responses/{rid}", tags=["OpenAI"])
-async def get_response(rid: str) -> JSONResponse:
-    stored = STORE.get(rid)
+async def get_response(request: Request, rid: str) -> JSONResponse:
+    stored = store_of(request).get(rid)
     if stored is None:
         raise OpenAIError(
             404, f"Response with id '{rid}' not found", "invalid_request_error", "response_id", "not_found"

@@ -14,11 +14,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel
 
-from pytgi.errors import EngineDead, InvalidRequest
-from pytgi.lora import AdapterError
+from pytgi.errors import InvalidRequest
 from pytgi.router.infer import Generation
 from pytgi.router.request import ValidRequest
 from pytgi.server.exchange import Exchange, in_thread, sse_event
@@ -62,64 +59,6 @@ async def retrieve_model(request: Request, model: str) -> JSONResponse:
     st = state_of(request)
     schema.check_model(model, st.config.model_id, st.adapters)  # the names the other routes accept
     return JSONResponse(_model_card(st, st.adapter_of(model)))
-
-
-# -- LoRA adapters at run time (vLLM's routes) --------------------------------------------------------
-class LoadLoraAdapter(BaseModel):
-    lora_name: str
-    lora_path: str  # a PEFT adapter directory on the server, or a Hub id
-
-
-class UnloadLoraAdapter(BaseModel):
-    lora_name: str
-    lora_int_id: int | None = None  # vLLM's; not needed here
-
-
-def _engine_gone(exc: EngineDead) -> OpenAIError:
-    return OpenAIError(503, f"the engine is not running: {exc}", "server_error", None, None)
-
-
-@router.post("/v1/load_lora_adapter", tags=["LoRA"])
-async def load_lora_adapter(request: Request, body: LoadLoraAdapter) -> Response:
-    """Serve one more LoRA adapter; requests may name it as soon as this answers."""
-    st, name = state_of(request), body.lora_name
-    if name in st.adapters or name in st.unloading or name == st.config.model_id:
-        raise invalid(f"The lora adapter '{name}' has already been loaded.", "lora_name")
-    try:
-        await st.client.adapter(name, body.lora_path)
-    except AdapterError as exc:
-        raise invalid(str(exc), "lora_path") from None
-    except EngineDead as exc:
-        raise _engine_gone(exc) from None
-    st.adapters_changed()
-    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
-
-
-@router.post("/v1/unload_lora_adapter", tags=["LoRA"])
-async def unload_lora_adapter(request: Request, body: UnloadLoraAdapter) -> Response:
-    """Stop serving an adapter: new requests for it are refused at once; this answers once the ones
-    already running are done."""
-    st, name = state_of(request), body.lora_name
-    if name not in st.adapters:
-        raise OpenAIError(
-            404,
-            f"The lora adapter '{name}' cannot be found.",
-            "invalid_request_error",
-            "lora_name",
-            "lora_adapter_not_found",
-        )
-    st.unloading.add(name)
-    st.adapters_changed()
-    try:
-        await st.client.adapter(name, None)
-    except AdapterError as exc:
-        raise invalid(str(exc), "lora_name") from None
-    except EngineDead as exc:
-        raise _engine_gone(exc) from None
-    finally:
-        st.unloading.discard(name)
-        st.adapters_changed()
-    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
 def _begin(request: Request, body: schema.SamplingBody) -> tuple[Exchange, int]:
