@@ -290,6 +290,35 @@ class PackedExperts:
     amx_above: int  # steps of more rows use AMX tiles (where built)
 
 
+def moe(
+    x: torch.Tensor, experts: PackedExperts, router: torch.Tensor, top_k: int, norm_topk: bool
+) -> torch.Tensor:
+    """A mixture-of-experts layer's routed part in one call: the bf16 router [E, H] picks each token's
+    `top_k` experts (softmax, renormalised with `norm_topk`), then `moe_experts`."""
+    assert x.is_contiguous() and x.dtype == torch.bfloat16 and router.dtype == torch.bfloat16
+    assert router.is_contiguous()
+    T, H = x.shape
+    out = torch.empty_like(x)
+    failed = _built().pytgi_moe_bf16(
+        _ptr(x),
+        _ptr(out),
+        T,
+        H,
+        experts.inter,
+        len(experts.gate_up),
+        top_k,
+        int(norm_topk),
+        _ptr(router),
+        _ptr(experts.gate_up),
+        _ptr(experts.down),
+        _ptr(experts.bits_gu),
+        _ptr(experts.bits_down),
+        experts.amx_above,
+    )
+    _check(failed, "experts")
+    return out
+
+
 def moe_experts(
     x: torch.Tensor, experts: PackedExperts, starts: np.ndarray, tokens: np.ndarray, weights: np.ndarray
 ) -> torch.Tensor:

@@ -40,7 +40,9 @@ int pytgi_qgemm_amx_supported(void);
 int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K, int64_t bits);
 
 /* moe.c: a mixture-of-experts layer's routed experts for a step (packed weights at the int64 addresses
- * gate_up[e], down[e]; the step's (token, expert) pairs sorted by expert, expert e's from starts[e]). */
+ * gate_up[e], down[e]): routed by the bf16 router [E, H] (moe), or by the step's (token, expert) pairs
+ * sorted by expert, expert e's from starts[e] (moe_experts). */
+int pytgi_moe_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, int64_t norm_topk, const uint16_t *router, const int64_t *gate_up, const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above);
 int pytgi_moe_experts_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, const int64_t *starts, const int64_t *tok, const float *wt, const int64_t *gate_up, const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above);
 
 /* pack.c: levels u [N, K], fp16 bits of d and m per group → qgemv.c's packed layout (at load time). */

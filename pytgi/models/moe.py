@@ -136,6 +136,9 @@ class SparseMoE(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dtype == self.gate.weight.dtype == torch.bfloat16:  # all in moe.c
+            routed = kernels.moe(x.contiguous(), self.fused, self.gate.weight, self.top_k, self.norm_topk)
+            return self._shared(x, all_reduce(routed))
         probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
         if self.norm_topk:
@@ -143,12 +146,6 @@ class SparseMoE(nn.Module):
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
-        if self.fused is not None and x.dtype == torch.bfloat16:
-            starts = np.zeros(self.num_experts + 1, dtype=np.int64)
-            np.cumsum(counts.numpy(), out=starts[1:])
-            pairs = (order // self.top_k).numpy(), weights.flatten()[order].float().numpy()
-            out = all_reduce(kernels.moe_experts(x.contiguous(), self.fused, starts, *pairs))
-            return self._shared(x, out)
         xs = x[order // self.top_k]  # each (token, expert) pair's input, grouped by expert
         ys = []
         at = 0
