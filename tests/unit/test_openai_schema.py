@@ -48,10 +48,12 @@ def http(tok: Tokenizer, val: Validation) -> TestClient:
     app = FastAPI()
     install_handlers(app)
     app.include_router(tgi.router)
-    oai.install(app)
+    config = SimpleNamespace(model_id=MODEL, reasoning_parser=None, enable_lora_runtime_updates=False,
+                             responses_store_size=10, responses_store_bytes=1 << 20)
+    oai.install(app, config)
     app.add_middleware(AdmissionMiddleware)
     app.state.pytgi = State(  # type: ignore[arg-type]
-        config=SimpleNamespace(model_id=MODEL, reasoning_parser=None), metrics=Metrics(), tokenizer=tok,
+        config=config, metrics=Metrics(), tokenizer=tok,
         client=SimpleNamespace(info=None), validation=val, infer=Infer(_NoEngine(), tok, 8))
     return TestClient(app)
 
