@@ -280,7 +280,7 @@ def lowbit_matmul(x: torch.Tensor, packed: torch.Tensor, N: int, bits: int, amx:
 
 @dataclass(slots=True)
 class PackedExperts:
-    """A mixture-of-experts layer's experts as `moe_experts` takes them (int64 numpy arrays, per expert)."""
+    """A mixture-of-experts layer's experts as `moe` takes them (int64 numpy arrays, per expert)."""
 
     gate_up: np.ndarray  # addresses of the packed gate|up weights [2 I, H]
     down: np.ndarray  # addresses of the packed down weights [H, I]
@@ -294,7 +294,8 @@ def moe(
     x: torch.Tensor, experts: PackedExperts, router: torch.Tensor, top_k: int, norm_topk: bool
 ) -> torch.Tensor:
     """A mixture-of-experts layer's routed part in one call: the bf16 router [E, H] picks each token's
-    `top_k` experts (softmax, renormalised with `norm_topk`), then `moe_experts`."""
+    `top_k` experts (softmax, renormalised with `norm_topk`), then runs each expert on its tokens
+    (moe.c's `pytgi_moe_experts_bf16`)."""
     assert x.is_contiguous() and x.dtype == torch.bfloat16 and router.dtype == torch.bfloat16
     assert router.is_contiguous()
     T, H = x.shape
@@ -309,35 +310,6 @@ def moe(
         top_k,
         int(norm_topk),
         _ptr(router),
-        _ptr(experts.gate_up),
-        _ptr(experts.down),
-        _ptr(experts.bits_gu),
-        _ptr(experts.bits_down),
-        experts.amx_above,
-    )
-    _check(failed, "experts")
-    return out
-
-
-def moe_experts(
-    x: torch.Tensor, experts: PackedExperts, starts: np.ndarray, tokens: np.ndarray, weights: np.ndarray
-) -> torch.Tensor:
-    """Σ over each token's experts of weight · down(silu(gate) · up), bf16 x [T, H] → [T, H]. The step's
-    (token, expert) pairs sorted by expert: `tokens` (int64) and `weights` (float32) per pair, expert e's
-    pairs from starts[e] to starts[e + 1] (int64 [E + 1])."""
-    assert x.is_contiguous() and x.dtype == torch.bfloat16
-    T, H = x.shape
-    out = torch.empty_like(x)
-    failed = _built().pytgi_moe_experts_bf16(
-        _ptr(x),
-        _ptr(out),
-        T,
-        H,
-        experts.inter,
-        len(experts.gate_up),
-        _ptr(starts),
-        _ptr(tokens),
-        _ptr(weights),
         _ptr(experts.gate_up),
         _ptr(experts.down),
         _ptr(experts.bits_gu),
