@@ -97,11 +97,11 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _q4_0(b):
-    return _nibbles(b[:, 2:18], 16), _f16(b, 0), None, 32, 8
+    return _nibbles(b[:, 2:18], 16), _f16(b, 0), None
 
 
 def _q4_1(b):
-    return _nibbles(b[:, 4:20], 16), _f16(b, 0), _f16(b, 2), 32, None
+    return _nibbles(b[:, 4:20], 16), _f16(b, 0), _f16(b, 2)
 
 
 def _q5(b, at):
@@ -110,33 +110,33 @@ def _q5(b, at):
 
 
 def _q5_0(b):
-    return _q5(b, 2), _f16(b, 0), None, 32, 16
+    return _q5(b, 2), _f16(b, 0), None
 
 
 def _q5_1(b):
-    return _q5(b, 4), _f16(b, 0), _f16(b, 2), 32, None
+    return _q5(b, 4), _f16(b, 0), _f16(b, 2)
 
 
 def _q8_0(b):
-    return b[:, 2:34] ^ 128, _f16(b, 0), None, 32, 128  # int8 + 128
+    return b[:, 2:34] ^ 128, _f16(b, 0), None  # int8 + 128
 
 
 def _q4_k(b):
     sc, mn = _k_scales(b[:, 4:16])
-    return _nibbles(b[:, 16:144], 32), _f16(b, 0) * sc, -_f16(b, 2) * mn, 32, None
+    return _nibbles(b[:, 16:144], 32), _f16(b, 0) * sc, -_f16(b, 2) * mn
 
 
 def _q5_k(b):
     sc, mn = _k_scales(b[:, 4:16])
     high = _bits(b[:, 16:48], 8).reshape(-1, 256)  # bit j of byte l: value l of sub-block j
-    return _nibbles(b[:, 48:176], 32) | (high << 4), _f16(b, 0) * sc, -_f16(b, 2) * mn, 32, None
+    return _nibbles(b[:, 48:176], 32) | (high << 4), _f16(b, 0) * sc, -_f16(b, 2) * mn
 
 
 def _q6_k(b):
     low = _nibbles(b[:, 0:128], 64)
     high = _bits(b[:, 128:192].reshape(-1, 2, 32), 4, 2).reshape(-1, 256)
     scales = b[:, 192:208].view(torch.int8).float()
-    return low | (high << 4), _f16(b, 208) * scales, None, 16, 32
+    return low | (high << 4), _f16(b, 208) * scales, None
 
 
 def _q3_k(b):
@@ -146,13 +146,13 @@ def _q3_k(b):
     lo = torch.cat([s[:, 0:8] & 15, s[:, 0:8] >> 4], dim=1)
     hi = _bits(s[:, 8:12], 4, 2).reshape(-1, 16)
     scales = ((lo | (hi << 4)).float() - 32).view(-1, 16)
-    return low | (high << 2), _f16(b, 108) * scales, None, 16, 4
+    return low | (high << 2), _f16(b, 108) * scales, None
 
 
 def _q2_k(b):
     q = _bits(b[:, 16:80].reshape(-1, 2, 32), 4, 2).reshape(-1, 256)
     s = b[:, 0:16]
-    return q, _f16(b, 80) * (s & 15).float(), -_f16(b, 82) * (s >> 4).float(), 16, None
+    return q, _f16(b, 80) * (s & 15).float(), -_f16(b, 82) * (s >> 4).float()
 
 
 TYPE_SIZES = {
@@ -167,18 +167,19 @@ TYPE_SIZES = {
     "Q5_K": 176,
     "Q6_K": 210,
 }  # bytes of a block (32 values, 256 for K-quants)
-# GGUF type → (decoder of [nb, type size] block bytes → (q, d, m, group, zero), levels of q)
-DECODERS: dict[str, tuple[Any, int]] = {
-    "Q4_0": (_q4_0, 16),
-    "Q4_1": (_q4_1, 16),
-    "Q4_K": (_q4_k, 16),
-    "Q5_0": (_q5_0, 32),
-    "Q5_1": (_q5_1, 32),
-    "Q5_K": (_q5_k, 32),
-    "Q8_0": (_q8_0, 256),
-    "Q6_K": (_q6_k, 64),
-    "Q3_K": (_q3_k, 8),
-    "Q2_K": (_q2_k, 4),
+# GGUF type → (decoder of [nb, type size] block bytes → (q, d, m), levels of q, values per group, zero:
+# m = -zero·d for the symmetric types, whose decoders give no m)
+DECODERS: dict[str, tuple[Any, int, int, int | None]] = {
+    "Q4_0": (_q4_0, 16, 32, 8),
+    "Q4_1": (_q4_1, 16, 32, None),
+    "Q4_K": (_q4_k, 16, 32, None),
+    "Q5_0": (_q5_0, 32, 32, 16),
+    "Q5_1": (_q5_1, 32, 32, None),
+    "Q5_K": (_q5_k, 32, 32, None),
+    "Q8_0": (_q8_0, 256, 32, 128),
+    "Q6_K": (_q6_k, 64, 16, 32),
+    "Q3_K": (_q3_k, 8, 16, 4),
+    "Q2_K": (_q2_k, 4, 16, None),
 }
 
 
@@ -190,23 +191,18 @@ def decode_blocks(kind: str, blocks: np.ndarray, n: int, k: int) -> Grid:
         return decode_blocks_reference(kind, torch.from_numpy(blocks.copy()), n, k)
     from gguf import GGMLQuantizationType
 
-    _, levels = DECODERS[kind]
-    group = 32 if TYPE_SIZES[kind] < 84 or kind in ("Q4_K", "Q5_K") else 16
+    _, levels, group, zero = DECODERS[kind]
     q = torch.empty(n, k, dtype=torch.uint8)
     d = torch.empty(n, k // group)
-    m = torch.empty(n, k // group) if kind in OFFSET_TYPES else None
+    m = torch.empty(n, k // group) if zero is None else None
     kernels.gguf_decode(GGMLQuantizationType[kind].value, blocks.reshape(-1, TYPE_SIZES[kind]), q, d, m)
-    return Grid(q, d, m, group, None if m is not None else ZEROS[kind], levels)
-
-
-OFFSET_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K", "Q2_K")  # w = d·q + m; the others are symmetric
-ZEROS = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 128, "Q6_K": 32, "Q3_K": 4}  # their m = -zero·d
+    return Grid(q, d, m, group, zero, levels)
 
 
 def decode_blocks_reference(kind: str, blocks: torch.Tensor, n: int, k: int) -> Grid:
     """`decode_blocks` in PyTorch's operations."""
-    decoder, levels = DECODERS[kind]
-    q, d, m, group, zero = decoder(blocks.reshape(-1, TYPE_SIZES[kind]))
+    decoder, levels, group, zero = DECODERS[kind]
+    q, d, m = decoder(blocks.reshape(-1, TYPE_SIZES[kind]))
     g = k // group
     return Grid(
         q.reshape(n, k),
