@@ -36,8 +36,9 @@ class EngineConfig:
     dtype: str = setting("auto", "auto (bfloat16) | float32 (exact) | bfloat16 | float16")
     quantize: str = setting(
         "auto",
-        "weights on CPU: auto (as the GGUF file; a bf16 model as it is, on pytgi's bf16 kernel) | "
-        "none (PyTorch's matmuls) | int8 | int4 (weight-only, for small steps) | bf16",
+        "weights: auto (as the GGUF file, on CPU and CUDA; on CPU a bf16 model as it is, on pytgi's bf16 "
+        "kernel) | none (PyTorch's matmuls) | int8 | int4 (weight-only) | bf16 (CPU) | fp8 (CUDA: e4m3 per "
+        "output channel)",
     )
     model_impl: str = setting(
         "auto", "whose model code: auto (pytgi's where it has it, else transformers') | pytgi | transformers"

@@ -334,8 +334,8 @@ class DecoderModel(nn.Module):
                 if (k := kind(names)) is not None:
                     todo[mod] = (k, names)
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
-        if (k := kind([head])) is not None:
-            # logits are sensitive: never below 8 bits
+        if (k := kind([head])) is not None and k != "fp8":
+            # logits are sensitive: never below 8 bits (nor FP8's 3-bit mantissa, as vLLM keeps it)
             todo[self.lm_head] = (k if k in ("int8x16", "bf16") else "int8", [head])
         return todo
 
@@ -362,6 +362,7 @@ class DecoderModel(nn.Module):
             parts = [f"model.{name}.experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
             if (
                 isinstance(mod, SparseMoE)
+                and not self.kernels.triton  # a GPU's experts are dequantized (not packed yet)
                 and mod.local % GROUP == 0
                 and mod.start % GROUP == 0
                 and all(p in plan and weights.type_name(p) in DECODERS for p in parts)
@@ -470,9 +471,9 @@ def merged_kind(kinds: set[str | None]) -> str | None:
     """The one layout that holds every part of a fused weight (None: some part is not packed)."""
     if None in kinds:
         return None
-    if kinds == {"bf16"}:
-        return "bf16"
-    return "int4" if kinds == {"int4"} else "int8x16" if "int8x16" in kinds else "int8"
+    if len(kinds) == 1 and kinds <= {"bf16", "fp8", "int4"}:
+        return next(iter(kinds))
+    return "int8x16" if "int8x16" in kinds else "int8"
 
 
 def _packable(weights: GGUFWeights, mod: nn.Module, kind: str, names: list[str]) -> bool:

@@ -163,7 +163,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # bytes per weight of each packed layout, its fp16 scales and offsets included (`pytgi.models.quant`)
-PACKED_BYTES = {"int4": 0.625, "int8": 1.125, "int8x16": 1.25}
+PACKED_BYTES = {"int4": 0.625, "int8": 1.125, "int8x16": 1.25, "fp8": 1.0}
 
 
 def _shapes(path: Path, gguf: GGUFWeights | None) -> dict[str, tuple[int, ...]]:
@@ -187,7 +187,11 @@ def weight_bytes(path: Path, dtype: torch.dtype, device: torch.device, quantize:
     plan = resolve_plan(quantize, path, dtype, device)
     weights = open_gguf(path)
     shapes, gguf = _shapes(path, weights), weights is not None
-    elt = 4 if isinstance(plan, str) and plan != "bf16" else torch.empty((), dtype=dtype).element_size()
+    elt = (
+        4
+        if isinstance(plan, str) and plan not in ("bf16", "fp8")
+        else torch.empty((), dtype=dtype).element_size()
+    )
     total = 0.0
     for name, shape in shapes.items():
         kind = plan.get(name) if gguf and isinstance(plan, dict) else None
@@ -247,7 +251,7 @@ def load_model(
     vision = VISION.get(arch)
     text = vision[1](hf) if vision else hf
     cfg = MODELS[text["architectures"][0]](text)
-    plan = resolve_plan(quantize, path, dtype, device)
+    plan = resolve_plan(quantize, path, dtype, device, gpu=cpu.triton)
     gguf = open_gguf(path)
     if gguf is not None and not vision and isinstance(plan, dict):
         # A GGUF file's tensors are read one at a time, the quantized linears packed from their blocks
@@ -262,7 +266,11 @@ def load_model(
     # A Hugging Face model to quantize is loaded in float32 first, so the low-bit grids see the
     # checkpoint's values (bf16 weights are only re-laid out: loaded as they are).
     model: Any
-    with _default_dtype(torch.float32 if plan and plan != "bf16" else dtype), torch.device(device):
+    # (FP8 scales come from the checkpoint's own dtype: loaded as it is.)
+    with (
+        _default_dtype(torch.float32 if plan and plan not in ("bf16", "fp8") else dtype),
+        torch.device(device),
+    ):
         model = DecoderModel(cfg, cpu, attention)
         if vision:
             model = vision[0](hf, model)

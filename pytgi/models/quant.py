@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from pytgi import kernels
-from pytgi.models.cpu import CpuKernels
+from pytgi.models.cpu import CpuKernels, triton_available
 from pytgi.models.gguf_weights import Grid, group_values
 from pytgi.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
@@ -51,7 +51,7 @@ GROUP = 32
 INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # on a 16-level grid per 32 values
 INT8_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q8_0"}  # on a grid of at most 256 levels per 32 values
 SUB16_TYPES = {"Q2_K", "Q3_K", "Q6_K"}  # scales per 16 values that no grid per 32 holds
-MODES = ("none", "auto", "int8", "int4", "bf16")
+MODES = ("none", "auto", "int8", "int4", "bf16", "fp8")
 BITS = {"int4": 4, "int8": 8, "int8x16": 16}  # the kernels' name for each layout (qgemv.c)
 
 
@@ -86,23 +86,33 @@ def kind_for_gguf_type(t: str) -> str | None:
 
 
 def resolve_plan(
-    mode: str, model_dir: Path, act_dtype: torch.dtype, device: torch.device
+    mode: str, model_dir: Path, act_dtype: torch.dtype, device: torch.device, gpu: bool | None = None
 ) -> dict[str, str] | str:
-    """The plan for this run: a dict per tensor, a single kind for every linear, or {} for none."""
+    """The plan for this run: a dict per tensor, a single kind for every linear, or {} for none.
+    `gpu`: the weights go to the Triton kernels of `pytgi.kernels.gpu_quant` (default: on CUDA with
+    Triton), which take the same kinds as the CPU's but "bf16", and "fp8"."""
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r} ({' | '.join(MODES)})")
+    if gpu is None:
+        gpu = device.type == "cuda" and triton_available()
     if mode == "none":
         return {}
-    if act_dtype == torch.float32 or device.type != "cpu":
+    if act_dtype == torch.float32 or (device.type != "cpu" and not gpu):
         if mode == "auto":
-            return {}  # float32 stays exact; CUDA has no use for these CPU kernels
+            return {}  # float32 stays exact; a GPU without Triton has no low-bit kernel
         raise ValueError(
-            f"--quantize {mode} needs a bfloat16 model on CPU (got {str(act_dtype).removeprefix('torch.')} "
-            f"on {device.type}); pass --dtype bfloat16"
+            f"--quantize {mode} needs a bfloat16 model on CPU or a CUDA GPU with Triton (got "
+            f"{str(act_dtype).removeprefix('torch.')} on {device.type}); pass --dtype bfloat16"
         )
+    if mode == "fp8" and not gpu:
+        raise ValueError("--quantize fp8 runs on a CUDA GPU (with Triton); on CPU use int8 or int4")
+    if mode == "bf16" and gpu:
+        raise ValueError("--quantize bf16 is the CPU kernels' layout: a GPU takes bf16 weights as they are")
     if mode == "auto":
         if (model_dir / "quantization.json").is_file():
             return gguf_plan(model_dir)
+        if gpu:
+            return {}
         return "bf16" if act_dtype == torch.bfloat16 and kernels.bf16gemm_supported() else {}
     return mode
 
@@ -383,10 +393,62 @@ class QuantizedWeight:
         return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
 
 
-def can_quantize(kind: str, w: torch.Tensor) -> bool:
+class GpuQuantizedWeight:
+    """One linear's weight kept low-bit on a GPU: GGUF's levels and grids (int4, int8, int8x16) as
+    `grid_layout` gives them, or FP8 e4m3 with a scale per output channel, multiplied by the Triton
+    kernels of `pytgi.kernels.gpu_quant` at every step size (bigger prompt steps dequantize the
+    weight and take cuBLAS). No float copy of the weight is kept."""
+
+    vnni = amx = False
+    max_m = vnni_max_m = 1 << 30
+
+    def __init__(
+        self, kind: str, w: torch.Tensor | LayoutRows, act_dtype: torch.dtype, device: torch.device
+    ) -> None:
+        from pytgi.kernels import gpu_quant
+
+        N, K = w.shape
+        self.kind, self.shape, self.act_dtype = kind, (N, K), act_dtype
+        self.dequantized = torch.empty(0, dtype=act_dtype)
+        if kind == "fp8":
+            assert isinstance(w, torch.Tensor)
+            self.packed, self.scales = gpu_quant.quantize_fp8(w.to(device))
+            self.bits, block = 0, (1, K)
+            self.lowbit = gpu_quant.LowbitWeight(self.packed, self.scales, (N, K), 0, fp8_block=block)
+            return
+        self.bits = 4 if kind == "int4" else 8
+        group = 16 if kind == "int8x16" else GROUP
+        self.packed = torch.empty((N, K // 2 if self.bits == 4 else K), dtype=torch.uint8, device=device)
+        self.scales = torch.empty((N, K // group, 2), dtype=torch.float16, device=device)
+        at = 0
+        for u, d, m in w.slices() if isinstance(w, LayoutRows) else [_levels(kind, w, group)]:
+            q, s = gpu_quant.pack_levels(u, d, m, self.bits)
+            self.packed[at : at + len(u)] = q
+            self.scales[at : at + len(u)] = s
+            at += len(u)
+        self.lowbit = gpu_quant.LowbitWeight(self.packed, self.scales, (N, K), self.bits, group)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lowbit.matmul(x)
+
+
+def _levels(kind: str, w: torch.Tensor, group: int) -> Layout:
+    """A float weight on a grid of `kind` (quantized on the fly: `--quantize int4|int8`)."""
+    if kind == "int4":
+        q, d, m, _ = quantize_int4(w)
+    else:
+        q, d, m, _ = quantize_int8_groups(w, group)
+    return q, d, m
+
+
+def can_quantize(kind: str, w: torch.Tensor, gpu: bool = False) -> bool:
     N, K = w.shape
+    if gpu:  # the Triton kernels take any rows, and inputs on whole groups
+        return kind == "fp8" or K % (16 if kind == "int8x16" else GROUP) == 0
     if kind == "bf16":
         return N % 16 == 0 and K % 2 == 0
+    if kind == "fp8":
+        return True
     return kind != "int4" or (K % GROUP == 0 and N % 16 == 0)
 
 
@@ -396,7 +458,9 @@ class QuantizedLinear(nn.Module):
     run the layer itself, whose weight holds the same values dequantized."""
 
     def __init__(
-        self, layer: ColumnParallelLinear | RowParallelLinear | ParallelLMHead, quant: QuantizedWeight
+        self,
+        layer: ColumnParallelLinear | RowParallelLinear | ParallelLMHead,
+        quant: QuantizedWeight | GpuQuantizedWeight,
     ):
         super().__init__()
         self.layer, self.quant = layer, quant
@@ -434,12 +498,17 @@ def quantize_model(
             continue
         assert isinstance(mod, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)), name
         kind = kinds[mod]
-        if not can_quantize(kind, mod.weight):
-            if kind == "bf16":
-                continue  # a shape the bf16 kernel cannot take stays a linear
+        if not can_quantize(kind, mod.weight, cpu.triton):
+            if kind == "bf16" or cpu.triton:
+                continue  # a shape the bf16 kernel (or a GPU's grids) cannot take stays a linear
             kind = "int8"
         layout = layouts.get(mod)
-        quant = QuantizedWeight(kind, layout(kind) if layout else mod.weight.data, act_dtype, cpu)
+        w = layout(kind) if layout else mod.weight.data
+        quant: QuantizedWeight | GpuQuantizedWeight
+        if cpu.triton:
+            quant = GpuQuantizedWeight(kind, w, act_dtype, mod.weight.device)
+        else:
+            quant = QuantizedWeight(kind, w, act_dtype, cpu)
         if quant.max_m >= 1 << 30:  # the layer's own matmul never runs
             quant.dequantized = torch.empty(0, dtype=act_dtype)
         # Bigger steps run the layer on the dequantized values (the LM head stops sharing the

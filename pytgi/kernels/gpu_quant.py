@@ -1,0 +1,275 @@
+"""Triton matmuls by weights kept low-bit on the GPU: GGUF's grids (and W4A16 group layouts) and FP8.
+
+Two weight forms, both row-major over the output features:
+
+- **levels on a grid per group** (`pytgi.models.quant.grid_layout`'s (u, d, m), w = d·u + m): int4
+  packs two levels a byte, byte j of each 32-input group holding input j (low nibble) and j + 16
+  (high), as GGUF's own Q4 blocks do; int8 and int8x16 keep one level a byte. d and m sit side by
+  side in one fp16 tensor [N, K / group, 2], per 32 inputs (per 16 for int8x16: Q6_K, Q3_K, Q2_K).
+  Every GGUF type pytgi packs on CPU, and GPTQ/AWQ's int4 groups, are in these terms without
+  rounding a level again.
+- **FP8 e4m3** bytes [N, K] with a float32 scale per block of (SN rows, SK inputs): SN = 1, SK = K
+  is one scale per output channel; 128 x 128 is the block-scaled layout of DeepSeek and Qwen3-FP8.
+  The kernel turns a byte into fp16 by moving its bits (e4m3's 4-bit exponent into fp16's 5-bit one,
+  times 2^8): exact, and no float8 type needed, so the interpreter runs it too.
+
+A program multiplies `BLOCK_M` rows of x by `BLOCK_N` output features, walking the inputs `BLOCK_K` at
+a time: each weight tile is turned into the activations' dtype in registers (the same values a dense
+copy of the dequantized weight would hold) and goes through `tl.dot`. Small steps split the inputs
+over `SPLIT` programs whose float32 partial sums are then added in a fixed order (so a run repeats
+itself bit for bit: no atomics). Prompt steps bigger than `DENSE_M` rows dequantize the weight to a
+scratch tensor and take cuBLAS, which is compute bound there anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pytgi.kernels.gpu import INTERPRETED
+
+DENSE_M = 1024  # more rows than this: dequantize once, then cuBLAS
+
+
+@triton.jit
+def _fp8_to_f32(b):
+    """e4m3fn bytes (as int32 0..255) → float32, exactly: sign and the 7 low bits moved into fp16's
+    places (an e4m3 exponent e reads as fp16's 2^(e-15)), then times 2^8 (e4m3's bias is 7)."""
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _lowbit_matmul_kernel(
+    x_ptr,  # [M, K]
+    w_ptr,  # uint8 [N, K / 2] (BITS 4) or [N, K] (BITS 8), or e4m3 bytes [N, K] (FP8)
+    s_ptr,  # fp16 [N, K / GROUP, 2]: d and m per group; FP8: float32 scales [N / SN, K / SK]
+    out_ptr,  # [SPLIT, M, N] float32 partial sums, or [M, N] in x's dtype when SPLIT == 1
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_s,  # FP8: the scales' row stride
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP8: tl.constexpr,
+    SN: tl.constexpr,
+    SK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PER_SPLIT: tl.constexpr,  # inputs per split, a multiple of BLOCK_K
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,  # products in float32 (the interpreter's bf16 dot is wrong)
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = rm < M
+    n_ok = rn < N
+    rn64 = rn.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    dt = x_ptr.dtype.element_ty
+    for kk in range(0, PER_SPLIT, BLOCK_K):  # this program's inputs (the last split's may pass K)
+        k0 = pid_k * PER_SPLIT + kk
+        if BITS == 4:
+            # byte b of the tile: group b // 16, inputs j and j + 16 of it (j = b % 16)
+            b = tl.arange(0, BLOCK_K // 2)
+            k_lo = k0 + (b // 16) * 32 + b % 16
+            k_hi = k_lo + 16
+            xm = m_ok[:, None] & (k_lo < K)[None, :]  # groups are whole: k_hi < K where k_lo is
+            wm = n_ok[:, None] & (k_lo < K)[None, :]
+            x_lo = tl.load(x_ptr + rm[:, None] * stride_xm + k_lo[None, :], mask=xm, other=0.0)
+            x_hi = tl.load(x_ptr + rm[:, None] * stride_xm + k_hi[None, :], mask=xm, other=0.0)
+            byte = tl.load(w_ptr + rn64[:, None] * (K // 2) + (k0 // 2 + b)[None, :], mask=wm, other=0)
+            byte = byte.to(tl.int32)
+            g = rn64[:, None] * (K // GROUP) + (k_lo // GROUP)[None, :]
+            d = tl.load(s_ptr + 2 * g, mask=wm, other=0.0).to(tl.float32)
+            m = tl.load(s_ptr + 2 * g + 1, mask=wm, other=0.0).to(tl.float32)
+            w_lo = ((byte & 15).to(tl.float32) * d + m).to(dt)
+            w_hi = ((byte >> 4).to(tl.float32) * d + m).to(dt)
+            if UPCAST:
+                acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo.to(tl.float32)), input_precision="ieee")
+                acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x_lo, tl.trans(w_lo))
+                acc += tl.dot(x_hi, tl.trans(w_hi))
+        else:
+            k = k0 + tl.arange(0, BLOCK_K)
+            wm = n_ok[:, None] & (k < K)[None, :]
+            x = tl.load(
+                x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0
+            )
+            byte = tl.load(w_ptr + rn64[:, None] * K + k[None, :], mask=wm, other=0).to(tl.int32)
+            if FP8:
+                s = tl.load(s_ptr + (rn // SN)[:, None] * stride_s + (k // SK)[None, :], mask=wm, other=0.0)
+                w = (_fp8_to_f32(byte) * s).to(dt)
+            else:
+                g = rn64[:, None] * (K // GROUP) + (k // GROUP)[None, :]
+                d = tl.load(s_ptr + 2 * g, mask=wm, other=0.0).to(tl.float32)
+                m = tl.load(s_ptr + 2 * g + 1, mask=wm, other=0.0).to(tl.float32)
+                w = (byte.to(tl.float32) * d + m).to(dt)
+            if UPCAST:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + (pid_k * M + rm)[:, None] * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _dequantize_kernel(
+    w_ptr, s_ptr, out_ptr, N, K, stride_s,
+    BITS: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rn64 = rn.to(tl.int64)
+    mask = (rn < N)[:, None] & (k < K)[None, :]
+    if BITS == 4:
+        g_in = k % 32  # input j < 16: byte j's low nibble; j >= 16: byte j - 16's high one
+        byte = tl.load(
+            w_ptr + rn64[:, None] * (K // 2) + ((k // 32) * 16 + g_in % 16)[None, :], mask=mask, other=0
+        )
+        byte = byte.to(tl.int32)
+        lvl = tl.where((g_in < 16)[None, :], byte & 15, byte >> 4)
+    else:
+        lvl = tl.load(w_ptr + rn64[:, None] * K + k[None, :], mask=mask, other=0).to(tl.int32)
+    if FP8:
+        s = tl.load(s_ptr + (rn // SN)[:, None] * stride_s + (k // SK)[None, :], mask=mask, other=0.0)
+        w = _fp8_to_f32(lvl) * s
+    else:
+        g = rn64[:, None] * (K // GROUP) + (k // GROUP)[None, :]
+        d = tl.load(s_ptr + 2 * g, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(s_ptr + 2 * g + 1, mask=mask, other=0.0).to(tl.float32)
+        w = lvl.to(tl.float32) * d + m
+    tl.store(out_ptr + rn64[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _blocks(M: int, N: int, K: int, bits: int, sms: int) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, warps, stages) for a step of M rows. Small steps read the
+    weight once and are bound by its bytes: narrow column tiles and, where those still leave the GPU's
+    multiprocessors short of programs, the inputs split over several; bigger steps take square
+    tiles."""
+    if M <= 16:
+        bn, bk = 32, 256 if bits == 4 else 128
+        programs = triton.cdiv(N, bn)
+        split = 1
+        while programs * split < 4 * sms and K // (split * 2) >= 4 * bk:
+            split *= 2
+        return 16, bn, bk, split, 4, 4
+    if M <= 64:
+        return 64 if M > 32 else 32, 64, 128 if bits == 4 else 64, 1, 4, 4
+    return 128, 128, 64, 1, 8, 3
+
+
+class LowbitWeight:
+    """One linear's weight on the GPU in one of the two forms (see the module's docstring), and the
+    product by it."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        shape: tuple[int, int],
+        bits: int,
+        group: int = 32,
+        fp8_block: tuple[int, int] | None = None,
+    ) -> None:
+        """`bits` 4 or 8 (levels) or 0 with `fp8_block` (SN, SK) for FP8."""
+        self.qweight, self.scales, self.shape, self.bits, self.group = qweight, scales, shape, bits, group
+        self.fp8 = fp8_block is not None
+        self.sn, self.sk = fp8_block or (1, 1)
+        dev = qweight.device
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+
+    def _meta(self) -> dict[str, int | bool]:
+        bits = 8 if self.fp8 else self.bits
+        return {"BITS": bits, "GROUP": self.group, "FP8": self.fp8, "SN": self.sn, "SK": self.sk}
+
+    def matmul(
+        self, x: torch.Tensor, blocks: tuple[int, int, int, int, int, int] | None = None
+    ) -> torch.Tensor:
+        """x [M, K] (bf16 or fp16) → [M, N] in x's dtype. `blocks`: the tiles to use (benchmarks)."""
+        N, K = self.shape
+        x = x.contiguous()
+        M = x.shape[0]
+        if M > DENSE_M and blocks is None:
+            return torch.nn.functional.linear(x, self.dequantize(x.dtype))
+        bm, bn, bk, split, warps, stages = blocks or _blocks(M, N, K, self.bits or 8, self.sms)
+        if split > 1:
+            out = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+        else:
+            out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+        if M == 0:
+            return out.new_empty((0, N), dtype=x.dtype) if split > 1 else out
+        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+        extra = {} if INTERPRETED else {"num_warps": warps, "num_stages": stages}
+        tiles = {
+            "BLOCK_M": bm,
+            "BLOCK_N": bn,
+            "BLOCK_K": bk,
+            "SPLIT": split,
+            "PER_SPLIT": triton.cdiv(K, split * bk) * bk,
+        }
+        _lowbit_matmul_kernel[grid](
+            x, self.qweight, self.scales, out, M, N, K, x.stride(0), self.scales.stride(0),
+            UPCAST=INTERPRETED, **tiles, **self._meta(), **extra,
+        )  # fmt: skip
+        return out.sum(0).to(x.dtype) if split > 1 else out
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as `dtype` [N, K]: the values the product multiplies by."""
+        N, K = self.shape
+        out = torch.empty((N, K), dtype=dtype, device=self.qweight.device)
+        grid = (triton.cdiv(N, 32), triton.cdiv(K, 128))
+        _dequantize_kernel[grid](
+            self.qweight,
+            self.scales,
+            out,
+            N,
+            K,
+            self.scales.stride(0),
+            BLOCK_N=32,
+            BLOCK_K=128,
+            **self._meta(),
+        )
+        return out
+
+
+def pack_levels(
+    u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(u [N, K] levels, d and m [N, K / group]) → (qweight, scales) in this module's layout."""
+    N, K = u.shape
+    u = u.to(torch.uint8)
+    if bits == 4:  # per 32 inputs: byte j = input j | input j + 16 << 4
+        g = u.view(N, K // 32, 2, 16)
+        u = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N, K // 2)
+    return u.contiguous(), torch.stack([d, m], dim=-1).to(torch.float16).contiguous()
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] → (e4m3 bytes as uint8 [N, K], float32 scales): per output channel ([N, 1]) or per
+    `block` (SN, SK) ([N / SN, K / SK]), each scale its block's absmax / 448."""
+    N, K = w.shape
+    sn, sk = block or (1, K)
+    wf = w.float()
+    blocks = wf.view(N // sn, sn, K // sk, sk)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.view(N, K).view(torch.uint8), scale.contiguous()
+
+
+def fp8_values(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """float32 [N, K] from `quantize_fp8`'s bytes and scales (the reference the kernel must equal)."""
+    sn, sk = block
+    w = q.view(torch.float8_e4m3fn).float()
+    return w * scale.repeat_interleave(sn, 0).repeat_interleave(sk, 1)

@@ -1,0 +1,73 @@
+"""Quantized weights on the CUDA path (Triton's interpreter without a GPU): a GGUF model's linears kept
+in their levels and grids, and `--quantize fp8`, give the logits of the dequantized weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from pytgi.config import EngineConfig  # noqa: E402
+from pytgi.engine.runner import ModelRunner  # noqa: E402
+from pytgi.kernels import gpu_quant  # noqa: E402
+from pytgi.models.cpu import CpuKernels  # noqa: E402
+from pytgi.models.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from pytgi.models.loader import load_model  # noqa: E402
+from pytgi.models.quant import GpuQuantizedWeight, QuantizedLinear  # noqa: E402
+from pytgi.models.registry import resolve_model  # noqa: E402
+from tests.model.test_gguf_families import prompt_logits, tiny_model, write_gguf  # noqa: E402
+from tests.model.test_gguf_loading import FAMILIES, _quant  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _on_triton(path, monkeypatch, quantize: str) -> tuple[ModelRunner, torch.nn.Module]:
+    """A bf16 runner on the Triton kernels: on a GPU as `pytgi serve` builds it, else the CPU runner
+    with its model loaded again for the Triton path (interpreted)."""
+    quant = quantize if DEVICE.type == "cuda" else "none"  # (on CPU, fp8 is refused: the model is swapped)
+    runner = ModelRunner(EngineConfig(model=str(path), dtype="bfloat16", device=DEVICE.type, quantize=quant))
+    if DEVICE.type != "cuda":
+        monkeypatch.setattr(runner, "model", load_model(path, torch.bfloat16, DEVICE, CpuKernels(triton=True), quantize))
+    return runner, runner.model
+
+
+def test_gguf_linears_stay_in_their_levels_on_the_triton_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    arch, kw, hf = tiny_model(FAMILIES["llama"])
+    path = write_gguf(hf, arch, tmp_path / "llama.gguf", quant=_quant)
+    model_dir = resolve_model(str(path), progress=False).path
+    exact = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
+    seq = np.random.default_rng(1).integers(0, kw["vocab_size"], 23).tolist()
+    want = prompt_logits(exact, seq).float()
+    runner, model = _on_triton(model_dir, monkeypatch, "auto")
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(linears) == 1 + 4 * kw["num_hidden_layers"]
+    for m in linears:  # kept low-bit, and no float weight beside it
+        assert isinstance(m.quant, GpuQuantizedWeight) and m.layer.weight.numel() == 0
+    kinds = {m.quant.kind for m in linears}
+    assert kinds == {"int4", "int8"}, kinds
+    got = prompt_logits(runner, seq).float().cpu()
+    # the file's levels, bf16 activations and bf16 dequantized weights: nothing else rounds
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+def test_fp8_weights_give_the_logits_of_their_e4m3_values(tmp_path, monkeypatch):
+    arch, kw, hf = tiny_model(FAMILIES["llama"])
+    hf.save_pretrained(tmp_path / "m", safe_serialization=True)
+    exact = ModelRunner(EngineConfig(model=str(tmp_path / "m"), dtype="float32", device="cpu"))
+    with torch.no_grad():  # the reference: every linear but the head on its e4m3 values, in float32
+        for mod in exact.model.modules():
+            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+                q, s = gpu_quant.quantize_fp8(mod.weight.data.to(torch.bfloat16))
+                mod.weight.copy_(gpu_quant.fp8_values(q, s, (1, mod.weight.shape[1])))
+    seq = np.random.default_rng(2).integers(0, kw["vocab_size"], 19).tolist()
+    want = prompt_logits(exact, seq).float()
+    runner, model = _on_triton(tmp_path / "m", monkeypatch, "fp8")
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(linears) == 4 * kw["num_hidden_layers"] and all(m.quant.kind == "fp8" for m in linears)
+    assert not isinstance(model.lm_head, QuantizedLinear)  # the head stays in bf16
+    got = prompt_logits(runner, seq).float().cpu()
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
