@@ -198,7 +198,7 @@ def load_pytgi(args: argparse.Namespace) -> LLM:
     from pytgi import LLM
 
     extra = {} if args.device == "auto" else {"device": args.device}
-    for name in ("max_batch_size", "max_batch_prefill_tokens"):
+    for name in ("max_batch_size", "max_batch_prefill_tokens", "quantize", "kv_cache_dtype"):
         if getattr(args, name, None) is not None:
             extra[name] = getattr(args, name)
     return LLM(model=args.model, dtype=args.dtype, **extra)
@@ -575,6 +575,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokenizer-dir", type=Path, default=None,
                    help="with --make-random-model: take config.json's vocabulary and the tokenizer from here")
     p.add_argument("--max-batch-size", type=int, default=None, help="pytgi's --max-batch-size (default 256)")
+    p.add_argument("--quantize", default=None, help="pytgi's --quantize (default auto)")
+    p.add_argument("--kv-cache-dtype", default=None, help="pytgi's --kv-cache-dtype (default auto)")
     p.add_argument("--max-batch-prefill-tokens", type=int, default=None,
                    help="pytgi's --max-batch-prefill-tokens (default 1024 on CPU, 4096 on CUDA)")
     args = p.parse_args(argv)

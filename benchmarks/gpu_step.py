@@ -48,11 +48,12 @@ def main() -> int:
     p.add_argument("--sizes", default="1,64,256,512")
     p.add_argument("--ctx", type=int, default=640, help="each decoding request's context")
     p.add_argument("--prefill", default="16x1024", help="a prefill step: REQUESTSxTOKENS")
+    p.add_argument("--quantize", default="auto", help="pytgi's --quantize (fp8: e4m3 weights)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     llm = LLM(model=args.model, dtype=args.dtype, device="cuda", max_batch_size=max(sizes),
-              max_batch_prefill_tokens=16384)
+              max_batch_prefill_tokens=16384, quantize=args.quantize)
     paged = llm.engine.runner.paged
     bs, rows = paged.block_size, []
     per_seq = -(-(args.ctx + 1) // bs)
@@ -73,7 +74,8 @@ def main() -> int:
     last = step.last_rows
     ms = cuda_ms(lambda: paged.forward(step, last), 5)
     rows.append(dict(step=f"prefill {n} x {t}", tokens=n * t, graph_ms=None, eager_ms=ms, tokens_per_s=n * t / ms * 1e3))
-    print(f"\n{torch.cuda.get_device_name()}, {args.model} ({args.dtype}): one step's forward + logits on the GPU\n")
+    print(f"\n{torch.cuda.get_device_name()}, {args.model} ({args.dtype}, --quantize {args.quantize}): "
+          "one step's forward + logits on the GPU\n")
     print("| step | tokens | CUDA graph (ms) | eager (ms) | tokens/s |")
     print("|---|---:|---:|---:|---:|")
     for r in rows:
@@ -82,7 +84,8 @@ def main() -> int:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out = args.out or REPO_ROOT / "benchmarks" / "results" / f"gpu-step-{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "model": args.model, "rows": rows}, indent=2))
+    out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "model": args.model, "quantize": args.quantize,
+                               "rows": rows}, indent=2))
     print(f"\nwrote {out}")
     return 0
 

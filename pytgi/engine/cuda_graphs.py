@@ -38,8 +38,8 @@ class DecodeGraphs:
     `scratch_block`, past those the block manager hands out)."""
 
     def __init__(self, paged, sizes: tuple[int, ...], max_blocks: int, scratch_block: int) -> None:
-        from pytgi.kernels.gpu import query_block
-        from pytgi.models.gpu import TritonMetadata
+        from pytgi.kernels.gpu import decode_splits, query_block
+        from pytgi.models.gpu import TritonMetadata, multiprocessors
 
         self.paged, self.sizes = paged, sorted(sizes)
         n, dev = self.sizes[-1], paged.device
@@ -51,7 +51,9 @@ class DecodeGraphs:
         self.ints[2].fill_(self.scratch_slot)
         q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
         programs = torch.stack([q_start[:n], torch.zeros_like(q_start[:n])], dim=1).contiguous()
-        block_m = query_block(1, paged.model.attention.group)
+        attention = paged.model.attention
+        block_m = query_block(1, attention.group)
+        sms = multiprocessors(dev)
         # host staging (pinned: the copies do not wait for the GPU to go idle)
         pin = torch.cuda.is_available()
         self.host_ints = (
@@ -69,6 +71,7 @@ class DecodeGraphs:
                 self.tables[:s],
                 block_m,
                 paged.block_size,
+                decode_splits(s, attention.kv_heads, sms),
             )
             for s in self.sizes
         }

@@ -55,6 +55,8 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # keys per tile
     IEEE: tl.constexpr,  # float32 products in full precision (else TF32)
     UPCAST: tl.constexpr,  # products in float32 whatever the dtype (the interpreter's bf16 dot is wrong)
+    SPLITS: tl.constexpr = 1,  # decode steps: at most this many programs share a request's keys
+    part_ptr=None,  # SPLITS > 1: float32 [T, H, SPLITS, D + 2]: each split's unnormalised sum, max, total
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -83,7 +85,14 @@ def _paged_attention_kernel(
     # the keys this program's last query may see (none when the request has no queries this far)
     kv_end = tl.minimum(ctx, ctx - q_len + (qblock + 1) * BLOCK_M)
     kv_end = kv_end * (qblock * BLOCK_M < q_len).to(tl.int32)
-    for start in range(0, kv_end, BLOCK_N):
+    kv_begin = 0
+    if SPLITS > 1:  # this program's share of the keys: whole tiles, at least two a split
+        split = tl.program_id(2)
+        n_split = tl.maximum(1, tl.minimum(SPLITS, tl.cdiv(kv_end, 2 * BLOCK_N)))
+        part = tl.cdiv(tl.cdiv(kv_end, n_split), BLOCK_N) * BLOCK_N
+        kv_begin = tl.minimum(split * part, kv_end)
+        kv_end = tl.minimum(kv_begin + part, kv_end)
+    for start in range(kv_begin, kv_end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < kv_end
         block = tl.load(tables_ptr + b * stride_tb + n // PAGE, mask=inside, other=0)
@@ -117,12 +126,45 @@ def _paged_attention_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(
-        out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=valid[:, None],
-    )
+    if SPLITS > 1:
+        H = GROUP * tl.num_programs(1)
+        row = (((q_start + tok).to(tl.int64) * H + head) * SPLITS + tl.program_id(2)) * (HEAD_DIM + 2)
+        tl.store(part_ptr + row[:, None] + d[None, :], acc, mask=valid[:, None])
+        tl.store(part_ptr + row + HEAD_DIM, m_i, mask=valid)
+        tl.store(part_ptr + row + HEAD_DIM + 1, l_i, mask=valid)
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=valid[:, None],
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, out_ptr, stride_ot, stride_oh, H, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr
+):  # fmt: skip
+    """One query row and head: its splits' partial sums rescaled to the largest maximum, in order."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    row = ((t * H + h) * SPLITS + s) * (HEAD_DIM + 2)
+    m = tl.load(part_ptr + row + HEAD_DIM)
+    total = tl.load(part_ptr + row + HEAD_DIM + 1)
+    w = tl.where(total > 0, tl.exp(m - tl.max(m, 0)), 0.0)
+    acc = tl.sum(tl.load(part_ptr + row[:, None] + d[None, :]) * w[:, None], 0)
+    denom = tl.sum(total * w, 0)
+    out = acc / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_splits(batch: int, kv_heads: int, sms: int) -> int:
+    """Programs per request and kv head for a decode step of `batch` requests: enough for about two per
+    multiprocessor (a power of two, at most 32); 1 once the requests fill the GPU on their own."""
+    want = (2 * sms) // max(1, batch * kv_heads)
+    return 1 if want < 2 else min(32, triton.next_power_of_2(want + 1) // 2)
 
 
 def query_block(max_query_len: int, group: int) -> int:
@@ -155,12 +197,18 @@ def paged_attention(
     block_m: int,  # query tokens per program (`query_block`), as `programs` were made for
     block_size: int,
     scale: float,
+    splits: int = 1,
 ) -> torch.Tensor:
-    """Causal attention of each request's queries (the last rows of its context) to its context."""
+    """Causal attention of each request's queries (the last rows of its context) to its context.
+    `splits` > 1 (decode steps only: one query a request): each request's keys are shared by up to
+    that many programs, whose partial sums a second launch merges."""
     H, D = q.shape[1], q.shape[2]
     KVH = k_cache.shape[1]
     group = H // KVH
-    grid = (programs.shape[0], KVH)
+    grid = (programs.shape[0], KVH, splits)
+    part = None
+    if splits > 1:
+        part = torch.empty((q.shape[0], H, splits, D + 2), dtype=torch.float32, device=q.device)
     _paged_attention_kernel[grid](
         q,
         k_cache,
@@ -186,7 +234,13 @@ def paged_attention(
         BLOCK_N=64,
         IEEE=q.dtype == torch.float32 or INTERPRETED,
         UPCAST=INTERPRETED,
+        SPLITS=splits,
+        part_ptr=part,
     )
+    if part is not None and q.shape[0]:
+        _merge_splits_kernel[(q.shape[0], H)](
+            part, out, out.stride(0), out.stride(1), H, SPLITS=splits, HEAD_DIM=D
+        )
     return out
 
 

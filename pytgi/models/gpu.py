@@ -32,10 +32,24 @@ class TritonMetadata:
     block_tables: torch.Tensor  # [B, M] int32
     block_m: int  # query tokens per program
     block_size: int
+    splits: int = 1  # a decode step's programs per request and kv head (`gpu.decode_splits`)
 
 
-def triton_metadata(layout: StepLayout, device: torch.device, group: int) -> TritonMetadata:
-    """`group`: query heads per kv head."""
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessors (8 for the interpreter on a CPU, so tests split too)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def triton_metadata(
+    layout: StepLayout, device: torch.device, group: int, kv_heads: int = 0
+) -> TritonMetadata:
+    """`group`: query heads per kv head; `kv_heads`: the cache's heads (0: never split a decode)."""
+    decode = bool((layout.query_lens == 1).all())
+    splits = (
+        gpu.decode_splits(len(layout.query_lens), kv_heads, multiprocessors(device))
+        if decode and kv_heads
+        else 1
+    )
     q_start = np.zeros(len(layout.query_lens) + 1, np.int32)
     np.cumsum(layout.query_lens, out=q_start[1:])
     block_m = gpu.query_block(int(layout.query_lens.max()), group)
@@ -48,6 +62,7 @@ def triton_metadata(layout: StepLayout, device: torch.device, group: int) -> Tri
         block_tables=to(layout.block_tables, np.int32),
         block_m=block_m,
         block_size=layout.block_size,
+        splits=splits,
     )
 
 
@@ -59,7 +74,7 @@ class TritonAttention(TorchAttention):
     ) -> TritonMetadata | TorchAttentionMetadata:
         if window is not None or layout.spans is not None:
             return super().prepare(layout, device, window)
-        return triton_metadata(layout, device, self.group)
+        return triton_metadata(layout, device, self.group, self.kv_heads)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
         if not isinstance(meta, TritonMetadata):
@@ -80,6 +95,7 @@ class TritonAttention(TorchAttention):
             meta.block_m,
             meta.block_size,
             scale,
+            meta.splits,
         )
 
 

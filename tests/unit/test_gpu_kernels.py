@@ -147,3 +147,35 @@ def test_row_stats():
     # a row's values do not depend on the rows beside it
     arg1, lse1, _ = gpu.row_stats(x[1:2])
     assert arg1[0] == arg[1] and lse1[0] == lse[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [2, 4, 32])
+def test_split_decode_attention_matches_gather_and_sdpa(dtype, splits):
+    """A decode step's keys shared by several programs per request (short contexts use fewer than
+    `splits`, a request with one key one), their partial sums merged."""
+    torch.manual_seed(1)
+    H, KVH, D, bs, num_blocks = 8, 2, 32, 16, 96
+    layout = mixed_step([1, 1, 1, 1], [1, 130, 700, 64], bs, num_blocks)
+    k_cache = torch.randn(num_blocks * bs, KVH, D, device=DEVICE).to(dtype)
+    v_cache = torch.randn(num_blocks * bs, KVH, D, device=DEVICE).to(dtype)
+    q = torch.randn(4, H, D, device=DEVICE).to(dtype)
+    ref = TorchAttention(CpuKernels.none(), (H, KVH, D))
+    want = ref.forward(q, None, None, k_cache, v_cache, ref.prepare(layout, DEVICE), D**-0.5).float()
+    meta = TritonAttention(CpuKernels.none(), (H, KVH, D)).prepare(layout, DEVICE)
+    meta.splits = splits
+    out = torch.empty_like(q)
+    got = gpu.paged_attention(q, k_cache, v_cache, out, meta.programs, meta.q_start, meta.context_lens,
+                              meta.block_tables, meta.block_m, bs, D**-0.5, splits).float()
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_decode_splits_fill_the_gpu_and_stop_when_requests_do():
+    assert gpu.decode_splits(1, 8, 132) == 32  # 8 programs alone would leave 124 multiprocessors idle
+    assert gpu.decode_splits(4, 8, 132) == 8
+    assert gpu.decode_splits(16, 8, 132) == 2
+    assert gpu.decode_splits(64, 8, 132) == 1
+    layout = mixed_step([1, 1], [5, 9], 4, 8)
+    assert TritonAttention(CpuKernels.none(), (4, 2, 16)).prepare(layout, DEVICE).splits > 1
+    layout = mixed_step([3, 1], [3, 9], 4, 8)  # a prompt in the step: one program per request block
+    assert TritonAttention(CpuKernels.none(), (4, 2, 16)).prepare(layout, DEVICE).splits == 1
