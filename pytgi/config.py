@@ -18,6 +18,7 @@ import msgspec
 from pytgi.settings import setting
 
 DRAFT_MODEL_TOKENS = 4  # a draft model's tokens per step when --speculate is not given
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +93,11 @@ class EngineConfig:
         "on CUDA) that the KV cache takes, split evenly over the ranks on this machine and over "
         "--replicas (default 0.25 CPU, 0.9 GPU)",
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "the KV cache's values: auto (the model's dtype) | fp8 (CUDA: e4m3 with a scale per token and "
+        "head, about half the bytes: twice the tokens)",
+    )
     max_waiting_tokens: int = setting(20, "steps before waiting requests join regardless", info=True)
     max_batch_size: int | None = setting(None, "most running requests (default: 256)", info=True)
     enable_prefix_caching: bool = setting(
@@ -149,6 +155,10 @@ class EngineConfig:
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ValueError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
             )
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")

@@ -64,14 +64,25 @@ class PagedModel:
     block_size` slots). `unsharded`: the model is whole on this rank whatever the tensor-parallel
     group (the draft model)."""
 
-    def __init__(self, model: CausalLM, dtype: torch.dtype, device: torch.device, unsharded: bool = False):
+    def __init__(
+        self,
+        model: CausalLM,
+        dtype: torch.dtype,
+        device: torch.device,
+        unsharded: bool = False,
+        kv_dtype: str = "auto",
+    ):
+        """`kv_dtype`: "auto" (the cache in `dtype`) or "fp8" (`fp8_kv_refusal` says where it runs)."""
         self.model, self.dtype, self.device, self.unsharded = model, dtype, device, unsharded
+        self.fp8 = kv_dtype.startswith("fp8")
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None  # CUDA: the captured decode steps
 
     def kv_bytes_per_token(self) -> int:
         attn = self.model.layers[0].self_attn
+        if self.fp8:  # a byte a value, and a float32 scale a head
+            return len(self.model.layers) * 2 * attn.n_kv * (attn.head_dim + 4)
         elt = torch.empty((), dtype=self.dtype).element_size()
         return len(self.model.layers) * 2 * attn.n_kv * attn.head_dim * elt
 
@@ -79,12 +90,14 @@ class PagedModel:
         """On CUDA one block more than asked: the scratch block of the decode graphs' padding rows."""
         attn = self.model.layers[0].self_attn
         spare = int(self.device.type == "cuda")
-        shape = (2, (num_blocks + spare) * block_size, attn.n_kv, attn.head_dim)
+        # FP8: each head's row of e4m3 bytes ends with its float32 scale (`pytgi.kernels.gpu`)
+        row, dtype = (attn.head_dim + 4, torch.uint8) if self.fp8 else (attn.head_dim, self.dtype)
+        shape = (2, (num_blocks + spare) * block_size, attn.n_kv, row)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_caches = []
         self.graphs = None
         for _ in self.model.layers:
-            k, v = torch.zeros(shape, dtype=self.dtype, device=self.device).unbind(0)
+            k, v = torch.zeros(shape, dtype=dtype, device=self.device).unbind(0)
             self.kv_caches.append((k, v))
 
     def capture_graphs(self, sizes: tuple[int, ...], max_blocks: int) -> bool:
@@ -128,3 +141,18 @@ class PagedModel:
     def _lora_active(self) -> bool:
         ctx = getattr(self.model, "lora_ctx", None)
         return ctx is not None and ctx.active
+
+
+def fp8_kv_refusal(model: CausalLM, device: torch.device) -> str | None:
+    """Why `--kv-cache-dtype fp8` cannot serve this model here (None: it can). The FP8 cache is read and
+    written by the Triton kernels alone: a CUDA GPU, pytgi's own model code, plain causal attention
+    (no sliding window, soft cap or image spans, which take the gather path)."""
+    if device.type != "cuda":
+        return "--kv-cache-dtype fp8 needs a CUDA GPU (the CPU's kernels read bf16 or float32 caches)"
+    attention = getattr(model, "attention", None)
+    if type(attention).__name__ != "TritonAttention" or hasattr(model, "text"):  # (a vision model's text)
+        return (
+            "--kv-cache-dtype fp8 needs plain causal attention in pytgi's Triton kernels: this model's "
+            "sliding windows, soft-capped scores, image spans or model code read the cache otherwise"
+        )
+    return None

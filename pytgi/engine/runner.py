@@ -18,7 +18,7 @@ import torch
 
 from pytgi import distributed as dist
 from pytgi.config import EngineConfig
-from pytgi.engine.batch import PagedModel, StepBatch
+from pytgi.engine.batch import PagedModel, StepBatch, fp8_kv_refusal
 from pytgi.engine.cuda_graphs import parse_sizes
 from pytgi.engine.images import step_rows
 from pytgi.engine.kv_sizing import check_fits, kv_capacity_tokens, local_engines
@@ -74,7 +74,9 @@ class ModelRunner:
             config.attention_backend,
             config.model_impl,
         )
-        self.paged = PagedModel(model, self.dtype, self.device)
+        if config.kv_cache_dtype != "auto" and (why := fp8_kv_refusal(model, self.device)):
+            raise ValueError(why)
+        self.paged = PagedModel(model, self.dtype, self.device, kv_dtype=config.kv_cache_dtype)
         self.lora_config = config
         self.lora: LoraAdapters | None = None
         if config.lora_adapters:

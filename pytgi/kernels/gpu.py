@@ -27,6 +27,38 @@ import triton
 import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+E4M3_MAX = 448.0
+
+
+@triton.jit
+def fp8_to_f32(b):
+    """e4m3fn bytes (as int32 0..255) → float32, exactly: sign and the 7 low bits moved into fp16's
+    places (an e4m3 exponent e reads as fp16's 2^(e-15)), then times 2^8 (e4m3's bias is 7). No NaN:
+    pytgi writes none."""
+    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def f32_to_fp8(v):
+    """float32 (|v| <= 448) → e4m3fn bytes (int32), rounded to nearest even as PyTorch's cast rounds,
+    in integer steps (the same bits in the interpreter as on a GPU)."""
+    a = v.to(tl.int32, bitcast=True)
+    sign = (a >> 24) & 0x80
+    a = a & 0x7FFFFFFF
+    # |v| >= 2^-6: the mantissa rounded to 3 bits (a carry steps the exponent), rebiased from 127 to 7
+    r = a + 0x7FFFF + ((a >> 20) & 1)
+    normal = (r >> 20) - (120 << 3)
+    # below: a subnormal, |v| / 2^-9 rounded from the 24-bit significand
+    e = (a >> 23) - 127
+    sig = (a & 0x7FFFFF) | 0x800000
+    sh = tl.minimum(tl.maximum(14 - e, 1), 31)
+    q = sig >> sh
+    rem = sig - (q << sh)
+    half = 1 << (sh - 1)
+    q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).to(tl.int32)
+    code = tl.minimum(tl.where(a >= 0x3C800000, normal, q), 0x7E)
+    return code | sign
 
 
 @triton.jit
@@ -57,6 +89,9 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,  # products in float32 whatever the dtype (the interpreter's bf16 dot is wrong)
     SPLITS: tl.constexpr = 1,  # decode steps: at most this many programs share a request's keys
     part_ptr=None,  # SPLITS > 1: float32 [T, H, SPLITS, D + 2]: each split's unnormalised sum, max, total
+    FP8: tl.constexpr = False,  # the caches hold e4m3 bytes, each head's row then its float32 scale
+    kf_ptr=None,  # FP8: the key and value caches seen as float32 (where the scales are read)
+    vf_ptr=None,
 ):
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -97,11 +132,13 @@ def _paged_attention_kernel(
         inside = n < kv_end
         block = tl.load(tables_ptr + b * stride_tb + n // PAGE, mask=inside, other=0)
         slot = block.to(tl.int64) * PAGE + n % PAGE
-        k = tl.load(
-            k_cache_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-            mask=inside[:, None],
-            other=0.0,
-        )
+        row = slot * stride_ks + kvh * stride_kh
+        if FP8:
+            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=inside[:, None], other=0).to(tl.int32)
+            k_scale = tl.load(kf_ptr + (row + HEAD_DIM) // 4, mask=inside, other=0.0)
+            k = (fp8_to_f32(k) * k_scale[:, None]).to(q.dtype)
+        else:
+            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=inside[:, None], other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
         if IEEE:
@@ -114,11 +151,12 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache_ptr + slot[:, None] * stride_ks + kvh * stride_kh + d[None, :],
-            mask=inside[:, None],
-            other=0.0,
-        )
+        if FP8:
+            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=inside[:, None], other=0).to(tl.int32)
+            v_scale = tl.load(vf_ptr + (row + HEAD_DIM) // 4, mask=inside, other=0.0)
+            v = (fp8_to_f32(v) * v_scale[:, None]).to(q.dtype)
+        else:
+            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=inside[:, None], other=0.0)
         if UPCAST:
             v = v.to(tl.float32)
         if IEEE:
@@ -187,7 +225,7 @@ def attention_programs(query_lens: np.ndarray, block_m: int) -> np.ndarray:
 
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
-    k_cache: torch.Tensor,  # [S, KVH, D]
+    k_cache: torch.Tensor,  # [S, KVH, D], or uint8 [S, KVH, D + 4] (FP8: `quantize_kv_fp8`)
     v_cache: torch.Tensor,
     out: torch.Tensor,  # [T, H, D]
     programs: torch.Tensor,  # [P, 2] int32 (`attention_programs`)
@@ -236,6 +274,9 @@ def paged_attention(
         UPCAST=INTERPRETED,
         SPLITS=splits,
         part_ptr=part,
+        FP8=k_cache.dtype == torch.uint8,
+        kf_ptr=k_cache.view(torch.float32) if k_cache.dtype == torch.uint8 else None,
+        vf_ptr=v_cache.view(torch.float32) if v_cache.dtype == torch.uint8 else None,
     )
     if part is not None and q.shape[0]:
         _merge_splits_kernel[(q.shape[0], H)](
@@ -320,11 +361,14 @@ def _rope_write_kv_kernel(
     sin_ptr,  # [T, D] float32, rotate-half's sign folded in
     slots_ptr,  # [T] int64
     q_ptr,  # [T, H, D] out
-    k_cache_ptr,  # [S, KVH, D]
+    k_cache_ptr,  # [S, KVH, D], or (FP8) uint8 [S, KVH, D + 4]: e4m3 bytes, then the float32 scale
     v_cache_ptr,
+    kf_ptr,  # FP8: the caches seen as float32 (where the scales go)
+    vf_ptr,
     H: tl.constexpr,
     KVH: tl.constexpr,
     D: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # 0 .. H + 2 KVH: query heads, key heads, value heads
@@ -333,10 +377,10 @@ def _rope_write_kv_kernel(
     x1 = tl.load(row + half)
     x2 = tl.load(row + D // 2 + half)
     slot = tl.load(slots_ptr + t)
+    ROW = D + 4 * FP8  # a head's row in the cache
     if h >= H + KVH:  # a value head: copied into its slot as it is
-        dst = v_cache_ptr + slot * KVH * D + (h - H - KVH) * D
-        tl.store(dst + half, x1)
-        tl.store(dst + D // 2 + half, x2)
+        cache, fview, o1, o2 = v_cache_ptr, vf_ptr, x1, x2
+        off = slot * KVH * ROW + (h - H - KVH) * ROW
     else:
         c1 = tl.load(cos_ptr + t * D + half)
         c2 = tl.load(cos_ptr + t * D + D // 2 + half)
@@ -345,12 +389,22 @@ def _rope_write_kv_kernel(
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         o1 = (f1 * c1 + f2 * s1).to(x1.dtype)
         o2 = (f2 * c2 + f1 * s2).to(x1.dtype)
-        if h < H:
-            dst = q_ptr + t * H * D + h * D
-        else:
-            dst = k_cache_ptr + slot * KVH * D + (h - H) * D
+        cache, fview = k_cache_ptr, kf_ptr
+        off = slot * KVH * ROW + (h - H) * ROW
+    if h < H:
+        dst = q_ptr + t * H * D + h * D
         tl.store(dst + half, o1)
         tl.store(dst + D // 2 + half, o2)
+    elif FP8:  # e4m3 with the head's own scale: its largest value becomes 448
+        a1, a2 = o1.to(tl.float32), o2.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(a1), 0), tl.max(tl.abs(a2), 0))
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        tl.store(cache + off + half, f32_to_fp8(a1 / scale).to(tl.uint8))
+        tl.store(cache + off + D // 2 + half, f32_to_fp8(a2 / scale).to(tl.uint8))
+        tl.store(fview + (off + D) // 4, scale)
+    else:
+        tl.store(cache + off + half, o1)
+        tl.store(cache + off + D // 2 + half, o2)
 
 
 def rope_write_kv(
@@ -364,14 +418,17 @@ def rope_write_kv(
     KVH: int,
     D: int,
 ) -> torch.Tensor:
-    """Rotate q and k of `qkv` ([T, (H + 2 KVH) D]); k and v go to their cache slots, q is returned
-    ([T, H, D]). cos and sin: float32 [T, D] (sin signed as `RotaryEmbedding` stores it)."""
+    """Rotate q and k of `qkv` ([T, (H + 2 KVH) D]); k and v go to their cache slots (as e4m3 with a
+    scale per token and head, for a uint8 cache), q is returned ([T, H, D]). cos and sin: float32
+    [T, D] (sin signed as `RotaryEmbedding` stores it)."""
     qkv = qkv.contiguous()
     T = qkv.shape[0]
     q = torch.empty((T, H, D), dtype=qkv.dtype, device=qkv.device)
     if T:
+        fp8 = k_cache.dtype == torch.uint8
+        views = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if fp8 else (k_cache, v_cache)
         _rope_write_kv_kernel[(T, H + 2 * KVH)](
-            qkv, cos, sin, slot_mapping, q, k_cache, v_cache, H=H, KVH=KVH, D=D
+            qkv, cos, sin, slot_mapping, q, k_cache, v_cache, *views, H=H, KVH=KVH, D=D, FP8=fp8
         )
     return q
 
@@ -417,3 +474,20 @@ def row_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     if B:
         _row_stats_kernel[(B,)](logits, arg, lse, bad, V, logits.stride(0), BLOCK=1024)
     return arg, lse, bad.bool()
+
+
+def quantize_kv_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Keys or values [T, KVH, D] → the FP8 cache's rows, uint8 [T, KVH, D + 4]: e4m3 bytes scaled so
+    that each head's largest value is 448, then that float32 scale (as `rope_write_kv` writes them)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    codes = (xf / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([codes, scale.view(torch.uint8)], dim=-1)
+
+
+def kv_fp8_values(cache: torch.Tensor) -> torch.Tensor:
+    """The values an FP8 cache holds: float32 [S, KVH, D] from uint8 [S, KVH, D + 4]."""
+    D = cache.shape[-1] - 4
+    scale = cache[..., D:].contiguous().view(torch.float32)
+    return cache[..., :D].contiguous().view(torch.float8_e4m3fn).float() * scale

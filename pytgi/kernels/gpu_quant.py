@@ -27,17 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from pytgi.kernels.gpu import INTERPRETED
+from pytgi.kernels.gpu import INTERPRETED, fp8_to_f32
 
 DENSE_M = 1024  # more rows than this: dequantize once, then cuBLAS
-
-
-@triton.jit
-def _fp8_to_f32(b):
-    """e4m3fn bytes (as int32 0..255) → float32, exactly: sign and the 7 low bits moved into fp16's
-    places (an e4m3 exponent e reads as fp16's 2^(e-15)), then times 2^8 (e4m3's bias is 7)."""
-    h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
 
 @triton.jit
@@ -106,7 +98,7 @@ def _lowbit_matmul_kernel(
             byte = tl.load(w_ptr + rn64[:, None] * K + k[None, :], mask=wm, other=0).to(tl.int32)
             if FP8:
                 s = tl.load(s_ptr + (rn // SN)[:, None] * stride_s + (k // SK)[None, :], mask=wm, other=0.0)
-                w = (_fp8_to_f32(byte) * s).to(dt)
+                w = (fp8_to_f32(byte) * s).to(dt)
             else:
                 g = rn64[:, None] * (K // GROUP) + (k // GROUP)[None, :]
                 d = tl.load(s_ptr + 2 * g, mask=wm, other=0.0).to(tl.float32)
@@ -144,7 +136,7 @@ def _dequantize_kernel(
         lvl = tl.load(w_ptr + rn64[:, None] * K + k[None, :], mask=mask, other=0).to(tl.int32)
     if FP8:
         s = tl.load(s_ptr + (rn // SN)[:, None] * stride_s + (k // SK)[None, :], mask=mask, other=0.0)
-        w = _fp8_to_f32(lvl) * s
+        w = fp8_to_f32(lvl) * s
     else:
         g = rn64[:, None] * (K // GROUP) + (k // GROUP)[None, :]
         d = tl.load(s_ptr + 2 * g, mask=mask, other=0.0).to(tl.float32)

@@ -80,6 +80,8 @@ class TritonAttention(TorchAttention):
         if not isinstance(meta, TritonMetadata):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
         if k is not None and v is not None:
+            if k_cache.dtype == torch.uint8:  # an FP8 cache: bytes and scales, as the rotary kernel writes
+                k, v = gpu.quantize_kv_fp8(k), gpu.quantize_kv_fp8(v)
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)

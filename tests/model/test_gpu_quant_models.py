@@ -71,3 +71,38 @@ def test_fp8_weights_give_the_logits_of_their_e4m3_values(tmp_path, monkeypatch)
     assert not isinstance(model.lm_head, QuantizedLinear)  # the head stays in bf16
     got = prompt_logits(runner, seq).float().cpu()
     assert (got - want).abs().max() <= 0.03 * want.abs().max()
+
+
+def test_fp8_kv_cache_gives_the_logits_of_the_values_it_holds(tmp_path, monkeypatch):
+    """`--kv-cache-dtype fp8` (CUDA only: refused elsewhere) on a tiny model: a prompt in chunks and
+    decodes over an e4m3 cache give logits close to the model-dtype cache's, and the same cache
+    refuses the paths that would read it otherwise."""
+    from pytgi.engine.batch import PagedModel, fp8_kv_refusal
+    from tests.model.test_tiny_models import BLOCK, NUM_BLOCKS, Paged, step
+
+    arch, kw, hf = tiny_model(FAMILIES["llama"])
+    hf.save_pretrained(tmp_path / "m", safe_serialization=True)
+    runner = ModelRunner(EngineConfig(model=str(tmp_path / "m"), dtype="float32", device="cpu"))
+    assert "CUDA" in fp8_kv_refusal(runner.model, torch.device("cpu"))
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        ModelRunner(EngineConfig(model=str(tmp_path / "m"), dtype="float32", device="cpu", kv_cache_dtype="fp8"))
+    model = load_model(tmp_path / "m", torch.float32, DEVICE, CpuKernels(triton=True), "none")
+    assert fp8_kv_refusal(model, torch.device("cuda")) is None
+    seq = np.random.default_rng(3).integers(0, kw["vocab_size"], 21).tolist()
+    outs = []
+    for kv in ("auto", "fp8"):
+        runner.paged = PagedModel(model, torch.float32, DEVICE, kv_dtype=kv)
+        runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
+        if kv == "fp8":
+            assert runner.paged.kv_caches[0][0].dtype == torch.uint8
+            assert runner.paged.kv_bytes_per_token() * 2 > PagedModel(model, torch.bfloat16, DEVICE).kv_bytes_per_token()
+        pager = Paged()
+        req = pager.request("r", seq)
+        logits = [step(runner, pager, [(req, 13)])[0], step(runner, pager, [(req, 8)])[0]]
+        for _ in range(3):  # decodes: split over programs
+            req.append_token(int(logits[-1][-1].argmax()))
+            logits.append(step(runner, pager, [(req, 1)])[0])
+        outs.append(torch.cat(logits).float().cpu())
+    want, got = outs
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9

@@ -179,3 +179,66 @@ def test_decode_splits_fill_the_gpu_and_stop_when_requests_do():
     assert TritonAttention(CpuKernels.none(), (4, 2, 16)).prepare(layout, DEVICE).splits > 1
     layout = mixed_step([3, 1], [3, 9], 4, 8)  # a prompt in the step: one program per request block
     assert TritonAttention(CpuKernels.none(), (4, 2, 16)).prepare(layout, DEVICE).splits == 1
+
+
+def test_fp8_bytes_round_as_pytorch_casts():
+    """`gpu.f32_to_fp8` (integer steps, so the interpreter rounds as a GPU does) against PyTorch's cast:
+    normal and subnormal values, ties, the largest, zeros."""
+    import triton.language as tl
+
+    @triton.jit
+    def cast(x_ptr, y_ptr, z_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        code = gpu.f32_to_fp8(tl.load(x_ptr + i))
+        tl.store(y_ptr + i, code.to(tl.uint8))
+        tl.store(z_ptr + i, gpu.fp8_to_f32(code))
+
+    n = 1 << 14
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(n // 4, generator=g) * s for s in (100.0, 0.01, 1e-3, 1.0)]).clamp(-448, 448)
+    edges = [127.0, 120.0, 124.0, 0.0, -0.0, 448.0, -448.0, 2**-6, 2**-7, 2**-10, 3 * 2**-10, 2**-11, 1e-30]
+    x[: len(edges)] = torch.tensor(edges)
+    x = x.to(DEVICE)
+    y, z = torch.empty(n, dtype=torch.uint8, device=DEVICE), torch.empty(n, device=DEVICE)
+    cast[(1,)](x, y, z, N=n)
+    want = x.to(torch.float8_e4m3fn)
+    assert torch.equal(y, want.view(torch.uint8))
+    assert torch.equal(z, want.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kv_cache_written_by_rope_and_read_by_attention(dtype):
+    """An FP8 cache: rows of e4m3 bytes and a float32 scale per token and head, written by the rotary
+    kernel as `quantize_kv_fp8` writes them, and attended as the values they hold."""
+    torch.manual_seed(0)
+    H, KVH, D, bs, num_blocks = 4, 2, 32, 4, 16
+    T = 6
+    qkv = torch.randn(T, (H + 2 * KVH) * D, device=DEVICE).to(dtype)
+    rope = RotaryEmbedding(D, 64, 10000.0, None).to(DEVICE)
+    positions = torch.arange(T, device=DEVICE)
+    slots = torch.tensor([5, 9, 0, 33, 34, 63], device=DEVICE)
+    caches = [torch.zeros(num_blocks * bs, KVH, D + 4, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+    cos, sin = rope.cos[positions].float(), rope.sin[positions].float()
+    q = gpu.rope_write_kv(qkv, cos, sin, slots, caches[0], caches[1], H, KVH, D)
+    ref_k = torch.zeros(num_blocks * bs, KVH, D, device=DEVICE).to(dtype)
+    ref_v = torch.zeros_like(ref_k)
+    q_ref = gpu.rope_write_kv(qkv, cos, sin, slots, ref_k, ref_v, H, KVH, D)
+    assert torch.equal(q, q_ref)
+    for cache, ref in ((caches[0], ref_k), (caches[1], ref_v)):
+        want = gpu.quantize_kv_fp8(ref[slots])
+        if dtype == torch.float32 or DEVICE.type == "cuda":
+            assert torch.equal(cache[slots], want)
+        vals = gpu.kv_fp8_values(cache)[slots]
+        assert (vals - ref[slots].float()).abs().max() <= ref[slots].float().abs().max() / 16
+    # attention over the FP8 cache equals attention over the values it holds
+    layout = mixed_step([1, 1, 2], [5, 9, 14], bs, num_blocks)
+    k_cache = torch.randn(num_blocks * bs, KVH, D, device=DEVICE)
+    v_cache = torch.randn(num_blocks * bs, KVH, D, device=DEVICE)
+    k8, v8 = gpu.quantize_kv_fp8(k_cache), gpu.quantize_kv_fp8(v_cache)
+    qq = torch.randn(4, H, D, device=DEVICE).to(dtype)
+    ref = TorchAttention(CpuKernels.none(), (H, KVH, D))
+    kv = [gpu.kv_fp8_values(c).to(dtype) for c in (k8, v8)]
+    want = ref.forward(qq, None, None, kv[0], kv[1], ref.prepare(layout, DEVICE), D**-0.5).float()
+    backend = TritonAttention(CpuKernels.none(), (H, KVH, D))
+    got = backend.forward(qq, None, None, k8, v8, backend.prepare(layout, DEVICE), D**-0.5).float()
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
