@@ -62,6 +62,22 @@ def f32_to_fp8(v):
 
 
 @triton.jit
+def _cache_tile(cache_ptr, f_ptr, row, d, inside, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
+                FP8: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+    """A tile of keys or values from the cache (rows `row`): an FP8 cache's bytes times their scale,
+    in the queries' dtype (float32 with UPCAST)."""
+    if FP8:
+        x = tl.load(cache_ptr + row[:, None] + d[None, :], mask=inside[:, None], other=0).to(tl.int32)
+        x_scale = tl.load(f_ptr + (row + HEAD_DIM) // 4, mask=inside, other=0.0)
+        x = (fp8_to_f32(x) * x_scale[:, None]).to(dtype)
+    else:
+        x = tl.load(cache_ptr + row[:, None] + d[None, :], mask=inside[:, None], other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D]
     k_cache_ptr,  # [S, KVH, D]
@@ -133,14 +149,7 @@ def _paged_attention_kernel(
         block = tl.load(tables_ptr + b * stride_tb + n // PAGE, mask=inside, other=0)
         slot = block.to(tl.int64) * PAGE + n % PAGE
         row = slot * stride_ks + kvh * stride_kh
-        if FP8:
-            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=inside[:, None], other=0).to(tl.int32)
-            k_scale = tl.load(kf_ptr + (row + HEAD_DIM) // 4, mask=inside, other=0.0)
-            k = (fp8_to_f32(k) * k_scale[:, None]).to(q.dtype)
-        else:
-            k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=inside[:, None], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
+        k = _cache_tile(k_cache_ptr, kf_ptr, row, d, inside, q.dtype, HEAD_DIM, FP8, UPCAST)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -151,14 +160,7 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if FP8:
-            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=inside[:, None], other=0).to(tl.int32)
-            v_scale = tl.load(vf_ptr + (row + HEAD_DIM) // 4, mask=inside, other=0.0)
-            v = (fp8_to_f32(v) * v_scale[:, None]).to(q.dtype)
-        else:
-            v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=inside[:, None], other=0.0)
-        if UPCAST:
-            v = v.to(tl.float32)
+        v = _cache_tile(v_cache_ptr, vf_ptr, row, d, inside, q.dtype, HEAD_DIM, FP8, UPCAST)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
