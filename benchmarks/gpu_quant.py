@@ -110,7 +110,7 @@ def main() -> int:
         for name in args.sweep.split(","):
             for kind in ("int4", "fp8"):
                 these = sorted((s for s in sweep if s["shape"] == name and s["kind"] == kind), key=lambda s: s["ms"])
-                for s in these[:5] + [s for s in these if s["pick"]]:
+                for s in these[:5] + [s for s in these[5:] if s["pick"]]:
                     mark = " (pick)" if s["pick"] else ""
                     print(f"  {name} {kind} {s['blocks']}: {s['ms'] * 1e3:.1f} us, {s['gbs']:.0f} GB/s{mark}")
     out = args.out or REPO_ROOT / "benchmarks" / "results" / "gpu-quant.json"

@@ -54,6 +54,7 @@ def _lowbit_matmul_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,  # products in float32 (the interpreter's bf16 dot is wrong)
+    IEEE: tl.constexpr,  # float32 activations: full-precision products (else TF32)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -86,6 +87,9 @@ def _lowbit_matmul_kernel(
             if UPCAST:
                 acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo.to(tl.float32)), input_precision="ieee")
                 acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi.to(tl.float32)), input_precision="ieee")
+            elif IEEE:
+                acc += tl.dot(x_lo, tl.trans(w_lo), input_precision="ieee")
+                acc += tl.dot(x_hi, tl.trans(w_hi), input_precision="ieee")
             else:
                 acc += tl.dot(x_lo, tl.trans(w_lo))
                 acc += tl.dot(x_hi, tl.trans(w_hi))
@@ -106,6 +110,8 @@ def _lowbit_matmul_kernel(
                 w = (byte.to(tl.float32) * d + m).to(dt)
             if UPCAST:
                 acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            elif IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
     mask = m_ok[:, None] & n_ok[None, :]
@@ -213,7 +219,8 @@ class LowbitWeight:
         }
         _lowbit_matmul_kernel[grid](
             x, self.qweight, self.scales, out, M, N, K, x.stride(0), self.scales.stride(0),
-            UPCAST=INTERPRETED, **tiles, **self._meta(), **extra,
+            UPCAST=INTERPRETED,
+            IEEE=x.dtype == torch.float32, **tiles, **self._meta(), **extra,
         )  # fmt: skip
         return out.sum(0).to(x.dtype) if split > 1 else out
 

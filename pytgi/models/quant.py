@@ -409,7 +409,7 @@ class GpuQuantizedWeight:
 
         N, K = w.shape
         self.kind, self.shape, self.act_dtype = kind, (N, K), act_dtype
-        self.dequantized = torch.empty(0, dtype=act_dtype)
+        self.dequantized = torch.empty(0, dtype=act_dtype, device=device)
         if kind == "fp8":
             assert isinstance(w, torch.Tensor)
             self.packed, self.scales = gpu_quant.quantize_fp8(w.to(device))
