@@ -3,7 +3,8 @@
 # DEADLINE (seconds, default 540) is left for it (issues 16 and 48).
 #
 #   bash benchmarks/gpu.sh [tests] [attention] [engine] [gguf] [fp8] [quant] [load]
-#        (no stage named: tests gguf fp8 quant load, in that order of priority)
+#        (no stage named: tests gguf fp8 quant load, in that order of priority; TESTS=files to test
+#        instead of the four below, RUNS="gguf-batch1 fp8-512 ..." to run only those engine runs)
 #
 # tests      tests/unit/test_gpu_kernels.py (the Triton kernels compiled, not interpreted) and
 #            tests/model/test_cuda.py (logits against transformers with the decode graphs, batched
@@ -64,11 +65,13 @@ $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton
 if has tests; then
     echo "== tests"
     xdist=$($PY -c "import xdist" 2>/dev/null && echo "-n 8")
-    run 60 $PY -m pytest -q -p no:cacheprovider -rs $xdist tests/unit/test_gpu_kernels.py tests/unit/test_gpu_quant.py \
-        tests/model/test_gpu_quant_models.py tests/model/test_cuda.py
+    TESTS=${TESTS:-tests/unit/test_gpu_kernels.py tests/unit/test_gpu_quant.py tests/model/test_gpu_quant_models.py
+                   tests/model/test_cuda.py}
+    run 60 $PY -m pytest -q -p no:cacheprovider -rs $xdist $TESTS
 fi
 engine() {  # NAME NEED ARGS...: benchmarks/engine.py on CUDA, its JSON in $OUT/engine-NAME.json
     local name=$1 need=$2; shift 2
+    if [ -n "${RUNS:-}" ] && [[ " $RUNS " != *" $name "* ]]; then return 0; fi  # RUNS: only these
     run "$need" $PY benchmarks/engine.py --device cuda --dtype bfloat16 --systems pytgi --out "$OUT/engine-$name.json" "$@"
 }
 batch1=(--num-prompts 1 --input-min 128 --input-max 128 --output-min 256 --output-max 256 --max-batch-size 1)

@@ -26,8 +26,8 @@ from pytgi.kernels import gpu_quant  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "head": (128256, 4096)}  # fmt: skip
-SWEEP = [(16, bn, bk, split, 4, st) for bn in (16, 32, 64) for bk in (128, 256) for split in (1, 4)
-         for st in (3, 4)]  # fmt: skip
+SWEEP = [(1, bn, bk, split, 4, 3) for bn in (8, 16, 32) for bk in (256, 512) for split in (1, 2)] + [
+    (1, 16, 512, 1, 8, 3), (1, 32, 512, 1, 8, 3), (1, 8, 256, 1, 2, 3), (1, 16, 256, 1, 2, 4)]  # fmt: skip
 
 
 def make(kind: str, N: int, K: int) -> gpu_quant.LowbitWeight | torch.Tensor:
@@ -67,7 +67,7 @@ def timed(ws: list, x: torch.Tensor, blocks=None) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="1,16,64,256")
+    p.add_argument("--sizes", default="1,4,16,64,256")
     p.add_argument("--kinds", default="bf16,int4,int8x16,fp8")
     p.add_argument("--sweep", default="gate_up,down", help="shapes whose batch-1 tiles are swept ('' none)")
     p.add_argument("--out", type=Path, default=None)
@@ -106,7 +106,7 @@ def main() -> int:
                 cells.append(f"{r['ms'] * 1e3:.0f} us, {r['gbs']:.0f}")
             print(f"| {name} | {M} | " + " | ".join(cells) + " |")
     if sweep:
-        print("\nbatch-1 tiles (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, warps, stages): best five and the pick")
+        print("\nbatch-1 tiles (BLOCK_M (1: GEMV), BLOCK_N, BLOCK_K, SPLIT, warps, stages): best five and the pick")
         for name in args.sweep.split(","):
             for kind in ("int4", "fp8"):
                 these = sorted((s for s in sweep if s["shape"] == name and s["kind"] == kind), key=lambda s: s["ms"])

@@ -29,7 +29,111 @@ import triton.language as tl
 
 from pytgi.kernels.gpu import INTERPRETED, fp8_to_f32
 
-DENSE_M = 1024  # more rows than this: dequantize once, then cuBLAS
+DENSE_M = 16  # more rows than this: FP8 per channel through torch._scaled_mm (W8A8), else the weight
+# dequantized to a scratch tensor and cuBLAS (the tiled kernel below reached a fifth of cuBLAS's speed)
+
+
+@triton.jit
+def _fp8_bytes(b, dtype: tl.constexpr, NATIVE: tl.constexpr):
+    """e4m3 bytes (uint8) → `dtype`, exactly: the GPU's own conversion, or (interpreter) bit moves."""
+    if NATIVE:
+        return b.to(tl.float8e4nv, bitcast=True).to(dtype)
+    return fp8_to_f32(b.to(tl.int32)).to(dtype)
+
+
+@triton.jit
+def _group_levels(w_ptr, s_ptr, rn64, n_ok, gk, gm, K, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """A tile's levels as float32, [BN, G, GROUP / 2] (low nibbles, then high ones times 16: inputs j
+    and j + 16) for BITS 4 or [BN, G, GROUP] for 8, and each group's d and m [BN, G]. `gk`: the first
+    input of each of the tile's G groups. A byte becomes a float as 2^23 + its bits, less 2^23 (two
+    cheap operations where an integer conversion runs at a quarter of the rate)."""
+    HALF: tl.constexpr = GROUP // 2 if BITS == 4 else GROUP
+    j = tl.arange(0, HALF)
+    mask = n_ok[:, None, None] & gm[None, :, None]
+    if BITS == 4:
+        off = rn64[:, None, None] * (K // 2) + (gk // 2)[None, :, None] + j[None, None, :]
+    else:
+        off = rn64[:, None, None] * K + gk[None, :, None] + j[None, None, :]
+    b = tl.load(w_ptr + off, mask=mask, other=0).to(tl.int32)
+    si = rn64[:, None] * (K // GROUP) + (gk // GROUP)[None, :]
+    d = tl.load(s_ptr + 2 * si, mask=n_ok[:, None] & gm[None, :], other=0.0).to(tl.float32)
+    m = tl.load(s_ptr + 2 * si + 1, mask=n_ok[:, None] & gm[None, :], other=0.0).to(tl.float32)
+    if BITS == 4:
+        lo = ((b & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        hi16 = ((b & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        return lo, hi16, d, m
+    q = (b | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return q, q, d, m
+
+
+@triton.jit
+def _lowbit_gemv_kernel(
+    x_ptr,  # [M, K]: each program takes one row
+    w_ptr,
+    s_ptr,
+    out_ptr,  # [SPLIT, M, N] float32 partial sums, or [M, N] in x's dtype when SPLIT == 1
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_s,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    FP8: tl.constexpr,
+    SN: tl.constexpr,
+    SK: tl.constexpr,
+    PER_TILE: tl.constexpr,  # FP8 with scales per block of inputs (SK divides into BLOCK_K's)
+    SPLIT: tl.constexpr,
+    PER_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NATIVE: tl.constexpr,
+):
+    """Steps of a few rows (decodes): no tensor cores, each weight tile read once per row (the rows of
+    one tile run side by side, so after the first the tile comes from L2). For levels on a grid the
+    scales come out of the sums: sum_j (d q_j + m) x_j = d sum_j q_j x_j + m sum_j x_j."""
+    row = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_k = tl.program_id(2)
+    n_ok = rn < N
+    rn64 = rn.to(tl.int64)
+    x_row = x_ptr + row.to(tl.int64) * stride_xm
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for kk in range(0, PER_SPLIT, BLOCK_K):
+        k0 = pid_k * PER_SPLIT + kk
+        if FP8:
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            x = tl.load(x_row + k, mask=km, other=0.0).to(tl.float32)
+            b = tl.load(w_ptr + rn64[:, None] * K + k[None, :], mask=n_ok[:, None] & km[None, :], other=0)
+            part = tl.sum(_fp8_bytes(b, tl.float32, NATIVE) * x[None, :], 1)
+            if PER_TILE:
+                part *= tl.load(s_ptr + (rn // SN) * stride_s + k0 // SK, mask=n_ok, other=0.0)
+            acc += part
+        else:
+            G: tl.constexpr = BLOCK_K // GROUP
+            HALF: tl.constexpr = GROUP // 2 if BITS == 4 else GROUP
+            gk = k0 + tl.arange(0, G) * GROUP
+            gm = gk < K
+            j = tl.arange(0, HALF)
+            lo, hi, d, m = _group_levels(w_ptr, s_ptr, rn64, n_ok, gk, gm, K, BITS, GROUP)
+            x_lo = tl.load(x_row + gk[:, None] + j[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
+            if BITS == 4:
+                x_hi = tl.load(x_row + gk[:, None] + HALF + j[None, :], mask=gm[:, None], other=0.0).to(
+                    tl.float32
+                )
+                dq = tl.sum(lo * x_lo[None, :, :] + hi * (x_hi * 0.0625)[None, :, :], 2)
+                sx = tl.sum(x_lo + x_hi, 1)
+            else:
+                dq = tl.sum(lo * x_lo[None, :, :], 2)
+                sx = tl.sum(x_lo, 1)
+            acc += tl.sum(d * dq + m * sx[None, :], 1)
+    if FP8 and not PER_TILE:
+        acc *= tl.load(s_ptr + (rn // SN) * stride_s, mask=n_ok, other=0.0)
+    if SPLIT == 1:
+        tl.store(out_ptr + row * N + rn, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(out_ptr + (pid_k * M + row) * N + rn, acc, mask=n_ok)
 
 
 @triton.jit
@@ -48,11 +152,13 @@ def _lowbit_matmul_kernel(
     FP8: tl.constexpr,
     SN: tl.constexpr,
     SK: tl.constexpr,
+    PER_TILE: tl.constexpr,
     SPLIT: tl.constexpr,
     PER_SPLIT: tl.constexpr,  # inputs per split, a multiple of BLOCK_K
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    NATIVE: tl.constexpr,  # the GPU's own e4m3 conversion
     UPCAST: tl.constexpr,  # products in float32 (the interpreter's bf16 dot is wrong)
     IEEE: tl.constexpr,  # float32 activations: full-precision products (else TF32)
 ):
@@ -68,52 +174,46 @@ def _lowbit_matmul_kernel(
     dt = x_ptr.dtype.element_ty
     for kk in range(0, PER_SPLIT, BLOCK_K):  # this program's inputs (the last split's may pass K)
         k0 = pid_k * PER_SPLIT + kk
-        if BITS == 4:
-            # byte b of the tile: group b // 16, inputs j and j + 16 of it (j = b % 16)
-            b = tl.arange(0, BLOCK_K // 2)
-            k_lo = k0 + (b // 16) * 32 + b % 16
-            k_hi = k_lo + 16
-            xm = m_ok[:, None] & (k_lo < K)[None, :]  # groups are whole: k_hi < K where k_lo is
-            wm = n_ok[:, None] & (k_lo < K)[None, :]
-            x_lo = tl.load(x_ptr + rm[:, None] * stride_xm + k_lo[None, :], mask=xm, other=0.0)
-            x_hi = tl.load(x_ptr + rm[:, None] * stride_xm + k_hi[None, :], mask=xm, other=0.0)
-            byte = tl.load(w_ptr + rn64[:, None] * (K // 2) + (k0 // 2 + b)[None, :], mask=wm, other=0)
-            byte = byte.to(tl.int32)
-            g = rn64[:, None] * (K // GROUP) + (k_lo // GROUP)[None, :]
-            d = tl.load(s_ptr + 2 * g, mask=wm, other=0.0).to(tl.float32)
-            m = tl.load(s_ptr + 2 * g + 1, mask=wm, other=0.0).to(tl.float32)
-            w_lo = ((byte & 15).to(tl.float32) * d + m).to(dt)
-            w_hi = ((byte >> 4).to(tl.float32) * d + m).to(dt)
-            if UPCAST:
-                acc += tl.dot(x_lo.to(tl.float32), tl.trans(w_lo.to(tl.float32)), input_precision="ieee")
-                acc += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi.to(tl.float32)), input_precision="ieee")
-            elif IEEE:
-                acc += tl.dot(x_lo, tl.trans(w_lo), input_precision="ieee")
-                acc += tl.dot(x_hi, tl.trans(w_hi), input_precision="ieee")
-            else:
-                acc += tl.dot(x_lo, tl.trans(w_lo))
-                acc += tl.dot(x_hi, tl.trans(w_hi))
-        else:
+        if FP8:
             k = k0 + tl.arange(0, BLOCK_K)
             wm = n_ok[:, None] & (k < K)[None, :]
             x = tl.load(
                 x_ptr + rm[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & (k < K)[None, :], other=0.0
             )
-            byte = tl.load(w_ptr + rn64[:, None] * K + k[None, :], mask=wm, other=0).to(tl.int32)
-            if FP8:
-                s = tl.load(s_ptr + (rn // SN)[:, None] * stride_s + (k // SK)[None, :], mask=wm, other=0.0)
-                w = (fp8_to_f32(byte) * s).to(dt)
-            else:
-                g = rn64[:, None] * (K // GROUP) + (k // GROUP)[None, :]
-                d = tl.load(s_ptr + 2 * g, mask=wm, other=0.0).to(tl.float32)
-                m = tl.load(s_ptr + 2 * g + 1, mask=wm, other=0.0).to(tl.float32)
-                w = (byte.to(tl.float32) * d + m).to(dt)
+            b = tl.load(w_ptr + rn64[:, None] * K + k[None, :], mask=wm, other=0)
+            w = _fp8_bytes(b, dt, NATIVE)  # exact in bf16 too: the scale comes after the sum
+            x_lo, w_lo, x_hi, w_hi = x, w, x, w
+        else:
+            G: tl.constexpr = BLOCK_K // GROUP
+            HALF: tl.constexpr = GROUP // 2 if BITS == 4 else GROUP
+            gk = k0 + tl.arange(0, G) * GROUP
+            gm = gk < K
+            lo, hi, d, m = _group_levels(w_ptr, s_ptr, rn64, n_ok, gk, gm, K, BITS, GROUP)
+            w_lo = tl.reshape(lo * d[:, :, None] + m[:, :, None], (BLOCK_N, G * HALF)).to(dt)
+            w_hi = tl.reshape(hi * (d * 0.0625)[:, :, None] + m[:, :, None], (BLOCK_N, G * HALF)).to(dt)
+            c = tl.arange(0, G * HALF)  # column c: group c // HALF, its input c % HALF (and + HALF)
+            k_lo = k0 + (c // HALF) * GROUP + c % HALF
+            xm = m_ok[:, None] & (k_lo < K)[None, :]
+            x_lo = tl.load(x_ptr + rm[:, None] * stride_xm + k_lo[None, :], mask=xm, other=0.0)
+            x_hi = tl.load(x_ptr + rm[:, None] * stride_xm + (k_lo + HALF)[None, :], mask=xm, other=0.0)
+        if UPCAST:
+            part = tl.dot(x_lo.to(tl.float32), tl.trans(w_lo.to(tl.float32)), input_precision="ieee")
+        elif IEEE:
+            part = tl.dot(x_lo, tl.trans(w_lo), input_precision="ieee")
+        else:
+            part = tl.dot(x_lo, tl.trans(w_lo))
+        if BITS == 4 and not FP8:
             if UPCAST:
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+                part += tl.dot(x_hi.to(tl.float32), tl.trans(w_hi.to(tl.float32)), input_precision="ieee")
             elif IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                part += tl.dot(x_hi, tl.trans(w_hi), input_precision="ieee")
             else:
-                acc += tl.dot(x, tl.trans(w))
+                part += tl.dot(x_hi, tl.trans(w_hi))
+        if FP8 and PER_TILE:
+            part *= tl.load(s_ptr + (rn // SN) * stride_s + k0 // SK, mask=n_ok, other=0.0)[None, :]
+        acc += part
+    if FP8 and not PER_TILE:
+        acc *= tl.load(s_ptr + (rn // SN) * stride_s, mask=n_ok, other=0.0)[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
         tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -151,18 +251,26 @@ def _dequantize_kernel(
     tl.store(out_ptr + rn64[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+GEMV_M = 4  # steps of at most this many rows take the kernel without tensor cores
+
+
 def _blocks(M: int, N: int, K: int, bits: int, sms: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, warps, stages) for a step of M rows. Small steps read the
-    weight once and are bound by its bytes: narrow column tiles and, where those still leave the GPU's
-    multiprocessors short of programs, the inputs split over several; bigger steps take square
-    tiles."""
-    if M <= 16:
-        bn, bk = 32, 256 if bits == 4 else 128
-        programs = triton.cdiv(N, bn)
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT, warps, stages) for a step of M rows (BLOCK_M 1: the GEMV
+    kernel). Small steps read the weight once and are bound by its bytes: narrow column tiles and,
+    where those leave the multiprocessors short of programs, the inputs split over several; bigger
+    steps take square tiles."""
+    if M <= GEMV_M:
+        bn, bk = 16, 256
         split = 1
-        while programs * split < 4 * sms and K // (split * 2) >= 4 * bk:
+        while triton.cdiv(N, bn) * split < 2 * sms and K // (split * 2) >= 4 * bk:
             split *= 2
-        return 16, bn, bk, split, 4, 4
+        return 1, bn, bk, split, 4, 3
+    if M <= 16:
+        bn, bk = 16, 256 if bits == 4 else 128
+        split = 1
+        while triton.cdiv(N, bn) * split < 2 * sms and K // (split * 2) >= 4 * bk:
+            split *= 2
+        return 16, bn, bk, split, 4, 3
     if M <= 64:
         return 64 if M > 32 else 32, 64, 128 if bits == 4 else 64, 1, 4, 4
     return 128, 128, 64, 1, 8, 3
@@ -187,10 +295,27 @@ class LowbitWeight:
         self.sn, self.sk = fp8_block or (1, 1)
         dev = qweight.device
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
+        self.scaled_mm = True  # until torch._scaled_mm refuses
+
+    def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
+        """Big steps with per-channel FP8 weights: each row of x to e4m3 with its own scale, then the
+        FP8 tensor cores (torch._scaled_mm, rowwise scales), as vLLM's dynamic FP8 does."""
+        xs = (x.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+        xq = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w = self.qweight.view(torch.float8_e4m3fn)
+        return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=self.scales.view(1, -1), out_dtype=x.dtype)
 
     def _meta(self) -> dict[str, int | bool]:
         bits = 8 if self.fp8 else self.bits
-        return {"BITS": bits, "GROUP": self.group, "FP8": self.fp8, "SN": self.sn, "SK": self.sk}
+        per_tile = self.fp8 and self.sk < self.shape[1]
+        return {
+            "BITS": bits,
+            "GROUP": self.group,
+            "FP8": self.fp8,
+            "SN": self.sn,
+            "SK": self.sk,
+            "PER_TILE": per_tile,
+        }
 
     def matmul(
         self, x: torch.Tensor, blocks: tuple[int, int, int, int, int, int] | None = None
@@ -200,6 +325,11 @@ class LowbitWeight:
         x = x.contiguous()
         M = x.shape[0]
         if M > DENSE_M and blocks is None:
+            if self.fp8 and self.sk == K and x.dtype == torch.bfloat16 and self.scaled_mm:
+                try:
+                    return self._w8a8(x)
+                except RuntimeError:  # a shape or build that _scaled_mm refuses: dequantize instead
+                    self.scaled_mm = False
             return torch.nn.functional.linear(x, self.dequantize(x.dtype))
         bm, bn, bk, split, warps, stages = blocks or _blocks(M, N, K, self.bits or 8, self.sms)
         if split > 1:
@@ -208,20 +338,20 @@ class LowbitWeight:
             out = torch.empty((M, N), dtype=x.dtype, device=x.device)
         if M == 0:
             return out.new_empty((0, N), dtype=x.dtype) if split > 1 else out
-        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+        if self.fp8 and self.sk < K:  # scales per block of inputs: whole blocks a tile
+            bk = min(bk, self.sk)
         extra = {} if INTERPRETED else {"num_warps": warps, "num_stages": stages}
-        tiles = {
-            "BLOCK_M": bm,
-            "BLOCK_N": bn,
-            "BLOCK_K": bk,
-            "SPLIT": split,
-            "PER_SPLIT": triton.cdiv(K, split * bk) * bk,
-        }
-        _lowbit_matmul_kernel[grid](
-            x, self.qweight, self.scales, out, M, N, K, x.stride(0), self.scales.stride(0),
-            UPCAST=INTERPRETED,
-            IEEE=x.dtype == torch.float32, **tiles, **self._meta(), **extra,
-        )  # fmt: skip
+        tiles = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "PER_SPLIT": triton.cdiv(K, split * bk) * bk}
+        args = (x, self.qweight, self.scales, out, M, N, K, x.stride(0), self.scales.stride(0))
+        if bm == 1:
+            _lowbit_gemv_kernel[(M, triton.cdiv(N, bn), split)](
+                *args, NATIVE=not INTERPRETED, **tiles, **self._meta(), **extra
+            )
+        else:
+            _lowbit_matmul_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn), split)](
+                *args, BLOCK_M=bm, NATIVE=not INTERPRETED, UPCAST=INTERPRETED, IEEE=x.dtype == torch.float32,
+                **tiles, **self._meta(), **extra,
+            )  # fmt: skip
         return out.sum(0).to(x.dtype) if split > 1 else out
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
@@ -238,7 +368,7 @@ class LowbitWeight:
             self.scales.stride(0),
             BLOCK_N=32,
             BLOCK_K=128,
-            **self._meta(),
+            **{k: v for k, v in self._meta().items() if k != "PER_TILE"},
         )
         return out
 

@@ -65,11 +65,12 @@ def test_small_steps_split_the_inputs_and_add_in_a_fixed_order():
     u, d, m, w = levels(N, K, 4, 32)
     W = weight(u, d, m, 4, 32)
     x = torch.randn(2, K).to(DEVICE)
-    whole = W.matmul(x, blocks=(16, 32, 256, 1, 4, 4))
-    split = W.matmul(x, blocks=(16, 32, 256, 4, 4, 4))
-    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
-    assert torch.equal(split, W.matmul(x, blocks=(16, 32, 256, 4, 4, 4)))  # the same bits every run
-    close(split, x.cpu() @ w.t(), torch.float32)
+    for bm in (1, 16):  # the GEMV kernel and the tensor cores'
+        whole = W.matmul(x, blocks=(bm, 16, 256, 1, 4, 4))
+        split = W.matmul(x, blocks=(bm, 16, 256, 4, 4, 4))
+        torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+        assert torch.equal(split, W.matmul(x, blocks=(bm, 16, 256, 4, 4, 4)))  # the same bits every run
+        close(split, x.cpu() @ w.t(), torch.float32)
 
 
 def test_big_prompt_steps_take_the_dequantized_weight(monkeypatch):
@@ -94,7 +95,8 @@ def test_fp8_bytes_read_as_e4m3():
 
 @pytest.mark.parametrize("block", [None, (32, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_matmul_per_channel_and_block_scales(block, dtype):
+@pytest.mark.parametrize("M", [1, 3, 9])
+def test_fp8_matmul_per_channel_and_block_scales(block, dtype, M):
     N, K = 64, 256
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(2)) * 0.02
     q, s = gpu_quant.quantize_fp8(w, block)
@@ -104,7 +106,7 @@ def test_fp8_matmul_per_channel_and_block_scales(block, dtype):
     assert (ref_w - w).abs().max() <= w.abs().max() / 16  # e4m3: 3 bits of mantissa
     W = gpu_quant.LowbitWeight(q.to(DEVICE), s.to(DEVICE), (N, K), 0, fp8_block=b)
     assert torch.equal(W.dequantize(torch.float32).cpu(), ref_w)
-    x = torch.randn(3, K).to(dtype)
+    x = torch.randn(M, K).to(dtype)
     close(W.matmul(x.to(DEVICE)), x.float() @ ref_w.to(dtype).float().t(), dtype)
 
 
@@ -122,3 +124,19 @@ def test_gpu_quantized_weight_from_levels_by_rows_or_from_a_float_weight():
     Q = GpuQuantizedWeight("fp8", f.to(DEVICE), torch.float32, DEVICE)
     q, s = gpu_quant.quantize_fp8(f)
     close(Q.matmul(x.to(DEVICE)), x @ gpu_quant.fp8_values(q, s, (1, K)).t(), torch.float32)
+
+
+def test_big_fp8_steps_quantize_the_activations_per_row():
+    """W8A8 through torch._scaled_mm (where it runs: its CPU build too): each row of x on its own e4m3
+    grid, so a step's rows are those of the FP8 product of their own values."""
+    N, K, M = 32, 64, 40
+    w = torch.randn(N, K) * 0.02
+    q, s = gpu_quant.quantize_fp8(w)
+    W = gpu_quant.LowbitWeight(q.to(DEVICE), s.to(DEVICE), (N, K), 0, fp8_block=(1, K))
+    x = torch.randn(M, K).to(torch.bfloat16)
+    xs = x.float().abs().amax(dim=1, keepdim=True) / 448
+    xq = (x.float() / xs).to(torch.float8_e4m3fn).float() * xs
+    ref = xq @ gpu_quant.fp8_values(q, s, (1, K)).t()
+    y = W.matmul(x.to(DEVICE))
+    assert W.scaled_mm  # it ran
+    close(y, ref, torch.bfloat16)
