@@ -69,9 +69,10 @@ if has tests; then
                    tests/model/test_cuda.py}
     run 60 $PY -m pytest -q -p no:cacheprovider -rs $xdist $TESTS
 fi
+want() { [ -z "${RUNS:-}" ] || [[ " $RUNS " == *" $1 "* ]]; }  # RUNS: only these runs
 engine() {  # NAME NEED ARGS...: benchmarks/engine.py on CUDA, its JSON in $OUT/engine-NAME.json
     local name=$1 need=$2; shift 2
-    if [ -n "${RUNS:-}" ] && [[ " $RUNS " != *" $name "* ]]; then return 0; fi  # RUNS: only these
+    want "$name" || return 0
     run "$need" $PY benchmarks/engine.py --device cuda --dtype bfloat16 --systems pytgi --out "$OUT/engine-$name.json" "$@"
 }
 batch1=(--num-prompts 1 --input-min 128 --input-max 128 --output-min 256 --output-max 256 --max-batch-size 1)
@@ -84,11 +85,11 @@ if has gguf; then
     gguf=/tmp/l8b-q4_k_m.gguf
     [ -f $gguf ] || run 30 $PY benchmarks/make_random_gguf.py --shape llama8b --tokenizer .gpu/tok.gguf $gguf
     [ -f $gguf ] && engine gguf-batch1 60 --model $gguf "${batch1[@]}"
-    [ -f $gguf ] && run 45 $PY benchmarks/gpu_step.py --model $gguf --sizes 1,64 --prefill 4x1024 --out "$OUT/gpu-step-gguf.json"
+    want gguf-step && [ -f $gguf ] && run 45 $PY benchmarks/gpu_step.py --model $gguf --sizes 1,64 --prefill 4x1024 --out "$OUT/gpu-step-gguf.json"
 fi
 if has fp8; then
     echo "== fp8"
-    [ -f $model/config.json ] || run 90 $PY benchmarks/engine.py --make-random-model $model --shape llama3-8b $tok
+    [ -f $model/config.json ] || ! want fp8-model || run 90 $PY benchmarks/engine.py --make-random-model $model --shape llama3-8b $tok
     if [ -f $model/config.json ]; then
         engine bf16-batch1 45 --model $model "${batch1[@]}"
         engine fp8-batch1 45 --model $model --quantize fp8 "${batch1[@]}"

@@ -42,12 +42,13 @@ def _fp8_bytes(b, dtype: tl.constexpr, NATIVE: tl.constexpr):
 
 
 @triton.jit
-def _group_levels(w_ptr, s_ptr, rn64, n_ok, gk, gm, K, BITS: tl.constexpr, GROUP: tl.constexpr):
+def _group_levels(
+    w_ptr, s_ptr, rn64, n_ok, gk, gm, K, BITS: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr
+):
     """A tile's levels as float32, [BN, G, GROUP / 2] (low nibbles, then high ones times 16: inputs j
     and j + 16) for BITS 4 or [BN, G, GROUP] for 8, and each group's d and m [BN, G]. `gk`: the first
     input of each of the tile's G groups. A byte becomes a float as 2^23 + its bits, less 2^23 (two
     cheap operations where an integer conversion runs at a quarter of the rate)."""
-    HALF: tl.constexpr = GROUP // 2 if BITS == 4 else GROUP
     j = tl.arange(0, HALF)
     mask = n_ok[:, None, None] & gm[None, :, None]
     if BITS == 4:
@@ -79,6 +80,8 @@ def _lowbit_gemv_kernel(
     stride_s,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    HALF: tl.constexpr,  # levels per group held in one half of its bytes (GROUP / 2 for BITS 4)
+    G: tl.constexpr,  # groups per tile (BLOCK_K / GROUP)
     FP8: tl.constexpr,
     SN: tl.constexpr,
     SK: tl.constexpr,
@@ -111,12 +114,10 @@ def _lowbit_gemv_kernel(
                 part *= tl.load(s_ptr + (rn // SN) * stride_s + k0 // SK, mask=n_ok, other=0.0)
             acc += part
         else:
-            G: tl.constexpr = BLOCK_K // GROUP
-            HALF: tl.constexpr = GROUP // 2 if BITS == 4 else GROUP
             gk = k0 + tl.arange(0, G) * GROUP
             gm = gk < K
             j = tl.arange(0, HALF)
-            lo, hi, d, m = _group_levels(w_ptr, s_ptr, rn64, n_ok, gk, gm, K, BITS, GROUP)
+            lo, hi, d, m = _group_levels(w_ptr, s_ptr, rn64, n_ok, gk, gm, K, BITS, GROUP, HALF)
             x_lo = tl.load(x_row + gk[:, None] + j[None, :], mask=gm[:, None], other=0.0).to(tl.float32)
             if BITS == 4:
                 x_hi = tl.load(x_row + gk[:, None] + HALF + j[None, :], mask=gm[:, None], other=0.0).to(
@@ -149,6 +150,8 @@ def _lowbit_matmul_kernel(
     stride_s,  # FP8: the scales' row stride
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    HALF: tl.constexpr,  # levels per group held in one half of its bytes (GROUP / 2 for BITS 4)
+    G: tl.constexpr,  # groups per tile (BLOCK_K / GROUP)
     FP8: tl.constexpr,
     SN: tl.constexpr,
     SK: tl.constexpr,
@@ -184,11 +187,9 @@ def _lowbit_matmul_kernel(
             w = _fp8_bytes(b, dt, NATIVE)  # exact in bf16 too: the scale comes after the sum
             x_lo, w_lo, x_hi, w_hi = x, w, x, w
         else:
-            G: tl.constexpr = BLOCK_K // GROUP
-            HALF: tl.constexpr = GROUP // 2 if BITS == 4 else GROUP
             gk = k0 + tl.arange(0, G) * GROUP
             gm = gk < K
-            lo, hi, d, m = _group_levels(w_ptr, s_ptr, rn64, n_ok, gk, gm, K, BITS, GROUP)
+            lo, hi, d, m = _group_levels(w_ptr, s_ptr, rn64, n_ok, gk, gm, K, BITS, GROUP, HALF)
             w_lo = tl.reshape(lo * d[:, :, None] + m[:, :, None], (BLOCK_N, G * HALF)).to(dt)
             w_hi = tl.reshape(hi * (d * 0.0625)[:, :, None] + m[:, :, None], (BLOCK_N, G * HALF)).to(dt)
             c = tl.arange(0, G * HALF)  # column c: group c // HALF, its input c % HALF (and + HALF)
@@ -343,6 +344,7 @@ class LowbitWeight:
         extra = {} if INTERPRETED else {"num_warps": warps, "num_stages": stages}
         tiles = {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT": split, "PER_SPLIT": triton.cdiv(K, split * bk) * bk}
         args = (x, self.qweight, self.scales, out, M, N, K, x.stride(0), self.scales.stride(0))
+        tiles |= {"G": max(1, bk // self.group), "HALF": self.group // 2 if self.bits == 4 else self.group}
         if bm == 1:
             _lowbit_gemv_kernel[(M, triton.cdiv(N, bn), split)](
                 *args, NATIVE=not INTERPRETED, **tiles, **self._meta(), **extra
