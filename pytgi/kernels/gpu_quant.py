@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pytgi.kernels.gpu import INTERPRETED, fp8_to_f32
+from pytgi.kernels.gpu import INTERPRETED, f32_to_fp8, fp8_to_f32
 
 DENSE_M = 16  # more rows than this: FP8 per channel through torch._scaled_mm (W8A8), else the weight
 # dequantized to a scratch tensor and cuBLAS (the tiled kernel below reached a fifth of cuBLAS's speed)
@@ -225,34 +225,67 @@ def _lowbit_matmul_kernel(
 @triton.jit
 def _dequantize_kernel(
     w_ptr, s_ptr, out_ptr, N, K, stride_s,
-    BITS: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr, SN: tl.constexpr, SK: tl.constexpr,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HALF: tl.constexpr, G: tl.constexpr, FP8: tl.constexpr,
+    SN: tl.constexpr, SK: tl.constexpr, PER_TILE: tl.constexpr, NATIVE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """The weight in the output's dtype, a tile of BLOCK_N rows and BLOCK_K inputs a program (whole
+    groups: G of them; FP8 tiles within one block of scales)."""
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k0 = tl.program_id(1) * BLOCK_K
+    n_ok = rn < N
     rn64 = rn.to(tl.int64)
-    mask = (rn < N)[:, None] & (k < K)[None, :]
-    if BITS == 4:
-        g_in = k % 32  # input j < 16: byte j's low nibble; j >= 16: byte j - 16's high one
-        byte = tl.load(
-            w_ptr + rn64[:, None] * (K // 2) + ((k // 32) * 16 + g_in % 16)[None, :], mask=mask, other=0
-        )
-        byte = byte.to(tl.int32)
-        lvl = tl.where((g_in < 16)[None, :], byte & 15, byte >> 4)
-    else:
-        lvl = tl.load(w_ptr + rn64[:, None] * K + k[None, :], mask=mask, other=0).to(tl.int32)
+    dt = out_ptr.dtype.element_ty
     if FP8:
-        s = tl.load(s_ptr + (rn // SN)[:, None] * stride_s + (k // SK)[None, :], mask=mask, other=0.0)
-        w = fp8_to_f32(lvl) * s
+        k = k0 + tl.arange(0, BLOCK_K)
+        mask = n_ok[:, None] & (k < K)[None, :]
+        b = tl.load(w_ptr + rn64[:, None] * K + k[None, :], mask=mask, other=0)
+        scale = tl.load(s_ptr + (rn // SN) * stride_s + (k0 // SK if PER_TILE else 0), mask=n_ok, other=0.0)
+        w = _fp8_bytes(b, tl.float32, NATIVE) * scale[:, None]
+        tl.store(out_ptr + rn64[:, None] * K + k[None, :], w.to(dt), mask=mask)
     else:
-        g = rn64[:, None] * (K // GROUP) + (k // GROUP)[None, :]
-        d = tl.load(s_ptr + 2 * g, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(s_ptr + 2 * g + 1, mask=mask, other=0.0).to(tl.float32)
-        w = lvl.to(tl.float32) * d + m
-    tl.store(out_ptr + rn64[:, None] * K + k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+        gk = k0 + tl.arange(0, G) * GROUP
+        gm = gk < K
+        j = tl.arange(0, HALF)
+        lo, hi, d, m = _group_levels(w_ptr, s_ptr, rn64, n_ok, gk, gm, K, BITS, GROUP, HALF)
+        mask = n_ok[:, None, None] & gm[None, :, None]
+        at = out_ptr + rn64[:, None, None] * K + gk[None, :, None] + j[None, None, :]
+        tl.store(at, (lo * d[:, :, None] + m[:, :, None]).to(dt), mask=mask)
+        if BITS == 4:
+            tl.store(at + HALF, (hi * (d * 0.0625)[:, :, None] + m[:, :, None]).to(dt), mask=mask)
 
 
-GEMV_M = 4  # steps of at most this many rows take the kernel without tensor cores
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, BLOCK: tl.constexpr):
+    """One row of activations to e4m3 bytes with its own scale (its largest magnitude becomes 448)."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(
+            amax, tl.abs(tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32))
+        )
+    scale = tl.maximum(tl.max(amax, 0) / 448.0, 1e-12)
+    for k0 in range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+        code = f32_to_fp8(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+        tl.store(q_ptr + row * K + k, code.to(tl.uint8), mask=k < K)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → (e4m3 [M, K], float32 scales [M, 1]): one launch (PyTorch's ops took six)."""
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=torch.uint8, device=x.device)
+    scales = torch.empty((M, 1), dtype=torch.float32, device=x.device)
+    if M:
+        _quantize_rows_kernel[(M,)](x, q, scales, K, x.stride(0), BLOCK=1024)
+    return q.view(torch.float8_e4m3fn), scales
+
+
+GEMV_M = 1  # steps of at most this many rows take the kernel without tensor cores (at 4 rows the
+# tile kernel was as fast or faster: benchmarks/gpu_quant.py on the H200)
 
 
 def _blocks(M: int, N: int, K: int, bits: int, sms: int) -> tuple[int, int, int, int, int, int]:
@@ -260,8 +293,8 @@ def _blocks(M: int, N: int, K: int, bits: int, sms: int) -> tuple[int, int, int,
     kernel). Small steps read the weight once and are bound by its bytes: narrow column tiles and,
     where those leave the multiprocessors short of programs, the inputs split over several; bigger
     steps take square tiles."""
-    if M <= GEMV_M:
-        bn, bk = 16, 256
+    if M <= GEMV_M:  # the H200's best tiles for an 8B's linears (docs/cuda.md)
+        bn, bk = (32, 256) if bits == 0 else (16, 512)
         split = 1
         while triton.cdiv(N, bn) * split < 2 * sms and K // (split * 2) >= 4 * bk:
             split *= 2
@@ -301,8 +334,7 @@ class LowbitWeight:
     def _w8a8(self, x: torch.Tensor) -> torch.Tensor:
         """Big steps with per-channel FP8 weights: each row of x to e4m3 with its own scale, then the
         FP8 tensor cores (torch._scaled_mm, rowwise scales), as vLLM's dynamic FP8 does."""
-        xs = (x.float().abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
-        xq = (x.float() / xs).clamp(-448, 448).to(torch.float8_e4m3fn)
+        xq, xs = quantize_rows_fp8(x)
         w = self.qweight.view(torch.float8_e4m3fn)
         return torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=self.scales.view(1, -1), out_dtype=x.dtype)
 
@@ -332,7 +364,7 @@ class LowbitWeight:
                 except RuntimeError:  # a shape or build that _scaled_mm refuses: dequantize instead
                     self.scaled_mm = False
             return torch.nn.functional.linear(x, self.dequantize(x.dtype))
-        bm, bn, bk, split, warps, stages = blocks or _blocks(M, N, K, self.bits or 8, self.sms)
+        bm, bn, bk, split, warps, stages = blocks or _blocks(M, N, K, self.bits, self.sms)
         if split > 1:
             out = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
         else:
@@ -360,18 +392,17 @@ class LowbitWeight:
         """The weight as `dtype` [N, K]: the values the product multiplies by."""
         N, K = self.shape
         out = torch.empty((N, K), dtype=dtype, device=self.qweight.device)
-        grid = (triton.cdiv(N, 32), triton.cdiv(K, 128))
-        _dequantize_kernel[grid](
-            self.qweight,
-            self.scales,
-            out,
-            N,
-            K,
-            self.scales.stride(0),
-            BLOCK_N=32,
-            BLOCK_K=128,
-            **{k: v for k, v in self._meta().items() if k != "PER_TILE"},
-        )
+        bn, bk = 32, 256
+        if self.fp8 and self.sk < K:
+            bk = min(bk, self.sk)
+        meta = self._meta() | {
+            "G": max(1, bk // self.group),
+            "HALF": self.group // 2 if self.bits == 4 else self.group,
+        }
+        _dequantize_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+            self.qweight, self.scales, out, N, K, self.scales.stride(0),
+            NATIVE=not INTERPRETED, BLOCK_N=bn, BLOCK_K=bk, **meta,
+        )  # fmt: skip
         return out
 
 
