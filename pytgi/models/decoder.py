@@ -38,6 +38,7 @@ from pytgi.models.attention import (
     get_backend,
     layer_metadata,
 )
+from pytgi.models.checkpoint_quant import QuantizedCheckpoint, grid_of, linear_levels
 from pytgi.models.cpu import CpuKernels, TorchOps
 from pytgi.models.decoder_loop import DecoderLoop, GemmaDecoderLoop
 from pytgi.models.gguf_weights import DECODERS, ROWS_PER_SLICE, GGUFWeights
@@ -392,6 +393,29 @@ class DecoderModel(nn.Module):
         if table:
             self._packed_table(weights, act_dtype)
 
+    def load_quantized_checkpoint(self, ckpt: QuantizedCheckpoint, act_dtype: torch.dtype) -> None:
+        """Load a GPTQ / AWQ checkpoint (`pytgi.models.checkpoint_quant`): its quantized linears packed
+        from their levels (`CheckpointQuant.kind`, no float copy), the rest as they are; a linear whose
+        shard does not fall on whole groups is dequantized instead."""
+        kind = ckpt.quant.kind
+        packed: dict[nn.Module, list[str]] = {}
+        for mod, (_, names) in self.planned(kind).items():
+            modules = [n.removesuffix(".weight") for n in names]
+            if mod is self.lm_head or not all(m in ckpt.linears for m in modules):
+                continue
+            if not isinstance(mod, RowParallelLinear) or mod.in_start % _group(ckpt, modules[0]) == 0:
+                packed[mod] = names
+        own = {id(m): n for n, m in self.named_modules()}
+        skip = frozenset(n.removesuffix(".weight") for names in packed.values() for n in names)
+        self.load_weights(
+            ckpt.dense_tensors(skip), expect_missing={f"{own[id(mod)]}.weight" for mod in packed}
+        )
+        self.quantize(
+            {name: kind for names in packed.values() for name in names},
+            act_dtype,
+            {mod: functools.partial(_checkpoint_layout, ckpt, mod, names) for mod, names in packed.items()},
+        )
+
     def _packed_table(self, weights: GGUFWeights, act_dtype: torch.dtype) -> None:
         """The embedding table as a packed weight's rows: the tied head's, or its own from the file's
         blocks; dequantized into `weight` where the packed layout cannot hold it."""
@@ -484,6 +508,41 @@ def _packable(weights: GGUFWeights, mod: nn.Module, kind: str, names: list[str])
     if isinstance(mod, RowParallelLinear):
         return mod.in_start % GROUP == 0 and mod.local_in % GROUP == 0
     return True
+
+
+def _in_out(ckpt: QuantizedCheckpoint, module: str) -> tuple[int, int]:
+    """A quantized linear's (inputs, outputs), from the checkpoint's shapes."""
+    qw = ckpt.shapes[f"{module}.qweight"]
+    K = qw[0] * (32 // ckpt.quant.bits) if ckpt.quant.method == "gptq" else qw[0]
+    return K, ckpt.shapes[f"{module}.scales"][1]
+
+
+def _group(ckpt: QuantizedCheckpoint, module: str) -> int:
+    """A quantized linear's group of inputs in the checkpoint (its whole row for group_size -1)."""
+    return _in_out(ckpt, module)[0] // ckpt.shapes[f"{module}.scales"][0]
+
+
+def _checkpoint_layout(ckpt: QuantizedCheckpoint, mod: nn.Module, names: list[str], kind: str) -> LayoutRows:
+    """This rank's part of a quantized checkpoint's linear, in `kind`'s layout, a part at a time."""
+    modules = [n.removesuffix(".weight") for n in names]
+
+    def slices() -> Iterator[Layout]:
+        for i, module in enumerate(modules):
+            rows = mod.shards[i] if isinstance(mod, ColumnParallelLinear) else None
+            levels, zeros, scales = linear_levels(
+                ckpt.quant, ckpt.parts(module), None if rows is None else (rows[0], rows[0] + rows[1])
+            )
+            if isinstance(mod, RowParallelLinear):
+                group = _group(ckpt, module)
+                cols = slice(mod.in_start, mod.in_start + mod.local_in)
+                levels = levels[:, cols]
+                zeros, scales = (t[:, cols.start // group : cols.stop // group] for t in (zeros, scales))
+            yield grid_of(ckpt.quant, levels, zeros, scales, kind)
+
+    K, N = _in_out(ckpt, modules[0])
+    if isinstance(mod, ColumnParallelLinear):
+        return LayoutRows((sum(mod.shards[i][1] for i in range(len(modules))), K), slices)
+    return LayoutRows((N, mod.local_in if isinstance(mod, RowParallelLinear) else K), slices)
 
 
 def _grid_layout(weights: GGUFWeights, mod: nn.Module, names: list[str], kind: str) -> LayoutRows:

@@ -16,6 +16,7 @@ import torch
 
 from pytgi.errors import UnsupportedModel
 from pytgi.models import gemma3_vision, idefics3, llava, qwen2_vl
+from pytgi.models.checkpoint_quant import QuantizedCheckpoint, UnsupportedQuantization, read_quantization
 from pytgi.models.cpu import CpuKernels
 from pytgi.models.decoder import DecoderConfig, DecoderModel, StepImages
 from pytgi.models.gemma import gemma_config
@@ -251,8 +252,25 @@ def load_model(
     vision = VISION.get(arch)
     text = vision[1](hf) if vision else hf
     cfg = MODELS[text["architectures"][0]](text)
-    plan = resolve_plan(quantize, path, dtype, device, gpu=cpu.triton)
     gguf = open_gguf(path)
+    checkpoint = read_quantization(path) if gguf is None else None
+    if checkpoint is not None:  # GPTQ, AWQ: served as published
+        if vision:
+            raise UnsupportedQuantization(f"a quantized vision model ({checkpoint.method}) is not served yet")
+        if quantize not in ("auto", "none"):
+            raise ValueError(
+                f"--quantize {quantize}: this checkpoint is quantized already ({checkpoint.method})"
+            )
+        ckpt = QuantizedCheckpoint(path, checkpoint)
+        with _default_dtype(dtype), torch.device(device):
+            decoder = DecoderModel(cfg, cpu, attention)
+        # float32 stays exact (the checkpoint's values, dequantized); otherwise the levels are packed
+        if quantize == "auto" and dtype != torch.float32 and (device.type == "cpu" or cpu.triton):
+            decoder.load_quantized_checkpoint(ckpt, dtype)
+        else:
+            decoder.load_weights(ckpt.dense_tensors())
+        return decoder.eval()
+    plan = resolve_plan(quantize, path, dtype, device, gpu=cpu.triton)
     if gguf is not None and not vision and isinstance(plan, dict):
         # A GGUF file's tensors are read one at a time, the quantized linears packed from their blocks
         # as they are and the rest dequantized to `dtype`: never a float copy of the model.

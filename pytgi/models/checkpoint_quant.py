@@ -1,0 +1,218 @@
+"""Pre-quantized Hugging Face checkpoints: their `quantization_config`, read and served as published.
+
+A checkpoint quantized by GPTQ (AutoGPTQ, GPTQModel) or AWQ (AutoAWQ's GEMM packing) stores each
+linear as packed integer levels with a scale and a zero point per group of inputs. Those are exactly
+the grids pytgi's low-bit layouts hold (`pytgi.models.quant.grid_layout`'s w = d·u + m per group of 32),
+so the levels are moved, never rounded again:
+
+- 4-bit, symmetric (GPTQ's `sym`, zero 8): int4 with u = q, d = scale, m = −8·scale (exact in fp16);
+- 4-bit with zero points (GPTQ asymmetric, AWQ): int4 with m = −zero·scale, the one product rounded to
+  fp16 (half an fp16 step of zero·scale at most), or, with `exact`, int8 (u = q − zero + 128,
+  m = −128·scale: exact, at twice the bytes);
+- 8-bit: int8 with u = q − zero + 128, m = −128·scale (exact).
+
+A checkpoint's group of 32, 64 or 128 inputs (or one group for the whole row, `group_size: -1`) is its
+grid repeated for each 32 inputs. Formats still to come (compressed-tensors, FP8, bitsandbytes, GPTQ with
+`desc_act` reordering, EXL2, ...) are refused at start with the list of what is served, never loaded as
+if they were float weights.
+
+The layouts (GPTQ's v1 format, as AutoGPTQ writes it):
+- GPTQ: `qweight` int32 [K / (32 / bits), N], input k's level in bits (k mod (32 / bits))·bits of row
+  k / (32 / bits); `qzeros` int32 [groups, N / (32 / bits)], output n's zero likewise along the row, stored
+  minus one ("v1"; `checkpoint_format: gptq_v2` stores it as it is); `scales` fp16 [groups, N]; `g_idx`
+  int32 [K], input k's group (k / group_size unless `desc_act` reordered them).
+- AWQ (GEMM): `qweight` int32 [K, N / 8], the 8 outputs of an int32 in the nibble order 0, 2, 4, 6, 1,
+  3, 5, 7 (output c of the 8 in nibble (c mod 2)·4 + c / 2); `qzeros` int32 [groups, N / 8] likewise;
+  `scales` fp16 [groups, N]; w = (q − zero)·scale.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pytgi.errors import UnsupportedModel
+
+SERVED = ("gptq (bits 4 or 8, any group size, sym or not, without desc_act reordering)", "awq (gemm, 4 bits)")
+PARTS = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tensors, beside its bias
+
+
+class UnsupportedQuantization(UnsupportedModel):
+    pass
+
+
+@dataclass(frozen=True)
+class CheckpointQuant:
+    """A checkpoint's quantization, as far as pytgi serves it."""
+
+    method: str  # "gptq" | "awq"
+    bits: int
+    group_size: int  # -1: one group per row
+    sym: bool
+    zeros_v1: bool  # GPTQ v1: stored zeros are the zero minus one
+    skip: frozenset[str]  # module names left in float (`modules_to_not_convert`)
+
+    @property
+    def kind(self) -> str:
+        """The packed layout that holds the levels (see the module docstring)."""
+        return "int4" if self.bits == 4 else "int8"
+
+
+def read_quantization(model_dir: Path) -> CheckpointQuant | None:
+    """The checkpoint's quantization (None: float weights). Raises UnsupportedQuantization, with what
+    is served, for any other method or option."""
+    config = Path(model_dir) / "config.json"
+    cfg = json.loads(config.read_text()) if config.is_file() else {}
+    qc: dict[str, Any] | None = cfg.get("quantization_config")
+    if qc is None and (Path(model_dir) / "quantize_config.json").is_file():  # AutoGPTQ's own file
+        qc = {"quant_method": "gptq", **json.loads((Path(model_dir) / "quantize_config.json").read_text())}
+    if qc is None:
+        return None
+    method = str(qc.get("quant_method", "")).lower()
+
+    def refuse(why: str) -> UnsupportedQuantization:
+        return UnsupportedQuantization(
+            f"{Path(model_dir).name}: {why}; pytgi serves pre-quantized checkpoints of: {'; '.join(SERVED)} "
+            "(and GGUF files of every type llama.cpp writes)"
+        )
+
+    if method == "gptq":
+        bits, group = int(qc.get("bits", 4)), int(qc.get("group_size", 128))
+        if bits not in (4, 8):
+            raise refuse(f"GPTQ with {bits} bits is not served")
+        if qc.get("desc_act") and not qc.get("static_groups"):
+            raise refuse("GPTQ with desc_act (inputs reordered by g_idx) is not served yet")
+        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+        if fmt not in ("gptq", "gptq_v2"):
+            raise refuse(f"GPTQ checkpoint_format {fmt!r} is not served")
+        q = CheckpointQuant("gptq", bits, group, bool(qc.get("sym", True)), fmt == "gptq", frozenset())
+    elif method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+        if version != "gemm" or bits != 4:
+            raise refuse(f"AWQ {version} with {bits} bits is not served")
+        if not qc.get("zero_point", True):
+            raise refuse("AWQ without zero points is not served")
+        skip = frozenset(qc.get("modules_to_not_convert") or ())
+        q = CheckpointQuant("awq", 4, group, False, False, skip)
+    else:
+        raise refuse(f"quantization method {method or '(none)'!r} is not served")
+    if q.group_size != -1 and (q.group_size <= 0 or q.group_size % 32):
+        raise refuse(f"a group size of {q.group_size} (not a multiple of 32) is not served")
+    return q
+
+
+def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] → levels [R · (32 / bits), C]: packed along the rows (GPTQ's qweight)."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    vals = (packed.to(torch.int32)[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+    return vals.reshape(packed.shape[0] * per, packed.shape[1])
+
+
+def _unpack_cols(packed: torch.Tensor, bits: int, awq: bool) -> torch.Tensor:
+    """int32 [R, C] → levels [R, C · (32 / bits)]: packed along the columns (qzeros; AWQ's qweight, in
+    its nibble order)."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    vals = (packed.to(torch.int32)[:, :, None] >> shifts[None, None, :]) & ((1 << bits) - 1)
+    if awq:  # output c of each 8 sits in nibble (c % 2) * 4 + c // 2
+        c = torch.arange(8)
+        vals = vals[:, :, (c % 2) * 4 + c // 2]
+    return vals.reshape(packed.shape[0], packed.shape[1] * per)
+
+
+def linear_levels(
+    q: CheckpointQuant, parts: dict[str, torch.Tensor], rows: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One linear's levels, zeros and scales in nn.Linear's orientation: (q int32 [N, K], zero int32
+    [N, groups], scale float32 [N, groups]), for output rows `rows` (start, end) or all."""
+    if q.method == "gptq":
+        levels = _unpack_rows(parts["qweight"], q.bits).t()  # [N, K]
+        zeros = _unpack_cols(parts["qzeros"], q.bits, awq=False).t() + int(q.zeros_v1)
+        g_idx = parts.get("g_idx")
+        K = levels.shape[1]
+        group = K if q.group_size == -1 else q.group_size
+        if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(K) // group):
+            raise UnsupportedQuantization("a GPTQ linear's g_idx reorders its inputs (desc_act): not served")
+    else:
+        levels = _unpack_cols(parts["qweight"], 4, awq=True).t()
+        zeros = _unpack_cols(parts["qzeros"], 4, awq=True).t()
+    scales = parts["scales"].float().t()
+    N = scales.shape[0]
+    levels, zeros = levels[:N], zeros[:N]  # (packing pads the outputs to whole int32s)
+    if rows is not None:
+        levels, zeros, scales = levels[rows[0] : rows[1]], zeros[rows[0] : rows[1]], scales[rows[0] : rows[1]]
+    return levels.contiguous(), zeros.contiguous(), scales.contiguous()
+
+
+def dequantize(q: CheckpointQuant, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The float32 weight [N, K] the checkpoint means: scale · (q − zero) per group."""
+    levels, zeros, scales = linear_levels(q, parts)
+    groups = scales.shape[1]
+    per = levels.shape[1] // groups
+    w = (levels.view(levels.shape[0], groups, per) - zeros[..., None]).float() * scales[..., None]
+    return w.view(levels.shape)
+
+
+def grid_of(q: CheckpointQuant, levels: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, kind: str):
+    """(u, d, m) in `kind`'s terms (per 32 inputs) for these levels: see the module docstring."""
+    from pytgi.models.quant import GROUP, _fp16
+
+    N, K = levels.shape
+    per32 = K // scales.shape[1] // GROUP  # the checkpoint's group in 32s
+    d = _fp16(scales).repeat_interleave(per32, dim=1)
+    z = zeros.repeat_interleave(per32, dim=1)
+    if kind == "int4":
+        return levels.to(torch.uint8), d, _fp16(-z.float() * d)
+    u = (levels.view(N, K // GROUP, GROUP) - z[..., None] + 128).view(N, K)
+    return u.clamp(1, 255).to(torch.uint8), d, -128 * d
+
+
+class QuantizedCheckpoint:
+    """A directory of safetensors quantized by `quant`: its float tensors as they are, its quantized
+    linears as levels (for the packed kernels) or dequantized (float32, or where a linear is not packed)."""
+
+    def __init__(self, path: Path, quant: CheckpointQuant) -> None:
+        from pytgi.models.loader import _shapes
+
+        self.path, self.quant = path, quant
+        self.shapes = _shapes(path, None)
+        self.linears = {n.removesuffix(".qweight") for n in self.shapes if n.endswith(".qweight")}
+        self._files: dict[str, Path] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            from safetensors import safe_open
+
+            with safe_open(str(file), "pt") as f:
+                self._files |= dict.fromkeys(f.keys(), file)
+
+    def parts(self, module: str) -> dict[str, torch.Tensor]:
+        """A quantized linear's tensors (qweight, qzeros, scales, g_idx where stored)."""
+        from safetensors import safe_open
+
+        out = {}
+        for part in PARTS:
+            name = f"{module}.{part}"
+            if name in self._files:
+                with safe_open(str(self._files[name]), "pt") as f:
+                    out[part] = f.get_tensor(name)
+        return out
+
+    def dense_tensors(self, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every float tensor, and each quantized linear but those in `skip` (module names) dequantized
+        as `<module>.weight` (float32), once its parts are read."""
+        from pytgi.models.loader import iter_safetensors
+
+        for name, t in iter_safetensors(self.path):
+            module, _, part = name.rpartition(".")
+            if module in self.linears and part in PARTS:
+                if part == "qweight" and module not in skip:
+                    yield f"{module}.weight", dequantize(self.quant, self.parts(module))
+                continue
+            yield name, t

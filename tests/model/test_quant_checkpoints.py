@@ -1,0 +1,109 @@
+"""GPTQ and AWQ checkpoints served as published (`pytgi.models.checkpoint_quant`): written here by
+each format's layout from a tiny random Llama, their float32 path equals transformers on the
+dequantized weights, their bf16 path keeps the levels packed (no float copy) and stays close, and
+formats not served are refused with the list of those that are."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pytgi.config import EngineConfig
+from pytgi.engine.runner import ModelRunner
+from pytgi.models.checkpoint_quant import (
+    QuantizedCheckpoint,
+    UnsupportedQuantization,
+    dequantize,
+    grid_of,
+    linear_levels,
+    read_quantization,
+)
+from pytgi.models.gguf_weights import group_values
+from pytgi.models.quant import QuantizedLinear
+from tests.model.test_gguf_families import prompt_logits, tiny_model
+from tests.model.test_gguf_loading import FAMILIES
+from tests.model.test_tiny_models import reference
+from tests.quant_checkpoints import write
+
+CASES = {  # name: (method, bits, group, sym, format)
+    "gptq-4bit-sym": ("gptq", 4, 32, True, "gptq"),
+    "gptq-4bit-asym-v2": ("gptq", 4, 64, False, "gptq_v2"),
+    "gptq-8bit-row": ("gptq", 8, -1, True, "gptq"),
+    "awq-4bit": ("awq", 4, 32, False, "gptq"),
+}
+
+
+def checkpoint(tmp_path, case):  # type: ignore[no-untyped-def]
+    method, bits, group, sym, fmt = CASES[case]
+    _, kw, hf = tiny_model(FAMILIES["llama"])
+    ref = write(hf, tmp_path / case, method, bits, group, sym, fmt)
+    return tmp_path / case, kw, ref
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_levels_and_grids_hold_the_checkpoints_values(tmp_path, case):
+    path, _, ref = checkpoint(tmp_path, case)
+    quant = read_quantization(path)
+    ckpt = QuantizedCheckpoint(path, quant)
+    assert len(ckpt.linears) == 7 * 2
+    module = "model.layers.1.mlp.down_proj"
+    want = ref.get_submodule(module).weight.data
+    parts = ckpt.parts(module)
+    assert torch.equal(dequantize(quant, parts), want)
+    u, d, m = grid_of(quant, *linear_levels(quant, parts), quant.kind)
+    got = group_values(u.to(torch.int32), d, m)
+    if quant.kind == "int8" or quant.sym:  # exact: fp16 scales, zeros folded exactly
+        assert torch.equal(got, want)
+    else:  # int4 with zero points: -zero·scale rounded to fp16 once per group
+        assert (got - want).abs().max() <= 2**-11 * 16 * d.max()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_float32_equals_transformers_on_the_dequantized_weights(tmp_path, case):
+    path, kw, ref = checkpoint(tmp_path, case)
+    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    seq = np.random.default_rng(4).integers(0, kw["vocab_size"], 17).tolist()
+    torch.testing.assert_close(prompt_logits(runner, seq), reference(ref, seq), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["gptq-4bit-sym", "awq-4bit", "gptq-8bit-row"])
+def test_bf16_keeps_the_levels_packed(tmp_path, case):
+    path, kw, ref = checkpoint(tmp_path, case)
+    fast = ModelRunner(EngineConfig(model=str(path), dtype="bfloat16", device="cpu"))
+    linears = [m for m in fast.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(linears) == 4 * kw["num_hidden_layers"]  # qkv, o, gate|up, down; the tied head stays float
+    assert {m.quant.kind for m in linears} == {read_quantization(path).kind}
+    seq = np.random.default_rng(5).integers(0, kw["vocab_size"], 17).tolist()
+    got, want = prompt_logits(fast, seq).float(), reference(ref, seq)
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.parametrize(
+    "qc, why",
+    [
+        ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not served"),
+        ({"quant_method": "compressed-tensors"}, "'compressed-tensors' is not served"),
+        ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3 bits"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "group size of 48"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ gemv"),
+    ],
+)
+def test_formats_not_served_are_refused_with_the_list(tmp_path, qc, why):
+    path, _, _ = checkpoint(tmp_path, "gptq-4bit-sym")
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(cfg | {"quantization_config": qc}))
+    with pytest.raises(UnsupportedQuantization, match=why) as err:
+        ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu"))
+    assert "gptq (bits 4 or 8" in str(err.value) and "awq (gemm" in str(err.value)
+    with pytest.raises(ValueError, match="quantized already"):
+        cfg["quantization_config"] = CASES_CONFIG
+        (path / "config.json").write_text(json.dumps(cfg))
+        ModelRunner(EngineConfig(model=str(path), dtype="bfloat16", device="cpu", quantize="int8"))
+
+
+CASES_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}

@@ -1,0 +1,93 @@
+"""GPTQ and AWQ checkpoints of a transformers model, written here by each format's published layout
+(AutoGPTQ's v1 GPTQ format or GPTQModel's v2, AutoAWQ's GEMM packing; `pytgi.models.checkpoint_quant` describes both),
+with round-to-nearest levels per group, and the float model that holds exactly their dequantized values
+(the reference: transformers on the same weights)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def rtn(w: torch.Tensor, bits: int, group: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] → (levels int32 [N, K], zeros int32 [N, G], scales fp16 [N, G])."""
+    N, K = w.shape
+    g = w.float().view(N, K // group, group)
+    top = (1 << bits) - 1
+    if sym:
+        scale = (g.abs().amax(-1) / (top // 2)).clamp(min=1e-6).half()
+        zero = torch.full_like(scale, (top + 1) // 2, dtype=torch.int32)
+    else:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / top).clamp(min=1e-6).half()
+        zero = torch.round(-lo / scale.float()).clamp(0, top).to(torch.int32)
+    q = torch.round(g / scale.float()[..., None] + zero[..., None]).clamp(0, top).to(torch.int32)
+    return q.view(N, K), zero, scale
+
+
+def pack_rows(v: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [R, C] levels → [R / (32 / bits), C]: value r in bits (r mod per)·bits of row r / per."""
+    per = 32 // bits
+    v = v.to(torch.int64).view(v.shape[0] // per, per, v.shape[1])
+    return _int32(sum(v[:, i] << (bits * i) for i in range(per)))
+
+
+def pack_cols(v: torch.Tensor, bits: int, awq: bool = False) -> torch.Tensor:
+    """int32 [R, C] → [R, C / (32 / bits)] packed along the columns (AWQ: in its nibble order)."""
+    per = 32 // bits
+    v = v.to(torch.int64).view(v.shape[0], v.shape[1] // per, per)
+    if awq:  # nibble i holds output ORDER[i]
+        v = v[:, :, [0, 2, 4, 6, 1, 3, 5, 7]]
+    out = sum(v[:, :, i] << (bits * i) for i in range(per))
+    return _int32(out)
+
+
+def _int32(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
+
+
+def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool = True, fmt: str = "gptq"):  # type: ignore[no-untyped-def]
+    """Write `hf` (a float transformers model) as a `method` ("gptq" | "awq") checkpoint in `out`; return
+    the float model whose linears hold the checkpoint's dequantized values."""
+    ref = copy.deepcopy(hf)
+    tensors: dict[str, torch.Tensor] = {}
+    quantized = set()
+    for name, mod in ref.named_modules():
+        if name.rsplit(".", 1)[-1] not in LINEARS:
+            continue
+        w = mod.weight.data
+        g = w.shape[1] if group == -1 else group
+        q, zero, scale = rtn(w, bits, g, sym)
+        deq = ((q.view(w.shape[0], -1, g) - zero[..., None]).float() * scale.float()[..., None]).view(w.shape)
+        mod.weight.data.copy_(deq)
+        quantized.add(name)
+        if method == "gptq":  # [K/per, N]; zeros stored minus one (v1)
+            tensors[f"{name}.qweight"] = pack_rows(q.t().contiguous(), bits)
+            stored = zero - 1 if fmt == "gptq" else zero  # v1 keeps the zero minus one
+            tensors[f"{name}.qzeros"] = pack_cols(stored.t().contiguous() & ((1 << bits) - 1), bits)
+            tensors[f"{name}.scales"] = scale.t().contiguous()
+            tensors[f"{name}.g_idx"] = (torch.arange(w.shape[1]) // g).to(torch.int32)
+        else:  # AWQ: [K, N/8] and [G, N/8]
+            tensors[f"{name}.qweight"] = pack_cols(q.t().contiguous(), 4, awq=True)
+            tensors[f"{name}.qzeros"] = pack_cols(zero.t().contiguous(), 4, awq=True)
+            tensors[f"{name}.scales"] = scale.t().contiguous()
+    for name, t in ref.state_dict().items():
+        if name.removesuffix(".weight") not in quantized:
+            tensors[name] = t.contiguous().clone()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = ref.config.to_dict() | {"architectures": [type(ref).__name__]}
+    if method == "gptq":
+        cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
+                                      "desc_act": False, "checkpoint_format": fmt}  # fmt: skip
+    else:
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                      "version": "gemm"}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(cfg))
+    return ref
