@@ -1,4 +1,4 @@
-"""GPTQ and AWQ checkpoints of a transformers model, written here by each format's published layout
+"""GPTQ, AWQ and FP8 (block-scaled, HF's `fp8`) checkpoints of a transformers model, written here by each format's published layout
 (AutoGPTQ's v1 GPTQ format or GPTQModel's v2, AutoAWQ's GEMM packing; `pytgi.models.checkpoint_quant` describes both),
 with round-to-nearest levels per group, and the float model that holds exactly their dequantized values
 (the reference: transformers on the same weights)."""
@@ -52,6 +52,20 @@ def _int32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
 
 
+def fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] → (e4m3 [N, K], float32 scales [ceil(N / block), ceil(K / block)], the values they hold):
+    each block's largest magnitude maps to 448 (as HF's fp8 checkpoints store them)."""
+    N, K = w.shape
+    nb, kb = -(-N // block), -(-K // block)
+    padded = torch.zeros(nb * block, kb * block)
+    padded[:N, :K] = w.float()
+    blocks = padded.view(nb, block, kb, block)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(nb * block, kb * block)[:N, :K]
+    full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:N, :K]
+    return q.contiguous(), scale, q.float() * full
+
+
 def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool = True, fmt: str = "gptq"):  # type: ignore[no-untyped-def]
     """Write `hf` (a float transformers model) as a `method` ("gptq" | "awq") checkpoint in `out`; return
     the float model whose linears hold the checkpoint's dequantized values."""
@@ -62,6 +76,12 @@ def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool 
         if name.rsplit(".", 1)[-1] not in LINEARS:
             continue
         w = mod.weight.data
+        if method == "fp8":
+            q8, scale8, deq8 = fp8_blocks(w)
+            mod.weight.data.copy_(deq8)
+            quantized.add(name)
+            tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = q8, scale8
+            continue
         g = w.shape[1] if group == -1 else group
         q, zero, scale = rtn(w, bits, g, sym)
         deq = ((q.view(w.shape[0], -1, g) - zero[..., None]).float() * scale.float()[..., None]).view(w.shape)
@@ -83,7 +103,10 @@ def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool 
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = ref.config.to_dict() | {"architectures": [type(ref).__name__]}
-    if method == "gptq":
+    if method == "fp8":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [128, 128]}  # fmt: skip
+    elif method == "gptq":
         cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
                                       "desc_act": False, "checkpoint_format": fmt}  # fmt: skip
     else:

@@ -38,8 +38,13 @@ import torch
 
 from pytgi.errors import UnsupportedModel
 
-SERVED = ("gptq (bits 4 or 8, any group size, sym or not, without desc_act reordering)", "awq (gemm, 4 bits)")
+SERVED = (
+    "gptq (bits 4 or 8, any group size, sym or not, without desc_act reordering)",
+    "awq (gemm, 4 bits)",
+    "fp8 (e4m3 weights with weight_block_size scales, DeepSeek's and Qwen3-FP8's)",
+)
 PARTS = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tensors, beside its bias
+FP8_SCALE = "weight_scale_inv"  # HF fp8: the block scale a weight is multiplied by
 
 
 class UnsupportedQuantization(UnsupportedModel):
@@ -50,17 +55,19 @@ class UnsupportedQuantization(UnsupportedModel):
 class CheckpointQuant:
     """A checkpoint's quantization, as far as pytgi serves it."""
 
-    method: str  # "gptq" | "awq"
+    method: str  # "gptq" | "awq" | "fp8"
     bits: int
     group_size: int  # -1: one group per row
     sym: bool
     zeros_v1: bool  # GPTQ v1: stored zeros are the zero minus one
     skip: frozenset[str]  # module names left in float (`modules_to_not_convert`)
+    block: tuple[int, int] = (0, 0)  # fp8: the (rows, inputs) each scale covers
 
     @property
     def kind(self) -> str:
-        """The packed layout that holds the levels (see the module docstring)."""
-        return "int4" if self.bits == 4 else "int8"
+        """The packed layout that holds the levels (see the module docstring); FP8 is kept as e4m3 on
+        CUDA and dequantized to bf16 on CPU (its values lie on no uniform grid an int8 layout holds)."""
+        return "fp8" if self.method == "fp8" else "int4" if self.bits == 4 else "int8"
 
 
 def read_quantization(model_dir: Path) -> CheckpointQuant | None:
@@ -101,6 +108,14 @@ def read_quantization(model_dir: Path) -> CheckpointQuant | None:
             raise refuse("AWQ without zero points is not served")
         skip = frozenset(qc.get("modules_to_not_convert") or ())
         q = CheckpointQuant("awq", 4, group, False, False, skip)
+    elif method == "fp8":
+        if qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise refuse("fp8 with static activation scales is not served")
+        block = qc.get("weight_block_size")
+        if not block or len(block) != 2:
+            raise refuse("fp8 without weight_block_size is not served")
+        skip = frozenset(qc.get("modules_to_not_convert") or ())
+        return CheckpointQuant("fp8", 8, -1, True, False, skip, (int(block[0]), int(block[1])))
     else:
         raise refuse(f"quantization method {method or '(none)'!r} is not served")
     if q.group_size != -1 and (q.group_size <= 0 or q.group_size % 32):
@@ -175,6 +190,23 @@ def grid_of(q: CheckpointQuant, levels: torch.Tensor, zeros: torch.Tensor, scale
     return u.clamp(1, 255).to(torch.uint8), d, -128 * d
 
 
+def fp8_rows(
+    q: CheckpointQuant, weight: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp8 linear as the CUDA kernel takes it: (e4m3 bytes uint8 [N, K], float32 scales [N, K / SK])
+    with a scale per row and block of inputs (the checkpoint's block rows repeated: fused parts of any
+    height then concatenate)."""
+    N = weight.shape[0]
+    return weight.view(torch.uint8), scale.float().repeat_interleave(q.block[0], dim=0)[:N].contiguous()
+
+
+def fp8_dequantize(q: CheckpointQuant, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 [N, K]: each e4m3 value times its block's scale."""
+    N, K = weight.shape
+    s = scale.float().repeat_interleave(q.block[0], dim=0)[:N].repeat_interleave(q.block[1], dim=1)[:, :K]
+    return weight.float() * s
+
+
 class QuantizedCheckpoint:
     """A directory of safetensors quantized by `quant`: its float tensors as they are, its quantized
     linears as levels (for the packed kernels) or dequantized (float32, or where a linear is not packed)."""
@@ -184,7 +216,8 @@ class QuantizedCheckpoint:
 
         self.path, self.quant = path, quant
         self.shapes = _shapes(path, None)
-        self.linears = {n.removesuffix(".qweight") for n in self.shapes if n.endswith(".qweight")}
+        marker = f".{FP8_SCALE}" if quant.method == "fp8" else ".qweight"
+        self.linears = {n.removesuffix(marker) for n in self.shapes if n.endswith(marker)}
         self._files: dict[str, Path] = {}
         for file in sorted(path.glob("*.safetensors")):
             from safetensors import safe_open
@@ -197,7 +230,7 @@ class QuantizedCheckpoint:
         from safetensors import safe_open
 
         out = {}
-        for part in PARTS:
+        for part in ("weight", FP8_SCALE) if self.quant.method == "fp8" else PARTS:
             name = f"{module}.{part}"
             if name in self._files:
                 with safe_open(str(self._files[name]), "pt") as f:
@@ -209,10 +242,20 @@ class QuantizedCheckpoint:
         as `<module>.weight` (float32), once its parts are read."""
         from pytgi.models.loader import iter_safetensors
 
+        fp8 = self.quant.method == "fp8"
+        ours = ("weight", FP8_SCALE) if fp8 else PARTS
         for name, t in iter_safetensors(self.path):
             module, _, part = name.rpartition(".")
-            if module in self.linears and part in PARTS:
-                if part == "qweight" and module not in skip:
-                    yield f"{module}.weight", dequantize(self.quant, self.parts(module))
+            if module in self.linears and part in ours:
+                if part == ours[0] and module not in skip:
+                    parts = self.parts(module)
+                    yield (
+                        f"{module}.weight",
+                        (
+                            fp8_dequantize(self.quant, parts["weight"], parts[FP8_SCALE])
+                            if fp8
+                            else dequantize(self.quant, parts)
+                        ),
+                    )
                 continue
             yield name, t

@@ -38,7 +38,7 @@ from pytgi.models.attention import (
     get_backend,
     layer_metadata,
 )
-from pytgi.models.checkpoint_quant import QuantizedCheckpoint, grid_of, linear_levels
+from pytgi.models.checkpoint_quant import FP8_SCALE, QuantizedCheckpoint, fp8_rows, grid_of, linear_levels
 from pytgi.models.cpu import CpuKernels, TorchOps
 from pytgi.models.decoder_loop import DecoderLoop, GemmaDecoderLoop
 from pytgi.models.gguf_weights import DECODERS, ROWS_PER_SLICE, GGUFWeights
@@ -55,6 +55,7 @@ from pytgi.models.layers import (
 from pytgi.models.moe import SparseMoE
 from pytgi.models.quant import (
     GROUP,
+    Fp8Rows,
     Layout,
     LayoutRows,
     QuantizedLinear,
@@ -403,7 +404,8 @@ class DecoderModel(nn.Module):
             modules = [n.removesuffix(".weight") for n in names]
             if mod is self.lm_head or not all(m in ckpt.linears for m in modules):
                 continue
-            if not isinstance(mod, RowParallelLinear) or mod.in_start % _group(ckpt, modules[0]) == 0:
+            group = ckpt.quant.block[1] if ckpt.quant.method == "fp8" else _group(ckpt, modules[0])
+            if not isinstance(mod, RowParallelLinear) or mod.in_start % group == 0:
                 packed[mod] = names
         own = {id(m): n for n, m in self.named_modules()}
         skip = frozenset(n.removesuffix(".weight") for names in packed.values() for n in names)
@@ -522,9 +524,14 @@ def _group(ckpt: QuantizedCheckpoint, module: str) -> int:
     return _in_out(ckpt, module)[0] // ckpt.shapes[f"{module}.scales"][0]
 
 
-def _checkpoint_layout(ckpt: QuantizedCheckpoint, mod: nn.Module, names: list[str], kind: str) -> LayoutRows:
+def _checkpoint_layout(
+    ckpt: QuantizedCheckpoint, mod: nn.Module, names: list[str], kind: str
+) -> LayoutRows | Fp8Rows:
     """This rank's part of a quantized checkpoint's linear, in `kind`'s layout, a part at a time."""
     modules = [n.removesuffix(".weight") for n in names]
+
+    if ckpt.quant.method == "fp8":
+        return _fp8_layout(ckpt, mod, modules)
 
     def slices() -> Iterator[Layout]:
         for i, module in enumerate(modules):
@@ -543,6 +550,24 @@ def _checkpoint_layout(ckpt: QuantizedCheckpoint, mod: nn.Module, names: list[st
     if isinstance(mod, ColumnParallelLinear):
         return LayoutRows((sum(mod.shards[i][1] for i in range(len(modules))), K), slices)
     return LayoutRows((N, mod.local_in if isinstance(mod, RowParallelLinear) else K), slices)
+
+
+def _fp8_layout(ckpt: QuantizedCheckpoint, mod: nn.Module, modules: list[str]) -> Fp8Rows:
+    """This rank's part of an FP8 checkpoint's linear: its parts' rows (and shard) joined."""
+    block_k = ckpt.quant.block[1]
+    data, scales = [], []
+    for i, module in enumerate(modules):
+        parts = ckpt.parts(module)
+        q, s = fp8_rows(ckpt.quant, parts["weight"], parts[FP8_SCALE])
+        if isinstance(mod, ColumnParallelLinear):
+            start, size = mod.shards[i]
+            q, s = q[start : start + size], s[start : start + size]
+        elif isinstance(mod, RowParallelLinear):
+            q = q[:, mod.in_start : mod.in_start + mod.local_in]
+            s = s[:, mod.in_start // block_k : -(-(mod.in_start + mod.local_in) // block_k)]
+        data.append(q)
+        scales.append(s)
+    return Fp8Rows(torch.cat(data).contiguous(), torch.cat(scales).contiguous(), block_k)
 
 
 def _grid_layout(weights: GGUFWeights, mod: nn.Module, names: list[str], kind: str) -> LayoutRows:

@@ -393,6 +393,20 @@ class QuantizedWeight:
         return torch.ops.aten._weight_int8pack_mm(x, self.packed, self.scales)
 
 
+@dataclass
+class Fp8Rows:
+    """An FP8 checkpoint's linear, as the CUDA kernel takes it: e4m3 bytes [N, K] and a float32 scale
+    per row and block of `block_k` inputs ([N, K / block_k])."""
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    block_k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.data.shape[0], self.data.shape[1])
+
+
 class GpuQuantizedWeight:
     """One linear's weight kept low-bit on a GPU: GGUF's levels and grids (int4, int8, int8x16) as
     `grid_layout` gives them, or FP8 e4m3 with a scale per output channel, multiplied by the Triton
@@ -403,13 +417,19 @@ class GpuQuantizedWeight:
     max_m = vnni_max_m = 1 << 30
 
     def __init__(
-        self, kind: str, w: torch.Tensor | LayoutRows, act_dtype: torch.dtype, device: torch.device
+        self, kind: str, w: torch.Tensor | LayoutRows | Fp8Rows, act_dtype: torch.dtype, device: torch.device
     ) -> None:
         from pytgi.kernels import gpu_quant
 
         N, K = w.shape
         self.kind, self.shape, self.act_dtype = kind, (N, K), act_dtype
         self.dequantized = torch.empty(0, dtype=act_dtype, device=device)
+        if isinstance(w, Fp8Rows):  # a checkpoint's own e4m3 bytes and block scales
+            self.packed, self.scales, self.bits = w.data.to(device), w.scales.to(device), 0
+            self.lowbit = gpu_quant.LowbitWeight(
+                self.packed, self.scales, (N, K), 0, fp8_block=(1, w.block_k)
+            )
+            return
         if kind == "fp8":
             assert isinstance(w, torch.Tensor)
             self.packed, self.scales = gpu_quant.quantize_fp8(w.to(device))
@@ -421,6 +441,7 @@ class GpuQuantizedWeight:
         self.packed = torch.empty((N, K // 2 if self.bits == 4 else K), dtype=torch.uint8, device=device)
         self.scales = torch.empty((N, K // group, 2), dtype=torch.float16, device=device)
         at = 0
+        assert not isinstance(w, Fp8Rows)
         for u, d, m in w.slices() if isinstance(w, LayoutRows) else [_levels(kind, w, group)]:
             q, s = gpu_quant.pack_levels(u, d, m, self.bits)
             self.packed[at : at + len(u)] = q

@@ -17,6 +17,8 @@ from pytgi.models.checkpoint_quant import (
     QuantizedCheckpoint,
     UnsupportedQuantization,
     dequantize,
+    fp8_dequantize,
+    fp8_rows,
     grid_of,
     linear_levels,
     read_quantization,
@@ -33,6 +35,7 @@ CASES = {  # name: (method, bits, group, sym, format)
     "gptq-4bit-asym-v2": ("gptq", 4, 64, False, "gptq_v2"),
     "gptq-8bit-row": ("gptq", 8, -1, True, "gptq"),
     "awq-4bit": ("awq", 4, 32, False, "gptq"),
+    "fp8-blocks": ("fp8", 8, -1, True, "gptq"),
 }
 
 
@@ -52,6 +55,11 @@ def test_levels_and_grids_hold_the_checkpoints_values(tmp_path, case):
     module = "model.layers.1.mlp.down_proj"
     want = ref.get_submodule(module).weight.data
     parts = ckpt.parts(module)
+    if quant.method == "fp8":
+        assert torch.equal(fp8_dequantize(quant, parts["weight"], parts["weight_scale_inv"]), want)
+        q, s = fp8_rows(quant, parts["weight"], parts["weight_scale_inv"])
+        assert q.dtype == torch.uint8 and s.shape == (want.shape[0], 1)
+        return
     assert torch.equal(dequantize(quant, parts), want)
     u, d, m = grid_of(quant, *linear_levels(quant, parts), quant.kind)
     got = group_values(u.to(torch.int32), d, m)
@@ -69,13 +77,18 @@ def test_float32_equals_transformers_on_the_dequantized_weights(tmp_path, case):
     torch.testing.assert_close(prompt_logits(runner, seq), reference(ref, seq), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["gptq-4bit-sym", "awq-4bit", "gptq-8bit-row"])
+@pytest.mark.parametrize("case", ["gptq-4bit-sym", "awq-4bit", "gptq-8bit-row", "fp8-blocks"])
 def test_bf16_keeps_the_levels_packed(tmp_path, case):
+    """(FP8 on CPU: dequantized to bf16, on the bf16 kernel where it builds.)"""
     path, kw, ref = checkpoint(tmp_path, case)
     fast = ModelRunner(EngineConfig(model=str(path), dtype="bfloat16", device="cpu"))
     linears = [m for m in fast.model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(linears) == 4 * kw["num_hidden_layers"]  # qkv, o, gate|up, down; the tied head stays float
-    assert {m.quant.kind for m in linears} == {read_quantization(path).kind}
+    kind = read_quantization(path).kind
+    if kind != "fp8":
+        assert len(linears) == 4 * kw["num_hidden_layers"]  # qkv, o, gate|up, down; the tied head stays float
+        assert {m.quant.kind for m in linears} == {kind}
+    else:
+        assert {m.quant.kind for m in linears} <= {"bf16"}
     seq = np.random.default_rng(5).integers(0, kw["vocab_size"], 17).tolist()
     got, want = prompt_logits(fast, seq).float(), reference(ref, seq)
     assert (got - want).abs().max() <= 0.03 * want.abs().max()
@@ -91,6 +104,8 @@ def test_bf16_keeps_the_levels_packed(tmp_path, case):
         ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "group size of 48"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ gemv"),
+        ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
+        ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "without weight_block_size"),
     ],
 )
 def test_formats_not_served_are_refused_with_the_list(tmp_path, qc, why):
