@@ -56,10 +56,19 @@ BITS = {"int4": 4, "int8": 8, "int8x16": 16}  # the kernels' name for each layou
 
 
 def file_quantization(model_dir: Path) -> dict[str, int] | None:
-    """A converted GGUF model's tensor types with their counts (None for other models)."""
+    """A converted GGUF model's tensor types with their counts, or a quantized checkpoint's method with
+    its count of quantized linears (None for float models)."""
     path = Path(model_dir) / "quantization.json"
     if not path.is_file():
-        return None
+        from pytgi.models.checkpoint_quant import QuantizedCheckpoint, read_quantization
+
+        quant = read_quantization(model_dir)
+        if quant is None:
+            return None
+        detail = f"{quant.method} {quant.bits}-bit" + (
+            f" group {quant.group_size}" if quant.method != "fp8" else ""
+        )
+        return {detail: len(QuantizedCheckpoint(Path(model_dir), quant).linears)}
     types = list(json.loads(path.read_text()).get("tensors", {}).values())
     return {t: types.count(t) for t in sorted(set(types))}
 
