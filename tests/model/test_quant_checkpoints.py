@@ -122,3 +122,37 @@ def test_formats_not_served_are_refused_with_the_list(tmp_path, qc, why):
 
 
 CASES_CONFIG = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}
+
+
+def test_lora_and_speculation_on_a_gptq_checkpoint(tmp_path):
+    """An adapter trained on the float model serves on the checkpoint as peft runs it on the
+    dequantized weights (float32), and speculation leaves greedy outputs as they are."""
+    peft = pytest.importorskip("peft")
+    from pytgi.engine.engine import LLMEngine
+    from tests.model.test_lora import NEW, PROMPTS, make_adapter, run
+
+    path, kw, ref = checkpoint(tmp_path, "gptq-4bit-sym")
+    ref.save_pretrained(tmp_path / "float")
+    targets = {"r": 4, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    adapter = make_adapter(tmp_path / "float", tmp_path / "adapter", targets, 1)
+    model = peft.PeftModel.from_pretrained(transformers_model(tmp_path / "float"), adapter).eval()
+    prompts = [[p % kw["vocab_size"] for p in prompt] for prompt in PROMPTS]
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+                                 pad_token_id=0)
+        want.append(out[0, len(p) :].tolist())
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", max_batch_total_tokens=2048,
+                                    lora_adapters=(f"a={adapter}",), speculate=2))  # fmt: skip
+    try:
+        assert run(engine, [(p, "a") for p in prompts]) == want
+        assert run(engine, [(p, None) for p in prompts]) != want
+    finally:
+        engine.shutdown()
+
+
+def transformers_model(path):  # type: ignore[no-untyped-def]
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
