@@ -66,9 +66,12 @@ def fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.T
     return q.contiguous(), scale, q.float() * full
 
 
-def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool = True, fmt: str = "gptq"):  # type: ignore[no-untyped-def]
-    """Write `hf` (a float transformers model) as a `method` ("gptq" | "awq") checkpoint in `out`; return
-    the float model whose linears hold the checkpoint's dequantized values."""
+def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool = True, fmt: str = "gptq",  # type: ignore[no-untyped-def]
+          act_order: bool = False):  # fmt: skip
+    """Write `hf` (a float transformers model) as a `method` ("gptq" | "awq" | "fp8") checkpoint in
+    `out`; return the float model whose linears hold the checkpoint's dequantized values. `act_order`:
+    GPTQ's desc_act, its groups made of inputs in a random order (one order per input the linears
+    share: q, k, v; gate, up), given by g_idx."""
     ref = copy.deepcopy(hf)
     tensors: dict[str, torch.Tensor] = {}
     quantized = set()
@@ -83,8 +86,16 @@ def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool 
             tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = q8, scale8
             continue
         g = w.shape[1] if group == -1 else group
-        q, zero, scale = rtn(w, bits, g, sym)
+        K = w.shape[1]
+        perm = torch.arange(K)
+        if act_order:
+            shared = name.rsplit(".", 1)[0] + (".qkv" if name.endswith(("q_proj", "k_proj", "v_proj")) else
+                                               ".gate_up" if name.endswith(("gate_proj", "up_proj")) else name)  # fmt: skip
+            perm = torch.randperm(K, generator=torch.Generator().manual_seed(sum(map(ord, shared))))
+        inv = torch.argsort(perm)
+        q, zero, scale = rtn(w[:, perm], bits, g, sym)
         deq = ((q.view(w.shape[0], -1, g) - zero[..., None]).float() * scale.float()[..., None]).view(w.shape)
+        q, deq = q[:, inv], deq[:, inv]  # back to the inputs' own order
         mod.weight.data.copy_(deq)
         quantized.add(name)
         if method == "gptq":  # [K/per, N]; zeros stored minus one (v1)
@@ -92,7 +103,7 @@ def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool 
             stored = zero - 1 if fmt == "gptq" else zero  # v1 keeps the zero minus one
             tensors[f"{name}.qzeros"] = pack_cols(stored.t().contiguous() & ((1 << bits) - 1), bits)
             tensors[f"{name}.scales"] = scale.t().contiguous()
-            tensors[f"{name}.g_idx"] = (torch.arange(w.shape[1]) // g).to(torch.int32)
+            tensors[f"{name}.g_idx"] = (inv // g).to(torch.int32)  # input k is in group of its rank
         else:  # AWQ: [K, N/8] and [G, N/8]
             tensors[f"{name}.qweight"] = pack_cols(q.t().contiguous(), 4, awq=True)
             tensors[f"{name}.qzeros"] = pack_cols(zero.t().contiguous(), 4, awq=True)
@@ -108,7 +119,7 @@ def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool 
                                       "weight_block_size": [128, 128]}  # fmt: skip
     elif method == "gptq":
         cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
-                                      "desc_act": False, "checkpoint_format": fmt}  # fmt: skip
+                                      "desc_act": act_order, "checkpoint_format": fmt}  # fmt: skip
     else:
         cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
                                       "version": "gemm"}  # fmt: skip

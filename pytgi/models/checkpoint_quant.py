@@ -12,9 +12,11 @@ so the levels are moved, never rounded again:
 - 8-bit: int8 with u = q − zero + 128, m = −128·scale (exact).
 
 A checkpoint's group of 32, 64 or 128 inputs (or one group for the whole row, `group_size: -1`) is its
-grid repeated for each 32 inputs. Formats still to come (compressed-tensors, FP8, bitsandbytes, GPTQ with
-`desc_act` reordering, EXL2, ...) are refused at start with the list of what is served, never loaded as
-if they were float weights.
+grid repeated for each 32 inputs. GPTQ's `desc_act` groups inputs by `g_idx` rather than by position:
+the levels are stored in group order and the layer reorders its activations alike (`QuantizedLinear.perm`).
+HF's `fp8` checkpoints (e4m3 weights, a scale per 128 x 128 block) go to the CUDA FP8 kernels as they are,
+and are dequantized to bf16 on CPU. Formats still to come (compressed-tensors, bitsandbytes, EXL2, ...)
+are refused at start with the list of what is served, never loaded as if they were float weights.
 
 The layouts (GPTQ's v1 format, as AutoGPTQ writes it):
 - GPTQ: `qweight` int32 [K / (32 / bits), N], input k's level in bits (k mod (32 / bits))·bits of row
@@ -39,7 +41,7 @@ import torch
 from pytgi.errors import UnsupportedModel
 
 SERVED = (
-    "gptq (bits 4 or 8, any group size, sym or not, without desc_act reordering)",
+    "gptq (bits 4 or 8, any group size, sym or not, desc_act too)",
     "awq (gemm, 4 bits)",
     "fp8 (e4m3 weights with weight_block_size scales, DeepSeek's and Qwen3-FP8's)",
 )
@@ -92,8 +94,6 @@ def read_quantization(model_dir: Path) -> CheckpointQuant | None:
         bits, group = int(qc.get("bits", 4)), int(qc.get("group_size", 128))
         if bits not in (4, 8):
             raise refuse(f"GPTQ with {bits} bits is not served")
-        if qc.get("desc_act") and not qc.get("static_groups"):
-            raise refuse("GPTQ with desc_act (inputs reordered by g_idx) is not served yet")
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise refuse(f"GPTQ checkpoint_format {fmt!r} is not served")
@@ -145,9 +145,13 @@ def _unpack_cols(packed: torch.Tensor, bits: int, awq: bool) -> torch.Tensor:
 
 def linear_levels(
     q: CheckpointQuant, parts: dict[str, torch.Tensor], rows: tuple[int, int] | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One linear's levels, zeros and scales in nn.Linear's orientation: (q int32 [N, K], zero int32
-    [N, groups], scale float32 [N, groups]), for output rows `rows` (start, end) or all."""
+    [N, groups], scale float32 [N, groups], perm), for output rows `rows` (start, end) or all. A GPTQ
+    checkpoint quantized with `desc_act` groups its inputs by `g_idx`, not by position: the levels come
+    back with their inputs reordered so that each group's are contiguous, and `perm` is that order (the
+    activations must be reordered alike: x[:, perm]); None when the inputs are in order."""
+    perm = None
     if q.method == "gptq":
         levels = _unpack_rows(parts["qweight"], q.bits).t()  # [N, K]
         zeros = _unpack_cols(parts["qzeros"], q.bits, awq=False).t() + int(q.zeros_v1)
@@ -155,7 +159,12 @@ def linear_levels(
         K = levels.shape[1]
         group = K if q.group_size == -1 else q.group_size
         if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(K) // group):
-            raise UnsupportedQuantization("a GPTQ linear's g_idx reorders its inputs (desc_act): not served")
+            perm = torch.argsort(g_idx.to(torch.int64), stable=True)
+            if not torch.equal(g_idx.to(torch.int64)[perm], torch.arange(K) // group):
+                raise UnsupportedQuantization(
+                    "a GPTQ linear's g_idx gives groups of unequal sizes: not served"
+                )
+            levels = levels[:, perm]
     else:
         levels = _unpack_cols(parts["qweight"], 4, awq=True).t()
         zeros = _unpack_cols(parts["qzeros"], 4, awq=True).t()
@@ -164,16 +173,20 @@ def linear_levels(
     levels, zeros = levels[:N], zeros[:N]  # (packing pads the outputs to whole int32s)
     if rows is not None:
         levels, zeros, scales = levels[rows[0] : rows[1]], zeros[rows[0] : rows[1]], scales[rows[0] : rows[1]]
-    return levels.contiguous(), zeros.contiguous(), scales.contiguous()
+    return levels.contiguous(), zeros.contiguous(), scales.contiguous(), perm
 
 
 def dequantize(q: CheckpointQuant, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The float32 weight [N, K] the checkpoint means: scale · (q − zero) per group."""
-    levels, zeros, scales = linear_levels(q, parts)
+    """The float32 weight [N, K] the checkpoint means: scale · (q − zero) of each input's group."""
+    levels, zeros, scales, perm = linear_levels(q, parts)
     groups = scales.shape[1]
     per = levels.shape[1] // groups
-    w = (levels.view(levels.shape[0], groups, per) - zeros[..., None]).float() * scales[..., None]
-    return w.view(levels.shape)
+    w = ((levels.view(levels.shape[0], groups, per) - zeros[..., None]).float() * scales[..., None]).view(
+        levels.shape
+    )
+    if perm is not None:  # back to the inputs' own order
+        w = w[:, torch.argsort(perm)]
+    return w
 
 
 def grid_of(q: CheckpointQuant, levels: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, kind: str):
@@ -236,6 +249,18 @@ class QuantizedCheckpoint:
                 with safe_open(str(self._files[name]), "pt") as f:
                     out[part] = f.get_tensor(name)
         return out
+
+    def perm(self, module: str) -> torch.Tensor | None:
+        """The input order a GPTQ `desc_act` linear's groups need (`linear_levels`), or None."""
+        if self.quant.method != "gptq" or f"{module}.g_idx" not in self._files:
+            return None
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[f"{module}.g_idx"]), "pt") as f:
+            g_idx = f.get_tensor(f"{module}.g_idx").to(torch.int64)
+        K = len(g_idx)
+        group = K if self.quant.group_size == -1 else self.quant.group_size
+        return None if torch.equal(g_idx, torch.arange(K) // group) else torch.argsort(g_idx, stable=True)
 
     def dense_tensors(self, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """Every float tensor, and each quantized linear but those in `skip` (module names) dequantized

@@ -341,12 +341,14 @@ class DecoderModel(nn.Module):
             todo[self.lm_head] = (k if k in ("int8x16", "bf16") else "int8", [head])
         return todo
 
-    def quantize(self, plan: dict[str, str] | str, act_dtype: torch.dtype, layouts: Any = None) -> None:
+    def quantize(
+        self, plan: dict[str, str] | str, act_dtype: torch.dtype, layouts: Any = None, perms: Any = None
+    ) -> None:
         """Swap each planned linear for a low-bit one (see `pytgi.models.quant`) and cast the model
         to `act_dtype`. Call on float32 weights, before the model is cast, or with `layouts` (module →
         its levels and grids, `load_gguf`) for the linears whose float weights were never loaded."""
         todo = {mod: kind for mod, (kind, _) in self.planned(plan).items()}
-        quantize_model(self, todo, act_dtype, self.kernels, layouts or {})
+        quantize_model(self, todo, act_dtype, self.kernels, layouts or {}, perms or {})
         loop = GemmaDecoderLoop if self.config.sandwich_norms else DecoderLoop
         self.decoder_loop = loop.build(self, self.kernels)
 
@@ -400,13 +402,24 @@ class DecoderModel(nn.Module):
         shard does not fall on whole groups is dequantized instead."""
         kind = ckpt.quant.kind
         packed: dict[nn.Module, list[str]] = {}
+        perms: dict[nn.Module, torch.Tensor] = {}  # GPTQ desc_act: the inputs' order
         for mod, (_, names) in self.planned(kind).items():
             modules = [n.removesuffix(".weight") for n in names]
             if mod is self.lm_head or not all(m in ckpt.linears for m in modules):
                 continue
             group = ckpt.quant.block[1] if ckpt.quant.method == "fp8" else _group(ckpt, modules[0])
-            if not isinstance(mod, RowParallelLinear) or mod.in_start % group == 0:
-                packed[mod] = names
+            if isinstance(mod, RowParallelLinear) and mod.in_start % group:
+                continue  # a shard across groups: dequantized
+            order = [ckpt.perm(m) for m in modules]
+            first = order[0]
+            if any(p is not None for p in order):
+                # the parts of a fused linear share one input: one order for all, and a whole input
+                if first is None or not all(p is not None and torch.equal(p, first) for p in order):
+                    continue
+                if isinstance(mod, RowParallelLinear) and mod.local_in != len(first):
+                    continue
+                perms[mod] = first
+            packed[mod] = names
         own = {id(m): n for n, m in self.named_modules()}
         skip = frozenset(n.removesuffix(".weight") for names in packed.values() for n in names)
         self.load_weights(
@@ -416,6 +429,7 @@ class DecoderModel(nn.Module):
             {name: kind for names in packed.values() for name in names},
             act_dtype,
             {mod: functools.partial(_checkpoint_layout, ckpt, mod, names) for mod, names in packed.items()},
+            perms,
         )
 
     def _packed_table(self, weights: GGUFWeights, act_dtype: torch.dtype) -> None:
@@ -536,7 +550,7 @@ def _checkpoint_layout(
     def slices() -> Iterator[Layout]:
         for i, module in enumerate(modules):
             rows = mod.shards[i] if isinstance(mod, ColumnParallelLinear) else None
-            levels, zeros, scales = linear_levels(
+            levels, zeros, scales, _ = linear_levels(
                 ckpt.quant, ckpt.parts(module), None if rows is None else (rows[0], rows[0] + rows[1])
             )
             if isinstance(mod, RowParallelLinear):

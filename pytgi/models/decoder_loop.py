@@ -49,7 +49,10 @@ class DecoderLoop:
         """The loop for this model, or None when it does not apply (see the module doc)."""
         if not cpu.decoder_loop or tp_size() != 1 or not cls._applies(model.config):
             return None
-        quants = [getattr(m, "quant", None) for layer in model.layers for m in _linears(layer)]
+        linears = [m for layer in model.layers for m in _linears(layer)]
+        quants = [getattr(m, "quant", None) for m in linears]
+        if any(getattr(m, "perm", None) is not None for m in linears):  # inputs reordered (GPTQ desc_act)
+            return None
         return cls(model) if all(q is not None and q.vnni for q in quants) else None
 
     @staticmethod

@@ -491,19 +491,23 @@ class QuantizedLinear(nn.Module):
         self,
         layer: ColumnParallelLinear | RowParallelLinear | ParallelLMHead,
         quant: QuantizedWeight | GpuQuantizedWeight,
+        perm: torch.Tensor | None = None,
     ):
+        """`perm`: the order the packed weight takes its inputs in (a GPTQ `desc_act` checkpoint's)."""
         super().__init__()
-        self.layer, self.quant = layer, quant
+        self.layer, self.quant, self.perm = layer, quant, perm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.quant.max_m:
             return self.layer(x)
-        return self.layer.finish(self.quant.matmul(x))
+        return self.layer.finish(self.product(x))
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T before the layer's `finish` (bias, all-reduce), as `forward` computes it."""
         if x.shape[0] > self.quant.max_m:
             return nn.functional.linear(x, self.layer.weight)
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         return self.quant.matmul(x)
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
@@ -516,6 +520,7 @@ def quantize_model(
     act_dtype: torch.dtype,
     cpu: CpuKernels,
     layouts: dict[nn.Module, Callable[[str], LayoutRows]] | None = None,
+    perms: dict[nn.Module, torch.Tensor] | None = None,
 ) -> None:
     """Swap each linear in `kinds` ("int4" | "int8" | "int8x16" | "bf16") for a `QuantizedLinear`, and cast
     the model to `act_dtype`. Call on float32 weights, so the low-bit grids see the checkpoint's values (or on
@@ -545,5 +550,7 @@ def quantize_model(
         # embedding's tensor here: the embedding keeps the checkpoint's values).
         mod.weight = nn.Parameter(quant.dequantized, requires_grad=False)
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, QuantizedLinear(mod, quant))
+        perm = (perms or {}).get(mod)
+        perm = None if perm is None else perm.to(mod.weight.device)
+        setattr(model.get_submodule(parent), attr, QuantizedLinear(mod, quant, perm))
     model.to(act_dtype)

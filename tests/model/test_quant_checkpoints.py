@@ -30,19 +30,20 @@ from tests.model.test_gguf_loading import FAMILIES
 from tests.model.test_tiny_models import reference
 from tests.quant_checkpoints import write
 
-CASES = {  # name: (method, bits, group, sym, format)
-    "gptq-4bit-sym": ("gptq", 4, 32, True, "gptq"),
-    "gptq-4bit-asym-v2": ("gptq", 4, 64, False, "gptq_v2"),
-    "gptq-8bit-row": ("gptq", 8, -1, True, "gptq"),
-    "awq-4bit": ("awq", 4, 32, False, "gptq"),
-    "fp8-blocks": ("fp8", 8, -1, True, "gptq"),
+CASES = {  # name: (method, bits, group, sym, format, desc_act)
+    "gptq-4bit-sym": ("gptq", 4, 32, True, "gptq", False),
+    "gptq-4bit-asym-v2": ("gptq", 4, 64, False, "gptq_v2", False),
+    "gptq-8bit-row": ("gptq", 8, -1, True, "gptq", False),
+    "gptq-4bit-desc-act": ("gptq", 4, 32, True, "gptq", True),
+    "awq-4bit": ("awq", 4, 32, False, "gptq", False),
+    "fp8-blocks": ("fp8", 8, -1, True, "gptq", False),
 }
 
 
 def checkpoint(tmp_path, case):  # type: ignore[no-untyped-def]
-    method, bits, group, sym, fmt = CASES[case]
+    method, bits, group, sym, fmt, act_order = CASES[case]
     _, kw, hf = tiny_model(FAMILIES["llama"])
-    ref = write(hf, tmp_path / case, method, bits, group, sym, fmt)
+    ref = write(hf, tmp_path / case, method, bits, group, sym, fmt, act_order)
     return tmp_path / case, kw, ref
 
 
@@ -61,8 +62,12 @@ def test_levels_and_grids_hold_the_checkpoints_values(tmp_path, case):
         assert q.dtype == torch.uint8 and s.shape == (want.shape[0], 1)
         return
     assert torch.equal(dequantize(quant, parts), want)
-    u, d, m = grid_of(quant, *linear_levels(quant, parts), quant.kind)
+    levels, zeros, scales, perm = linear_levels(quant, parts)
+    assert (perm is not None) == case.endswith("desc-act")
+    u, d, m = grid_of(quant, levels, zeros, scales, quant.kind)
     got = group_values(u.to(torch.int32), d, m)
+    if perm is not None:  # the levels come with their inputs in group order
+        got = got[:, torch.argsort(perm)]
     if quant.kind == "int8" or quant.sym:  # exact: fp16 scales, zeros folded exactly
         assert torch.equal(got, want)
     else:  # int4 with zero points: -zero·scale rounded to fp16 once per group
@@ -77,7 +82,7 @@ def test_float32_equals_transformers_on_the_dequantized_weights(tmp_path, case):
     torch.testing.assert_close(prompt_logits(runner, seq), reference(ref, seq), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["gptq-4bit-sym", "awq-4bit", "gptq-8bit-row", "fp8-blocks"])
+@pytest.mark.parametrize("case", ["gptq-4bit-sym", "awq-4bit", "gptq-8bit-row", "gptq-4bit-desc-act", "fp8-blocks"])
 def test_bf16_keeps_the_levels_packed(tmp_path, case):
     """(FP8 on CPU: dequantized to bf16, on the bf16 kernel where it builds.)"""
     path, kw, ref = checkpoint(tmp_path, case)
@@ -87,6 +92,7 @@ def test_bf16_keeps_the_levels_packed(tmp_path, case):
     if kind != "fp8":
         assert len(linears) == 4 * kw["num_hidden_layers"]  # qkv, o, gate|up, down; the tied head stays float
         assert {m.quant.kind for m in linears} == {kind}
+        assert all((m.perm is not None) == case.endswith("desc-act") for m in linears)
     else:
         assert {m.quant.kind for m in linears} <= {"bf16"}
     seq = np.random.default_rng(5).integers(0, kw["vocab_size"], 17).tolist()
@@ -101,7 +107,6 @@ def test_bf16_keeps_the_levels_packed(tmp_path, case):
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not served"),
         ({"quant_method": "compressed-tensors"}, "'compressed-tensors' is not served"),
         ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3 bits"),
-        ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, "desc_act"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "group size of 48"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ gemv"),
         ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]}, "static"),
