@@ -1,4 +1,5 @@
-"""GPTQ, AWQ and FP8 (block-scaled, HF's `fp8`) checkpoints of a transformers model, written here by each format's published layout
+"""GPTQ, AWQ, compressed-tensors (pack-quantized, with that library's own packer) and FP8 (block-scaled,
+HF's `fp8`) checkpoints of a transformers model, written here by each format's published layout
 (AutoGPTQ's v1 GPTQ format or GPTQModel's v2, AutoAWQ's GEMM packing; `pytgi.models.checkpoint_quant` describes both),
 with round-to-nearest levels per group, and the float model that holds exactly their dequantized values
 (the reference: transformers on the same weights)."""
@@ -104,6 +105,15 @@ def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool 
             tensors[f"{name}.qzeros"] = pack_cols(stored.t().contiguous() & ((1 << bits) - 1), bits)
             tensors[f"{name}.scales"] = scale.t().contiguous()
             tensors[f"{name}.g_idx"] = (inv // g).to(torch.int32)  # input k is in group of its rank
+        elif method == "compressed-tensors":  # its own packer: signed values, [N, K/per], zeros [N/per, G]
+            from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+            half = 1 << (bits - 1)
+            tensors[f"{name}.weight_packed"] = pack_to_int32((q - half).to(torch.int8), bits)
+            tensors[f"{name}.weight_scale"] = scale.contiguous()
+            tensors[f"{name}.weight_shape"] = torch.tensor(list(w.shape))
+            if not sym:
+                tensors[f"{name}.weight_zero_point"] = pack_to_int32((zero - half).to(torch.int8), bits, packed_dim=0)
         else:  # AWQ: [K, N/8] and [G, N/8]
             tensors[f"{name}.qweight"] = pack_cols(q.t().contiguous(), 4, awq=True)
             tensors[f"{name}.qzeros"] = pack_cols(zero.t().contiguous(), 4, awq=True)
@@ -114,7 +124,13 @@ def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool 
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = ref.config.to_dict() | {"architectures": [type(ref).__name__]}
-    if method == "fp8":
+    if method == "compressed-tensors":
+        weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "channel" if group == -1 else "group",
+                   "group_size": None if group == -1 else group, "actorder": None}  # fmt: skip
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                                    "input_activations": None, "format": "pack-quantized"}}}  # fmt: skip
+    elif method == "fp8":
         cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                       "weight_block_size": [128, 128]}  # fmt: skip
     elif method == "gptq":

@@ -44,7 +44,9 @@ SERVED = (
     "gptq (bits 4 or 8, any group size, sym or not, desc_act too)",
     "awq (gemm, 4 bits)",
     "fp8 (e4m3 weights with weight_block_size scales, DeepSeek's and Qwen3-FP8's)",
+    "compressed-tensors pack-quantized (W4A16 / W8A16: int weights, group or channel scales, sym or not)",
 )
+CT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 PARTS = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tensors, beside its bias
 FP8_SCALE = "weight_scale_inv"  # HF fp8: the block scale a weight is multiplied by
 
@@ -57,7 +59,7 @@ class UnsupportedQuantization(UnsupportedModel):
 class CheckpointQuant:
     """A checkpoint's quantization, as far as pytgi serves it."""
 
-    method: str  # "gptq" | "awq" | "fp8"
+    method: str  # "gptq" | "awq" | "fp8" | "compressed-tensors"
     bits: int
     group_size: int  # -1: one group per row
     sym: bool
@@ -116,11 +118,33 @@ def read_quantization(model_dir: Path) -> CheckpointQuant | None:
             raise refuse("fp8 without weight_block_size is not served")
         skip = frozenset(qc.get("modules_to_not_convert") or ())
         return CheckpointQuant("fp8", 8, -1, True, False, skip, (int(block[0]), int(block[1])))
+    elif method == "compressed-tensors":
+        q = _compressed_tensors(qc, refuse)
     else:
         raise refuse(f"quantization method {method or '(none)'!r} is not served")
     if q.group_size != -1 and (q.group_size <= 0 or q.group_size % 32):
         raise refuse(f"a group size of {q.group_size} (not a multiple of 32) is not served")
     return q
+
+
+def _compressed_tensors(qc: dict[str, Any], refuse: Any) -> CheckpointQuant:
+    """compressed-tensors (llm-compressor's format): one config group of int weights, packed."""
+    groups = list((qc.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise refuse(f"compressed-tensors with {len(groups)} config groups is not served")
+    g = groups[0]
+    fmt = g.get("format") or qc.get("format")
+    w, act = g.get("weights") or {}, g.get("input_activations")
+    if fmt != "pack-quantized" or act is not None or w.get("type") != "int":
+        raise refuse(f"compressed-tensors {fmt} ({w.get('type')} weights, activations {act}) is not served")
+    bits, strategy = int(w.get("num_bits", 0)), w.get("strategy")
+    if bits not in (4, 8) or strategy not in ("group", "channel") or w.get("actorder"):
+        raise refuse(
+            f"compressed-tensors {bits}-bit {strategy} weights (actorder {w.get('actorder')}) are not served"
+        )
+    group = int(w["group_size"]) if strategy == "group" else -1
+    skip = frozenset(n for n in qc.get("ignore") or () if not n.startswith("re:"))
+    return CheckpointQuant("compressed-tensors", bits, group, bool(w.get("symmetric", True)), False, skip)
 
 
 def _unpack_rows(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -165,10 +189,20 @@ def linear_levels(
                     "a GPTQ linear's g_idx gives groups of unequal sizes: not served"
                 )
             levels = levels[:, perm]
+    elif q.method == "compressed-tensors":  # [N, K / per], values stored plus 2^(bits-1), low bits first
+        levels = _unpack_cols(parts["weight_packed"], q.bits, awq=False)
+        scales = parts["weight_scale"].float()
+        if "weight_zero_point" in parts:  # packed along the outputs, offset alike
+            zeros = _unpack_rows(parts["weight_zero_point"], q.bits)[: scales.shape[0]]
+        else:
+            zeros = torch.full(scales.shape, 1 << (q.bits - 1), dtype=torch.int32)
+        K = int(parts["weight_shape"][1]) if "weight_shape" in parts else levels.shape[1]
+        levels = levels[:, :K]
     else:
         levels = _unpack_cols(parts["qweight"], 4, awq=True).t()
         zeros = _unpack_cols(parts["qzeros"], 4, awq=True).t()
-    scales = parts["scales"].float().t()
+    if q.method != "compressed-tensors":
+        scales = parts["scales"].float().t()
     N = scales.shape[0]
     levels, zeros = levels[:N], zeros[:N]  # (packing pads the outputs to whole int32s)
     if rows is not None:
@@ -229,7 +263,9 @@ class QuantizedCheckpoint:
 
         self.path, self.quant = path, quant
         self.shapes = _shapes(path, None)
-        marker = f".{FP8_SCALE}" if quant.method == "fp8" else ".qweight"
+        marker = {"fp8": f".{FP8_SCALE}", "compressed-tensors": ".weight_packed"}.get(
+            quant.method, ".qweight"
+        )
         self.linears = {n.removesuffix(marker) for n in self.shapes if n.endswith(marker)}
         self._files: dict[str, Path] = {}
         for file in sorted(path.glob("*.safetensors")):
@@ -243,12 +279,19 @@ class QuantizedCheckpoint:
         from safetensors import safe_open
 
         out = {}
-        for part in ("weight", FP8_SCALE) if self.quant.method == "fp8" else PARTS:
+        for part in self.part_names:
             name = f"{module}.{part}"
             if name in self._files:
                 with safe_open(str(self._files[name]), "pt") as f:
                     out[part] = f.get_tensor(name)
         return out
+
+    @property
+    def part_names(self) -> tuple[str, ...]:
+        """A quantized linear's tensors in this format (the first marks it)."""
+        if self.quant.method == "fp8":
+            return ("weight", FP8_SCALE)
+        return CT_PARTS if self.quant.method == "compressed-tensors" else PARTS
 
     def perm(self, module: str) -> torch.Tensor | None:
         """The input order a GPTQ `desc_act` linear's groups need (`linear_levels`), or None."""
@@ -268,7 +311,7 @@ class QuantizedCheckpoint:
         from pytgi.models.loader import iter_safetensors
 
         fp8 = self.quant.method == "fp8"
-        ours = ("weight", FP8_SCALE) if fp8 else PARTS
+        ours = self.part_names
         for name, t in iter_safetensors(self.path):
             module, _, part = name.rpartition(".")
             if module in self.linears and part in ours:

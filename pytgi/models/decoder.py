@@ -528,6 +528,9 @@ def _packable(weights: GGUFWeights, mod: nn.Module, kind: str, names: list[str])
 
 def _in_out(ckpt: QuantizedCheckpoint, module: str) -> tuple[int, int]:
     """A quantized linear's (inputs, outputs), from the checkpoint's shapes."""
+    if ckpt.quant.method == "compressed-tensors":
+        packed = ckpt.shapes[f"{module}.weight_packed"]
+        return packed[1] * (32 // ckpt.quant.bits), packed[0]
     qw = ckpt.shapes[f"{module}.qweight"]
     K = qw[0] * (32 // ckpt.quant.bits) if ckpt.quant.method == "gptq" else qw[0]
     return K, ckpt.shapes[f"{module}.scales"][1]
@@ -535,6 +538,8 @@ def _in_out(ckpt: QuantizedCheckpoint, module: str) -> tuple[int, int]:
 
 def _group(ckpt: QuantizedCheckpoint, module: str) -> int:
     """A quantized linear's group of inputs in the checkpoint (its whole row for group_size -1)."""
+    if ckpt.quant.method == "compressed-tensors":
+        return _in_out(ckpt, module)[0] // ckpt.shapes[f"{module}.weight_scale"][1]
     return _in_out(ckpt, module)[0] // ckpt.shapes[f"{module}.scales"][0]
 
 

@@ -36,12 +36,17 @@ CASES = {  # name: (method, bits, group, sym, format, desc_act)
     "gptq-8bit-row": ("gptq", 8, -1, True, "gptq", False),
     "gptq-4bit-desc-act": ("gptq", 4, 32, True, "gptq", True),
     "awq-4bit": ("awq", 4, 32, False, "gptq", False),
+    "ct-4bit-sym": ("compressed-tensors", 4, 32, True, "", False),
+    "ct-4bit-asym": ("compressed-tensors", 4, 64, False, "", False),
+    "ct-8bit-channel": ("compressed-tensors", 8, -1, True, "", False),
     "fp8-blocks": ("fp8", 8, -1, True, "gptq", False),
 }
 
 
 def checkpoint(tmp_path, case):  # type: ignore[no-untyped-def]
     method, bits, group, sym, fmt, act_order = CASES[case]
+    if method == "compressed-tensors":
+        pytest.importorskip("compressed_tensors")
     _, kw, hf = tiny_model(FAMILIES["llama"])
     ref = write(hf, tmp_path / case, method, bits, group, sym, fmt, act_order)
     return tmp_path / case, kw, ref
@@ -64,6 +69,11 @@ def test_levels_and_grids_hold_the_checkpoints_values(tmp_path, case):
     assert torch.equal(dequantize(quant, parts), want)
     levels, zeros, scales, perm = linear_levels(quant, parts)
     assert (perm is not None) == case.endswith("desc-act")
+    if quant.method == "compressed-tensors":  # the library's own unpacking, offset back to unsigned
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        own = unpack_from_int32(parts["weight_packed"], quant.bits, torch.Size(want.shape)).to(torch.int32)
+        assert torch.equal(own + (1 << (quant.bits - 1)), levels)
     u, d, m = grid_of(quant, levels, zeros, scales, quant.kind)
     got = group_values(u.to(torch.int32), d, m)
     if perm is not None:  # the levels come with their inputs in group order
@@ -82,7 +92,9 @@ def test_float32_equals_transformers_on_the_dequantized_weights(tmp_path, case):
     torch.testing.assert_close(prompt_logits(runner, seq), reference(ref, seq), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("case", ["gptq-4bit-sym", "awq-4bit", "gptq-8bit-row", "gptq-4bit-desc-act", "fp8-blocks"])
+@pytest.mark.parametrize(
+    "case", ["gptq-4bit-sym", "awq-4bit", "gptq-8bit-row", "gptq-4bit-desc-act", "ct-4bit-asym", "ct-8bit-channel",
+             "fp8-blocks"])  # fmt: skip
 def test_bf16_keeps_the_levels_packed(tmp_path, case):
     """(FP8 on CPU: dequantized to bf16, on the bf16 kernel where it builds.)"""
     path, kw, ref = checkpoint(tmp_path, case)
@@ -105,7 +117,9 @@ def test_bf16_keeps_the_levels_packed(tmp_path, case):
     "qc, why",
     [
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not served"),
-        ({"quant_method": "compressed-tensors"}, "'compressed-tensors' is not served"),
+        ({"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "float-quantized", "weights": {
+            "type": "float", "num_bits": 8}}}}, "compressed-tensors float-quantized"),
+        ({"quant_method": "hqq"}, "'hqq' is not served"),
         ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3 bits"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "group size of 48"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ gemv"),
