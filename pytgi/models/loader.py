@@ -245,6 +245,13 @@ def load_model(
     if model_impl(hf, path, impl) == "transformers":
         if quantize not in ("auto", "none"):
             raise ValueError(f"--quantize {quantize} needs pytgi's own model code (--model-impl pytgi)")
+        if "quantization_config" in hf:  # transformers' loaders for these need packages pytgi does not have
+            method = hf["quantization_config"].get("quant_method")
+            arch = (hf.get("architectures") or ["?"])[0]
+            raise UnsupportedQuantization(
+                f"{path.name}: a {method} checkpoint of {arch} needs pytgi's own model code, which this "
+                "architecture does not have"
+            )
         from pytgi.models.transformers_impl import TransformersModel
 
         return TransformersModel(path, dtype, device, cpu, attention)
@@ -254,7 +261,7 @@ def load_model(
     cfg = MODELS[text["architectures"][0]](text)
     gguf = open_gguf(path)
     checkpoint = read_quantization(path) if gguf is None else None
-    if checkpoint is not None:  # GPTQ, AWQ: served as published
+    if checkpoint is not None:  # GPTQ, AWQ, compressed-tensors, FP8: served as published
         if vision:
             raise UnsupportedQuantization(f"a quantized vision model ({checkpoint.method}) is not served yet")
         if quantize not in ("auto", "none"):
