@@ -73,7 +73,7 @@ def test_levels_and_grids_hold_the_checkpoints_values(tmp_path, case):
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
         own = unpack_from_int32(parts["weight_packed"], quant.bits, torch.Size(want.shape)).to(torch.int32)
-        assert torch.equal(own + (1 << (quant.bits - 1)), levels)
+        assert torch.equal(own + (1 << (quant.bits - 1)), levels.to(torch.int32))
     u, d, m = grid_of(quant, levels, zeros, scales, quant.kind)
     got = group_values(u.to(torch.int32), d, m)
     if perm is not None:  # the levels come with their inputs in group order
