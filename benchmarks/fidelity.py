@@ -37,13 +37,18 @@ def nll(model: str | None, dtype: str, text: str, tokens: int) -> float:
         llm.shutdown()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def text_arguments(doc: str) -> argparse.ArgumentParser:
+    """The model and held-out text options the fidelity benchmarks share."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded model)")
     ap.add_argument("--text", default=str(Path(__file__).resolve().parents[1] / "docs" / "architecture.md"))
     ap.add_argument("--chars", type=int, default=6000)
     ap.add_argument("--tokens", type=int, default=1500)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = text_arguments(__doc__).parse_args()
     text = Path(args.text).read_text(encoding="utf-8")[: args.chars]
     exact, fast = nll(args.model, "float32", text, args.tokens), nll(args.model, "auto", text, args.tokens)
     print(f"float32 {exact:.4f} nats/token, fast path {fast:.4f}, difference {fast - exact:+.4f}")

@@ -12,7 +12,6 @@ Prints a table (nats/token, and the difference from bf16); writes benchmarks/res
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.fidelity import mean_nll  # noqa: E402
+from benchmarks.fidelity import mean_nll, text_arguments  # noqa: E402
 from pytgi import LLM  # noqa: E402
 from pytgi.kernels import gpu, gpu_quant  # noqa: E402
 from pytgi.models.attention import TorchAttention  # noqa: E402
@@ -36,12 +35,7 @@ def fp8_weight(w: torch.Tensor) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF directory or .gguf file (default: the embedded model)")
-    ap.add_argument("--text", default=str(Path(__file__).resolve().parents[1] / "docs" / "architecture.md"))
-    ap.add_argument("--chars", type=int, default=6000)
-    ap.add_argument("--tokens", type=int, default=1500)
-    args = ap.parse_args()
+    args = text_arguments(__doc__).parse_args()
     llm = LLM(model=args.model, dtype="float32", max_batch_total_tokens=8192, max_total_tokens=4096,
               enable_prefix_caching=False, progress=False)  # fmt: skip
     runner = llm.engine.runner
