@@ -64,7 +64,6 @@ class CheckpointQuant:
     group_size: int  # -1: one group per row
     sym: bool
     zeros_v1: bool  # GPTQ v1: stored zeros are the zero minus one
-    skip: frozenset[str]  # module names left in float (`modules_to_not_convert`)
     block: tuple[int, int] = (0, 0)  # fp8: the (rows, inputs) each scale covers
 
     @property
@@ -99,7 +98,7 @@ def read_quantization(model_dir: Path) -> CheckpointQuant | None:
         fmt = str(qc.get("checkpoint_format", "gptq")).lower()
         if fmt not in ("gptq", "gptq_v2"):
             raise refuse(f"GPTQ checkpoint_format {fmt!r} is not served")
-        q = CheckpointQuant("gptq", bits, group, bool(qc.get("sym", True)), fmt == "gptq", frozenset())
+        q = CheckpointQuant("gptq", bits, group, bool(qc.get("sym", True)), fmt == "gptq")
     elif method == "awq":
         version = str(qc.get("version", "gemm")).lower()
         bits = int(qc.get("bits", qc.get("w_bit", 4)))
@@ -108,16 +107,14 @@ def read_quantization(model_dir: Path) -> CheckpointQuant | None:
             raise refuse(f"AWQ {version} with {bits} bits is not served")
         if not qc.get("zero_point", True):
             raise refuse("AWQ without zero points is not served")
-        skip = frozenset(qc.get("modules_to_not_convert") or ())
-        q = CheckpointQuant("awq", 4, group, False, False, skip)
+        q = CheckpointQuant("awq", 4, group, False, False)
     elif method == "fp8":
         if qc.get("activation_scheme", "dynamic") != "dynamic":
             raise refuse("fp8 with static activation scales is not served")
         block = qc.get("weight_block_size")
         if not block or len(block) != 2:
             raise refuse("fp8 without weight_block_size is not served")
-        skip = frozenset(qc.get("modules_to_not_convert") or ())
-        return CheckpointQuant("fp8", 8, -1, True, False, skip, (int(block[0]), int(block[1])))
+        return CheckpointQuant("fp8", 8, -1, True, False, (int(block[0]), int(block[1])))
     elif method == "compressed-tensors":
         q = _compressed_tensors(qc, refuse)
     else:
@@ -143,8 +140,8 @@ def _compressed_tensors(qc: dict[str, Any], refuse: Any) -> CheckpointQuant:
             f"compressed-tensors {bits}-bit {strategy} weights (actorder {w.get('actorder')}) are not served"
         )
     group = int(w["group_size"]) if strategy == "group" else -1
-    skip = frozenset(n for n in qc.get("ignore") or () if not n.startswith("re:"))
-    return CheckpointQuant("compressed-tensors", bits, group, bool(w.get("symmetric", True)), False, skip)
+    # (its `ignore` list needs no reading: the linears it names have no weight_packed and load as floats)
+    return CheckpointQuant("compressed-tensors", bits, group, bool(w.get("symmetric", True)), False)
 
 
 def _bytes_values(packed: torch.Tensor, bits: int) -> torch.Tensor:
