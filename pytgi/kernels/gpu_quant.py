@@ -293,18 +293,15 @@ def _blocks(M: int, N: int, K: int, bits: int, sms: int) -> tuple[int, int, int,
     kernel). Small steps read the weight once and are bound by its bytes: narrow column tiles and,
     where those leave the multiprocessors short of programs, the inputs split over several; bigger
     steps take square tiles."""
-    if M <= GEMV_M:  # the H200's best tiles for an 8B's linears (docs/cuda.md)
-        bn, bk = (32, 256) if bits == 0 else (16, 512)
-        split = 1
-        while triton.cdiv(N, bn) * split < 2 * sms and K // (split * 2) >= 4 * bk:
-            split *= 2
-        return 1, bn, bk, split, 4, 3
     if M <= 16:
-        bn, bk = 16, 256 if bits == 4 else 128
-        split = 1
+        if M <= GEMV_M:  # the GEMV kernel, with the H200's best tiles for an 8B's linears (docs/cuda.md)
+            bm, bn, bk = (1, 32, 256) if bits == 0 else (1, 16, 512)
+        else:
+            bm, bn, bk = 16, 16, 256 if bits == 4 else 128
+        split = 1  # more programs, while the outputs alone leave the multiprocessors short of two each
         while triton.cdiv(N, bn) * split < 2 * sms and K // (split * 2) >= 4 * bk:
             split *= 2
-        return 16, bn, bk, split, 4, 3
+        return bm, bn, bk, split, 4, 3
     if M <= 64:
         return 64 if M > 32 else 32, 64, 128 if bits == 4 else 64, 1, 4, 4
     return 128, 128, 64, 1, 8, 3

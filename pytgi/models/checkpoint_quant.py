@@ -267,20 +267,20 @@ class QuantizedCheckpoint:
     linears as levels (for the packed kernels) or dequantized (float32, or where a linear is not packed)."""
 
     def __init__(self, path: Path, quant: CheckpointQuant) -> None:
-        from pytgi.models.loader import _shapes
+        from safetensors import safe_open
 
         self.path, self.quant = path, quant
-        self.shapes = _shapes(path, None)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._files: dict[str, Path] = {}
+        for file in sorted(path.glob("*.safetensors")):  # each header read once
+            with safe_open(str(file), "pt") as f:
+                for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                    self.shapes[name] = tuple(f.get_slice(name).get_shape())
+                    self._files[name] = file
         marker = {"fp8": f".{FP8_SCALE}", "compressed-tensors": ".weight_packed"}.get(
             quant.method, ".qweight"
         )
         self.linears = {n.removesuffix(marker) for n in self.shapes if n.endswith(marker)}
-        self._files: dict[str, Path] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            from safetensors import safe_open
-
-            with safe_open(str(file), "pt") as f:
-                self._files |= dict.fromkeys(f.keys(), file)
 
     def parts(self, module: str) -> dict[str, torch.Tensor]:
         """A quantized linear's tensors (qweight, qzeros, scales, g_idx where stored)."""

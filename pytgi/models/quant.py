@@ -433,24 +433,19 @@ class GpuQuantizedWeight:
         N, K = w.shape
         self.kind, self.shape, self.act_dtype = kind, (N, K), act_dtype
         self.dequantized = torch.empty(0, dtype=act_dtype, device=device)
-        if isinstance(w, Fp8Rows):  # a checkpoint's own e4m3 bytes and block scales
+        if kind == "fp8" and isinstance(w, torch.Tensor):  # a bf16 weight: e4m3 per output channel
+            w = Fp8Rows(*gpu_quant.quantize_fp8(w.to(device)), block_k=K)
+        if isinstance(w, Fp8Rows):  # e4m3 bytes and their scales, as they are
             self.packed, self.scales, self.bits = w.data.to(device), w.scales.to(device), 0
             self.lowbit = gpu_quant.LowbitWeight(
                 self.packed, self.scales, (N, K), 0, fp8_block=(1, w.block_k)
             )
-            return
-        if kind == "fp8":
-            assert isinstance(w, torch.Tensor)
-            self.packed, self.scales = gpu_quant.quantize_fp8(w.to(device))
-            self.bits, block = 0, (1, K)
-            self.lowbit = gpu_quant.LowbitWeight(self.packed, self.scales, (N, K), 0, fp8_block=block)
             return
         self.bits = 4 if kind == "int4" else 8
         group = 16 if kind == "int8x16" else GROUP
         self.packed = torch.empty((N, K // 2 if self.bits == 4 else K), dtype=torch.uint8, device=device)
         self.scales = torch.empty((N, K // group, 2), dtype=torch.float16, device=device)
         at = 0
-        assert not isinstance(w, Fp8Rows)
         for u, d, m in w.slices() if isinstance(w, LayoutRows) else [_levels(kind, w, group)]:
             q, s = gpu_quant.pack_levels(u, d, m, self.bits)
             self.packed[at : at + len(u)] = q

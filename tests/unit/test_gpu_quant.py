@@ -40,10 +40,12 @@ def close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 def test_pack_levels_puts_input_j_and_j_plus_16_in_one_byte():
-    u = torch.arange(64).remainder(16).view(1, 64)
-    qw, sc = gpu_quant.pack_levels(u, torch.ones(1, 2), torch.zeros(1, 2), 4)
-    assert qw.shape == (1, 32) and sc.shape == (1, 2, 2) and sc.dtype == torch.float16
-    assert qw[0, 3].item() == 3 | (3 << 4) and qw[0, 16].item() == 0 | (0 << 4)
+    u = torch.randint(0, 16, (3, 64), generator=torch.Generator().manual_seed(7))
+    qw, sc = gpu_quant.pack_levels(u, torch.ones(3, 2), torch.zeros(3, 2), 4)
+    assert qw.shape == (3, 32) and sc.shape == (3, 2, 2) and sc.dtype == torch.float16
+    for g in range(2):  # byte g·16 + j of a row: input g·32 + j (low nibble), g·32 + 16 + j (high)
+        for j in range(16):
+            assert torch.equal(qw[:, g * 16 + j].long(), u[:, g * 32 + j] | (u[:, g * 32 + 16 + j] << 4))
 
 
 @pytest.mark.parametrize("bits, group", [(4, 32), (8, 32), (8, 16)])
