@@ -62,7 +62,7 @@ def main() -> None:
                                   "desc_act": False, "checkpoint_format": "gptq"}  # fmt: skip
     (args.out / "config.json").write_text(json.dumps(cfg, indent=1))
     for f in args.src.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")):
             shutil.copy(f, args.out / f.name)
     print(f"wrote {args.out}")
 

@@ -1,8 +1,8 @@
-"""GPTQ, AWQ, compressed-tensors (pack-quantized, with that library's own packer) and FP8 (block-scaled,
-HF's `fp8`) checkpoints of a transformers model, written here by each format's published layout
-(AutoGPTQ's v1 GPTQ format or GPTQModel's v2, AutoAWQ's GEMM packing; `pytgi.models.checkpoint_quant` describes both),
-with round-to-nearest levels per group, and the float model that holds exactly their dequantized values
-(the reference: transformers on the same weights)."""
+"""GPTQ, AWQ, compressed-tensors (every format, with that library's own packer and compressors) and FP8
+(block-scaled, HF's `fp8`) checkpoints of a transformers model, written here by each format's published
+layout (AutoGPTQ's v1 GPTQ format or GPTQModel's v2, AutoAWQ's GEMM packing;
+`pytgi.models.checkpoint_quant` describes both), with round-to-nearest levels per group, and the float
+model that holds exactly their dequantized values (the reference: transformers on the same weights)."""
 
 from __future__ import annotations
 
@@ -67,6 +67,51 @@ def fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.T
     return q.contiguous(), scale, q.float() * full
 
 
+def ct_scheme(fmt: str, bits: int, group: int, sym: bool):  # type: ignore[no-untyped-def]
+    """compressed-tensors' own scheme for a format: int weights per group (`group` > 0), channel (-1) or
+    tensor (0); float (e4m3) weights per channel (-1), tensor (0) or `group` x `group` block. int- and
+    float-quantized are W8A8 (dynamic per-token activations), naive- and pack-quantized weight-only."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    float8 = fmt == "float-quantized"
+    strategy = "channel" if group == -1 else "tensor" if group == 0 else "block" if float8 else "group"
+    kind = "float" if float8 else "int"
+    weights = QuantizationArgs(num_bits=bits, type=kind, symmetric=sym, strategy=strategy,
+                               group_size=group if strategy == "group" else None,
+                               block_structure=[group, group] if strategy == "block" else None)  # fmt: skip
+    acts = None
+    if fmt in ("int-quantized", "float-quantized"):
+        acts = QuantizationArgs(num_bits=8, type=kind, symmetric=True, strategy="token", dynamic=True)
+    return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
+
+
+def ct_plain(w: torch.Tensor, fmt: str, bits: int, group: int, sym: bool):  # type: ignore[no-untyped-def]
+    """One linear as compressed-tensors' own compressor stores it in `fmt` (int- / naive- / float-
+    quantized), from scales made here by round to nearest; and the weight its own decompressor gives."""
+    from compressed_tensors.compressors import BaseCompressor
+
+    scheme = ct_scheme(fmt, bits, group, sym)
+    K = w.shape[1]
+    if fmt == "float-quantized":
+        if group > 0:
+            _, scale, _ = fp8_blocks(w, group)
+        else:
+            scale = (w.abs().amax(dim=1, keepdim=True) if group == -1 else w.abs().amax().reshape(1)) / 448
+        state = {"weight": w.float(), "weight_scale": scale.float()}
+    else:
+        _, zero, scale = rtn(w, bits, K if group <= 0 else group, sym)
+        if group == 0:  # a tensor's scale: the largest row's
+            scale, zero = scale.float().amax().reshape(1).half(), zero[:1, 0]
+        half = 1 << (bits - 1)
+        state = {"weight": w.float(), "weight_scale": scale.float()}
+        if not sym:
+            state["weight_zero_point"] = (zero - half).to(torch.int8)
+    compressor = BaseCompressor.load_from_registry(fmt)
+    stored = compressor.compress(dict(state), scheme)
+    deq = compressor.decompress(dict(stored), scheme)["weight"].float()
+    return {k: v.contiguous() for k, v in stored.items()}, deq
+
+
 def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool = True, fmt: str = "gptq",  # type: ignore[no-untyped-def]
           act_order: bool = False):  # fmt: skip
     """Write `hf` (a float transformers model) as a `method` ("gptq" | "awq" | "fp8") checkpoint in
@@ -86,12 +131,19 @@ def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool 
             quantized.add(name)
             tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"] = q8, scale8
             continue
+        if method == "compressed-tensors" and fmt not in ("", "pack-quantized"):
+            stored, deq_ct = ct_plain(w, fmt, bits, group, sym)
+            mod.weight.data.copy_(deq_ct)
+            quantized.add(name)
+            tensors.update({f"{name}.{k}": v for k, v in stored.items()})
+            continue
         g = w.shape[1] if group == -1 else group
         K = w.shape[1]
         perm = torch.arange(K)
         if act_order:
-            shared = name.rsplit(".", 1)[0] + (".qkv" if name.endswith(("q_proj", "k_proj", "v_proj")) else
-                                               ".gate_up" if name.endswith(("gate_proj", "up_proj")) else name)  # fmt: skip
+            stem, last = name.rsplit(".", 1)
+            together = dict.fromkeys(("q_proj", "k_proj", "v_proj"), ".qkv") | {"gate_proj": ".gate_up"}
+            shared = stem + together.get(last, ".gate_up" if last == "up_proj" else "." + last)
             perm = torch.randperm(K, generator=torch.Generator().manual_seed(sum(map(ord, shared))))
         inv = torch.argsort(perm)
         q, zero, scale = rtn(w[:, perm], bits, g, sym)
@@ -113,7 +165,8 @@ def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool 
             tensors[f"{name}.weight_scale"] = scale.contiguous()
             tensors[f"{name}.weight_shape"] = torch.tensor(list(w.shape))
             if not sym:
-                tensors[f"{name}.weight_zero_point"] = pack_to_int32((zero - half).to(torch.int8), bits, packed_dim=0)
+                zp = (zero - half).to(torch.int8)
+                tensors[f"{name}.weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0)
         else:  # AWQ: [K, N/8] and [G, N/8]
             tensors[f"{name}.qweight"] = pack_cols(q.t().contiguous(), 4, awq=True)
             tensors[f"{name}.qzeros"] = pack_cols(zero.t().contiguous(), 4, awq=True)
@@ -125,11 +178,10 @@ def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool 
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = ref.config.to_dict() | {"architectures": [type(ref).__name__]}
     if method == "compressed-tensors":
-        weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "channel" if group == -1 else "group",
-                   "group_size": None if group == -1 else group, "actorder": None}  # fmt: skip
-        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
-                                      "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                                                    "input_activations": None, "format": "pack-quantized"}}}  # fmt: skip
+        fmt = fmt or "pack-quantized"
+        scheme = ct_scheme(fmt, bits, group, sym).model_dump(mode="json") | {"format": fmt}
+        cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"],
+                                      "config_groups": {"group_0": scheme}}  # fmt: skip
     elif method == "fp8":
         cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
                                       "weight_block_size": [128, 128]}  # fmt: skip
@@ -137,7 +189,7 @@ def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool 
         cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
                                       "desc_act": act_order, "checkpoint_format": fmt}  # fmt: skip
     else:
-        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
-                                      "version": "gemm"}  # fmt: skip
+        cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
+                                      "zero_point": True, "version": "gemm"}  # fmt: skip
     (out / "config.json").write_text(json.dumps(cfg))
     return ref

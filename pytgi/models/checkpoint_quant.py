@@ -9,14 +9,19 @@ so the levels are moved, never rounded again:
 - 4-bit with zero points (GPTQ asymmetric, AWQ): int4 with m = −zero·scale, the one product rounded to
   fp16 (half an fp16 step of zero·scale at most), or, with `exact`, int8 (u = q − zero + 128,
   m = −128·scale: exact, at twice the bytes);
-- 8-bit: int8 with u = q − zero + 128, m = −128·scale (exact).
+- 8-bit: int8 with u = q − zero + 128, m = −128·scale (exact); an asymmetric group whose levels lie
+  more than 127 steps from its zero: u = q − lowest + 1, m = (lowest − 1 − zero)·scale rounded to fp16
+  (a group using all 256 levels loses its top one: 255 is the layout's highest).
 
 A checkpoint's group of 32, 64 or 128 inputs (or one group for the whole row, `group_size: -1`) is its
 grid repeated for each 32 inputs. GPTQ's `desc_act` groups inputs by `g_idx` rather than by position:
 the levels are stored in group order and the layer reorders its activations alike (`QuantizedLinear.perm`).
-HF's `fp8` checkpoints (e4m3 weights, a scale per 128 x 128 block) go to the CUDA FP8 kernels as they are,
-and are dequantized to bf16 on CPU. Formats still to come (compressed-tensors, bitsandbytes, EXL2, ...)
-are refused at start with the list of what is served, never loaded as if they were float weights.
+HF's `fp8` checkpoints (e4m3 weights, a scale per 128 x 128 block) and compressed-tensors' float-quantized
+ones (a scale per tensor, channel or block) go to the CUDA FP8 kernels as they are, and are dequantized to
+bf16 on CPU. compressed-tensors' int formats store levels either packed in int32 words
+(`pack-quantized`) or one signed int8 per value (`int-quantized`, W8A8; `naive-quantized`), both
+offset by 2^(bits-1). Formats still to come (bitsandbytes, EXL2, NVFP4, ...) are refused at start with
+the list of what is served, never loaded as if they were float weights.
 
 The layouts (GPTQ's v1 format, as AutoGPTQ writes it):
 - GPTQ: `qweight` int32 [K / (32 / bits), N], input k's level in bits (k mod (32 / bits))·bits of row
@@ -45,8 +50,14 @@ SERVED = (
     "awq (gemm, 4 bits)",
     "fp8 (e4m3 weights with weight_block_size scales, DeepSeek's and Qwen3-FP8's)",
     "compressed-tensors pack-quantized (W4A16 / W8A16: int weights, group or channel scales, sym or not)",
+    "compressed-tensors int- and naive-quantized (W8A8 / W4A16 int weights, tensor, channel or group scales)",
+    "compressed-tensors float-quantized (FP8 W8A8 / W8A16: e4m3 weights, tensor, channel or block scales)",
 )
 CT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+CT_PLAIN = ("weight", "weight_scale", "weight_zero_point")  # int-, naive- and float-quantized
+# static activation and KV-cache scales: not used (activations are scaled per token as they come; the KV
+# cache keeps pytgi's own dtype)
+UNUSED = ("input_scale", "input_zero_point", "output_scale", "k_scale", "v_scale", "q_scale")
 PARTS = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's tensors, beside its bias
 FP8_SCALE = "weight_scale_inv"  # HF fp8: the block scale a weight is multiplied by
 
@@ -64,13 +75,27 @@ class CheckpointQuant:
     group_size: int  # -1: one group per row
     sym: bool
     zeros_v1: bool  # GPTQ v1: stored zeros are the zero minus one
-    block: tuple[int, int] = (0, 0)  # fp8: the (rows, inputs) each scale covers
+    block: tuple[int, int] = (0, 0)  # e4m3: the (rows, inputs) each scale covers, 0 for all of them
+    stored: str = "packed"  # compressed-tensors: "packed" (int32 words) | "int" (int8) | "float" (e4m3)
 
     @property
     def kind(self) -> str:
         """The packed layout that holds the levels (see the module docstring); FP8 is kept as e4m3 on
         CUDA and dequantized to bf16 on CPU (its values lie on no uniform grid an int8 layout holds)."""
-        return "fp8" if self.method == "fp8" else "int4" if self.bits == 4 else "int8"
+        return "fp8" if self.float8 else "int4" if self.bits == 4 else "int8"
+
+    @property
+    def float8(self) -> bool:
+        return self.method == "fp8" or self.stored == "float"
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """A quantized linear's tensors in this format (the first two mark it)."""
+        if self.method == "fp8":
+            return ("weight", FP8_SCALE)
+        if self.method == "compressed-tensors":
+            return CT_PARTS if self.stored == "packed" else CT_PLAIN
+        return PARTS
 
 
 def read_quantization(model_dir: Path) -> CheckpointQuant | None:
@@ -125,23 +150,40 @@ def read_quantization(model_dir: Path) -> CheckpointQuant | None:
 
 
 def _compressed_tensors(qc: dict[str, Any], refuse: Any) -> CheckpointQuant:
-    """compressed-tensors (llm-compressor's format): one config group of int weights, packed."""
+    """compressed-tensors (llm-compressor's format): one config group of weights, int (packed in int32
+    words, or one int8 per value) or e4m3. Activation schemes (W8A8's dynamic or static input scales)
+    are read but not needed: activations stay in the model's dtype on CPU, and the CUDA FP8 kernel
+    scales them per token itself."""
     groups = list((qc.get("config_groups") or {}).values())
     if len(groups) != 1:
         raise refuse(f"compressed-tensors with {len(groups)} config groups is not served")
     g = groups[0]
-    fmt = g.get("format") or qc.get("format")
-    w, act = g.get("weights") or {}, g.get("input_activations")
-    if fmt != "pack-quantized" or act is not None or w.get("type") != "int":
-        raise refuse(f"compressed-tensors {fmt} ({w.get('type')} weights, activations {act}) is not served")
-    bits, strategy = int(w.get("num_bits", 0)), w.get("strategy")
-    if bits not in (4, 8) or strategy not in ("group", "channel") or w.get("actorder"):
-        raise refuse(
-            f"compressed-tensors {bits}-bit {strategy} weights (actorder {w.get('actorder')}) are not served"
+    fmt = str(g.get("format") or qc.get("format"))
+    w = g.get("weights") or {}
+    kind, bits, strategy = w.get("type"), int(w.get("num_bits", 0)), w.get("strategy")
+    stored = {"pack-quantized": "packed", "int-quantized": "int", "naive-quantized": "int"}.get(fmt)
+    if fmt == "float-quantized" or (fmt == "naive-quantized" and kind == "float"):
+        stored = "float"
+    if stored is None or (kind == "float") != (stored == "float") or kind not in ("int", "float"):
+        raise refuse(f"compressed-tensors {fmt} ({kind} weights) is not served")
+    if w.get("actorder") or w.get("dynamic"):
+        raise refuse(f"compressed-tensors weights with actorder {w.get('actorder')} are not served")
+    if stored == "float":
+        if bits != 8 or strategy not in ("tensor", "channel", "block"):
+            raise refuse(f"compressed-tensors {bits}-bit {strategy} float weights are not served")
+        block = {"tensor": (0, 0), "channel": (1, 0)}.get(strategy) or tuple(w.get("block_structure") or ())
+        if len(block) != 2 or min(block) < 0:
+            raise refuse(f"compressed-tensors block weights with block_structure {block} are not served")
+        return CheckpointQuant(
+            "compressed-tensors", 8, -1, True, False, (int(block[0]), int(block[1])), "float"
         )
+    if bits not in (4, 8) or strategy not in ("group", "channel", "tensor"):
+        raise refuse(f"compressed-tensors {bits}-bit {strategy} int weights are not served")
     group = int(w["group_size"]) if strategy == "group" else -1
-    # (its `ignore` list needs no reading: the linears it names have no weight_packed and load as floats)
-    return CheckpointQuant("compressed-tensors", bits, group, bool(w.get("symmetric", True)), False)
+    # (its `ignore` list needs no reading: the linears it names have no scales and load as floats)
+    return CheckpointQuant(
+        "compressed-tensors", bits, group, bool(w.get("symmetric", True)), False, stored=stored
+    )
 
 
 def _bytes_values(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -175,6 +217,11 @@ def _unpack_cols(packed: torch.Tensor, bits: int, awq: bool) -> torch.Tensor:
     return vals.reshape(packed.shape[0], -1)
 
 
+def _per_row(t: torch.Tensor, N: int) -> torch.Tensor:
+    """A scale or zero point per tensor, output channel or group, as [N, groups]."""
+    return t.reshape(1, 1).expand(N, 1) if t.numel() == 1 else t.reshape(N, -1)
+
+
 def linear_levels(
     q: CheckpointQuant, parts: dict[str, torch.Tensor], rows: tuple[int, int] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -197,6 +244,13 @@ def linear_levels(
                     "a GPTQ linear's g_idx gives groups of unequal sizes: not served"
                 )
             levels = levels[:, perm]
+    elif q.method == "compressed-tensors" and q.stored == "int":  # int8 [N, K], signed; zeros likewise
+        half = 1 << (q.bits - 1)
+        levels = (parts["weight"].to(torch.int16) + half).to(torch.uint8)
+        N = levels.shape[0]
+        scales = _per_row(parts["weight_scale"].float(), N)
+        zp = parts.get("weight_zero_point")
+        zeros = half + (torch.zeros(scales.shape, dtype=torch.int32) if zp is None else _per_row(zp, N).int())
     elif q.method == "compressed-tensors":  # [N, K / per], values stored plus 2^(bits-1), low bits first
         levels = _unpack_cols(parts["weight_packed"], q.bits, awq=False)
         scales = parts["weight_scale"].float()
@@ -241,25 +295,33 @@ def grid_of(q: CheckpointQuant, levels: torch.Tensor, zeros: torch.Tensor, scale
     z = zeros.repeat_interleave(per32, dim=1)
     if kind == "int4":
         return levels.to(torch.uint8), d, _fp16(-z.float() * d)
-    u = (levels.view(N, K // GROUP, GROUP) - z[..., None] + 128).view(N, K)
-    return u.clamp(1, 255).to(torch.uint8), d, -128 * d
+    g = levels.view(N, K // GROUP, GROUP).to(torch.int32)
+    u = g - z[..., None] + 128
+    # an asymmetric 8-bit group whose levels lie over 127 steps from its zero: offset from its lowest level
+    off = (u.amin(-1) < 1) | (u.amax(-1) > 255)
+    lo = g.amin(-1)
+    u = torch.where(off[..., None], g - lo[..., None] + 1, u)
+    m = torch.where(off, _fp16((lo - 1 - z).float() * d), -128 * d)
+    return u.view(N, K).clamp(1, 255).to(torch.uint8), d, m
 
 
-def fp8_rows(
-    q: CheckpointQuant, weight: torch.Tensor, scale: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """An fp8 linear as the CUDA kernel takes it: (e4m3 bytes uint8 [N, K], float32 scales [N, K / SK])
-    with a scale per row and block of inputs (the checkpoint's block rows repeated: fused parts of any
-    height then concatenate)."""
-    N = weight.shape[0]
-    return weight.view(torch.uint8), scale.float().repeat_interleave(q.block[0], dim=0)[:N].contiguous()
-
-
-def fp8_dequantize(q: CheckpointQuant, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 [N, K]: each e4m3 value times its block's scale."""
+def fp8_rows(q: CheckpointQuant, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """An e4m3 linear as the CUDA kernel takes it: (bytes uint8 [N, K], float32 scales [N, K / SK], SK)
+    with a scale per row and block of SK inputs: the checkpoint's block rows repeated (so fused parts of
+    any height concatenate), a scale per channel or per tensor as one block of the whole row."""
+    weight, scale = parts["weight"], parts[q.parts[1]].float()
     N, K = weight.shape
-    s = scale.float().repeat_interleave(q.block[0], dim=0)[:N].repeat_interleave(q.block[1], dim=1)[:, :K]
-    return weight.float() * s
+    rows = scale.reshape(1, 1).expand(N, 1) if scale.numel() == 1 else scale.reshape(-1, scale.shape[-1])
+    if q.block[0] > 1:
+        rows = rows.repeat_interleave(q.block[0], dim=0)[:N]
+    return weight.view(torch.uint8), rows.contiguous(), q.block[1] or K
+
+
+def fp8_dequantize(q: CheckpointQuant, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """float32 [N, K]: each e4m3 value times its block's scale."""
+    data, scales, block_k = fp8_rows(q, parts)
+    K = data.shape[1]
+    return parts["weight"].float() * scales.repeat_interleave(block_k, dim=1)[:, :K]
 
 
 class QuantizedCheckpoint:
@@ -277,9 +339,8 @@ class QuantizedCheckpoint:
                 for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     self.shapes[name] = tuple(f.get_slice(name).get_shape())
                     self._files[name] = file
-        marker = {"fp8": f".{FP8_SCALE}", "compressed-tensors": ".weight_packed"}.get(
-            quant.method, ".qweight"
-        )
+        # a quantized linear: its packed levels, or (where its weight keeps the name) its scale
+        marker = "." + (quant.parts[1] if quant.parts[0] == "weight" else quant.parts[0])
         self.linears = {n.removesuffix(marker) for n in self.shapes if n.endswith(marker)}
 
     def parts(self, module: str) -> dict[str, torch.Tensor]:
@@ -287,19 +348,12 @@ class QuantizedCheckpoint:
         from safetensors import safe_open
 
         out = {}
-        for part in self.part_names:
+        for part in self.quant.parts:
             name = f"{module}.{part}"
             if name in self._files:
                 with safe_open(str(self._files[name]), "pt") as f:
                     out[part] = f.get_tensor(name)
         return out
-
-    @property
-    def part_names(self) -> tuple[str, ...]:
-        """A quantized linear's tensors in this format (the first marks it)."""
-        if self.quant.method == "fp8":
-            return ("weight", FP8_SCALE)
-        return CT_PARTS if self.quant.method == "compressed-tensors" else PARTS
 
     def perm(self, module: str) -> torch.Tensor | None:
         """The input order a GPTQ `desc_act` linear's groups need (`linear_levels`), or None."""
@@ -318,20 +372,15 @@ class QuantizedCheckpoint:
         as `<module>.weight` (float32), once its parts are read."""
         from pytgi.models.loader import iter_safetensors
 
-        fp8 = self.quant.method == "fp8"
-        ours = self.part_names
+        ours = self.quant.parts
         for name, t in iter_safetensors(self.path):
             module, _, part = name.rpartition(".")
+            if part in UNUSED:
+                continue
             if module in self.linears and part in ours:
                 if part == ours[0] and module not in skip:
                     parts = self.parts(module)
-                    yield (
-                        f"{module}.weight",
-                        (
-                            fp8_dequantize(self.quant, parts["weight"], parts[FP8_SCALE])
-                            if fp8
-                            else dequantize(self.quant, parts)
-                        ),
-                    )
+                    q = self.quant
+                    yield f"{module}.weight", fp8_dequantize(q, parts) if q.float8 else dequantize(q, parts)
                 continue
             yield name, t

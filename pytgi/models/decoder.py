@@ -38,7 +38,7 @@ from pytgi.models.attention import (
     get_backend,
     layer_metadata,
 )
-from pytgi.models.checkpoint_quant import FP8_SCALE, QuantizedCheckpoint, fp8_rows, grid_of, linear_levels
+from pytgi.models.checkpoint_quant import QuantizedCheckpoint, fp8_rows, grid_of, linear_levels
 from pytgi.models.cpu import CpuKernels, TorchOps
 from pytgi.models.decoder_loop import DecoderLoop, GemmaDecoderLoop
 from pytgi.models.gguf_weights import DECODERS, ROWS_PER_SLICE, GGUFWeights
@@ -55,11 +55,14 @@ from pytgi.models.layers import (
 from pytgi.models.moe import SparseMoE
 from pytgi.models.quant import (
     GROUP,
+    HEAD_KIND,
     Fp8Rows,
     Layout,
     LayoutRows,
     QuantizedLinear,
     QuantizedWeight,
+    float_kind,
+    float_rows,
     grid_layout,
     kind_for_gguf_type,
     quantize_model,
@@ -397,17 +400,19 @@ class DecoderModel(nn.Module):
             self._packed_table(weights, act_dtype)
 
     def load_quantized_checkpoint(self, ckpt: QuantizedCheckpoint, act_dtype: torch.dtype) -> None:
-        """Load a GPTQ / AWQ checkpoint (`pytgi.models.checkpoint_quant`): its quantized linears packed
+        """Load a pre-quantized checkpoint (`pytgi.models.checkpoint_quant`): its quantized linears packed
         from their levels (`CheckpointQuant.kind`, no float copy), the rest as they are; a linear whose
-        shard does not fall on whole groups is dequantized instead."""
+        shard does not fall on whole groups, or FP8 on CPU, is dequantized instead. On CPU the float
+        linears then take the bf16 kernel, and the LM head `HEAD_KIND` (docs/models.md)."""
         kind = ckpt.quant.kind
         packed: dict[nn.Module, list[str]] = {}
         perms: dict[nn.Module, torch.Tensor] = {}  # GPTQ desc_act: the inputs' order
-        for mod, (_, names) in self.planned(kind).items():
+        keep = kind != "fp8" or self.kernels.triton  # e4m3 stays e4m3 on CUDA only
+        for mod, (_, names) in self.planned(kind).items() if keep else ():
             modules = [n.removesuffix(".weight") for n in names]
             if mod is self.lm_head or not all(m in ckpt.linears for m in modules):
                 continue
-            group = ckpt.quant.block[1] if ckpt.quant.method == "fp8" else _group(ckpt, modules[0])
+            group = (ckpt.quant.block[1] or 1) if ckpt.quant.float8 else _group(ckpt, modules[0])
             if isinstance(mod, RowParallelLinear) and mod.in_start % group:
                 continue  # a shard across groups: dequantized
             order = [ckpt.perm(m) for m in modules]
@@ -425,12 +430,19 @@ class DecoderModel(nn.Module):
         self.load_weights(
             ckpt.dense_tensors(skip), expect_missing={f"{own[id(mod)]}.weight" for mod in packed}
         )
-        self.quantize(
-            {name: kind for names in packed.values() for name in names},
-            act_dtype,
-            {mod: functools.partial(_checkpoint_layout, ckpt, mod, names) for mod, names in packed.items()},
-            perms,
-        )
+        plan = {name: kind for names in packed.values() for name in names}
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        if (dense := float_kind(act_dtype, self.kernels)) is not None:
+            # the checkpoint's float linears (the LM head, its `ignore` list) on the CPU's own kernels
+            planned = self.planned(dense).items()
+            plan |= {n: dense for mod, (_, names) in planned if mod not in packed for n in names}
+            plan[head] = HEAD_KIND
+        layouts: dict[nn.Module, Any] = {
+            mod: functools.partial(_checkpoint_layout, ckpt, mod, names) for mod, names in packed.items()
+        }
+        if plan.get(head) not in (None, "bf16"):  # quantized a slice of rows at a time
+            layouts[self.lm_head] = functools.partial(float_rows, self.lm_head.weight.data)
+        self.quantize(plan, act_dtype, layouts, perms)
 
     def _packed_table(self, weights: GGUFWeights, act_dtype: torch.dtype) -> None:
         """The embedding table as a packed weight's rows: the tied head's, or its own from the file's
@@ -528,6 +540,9 @@ def _packable(weights: GGUFWeights, mod: nn.Module, kind: str, names: list[str])
 
 def _in_out(ckpt: QuantizedCheckpoint, module: str) -> tuple[int, int]:
     """A quantized linear's (inputs, outputs), from the checkpoint's shapes."""
+    if ckpt.quant.parts[0] == "weight":  # one value per element
+        N, K = ckpt.shapes[f"{module}.weight"]
+        return K, N
     if ckpt.quant.method == "compressed-tensors":
         packed = ckpt.shapes[f"{module}.weight_packed"]
         return packed[1] * (32 // ckpt.quant.bits), packed[0]
@@ -539,7 +554,8 @@ def _in_out(ckpt: QuantizedCheckpoint, module: str) -> tuple[int, int]:
 def _group(ckpt: QuantizedCheckpoint, module: str) -> int:
     """A quantized linear's group of inputs in the checkpoint (its whole row for group_size -1)."""
     if ckpt.quant.method == "compressed-tensors":
-        return _in_out(ckpt, module)[0] // ckpt.shapes[f"{module}.weight_scale"][1]
+        scale = ckpt.shapes[f"{module}.weight_scale"]
+        return _in_out(ckpt, module)[0] // (scale[1] if len(scale) == 2 else 1)
     return _in_out(ckpt, module)[0] // ckpt.shapes[f"{module}.scales"][0]
 
 
@@ -549,7 +565,7 @@ def _checkpoint_layout(
     """This rank's part of a quantized checkpoint's linear, in `kind`'s layout, a part at a time."""
     modules = [n.removesuffix(".weight") for n in names]
 
-    if ckpt.quant.method == "fp8":
+    if ckpt.quant.float8:
         return _fp8_layout(ckpt, mod, modules)
 
     def slices() -> Iterator[Layout]:
@@ -573,11 +589,10 @@ def _checkpoint_layout(
 
 def _fp8_layout(ckpt: QuantizedCheckpoint, mod: nn.Module, modules: list[str]) -> Fp8Rows:
     """This rank's part of an FP8 checkpoint's linear: its parts' rows (and shard) joined."""
-    block_k = ckpt.quant.block[1]
     data, scales = [], []
+    block_k = 0
     for i, module in enumerate(modules):
-        parts = ckpt.parts(module)
-        q, s = fp8_rows(ckpt.quant, parts["weight"], parts[FP8_SCALE])
+        q, s, block_k = fp8_rows(ckpt.quant, ckpt.parts(module))
         if isinstance(mod, ColumnParallelLinear):
             start, size = mod.shards[i]
             q, s = q[start : start + size], s[start : start + size]

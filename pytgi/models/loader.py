@@ -271,15 +271,12 @@ def load_model(
         ckpt = QuantizedCheckpoint(path, checkpoint)
         with _default_dtype(dtype), torch.device(device):
             decoder = DecoderModel(cfg, cpu, attention)
-        # float32 stays exact (the checkpoint's values, dequantized); otherwise the levels are packed
-        # (FP8 on CPU: dequantized to the model's dtype, on pytgi's bf16 kernel where it builds)
-        packs = cpu.triton or (device.type == "cpu" and checkpoint.method != "fp8")
-        if quantize == "auto" and dtype != torch.float32 and packs:
+        # float32 (or --quantize none, or a GPU without Triton) takes the checkpoint's values dequantized;
+        # otherwise the levels are packed (FP8 on CPU: dequantized to bf16, on pytgi's bf16 kernel)
+        if quantize == "auto" and dtype != torch.float32 and (cpu.triton or device.type == "cpu"):
             decoder.load_quantized_checkpoint(ckpt, dtype)
         else:
             decoder.load_weights(ckpt.dense_tensors())
-            if quantize == "auto" and (plan := resolve_plan("auto", path, dtype, device, gpu=cpu.triton)):
-                decoder.quantize(plan, dtype)
         return decoder.eval()
     plan = resolve_plan(quantize, path, dtype, device, gpu=cpu.triton)
     if gguf is not None and not vision and isinstance(plan, dict):

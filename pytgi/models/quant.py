@@ -66,7 +66,7 @@ def file_quantization(model_dir: Path) -> dict[str, int] | None:
         if quant is None:
             return None
         detail = f"{quant.method} {quant.bits}-bit" + (
-            f" group {quant.group_size}" if quant.method != "fp8" else ""
+            f" group {quant.group_size}" if not quant.float8 and quant.group_size != -1 else ""
         )
         return {detail: len(QuantizedCheckpoint(Path(model_dir), quant).linears)}
     types = list(json.loads(path.read_text()).get("tensors", {}).values())
@@ -124,6 +124,20 @@ def resolve_plan(
             return {}
         return "bf16" if act_dtype == torch.bfloat16 and kernels.bf16gemm_supported() else {}
     return mode
+
+
+def float_kind(act_dtype: torch.dtype, cpu: CpuKernels) -> str | None:
+    """The packed layout a float linear of a bf16 model runs in on this CPU ("bf16"), or None (float32
+    stays exact; a GPU takes float weights as they are)."""
+    if cpu.triton or act_dtype != torch.bfloat16 or not kernels.bf16gemm_supported():
+        return None
+    return "bf16"
+
+
+# A pre-quantized checkpoint's float LM head on CPU: 8 bits in groups of 32 (Q8_0's grid), the width a
+# GGUF Q4_K_M's head has, half the bytes of bf16 (a 3B Llama's 128k-token head is 0.79 GB a token in
+# bf16); what it costs in fidelity: docs/models.md, benchmarks/quant_fidelity.py.
+HEAD_KIND = "int8"
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -455,6 +469,26 @@ class GpuQuantizedWeight:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.lowbit.matmul(x)
+
+
+def float_rows(w: torch.Tensor, kind: str, rows: int = 2048) -> LayoutRows:
+    """A float weight on a grid of `kind`, quantized a slice of rows at a time (a 128k-token LM head
+    never whole in float32)."""
+    group = 16 if kind == "int8x16" else GROUP
+
+    def slices() -> Iterator[Layout]:
+        for i in range(0, w.shape[0], rows):
+            part = w[i : i + rows].float()
+            if kind == "int4":
+                u, d, m = _levels(kind, part, group)
+            else:  # Q8_0's grid (trained weights lie on no grid of their own: no search for one)
+                g = part.view(len(part), -1, group)
+                d = _fp16(g.abs().amax(dim=-1) / 127)
+                u = torch.round(g / d.clamp(min=1e-30)[..., None]).add_(128).view(part.shape)
+                m = -128 * d
+            yield u.to(torch.uint8), d, m
+
+    return LayoutRows((w.shape[0], w.shape[1]), slices)
 
 
 def _levels(kind: str, w: torch.Tensor, group: int) -> Layout:

@@ -1,5 +1,5 @@
-"""A GPTQ and an AWQ checkpoint (written here by their published layouts, tests/quant_checkpoints.py)
-served over HTTP: float32 greedy output equals transformers on the dequantized weights, the default
+"""GPTQ, AWQ and compressed-tensors W8A8 (int8 and FP8) checkpoints (written here by their published
+layouts, tests/quant_checkpoints.py) served over HTTP: float32 greedy output equals transformers on the dequantized weights, the default
 bf16 path serves from the packed levels, and /info says what the checkpoint is."""
 
 from __future__ import annotations
@@ -16,23 +16,35 @@ from tests.quant_checkpoints import write
 from tests.unit import tiny_tokenizer
 
 
-def quantized(path, method):  # type: ignore[no-untyped-def]
+# name: (method, bits, group, sym, format), and what /info says of it
+FORMATS = {
+    "gptq": (("gptq", 4, 32, True, "gptq"), "gptq 4-bit group 32"),
+    "awq": (("awq", 4, 32, False, "gptq"), "awq 4-bit group 32"),
+    "w8a8-int8": (("compressed-tensors", 8, -1, True, "int-quantized"), "compressed-tensors 8-bit"),
+    "fp8-dynamic": (("compressed-tensors", 8, -1, True, "float-quantized"), "compressed-tensors 8-bit"),
+}
+
+
+def quantized(path, name):  # type: ignore[no-untyped-def]
     tiny_tokenizer.build(path)
     vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(llama_config(vocab)).float().eval()
-    return write(hf, path, method, 4, 32, method == "gptq")
+    return write(hf, path, *FORMATS[name][0])
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_a_quantized_checkpoint_serves_over_http(tmp_path, method):
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_quantized_checkpoint_serves_over_http(tmp_path, name):
+    if FORMATS[name][0][0] == "compressed-tensors":
+        pytest.importorskip("compressed_tensors")
+    method = name
     ref = quantized(tmp_path / method, method)
     body = {"inputs": "the quick brown fox", "parameters": {"max_new_tokens": 8, "details": True,
                                                              "decoder_input_details": True}}  # fmt: skip
     srv = Server("--model-id", str(tmp_path / method), log=tmp_path / "exact.log").wait_ready()
     try:
         info = httpx.get(f"{srv.url}/info").json()
-        assert info["model_quantization"] == {f"{method} 4-bit group 32": 14}
+        assert info["model_quantization"] == {FORMATS[name][1]: 14}
         r = httpx.post(f"{srv.url}/generate", json=body, timeout=60).json()
     finally:
         srv.stop()

@@ -108,7 +108,9 @@ def test_fp8_kv_cache_gives_the_logits_of_the_values_it_holds(tmp_path, monkeypa
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
 
 
-@pytest.mark.parametrize("case", ["gptq-4bit-sym", "awq-4bit", "fp8-blocks"])
+@pytest.mark.parametrize(
+    "case", ["gptq-4bit-sym", "awq-4bit", "fp8-blocks", "ct-w8a8-int-channel", "ct-fp8-channel", "ct-fp8-tensor"]
+)
 def test_gptq_awq_fp8_checkpoints_stay_in_their_levels_on_the_triton_path(tmp_path, monkeypatch, case):
     from tests.model.test_quant_checkpoints import checkpoint
     from tests.model.test_tiny_models import reference
@@ -117,7 +119,7 @@ def test_gptq_awq_fp8_checkpoints_stay_in_their_levels_on_the_triton_path(tmp_pa
     runner, model = _on_triton(path, monkeypatch, "auto")
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(linears) == 4 * kw["num_hidden_layers"]
-    kind = "fp8" if case.startswith("fp8") else "int4"
+    kind = "fp8" if "fp8" in case else "int8" if "w8a8" in case else "int4"
     assert all(isinstance(m.quant, GpuQuantizedWeight) and m.quant.kind == kind for m in linears)
     seq = np.random.default_rng(6).integers(0, kw["vocab_size"], 19).tolist()
     got, want = prompt_logits(runner, seq).float().cpu(), reference(ref, seq)

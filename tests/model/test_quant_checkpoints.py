@@ -24,7 +24,7 @@ from pytgi.models.checkpoint_quant import (
     read_quantization,
 )
 from pytgi.models.gguf_weights import group_values
-from pytgi.models.quant import QuantizedLinear
+from pytgi.models.quant import HEAD_KIND, QuantizedLinear
 from tests.model.test_gguf_families import prompt_logits, tiny_model
 from tests.model.test_gguf_loading import FAMILIES
 from tests.model.test_tiny_models import reference
@@ -40,6 +40,13 @@ CASES = {  # name: (method, bits, group, sym, format, desc_act)
     "ct-4bit-asym": ("compressed-tensors", 4, 64, False, "", False),
     "ct-8bit-channel": ("compressed-tensors", 8, -1, True, "", False),
     "fp8-blocks": ("fp8", 8, -1, True, "gptq", False),
+    # compressed-tensors' unpacked formats (group: -1 channel, 0 tensor, else group or float block)
+    "ct-w8a8-int-channel": ("compressed-tensors", 8, -1, True, "int-quantized", False),
+    "ct-w8a8-int-tensor-asym": ("compressed-tensors", 8, 0, False, "int-quantized", False),
+    "ct-naive-4bit-group": ("compressed-tensors", 4, 32, True, "naive-quantized", False),
+    "ct-fp8-channel": ("compressed-tensors", 8, -1, True, "float-quantized", False),
+    "ct-fp8-tensor": ("compressed-tensors", 8, 0, True, "float-quantized", False),
+    "ct-fp8-block": ("compressed-tensors", 8, 32, True, "float-quantized", False),
 }
 
 
@@ -61,15 +68,17 @@ def test_levels_and_grids_hold_the_checkpoints_values(tmp_path, case):
     module = "model.layers.1.mlp.down_proj"
     want = ref.get_submodule(module).weight.data
     parts = ckpt.parts(module)
-    if quant.method == "fp8":
-        assert torch.equal(fp8_dequantize(quant, parts["weight"], parts["weight_scale_inv"]), want)
-        q, s = fp8_rows(quant, parts["weight"], parts["weight_scale_inv"])
-        assert q.dtype == torch.uint8 and s.shape == (want.shape[0], 1)
+    if quant.float8:
+        assert torch.equal(fp8_dequantize(quant, parts), want)
+        q, s, block_k = fp8_rows(quant, parts)
+        assert q.dtype == torch.uint8 and s.shape == (want.shape[0], -(-want.shape[1] // block_k))
         return
     assert torch.equal(dequantize(quant, parts), want)
     levels, zeros, scales, perm = linear_levels(quant, parts)
     assert (perm is not None) == case.endswith("desc-act")
-    if quant.method == "compressed-tensors":  # the library's own unpacking, offset back to unsigned
+    if quant.method == "compressed-tensors" and quant.stored == "int":  # signed int8s, offset to unsigned
+        assert torch.equal(parts["weight"].to(torch.int32) + (1 << (quant.bits - 1)), levels.to(torch.int32))
+    elif quant.method == "compressed-tensors":  # the library's own unpacking, offset back to unsigned
         from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
         own = unpack_from_int32(parts["weight_packed"], quant.bits, torch.Size(want.shape)).to(torch.int32)
@@ -78,10 +87,10 @@ def test_levels_and_grids_hold_the_checkpoints_values(tmp_path, case):
     got = group_values(u.to(torch.int32), d, m)
     if perm is not None:  # the levels come with their inputs in group order
         got = got[:, torch.argsort(perm)]
-    if quant.kind == "int8" or quant.sym:  # exact: fp16 scales, zeros folded exactly
+    if quant.sym:  # exact: fp16 scales, zeros folded exactly
         assert torch.equal(got, want)
-    else:  # int4 with zero points: -zero·scale rounded to fp16 once per group
-        assert (got - want).abs().max() <= 2**-11 * 16 * d.max()
+    else:  # zero points: -zero·scale (8-bit: an offset from the lowest level) rounded to fp16 once per group
+        assert (got - want).abs().max() <= 2**-11 * (1 << quant.bits) * d.max()
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -92,21 +101,23 @@ def test_float32_equals_transformers_on_the_dequantized_weights(tmp_path, case):
     torch.testing.assert_close(prompt_logits(runner, seq), reference(ref, seq), atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize(
-    "case", ["gptq-4bit-sym", "awq-4bit", "gptq-8bit-row", "gptq-4bit-desc-act", "ct-4bit-asym", "ct-8bit-channel",
-             "fp8-blocks"])  # fmt: skip
+PACKED = ["gptq-4bit-sym", "awq-4bit", "gptq-8bit-row", "gptq-4bit-desc-act", "ct-4bit-asym", "ct-8bit-channel",
+          "fp8-blocks", "ct-w8a8-int-channel", "ct-naive-4bit-group", "ct-fp8-channel"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", PACKED)
 def test_bf16_keeps_the_levels_packed(tmp_path, case):
     """(FP8 on CPU: dequantized to bf16, on the bf16 kernel where it builds.)"""
     path, kw, ref = checkpoint(tmp_path, case)
     fast = ModelRunner(EngineConfig(model=str(path), dtype="bfloat16", device="cpu"))
     linears = [m for m in fast.model.modules() if isinstance(m, QuantizedLinear)]
     kind = read_quantization(path).kind
-    if kind != "fp8":
-        assert len(linears) == 4 * kw["num_hidden_layers"]  # qkv, o, gate|up, down; the tied head stays float
-        assert {m.quant.kind for m in linears} == {kind}
-        assert all((m.perm is not None) == case.endswith("desc-act") for m in linears)
-    else:
-        assert {m.quant.kind for m in linears} <= {"bf16"}
+    # qkv, o, gate|up, down as the checkpoint's levels (FP8: dequantized to bf16); the tied float head int8
+    head = fast.model.lm_head
+    assert isinstance(head, QuantizedLinear) and head.quant.kind == HEAD_KIND
+    assert len(linears) == 4 * kw["num_hidden_layers"] + 1
+    assert {m.quant.kind for m in linears if m is not head} == {"bf16" if kind == "fp8" else kind}
+    assert all((m.perm is not None) == case.endswith("desc-act") for m in linears if m is not head)
     seq = np.random.default_rng(5).integers(0, kw["vocab_size"], 17).tolist()
     got, want = prompt_logits(fast, seq).float(), reference(ref, seq)
     assert (got - want).abs().max() <= 0.03 * want.abs().max()
@@ -117,8 +128,8 @@ def test_bf16_keeps_the_levels_packed(tmp_path, case):
     "qc, why",
     [
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not served"),
-        ({"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "float-quantized", "weights": {
-            "type": "float", "num_bits": 8}}}}, "compressed-tensors float-quantized"),
+        ({"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "nvfp4-pack-quantized",
+            "weights": {"type": "float", "num_bits": 4}}}}, "compressed-tensors nvfp4-pack-quantized"),
         ({"quant_method": "hqq"}, "'hqq' is not served"),
         ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3 bits"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "group size of 48"),
