@@ -14,6 +14,9 @@
 # peak resident memory and times its start (`ready s`, `peak RSS GiB` in the tables). JSON results go
 # to benchmarks/results/sizes-<model>-<workload>.json. Tokens are timed and counted by the servers' token
 # events (`--count-tokens events`): a random-weight model's tokens often stream as empty text.
+#
+# GPTQ=DIR (a GPTQ checkpoint of the same model, benchmarks/make_gptq.py) adds a pytgi run on it to each
+# workload, right after the GGUF's (issue 43): sizes-<model>-gptq-<workload>.json.
 set -euo pipefail
 model=$1
 llama_server=$2
@@ -30,6 +33,12 @@ run() {  # workload, llama-server flags, bench flags...
         --llama-server-model "$model" --llama-server-args "$ls_args" --tokenizer "$tok" --no-progress \
         --count-tokens events \
         --out "benchmarks/results/sizes-$name-$w.json" "$@"
+    if [ -n "${GPTQ:-}" ]; then
+        echo "## $name: $w, pytgi on the GPTQ checkpoint $GPTQ"
+        .venv/bin/pytgi bench --peer pytgi --pytgi-args "--model-id $GPTQ --max-batch-total-tokens 16384 --max-total-tokens 4096" \
+            --tokenizer "$tok" --no-progress --count-tokens events \
+            --out "benchmarks/results/sizes-$name-gptq-$w.json" "$@"
+    fi
 }
 for w in ${workloads//,/ }; do
     case $w in
