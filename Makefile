@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install lint test test-unit serve bench-engine clean
+.PHONY: install lint test test-fast test-unit serve bench-engine clean
 
 install: $(STAMP)
 
@@ -33,6 +33,10 @@ test: lint
 
 serve: install
 	$(BIN)/pytgi serve $(ARGS)
+
+# unit and model tests without the default model's slow ones and without end-to-end servers: minutes
+test-fast: lint
+	$(BIN)/python -m pytest -q -m "not slow" tests/unit tests/model
 
 test-unit: install
 	$(BIN)/python -m pytest -q tests/unit

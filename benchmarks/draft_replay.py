@@ -39,7 +39,7 @@ def record(path: Path, max_new_tokens: int) -> None:
 def replay(traces: dict, k: int, step_ms: float, row_ms: float) -> None:
     from pytgi.engine.speculate import Drafter
 
-    cost = lambda rows: step_ms + row_ms * (rows - 1)  # noqa: E731
+    cost = lambda rows: step_ms + row_ms * (rows - 1)
     totals: dict[str, list[float]] = {}
     print(f"{'prompt':15} {'tokens':>6} {'tok/step':>8} {'speedup':>8}")
     for name, t in traces.items():

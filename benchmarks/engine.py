@@ -367,7 +367,7 @@ def bench_hf_padded(model_path: Path, workload: Workload,
                     args: argparse.Namespace) -> tuple[SystemResult, Outputs]:
     model = load_hf(model_path, args, "sdpa")
     model.generation_config.eos_token_id = None
-    run = lambda w: run_hf_padded(model, w, args.hf_batch_size)  # noqa: E731
+    run = lambda w: run_hf_padded(model, w, args.hf_batch_size)
     run(warmup_workload(model.config.vocab_size))
     outputs, seconds = timed(run, workload)
     result = summarize("hf-padded", workload, outputs, seconds)
@@ -462,7 +462,7 @@ def write_json(path: Path, payload: dict[str, object]) -> None:
 
 
 def default_model_dir() -> Path:
-    from pytgi.models.registry import resolve_model
+    from pytgi.core.model_files import resolve_model
 
     return resolve_model(None).path
 

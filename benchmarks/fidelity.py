@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pytgi import LLM, SamplingParams  # noqa: E402
+from pytgi import LLM, SamplingParams
 
 
 def mean_nll(llm: LLM, ids: list[int]) -> float:

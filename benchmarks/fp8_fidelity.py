@@ -20,13 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.fidelity import mean_nll, text_arguments  # noqa: E402
-from pytgi import LLM  # noqa: E402
-from pytgi.kernels import gpu, gpu_quant  # noqa: E402
-from pytgi.models.attention import TorchAttention  # noqa: E402
-from pytgi.models.cpu import CpuKernels  # noqa: E402
-from pytgi.models.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from pytgi.models.loader import load_model  # noqa: E402
+from benchmarks.fidelity import mean_nll, text_arguments
+from pytgi import LLM
+from pytgi.engine.kernels import gpu, gpu_quant
+from pytgi.engine.models.attention import TorchAttention
+from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear
+from pytgi.engine.models.loader import load_model
 
 
 def fp8_weight(w: torch.Tensor) -> torch.Tensor:

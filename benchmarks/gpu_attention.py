@@ -25,10 +25,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from pytgi.engine.batch import StepBatch  # noqa: E402
-from pytgi.models.attention import StepLayout, TorchAttention  # noqa: E402
-from pytgi.models.cpu import CpuKernels  # noqa: E402
-from pytgi.models.gpu import TritonAttention  # noqa: E402
+from pytgi.engine.batch import StepBatch
+from pytgi.engine.models.attention import StepLayout, TorchAttention
+from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.triton_backend import TritonAttention
 
 H, KVH, D, BS = 32, 8, 128, 16
 CASES = {  # name: (query lengths, context lengths)

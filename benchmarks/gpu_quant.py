@@ -1,4 +1,4 @@
-"""The CUDA path's low-bit matmuls (`pytgi.kernels.gpu_quant`) against cuBLAS's bf16 one, on a
+"""The CUDA path's low-bit matmuls (`pytgi.engine.kernels.gpu_quant`) against cuBLAS's bf16 one, on a
 Llama-3-8B's linears: time per call and the weight bytes read per second, by step size; then, for
 batch 1, a sweep of the kernel's tiles (the heuristic's pick is marked).
 
@@ -22,7 +22,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from pytgi.kernels import gpu_quant  # noqa: E402
+from pytgi.engine.kernels import gpu_quant
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "head": (128256, 4096)}  # fmt: skip

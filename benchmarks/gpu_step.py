@@ -24,8 +24,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from pytgi import LLM  # noqa: E402
-from pytgi.engine.batch import StepBatch  # noqa: E402
+from pytgi import LLM
+from pytgi.engine.batch import StepBatch
 
 
 def cuda_ms(fn, iters: int) -> float:

@@ -25,10 +25,10 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pytgi.bench import peers as bpeers  # noqa: E402
-from pytgi.bench.client import discover_model, make_protocol, send_request  # noqa: E402
-from pytgi.bench.report import git_commit, machine_info, percentile, utc_stamp  # noqa: E402
-from pytgi.bench.workload import BenchRequest, count_tokens, load_tokenizer, synthetic_requests  # noqa: E402
+from pytgi.bench import peers as bpeers
+from pytgi.bench.stream_client import discover_model, make_protocol, send_request
+from pytgi.bench.report import git_commit, machine_info, percentile, utc_stamp
+from pytgi.bench.workload import BenchRequest, count_tokens, load_tokenizer, synthetic_requests
 
 
 async def scenario(target: bpeers.Target, streams: list[BenchRequest], long: BenchRequest, delay: float,
@@ -55,7 +55,7 @@ async def scenario(target: bpeers.Target, streams: list[BenchRequest], long: Ben
             all_gaps.append(gap)
             if window[0] <= t and t - gap <= window[1]:  # the gap overlaps the long prefill
                 in_window.append(gap)
-    ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
+    ms = lambda v: None if v is None else round(v * 1e3, 1)
     p50, p99 = percentile(all_gaps, 50), percentile(all_gaps, 99)
     return {
         "server": target.name, "command": target.command,
@@ -84,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
 
     tokenizer, _ = load_tokenizer(None)
-    count = lambda text: count_tokens(tokenizer, text)  # noqa: E731
+    count = lambda text: count_tokens(tokenizer, text)
     streams = synthetic_requests(tokenizer, args.streams, args.stream_input, args.stream_input,
                                  args.stream_output, args.stream_output, seed=0)
     long = synthetic_requests(tokenizer, 1, args.long_input, args.long_input, args.long_output,

@@ -35,11 +35,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pytgi.config import EngineConfig  # noqa: E402
-from pytgi.engine.engine import LLMEngine  # noqa: E402
-from pytgi.models.registry import resolve_model  # noqa: E402
-from pytgi.sampling_params import SamplingParams  # noqa: E402
-from pytgi.tokenizer import Tokenizer  # noqa: E402
+from pytgi.core.config import EngineConfig
+from pytgi.core.model_files import resolve_model
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.core.tokenizer import Tokenizer
+from pytgi.engine.engine import LLMEngine
 
 TARGETS = {"all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
            "qv": ["q_proj", "v_proj"]}

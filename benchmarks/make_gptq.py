@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pytgi.models.loader import iter_safetensors  # noqa: E402
-from tests.quant_checkpoints import LINEARS, pack_cols, pack_rows, rtn  # noqa: E402
+from pytgi.engine.models.safetensors_files import iter_safetensors
+from tests.quant_checkpoints import LINEARS, pack_cols, pack_rows, rtn
 
 
 def main() -> None:

@@ -85,7 +85,7 @@ def copy_tokenizer(writer, source: Path) -> None:  # type: ignore[no-untyped-def
 def main() -> None:
     from gguf import GGMLQuantizationType, GGUFWriter
 
-    from pytgi.models.registry import default_gguf_path
+    from pytgi.core.model_files import default_gguf_path
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path)

@@ -1,8 +1,8 @@
 """Which matmul for which step size: the default model's 30 layers of linears (qkv, o, gate/up,
 down) plus its LM head, timed with float32, bfloat16, int8 and int4 weight-only kernels at each M
-(tokens in the step): pytgi's kernels (`pytgi/kernels/qgemv.c`: VNNI, then AMX for bigger steps,
+(tokens in the step): pytgi's kernels (`pytgi/engine/kernels/qgemv.c`: VNNI, then AMX for bigger steps,
 where the CPU has them; `int4-vnni` without AMX) and PyTorch's (`int8-torch`, `int4-torch`). This
-is what the crossovers in `pytgi.models.cpu.Crossovers` (the `lowbit_*` and `vnni_before_amx`
+is what the crossovers in `pytgi.engine.models.cpu.Crossovers` (the `lowbit_*` and `vnni_before_amx`
 step sizes) rest on.
 
     .venv/bin/python benchmarks/matmul_kernels.py                 # M = 1 2 4 8 12 16 32 64 256
@@ -26,8 +26,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pytgi.models.cpu import CpuKernels  # noqa: E402
-from pytgi.models.quant import QuantizedWeight  # noqa: E402
+from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.quant import QuantizedWeight
 
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
@@ -52,7 +52,7 @@ def build(kind: str) -> list:
 
 def time_pass(weights: list, kind: str, m: int, repeat: int) -> float:
     dtype = torch.float32 if kind == "float32" else torch.bfloat16
-    xs = {k: torch.randn(m, k).to(dtype) for k in {576, 1536}}
+    xs = {k: torch.randn(m, k).to(dtype) for k in (576, 1536)}
 
     def one() -> None:
         for w in weights:

@@ -34,7 +34,7 @@ Setup (once; the OpenVINO side needs its own venv, its torch and transformers di
     python3 -m venv .venv-openvino
     .venv-openvino/bin/pip install openvino-genai==2026.4.1.0 "optimum-intel[openvino]" nncf
     BASE=$(.venv/bin/python -c \
-        "from pytgi.models.registry import resolve_model; print(resolve_model(None).path)")
+        "from pytgi.core.model_files import resolve_model; print(resolve_model(None).path)")
     .venv-openvino/bin/optimum-cli export openvino --model "$BASE" --task text-generation-with-past \\
         --weight-format int8 benchmarks/openvino-models/smollm2-int8
     # and, for the int4 row: --weight-format int4 --group-size 32 --ratio 1.0 --sym ... smollm2-int4
@@ -139,7 +139,7 @@ class OpenVINO:
 
 # -- pytgi's side ------------------------------------------------------------------------------------------
 def pytgi_run(llm, prompts: list[list[int]], new: int) -> dict:
-    from pytgi.sampling_params import SamplingParams
+    from pytgi.core.sampling_params import SamplingParams
 
     params = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)
     t0 = time.perf_counter()

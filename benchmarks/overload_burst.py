@@ -30,7 +30,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pytgi.net import free_port  # noqa: E402
+from pytgi.core.net import free_port
 
 
 def _raise_nofile() -> None:

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: the offline engine with B requests decoding (prompt 300 tokens),
 the mean step time, then `torch.profiler`'s table of the top ops over 10 steps. The C kernels
-(`pytgi/kernels`) run inside ctypes calls, which the profiler does not see: their time is the step
+(`pytgi/engine/kernels`) run inside ctypes calls, which the profiler does not see: their time is the step
 time less the ops' total.
 
     .venv/bin/python benchmarks/profile_step.py             # B = 1
@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pytgi import LLM, SamplingParams  # noqa: E402
+from pytgi import LLM, SamplingParams
 
 
 def main() -> None:

@@ -4,7 +4,7 @@ block FP8), then the mean negative log-likelihood per token of a held-out text u
 
 - the format in float32: the checkpoint's dequantized values, exactly (what the format itself costs),
 - the format in bf16 as pytgi serves it on this CPU (levels packed; FP8 dequantized to bf16; the float
-  LM head in 8 bits, `pytgi.models.quant.HEAD_KIND`),
+  LM head in 8 bits, `pytgi.engine.models.quant.HEAD_KIND`),
 - the same with the head kept bf16 (what the 8-bit head costs),
 
 against the original float32 weights. A GGUF file of the same weights is measured by
@@ -26,13 +26,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.fidelity import mean_nll, text_arguments  # noqa: E402
-from pytgi import LLM  # noqa: E402
-from pytgi.models import decoder  # noqa: E402
-from pytgi.models.registry import resolve_model  # noqa: E402
-from tests.model.test_quant_default_model import FORMATS  # noqa: E402
-from tests.quant_checkpoints import write  # noqa: E402
-from tests.reference import hf_copy  # noqa: E402
+from benchmarks.fidelity import mean_nll, text_arguments
+from pytgi import LLM
+from pytgi.core.model_files import resolve_model
+from pytgi.engine.models import decoder
+from tests.model.test_quant_default_model import FORMATS
+from tests.quant_checkpoints import write
+from tests.reference import hf_copy
 
 
 def nll(model: str | None, dtype: str, ids: list[int], head: str = decoder.HEAD_KIND) -> float:

@@ -44,8 +44,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pytgi.bench.peers import PytgiTarget  # noqa: E402
-from pytgi.bench.procs import busiest_engine, parent  # noqa: E402
+from pytgi.bench.peers import PytgiTarget
+from pytgi.bench.procs import busiest_engine, parent
 
 TOPICS = ["bakery", "bicycle shop", "law firm", "garden centre", "hotel", "library", "dentist", "museum",
           "train station", "pharmacy", "bookshop", "cinema", "zoo", "bank", "school", "airport"]

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pytgi.engine.sampler import Sampler, SamplingMetadata  # noqa: E402
-from pytgi.sampling_params import SamplingParams  # noqa: E402
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.engine.sampler import Sampler, SamplingMetadata
 
 MODES = {
     "greedy": SamplingParams(temperature=0),

@@ -26,8 +26,8 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pytgi import LLM, SamplingParams  # noqa: E402
-from tests.e2e.server import Server  # noqa: E402
+from pytgi import LLM, SamplingParams
+from tests.e2e.server import Server
 
 
 def workload(args: argparse.Namespace, llm: LLM) -> tuple[list[str], list[int]]:

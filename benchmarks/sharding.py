@@ -22,9 +22,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pytgi.config import EngineConfig  # noqa: E402
-from pytgi.engine.engine import LLMEngine  # noqa: E402
-from pytgi.sampling_params import SamplingParams  # noqa: E402
+from pytgi.core.config import EngineConfig
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.engine.engine import LLMEngine
 
 
 def run(n: int, args: argparse.Namespace) -> dict[str, float]:

@@ -23,7 +23,7 @@ llama_server=$2
 workloads=${3:-stream,load,prompt}
 cd "$(dirname "$0")/.."
 name=$(basename "$model" .gguf)
-tok=$(.venv/bin/python -c "from pytgi.models.registry import resolve_model; print(resolve_model('$model', progress=False).path)")
+tok=$(.venv/bin/python -c "from pytgi.core.model_files import resolve_model; print(resolve_model('$model', progress=False).path)")
 pytgi_args="--model-id $model --max-batch-total-tokens 16384 --max-total-tokens 4096"
 run() {  # workload, llama-server flags, bench flags...
     local w=$1 ls_args=$2

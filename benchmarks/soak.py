@@ -28,9 +28,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pytgi.net import free_port  # noqa: E402
+from pytgi.core.net import free_port
 
-WORDS = "the a light keeper storm sea night ship rock wave wind lamp tower stair door bell salt rope".split()
+WORDS = ["the", "a", "light", "keeper", "storm", "sea", "night", "ship", "rock", "wave", "wind", "lamp", "tower", "stair", "door", "bell", "salt", "rope"]
 
 
 async def client(url: str, rng: random.Random, deadline: float, counts: dict[str, int]) -> None:

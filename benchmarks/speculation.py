@@ -163,7 +163,7 @@ def main() -> None:
         ls = r.get("llama_server")
         extra = f"   llama-server {ls['plain']} -> {ls['spec']} tok/s ({ls['spec'] / ls['plain']:.2f}x)" if ls else ""
         print(f"{r['kind']:11} {r['prompt']:15} {r['tokens']:>6} {r['plain_tok_s']:>11} {r['spec_tok_s']:>10} "
-              f"{r['speedup']:>7}x {r['tokens_per_step']:>8} {str(r['same_output']):>5}{extra}")
+              f"{r['speedup']:>7}x {r['tokens_per_step']:>8} {r['same_output']!s:>5}{extra}")
     for kind in ("grounded", "open-ended"):
         sel = [r for r in rows if r["kind"] == kind]
         plain_s = sum(r["tokens"] - 1 for r in sel) / sum((r["tokens"] - 1) / r["plain_tok_s"] for r in sel)

@@ -19,10 +19,10 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pytgi import LLM, SamplingParams  # noqa: E402
-from pytgi.bench.report import git_commit, machine_info, utc_stamp  # noqa: E402
-from pytgi.engine.sampler import SamplingMetadata  # noqa: E402
-from pytgi.engine.step import ScheduledRequest  # noqa: E402
+from pytgi import LLM, SamplingParams
+from pytgi.bench.report import git_commit, machine_info, utc_stamp
+from pytgi.engine.sampler import SamplingMetadata
+from pytgi.engine.step import ScheduledRequest
 
 
 def median_ms(fn, n: int = 30) -> float:  # type: ignore[no-untyped-def]

@@ -44,8 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pytgi.llm import LLM  # noqa: E402
-from pytgi.sampling_params import SamplingParams  # noqa: E402
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.llm import LLM
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "hobbies"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
@@ -167,7 +167,7 @@ def main() -> None:
     if args.ends:
         return main_ends(args)
 
-    from pytgi import structured
+    from pytgi.core import grammar as structured
 
     llm = LLM(dtype=args.dtype, max_batch_total_tokens=16384, progress=False)
     try:

@@ -49,8 +49,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pytgi.bench.peers import LlamaServerTarget, ManagedTarget, PytgiTarget  # noqa: E402
-from pytgi.paths import cache_dir  # noqa: E402
+from pytgi.bench.peers import LlamaServerTarget, ManagedTarget, PytgiTarget
+from pytgi.core.paths import cache_dir
 
 TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
           *(f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7))]
@@ -74,7 +74,7 @@ def make_model(out: Path) -> Path:
     import transformers
     from tokenizers import Tokenizer
 
-    from pytgi.models.registry import converted_gguf_dir, default_gguf_path
+    from pytgi.core.model_files import converted_gguf_dir, default_gguf_path
 
     text_dir = converted_gguf_dir(default_gguf_path())
     out.mkdir(parents=True, exist_ok=True)

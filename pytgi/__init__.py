@@ -6,10 +6,10 @@ only need plain data (the API process) can import pytgi without torch.
 
 from typing import Any
 
-from pytgi.errors import InvalidRequest
-from pytgi.sampling_params import SamplingParams
+from pytgi.core.errors import InvalidRequest
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.core.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "InvalidRequest", "RequestOutput", "SamplingParams", "__version__"]
 
 

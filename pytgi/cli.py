@@ -8,7 +8,7 @@ import sys
 
 def _generate(args: argparse.Namespace) -> int:
     from pytgi import LLM, SamplingParams
-    from pytgi.errors import InvalidRequest
+    from pytgi.core.errors import InvalidRequest
 
     llm = LLM(
         model=args.model,
@@ -42,9 +42,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _download(args: argparse.Namespace) -> int:
-    from pytgi.errors import UserError
-    from pytgi.logs import setup_logging
-    from pytgi.models import hub
+    from pytgi.core import hub
+    from pytgi.core.errors import UserError
+    from pytgi.core.logs import setup_logging
 
     setup_logging(args.json_output)
     ref = hub.parse_hub_id(args.model_id)
@@ -58,19 +58,19 @@ def _download(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from pytgi.server.launcher import serve
+    from pytgi.api.launcher import serve
 
     return serve(args)
 
 
 def _shard(args: argparse.Namespace) -> int:
-    from pytgi.server.launcher import shard
+    from pytgi.engine.shard import shard
 
     return shard(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from pytgi.bench.cli import run_bench
+    from pytgi.bench.command import run_bench
 
     return run_bench(args)
 
@@ -78,8 +78,8 @@ def _bench(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pytgi", description="Text generation inference in Python.")
     sub = parser.add_subparsers(dest="command", required=True)
-    from pytgi import settings
-    from pytgi.server.launcher import add_serve_arguments, add_shard_arguments
+    from pytgi.api.launcher import add_serve_arguments
+    from pytgi.core import flags
 
     srv = sub.add_parser("serve", help="serve a model over TGI's HTTP API (default: the embedded model)")
     add_serve_arguments(srv)
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     shd = sub.add_parser(
         "shard", help="run a tensor-parallel rank > 0 for a `pytgi serve` on another machine"
     )
-    add_shard_arguments(shd)
+    flags.add_shard_arguments(shd)
     shd.set_defaults(func=_shard)
     dl = sub.add_parser(
         "download", help="fetch a model from the Hugging Face Hub into its cache; print its path"
@@ -95,16 +95,16 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument(
         "model_id", help="org/name, org/name:TAG (a GGUF quantization, e.g. Q4_K_M) or org/name/file.gguf"
     )
-    settings.add_arguments(dl, only=("revision", "json_output"))
+    flags.add_arguments(dl, only=("revision", "json_output"))
     dl.set_defaults(func=_download)
-    from pytgi.bench.cli import add_bench_arguments
+    from pytgi.bench.command import add_bench_arguments
 
     bench = sub.add_parser("bench", help="benchmark a server (default: pytgi) with streamed requests")
     add_bench_arguments(bench)
     bench.set_defaults(func=_bench)
     gen = sub.add_parser("generate", help="stream a completion of one prompt to the terminal")
     gen.add_argument("prompt")
-    settings.add_arguments(gen, only=("model", "revision", "dtype", "max_batch_total_tokens"))
+    flags.add_arguments(gen, only=("model", "revision", "dtype", "max_batch_total_tokens"))
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0)
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pytgi.errors import UserError
+    from pytgi.core.errors import UserError
 
     args = build_parser().parse_args(argv)
     try:

@@ -7,13 +7,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict, cast
 
-from pytgi.config import EngineConfig
+from pytgi.core.config import EngineConfig
+from pytgi.core.errors import GenerationError, InvalidRequest
+from pytgi.core.outputs import Delta, OutputProcessor, Token
+from pytgi.core.protocol import TokenOut
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.core.tokenizer import Tokenizer
 from pytgi.engine.engine import LLMEngine
-from pytgi.errors import InvalidRequest, RequestFailed
-from pytgi.outputs import Delta, OutputProcessor, Token
-from pytgi.protocol import TokenOut
-from pytgi.sampling_params import SamplingParams
-from pytgi.tokenizer import Tokenizer
 
 
 class ImagePrompt(TypedDict):
@@ -67,8 +67,8 @@ class _Tracker:
         out, proc = self.out, self.proc
         try:
             delta = proc.process(u)
-        except RequestFailed as exc:
-            raise RequestFailed(f"request {out.request_id} failed during generation: {exc}") from None
+        except GenerationError as exc:
+            raise GenerationError(f"request {out.request_id}: {exc}") from None
         out.prompt_logprobs = proc.prompt_logprobs
         if delta is None:
             return None

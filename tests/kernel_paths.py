@@ -6,7 +6,7 @@ does not claim. Every other test holds on every path."""
 
 import pytest
 
-from pytgi import kernels
+from pytgi.engine import kernels
 
 batch_invariant = pytest.mark.skipif(
     not kernels.vnni_supported(),

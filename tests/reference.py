@@ -11,8 +11,9 @@ from pathlib import Path
 def hf_copy(model_dir: str | os.PathLike) -> Path:
     """`model_dir` itself for a Hugging Face directory; for a GGUF model's converted directory (whose
     weights stay in the GGUF file), its float32 export (`export_float`), made once into the cache."""
-    from pytgi.models.gguf_convert import SOURCE_FILE, export_float
-    from pytgi.paths import cache_dir
+    from pytgi.core.gguf_convert import SOURCE_FILE
+    from pytgi.core.paths import cache_dir
+    from pytgi.engine.models.gguf_weights import export_float
 
     model_dir = Path(model_dir)
     if not (model_dir / SOURCE_FILE).is_file():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pytgi.models.registry import default_gguf_path, resolve_model
+from pytgi.core.model_files import default_gguf_path, resolve_model
 
 SHAPE = dict(
     hidden_size=64,
@@ -46,7 +46,7 @@ def declared_gguf(path: Path, layers: int, hidden: int, inter: int, qtype: str =
     checking the model's size never notices)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
-    from pytgi.models.gguf_weights import read_tensor_index
+    from pytgi.engine.models.gguf_weights import read_tensor_index
 
     qt = GGMLQuantizationType[qtype]
     block, size = GGML_QUANT_SIZES[qt]

@@ -3,6 +3,6 @@
 A client only: it never imports torch. See docs/bench.md.
 """
 
-from pytgi.bench.cli import add_bench_arguments, benchmark, run_bench
+from pytgi.bench.command import add_bench_arguments, benchmark, run_bench
 
 __all__ = ["add_bench_arguments", "benchmark", "run_bench"]

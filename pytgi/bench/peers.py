@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pytgi.bench.procs import PeakRss
-from pytgi.net import free_port
+from pytgi.core.net import free_port
 
 PEER_KINDS = ("pytgi", "llama-server", "transformers-serve", "tgi", "openai")
 DEFAULT_LLAMA_SERVER_ARGS = "-np 16 -c 16384 -t 2"
@@ -247,7 +247,7 @@ class LlamaServerTarget(ManagedTarget):
                 f"llama-server: no executable at {self.binary!r} (docs/bench.md says how to build it)"
             )
         if self.gguf is None:
-            from pytgi.models.registry import default_gguf_path
+            from pytgi.core.model_files import default_gguf_path
 
             self.gguf = default_gguf_path()
 
@@ -322,7 +322,7 @@ class TransformersServeTarget(ManagedTarget):
     def prepare(self) -> None:
         src = self.model_dir
         if src is None:
-            from pytgi.models.registry import resolve_model
+            from pytgi.core.model_files import resolve_model
 
             src = resolve_model(None).path
         self.tmp = Path(tempfile.mkdtemp(prefix="pytgi-bench-tf-"))

@@ -12,7 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from pytgi.bench.client import LoadResult, RequestResult
+from pytgi.bench.stream_client import LoadResult, RequestResult
 
 PERCENTILES = (50, 90, 99)
 MAX_ERROR_MESSAGES = 5

@@ -10,7 +10,7 @@ import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pytgi.tokenizer import Tokenizer
+from pytgi.core.tokenizer import Tokenizer
 
 MAX_ADJUST_ROUNDS = 64
 
@@ -30,7 +30,7 @@ class BenchRequest:
 
 def default_tokenizer_dir() -> Path:
     """The default model's Hugging Face directory (converted from its GGUF file once, without torch)."""
-    from pytgi.models.registry import resolve_model
+    from pytgi.core.model_files import resolve_model
 
     return resolve_model(None, progress=True).path
 

@@ -16,11 +16,11 @@ from itertools import chain
 import numpy as np
 import torch
 
-from pytgi import distributed as dist
+from pytgi.engine import distributed as dist
 from pytgi.engine.cuda_graphs import DecodeGraphs
-from pytgi.models.attention import StepLayout
-from pytgi.models.decoder import StepImages
-from pytgi.models.loader import CausalLM
+from pytgi.engine.models.attention import StepLayout
+from pytgi.engine.models.decoder import StepImages
+from pytgi.engine.models.loader import CausalLM
 
 
 @dataclass(slots=True)
@@ -90,7 +90,7 @@ class PagedModel:
         """On CUDA one block more than asked: the scratch block of the decode graphs' padding rows."""
         attn = self.model.layers[0].self_attn
         spare = int(self.device.type == "cuda")
-        # FP8: each head's row of e4m3 bytes ends with its float32 scale (`pytgi.kernels.gpu`)
+        # FP8: each head's row of e4m3 bytes ends with its float32 scale (`pytgi.engine.kernels.gpu`)
         row, dtype = (attn.head_dim + 4, torch.uint8) if self.fp8 else (attn.head_dim, self.dtype)
         shape = (2, (num_blocks + spare) * block_size, attn.n_kv, row)
         self.block_size, self.num_blocks = block_size, num_blocks

@@ -38,8 +38,8 @@ class DecodeGraphs:
     `scratch_block`, past those the block manager hands out)."""
 
     def __init__(self, paged, sizes: tuple[int, ...], max_blocks: int, scratch_block: int) -> None:
-        from pytgi.kernels.gpu import decode_splits, query_block
-        from pytgi.models.gpu import TritonMetadata, multiprocessors
+        from pytgi.engine.kernels.gpu import decode_splits, query_block
+        from pytgi.engine.models.triton_backend import TritonMetadata, multiprocessors
 
         self.paged, self.sizes = paged, sorted(sizes)
         n, dev = self.sizes[-1], paged.device

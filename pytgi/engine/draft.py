@@ -2,7 +2,7 @@
 tokenizer guesses each decode's next tokens, and the model verifies them in its next step.
 
 The draft model runs in the engine process (rank 0, whole even when the model is sharded:
-`pytgi.distributed.unsharded`) on its own paged KV cache, with the kernels the machine has. Each
+`pytgi.engine.distributed.unsharded`) on its own paged KV cache, with the kernels the machine has. Each
 step, for the decodes the scheduler lets draft, it computes in one batched forward the request's
 tokens it has not seen yet (the whole prompt the first time), then decodes the draft one token per
 forward, greedily. Its KV is kept for the tokens the model accepted;
@@ -26,16 +26,16 @@ from pathlib import Path
 
 import torch
 
-from pytgi import distributed as dist
+from pytgi.core.errors import DraftModelError
+from pytgi.core.model_files import resolve_model
+from pytgi.engine import distributed as dist
 from pytgi.engine.batch import PagedModel, StepBatch
 from pytgi.engine.kv_cache import BlockManager
+from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.loader import load_model, read_config, resolve_dtype
 from pytgi.engine.request import Request
 from pytgi.engine.sampler import row_stats
 from pytgi.engine.speculate import next_length
-from pytgi.errors import DraftModelError
-from pytgi.models.cpu import CpuKernels
-from pytgi.models.loader import load_model, read_config, resolve_dtype
-from pytgi.models.registry import resolve_model
 
 # Prompt tokens the draft model computes per step for requests it is catching up on (a new prompt):
 # the step's other streams wait for them.

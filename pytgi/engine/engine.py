@@ -16,22 +16,22 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pytgi import protocol as P
-from pytgi import structured
-from pytgi.config import EngineConfig
+from pytgi.core import grammar as structured
+from pytgi.core import protocol as P
+from pytgi.core.adapters import AdapterError, check_name
+from pytgi.core.config import EngineConfig
+from pytgi.core.errors import DistributedError, InvalidRequest
+from pytgi.core.image_geometry import image_places
+from pytgi.core.model_files import resolve_adapter, resolve_adapters, resolve_model
+from pytgi.core.sampling_params import SamplingParams, check_logit_bias, check_prompt
 from pytgi.engine.images import ImageInputs, PromptImage
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.kv_sizing import GIB, free_bytes
+from pytgi.engine.models.checkpoint_quant import file_quantization
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import Scheduler
 from pytgi.engine.shards import ShardGroup, set_cpu_threads
-from pytgi.errors import DistributedError, InvalidRequest
-from pytgi.lora import AdapterError, check_name
-from pytgi.models.quant import file_quantization
-from pytgi.models.registry import resolve_adapter, resolve_adapters, resolve_model
-from pytgi.router.media import image_places
-from pytgi.sampling_params import SamplingParams, check_logit_bias, check_prompt
 
 if TYPE_CHECKING:
     from pytgi.engine.draft import DraftModel

@@ -2,7 +2,8 @@
 given their places in the prompt.
 
 A prompt holds one image token per image (what the model's chat template writes for an image part).
-`ImageInputs.prepare` checks that the counts agree, decodes each image (`pytgi.router.media.decode_image`,
+`ImageInputs.prepare` checks that the counts agree, decodes each image
+(`pytgi.core.image_geometry.decode_image`,
 as the API process checked it), and runs the model's `ImageProcessor`: its pixels, and the token ids
 its image token expands to (LLaVA: image tokens only; Idefics3: tile markers around them; Gemma 3:
 soft tokens between begin and end markers). Each row position of the expansion (the image token,
@@ -23,11 +24,11 @@ from typing import Any, Protocol
 
 import torch
 
-from pytgi.config import ImageLayout
-from pytgi.errors import InvalidRequest
-from pytgi.models.decoder import StepImages
-from pytgi.models.vision import Expanded
-from pytgi.router.media import decode_image, image_places, image_positions
+from pytgi.core.config import ImageLayout
+from pytgi.core.errors import InvalidRequest
+from pytgi.core.image_geometry import decode_image, image_places, image_positions
+from pytgi.engine.models.decoder import StepImages
+from pytgi.engine.models.vision import Expanded
 
 
 class ImageProcessor(Protocol):

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from pytgi.errors import ModelTooLarge
+from pytgi.core.errors import ModelTooLarge
 
 GPU_HEADROOM = 1 << 30  # left free on a GPU for activations
 RUNTIME_BYTES = 3 << 29  # CPU: Python, torch, the kernels and a step's activations (1.5 GiB)

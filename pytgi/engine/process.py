@@ -18,10 +18,10 @@ import time
 import msgspec
 import zmq
 
-from pytgi import protocol as P
-from pytgi.config import EngineConfig
-from pytgi.errors import UserError
-from pytgi.logs import setup_logging
+from pytgi.core import protocol as P
+from pytgi.core.config import EngineConfig
+from pytgi.core.errors import UserError
+from pytgi.core.logs import setup_logging
 
 log = logging.getLogger("pytgi.engine")
 IDLE_POLL_MS = 500  # idle: heartbeat and parent check this often

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytgi.sampling_params import SamplingParams
+from pytgi.core.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

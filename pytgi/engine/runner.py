@@ -3,7 +3,7 @@
 Rank 0's runner lays the step out (`StepBatch`), picks the logit rows it needs (`SamplingStep.plan`),
 runs the forward over the paged KV cache (`PagedModel`) and samples (`SamplingStep.run`). With tensor
 parallelism it first broadcasts the step's arrays, and the other ranks' runners (`pytgi.engine.worker`)
-run the same forward on their shards: the commands of that protocol are `pytgi.distributed`'s CMD_*.
+run the same forward on their shards: the commands of that protocol are `pytgi.engine.distributed`'s CMD_*.
 """
 
 from __future__ import annotations
@@ -16,21 +16,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pytgi import distributed as dist
-from pytgi.config import EngineConfig
+from pytgi.core.adapters import parse_specs
+from pytgi.core.config import EngineConfig
+from pytgi.core.errors import UnsupportedModel
+from pytgi.engine import distributed as dist
 from pytgi.engine.batch import PagedModel, StepBatch, fp8_kv_refusal
 from pytgi.engine.cuda_graphs import parse_sizes
 from pytgi.engine.images import step_rows
 from pytgi.engine.kv_sizing import check_fits, kv_capacity_tokens, local_engines
-from pytgi.engine.sampling_step import SamplingStep
-from pytgi.engine.step import ScheduledRequest, StepOutput
-from pytgi.engine.structured import GrammarMatchers
-from pytgi.errors import UnsupportedModel
-from pytgi.lora import parse_specs
-from pytgi.models.attention import StepLayout
-from pytgi.models.cpu import CpuKernels
-from pytgi.models.decoder import DecoderModel, StepImages
-from pytgi.models.loader import (
+from pytgi.engine.models.attention import StepLayout
+from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.decoder import DecoderModel, StepImages
+from pytgi.engine.models.loader import (
     CausalLM,
     eos_token_ids,
     load_model,
@@ -39,7 +36,10 @@ from pytgi.models.loader import (
     resolve_dtype,
     weight_bytes,
 )
-from pytgi.models.lora import LoraAdapters
+from pytgi.engine.models.lora import LoraAdapters
+from pytgi.engine.sampling_step import SamplingStep
+from pytgi.engine.step import ScheduledRequest, StepOutput
+from pytgi.engine.structured import GrammarMatchers
 
 log = logging.getLogger(__name__)
 

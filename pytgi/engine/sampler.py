@@ -34,9 +34,9 @@ from typing import Literal, overload
 
 import torch
 
-from pytgi import kernels
-from pytgi.models.cpu import triton_available
-from pytgi.sampling_params import SamplingParams
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.engine import kernels
+from pytgi.engine.models.cpu import triton_available
 
 # Tiny positive floor for the exponential noise: a zero draw would turn p / q into inf or nan.
 _NOISE_FLOOR = torch.finfo(torch.float32).tiny
@@ -320,11 +320,11 @@ def row_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tens
 def row_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's argmax (first index of its largest value) and, if `lse`, its logsumexp: one pass of
     the C kernel on the CPU (a few times faster than PyTorch's reductions, and each row's values the
-    same whatever the batch); on CUDA the Triton kernel's one pass (`pytgi.kernels.gpu.row_stats`); PyTorch
-    without either, and for rows with NaN or inf."""
+    same whatever the batch); on CUDA the Triton kernel's one pass (`pytgi.engine.kernels.gpu.row_stats`);
+    PyTorch without either, and for rows with NaN or inf."""
     out: torch.Tensor | None
     if logits.device.type == "cuda" and triton_available():
-        from pytgi.kernels import gpu
+        from pytgi.engine.kernels import gpu
 
         arg, out, bad = gpu.row_stats(logits.float())
         if not lse:

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pytgi import protocol as P
+from pytgi.core import protocol as P
+from pytgi.core.errors import GrammarError
 from pytgi.engine.request import Request
 from pytgi.engine.sampler import Sampler, SamplingMetadata, row_stats
 from pytgi.engine.speculate import accepted_prefix
 from pytgi.engine.step import ScheduledRequest, StepOutput
 from pytgi.engine.structured import GrammarMatchers, StepMasks
 from pytgi.engine.watermark import apply_watermark
-from pytgi.errors import GrammarError
 
 
 @dataclass(slots=True)

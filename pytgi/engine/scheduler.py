@@ -15,8 +15,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from pytgi import protocol as P
-from pytgi.config import EngineInfo
+from pytgi.core import protocol as P
+from pytgi.core.config import EngineInfo
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import FinishReason, Request, Status
 from pytgi.engine.speculate import MAX_STEP_ROWS, Drafter, Proposer

@@ -13,11 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pytgi.config import EngineConfig
-from pytgi.distributed import check_heads
-from pytgi.errors import DistributedError
-from pytgi.models.loader import VISION
-from pytgi.net import free_port
+from pytgi.core.config import EngineConfig
+from pytgi.core.errors import DistributedError
+from pytgi.core.net import free_port
+from pytgi.engine.distributed import check_heads
+from pytgi.engine.models.loader import VISION
 
 
 class ShardGroup:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pytgi import protocol as P
+from pytgi.core import protocol as P
 from pytgi.engine.request import Request
 
 

@@ -1,6 +1,6 @@
 """Token masks for structured output: one llguidance matcher per constrained request, on rank 0.
 
-The request's grammar string comes from `pytgi.structured` (checked before it was queued). Matchers
+The request's grammar string comes from `pytgi.core.grammar` (checked before it was queued). Matchers
 are built in a small thread pool as soon as a request is added, and a built matcher is kept per
 grammar so the next request with the same schema starts from a copy. Each step, the masks of the
 constrained rows are computed in a thread while the model's forward runs (llguidance releases the
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pytgi.errors import GrammarError
+from pytgi.core.errors import GrammarError
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 forward of every step rank 0 broadcasts until told to stop (or until a collective fails).
 
 Rank 0 starts its local workers as `python -m pytgi.engine.worker --config JSON --rank R`, with the
-config it loads itself; on other machines `pytgi shard` (pytgi.server.launcher) builds the config
+config it loads itself; on other machines `pytgi shard` (pytgi.api.launcher) builds the config
 from flags and the torchrun environment and calls `run_worker`.
 """
 
@@ -15,9 +15,9 @@ import os
 import signal
 import sys
 
-from pytgi import distributed as dist
-from pytgi.config import EngineConfig
-from pytgi.logs import setup_logging
+from pytgi.core.config import EngineConfig
+from pytgi.core.logs import setup_logging
+from pytgi.engine import distributed as dist
 
 log = logging.getLogger("pytgi.worker")
 

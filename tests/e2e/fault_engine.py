@@ -14,9 +14,9 @@ FAULT_PROMPT = "zqxj fault injection"
 
 
 def _engine_main() -> int:
+    from pytgi.core.tokenizer import Tokenizer
     from pytgi.engine import process
     from pytgi.engine.runner import ModelRunner
-    from pytgi.tokenizer import Tokenizer
 
     class FaultyRunner(ModelRunner):
         def __init__(self, config, rank=0):  # type: ignore[no-untyped-def]
@@ -32,8 +32,8 @@ def _engine_main() -> int:
 
 
 def _serve_main(argv: list[str]) -> int:
+    from pytgi.api.launcher import serve
     from pytgi.cli import build_parser
-    from pytgi.server.launcher import serve
 
     return serve(build_parser().parse_args(argv), engine_module="tests.e2e.fault_engine")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 
-from pytgi.bench.procs import argv, descendants  # noqa: F401 - the tests take them from here
-from pytgi.net import free_port
+from pytgi.bench.procs import argv, descendants
+from pytgi.core.net import free_port
 
 
 class Server:

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pytgi.bench.cli import benchmark
+from pytgi.bench.command import benchmark
 from pytgi.bench.peers import Target
 from pytgi.bench.workload import synthetic_requests
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pytgi.net import free_port
+from pytgi.core.net import free_port
 from tests.e2e.server import Server
 from tests.fake_hub import TOKEN, FakeHub, Repo
 from tests.tiny_repos import gguf_model, hf_model

@@ -17,7 +17,7 @@ import torch
 import transformers
 from huggingface_hub import AsyncInferenceClient, InferenceClient
 
-from pytgi.server.openai.adapters import NOT_ALLOWED
+from pytgi.api.openai.lora_routes import NOT_ALLOWED
 from tests.e2e.server import Server
 from tests.e2e.tiny import tiny_model
 

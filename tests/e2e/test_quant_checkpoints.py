@@ -15,7 +15,6 @@ from tests.e2e.tiny import llama_config
 from tests.quant_checkpoints import write
 from tests.unit import tiny_tokenizer
 
-
 # name: (method, bits, group, sym, format), and what /info says of it
 FORMATS = {
     "gptq": (("gptq", 4, 32, True, "gptq"), "gptq 4-bit group 32"),

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from pytgi.bench.procs import busiest_engine, engines, parent
-from pytgi.net import free_port
+from pytgi.core.net import free_port
 from tests.e2e.server import Server
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pytgi.models.registry import default_gguf_path
+from pytgi.core.model_files import default_gguf_path
 from tests.e2e.server import Server
 from tests.kernel_paths import batch_invariant
 

@@ -23,7 +23,7 @@ PARENT_ID = "00f067aa0ba902b7"
 class Collector(http.server.BaseHTTPRequestHandler):
     spans: list = []  # (resource attributes, span)
 
-    def do_POST(self):  # noqa: N802 - the stdlib's name
+    def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         req = ExportTraceServiceRequest()
         req.ParseFromString(body)

@@ -70,7 +70,7 @@ class Images(http.server.BaseHTTPRequestHandler):
     """/a.png, /b.png: images; /text: not an image; /redirect: to /a.png; /trickle: an image's headers,
     then a byte a second."""
 
-    def do_GET(self):  # noqa: N802 - the stdlib's name
+    def do_GET(self):
         if self.path == "/trickle":
             self.send_response(200)
             self.send_header("Content-Type", "image/png")

@@ -1,5 +1,5 @@
 """A Hugging Face bf16 model on CPU, served as it is: its weights stay bf16 (exact to the checkpoint),
-every linear of the default path runs on pytgi's bf16 kernel (`pytgi/kernels/bf16gemm.c`), a
+every linear of the default path runs on pytgi's bf16 kernel (`pytgi/engine/kernels/bf16gemm.c`), a
 request's output does not depend on what else runs, and `--quantize none` keeps PyTorch's matmuls."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models
 
-from pytgi import LLM, SamplingParams, kernels
-from pytgi.models.quant import QuantizedLinear
+from pytgi import LLM, SamplingParams
+from pytgi.engine import kernels
+from pytgi.engine.models.quant import QuantizedLinear
 
 pytestmark = pytest.mark.skipif(not kernels.bf16gemm_supported(), reason="no bf16gemm.c here (AVX2 or AVX-512 BF16)")
 

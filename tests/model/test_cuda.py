@@ -16,7 +16,7 @@ import torch
 import transformers
 
 from pytgi import LLM, SamplingParams
-from pytgi.config import EngineConfig
+from pytgi.core.config import EngineConfig
 from pytgi.engine.batch import StepBatch
 from pytgi.engine.runner import ModelRunner
 from tests.unit import tiny_tokenizer

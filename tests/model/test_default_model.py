@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pytgi import LLM, SamplingParams
-from pytgi.errors import InvalidRequest
+from pytgi.core.errors import InvalidRequest
 from tests.kernel_paths import batch_invariant, decoder_loop
 from tests.model.loop_check import assert_loop_equals_python_path
 from tests.reference import hf_copy
@@ -223,7 +223,7 @@ def test_fast_default_is_batch_invariant():
 
 @decoder_loop
 def test_c_decoder_loop_equals_the_python_path(prompts):
-    """The fast path's one-call decoder loop (`pytgi/kernels/decoder.c`) runs the kernels the
+    """The fast path's one-call decoder loop (`pytgi/engine/kernels/decoder.c`) runs the kernels the
     Python path runs, with the same arguments: the same tokens and prompt logprobs, bit for bit,
     for batched decodes and for prefills small enough for it (both of which it must have run)."""
     fast = LLM(max_batch_total_tokens=16384)

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from pytgi.bench import peers
-from tests.unit.test_api_process_imports import check_api_process_never_imports_torch
+from tests.unit.test_layers import check_api_process_never_imports_torch
 
 
 def test_resolving_the_default_model_never_imports_torch():
     check_api_process_never_imports_torch(
-        "from pytgi.models.registry import resolve_model\nresolve_model(None, progress=False)\n")
+        "from pytgi.core.model_files import resolve_model\nresolve_model(None, progress=False)\n")
 
 
 def test_llama_server_target_defaults_to_the_default_gguf(tmp_path: Path) -> None:
@@ -22,8 +22,8 @@ def test_llama_server_target_defaults_to_the_default_gguf(tmp_path: Path) -> Non
     binary.write_text("#!/bin/sh\nexit 1\n")
     binary.chmod(binary.stat().st_mode | stat.S_IEXEC)
     # the default model file is the default GGUF
-    from pytgi.models.registry import default_gguf_path
-    from pytgi.errors import ModelNotFound
+    from pytgi.core.errors import ModelNotFound
+    from pytgi.core.model_files import default_gguf_path
 
     try:
         gguf = default_gguf_path()

@@ -13,7 +13,7 @@ import transformers
 from tokenizers import Tokenizer, models
 
 from pytgi import LLM, SamplingParams
-from pytgi.errors import DraftModelError
+from pytgi.core.errors import DraftModelError
 from tests.kernel_paths import batch_invariant
 
 VOCAB = 64

@@ -9,12 +9,11 @@ import pytest
 import torch
 import transformers
 
-from pytgi.config import EngineConfig
+from pytgi.core.config import EngineConfig
+from pytgi.core.errors import ModelNotFound, UnsupportedModel
+from pytgi.core.model_files import resolve_model
+from pytgi.core.sampling_params import SamplingParams
 from pytgi.engine.engine import LLMEngine
-from pytgi.errors import UnsupportedModel
-from pytgi.models.registry import resolve_model
-from pytgi.errors import ModelNotFound
-from pytgi.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

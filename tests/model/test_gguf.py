@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from pytgi.models.registry import default_gguf_path, resolve_model
-from pytgi.tokenizer import Tokenizer
+from pytgi.core.model_files import default_gguf_path, resolve_model
+from pytgi.core.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -68,9 +68,9 @@ def test_tokenizer_equals_transformers_reading_of_the_gguf(converted):
 def test_a_split_gguf_converts_as_the_whole_file(tmp_path):
     """llama.cpp's split files (-00001-of-0000N.gguf), named by their first part: the same model
     directory as the file written whole; another part, or a missing one, is refused by name."""
-    from pytgi.models.gguf_convert import convert_gguf
-    from pytgi.models.gguf_weights import open_gguf
-    from pytgi.errors import GGUFConversionError
+    from pytgi.core.errors import GGUFConversionError
+    from pytgi.core.gguf_convert import convert_gguf
+    from pytgi.engine.models.gguf_weights import open_gguf
     from tests.tiny_repos import gguf_model
 
     whole = gguf_model(tmp_path / "w-F16.gguf")[0]

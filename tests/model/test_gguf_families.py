@@ -15,9 +15,9 @@ import pytest
 import torch
 import transformers
 
-from pytgi.config import EngineConfig
+from pytgi.core.config import EngineConfig
+from pytgi.core.model_files import resolve_model
 from pytgi.engine.runner import ModelRunner
-from pytgi.models.registry import resolve_model
 
 BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)

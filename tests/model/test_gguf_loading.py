@@ -17,11 +17,11 @@ import pytest
 import torch
 import transformers
 
-from pytgi import kernels
-from pytgi.config import EngineConfig
+from pytgi.core.config import EngineConfig
+from pytgi.core.model_files import default_gguf_path, resolve_model
+from pytgi.engine import kernels
+from pytgi.engine.models.quant import QuantizedLinear
 from pytgi.engine.runner import ModelRunner
-from pytgi.models.quant import QuantizedLinear
-from pytgi.models.registry import default_gguf_path, resolve_model
 from tests.model.test_gguf_families import prompt_logits, tiny_model, write_gguf
 
 SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -80,9 +80,9 @@ def test_loading_the_default_gguf_makes_no_float_copy(tmp_path, monkeypatch):
     resolve_model(None, progress=False)  # its metadata read first, outside the probe
     script = textwrap.dedent("""
         import json, torch
-        from pytgi.models.cpu import CpuKernels
-        from pytgi.models.loader import load_model
-        from pytgi.models.registry import resolve_model
+        from pytgi.engine.models.cpu import CpuKernels
+        from pytgi.engine.models.loader import load_model
+        from pytgi.core.model_files import resolve_model
         path = resolve_model(None, progress=False).path
         cpu = CpuKernels.for_device(torch.device("cpu"), torch.bfloat16)  # kernels built before the probe
         def status(key):
@@ -129,7 +129,7 @@ def test_safetensors_are_read_as_safetensors_reads_them(tmp_path):
     every dtype and shape as safetensors' own reader gives them, across several files."""
     from safetensors.torch import load_file, save_file
 
-    from pytgi.models.loader import iter_safetensors
+    from pytgi.engine.models.safetensors_files import iter_safetensors
 
     g = torch.Generator().manual_seed(0)
     first = {"a.weight": torch.randn(48, 32, generator=g).bfloat16(), "b": torch.randn(7, generator=g),

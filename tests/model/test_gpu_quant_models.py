@@ -9,16 +9,16 @@ import torch
 
 pytest.importorskip("triton")
 
-from pytgi.config import EngineConfig  # noqa: E402
-from pytgi.engine.runner import ModelRunner  # noqa: E402
-from pytgi.kernels import gpu_quant  # noqa: E402
-from pytgi.models.cpu import CpuKernels  # noqa: E402
-from pytgi.models.layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from pytgi.models.loader import load_model  # noqa: E402
-from pytgi.models.quant import GpuQuantizedWeight, QuantizedLinear  # noqa: E402
-from pytgi.models.registry import resolve_model  # noqa: E402
-from tests.model.test_gguf_families import prompt_logits, tiny_model, write_gguf  # noqa: E402
-from tests.model.test_gguf_loading import FAMILIES, _quant  # noqa: E402
+from pytgi.core.config import EngineConfig
+from pytgi.core.model_files import resolve_model
+from pytgi.engine.kernels import gpu_quant
+from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear
+from pytgi.engine.models.loader import load_model
+from pytgi.engine.models.quant import GpuQuantizedWeight, QuantizedLinear
+from pytgi.engine.runner import ModelRunner
+from tests.model.test_gguf_families import prompt_logits, tiny_model, write_gguf
+from tests.model.test_gguf_loading import FAMILIES, _quant
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -12,13 +12,13 @@ import transformers
 
 peft = pytest.importorskip("peft")
 
-from pytgi.config import EngineConfig  # noqa: E402
-from pytgi.engine.engine import LLMEngine  # noqa: E402
-from pytgi.errors import InvalidRequest  # noqa: E402
-from pytgi.lora import AdapterError  # noqa: E402
-from pytgi.sampling_params import SamplingParams  # noqa: E402
-from tests.kernel_paths import decoder_loop  # noqa: E402
-from tests.reference import hf_copy  # noqa: E402
+from pytgi.core.adapters import AdapterError
+from pytgi.core.config import EngineConfig
+from pytgi.core.errors import InvalidRequest
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.engine.engine import LLMEngine
+from tests.kernel_paths import decoder_loop
+from tests.reference import hf_copy
 
 BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, tie_word_embeddings=False)
@@ -184,8 +184,8 @@ def test_preemption_speculation_and_shards_keep_each_adapters_output(tiny):
 
 @pytest.mark.slow
 def test_the_default_models_hf_copy_with_an_adapter_equals_peft(tmp_path):
-    from pytgi.models.registry import resolve_model
-    from pytgi.tokenizer import Tokenizer
+    from pytgi.core.model_files import resolve_model
+    from pytgi.core.tokenizer import Tokenizer
 
     base = resolve_model(None).path
     torch.manual_seed(3)
@@ -216,8 +216,8 @@ def test_the_c_decoder_loop_adds_the_adapters_as_the_python_path_does(tmp_path):
     the Python layer path adds them: the same tokens and prompt logprobs, bit for bit, for a batch of
     requests with two adapters and none; and each request alone gives the bits it gives in the batch
     (batch invariance with adapters)."""
-    from pytgi.models.registry import resolve_model
-    from pytgi.tokenizer import Tokenizer
+    from pytgi.core.model_files import resolve_model
+    from pytgi.core.tokenizer import Tokenizer
 
     base = resolve_model(None).path
     adapters = {}

@@ -1,4 +1,4 @@
-"""GPTQ and AWQ checkpoints served as published (`pytgi.models.checkpoint_quant`): written here by
+"""GPTQ and AWQ checkpoints served as published (`pytgi.engine.models.checkpoint_quant`): written here by
 each format's layout from a tiny random Llama, their float32 path equals transformers on the
 dequantized weights, their bf16 path keeps the levels packed (no float copy) and stays close, and
 formats not served are refused with the list of those that are."""
@@ -11,20 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from pytgi.config import EngineConfig
+from pytgi.core.config import EngineConfig
+from pytgi.engine.models.checkpoint_quant import QuantizedCheckpoint, UnsupportedQuantization, dequantize, fp8_dequantize, fp8_rows, grid_of, linear_levels, read_quantization
+from pytgi.engine.models.gguf_weights import group_values
+from pytgi.engine.models.quant import HEAD_KIND, QuantizedLinear
 from pytgi.engine.runner import ModelRunner
-from pytgi.models.checkpoint_quant import (
-    QuantizedCheckpoint,
-    UnsupportedQuantization,
-    dequantize,
-    fp8_dequantize,
-    fp8_rows,
-    grid_of,
-    linear_levels,
-    read_quantization,
-)
-from pytgi.models.gguf_weights import group_values
-from pytgi.models.quant import HEAD_KIND, QuantizedLinear
 from tests.model.test_gguf_families import prompt_logits, tiny_model
 from tests.model.test_gguf_loading import FAMILIES
 from tests.model.test_tiny_models import reference

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pytgi import LLM, SamplingParams
-from pytgi.models.registry import resolve_model
+from pytgi.core.model_files import resolve_model
 from tests.quant_checkpoints import write
 from tests.reference import hf_copy
 

@@ -11,9 +11,9 @@ import torch
 import transformers
 
 from pytgi import LLM, SamplingParams
-from pytgi.config import EngineConfig
+from pytgi.core.config import EngineConfig
+from pytgi.core.net import free_port
 from pytgi.engine.engine import LLMEngine
-from pytgi.net import free_port
 
 pytestmark = pytest.mark.slow
 

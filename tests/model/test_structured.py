@@ -10,9 +10,9 @@ import re
 import jsonschema
 import pytest
 
+from pytgi.core.errors import InvalidRequest
+from pytgi.core.sampling_params import SamplingParams
 from pytgi.llm import LLM
-from pytgi.sampling_params import SamplingParams
-from pytgi.errors import InvalidRequest
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "hobbies"],
           "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0},

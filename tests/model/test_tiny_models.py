@@ -11,12 +11,12 @@ import pytest
 import torch
 import transformers
 
-from pytgi.config import EngineConfig
+from pytgi.core.config import EngineConfig
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.engine.models.cpu import CpuKernels
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
 from pytgi.engine.step import ScheduledRequest
-from pytgi.models.cpu import CpuKernels
-from pytgi.sampling_params import SamplingParams
 
 BLOCK = 4
 NUM_BLOCKS = 64

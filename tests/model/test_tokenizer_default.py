@@ -1,4 +1,4 @@
-"""pytgi.tokenizer on the default model's own tokenizer (SmolLM2's 49152 tokens, converted from the
+"""pytgi.core.tokenizer on the default model's own tokenizer (SmolLM2's 49152 tokens, converted from the
 embedded GGUF file): the checks of tests/unit/test_tokenizer.py that do not depend on the tokenizer
 they run on, again here, and those that hard-code SmolLM2's ids."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pytgi.tokenizer import Tokenizer
+from pytgi.core.tokenizer import Tokenizer
 
 # Collected here again, with this module's `tokenizer_dir` and `tok` (and `hf`, which reads `tokenizer_dir`).
 from tests.unit.test_tokenizer import (  # noqa: F401
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def tokenizer_dir() -> Path:
     """The default model's converted directory (tokenizer and config; converted once if missing)."""
-    from pytgi.models.registry import resolve_model
+    from pytgi.core.model_files import resolve_model
 
     path = resolve_model(None).path
     return Path(path)

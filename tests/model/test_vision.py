@@ -12,8 +12,8 @@ import torch
 import transformers
 from PIL import Image
 
-from pytgi.errors import InvalidRequest
-from pytgi.sampling_params import SamplingParams
+from pytgi.core.errors import InvalidRequest
+from pytgi.core.sampling_params import SamplingParams
 from tests.model.vision_util import engine_for, greedy, png
 from tests.reference import hf_copy
 
@@ -266,7 +266,7 @@ def test_quantized_the_decoder_is_low_bit_and_the_vision_part_runs_in_bf16(tiny_
 def test_llava_next_positions_are_counted_as_the_model_packs_them(tiny_next):
     """The API process's count (no torch) equals the rows transformers' model packs for an image, for
     sizes that pick each pinpoint and cut padding rows or columns off."""
-    from pytgi.router.media import image_positions
+    from pytgi.core.image_geometry import image_positions
 
     engine = engine_for(tiny_next)
     try:
@@ -283,8 +283,8 @@ def test_llava_next_positions_are_counted_as_the_model_packs_them(tiny_next):
 def test_llava_on_the_default_models_real_text_weights(tmp_path):
     """The default model's text weights (SmolLM2-135M, from its GGUF, in float32) behind a small random
     CLIP tower and projector: greedy output equals transformers', alone and batched with text."""
-    from pytgi.models.registry import converted_gguf_dir, default_gguf_path
-    from pytgi.tokenizer import Tokenizer
+    from pytgi.core.model_files import converted_gguf_dir, default_gguf_path
+    from pytgi.core.tokenizer import Tokenizer
 
     text_dir = converted_gguf_dir(default_gguf_path(), progress=False)
     llama = transformers.LlamaForCausalLM.from_pretrained(hf_copy(text_dir), dtype=torch.float32)

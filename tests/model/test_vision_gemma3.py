@@ -16,8 +16,8 @@ import transformers
 from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pytgi.router.media import wrap_images
-from pytgi.sampling_params import SamplingParams
+from pytgi.core.image_geometry import wrap_images
+from pytgi.core.sampling_params import SamplingParams
 from tests.model.vision_util import engine_for, greedy, png
 
 SPECIAL = ["<eos>", "<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_turn>", "<end_of_turn>"]
@@ -179,7 +179,7 @@ def reference_prompt_logprobs(path, text: str, images: list[bytes]) -> torch.Ten
 def test_causal_image_rows_give_another_answer(tiny, monkeypatch):
     """The parity above tests the image's two-way attention: every prompt token's logprob after the
     image is transformers', and with causal image rows it is not, nor is the greedy answer."""
-    from pytgi.models import gemma3_vision
+    from pytgi.engine.models import gemma3_vision
 
     text, images = JOBS[0]
     want = reference_prompt_logprobs(tiny, text, images)

@@ -14,7 +14,7 @@ import transformers
 from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pytgi.router.media import image_positions
+from pytgi.core.image_geometry import image_positions
 from tests.model.vision_util import engine_for, greedy, png
 
 SPECIAL = ["<|endoftext|>", "<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",

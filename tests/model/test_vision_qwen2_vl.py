@@ -14,7 +14,7 @@ import torch
 import transformers
 from PIL import Image
 
-from pytgi.router.media import image_positions
+from pytgi.core.image_geometry import image_positions
 from tests.model.vision_util import engine_for, greedy, png
 
 IMAGE, START, END = 150, 151, 152  # <|image_pad|>, <|vision_start|>, <|vision_end|>
@@ -121,7 +121,7 @@ def test_the_api_counts_each_image_as_the_processor_expands_it(tiny):
 
 def test_positions_that_ignore_the_grid_give_another_answer(tiny, monkeypatch):
     """The parity above tests M-RoPE: with 1-D positions the same model answers otherwise."""
-    import pytgi.engine.images as images
+    from pytgi.engine import images
 
     want = reference(tiny, *JOBS[0])
     monkeypatch.setattr(images, "mrope_positions", lambda imgs, start, n: torch.arange(start, start + n).repeat(3, 1))

@@ -7,9 +7,9 @@ import io
 import numpy as np
 from PIL import Image
 
-from pytgi.config import EngineConfig
+from pytgi.core.config import EngineConfig
+from pytgi.core.sampling_params import SamplingParams
 from pytgi.engine.engine import LLMEngine
-from pytgi.sampling_params import SamplingParams
 
 
 def png(seed: int, size=(70, 45)) -> bytes:

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from pytgi.tokenizer import Tokenizer
+from pytgi.core.tokenizer import Tokenizer
 from tests.unit import tiny_tokenizer
 
 

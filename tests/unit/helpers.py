@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import itertools
 
-from pytgi import protocol as P
+from pytgi.core import protocol as P
+from pytgi.core.sampling_params import SamplingParams
 from pytgi.engine.request import Request
 from pytgi.engine.scheduler import Scheduler, SchedulerOutput
 from pytgi.engine.step import StepOutput
-from pytgi.sampling_params import SamplingParams
 
 _unique = itertools.count(1)
 

@@ -1,4 +1,4 @@
-"""Which `lora_path` a runtime adapter load may read (`pytgi.server.openai.adapters.allowed_source`):
+"""Which `lora_path` a runtime adapter load may read (`pytgi.api.openai.lora_routes.allowed_source`):
 inside --lora-dirs only, after symlinks and `..`; a Hub id only where the operator allows them; every
 refusal the same words, whether or not the path exists."""
 
@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from pytgi.lora import HUB_PREFIX, AdapterError
-from pytgi.server.openai.adapters import NOT_ALLOWED, allowed_source
+from pytgi.api.openai.lora_routes import NOT_ALLOWED, allowed_source
+from pytgi.core.adapters import HUB_PREFIX, AdapterError
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_a_hub_id_only_with_the_flag(tree):
 def test_the_engine_never_reads_a_marked_hub_id_as_a_path(tmp_path, monkeypatch):
     """`hub:org/x` skips the local lookup, so a directory of that name in the server's working
     directory is not what a client reaches."""
-    from pytgi.models import registry
+    from pytgi.core import model_files as registry
 
     (tmp_path / "org" / "x").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)

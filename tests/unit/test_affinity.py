@@ -1,10 +1,10 @@
-"""The replica routing policy without Ray (`pytgi.replicas.affinity`): prompts sharing a prefix go
+"""The replica routing policy without Ray (`pytgi.api.replicas.affinity`): prompts sharing a prefix go
 where it was sent before, unless that replica is overloaded; new prefixes spread out; round robin
 takes turns; a dead replica's picture is dropped."""
 
 import pytest
 
-from pytgi.replicas.affinity import Affinity, PrefixIndex, block_chain
+from pytgi.api.replicas.affinity import Affinity, PrefixIndex, block_chain
 
 SYSTEM_A = list(range(1000, 1064))  # 4 blocks of 16
 SYSTEM_B = list(range(2000, 2064))
@@ -75,8 +75,8 @@ def test_unknown_policy_is_refused():
 
 def test_the_deployment_gets_a_fixed_count_or_the_autoscalers_bounds():
     pytest.importorskip("ray.serve")
-    from pytgi.config import EngineConfig
-    from pytgi.replicas.client import ReplicaOptions, deployment_options
+    from pytgi.api.replicas.client import ReplicaOptions, deployment_options
+    from pytgi.core.config import EngineConfig
 
     config = EngineConfig(block_size=16, max_batch_total_tokens=4096)
     fixed = deployment_options(ReplicaOptions(3), config)

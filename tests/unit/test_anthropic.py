@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pytgi.outputs import Delta, Token
-from pytgi.server import anthropic as A
-from pytgi.server.openai.errors import OpenAIError
-from pytgi.server.openai.tools import CLOSE, OPEN
+from pytgi.api import anthropic as A
+from pytgi.api.openai.error_shape import OpenAIError
+from pytgi.api.chat.tools import CLOSE, OPEN
+from pytgi.core.outputs import Delta, Token
 
 
 def body(**kw) -> A.MessagesRequest:

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from pytgi import kernels
-from pytgi.models.attention import StepLayout, TorchAttention
-from pytgi.models.cpu import CROSSOVERS, CpuKernels, Crossovers
+from pytgi.engine import kernels
+from pytgi.engine.models.attention import StepLayout, TorchAttention
+from pytgi.engine.models.cpu import CROSSOVERS, CpuKernels, Crossovers
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
 

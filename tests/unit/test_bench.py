@@ -16,18 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pytgi.bench import client as bc
 from pytgi.bench import peers, report
-from pytgi.bench.workload import (
-    BenchRequest,
-    count_tokens,
-    dataset_requests,
-    exact_length_text,
-    poisson_arrivals,
-    synthetic_requests,
-    token_pool,
-)
-from pytgi.tokenizer import Tokenizer
+from pytgi.bench import stream_client as bc
+from pytgi.bench.workload import BenchRequest, count_tokens, dataset_requests, exact_length_text, poisson_arrivals, synthetic_requests, token_pool
+from pytgi.core.tokenizer import Tokenizer
 
 
 # -- the workload ------------------------------------------------------------------------------------------
@@ -490,7 +482,7 @@ def parse(*argv: str):
 
 
 def test_cli_targets() -> None:
-    from pytgi.bench.cli import build_targets
+    from pytgi.bench.command import build_targets
 
     args = parse("--peer", "llama-server=/bin/ls", "--llama-server-args", "-np 4 -c 4096",
                  "--peer", "transformers-serve", "--sweep-concurrency", "1,2,4")
@@ -514,7 +506,7 @@ def test_bench_never_imports_torch(tokenizer_dir: Path) -> None:
     code = ("import sys\nfrom pytgi.cli import build_parser\nbuild_parser()\n"
             # building the parser alone (as `pytgi serve` does) needs none of the bench's dependencies
             "assert 'httpx' not in sys.modules\n"
-            "import pytgi.bench.cli, pytgi.bench.peers, pytgi.bench.report, pytgi.bench.workload\n"
+            "import pytgi.bench.command, pytgi.bench.peers, pytgi.bench.report, pytgi.bench.workload\n"
             f"from pytgi.bench.workload import load_tokenizer\nload_tokenizer({str(tokenizer_dir)!r})\n"
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\nassert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})

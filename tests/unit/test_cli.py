@@ -78,7 +78,7 @@ def test_a_containers_hostname_does_not_become_the_bind_address(monkeypatch) -> 
     """Docker and Kubernetes set HOSTNAME to the container's name; TGI reads HOSTNAME as the address."""
     import argparse
 
-    from pytgi.server import launcher
+    from pytgi.api import launcher
 
     for env, expected in [("4b1c9e0d2f3a", "0.0.0.0"), ("127.0.0.1", "127.0.0.1"), ("::1", "::1")]:
         monkeypatch.setenv("HOSTNAME", env)

@@ -11,9 +11,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from pytgi import protocol as P
-from pytgi.config import ServerConfig
-from pytgi.metrics import Metrics
+from pytgi.api.metrics import Metrics
+from pytgi.core import protocol as P
+from pytgi.core.config import ServerConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"

@@ -1,4 +1,4 @@
-"""pytgi.router.engine_client.EngineClient without an engine process: the test plays the engine's side
+"""pytgi.api.frontend.engine_client.EngineClient without an engine process: the test plays the engine's side
 with real zmq sockets connected to the client's ipc addresses."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pytgi import protocol as P
-from pytgi.config import EngineConfig
-from pytgi.router.engine_client import EngineClient
-from pytgi.errors import EngineDead
-from pytgi.sampling_params import SamplingParams
+from pytgi.api.frontend.engine_client import EngineClient
+from pytgi.core import protocol as P
+from pytgi.core.config import EngineConfig
+from pytgi.core.errors import EngineDead
+from pytgi.core.sampling_params import SamplingParams
 
 TIMEOUT = 5.0
 STATS = P.EngineStats(running=1, waiting=0, kv_cache_usage=0.25, prefix_cache_hit_rate=0.0, preemptions=0,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgspec
 import zmq
 
-from pytgi import protocol as P
+from pytgi.core import protocol as P
+from pytgi.core.sampling_params import SamplingParams
 from pytgi.engine.process import EngineLoop
-from pytgi.sampling_params import SamplingParams
 
 
 class RecordingEngine:

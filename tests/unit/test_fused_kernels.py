@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from pytgi import kernels
-from pytgi.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from pytgi.engine import kernels
+from pytgi.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from pytgi.models.gguf_convert import gguf_tokenizer_json
+from pytgi.core.gguf_convert import gguf_tokenizer_json
 
 # Pieces with scores out of file order, so merges must follow the scores.
 PIECES = [("\u2581", -1.0), ("h", -2.0), ("e", -3.0), ("l", -4.0), ("o", -5.0), ("w", -6.0), ("r", -7.0),

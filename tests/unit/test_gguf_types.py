@@ -17,18 +17,11 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from pytgi import kernels  # noqa: E402
-from pytgi.models.cpu import CpuKernels  # noqa: E402
-from pytgi.errors import GGUFConversionError  # noqa: E402
-from pytgi.models.gguf_weights import GGUFWeights, decode_blocks, decode_blocks_reference  # noqa: E402
-from pytgi.models.quant import (  # noqa: E402
-    LayoutRows,
-    QuantizedWeight,
-    grid_layout,
-    kind_for_gguf_type,
-    quantize_int4,
-    quantize_int8_groups,
-)
+from pytgi.core.errors import GGUFConversionError
+from pytgi.engine import kernels
+from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.gguf_weights import GGUFWeights, decode_blocks, decode_blocks_reference
+from pytgi.engine.models.quant import LayoutRows, QuantizedWeight, grid_layout, kind_for_gguf_type, quantize_int4, quantize_int8_groups
 
 N, K = 32, 512  # rows, values per row: two K-quant super-blocks
 # byte offsets of each type's fp16 fields in its block: (super-)scales, then mins/offsets

@@ -51,7 +51,7 @@ TYPES = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp16", "out_ptr": "*bf16",
 
 
 def low_bit(kind: str) -> None:
-    from pytgi.kernels import gpu_quant
+    from pytgi.engine.kernels import gpu_quant
 
     bits, group = (4, 32) if kind == "int4" else (8, 16) if kind == "int8x16" else (8, 32)
     fp8 = kind == "fp8"
@@ -69,7 +69,7 @@ def low_bit(kind: str) -> None:
 
 
 def attention_rotary_rows() -> None:
-    from pytgi.kernels import gpu, gpu_quant
+    from pytgi.engine.kernels import gpu, gpu_quant
 
     att = {"q_ptr": "*bf16", "k_cache_ptr": "*u8", "v_cache_ptr": "*u8", "out_ptr": "*bf16", "programs_ptr": "*i32",
            "q_start_ptr": "*i32", "ctx_ptr": "*i32", "tables_ptr": "*i32", "scale": "fp32", "part_ptr": "*fp32",

@@ -1,4 +1,4 @@
-"""The CUDA path's Triton kernels (`pytgi.kernels.gpu`) against PyTorch's reference ops.
+"""The CUDA path's Triton kernels (`pytgi.engine.kernels.gpu`) against PyTorch's reference ops.
 
 Without a GPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so CI
 checks the kernels' logic; on a GPU machine the same tests check the compiled kernels.
@@ -13,11 +13,11 @@ import torch
 triton = pytest.importorskip("triton")
 
 from pytgi.engine.batch import StepBatch
-from pytgi.kernels import gpu
-from pytgi.models.attention import StepLayout, TorchAttention
-from pytgi.models.cpu import CpuKernels, TorchOps, _rotate
-from pytgi.models.gpu import TritonAttention, TritonOps
-from pytgi.models.layers import RMSNorm, RotaryEmbedding
+from pytgi.engine.kernels import gpu
+from pytgi.engine.models.attention import TorchAttention
+from pytgi.engine.models.cpu import CpuKernels, TorchOps, _rotate
+from pytgi.engine.models.layers import RMSNorm, RotaryEmbedding
+from pytgi.engine.models.triton_backend import TritonAttention, TritonOps
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

@@ -1,4 +1,4 @@
-"""The CUDA path's low-bit matmuls (`pytgi.kernels.gpu_quant`) against the dequantized weights.
+"""The CUDA path's low-bit matmuls (`pytgi.engine.kernels.gpu_quant`) against the dequantized weights.
 
 Without a GPU they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1): float32
 activations must give the float32 reference to rounding; bf16 ones are checked loosely there (the
@@ -12,8 +12,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from pytgi.kernels import gpu_quant  # noqa: E402
-from pytgi.models.quant import GpuQuantizedWeight, LayoutRows, quantize_int4  # noqa: E402
+from pytgi.engine.kernels import gpu_quant
+from pytgi.engine.models.quant import GpuQuantizedWeight, LayoutRows, quantize_int4
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"

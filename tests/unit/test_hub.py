@@ -1,10 +1,10 @@
-"""Which files a Hub id means (pytgi.models.hub): parsing ids, GGUF quantization tags, split files,
+"""Which files a Hub id means (pytgi.core.hub): parsing ids, GGUF quantization tags, split files,
 and the refusals, from a repository's file list alone (no network)."""
 
 import pytest
 
-from pytgi.models.hub import HubRef, choose_files, gguf_tag, parse_hub_id
-from pytgi.errors import HubError
+from pytgi.core.errors import HubError
+from pytgi.core.hub import HubRef, choose_files, gguf_tag, parse_hub_id
 
 HF_REPO = [
     "config.json",
@@ -88,7 +88,7 @@ def test_a_model_directory_takes_only_what_pytgi_reads():
 
 
 def test_gguf_by_tag_default_and_file():
-    pick = lambda ref: choose_files("org/g", GGUF_REPO, ref).files  # noqa: E731
+    pick = lambda ref: choose_files("org/g", GGUF_REPO, ref).files
     assert pick(HubRef("org/g")) == ("gemma-3-1b-it-Q4_K_M.gguf",)  # no tag: Q4_K_M
     assert pick(HubRef("org/g", tag="q8_0")) == ("gemma-3-1b-it-Q8_0.gguf",)  # case-insensitive
     assert pick(HubRef("org/g", tag="UD-Q4_K_XL")) == ("gemma-3-1b-it-UD-Q4_K_XL.gguf",)

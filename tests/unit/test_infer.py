@@ -7,10 +7,10 @@ import asyncio
 
 import pytest
 
-from pytgi.router.infer import Infer
-from pytgi.errors import Overloaded
-from pytgi.router.validation import ValidRequest
-from pytgi.sampling_params import SamplingParams
+from pytgi.api.frontend.infer import Infer
+from pytgi.api.frontend.validation import ValidRequest
+from pytgi.core.errors import Overloaded
+from pytgi.core.sampling_params import SamplingParams
 from tests.waiting import async_wait_until
 
 
@@ -106,7 +106,7 @@ async def _drain(stream, updates):  # type: ignore[no-untyped-def]
 
 
 def test_a_stream_yields_one_delta_per_token_and_releases_when_the_engine_finished():
-    from pytgi.protocol import TokenOut
+    from pytgi.core.protocol import TokenOut
 
     client, adm, stream = _stream(["</s>", "Hel", "lo"])
     deltas = asyncio.run(_drain(stream, [TokenOut("r", 1, -0.1), TokenOut("r", 2, -0.2),
@@ -119,7 +119,7 @@ def test_a_stream_yields_one_delta_per_token_and_releases_when_the_engine_finish
 
 
 def test_a_stop_string_ends_the_stream_and_aborts_the_engine_request():
-    from pytgi.protocol import TokenOut
+    from pytgi.core.protocol import TokenOut
 
     client, adm, stream = _stream(["</s>", "Hel", "lo", " STOP", " more"], stop=["STOP"])
     deltas = asyncio.run(_drain(stream, [TokenOut("r", 1, -0.1), TokenOut("r", 2, -0.1), TokenOut("r", 3, -0.1)]))
@@ -128,9 +128,8 @@ def test_a_stop_string_ends_the_stream_and_aborts_the_engine_request():
 
 
 def test_engine_failure_and_death_are_generation_errors():
-    from pytgi.protocol import TokenOut
-    from pytgi.errors import EngineDead
-    from pytgi.errors import GenerationError
+    from pytgi.core.errors import EngineDead, GenerationError
+    from pytgi.core.protocol import TokenOut
 
     client, adm, stream = _stream(["</s>", "a", "b"])
     with pytest.raises(GenerationError, match="boom"):
@@ -142,7 +141,7 @@ def test_engine_failure_and_death_are_generation_errors():
 
 
 def test_generate_collects_the_stream_and_best_of_keeps_the_likeliest():
-    from pytgi.protocol import TokenOut
+    from pytgi.core.protocol import TokenOut
 
     client = FakeClient()
     infer = Infer(client, PieceTokenizer(["</s>", "a", "b"]), max_concurrent_requests=2)  # type: ignore[arg-type]

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytgi.config import EngineConfig
+from pytgi.core.config import EngineConfig
+from pytgi.core.errors import ModelTooLarge
 from pytgi.engine import kv_sizing
-from pytgi.errors import ModelTooLarge
 
 CPU = torch.device("cpu")
 GIB = 1 << 30

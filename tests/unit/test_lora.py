@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pytgi import kernels
-from pytgi.lora import AdapterError, AdapterSpec, parse_specs, read_config
+from pytgi.core.adapters import AdapterError, AdapterSpec, parse_specs, read_config
+from pytgi.engine import kernels
 
 
 def test_specs_are_name_equals_source_or_a_bare_source():

@@ -13,8 +13,8 @@ import time
 import pytest
 from PIL import Image
 
-from pytgi.errors import InvalidRequest
-from pytgi.router.media import ImageRef, MediaLimits, _from_data_url, _internal, check_image, load_images
+from pytgi.api.frontend.media import ImageRef, MediaLimits, _from_data_url, _internal, check_image, load_images
+from pytgi.core.errors import InvalidRequest
 
 
 def png(size=(8, 8)) -> bytes:
@@ -57,8 +57,8 @@ def test_pixel_bound_and_count_bound():
 def test_image_positions_by_layout():
     """The API process's count of an image's positions, per family's layout (the model tests check
     each against its processor over many sizes; these pin a few by hand)."""
-    from pytgi.config import ImageLayout
-    from pytgi.router.media import added_positions, image_positions
+    from pytgi.core.config import ImageLayout
+    from pytgi.core.image_geometry import added_positions, image_positions
 
     fixed = ImageLayout(token=5, positions=576)
     assert image_positions(fixed, 10, 9999) == 576
@@ -88,7 +88,7 @@ class _Images(http.server.BaseHTTPRequestHandler):
 
     hosts: list[str] = []
 
-    def do_GET(self):  # noqa: N802 - the stdlib's name
+    def do_GET(self):
         type(self).hosts.append(self.headers.get("Host", ""))
         body = png()
         self.send_response(200)

@@ -12,7 +12,7 @@ from starlette.middleware import Middleware
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 
-from pytgi.server.middleware import ApiKeyMiddleware, OverloadMiddleware, PayloadLimitMiddleware
+from pytgi.api.middleware import ApiKeyMiddleware, OverloadMiddleware, PayloadLimitMiddleware
 
 
 async def _ok(request):  # type: ignore[no-untyped-def]

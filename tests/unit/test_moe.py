@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pytgi import kernels
-from pytgi.models.cpu import CpuKernels
-from pytgi.models.moe import SparseMoE
-from pytgi.models.quant import QuantizedWeight
+from pytgi.engine import kernels
+from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.moe import SparseMoE
+from pytgi.engine.models.quant import QuantizedWeight
 
 H, INTER, E = 16, 24, 5
 

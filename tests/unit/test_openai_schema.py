@@ -1,4 +1,4 @@
-"""pytgi.server.openai without an engine: error shapes and where they apply, the parameter rules,
+"""pytgi.api.openai without an engine: error shapes and where they apply, the parameter rules,
 the streaming hold-back of a possible stop string, and the output processor's stop cut for OpenAI."""
 
 from __future__ import annotations
@@ -11,19 +11,19 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from pytgi import protocol as P
-from pytgi.metrics import Metrics
-from pytgi.outputs import OutputProcessor
-from pytgi.router.infer import Infer
-from pytgi.router.validation import Validation, ValidLimits
-from pytgi.sampling_params import SamplingParams
-from pytgi.server import openai as oai
-from pytgi.server import tgi
-from pytgi.server.errors import install_handlers
-from pytgi.server.middleware import AdmissionMiddleware
-from pytgi.server.openai import render, schema
-from pytgi.server.state import State
-from pytgi.tokenizer import Tokenizer
+from pytgi.api.openai import routes as oai
+from pytgi.api import tgi
+from pytgi.api.error_handlers import install_handlers
+from pytgi.api.frontend.infer import Infer
+from pytgi.api.frontend.validation import Validation, ValidLimits
+from pytgi.api.metrics import Metrics
+from pytgi.api.middleware import AdmissionMiddleware
+from pytgi.api.openai import render, schema
+from pytgi.api.state import State
+from pytgi.core import protocol as P
+from pytgi.core.outputs import OutputProcessor
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.core.tokenizer import Tokenizer
 from tests.unit.test_validation import validate
 
 MODEL = "org/served-model"
@@ -69,7 +69,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 
 def test_module_does_not_import_torch() -> None:
-    code = "import sys, pytgi.server.app, pytgi.server.openai\nassert 'torch' not in sys.modules\n"
+    code = "import sys, pytgi.api.app, pytgi.api.openai\nassert 'torch' not in sys.modules\n"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 

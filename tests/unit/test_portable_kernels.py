@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pytgi import kernels
+from pytgi.engine import kernels
 
 HERE = Path(__file__).parent
 # what each -march needs of the CPU that runs its code (a build for a newer CPU dies of SIGILL here)

@@ -5,18 +5,9 @@ import json
 import pytest
 import torch
 
-from pytgi import kernels
-from pytgi.models.cpu import CpuKernels
-from pytgi.models.quant import (
-    QuantizedWeight,
-    gguf_plan,
-    pack_vnni,
-    pack_vnni_reference,
-    quantize_int4,
-    quantize_int8,
-    quantize_int8_groups,
-    resolve_plan,
-)
+from pytgi.engine import kernels
+from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.quant import QuantizedWeight, gguf_plan, pack_vnni, pack_vnni_reference, quantize_int4, quantize_int8, quantize_int8_groups, resolve_plan
 
 
 def cpu(**kernel_choice) -> CpuKernels:
@@ -100,7 +91,7 @@ def test_int8_keeps_the_grids_of_5_to_8_bit_gguf_blocks():
     d = (torch.rand(N, K // 32, 1, generator=g) * 0.01 + 0.001).half().float()
     sc = torch.randint(1, 64, (N, K // 32, 1), generator=g).float()
     mn = torch.randint(0, 64, (N, K // 32, 1), generator=g).float()
-    q5, _ = _blocks(range(0, 32), seed=1)
+    q5, _ = _blocks(range(32), seed=1)
     cases = {"Q8_0": (q8 * d, d), "Q5_0": ((q5 - 16) * d, d), "Q5_1": (q5 * d - 0.07, d),
              "Q5_K": (d * sc * q5 - 0.0004 * mn, d * sc)}
     for name, (w, step) in cases.items():
@@ -116,7 +107,7 @@ def test_int8_keeps_q3_k_pairs_whose_scales_share_a_divisor():
     divisor s lie on one grid of step d·s; scales with none (gcd 1) still fit 256 levels. Exact but
     for the step and offset held in fp16."""
     N, K = 16, 64
-    q, g = _blocks(range(0, 8), N, K)
+    q, g = _blocks(range(8), N, K)
     d = (torch.rand(N, K // 32, 1, generator=g) * 0.01 + 0.001).half().float()
     sc = torch.tensor([[-32.0, 31.0, 12.0, 18.0]]).repeat(N, 1)  # group 0: gcd 1 (the widest); group 1: gcd 6
     w = d * sc.repeat_interleave(16, dim=1).view(N, K // 32, 32) * (q - 4)

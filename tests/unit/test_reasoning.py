@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytgi.server.reasoning import ReasoningParser, split
+from pytgi.api.chat.reasoning import ReasoningParser, split
 
 CASES = [
     # (style, answer, reasoning, content)
@@ -46,8 +46,8 @@ def test_unknown_style_is_refused() -> None:
 def test_openai_chunks_carry_reasoning_content_then_content() -> None:
     import json as _json
 
-    from pytgi.outputs import Delta, Token
-    from pytgi.server.openai import render
+    from pytgi.api.openai import render
+    from pytgi.core.outputs import Delta, Token
 
     answer = "<think>\nadd 2 and 2\n</think>\n\nIt is 4."
     for cut in range(1, len(answer)):
@@ -68,8 +68,8 @@ def test_anthropic_thinking_blocks() -> None:
     import json as _json
     from types import SimpleNamespace
 
-    from pytgi.outputs import Delta, Token
-    from pytgi.server import anthropic as A
+    from pytgi.api import anthropic as A
+    from pytgi.core.outputs import Delta, Token
 
     answer = "<think>add</think>It is 4."
     out = SimpleNamespace(finish_reason="eos_token", stop_sequence=None, text=answer, tokens=[1, 2])
@@ -88,8 +88,8 @@ def test_anthropic_thinking_blocks() -> None:
 def test_constraints_apply_after_the_think_block(kind: str, tokenizer_dir, tok) -> None:  # type: ignore[no-untyped-def]
     import llguidance
 
-    from pytgi import structured
-    from pytgi.sampling_params import SamplingParams
+    from pytgi.core import grammar as structured
+    from pytgi.core.sampling_params import SamplingParams
 
     given = {"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
                              "additionalProperties": False},
@@ -107,8 +107,8 @@ def test_constraints_apply_after_the_think_block(kind: str, tokenizer_dir, tok) 
 
 
 def test_a_constraint_that_writes_the_think_block_applies_from_the_start() -> None:
-    from pytgi import structured
-    from pytgi.sampling_params import SamplingParams
+    from pytgi.core import grammar as structured
+    from pytgi.core.sampling_params import SamplingParams
 
     regex = r"<think>[a-z]+</think>[A-Z]"
     assert structured.check(SamplingParams(regex=regex, reasoning="qwen3")) == structured.check(

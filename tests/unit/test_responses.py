@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from pytgi.outputs import Delta, Token
-from pytgi.server.openai import responses as R
-from pytgi.server.openai.errors import OpenAIError
-from pytgi.server.openai.tools import CLOSE, OPEN
+from pytgi.api.openai import responses as R
+from pytgi.api.openai.error_shape import OpenAIError
+from pytgi.api.chat.tools import CLOSE, OPEN
+from pytgi.core.outputs import Delta, Token
 
 
 def test_input_items_become_chat_messages() -> None:

@@ -22,9 +22,9 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from pytgi import kernels
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.engine import kernels
 from pytgi.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, _apply_penalties, _warp
-from pytgi.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
 V = 200
@@ -499,7 +499,7 @@ def test_logit_bias_moves_the_choice_but_not_the_reported_logprobs() -> None:
 
 
 def test_min_p_and_logit_bias_are_checked() -> None:
-    from pytgi.errors import InvalidRequest
+    from pytgi.core.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest, match="min_p"):
         SamplingParams(min_p=1.5)

@@ -1,6 +1,6 @@
 """Scheduler behaviour with no model: build requests, schedule, feed fake tokens back."""
 
-from pytgi.config import EngineInfo
+from pytgi.core.config import EngineInfo
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.request import Status
 from pytgi.engine.scheduler import Scheduler

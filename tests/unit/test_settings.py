@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pytgi import settings
-from pytgi.config import EngineConfig, ServerConfig
-from pytgi.server import launcher
+from pytgi.api import launcher
+from pytgi.core import flags
+from pytgi.core.config import EngineConfig, ServerConfig
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
 
@@ -19,11 +19,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def test_docs_flag_list_is_the_table() -> None:
-    assert DOCS.read_text() == settings.markdown(), "run: python -m pytgi.settings > docs/flags.md"
+    assert DOCS.read_text() == flags.markdown(), "run: python -m pytgi.core.flags > docs/flags.md"
 
 
 def test_each_setting_has_its_own_flag_and_variable() -> None:
-    table = settings.table()
+    table = flags.table()
     assert len({s.flag for s in table}) == len({s.env for s in table}) == len(table)
     assert {s.reader for s in table} == {"engine", "server"}
     by_flag = {s.flag: s for s in table}
@@ -37,24 +37,24 @@ def test_flags_and_environment_build_both_configs(monkeypatch) -> None:
     monkeypatch.setenv("CORS_ALLOW_ORIGIN", "https://a.example,https://b.example")
     monkeypatch.setenv("JSON_OUTPUT", "0")
     args = parse(["--max-total-tokens", "512", "--api-key-exempt", "health,metrics", "--port", "8080"])
-    engine = EngineConfig(**settings.from_args(args, "engine"))
+    engine = EngineConfig(**flags.from_args(args, "engine"))
     assert (engine.max_batch_size, engine.max_total_tokens, engine.enable_prefix_caching) == (7, 512, False)
     assert engine.batch_invariant and engine.model is None
-    server = ServerConfig(engine, Path("."), "m", **settings.from_args(args, "server"))
+    server = ServerConfig(engine, Path("."), "m", **flags.from_args(args, "server"))
     assert server.port == 8080 and server.api_key_exempt == ("health", "metrics")
     assert server.cors_allow_origin == ("https://a.example", "https://b.example") and not server.json_output
     # flags given replace the environment's list; a switch flag flips its default
     args = parse(["--cors-allow-origin", "https://c.example", "--cors-allow-origin", "https://d.example",
                   "--disable-batch-invariance", "--json-output"])
-    server = ServerConfig(engine, Path("."), "m", **settings.from_args(args, "server"))
+    server = ServerConfig(engine, Path("."), "m", **flags.from_args(args, "server"))
     assert server.cors_allow_origin == ("https://c.example", "https://d.example") and server.json_output
-    assert not EngineConfig(**settings.from_args(args, "engine")).batch_invariant
+    assert not EngineConfig(**flags.from_args(args, "engine")).batch_invariant
 
 
 def test_defaults_are_the_configs_defaults(monkeypatch) -> None:
-    for s in settings.table():
+    for s in flags.table():
         monkeypatch.delenv(s.env, raising=False)
     args = parse([])
-    assert EngineConfig(**settings.from_args(args, "engine")) == EngineConfig()
-    server = ServerConfig(EngineConfig(), Path("."), "m", **settings.from_args(args, "server"))
+    assert EngineConfig(**flags.from_args(args, "engine")) == EngineConfig()
+    server = ServerConfig(EngineConfig(), Path("."), "m", **flags.from_args(args, "server"))
     assert server == ServerConfig(EngineConfig(), Path("."), "m")

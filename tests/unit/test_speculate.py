@@ -1,10 +1,10 @@
 """Speculative decoding without a model: n-gram drafts, their verification's bookkeeping in the
 scheduler (tokens, KV positions, blocks, stops) and the draft length's adaptation."""
 
-from pytgi import protocol as P
+from pytgi.core import protocol as P
 from pytgi.engine.request import Status
-from pytgi.engine.step import StepOutput
 from pytgi.engine.speculate import Drafter, accepted_prefix
+from pytgi.engine.step import StepOutput
 from tests.unit.helpers import make_request
 from tests.unit.test_scheduler import make_scheduler
 

@@ -10,15 +10,15 @@ import jsonschema
 import pytest
 import torch
 
-from pytgi import protocol as P
-from pytgi import structured
+from pytgi.core import grammar as structured
+from pytgi.core import protocol as P
+from pytgi.core.errors import GrammarError
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.core.tokenizer import Tokenizer
 from pytgi.engine.request import Status
 from pytgi.engine.sampler import Sampler, SamplingMetadata
 from pytgi.engine.step import StepOutput
 from pytgi.engine.structured import GrammarMatchers
-from pytgi.errors import GrammarError
-from pytgi.sampling_params import SamplingParams
-from pytgi.tokenizer import Tokenizer
 from tests.unit.helpers import make_request
 from tests.unit.test_scheduler import make_scheduler
 from tests.unit.tiny_tokenizer import VOCAB_SIZE

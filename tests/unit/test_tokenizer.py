@@ -1,4 +1,4 @@
-"""pytgi.tokenizer against transformers' AutoTokenizer, which is the reference it must reproduce.
+"""pytgi.core.tokenizer against transformers' AutoTokenizer, which is the reference it must reproduce.
 
 Here on the tiny SmolLM2-shaped tokenizer of tests/unit/tiny_tokenizer.py; tests/model/
 test_tokenizer_default.py runs the tokenizer-wide checks again on the default model's own tokenizer."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pytgi.tokenizer import NO_TEMPLATE, IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
+from pytgi.core.tokenizer import NO_TEMPLATE, IncrementalDetokenizer, Tokenizer, find_stop, partial_stop_len
 
 TEXTS = [
     "",
@@ -92,7 +92,7 @@ def test_truncation_and_padding_in_tokenizer_json_are_ignored(tmp_path: Path, to
 
 def test_module_does_not_import_torch_or_transformers(tokenizer_dir: Path) -> None:
     code = (
-        "import sys; from pytgi.tokenizer import Tokenizer, IncrementalDetokenizer\n"
+        "import sys; from pytgi.core.tokenizer import Tokenizer, IncrementalDetokenizer\n"
         f"t = Tokenizer.from_dir({str(tokenizer_dir)!r})\n"
         "t.apply_chat_template([{'role': 'user', 'content': 'hi'}])\n"
         "d = IncrementalDetokenizer(t); [d.add(i) for i in t.encode('hi there')]\n"
@@ -412,7 +412,7 @@ def test_partial_stop_len() -> None:
 
 
 def test_chat_template_flag_takes_a_file_or_a_template(tmp_path) -> None:
-    from pytgi.tokenizer import read_chat_template
+    from pytgi.core.tokenizer import read_chat_template
 
     (tmp_path / "t.jinja").write_text("{{ messages[0].content }}")
     assert read_chat_template(str(tmp_path / "t.jinja")) == "{{ messages[0].content }}"

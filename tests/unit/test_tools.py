@@ -9,11 +9,11 @@ import json
 import llguidance
 import pytest
 
-from pytgi import structured
-from pytgi.sampling_params import SamplingParams
-from pytgi.server.openai import tools
-from pytgi.server.openai.errors import OpenAIError
-from pytgi.tokenizer import Tokenizer
+from pytgi.api.chat import tools
+from pytgi.api.openai.error_shape import OpenAIError
+from pytgi.core import grammar as structured
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.core.tokenizer import Tokenizer
 from tests.unit.tiny_tokenizer import VOCAB_SIZE
 
 WEATHER = {"type": "function", "function": {

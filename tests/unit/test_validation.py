@@ -1,4 +1,4 @@
-"""pytgi.router.validation: TGI's request models, rules, messages, order and the engine mapping."""
+"""pytgi.api.frontend.validation: TGI's request models, rules, messages, order and the engine mapping."""
 
 from __future__ import annotations
 
@@ -11,16 +11,9 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from pytgi.router.validation import (
-    CompatGenerateRequest,
-    GenerateParameters,
-    GenerateRequest,
-    Validation,
-    ValidLimits,
-    ValidRequest,
-)
-from pytgi.errors import InvalidRequest
-from pytgi.tokenizer import Tokenizer
+from pytgi.api.frontend.validation import CompatGenerateRequest, GenerateParameters, GenerateRequest, Validation, ValidLimits, ValidRequest
+from pytgi.core.errors import InvalidRequest
+from pytgi.core.tokenizer import Tokenizer
 
 MAX_INPUT = 32
 MAX_TOTAL = 48
@@ -63,8 +56,8 @@ def n_tokens(tok: Tokenizer, text: str) -> int:
 def test_module_does_not_import_torch(tokenizer_dir: Path) -> None:
     code = (
         "import sys, asyncio\n"
-        "import pytgi.router.validation as v\n"
-        "from pytgi.tokenizer import Tokenizer\n"
+        "import pytgi.api.frontend.validation as v\n"
+        "from pytgi.core.tokenizer import Tokenizer\n"
         f"t = Tokenizer.from_dir({str(tokenizer_dir)!r})\n"
         "val = v.Validation(t, v.ValidLimits(max_input_tokens=16, max_total_tokens=32))\n"
         "r = asyncio.run(val.validate(v.GenerateRequest(inputs='hi'), stream=False))\n"

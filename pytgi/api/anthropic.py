@@ -1,0 +1,448 @@
+"""Anthropic's Messages API: `POST /v1/messages` (whole or streamed) and `POST /v1/messages/count_tokens`.
+
+A Messages body converts into OpenAI's chat body (`system` → a system message; text, `tool_use` and
+`tool_result` blocks → content, assistant tool calls and tool messages; `tools` and `tool_choice` as
+functions) and takes the chat route's path (`chat_requests`: the same rules, chat template, tools,
+admission, validation and output processing). Only the shapes are Anthropic's: content blocks, stop
+reasons, the stream's events and the error body. No torch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal
+
+from fastapi import APIRouter, FastAPI, Request, Response
+from pydantic import Field
+
+from pytgi.api.chat import reasoning, tools
+from pytgi.api.chat.requests import chat_requests
+from pytgi.api.error_handlers import anthropic_error_body
+from pytgi.api.exchange import Exchange, in_thread
+from pytgi.api.frontend.bodies import F32, I32, U32, Bool
+from pytgi.api.frontend.media import load_images
+from pytgi.api.json_response import JSONResponse
+from pytgi.api.openai import schema
+from pytgi.api.openai.error_shape import OpenAIError, as_openai_error, invalid
+from pytgi.api.state import state_of
+from pytgi.core.errors import ClientGone, InferError
+from pytgi.core.image_geometry import added_positions, wrap_images
+from pytgi.core.outputs import Delta, OutputProcessor
+
+PREFIX = "/v1/messages"
+router = APIRouter()
+
+
+# -- bodies ----------------------------------------------------------------------------------------
+class Tool(schema._Body):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(schema._Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: Bool | None = None
+
+
+class Message(schema._Body):
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class CountTokensRequest(schema._Body):
+    model: str
+    messages: list[Message]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+class OutputFormat(schema._Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(schema._Body):
+    format: OutputFormat | None = None  # `effort` is accepted and ignored
+
+
+class Thinking(schema._Body):
+    type: Literal["enabled", "disabled", "adaptive"]
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: U32
+    thinking: Thinking | None = None  # → the template's enable_thinking (Qwen3's switch)
+    # vLLM's structured-output extensions, as its OpenAI routes take them
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    output_config: OutputConfig | None = None
+    output_format: OutputFormat | None = None  # the structured-outputs beta's name
+    temperature: F32 | None = None
+    top_p: F32 | None = None
+    top_k: I32 | None = None
+    stop_sequences: list[str] | None = None
+    stream: Bool | None = False
+
+
+# -- Anthropic's body → OpenAI's -------------------------------------------------------------------
+def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
+    """A string, or text blocks joined (what `system` and a tool result hold)."""
+    if isinstance(blocks, str):
+        return blocks
+    texts = []
+    for j, b in enumerate(blocks):
+        if b.get("type") != "text" or not isinstance(b.get("text"), str):
+            raise invalid(f"`{where}.{j}` must be a text block", f"{where}.{j}")
+        texts.append(b["text"])
+    return "\n".join(texts)
+
+
+def _image_url(source: Any, where: str) -> str:
+    """An image block's source as an OpenAI image URL: base64 data as a data: URL, or its URL."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if kind == "url" and isinstance(source.get("url"), str):
+        return str(source["url"])
+    raise invalid("an image block's `source` is {type: base64, media_type, data} or {type: url, url}", where)
+
+
+def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if body.system:
+        out.append({"role": "system", "content": _text(body.system, "system")})
+    for i, m in enumerate(body.messages):
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts, calls, results = [], [], []
+        parts: list[dict[str, Any]] = []  # text and image parts in order, where the message has an image
+        for j, b in enumerate(m.content):
+            where, kind = f"messages.{i}.content.{j}", b.get("type")
+            if kind == "text" and isinstance(b.get("text"), str):
+                texts.append(b["text"])
+                parts.append({"type": "text", "text": b["text"]})
+            elif kind == "image" and m.role == "user":
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(b.get("source"), where)}})
+            elif kind == "tool_use" and m.role == "assistant":
+                arguments = json.dumps(b.get("input") or {}, ensure_ascii=False)
+                calls.append(
+                    {
+                        "id": str(b.get("id", "")),
+                        "type": "function",
+                        "function": {"name": str(b.get("name", "")), "arguments": arguments},
+                    }
+                )
+            elif kind == "tool_result" and m.role == "user":
+                content = _text(b.get("content") or "", f"{where}.content")
+                results.append(
+                    {"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")), "content": content}
+                )
+            elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue  # earlier reasoning is not sent back to the model
+            else:
+                raise invalid(
+                    f"content blocks of type `{kind}` are not supported in {m.role} messages", where
+                )
+        out += results  # a user turn's tool results answer the assistant's calls before its text
+        if any(p["type"] == "image_url" for p in parts):
+            out.append({"role": m.role, "content": parts})
+        elif texts or calls:
+            message: dict[str, Any] = {"role": m.role, "content": "\n".join(texts) if texts else None}
+            if calls:
+                message["tool_calls"] = calls
+            out.append(message)
+    return out
+
+
+def _tools(body: CountTokensRequest) -> dict[str, Any]:
+    if not body.tools:
+        return {}
+    functions = [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
+        }
+        for t in body.tools
+    ]
+    out: dict[str, Any] = {"tools": functions}
+    choice = body.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if not choice.name:
+                raise invalid("`tool_choice` of type `tool` needs `name`", "tool_choice")
+            out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            out["parallel_tool_calls"] = False
+    return out
+
+
+def _response_format(body: MessagesRequest) -> dict[str, Any]:
+    fmt = body.output_config.format if body.output_config else None
+    fmt = fmt or body.output_format
+    if fmt is None:
+        return {}
+    return {
+        "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
+    }
+
+
+VLLM_EXTENSIONS = {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+
+
+def to_chat(body: MessagesRequest) -> schema.ChatCompletionRequest:
+    """OpenAI's chat body for a Messages body (Anthropic's temperature is 0..1)."""
+    if body.temperature is not None and not 0.0 <= body.temperature <= 1.0:
+        raise invalid(f"`temperature` must be >= 0 and <= 1. Given: {body.temperature}", "temperature")
+    return schema.ChatCompletionRequest.model_validate(
+        {
+            "model": body.model,
+            "messages": _messages(body),
+            "max_tokens": body.max_tokens,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "stop": body.stop_sequences,
+            "stream": body.stream,
+            **_tools(body),
+            **_response_format(body),
+            **body.model_dump(include=VLLM_EXTENSIONS, exclude_none=True),
+            **(
+                {"chat_template_kwargs": {"enable_thinking": body.thinking.type != "disabled"}}
+                if body.thinking
+                else {}
+            ),
+        }
+    )
+
+
+# -- OpenAI's results → Anthropic's shapes ---------------------------------------------------------
+def stop_reason(out: OutputProcessor, tool_calls: bool) -> str:
+    if tool_calls:
+        return "tool_use"
+    return {"length": "max_tokens", "stop_sequence": "stop_sequence"}.get(out.finish_reason or "", "end_turn")
+
+
+def _input(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return {}
+
+
+def message_json(
+    mid: str,
+    model: str,
+    out: OutputProcessor,
+    tool_style: tools.Style | None,
+    reasoning_style: str | None,
+    prompt: int,
+) -> dict:
+    thinking, text = reasoning.split(out.text, reasoning_style) if reasoning_style else (None, out.text)
+    content_text, calls = (text, []) if tool_style is None else tools.parse(text, tool_style)
+    content: list[dict[str, Any]] = (
+        [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
+    )
+    content += [{"type": "text", "text": content_text}] if content_text else []
+    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)} for c in calls]
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": stop_reason(out, bool(calls)),
+        "stop_sequence": out.stop_sequence,
+        "usage": {"input_tokens": prompt, "output_tokens": len(out.tokens)},
+    }
+
+
+def event(name: str, data: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
+
+
+class MessageStream:
+    """Anthropic's events from one answer's deltas: message_start, then per content block (text, or a
+    tool call whose arguments arrive as `input_json_delta`s) its start, deltas and stop, then
+    message_delta (stop reason, output tokens) and message_stop."""
+
+    def __init__(
+        self,
+        head: dict[str, Any],
+        out: Callable[[], OutputProcessor],
+        tool_style: tools.Style | None,
+        reasoning_style: str | None = None,
+    ):
+        self.head, self.out = head, out
+        self.parser = tools.parser(tool_style) if tool_style else None
+        self.reasoner = reasoning.ReasoningParser(reasoning_style) if reasoning_style else None
+        self.index, self.kind = -1, ""  # the open block, and its kind ("" when none is open)
+
+    def start(self) -> list[str]:
+        message = {**self.head, "content": [], "stop_reason": None, "stop_sequence": None}
+        return [event("message_start", {"message": message})]
+
+    def _open(self, block: dict[str, Any]) -> list[str]:
+        events = self._close()
+        self.index, self.kind = self.index + 1, block["type"]
+        return [*events, event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def _close(self) -> list[str]:
+        if not self.kind:
+            return []
+        self.kind = ""
+        return [event("content_block_stop", {"index": self.index})]
+
+    def delta(self, d: Delta) -> list[str]:
+        text, events = d.text, []
+        if self.reasoner is not None:
+            pieces = self.reasoner.feed(d.text) if d.text else []
+            pieces += self.reasoner.finish() if d.finish_reason is not None else []
+            for kind, t in pieces:
+                if kind == "reasoning":
+                    if self.kind != "thinking":
+                        events += self._open({"type": "thinking", "thinking": "", "signature": ""})
+                    delta = {"type": "thinking_delta", "thinking": t}
+                    events.append(event("content_block_delta", {"index": self.index, "delta": delta}))
+            text = "".join(t for kind, t in pieces if kind == "content")
+        if self.parser is None:
+            found: list[tools.Event] = [tools.Content(text)] if text else []
+        else:
+            found = self.parser.feed(text) if text else []
+            if d.finish_reason is not None:
+                found += self.parser.finish()
+        for e in found:
+            if isinstance(e, tools.Content):
+                if not e.text:
+                    continue
+                if self.kind != "text":
+                    events += self._open({"type": "text", "text": ""})
+                delta = {"type": "text_delta", "text": e.text}
+            elif isinstance(e, tools.CallStart):
+                events += self._open({"type": "tool_use", "id": e.id, "name": e.name, "input": {}})
+                continue
+            else:
+                delta = {"type": "input_json_delta", "partial_json": e.text}
+            events.append(event("content_block_delta", {"index": self.index, "delta": delta}))
+        if d.finish_reason is not None:
+            out = self.out()
+            reason = stop_reason(out, bool(self.parser and self.parser.calls))
+            events += self._close()
+            events.append(
+                event(
+                    "message_delta",
+                    {
+                        "delta": {"stop_reason": reason, "stop_sequence": out.stop_sequence},
+                        "usage": {"output_tokens": d.index},
+                    },
+                )
+            )
+            events.append(event("message_stop", {}))
+        return events
+
+
+# -- routes ----------------------------------------------------------------------------------------
+@router.post(PREFIX, tags=["Anthropic"])
+async def messages(request: Request, body: MessagesRequest) -> Response:
+    ex = Exchange(request, refusals=(OpenAIError,))
+    with ex.refused():
+        schema.check_model(body.model, ex.st.config.model_id, ex.st.adapters)
+        chat = to_chat(body)
+    reqs, tool_style = await chat_requests(ex, chat, 1)
+    mid = f"msg_{uuid.uuid4().hex}"
+    if not body.stream:
+        [g] = await ex.generate(reqs)
+        style = ex.st.config.reasoning_parser
+        return JSONResponse(message_json(mid, body.model, g.output, tool_style, style, reqs[0].input_length))
+    [stream] = ex.streams(reqs)
+    head = {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": body.model,
+        "usage": {"input_tokens": reqs[0].input_length, "output_tokens": 0},
+    }
+    renderer = MessageStream(head, lambda: stream.output, tool_style, ex.st.config.reasoning_parser)
+    return ex.sse([stream], lambda _, d: renderer.delta(d), error_event, start=renderer.start())
+
+
+@router.post(f"{PREFIX}/count_tokens", tags=["Anthropic"])
+async def count_tokens(request: Request, body: CountTokensRequest) -> JSONResponse:
+    """The prompt's tokens as `messages` would count them (the chat template with the tools)."""
+    st = state_of(request)
+    schema.check_model(body.model, st.config.model_id, st.adapters)
+    chat = to_chat(MessagesRequest.model_validate({**body.model_dump(), "max_tokens": 1}))
+    messages = schema.check_chat(chat)
+    images = schema.take_images(messages)
+    if images and not st.takes_images:
+        raise invalid(f"the model `{st.config.model_id}` does not take images", images[0].where)
+    layout = st.client.info.image_layout if st.client.info is not None else None
+    added = 0
+    if layout is not None and images:  # fetched only where an image's size decides its positions
+        data = await load_images(images, st.media_limits()) if layout.kind != "fixed" else [b""] * len(images)
+        added = added_positions(layout, data)
+    template = st.tokenizer.chat_template
+    plan = tools.plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls, template)
+    msgs, tool_list = tools.template_messages(messages, plan, tools.style_of(template))
+
+    def count() -> int:
+        try:
+            text = st.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tool_list)
+        except ValueError as exc:
+            raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid("`messages` must be valid Unicode (no lone surrogates)", "messages") from None
+        if layout is not None:
+            text = wrap_images(text, layout, st.image_token_text())
+        return len(st.tokenizer.encode(text, add_special_tokens=False)) + added
+
+    return JSONResponse({"input_tokens": await in_thread(count)})
+
+
+# -- errors ----------------------------------------------------------------------------------------
+def as_anthropic(exc: Exception) -> tuple[int, dict[str, Any]]:
+    """(status, `{"type": "error", "error": {"type", "message"}}`) for what a route raised."""
+    err = as_openai_error(exc)  # OpenAI's status and message: the same refusals, another shape
+    return err.status, anthropic_error_body(err.status, err.message)
+
+
+def error_event(exc: InferError) -> str:
+    return event("error", {"error": as_anthropic(exc)[1]["error"]})
+
+
+def install(app: FastAPI) -> None:
+    """The routes, and Anthropic's error shape under /v1/messages (call after OpenAI's install: the
+    handlers are wrapped once more, and answer for this prefix only)."""
+    app.include_router(router)
+    for exc_class, handler in list(app.exception_handlers.items()):
+        if isinstance(exc_class, type):
+            app.add_exception_handler(exc_class, _dispatching(handler))
+
+
+def _dispatching(fallback: Callable) -> Callable:
+    async def handler(request: Request, exc: Exception) -> Response:
+        if not request.url.path.startswith(PREFIX):
+            result = fallback(request, exc)
+            return await result if asyncio.iscoroutine(result) else result
+        if isinstance(exc, ClientGone):
+            return Response(status_code=499)
+        status, body = as_anthropic(exc)
+        return JSONResponse(body, status_code=status)
+
+    return handler
+
+
+__all__ = ["MessagesRequest", "install", "router"]

@@ -1,0 +1,363 @@
+"""OpenAI's tool calling: which tools a request offers and how it lets the model use them, the prompt
+they reach the model in, and the grammar that forces a call; `tool_calls` finds the calls in what the
+model writes. No torch here.
+
+The model's chat template decides the format (`style_of`):
+
+- ``hermes``: the template knows ``<tool_call>`` (Qwen2.5/3, Hermes, SmolLM3, ...). It renders the
+  tools itself, and the model answers ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+- ``mistral``: the template knows ``[TOOL_CALLS]`` (Mistral 7B v0.3, Nemo, Small, ...): the answer is
+  ``[TOOL_CALLS]`` and a JSON list of calls; ``mistral_v11`` when the template writes ``[ARGS]``
+  (Mistral Small 3.2, Magistral, Devstral): ``[TOOL_CALLS]name[ARGS]{...}`` per call. Call ids are 9
+  letters and digits, as these templates demand of the history.
+- ``pythonic``: the template asks for a Python list of calls (``[func_name1(params_name1=...``, as the
+  Llama 3.2 / Llama 4 pythonic templates do): ``[get_weather(city="Paris")]``.
+- ``json``: the template takes ``tools`` but has no tag (Llama 3.1/3.2): the answer is one bare JSON
+  object ``{"name": ..., "parameters": {...}}``.
+- ``prompted``: the template knows no tools (SmolLM2, the default model). The tools go into the
+  system message with an instruction to answer in the hermes format; earlier calls and tool results
+  are rewritten into text the template can show.
+
+``tool_choice``: ``none`` renders no tools and parses nothing (as TGI); ``auto`` lets the model choose
+between text and calls, and the parser reads what it wrote; ``required`` and a named function force a
+call with a grammar whose arguments follow each function's JSON schema, so the call always parses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pytgi.api.chat.tool_calls import (
+    CLOSE,
+    MISTRAL_ARGS,
+    MISTRAL_CALLS,
+    MISTRAL_STYLES,
+    OPEN,
+    Arguments,
+    CallParser,
+    CallStart,
+    Content,
+    Event,
+    Style,
+    ToolCall,
+    ToolParser,
+    mistral_id,
+    parse,
+    parser,
+)
+from pytgi.api.frontend.bodies import GrammarType
+from pytgi.api.openai.error_shape import invalid
+from pytgi.core.grammar import bounded_whitespace
+
+__all__ = [
+    "CLOSE",
+    "MISTRAL_STYLES",
+    "OPEN",
+    "Arguments",
+    "CallParser",
+    "CallStart",
+    "Content",
+    "Event",
+    "Function",
+    "Style",
+    "ToolCall",
+    "ToolParser",
+    "ToolPlan",
+    "grammar",
+    "parse",
+    "parser",
+    "plan",
+    "style_of",
+    "template_messages",
+]
+_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
+_PYTHONIC = re.compile(r"\[\s*func_name1\s*\(")  # the pythonic templates' instruction shows the format
+_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class Function:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+
+    def as_tool(self) -> dict[str, Any]:
+        """The OpenAI tool object, as chat templates take it."""
+        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description:
+            fn["description"] = self.description
+        return {"type": "function", "function": fn}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    functions: tuple[Function, ...]
+    choice: str  # "auto" | "required" | a function's name
+    parallel: bool
+    style: Style
+
+    @property
+    def forced(self) -> bool:
+        return self.choice != "auto"
+
+
+# -- the request's tools ---------------------------------------------------------------------------
+def _functions(tools: list[dict[str, Any]]) -> tuple[Function, ...]:
+    out: dict[str, Function] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+        ):
+            raise invalid(f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}', f"tools.[{i}]")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise invalid(
+                f"`tools[{i}].function.name` must be 1 to 64 letters, digits, '_', '.' or '-'. "
+                f"Given: {name!r}",
+                f"tools.[{i}].function.name",
+            )
+        if name in out:
+            raise invalid(f"`tools` has two functions named `{name}`", f"tools.[{i}].function.name")
+        params = fn.get("parameters", _EMPTY_PARAMETERS)
+        if not isinstance(params, dict):
+            raise invalid(
+                f"`tools[{i}].function.parameters` must be a JSON schema object",
+                f"tools.[{i}].function.parameters",
+            )
+        desc = fn.get("description")
+        out[name] = Function(name, desc if isinstance(desc, str) else None, params)
+    return tuple(out.values())
+
+
+def _choice(tool_choice: str | dict[str, Any] | None, names: set[str]) -> str:
+    if tool_choice is None:
+        return "auto"
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise invalid(
+                f'`tool_choice` must be "none", "auto", "required" or a named function. '
+                f"Given: {tool_choice!r}",
+                "tool_choice",
+            )
+        return tool_choice
+    fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise invalid(
+            'a named `tool_choice` must be {"type": "function", "function": {"name": ...}}', "tool_choice"
+        )
+    if name not in names:
+        raise invalid(
+            f"`tool_choice` names the function `{name}`, which `tools` does not have", "tool_choice"
+        )
+    return name
+
+
+def style_of(chat_template: str | None) -> Style:
+    if chat_template and OPEN in chat_template:
+        return "hermes"
+    if chat_template and MISTRAL_CALLS in chat_template:
+        return "mistral_v11" if MISTRAL_ARGS in chat_template else "mistral"
+    if chat_template and _PYTHONIC.search(chat_template):
+        return "pythonic"
+    if chat_template and re.search(r"\btools\b", chat_template):
+        return "json"
+    return "prompted"
+
+
+def plan(
+    tools: list[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    parallel_tool_calls: bool | None,
+    chat_template: str | None,
+) -> ToolPlan | None:
+    """The request's tools and how they may be used; None when the model is to write text only."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise invalid("`tool_choice` needs `tools`", "tool_choice")
+        return None
+    functions = _functions(tools)
+    choice = _choice(tool_choice, {f.name for f in functions})
+    if choice == "none":
+        return None
+    return ToolPlan(functions, choice, parallel_tool_calls is not False, style_of(chat_template))
+
+
+# -- the prompt ------------------------------------------------------------------------------------
+def _call_text(name: str, arguments: Any) -> str:
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    """An earlier call's arguments as data (OpenAI sends them as a JSON string; templates want an object)."""
+    args = (call.get("function") or {}).get("arguments")
+    if isinstance(args, str):
+        try:
+            return json.loads(args)
+        except json.JSONDecodeError:
+            return args
+    return args if args is not None else {}
+
+
+def _system_prompt(functions: tuple[Function, ...]) -> str:
+    listed = "\n".join(json.dumps(f.as_tool(), ensure_ascii=False) for f in functions)
+    return (
+        "You may call functions to answer. These are the functions, as JSON schemas:\n<tools>\n"
+        + listed
+        + "\n</tools>\nTo call one, answer with a JSON object holding the function's name and its arguments "
+        f"inside tags, one block per call:\n{OPEN}\n"
+        '{"name": <function-name>, "arguments": <arguments-object>}\n'
+        f"{CLOSE}\nOtherwise, answer in plain text."
+    )
+
+
+def template_messages(
+    messages: list[dict[str, Any]], tool_plan: ToolPlan | None, style: Style
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and `tools` for the chat template. Earlier calls and tool results pass through as
+    the template expects them; for a template that knows no tools they become text."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        m = dict(m)
+        calls = m.get("tool_calls")
+        if style == "prompted":
+            if m["role"] == "assistant" and calls:
+                texts = [_call_text((c.get("function") or {}).get("name", ""), _arguments(c)) for c in calls]
+                m = {
+                    "role": "assistant",
+                    "content": "\n".join(filter(None, [m.get("content") or "", *texts])),
+                }
+            elif m["role"] == "tool":
+                m = {
+                    "role": "user",
+                    "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>",
+                }
+        elif calls:
+            m["tool_calls"] = [
+                {**c, "function": {**(c.get("function") or {}), "arguments": _arguments(c)}} for c in calls
+            ]
+        if style in MISTRAL_STYLES:
+            if m.get("tool_calls"):
+                m["tool_calls"] = [_with_mistral_id(c) for c in m["tool_calls"]]
+            if isinstance(m.get("tool_call_id"), str):
+                m["tool_call_id"] = mistral_id(m["tool_call_id"])
+        if m.get("content") is None:
+            m["content"] = ""
+        out.append(m)
+    if tool_plan is None:
+        return out, None
+    if style != "prompted":
+        return out, [f.as_tool() for f in tool_plan.functions]
+    prompt = _system_prompt(tool_plan.functions)
+    if out and out[0]["role"] == "system":
+        out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    return out, None
+
+
+def _with_mistral_id(call: dict[str, Any]) -> dict[str, Any]:
+    return {**call, "id": mistral_id(call["id"])} if isinstance(call.get("id"), str) else call
+
+
+# -- the grammar of a forced call ------------------------------------------------------------------
+def _call_schema(f: Function, arguments_key: str) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", arguments_key],
+        "properties": {"name": {"const": f.name}, arguments_key: f.parameters},
+    }
+
+
+def grammar(
+    tool_plan: ToolPlan, special_id: Callable[[str], int | None] = lambda _: None
+) -> GrammarType | None:
+    """For `required` or a named function: a grammar that admits only well-formed calls (llguidance's
+    Lark with JSON schemas inside); None for `auto`. `special_id` gives the id of a special token
+    (Mistral's `[TOOL_CALLS]`), which the grammar names by id."""
+    if not tool_plan.forced:
+        return None
+    functions = [f for f in tool_plan.functions if tool_plan.choice in ("required", f.name)]
+    many = tool_plan.parallel and tool_plan.choice == "required"
+    style = tool_plan.style
+    if style == "json":
+        schemas = [_call_schema(f, "parameters") for f in functions]
+        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        return GrammarType(type="json", value=schema)
+
+    def marker(text: str) -> str:
+        token = special_id(text)
+        return json.dumps(text) if token is None else f"<[{token}]>"
+
+    bodies, rules = [], []
+    for i, f in enumerate(functions):
+        if style == "pythonic":
+            args, arg_rules = _python_arguments(f, i)
+            bodies.append(f'"{f.name}(" {args} ")"')
+            rules += arg_rules
+        elif style == "mistral_v11":
+            params = json.dumps(bounded_whitespace(f.parameters or _EMPTY_PARAMETERS))
+            bodies.append(f'{marker(MISTRAL_CALLS)} "{f.name}" {marker(MISTRAL_ARGS)} %json {params}')
+        elif style == "mistral":
+            bodies.append(f"%json {json.dumps(bounded_whitespace(_call_schema(f, 'arguments')))}")
+        else:
+            text = json.dumps(bounded_whitespace(_call_schema(f, "arguments")))
+            bodies.append(f'"{OPEN}\\n" %json {text} "\\n{CLOSE}"')
+    if style == "pythonic":
+        start = '"[" call (", " call)* "]"' if many else '"[" call "]"'
+    elif style == "mistral":
+        more = ' ("," " "? call)*' if many else ""
+        start = f'{marker(MISTRAL_CALLS)} " "? "[" call{more} "]"'
+    elif style == "mistral_v11":
+        start = "call+" if many else "call"
+    else:
+        start = 'call ("\\n" call)*' if many else "call"
+    lark = "\n".join(
+        [
+            f"start: {start}",
+            "call: " + " | ".join(f"call_{i}" for i in range(len(functions))),
+            *(f"call_{i}: {body}" for i, body in enumerate(bodies)),
+            *rules,
+        ]
+    )
+    return GrammarType(type="grammar", value=lark)
+
+
+def _python_arguments(f: Function, i: int) -> tuple[str, list[str]]:
+    """A pythonic call's keyword arguments for function `i`: each property of its schema as
+    `name=<JSON value of its schema>` in the schema's order, the required ones always, the others
+    optional; any keyword with any JSON value when the properties are no Python names."""
+    schema = f.parameters or _EMPTY_PARAMETERS
+    found = schema.get("properties")
+    props: dict[str, Any] = found if isinstance(found, dict) else {}
+    required = set(schema.get("required") or ()) if isinstance(schema.get("required"), list) else set()
+    names = list(props)
+    if not all(isinstance(n, str) and n.isidentifier() for n in names):
+        kwarg = f"kw_{i}"
+        return f'({kwarg} (", " {kwarg})*)?', [f'{kwarg}: /[A-Za-z_][A-Za-z0-9_]*/ "=" %json {{}}']
+    if not names:
+        return "", []
+    values = [bounded_whitespace(props[n]) if isinstance(props[n], dict) else {} for n in names]
+    rules = [f'kw_{i}_{j}: "{n}=" %json {json.dumps(v)}' for j, (n, v) in enumerate(zip(names, values))]
+
+    def rest(j: int) -> str:  # the properties from j on, each after ", "
+        return " ".join(
+            f'", " kw_{i}_{k}' if names[k] in required else f'(", " kw_{i}_{k})?'
+            for k in range(j, len(names))
+        )
+
+    # args_{i}_{j}: the arguments when property j is the first one written
+    for j, n in enumerate(names):
+        first = f"kw_{i}_{j} {rest(j + 1)}".strip()
+        if n not in required and j + 1 < len(names):
+            first += f" | args_{i}_{j + 1}"
+        rules.append(f"args_{i}_{j}: {first}")
+    return (f"args_{i}_0" if required else f"args_{i}_0?"), rules

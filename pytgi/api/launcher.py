@@ -1,0 +1,210 @@
+"""`pytgi serve`: TGI's launcher flags (each also read from its environment variable), the engine
+process, and uvicorn. Exits non-zero when the engine dies or cannot start.
+
+`pytgi shard`, a tensor-parallel rank > 0 on another machine, is the engine side's
+(`pytgi.engine.shard`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import ipaddress
+import logging
+import os
+import resource
+import signal
+
+from pytgi.core import flags
+from pytgi.core.logs import JSON_ENV, setup_logging
+from pytgi.core.model_files import resolve_or_none
+from pytgi.core.settings import Setting
+
+DEATH_GRACE_SECONDS = 2.0
+IGNORED_ENV: list[str] = []  # environment values not taken, said once logging is set up
+
+
+def _is_bind_address(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return value == "localhost"
+    return True
+
+
+def _from_env(s: Setting) -> object:
+    """A setting's value from its environment variable; HOSTNAME only when it is an address."""
+    env = os.environ.get(s.env)
+    if s.name == "hostname" and env is not None and not _is_bind_address(env):
+        # Docker and Kubernetes set HOSTNAME to the container's name: not an address to bind
+        IGNORED_ENV.append(
+            f"HOSTNAME={env!r} is not an IP address (a container's name?): ignored; "
+            "pass --hostname to choose the address to listen on"
+        )
+        return s.default
+    return s.from_env()
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    flags.add_arguments(p, env=_from_env)
+
+
+def _raise_open_files_limit() -> None:
+    """Each connection is a file descriptor: take the hard limit (Linux's soft default, 1024, is a
+    burst of a thousand clients)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 65536
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def _replica_flags_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with --replicas and its flags, or --otlp-endpoint (its package missing)."""
+    import importlib.util
+
+    from pytgi.api.replicas.affinity import POLICIES
+
+    def installed(module: str) -> bool:
+        try:
+            return importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a parent package is missing
+            return False
+
+    if args.otlp_endpoint and not installed("opentelemetry.exporter.otlp.proto.http"):
+        return "--otlp-endpoint needs the OpenTelemetry SDK and OTLP/HTTP exporter: pip install 'pytgi[otel]'"
+    bounds = (args.min_replicas, args.max_replicas)
+    if args.replicas < 0 or any(b is not None and b < 1 for b in bounds):
+        return "--replicas must be >= 0, and --min-replicas / --max-replicas >= 1"
+    if args.replicas == 0:
+        if any(b is not None for b in bounds) or args.ray_address:
+            return "--min-replicas, --max-replicas and --ray-address need --replicas N (N >= 1)"
+        return None
+    if args.replica_routing not in POLICIES:
+        return f"--replica-routing: unknown {args.replica_routing!r}; choose among {', '.join(POLICIES)}"
+    lo, hi = bounds
+    if lo is not None and hi is not None and lo > hi:
+        return f"--min-replicas {lo} is above --max-replicas {hi}"
+    if (lo is not None and args.replicas < lo) or (hi is not None and args.replicas > hi):
+        return f"--replicas {args.replicas} (the replicas to start with) is outside the autoscaling bounds"
+    if not installed("ray"):  # (not ray.serve: that would import ray before its settings are made)
+        return "--replicas needs Ray Serve: pip install 'pytgi[ray]'"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return (
+            "--replicas cannot run under torchrun's ranks (WORLD_SIZE > 1); use --num-shard for each replica"
+        )
+    return None
+
+
+def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process") -> int:
+    """`engine_module`: the engine process's entry point (tests run one that wraps the runner)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:  # a graceful stop is a normal exit (0), not death by signal
+                self._captured_signals.remove(sig)
+
+    from pytgi.api.app import create_app
+    from pytgi.api.http import with_header_timeout
+    from pytgi.api.middleware import EXEMPTIONS
+    from pytgi.core.config import EngineConfig, ServerConfig
+
+    if args.json_output:
+        os.environ[JSON_ENV] = "1"  # the engine and worker processes inherit it
+    setup_logging(args.json_output)
+    log = logging.getLogger("pytgi.launcher")
+    for line in IGNORED_ENV:
+        log.warning("%s", line)
+    exempt = tuple(e for e in args.api_key_exempt if e != "none")
+    if unknown := [e for e in exempt if e not in EXEMPTIONS]:
+        log.error(
+            "--api-key-exempt: unknown route name(s) %s; choose among %s",
+            ", ".join(unknown),
+            ", ".join(EXEMPTIONS),
+        )
+        return 2
+    from pytgi.api.chat.reasoning import PARSERS
+
+    if args.reasoning_parser is not None and args.reasoning_parser not in PARSERS:
+        log.error(
+            "--reasoning-parser: unknown %r; choose among %s", args.reasoning_parser, ", ".join(PARSERS)
+        )
+        return 2
+    if args.chat_template is not None:
+        from pytgi.core.tokenizer import read_chat_template
+
+        try:
+            read_chat_template(args.chat_template)
+        except ValueError as e:
+            log.error("--chat-template: %s", e)
+            return 2
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        log.error("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        return 2
+    _raise_open_files_limit()
+    if args.num_shard < 1:
+        log.error("--num-shard must be >= 1, got %d", args.num_shard)
+        return 2
+    if (why := _replica_flags_error(args)) is not None:
+        log.error("%s", why)
+        return 2
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank > 0:
+        log.error("RANK=%d: `pytgi serve` is rank 0; start the other ranks with `pytgi shard`", rank)
+        return 2
+    progress = not args.json_output  # JSON logs say each downloaded file instead of drawing bars
+    model = resolve_or_none(log, args.model, args.revision, progress)
+    draft = resolve_or_none(log, args.draft_model, progress=progress) if args.draft_model else None
+    if model is None or (args.draft_model and draft is None):
+        return 2
+    model_path, model_id = model.path, model.model_id
+    if world > 1:  # started per rank (torchrun, or by hand on several machines)
+        args.num_shard = world
+    engine = dataclasses.replace(
+        EngineConfig(**flags.from_args(args, "engine")),
+        model=str(model_path),
+        draft_model=str(draft.path) if draft else None,
+        num_shard=args.num_shard,
+    )
+    config = ServerConfig(
+        engine=engine,
+        model_path=model_path,
+        model_id=model_id,
+        **{**flags.from_args(args, "server"), "api_key_exempt": exempt},
+        model_sha=model.sha or args.revision,
+        engine_module=engine_module,
+    )
+    app = create_app(config)
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=config.hostname,
+            port=config.port,
+            loop="uvloop",
+            http=with_header_timeout(config.request_header_timeout),
+            log_config=None,
+            timeout_graceful_shutdown=config.graceful_termination_timeout,
+            access_log=False,
+            timeout_keep_alive=config.keep_alive_timeout,
+            ssl_keyfile=config.ssl_keyfile,
+            ssl_certfile=config.ssl_certfile,
+        )
+    )
+    died: list[str] = []
+
+    def on_death(reason: str) -> None:
+        # Keep answering for a moment (health 503, requests failing fast) so that clients and
+        # load balancers see why, then exit non-zero.
+        died.append(reason)
+        asyncio.get_running_loop().call_later(DEATH_GRACE_SECONDS, setattr, server, "should_exit", True)
+
+    app.state.pytgi.on_engine_death.append(on_death)
+    server.run()
+    if died:  # the reason is already logged, once, by the engine client
+        log.info("exiting with status 1")
+        return 1
+    if not server.started:
+        log.error("the server did not start")
+        return 1
+    return 0

@@ -1,0 +1,520 @@
+"""OpenAI's Responses API: `POST /v1/responses` (whole or streamed), `GET /v1/responses/{id}`.
+
+A Responses body converts into a chat body (`instructions` → a system message; `input` as a string
+or items: messages, `function_call` and `function_call_output`; flat function tools; `text.format`
+→ `response_format`) and takes the chat route's path (`chat_requests`). Only the shapes are the
+Responses API's: output items (`reasoning`, `message`, `function_call`), the stream's events, and a
+bounded in-memory store for `previous_response_id` and `GET`. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request, Response
+
+from pytgi.api.chat import reasoning, tools
+from pytgi.api.chat.requests import chat_requests
+from pytgi.api.exchange import Exchange
+from pytgi.api.frontend.bodies import F32, U32, Bool
+from pytgi.api.json_response import JSONResponse
+from pytgi.api.openai import schema
+from pytgi.api.openai.error_shape import OpenAIError, as_openai_error, invalid
+from pytgi.core.config import ServerConfig
+from pytgi.core.errors import InferError
+from pytgi.core.outputs import Delta, OutputProcessor
+
+router = APIRouter()
+STORE_SIZE, STORE_BYTES = 1000, 256 << 20  # defaults of --responses-store-size, --responses-store-bytes
+
+
+class ResponseRequest(schema._Body):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: U32 | None = None
+    temperature: F32 | None = None
+    top_p: F32 | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = None
+    text: dict[str, Any] | None = None
+    stream: Bool | None = False
+    store: Bool | None = True
+    previous_response_id: str | None = None
+    metadata: dict[str, Any] | None = None
+    seed: int | None = None  # extensions, as on the chat route
+    top_k: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class Store:
+    """The newest responses and the conversation each ends (chat messages), by id: at most `size` of
+    them and `max_bytes` of their JSON, the oldest dropped first (`--responses-store-size`,
+    `--responses-store-bytes`). One that alone is over the byte bound is not kept."""
+
+    def __init__(self, size: int = STORE_SIZE, max_bytes: int = STORE_BYTES) -> None:
+        self.size, self.max_bytes, self.bytes = size, max_bytes, 0
+        self.items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], int]] = OrderedDict()
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        size = len(json.dumps([response, conversation], ensure_ascii=False).encode())
+        old = self.items.pop(response["id"], None)
+        if old is not None:
+            self.bytes -= old[2]
+        if size <= self.max_bytes:
+            self.items[response["id"]] = (response, conversation, size)
+            self.bytes += size
+        while self.items and (len(self.items) > self.size or self.bytes > self.max_bytes):
+            self.bytes -= self.items.popitem(last=False)[1][2]
+
+    def get(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        item = self.items.get(rid)
+        return None if item is None else (item[0], item[1])
+
+
+def store_of(request: Request) -> Store:
+    """The app's store (`install`)."""
+    return request.app.state.responses_store
+
+
+def install(app: FastAPI, config: ServerConfig) -> None:
+    app.include_router(router)
+    app.state.responses_store = Store(config.responses_store_size, config.responses_store_bytes)
+
+
+# -- the body → chat ---------------------------------------------------------------------------------
+def _content_text(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content: its text parts joined, or (with an `input_image`) chat content parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"`{where}` must be a string or a list of content parts", where)
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if isinstance(part, dict) and kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif isinstance(part, dict) and kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            raise invalid(
+                f"content parts of type `{kind}` are not supported: only text parts and `input_image` "
+                "parts with an `image_url` are",
+                f"{where}.{j}",
+            )
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat messages `input` stands for."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise invalid(
+                    f"`input.{i}.role` must be user, system, developer or assistant", f"input.{i}.role"
+                )
+            out.append(
+                {"role": role, "content": _content_text(item.get("content", ""), f"input.{i}.content")}
+            )
+        elif kind == "function_call":
+            call = {
+                "id": str(item.get("call_id", "")),
+                "type": "function",
+                "function": {
+                    "name": str(item.get("name", "")),
+                    "arguments": str(item.get("arguments", "{}")),
+                },
+            }
+            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": str(item.get("call_id", "")),
+                    "content": output if isinstance(output, str) else json.dumps(output),
+                }
+            )
+        elif kind == "reasoning":
+            continue  # earlier reasoning is not sent back to the model
+        else:
+            raise invalid(f"input items of type `{kind}` are not supported", f"input.{i}.type")
+    return out
+
+
+def _tools(body: ResponseRequest) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if body.tools:
+        functions = []
+        for i, t in enumerate(body.tools):
+            if t.get("type") != "function":
+                raise invalid(
+                    f"tools of type `{t.get('type')}` are not supported: only function tools are",
+                    f"tools.{i}.type",
+                )
+            functions.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": t.get("name"),
+                        "description": t.get("description") or "",
+                        "parameters": t.get("parameters") or {"type": "object"},
+                    },
+                }
+            )
+        out["tools"] = functions
+    choice = body.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    if choice is not None:
+        out["tool_choice"] = choice
+    if body.parallel_tool_calls is not None:
+        out["parallel_tool_calls"] = body.parallel_tool_calls
+    return out
+
+
+def _format(body: ResponseRequest) -> dict[str, Any]:
+    fmt = (body.text or {}).get("format")
+    if not fmt or fmt.get("type") == "text":
+        return {}
+    if fmt.get("type") == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    if fmt.get("type") == "json_schema":
+        return {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": fmt.get("name") or "output", "schema": fmt.get("schema")},
+            }
+        }
+    raise invalid(f"`text.format` of type `{fmt.get('type')}` is not supported", "text.format")
+
+
+def conversation(body: ResponseRequest, store: Store) -> list[dict[str, Any]]:
+    """The messages before this turn's answer: a previous response's, then `instructions`, then `input`."""
+    before: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        stored = store.get(body.previous_response_id)
+        if stored is None:
+            raise OpenAIError(
+                404,
+                f"Previous response with id '{body.previous_response_id}' not found",
+                "invalid_request_error",
+                "previous_response_id",
+                "previous_response_not_found",
+            )
+        before = [m for m in stored[1] if m["role"] != "system"]  # instructions do not carry over
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    return system + before + input_messages(body.input)
+
+
+def to_chat(body: ResponseRequest, messages: list[dict[str, Any]]) -> schema.ChatCompletionRequest:
+    return schema.ChatCompletionRequest.model_validate(
+        {
+            "model": body.model,
+            "messages": messages,
+            "max_tokens": body.max_output_tokens,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "seed": body.seed,
+            "stream": body.stream,
+            "chat_template_kwargs": body.chat_template_kwargs,
+            **_tools(body),
+            **_format(body),
+        }
+    )
+
+
+# -- results → the Responses API's shapes ------------------------------------------------------------
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": _id("msg"),
+        "status": status,
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+    }
+
+
+def reasoning_item(text: str) -> dict[str, Any]:
+    return {
+        "type": "reasoning",
+        "id": _id("rs"),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
+
+
+def call_item(call: tools.ToolCall) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": _id("fc"),
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": "completed",
+    }
+
+
+def response_json(
+    body: ResponseRequest,
+    rid: str,
+    created: int,
+    model: str,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: tuple[int, int] | None,
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": model,
+        "output": output,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "tools": body.tools or [],
+        "tool_choice": body.tool_choice or "auto",
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "text": body.text or {"format": {"type": "text"}},
+        "previous_response_id": body.previous_response_id,
+        "store": body.store is not False,
+        "metadata": body.metadata or {},
+        "reasoning": None,
+        "usage": None
+        if usage is None
+        else {
+            "input_tokens": usage[0],
+            "output_tokens": usage[1],
+            "total_tokens": usage[0] + usage[1],
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        },
+    }
+
+
+def output_items(
+    out: OutputProcessor, tool_style: tools.Style | None, reasoning_style: str | None
+) -> list[dict]:
+    thought, text = reasoning.split(out.text, reasoning_style) if reasoning_style else (None, out.text)
+    content, calls = (text, []) if tool_style is None else tools.parse(text, tool_style)
+    items = [reasoning_item(thought)] if thought else []
+    items += [message_item(content)] if content else []
+    return items + [call_item(c) for c in calls]
+
+
+def _assistant_turn(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The answer as chat messages, for the next turn of a stored conversation."""
+    text = "".join(c["text"] for i in items if i["type"] == "message" for c in i["content"])
+    calls = [
+        {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
+        for i in items
+        if i["type"] == "function_call"
+    ]
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+class ResponseStream:
+    """The stream's events from one answer's deltas, each with its `sequence_number`."""
+
+    def __init__(self, final: Any, tool_style: tools.Style | None, reasoning_style: str | None) -> None:
+        self.final = final  # (status, output items, output tokens) → the completed response
+        self.parser = tools.parser(tool_style) if tool_style else None
+        self.reasoner = reasoning.ReasoningParser(reasoning_style) if reasoning_style else None
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item being written
+
+    def event(self, kind: str, **data: Any) -> str:
+        self.seq += 1
+        return (
+            f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1, **data})}\n\n"
+        )
+
+    def start(self, response: dict[str, Any]) -> list[str]:
+        return [
+            self.event("response.created", response=response),
+            self.event("response.in_progress", response=response),
+        ]
+
+    def _begin(self, item: dict[str, Any]) -> list[str]:
+        events = self._end()
+        self.open = item
+        index = len(self.items)
+        events.append(self.event("response.output_item.added", output_index=index, item=item))
+        if item["type"] in ("message", "reasoning"):
+            events.append(
+                self._part_event("content_part.added", item, index, part={**item["content"][0], "text": ""})
+            )
+        return events
+
+    def _part_event(self, kind: str, item: dict[str, Any], index: int, **data: Any) -> str:
+        """An event about the (only) content part of a message or reasoning item."""
+        return self.event(f"response.{kind}", item_id=item["id"], output_index=index, content_index=0, **data)
+
+    def _end(self) -> list[str]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        index, events = len(self.items), []
+        self.items.append(item)
+        if item["type"] in ("message", "reasoning"):
+            part, kind = item["content"][0], "output_text" if item["type"] == "message" else "reasoning_text"
+            events.append(self._part_event(f"{kind}.done", item, index, text=part["text"]))
+            events.append(self._part_event("content_part.done", item, index, part=part))
+        else:
+            events.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=item["arguments"],
+                    name=item["name"],
+                )
+            )
+        events.append(self.event("response.output_item.done", output_index=index, item=item))
+        return events
+
+    def _text(self, kind: str, text: str) -> list[str]:
+        events = []
+        if self.open is None or self.open["type"] != kind:
+            events += self._begin(
+                message_item("", "in_progress") if kind == "message" else reasoning_item("")
+            )
+        assert self.open is not None
+        self.open["content"][0]["text"] += text
+        name = "output_text" if kind == "message" else "reasoning_text"
+        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        events.append(
+            self.event(
+                f"response.{name}.delta",
+                item_id=self.open["id"],
+                output_index=len(self.items),
+                content_index=0,
+                delta=text,
+                **extra,
+            )
+        )
+        return events
+
+    def delta(self, d: Delta) -> list[str]:
+        events, text = [], d.text
+        if self.reasoner is not None:
+            pieces = (self.reasoner.feed(d.text) if d.text else []) + (
+                self.reasoner.finish() if d.finish_reason is not None else []
+            )
+            events += [e for kind, t in pieces if kind == "reasoning" for e in self._text("reasoning", t)]
+            text = "".join(t for kind, t in pieces if kind == "content")
+        found: list[tools.Event] = [tools.Content(text)] if text and self.parser is None else []
+        if self.parser is not None:
+            found = (self.parser.feed(text) if text else []) + (
+                self.parser.finish() if d.finish_reason else []
+            )
+        for e in found:
+            if isinstance(e, tools.Content):
+                events += self._text("message", e.text) if e.text else []
+            elif isinstance(e, tools.CallStart):
+                events += self._begin(
+                    {
+                        "type": "function_call",
+                        "id": _id("fc"),
+                        "call_id": e.id,
+                        "name": e.name,
+                        "arguments": "",
+                        "status": "in_progress",
+                    }
+                )
+            elif self.open is not None:
+                self.open["arguments"] += e.text
+                events.append(
+                    self.event(
+                        "response.function_call_arguments.delta",
+                        item_id=self.open["id"],
+                        output_index=len(self.items),
+                        delta=e.text,
+                    )
+                )
+        if d.finish_reason is not None:
+            if self.open is not None:
+                self.open["status"] = "completed"
+            events += self._end()
+            status = "incomplete" if d.finish_reason == "length" else "completed"
+            response = self.final(status, self.items, d.index)
+            events.append(
+                self.event(
+                    f"response.{'incomplete' if status == 'incomplete' else 'completed'}", response=response
+                )
+            )
+        return events
+
+
+# -- routes ------------------------------------------------------------------------------------------
+@router.post("/v1/responses", tags=["OpenAI"])
+async def create_response(request: Request, body: ResponseRequest) -> Response:
+    created, rid = int(time.time()), _id("resp")
+    ex = Exchange(request, refusals=(OpenAIError,))
+    st = ex.st
+    with ex.refused():
+        schema.check_model(body.model, st.config.model_id, st.adapters)
+        messages = conversation(body, store_of(request))
+        chat = to_chat(body, messages)
+    reqs, tool_style = await chat_requests(ex, chat, 1)
+    model = st.adapter_of(body.model) or st.config.model_id
+    style, prompt = st.config.reasoning_parser, reqs[0].input_length
+
+    def final(status: str, items: list[dict[str, Any]], generated: int) -> dict[str, Any]:
+        response = response_json(body, rid, created, model, status, items, (prompt, generated))
+        if body.store is not False:
+            store_of(request).put(response, messages + _assistant_turn(items))
+        return response
+
+    if not body.stream:
+        [g] = await ex.generate(reqs)
+        status = "incomplete" if g.output.finish_reason == "length" else "completed"
+        return JSONResponse(final(status, output_items(g.output, tool_style, style), len(g.output.tokens)))
+    [stream] = ex.streams(reqs)
+    events = ResponseStream(final, tool_style, style)
+    start = events.start(response_json(body, rid, created, model, "in_progress", [], None))
+    return ex.sse([stream], lambda _, d: events.delta(d), lambda exc: _error_event(events, exc), start=start)
+
+
+def _error_event(events: ResponseStream, exc: InferError) -> str:
+    err = as_openai_error(exc)
+    return events.event("error", code=err.code, message=err.message, param=None)
+
+
+@router.get("/v1/responses/{rid}", tags=["OpenAI"])
+async def get_response(request: Request, rid: str) -> JSONResponse:
+    stored = store_of(request).get(rid)
+    if stored is None:
+        raise OpenAIError(
+            404, f"Response with id '{rid}' not found", "invalid_request_error", "response_id", "not_found"
+        )
+    return JSONResponse(stored[0])

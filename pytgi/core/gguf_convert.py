@@ -1,0 +1,428 @@
+"""Describe a GGUF file as a Hugging Face model directory: config, tokenizer, the tensors' types.
+
+A GGUF file is read once into a small directory in the cache (config.json, tokenizer.json,
+tokenizer_config.json, generation_config.json, quantization.json with every tensor's type, and
+gguf.json naming the file's parts). The weights stay in the GGUF file: the loader reads them from
+there at every start, one tensor at a time (`pytgi.engine.models.gguf_weights`), so no copy of the model
+is ever written. `pytgi.engine.models.gguf_weights.export_float` writes a float32 safetensors copy for
+tools that want one (transformers, as the fidelity tests do).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pytgi.core.errors import GGUFConversionError
+
+# GGUF architecture → (HF architecture class, model_type). llama.cpp stores Mistral as "llama".
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "phi3": ("Phi3ForCausalLM", "phi3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+}
+# A "llama" file with experts is Mixtral.
+MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# Gemma's layers have four norms: llama.cpp's ffn_norm is the one before the MLP there.
+GEMMA_LAYER_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, the experts stacked ([E, I, H], [E, H, I]), a shared expert
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# Phi-3 keeps q, k, v and gate, up fused
+PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+# llama.cpp's pre-tokenizer names → the Hugging Face pre-tokenizer that splits text the same way.
+_GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _required(reader: Any, key: str) -> Any:
+    value = _field(reader, key)
+    if value is None:
+        raise GGUFConversionError(f"the GGUF file has no {key!r}: it is incomplete or not a model file")
+    return value
+
+
+def gguf_config(reader: Any) -> dict[str, Any]:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFConversionError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    hf_arch, model_type = ARCHITECTURES[arch]
+    experts = _field(reader, f"{arch}.expert_count")
+    if arch == "llama" and experts:
+        hf_arch, model_type = MIXTRAL
+    n_heads = int(_required(reader, f"{arch}.attention.head_count"))
+    hidden = int(_required(reader, f"{arch}.embedding_length"))
+    names = {t.name for t in reader.tensors}
+    vocab = _field(reader, f"{arch}.vocab_size") or len(_required(reader, "tokenizer.ggml.tokens"))
+    head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // n_heads
+    config: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": int(_required(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_required(reader, f"{arch}.block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        "head_dim": int(head_dim),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length", 2048)),
+        "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in names,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if model_type in ("gemma3_text", "gemma2"):
+        config.update(
+            hidden_act="gelu_pytorch_tanh",
+            hidden_activation="gelu_pytorch_tanh",
+            sliding_window=int(_field(reader, f"{arch}.attention.sliding_window", 4096)),
+            query_pre_attn_scalar=int(head_dim),
+            tie_word_embeddings=True,
+        )
+    if model_type == "gemma3_text":
+        config["rope_parameters"] = {
+            "full_attention": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    if model_type == "gemma2":
+        config.update(
+            attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping", 50.0),
+            final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping", 30.0),
+        )
+    if model_type == "qwen2":
+        config["attention_bias"] = True
+    if model_type == "mixtral":
+        config.update(
+            num_local_experts=int(experts),
+            num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")),
+        )
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        config.update(
+            num_experts=int(experts),
+            num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")),
+            moe_intermediate_size=int(_required(reader, f"{arch}.expert_feed_forward_length")),
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    if model_type == "qwen2_moe":
+        config.update(
+            attention_bias=True,
+            norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", False)),
+            shared_expert_intermediate_size=int(
+                _field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
+            ),
+        )
+    if model_type == "qwen3_moe":
+        config["norm_topk_prob"] = bool(_field(reader, f"{arch}.expert_weights_norm", True))
+    if model_type == "phi3":
+        if "rope_factors_long.weight" in names:
+            raise GGUFConversionError("Phi-3's long-context rope (rope_factors_long) is not supported yet")
+        config.update(
+            original_max_position_embeddings=config["max_position_embeddings"],
+            pad_token_id=None,
+            tie_word_embeddings="output.weight" not in names,
+        )
+    if model_type == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in names
+        config["mlp_bias"] = False
+    return config
+
+
+def hf_tensor_name(name: str, model_type: str = "llama") -> str:
+    stem, _, kind = name.rpartition(".")  # kind: weight | bias
+    if stem in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[stem]}.{kind}"
+    parts = stem.split(".")
+    layer = (
+        {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS}
+        if model_type.startswith("gemma")
+        else {**LAYER_TENSORS, **PHI3_LAYER_TENSORS}
+        if model_type == "phi3"
+        else LAYER_TENSORS
+    )
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
+        hf = f"model.layers.{parts[1]}.{layer[parts[2]]}"
+        return (
+            hf if parts[2].endswith("_exps") else f"{hf}.{kind}"
+        )  # stacked experts: a parameter, no .weight
+    raise GGUFConversionError(f"unexpected tensor {name!r} in GGUF file")
+
+
+def _recovered_merges(tokens: list[str], rank: dict[str, float]) -> list[tuple[str, str]]:
+    """A SentencePiece BPE file keeps no merges: every token that two others join into is one, and
+    merges apply best-ranked first (then the longer left part first; ties in file order)."""
+    index = {tok: i for i, tok in enumerate(tokens)}
+    merges: list[tuple[float, int, int, str, str]] = []
+    for tok, score in rank.items():
+        pairs = [(tok[:k], tok[k:]) for k in range(1, len(tok)) if tok[:k] in index and tok[k:] in index]
+        pairs.sort(key=lambda lr: (index[lr[0]], index[lr[1]]))
+        merges += [(score, len(left), len(right), left, right) for left, right in pairs]
+    merges.sort(key=lambda m: (-m[0], -m[1], -m[2]))  # stable: equal keys keep their order
+    return [(left, right) for _, _, _, left, right in merges]
+
+
+def _sentencepiece_tokenizer_json(reader: Any, arch: str) -> str:
+    """A SentencePiece BPE vocabulary (`tokenizer.ggml.model` = llama) as transformers reads it from
+    the file, byte fallback to <0xNN> tokens, BOS added as the file says (by default, as llama.cpp):
+    - the Llama family's (Llama 2, Mistral, TinyLlama...): words split on '▁' with one prepended to
+      the first (`add_space_prefix`, by default on), merges recovered from the scores;
+    - the Gemma family's: spaces become '▁' with no prefix, merges recovered in file order (Gemma's
+      scores do not follow its merge order)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    gemma = arch.startswith("gemma")
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    if gemma:  # a blank token with a space in it is stored with real spaces; the normalized text has '▁'
+        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    types = list(_field(reader, "tokenizer.ggml.token_type") or [])
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if gemma:
+        rank = {tok: -float(i) for i, tok in enumerate(tokens)}
+    else:
+        scores = _field(reader, "tokenizer.ggml.scores")
+        if scores is None:
+            raise GGUFConversionError("the GGUF file's SentencePiece vocabulary has no tokenizer.ggml.scores")
+        rank = dict(zip(tokens, map(float, scores)))
+    unk = _field(reader, "tokenizer.ggml.unknown_token_id")
+    unk_token = tokens[int(unk)] if gemma and unk is not None else None
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_recovered_merges(tokens, rank),
+            fuse_unk=True,
+            byte_fallback=True,
+            unk_token=unk_token,
+        )
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    else:
+        prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+        if arch == "phi3" and prefix:  # as transformers reads Phi-3: the prefix from a normalizer
+            tok.normalizer = normalizers.Sequence(
+                [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+            )
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Metaspace(
+                replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False
+            )
+        steps += [decoders.Strip(content=" ", left=1, right=0)] if prefix else []
+    tok.decoder = decoders.Sequence(steps)
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    if bos is not None and _field(reader, "tokenizer.ggml.add_bos_token", True):
+        b = tokens[int(bos)]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{b} $A", pair=f"{b} $A {b}:1 $B:1", special_tokens=[(b, int(bos))]
+        )
+    _add_marked_tokens(tok, tokens, types, vocab)
+    return tok.to_str()
+
+
+def _add_marked_tokens(tok: Any, tokens: list[str], types: list[int], vocab: dict[str, int] | None) -> None:
+    """Control tokens (type 3) are added special tokens, user-defined ones (4) plain added tokens:
+    both are matched whole in the text."""
+    from tokenizers import AddedToken
+
+    tok.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == 3]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(tokens[i], normalized=False)
+            for i, t in enumerate(types)
+            if t == 4 and (vocab is None or tokens[i] in vocab)
+        ]
+    )
+
+
+def gguf_tokenizer_json(reader: Any) -> str:
+    """Build a `tokenizers` tokenizer equal to the one the GGUF file describes: byte-level BPE
+    ('gpt2'), or SentencePiece BPE ('llama': the Llama and Gemma families')."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = _field(reader, "tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece_tokenizer_json(reader, _field(reader, "general.architecture"))
+    if kind != "gpt2":
+        raise GGUFConversionError(
+            f"GGUF tokenizer type {kind!r} is not supported (byte-level BPE 'gpt2', or SentencePiece BPE "
+            "'llama'); convert the model to a Hugging Face directory and pass that instead"
+        )
+    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
+    types = list(_field(reader, "tokenizer.ggml.token_type") or [])
+    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges") or []]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    split = {
+        "smollm": _GPT2_REGEX.replace(r" ?\p{N}+", r"\p{N}"),
+        "llama-bpe": _LLAMA3_REGEX,
+        "qwen2": _QWEN2_REGEX,
+    }.get(pre, _GPT2_REGEX)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
+    )
+    if pre == "smollm":  # exactly what SmolLM's own tokenizer.json does
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    _add_marked_tokens(tok, tokens, types, None)
+    return tok.to_str()
+
+
+def _tokenizer_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+
+    def tok(key: str) -> str | None:
+        i = _field(reader, key)
+        return None if i is None else str(tokens[int(i)])
+
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tok("tokenizer.ggml.bos_token_id"),
+        "eos_token": tok("tokenizer.ggml.eos_token_id"),
+        "unk_token": tok("tokenizer.ggml.unknown_token_id"),
+        "pad_token": tok("tokenizer.ggml.padding_token_id"),
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+        "add_bos_token": bool(
+            _field(reader, "tokenizer.ggml.add_bos_token", _field(reader, "tokenizer.ggml.model") == "llama")
+        ),
+        "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+        "chat_template": _field(reader, "tokenizer.chat_template"),
+        "model_max_length": config["max_position_embeddings"],
+        "clean_up_tokenization_spaces": False,
+    }
+
+
+SPLIT = re.compile(
+    r"-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE
+)  # llama.cpp's gguf-split parts: model-00001-of-00003.gguf
+
+
+def gguf_parts(path: str | os.PathLike) -> list[Path]:
+    """A GGUF file's parts: itself, or, for the first part of a split file, every part in order."""
+    path = Path(path)
+    m = SPLIT.search(path.name)
+    if m is None:
+        return [path]
+    if int(m[1]) != 1:
+        raise GGUFConversionError(
+            f"{path.name} is part {int(m[1])} of a split GGUF file: name its first part"
+        )
+    n = int(m[2])
+    parts = [path.with_name(SPLIT.sub(f"-{i:05d}-of-{m[2]}.gguf", path.name)) for i in range(1, n + 1)]
+    if missing := [p.name for p in parts if not p.is_file()]:
+        raise GGUFConversionError(f"{path.name} is split in {n} parts and {', '.join(missing)} is missing")
+    return parts
+
+
+class _SplitReader:
+    """The parts of a split GGUF file read as one: the first part's metadata, every part's tensors."""
+
+    def __init__(self, readers: list[Any]) -> None:
+        self.fields = readers[0].fields
+        self.tensors = [t for r in readers for t in r.tensors]
+
+
+SOURCE_FILE = "gguf.json"  # in a converted directory: the GGUF file's parts, whose tensors it serves
+
+
+def write_source(out_dir: Path, gguf_path: str | os.PathLike) -> None:
+    """Name (again) the GGUF file a converted directory serves: the same file may have moved."""
+    parts = [str(p.resolve()) for p in gguf_parts(gguf_path)]
+    tmp = out_dir / f".{SOURCE_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps({"parts": parts}, indent=2))
+    os.replace(tmp, out_dir / SOURCE_FILE)
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True) -> Path:
+    """Write `out_dir` as a Hugging Face model directory whose weights stay in the GGUF file; atomic (a
+    half-written dir never appears). `gguf_path`: a GGUF file, or the first part of a split one."""
+    from gguf import GGUFReader
+
+    out_dir = Path(out_dir)
+    readers = [GGUFReader(str(p)) for p in gguf_parts(gguf_path)]
+    reader = readers[0] if len(readers) == 1 else _SplitReader(readers)
+    config = gguf_config(reader)
+    tokenizer_json = gguf_tokenizer_json(reader)
+    tok_config = _tokenizer_config(reader, config)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        types = {hf_tensor_name(t.name, config["model_type"]): t.tensor_type.name for t in reader.tensors}
+        (tmp / "quantization.json").write_text(json.dumps({"source": "gguf", "tensors": types}, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "tokenizer.json").write_text(tokenizer_json)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+        gen = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        write_source(tmp, gguf_path)
+        os.chmod(tmp, 0o755)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

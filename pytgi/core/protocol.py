@@ -1,0 +1,105 @@
+"""Messages between the API process and the engine process (msgspec, no torch).
+
+API → engine: `Submit`, `Abort`, `Shutdown`. Engine → API: `Ready` (or `StartupFailed`) once,
+then one `StepOut` per engine step with every request's new token, and `Heartbeat`s while idle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pytgi.core.config import EngineInfo
+from pytgi.core.sampling_params import SamplingParams
+
+
+class Submit(msgspec.Struct, tag="submit"):
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    images: list[bytes] = []  # encoded images for the prompt's image tokens, in order (a vision model's)
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's news from one step: made by the runner for a sampled token, completed by the
+    scheduler, sent as is."""
+
+    request_id: str
+    token_id: int = -1  # -1: no token (an error, or prompt logprobs only)
+    logprob: float = 0.0
+    top: list[tuple[int, float]] = []
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_logprobs: list[float | None] | None = None
+    num_cached_tokens: int = 0
+    num_skipped: int = 0  # on a request's last update: its tokens that came as accepted draft tokens
+    queue_time: float = 0.0  # on a request's first token: seconds it waited in the engine's queue
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    preemptions: int
+    failed_steps: int
+    spec_drafted: int = 0  # draft tokens verified, since start
+    spec_accepted: int = 0  # ... and accepted
+    waiting_adapters: list[str] = []  # the LoRA adapters waiting requests ask for
+
+
+class StepInfo(msgspec.Struct, array_like=True):
+    """What one engine step did, for the metrics."""
+
+    seconds: float = 0.0
+    batch_size: int = 0  # 0: nothing ran (the metrics skip it)
+    num_tokens: int = 0
+    method: str = "decode"  # "prefill" when the step computed prompt (or recompute) chunks
+    failed: bool = False
+
+
+class StepOut(msgspec.Struct, tag="step"):
+    updates: list[TokenOut]
+    stats: EngineStats
+    step: StepInfo
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat"):
+    stats: EngineStats
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    info: EngineInfo  # the engine's resolved configuration (pytgi.core.config)
+
+
+class StartupFailed(msgspec.Struct, tag="startup_failed"):
+    message: str
+
+
+class AdapterOp(msgspec.Struct, tag="adapter"):
+    """Load (`source`: a directory or a Hub id) or unload a LoRA adapter at run time."""
+
+    op_id: str
+    name: str
+    source: str | None = None  # None: unload
+
+
+class AdapterDone(msgspec.Struct, tag="adapter_done"):
+    op_id: str
+    error: str | None  # why it failed (the adapters are then as they were)
+    adapters: dict[str, str]  # the adapters served now: name → directory
+
+
+ToEngine = Submit | Abort | Shutdown | AdapterOp
+FromEngine = StepOut | Heartbeat | Ready | StartupFailed | AdapterDone
+
+encoder = msgspec.msgpack.Encoder()
+to_engine = msgspec.msgpack.Decoder(ToEngine)
+from_engine = msgspec.msgpack.Decoder(FromEngine)

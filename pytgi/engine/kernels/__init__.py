@@ -1,0 +1,451 @@
+"""pytgi's C kernels for the CPU, as typed Python functions: the one module that calls them.
+
+The library is compiled on first use with the system C compiler (`pytgi.engine.kernels.build`: no torch
+headers, so a build takes about a second) and loaded with ctypes; the argument and result types
+of every function are read from its one header, `pytgi_kernels.h`. Without a compiler (or with
+PYTGI_NO_KERNELS=1) `available()` is False and callers keep their PyTorch paths.
+
+Tensors passed in must be contiguous, on the CPU, float32 or bfloat16 (`supports(dtype)`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pytgi.engine.kernels.build import build
+
+log = logging.getLogger(__name__)
+
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_CTYPES = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int, "void": None}
+
+
+def _signatures(header: str) -> dict[str, tuple[Any, list[Any]]]:
+    """name → (result type, argument types), from the header's declarations."""
+    out = {}
+    for result, name, params in re.findall(r"^(int|void) (pytgi_\w+)\(([^)]*)\);", header, re.MULTILINE):
+        args = (
+            []
+            if params.strip() == "void"
+            else [ctypes.c_void_p if "*" in p else _CTYPES[p.split()[0]] for p in params.split(",")]
+        )
+        out[name] = (_CTYPES[result], args)
+    return out
+
+
+@cache
+def _lib() -> ctypes.CDLL | None:
+    if os.environ.get("PYTGI_NO_KERNELS", "") not in ("", "0"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.warning("no C compiler found: the CPU runs the (slower) PyTorch paths")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("building the CPU kernels failed, using the PyTorch paths: %s", detail)
+        return None
+    header = (Path(__file__).parent / "pytgi_kernels.h").read_text()
+    for name, (result, args) in _signatures(header).items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = result, args
+    return lib
+
+
+def _built() -> ctypes.CDLL:
+    """The library, for callers that checked `available()` (or a `*_supported()`) first."""
+    lib = _lib()
+    assert lib is not None, "pytgi's C kernels are not built on this machine"
+    return lib
+
+
+def _fn(name: str, dtype: torch.dtype) -> Any:
+    return getattr(_built(), f"pytgi_{name}_{_SUFFIX[dtype]}")
+
+
+def _ptr(t: torch.Tensor | np.ndarray | None) -> int | None:
+    if t is None:
+        return None
+    return t.data_ptr() if isinstance(t, torch.Tensor) else t.ctypes.data
+
+
+def _check(failed: int, what: str) -> None:
+    if failed:
+        raise MemoryError(f"{what}: out of memory")
+
+
+# -- what this machine's build can do ---------------------------------------------------------------
+def available() -> bool:
+    """The library built and loaded (the first call builds it: about a second, once)."""
+    return _lib() is not None
+
+
+def supports(dtype: torch.dtype) -> bool:
+    """The fused element-wise and paged attention kernels take this dtype."""
+    return dtype in _SUFFIX and available()
+
+
+def vnni_supported() -> bool:
+    """The low-bit matmul (`qgemv.c`) is built: AVX-512 VNNI, or AVX2."""
+    return available() and bool(_built().pytgi_qgemv_supported())
+
+
+def bf16gemm_supported() -> bool:
+    """The bf16-weight matmul (`bf16gemm.c`) is built: AVX-512 BF16, or AVX2."""
+    return available() and bool(_built().pytgi_bf16gemm_supported())
+
+
+def amx_supported() -> bool:
+    """AMX tiles built in, and the OS let this process use them."""
+    return available() and bool(_built().pytgi_qgemm_amx_supported())
+
+
+# -- fused element-wise steps (fused.c) ---------------------------------------------------------------
+def add_rms_norm(
+    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """residual += x (in place, unless x is None); returns weight * rms_norm(residual)."""
+    assert residual.is_contiguous() and (x is None or x.is_contiguous())
+    out = torch.empty_like(residual)
+    T, D = residual.shape
+    _fn("add_rms_norm", residual.dtype)(_ptr(x), _ptr(residual), _ptr(weight), _ptr(out), T, D, eps)
+    return out
+
+
+def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor:
+    assert gate_up.is_contiguous()
+    T, I2 = gate_up.shape
+    out = gate_up.new_empty(T, I2 // 2)
+    _fn(kernel, gate_up.dtype)(_ptr(gate_up), _ptr(out), T, I2 // 2)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up from the fused [T, 2 I] gate/up output."""
+    return _gated("silu_mul", gate_up)
+
+
+def norm_add_norm(
+    x: torch.Tensor | None,
+    residual: torch.Tensor,
+    wa: torch.Tensor | None,
+    wb: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor | None:
+    """Gemma's sandwich norms: residual += rms_norm(x)·wa (in place; skipped when x is None), then
+    returns rms_norm(residual)·wb (None when wb is None). wa, wb: float32 (Gemma's 1 + w)."""
+    assert residual.is_contiguous() and (x is None or x.is_contiguous())
+    T, D = residual.shape
+    out = None if wb is None else torch.empty_like(residual)
+    _fn("norm_add_norm", residual.dtype)(_ptr(x), _ptr(residual), _ptr(wa), _ptr(wb), _ptr(out), T, D, eps)
+    return out
+
+
+def qk_norm_(
+    qkv: torch.Tensor,
+    qw: torch.Tensor,
+    kw: torch.Tensor,
+    H: int,
+    KVH: int,
+    D: int,
+    eps: float,
+    round_first: bool = False,
+) -> None:
+    """The per-head RMSNorm of the q and k parts of the fused qkv output, in place (float32 weights):
+    Gemma's (times 1 + w, rounded once), or with `round_first` Qwen3's (the normed value rounded to the
+    activations' dtype, then times w, as `pytgi.engine.models.layers.RMSNorm` computes it)."""
+    assert qkv.is_contiguous()
+    _fn("qk_norm", qkv.dtype)(_ptr(qkv), _ptr(qw), _ptr(kw), qkv.shape[0], H, KVH, D, eps, int(round_first))
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU-tanh(gate) * up from the fused [T, 2 I] gate/up output."""
+    return _gated("gelu_tanh_mul", gate_up)
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    H: int,
+    KVH: int,
+    D: int,
+) -> torch.Tensor:
+    """Rotary embedding of q and k from the fused qkv output; k and v go to their cache slots.
+    cos, sin: float32 [T, D]; slots: int64 [T]. Returns the rotated q, [T, H, D]."""
+    assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and slots.is_contiguous()
+    T = qkv.shape[0]
+    q = qkv.new_empty(T, H, D)
+    _fn("rope_write_kv", qkv.dtype)(
+        _ptr(qkv), _ptr(cos), _ptr(sin), _ptr(slots), _ptr(q), _ptr(k_cache), _ptr(v_cache), T, H, KVH, D
+    )
+    return q
+
+
+# -- paged attention (paged_attention.c) ----------------------------------------------------------------
+@dataclass(slots=True)
+class PagedBatch:
+    """The requests of a step whose attention the paged kernel computes (int64 numpy arrays, kept
+    referenced while the step runs)."""
+
+    q_starts: np.ndarray  # [B] flat token index of each request's first query token
+    q_lens: np.ndarray  # [B] 1 for decodes
+    block_tables: np.ndarray  # [B, max_blocks]
+    context_lens: np.ndarray  # [B]
+    block_size: int
+    decodes_only: bool  # all q_lens are 1: the decode entry point
+    tiles: np.ndarray | None = None  # [B] nonzero: this request's rows use AMX tiles (None: no request does)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    p: PagedBatch,
+    scale: float,
+) -> None:
+    """out[rows of p's requests] = attention of their queries over their cached context."""
+    _, H, D = q.shape
+    common = (
+        _ptr(p.block_tables),
+        _ptr(p.context_lens),
+        len(p.q_starts),
+        p.block_tables.shape[1],
+        p.block_size,
+        H,
+        k_cache.shape[1],
+        D,
+        scale,
+    )
+    if p.decodes_only:
+        failed = _fn("decode_attention", q.dtype)(
+            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts), *common
+        )
+    else:
+        failed = _fn("paged_prefill", q.dtype)(
+            _ptr(q),
+            _ptr(k_cache),
+            _ptr(v_cache),
+            _ptr(out),
+            _ptr(p.q_starts),
+            _ptr(p.q_lens),
+            *common[:2],
+            _ptr(p.tiles),
+            *common[2:],
+        )
+    _check(failed, "paged attention")
+
+
+# -- the sampler's row reductions (fused.c) ----------------------------------------------------------------
+def logit_stats(logits: torch.Tensor, lse: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per row of float32 [B, V] logits: (argmax, logsumexp or None, bad), each row's values the same
+    whatever B (fixed pieces combined in order); `bad` rows hold a NaN or an infinity: use PyTorch."""
+    assert logits.dtype == torch.float32 and logits.is_contiguous()
+    B, V = logits.shape
+    arg = torch.empty(B, dtype=torch.int64)
+    bad = torch.empty(B, dtype=torch.int64)
+    out = torch.empty(B, dtype=torch.float32) if lse else None
+    _built().pytgi_logit_stats_f32(_ptr(logits), B, V, _ptr(arg), _ptr(out), _ptr(bad))
+    return arg, out, bad
+
+
+# -- low-bit matmuls (qgemv.c) ----------------------------------------------------------------------------
+def lowbit_matmul(x: torch.Tensor, packed: torch.Tensor, N: int, bits: int, amx: bool) -> torch.Tensor:
+    """bf16 x [M, K] times a packed low-bit weight [N, K] (`pytgi.engine.models.quant.pack_vnni`): with
+    VNNI, or with AMX tiles when `amx`."""
+    M, K = x.shape
+    out = x.new_empty(M, N)
+    kernel = _built().pytgi_qgemm_amx_bf16 if amx else _built().pytgi_qgemv_bf16
+    _check(kernel(_ptr(x), _ptr(packed), _ptr(out), M, N, K, bits), "low-bit matmul")
+    return out
+
+
+@dataclass(slots=True)
+class PackedExperts:
+    """A mixture-of-experts layer's experts as `moe` takes them (int64 numpy arrays, per expert)."""
+
+    gate_up: np.ndarray  # addresses of the packed gate|up weights [2 I, H]
+    down: np.ndarray  # addresses of the packed down weights [H, I]
+    bits_gu: np.ndarray
+    bits_down: np.ndarray
+    inter: int  # I
+    amx_above: int  # steps of more rows use AMX tiles (where built)
+
+
+def moe(
+    x: torch.Tensor, experts: PackedExperts, router: torch.Tensor, top_k: int, norm_topk: bool
+) -> torch.Tensor:
+    """A mixture-of-experts layer's routed part in one call: the bf16 router [E, H] picks each token's
+    `top_k` experts (softmax, renormalised with `norm_topk`), then runs each expert on its tokens
+    (moe.c's `pytgi_moe_experts_bf16`)."""
+    assert x.is_contiguous() and x.dtype == torch.bfloat16 and router.dtype == torch.bfloat16
+    assert router.is_contiguous()
+    T, H = x.shape
+    out = torch.empty_like(x)
+    failed = _built().pytgi_moe_bf16(
+        _ptr(x),
+        _ptr(out),
+        T,
+        H,
+        experts.inter,
+        len(experts.gate_up),
+        top_k,
+        int(norm_topk),
+        _ptr(router),
+        _ptr(experts.gate_up),
+        _ptr(experts.down),
+        _ptr(experts.bits_gu),
+        _ptr(experts.bits_down),
+        experts.amx_above,
+    )
+    _check(failed, "experts")
+    return out
+
+
+def pack_lowbit(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """Levels u (uint8 [N, K]) with d and m per group ([N, groups], any float dtype: rounded to fp16)
+    into `out` ([N/16, K/32, block bytes] uint8): `pytgi.engine.models.quant.pack_vnni`'s layout."""
+    N, K = u.shape
+    assert u.dtype == torch.uint8 and out.is_contiguous() and out.numel() * 16 * 32 >= N * K
+    u, d16, m16 = u.contiguous(), d.half().contiguous(), m.half().contiguous()
+    _built().pytgi_pack_lowbit(_ptr(u), _ptr(d16), _ptr(m16), _ptr(out), N, K, bits)
+
+
+def gguf_decode(
+    ggml_type: int, blocks: np.ndarray, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+) -> None:
+    """GGUF blocks (uint8 [n_blocks, type size], a view of the file's mapping will do) → their levels
+    `q` (uint8), steps `d` and offsets `m` per group (float32; None for the symmetric types), written
+    in place: `pytgi.engine.models.gguf_weights.decode_blocks`'s values."""
+    assert blocks.dtype == np.uint8 and blocks.flags.c_contiguous and q.is_contiguous() and d.is_contiguous()
+    assert m is None or m.is_contiguous()
+    failed = _built().pytgi_gguf_decode(ggml_type, _ptr(blocks), blocks.shape[0], _ptr(q), _ptr(d), _ptr(m))
+    if failed:
+        what = f"ggml type {ggml_type} is not decoded by gguf.c" if failed == 2 else "no offsets given"
+        raise ValueError(what)
+
+
+def bf16_matmul(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor:
+    """bf16 x [M, K] times a packed bf16 weight [N, K] (`pytgi.engine.models.quant.pack_bf16`)."""
+    M, K = x.shape
+    out = x.new_empty(M, N)
+    _check(_built().pytgi_bf16gemm_bf16(_ptr(x), _ptr(packed), _ptr(out), M, N, K), "bf16 matmul")
+    return out
+
+
+# -- all decoder layers in one call (decoder.c): Llama's, Gemma 3's ------------------------------------------
+def decoder_layers(
+    table: np.ndarray,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slots: torch.Tensor,
+    p: PagedBatch,
+    sizes: tuple[int, int, int, int, int],
+    eps: float,
+    scale: float,
+    vnni_max_m: int,
+    lora: tuple[np.ndarray, np.ndarray] | None = None,
+) -> torch.Tensor:
+    """Run every layer on the residual stream x (bf16 [T, hidden], updated in place) and return its
+    final RMSNorm. table: int64 [layers, fields] of pointers (see decoder.c); sizes: (hidden,
+    intermediate, query heads, kv heads, head dim); lora: the LoRA tables by layer and each row's
+    adapter slot (decoder.c), or None."""
+    h = torch.empty_like(x)
+    failed = _built().pytgi_decoder_layers_bf16(
+        _ptr(table),
+        len(table),
+        _ptr(x),
+        _ptr(h),
+        x.shape[0],
+        *sizes,
+        eps,
+        scale,
+        _ptr(cos),
+        _ptr(sin),
+        _ptr(slots),
+        _ptr(p.q_starts),
+        _ptr(p.q_lens),
+        _ptr(p.block_tables),
+        _ptr(p.context_lens),
+        _ptr(p.tiles),
+        len(p.q_starts),
+        p.block_tables.shape[1],
+        p.block_size,
+        int(p.decodes_only),
+        vnni_max_m,
+        _ptr(lora[0]) if lora is not None else None,
+        _ptr(lora[1]) if lora is not None else None,
+    )
+    _check(failed, "decoder layers")
+    return h
+
+
+def gemma_layers(
+    table: np.ndarray,
+    x: torch.Tensor,
+    ropes,
+    slots: torch.Tensor,
+    p: PagedBatch,
+    sizes: tuple[int, int, int, int, int],
+    eps: float,
+    scale: float,
+    vnni_max_m: int,
+) -> None:
+    """Run every Gemma 3 layer on the residual stream x (bf16 [T, hidden], updated in place).
+    ropes: ((cos, sin) of the full layers, (cos, sin) of the sliding ones), float32 [T, D]."""
+    (cos, sin), (cos_l, sin_l) = ropes
+    failed = _built().pytgi_gemma_layers_bf16(
+        _ptr(table),
+        len(table),
+        _ptr(x),
+        x.shape[0],
+        *sizes,
+        eps,
+        scale,
+        _ptr(cos),
+        _ptr(sin),
+        _ptr(cos_l),
+        _ptr(sin_l),
+        _ptr(slots),
+        _ptr(p.q_starts),
+        _ptr(p.q_lens),
+        _ptr(p.block_tables),
+        _ptr(p.context_lens),
+        _ptr(p.tiles),
+        len(p.q_starts),
+        p.block_tables.shape[1],
+        p.block_size,
+        int(p.decodes_only),
+        vnni_max_m,
+    )
+    _check(failed, "decoder layers")
+
+
+def lora_add(y: torch.Tensor, x: torch.Tensor, slots: np.ndarray, table: np.ndarray) -> None:
+    """y[t] += (x[t] · A_sᵀ) · B_sᵀ in place, s = slots[t] (< 0: none), row by row (lora.c). table:
+    int64 [4, slots]: A's address, Bᵀ's, the rank, the column spans' address, by slot."""
+    assert y.is_contiguous() and x.is_contiguous() and y.dtype == x.dtype and table.flags.c_contiguous
+    T, K = x.shape
+    failed = _fn("lora_add", y.dtype)(
+        _ptr(y), _ptr(x), T, K, y.shape[1], _ptr(slots), *(_ptr(row) for row in table)
+    )
+    _check(failed, "lora_add")

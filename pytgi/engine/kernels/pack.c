@@ -1,0 +1,40 @@
+/* Packing a low-bit weight into the layout qgemv.c reads (described there), at load time.
+ *
+ * The same bytes as pytgi/engine/models/quant.py's `pack_vnni` (its reference, in PyTorch operations), in one
+ * pass over the output: a GGUF model's every linear goes through here while it loads, and PyTorch's
+ * permute-and-copy of the levels was most of an 8B model's load time. */
+#include <stdint.h>
+#include <string.h>
+
+#include "pytgi_kernels.h"
+
+/* u: levels [N, K] (< 16 for bits 4); d16, m16: fp16 bits [N, K/32] (bits 4, 8) or [N, K/16] (bits 16);
+ * out: N/16 tiles × K/32 groups of qgemv.c's blocks. N a multiple of 16, K of 32. */
+void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m16, uint8_t *out, int64_t N,
+                       int64_t K, int64_t bits) {
+    const int64_t G = K / 32, halves = bits == 16 ? 2 : 1, S = G * halves; /* scales per row */
+    const int64_t wbytes = bits == 4 ? 256 : 512, block = wbytes + 64 * halves;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < N / 16; t++) {
+        for (int64_t g = 0; g < G; g++) {
+            uint8_t *o = out + (t * G + g) * block;
+            /* 4 inputs to a 32-bit word: word j of row r goes to word 16j + r (with 4 bits, words j and
+             * j + 4 share one, the second in the high nibbles: levels < 16 never carry into a neighbour) */
+            uint32_t *o32 = (uint32_t *)o;
+            for (int64_t r = 0; r < 16; r++) {
+                uint32_t w[8];
+                memcpy(w, u + (16 * t + r) * K + 32 * g, sizeof w);
+                if (bits == 4)
+                    for (int64_t j = 0; j < 4; j++) o32[16 * j + r] = w[j] | (w[j + 4] << 4);
+                else
+                    for (int64_t j = 0; j < 8; j++) o32[16 * j + r] = w[j];
+            }
+            uint16_t *s = (uint16_t *)(o + wbytes); /* per half: 16 d, then 16 m */
+            for (int64_t h = 0; h < halves; h++)
+                for (int64_t r = 0; r < 16; r++) {
+                    s[32 * h + r] = d16[(16 * t + r) * S + g * halves + h];
+                    s[32 * h + 16 + r] = m16[(16 * t + r) * S + g * halves + h];
+                }
+        }
+    }
+}

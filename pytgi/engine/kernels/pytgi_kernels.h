@@ -1,0 +1,69 @@
+/* Every function the pytgi kernel library exports: each .c file includes this header (so the
+ * compiler checks its definitions against it), and pytgi/engine/kernels/__init__.py reads the ctypes
+ * signatures from it. Keep one declaration per function, on lines of its own, with parameter
+ * types among: pointers, int64_t, float (and int or void results).
+ *
+ * bf16 values are stored as uint16_t. Row-major layouts:
+ *   activations  [T, features]; q, out of attention [T, H, D]
+ *   k_cache, v_cache [num_slots, KVH, D], slot = block_tables[b][pos / block_size] * block_size + pos % block_size
+ * Functions returning int return nonzero on failure (out of memory; 2: kernel not built here). */
+#ifndef PYTGI_KERNELS_H
+#define PYTGI_KERNELS_H
+#include <stdint.h>
+
+/* fused.c: element-wise steps of a decoder layer. x may be NULL (no residual add). */
+void pytgi_add_rms_norm_f32(const float *x, float *residual, const float *w, float *out, int64_t T, int64_t D, float eps);
+void pytgi_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t T, int64_t D, float eps);
+void pytgi_silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I);
+void pytgi_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I);
+void pytgi_rope_write_kv_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q, float *k_cache, float *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D);
+void pytgi_norm_add_norm_f32(const float *x, float *residual, const float *wa, const float *wb, float *out, int64_t T, int64_t D, float eps);
+void pytgi_norm_add_norm_bf16(const uint16_t *x, uint16_t *residual, const float *wa, const float *wb, uint16_t *out, int64_t T, int64_t D, float eps);
+void pytgi_qk_norm_f32(float *qkv, const float *qw, const float *kw, int64_t T, int64_t H, int64_t KVH, int64_t D, float eps, int64_t round_first);
+void pytgi_qk_norm_bf16(uint16_t *qkv, const float *qw, const float *kw, int64_t T, int64_t H, int64_t KVH, int64_t D, float eps, int64_t round_first);
+void pytgi_gelu_tanh_mul_f32(const float *gu, float *out, int64_t T, int64_t I);
+void pytgi_gelu_tanh_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I);
+void pytgi_rope_write_kv_bf16(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *slots, uint16_t *q, uint16_t *k_cache, uint16_t *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D);
+void pytgi_logit_stats_f32(const float *x, int64_t B, int64_t V, int64_t *argmax, float *lse, int64_t *bad);
+
+/* paged_attention.c: attention over the paged cache, read in place. Decodes: one query token per
+ * request, at flat row rows[b]. Prefill chunks (and decodes): q_lens[b] tokens from row q_starts[b]. */
+int pytgi_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, float *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale);
+int pytgi_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale);
+int pytgi_paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache, float *out, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale);
+int pytgi_paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale);
+
+/* qgemv.c: bf16 activations [M, K] times a packed low-bit weight [N, K] (VNNI; AMX tiles). */
+int pytgi_qgemv_supported(void);
+int pytgi_qgemv_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K, int64_t bits);
+int pytgi_qgemm_amx_supported(void);
+int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K, int64_t bits);
+
+/* moe.c: a mixture-of-experts layer's routed experts for a step (packed weights at the int64 addresses
+ * gate_up[e], down[e]): routed by the bf16 router [E, H] (moe), or by the step's (token, expert) pairs
+ * sorted by expert, expert e's from starts[e] (moe_experts). */
+int pytgi_moe_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, int64_t norm_topk, const uint16_t *router, const int64_t *gate_up, const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above);
+int pytgi_moe_experts_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, const int64_t *starts, const int64_t *tok, const float *wt, const int64_t *gate_up, const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above);
+
+/* pack.c: levels u [N, K], fp16 bits of d and m per group → qgemv.c's packed layout (at load time). */
+void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m16, uint8_t *out, int64_t N, int64_t K, int64_t bits);
+
+/* gguf.c: n_blocks GGUF blocks of ggml type `type` → levels q, steps d and offsets m per group (m: NULL
+ * for the symmetric types); returns 2 for a type it does not decode. */
+int pytgi_gguf_decode(int64_t type, const uint8_t *blocks, int64_t n_blocks, uint8_t *q, float *d, float *m);
+
+/* bf16gemm.c: bf16 activations [M, K] times a packed bf16 weight [N, K] (AVX-512 BF16, or AVX2). */
+int pytgi_bf16gemm_supported(void);
+int pytgi_bf16gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K);
+
+/* decoder.c: all decoder layers in one call (bf16, packed weights, paged attention): Llama's, Gemma 3's. */
+int pytgi_gemma_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, int64_t T, int64_t hidden, int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale, const float *cos, const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m);
+int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, uint16_t *h, int64_t T, int64_t hidden, int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale, const float *cos, const float *sin, const int64_t *slots, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m, const int64_t *lora_layers, const int64_t *row_slots);
+
+/* lora.c: LoRA's low-rank products per row: y[t] += (x[t] · A_sᵀ) · B_sᵀ for the row's adapter slot s
+ * (slots[t] < 0: none); A_s [R_s, K] at a_ptrs[s], R_s = ranks[s]; B_sᵀ's rows at bt_ptrs[s], each over
+ * the columns its (start, length) pair at col_ptrs[s] gives; weights in the activations' type. */
+int pytgi_lora_add_f32(float *y, const float *x, int64_t T, int64_t K, int64_t N, const int64_t *slots, const int64_t *a_ptrs, const int64_t *bt_ptrs, const int64_t *ranks, const int64_t *col_ptrs);
+int pytgi_lora_add_bf16(uint16_t *y, const uint16_t *x, int64_t T, int64_t K, int64_t N, const int64_t *slots, const int64_t *a_ptrs, const int64_t *bt_ptrs, const int64_t *ranks, const int64_t *col_ptrs);
+
+#endif

@@ -1,0 +1,642 @@
+"""One decoder-only transformer over the paged KV cache, for every family pytgi runs itself.
+
+Llama 2/3, Mistral, Qwen2/2.5/3 (and their mixtures of experts), Phi-3, SmolLM, Gemma 2 and Gemma 3
+differ in data, which `DecoderConfig` holds (parsed from each family's config.json by
+`pytgi.engine.models.llama` and `pytgi.engine.models.gemma`):
+
+- the norms: RMSNorm scaling by ``weight`` in the model's dtype, or by ``1 + weight`` in float32
+  (Gemma, `norm_offset`); two a layer (before attention and before the MLP), or four (Gemma's
+  `sandwich_norms`: the sublayers' outputs are normed too before they join the residual stream);
+  optional per-head q/k norms before the rotation (Qwen3, Gemma 3);
+- the MLP's activation (SiLU or tanh-GELU), biases, a sparse mixture of experts;
+- the embedding's scale, attention's scale, soft-capped attention scores and logits (Gemma 2);
+- sliding-window layers (`layer_types`), with their own RoPE base where the family has one.
+
+The forward is the same for all: which kernels run it is chosen at load (`CpuKernels`): its `ops()`
+give the element-wise steps (PyTorch's, or the fused C kernels: a residual add shares a pass with
+the norm after it, rope writes k and v straight into the cache), the attention backend is built for
+its kernels and heads, quantized linears are swapped in (`quantize`), and on CPU a quantized model
+may run all its layers in one C call (`pytgi.engine.models.decoder_loop`) for the steps that allow it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import nn
+
+from pytgi.engine.distributed import check_heads, tp_size
+from pytgi.engine.models.attention import (
+    SlidingWindowBackend,
+    SoftcapAttention,
+    TorchAttention,
+    WindowedMetadata,
+    layer_metadata,
+)
+from pytgi.engine.models.backends import get_backend, ops_for
+from pytgi.engine.models.checkpoint_quant import QuantizedCheckpoint, fp8_rows, grid_of, linear_levels
+from pytgi.engine.models.cpu import CpuKernels, TorchOps
+from pytgi.engine.models.decoder_loop import DecoderLoop, GemmaDecoderLoop
+from pytgi.engine.models.gguf_weights import DECODERS, ROWS_PER_SLICE, GGUFWeights
+from pytgi.engine.models.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    merged_shards,
+    qkv_shards,
+)
+from pytgi.engine.models.moe import SparseMoE
+from pytgi.engine.models.quant import (
+    GROUP,
+    HEAD_KIND,
+    Fp8Rows,
+    Layout,
+    LayoutRows,
+    QuantizedLinear,
+    QuantizedWeight,
+    float_kind,
+    float_rows,
+    grid_layout,
+    kind_for_gguf_type,
+    quantize_model,
+)
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+class StepImages(NamedTuple):
+    """A step's image rows (a vision model's): `values` replace the embeddings of the flat `rows`;
+    with M-RoPE (Qwen2-VL), `rope_rows` take 3-D positions `rope_positions` [3, n] (temporal,
+    height, width) instead of their 1-D ones."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+    rope_rows: torch.Tensor | None = None
+    rope_positions: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk: bool  # renormalize the chosen experts' weights
+    shared_intermediate_size: int | None  # Qwen2-MoE's shared expert
+    sparse_layers: list[bool]  # which layers route (the others keep the dense MLP)
+
+
+@dataclass(slots=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # on q, k, v
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm of q and k before the rotation
+    attn_scale: float  # queries' scale: head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None  # per layer, SLIDING | FULL (with a window)
+    rope_local_theta: float | None = None  # sliding layers' own RoPE base (Gemma 3); None: rope_theta
+    activation: str = "silu"  # the MLP's: "silu" | "gelu_tanh"
+    norm_offset: bool = False  # RMSNorms scale by 1 + weight, in float32 (Gemma)
+    sandwich_norms: bool = False  # the attention's and the MLP's outputs are normed too (Gemma)
+    embed_scale: float | None = None  # the embeddings are multiplied by it (Gemma: sqrt(hidden_size))
+    attn_logit_softcapping: float | None = None  # Gemma 2: cap · tanh(score / cap)
+    final_logit_softcapping: float | None = None
+    moe: MoEConfig | None = None
+
+
+def local_heads(cfg: DecoderConfig) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) on this rank: split by kv heads, each with its query group."""
+    shards = qkv_shards(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
+    n_kv = shards[1][1] // cfg.head_dim
+    return n_kv * (cfg.num_attention_heads // cfg.num_key_value_heads), n_kv, cfg.head_dim
+
+
+def _norm(cfg: DecoderConfig, dim: int) -> RMSNorm:
+    return RMSNorm(dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
+
+
+class Attention(nn.Module):
+    def __init__(
+        self, cfg: DecoderConfig, backend: TorchAttention, ops: TorchOps, sliding: bool | None = None
+    ) -> None:
+        """sliding: whether this layer attends within the model's window (None: the model has none)."""
+        super().__init__()
+        self.sliding = sliding
+        self.n_heads, self.n_kv, self.head_dim = local_heads(cfg)
+        self.scale = cfg.attn_scale
+        self.backend, self.ops = backend, ops
+        shards = qkv_shards(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, shards, cfg.attention_bias)
+        self.o_proj = RowParallelLinear(shards[0], cfg.hidden_size, cfg.o_proj_bias)
+        self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: Any, kv_cache: Any, meta: Any) -> torch.Tensor:
+        meta = layer_metadata(meta, self.sliding)
+        q, k, v = self.ops.qkv_rotary(self, self.qkv_proj(x), rope, kv_cache, meta)
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig, ops: TorchOps) -> None:
+        super().__init__()
+        shards = merged_shards([cfg.intermediate_size] * 2)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, shards, cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(shards[0], cfg.hidden_size, cfg.mlp_bias)
+        self.ops, self.activation = ops, cfg.activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.act_mul(self.activation, self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        backend: TorchAttention,
+        ops: TorchOps,
+        sliding: bool | None = None,
+        sparse: bool = False,
+    ) -> None:
+        super().__init__()
+        self.sliding, self.sandwich, self.ops = sliding, cfg.sandwich_norms, ops
+        self.self_attn = Attention(cfg, backend, ops, sliding)
+        moe = cfg.moe
+        self.mlp: MLP | SparseMoE = (
+            MLP(cfg, ops)
+            if moe is None or not sparse
+            else SparseMoE(
+                cfg.hidden_size,
+                moe.intermediate_size,
+                moe.num_experts,
+                moe.top_k,
+                moe.norm_topk,
+                moe.shared_intermediate_size,
+            )
+        )
+        # The checkpoints' names: Llama's post_attention_layernorm is the MLP's input norm, Gemma's
+        # normalises the attention's output (its MLP's input norm is pre_feedforward_layernorm).
+        self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+
+    def forward(
+        self,
+        residual: torch.Tensor,
+        h: torch.Tensor,
+        ropes: tuple[Any, Any],
+        kv_cache: Any,
+        meta: Any,
+        next_norm: RMSNorm | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """h: this layer's input, normed. Returns the residual stream and the next norm of it (the
+        next layer's input norm, or the model's final one; None: not normed): each residual add is
+        paired with the norm after it, which the C kernels do in one pass."""
+        a = self.self_attn(h, ropes[1] if self.sliding else ropes[0], kv_cache, meta)
+        if self.sandwich:  # the sublayers' outputs are normed before they join the residual stream
+            residual, mlp_in = self.ops.add_norm(
+                a, residual, self.pre_feedforward_layernorm, self.post_attention_layernorm
+            )
+            mlp_out_norm = self.post_feedforward_layernorm
+        else:
+            residual, mlp_in = self.ops.add_norm(a, residual, self.post_attention_layernorm)
+            mlp_out_norm = None
+        assert mlp_in is not None
+        return self.ops.add_norm(self.mlp(mlp_in), residual, next_norm, mlp_out_norm)
+
+
+class DecoderModel(nn.Module):
+    # checkpoint name part → (our parameter name part, shard index in a fused layer)
+    FUSED: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: DecoderConfig, cpu: CpuKernels, attention: str = "auto") -> None:
+        """cpu: the kernels to run on (`CpuKernels.for_device`, or `CpuKernels.none()`: PyTorch's
+        ops); attention: the attention backend's name."""
+        super().__init__()
+        check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())
+        self.config, self.kernels, self.ops = cfg, cpu, ops_for(cpu)
+        backend = get_backend(attention, cpu, local_heads(cfg))
+        if cfg.attn_logit_softcapping:
+            backend = SoftcapAttention(cpu, local_heads(cfg), cfg.attn_logit_softcapping)
+        self.attention: TorchAttention | SlidingWindowBackend = backend
+        slidings: list[bool | None] = [None] * cfg.num_hidden_layers
+        if cfg.sliding_window and cfg.layer_types:
+            self.attention = SlidingWindowBackend(backend, cfg.sliding_window)
+            slidings = [t == SLIDING for t in cfg.layer_types]
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        sparse = cfg.moe.sparse_layers if cfg.moe else [False] * cfg.num_hidden_layers
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, self.ops, s, m) for s, m in zip(slidings, sparse)
+        )
+        self.norm = _norm(cfg, cfg.hidden_size)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.rotary_local = (
+            RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, None)
+            if cfg.rope_local_theta is not None
+            else None
+        )
+        self.mrope_section: list[int] | None = None  # M-RoPE's frequencies per axis (set by Qwen2-VL)
+        self.decoder_loop: DecoderLoop | None = None  # set by `quantize` where it applies
+        self.lora_ctx: Any = None  # LoRA adapters' step context (`pytgi.engine.models.lora`), once registered
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[Any],
+        meta: Any,
+        image_rows: StepImages | None = None,
+    ) -> torch.Tensor:
+        """`image_rows`: a vision model's rows of images, and its M-RoPE positions (`StepImages`)."""
+        cfg = self.config
+        x = self.embed_tokens(input_ids)
+        if cfg.embed_scale is not None:
+            x = x * torch.tensor(cfg.embed_scale, dtype=x.dtype)
+        if image_rows is not None and len(image_rows.rows):
+            x[image_rows.rows] = image_rows.values.to(x.dtype)
+        rope = self.ops.rope_tables(self.rotary, positions, x.dtype)
+        if image_rows is not None and image_rows.rope_rows is not None:
+            assert image_rows.rope_positions is not None and self.mrope_section is not None
+            cos, sin = self.rotary.mrope(image_rows.rope_positions, self.mrope_section)
+            for table, rows in zip(rope, (cos, sin)):  # each step's tables are its own copies
+                table[image_rows.rope_rows] = rows.reshape(len(rows), *table.shape[1:]).to(table.dtype)
+        local = self.rotary_local
+        ropes = (rope, rope if local is None else self.ops.rope_tables(local, positions, x.dtype))
+        whole = meta.uniform if isinstance(meta, WindowedMetadata) else meta  # one metadata for every layer
+        ctx = self.lora_ctx
+        lora = (ctx.loop_table, ctx.row_slots) if ctx is not None and ctx.active else None
+        if (
+            self.decoder_loop is not None
+            and whole is not None
+            and (lora is None or self.decoder_loop.takes_lora)
+            and (h := self.decoder_loop(x, ropes, kv_caches, whole, lora)) is not None
+        ):
+            return self.norm(h) if cfg.sandwich_norms else h
+        # With sandwich norms the final norm runs on its own, as the C loop's caller runs it.
+        final = None if cfg.sandwich_norms else self.norm
+        residual, h = self.ops.add_norm(None, x, self.layers[0].input_layernorm)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [final]
+        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms):
+            residual, h = layer(residual, h, ropes, kv_cache, meta, next_norm)
+        if final is None:
+            return self.norm(residual)
+        assert h is not None
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def planned(self, plan: dict[str, str] | str) -> dict[nn.Module, tuple[str, list[str]]]:
+        """The linears a quantization plan packs: each with its kind and the checkpoint names of its
+        parts (q, k, v of a fused projection; the embedding's for a tied LM head)."""
+        parts = {
+            fused: [p for p, (f, _) in self.FUSED.items() if f == fused] for fused, _ in self.FUSED.values()
+        }
+
+        def kind(hf_names: list[str]) -> str | None:
+            return merged_kind({plan} if isinstance(plan, str) else {plan.get(n) for n in hf_names})
+
+        todo: dict[nn.Module, tuple[str, list[str]]] = {}
+        for name, mod in self.named_modules():
+            if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
+                stem, last = name.rsplit(".", 1)
+                names = [f"model.{stem}.{p}.weight" for p in parts.get(last, [last])]
+                if (k := kind(names)) is not None:
+                    todo[mod] = (k, names)
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        if (k := kind([head])) is not None and k != "fp8":
+            # logits are sensitive: never below 8 bits (nor FP8's 3-bit mantissa, as vLLM keeps it)
+            todo[self.lm_head] = (k if k in ("int8x16", "bf16") else "int8", [head])
+        return todo
+
+    def quantize(
+        self, plan: dict[str, str] | str, act_dtype: torch.dtype, layouts: Any = None, perms: Any = None
+    ) -> None:
+        """Swap each planned linear for a low-bit one (see `pytgi.engine.models.quant`) and cast the model
+        to `act_dtype`. Call on float32 weights, before the model is cast, or with `layouts` (module →
+        its levels and grids, `load_gguf`) for the linears whose float weights were never loaded."""
+        todo = {mod: kind for mod, (kind, _) in self.planned(plan).items()}
+        quantize_model(self, todo, act_dtype, self.kernels, layouts or {}, perms or {})
+        loop = GemmaDecoderLoop if self.config.sandwich_norms else DecoderLoop
+        self.decoder_loop = loop.build(self, self.kernels)
+
+    def load_gguf(self, weights: GGUFWeights, plan: dict[str, str], act_dtype: torch.dtype) -> None:
+        """Load a GGUF file's tensors one at a time: the planned linears packed from their blocks' levels
+        and grids (no float copy), the rest dequantized to this model's dtype. Build the model with
+        `torch.empty` weights (untouched pages cost no memory): the packed linears' are never written."""
+        packed: dict[nn.Module, tuple[str, list[str]]] = {}
+        for mod, (kind, names) in self.planned(plan).items():
+            if kind != "bf16" and _packable(weights, mod, kind, names):
+                packed[mod] = (kind, names)
+        own = {id(m): n for n, m in self.named_modules()}
+        experts: dict[SparseMoE, list[str]] = {}
+        for name, mod in self.named_modules():
+            parts = [f"model.{name}.experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+            if (
+                isinstance(mod, SparseMoE)
+                and not self.kernels.triton  # a GPU's experts are dequantized (not packed yet)
+                and mod.local % GROUP == 0
+                and mod.start % GROUP == 0
+                and all(p in plan and weights.type_name(p) in DECODERS for p in parts)
+            ):
+                experts[mod] = parts
+        # the embedding table too: rows read from a packed weight (the tied head's, or its own)
+        table = self.kernels.vnni and act_dtype == torch.bfloat16 and weights.type_name(EMBED) in DECODERS
+        skip = {n for _, names in packed.values() for n in names}
+        skip |= {n for names in experts.values() for n in names}
+        skip.discard(EMBED)  # a tied head's tensor is the table's too: read dense, unless packed rows serve
+        if table:
+            skip.add(EMBED)
+        self.load_weights(
+            weights.dense_tensors(act_dtype, frozenset(skip)),
+            expect_missing={f"{own[id(mod)]}.weight" for mod in packed}
+            | {f"{own[id(mod)]}.{p}" for mod in experts for p in ("gate_up", "down")}
+            | ({"embed_tokens.weight"} if table else set()),
+        )
+        for mod, (gate, up, down) in experts.items():
+            kinds = (merged_kind({plan[gate], plan[up]}) or "int8", plan[down])
+            mod.pack_experts(weights, [gate, up, down], kinds, act_dtype, self.kernels)
+        self.quantize(
+            {name: plan[name] for _, names in packed.values() for name in names},
+            act_dtype,
+            {mod: functools.partial(_grid_layout, weights, mod, names) for mod, (_, names) in packed.items()},
+        )
+        if table:
+            self._packed_table(weights, act_dtype)
+
+    def load_quantized_checkpoint(self, ckpt: QuantizedCheckpoint, act_dtype: torch.dtype) -> None:
+        """Load a pre-quantized checkpoint (`pytgi.engine.models.checkpoint_quant`): its quantized linears
+        packed from their levels (`CheckpointQuant.kind`, no float copy), the rest as they are; a linear whose
+        shard does not fall on whole groups, or FP8 on CPU, is dequantized instead. On CPU the float
+        linears then take the bf16 kernel, and the LM head `HEAD_KIND` (docs/models.md)."""
+        kind = ckpt.quant.kind
+        packed: dict[nn.Module, list[str]] = {}
+        perms: dict[nn.Module, torch.Tensor] = {}  # GPTQ desc_act: the inputs' order
+        keep = kind != "fp8" or self.kernels.triton  # e4m3 stays e4m3 on CUDA only
+        for mod, (_, names) in self.planned(kind).items() if keep else ():
+            modules = [n.removesuffix(".weight") for n in names]
+            if mod is self.lm_head or not all(m in ckpt.linears for m in modules):
+                continue
+            group = (ckpt.quant.block[1] or 1) if ckpt.quant.float8 else _group(ckpt, modules[0])
+            if isinstance(mod, RowParallelLinear) and mod.in_start % group:
+                continue  # a shard across groups: dequantized
+            order = [ckpt.perm(m) for m in modules]
+            first = order[0]
+            if any(p is not None for p in order):
+                # the parts of a fused linear share one input: one order for all, and a whole input
+                if first is None or not all(p is not None and torch.equal(p, first) for p in order):
+                    continue
+                if isinstance(mod, RowParallelLinear) and mod.local_in != len(first):
+                    continue
+                perms[mod] = first
+            packed[mod] = names
+        own = {id(m): n for n, m in self.named_modules()}
+        skip = frozenset(n.removesuffix(".weight") for names in packed.values() for n in names)
+        self.load_weights(
+            ckpt.dense_tensors(skip), expect_missing={f"{own[id(mod)]}.weight" for mod in packed}
+        )
+        plan = {name: kind for names in packed.values() for name in names}
+        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        if (dense := float_kind(act_dtype, self.kernels)) is not None:
+            # the checkpoint's float linears (the LM head, its `ignore` list) on the CPU's own kernels
+            planned = self.planned(dense).items()
+            plan |= {n: dense for mod, (_, names) in planned if mod not in packed for n in names}
+            plan[head] = HEAD_KIND
+        layouts: dict[nn.Module, Any] = {
+            mod: functools.partial(_checkpoint_layout, ckpt, mod, names) for mod, names in packed.items()
+        }
+        if plan.get(head) not in (None, "bf16"):  # quantized a slice of rows at a time
+            layouts[self.lm_head] = functools.partial(float_rows, self.lm_head.weight.data)
+        self.quantize(plan, act_dtype, layouts, perms)
+
+    def _packed_table(self, weights: GGUFWeights, act_dtype: torch.dtype) -> None:
+        """The embedding table as a packed weight's rows: the tied head's, or its own from the file's
+        blocks; dequantized into `weight` where the packed layout cannot hold it."""
+        head = self.lm_head.quant if isinstance(self.lm_head, QuantizedLinear) else None
+        if not (self.config.tie_word_embeddings and head is not None and head.vnni):
+            kind = kind_for_gguf_type(weights.type_name(EMBED)) or "int8"
+            head = QuantizedWeight(
+                kind, _grid_layout(weights, self.embed_tokens, [EMBED], kind), act_dtype, self.kernels
+            )
+            head.dequantized = torch.empty(0)
+        if head.vnni:
+            self.embed_tokens.packed = head
+            self.embed_tokens.weight = nn.Parameter(torch.empty(0, dtype=act_dtype), requires_grad=False)
+        else:
+            self.embed_tokens.load_weight(self.embed_tokens.weight, weights.dense(EMBED, act_dtype))
+
+    def _unfused(self, weights: Any) -> Any:
+        """Checkpoints that store q, k, v (or gate, up) as one tensor (Phi-3) as separate ones, so each
+        part reaches its shard of the fused layer."""
+        cfg = self.config
+        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        for name, tensor in weights:
+            if ".qkv_proj." in name:
+                yield from zip(
+                    [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")],
+                    tensor.split([q, kv, kv]),
+                )
+            elif ".gate_up_proj." in name:
+                yield from zip(
+                    [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")], tensor.chunk(2)
+                )
+            else:
+                yield name, tensor
+
+    def load_weights(self, weights: Any, expect_missing: set[str] | frozenset[str] = frozenset()) -> None:
+        """Copy (name, tensor) pairs in Hugging Face naming into this rank's parameters (all of them but
+        `expect_missing`, which another step fills)."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in self._unfused(weights):
+            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+            if "rotary_emb" in name:
+                continue
+            if ".mlp.experts." in name:  # a mixture of experts' stacked weights
+                layer, rest = name.split(".mlp.", 1)
+                mlp = self.get_submodule(layer + ".mlp")
+                assert isinstance(mlp, SparseMoE), name
+                loaded.update(f"{layer}.mlp.{p}" for p in mlp.load_experts(rest, tensor))
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            shard = 0
+            for part, (fused, idx) in self.FUSED.items():
+                if f".{part}." in name:
+                    name, shard = name.replace(part, fused), idx
+                    break
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} in checkpoint")
+            param = params[name]
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor.to(param.dtype), shard)
+            loaded.add(name)
+        missing = {n for n in params if n not in loaded and n not in expect_missing}
+        if self.config.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+
+EMBED = "model.embed_tokens.weight"
+
+
+def merged_kind(kinds: set[str | None]) -> str | None:
+    """The one layout that holds every part of a fused weight (None: some part is not packed)."""
+    if None in kinds:
+        return None
+    if len(kinds) == 1 and kinds <= {"bf16", "fp8", "int4"}:
+        return next(iter(kinds))
+    return "int8x16" if "int8x16" in kinds else "int8"
+
+
+def _packable(weights: GGUFWeights, mod: nn.Module, kind: str, names: list[str]) -> bool:
+    """Whether a planned linear's parts can be packed from their levels and grids as they are: every
+    part of a type with a decoder, a row-parallel shard on whole groups."""
+    if not all(weights.type_name(n) in DECODERS for n in names):
+        return False
+    if isinstance(mod, RowParallelLinear):
+        return mod.in_start % GROUP == 0 and mod.local_in % GROUP == 0
+    return True
+
+
+def _in_out(ckpt: QuantizedCheckpoint, module: str) -> tuple[int, int]:
+    """A quantized linear's (inputs, outputs), from the checkpoint's shapes."""
+    if ckpt.quant.parts[0] == "weight":  # one value per element
+        N, K = ckpt.shapes[f"{module}.weight"]
+        return K, N
+    if ckpt.quant.method == "compressed-tensors":
+        packed = ckpt.shapes[f"{module}.weight_packed"]
+        return packed[1] * (32 // ckpt.quant.bits), packed[0]
+    qw = ckpt.shapes[f"{module}.qweight"]
+    K = qw[0] * (32 // ckpt.quant.bits) if ckpt.quant.method == "gptq" else qw[0]
+    return K, ckpt.shapes[f"{module}.scales"][1]
+
+
+def _group(ckpt: QuantizedCheckpoint, module: str) -> int:
+    """A quantized linear's group of inputs in the checkpoint (its whole row for group_size -1)."""
+    if ckpt.quant.method == "compressed-tensors":
+        scale = ckpt.shapes[f"{module}.weight_scale"]
+        return _in_out(ckpt, module)[0] // (scale[1] if len(scale) == 2 else 1)
+    return _in_out(ckpt, module)[0] // ckpt.shapes[f"{module}.scales"][0]
+
+
+def _checkpoint_layout(
+    ckpt: QuantizedCheckpoint, mod: nn.Module, names: list[str], kind: str
+) -> LayoutRows | Fp8Rows:
+    """This rank's part of a quantized checkpoint's linear, in `kind`'s layout, a part at a time."""
+    modules = [n.removesuffix(".weight") for n in names]
+
+    if ckpt.quant.float8:
+        return _fp8_layout(ckpt, mod, modules)
+
+    def slices() -> Iterator[Layout]:
+        for i, module in enumerate(modules):
+            rows = mod.shards[i] if isinstance(mod, ColumnParallelLinear) else None
+            levels, zeros, scales, _ = linear_levels(
+                ckpt.quant, ckpt.parts(module), None if rows is None else (rows[0], rows[0] + rows[1])
+            )
+            if isinstance(mod, RowParallelLinear):
+                group = _group(ckpt, module)
+                cols = slice(mod.in_start, mod.in_start + mod.local_in)
+                levels = levels[:, cols]
+                zeros, scales = (t[:, cols.start // group : cols.stop // group] for t in (zeros, scales))
+            yield grid_of(ckpt.quant, levels, zeros, scales, kind)
+
+    K, N = _in_out(ckpt, modules[0])
+    if isinstance(mod, ColumnParallelLinear):
+        return LayoutRows((sum(mod.shards[i][1] for i in range(len(modules))), K), slices)
+    return LayoutRows((N, mod.local_in if isinstance(mod, RowParallelLinear) else K), slices)
+
+
+def _fp8_layout(ckpt: QuantizedCheckpoint, mod: nn.Module, modules: list[str]) -> Fp8Rows:
+    """This rank's part of an FP8 checkpoint's linear: its parts' rows (and shard) joined."""
+    data, scales = [], []
+    block_k = 0
+    for i, module in enumerate(modules):
+        q, s, block_k = fp8_rows(ckpt.quant, ckpt.parts(module))
+        if isinstance(mod, ColumnParallelLinear):
+            start, size = mod.shards[i]
+            q, s = q[start : start + size], s[start : start + size]
+        elif isinstance(mod, RowParallelLinear):
+            q = q[:, mod.in_start : mod.in_start + mod.local_in]
+            s = s[:, mod.in_start // block_k : -(-(mod.in_start + mod.local_in) // block_k)]
+        data.append(q)
+        scales.append(s)
+    return Fp8Rows(torch.cat(data).contiguous(), torch.cat(scales).contiguous(), block_k)
+
+
+def _grid_layout(weights: GGUFWeights, mod: nn.Module, names: list[str], kind: str) -> LayoutRows:
+    """This rank's part of a linear's weight, read from its parts' blocks a slice of rows at a time,
+    in `kind`'s layout."""
+    ranges: list[tuple[str, int, int, tuple[int, int] | None]] = []  # per part: its rows here, its columns
+    for i, name in enumerate(names):
+        rows = weights.shape(name)[0]
+        if isinstance(mod, ColumnParallelLinear):
+            start, size = mod.shards[i]
+            ranges.append((name, start, start + size, None))
+        elif isinstance(mod, RowParallelLinear):
+            ranges.append((name, 0, rows, (mod.in_start, mod.local_in)))
+        elif isinstance(mod, VocabParallelEmbedding):  # an LM head, or the table itself
+            ranges.append((name, mod.start, min(mod.start + mod.local_vocab, rows), None))
+        else:
+            ranges.append((name, 0, rows, None))
+    total = sum(stop - start for _, start, stop, _ in ranges)
+    pad = mod.local_vocab - total if isinstance(mod, VocabParallelEmbedding) else 0
+
+    def slices() -> Iterator[Layout]:
+        for name, start, stop, cols in ranges:
+            for at in range(start, stop, ROWS_PER_SLICE):
+                grid = weights.grid(name, at, min(at + ROWS_PER_SLICE, stop))
+                assert grid is not None, name
+                yield grid_layout(grid if cols is None else grid.cols(*cols), kind)
+        if pad > 0:  # the last rank's rows past the vocabulary: zero
+            first = weights.grid(names[-1], 0, 1)
+            assert first is not None
+            u, d, _ = grid_layout(first, kind)
+            yield (
+                u.new_full((pad, u.shape[1]), 128),
+                d.new_zeros(pad, d.shape[1]),
+                d.new_zeros(pad, d.shape[1]),
+            )
+
+    width = mod.local_in if isinstance(mod, RowParallelLinear) else weights.shape(names[0])[-1]
+    return LayoutRows((total + pad, width), slices)

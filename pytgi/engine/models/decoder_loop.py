@@ -1,0 +1,164 @@
+"""All decoder layers of a quantized Llama-family model in one C call (`pytgi/engine/kernels/decoder.c`).
+
+The loop runs the kernels the Python layer loop runs (`KernelOps`, the low-bit matmuls, paged
+attention) with the same arguments, without a Python dispatch per op: its output equals the
+Python path's bit for bit. It applies to a model, decided once at load, when the model is
+unsharded, bias- and q/k-norm-free and every linear of every layer has a VNNI-packed weight; and to
+a step when its tokens fit the packed weights' kernels and all its attention is paged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pytgi.engine import kernels
+from pytgi.engine.distributed import tp_size
+from pytgi.engine.models.cpu import CpuKernels
+
+
+def _linears(layer):
+    """The layer's four linears (their base layers where LoRA wraps them: `pytgi.engine.models.lora`)."""
+    mods = layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+    return tuple(getattr(m, "inner", m) for m in mods)
+
+
+def _packed(layer) -> list[int]:
+    """(address, format) of each linear's packed weight, in _linears' order."""
+    return [v for mod in _linears(layer) for v in (mod.quant.packed.data_ptr(), mod.quant.bits)]
+
+
+class DecoderLoop:
+    def __init__(self, model) -> None:
+        self.layers, self.final_norm = list(model.layers), model.norm
+        attn, cfg = model.layers[0].self_attn, model.config
+        self.sizes = (
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            attn.n_heads,
+            attn.n_kv,
+            attn.head_dim,
+        )  # unsharded
+        self.eps, self.scale = cfg.rms_norm_eps, attn.scale
+        quant = model.layers[0].mlp.down_proj.quant
+        self.max_m, self.vnni_max_m = quant.max_m, quant.vnni_max_m
+        self._table: tuple[int, np.ndarray] | None = None  # (first K cache's address, per-layer pointers)
+
+    @classmethod
+    def build(cls, model, cpu: CpuKernels) -> DecoderLoop | None:
+        """The loop for this model, or None when it does not apply (see the module doc)."""
+        if not cpu.decoder_loop or tp_size() != 1 or not cls._applies(model.config):
+            return None
+        linears = [m for layer in model.layers for m in _linears(layer)]
+        quants = [getattr(m, "quant", None) for m in linears]
+        if any(getattr(m, "perm", None) is not None for m in linears):  # inputs reordered (GPTQ desc_act)
+            return None
+        return cls(model) if all(q is not None and q.vnni for q in quants) else None
+
+    @staticmethod
+    def _applies(cfg) -> bool:
+        return not (
+            cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias or cfg.qk_norm or cfg.moe is not None
+        )
+
+    def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
+        """Layer i's fields in decoder.c's order."""
+        layer = self.layers[i]
+        nxt = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.final_norm
+        row = [
+            layer.input_layernorm.weight.data_ptr(),
+            layer.post_attention_layernorm.weight.data_ptr(),
+            nxt.weight.data_ptr(),
+        ]
+        return row + _packed(layer) + [k_cache.data_ptr(), v_cache.data_ptr()]
+
+    def _layers(self, kv_caches) -> np.ndarray:
+        """The per-layer pointers decoder.c reads (rebuilt when the KV cache is reallocated)."""
+        if self._table is None or self._table[0] != kv_caches[0][0].data_ptr():
+            rows = [self._row(i, k, v) for i, (k, v) in enumerate(kv_caches)]
+            self._table = (kv_caches[0][0].data_ptr(), np.array(rows, dtype=np.int64))
+        return self._table[1]
+
+    def takes(self, x: torch.Tensor, meta) -> bool:
+        """Whether the loop runs this step: few enough rows, all attending through the paged kernel."""
+        return (
+            x.shape[0] <= self.max_m
+            and meta.paged is not None
+            and meta.decode is None
+            and meta.prefill is None
+        )
+
+    takes_lora = True  # LoRA adapters' products inside the loop (decoder.c)
+
+    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta, lora=None) -> torch.Tensor | None:
+        """The final hidden states for this step (x, updated in place, is the residual stream), or
+        None when the step is not for the loop. `ropes`: the (full, sliding) layers' tables; Llama's
+        loop takes models without a sliding layer's base of its own: the first. `lora`: the adapters'
+        tables and each row's slot (`pytgi.engine.models.lora.LoraContext`), or None."""
+        if not self.takes(x, meta):
+            return None
+        cos, sin = ropes[0]
+        return kernels.decoder_layers(
+            self._layers(kv_caches),
+            x.contiguous(),
+            cos,
+            sin,
+            meta.slot_mapping,
+            meta.paged,
+            self.sizes,
+            self.eps,
+            self.scale,
+            self.vnni_max_m,
+            lora,
+        )
+
+
+class GemmaDecoderLoop(DecoderLoop):
+    """Gemma 3's layers in one call. Returns the residual stream (the final norm is the caller's)."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.sliding = [layer.sliding for layer in model.layers]
+
+    @staticmethod
+    def _applies(cfg) -> bool:
+        return not cfg.attention_bias and not cfg.attn_logit_softcapping  # soft-capped attention is not paged
+
+    def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
+        layer, attn = self.layers[i], self.layers[i].self_attn
+        norms = [
+            layer.input_layernorm,
+            layer.post_attention_layernorm,
+            layer.pre_feedforward_layernorm,
+            layer.post_feedforward_layernorm,
+        ]
+        qk = (
+            [attn.q_norm.scale().data_ptr(), attn.k_norm.scale().data_ptr()]
+            if attn.q_norm is not None
+            else [0, 0]
+        )
+        return (
+            [n.scale().data_ptr() for n in norms]
+            + qk
+            + _packed(layer)
+            + [k_cache.data_ptr(), v_cache.data_ptr(), int(self.sliding[i])]
+        )
+
+    takes_lora = False  # a step with adapters runs the layers one by one
+
+    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta, lora=None) -> torch.Tensor | None:
+        if not self.takes(x, meta):
+            return None
+        x = x.contiguous()
+        kernels.gemma_layers(
+            self._layers(kv_caches),
+            x,
+            ropes,
+            meta.slot_mapping,
+            meta.paged,
+            self.sizes,
+            self.eps,
+            self.scale,
+            self.vnni_max_m,
+        )
+        return x

@@ -1,0 +1,84 @@
+"""The Llama family's configs (Llama 2/3, Mistral, Qwen2/2.5/3 and their mixtures of experts, Phi-3,
+SmolLM) as `DecoderConfig`s: the model is `pytgi.engine.models.decoder.DecoderModel`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytgi.engine.models.decoder import SLIDING, DecoderConfig, MoEConfig
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Phi3ForCausalLM",  # Llama with q, k, v (and gate, up) fused in the checkpoint
+    "MixtralForCausalLM",  # ... and with a sparse mixture of experts for MLP (pytgi.engine.models.moe)
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def moe_config(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(
+            cfg["num_local_experts"],
+            cfg["num_experts_per_tok"],
+            cfg["intermediate_size"],
+            True,
+            None,
+            [True] * cfg["num_hidden_layers"],
+        )
+    step, dense = cfg.get("decoder_sparse_step", 1) or 1, set(cfg.get("mlp_only_layers") or [])
+    experts = cfg.get("num_experts") or cfg["num_local_experts"]  # transformers 5 names Qwen3-MoE's so
+    return MoEConfig(
+        experts,
+        cfg["num_experts_per_tok"],
+        cfg["moe_intermediate_size"],
+        bool(cfg.get("norm_topk_prob", False)),
+        cfg.get("shared_expert_intermediate_size") or None,
+        [i not in dense and (i + 1) % step == 0 for i in range(cfg["num_hidden_layers"])],
+    )
+
+
+def llama_config(cfg: dict[str, Any]) -> DecoderConfig:
+    arch = (cfg.get("architectures") or [""])[0]
+    n_heads = cfg["num_attention_heads"]
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
+    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(
+            f"partial rotary embeddings (partial_rotary_factor {cfg['partial_rotary_factor']}) "
+            "are not supported"
+        )
+    theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+    uses_window = arch == "MistralForCausalLM" or cfg.get("use_sliding_window", False)
+    window = cfg.get("sliding_window") if uses_window else None
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
+    qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+    return DecoderConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=n_heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+        head_dim=head_dim,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=float(theta),
+        rope_scaling=rope,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=cfg.get("qkv_bias", True)
+        if arch == "Qwen2MoeForCausalLM"
+        else cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+        o_proj_bias=cfg.get("attention_bias", False) and not qwen2,
+        mlp_bias=cfg.get("mlp_bias", False),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        attn_scale=head_dim**-0.5,
+        moe=moe_config(cfg, arch),
+        sliding_window=window,
+        layer_types=(cfg.get("layer_types") or [SLIDING] * cfg["num_hidden_layers"]) if window else None,
+    )

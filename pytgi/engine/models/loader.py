@@ -1,0 +1,266 @@
+"""Build a model from a Hugging Face directory: config, architecture check, safetensors weights."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from pytgi.core.errors import ConfigError, UnsupportedModel
+from pytgi.engine.models import gemma3_vision, idefics3, llava, qwen2_vl
+from pytgi.engine.models.checkpoint_quant import (
+    QuantizedCheckpoint,
+    UnsupportedQuantization,
+    read_quantization,
+)
+from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.decoder import DecoderConfig, DecoderModel, StepImages
+from pytgi.engine.models.gemma import gemma_config
+from pytgi.engine.models.gguf_weights import GGUFWeights, open_gguf
+from pytgi.engine.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
+from pytgi.engine.models.llama import llama_config
+from pytgi.engine.models.quant import resolve_plan
+from pytgi.engine.models.safetensors_files import iter_safetensors
+
+# architecture → its config.json read as a `DecoderConfig` (every family runs on `DecoderModel`)
+MODELS: dict[str, Callable[[dict[str, Any]], DecoderConfig]] = {
+    **{arch: llama_config for arch in LLAMA_ARCHITECTURES},
+    "Gemma3ForCausalLM": gemma_config,
+    "Gemma2ForCausalLM": gemma_config,  # Gemma 3's layers, without q/k norms, soft-capped
+}
+# vision-language architecture → its model class (a vision part before `DecoderModel`) and the
+# language model's config.json read from its own
+VISION: dict[str, tuple[Any, Callable[[dict[str, Any]], dict[str, Any]]]] = {
+    **{arch: (llava.LlavaModel, llava.text_config) for arch in llava.ARCHITECTURES},
+    **{arch: (idefics3.Idefics3Model, idefics3.text_config) for arch in idefics3.ARCHITECTURES},
+    **{arch: (qwen2_vl.Qwen2VLModel, qwen2_vl.text_config) for arch in qwen2_vl.ARCHITECTURES},
+    **{
+        arch: (gemma3_vision.Gemma3VisionModel, gemma3_vision.text_config)
+        for arch in gemma3_vision.ARCHITECTURES
+    },
+}
+SUPPORTED_ARCHITECTURES = (*MODELS, *VISION)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CausalLM(Protocol):
+    """What the engine uses of a loaded model, pytgi's code or transformers' (`load_model`)."""
+
+    config: Any  # its config: vocab_size, max_position_embeddings, ...
+    attention: Any  # its attention backend: `prepare(layout, device)` builds a step's metadata
+    layers: Any  # per layer, `self_attn.n_kv` and `self_attn.head_dim`: the KV cache's shape
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[Any],
+        meta: Any,
+        image_rows: StepImages | None = None,
+    ) -> torch.Tensor:
+        """The last hidden states of the step's tokens (writing their keys and values); `image_rows`
+        (a vision model's): flat rows whose embeddings are an image's rows."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits of the given hidden states."""
+        ...
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())
+
+
+MODEL_IMPLS = ("auto", "pytgi", "transformers")
+
+
+def model_impl(cfg: dict[str, Any], path: Path, impl: str = "auto") -> str:
+    """Whose model code runs this model: pytgi's where it has it (auto), or transformers'."""
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"unknown model implementation {impl!r} ({' | '.join(MODEL_IMPLS)})")
+    arch = (cfg.get("architectures") or [None])[0]
+    if impl == "transformers" or (
+        impl == "auto" and arch not in SUPPORTED_ARCHITECTURES and arch is not None
+    ):
+        return "transformers"
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModel(
+            f"architecture {arch!r} of {path} is not supported; pytgi runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} "
+            "(--model-impl auto runs others through transformers' model code)"
+        )
+    return "pytgi"
+
+
+def eos_token_ids(path: Path) -> frozenset[int]:
+    """The ids that end a generation, from config.json and generation_config.json."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        file = path / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+def resolve_dtype(name: str, cfg: dict[str, Any], device: torch.device) -> torch.dtype:
+    if name != "auto":
+        if name not in DTYPES:
+            raise ValueError(f"unknown dtype {name!r} (auto, {', '.join(DTYPES)})")
+        return DTYPES[name]
+    if device.type == "cpu":
+        # bfloat16 activations: bf16 matmuls win for prefill and big batches, and the low-bit
+        # decode kernels take bf16 inputs (`pytgi.engine.models.quant`). --dtype float32 is the exact path.
+        return torch.bfloat16
+    declared = str(cfg.get("torch_dtype") or cfg.get("dtype"))
+    return DTYPES.get(declared, torch.bfloat16) if declared != "float32" else torch.bfloat16
+
+
+# bytes per weight of each packed layout, its fp16 scales and offsets included (`pytgi.engine.models.quant`)
+PACKED_BYTES = {"int4": 0.625, "int8": 1.125, "int8x16": 1.25, "fp8": 1.0}
+
+
+def _shapes(path: Path, gguf: GGUFWeights | None) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor's shape, from the GGUF file or the safetensors headers (no data read)."""
+    if gguf is not None:
+        return {name: gguf.shape(name) for name in gguf.names()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        shapes.update({name: tuple(info["shape"]) for name, info in header.items()})
+    return shapes
+
+
+def weight_bytes(path: Path, dtype: torch.dtype, device: torch.device, quantize: str = "auto") -> int:
+    """About how many bytes the whole model's weights take at their largest while loading: a GGUF
+    model's packed tensors at their layouts' size and the rest in `dtype`; a Hugging Face model in
+    `dtype`, or in float32 when it is quantized on the fly (`--quantize int8|int4`)."""
+    plan = resolve_plan(quantize, path, dtype, device)
+    weights = open_gguf(path)
+    shapes, gguf = _shapes(path, weights), weights is not None
+    elt = (
+        4
+        if isinstance(plan, str) and plan not in ("bf16", "fp8")
+        else torch.empty((), dtype=dtype).element_size()
+    )
+    total = 0.0
+    for name, shape in shapes.items():
+        kind = plan.get(name) if gguf and isinstance(plan, dict) else None
+        total += math.prod(shape) * PACKED_BYTES.get(kind or "", elt)
+    return int(total)
+
+
+def loaded_bytes(model: Any) -> int:
+    """The bytes a loaded model holds: its parameters and buffers, its linears' and experts' packed
+    weights."""
+    from pytgi.engine.models.moe import SparseMoE
+    from pytgi.engine.models.quant import QuantizedLinear
+
+    seen: set[int] = set()
+    total = 0
+    tensors = [*model.parameters(), *model.buffers()]
+    for mod in model.modules():
+        quants = [mod.quant] if isinstance(mod, QuantizedLinear) else []
+        quants += [w for pair in mod.packed for w in pair] if isinstance(mod, SparseMoE) else []
+        tensors += [t for q in quants for t in (q.packed, getattr(q, "scales", None))]
+    for t in tensors:
+        if t is not None and t.device.type != "meta" and t.numel() and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(
+    path: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    cpu: CpuKernels,
+    quantize: str = "none",
+    attention: str = "auto",
+    impl: str = "auto",
+) -> CausalLM:
+    """`cpu`: the kernels to run on; `quantize`: none | auto | int8 | int4 (see `pytgi.engine.models.quant`);
+    `attention`: the attention backend's name; `impl`: auto | pytgi | transformers (whose model code)."""
+    hf = read_config(path)
+    if model_impl(hf, path, impl) == "transformers":
+        if quantize not in ("auto", "none"):
+            raise ConfigError(f"--quantize {quantize} needs pytgi's own model code (--model-impl pytgi)")
+        if "quantization_config" in hf:  # transformers' loaders for these need packages pytgi does not have
+            method = hf["quantization_config"].get("quant_method")
+            arch = (hf.get("architectures") or ["?"])[0]
+            raise UnsupportedQuantization(
+                f"{path.name}: a {method} checkpoint of {arch} needs pytgi's own model code, which this "
+                "architecture does not have"
+            )
+        from pytgi.engine.models.transformers_impl import TransformersModel
+
+        return TransformersModel(path, dtype, device, cpu, attention)
+    arch = hf["architectures"][0]
+    vision = VISION.get(arch)
+    text = vision[1](hf) if vision else hf
+    cfg = MODELS[text["architectures"][0]](text)
+    gguf = open_gguf(path)
+    checkpoint = read_quantization(path) if gguf is None else None
+    if checkpoint is not None:  # GPTQ, AWQ, compressed-tensors, FP8: served as published
+        if vision:
+            raise UnsupportedQuantization(f"a quantized vision model ({checkpoint.method}) is not served yet")
+        if quantize not in ("auto", "none"):
+            raise ConfigError(
+                f"--quantize {quantize}: this checkpoint is quantized already ({checkpoint.method})"
+            )
+        ckpt = QuantizedCheckpoint(path, checkpoint)
+        with _default_dtype(dtype), torch.device(device):
+            decoder = DecoderModel(cfg, cpu, attention)
+        # float32 (or --quantize none, or a GPU without Triton) takes the checkpoint's values dequantized;
+        # otherwise the levels are packed (FP8 on CPU: dequantized to bf16, on pytgi's bf16 kernel)
+        if quantize == "auto" and dtype != torch.float32 and (cpu.triton or device.type == "cpu"):
+            decoder.load_quantized_checkpoint(ckpt, dtype)
+        else:
+            decoder.load_weights(ckpt.dense_tensors())
+        return decoder.eval()
+    plan = resolve_plan(quantize, path, dtype, device, gpu=cpu.triton)
+    if gguf is not None and not vision and isinstance(plan, dict):
+        # A GGUF file's tensors are read one at a time, the quantized linears packed from their blocks
+        # as they are and the rest dequantized to `dtype`: never a float copy of the model.
+        with _default_dtype(dtype), torch.device(device):
+            decoder = DecoderModel(cfg, cpu, attention)
+        if plan:
+            decoder.load_gguf(gguf, plan, dtype)
+        else:
+            decoder.load_weights(gguf.dense_tensors(dtype))
+        return decoder.eval()
+    # A Hugging Face model to quantize is loaded in float32 first, so the low-bit grids see the
+    # checkpoint's values (bf16 weights are only re-laid out: loaded as they are).
+    model: Any
+    # (FP8 scales come from the checkpoint's own dtype: loaded as it is.)
+    with (
+        _default_dtype(torch.float32 if plan and plan not in ("bf16", "fp8") else dtype),
+        torch.device(device),
+    ):
+        model = DecoderModel(cfg, cpu, attention)
+        if vision:
+            model = vision[0](hf, model)
+    model.load_weights(gguf.dense_tensors() if gguf is not None else iter_safetensors(path))
+    if plan:
+        model.quantize(plan, dtype)
+    return model.eval()

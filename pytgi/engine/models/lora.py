@@ -1,0 +1,347 @@
+"""LoRA adapters in the step: many adapters on one base model, mixed in one batch.
+
+Each targeted linear of the base model is wrapped (`LoraLinear`) once, when the first adapter is
+registered. A step tells the wrappers which of its flat rows use which adapter (`LoraContext`, set
+by the runner around the forward); each wrapper then adds `x Aᵀ (scaling·B)ᵀ` to the rows of each
+adapter in the step, gathered per adapter as punica's SGMV does (the rows of another adapter, or of
+none, are untouched). A step in which no row uses an adapter runs exactly the code it ran before:
+the wrappers pass straight through and the C decoder loop stays in use.
+
+The fused layers (q|k|v, gate|up) hold one A and one B per adapter: A stacks the parts' A matrices
+(rank rows each), and B puts each part's columns in that part's output rows, zeros elsewhere, so a
+fused layer costs two small products however many of its parts the adapter targets. A and B are
+kept in float32 whatever the model's dtype (they are small); with tensor parallelism B is split as
+a column-parallel weight's rows are, A as a row-parallel weight's columns are, and a row-parallel
+layer's partial products are summed by the layer's own all-reduce.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Collection, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pytgi.core.adapters import TARGETS, WEIGHTS_FILE, AdapterConfig, AdapterError, read_config
+from pytgi.engine import kernels
+from pytgi.engine.distributed import tp_size
+from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear
+from pytgi.engine.models.quant import QuantizedLinear
+
+# the base model's module (in a decoder layer) that holds each target, and its part in a fused one
+MODULE_OF = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", 0),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", 0),
+}
+LOOP_ORDER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # decoder.c's
+TABLE_ROWS = 4  # lora.c's table: A's and Bᵀ's addresses, the ranks, the column spans (by slot)
+LOOP_FIELDS = TABLE_ROWS * len(LOOP_ORDER)  # decoder.c's LORA_FIELDS, per layer
+_KEY = re.compile(
+    r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight"
+)
+
+
+@dataclass
+class LoraContext:
+    """Each row's adapter slot in the step; empty outside a step that uses adapters. `c_kernel`: the
+    products run in lora.c (CPU, float32 or bfloat16), else in PyTorch, gathered per adapter (`groups`)."""
+
+    c_kernel: bool = False
+    dtype: torch.dtype = torch.float32  # the activations' (lora.c keeps the weights in it)
+    groups: list[tuple[int, slice | torch.Tensor]] = field(default_factory=list)
+    row_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # the C decoder loop's view: per layer, lora.c's table addresses for qkv, o, gate_up, down (decoder.c)
+    loop_table: np.ndarray = field(default_factory=lambda: np.zeros((0, LOOP_FIELDS), np.int64))
+
+    @property
+    def active(self) -> bool:
+        return len(self.row_slots) > 0
+
+    def set(self, row_slots: np.ndarray, device: torch.device) -> None:
+        """`row_slots[t]`: the slot of flat row t's adapter, -1 for the base model (some row has one)."""
+        self.row_slots = np.ascontiguousarray(row_slots, dtype=np.int64)
+        self.groups = []
+        if self.c_kernel:
+            return  # lora.c reads row_slots itself
+        for slot in np.unique(row_slots[row_slots >= 0]).tolist():
+            (rows,) = np.nonzero(row_slots == slot)
+            if rows[-1] - rows[0] + 1 == len(rows):  # one run of rows: a view, no gather
+                self.groups.append((slot, slice(int(rows[0]), int(rows[-1]) + 1)))
+            else:
+                self.groups.append((slot, torch.from_numpy(rows).to(device)))
+
+    def clear(self) -> None:
+        self.row_slots, self.groups = self.row_slots[:0], []
+
+
+Linear = ColumnParallelLinear | RowParallelLinear | QuantizedLinear
+
+
+def _base(inner: Linear) -> ColumnParallelLinear | RowParallelLinear:
+    layer = inner.layer if isinstance(inner, QuantizedLinear) else inner
+    assert isinstance(layer, (ColumnParallelLinear, RowParallelLinear))
+    return layer
+
+
+def _shape(inner: Linear) -> tuple[int, int]:
+    """(out, in) features on this rank (a quantized layer may keep no float weight)."""
+    if isinstance(inner, QuantizedLinear):
+        return inner.quant.shape
+    n, k = inner.weight.shape
+    return n, k
+
+
+class LoraLinear(nn.Module):
+    """A targeted linear (plain or quantized) plus its adapters' low-rank products."""
+
+    def __init__(self, inner: Linear, ctx: LoraContext) -> None:
+        super().__init__()
+        self.inner, self.ctx = inner, ctx
+        # slot → (A [R, K], Bᵀ, the column span of each of Bᵀ's rows (lora.c) or None (PyTorch: dense))
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray | None]] = {}
+        # for lora.c, by slot: A's and Bᵀ's addresses, the rank (0: the slot's adapter skips this layer),
+        # the spans' address
+        self.table = np.zeros((TABLE_ROWS, 0), np.int64)
+
+    def refresh(self, capacity: int) -> None:
+        """Rebuild the kernel's table for slots 0 .. capacity - 1 (after any slot changed)."""
+        self.table = np.zeros((TABLE_ROWS, capacity), np.int64)
+        for slot, (a, bt, cols) in self.weights.items():
+            if cols is not None:
+                self.table[:, slot] = a.data_ptr(), bt.data_ptr(), a.shape[0], cols.ctypes.data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.ctx.active or not self.weights:
+            return self.inner(x)
+        y = self.inner.product(x)
+        if self.ctx.c_kernel:
+            kernels.lora_add(y, x.contiguous(), self.ctx.row_slots, self.table)
+            return self.inner.finish(y)
+        for slot, rows in self.ctx.groups:
+            w = self.weights.get(slot)
+            if w is not None:
+                a, bt, _ = w
+                delta = ((x[rows].float() @ a.T) @ bt).to(y.dtype)
+                if isinstance(rows, slice):
+                    y[rows] += delta
+                else:
+                    y.index_add_(0, rows, delta)
+        return self.inner.finish(y)
+
+    def put(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
+        """Slot `slot`'s weights from the checkpoint's whole A and B of each targeted part: for lora.c,
+        A and each part's Bᵀ over its own output columns only, in the activations' dtype; for PyTorch,
+        A and a dense Bᵀ in float32."""
+        base = _base(self.inner)
+        n_local = _shape(self.inner)[0]
+        a_rows, b_blocks, spans = [], [], []  # each part's A (this rank's), its Bᵀ block and its columns
+        for part, (a, b) in sorted(parts.items()):
+            b = b.float() * scaling
+            if isinstance(base, RowParallelLinear):
+                a_rows.append(a.float().narrow(1, base.in_start, base.local_in))
+                b_blocks.append(b.T)
+                spans.append((0, n_local))
+                continue
+            start, size = base.shards[part]
+            a_rows.append(a.float())
+            b_blocks.append(b.narrow(0, start, size).T)
+            spans.append((sum(s for _, s in base.shards[:part]), size))
+        device, a = base.weight.device, torch.cat(a_rows)
+        if self.ctx.c_kernel:
+            bt = torch.cat([blk.reshape(-1) for blk in b_blocks])
+            cols = np.array(
+                [span for blk, span in zip(b_blocks, spans) for _ in range(blk.shape[0])], np.int64
+            )
+            dtype = self.ctx.dtype
+            self.weights[slot] = (a.to(device, dtype).contiguous(), bt.to(device, dtype), cols)
+            return
+        dense = torch.zeros(a.shape[0], n_local)
+        r = 0
+        for blk, (c0, n) in zip(b_blocks, spans):
+            dense[r : r + blk.shape[0], c0 : c0 + n] = blk
+            r += blk.shape[0]
+        self.weights[slot] = (a.to(device), dense.to(device), None)
+
+    def drop(self, slot: int) -> None:
+        self.weights.pop(slot, None)
+
+
+def wrap_model(model: nn.Module, ctx: LoraContext) -> dict[tuple[int, str], LoraLinear]:
+    """Wrap every targetable linear of the model's decoder layers; (layer, module path) → wrapper."""
+    wrapped: dict[tuple[int, str], LoraLinear] = {}
+    for i, layer in enumerate(model.layers):  # type: ignore[arg-type]
+        for path in dict.fromkeys(p for p, _ in MODULE_OF.values()):
+            parent_path, attr = path.rsplit(".", 1)
+            parent = layer.get_submodule(parent_path)
+            inner = getattr(parent, attr, None)
+            if isinstance(inner, LoraLinear):
+                wrapped[i, path] = inner
+                continue
+            if not isinstance(inner, (ColumnParallelLinear, RowParallelLinear, QuantizedLinear)):
+                continue  # e.g. a mixture of experts' MLP: not targetable
+            w = LoraLinear(inner, ctx)
+            setattr(parent, attr, w)
+            wrapped[i, path] = w
+    return wrapped
+
+
+def read_weights(
+    path: Path, config: AdapterConfig, num_layers: int
+) -> Iterator[tuple[int, str, torch.Tensor, torch.Tensor]]:
+    """(layer, target, A, B) for each targeted linear of the adapter, checked."""
+    from safetensors.torch import load_file
+
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in load_file(str(path / WEIGHTS_FILE)).items():
+        m = _KEY.fullmatch(key)
+        if m is None or m.group(2) not in TARGETS:
+            what = m.group(2) if m else key
+            raise AdapterError(
+                f"{path}: {what}: pytgi applies LoRA to {', '.join(TARGETS)} of the decoder layers only"
+            )
+        layer, target = int(m.group(1)), m.group(2)
+        if layer >= num_layers:
+            raise AdapterError(f"{path}: {key}: the base model has {num_layers} layers")
+        pairs.setdefault((layer, target), {})[m.group(3)] = tensor
+    if not pairs:
+        raise AdapterError(f"{path}: {WEIGHTS_FILE} holds no LoRA weights")
+    for (layer, target), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            missing = "A" if "A" not in ab else "B"
+            raise AdapterError(f"{path}: layer {layer} {target} has no lora_{missing}")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != config.rank or b.shape[1] != config.rank:
+            raise AdapterError(
+                f"{path}: layer {layer} {target}: A {tuple(a.shape)} and B {tuple(b.shape)} do not have "
+                f"rank {config.rank}"
+            )
+        yield layer, target, a, b
+
+
+class LoraAdapters:
+    """The adapters served on one model (one rank's shard of it). Each registered adapter has a
+    directory; at most `capacity` of them have their weights in memory (a slot), the least recently
+    used without a running request going first; one that is asked for again is loaded back."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        capacity: int | None = None,
+    ) -> None:
+        self.max_rank, self.capacity = max_rank, capacity
+        self.ctx = LoraContext(c_kernel=device.type == "cpu" and kernels.supports(dtype), dtype=dtype)
+        self.wrapped = wrap_model(model, self.ctx)
+        model.lora_ctx = self.ctx  # type: ignore[assignment]  # the decoder keeps its C loop out of adapter steps
+        self.paths: dict[str, Path] = {}  # every adapter served
+        self.slots: dict[str, int] = {}  # those in memory, least recently used first
+
+    def register(self, name: str, path: Path, in_use: Collection[str | None] = ()) -> None:
+        """Serve the adapter at `path` as `name` (its weights loaded and checked now)."""
+        self.load(name, path)
+        self.paths[name] = path
+        self._evict({*in_use, name})
+
+    def remove(self, name: str) -> None:
+        self.unload(name)
+        self.paths.pop(name, None)
+
+    def ensure(self, name: str, in_use: Collection[str | None] = ()) -> bool:
+        """A request is about to use `name`: load it back if it was evicted, mark it used. True when
+        adapters were loaded or unloaded."""
+        if name in self.slots:
+            self.slots[name] = self.slots.pop(name)  # the most recently used now
+            return False
+        self.load(name, self.paths[name])
+        self._evict({*in_use, name})
+        return True
+
+    def state(self) -> list[tuple[str, str, int]]:
+        """The adapters in memory, as (name, directory, slot): what the other ranks mirror."""
+        return [(name, str(self.paths.get(name, "")), slot) for name, slot in self.slots.items()]
+
+    def mirror(self, state: list[tuple[str, str, int]]) -> None:
+        """Make this rank's adapters in memory rank 0's `state`, slot for slot."""
+        want = {name: (Path(path), slot) for name, path, slot in state}
+        for name in [n for n, s in self.slots.items() if want.get(n, (None, -1))[1] != s]:
+            self.unload(name)
+        for name, (path, slot) in want.items():
+            if name not in self.slots:
+                self.load(name, path, slot)
+            self.paths[name] = path
+
+    def _evict(self, keep: set[str | None]) -> None:
+        """Unload the least recently used adapters that no request uses, down to `capacity`."""
+        if self.capacity is None:
+            return
+        for name in [n for n in self.slots if n not in keep][: max(0, len(self.slots) - self.capacity)]:
+            self.unload(name)
+
+    def load(self, name: str, path: Path, slot: int | None = None) -> None:
+        """Put the adapter's weights in a slot (`slot`, or the first free one)."""
+        config = read_config(path, self.max_rank)
+        num_layers = 1 + max(i for i, _ in self.wrapped)
+        by_module: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        for layer, target, a, b in read_weights(path, config, num_layers):
+            module, part = MODULE_OF[target]
+            w = self.wrapped.get((layer, module))
+            if w is None:
+                raise AdapterError(f"{path}: layer {layer} has no {target} that LoRA can target")
+            base = _base(w.inner)
+            out, k = _shape(w.inner)
+            if isinstance(base, ColumnParallelLinear):
+                start, size = base.shards[part]
+                whole = b.shape[0] == size if tp_size() == 1 else b.shape[0] >= start + size
+                fits = a.shape[1] == k and whole
+            else:
+                whole = a.shape[1] == k if tp_size() == 1 else a.shape[1] >= base.in_start + k
+                fits = b.shape[0] == out and whole
+            if not fits:
+                raise AdapterError(
+                    f"{path}: layer {layer} {target}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
+                    "the base model"
+                )
+            by_module.setdefault((layer, module), {})[part] = (a, b)
+        self.unload(name)
+        if slot is None:
+            slot = next(i for i in range(len(self.slots) + 1) if i not in self.slots.values())
+        for key, parts in by_module.items():
+            self.wrapped[key].put(slot, parts, config.scaling)
+        self.slots[name] = slot
+        self._refresh()
+
+    def unload(self, name: str) -> None:
+        slot = self.slots.pop(name, None)
+        if slot is not None:
+            for w in self.wrapped.values():
+                w.drop(slot)
+            self._refresh()
+
+    def _refresh(self) -> None:
+        capacity = 1 + max(self.slots.values(), default=-1)
+        for w in self.wrapped.values():
+            w.refresh(capacity)
+        num_layers = 1 + max(i for i, _ in self.wrapped)
+        table = np.zeros((num_layers, len(LOOP_ORDER), TABLE_ROWS), np.int64)
+        for (layer, path), w in self.wrapped.items():
+            if w.weights and path in LOOP_ORDER:
+                table[layer, LOOP_ORDER.index(path)] = [row.ctypes.data for row in w.table]
+        self.ctx.loop_table = table.reshape(num_layers, LOOP_FIELDS)
+
+    def row_slots(self, adapters: list[str | None], query_lens: np.ndarray) -> np.ndarray | None:
+        """Each flat row's slot (-1: the base model); None when no request uses an adapter."""
+        if not any(adapters):
+            return None
+        slots = np.fromiter((-1 if a is None else self.slots[a] for a in adapters), np.int64, len(adapters))
+        return np.repeat(slots, query_lens)

@@ -1,0 +1,171 @@
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+Each token goes to its `top_k` experts by a softmax router (renormalized over the chosen ones when
+the model says so) and gets their SwiGLU outputs, weighted. The experts' weights are stacked, gate and
+up fused (`gate_up [E, 2I, H]`, `down [E, H, I]`), and a step runs one pair of matmuls per expert that
+has tokens: tokens are grouped by expert once, not visited one by one. A GGUF model's experts stay
+packed as the file holds them (`pack_experts`), and a bf16 step runs all its experts in one C call
+(`pytgi/engine/kernels/moe.c`: the same low-bit matmuls, no Python between them). Qwen2-MoE adds a shared
+expert, scaled by a sigmoid gate. With tensor parallelism each rank holds a slice of every expert's
+intermediate features and the partial outputs are all-reduced.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pytgi.engine import kernels
+from pytgi.engine.distributed import all_reduce, local_range
+from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, merged_shards
+
+# checkpoint names of one expert's weights: Mixtral's w1 / w3 / w2, or gate_proj / up_proj / down_proj
+_EXPERT = re.compile(r"experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        shards = merged_shards([inter] * 2)
+        self.gate_up_proj = ColumnParallelLinear(hidden, shards)
+        self.down_proj = RowParallelLinear(shards[0], hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk: bool,
+        shared_inter: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
+        self.start, self.local = local_range(inter)
+        self.inter = inter
+        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router, on every rank
+        self.gate.weight.requires_grad_(False)
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
+        self.packed: list[tuple[Any, Any]] = []  # per expert, gate|up and down packed (`pack_experts`)
+        self.fused: kernels.PackedExperts | None = None  # the same, for moe.c
+        self.shared_expert = SharedExpert(hidden, shared_inter) if shared_inter else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
+
+    def load_experts(self, name: str, tensor: torch.Tensor) -> list[str]:
+        """Copy an expert checkpoint tensor (one expert's, or all stacked) into this rank's slice;
+        returns the parameters it wrote to."""
+        s, n = self.start, self.local
+        if name == "experts.gate_up_proj":  # stacked [E, 2I, H]
+            self.gate_up.data[:, :n].copy_(tensor[:, s : s + n])
+            self.gate_up.data[:, n:].copy_(tensor[:, self.inter + s : self.inter + s + n])
+            return ["gate_up"]
+        if name == "experts.down_proj":  # stacked [E, H, I]
+            self.down.data.copy_(tensor[:, :, s : s + n])
+            return ["down"]
+        if name in ("experts.gate_proj", "experts.up_proj"):  # stacked [E, I, H] apart (from GGUF files)
+            half = 0 if name == "experts.gate_proj" else n
+            self.gate_up.data[:, half : half + n].copy_(tensor[:, s : s + n])
+            return ["gate_up"]
+        m = _EXPERT.match(name)
+        if m is None:
+            raise ValueError(f"unexpected expert weight {name!r}")
+        e, kind = int(m.group(1)), m.group(2)
+        if kind in ("w2", "down_proj"):
+            self.down.data[e].copy_(tensor[:, s : s + n])
+            return ["down"]
+        half = 0 if kind in ("w1", "gate_proj") else n
+        self.gate_up.data[e, half : half + n].copy_(tensor[s : s + n])
+        return ["gate_up"]
+
+    def pack_experts(self, weights: Any, names: list[str], kinds: tuple[str, str], act_dtype, cpu) -> None:
+        """Keep the experts packed for the low-bit kernels, as a GGUF file's blocks hold them
+        (`pytgi.engine.models.quant.grid_layout`): per expert, this rank's slice of gate|up in `kinds[0]`'s
+        layout and of down in `kinds[1]`'s, read from `weights` (`GGUFWeights`; `names`: the stacked
+        gate, up and down tensors). Every step then multiplies by the packed weights."""
+        from pytgi.engine.models.quant import Layout, LayoutRows, QuantizedWeight, grid_layout
+
+        gate, up, down = names
+        s, n, inter = self.start, self.local, self.inter
+        hidden = weights.shape(down)[1]
+
+        def gate_up(e: int) -> Iterator[Layout]:  # this rank's rows of expert e's gate, then up
+            for name in (gate, up):
+                yield grid_layout(weights.grid(name, e * inter + s, e * inter + s + n), kinds[0])
+
+        def down_rows(e: int) -> Iterator[Layout]:  # expert e's rows, this rank's columns
+            yield grid_layout(weights.grid(down, e * hidden, (e + 1) * hidden).cols(s, n), kinds[1])
+
+        self.packed = []
+        for e in range(self.num_experts):
+            pair = (
+                QuantizedWeight(kinds[0], LayoutRows((2 * n, hidden), partial(gate_up, e)), act_dtype, cpu),
+                QuantizedWeight(kinds[1], LayoutRows((hidden, n), partial(down_rows, e)), act_dtype, cpu),
+            )
+            for w in pair:
+                w.dequantized = torch.empty(0)  # the packed weight serves every step here
+            self.packed.append(pair)
+        self.gate_up = nn.Parameter(torch.empty(0, dtype=act_dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(0, dtype=act_dtype), requires_grad=False)
+        self.fuse()
+
+    def fuse(self) -> None:
+        """Where every expert is packed for pytgi's low-bit kernel, hand them to one C call (moe.c)."""
+        if self.packed and all(w.vnni for pair in self.packed for w in pair):
+            gu, dn = zip(*self.packed)
+            self.fused = kernels.PackedExperts(
+                gate_up=np.array([w.packed.data_ptr() for w in gu], dtype=np.int64),
+                down=np.array([w.packed.data_ptr() for w in dn], dtype=np.int64),
+                bits_gu=np.array([w.bits for w in gu], dtype=np.int64),
+                bits_down=np.array([w.bits for w in dn], dtype=np.int64),
+                inter=gu[0].shape[0] // 2,
+                amx_above=min(w.vnni_max_m for pair in self.packed for w in pair),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dtype == self.gate.weight.dtype == torch.bfloat16:  # all in moe.c
+            routed = kernels.moe(x.contiguous(), self.fused, self.gate.weight, self.top_k, self.norm_topk)
+            return self._shared(x, all_reduce(routed))
+        probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat = experts.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        xs = x[order // self.top_k]  # each (token, expert) pair's input, grouped by expert
+        ys = []
+        at = 0
+        for e, count in enumerate(counts.tolist()):
+            if count == 0:
+                continue
+            xe = xs[at : at + count]
+            if self.packed:
+                gate, up = self.packed[e][0].matmul(xe).chunk(2, dim=-1)
+                ys.append(self.packed[e][1].matmul(F.silu(gate) * up))
+            else:
+                gate, up = F.linear(xe, self.gate_up[e]).chunk(2, dim=-1)
+                ys.append(F.linear(F.silu(gate) * up, self.down[e]))
+            at += count
+        # back in (token, choice) order, then each token's k outputs weighted and summed in float32
+        y = torch.cat(ys)[order.argsort()].view(len(x), self.top_k, -1).float()
+        return self._shared(x, all_reduce((y * weights[..., None]).sum(dim=1).to(x.dtype)))
+
+    def _shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output plus the shared expert's, where the model has one."""
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

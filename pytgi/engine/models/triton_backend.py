@@ -1,0 +1,128 @@
+"""The CUDA path's attention backend and element-wise steps, on the Triton kernels of
+`pytgi.engine.kernels.gpu`.
+
+`TritonAttention` runs every plain causal step (prefills, decodes, both at once) through one paged
+attention launch that reads the cache in place. What the kernel does not do, a sliding window or
+Gemma 3's two-way image spans, goes through the gather + SDPA path it inherits. `TritonOps` fuses
+the residual add with the norm after it, SiLU·up, and the rotation with the cache write; where a
+family needs more (Gemma's offset norms and sandwich, Qwen3's q/k norms, GELU) it keeps PyTorch's.
+
+Both are chosen at load (`CpuKernels.triton`: CUDA with Triton installed); imported only then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pytgi.engine.kernels import gpu
+from pytgi.engine.models.attention import StepLayout, TorchAttention, TorchAttentionMetadata
+from pytgi.engine.models.cpu import TorchOps, _rotate
+
+
+@dataclass(slots=True)
+class TritonMetadata:
+    """One step's layout on the device, for the paged attention kernel."""
+
+    slot_mapping: torch.Tensor  # [T] int64: each new token's cache slot
+    programs: torch.Tensor  # [P, 2] int32: the kernel's programs (`gpu.attention_programs`)
+    q_start: torch.Tensor  # [B + 1] int32: each request's first flat row (and the end)
+    context_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, M] int32
+    block_m: int  # query tokens per program
+    block_size: int
+    splits: int = 1  # a decode step's programs per request and kv head (`gpu.decode_splits`)
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessors (8 for the interpreter on a CPU, so tests split too)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def triton_metadata(
+    layout: StepLayout, device: torch.device, group: int, kv_heads: int = 0
+) -> TritonMetadata:
+    """`group`: query heads per kv head; `kv_heads`: the cache's heads (0: never split a decode)."""
+    decode = bool((layout.query_lens == 1).all())
+    splits = (
+        gpu.decode_splits(len(layout.query_lens), kv_heads, multiprocessors(device))
+        if decode and kv_heads
+        else 1
+    )
+    q_start = np.zeros(len(layout.query_lens) + 1, np.int32)
+    np.cumsum(layout.query_lens, out=q_start[1:])
+    block_m = gpu.query_block(int(layout.query_lens.max()), group)
+    to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a, dtype=dt)).to(device, non_blocking=True)
+    return TritonMetadata(
+        slot_mapping=to(layout.slot_mapping, np.int64),
+        programs=to(gpu.attention_programs(layout.query_lens, block_m), np.int32),
+        q_start=to(q_start, np.int32),
+        context_lens=to(layout.context_lens, np.int32),
+        block_tables=to(layout.block_tables, np.int32),
+        block_m=block_m,
+        block_size=layout.block_size,
+        splits=splits,
+    )
+
+
+class TritonAttention(TorchAttention):
+    captures_decode = True  # a decode step's launches read only device tensors: CUDA graphs replay it
+
+    def prepare(  # type: ignore[override]
+        self, layout: StepLayout, device: torch.device, window: int | None = None
+    ) -> TritonMetadata | TorchAttentionMetadata:
+        if window is not None or layout.spans is not None:
+            return super().prepare(layout, device, window)
+        return triton_metadata(layout, device, self.group, self.kv_heads)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+        if not isinstance(meta, TritonMetadata):
+            return super().forward(q, k, v, k_cache, v_cache, meta, scale)
+        if k is not None and v is not None:
+            if k_cache.dtype == torch.uint8:  # an FP8 cache: bytes and scales, as the rotary kernel writes
+                k, v = gpu.quantize_kv_fp8(k), gpu.quantize_kv_fp8(v)
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        return gpu.paged_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            out,
+            meta.programs,
+            meta.q_start,
+            meta.context_lens,
+            meta.block_tables,
+            meta.block_m,
+            meta.block_size,
+            scale,
+            meta.splits,
+        )
+
+
+class TritonOps(TorchOps):
+    def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
+        return rotary.cos[positions].float(), rotary.sin[positions].float()  # float32 [T, D]
+
+    def add_norm(self, y, residual, norm, out_norm=None):
+        if out_norm is not None or norm is None or norm.offset:  # nothing to fuse, or Gemma's norms
+            return super().add_norm(y, residual, norm, out_norm)
+        residual = residual.contiguous()
+        return residual, gpu.add_rms_norm(y, residual, norm.weight, norm.eps)
+
+    def act_mul(self, activation: str, gate_up: torch.Tensor) -> torch.Tensor:
+        if activation != "silu":
+            return super().act_mul(activation, gate_up)
+        return gpu.silu_mul(gate_up)
+
+    def qkv_rotary(self, attn, qkv: torch.Tensor, rope, kv_cache, meta):
+        if attn.q_norm is not None:  # Qwen3's and Gemma 3's q/k norms: PyTorch's rotation
+            cos, sin = (t.unsqueeze(1).to(qkv.dtype) for t in rope)
+            return _rotate(attn, qkv, cos, sin)
+        cos, sin = rope
+        q = gpu.rope_write_kv(
+            qkv, cos, sin, meta.slot_mapping, kv_cache[0], kv_cache[1], attn.n_heads, attn.n_kv, attn.head_dim
+        )
+        return q, None, None
