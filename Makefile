@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: install
-	$(BIN)/ruff check pytgi
-	$(BIN)/ruff format --check pytgi
+	$(BIN)/ruff check pytgi tests
+	$(BIN)/ruff format --check pytgi tests
 	$(BIN)/mypy
 
 test: lint

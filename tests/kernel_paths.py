@@ -11,10 +11,10 @@ from pytgi.engine import kernels
 batch_invariant = pytest.mark.skipif(
     not kernels.vnni_supported(),
     reason="batch invariance needs pytgi's C kernels and their low-bit matmul (AVX2 or AVX-512 VNNI); "
-           "this run has PyTorch's (docs/batch-invariance.md)",
+    "this run has PyTorch's (docs/batch-invariance.md)",
 )
 decoder_loop = pytest.mark.skipif(
     not kernels.vnni_supported(),
     reason="the one-call decoder loop (decoder.c) runs pytgi's low-bit matmul (AVX2 or AVX-512 VNNI); "
-           "this run has PyTorch's kernels",
+    "this run has PyTorch's kernels",
 )

@@ -55,11 +55,17 @@ def declared_gguf(path: Path, layers: int, hidden: int, inter: int, qtype: str =
     _llama_metadata(writer, layers, hidden, inter, heads, heads // 4 or 1, 4096)
     shapes = {"token_embd.weight": (49152, hidden), "output_norm.weight": (hidden,)}
     for i in range(layers):
-        shapes |= {f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (hidden // 4, hidden),
-                   f"blk.{i}.attn_v.weight": (hidden // 4, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
-                   f"blk.{i}.ffn_gate.weight": (inter, hidden), f"blk.{i}.ffn_up.weight": (inter, hidden),
-                   f"blk.{i}.ffn_down.weight": (hidden, inter), f"blk.{i}.attn_norm.weight": (hidden,),
-                   f"blk.{i}.ffn_norm.weight": (hidden,)}
+        shapes |= {
+            f"blk.{i}.attn_q.weight": (hidden, hidden),
+            f"blk.{i}.attn_k.weight": (hidden // 4, hidden),
+            f"blk.{i}.attn_v.weight": (hidden // 4, hidden),
+            f"blk.{i}.attn_output.weight": (hidden, hidden),
+            f"blk.{i}.ffn_gate.weight": (inter, hidden),
+            f"blk.{i}.ffn_up.weight": (inter, hidden),
+            f"blk.{i}.ffn_down.weight": (hidden, inter),
+            f"blk.{i}.attn_norm.weight": (hidden,),
+            f"blk.{i}.ffn_norm.weight": (hidden,),
+        }
     for name, shape in shapes.items():
         if len(shape) == 1:
             writer.add_tensor_info(name, shape, np.dtype(np.float32), shape[0] * 4)

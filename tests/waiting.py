@@ -21,7 +21,9 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: 
     return value
 
 
-async def async_wait_until(predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
+async def async_wait_until(
+    predicate: Callable[[], T], timeout: float, what: str, interval: float = 0.05
+) -> T:
     """`wait_until` inside an event loop: it awaits between polls, so the loop's tasks run meanwhile."""
     deadline = time.monotonic() + timeout
     while not (value := predicate()):

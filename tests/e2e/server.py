@@ -20,15 +20,35 @@ class Server:
     chunk- and shard-invariant; tests that say `exact=False` run the default flags (bfloat16 + the
     GGUF's int4: batch and chunk invariant too, docs/batch-invariance.md, but not equal to float32)."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, log: Path | None = None,
-                 exact: bool = True, launcher: str = "pytgi.cli") -> None:
+    def __init__(
+        self,
+        *args: str,
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+        exact: bool = True,
+        launcher: str = "pytgi.cli",
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
-        cmd = [sys.executable, "-m", launcher, "serve", "--hostname", "127.0.0.1", "--port", str(self.port),
-               "--max-batch-total-tokens", "32768", *(["--dtype", "float32"] if exact else []), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            launcher,
+            "serve",
+            "--hostname",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-batch-total-tokens",
+            "32768",
+            *(["--dtype", "float32"] if exact else []),
+            *args,
+        ]
         out = open(log, "wb") if log else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT
+        )
 
     def wait_ready(self, timeout: float = 300) -> Server:
         deadline = time.monotonic() + timeout
@@ -67,7 +87,7 @@ class Server:
 
     def metric(self, name: str, headers: dict[str, str] | None = None) -> float:
         for line in httpx.get(f"{self.url}/metrics", headers=headers).text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
+            if line.startswith((name + " ", name + "{")):
                 return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
 
@@ -97,4 +117,3 @@ def listening(pids: list[int]) -> list[tuple[str, int]]:
                 raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
                 out.append((str(ipaddress.ip_address(raw)), int(hexport, 16)))
     return out
-

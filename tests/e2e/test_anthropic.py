@@ -22,9 +22,15 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 WEATHER = {
     "name": "get_weather",
     "description": "Current weather for a city",
-    "input_schema": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-                     "properties": {"city": {"type": "string", "maxLength": 20},
-                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}},
+    "input_schema": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["city", "unit"],
+        "properties": {
+            "city": {"type": "string", "maxLength": 20},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+        },
+    },
 }
 
 
@@ -39,15 +45,26 @@ def oai(server) -> OpenAI:
 
 
 def test_text_equals_the_chat_route_streamed_and_not(client, oai):
-    want = oai.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."}, *ASK],
-                                       max_tokens=12, extra_body=GREEDY)
-    r = client.messages.create(model=MODEL, system="Be brief.", messages=ASK, max_tokens=12, extra_body=GREEDY)
+    want = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, *ASK],
+        max_tokens=12,
+        extra_body=GREEDY,
+    )
+    r = client.messages.create(
+        model=MODEL, system="Be brief.", messages=ASK, max_tokens=12, extra_body=GREEDY
+    )
     assert r.type == "message" and r.role == "assistant" and r.id.startswith("msg_")
     assert [b.type for b in r.content] == ["text"] and r.content[0].text == want.choices[0].message.content
     assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 12
     assert r.usage.input_tokens == want.usage.prompt_tokens
-    with client.messages.stream(model=MODEL, system=[{"type": "text", "text": "Be brief."}], messages=ASK,
-                                max_tokens=12, extra_body=GREEDY) as stream:
+    with client.messages.stream(
+        model=MODEL,
+        system=[{"type": "text", "text": "Be brief."}],
+        messages=ASK,
+        max_tokens=12,
+        extra_body=GREEDY,
+    ) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
@@ -56,23 +73,41 @@ def test_text_equals_the_chat_route_streamed_and_not(client, oai):
 
 
 def test_stop_sequences_and_end_turn(client):
-    r = client.messages.create(model=MODEL, messages=[{"role": "user", "content": "Count from 1 to 10."}],
-                               max_tokens=60, extra_body=GREEDY, stop_sequences=["4"])
+    r = client.messages.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count from 1 to 10."}],
+        max_tokens=60,
+        extra_body=GREEDY,
+        stop_sequences=["4"],
+    )
     assert r.stop_reason == "stop_sequence" and r.stop_sequence == "4" and "4" not in r.content[0].text
-    r = client.messages.create(model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=200,
-                               extra_body=GREEDY)
+    r = client.messages.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=200, extra_body=GREEDY
+    )
     assert r.stop_reason == "end_turn"
 
 
 def test_forced_tool_use_streamed_and_not(client):
-    r = client.messages.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=100, extra_body=GREEDY,
-                               tool_choice={"type": "tool", "name": "get_weather"})
+    r = client.messages.create(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        max_tokens=100,
+        extra_body=GREEDY,
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
     assert r.stop_reason == "tool_use"
     (call,) = [b for b in r.content if b.type == "tool_use"]
     assert call.name == "get_weather" and call.id
     jsonschema.validate(call.input, WEATHER["input_schema"])
-    with client.messages.stream(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=100, extra_body=GREEDY,
-                                tool_choice={"type": "any", "disable_parallel_tool_use": True}) as stream:
+    with client.messages.stream(
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        max_tokens=100,
+        extra_body=GREEDY,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+    ) as stream:
         events = list(stream)
         final = stream.get_final_message()
     deltas = [e.delta for e in events if e.type == "content_block_delta"]
@@ -83,23 +118,56 @@ def test_forced_tool_use_streamed_and_not(client):
 
 def test_tool_results_go_back(client):
     history = ASK + [
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
-                                           "input": {"city": "Paris", "unit": "celsius"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
-                                      "content": '{"temperature": 18, "sky": "clear"}'}]},
+        {
+            "role": "assistant",
+            "content": [
+                {
+                    "type": "tool_use",
+                    "id": "toolu_1",
+                    "name": "get_weather",
+                    "input": {"city": "Paris", "unit": "celsius"},
+                }
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "toolu_1",
+                    "content": '{"temperature": 18, "sky": "clear"}',
+                }
+            ],
+        },
     ]
-    r = client.messages.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=30, extra_body=GREEDY,
-                               tool_choice={"type": "none"})
+    r = client.messages.create(
+        model=MODEL,
+        messages=history,
+        tools=[WEATHER],
+        max_tokens=30,
+        extra_body=GREEDY,
+        tool_choice={"type": "none"},
+    )
     assert r.content and r.content[0].type == "text" and r.content[0].text
     assert r.stop_reason in ("end_turn", "max_tokens")
 
 
 def test_structured_output(client):
-    person = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-              "properties": {"name": {"type": "string", "maxLength": 16},
-                             "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
-    r = client.messages.create(model=MODEL, messages=[{"role": "user", "content": "Describe a person."}],
-                               max_tokens=80, output_config={"format": {"type": "json_schema", "schema": person}})
+    person = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "age"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+    }
+    r = client.messages.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a person."}],
+        max_tokens=80,
+        output_config={"format": {"type": "json_schema", "schema": person}},
+    )
     assert r.stop_reason == "end_turn"
     jsonschema.validate(json.loads(r.content[0].text), person)
 
@@ -112,16 +180,25 @@ def test_count_tokens_is_the_prompt_messages_would_take(client):
     assert with_tools.input_tokens > n.input_tokens
 
 
-@pytest.mark.parametrize("kw, error", [
-    (dict(extra_body={"temperature": 1.5}), anthropic.BadRequestError),  # Anthropic's range is 0..1
-    (dict(max_tokens=0), anthropic.BadRequestError),
-    (dict(messages=[]), anthropic.BadRequestError),
-    (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}]),
-     anthropic.BadRequestError),
-    (dict(max_tokens=100_000), anthropic.BadRequestError),
-    (dict(model="claude-nope"), anthropic.NotFoundError),
-    (dict(tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"}), anthropic.BadRequestError),
-])
+@pytest.mark.parametrize(
+    "kw, error",
+    [
+        (dict(extra_body={"temperature": 1.5}), anthropic.BadRequestError),  # Anthropic's range is 0..1
+        (dict(max_tokens=0), anthropic.BadRequestError),
+        (dict(messages=[]), anthropic.BadRequestError),
+        (
+            dict(
+                messages=[
+                    {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "x"}}]}
+                ]
+            ),
+            anthropic.BadRequestError,
+        ),
+        (dict(max_tokens=100_000), anthropic.BadRequestError),
+        (dict(model="claude-nope"), anthropic.NotFoundError),
+        (dict(tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"}), anthropic.BadRequestError),
+    ],
+)
 def test_errors_are_anthropics(client, kw, error):
     with pytest.raises(error) as e:
         client.messages.create(**{"model": MODEL, "messages": ASK, "max_tokens": 4, **kw})
@@ -138,8 +215,12 @@ def test_x_api_key(tmp_path):
         with pytest.raises(anthropic.AuthenticationError) as e:
             bad.messages.create(model=MODEL, messages=ASK, max_tokens=2)
         assert e.value.body["error"]["type"] == "authentication_error"
-        r = httpx.post(f"{srv.url}/generate", headers={"x-api-key": "sekret"},
-                       json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, timeout=60)
+        r = httpx.post(
+            f"{srv.url}/generate",
+            headers={"x-api-key": "sekret"},
+            json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}},
+            timeout=60,
+        )
         assert r.status_code == 200  # the same key, either header, on every route
     finally:
         srv.stop()

@@ -17,17 +17,67 @@ from pytgi.bench.workload import synthetic_requests
 
 pytestmark = pytest.mark.slow
 
-SUMMARY_KEYS = {"requests", "completed", "errors", "error_messages", "duration_s", "input_tokens",
-                "output_tokens", "requested_output_tokens", "reported_output_tokens", "output_len_mismatches",
-                "request_throughput", "output_throughput", "total_throughput", "ttft_ms", "itl_ms", "tpot_ms",
-                "e2e_ms"}
+SUMMARY_KEYS = {
+    "requests",
+    "completed",
+    "errors",
+    "error_messages",
+    "duration_s",
+    "input_tokens",
+    "output_tokens",
+    "requested_output_tokens",
+    "reported_output_tokens",
+    "output_len_mismatches",
+    "request_throughput",
+    "output_throughput",
+    "total_throughput",
+    "ttft_ms",
+    "itl_ms",
+    "tpot_ms",
+    "e2e_ms",
+}
 DIST_KEYS = {"mean", "p50", "p90", "p99", "min", "max", "n"}
-RUN_KEYS = {"server", "url", "protocol", "endpoint", "command", "model", "concurrency", "request_rate",
-            "ignore_eos", "summary", "requests"}
-DOC_KEYS = {"kind", "version", "timestamp", "command", "machine", "commit", "workload", "servers", "runs",
-            "failures", "table"}
-REQUEST_KEYS = {"index", "input_len", "requested_output_len", "ok", "error", "start", "ttft", "e2e", "tpot",
-                "itl", "output_tokens", "reported_tokens", "chunks"}
+RUN_KEYS = {
+    "server",
+    "url",
+    "protocol",
+    "endpoint",
+    "command",
+    "model",
+    "concurrency",
+    "request_rate",
+    "ignore_eos",
+    "summary",
+    "requests",
+}
+DOC_KEYS = {
+    "kind",
+    "version",
+    "timestamp",
+    "command",
+    "machine",
+    "commit",
+    "workload",
+    "servers",
+    "runs",
+    "failures",
+    "table",
+}
+REQUEST_KEYS = {
+    "index",
+    "input_len",
+    "requested_output_len",
+    "ok",
+    "error",
+    "start",
+    "ttft",
+    "e2e",
+    "tpot",
+    "itl",
+    "output_tokens",
+    "reported_tokens",
+    "chunks",
+}
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +105,7 @@ def check_run(run: dict, requests) -> None:
         assert REQUEST_KEYS <= set(res)
         assert res["ok"] and res["index"] == req.index
         assert res["reported_tokens"] == req.output_len  # EOS ignored: every token asked for
-        assert res["output_tokens"] == req.output_len    # and the text re-tokenizes to as many
+        assert res["output_tokens"] == req.output_len  # and the text re-tokenizes to as many
         assert res["chunks"] >= 1 and res["ttft"] <= res["e2e"]
     assert s["output_tokens"] == sum(r.output_len for r in requests) and s["output_len_mismatches"] == 0
 
@@ -79,10 +129,37 @@ def test_openai_protocol(server, tok, requests) -> None:
 def test_cli_with_url(server, tmp_path: Path) -> None:
     out = tmp_path / "r" / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytgi.cli", "bench", "--url", server.url, "--num-prompts", "6",
-         "--concurrency", "3", "--input-min", "16", "--input-max", "96", "--output-min", "8",
-         "--output-max", "16", "--seed", "11", "--warmup", "0", "--no-progress", "--out", str(out)],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pytgi.cli",
+            "bench",
+            "--url",
+            server.url,
+            "--num-prompts",
+            "6",
+            "--concurrency",
+            "3",
+            "--input-min",
+            "16",
+            "--input-max",
+            "96",
+            "--output-min",
+            "8",
+            "--output-max",
+            "16",
+            "--seed",
+            "11",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| server | load |" in proc.stdout
     assert f"| {server.url.split('://')[1]} | c=3 | 6 / 0 |" in proc.stdout
@@ -98,10 +175,33 @@ def test_cli_sweep_writes_a_plot(server, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "sweep.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytgi.cli", "bench", "--url", server.url, "--num-prompts", "2",
-         "--input-min", "8", "--input-max", "16", "--output-min", "4", "--output-max", "4",
-         "--sweep-concurrency", "1,2", "--no-progress", "--out", str(out)],
-        capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pytgi.cli",
+            "bench",
+            "--url",
+            server.url,
+            "--num-prompts",
+            "2",
+            "--input-min",
+            "8",
+            "--input-max",
+            "16",
+            "--output-min",
+            "4",
+            "--output-max",
+            "4",
+            "--sweep-concurrency",
+            "1,2",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert [r["concurrency"] for r in doc["runs"]] == [1, 2]

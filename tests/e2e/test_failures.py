@@ -25,10 +25,22 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory):
     """Two concurrent requests at most, an API key, a small payload limit, a fault-injecting engine."""
-    srv = Server("--max-concurrent-requests", "2", "--payload-limit", "10000", "--request-header-timeout", "1",
-                 "--request-body-timeout", "1", "--cors-allow-origin", "http://example.com", "--json-output",
-                 launcher="tests.e2e.fault_engine", env={"API_KEY": "sekret"},  # the key from the environment
-                 log=tmp_path_factory.mktemp("logs") / "guarded.log").wait_ready()
+    srv = Server(
+        "--max-concurrent-requests",
+        "2",
+        "--payload-limit",
+        "10000",
+        "--request-header-timeout",
+        "1",
+        "--request-body-timeout",
+        "1",
+        "--cors-allow-origin",
+        "http://example.com",
+        "--json-output",
+        launcher="tests.e2e.fault_engine",
+        env={"API_KEY": "sekret"},  # the key from the environment
+        log=tmp_path_factory.mktemp("logs") / "guarded.log",
+    ).wait_ready()
     yield srv
     srv.stop()
 
@@ -58,7 +70,9 @@ def test_api_key_guards_every_route_but_health(guarded):
     assert r.status_code == 401 and r.json()["error_type"] == "authentication"
     r = httpx.post(f"{guarded.url}/generate", json=body, headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401
-    r = httpx.post(f"{guarded.url}/generate", json=body, headers={"Authorization": "Bearer sekre"})  # a prefix
+    r = httpx.post(
+        f"{guarded.url}/generate", json=body, headers={"Authorization": "Bearer sekre"}
+    )  # a prefix
     assert r.status_code == 401
     assert httpx.post(f"{guarded.url}/generate", json=body, headers=AUTH).status_code == 200
     assert httpx.get(f"{guarded.url}/health").status_code == 200
@@ -70,8 +84,10 @@ def test_api_key_guards_every_route_but_health(guarded):
 
 
 def test_cors_and_json_logs(guarded):
-    r = httpx.options(f"{guarded.url}/generate", headers={"Origin": "http://example.com",
-                                                         "Access-Control-Request-Method": "POST"})
+    r = httpx.options(
+        f"{guarded.url}/generate",
+        headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST"},
+    )
     assert r.headers.get("access-control-allow-origin") == "http://example.com"
     r = httpx.get(f"{guarded.url}/health", headers={"Origin": "http://evil.example"})
     assert "access-control-allow-origin" not in r.headers
@@ -127,12 +143,24 @@ def test_overloaded_maps_to_the_client_error(guarded):
 def test_a_failing_step_fails_only_its_requests(guarded):
     ok = {"inputs": "Hello", "parameters": {"max_new_tokens": 3}}
     assert httpx.post(f"{guarded.url}/generate", json=ok, headers=AUTH).status_code == 200
-    r = httpx.post(f"{guarded.url}/generate", json={"inputs": FAULT_PROMPT, "parameters": {"max_new_tokens": 3}},
-                   headers=AUTH, timeout=60)
+    r = httpx.post(
+        f"{guarded.url}/generate",
+        json={"inputs": FAULT_PROMPT, "parameters": {"max_new_tokens": 3}},
+        headers=AUTH,
+        timeout=60,
+    )
     assert r.status_code == 424 and r.json()["error_type"] == "generation"
-    assert r.json()["error"].startswith("Request failed during generation: ") and "injected fault" in r.json()["error"]
-    with httpx.stream("POST", f"{guarded.url}/generate_stream", headers=AUTH, timeout=60,
-                      json={"inputs": FAULT_PROMPT, "parameters": {"max_new_tokens": 3}}) as s:
+    assert (
+        r.json()["error"].startswith("Request failed during generation: ")
+        and "injected fault" in r.json()["error"]
+    )
+    with httpx.stream(
+        "POST",
+        f"{guarded.url}/generate_stream",
+        headers=AUTH,
+        timeout=60,
+        json={"inputs": FAULT_PROMPT, "parameters": {"max_new_tokens": 3}},
+    ) as s:
         events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
     assert events[-1]["error_type"] == "generation"
     with pytest.raises(text_generation.errors.GenerationError):
@@ -140,8 +168,11 @@ def test_a_failing_step_fails_only_its_requests(guarded):
     # the server goes on serving
     assert httpx.post(f"{guarded.url}/generate", json=ok, headers=AUTH).status_code == 200
     assert httpx.get(f"{guarded.url}/health").status_code == 200
-    failures = [line for line in httpx.get(f"{guarded.url}/metrics", headers=AUTH).text.splitlines()
-                if line.startswith('tgi_request_failure_total{err="generation"}')]
+    failures = [
+        line
+        for line in httpx.get(f"{guarded.url}/metrics", headers=AUTH).text.splitlines()
+        if line.startswith('tgi_request_failure_total{err="generation"}')
+    ]
     assert failures and float(failures[0].rsplit(" ", 1)[1]) >= 3
 
 
@@ -202,8 +233,13 @@ def test_openai_routes_refuse_in_openai_shape(guarded):
 
 def test_failed_requests_of_every_kind_give_their_slots_back(guarded):
     """Each kind of failure, more times than there are slots (2): none may keep its slot."""
-    deep = '{"inputs": "Hi", "parameters": {"grammar": {"type": "json", "value": ' + '{"a": ' * 5000 + "1" \
-        + "}" * 5000 + "}}}"
+    deep = (
+        '{"inputs": "Hi", "parameters": {"grammar": {"type": "json", "value": '
+        + '{"a": ' * 5000
+        + "1"
+        + "}" * 5000
+        + "}}}"
+    )
     failing = [
         ("/generate", '{"inputs": "Hi", "parameters": {"stop": ["\\ud800"], "max_new_tokens": 2}}'),
         ("/generate_stream", '{"inputs": "Hi", "parameters": {"stop": ["\\ud800"], "max_new_tokens": 2}}'),
@@ -216,7 +252,10 @@ def test_failed_requests_of_every_kind_give_their_slots_back(guarded):
         ("/v1/completions", '{"prompt": "Hi \\ud800", "max_tokens": 2}'),
         ("/v1/completions", '{"prompt": "Hi", "max_tokens": 2, "stop": ["\\ud800"]}'),
         ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}'),
-        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "stop": "\\udfff", "n": 2}'),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "Hi"}], "stop": "\\udfff", "n": 2}',
+        ),
         ("/v1/completions", json.dumps({"prompt": FAULT_PROMPT, "max_tokens": 3, "n": 2})),
     ]
     headers = {**AUTH, "content-type": "application/json"}
@@ -226,8 +265,13 @@ def test_failed_requests_of_every_kind_give_their_slots_back(guarded):
             assert r.status_code != 429, (path, body[:80], r.text)
     # a client that goes away mid-stream, several times
     for _ in range(3):
-        with httpx.stream("POST", f"{guarded.url}/generate_stream", headers=AUTH, timeout=60,
-                          json={"inputs": "Count:", "parameters": {"max_new_tokens": 200}}) as s:
+        with httpx.stream(
+            "POST",
+            f"{guarded.url}/generate_stream",
+            headers=AUTH,
+            timeout=60,
+            json={"inputs": "Count:", "parameters": {"max_new_tokens": 200}},
+        ) as s:
             next(line for line in s.iter_lines() if line.startswith("data:"))
     wait_until(lambda: running(guarded) == 0, 10, "the server to abort the streams whose clients went away")
 
@@ -249,8 +293,10 @@ def test_slow_clients_get_408_instead_of_holding_a_socket(guarded):
         s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")  # and nothing more
         assert s.recv(100).startswith(b"HTTP/1.1 408")
     with socket.create_connection(("127.0.0.1", guarded.port)) as s:
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"inputs\":")
+        s.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 500\r\n\r\n{"inputs":'
+        )
         reply = b""
         while chunk := s.recv(1000):  # until the server closes
             reply += chunk
@@ -263,16 +309,22 @@ def test_a_chunked_body_over_the_limit_is_413(guarded):
         for _ in range(30):
             yield b"x" * 1000
 
-    r = httpx.post(f"{guarded.url}/generate", content=chunks(), headers={**AUTH, "content-type": "application/json"})
+    r = httpx.post(
+        f"{guarded.url}/generate", content=chunks(), headers={**AUTH, "content-type": "application/json"}
+    )
     assert r.status_code == 413 and r.json()["error_type"] == "payload_too_large"
 
 
 def test_an_abandoned_generate_is_an_info_line(guarded):
-    body = json.dumps({"inputs": "Count:", "parameters": {"max_new_tokens": 300, "ignore_eos_token": True}}).encode()
+    body = json.dumps(
+        {"inputs": "Count:", "parameters": {"max_new_tokens": 300, "ignore_eos_token": True}}
+    ).encode()
     before = received(guarded)
     with socket.create_connection(("127.0.0.1", guarded.port)) as s:
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        s.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sekret\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
         wait_until(lambda: received(guarded) > before, 30, "the route to take the request")
 
     def went_away() -> bool:
@@ -281,4 +333,6 @@ def test_an_abandoned_generate_is_an_info_line(guarded):
     wait_until(went_away, 10, "an INFO line saying the client went away")
     wait_until(lambda: running(guarded) == 0, 10, "the abandoned request to be aborted")
     records = log_records(guarded)
-    assert not any(r["target"].startswith("uvicorn") and r["level"] == "ERROR" for r in records)  # no traceback
+    assert not any(
+        r["target"].startswith("uvicorn") and r["level"] == "ERROR" for r in records
+    )  # no traceback

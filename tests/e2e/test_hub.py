@@ -73,8 +73,9 @@ def _lora_adapter(base: Path, out: Path) -> Path:
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    peft.get_peft_model(model, peft.LoraConfig(r=4, init_lora_weights=False, target_modules=["q_proj"])) \
-        .save_pretrained(out)
+    peft.get_peft_model(
+        model, peft.LoraConfig(r=4, init_lora_weights=False, target_modules=["q_proj"])
+    ).save_pretrained(out)
     return out
 
 
@@ -202,8 +203,14 @@ def test_refusals_are_one_line_and_quick(hub, tmp_path, model, extra, said):
 
 def test_a_lora_adapter_by_its_hub_id(hub, tmp_path):
     before = len(hub.downloads())
-    srv = Server("--model-id", HF, "--lora-adapters", "sql=test-org/tiny-lora",
-                 env=hub_env(hub.url, tmp_path / "hf"), log=tmp_path / "lora.log").wait_ready()
+    srv = Server(
+        "--model-id",
+        HF,
+        "--lora-adapters",
+        "sql=test-org/tiny-lora",
+        env=hub_env(hub.url, tmp_path / "hf"),
+        log=tmp_path / "lora.log",
+    ).wait_ready()
     try:
         assert list(httpx.get(f"{srv.url}/info").json()["lora_adapters"]) == ["sql"]
         body = {"inputs": "Hi", "parameters": {"max_new_tokens": 3, "adapter_id": "sql"}}

@@ -43,10 +43,15 @@ def adapter(base, out, seed: int, **cfg):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     base = tiny_model(tmp_path_factory.mktemp("tiny-lora"))
-    a = adapter(base, tmp_path_factory.mktemp("a"), 1, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
-    b = adapter(base, tmp_path_factory.mktemp("b"), 2, r=4, target_modules=["o_proj", "gate_proj", "down_proj"])
-    srv = Server("--model-id", str(base), "--lora-adapters", f"alpha={a},beta={b}",
-                 log=base / "server.log").wait_ready()
+    a = adapter(
+        base, tmp_path_factory.mktemp("a"), 1, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]
+    )
+    b = adapter(
+        base, tmp_path_factory.mktemp("b"), 2, r=4, target_modules=["o_proj", "gate_proj", "down_proj"]
+    )
+    srv = Server(
+        "--model-id", str(base), "--lora-adapters", f"alpha={a},beta={b}", log=base / "server.log"
+    ).wait_ready()
     yield srv, str(base), {"alpha": str(a), "beta": str(b)}
     srv.stop()
 
@@ -65,14 +70,22 @@ def test_adapter_id_and_model_name_choose_the_same_adapter(served):
         assert c.model == name and c.choices[0].text == out[name].generated_text
     base_c = oai.completions.create(model=base, prompt=PROMPT, max_tokens=8, temperature=0)
     assert base_c.choices[0].text == out[None].generated_text
-    chat = oai.chat.completions.create(model="beta", messages=[{"role": "user", "content": "hello"}],
-                                       max_tokens=5, temperature=0)
+    chat = oai.chat.completions.create(
+        model="beta", messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0
+    )
     assert chat.model == "beta"
     msg = anthropic.Anthropic(base_url=srv.url, api_key="-").messages.create(
-        model="alpha", max_tokens=5, messages=[{"role": "user", "content": "hello"}], extra_body={"temperature": 0})
-    want = oai.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hello"}],
-                                       max_tokens=5, temperature=0)
-    assert msg.model == "alpha" and (msg.content[0].text if msg.content else "") == (want.choices[0].message.content or "")
+        model="alpha",
+        max_tokens=5,
+        messages=[{"role": "user", "content": "hello"}],
+        extra_body={"temperature": 0},
+    )
+    want = oai.chat.completions.create(
+        model="alpha", messages=[{"role": "user", "content": "hello"}], max_tokens=5, temperature=0
+    )
+    assert msg.model == "alpha" and (msg.content[0].text if msg.content else "") == (
+        want.choices[0].message.content or ""
+    )
 
 
 def test_adapters_are_listed_with_their_parent(served):
@@ -88,15 +101,23 @@ def test_unknown_adapters_are_refused_by_name(served):
     srv, _, _ = served
     r = httpx.post(f"{srv.url}/generate", json={"inputs": "x", "parameters": {"adapter_id": "gamma"}})
     assert r.status_code == 422 and r.json()["error_type"] == "validation"
-    assert "`adapter_id` `gamma` is not a LoRA adapter of this server (adapters: `alpha`, `beta`)" in r.json()["error"]
+    assert (
+        "`adapter_id` `gamma` is not a LoRA adapter of this server (adapters: `alpha`, `beta`)"
+        in r.json()["error"]
+    )
     r = httpx.post(f"{srv.url}/v1/completions", json={"model": "gamma", "prompt": "x", "max_tokens": 2})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert "`alpha`" in r.json()["error"]["message"]
-    assert httpx.post(f"{srv.url}/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}}).status_code == 200
+    assert (
+        httpx.post(
+            f"{srv.url}/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 2}}
+        ).status_code
+        == 200
+    )
 
 
 def test_concurrent_requests_for_different_adapters_give_what_each_gives_alone(served):
-    srv, _, adapters = served
+    srv, _, _adapters = served
     names = [None, "alpha", "beta"] * 3
     prompts = [f"{PROMPT} {i}" for i in range(len(names))]
     hf = InferenceClient(srv.url, timeout=60)
@@ -104,8 +125,9 @@ def test_concurrent_requests_for_different_adapters_give_what_each_gives_alone(s
 
     async def together():
         client = AsyncInferenceClient(srv.url, timeout=60)
-        outs = await asyncio.gather(*(client.text_generation(p, adapter_id=n, **GREEDY)
-                                      for p, n in zip(prompts, names)))
+        outs = await asyncio.gather(
+            *(client.text_generation(p, adapter_id=n, **GREEDY) for p, n in zip(prompts, names))
+        )
         return [o.generated_text for o in outs]
 
     assert asyncio.run(together()) == alone
@@ -118,8 +140,18 @@ def runtime(served, tmp_path_factory):
     _, base, adapters = served
     log = tmp_path_factory.mktemp("runtime") / "server.log"
     dirs = ",".join(str(Path(p).parent) for p in adapters.values())  # where the adapters were made
-    srv = Server("--model-id", base, "--api-key", "sekret", "--max-cpu-loras", "1", "--enable-lora-runtime-updates",
-                 "--lora-dirs", dirs, log=log).wait_ready()
+    srv = Server(
+        "--model-id",
+        base,
+        "--api-key",
+        "sekret",
+        "--max-cpu-loras",
+        "1",
+        "--enable-lora-runtime-updates",
+        "--lora-dirs",
+        dirs,
+        log=log,
+    ).wait_ready()
     yield srv
     srv.stop()
 
@@ -134,10 +166,15 @@ def generate(srv, adapter, **extra):
 
 def test_adapters_load_and_unload_at_run_time(served, runtime):
     first, _, adapters = served
-    want = {n: InferenceClient(first.url).text_generation(PROMPT, adapter_id=n, max_new_tokens=8) for n in adapters}
+    want = {
+        n: InferenceClient(first.url).text_generation(PROMPT, adapter_id=n, max_new_tokens=8)
+        for n in adapters
+    }
     load = f"{runtime.url}/v1/load_lora_adapter"
     assert httpx.post(load, json={"lora_name": "gamma", "lora_path": adapters["alpha"]}).status_code == 401
-    r = httpx.post(load, json={"lora_name": "gamma", "lora_path": adapters["alpha"]}, headers=AUTH, timeout=60)
+    r = httpx.post(
+        load, json={"lora_name": "gamma", "lora_path": adapters["alpha"]}, headers=AUTH, timeout=60
+    )
     assert r.status_code == 200 and r.text == "Success: LoRA adapter 'gamma' added successfully."
     assert generate(runtime, "gamma").json()["generated_text"] == want["alpha"]  # as if named at start
     models = httpx.get(f"{runtime.url}/v1/models", headers=AUTH).json()["data"]
@@ -163,8 +200,10 @@ def test_adapters_load_and_unload_at_run_time(served, runtime):
 def test_without_the_flag_the_runtime_routes_are_not_there(served):
     """Off by default (vLLM's rule): a client cannot load files of its choosing or take adapters away."""
     srv, _, adapters = served
-    for route, body in [("load_lora_adapter", {"lora_name": "x", "lora_path": adapters["alpha"]}),
-                        ("unload_lora_adapter", {"lora_name": "alpha"})]:
+    for route, body in [
+        ("load_lora_adapter", {"lora_name": "x", "lora_path": adapters["alpha"]}),
+        ("unload_lora_adapter", {"lora_name": "alpha"}),
+    ]:
         r = httpx.post(f"{srv.url}/v1/{route}", json=body, timeout=60)
         assert r.status_code == 404, route
         assert r.json() == httpx.post(f"{srv.url}/v1/no_such_route", json=body).json()
@@ -173,21 +212,30 @@ def test_without_the_flag_the_runtime_routes_are_not_there(served):
 
 def test_unloading_waits_for_the_adapters_running_requests(served, runtime):
     _, _, adapters = served
-    r = httpx.post(f"{runtime.url}/v1/load_lora_adapter", json={"lora_name": "zeta", "lora_path": adapters["beta"]},
-                   headers=AUTH, timeout=60)
+    r = httpx.post(
+        f"{runtime.url}/v1/load_lora_adapter",
+        json={"lora_name": "zeta", "lora_path": adapters["beta"]},
+        headers=AUTH,
+        timeout=60,
+    )
     assert r.status_code == 200
 
     async def main():
         async with httpx.AsyncClient(timeout=120, headers=AUTH) as client:
-            body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 400, "adapter_id": "zeta",
-                                                     "ignore_eos_token": True}}
+            body = {
+                "inputs": PROMPT,
+                "parameters": {"max_new_tokens": 400, "adapter_id": "zeta", "ignore_eos_token": True},
+            }
             running = asyncio.ensure_future(client.post(f"{runtime.url}/generate", json=body))
             await asyncio.sleep(0.3)  # it is running
             unload = asyncio.ensure_future(
-                client.post(f"{runtime.url}/v1/unload_lora_adapter", json={"lora_name": "zeta"}))
+                client.post(f"{runtime.url}/v1/unload_lora_adapter", json={"lora_name": "zeta"})
+            )
             await asyncio.sleep(0.2)
-            refused = await client.post(f"{runtime.url}/generate", json={
-                "inputs": PROMPT, "parameters": {"max_new_tokens": 2, "adapter_id": "zeta"}})
+            refused = await client.post(
+                f"{runtime.url}/generate",
+                json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "adapter_id": "zeta"}},
+            )
             first, _ = await asyncio.wait({running, unload}, return_when=asyncio.FIRST_COMPLETED)
             assert running in first, "the unload answered while its adapter's request was running"
             return await running, await unload, refused

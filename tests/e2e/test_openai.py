@@ -42,8 +42,9 @@ def llm():
 
 
 def chat_ids(llm, messages) -> list[int]:
-    return llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True),
-                                add_special_tokens=False)
+    return llm.tokenizer.encode(
+        llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False
+    )
 
 
 def offline(llm, prompt, n: int, **kw):
@@ -203,8 +204,9 @@ def test_n_choices_and_seeds_are_reproducible(client, llm):
         want = offline(llm, "Once upon a time", 12, temperature=1.0, do_sample=True, seed=7 + i)
         assert choice.text == want.text
     # chat, streamed: two choices, each with its role chunk and its finish chunk
-    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=2, seed=3,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=6, n=2, seed=3, stream=True)
+    )
     for i in (0, 1):
         mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
         assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
@@ -214,7 +216,7 @@ def test_n_choices_and_seeds_are_reproducible(client, llm):
 
 def test_stop_cuts_before_the_stop_text(client, llm, server):
     full = offline(llm, PROMPT, 16).text
-    stop = full[len(full) // 2: len(full) // 2 + 4]
+    stop = full[len(full) // 2 : len(full) // 2 + 4]
     want = full[: full.find(stop)]
     kw = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
     r = client.completions.create(**kw, stop=[stop, "never appears"])
@@ -231,13 +233,18 @@ def test_stop_cuts_before_the_stop_text(client, llm, server):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stop=cstop)
     assert r.choices[0].message.content == answer[: answer.find(cstop)]
     assert r.choices[0].finish_reason == "stop"
-    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0,
-                                                 stop=cstop, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stop=cstop, stream=True
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
     # TGI's routes keep the stop text
-    tgi = httpx.post(f"{server.url}/generate", json={"inputs": PROMPT, "parameters": {"max_new_tokens": 16,
-                                                                                     "stop": [stop]}},
-                     timeout=120).json()
+    tgi = httpx.post(
+        f"{server.url}/generate",
+        json={"inputs": PROMPT, "parameters": {"max_new_tokens": 16, "stop": [stop]}},
+        timeout=120,
+    ).json()
     assert tgi["generated_text"] == want + stop
 
 
@@ -245,8 +252,9 @@ def test_stop_cuts_before_the_stop_text(client, llm, server):
 def test_chat_logprobs_equal_the_engine(client, llm):
     want = offline(llm, chat_ids(llm, CHAT), 8, top_n_tokens=3)
     piece = llm.tokenizer.id_to_piece
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
-                                       top_logprobs=3)
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == len(want.token_ids) == r.usage.completion_tokens
     for entry, tid, lp, top in zip(content, want.token_ids, want.logprobs, want.top_logprobs):
@@ -255,10 +263,20 @@ def test_chat_logprobs_equal_the_engine(client, llm):
         assert [t.token for t in entry.top_logprobs] == [piece(i) for i, _ in top]
         assert all(abs(t.logprob - v) < TOL for t, (_, v) in zip(entry.top_logprobs, top))
     # streamed: the same entries, spread over the chunks
-    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0,
-                                                 logprobs=True, top_logprobs=3, stream=True))
-    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
-                for e in c.choices[0].logprobs.content]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=8,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+            stream=True,
+        )
+    )
+    streamed = [
+        e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
     assert [e.token for e in streamed] == [e.token for e in content]
     assert all(abs(a.logprob - b.logprob) < TOL for a, b in zip(streamed, content))
     # logprobs without top_logprobs: no alternatives; none asked: none given
@@ -267,8 +285,9 @@ def test_chat_logprobs_equal_the_engine(client, llm):
     r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
     assert r.choices[0].logprobs is None
     # up to OpenAI's 20 alternatives, whatever --max-top-n-tokens says for TGI's routes
-    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0, logprobs=True,
-                                       top_logprobs=20)
+    r = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, temperature=0, logprobs=True, top_logprobs=20
+    )
     assert all(len(e.top_logprobs) == 20 for e in r.choices[0].logprobs.content)
 
 
@@ -284,16 +303,20 @@ def test_completion_logprobs_equal_the_engine(client, llm):
         assert all(abs(d[piece(i)] - v) < TOL for i, v in top)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
     # echo: the prompt's tokens first, the first one without a logprob
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1,
-                                  echo=True)
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=1, echo=True
+    )
     lp = r.choices[0].logprobs
     n_prompt = len(want.prompt_token_ids)
     assert len(lp.tokens) == n_prompt + 2 and "".join(lp.tokens) == r.choices[0].text
     assert lp.token_logprobs[0] is None and all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
     assert lp.text_offset[n_prompt] == len(PROMPT)
     # streamed: the same tokens and values
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
-                                            logprobs=2, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True
+        )
+    )
     toks = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     lps = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
     assert toks == [piece(i) for i in want.token_ids]
@@ -307,12 +330,14 @@ def test_logit_bias_min_p_and_20_logprobs_equal_the_engine(client, llm):
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logit_bias=banned)
     assert r.choices[0].text == want.text and want.token_ids[0] != greedy.token_ids[0]
     (yes,) = llm.tokenizer.encode("yes")
-    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0,
-                                          logit_bias={str(yes): 100})  # one token forced
+    chat = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=3, temperature=0, logit_bias={str(yes): 100}
+    )  # one token forced
     assert chat.choices[0].message.content == "yes" * 3
     want = offline(llm, PROMPT, 8, temperature=0.9, seed=7, min_p=0.2)
-    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.9, seed=7,
-                                  extra_body={"min_p": 0.2})
+    r = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0.9, seed=7, extra_body={"min_p": 0.2}
+    )
     assert r.choices[0].text == want.text
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=20)
     assert all(len(d) >= 20 for d in r.choices[0].logprobs.top_logprobs)
@@ -337,14 +362,21 @@ CHAT_ERRORS = [
     dict(stop=["a", "b", "c", "d", "e"]),
     dict(logprobs=True, top_logprobs=21),  # over OpenAI's bound (20)
     dict(top_logprobs=2),  # without logprobs
-    dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+    dict(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    ),
     dict(extra_body={"guided_regex": "("}),
-    dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-         tool_choice={"type": "function", "function": {"name": "g"}}),
+    dict(
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        tool_choice={"type": "function", "function": {"name": "g"}},
+    ),
     dict(tool_choice="required"),  # without tools
     dict(messages=[]),
-    dict(messages=[{"role": "user",
-                    "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+    dict(
+        messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+        ]
+    ),
     dict(messages=[{"role": "wizard", "content": "hi"}]),
     dict(messages="hello"),  # a malformed body
 ]
@@ -386,12 +418,20 @@ def test_invalid_completion_requests_are_bad_request_errors(client, kw):
 def test_error_shapes_on_the_wire(server):
     r = httpx.post(f"{server.url}/v1/chat/completions", json={"model": "gpt-4", "messages": CHAT}, timeout=60)
     assert r.status_code == 404
-    assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "invalid_request_error",
-                                 "param": "model", "code": "model_not_found"}
+    assert r.json()["error"] == {
+        "message": r.json()["error"]["message"],
+        "type": "invalid_request_error",
+        "param": "model",
+        "code": "model_not_found",
+    }
     r = httpx.post(f"{server.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 9000}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-    r = httpx.post(f"{server.url}/v1/chat/completions", content=b"{not json",
-                   headers={"content-type": "application/json"}, timeout=60)
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.get(f"{server.url}/v1/nope", timeout=60)
     assert r.status_code == 404 and set(r.json()["error"]) == {"message", "type", "param", "code"}
@@ -420,13 +460,17 @@ def test_metrics_count_openai_requests(client, server):
 
 # -- disconnects -----------------------------------------------------------------------------------
 def wait_batch_empty(server) -> None:
-    wait_until(lambda: server.metric("tgi_batch_current_size") == 0, 10,
-               "the running batch to empty after the disconnect")
+    wait_until(
+        lambda: server.metric("tgi_batch_current_size") == 0,
+        10,
+        "the running batch to empty after the disconnect",
+    )
 
 
 def test_a_closed_stream_frees_its_slot(client, server):
-    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2000, stream=True,
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+    )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             break
@@ -446,22 +490,28 @@ def test_non_streaming_disconnect_aborts_too(server):
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory):
     """One concurrent request at most, a fault-injecting engine."""
-    srv = Server("--max-concurrent-requests", "1", launcher="tests.e2e.fault_engine",
-                 log=tmp_path_factory.mktemp("logs") / "limited.log").wait_ready()
+    srv = Server(
+        "--max-concurrent-requests",
+        "1",
+        launcher="tests.e2e.fault_engine",
+        log=tmp_path_factory.mktemp("logs") / "limited.log",
+    ).wait_ready()
     yield srv
     srv.stop()
 
 
 def test_overloaded_is_a_rate_limit_error(limited):
     client = sdk(limited.url)
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2000, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2000, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))
     with pytest.raises(openai.RateLimitError) as e:
         client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
     assert e.value.status_code == 429
     stream.close()
     wait_batch_empty(limited)
+
     def admitted() -> bool:  # the permit comes back once the server sees the disconnect
         try:
             return bool(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2).choices)

@@ -25,9 +25,9 @@ pytestmark = pytest.mark.slow
 HEADER = "x-pytgi-replica"
 SYSTEM = {
     "a": "You are a careful assistant for a bakery. You answer questions about bread, flour, yeast, ovens "
-         "and opening hours, politely and in one short sentence, and you never invent prices. " * 2,
+    "and opening hours, politely and in one short sentence, and you never invent prices. " * 2,
     "b": "You are a terse assistant for a bicycle shop. You answer questions about tyres, brakes, chains, "
-         "gears and repairs, in plain words and one short sentence, and you never invent stock. " * 2,
+    "gears and repairs, in plain words and one short sentence, and you never invent stock. " * 2,
 }
 
 
@@ -42,27 +42,63 @@ def test_joins_a_ray_cluster_by_address_and_leaves_it_running(tmp_path):
     # finds it
     subprocess.run([str(ray), "get-auth-token", "--generate"], check=True, capture_output=True, timeout=60)
     token = {**os.environ, "RAY_AUTH_MODE": "token"}
-    head = subprocess.Popen([str(ray), "start", "--head", "--block", f"--port={port}", "--num-cpus=2",
-                             "--include-dashboard=false", "--disable-usage-stats"],
-                            stdout=open(tmp_path / "ray.log", "wb"), stderr=subprocess.STDOUT, env=token)
+    head = subprocess.Popen(
+        [
+            str(ray),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        stdout=open(tmp_path / "ray.log", "wb"),
+        stderr=subprocess.STDOUT,
+        env=token,
+    )
     try:
         deadline = time.monotonic() + 180
-        while subprocess.run([str(ray), "status", f"--address=127.0.0.1:{port}"], capture_output=True,
-                             timeout=60, env=token).returncode != 0:
-            assert time.monotonic() < deadline and head.poll() is None, (tmp_path / "ray.log").read_text()[-2000:]
+        while (
+            subprocess.run(
+                [str(ray), "status", f"--address=127.0.0.1:{port}"],
+                capture_output=True,
+                timeout=60,
+                env=token,
+            ).returncode
+            != 0
+        ):
+            assert time.monotonic() < deadline and head.poll() is None, (tmp_path / "ray.log").read_text()[
+                -2000:
+            ]
             time.sleep(1.0)
-        srv = Server("--replicas", "1", "--min-replicas", "1", "--max-replicas", "2", "--ray-address",
-                     f"127.0.0.1:{port}", log=tmp_path / "server.log")  # autoscaled: Ray takes the bounds
+        srv = Server(
+            "--replicas",
+            "1",
+            "--min-replicas",
+            "1",
+            "--max-replicas",
+            "2",
+            "--ray-address",
+            f"127.0.0.1:{port}",
+            log=tmp_path / "server.log",
+        )  # autoscaled: Ray takes the bounds
         try:
             srv.wait_ready(timeout=600)
-            r = httpx.post(f"{srv.url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}},
-                           timeout=60)
+            r = httpx.post(
+                f"{srv.url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, timeout=60
+            )
             assert r.status_code == 200 and r.headers[HEADER]
         finally:
             assert srv.stop() == 0
         assert head.poll() is None  # the cluster is still up
-        status = subprocess.run([str(ray), "status", f"--address=127.0.0.1:{port}"], capture_output=True,
-                                text=True, timeout=60, env=token)
+        status = subprocess.run(
+            [str(ray), "status", f"--address=127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=token,
+        )
         assert status.returncode == 0, status.stderr[-2000:]
     finally:
         head.terminate()
@@ -83,8 +119,11 @@ def replicas(tmp_path_factory):
 def chat(srv: Server, system: str, user: str, max_tokens: int = 4):
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-", max_retries=0)
     return client.chat.completions.with_raw_response.create(
-        model="tgi", max_tokens=max_tokens, temperature=0,
-        messages=[{"role": "system", "content": system}, {"role": "user", "content": user}])
+        model="tgi",
+        max_tokens=max_tokens,
+        temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+    )
 
 
 def test_requests_sharing_a_prefix_go_to_the_replica_that_cached_it(replicas):
@@ -99,11 +138,18 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_cached_it(replicas):
     assert len(where["a"]) == 1 and len(where["b"]) == 1, where
     assert where["a"] != where["b"]  # the two prefixes spread over the two replicas
     # TGI's routes and streams name the replica too
-    r = httpx.post(f"{replicas.url}/generate", json={"inputs": SYSTEM["a"] + "Hello", "parameters": {
-        "max_new_tokens": 2}}, timeout=60)
+    r = httpx.post(
+        f"{replicas.url}/generate",
+        json={"inputs": SYSTEM["a"] + "Hello", "parameters": {"max_new_tokens": 2}},
+        timeout=60,
+    )
     assert r.status_code == 200 and r.headers[HEADER] in where["a"]
-    with httpx.stream("POST", f"{replicas.url}/generate_stream", timeout=60, json={
-            "inputs": SYSTEM["b"] + "Hi", "parameters": {"max_new_tokens": 2}}) as s:
+    with httpx.stream(
+        "POST",
+        f"{replicas.url}/generate_stream",
+        timeout=60,
+        json={"inputs": SYSTEM["b"] + "Hi", "parameters": {"max_new_tokens": 2}},
+    ) as s:
         assert s.headers[HEADER] in where["b"]
         assert "data:" in s.read().decode()
     assert HEADER not in httpx.get(f"{replicas.url}/health").headers  # no request: no replica
@@ -113,8 +159,12 @@ def test_requests_sharing_a_prefix_go_to_the_replica_that_cached_it(replicas):
 
 
 def test_a_dead_replica_fails_its_requests_and_is_replaced(replicas):
-    with httpx.stream("POST", f"{replicas.url}/generate_stream", timeout=120, json={
-            "inputs": SYSTEM["a"] + "Tell me everything.", "parameters": {"max_new_tokens": 400}}) as s:
+    with httpx.stream(
+        "POST",
+        f"{replicas.url}/generate_stream",
+        timeout=120,
+        json={"inputs": SYSTEM["a"] + "Tell me everything.", "parameters": {"max_new_tokens": 400}},
+    ) as s:
         victim = s.headers[HEADER]
         lines = s.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))  # it is generating

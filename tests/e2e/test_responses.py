@@ -14,9 +14,17 @@ from openai import OpenAI
 pytestmark = pytest.mark.slow
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather for a city",
-           "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
-                          "properties": {"city": {"type": "string", "maxLength": 20}}}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Current weather for a city",
+    "parameters": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["city"],
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +33,23 @@ def client(server) -> OpenAI:
 
 
 def test_text_equals_chat_and_streams_as_the_sdk_expects(client):
-    want = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."},
-                                                                 {"role": "user", "content": "Say hi."}],
-                                          max_tokens=200, temperature=0)
-    r = client.responses.create(model=MODEL, instructions="Be brief.", input="Say hi.", max_output_tokens=200,
-                                temperature=0)
+    want = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}],
+        max_tokens=200,
+        temperature=0,
+    )
+    r = client.responses.create(
+        model=MODEL, instructions="Be brief.", input="Say hi.", max_output_tokens=200, temperature=0
+    )
     assert r.status == "completed" and r.output_text == want.choices[0].message.content
-    assert r.usage.input_tokens == want.usage.prompt_tokens and r.usage.output_tokens == want.usage.completion_tokens
-    with client.responses.stream(model=MODEL, instructions="Be brief.", input="Say hi.", max_output_tokens=200,
-                                 temperature=0) as stream:
+    assert (
+        r.usage.input_tokens == want.usage.prompt_tokens
+        and r.usage.output_tokens == want.usage.completion_tokens
+    )
+    with client.responses.stream(
+        model=MODEL, instructions="Be brief.", input="Say hi.", max_output_tokens=200, temperature=0
+    ) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_response()
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
@@ -43,13 +59,22 @@ def test_text_equals_chat_and_streams_as_the_sdk_expects(client):
 
 
 def test_previous_response_id_and_retrieve(client):
-    first = client.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=16,
-                                    temperature=0)
-    second = client.responses.create(model=MODEL, input="And of Italy?", previous_response_id=first.id,
-                                     max_output_tokens=16, temperature=0)
-    history = client.chat.completions.create(model=MODEL, max_tokens=16, temperature=0, messages=[
-        {"role": "user", "content": "What is the capital of France?"},
-        {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And of Italy?"}])
+    first = client.responses.create(
+        model=MODEL, input="What is the capital of France?", max_output_tokens=16, temperature=0
+    )
+    second = client.responses.create(
+        model=MODEL, input="And of Italy?", previous_response_id=first.id, max_output_tokens=16, temperature=0
+    )
+    history = client.chat.completions.create(
+        model=MODEL,
+        max_tokens=16,
+        temperature=0,
+        messages=[
+            {"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And of Italy?"},
+        ],
+    )
     assert second.output_text == history.choices[0].message.content
     assert client.responses.retrieve(first.id).output_text == first.output_text
     with pytest.raises(openai.NotFoundError):
@@ -59,8 +84,15 @@ def test_previous_response_id_and_retrieve(client):
 
 
 def test_function_calls_streamed_and_not_and_outputs_sent_back(client):
-    kw = dict(model=MODEL, input="What is the weather in Paris?", tools=[WEATHER], tool_choice="required",
-              parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+    kw = dict(
+        model=MODEL,
+        input="What is the weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_output_tokens=60,
+        temperature=0,
+    )
     r = client.responses.create(**kw)
     (call,) = r.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id
@@ -70,35 +102,60 @@ def test_function_calls_streamed_and_not_and_outputs_sent_back(client):
         final = stream.get_final_response()
     assert deltas and json.loads("".join(deltas)) == json.loads(call.arguments)
     assert final.output[0].type == "function_call" and json.loads(final.output[0].arguments) == json.loads(
-        call.arguments)
-    answer = client.responses.create(model=MODEL, tools=[WEATHER], tool_choice="none", max_output_tokens=20,
-                                     temperature=0, input=[
-                                         {"role": "user", "content": "What is the weather in Paris?"},
-                                         {"type": "function_call", "call_id": call.call_id, "name": call.name,
-                                          "arguments": call.arguments},
-                                         {"type": "function_call_output", "call_id": call.call_id,
-                                          "output": "18C and sunny"}])
+        call.arguments
+    )
+    answer = client.responses.create(
+        model=MODEL,
+        tools=[WEATHER],
+        tool_choice="none",
+        max_output_tokens=20,
+        temperature=0,
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": call.name,
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "18C and sunny"},
+        ],
+    )
     assert answer.output_text and answer.output[0].type == "message"
 
 
 def test_structured_output(client):
-    person = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-              "properties": {"name": {"type": "string", "maxLength": 16},
-                             "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
-    r = client.responses.create(model=MODEL, input="Describe a person.", max_output_tokens=80, temperature=0.7,
-                                text={"format": {"type": "json_schema", "name": "person", "schema": person}})
+    person = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "age"],
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+    }
+    r = client.responses.create(
+        model=MODEL,
+        input="Describe a person.",
+        max_output_tokens=80,
+        temperature=0.7,
+        text={"format": {"type": "json_schema", "name": "person", "schema": person}},
+    )
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), person)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(input=[{"role": "wizard", "content": "hi"}]),
-    dict(input=[{"type": "input_image", "image_url": "x"}]),
-    dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
-    dict(input="hi", tools=[{"type": "web_search"}]),
-    dict(input="hi", max_output_tokens=100_000),
-    dict(input="hi", text={"format": {"type": "yaml"}}),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(input=[{"role": "wizard", "content": "hi"}]),
+        dict(input=[{"type": "input_image", "image_url": "x"}]),
+        dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+        dict(input="hi", tools=[{"type": "web_search"}]),
+        dict(input="hi", max_output_tokens=100_000),
+        dict(input="hi", text={"format": {"type": "yaml"}}),
+    ],
+)
 def test_bad_requests(client, kw):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, **kw)

@@ -22,7 +22,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 def greedy(url: str, prompt: str) -> str:
-    r = httpx.post(f"{url}/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 32}}, timeout=120)
+    r = httpx.post(
+        f"{url}/generate", json={"inputs": prompt, "parameters": {"max_new_tokens": 32}}, timeout=120
+    )
     return r.json()["generated_text"]
 
 
@@ -76,24 +78,52 @@ def test_a_rendezvous_port_in_use_is_a_clear_start_up_error():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = subprocess.run([sys.executable, "-m", "pytgi.cli", "serve", "--num-shard", "2", "--port", "0",
-                               "--master-port", str(port), "--max-batch-total-tokens", "8192"],
-                              capture_output=True, text=True, timeout=180, env={**os.environ, "PYTGI_DIST_TIMEOUT": "10"})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytgi.cli",
+                "serve",
+                "--num-shard",
+                "2",
+                "--port",
+                "0",
+                "--master-port",
+                str(port),
+                "--max-batch-total-tokens",
+                "8192",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, "PYTGI_DIST_TIMEOUT": "10"},
+        )
     assert proc.returncode != 0
     assert "could not join the group" in proc.stderr
 
 
 def test_serve_is_rank_0_and_names_the_command_of_the_others():
-    proc = subprocess.run([sys.executable, "-m", "pytgi.cli", "serve", "--port", "0"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytgi.cli", "serve", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "RANK": "1", "WORLD_SIZE": "2"},
+    )
     assert proc.returncode == 2
     assert "`pytgi shard`" in proc.stderr
 
 
-@pytest.mark.parametrize("n,message", [("0", "--num-shard must be >= 1"),
-                                       ("4", "cannot shard a model with 3 key/value heads over 4 ranks")])
+@pytest.mark.parametrize(
+    "n,message",
+    [("0", "--num-shard must be >= 1"), ("4", "cannot shard a model with 3 key/value heads over 4 ranks")],
+)
 def test_impossible_shard_counts_are_refused_at_start(n, message):
-    proc = subprocess.run([sys.executable, "-m", "pytgi.cli", "serve", "--num-shard", n, "--port", "0"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytgi.cli", "serve", "--num-shard", n, "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert message in proc.stderr

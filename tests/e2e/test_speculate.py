@@ -55,10 +55,16 @@ def test_same_output_one_event_per_token_and_metrics(servers):
     hf = list(hub.text_generation(prompt, max_new_tokens=128, stream=True, details=True))
     assert "".join(e.token.text for e in hf if not e.token.special) == want.generated_text
     metrics = httpx.get(f"{spec.url}/metrics").text
-    accepted = next(float(line.split()[-1]) for line in metrics.splitlines()
-                    if line.startswith("pytgi_spec_accepted_tokens_total"))
-    skipped = next(float(line.split()[-1]) for line in metrics.splitlines()
-                   if line.startswith("tgi_request_skipped_tokens_sum"))
+    accepted = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("pytgi_spec_accepted_tokens_total")
+    )
+    skipped = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("tgi_request_skipped_tokens_sum")
+    )
     assert accepted > 10 and skipped == accepted  # every request has finished
 
 
@@ -72,10 +78,18 @@ def test_a_draft_model_gives_the_same_output(servers):
     got = Client(draft.url, timeout=120).generate(prompt, max_new_tokens=48)
     assert [t.id for t in got.details.tokens] == [t.id for t in want.details.tokens]
     chat = [{"role": "user", "content": "Say hello in French."}]
-    oa = [OpenAI(base_url=f"{s.url}/v1", api_key="-").chat.completions.create(
-        model="tgi", messages=chat, max_tokens=24, temperature=0).choices[0].message.content for s in (plain, draft)]
+    oa = [
+        OpenAI(base_url=f"{s.url}/v1", api_key="-")
+        .chat.completions.create(model="tgi", messages=chat, max_tokens=24, temperature=0)
+        .choices[0]
+        .message.content
+        for s in (plain, draft)
+    ]
     assert oa[0] == oa[1]
     metrics = httpx.get(f"{draft.url}/metrics").text
-    accepted = next(float(line.split()[-1]) for line in metrics.splitlines()
-                    if line.startswith("pytgi_spec_accepted_tokens_total"))
+    accepted = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("pytgi_spec_accepted_tokens_total")
+    )
     assert accepted > 20  # the same model drafts: nearly every draft token is kept

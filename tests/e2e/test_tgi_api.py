@@ -42,41 +42,69 @@ VALIDATION = [
     ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
     ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
     ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
-    ({"adapter_id": "my-lora"}, "`adapter_id` `my-lora` is not a LoRA adapter of this server (adapters: none)"),
-    ({"max_new_tokens": 8190}, "`inputs` tokens + `max_new_tokens` must be <= 8192. Given: 5 `inputs` tokens and "
-                               "8190 `max_new_tokens`"),
+    (
+        {"adapter_id": "my-lora"},
+        "`adapter_id` `my-lora` is not a LoRA adapter of this server (adapters: none)",
+    ),
+    (
+        {"max_new_tokens": 8190},
+        (
+            "`inputs` tokens + `max_new_tokens` must be <= 8192. Given: 5 `inputs` tokens and "
+            "8190 `max_new_tokens`"
+        ),
+    ),
 ]
 
 
 @pytest.mark.parametrize("params,message", VALIDATION)
 def test_validation_rules(server, params, message):
-    assert_error(post(server, "/generate", {"inputs": PROMPT, "parameters": params}), 422, "validation",
-                 f"Input validation error: {message}")
+    assert_error(
+        post(server, "/generate", {"inputs": PROMPT, "parameters": params}),
+        422,
+        "validation",
+        f"Input validation error: {message}",
+    )
 
 
 def test_input_rules(server):
-    assert_error(post(server, "/generate", {"inputs": ""}), 422, "validation",
-                 "Input validation error: `inputs` cannot be empty")
-    r = post(server, "/generate", {"inputs": "hi " * 9000, "parameters": {"max_new_tokens": 1, "truncate": 10}})
+    assert_error(
+        post(server, "/generate", {"inputs": ""}),
+        422,
+        "validation",
+        "Input validation error: `inputs` cannot be empty",
+    )
+    r = post(
+        server, "/generate", {"inputs": "hi " * 9000, "parameters": {"max_new_tokens": 1, "truncate": 10}}
+    )
     assert r.status_code == 200  # truncate keeps the last 10 tokens
     assert r.headers["x-prompt-tokens"] == "10"
 
 
 def test_streaming_only_rules(server):
-    assert_error(post(server, "/generate_stream", {"inputs": PROMPT, "parameters": {"best_of": 2, "do_sample": True}}),
-                 422, "validation", "Input validation error: `best_of` != 1 is not supported when streaming tokens")
-    assert_error(post(server, "/generate_stream", {"inputs": PROMPT, "parameters": {"decoder_input_details": True}}),
-                 422, "validation",
-                 "Input validation error: `decoder_input_details` == true is not supported when streaming tokens")
+    assert_error(
+        post(server, "/generate_stream", {"inputs": PROMPT, "parameters": {"best_of": 2, "do_sample": True}}),
+        422,
+        "validation",
+        "Input validation error: `best_of` != 1 is not supported when streaming tokens",
+    )
+    assert_error(
+        post(server, "/generate_stream", {"inputs": PROMPT, "parameters": {"decoder_input_details": True}}),
+        422,
+        "validation",
+        "Input validation error: `decoder_input_details` == true is not supported when streaming tokens",
+    )
 
 
-@pytest.mark.parametrize("body", [
-    {"inputs": 5},
-    {"inputs": PROMPT, "parameters": {"max_new_tokens": "ten"}},
-    {"inputs": PROMPT, "parameters": {"stop": "x"}},
-    {"parameters": {}},
-    [1, 2, 3],
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"inputs": 5},
+        {"inputs": PROMPT, "parameters": {"max_new_tokens": "ten"}},
+        {"inputs": PROMPT, "parameters": {"stop": "x"}},
+        {"parameters": {}},
+        [1, 2, 3],
+    ],
+)
 def test_malformed_bodies_are_4xx_in_the_error_shape(server, body):
     r = post(server, "/generate", body)
     assert 400 <= r.status_code < 500
@@ -84,23 +112,36 @@ def test_malformed_bodies_are_4xx_in_the_error_shape(server, body):
 
 
 def test_invalid_json_and_unknown_fields(server):
-    r = httpx.post(f"{server.url}/generate", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{server.url}/generate", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 422 and r.json()["error_type"] == "validation"
-    r = post(server, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "bogus": 1}, "extra": 2})
+    r = post(
+        server, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "bogus": 1}, "extra": 2}
+    )
     assert r.status_code == 200  # like TGI, unknown fields are ignored
 
 
 def test_oversized_payload_is_413(server):
     r = post(server, "/generate", {"inputs": "x" * 2_100_000})
     assert_error(r, 413, "payload_too_large")
-    assert post(server, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 1}}).status_code == 200
+    assert (
+        post(server, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 1}}).status_code == 200
+    )
 
 
 def test_generate_headers_and_details(server):
     r = post(server, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 5, "details": True}})
     assert r.status_code == 200
-    for h in ("x-compute-type", "x-compute-time", "x-total-time", "x-validation-time", "x-queue-time",
-              "x-inference-time", "x-time-per-token"):
+    for h in (
+        "x-compute-type",
+        "x-compute-time",
+        "x-total-time",
+        "x-validation-time",
+        "x-queue-time",
+        "x-inference-time",
+        "x-time-per-token",
+    ):
         assert h in r.headers
     assert r.headers["x-prompt-tokens"] == "5" and r.headers["x-generated-tokens"] == "5"
     d = r.json()["details"]
@@ -109,16 +150,22 @@ def test_generate_headers_and_details(server):
 
 
 def test_return_full_text(server):
-    r = post(server, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "return_full_text": True}})
+    r = post(
+        server, "/generate", {"inputs": PROMPT, "parameters": {"max_new_tokens": 3, "return_full_text": True}}
+    )
     assert r.json()["generated_text"].startswith(PROMPT + " Paris")
 
 
 def test_eos_is_a_special_token_in_details(server):
     chat = "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n"
-    d = post(server, "/generate", {"inputs": chat, "parameters": {"max_new_tokens": 50, "details": True}}).json()
+    d = post(
+        server, "/generate", {"inputs": chat, "parameters": {"max_new_tokens": 50, "details": True}}
+    ).json()
     last = d["details"]["tokens"][-1]
     assert d["details"]["finish_reason"] == "eos_token"
-    assert last["special"] is True and last["text"] == "<|im_end|>" and "<|im_end|>" not in d["generated_text"]
+    assert (
+        last["special"] is True and last["text"] == "<|im_end|>" and "<|im_end|>" not in d["generated_text"]
+    )
 
 
 def test_compat_route_returns_an_array_and_streams(server):
@@ -126,8 +173,9 @@ def test_compat_route_returns_an_array_and_streams(server):
     assert isinstance(r.json(), list) and r.json()[0]["generated_text"]
     r = post(server, "/invocations", {"inputs": PROMPT, "parameters": {"max_new_tokens": 3}})
     assert isinstance(r.json(), list)
-    with httpx.stream("POST", f"{server.url}/", json={"inputs": PROMPT, "stream": True,
-                                                     "parameters": {"max_new_tokens": 3}}) as s:
+    with httpx.stream(
+        "POST", f"{server.url}/", json={"inputs": PROMPT, "stream": True, "parameters": {"max_new_tokens": 3}}
+    ) as s:
         assert s.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data:")]
     assert len(events) == 3 and events[-1]["generated_text"]
@@ -143,8 +191,12 @@ def test_sse_format(server):
     assert [e["index"] for e in events] == [1, 2, 3]
     assert events[0]["generated_text"] is None and events[0]["details"] is None
     assert len(events[0]["top_tokens"]) == 2
-    assert events[-1]["details"] == {"finish_reason": "length", "generated_tokens": 3, "seed": None,
-                                     "input_length": 5}
+    assert events[-1]["details"] == {
+        "finish_reason": "length",
+        "generated_tokens": 3,
+        "seed": None,
+        "input_length": 5,
+    }
 
 
 def test_info_health_metrics_tokenize(server):
@@ -155,10 +207,18 @@ def test_info_health_metrics_tokenize(server):
     assert info["model_quantization"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1}  # the GGUF file's tensor types
     assert httpx.get(f"{server.url}/health").status_code == 200
     metrics = httpx.get(f"{server.url}/metrics").text
-    for name in ("tgi_request_count", "tgi_request_success", "tgi_queue_size", "tgi_batch_current_size",
-                 "tgi_request_duration_bucket", "tgi_batch_inference_duration_bucket",
-                 "pytgi_time_to_first_token_seconds_bucket", "pytgi_kv_cache_usage_ratio",
-                 "pytgi_prefix_cache_hit_rate", "pytgi_preemptions_total"):
+    for name in (
+        "tgi_request_count",
+        "tgi_request_success",
+        "tgi_queue_size",
+        "tgi_batch_current_size",
+        "tgi_request_duration_bucket",
+        "tgi_batch_inference_duration_bucket",
+        "pytgi_time_to_first_token_seconds_bucket",
+        "pytgi_kv_cache_usage_ratio",
+        "pytgi_prefix_cache_hit_rate",
+        "pytgi_preemptions_total",
+    ):
         assert name in metrics, name
     toks = post(server, "/tokenize", {"inputs": "Hello world"}).json()
     assert [t["text"] for t in toks] == ["Hello", " world"]
@@ -168,7 +228,9 @@ def test_info_health_metrics_tokenize(server):
 
 
 def greedy(server, prompt: str, n: int) -> str:
-    return post(server, "/generate", {"inputs": prompt, "parameters": {"max_new_tokens": n}}).json()["generated_text"]
+    return post(server, "/generate", {"inputs": prompt, "parameters": {"max_new_tokens": n}}).json()[
+        "generated_text"
+    ]
 
 
 def test_http_greedy_equals_offline_engine(server):
@@ -176,14 +238,20 @@ def test_http_greedy_equals_offline_engine(server):
 
     llm = LLM(dtype="float32", max_batch_total_tokens=4096, max_total_tokens=2048)
     for prompt in (PROMPT, "def add(a, b):"):
-        assert greedy(server, prompt, 24) == llm.generate(prompt, SamplingParams(max_new_tokens=24, temperature=0))[0].text
+        assert (
+            greedy(server, prompt, 24)
+            == llm.generate(prompt, SamplingParams(max_new_tokens=24, temperature=0))[0].text
+        )
 
 
 def test_concurrent_mixed_requests_each_get_their_own_text(server):
     prompts = [f"Story {i}: once upon a time" for i in range(6)] + [PROMPT, "List of fruits:"]
     lengths = [8, 24, 16, 32, 12, 20, 10, 28]
     alone = [greedy(server, p, n) for p, n in zip(prompts, lengths)]
-    sampled = {"inputs": PROMPT, "parameters": {"max_new_tokens": 16, "do_sample": True, "seed": 7, "top_k": 20}}
+    sampled = {
+        "inputs": PROMPT,
+        "parameters": {"max_new_tokens": 16, "do_sample": True, "seed": 7, "top_k": 20},
+    }
     sampled_alone = post(server, "/generate", sampled).json()["generated_text"]
 
     async def one(c: httpx.AsyncClient, i: int) -> str:
@@ -211,26 +279,40 @@ def test_client_disconnect_aborts_the_request(server):
         while not next(lines).startswith("data:"):
             pass
         assert server.metric("tgi_batch_current_size") >= 1
-    wait_until(lambda: server.metric("tgi_batch_current_size") == 0, 10,
-               "the running batch to empty after the disconnect")
+    wait_until(
+        lambda: server.metric("tgi_batch_current_size") == 0,
+        10,
+        "the running batch to empty after the disconnect",
+    )
 
 
 def test_non_streaming_disconnect_aborts_too(server):
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 2000, "ignore_eos_token": True}}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/generate", json=body, timeout=2)
-    wait_until(lambda: server.metric("tgi_batch_current_size") == 0, 10,
-               "the running batch to empty after the disconnect")
+    wait_until(
+        lambda: server.metric("tgi_batch_current_size") == 0,
+        10,
+        "the running batch to empty after the disconnect",
+    )
 
 
 def test_watermark_is_detectable(server):
     from pytgi.engine.watermark import z_score
 
     def ids(watermark: bool) -> list[int]:
-        body = {"inputs": "Write a short story about a dragon.", "parameters": {
-            "max_new_tokens": 96, "do_sample": True, "temperature": 1.3, "seed": 11, "watermark": watermark,
-            "details": True,
-            "ignore_eos_token": True}}
+        body = {
+            "inputs": "Write a short story about a dragon.",
+            "parameters": {
+                "max_new_tokens": 96,
+                "do_sample": True,
+                "temperature": 1.3,
+                "seed": 11,
+                "watermark": watermark,
+                "details": True,
+                "ignore_eos_token": True,
+            },
+        }
         return [t["id"] for t in post(server, "/generate", body).json()["details"]["tokens"]]
 
     vocab = 49152  # the default model's
@@ -242,9 +324,15 @@ def test_watermark_is_detectable(server):
 
 def test_a_lone_surrogate_in_stop_is_a_validation_error(server):
     body = b'{"inputs": "Hi", "parameters": {"stop": ["\\ud800"]}}'  # valid JSON, not valid Unicode
-    r = httpx.post(f"{server.url}/generate", content=body, headers={"content-type": "application/json"}, timeout=60)
-    assert_error(r, 422, "validation",
-                 "Input validation error: `stop` sequences must be valid Unicode (no lone surrogates)")
+    r = httpx.post(
+        f"{server.url}/generate", content=body, headers={"content-type": "application/json"}, timeout=60
+    )
+    assert_error(
+        r,
+        422,
+        "validation",
+        "Input validation error: `stop` sequences must be valid Unicode (no lone surrogates)",
+    )
 
 
 def test_get_root_is_a_health_check_as_in_tgi(server):

@@ -71,7 +71,9 @@ def test_errors_map_to_the_client_classes(client):
         client.generate("hi " * 9000, max_new_tokens=1)
     with pytest.raises(text_generation.errors.ValidationError, match="`top_n_tokens` must be >= 0 and <= 5"):
         client.generate(PROMPT, max_new_tokens=1, top_n_tokens=6)
-    with pytest.raises(text_generation.errors.ValidationError, match="`stop` supports up to 4 stop sequences"):
+    with pytest.raises(
+        text_generation.errors.ValidationError, match="`stop` supports up to 4 stop sequences"
+    ):
         list(client.generate_stream(PROMPT, max_new_tokens=1, stop_sequences=list("abcde")))
 
 

@@ -18,13 +18,33 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("openssl") is No
 
 def test_https(tmp_path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
-                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
     trust = ssl.create_default_context(cafile=str(cert))
     srv = Server("--ssl-keyfile", str(key), "--ssl-certfile", str(cert), log=tmp_path / "tls.log")
     url = srv.url.replace("http://", "https://")
     try:
+
         def healthy() -> bool:
             assert srv.proc.poll() is None, srv.tail()
             try:
@@ -33,7 +53,9 @@ def test_https(tmp_path):
                 return False
 
         wait_until(healthy, 300, "the TLS server's /health", interval=0.25)
-        r = httpx.post(f"{url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, verify=trust)
+        r = httpx.post(
+            f"{url}/generate", json={"inputs": "Hi", "parameters": {"max_new_tokens": 2}}, verify=trust
+        )
         assert r.status_code == 200 and r.json()["generated_text"]
         import openai
 

@@ -19,10 +19,19 @@ from tests.unit.test_tools import MISTRAL_TEMPLATE, PYTHONIC_TEMPLATE
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather for a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
-                   "properties": {"city": {"enum": ["Paris", "Oslo"]}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city"],
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+        },
+    },
+}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 
 
@@ -44,8 +53,14 @@ def served(request, tmp_path_factory):
 def test_forced_calls_come_back_as_tool_calls_streamed_and_not(served):
     style, srv, model = served
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-")
-    kw = {"model": model, "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "max_tokens": 200,
-          "temperature": 0}
+    kw = {
+        "model": model,
+        "messages": ASK,
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_tokens": 200,
+        "temperature": 0,
+    }
     r = client.chat.completions.create(**kw)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
@@ -67,8 +82,14 @@ def test_the_anthropic_sdk_gets_tool_use_blocks(served):
     _, srv, model = served
     client = anthropic.Anthropic(base_url=srv.url, api_key="-")
     tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
-    m = client.messages.create(model=model, max_tokens=200, messages=ASK, tool_choice={"type": "any"},
-                               tools=[tool], extra_body={"temperature": 0})
+    m = client.messages.create(
+        model=model,
+        max_tokens=200,
+        messages=ASK,
+        tool_choice={"type": "any"},
+        tools=[tool],
+        extra_body={"temperature": 0},
+    )
     assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"]
     assert m.content[0].name == "get_weather" and m.content[0].input["city"] in ("Paris", "Oslo")
 
@@ -77,8 +98,15 @@ def test_an_openai_call_id_in_the_history_reaches_the_template(served):
     _, srv, model = served
     client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-")
     call_id = "call_0f3a9c1e27b84d6a95e2c7d1"  # what OpenAI's own ids look like: 29 characters
-    call = {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    history = [*ASK, {"role": "assistant", "tool_calls": [call]},
-               {"role": "tool", "tool_call_id": call_id, "content": "18 C and sunny"}]
+    call = {
+        "id": call_id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    history = [
+        *ASK,
+        {"role": "assistant", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": "18 C and sunny"},
+    ]
     r = client.chat.completions.create(model=model, messages=history, tools=[WEATHER], max_tokens=4)
     assert r.choices[0].finish_reason in ("length", "stop", "tool_calls")

@@ -29,6 +29,14 @@ def tiny_model(path, template: str | None = None):
 
 def llama_config(vocab_size: int) -> transformers.LlamaConfig:
     """The tiny random Llama's config (the tiny tokenizer's ids: bos 1, eos 2)."""
-    return transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                    max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+    return transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+    )

@@ -23,8 +23,13 @@ def assert_loop_equals_python_path(fast: LLM, prompts: list, min_loop_steps: int
 
     model.decoder_loop = counting
     # The same model without the loop: the Python layer loop over the same kernels.
-    plain = load_model(fast.engine.model_path, runner.dtype, runner.device,
-                       dataclasses.replace(model.kernels, decoder_loop=False), "auto")
+    plain = load_model(
+        fast.engine.model_path,
+        runner.dtype,
+        runner.device,
+        dataclasses.replace(model.kernels, decoder_loop=False),
+        "auto",
+    )
     assert plain.decoder_loop is None
     params = SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=True)
     outs = []

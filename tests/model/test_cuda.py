@@ -23,9 +23,17 @@ from tests.unit import tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-CONFIG = dict(vocab_size=300, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-              num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
-              rope_theta=10000.0)
+CONFIG = dict(
+    vocab_size=300,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +107,9 @@ def test_greedy_cuda_equals_cpu(tiny):
     assert cuda == cpu
 
 
-@pytest.mark.skipif(not os.environ.get("PYTGI_DEFAULT_MODEL_CHECK"), reason="the default model's GGUF is not here")
+@pytest.mark.skipif(
+    not os.environ.get("PYTGI_DEFAULT_MODEL_CHECK"), reason="the default model's GGUF is not here"
+)
 def test_default_model_greedy_cuda_equals_cpu():
     """The default model in float32: CUDA's greedy tokens are the CPU's."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea."]

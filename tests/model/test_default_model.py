@@ -49,7 +49,7 @@ def hf_greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     for ids in prompts:
         with torch.no_grad():
             seq = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        out.append(seq[0, len(ids):].tolist())
+        out.append(seq[0, len(ids) :].tolist())
     return out
 
 
@@ -79,8 +79,10 @@ def test_chunked_prefill_equals_unchunked(prompts, hf_greedy):
 def test_prefix_cache_hit_equals_miss(llm, prompts):
     system = [{"role": "system", "content": "You are a terse assistant. " * 8}]
     tok = llm.tokenizer
-    convo = [tok.encode(tok.apply_chat_template(system + [{"role": "user", "content": q}]), False)
-             for q in ("Name a color.", "Name a fruit.")]
+    convo = [
+        tok.encode(tok.apply_chat_template(system + [{"role": "user", "content": q}]), False)
+        for q in ("Name a color.", "Name a fruit.")
+    ]
     first = llm.generate(convo[0], GREEDY)[0]
     second = llm.generate(convo[1], GREEDY)[0]
     assert second.num_cached_tokens >= 64  # the shared system prompt came from the cache
@@ -110,13 +112,20 @@ def test_seed_reproduces_a_sample_alone_or_batched(llm, prompts):
 
 def test_stop_strings_and_stop_token_ids(llm, prompts, hf_greedy):
     ref = llm.tokenizer.decode(hf_greedy[0])  # "The capital of France is Paris..."
-    out = llm.generate(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, stop=["Paris"]))[0]
+    out = llm.generate(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, stop=["Paris"]))[
+        0
+    ]
     assert out.finish_reason == "stop_sequence" and out.text == ref[: ref.index("Paris")]
-    kept = llm.generate(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, stop=["Paris"],
-                                                   include_stop_str_in_output=True))[0]
+    kept = llm.generate(
+        prompts[0],
+        SamplingParams(
+            max_new_tokens=NEW_TOKENS, temperature=0, stop=["Paris"], include_stop_str_in_output=True
+        ),
+    )[0]
     assert kept.text.endswith("Paris")
-    by_id = llm.generate(prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0,
-                                                    stop_token_ids=[hf_greedy[0][2]]))[0]
+    by_id = llm.generate(
+        prompts[0], SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0, stop_token_ids=[hf_greedy[0][2]])
+    )[0]
     assert by_id.token_ids == hf_greedy[0][:3] and by_id.finish_reason == "stop_sequence"
 
 
@@ -138,7 +147,9 @@ def test_logprobs_match_transformers(llm, prompts):
     n = len(out.prompt_token_ids)
     ref_prompt = [lp[i - 1, full[i]].item() for i in range(1, n)]
     assert out.prompt_logprobs[0] is None
-    torch.testing.assert_close(torch.tensor(out.prompt_logprobs[1:]), torch.tensor(ref_prompt), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(out.prompt_logprobs[1:]), torch.tensor(ref_prompt), atol=1e-4, rtol=0
+    )
     ref_gen = [lp[n - 1 + i, t].item() for i, t in enumerate(out.token_ids)]
     torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref_gen), atol=1e-4, rtol=0)
     top = lp[n - 1].topk(3)
@@ -178,23 +189,47 @@ def test_fast_default_is_faithful_to_float32(llm, prompts, hf_greedy):
         assert sum(getattr(m, "quant", None) is not None for m in runner.model.modules()) == 30 * 4 + 1
         params = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=True)
         for p, ref in zip(prompts, hf_greedy):
-            exact = llm.generate(p + ref, params)[0].prompt_logprobs[len(p):]
-            scored = fast.generate(p + ref, params)[0].prompt_logprobs[len(p):]  # one prefill: bf16 path
+            exact = llm.generate(p + ref, params)[0].prompt_logprobs[len(p) :]
+            scored = fast.generate(p + ref, params)[0].prompt_logprobs[len(p) :]  # one prefill: bf16 path
             gap = sum(abs(a - b) for a, b in zip(exact, scored)) / len(exact)
             assert gap < 0.1, gap
         # Decoding alone (one token per step, the int4 path) mostly follows float32's greedy choices.
-        agree = [fast.generate(p, SamplingParams(max_new_tokens=8, temperature=0))[0].token_ids == ref[:8]
-                 for p, ref in zip(prompts, hf_greedy)]
+        agree = [
+            fast.generate(p, SamplingParams(max_new_tokens=8, temperature=0))[0].token_ids == ref[:8]
+            for p, ref in zip(prompts, hf_greedy)
+        ]
         assert sum(agree) >= len(agree) - 2, agree
     finally:
         fast.shutdown()
 
 
-TOPICS = ["the ocean", "a red bicycle", "quantum computers", "baking bread", "the moon landing", "a lost cat",
-          "winter in Norway", "learning Python", "a jazz concert", "volcanoes", "the Roman empire", "coffee",
-          "a robot gardener", "chess openings", "rain forests", "the stock market", "a haunted house",
-          "electric cars", "honey bees", "the Eiffel tower", "a marathon", "origami", "black holes", "tea ceremonies",
-          "a pirate ship"]
+TOPICS = [
+    "the ocean",
+    "a red bicycle",
+    "quantum computers",
+    "baking bread",
+    "the moon landing",
+    "a lost cat",
+    "winter in Norway",
+    "learning Python",
+    "a jazz concert",
+    "volcanoes",
+    "the Roman empire",
+    "coffee",
+    "a robot gardener",
+    "chess openings",
+    "rain forests",
+    "the stock market",
+    "a haunted house",
+    "electric cars",
+    "honey bees",
+    "the Eiffel tower",
+    "a marathon",
+    "origami",
+    "black holes",
+    "tea ceremonies",
+    "a pirate ship",
+]
 
 
 @batch_invariant
@@ -206,16 +241,21 @@ def test_fast_default_is_batch_invariant():
     chunked = LLM(max_batch_total_tokens=16384, max_batch_prefill_tokens=64)
     try:
         tok = fast.tokenizer
-        chats = [tok.encode(tok.apply_chat_template([{"role": "user", "content": k.format(t)}]), False)
-                 for k in ("Write a short story about {}.", "Explain {} in three sentences.") for t in TOPICS]
+        chats = [
+            tok.encode(tok.apply_chat_template([{"role": "user", "content": k.format(t)}]), False)
+            for k in ("Write a short story about {}.", "Explain {} in three sentences.")
+            for t in TOPICS
+        ]
         params = SamplingParams(max_new_tokens=32, temperature=0)
         alone = [fast.generate(p, params)[0].token_ids for p in chats]
         together = [o.token_ids for o in fast.generate(chats, params)]
         assert sum(a == b for a, b in zip(alone, together)) == len(chats)
-        long = tok.encode("Summarize: " + " ".join(f"{t.capitalize()} is a topic worth a paragraph." for t in TOPICS * 2))
+        long = tok.encode(
+            "Summarize: " + " ".join(f"{t.capitalize()} is a topic worth a paragraph." for t in TOPICS * 2)
+        )
         assert len(long) > 300
         one_step = fast.generate(long, params)[0].token_ids
-        assert [o.token_ids for o in chunked.generate([long] + chats[:3], params)][0] == one_step
+        assert next(o.token_ids for o in chunked.generate([long] + chats[:3], params)) == one_step
     finally:
         fast.shutdown()
         chunked.shutdown()

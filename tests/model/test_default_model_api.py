@@ -14,7 +14,8 @@ from tests.unit.test_layers import check_api_process_never_imports_torch
 
 def test_resolving_the_default_model_never_imports_torch():
     check_api_process_never_imports_torch(
-        "from pytgi.core.model_files import resolve_model\nresolve_model(None, progress=False)\n")
+        "from pytgi.core.model_files import resolve_model\nresolve_model(None, progress=False)\n"
+    )
 
 
 def test_llama_server_target_defaults_to_the_default_gguf(tmp_path: Path) -> None:

@@ -21,9 +21,17 @@ VOCAB = 64
 
 def save_tiny(path, seed: int, base=None, noise: float = 0.0, vocab: int = VOCAB):  # type: ignore[no-untyped-def]
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   eos_token_id=None, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        tie_word_embeddings=False,
+    )
     model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)  # peaked distributions: drafts are often right
@@ -31,7 +39,9 @@ def save_tiny(path, seed: int, base=None, noise: float = 0.0, vocab: int = VOCAB
             for p, q in zip(model.parameters(), base.parameters()):
                 p.copy_(q + noise * torch.randn_like(q) * q.std())
     model.save_pretrained(path)
-    Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")).save(str(path / "tokenizer.json"))
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0")).save(
+        str(path / "tokenizer.json")
+    )
     return model
 
 
@@ -61,8 +71,10 @@ PROMPTS = [[1, 2, 3], [5, 9, 11, 3, 7], [20, 21], [40, 41, 42, 43, 44, 45]]
 def test_greedy_and_seeded_outputs_are_the_ones_without_speculation(engines):
     plain, spec = engines
     greedy = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
-    sampled = [SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True)
-               for s in range(len(PROMPTS))]
+    sampled = [
+        SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=s, ignore_eos=True)
+        for s in range(len(PROMPTS))
+    ]
     before = spec.engine.scheduler.spec_drafted
     for params in (greedy, sampled):
         a, b = plain.generate(PROMPTS, params), spec.generate(PROMPTS, params)
@@ -89,8 +101,10 @@ def test_sampled_distribution_is_unchanged(engines):
     n, prompt = 600, [3, 8, 13]
 
     def tokens(llm, first_seed):  # type: ignore[no-untyped-def]
-        params = [SamplingParams(max_new_tokens=4, do_sample=True, seed=first_seed + i, ignore_eos=True)
-                  for i in range(n)]
+        params = [
+            SamplingParams(max_new_tokens=4, do_sample=True, seed=first_seed + i, ignore_eos=True)
+            for i in range(n)
+        ]
         return [o.token_ids for o in llm.generate([prompt] * n, params)]
 
     accepted = spec.engine.scheduler.spec_accepted
@@ -107,7 +121,9 @@ def test_sampled_distribution_is_unchanged(engines):
 def test_a_draft_model_with_another_tokenizer_is_refused(pair, tmp_path):
     target_dir, _ = pair
     save_tiny(tmp_path, 2, vocab=VOCAB)
-    Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0")).save(str(tmp_path / "tokenizer.json"))
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0")).save(
+        str(tmp_path / "tokenizer.json")
+    )
     with pytest.raises(DraftModelError, match="tokenizer"):
         LLM(str(target_dir), draft_model=str(tmp_path), max_batch_total_tokens=1024)
 
@@ -116,15 +132,24 @@ def test_a_draft_model_with_another_tokenizer_is_refused(pair, tmp_path):
 def test_preemption_keeps_the_output_and_frees_the_drafts_cache(pair, engines):
     target_dir, draft_dir = pair
     plain, _ = engines
-    small = LLM(str(target_dir), draft_model=str(draft_dir), speculate=4, max_batch_total_tokens=96,
-                max_total_tokens=64, max_batch_size=4, block_size=4)
+    small = LLM(
+        str(target_dir),
+        draft_model=str(draft_dir),
+        speculate=4,
+        max_batch_total_tokens=96,
+        max_total_tokens=64,
+        max_batch_size=4,
+        block_size=4,
+    )
     try:
         params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
         want = [o.token_ids for o in plain.generate(PROMPTS, params)]
         assert [o.token_ids for o in small.generate(PROMPTS, params)] == want
         sched = small.engine.scheduler
         assert sched.num_preemptions > 0 and sched.spec_accepted > 0
-        assert not sched.drafter.seqs and sched.drafter.blocks.num_free_blocks == sched.drafter.blocks.num_blocks
+        assert (
+            not sched.drafter.seqs and sched.drafter.blocks.num_free_blocks == sched.drafter.blocks.num_blocks
+        )
     finally:
         small.shutdown()
 
@@ -155,13 +180,16 @@ def test_a_long_prompt_catches_up_in_pieces(pair, engines, monkeypatch):
     drafts once near: the output is unchanged."""
     import pytgi.engine.draft as draft_module
 
-    target_dir, draft_dir = pair
+    _target_dir, _draft_dir = pair
     plain, spec = engines
     monkeypatch.setattr(draft_module, "CATCHUP_TOKENS", 4)
     pieces = []
     real = spec.engine.scheduler.drafter._forward
-    monkeypatch.setattr(spec.engine.scheduler.drafter, "_forward",
-                        lambda seqs, tokens: pieces.append(max(map(len, tokens))) or real(seqs, tokens))
+    monkeypatch.setattr(
+        spec.engine.scheduler.drafter,
+        "_forward",
+        lambda seqs, tokens: pieces.append(max(map(len, tokens))) or real(seqs, tokens),
+    )
     prompt = list(range(1, 30))
     params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
     drafted = spec.engine.scheduler.spec_drafted

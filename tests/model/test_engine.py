@@ -19,9 +19,16 @@ from pytgi.engine.engine import LLMEngine
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   eos_token_id=None)
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=None,
+    )
     path = tmp_path_factory.mktemp("tiny")
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path

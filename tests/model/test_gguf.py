@@ -39,8 +39,13 @@ def test_converted_directory_and_config(converted):
     assert model_id == "HuggingFaceTB/SmolLM2-135M-Instruct"
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
-    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],
-            cfg["num_key_value_heads"], cfg["vocab_size"]) == (30, 576, 9, 3, 49152)
+    assert (
+        cfg["num_hidden_layers"],
+        cfg["hidden_size"],
+        cfg["num_attention_heads"],
+        cfg["num_key_value_heads"],
+        cfg["vocab_size"],
+    ) == (30, 576, 9, 3, 49152)
     assert cfg["tie_word_embeddings"] is True
 
 
@@ -76,7 +81,10 @@ def test_a_split_gguf_converts_as_the_whole_file(tmp_path):
     whole = gguf_model(tmp_path / "w-F16.gguf")[0]
     parts = gguf_model(tmp_path / "s-F16.gguf", parts=3)
     assert [p.name for p in parts] == [f"s-F16-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
-    a, b = convert_gguf(whole, tmp_path / "a", progress=False), convert_gguf(parts[0], tmp_path / "b", progress=False)
+    a, b = (
+        convert_gguf(whole, tmp_path / "a", progress=False),
+        convert_gguf(parts[0], tmp_path / "b", progress=False),
+    )
     ta, tb = dict(open_gguf(a).dense_tensors()), dict(open_gguf(b).dense_tensors())
     assert ta.keys() == tb.keys() and all((ta[k] == tb[k]).all() for k in ta)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):

@@ -19,27 +19,74 @@ from pytgi.core.config import EngineConfig
 from pytgi.core.model_files import resolve_model
 from pytgi.engine.runner import ModelRunner
 
-BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+BASE = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 FAMILIES = {
-    "mixtral": ("llama", transformers.MixtralConfig, transformers.MixtralForCausalLM,
-                dict(BASE, num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2moe": ("qwen2moe", transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
-                 dict(BASE, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                      shared_expert_intermediate_size=80, decoder_sparse_step=1, mlp_only_layers=[],
-                      norm_topk_prob=False)),
-    "qwen3moe": ("qwen3moe", transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
-                 dict(BASE, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-                      norm_topk_prob=True)),
+    "mixtral": (
+        "llama",
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        dict(BASE, num_local_experts=4, num_experts_per_tok=2),
+    ),
+    "qwen2moe": (
+        "qwen2moe",
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        dict(
+            BASE,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=80,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=False,
+        ),
+    ),
+    "qwen3moe": (
+        "qwen3moe",
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            BASE,
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+        ),
+    ),
     "phi3": ("phi3", transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(BASE, pad_token_id=0)),
 }
-LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-         "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "self_attn.qkv_proj": "attn_qkv",
-         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.gate_up_proj": "ffn_up",
-         "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-         "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
-         "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+LAYER = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate_up_proj": "ffn_up",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
 
 
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -100,7 +147,10 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         else:
             _, _, i, rest = name.split(".", 3)
             stem, _, kind = rest.rpartition(".")
-            if rest in ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"):  # stacked [E, 2I, H] / [E, H, I]
+            if rest in (
+                "mlp.experts.gate_up_proj",
+                "mlp.experts.down_proj",
+            ):  # stacked [E, 2I, H] / [E, H, I]
                 if rest.endswith("down_proj"):
                     add(f"blk.{i}.ffn_down_exps.weight", a)
                 else:
@@ -109,7 +159,9 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
                     add(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
                 continue
             if arch == "llama" and stem in ("self_attn.q_proj", "self_attn.k_proj"):
-                a = _permute(a, cfg.num_attention_heads if stem.endswith("q_proj") else cfg.num_key_value_heads)
+                a = _permute(
+                    a, cfg.num_attention_heads if stem.endswith("q_proj") else cfg.num_key_value_heads
+                )
             add(f"blk.{i}.{LAYER[stem]}.{kind}", np.ascontiguousarray(a))
     w.write_header_to_file()
     w.write_kv_data_to_file()

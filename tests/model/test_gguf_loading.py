@@ -24,18 +24,53 @@ from pytgi.engine.models.quant import QuantizedLinear
 from pytgi.engine.runner import ModelRunner
 from tests.model.test_gguf_families import prompt_logits, tiny_model, write_gguf
 
-SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+SHAPE = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
 FAMILIES = {
-    "llama": ("llama", transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(SHAPE, tie_word_embeddings=True)),
-    "qwen3moe": ("qwen3moe", transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
-                 dict(SHAPE, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                      norm_topk_prob=True, tie_word_embeddings=False)),
+    "llama": (
+        "llama",
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(SHAPE, tie_word_embeddings=True),
+    ),
+    "qwen3moe": (
+        "qwen3moe",
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(
+            SHAPE,
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 # GGUF tensor → type: a mix as llama.cpp's Q4_K_M-like recipes give (4-bit, 5-bit and 8-bit blocks)
-TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q5_0", "ffn_gate": "Q4_0",
-         "ffn_up": "Q4_1", "ffn_down": "Q5_1", "ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q8_0",
-         "ffn_down_exps": "Q5_0", "token_embd": "Q8_0", "output": "Q4_0"}
+TYPES = {
+    "attn_q": "Q4_0",
+    "attn_k": "Q4_1",
+    "attn_v": "Q8_0",
+    "attn_output": "Q5_0",
+    "ffn_gate": "Q4_0",
+    "ffn_up": "Q4_1",
+    "ffn_down": "Q5_1",
+    "ffn_gate_exps": "Q4_0",
+    "ffn_up_exps": "Q8_0",
+    "ffn_down_exps": "Q5_0",
+    "token_embd": "Q8_0",
+    "output": "Q4_0",
+}
 
 
 def _quant(name: str, a: np.ndarray) -> str | None:
@@ -105,7 +140,9 @@ def test_loading_the_default_gguf_makes_no_float_copy(tmp_path, monkeypatch):
     converted = list((tmp_path / "cache" / "models").iterdir())
     assert len(converted) == 1
     files = {f.name: f.stat().st_size for f in converted[0].iterdir()}
-    assert not any(n.endswith((".safetensors", ".bin")) for n in files) and sum(files.values()) < size / 10, files
+    assert not any(n.endswith((".safetensors", ".bin")) for n in files) and sum(files.values()) < size / 10, (
+        files
+    )
 
 
 @pytest.mark.slow
@@ -116,8 +153,14 @@ def test_a_model_larger_than_memory_is_refused_before_loading(tmp_path):
 
     big = declared_gguf(tmp_path / "big.gguf", layers=80, hidden=8192, inter=28672)
     env = dict(os.environ, PYTGI_CACHE=str(tmp_path / "cache"))
-    out = subprocess.run([sys.executable, "-m", "pytgi.cli", "serve", "--model-id", str(big), "--port", "0"],
-                         capture_output=True, text=True, timeout=300, env=env, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytgi.cli", "serve", "--model-id", str(big), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
     assert out.returncode != 0
     line = next(x for x in out.stderr.splitlines() if "engine failed to start: the model (big-" in x)
     need, avail = re.search(r"(\d+\.\d) GiB in all, and this machine has (\d+\.\d) GiB", line).groups()
@@ -132,15 +175,22 @@ def test_safetensors_are_read_as_safetensors_reads_them(tmp_path):
     from pytgi.engine.models.safetensors_files import iter_safetensors
 
     g = torch.Generator().manual_seed(0)
-    first = {"a.weight": torch.randn(48, 32, generator=g).bfloat16(), "b": torch.randn(7, generator=g),
-             "c": torch.randn(3, 5, generator=g).half(), "d": torch.arange(10), "e": torch.tensor([True, False])}
+    first = {
+        "a.weight": torch.randn(48, 32, generator=g).bfloat16(),
+        "b": torch.randn(7, generator=g),
+        "c": torch.randn(3, 5, generator=g).half(),
+        "d": torch.arange(10),
+        "e": torch.tensor([True, False]),
+    }
     second = {"f.weight": torch.randn(2, 3, 4, generator=g).to(torch.float8_e4m3fn), "g": torch.zeros(0)}
     save_file(first, str(tmp_path / "model-00001-of-00002.safetensors"), metadata={"format": "pt"})
     save_file(second, str(tmp_path / "model-00002-of-00002.safetensors"))
     got = {name: t.clone() for name, t in iter_safetensors(tmp_path)}
-    want = {**load_file(str(tmp_path / "model-00001-of-00002.safetensors")),
-            **load_file(str(tmp_path / "model-00002-of-00002.safetensors"))}
+    want = {
+        **load_file(str(tmp_path / "model-00001-of-00002.safetensors")),
+        **load_file(str(tmp_path / "model-00002-of-00002.safetensors")),
+    }
     assert got.keys() == want.keys()
-    for name in want:
-        assert got[name].dtype == want[name].dtype and got[name].shape == want[name].shape
-        assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name
+    for name, w in want.items():
+        assert got[name].dtype == w.dtype and got[name].shape == w.shape
+        assert torch.equal(got[name].view(torch.uint8), w.view(torch.uint8)), name

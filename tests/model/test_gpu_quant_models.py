@@ -29,7 +29,9 @@ def _on_triton(path, monkeypatch, quantize: str) -> tuple[ModelRunner, torch.nn.
     quant = quantize if DEVICE.type == "cuda" else "none"  # (on CPU, fp8 is refused: the model is swapped)
     runner = ModelRunner(EngineConfig(model=str(path), dtype="bfloat16", device=DEVICE.type, quantize=quant))
     if DEVICE.type != "cuda":
-        monkeypatch.setattr(runner, "model", load_model(path, torch.bfloat16, DEVICE, CpuKernels(triton=True), quantize))
+        monkeypatch.setattr(
+            runner, "model", load_model(path, torch.bfloat16, DEVICE, CpuKernels(triton=True), quantize)
+        )
     return runner, runner.model
 
 
@@ -55,7 +57,7 @@ def test_gguf_linears_stay_in_their_levels_on_the_triton_path(tmp_path, monkeypa
 
 
 def test_fp8_weights_give_the_logits_of_their_e4m3_values(tmp_path, monkeypatch):
-    arch, kw, hf = tiny_model(FAMILIES["llama"])
+    _arch, kw, hf = tiny_model(FAMILIES["llama"])
     hf.save_pretrained(tmp_path / "m", safe_serialization=True)
     exact = ModelRunner(EngineConfig(model=str(tmp_path / "m"), dtype="float32", device="cpu"))
     with torch.no_grad():  # the reference: every linear but the head on its e4m3 values, in float32
@@ -80,12 +82,14 @@ def test_fp8_kv_cache_gives_the_logits_of_the_values_it_holds(tmp_path, monkeypa
     from pytgi.engine.batch import PagedModel, fp8_kv_refusal
     from tests.model.test_tiny_models import BLOCK, NUM_BLOCKS, Paged, step
 
-    arch, kw, hf = tiny_model(FAMILIES["llama"])
+    _arch, kw, hf = tiny_model(FAMILIES["llama"])
     hf.save_pretrained(tmp_path / "m", safe_serialization=True)
     runner = ModelRunner(EngineConfig(model=str(tmp_path / "m"), dtype="float32", device="cpu"))
     assert "CUDA" in fp8_kv_refusal(runner.model, torch.device("cpu"))
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
-        ModelRunner(EngineConfig(model=str(tmp_path / "m"), dtype="float32", device="cpu", kv_cache_dtype="fp8"))
+        ModelRunner(
+            EngineConfig(model=str(tmp_path / "m"), dtype="float32", device="cpu", kv_cache_dtype="fp8")
+        )
     model = load_model(tmp_path / "m", torch.float32, DEVICE, CpuKernels(triton=True), "none")
     assert fp8_kv_refusal(model, torch.device("cuda")) is None
     seq = np.random.default_rng(3).integers(0, kw["vocab_size"], 21).tolist()
@@ -95,7 +99,10 @@ def test_fp8_kv_cache_gives_the_logits_of_the_values_it_holds(tmp_path, monkeypa
         runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
         if kv == "fp8":
             assert runner.paged.kv_caches[0][0].dtype == torch.uint8
-            assert runner.paged.kv_bytes_per_token() * 2 > PagedModel(model, torch.bfloat16, DEVICE).kv_bytes_per_token()
+            assert (
+                runner.paged.kv_bytes_per_token() * 2
+                > PagedModel(model, torch.bfloat16, DEVICE).kv_bytes_per_token()
+            )
         pager = Paged()
         req = pager.request("r", seq)
         logits = [step(runner, pager, [(req, 13)])[0], step(runner, pager, [(req, 8)])[0]]
@@ -109,7 +116,8 @@ def test_fp8_kv_cache_gives_the_logits_of_the_values_it_holds(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize(
-    "case", ["gptq-4bit-sym", "awq-4bit", "fp8-blocks", "ct-w8a8-int-channel", "ct-fp8-channel", "ct-fp8-tensor"]
+    "case",
+    ["gptq-4bit-sym", "awq-4bit", "fp8-blocks", "ct-w8a8-int-channel", "ct-fp8-channel", "ct-fp8-tensor"],
 )
 def test_gptq_awq_fp8_checkpoints_stay_in_their_levels_on_the_triton_path(tmp_path, monkeypatch, case):
     from tests.model.test_quant_checkpoints import checkpoint

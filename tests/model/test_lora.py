@@ -20,13 +20,26 @@ from pytgi.engine.engine import LLMEngine
 from tests.kernel_paths import decoder_loop
 from tests.reference import hf_copy
 
-BASE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, tie_word_embeddings=False)
+BASE = dict(
+    vocab_size=101,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    eos_token_id=None,
+    tie_word_embeddings=False,
+)
 # name → (peft config, whether to scale its weights up so that the adapter changes greedy outputs)
 ADAPTERS = {
     "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
-    "all": dict(r=4, lora_alpha=8, use_rslora=True,
-                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    "all": dict(
+        r=4,
+        lora_alpha=8,
+        use_rslora=True,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    ),
     "mlp": dict(r=16, lora_alpha=4, target_modules=["gate_proj", "down_proj"]),
 }
 PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20, list(range(30, 60)), [11, 12, 13]]
@@ -53,8 +66,10 @@ def tiny(request, tmp_path_factory):
         transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE)).save_pretrained(path)
     else:  # q, k, v biases
         transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**BASE)).save_pretrained(path)
-    adapters = {name: make_adapter(path, tmp_path_factory.mktemp(name), cfg, seed)
-                for seed, (name, cfg) in enumerate(ADAPTERS.items(), start=1)}
+    adapters = {
+        name: make_adapter(path, tmp_path_factory.mktemp(name), cfg, seed)
+        for seed, (name, cfg) in enumerate(ADAPTERS.items(), start=1)
+    }
     return path, adapters
 
 
@@ -68,9 +83,15 @@ def reference(base_dir, adapter_dir, prompts):
     for p in prompts:
         ids = torch.tensor([p])
         with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                                 min_new_tokens=NEW, pad_token_id=0)
-        out.append(gen[0, len(p):].tolist())
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW,
+                do_sample=False,
+                min_new_tokens=NEW,
+                pad_token_id=0,
+            )
+        out.append(gen[0, len(p) :].tolist())
     return out
 
 
@@ -89,8 +110,17 @@ def run(engine, jobs):
 
 def engine_for(path, adapters, **kw):
     specs = tuple(f"{name}={d}" for name, d in adapters.items())
-    return LLMEngine(EngineConfig(**{"model": str(path), "dtype": "float32", "max_batch_total_tokens": 2048,
-                                     "lora_adapters": specs, **kw}))
+    return LLMEngine(
+        EngineConfig(
+            **{
+                "model": str(path),
+                "dtype": "float32",
+                "max_batch_total_tokens": 2048,
+                "lora_adapters": specs,
+                **kw,
+            }
+        )
+    )
 
 
 def test_each_adapter_equals_peft_alone_and_mixed_in_one_batch(tiny):
@@ -103,7 +133,11 @@ def test_each_adapter_equals_peft_alone_and_mixed_in_one_batch(tiny):
         for name in [None, *adapters]:  # alone: one adapter's requests at a time
             assert run(engine, [(p, name) for p in PROMPTS]) == want[name], name
         # mixed: every prompt with every adapter and the base model, all in one batch
-        jobs = [(p, name) for i, p in enumerate(PROMPTS) for name in [None, *adapters][i % 4:] + [None, *adapters][:i % 4]]
+        jobs = [
+            (p, name)
+            for i, p in enumerate(PROMPTS)
+            for name in [None, *adapters][i % 4 :] + [None, *adapters][: i % 4]
+        ]
         got = run(engine, jobs)
         assert got == [want[name][PROMPTS.index(p)] for p, name in jobs]
     finally:
@@ -142,7 +176,9 @@ def test_the_prefix_cache_keeps_each_adapters_blocks_apart(tiny):
         first = run(engine, [(prompt, "qv")])
         cached = {}
         for name in ["qv", None, "all", "qv"]:
-            engine.add_request(name or "base", prompt, SamplingParams(max_new_tokens=1, temperature=0, adapter=name))
+            engine.add_request(
+                name or "base", prompt, SamplingParams(max_new_tokens=1, temperature=0, adapter=name)
+            )
             while engine.has_unfinished():
                 for u in engine.step():
                     cached[u.request_id] = u.num_cached_tokens
@@ -171,8 +207,11 @@ def test_preemption_speculation_and_shards_keep_each_adapters_output(tiny):
         want = run(engine, jobs)
     finally:
         engine.shutdown()
-    for kw in [dict(max_batch_total_tokens=96, max_total_tokens=48, block_size=4), dict(speculate=3),
-               dict(num_shard=2)]:
+    for kw in [
+        dict(max_batch_total_tokens=96, max_total_tokens=48, block_size=4),
+        dict(speculate=3),
+        dict(num_shard=2),
+    ]:
         engine = engine_for(path, adapters, **kw)
         try:
             assert run(engine, jobs) == want, kw
@@ -190,20 +229,32 @@ def test_the_default_models_hf_copy_with_an_adapter_equals_peft(tmp_path):
     base = resolve_model(None).path
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_copy(base), dtype=torch.float32)
-    lora = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, init_lora_weights=False,
-                                                      target_modules=["q_proj", "v_proj", "down_proj"]))
+    lora = peft.get_peft_model(
+        model,
+        peft.LoraConfig(
+            r=8, lora_alpha=16, init_lora_weights=False, target_modules=["q_proj", "v_proj", "down_proj"]
+        ),
+    )
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if "lora_" in name:
                 p.mul_(2.0)
     lora.save_pretrained(tmp_path / "a")
     tok = Tokenizer.from_dir(base)
-    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
-               for q in ["What is the capital of France?", "Write a haiku about rain."]]
+    prompts = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+        for q in ["What is the capital of France?", "Write a haiku about rain."]
+    ]
     want = reference(base, tmp_path / "a", prompts)
     assert want != reference(base, None, prompts)
-    engine = LLMEngine(EngineConfig(dtype="float32", max_batch_total_tokens=4096, max_total_tokens=1024,
-                                    lora_adapters=(f"a={tmp_path / 'a'}",)))
+    engine = LLMEngine(
+        EngineConfig(
+            dtype="float32",
+            max_batch_total_tokens=4096,
+            max_total_tokens=1024,
+            lora_adapters=(f"a={tmp_path / 'a'}",),
+        )
+    )
     try:
         assert run(engine, [(p, "a") for p in prompts]) == want
     finally:
@@ -224,8 +275,9 @@ def test_the_c_decoder_loop_adds_the_adapters_as_the_python_path_does(tmp_path):
     for i, targets in enumerate([["q_proj", "v_proj"], ["o_proj", "gate_proj", "up_proj", "down_proj"]]):
         torch.manual_seed(i)
         model = transformers.AutoModelForCausalLM.from_pretrained(hf_copy(base), dtype=torch.float32)
-        peft.get_peft_model(model, peft.LoraConfig(r=8, init_lora_weights=False, target_modules=targets)) \
-            .save_pretrained(tmp_path / str(i))
+        peft.get_peft_model(
+            model, peft.LoraConfig(r=8, init_lora_weights=False, target_modules=targets)
+        ).save_pretrained(tmp_path / str(i))
         adapters[f"a{i}"] = tmp_path / str(i)
     tok = Tokenizer.from_dir(base)
     prompts = [tok.encode(f"Question {i}: what is {i} plus {i}?") for i in range(6)]
@@ -243,8 +295,17 @@ def test_the_c_decoder_loop_adds_the_adapters_as_the_python_path_does(tmp_path):
 
     def outputs(which=range(len(prompts))):
         for i in which:
-            engine.add_request(str(i), prompts[i], SamplingParams(max_new_tokens=8, temperature=0, prompt_logprobs=True, ignore_eos=True,
-                                                         adapter=[None, "a0", "a1"][i % 3]))
+            engine.add_request(
+                str(i),
+                prompts[i],
+                SamplingParams(
+                    max_new_tokens=8,
+                    temperature=0,
+                    prompt_logprobs=True,
+                    ignore_eos=True,
+                    adapter=[None, "a0", "a1"][i % 3],
+                ),
+            )
         got: dict[str, list] = {str(i): [] for i in which}
         while engine.has_unfinished():
             for u in engine.step():

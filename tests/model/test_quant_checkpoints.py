@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from pytgi.core.config import EngineConfig
-from pytgi.engine.models.checkpoint_quant import QuantizedCheckpoint, UnsupportedQuantization, dequantize, fp8_dequantize, fp8_rows, grid_of, linear_levels, read_quantization
+from pytgi.engine.models.checkpoint_quant import (
+    QuantizedCheckpoint,
+    UnsupportedQuantization,
+    dequantize,
+    fp8_dequantize,
+    fp8_rows,
+    grid_of,
+    linear_levels,
+    read_quantization,
+)
 from pytgi.engine.models.gguf_weights import group_values
 from pytgi.engine.models.quant import HEAD_KIND, QuantizedLinear
 from pytgi.engine.runner import ModelRunner
@@ -119,8 +128,15 @@ def test_bf16_keeps_the_levels_packed(tmp_path, case):
     "qc, why",
     [
         ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes' is not served"),
-        ({"quant_method": "compressed-tensors", "config_groups": {"g": {"format": "nvfp4-pack-quantized",
-            "weights": {"type": "float", "num_bits": 4}}}}, "compressed-tensors nvfp4-pack-quantized"),
+        (
+            {
+                "quant_method": "compressed-tensors",
+                "config_groups": {
+                    "g": {"format": "nvfp4-pack-quantized", "weights": {"type": "float", "num_bits": 4}}
+                },
+            },
+            "compressed-tensors nvfp4-pack-quantized",
+        ),
         ({"quant_method": "hqq"}, "'hqq' is not served"),
         ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "3 bits"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 48}, "group size of 48"),
@@ -161,8 +177,9 @@ def test_lora_and_speculation_on_a_gptq_checkpoint(tmp_path):
     want = []
     for p in prompts:
         with torch.no_grad():
-            out = model.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                                 pad_token_id=0)
+            out = model.generate(
+                torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0
+            )
         want.append(out[0, len(p) :].tolist())
     engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", max_batch_total_tokens=2048,
                                     lora_adapters=(f"a={adapter}",), speculate=2))  # fmt: skip

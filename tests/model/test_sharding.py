@@ -22,9 +22,17 @@ pytestmark = pytest.mark.slow
 def tiny_path(tmp_path_factory):
     torch.manual_seed(0)
     # 6 query heads in 3 key/value groups: N=2 splits them 2+1 groups, N=3 one each
-    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                   num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=256,
-                                   eos_token_id=None, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=101,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        tie_word_embeddings=False,
+    )
     path = tmp_path_factory.mktemp("tiny-tp")
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return path
@@ -59,7 +67,9 @@ def tiny_reference(tiny_path):
 @pytest.mark.parametrize("n", [2, 3])
 def test_tiny_model_logits_match_one_shard(tiny_path, tiny_reference, n):
     prompts, ref = tiny_reference
-    engine = LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=1024, num_shard=n, dtype="float32"))
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_path), max_batch_total_tokens=1024, num_shard=n, dtype="float32")
+    )
     try:
         got = run(engine, prompts)
     finally:
@@ -74,11 +84,32 @@ def test_a_rank_started_by_pytgi_shard_joins_rank_0(tiny_path, tiny_reference, m
     prompts, ref = tiny_reference
     port = free_port()
     monkeypatch.setenv("WORLD_SIZE", "2")
-    shard = subprocess.Popen([sys.executable, "-m", "pytgi.cli", "shard", "--model-id", str(tiny_path),
-                              "--dtype", "float32", "--rank", "1", "--master-port", str(port)])
+    shard = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pytgi.cli",
+            "shard",
+            "--model-id",
+            str(tiny_path),
+            "--dtype",
+            "float32",
+            "--rank",
+            "1",
+            "--master-port",
+            str(port),
+        ]
+    )
     try:
-        engine = LLMEngine(EngineConfig(model=str(tiny_path), max_batch_total_tokens=1024, num_shard=2,
-                                        dtype="float32", master_port=port))
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tiny_path),
+                max_batch_total_tokens=1024,
+                num_shard=2,
+                dtype="float32",
+                master_port=port,
+            )
+        )
         try:
             assert engine.shards.procs == []
             got = run(engine, prompts)
@@ -92,8 +123,11 @@ def test_a_rank_started_by_pytgi_shard_joins_rank_0(tiny_path, tiny_reference, m
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
 
 
-PROMPTS = ["The capital of France is", "def fibonacci(n):\n",
-           "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n",
+    "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+]
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +143,12 @@ def default_reference():
 def test_default_model_greedy_equals_one_shard(default_reference, n):
     llm = LLM(dtype="float32", max_batch_total_tokens=4096, max_total_tokens=1024, num_shard=n)
     try:
-        assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=48, temperature=0))] \
-            == default_reference
-        assert llm.engine.runner.model.layers[0].self_attn.n_kv == (2 if n == 2 else 1)  # 3 KV heads: 2+1, 1+1+1
+        assert [
+            o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=48, temperature=0))
+        ] == default_reference
+        assert llm.engine.runner.model.layers[0].self_attn.n_kv == (
+            2 if n == 2 else 1
+        )  # 3 KV heads: 2+1, 1+1+1
     finally:
         llm.engine.shutdown()
 
@@ -128,8 +165,8 @@ def test_fast_default_path_shards(default_reference):
         params = SamplingParams(max_new_tokens=1, temperature=0, prompt_logprobs=True)
         for p, ref in zip(PROMPTS, default_reference):
             ids = one.encode(p)
-            sharded = llm.generate(ids + ref, params)[0].prompt_logprobs[len(ids):]
-            alone = one.generate(ids + ref, params)[0].prompt_logprobs[len(ids):]
+            sharded = llm.generate(ids + ref, params)[0].prompt_logprobs[len(ids) :]
+            alone = one.generate(ids + ref, params)[0].prompt_logprobs[len(ids) :]
             gap = sum(abs(a - b) for a, b in zip(sharded, alone)) / len(ref)
             assert gap < 0.05, (p, gap)
         got = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=0))]

@@ -45,7 +45,10 @@ def prompts(llms):
 
 
 def run(llm, prompts, params):
-    return [(o.token_ids, o.text, o.finish_reason, o.logprobs, o.top_logprobs) for o in llm.generate(prompts, params)]
+    return [
+        (o.token_ids, o.text, o.finish_reason, o.logprobs, o.top_logprobs)
+        for o in llm.generate(prompts, params)
+    ]
 
 
 def test_greedy_output_is_the_same_with_drafts_alone_and_batched(llms, prompts):
@@ -56,7 +59,10 @@ def test_greedy_output_is_the_same_with_drafts_alone_and_batched(llms, prompts):
     assert [run(spec, p, params)[0] for p in prompts] == want
     assert run(spec, prompts, params) == want
     stats = spec.engine.stats()
-    drafted, accepted = stats["spec_drafted"] - before["spec_drafted"], stats["spec_accepted"] - before["spec_accepted"]
+    drafted, accepted = (
+        stats["spec_drafted"] - before["spec_drafted"],
+        stats["spec_accepted"] - before["spec_accepted"],
+    )
     assert accepted > 0.5 * sum(len(w[0]) for w in want[:2]) / 2  # the copying prompts took many drafts
     assert 0 < accepted <= drafted
 
@@ -66,7 +72,9 @@ def test_seeded_sampling_is_the_same_with_drafts(llms, prompts):
     positions a step verified: the same tokens, not only the same distribution."""
     plain, spec = llms
     for seed in range(6):
-        params = SamplingParams(max_new_tokens=48, temperature=0.7, top_p=0.95, seed=seed, repetition_penalty=1.1)
+        params = SamplingParams(
+            max_new_tokens=48, temperature=0.7, top_p=0.95, seed=seed, repetition_penalty=1.1
+        )
         assert run(spec, prompts[:2], params) == run(plain, prompts[:2], params), seed
 
 
@@ -75,9 +83,11 @@ def test_stops_and_limits_cut_inside_a_verified_draft(llms, prompts):
     full = plain.generate(prompts[0], SamplingParams(max_new_tokens=60, temperature=0))[0]
     assert len(full.token_ids) > 40
     stop = full.text.split()[8]  # a word from the middle of the copied code
-    for params in (SamplingParams(max_new_tokens=60, temperature=0, stop=[stop]),
-                   SamplingParams(max_new_tokens=23, temperature=0),
-                   SamplingParams(max_new_tokens=60, temperature=0, stop_token_ids=[full.token_ids[17]])):
+    for params in (
+        SamplingParams(max_new_tokens=60, temperature=0, stop=[stop]),
+        SamplingParams(max_new_tokens=23, temperature=0),
+        SamplingParams(max_new_tokens=60, temperature=0, stop_token_ids=[full.token_ids[17]]),
+    ):
         assert run(spec, prompts[0], params) == run(plain, prompts[0], params)
 
 
@@ -94,8 +104,10 @@ def test_drafts_with_preemption_and_prefix_cache():
     plain = LLM(max_batch_total_tokens=16384)
     try:
         tok = small.tokenizer
-        ps = [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"{a} ({i})"}]), False)
-              for i, a in enumerate(ASKS[:2] * 2)]
+        ps = [
+            tok.encode(tok.apply_chat_template([{"role": "user", "content": f"{a} ({i})"}]), False)
+            for i, a in enumerate(ASKS[:2] * 2)
+        ]
         params = SamplingParams(max_new_tokens=80, temperature=0)
         want = run(plain, ps, params)
         assert run(small, ps, params) == want

@@ -21,15 +21,34 @@ from pytgi.engine.step import ScheduledRequest
 BLOCK = 4
 NUM_BLOCKS = 64
 
-BASE = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+BASE = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
 
 CONFIGS = {
     "llama": (transformers.LlamaConfig, dict(BASE, rope_theta=10000.0)),
     "llama-mha-tied": (transformers.LlamaConfig, dict(BASE, num_key_value_heads=4, tie_word_embeddings=True)),
-    "llama3-rope-scaling": (transformers.LlamaConfig, dict(BASE, rope_theta=500000.0, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32})),
+    "llama3-rope-scaling": (
+        transformers.LlamaConfig,
+        dict(
+            BASE,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
     "llama-biases": (transformers.LlamaConfig, dict(BASE, attention_bias=True, mlp_bias=True)),
     "mistral": (transformers.MistralConfig, dict(BASE, sliding_window=None)),
     "mistral-sliding": (transformers.MistralConfig, dict(BASE, sliding_window=8)),  # sequences reach past it
@@ -37,42 +56,106 @@ CONFIGS = {
     "qwen3-qknorm": (transformers.Qwen3Config, dict(BASE, head_dim=32)),
     "phi3-fused-checkpoint": (transformers.Phi3Config, dict(BASE, pad_token_id=0)),
     "mixtral-moe": (transformers.MixtralConfig, dict(BASE, num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2-moe-shared": (transformers.Qwen2MoeConfig, dict(
-        BASE, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-        shared_expert_intermediate_size=80, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=False)),
-    "qwen3-moe": (transformers.Qwen3MoeConfig, dict(BASE, head_dim=32, num_experts=4, num_experts_per_tok=2,
-                                                    moe_intermediate_size=48, norm_topk_prob=True)),
+    "qwen2-moe-shared": (
+        transformers.Qwen2MoeConfig,
+        dict(
+            BASE,
+            num_hidden_layers=3,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=80,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        ),
+    ),
+    "qwen3-moe": (
+        transformers.Qwen3MoeConfig,
+        dict(
+            BASE,
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+        ),
+    ),
     # sliding layers see 8 positions: the test sequences (up to 30 tokens) reach past it
-    "gemma3-sliding": (transformers.Gemma3TextConfig, dict(
-        BASE, num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    "gemma3-sliding": (
+        transformers.Gemma3TextConfig,
+        dict(
+            BASE,
+            num_hidden_layers=3,
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        ),
+    ),
     # Gemma 2: every other layer sliding, one RoPE base, scores and logits soft-capped (caps small
     # enough to bite on random weights)
-    "gemma2-softcap": (transformers.Gemma2Config, dict(
-        BASE, num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
-        attn_logit_softcapping=0.5, final_logit_softcapping=0.3)),
+    "gemma2-softcap": (
+        transformers.Gemma2Config,
+        dict(
+            BASE,
+            num_hidden_layers=3,
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=0.3,
+        ),
+    ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
     "olmo2-via-transformers": (transformers.Olmo2Config, dict(BASE)),
-    "gpt-neox-via-transformers": (transformers.GPTNeoXConfig, dict(
-        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=256, rotary_pct=0.5)),
+    "gpt-neox-via-transformers": (
+        transformers.GPTNeoXConfig,
+        dict(
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            rotary_pct=0.5,
+        ),
+    ),
     "llama-via-transformers": (transformers.LlamaConfig, dict(BASE, rope_theta=10000.0)),
-    "gemma3-sliding-via-transformers": (transformers.Gemma3TextConfig, dict(
-        BASE, num_hidden_layers=3, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "gemma3-sliding-via-transformers": (
+        transformers.Gemma3TextConfig,
+        dict(
+            BASE,
+            num_hidden_layers=3,
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        ),
+    ),
 }
-IMPL = {"llama-via-transformers": "transformers", "gemma3-sliding-via-transformers": "transformers"}  # others: auto
-ARCH = {transformers.LlamaConfig: transformers.LlamaForCausalLM, transformers.MistralConfig:
-        transformers.MistralForCausalLM, transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
-        transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
-        transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM,
-        transformers.Gemma2Config: transformers.Gemma2ForCausalLM, transformers.Phi3Config: transformers.Phi3ForCausalLM,
-        transformers.MixtralConfig: transformers.MixtralForCausalLM,
-        transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
-        transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
-        transformers.Olmo2Config: transformers.Olmo2ForCausalLM, transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM}
+IMPL = {
+    "llama-via-transformers": "transformers",
+    "gemma3-sliding-via-transformers": "transformers",
+}  # others: auto
+ARCH = {
+    transformers.LlamaConfig: transformers.LlamaForCausalLM,
+    transformers.MistralConfig: transformers.MistralForCausalLM,
+    transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
+    transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+    transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM,
+    transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
+    transformers.Phi3Config: transformers.Phi3ForCausalLM,
+    transformers.MixtralConfig: transformers.MixtralForCausalLM,
+    transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
+    transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
+    transformers.Olmo2Config: transformers.Olmo2ForCausalLM,
+    transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
+}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -88,8 +171,11 @@ def models(request, tmp_path_factory):
                 p.add_(torch.randn_like(p) * 0.1)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
-    runner = ModelRunner(EngineConfig(model=str(path), dtype="float32", device="cpu",
-                                      model_impl=IMPL.get(request.param, "auto")))
+    runner = ModelRunner(
+        EngineConfig(
+            model=str(path), dtype="float32", device="cpu", model_impl=IMPL.get(request.param, "auto")
+        )
+    )
     assert ("via-transformers" in request.param) == (type(runner.model).__name__ == "TransformersModel")
     runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
     return hf, runner

@@ -17,10 +17,26 @@ from pytgi.core.sampling_params import SamplingParams
 from tests.model.vision_util import engine_for, greedy, png
 from tests.reference import hf_copy
 
-TEXT = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, eos_token_id=None, tie_word_embeddings=False)
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2, image_size=56,
-              patch_size=14, projection_dim=32)
+TEXT = dict(
+    vocab_size=101,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    eos_token_id=None,
+    tie_word_embeddings=False,
+)
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=2,
+    image_size=56,
+    patch_size=14,
+    projection_dim=32,
+)
 IMAGE = 100  # the image token
 PER_IMAGE = (56 // 14) ** 2  # CLIP's patches, the CLS row dropped ("default")
 NEW = 8
@@ -30,18 +46,26 @@ NEW = 8
 def tiny(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llava")
-    cfg = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**VISION),
-                                   text_config=transformers.LlamaConfig(**TEXT), image_token_index=IMAGE,
-                                   vision_feature_layer=-2, vision_feature_select_strategy="default")
+    cfg = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**VISION),
+        text_config=transformers.LlamaConfig(**TEXT),
+        image_token_index=IMAGE,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
     model = transformers.LlavaForConditionalGeneration(cfg)
     with torch.no_grad():  # the image must matter to greedy: make its rows large
         model.model.multi_modal_projector.linear_2.weight.mul_(8.0)
     model.save_pretrained(path)
-    transformers.CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}).save_pretrained(path)
+    transformers.CLIPImageProcessor(
+        size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}
+    ).save_pretrained(path)
     return path
 
 
-def reference(path, prompt: list[int], images: list[bytes], image: int = IMAGE, eos: int | None = None) -> list[int]:
+def reference(
+    path, prompt: list[int], images: list[bytes], image: int = IMAGE, eos: int | None = None
+) -> list[int]:
     """transformers' generate, the prompt's image tokens expanded as LlavaProcessor expands them (NEW
     tokens, or up to `eos`)."""
     model = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
@@ -53,9 +77,10 @@ def reference(path, prompt: list[int], images: list[bytes], image: int = IMAGE, 
         kw["pixel_values"] = processor(images=pil, return_tensors="pt")["pixel_values"]
     x = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False,
-                             pad_token_id=0, **kw)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False, pad_token_id=0, **kw
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def run(engine, jobs):
@@ -63,10 +88,12 @@ def run(engine, jobs):
     return greedy(engine, jobs, NEW)
 
 
-PROMPTS = [([5, 17, IMAGE, 3, 99, 42], [png(1)]),
-           ([IMAGE, 8, 1, 64, 2], [png(2, (30, 90))]),
-           ([7, IMAGE, 9, IMAGE, 11], [png(3), png(4, (56, 56))]),
-           ([11, 12, 13, 14], [])]
+PROMPTS = [
+    ([5, 17, IMAGE, 3, 99, 42], [png(1)]),
+    ([IMAGE, 8, 1, 64, 2], [png(2, (30, 90))]),
+    ([7, IMAGE, 9, IMAGE, 11], [png(3), png(4, (56, 56))]),
+    ([11, 12, 13, 14], []),
+]
 
 
 def test_llava_equals_transformers_alone_batched_and_chunked(tiny):
@@ -107,8 +134,12 @@ def test_bad_images_are_refused_by_index_and_the_engine_keeps_serving(tiny):
     try:
         with pytest.raises(InvalidRequest, match=r"1 image token\(s\) \(id 100\) for 2 image"):
             engine.add_request("a", [1, IMAGE, 2], SamplingParams(max_new_tokens=2), images=[png(1), png(2)])
-        with pytest.raises(InvalidRequest, match=r"image `images.\[1\]`: it is not an image in a format pytgi reads"):
-            engine.add_request("b", [IMAGE, IMAGE], SamplingParams(max_new_tokens=2), images=[png(1), b"not a png"])
+        with pytest.raises(
+            InvalidRequest, match=r"image `images.\[1\]`: it is not an image in a format pytgi reads"
+        ):
+            engine.add_request(
+                "b", [IMAGE, IMAGE], SamplingParams(max_new_tokens=2), images=[png(1), b"not a png"]
+            )
         with pytest.raises(InvalidRequest, match=r"image `images.\[0\]`: it is broken"):
             engine.add_request("c", [IMAGE], SamplingParams(max_new_tokens=2), images=[png(1)[:60]])
         bomb = io.BytesIO()
@@ -147,7 +178,9 @@ def test_the_offline_llm_takes_image_prompts(tiny, tmp_path):
     llm = LLM(str(model), dtype="float32", max_batch_total_tokens=2048)
     try:
         prompt, images = PROMPTS[0]
-        out = llm.generate({"prompt": prompt, "images": images}, SamplingParams(max_new_tokens=NEW, temperature=0))
+        out = llm.generate(
+            {"prompt": prompt, "images": images}, SamplingParams(max_new_tokens=NEW, temperature=0)
+        )
         assert list(out[0].token_ids) == reference(tiny, prompt, images)
     finally:
         llm.shutdown()
@@ -188,16 +221,22 @@ def tiny_next(tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-llava-next")
     vision = transformers.CLIPVisionConfig(**{**VISION, "image_size": 28})
-    cfg = transformers.LlavaNextConfig(vision_config=vision, text_config=transformers.LlamaConfig(**TEXT),
-                                       image_token_index=IMAGE, image_grid_pinpoints=PINPOINTS,
-                                       vision_feature_layer=-2, vision_feature_select_strategy="default")
+    cfg = transformers.LlavaNextConfig(
+        vision_config=vision,
+        text_config=transformers.LlamaConfig(**TEXT),
+        image_token_index=IMAGE,
+        image_grid_pinpoints=PINPOINTS,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
     model = transformers.LlavaNextForConditionalGeneration(cfg)
     with torch.no_grad():  # the image must matter to greedy: make its rows large
         model.model.multi_modal_projector.linear_2.weight.mul_(8.0)
         model.model.image_newline.normal_(0, 4.0)
     model.save_pretrained(path)
-    transformers.LlavaNextImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28},
-                                            image_grid_pinpoints=PINPOINTS).save_pretrained(path)
+    transformers.LlavaNextImageProcessorPil(
+        size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28}, image_grid_pinpoints=PINPOINTS
+    ).save_pretrained(path)
     return path
 
 
@@ -208,7 +247,11 @@ def next_features(path, images: list[bytes]):
     if not images:
         return model, {}, []
     pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in images]
-    kw = {k: v for k, v in processor(images=pil, return_tensors="pt").items() if k in ("pixel_values", "image_sizes")}
+    kw = {
+        k: v
+        for k, v in processor(images=pil, return_tensors="pt").items()
+        if k in ("pixel_values", "image_sizes")
+    }
     with torch.no_grad():
         feats = model.model.get_image_features(**kw).pooler_output
     return model, kw, feats
@@ -221,18 +264,29 @@ def next_reference(path, prompt: list[int], images: list[bytes]) -> list[int]:
     ids = [x for t in prompt for x in ([t] * next(lengths) if t == IMAGE else [t])]
     x = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, min_new_tokens=NEW,
-                             do_sample=False, pad_token_id=0, **kw)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+            **kw,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def test_llava_next_equals_transformers_alone_batched_and_chunked(tiny_next):
-    jobs = [([5, 17, IMAGE, 3, 99, 42], [png(1)]),  # wide
-            ([IMAGE, 8, 1, 64, 2], [png(2, (30, 90))]),  # tall
-            ([7, IMAGE, 9, IMAGE, 11], [png(3), png(4, (56, 56))]),
-            ([11, 12, 13, 14], [])]
+    jobs = [
+        ([5, 17, IMAGE, 3, 99, 42], [png(1)]),  # wide
+        ([IMAGE, 8, 1, 64, 2], [png(2, (30, 90))]),  # tall
+        ([7, IMAGE, 9, IMAGE, 11], [png(3), png(4, (56, 56))]),
+        ([11, 12, 13, 14], []),
+    ]
     want = [next_reference(tiny_next, p, imgs) for p, imgs in jobs]
-    assert next_reference(tiny_next, jobs[0][0], [png(9)]) != want[0], "an image that changes nothing tests nothing"
+    assert next_reference(tiny_next, jobs[0][0], [png(9)]) != want[0], (
+        "an image that changes nothing tests nothing"
+    )
     engine = engine_for(tiny_next)
     try:
         for job, w in zip(jobs, want):
@@ -272,8 +326,20 @@ def test_llava_next_positions_are_counted_as_the_model_packs_them(tiny_next):
     try:
         layout = engine.images.layout
         assert layout.kind == "anyres"
-        for w, h in [(70, 45), (30, 90), (56, 56), (1, 1), (300, 7), (7, 300), (57, 56), (100, 33), (33, 100),
-                     (640, 480), (28, 84), (85, 28)]:
+        for w, h in [
+            (70, 45),
+            (30, 90),
+            (56, 56),
+            (1, 1),
+            (300, 7),
+            (7, 300),
+            (57, 56),
+            (100, 33),
+            (33, 100),
+            (640, 480),
+            (28, 84),
+            (85, 28),
+        ]:
             _, _, feats = next_features(tiny_next, [png(0, (w, h))])
             assert image_positions(layout, w, h) == feats[0].shape[0], (w, h)
     finally:
@@ -291,24 +357,37 @@ def test_llava_on_the_default_models_real_text_weights(tmp_path):
     tok = Tokenizer.from_dir(text_dir)
     image = tok.special_id("<empty_output>")  # an unused special token stands for the image
     torch.manual_seed(0)
-    cfg = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**VISION), text_config=llama.config,
-                                   image_token_index=image, vision_feature_layer=-2,
-                                   vision_feature_select_strategy="default")
+    cfg = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**VISION),
+        text_config=llama.config,
+        image_token_index=image,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
     model = transformers.LlavaForConditionalGeneration(cfg)
     with torch.no_grad():
         model.model.language_model.load_state_dict(llama.model.state_dict())
         model.lm_head.weight.copy_(llama.lm_head.weight)
         model.model.multi_modal_projector.linear_2.weight.mul_(8.0)  # the image must matter to greedy
     model.save_pretrained(tmp_path)
-    transformers.CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}).save_pretrained(tmp_path)
+    transformers.CLIPImageProcessor(
+        size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56}
+    ).save_pretrained(tmp_path)
     del model, llama
 
     def chat(text: str, with_image: bool) -> list[int]:
         head = tok.encode(f"<|im_start|>user\n{text}", add_special_tokens=False)
-        return head + [image] * with_image + tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+        return (
+            head
+            + [image] * with_image
+            + tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+        )
 
-    jobs = [(chat("What is in this picture?", True), [png(1)]), (chat("Describe it.", True), [png(2, (30, 90))]),
-            (chat("What is the capital of France?", False), [])]
+    jobs = [
+        (chat("What is in this picture?", True), [png(1)]),
+        (chat("Describe it.", True), [png(2, (30, 90))]),
+        (chat("What is the capital of France?", False), []),
+    ]
     eos = tok.special_id("<|im_end|>")
     want = [reference(tmp_path, p, imgs, image, eos) for p, imgs in jobs]
     assert reference(tmp_path, jobs[0][0], [png(9)], image, eos) != want[0], "an image that changes nothing"

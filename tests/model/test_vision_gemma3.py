@@ -20,29 +20,65 @@ from pytgi.core.image_geometry import wrap_images
 from pytgi.core.sampling_params import SamplingParams
 from tests.model.vision_util import engine_for, greedy, png
 
-SPECIAL = ["<eos>", "<start_of_image>", "<end_of_image>", "<image_soft_token>", "<start_of_turn>", "<end_of_turn>"]
+SPECIAL = [
+    "<eos>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+    "<start_of_turn>",
+    "<end_of_turn>",
+]
 NEW = 8
 ROWS = 16  # rows an image (a 8 × 8 patch grid pooled 2 × 2)
-TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=1024, sliding_window=12,
-            layer_types=["sliding_attention", "full_attention"], rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
-                "full_attention": {"rope_type": "default", "rope_theta": 1000.0}})
-VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=112,
-              patch_size=14)
+TEXT = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    query_pre_attn_scalar=16,
+    max_position_embeddings=1024,
+    sliding_window=12,
+    layer_types=["sliding_attention", "full_attention"],
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+    },
+)
+VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=112,
+    patch_size=14,
+)
 
 
 def tokenizer() -> transformers.PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    text = ["<start_of_turn>user\nwhat is in this picture?\n\nmodel\na cat on a mat.\n"] * 50 + ["\n\n\n", "\n\n\n\n"] * 100
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL,
-                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    text = ["<start_of_turn>user\nwhat is in this picture?\n\nmodel\na cat on a mat.\n"] * 50 + [
+        "\n\n\n",
+        "\n\n\n\n",
+    ] * 100
+    tok.train_from_iterator(
+        text,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<eos>",
-        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                              "image_token": "<image_soft_token>"})
+        tokenizer_object=tok,
+        eos_token="<eos>",
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    )
 
 
 TEMPLATE = (  # Gemma 3's, shortened: an image part is <start_of_image>
@@ -66,11 +102,19 @@ def build(path):
     tok.chat_template = TEMPLATE
     ids = tok.convert_tokens_to_ids
     # the processor's blank lines merge with a newline beside them: the API must tokenize them together
-    assert len(tok.encode("user\n\n\n", add_special_tokens=False)) == len(tok.encode("user", add_special_tokens=False)) + 1
+    assert (
+        len(tok.encode("user\n\n\n", add_special_tokens=False))
+        == len(tok.encode("user", add_special_tokens=False)) + 1
+    )
     cfg = transformers.Gemma3Config(
-        text_config={**TEXT, "vocab_size": len(tok)}, vision_config=VISION, mm_tokens_per_image=ROWS,
-        boi_token_index=ids("<start_of_image>"), eoi_token_index=ids("<end_of_image>"),
-        image_token_index=ids("<image_soft_token>"), eos_token_id=None)
+        text_config={**TEXT, "vocab_size": len(tok)},
+        vision_config=VISION,
+        mm_tokens_per_image=ROWS,
+        boi_token_index=ids("<start_of_image>"),
+        eoi_token_index=ids("<end_of_image>"),
+        image_token_index=ids("<image_soft_token>"),
+        eos_token_id=None,
+    )
     model = transformers.Gemma3ForConditionalGeneration(cfg)
     with torch.no_grad():  # the image must matter to greedy, and how its rows see each other too
         model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 1.0)  # zeros at init
@@ -85,9 +129,11 @@ def build(path):
 
 
 def processor(path) -> transformers.Gemma3Processor:
-    return transformers.Gemma3Processor(image_processor=transformers.AutoImageProcessor.from_pretrained(path),
-                                        tokenizer=transformers.AutoTokenizer.from_pretrained(path),
-                                        image_seq_length=ROWS)
+    return transformers.Gemma3Processor(
+        image_processor=transformers.AutoImageProcessor.from_pretrained(path),
+        tokenizer=transformers.AutoTokenizer.from_pretrained(path),
+        image_seq_length=ROWS,
+    )
 
 
 def reference(path, text: str, images: list[bytes]) -> list[int]:
@@ -97,9 +143,16 @@ def reference(path, text: str, images: list[bytes]) -> list[int]:
     out = processor(path)(text=[text], images=[pil] if pil else None, return_tensors="pt")
     kw = {k: out[k] for k in ("pixel_values", "token_type_ids") if k in out}
     with torch.no_grad():
-        got = model.generate(out["input_ids"], attention_mask=out["attention_mask"], max_new_tokens=NEW,
-                             min_new_tokens=NEW, do_sample=False, pad_token_id=0, **kw)
-    return got[0, out["input_ids"].shape[1]:].tolist()
+        got = model.generate(
+            out["input_ids"],
+            attention_mask=out["attention_mask"],
+            max_new_tokens=NEW,
+            min_new_tokens=NEW,
+            do_sample=False,
+            pad_token_id=0,
+            **kw,
+        )
+    return got[0, out["input_ids"].shape[1] :].tolist()
 
 
 def prompt_ids(engine, text: str) -> list[int]:
@@ -113,10 +166,12 @@ def run(engine, jobs):
     return greedy(engine, [(prompt_ids(engine, text), images) for text, images in jobs], NEW)[0]
 
 
-JOBS = [("<start_of_turn>user\n<start_of_image>what is in this picture?<end_of_turn>\n", [png(1)]),
-        ("<start_of_image>\n\ndescribe the image\n", [png(2, (30, 90))]),
-        ("a cat<start_of_image>on a mat<start_of_image>\nmodel\na", [png(3), png(4, (56, 56))]),
-        ("<start_of_turn>user\nwhat is in this picture?\n", [])]
+JOBS = [
+    ("<start_of_turn>user\n<start_of_image>what is in this picture?<end_of_turn>\n", [png(1)]),
+    ("<start_of_image>\n\ndescribe the image\n", [png(2, (30, 90))]),
+    ("a cat<start_of_image>on a mat<start_of_image>\nmodel\na", [png(3), png(4, (56, 56))]),
+    ("<start_of_turn>user\nwhat is in this picture?\n", []),
+]
 
 
 def test_the_engine_expands_the_prompt_as_the_processor_does(tiny):
@@ -148,7 +203,9 @@ def test_equals_transformers_alone_batched_chunked_and_after_a_cache_hit(tiny):
         assert placed[0].span[0] < cached[0] < placed[0].span[1]
     finally:
         engine.shutdown()
-    engine = engine_for(tiny, max_batch_prefill_tokens=7, enable_prefix_caching=False)  # chunks smaller than an image
+    engine = engine_for(
+        tiny, max_batch_prefill_tokens=7, enable_prefix_caching=False
+    )  # chunks smaller than an image
     try:
         assert run(engine, JOBS) == want
     finally:
@@ -157,8 +214,9 @@ def test_equals_transformers_alone_batched_chunked_and_after_a_cache_hit(tiny):
 
 def prompt_logprobs(engine, text: str, images: list[bytes]) -> torch.Tensor:
     """pytgi's logprob of each prompt token after the first."""
-    engine.add_request("p", prompt_ids(engine, text), SamplingParams(max_new_tokens=1, prompt_logprobs=True),
-                       images=images)
+    engine.add_request(
+        "p", prompt_ids(engine, text), SamplingParams(max_new_tokens=1, prompt_logprobs=True), images=images
+    )
     got = None
     while engine.has_unfinished():
         for u in engine.step():
@@ -189,8 +247,11 @@ def test_causal_image_rows_give_another_answer(tiny, monkeypatch):
     finally:
         engine.shutdown()
     call = gemma3_vision.Gemma3Images.__call__
-    monkeypatch.setattr(gemma3_vision.Gemma3Images, "__call__",
-                        lambda self, img: dataclasses.replace(call(self, img), bidirectional=False))
+    monkeypatch.setattr(
+        gemma3_vision.Gemma3Images,
+        "__call__",
+        lambda self, img: dataclasses.replace(call(self, img), bidirectional=False),
+    )
     engine = engine_for(tiny)
     try:
         assert (prompt_logprobs(engine, text, images) - want).abs().max() > 0.05

@@ -21,8 +21,9 @@ def png(seed: int, size=(70, 45)) -> bytes:
 
 
 def engine_for(path, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(**{"model": str(path), "dtype": "float32", "max_batch_total_tokens": 4096,
-                                     **kw}))
+    return LLMEngine(
+        EngineConfig(**{"model": str(path), "dtype": "float32", "max_batch_total_tokens": 4096, **kw})
+    )
 
 
 def greedy(engine: LLMEngine, jobs, new: int) -> tuple[list[list[int]], list[int]]:

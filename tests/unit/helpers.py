@@ -22,6 +22,8 @@ def make_request(rid: str, prompt: list[int] | int, max_new_tokens: int = 16, **
 def run_step(sched: Scheduler, next_token: int = 7) -> SchedulerOutput:
     """One engine step with a fake runner that samples `next_token` for every request at its end."""
     out = sched.schedule()
-    samples = {s.request.request_id: P.TokenOut(s.request.request_id, next_token) for s in out.scheduled if s.samples}
+    samples = {
+        s.request.request_id: P.TokenOut(s.request.request_id, next_token) for s in out.scheduled if s.samples
+    }
     sched.update_from_output(out, StepOutput(samples))
     return out

@@ -34,7 +34,9 @@ def test_a_directory_inside_lora_dirs_is_read_by_its_real_path(tree):
     assert allowed_source(str(allowed / "mine"), dirs, False) == os.path.realpath(allowed / "mine")
     assert allowed_source("mine", dirs, False) == os.path.realpath(allowed / "mine")  # relative: looked up
     assert allowed_source("inner", dirs, False) == os.path.realpath(allowed / "mine")
-    assert allowed_source(str(allowed / "x" / ".." / "mine"), dirs, False) == os.path.realpath(allowed / "mine")
+    assert allowed_source(str(allowed / "x" / ".." / "mine"), dirs, False) == os.path.realpath(
+        allowed / "mine"
+    )
 
 
 def test_every_way_out_is_refused_with_the_same_words(tree):
@@ -72,7 +74,9 @@ def test_the_engine_never_reads_a_marked_hub_id_as_a_path(tmp_path, monkeypatch)
 
     (tmp_path / "org" / "x").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
-    assert registry.resolve_adapter("org/x") == tmp_path.joinpath("org", "x").relative_to(tmp_path)  # unmarked
+    assert registry.resolve_adapter("org/x") == tmp_path.joinpath("org", "x").relative_to(
+        tmp_path
+    )  # unmarked
     fetched = []
     monkeypatch.setattr(registry.hub, "fetch", lambda ref, progress: fetched.append(ref.repo) or 1 / 0)
     with pytest.raises(ZeroDivisionError):

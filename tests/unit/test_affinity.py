@@ -84,7 +84,9 @@ def test_the_deployment_gets_a_fixed_count_or_the_autoscalers_bounds():
     router = fixed["request_router_config"]
     assert router.request_router_class.endswith("PrefixAffinityRouter")
     assert router.request_router_kwargs == {"policy": "prefix", "block_size": 16, "capacity": 256}
-    scaled = deployment_options(ReplicaOptions(2, min_replicas=1, max_replicas=4, policy="round-robin"), config)
+    scaled = deployment_options(
+        ReplicaOptions(2, min_replicas=1, max_replicas=4, policy="round-robin"), config
+    )
     auto = scaled["autoscaling_config"]
     assert "num_replicas" not in scaled
     assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (1, 4, 2)

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from pytgi.api import anthropic as A
-from pytgi.api.openai.error_shape import OpenAIError
 from pytgi.api.chat.tools import CLOSE, OPEN
+from pytgi.api.openai.error_shape import OpenAIError
 from pytgi.core.outputs import Delta, Token
 
 
@@ -19,49 +19,78 @@ def body(**kw) -> A.MessagesRequest:
 
 
 def test_system_blocks_tools_and_results_become_openai_chat() -> None:
-    chat = A.to_chat(body(
-        system=[{"type": "text", "text": "Be brief."}],
-        messages=[
-            {"role": "user", "content": "Weather?"},
-            {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
-                                              {"type": "tool_use", "id": "t1", "name": "w", "input": {"c": "P"}}]},
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "18C"},
-                                         {"type": "text", "text": "And tomorrow?"}]},
-        ],
-        tools=[{"name": "w", "input_schema": {"type": "object"}}],
-        tool_choice={"type": "any", "disable_parallel_tool_use": True},
-        stop_sequences=["x"], temperature=0.5,
-    ))
+    chat = A.to_chat(
+        body(
+            system=[{"type": "text", "text": "Be brief."}],
+            messages=[
+                {"role": "user", "content": "Weather?"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "Let me look."},
+                        {"type": "tool_use", "id": "t1", "name": "w", "input": {"c": "P"}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "tool_result", "tool_use_id": "t1", "content": "18C"},
+                        {"type": "text", "text": "And tomorrow?"},
+                    ],
+                },
+            ],
+            tools=[{"name": "w", "input_schema": {"type": "object"}}],
+            tool_choice={"type": "any", "disable_parallel_tool_use": True},
+            stop_sequences=["x"],
+            temperature=0.5,
+        )
+    )
     msgs = [m.model_dump(exclude_none=True) for m in chat.messages]
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "user"]
     assert msgs[2]["tool_calls"][0]["function"] == {"name": "w", "arguments": json.dumps({"c": "P"})}
     assert msgs[3]["tool_call_id"] == "t1" and msgs[3]["content"] == "18C"
     assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
     assert chat.stop == ["x"] and chat.temperature == 0.5 and chat.max_tokens == 8
-    named = A.to_chat(body(messages=[{"role": "user", "content": "hi"}], tools=[{"name": "w", "input_schema": {}}],
-                           tool_choice={"type": "tool", "name": "w"}))
+    named = A.to_chat(
+        body(
+            messages=[{"role": "user", "content": "hi"}],
+            tools=[{"name": "w", "input_schema": {}}],
+            tool_choice={"type": "tool", "name": "w"},
+        )
+    )
     assert named.tool_choice == {"type": "function", "function": {"name": "w"}}
 
 
-@pytest.mark.parametrize("kw", [
-    dict(temperature=1.5),
-    dict(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
-    dict(messages=[{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "w", "input": {}}]}]),
-    dict(tools=[{"name": "w", "input_schema": {}}], tool_choice={"type": "tool"}),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(temperature=1.5),
+        dict(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+        dict(
+            messages=[
+                {"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "w", "input": {}}]}
+            ]
+        ),
+        dict(tools=[{"name": "w", "input_schema": {}}], tool_choice={"type": "tool"}),
+    ],
+)
 def test_what_cannot_be_converted_is_a_400(kw: dict) -> None:
     kw.setdefault("messages", [{"role": "user", "content": "hi"}])
     with pytest.raises(OpenAIError) as e:
         A.to_chat(body(**kw))
     status, err = A.as_anthropic(e.value)
-    assert status == 400 and err == {"type": "error", "error": {"type": "invalid_request_error",
-                                                                "message": e.value.message}}
+    assert status == 400 and err == {
+        "type": "error",
+        "error": {"type": "invalid_request_error", "message": e.value.message},
+    }
 
 
 def deltas(text: str, cuts: list[int], finish: str) -> list[Delta]:
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    return [Delta(i + 1, Token(0, p, None), [], p, finish if i == len(pieces) - 1 else None)
-            for i, p in enumerate(pieces)]
+    return [
+        Delta(i + 1, Token(0, p, None), [], p, finish if i == len(pieces) - 1 else None)
+        for i, p in enumerate(pieces)
+    ]
 
 
 def events(text: str, cuts: list[int], style, finish: str = "eos_token") -> list[dict]:
@@ -78,9 +107,16 @@ def events(text: str, cuts: list[int], style, finish: str = "eos_token") -> list
 
 def test_text_stream_events_in_order() -> None:
     ev = events("Hello there", [3, 7], None, finish="length")
-    assert [e["type"] for e in ev] == ["message_start", "content_block_start", "content_block_delta",
-                                       "content_block_delta", "content_block_delta", "content_block_stop",
-                                       "message_delta", "message_stop"]
+    assert [e["type"] for e in ev] == [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
     assert "".join(e["delta"]["text"] for e in ev if e["type"] == "content_block_delta") == "Hello there"
     assert ev[-2]["delta"]["stop_reason"] == "max_tokens" and ev[-2]["usage"]["output_tokens"] == 3
 

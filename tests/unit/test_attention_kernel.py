@@ -42,8 +42,13 @@ def test_decode_kernel_matches_softmax_attention(dtype, tol, H, KVH, B):
     tables = np.stack([rng.permutation(num_blocks)[:8] for _ in ctx]).astype(np.int64)  # scattered blocks
     q = torch.randn(7, H, D, generator=g).to(dtype)  # flat step: decodes sit at rows 6, 0, 3, 2
     rows = [6, 0, 3, 2][:B]
-    layout = StepLayout(query_lens=np.ones(B, np.int64), context_lens=ctx, block_tables=tables,
-                        slot_mapping=np.zeros(B, np.int64), block_size=bs)
+    layout = StepLayout(
+        query_lens=np.ones(B, np.int64),
+        context_lens=ctx,
+        block_tables=tables,
+        slot_mapping=np.zeros(B, np.int64),
+        block_size=bs,
+    )
     backend = attention(dtype, (H, KVH, D))
     meta = backend.prepare(layout, torch.device("cpu"))
     meta.paged.q_starts = np.array(rows, np.int64)
@@ -90,7 +95,7 @@ def test_paged_prefill_kernel_equals_torch_path(dtype, tol, H, KVH, D):
     tables = np.zeros((len(ctx), max(n_blocks)), np.int64)
     at = 0
     for b, n in enumerate(n_blocks):
-        tables[b, :n] = perm[at:at + n]
+        tables[b, :n] = perm[at : at + n]
         at += n
     positions = np.concatenate([np.arange(c - n, c) for n, c in zip(q_lens, ctx)])
     req = np.repeat(np.arange(len(ctx)), q_lens)
@@ -105,15 +110,24 @@ def test_paged_prefill_kernel_equals_torch_path(dtype, tol, H, KVH, D):
         backend = attention(dtype, (H, KVH, D), fused=use, limits=Crossovers(paged_prefill=64))
         meta = backend.prepare(layout, torch.device("cpu"))
         if use:
-            assert meta.prefill is None and meta.paged is not None and meta.paged.q_lens.tolist() == q_lens.tolist()
+            assert (
+                meta.prefill is None
+                and meta.paged is not None
+                and meta.paged.q_lens.tolist() == q_lens.tolist()
+            )
         outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, D**-0.5).float())
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
 
 
 def test_big_prefill_chunks_keep_sdpa_unless_batch_invariant():
     n = CROSSOVERS.paged_prefill + 1
-    layout = StepLayout(np.array([1, n]), np.array([5, n]), np.array([[0, 0], [1, 2]], np.int64),
-                        np.zeros(n + 1, np.int64), 64)
+    layout = StepLayout(
+        np.array([1, n]),
+        np.array([5, n]),
+        np.array([[0, 0], [1, 2]], np.int64),
+        np.zeros(n + 1, np.int64),
+        64,
+    )
     backend = attention(torch.float32, (4, 2, 16), batch_invariant=False)
     meta = backend.prepare(layout, torch.device("cpu"))
     assert meta.prefill is not None and meta.paged.q_lens.tolist() == [1]
@@ -137,7 +151,11 @@ def test_every_row_takes_tiles_when_batch_invariant():
         assert d.tiles.tolist() == [1, 1] and not d.decodes_only  # through the entry that takes tiles
     else:
         assert p.tiles is None and d.tiles is None and d.decodes_only
-    old = attention(torch.bfloat16, (6, 2, 32), batch_invariant=False).prepare(layout, torch.device("cpu")).paged
+    old = (
+        attention(torch.bfloat16, (6, 2, 32), batch_invariant=False)
+        .prepare(layout, torch.device("cpu"))
+        .paged
+    )
     assert old.tiles.tolist() == [0, 0, 0, 1, 0]  # by size
 
 
@@ -175,12 +193,18 @@ def test_a_rows_attention_does_not_depend_on_its_chunk(tiles, D):
     def run(chunks):
         out, start = torch.zeros_like(q), 0
         for c in chunks:
-            p = kernels.PagedBatch(q_starts=np.array([0], np.int64), q_lens=np.array([c], np.int64),
-                                   block_tables=table, context_lens=np.array([start + c], np.int64), block_size=bs,
-                                   decodes_only=False, tiles=np.array([tiles], np.int64))
+            p = kernels.PagedBatch(
+                q_starts=np.array([0], np.int64),
+                q_lens=np.array([c], np.int64),
+                block_tables=table,
+                context_lens=np.array([start + c], np.int64),
+                block_size=bs,
+                decodes_only=False,
+                tiles=np.array([tiles], np.int64),
+            )
             part = torch.zeros(c, H, D).bfloat16()
-            kernels.paged_attention(q[start:start + c].contiguous(), k_cache, v_cache, part, p, D**-0.5)
-            out[start:start + c] = part
+            kernels.paged_attention(q[start : start + c].contiguous(), k_cache, v_cache, part, p, D**-0.5)
+            out[start : start + c] = part
             start += c
         return out
 
@@ -204,12 +228,18 @@ def test_long_chunks_by_row_tiles_equal_split_k(D):
     def run(chunks):
         out, start = torch.zeros_like(q), 0
         for c in chunks:
-            p = kernels.PagedBatch(q_starts=np.array([0], np.int64), q_lens=np.array([c], np.int64),
-                                   block_tables=table, context_lens=np.array([start + c], np.int64), block_size=bs,
-                                   decodes_only=False, tiles=np.array([1], np.int64))
+            p = kernels.PagedBatch(
+                q_starts=np.array([0], np.int64),
+                q_lens=np.array([c], np.int64),
+                block_tables=table,
+                context_lens=np.array([start + c], np.int64),
+                block_size=bs,
+                decodes_only=False,
+                tiles=np.array([1], np.int64),
+            )
             part = torch.zeros(c, H, D).bfloat16()
-            kernels.paged_attention(q[start:start + c].contiguous(), k_cache, v_cache, part, p, D**-0.5)
-            out[start:start + c] = part
+            kernels.paged_attention(q[start : start + c].contiguous(), k_cache, v_cache, part, p, D**-0.5)
+            out[start : start + c] = part
             start += c
         return out
 
@@ -230,7 +260,9 @@ def test_two_way_spans_unmask_an_image_for_itself(window):
     T = int(q_lens.sum())
     tables = np.array([[0, 1, 0], [2, 3, 4], [5, 6, 0]], np.int64)
     starts = np.concatenate(([0], np.cumsum(q_lens)[:-1]))
-    slots = np.concatenate([tables[b, p // bs] * bs + p % bs for b in range(3) for p in [np.arange(ctx[b] - q_lens[b], ctx[b])]])
+    slots = np.concatenate(
+        [tables[b, p // bs] * bs + p % bs for b in range(3) for p in [np.arange(ctx[b] - q_lens[b], ctx[b])]]
+    )
     spans = np.array([[1, 2, 8], [2, 1, 4]], np.int64)  # request 1: positions 2-7 (from a cached one)
     layout = StepLayout(q_lens, ctx, tables, slots, bs, spans)
     k_cache, v_cache = torch.randn(32, KVH, D), torch.randn(32, KVH, D)
@@ -252,4 +284,6 @@ def test_two_way_spans_unmask_an_image_for_itself(window):
                 see &= pos > p - window
             s = torch.einsum("hd,lhd->hl", q[starts[b] + i], kb) * D**-0.5
             w = torch.softmax(s.masked_fill(~torch.from_numpy(see), float("-inf")), -1)
-            torch.testing.assert_close(out[starts[b] + i], torch.einsum("hl,lhd->hd", w, vb), atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                out[starts[b] + i], torch.einsum("hl,lhd->hd", w, vb), atol=1e-5, rtol=1e-5
+            )

@@ -5,6 +5,7 @@ and the peers' command lines."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -18,7 +19,15 @@ import pytest
 
 from pytgi.bench import peers, report
 from pytgi.bench import stream_client as bc
-from pytgi.bench.workload import BenchRequest, count_tokens, dataset_requests, exact_length_text, poisson_arrivals, synthetic_requests, token_pool
+from pytgi.bench.workload import (
+    BenchRequest,
+    count_tokens,
+    dataset_requests,
+    exact_length_text,
+    poisson_arrivals,
+    synthetic_requests,
+    token_pool,
+)
 from pytgi.core.tokenizer import Tokenizer
 
 
@@ -74,11 +83,16 @@ def test_bad_ranges_are_refused(tok: Tokenizer) -> None:
 
 def test_dataset_requests(tok: Tokenizer, tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
-    path.write_text('{"prompt": "Hello world", "output_len": 5}\n\n{"prompt": "Bye", "output_len": 2}\n'
-                    '{"prompt": "x", "output_len": 1}\n')
+    path.write_text(
+        '{"prompt": "Hello world", "output_len": 5}\n\n{"prompt": "Bye", "output_len": 2}\n'
+        '{"prompt": "x", "output_len": 1}\n'
+    )
     reqs = dataset_requests(tok, path)
-    assert [(r.index, r.prompt, r.output_len) for r in reqs] == [(0, "Hello world", 5), (1, "Bye", 2),
-                                                                 (2, "x", 1)]
+    assert [(r.index, r.prompt, r.output_len) for r in reqs] == [
+        (0, "Hello world", 5),
+        (1, "Bye", 2),
+        (2, "x", 1),
+    ]
     assert reqs[0].input_len == len(tok.encode("Hello world", add_special_tokens=False))
     assert len(dataset_requests(tok, path, num=2)) == 2
     path.write_text('{"prompt": "Hello", "output_len": 0}\n')
@@ -93,8 +107,8 @@ def test_poisson_arrivals_are_seeded() -> None:
     a = poisson_arrivals(2000, 4.0, seed=1)
     assert a == poisson_arrivals(2000, 4.0, seed=1)
     assert a != poisson_arrivals(2000, 4.0, seed=2)
-    assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:]))
-    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert a[0] == 0.0 and all(x < y for x, y in itertools.pairwise(a))
+    gaps = [y - x for x, y in itertools.pairwise(a)]
     assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.08)  # mean gap 1/rate
     # exponential gaps: the standard deviation equals the mean
     mean = sum(gaps) / len(gaps)
@@ -117,8 +131,17 @@ def test_percentile_matches_numpy() -> None:
     assert report.distribution([])["p50"] is None
 
 
-def result(i: int, ttft: float, gaps: list[float], out: int, requested: int | None = None, start: float = 0.0,
-           ok: bool = True, error: str | None = None, input_len: int = 10) -> bc.RequestResult:
+def result(
+    i: int,
+    ttft: float,
+    gaps: list[float],
+    out: int,
+    requested: int | None = None,
+    start: float = 0.0,
+    ok: bool = True,
+    error: str | None = None,
+    input_len: int = 10,
+) -> bc.RequestResult:
     r = bc.RequestResult(i, input_len, requested or out, ok=ok, error=error, start=start)
     if ok:
         r.ttft, r.itl, r.output_tokens, r.reported_tokens = ttft, gaps, out, requested or out
@@ -128,17 +151,19 @@ def result(i: int, ttft: float, gaps: list[float], out: int, requested: int | No
 
 def test_summary_on_synthetic_timings() -> None:
     results = [
-        result(0, 0.1, [0.05] * 9, 10),            # e2e 0.55
-        result(1, 0.3, [0.1, 0.1, 0.1], 4),        # e2e 0.6
-        result(2, 0.2, [], 1),                     # one token: no TPOT
+        result(0, 0.1, [0.05] * 9, 10),  # e2e 0.55
+        result(1, 0.3, [0.1, 0.1, 0.1], 4),  # e2e 0.6
+        result(2, 0.2, [], 1),  # one token: no TPOT
         result(3, 0, [], 0, ok=False, error="HTTP 429: Model is overloaded"),
         result(4, 0, [], 0, ok=False, error="HTTP 429: Model is overloaded"),
         result(5, 0, [], 0, ok=False, error="ReadTimeout"),
     ]
     s = report.summarize(bc.LoadResult(results, duration=2.0))
     assert (s["requests"], s["completed"], s["errors"]) == (6, 3, 3)
-    assert s["error_messages"] == [{"message": "HTTP 429: Model is overloaded", "count": 2},
-                                   {"message": "ReadTimeout", "count": 1}]
+    assert s["error_messages"] == [
+        {"message": "HTTP 429: Model is overloaded", "count": 2},
+        {"message": "ReadTimeout", "count": 1},
+    ]
     assert s["output_tokens"] == 15 and s["input_tokens"] == 30
     assert s["output_throughput"] == pytest.approx(7.5)
     assert s["total_throughput"] == pytest.approx(22.5)
@@ -166,16 +191,34 @@ def test_tpot_and_mismatches() -> None:
 
 def run_doc(server: str, out_tps: float, itl: float, conc: int = 4) -> dict:
     d = {"mean": itl, "p50": itl, "p90": itl, "p99": itl, "min": itl, "max": itl, "n": 1}
-    return {"server": server, "concurrency": conc, "request_rate": None,
-            "summary": {"completed": 8, "errors": 0, "output_throughput": out_tps,
-                        "total_throughput": 2 * out_tps, "request_throughput": 1.0, "ttft_ms": d,
-                        "itl_ms": d, "tpot_ms": d, "e2e_ms": d, "error_messages": []}}
+    return {
+        "server": server,
+        "concurrency": conc,
+        "request_rate": None,
+        "summary": {
+            "completed": 8,
+            "errors": 0,
+            "output_throughput": out_tps,
+            "total_throughput": 2 * out_tps,
+            "request_throughput": 1.0,
+            "ttft_ms": d,
+            "itl_ms": d,
+            "tpot_ms": d,
+            "e2e_ms": d,
+            "error_messages": [],
+        },
+    }
 
 
 def test_markdown_table_has_ratios_against_the_first_server() -> None:
-    table = report.markdown_table([run_doc("pytgi", 100.0, 10.0), run_doc("llama-server", 50.0, 20.0),
-                                   run_doc("pytgi", 300.0, 10.0, conc=16),
-                                   run_doc("llama-server", 600.0, 5.0, 16)])
+    table = report.markdown_table(
+        [
+            run_doc("pytgi", 100.0, 10.0),
+            run_doc("llama-server", 50.0, 20.0),
+            run_doc("pytgi", 300.0, 10.0, conc=16),
+            run_doc("llama-server", 600.0, 5.0, 16),
+        ]
+    )
     lines = table.splitlines()
     assert len(lines) == 6 and lines[1].startswith("| --- |")
     assert lines[0].count("|") == lines[2].count("|")
@@ -206,7 +249,7 @@ TGI_STREAM = (
 )
 
 OPENAI_STREAM = (
-    ': keep-alive\n\n'
+    ": keep-alive\n\n"
     'data: {"id":"c","object":"text_completion",'
     '"choices":[{"index":0,"text":"Hel","finish_reason":null}]}\n\n'
     'data: {"id":"c","object":"text_completion","choices":[{"index":0,"text":"","finish_reason":null}]}\n\n'
@@ -219,8 +262,20 @@ OPENAI_STREAM = (
 
 
 def test_sse_parser_fields_comments_and_multiline() -> None:
-    lines = ["event: message", "id: 1", "data: a", "data:b", "retry: 10", "", ": comment", "", "",
-             "data:{\"x\": 1}\r", "\r", "data: tail-without-blank-line"]
+    lines = [
+        "event: message",
+        "id: 1",
+        "data: a",
+        "data:b",
+        "retry: 10",
+        "",
+        ": comment",
+        "",
+        "",
+        'data:{"x": 1}\r',
+        "\r",
+        "data: tail-without-blank-line",
+    ]
     assert list(bc.iter_sse(lines)) == ["a\nb", '{"x": 1}', "tail-without-blank-line"]
 
 
@@ -239,8 +294,10 @@ def test_tgi_stream_parsing() -> None:
 def test_tgi_body() -> None:
     req = BenchRequest(0, "Hi", 1, 7)
     body = bc.TGIProtocol().body(req, ignore_eos=True)
-    assert body == {"inputs": "Hi",
-                    "parameters": {"max_new_tokens": 7, "details": False, "ignore_eos_token": True}}
+    assert body == {
+        "inputs": "Hi",
+        "parameters": {"max_new_tokens": 7, "details": False, "ignore_eos_token": True},
+    }
     assert "ignore_eos_token" not in bc.TGIProtocol().body(req, ignore_eos=False)["parameters"]
 
 
@@ -260,8 +317,15 @@ def test_openai_stream_parsing() -> None:
 def test_openai_bodies() -> None:
     req = BenchRequest(0, "Hi", 1, 7)
     body = bc.OpenAIProtocol("m").body(req, ignore_eos=True)
-    assert body == {"model": "m", "stream": True, "temperature": 0, "max_tokens": 7, "prompt": "Hi",
-                    "ignore_eos": True, "stream_options": {"include_usage": True}}
+    assert body == {
+        "model": "m",
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": 7,
+        "prompt": "Hi",
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     assert "ignore_eos" not in bc.OpenAIProtocol("m", send_ignore_eos=False).body(req, ignore_eos=True)
     chat = bc.OpenAIProtocol("m", chat=True)
     assert chat.path == "/v1/chat/completions"
@@ -269,8 +333,12 @@ def test_openai_bodies() -> None:
 
 
 # -- the client on a mocked server -------------------------------------------------------------------------
-def mock(streams: dict[str, tuple[int, str]], seen: list | None = None, delay: float = 0.0,
-         in_flight: list[int] | None = None) -> httpx.MockTransport:
+def mock(
+    streams: dict[str, tuple[int, str]],
+    seen: list | None = None,
+    delay: float = 0.0,
+    in_flight: list[int] | None = None,
+) -> httpx.MockTransport:
     async def handler(request: httpx.Request) -> httpx.Response:
         if seen is not None:
             seen.append(json.loads(request.content))
@@ -282,7 +350,9 @@ def mock(streams: dict[str, tuple[int, str]], seen: list | None = None, delay: f
         async def body():
             try:
                 for part in text.split("\n\n"):
-                    if delay:  # on purpose: a server streaming at a pace, for ttft, itl and overlap to measure
+                    if (
+                        delay
+                    ):  # on purpose: a server streaming at a pace, for ttft, itl and overlap to measure
                         await asyncio.sleep(delay)
                     if part:
                         yield (part + "\n\n").encode()
@@ -295,12 +365,16 @@ def mock(streams: dict[str, tuple[int, str]], seen: list | None = None, delay: f
     return httpx.MockTransport(handler)
 
 
-def load(tok: Tokenizer, proto: bc.Protocol, transport: httpx.MockTransport, n: int = 3,
-         **kw) -> bc.LoadResult:
+def load(
+    tok: Tokenizer, proto: bc.Protocol, transport: httpx.MockTransport, n: int = 3, **kw
+) -> bc.LoadResult:
     reqs = [BenchRequest(i, f"prompt {i}", 2, 3) for i in range(n)]
     kw.setdefault("concurrency", 2)
-    return asyncio.run(bc.run_load("http://test", proto, reqs, count=lambda t: count_tokens(tok, t),
-                                   transport=transport, **kw))
+    return asyncio.run(
+        bc.run_load(
+            "http://test", proto, reqs, count=lambda t: count_tokens(tok, t), transport=transport, **kw
+        )
+    )
 
 
 def test_client_tgi_stream(tok: Tokenizer) -> None:
@@ -329,10 +403,13 @@ def test_client_openai_stream(tok: Tokenizer) -> None:
 def test_counting_by_token_events(tok: Tokenizer) -> None:
     """`--count-tokens events`: tokens streamed as empty text (a special token, bytes of no whole
     character) are timed and counted, by the server's usage where it sends one."""
-    assert [c.token_event for c in map(bc.OpenAIProtocol("m").parse, bc.iter_sse(OPENAI_STREAM.split("\n")))] \
-        == [True, True, True, False, False]  # the usage and [DONE] events stand for no token
-    for proto, path, stream, tokens in [(bc.OpenAIProtocol("m"), "/v1/completions", OPENAI_STREAM, 2),
-                                        (bc.TGIProtocol(), "/generate_stream", TGI_STREAM, 3)]:
+    assert [
+        c.token_event for c in map(bc.OpenAIProtocol("m").parse, bc.iter_sse(OPENAI_STREAM.split("\n")))
+    ] == [True, True, True, False, False]  # the usage and [DONE] events stand for no token
+    for proto, path, stream, tokens in [
+        (bc.OpenAIProtocol("m"), "/v1/completions", OPENAI_STREAM, 2),
+        (bc.TGIProtocol(), "/generate_stream", TGI_STREAM, 3),
+    ]:
         proto.by_events = True
         r = load(tok, proto, mock({path: (200, stream)}, delay=0.01), n=1).results[0]
         assert r.ok and r.text == "Hello" and r.chunks == 3 and len(r.itl) == 2 and r.output_tokens == tokens
@@ -345,8 +422,10 @@ def test_client_openai_stream_without_done(tok: Tokenizer) -> None:
 
 
 def test_client_errors(tok: Tokenizer) -> None:
-    err_event = TGI_STREAM.split("\n\n")[1] + '\n\ndata:{"error":"Incomplete generation","error_type":' \
-                                              '"incomplete_generation"}\n\n'
+    err_event = (
+        TGI_STREAM.split("\n\n")[1] + '\n\ndata:{"error":"Incomplete generation","error_type":'
+        '"incomplete_generation"}\n\n'
+    )
     truncated = TGI_STREAM.split("\n\n")[1] + "\n\n"
     transport = mock({"/generate_stream": (200, err_event)})
     r = load(tok, bc.TGIProtocol(), transport, n=1).results[0]
@@ -368,29 +447,68 @@ def test_client_errors(tok: Tokenizer) -> None:
 
 def test_closed_loop_keeps_concurrency_clients_busy(tok: Tokenizer) -> None:
     in_flight = [0, 0]
-    res = load(tok, bc.TGIProtocol(), mock({"/generate_stream": (200, TGI_STREAM)}, delay=0.01,
-                                           in_flight=in_flight), n=9, concurrency=3)
+    res = load(
+        tok,
+        bc.TGIProtocol(),
+        mock({"/generate_stream": (200, TGI_STREAM)}, delay=0.01, in_flight=in_flight),
+        n=9,
+        concurrency=3,
+    )
     assert len(res.results) == 9 and all(r.ok for r in res.results)
     assert in_flight[1] == 3
 
 
 def test_request_rate_follows_the_arrival_times(tok: Tokenizer) -> None:
-    res = load(tok, bc.TGIProtocol(), mock({"/generate_stream": (200, TGI_STREAM)}), n=6, concurrency=None,
-               request_rate=50.0, seed=4)
+    res = load(
+        tok,
+        bc.TGIProtocol(),
+        mock({"/generate_stream": (200, TGI_STREAM)}),
+        n=6,
+        concurrency=None,
+        request_rate=50.0,
+        seed=4,
+    )
     starts = [r.start for r in res.results]
     for got, want in zip(starts, poisson_arrivals(6, 50.0, seed=4)):
         assert got == pytest.approx(want, abs=0.05)
-    assert all(b >= a - 0.01 for a, b in zip(starts, starts[1:]))
+    assert all(b >= a - 0.01 for a, b in itertools.pairwise(starts))
 
 
 # -- peers -------------------------------------------------------------------------------------------------
 def test_llama_server_command() -> None:
     cmd = peers.llama_server_command("/opt/llama-server", "/m/model.gguf", 8123)
-    assert cmd == ["/opt/llama-server", "-m", "/m/model.gguf", "-np", "16", "-c", "16384", "-t", "2",
-                   "--host", "127.0.0.1", "--port", "8123"]
+    assert cmd == [
+        "/opt/llama-server",
+        "-m",
+        "/m/model.gguf",
+        "-np",
+        "16",
+        "-c",
+        "16384",
+        "-t",
+        "2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8123",
+    ]
     cmd = peers.llama_server_command("llama-server", Path("/m.gguf"), 9, "-np 4 -c 4096 -t 2 --cont-batching")
-    assert cmd == ["llama-server", "-m", "/m.gguf", "-np", "4", "-c", "4096", "-t", "2", "--cont-batching",
-                   "--host", "127.0.0.1", "--port", "9"]
+    assert cmd == [
+        "llama-server",
+        "-m",
+        "/m.gguf",
+        "-np",
+        "4",
+        "-c",
+        "4096",
+        "-t",
+        "2",
+        "--cont-batching",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9",
+    ]
 
 
 def test_llama_server_target(tmp_path: Path) -> None:
@@ -400,8 +518,19 @@ def test_llama_server_target(tmp_path: Path) -> None:
     t = peers.LlamaServerTarget(str(binary), model=tmp_path / "x.gguf", args="-np 2 -t 1")
     t.prepare()
     assert t.protocol == "openai" and t.send_ignore_eos
-    assert t.build_command(5555) == [str(binary), "-m", str(tmp_path / "x.gguf"), "-np", "2", "-t", "1",
-                                     "--host", "127.0.0.1", "--port", "5555"]
+    assert t.build_command(5555) == [
+        str(binary),
+        "-m",
+        str(tmp_path / "x.gguf"),
+        "-np",
+        "2",
+        "-t",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "5555",
+    ]
     with pytest.raises(peers.PeerError, match="no executable"):
         peers.LlamaServerTarget(str(tmp_path / "missing")).prepare()
     # without a model it serves the default GGUF: tests/model/test_default_model_api.py
@@ -419,14 +548,25 @@ def test_llama_server_that_dies_is_reported(tmp_path: Path) -> None:
 
 def test_pytgi_command() -> None:
     assert peers.pytgi_command(7, "--max-batch-size 8", python="py") == [
-        "py", "-m", "pytgi.cli", "serve", "--hostname", "127.0.0.1", "--port", "7", "--max-batch-size", "8"]
+        "py",
+        "-m",
+        "pytgi.cli",
+        "serve",
+        "--hostname",
+        "127.0.0.1",
+        "--port",
+        "7",
+        "--max-batch-size",
+        "8",
+    ]
 
 
 def test_transformers_serve_copy_has_no_eos(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
-    (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "eos_token_id": 2,
-                                                 "bos_token_id": 1}))
+    (src / "config.json").write_text(
+        json.dumps({"architectures": ["LlamaForCausalLM"], "eos_token_id": 2, "bos_token_id": 1})
+    )
     (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3], "bos_token_id": 1}))
     (src / "tokenizer.json").write_text("{}")
     (src / "model.safetensors").write_bytes(b"weights")
@@ -446,18 +586,38 @@ def test_transformers_serve_copy_has_no_eos(tmp_path: Path) -> None:
 
 
 def test_transformers_serve_command_and_target(tmp_path: Path, tokenizer_dir: Path) -> None:
-    cmd = peers.transformers_serve_command("/m", 8000, "python -m transformers.cli.transformers serve",
-                                           "--dtype bfloat16")
-    assert cmd == ["python", "-m", "transformers.cli.transformers", "serve", "/m", "--continuous-batching",
-                   "--host", "127.0.0.1", "--port", "8000", "--dtype", "bfloat16"]
+    cmd = peers.transformers_serve_command(
+        "/m", 8000, "python -m transformers.cli.transformers serve", "--dtype bfloat16"
+    )
+    assert cmd == [
+        "python",
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        "/m",
+        "--continuous-batching",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--dtype",
+        "bfloat16",
+    ]
     t = peers.TransformersServeTarget(tokenizer_dir, cmd="transformers serve")
     t.prepare()
     try:
         assert t.protocol == "openai" and not t.send_ignore_eos and t.model == str(t.served_dir)
         assert json.loads((t.served_dir / "config.json").read_text())["eos_token_id"] is None
         built = t.build_command(1234)
-        assert built[1:] == ["serve", str(t.served_dir), "--continuous-batching", "--host", "127.0.0.1",
-                             "--port", "1234"]
+        assert built[1:] == [
+            "serve",
+            str(t.served_dir),
+            "--continuous-batching",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "1234",
+        ]
         assert built[0].endswith("transformers")
     finally:
         t.cleanup()
@@ -484,16 +644,27 @@ def parse(*argv: str):
 def test_cli_targets() -> None:
     from pytgi.bench.command import build_targets
 
-    args = parse("--peer", "llama-server=/bin/ls", "--llama-server-args", "-np 4 -c 4096",
-                 "--peer", "transformers-serve", "--sweep-concurrency", "1,2,4")
+    args = parse(
+        "--peer",
+        "llama-server=/bin/ls",
+        "--llama-server-args",
+        "-np 4 -c 4096",
+        "--peer",
+        "transformers-serve",
+        "--sweep-concurrency",
+        "1,2,4",
+    )
     assert args.sweep_concurrency == [1, 2, 4]
     targets = build_targets(args)
     assert [t.name for t in targets] == ["pytgi", "llama-server", "transformers-serve"]
     assert targets[1].args == "-np 4 -c 4096" and targets[0].protocol == "tgi"
-    targets = build_targets(parse("--url", "http://h:3000/", "--protocol", "openai",
-                                  "--peer", "tgi=http://h:3000"))
-    assert [(t.name, t.protocol, t.url) for t in targets] == [("h:3000", "openai", "http://h:3000/"),
-                                                              ("h:3000#2", "tgi", "http://h:3000")]
+    targets = build_targets(
+        parse("--url", "http://h:3000/", "--protocol", "openai", "--peer", "tgi=http://h:3000")
+    )
+    assert [(t.name, t.protocol, t.url) for t in targets] == [
+        ("h:3000", "openai", "http://h:3000/"),
+        ("h:3000#2", "tgi", "http://h:3000"),
+    ]
     targets = build_targets(parse("--peer", "transformers-serve", "--peer", "pytgi"))
     assert [t.name for t in targets] == ["transformers-serve", "pytgi"]
     with pytest.raises(SystemExit):
@@ -503,12 +674,14 @@ def test_cli_targets() -> None:
 
 
 def test_bench_never_imports_torch(tokenizer_dir: Path) -> None:
-    code = ("import sys\nfrom pytgi.cli import build_parser\nbuild_parser()\n"
-            # building the parser alone (as `pytgi serve` does) needs none of the bench's dependencies
-            "assert 'httpx' not in sys.modules\n"
-            "import pytgi.bench.command, pytgi.bench.peers, pytgi.bench.report, pytgi.bench.workload\n"
-            f"from pytgi.bench.workload import load_tokenizer\nload_tokenizer({str(tokenizer_dir)!r})\n"
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\nassert not bad, bad\n")
+    code = (
+        "import sys\nfrom pytgi.cli import build_parser\nbuild_parser()\n"
+        # building the parser alone (as `pytgi serve` does) needs none of the bench's dependencies
+        "assert 'httpx' not in sys.modules\n"
+        "import pytgi.bench.command, pytgi.bench.peers, pytgi.bench.report, pytgi.bench.workload\n"
+        f"from pytgi.bench.workload import load_tokenizer\nload_tokenizer({str(tokenizer_dir)!r})\n"
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\nassert not bad, bad\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
 
@@ -521,7 +694,9 @@ def test_peak_rss_of_a_process_tree_counts_its_children() -> None:
     from pytgi.bench.procs import PeakRss, tree_rss
 
     child = "import time; b = bytearray(200 << 20); time.sleep(1.5)"
-    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"])
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"]
+    )
     peak = PeakRss(parent.pid, every=0.05)
     parent.wait(30)
     time.sleep(0.1)

@@ -12,8 +12,9 @@ import numpy as np
 
 def _pytgi(*args: str, cache: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTGI_CACHE": str(cache)}
-    return subprocess.run([sys.executable, "-m", "pytgi.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pytgi.cli", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def _tiny_gguf(path: Path, arch: str) -> Path:

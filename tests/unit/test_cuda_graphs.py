@@ -32,8 +32,12 @@ class _Replay:
 
 
 def graphs(sizes=(1, 2, 4, 8)):
-    paged = SimpleNamespace(device=torch.device("cpu"), block_size=4, model=SimpleNamespace(
-        attention=SimpleNamespace(group=4, kv_heads=2)), kv_caches=[])
+    paged = SimpleNamespace(
+        device=torch.device("cpu"),
+        block_size=4,
+        model=SimpleNamespace(attention=SimpleNamespace(group=4, kv_heads=2)),
+        kv_caches=[],
+    )
     g = DecodeGraphs(paged, sizes, max_blocks=6, scratch_block=50)
     g.graphs = {s: (_Replay(), torch.arange(s * 3, dtype=torch.float32).reshape(s, 3)) for s in sizes}
     return g

@@ -45,8 +45,17 @@ def test_the_deployment_probes_health_and_stops_gracefully():
 def test_the_gauges_the_endpoint_picker_reads_are_exported():
     m = Metrics()
     m.model_info(SimpleNamespace(block_size=16, num_blocks=256), lambda: ["sql", "chat"])
-    m.engine_stats(P.EngineStats(running=3, waiting=2, kv_cache_usage=0.25, prefix_cache_hit_rate=0.0,
-                                 preemptions=0, failed_steps=0, waiting_adapters=["sql"]))
+    m.engine_stats(
+        P.EngineStats(
+            running=3,
+            waiting=2,
+            kv_cache_usage=0.25,
+            prefix_cache_hit_rate=0.0,
+            preemptions=0,
+            failed_steps=0,
+            waiting_adapters=["sql"],
+        )
+    )
     text = m.render().decode()
     assert "pytgi_num_requests_waiting 2.0" in text
     assert "pytgi_num_requests_running 3.0" in text
@@ -54,6 +63,11 @@ def test_the_gauges_the_endpoint_picker_reads_are_exported():
     assert 'waiting_lora_adapters="sql"' in text and 'running_lora_adapters="chat,sql"' in text
     assert 'pytgi_cache_config_info{block_size="16",num_gpu_blocks="256"} 1.0' in text
     documented = DOCS.read_text()
-    for name in ("pytgi_num_requests_waiting", "pytgi_num_requests_running", "pytgi_kv_cache_usage_perc",
-                 "pytgi_lora_requests_info", "pytgi_cache_config_info"):
+    for name in (
+        "pytgi_num_requests_waiting",
+        "pytgi_num_requests_running",
+        "pytgi_kv_cache_usage_perc",
+        "pytgi_lora_requests_info",
+        "pytgi_cache_config_info",
+    ):
         assert name in text and name in documented, name

@@ -18,8 +18,9 @@ from pytgi.core.errors import EngineDead
 from pytgi.core.sampling_params import SamplingParams
 
 TIMEOUT = 5.0
-STATS = P.EngineStats(running=1, waiting=0, kv_cache_usage=0.25, prefix_cache_hit_rate=0.0, preemptions=0,
-                      failed_steps=0)
+STATS = P.EngineStats(
+    running=1, waiting=0, kv_cache_usage=0.25, prefix_cache_hit_rate=0.0, preemptions=0, failed_steps=0
+)
 
 
 class FakeEngine:
@@ -42,8 +43,13 @@ class FakeEngine:
         await self.outbox.send(msg if isinstance(msg, bytes) else P.encoder.encode(msg))
 
     async def step(self, *updates: P.TokenOut) -> None:
-        await self.send(P.StepOut(list(updates), STATS, P.StepInfo(seconds=0.01, batch_size=len(updates),
-                                                                   num_tokens=len(updates), method="decode")))
+        await self.send(
+            P.StepOut(
+                list(updates),
+                STATS,
+                P.StepInfo(seconds=0.01, batch_size=len(updates), num_tokens=len(updates), method="decode"),
+            )
+        )
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)
@@ -96,8 +102,10 @@ def test_step_updates_are_routed_to_their_requests() -> None:
         await engine.step(P.TokenOut("a", 10), P.TokenOut("b", 20, logprob=-0.5))
         await engine.step(P.TokenOut("b", 21, finish_reason="length"), P.TokenOut("a", 11))
         assert [await get(qa), await get(qa)] == [P.TokenOut("a", 10), P.TokenOut("a", 11)]
-        assert [await get(qb), await get(qb)] == [P.TokenOut("b", 20, logprob=-0.5),
-                                                  P.TokenOut("b", 21, finish_reason="length")]
+        assert [await get(qb), await get(qb)] == [
+            P.TokenOut("b", 20, logprob=-0.5),
+            P.TokenOut("b", 21, finish_reason="length"),
+        ]
         assert qa.empty() and qb.empty()
         assert client.stats == STATS and [len(s.updates) for s in steps] == [2, 2]
 

@@ -25,7 +25,9 @@ class RecordingEngine:
         return False
 
     def stats(self) -> dict:
-        return dict(running=0, waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0, preemptions=0, failed_steps=0)
+        return dict(
+            running=0, waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0, preemptions=0, failed_steps=0
+        )
 
 
 def test_an_undecodable_submit_fails_alone() -> None:
@@ -38,8 +40,9 @@ def test_an_undecodable_submit_fails_alone() -> None:
     outbox.connect("inproc://loop-out")
     engine = RecordingEngine()
     loop = EngineLoop(engine, inbox, outbox, parent_pid=0)
-    bad = msgspec.msgpack.encode({"type": "submit", "request_id": "bad", "prompt_ids": [1],
-                                  "params": {"repetition_penalty": 0.0}})  # SamplingParams refuses it
+    bad = msgspec.msgpack.encode(
+        {"type": "submit", "request_id": "bad", "prompt_ids": [1], "params": {"repetition_penalty": 0.0}}
+    )  # SamplingParams refuses it
     to_engine.send(bad)
     to_engine.send(b"\xc1 not msgpack")
     to_engine.send(P.encoder.encode(P.Submit("good", [1, 2], SamplingParams())))

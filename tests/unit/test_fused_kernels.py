@@ -22,7 +22,9 @@ def test_add_rms_norm(dtype, T):
     out = kernels.add_rms_norm(x, residual, norm.weight, 1e-5)
     torch.testing.assert_close(residual, expected_residual, **TOL[dtype])
     torch.testing.assert_close(out, expected, **TOL[dtype])
-    torch.testing.assert_close(kernels.add_rms_norm(None, residual, norm.weight, 1e-5), expected, **TOL[dtype])
+    torch.testing.assert_close(
+        kernels.add_rms_norm(None, residual, norm.weight, 1e-5), expected, **TOL[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -41,7 +43,9 @@ def test_rope_write_kv(dtype):
     qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
     slots = torch.tensor([9, 2, 3, 4, 17, 0])
     k_cache, v_cache = torch.zeros(20, KVH, D, dtype=dtype), torch.zeros(20, KVH, D, dtype=dtype)
-    q = kernels.rope_write_kv(qkv, rope.cos[positions], rope.sin[positions], slots, k_cache, v_cache, H, KVH, D)
+    q = kernels.rope_write_kv(
+        qkv, rope.cos[positions], rope.sin[positions], slots, k_cache, v_cache, H, KVH, D
+    )
     cos, sin = rope(positions, dtype)
     qk = apply_rotary(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
     torch.testing.assert_close(q, qk[:, :H], **TOL[dtype])
@@ -68,7 +72,9 @@ def test_gemma_norm_add_norm(dtype, T):
     out = kernels.norm_add_norm(x, residual, post.scale(), pre.scale(), 1e-6)
     torch.testing.assert_close(residual, expected_residual, **TOL[dtype])
     torch.testing.assert_close(out, expected, **TOL[dtype])
-    torch.testing.assert_close(kernels.norm_add_norm(None, residual, None, pre.scale(), 1e-6), expected, **TOL[dtype])
+    torch.testing.assert_close(
+        kernels.norm_add_norm(None, residual, None, pre.scale(), 1e-6), expected, **TOL[dtype]
+    )
     assert kernels.norm_add_norm(x, residual, post.scale(), None, 1e-6) is None
     torch.testing.assert_close(residual, expected_residual + post(x), **TOL[dtype])
 
@@ -79,7 +85,11 @@ def test_gemma_qk_norm_in_place(dtype):
     T, H, KVH, D = 3, 4, 1, 32
     qn, kn = _gemma_norm(D, dtype), _gemma_norm(D, dtype)
     qkv = torch.randn(T, (H + 2 * KVH) * D).to(dtype)
-    q, k, v = qkv[:, : H * D].view(T, H, D), qkv[:, H * D : (H + KVH) * D].view(T, KVH, D), qkv[:, (H + KVH) * D :]
+    q, k, v = (
+        qkv[:, : H * D].view(T, H, D),
+        qkv[:, H * D : (H + KVH) * D].view(T, KVH, D),
+        qkv[:, (H + KVH) * D :],
+    )
     expected_q, expected_k, expected_v = qn(q), kn(k), v.clone()
     kernels.qk_norm_(qkv, qn.scale(), kn.scale(), H, KVH, D, 1e-6)
     torch.testing.assert_close(q, expected_q, **TOL[dtype])

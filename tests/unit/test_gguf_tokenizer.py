@@ -14,13 +14,49 @@ from tokenizers import Tokenizer
 from pytgi.core.gguf_convert import gguf_tokenizer_json
 
 # Pieces with scores out of file order, so merges must follow the scores.
-PIECES = [("\u2581", -1.0), ("h", -2.0), ("e", -3.0), ("l", -4.0), ("o", -5.0), ("w", -6.0), ("r", -7.0),
-          ("d", -8.0), ("t", -9.0), ("!", -10.0), ("lo", -11.5), ("ll", -11.0), ("el", -12.0), ("\u2581h", -13.0),
-          ("\u2581he", -14.0), ("llo", -15.0), ("\u2581hello", -16.0), ("\u2581w", -17.0), ("or", -18.0),
-          ("\u2581wor", -19.0), ("ld", -20.0), ("\u2581world", -21.0), ("he", -22.0), ("\u2581t", -23.0),
-          ("\u2581the", -24.0), ("\u2581\u2581", -25.0), ("<|user|>", 0.0)]
-TEXTS = ["hello world", " hello", "hello  world!", "héllo wörld", "the\nhello", "", "  ", "hello<s>world",
-         "<|user|>hello", "</s>", "ww", "world hello the"]
+PIECES = [
+    ("\u2581", -1.0),
+    ("h", -2.0),
+    ("e", -3.0),
+    ("l", -4.0),
+    ("o", -5.0),
+    ("w", -6.0),
+    ("r", -7.0),
+    ("d", -8.0),
+    ("t", -9.0),
+    ("!", -10.0),
+    ("lo", -11.5),
+    ("ll", -11.0),
+    ("el", -12.0),
+    ("\u2581h", -13.0),
+    ("\u2581he", -14.0),
+    ("llo", -15.0),
+    ("\u2581hello", -16.0),
+    ("\u2581w", -17.0),
+    ("or", -18.0),
+    ("\u2581wor", -19.0),
+    ("ld", -20.0),
+    ("\u2581world", -21.0),
+    ("he", -22.0),
+    ("\u2581t", -23.0),
+    ("\u2581the", -24.0),
+    ("\u2581\u2581", -25.0),
+    ("<|user|>", 0.0),
+]
+TEXTS = [
+    "hello world",
+    " hello",
+    "hello  world!",
+    "héllo wörld",
+    "the\nhello",
+    "",
+    "  ",
+    "hello<s>world",
+    "<|user|>hello",
+    "</s>",
+    "ww",
+    "world hello the",
+]
 
 
 def _spm_gguf(path: Path, add_space_prefix: bool | None) -> Path:
@@ -28,7 +64,9 @@ def _spm_gguf(path: Path, add_space_prefix: bool | None) -> Path:
 
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [p for p, _ in PIECES]
     scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [s for _, s in PIECES]
-    types = [2, 3, 3] + [6] * 256 + [1] * (len(PIECES) - 1) + [4]  # unknown, control, byte, normal, user-defined
+    types = (
+        [2, 3, 3] + [6] * 256 + [1] * (len(PIECES) - 1) + [4]
+    )  # unknown, control, byte, normal, user-defined
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
     w.add_context_length(64)
@@ -77,5 +115,6 @@ def test_no_space_prefix_when_the_file_says_so(tmp_path):
     assert ours.encode("hello world").ids == [1, index["he"], index["llo"], index["\u2581world"]]
     assert ours.encode(" hello").ids == [1, index["\u2581hello"]]
     for text in TEXTS:
-        assert ours.decode(ours.encode(text).ids, skip_special_tokens=True) == text.replace("<s>", "").replace(
-            "</s>", "")
+        assert ours.decode(ours.encode(text).ids, skip_special_tokens=True) == text.replace(
+            "<s>", ""
+        ).replace("</s>", "")

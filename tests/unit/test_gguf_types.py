@@ -21,12 +21,29 @@ from pytgi.core.errors import GGUFConversionError
 from pytgi.engine import kernels
 from pytgi.engine.models.cpu import CpuKernels
 from pytgi.engine.models.gguf_weights import GGUFWeights, decode_blocks, decode_blocks_reference
-from pytgi.engine.models.quant import LayoutRows, QuantizedWeight, grid_layout, kind_for_gguf_type, quantize_int4, quantize_int8_groups
+from pytgi.engine.models.quant import (
+    LayoutRows,
+    QuantizedWeight,
+    grid_layout,
+    kind_for_gguf_type,
+    quantize_int4,
+    quantize_int8_groups,
+)
 
 N, K = 32, 512  # rows, values per row: two K-quant super-blocks
 # byte offsets of each type's fp16 fields in its block: (super-)scales, then mins/offsets
-FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
-               "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+FP16_FIELDS = {
+    "Q4_0": [0],
+    "Q4_1": [0, 2],
+    "Q5_0": [0],
+    "Q5_1": [0, 2],
+    "Q8_0": [0],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
+    "Q4_K": [0, 2],
+    "Q5_K": [0, 2],
+    "Q6_K": [208],
+}
 FLOATS = {"F32": np.float32, "F16": np.float16}
 
 
@@ -36,7 +53,11 @@ def _raw(name: str, seed: int = 0) -> np.ndarray:
     if name in FLOATS:
         return rng.standard_normal((N, K)).astype(FLOATS[name])
     if name == "BF16":  # the top halves of float32 values, as bytes
-        return (rng.standard_normal((N, K)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+        return (
+            (rng.standard_normal((N, K)).astype(np.float32).view(np.uint32) >> 16)
+            .astype(np.uint16)
+            .view(np.uint8)
+        )
     qt = gguf.GGMLQuantizationType[name]
     block, size = gguf.GGML_QUANT_SIZES[qt]
     raw = rng.integers(0, 256, (N, K // block, size), dtype=np.uint8)
@@ -48,9 +69,12 @@ def _raw(name: str, seed: int = 0) -> np.ndarray:
             vals = np.where(np.arange(N)[:, None] % 2 == 0, d, d / 2).astype(np.float16)
             vals = np.broadcast_to(vals, (N, K // block))
         else:  # Q4_1/Q5_1's offset (a multiple of the scale, negative), K-quants' dmin (2^-7)
-            vals = (-d * rng.integers(0, 16, (N, K // block))).astype(np.float16) if name.endswith("_1") else \
-                np.full((N, K // block), d, dtype=np.float16)
-        raw[..., off:off + 2] = np.ascontiguousarray(vals).view(np.uint8).reshape(N, K // block, 2)
+            vals = (
+                (-d * rng.integers(0, 16, (N, K // block))).astype(np.float16)
+                if name.endswith("_1")
+                else np.full((N, K // block), d, dtype=np.float16)
+            )
+        raw[..., off : off + 2] = np.ascontiguousarray(vals).view(np.uint8).reshape(N, K // block, 2)
     return raw.reshape(N, -1)
 
 
@@ -91,11 +115,15 @@ def test_blocks_decode_to_their_values_and_pack_without_rounding(tmp_path, name)
     any fp16 scales too), and the packed layout of the type's kind holds them; the kernel multiplies by
     them, as it does by a float weight re-packed on its own grids."""
     for seed, raw in enumerate([_raw(name), _any_scales(name)]):
-        ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(N, K).copy())
+        ref = torch.from_numpy(
+            gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name]).reshape(N, K).copy()
+        )
         grid = _gguf_tensor(tmp_path / str(seed), name, raw).grid(DOWN)
         assert grid is not None and torch.equal(grid.dequantize(), ref)
     kind = kind_for_gguf_type(name)
-    ref = torch.from_numpy(gguf.quants.dequantize(_raw(name), gguf.GGMLQuantizationType[name]).reshape(N, K).copy())
+    ref = torch.from_numpy(
+        gguf.quants.dequantize(_raw(name), gguf.GGMLQuantizationType[name]).reshape(N, K).copy()
+    )
     u, d, m = grid_layout(_gguf_tensor(tmp_path, name, _raw(name)).grid(DOWN), kind)
     group = 16 if kind == "int8x16" else 32
     assert int(u.min()) >= (0 if kind == "int4" else 1) and int(u.max()) <= (15 if kind == "int4" else 255)
@@ -119,7 +147,11 @@ def test_the_c_decoder_gives_the_reference_levels_and_grids(name):
     raw = np.random.default_rng(5).integers(0, 256, (N, _raw(name).shape[1]), dtype=np.uint8)
     raw[0, :2] = [1, 0]  # the smallest subnormal as the first block's first field
     got, want = decode_blocks(name, raw, N, K), decode_blocks_reference(name, torch.from_numpy(raw), N, K)
-    assert torch.equal(got.q, want.q) and (got.group, got.zero, got.levels) == (want.group, want.zero, want.levels)
+    assert torch.equal(got.q, want.q) and (got.group, got.zero, got.levels) == (
+        want.group,
+        want.zero,
+        want.levels,
+    )
     for a, b in [(got.d, want.d), (got.m, want.m)]:
         assert (a is None) == (b is None)
         if a is not None:
@@ -132,18 +164,26 @@ def _any_scales(name: str) -> np.ndarray:
     rng = np.random.default_rng(2)
     for off in FP16_FIELDS[name]:
         vals = rng.uniform(-0.05, 0.05, raw.shape[:2]).astype(np.float16)
-        raw[..., off:off + 2] = vals.view(np.uint8).reshape(*raw.shape[:2], 2)
+        raw[..., off : off + 2] = vals.view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(N, -1)
 
 
 @pytest.mark.parametrize("name", [t for t in TYPES if t not in ("F32", "F16", "BF16")])
 def test_the_fast_path_keeps_each_types_values_exactly(name):
-    w = torch.from_numpy(gguf.quants.dequantize(_raw(name), gguf.GGMLQuantizationType[name]).reshape(N, K).copy())
+    w = torch.from_numpy(
+        gguf.quants.dequantize(_raw(name), gguf.GGMLQuantizationType[name]).reshape(N, K).copy()
+    )
     kind = kind_for_gguf_type(name)
-    deq = quantize_int4(w)[-1] if kind == "int4" else quantize_int8_groups(w, 16 if kind == "int8x16" else 32)[-1]
+    deq = (
+        quantize_int4(w)[-1]
+        if kind == "int4"
+        else quantize_int8_groups(w, 16 if kind == "int8x16" else 32)[-1]
+    )
     assert torch.equal(deq, w), (kind, (deq - w).abs().max().item())
     if kernels.vnni_supported():  # and the kernel multiplies by exactly them (x rounded to int8 per 32)
-        qw = QuantizedWeight(kind, w, torch.bfloat16, CpuKernels.for_device(torch.device("cpu"), torch.bfloat16))
+        qw = QuantizedWeight(
+            kind, w, torch.bfloat16, CpuKernels.for_device(torch.device("cpu"), torch.bfloat16)
+        )
         x = torch.randn(3, K).bfloat16()
         g = x.float().view(3, -1, 32)
         amax = g.abs().amax(-1, keepdim=True)
@@ -165,4 +205,9 @@ def test_types_without_a_uniform_grid_stay_unquantized():
     """IQ and ternary types (codebooks, not grids) keep the converter's float values: no second rounding."""
     assert kind_for_gguf_type("IQ4_NL") is None and kind_for_gguf_type("TQ2_0") is None
     assert kind_for_gguf_type("F16") is None
-    assert [kind_for_gguf_type(t) for t in ("Q4_K", "Q5_0", "Q3_K", "Q6_K")] == ["int4", "int8", "int8x16", "int8x16"]
+    assert [kind_for_gguf_type(t) for t in ("Q4_K", "Q5_0", "Q3_K", "Q6_K")] == [
+        "int4",
+        "int8",
+        "int8x16",
+        "int8x16",
+    ]

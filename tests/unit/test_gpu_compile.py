@@ -37,11 +37,15 @@ def sass(kernel, types: dict[str, str], consts: dict[str, object], warps: int = 
         constexprs={(names.index(k),): v for k, v in consts.items()},
         attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED & set(names)},
     )
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
+    )
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"pytgi-{os.getpid()}.cubin")
     with open(path, "wb") as f:
         f.write(compiled.asm["cubin"])
-    out = subprocess.run([os.path.join(NVIDIA, "cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [os.path.join(NVIDIA, "cuobjdump"), "-sass", path], capture_output=True, text=True
+    ).stdout
     os.unlink(path)
     return collections.Counter(re.findall(r"\b((?:LDG|STG)\.E[\.\w]*)\b", out))
 
@@ -88,7 +92,9 @@ def attention_rotary_rows() -> None:
 
 def _child(call: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = f"import sys; sys.path.insert(0, {os.getcwd()!r}); from tests.unit.test_gpu_compile import *; {call}"
+    code = (
+        f"import sys; sys.path.insert(0, {os.getcwd()!r}); from tests.unit.test_gpu_compile import *; {call}"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
 

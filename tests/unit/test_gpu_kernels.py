@@ -165,8 +165,20 @@ def test_split_decode_attention_matches_gather_and_sdpa(dtype, splits):
     meta = TritonAttention(CpuKernels.none(), (H, KVH, D)).prepare(layout, DEVICE)
     meta.splits = splits
     out = torch.empty_like(q)
-    got = gpu.paged_attention(q, k_cache, v_cache, out, meta.programs, meta.q_start, meta.context_lens,
-                              meta.block_tables, meta.block_m, bs, D**-0.5, splits).float()
+    got = gpu.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        meta.programs,
+        meta.q_start,
+        meta.context_lens,
+        meta.block_tables,
+        meta.block_m,
+        bs,
+        D**-0.5,
+        splits,
+    ).float()
     torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
 
 

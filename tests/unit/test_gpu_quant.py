@@ -90,7 +90,9 @@ def test_fp8_bytes_read_as_e4m3():
     b = torch.arange(256, dtype=torch.uint8)
     finite = b[(b & 0x7F) != 0x7F]
     qw = finite.view(1, -1).repeat(16, 1)[:, :224].contiguous()
-    W = gpu_quant.LowbitWeight(qw.to(DEVICE), torch.ones(16, 1, device=DEVICE), (16, 224), 0, fp8_block=(1, 224))
+    W = gpu_quant.LowbitWeight(
+        qw.to(DEVICE), torch.ones(16, 1, device=DEVICE), (16, 224), 0, fp8_block=(1, 224)
+    )
     want = qw.view(torch.float8_e4m3fn).float()
     assert torch.equal(W.dequantize(torch.float32).cpu(), want)
 

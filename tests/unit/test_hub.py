@@ -106,8 +106,13 @@ def test_gguf_by_tag_default_and_file():
 
 
 def test_a_lora_adapter_repository_takes_its_config_and_weights():
-    files = ["README.md", "adapter_config.json", "adapter_model.safetensors", "training_args.bin",
-             "tokenizer.json"]
+    files = [
+        "README.md",
+        "adapter_config.json",
+        "adapter_model.safetensors",
+        "training_args.bin",
+        "tokenizer.json",
+    ]
     sel = choose_files("org/lora", files, HubRef("org/lora"))
     assert sel.kind == "hf" and sel.files == ("adapter_config.json", "adapter_model.safetensors")
 
@@ -124,8 +129,10 @@ def test_a_tag_in_a_model_directory_means_its_gguf_files():
         (
             GGUF_REPO,
             HubRef("org/g", tag="Q3_K_S"),
-            "org/g: no GGUF file for the tag Q3_K_S "
-            "(tags here: BF16, IQ4_XS, Q4_K_M, Q6_K, Q8_0, UD-Q4_K_XL)",
+            (
+                "org/g: no GGUF file for the tag Q3_K_S "
+                "(tags here: BF16, IQ4_XS, Q4_K_M, Q6_K, Q8_0, UD-Q4_K_XL)"
+            ),
         ),
         (
             ["a-Q8_0.gguf", "a-F16.gguf"],

@@ -32,9 +32,19 @@ class FakeClient:
 
 
 def _req() -> ValidRequest:
-    return ValidRequest(input_ids=[1, 2], input_length=2, sampling=SamplingParams(max_new_tokens=2), best_of=1,
-                        details=False, decoder_input_details=False, return_full_text=False, watermark=False,
-                        stream=False, inputs="ab", truncate=None)
+    return ValidRequest(
+        input_ids=[1, 2],
+        input_length=2,
+        sampling=SamplingParams(max_new_tokens=2),
+        best_of=1,
+        details=False,
+        decoder_input_details=False,
+        return_full_text=False,
+        watermark=False,
+        stream=False,
+        inputs="ab",
+        truncate=None,
+    )
 
 
 def test_slots_are_refused_at_once_over_the_limit_and_come_back_on_close():
@@ -63,8 +73,11 @@ def test_closing_an_admission_aborts_its_running_streams():
 
 
 def test_a_submit_that_raises_keeps_no_slot():
-    infer = Infer(FakeClient(fail=UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates")), tokenizer=None,
-                  max_concurrent_requests=1)  # type: ignore[arg-type]
+    infer = Infer(
+        FakeClient(fail=UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates")),
+        tokenizer=None,
+        max_concurrent_requests=1,
+    )  # type: ignore[arg-type]
     adm = infer.admission()
     adm.take(1)
     with pytest.raises(UnicodeEncodeError):
@@ -108,11 +121,22 @@ async def _drain(stream, updates):  # type: ignore[no-untyped-def]
 def test_a_stream_yields_one_delta_per_token_and_releases_when_the_engine_finished():
     from pytgi.core.protocol import TokenOut
 
-    client, adm, stream = _stream(["</s>", "Hel", "lo"])
-    deltas = asyncio.run(_drain(stream, [TokenOut("r", 1, -0.1), TokenOut("r", 2, -0.2),
-                                         TokenOut("r", 0, -0.3, finish_reason="eos_token")]))
+    client, _adm, stream = _stream(["</s>", "Hel", "lo"])
+    deltas = asyncio.run(
+        _drain(
+            stream,
+            [
+                TokenOut("r", 1, -0.1),
+                TokenOut("r", 2, -0.2),
+                TokenOut("r", 0, -0.3, finish_reason="eos_token"),
+            ],
+        )
+    )
     assert [(d.index, d.token.text, d.text, d.finish_reason) for d in deltas] == [
-        (1, "Hel", "Hel", None), (2, "lo", "lo", None), (3, "</s>", "", "eos_token")]
+        (1, "Hel", "Hel", None),
+        (2, "lo", "lo", None),
+        (3, "</s>", "", "eos_token"),
+    ]
     assert deltas[-1].token.special and stream.output.text == "Hello"
     assert client.released == [stream.rid] and client.aborted == []  # the engine already finished it
     assert stream.timings.start and stream.timings.end
@@ -121,8 +145,10 @@ def test_a_stream_yields_one_delta_per_token_and_releases_when_the_engine_finish
 def test_a_stop_string_ends_the_stream_and_aborts_the_engine_request():
     from pytgi.core.protocol import TokenOut
 
-    client, adm, stream = _stream(["</s>", "Hel", "lo", " STOP", " more"], stop=["STOP"])
-    deltas = asyncio.run(_drain(stream, [TokenOut("r", 1, -0.1), TokenOut("r", 2, -0.1), TokenOut("r", 3, -0.1)]))
+    client, _adm, stream = _stream(["</s>", "Hel", "lo", " STOP", " more"], stop=["STOP"])
+    deltas = asyncio.run(
+        _drain(stream, [TokenOut("r", 1, -0.1), TokenOut("r", 2, -0.1), TokenOut("r", 3, -0.1)])
+    )
     assert deltas[-1].finish_reason == "stop_sequence" and stream.output.text == "Hello "
     assert client.aborted == [stream.rid]
 
@@ -131,11 +157,13 @@ def test_engine_failure_and_death_are_generation_errors():
     from pytgi.core.errors import EngineDead, GenerationError
     from pytgi.core.protocol import TokenOut
 
-    client, adm, stream = _stream(["</s>", "a", "b"])
+    client, _adm, stream = _stream(["</s>", "a", "b"])
     with pytest.raises(GenerationError, match="boom"):
-        asyncio.run(_drain(stream, [TokenOut("r", 1, -0.1), TokenOut("r", error="boom", finish_reason="error")]))
+        asyncio.run(
+            _drain(stream, [TokenOut("r", 1, -0.1), TokenOut("r", error="boom", finish_reason="error")])
+        )
     assert client.released == [stream.rid] and client.aborted == []
-    client, adm, stream = _stream(["</s>", "a", "b"])
+    client, _adm, stream = _stream(["</s>", "a", "b"])
     with pytest.raises(GenerationError, match="gone"):
         asyncio.run(_drain(stream, [EngineDead("gone")]))
 
@@ -152,7 +180,9 @@ def test_generate_collects_the_stream_and_best_of_keeps_the_likeliest():
 
     async def main():  # type: ignore[no-untyped-def]
         task = asyncio.ensure_future(infer.generate(req, adm))
-        await async_wait_until(lambda: len(adm.streams) == 2, 5, "generate() to open both streams", interval=0)
+        await async_wait_until(
+            lambda: len(adm.streams) == 2, 5, "generate() to open both streams", interval=0
+        )
         first, second = adm.streams
         first.queue.put_nowait(TokenOut("r", 1, -2.0, finish_reason="length"))
         second.queue.put_nowait(TokenOut("r", 2, -0.5, finish_reason="length"))

@@ -47,20 +47,31 @@ def test_a_model_that_does_not_fit_is_refused_with_the_numbers(available):
     kv_sizing.check_fits(6 * GIB, CPU, "the model (m.gguf)")  # 6 + 1.5 GiB fit in 8
     with pytest.raises(ModelTooLarge) as err:
         kv_sizing.check_fits(7 * GIB, CPU, "the model (m.gguf)")
-    assert str(err.value).startswith("the model (m.gguf) does not fit: it needs about 7.0 GiB for its weights "
-                                     "and 1.5 GiB for the runtime, 8.5 GiB in all, and this machine has 8.0 GiB")
+    assert str(err.value).startswith(
+        "the model (m.gguf) does not fit: it needs about 7.0 GiB for its weights "
+        "and 1.5 GiB for the runtime, 8.5 GiB in all, and this machine has 8.0 GiB"
+    )
 
 
 def test_sized_from_memory_up_to_what_the_batch_can_use():
     def resolve(cfg: EngineConfig, capacity: int):
-        return cfg.resolve(model_id="m", model_path="", dtype="bfloat16", device_type="cpu", vocab_size=10,
-                           max_positions=4096, kv_capacity=lambda: capacity)
+        return cfg.resolve(
+            model_id="m",
+            model_path="",
+            dtype="bfloat16",
+            device_type="cpu",
+            vocab_size=10,
+            max_positions=4096,
+            kv_capacity=lambda: capacity,
+        )
 
     info = resolve(EngineConfig(max_batch_size=4, max_total_tokens=1024), 10**9)
     assert info.max_batch_total_tokens == 4 * 1024
     assert resolve(EngineConfig(max_total_tokens=1024), 8192).max_batch_total_tokens == 8192
-    assert resolve(EngineConfig(max_batch_total_tokens=100_000, max_total_tokens=1024), 0).max_batch_total_tokens \
-        == 100_000  # as asked
+    assert (
+        resolve(EngineConfig(max_batch_total_tokens=100_000, max_total_tokens=1024), 0).max_batch_total_tokens
+        == 100_000
+    )  # as asked
     # no max_total_tokens: the model's positions, as many as the KV cache holds
     small = resolve(EngineConfig(), 1000)
     assert (small.max_total_tokens, small.max_input_tokens, small.max_batch_total_tokens) == (992, 991, 992)

@@ -13,7 +13,14 @@ import time
 import pytest
 from PIL import Image
 
-from pytgi.api.frontend.media import ImageRef, MediaLimits, _from_data_url, _internal, check_image, load_images
+from pytgi.api.frontend.media import (
+    ImageRef,
+    MediaLimits,
+    _from_data_url,
+    _internal,
+    check_image,
+    load_images,
+)
 from pytgi.core.errors import InvalidRequest
 
 
@@ -23,11 +30,25 @@ def png(size=(8, 8)) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("address, internal", [
-    ("127.0.0.1", True), ("10.1.2.3", True), ("192.168.0.1", True), ("172.16.5.4", True), ("169.254.169.254", True),
-    ("0.0.0.0", True), ("::1", True), ("fe80::1%eth0", True), ("fd00::1", True), ("::ffff:127.0.0.1", True),
-    ("224.0.0.1", True), ("100.64.0.1", True), ("8.8.8.8", False), ("2606:4700:4700::1111", False),
-])
+@pytest.mark.parametrize(
+    "address, internal",
+    [
+        ("127.0.0.1", True),
+        ("10.1.2.3", True),
+        ("192.168.0.1", True),
+        ("172.16.5.4", True),
+        ("169.254.169.254", True),
+        ("0.0.0.0", True),
+        ("::1", True),
+        ("fe80::1%eth0", True),
+        ("fd00::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("224.0.0.1", True),
+        ("100.64.0.1", True),
+        ("8.8.8.8", False),
+        ("2606:4700:4700::1111", False),
+    ],
+)
 def test_internal_addresses(address, internal):
     assert _internal(address) is internal
 
@@ -37,8 +58,12 @@ def test_data_urls():
     assert _from_data_url(ref, MediaLimits()) == png()
     with pytest.raises(InvalidRequest, match="larger than 10 bytes"):
         _from_data_url(ref, MediaLimits(max_bytes=10))
-    for url, why in [("data:image/png,abc", "must be base64"), ("data:;base64,AAAA", "missing, not image"),
-                     ("data:image/png;base64", "is `data:image"), ("data:image/png;base64,A", "not valid")]:
+    for url, why in [
+        ("data:image/png,abc", "must be base64"),
+        ("data:;base64,AAAA", "missing, not image"),
+        ("data:image/png;base64", "is `data:image"),
+        ("data:image/png;base64,A", "not valid"),
+    ]:
         with pytest.raises(InvalidRequest, match=why) as e:
             _from_data_url(ImageRef(url, "messages.[0]"), MediaLimits())
         assert e.value.param == "messages.[0]"
@@ -64,20 +89,35 @@ def test_image_positions_by_layout():
     assert image_positions(fixed, 10, 9999) == 576
     assert added_positions(fixed, [b"", b""]) == 2 * 575  # not read: every image takes the same
     # Idefics3 at SmolVLM's sizes: 1000 × 500 → 2048 × 1024 → 4 × 2 tiles of 512, 64 rows each
-    tiles = ImageLayout(token=5, positions=67, kind="tiles", tile=512, longest_edge=2048, tile_positions=66,
-                        row_end=1, split_end=1)
+    tiles = ImageLayout(
+        token=5,
+        positions=67,
+        kind="tiles",
+        tile=512,
+        longest_edge=2048,
+        tile_positions=66,
+        row_end=1,
+        split_end=1,
+    )
     assert image_positions(tiles, 1000, 500) == 8 * 66 + 1 + 1 + 67
     # Qwen2-VL: 448 × 448 is 32 × 32 patches of 14, 16 × 16 rows once merged 2 × 2
-    merge = ImageLayout(token=5, positions=0, kind="merge", patch=14, merge=2, min_pixels=3136,
-                        max_pixels=12845056)
+    merge = ImageLayout(
+        token=5, positions=0, kind="merge", patch=14, merge=2, min_pixels=3136, max_pixels=12845056
+    )
     assert image_positions(merge, 448, 448) == 256
     assert image_positions(merge, 10, 10) == 4  # brought up to min_pixels: 56 × 56
     with pytest.raises(InvalidRequest, match="aspect ratios up to 200"):
         image_positions(merge, 3000, 10)
     # LLaVA-NeXT at 336 pixels: 800 × 600 fits 672 × 672 best (2 × 2 tiles, 48 × 48 patches); at
     # 4:3 the image fills 36 of the 48 rows, so 6 rows of padding go at each edge
-    anyres = ImageLayout(token=5, positions=576, kind="anyres", tile=336, patch=14,
-                         pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]])
+    anyres = ImageLayout(
+        token=5,
+        positions=576,
+        kind="anyres",
+        tile=336,
+        patch=14,
+        pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
+    )
     assert image_positions(anyres, 800, 600) == 36 * 48 + 36 + 576
 
 
@@ -185,12 +225,14 @@ def test_a_trickling_server_is_cut_at_one_deadline(images):
 
 def test_fetches_wait_for_a_slot_within_their_deadline(images):
     """With one fetch slot, a fetch behind a trickling one waits, and its deadline counts the wait."""
+
     async def main():
         limits = MediaLimits(allowed_domains=("127.0.0.1",), timeout=1.0, slots=asyncio.Semaphore(1))
         slow = ImageRef(f"http://127.0.0.1:{images}/trickle", "slow")
         fast = ImageRef(f"http://127.0.0.1:{images}/a.png", "fast")
-        return await asyncio.gather(load_images([slow], limits), load_images([fast], limits),
-                                    return_exceptions=True)
+        return await asyncio.gather(
+            load_images([slow], limits), load_images([fast], limits), return_exceptions=True
+        )
 
     slow, fast = asyncio.run(main())
     assert isinstance(slow, InvalidRequest) and "took more than 1 s" in str(slow)

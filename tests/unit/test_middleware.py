@@ -19,7 +19,17 @@ async def _ok(request):  # type: ignore[no-untyped-def]
     return PlainTextResponse(str(len(await request.body())))
 
 
-PATHS = ["/health", "/", "/metrics", "/info", "/docs", "/openapi.json", "/v1/models", "/v1/models/x", "/generate"]
+PATHS = [
+    "/health",
+    "/",
+    "/metrics",
+    "/info",
+    "/docs",
+    "/openapi.json",
+    "/v1/models",
+    "/v1/models/x",
+    "/generate",
+]
 APP = Starlette(routes=[Route(p, _ok, methods=["GET", "POST"]) for p in PATHS])
 
 
@@ -37,19 +47,25 @@ def test_the_key_guards_every_route_but_the_exempt_ones() -> None:
     assert _call(default, "POST", "/").status_code == 401  # POST / generates: guarded
     assert _call(default, "GET", "/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
     opened = ApiKeyMiddleware(APP, "k", exempt=("metrics", "models"))
-    assert [p for p in PATHS if _call(opened, "GET", p).status_code == 200] == ["/metrics", "/v1/models",
-                                                                                  "/v1/models/x"]
+    assert [p for p in PATHS if _call(opened, "GET", p).status_code == 200] == [
+        "/metrics",
+        "/v1/models",
+        "/v1/models/x",
+    ]
     assert _call(ApiKeyMiddleware(APP, "k", exempt=()), "GET", "/health").status_code == 401
 
 
 def test_over_the_limit_a_generation_is_refused_before_its_body_is_read() -> None:
-    app = Starlette(routes=APP.routes, middleware=[Middleware(OverloadMiddleware)])  # it reads the app's state
+    app = Starlette(
+        routes=APP.routes, middleware=[Middleware(OverloadMiddleware)]
+    )  # it reads the app's state
     infer = SimpleNamespace(in_flight=2, max_concurrent_requests=2)
     counts: list[str] = []
     count = SimpleNamespace(inc=lambda: counts.append("request"))
     failure = SimpleNamespace(labels=lambda kind: SimpleNamespace(inc=lambda: counts.append(kind)))
-    app.state.pytgi = SimpleNamespace(infer=infer, metrics=SimpleNamespace(request_count=count,
-                                                                            request_failure=failure))
+    app.state.pytgi = SimpleNamespace(
+        infer=infer, metrics=SimpleNamespace(request_count=count, request_failure=failure)
+    )
     r = _call(app, "POST", "/generate", json={"inputs": "x"})
     assert r.status_code == 429 and r.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
     assert counts == ["request", "overloaded"]  # in TGI's metrics, as the routes count theirs

@@ -17,8 +17,12 @@ H, INTER, E = 16, 24, 5
 
 def experts(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(E, H, generator=g), torch.randn(E, INTER, H, generator=g) * 0.2,
-            torch.randn(E, INTER, H, generator=g) * 0.2, torch.randn(E, H, INTER, generator=g) * 0.2)
+    return (
+        torch.randn(E, H, generator=g),
+        torch.randn(E, INTER, H, generator=g) * 0.2,
+        torch.randn(E, INTER, H, generator=g) * 0.2,
+        torch.randn(E, H, INTER, generator=g) * 0.2,
+    )
 
 
 def per_expert_moe(norm_topk: bool) -> SparseMoE:
@@ -42,7 +46,9 @@ def test_each_token_gets_its_top_k_experts_weighted(norm_topk):
         p = (router @ t).softmax(-1)
         w, idx = p.topk(2)
         w = w / w.sum() if norm_topk else w
-        expected.append(sum(wi * (down[e] @ (F.silu(gate[e] @ t) * (up[e] @ t))) for wi, e in zip(w, idx.tolist())))
+        expected.append(
+            sum(wi * (down[e] @ (F.silu(gate[e] @ t) * (up[e] @ t))) for wi, e in zip(w, idx.tolist()))
+        )
     torch.testing.assert_close(moe(x), torch.stack(expected), atol=1e-5, rtol=1e-5)
 
 
@@ -66,8 +72,10 @@ def packed_moe(kinds: tuple[str, str]) -> SparseMoE:
     moe.to(torch.bfloat16)
     cpu = CpuKernels.for_device(torch.device("cpu"), torch.bfloat16)
     moe.packed = [
-        (QuantizedWeight(kinds[0], torch.randn(2 * inter, h, generator=g) * 0.2, torch.bfloat16, cpu),
-         QuantizedWeight(kinds[1], torch.randn(h, inter, generator=g) * 0.2, torch.bfloat16, cpu))
+        (
+            QuantizedWeight(kinds[0], torch.randn(2 * inter, h, generator=g) * 0.2, torch.bfloat16, cpu),
+            QuantizedWeight(kinds[1], torch.randn(h, inter, generator=g) * 0.2, torch.bfloat16, cpu),
+        )
         for _ in range(e)
     ]
     moe.fuse()
@@ -89,4 +97,6 @@ def test_one_c_call_runs_the_experts_as_the_step_by_step_path(kinds):
     stepwise = moe(x)
     moe.fused = fused_ref
     assert torch.equal(fused, fused_alone)
-    torch.testing.assert_close(fused.float(), stepwise.float(), atol=0.02 * stepwise.abs().max().item(), rtol=0.02)
+    torch.testing.assert_close(
+        fused.float(), stepwise.float(), atol=0.02 * stepwise.abs().max().item(), rtol=0.02
+    )

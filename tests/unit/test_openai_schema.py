@@ -11,7 +11,6 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from pytgi.api.openai import routes as oai
 from pytgi.api import tgi
 from pytgi.api.error_handlers import install_handlers
 from pytgi.api.frontend.infer import Infer
@@ -19,6 +18,7 @@ from pytgi.api.frontend.validation import Validation, ValidLimits
 from pytgi.api.metrics import Metrics
 from pytgi.api.middleware import AdmissionMiddleware
 from pytgi.api.openai import render, schema
+from pytgi.api.openai import routes as oai
 from pytgi.api.state import State
 from pytgi.core import protocol as P
 from pytgi.core.outputs import OutputProcessor
@@ -48,13 +48,23 @@ def http(tok: Tokenizer, val: Validation) -> TestClient:
     app = FastAPI()
     install_handlers(app)
     app.include_router(tgi.router)
-    config = SimpleNamespace(model_id=MODEL, reasoning_parser=None, enable_lora_runtime_updates=False,
-                             responses_store_size=10, responses_store_bytes=1 << 20)
+    config = SimpleNamespace(
+        model_id=MODEL,
+        reasoning_parser=None,
+        enable_lora_runtime_updates=False,
+        responses_store_size=10,
+        responses_store_bytes=1 << 20,
+    )
     oai.install(app, config)
     app.add_middleware(AdmissionMiddleware)
     app.state.pytgi = State(  # type: ignore[arg-type]
-        config=config, metrics=Metrics(), tokenizer=tok,
-        client=SimpleNamespace(info=None), validation=val, infer=Infer(_NoEngine(), tok, 8))
+        config=config,
+        metrics=Metrics(),
+        tokenizer=tok,
+        client=SimpleNamespace(info=None),
+        validation=val,
+        infer=Infer(_NoEngine(), tok, 8),
+    )
     return TestClient(app)
 
 
@@ -78,8 +88,9 @@ def test_errors_under_v1_are_openai_shaped_and_tgi_routes_keep_theirs(http: Test
     assert err["type"] == "invalid_request_error" and err["param"] == "messages"
     err = openai_error(http.post("/v1/completions", json={}), 400)
     assert err["param"] == "prompt"
-    openai_error(http.post("/v1/chat/completions", content=b"{nope",
-                           headers={"content-type": "application/json"}), 400)
+    openai_error(
+        http.post("/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"}), 400
+    )
     openai_error(http.get("/v1/nothing-here"), 404)
     openai_error(http.get("/v1/chat/completions"), 405)
     r = http.post("/generate", json={"inputs": 5})
@@ -98,54 +109,76 @@ def test_models_and_unknown_models(http: TestClient) -> None:
     assert err["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize("extra,param", [
-    ({"temperature": 2.1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"n": 0}, "n"),
-    ({"n": schema.MAX_N + 1}, "n"),
-    ({"presence_penalty": -2.5}, "presence_penalty"),
-    ({"frequency_penalty": 2.5}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"top_k": -2}, "top_k"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"stop": [""]}, "stop"),
-    ({"logit_bias": {"x": 5}}, "logit_bias"),
-    ({"logit_bias": {"1": 101}}, "logit_bias"),
-    ({"logit_bias": {"1000000": 1}}, "logit_bias"),  # past the vocabulary
-    ({"min_p": 1.5}, "min_p"),
-    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # OpenAI allows up to 20
-    ({"top_logprobs": 1}, "top_logprobs"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "response_format"),
-    ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
-    ({"guided_choice": []}, "guided_choice"),
-    ({"guided_regex": "a", "guided_json": {"type": "object"}}, "guided_regex"),
-    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.[0].function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
-      "response_format": {"type": "json_object"}}, "response_format"),
-    ({"tool_choice": "required"}, "tool_choice"),  # without tools
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages.[0].content.[0].type"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.[0].role"),
-])
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"temperature": 2.1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"n": schema.MAX_N + 1}, "n"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"logit_bias": {"x": 5}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias"),
+        ({"logit_bias": {"1000000": 1}}, "logit_bias"),  # past the vocabulary
+        ({"min_p": 1.5}, "min_p"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),  # OpenAI allows up to 20
+        ({"top_logprobs": 1}, "top_logprobs"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            },
+            "response_format",
+        ),
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "a", "guided_json": {"type": "object"}}, "guided_regex"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools.[0].function.name"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),  # without tools
+        ({"messages": []}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+            "messages.[0].content.[0].type",
+        ),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.[0].role"),
+    ],
+)
 def test_chat_parameter_rules(http: TestClient, extra: dict, param: str) -> None:
     err = openai_error(http.post("/v1/chat/completions", json={"messages": CHAT, **extra}), 400)
     assert err["param"] == param and err["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("extra,param", [
-    ({"prompt": []}, "prompt"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"logprobs": -1}, "logprobs"),
-    ({"best_of": 3}, "best_of"),
-    ({"suffix": "x"}, "suffix"),
-    ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
-    ({"temperature": -0.5}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"prompt": []}, "prompt"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"best_of": 3}, "best_of"),
+        ({"suffix": "x"}, "suffix"),
+        ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
+        ({"temperature": -0.5}, "temperature"),
+    ],
+)
 def test_completion_parameter_rules(http: TestClient, extra: dict, param: str) -> None:
     err = openai_error(http.post("/v1/completions", json={"prompt": "hi", **extra}), 400)
     assert err["param"] == param
@@ -153,19 +186,29 @@ def test_completion_parameter_rules(http: TestClient, extra: dict, param: str) -
 
 def test_tools_with_tool_choice_none_are_accepted_by_the_checks() -> None:
     body = schema.ChatCompletionRequest.model_validate(
-        {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"})
+        {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}
+    )
     assert schema.check_sampling(body) == 1
     assert schema.check_chat(body) == [{"role": "user", "content": "hi"}]
 
 
 def test_messages_join_text_parts_and_map_developer() -> None:
-    body = schema.ChatCompletionRequest.model_validate({"messages": [
-        {"role": "developer", "content": "be brief"},
-        {"role": "user", "name": "u",
-         "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-    ]})
-    assert schema.messages_for_template(body.messages) == [{"role": "system", "content": "be brief"},
-                                                           {"role": "user", "content": "a\nb", "name": "u"}]
+    body = schema.ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "name": "u",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                },
+            ]
+        }
+    )
+    assert schema.messages_for_template(body.messages) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb", "name": "u"},
+    ]
 
 
 def test_sampling_defaults_and_seeds(val: Validation) -> None:
@@ -180,7 +223,9 @@ def test_sampling_defaults_and_seeds(val: Validation) -> None:
 
 
 def test_top_logprobs_up_to_openais_bound(val: Validation) -> None:
-    body = schema.ChatCompletionRequest.model_validate({"messages": CHAT, "logprobs": True, "top_logprobs": 20})
+    body = schema.ChatCompletionRequest.model_validate(
+        {"messages": CHAT, "logprobs": True, "top_logprobs": 20}
+    )
     req = validate(val, schema.to_input(body, "hi", 4, body.top_logprobs, schema.MAX_CHAT_TOP_LOGPROBS))
     assert req.sampling.top_n_tokens == 20  # above the server's --max-top-n-tokens (5), as OpenAI allows
 
@@ -213,7 +258,9 @@ def run(r: render.StreamRenderer, pieces: list[str], stops: list[str], last_reas
     proc = OutputProcessor(_Tok(pieces), [], sp)  # type: ignore[arg-type]
     out = []
     for k in range(len(pieces)):
-        delta = proc.process(P.TokenOut("r", k, -0.5, finish_reason=last_reason if k == len(pieces) - 1 else None))
+        delta = proc.process(
+            P.TokenOut("r", k, -0.5, finish_reason=last_reason if k == len(pieces) - 1 else None)
+        )
         assert delta is not None
         out.append(r.delta(0, delta))
         if proc.finished:
@@ -230,9 +277,12 @@ def test_a_possible_stop_is_held_back_and_the_stop_never_sent() -> None:
     assert "".join(s for chunks in sent for s in chunks if s) == "a STx "
     assert out[-1][-1]["choices"][0]["finish_reason"] == "stop"
     (usage,) = r.end()
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 6,
-                                                         "total_tokens": 9,
-                                                         "prompt_tokens_details": {"cached_tokens": 0}}
+    assert usage["choices"] == [] and usage["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 6,
+        "total_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_without_stops_text_streams_as_it_comes() -> None:
@@ -287,7 +337,8 @@ def test_kept_special_tokens_are_text_but_the_end_of_sequence_is_not(tok: Tokeni
 
 def test_logit_bias_min_p_and_20_logprobs_reach_the_engine(val: Validation) -> None:
     body = schema.CompletionRequest.model_validate(
-        {"prompt": "x", "logit_bias": {"5": -100, "17": 2.5}, "min_p": 0.05, "logprobs": 20})
+        {"prompt": "x", "logit_bias": {"5": -100, "17": 2.5}, "min_p": 0.05, "logprobs": 20}
+    )
     sp = validate(val, schema.to_input(body, "x", 4, body.logprobs, schema.MAX_COMPLETION_LOGPROBS)).sampling
     assert sp.logit_bias == {5: -100.0, 17: 2.5} and sp.min_p == 0.05 and sp.top_n_tokens == 20
 

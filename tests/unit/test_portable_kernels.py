@@ -28,8 +28,12 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-@pytest.mark.skipif(not kernels.available() or platform.machine() != "x86_64", reason="needs an x86-64 C compiler")
-@pytest.mark.parametrize("march, qgemv", [("x86-64-v4", "True"), ("x86-64-v3", "True"), ("x86-64-v2", "False")])
+@pytest.mark.skipif(
+    not kernels.available() or platform.machine() != "x86_64", reason="needs an x86-64 C compiler"
+)
+@pytest.mark.parametrize(
+    "march, qgemv", [("x86-64-v4", "True"), ("x86-64-v3", "True"), ("x86-64-v2", "False")]
+)
 def test_kernel_tests_pass_on_the_portable_paths(tmp_path, march, qgemv):
     if not NEEDS[march] <= _cpu_flags():
         pytest.skip(f"this CPU cannot run {march} code (no {', '.join(sorted(NEEDS[march] - _cpu_flags()))})")
@@ -38,6 +42,11 @@ def test_kernel_tests_pass_on_the_portable_paths(tmp_path, march, qgemv):
     probe = "from pytgi import kernels; print(kernels.vnni_supported(), kernels.amx_supported())"
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [qgemv, "False"], out.stdout + out.stderr
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(str(HERE / f) for f in files)],
-                         env=env, capture_output=True, text=True, cwd=HERE.parent.parent)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(str(HERE / f) for f in files)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=HERE.parent.parent,
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]

@@ -7,7 +7,16 @@ import torch
 
 from pytgi.engine import kernels
 from pytgi.engine.models.cpu import CpuKernels
-from pytgi.engine.models.quant import QuantizedWeight, gguf_plan, pack_vnni, pack_vnni_reference, quantize_int4, quantize_int8, quantize_int8_groups, resolve_plan
+from pytgi.engine.models.quant import (
+    QuantizedWeight,
+    gguf_plan,
+    pack_vnni,
+    pack_vnni_reference,
+    quantize_int4,
+    quantize_int8,
+    quantize_int8_groups,
+    resolve_plan,
+)
 
 
 def cpu(**kernel_choice) -> CpuKernels:
@@ -67,7 +76,9 @@ def test_int8_groups_hold_q8_0_weights():
     d = (torch.rand(16, 2, 1, generator=g) * 0.01 + 0.001).half().float()
     w = (q * d).view(16, 64)
     u, dd, m, deq = quantize_int8_groups(w)
-    assert torch.equal(deq, w) and torch.equal(u.float().view(16, 2, 32) - 128, q) and torch.equal(m, -128 * dd)
+    assert (
+        torch.equal(deq, w) and torch.equal(u.float().view(16, 2, 32) - 128, q) and torch.equal(m, -128 * dd)
+    )
 
 
 def _blocks(levels: range, N: int = 16, K: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Generator]:
@@ -92,8 +103,12 @@ def test_int8_keeps_the_grids_of_5_to_8_bit_gguf_blocks():
     sc = torch.randint(1, 64, (N, K // 32, 1), generator=g).float()
     mn = torch.randint(0, 64, (N, K // 32, 1), generator=g).float()
     q5, _ = _blocks(range(32), seed=1)
-    cases = {"Q8_0": (q8 * d, d), "Q5_0": ((q5 - 16) * d, d), "Q5_1": (q5 * d - 0.07, d),
-             "Q5_K": (d * sc * q5 - 0.0004 * mn, d * sc)}
+    cases = {
+        "Q8_0": (q8 * d, d),
+        "Q5_0": ((q5 - 16) * d, d),
+        "Q5_1": (q5 * d - 0.07, d),
+        "Q5_K": (d * sc * q5 - 0.0004 * mn, d * sc),
+    }
     for name, (w, step) in cases.items():
         *_, deq = quantize_int8_groups(w.view(N, K))
         err = (deq.view(N, K // 32, 32) - w).abs()
@@ -113,7 +128,9 @@ def test_int8_keeps_q3_k_pairs_whose_scales_share_a_divisor():
     w = d * sc.repeat_interleave(16, dim=1).view(N, K // 32, 32) * (q - 4)
     deq = quantize_int8_groups(w.view(N, K))[-1].view(N, K // 32, 32)
     assert ((deq - w).abs()[:, 0] <= _fp16_rounding(w, d)[:, 0]).all()  # 253 levels from -124·d: m rounded
-    assert ((deq - w).abs()[:, 1] <= _fp16_rounding(w, 6 * d)[:, 1]).all()  # steps of 6·d: 2·(q − 4), 3·(q − 4)
+    assert (
+        (deq - w).abs()[:, 1] <= _fp16_rounding(w, 6 * d)[:, 1]
+    ).all()  # steps of 6·d: 2·(q − 4), 3·(q − 4)
 
 
 def _sub16_blocks(N: int = 32, K: int = 256, seed: int = 0) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -131,7 +148,10 @@ def _sub16_blocks(N: int = 32, K: int = 256, seed: int = 0) -> dict[str, tuple[t
         return torch.randint(lo, hi, (N, K // 256, 16, 16), generator=g).float()
 
     s6, s2 = sub(-128, 128), sub(1, 16)
-    cases = {"Q6_K": (d * s6 * (vals(0, 64) - 32), d * s6), "Q2_K": (d * s2 * vals(0, 4) - dmin * sub(0, 16), d * s2)}
+    cases = {
+        "Q6_K": (d * s6 * (vals(0, 64) - 32), d * s6),
+        "Q2_K": (d * s2 * vals(0, 4) - dmin * sub(0, 16), d * s2),
+    }
     return {name: (w.view(N, K), step.abs().view(N, K // 16, 1)) for name, (w, step) in cases.items()}
 
 
@@ -190,7 +210,9 @@ def test_low_bit_kernel_sums_exactly_what_the_layout_holds(kind, M):
     x = torch.randn(M, 256).bfloat16()
     x[:, 32:64] = -x[:, 32:64].abs()  # negative activations against the 8-bit sign trick
     x[:, 64:80] *= 8  # the two halves of a group with unequal sums
-    deq = (quantize_int4(w) if kind == "int4" else quantize_int8_groups(w, 16 if kind == "int8x16" else 32))[-1]
+    deq = (quantize_int4(w) if kind == "int4" else quantize_int8_groups(w, 16 if kind == "int8x16" else 32))[
+        -1
+    ]
     ref = _int8_activations(x) @ deq.t()
     torch.testing.assert_close(qw.matmul(x).float(), ref, atol=2e-4 * ref.abs().max().item(), rtol=8e-3)
 
@@ -219,15 +241,28 @@ def test_vnni_kernel_on_a_model_sized_weight():
 
 
 def test_plan_follows_the_gguf_types(tmp_path):
-    (tmp_path / "quantization.json").write_text(json.dumps({"source": "gguf", "tensors": {
-        "model.layers.0.self_attn.q_proj.weight": "Q4_1", "model.embed_tokens.weight": "Q8_0",
-        "model.layers.0.mlp.down_proj.weight": "Q6_K", "model.layers.0.mlp.up_proj.weight": "Q5_0",
-        "model.layers.0.self_attn.o_proj.weight": "Q4_K", "model.norm.weight": "F32"}}))
-    assert gguf_plan(tmp_path) == {"model.layers.0.self_attn.q_proj.weight": "int4",
-                                   "model.embed_tokens.weight": "int8",
-                                   "model.layers.0.mlp.down_proj.weight": "int8x16",  # K-quant sub-blocks
-                                   "model.layers.0.mlp.up_proj.weight": "int8",
-                                   "model.layers.0.self_attn.o_proj.weight": "int4"}
+    (tmp_path / "quantization.json").write_text(
+        json.dumps(
+            {
+                "source": "gguf",
+                "tensors": {
+                    "model.layers.0.self_attn.q_proj.weight": "Q4_1",
+                    "model.embed_tokens.weight": "Q8_0",
+                    "model.layers.0.mlp.down_proj.weight": "Q6_K",
+                    "model.layers.0.mlp.up_proj.weight": "Q5_0",
+                    "model.layers.0.self_attn.o_proj.weight": "Q4_K",
+                    "model.norm.weight": "F32",
+                },
+            }
+        )
+    )
+    assert gguf_plan(tmp_path) == {
+        "model.layers.0.self_attn.q_proj.weight": "int4",
+        "model.embed_tokens.weight": "int8",
+        "model.layers.0.mlp.down_proj.weight": "int8x16",  # K-quant sub-blocks
+        "model.layers.0.mlp.up_proj.weight": "int8",
+        "model.layers.0.self_attn.o_proj.weight": "int4",
+    }
     cpu = torch.device("cpu")
     assert resolve_plan("auto", tmp_path, torch.bfloat16, cpu) == gguf_plan(tmp_path)
     assert resolve_plan("auto", tmp_path, torch.float32, cpu) == {}  # float32 stays exact
@@ -268,11 +303,13 @@ def test_every_row_is_the_same_whatever_the_step(kind):
     full = qw.matmul(x)
     for M in (1, 3, 12, 13, 16, 17, 64, 65, 100):
         assert torch.equal(qw.matmul(x[:M]), full[:M]), M
-        assert torch.equal(qw.matmul(x[M:M + 20]), full[M:M + 20]), M
+        assert torch.equal(qw.matmul(x[M : M + 20]), full[M : M + 20]), M
     if kernels.amx_supported():
         for M in (1, 2, 5, 9, 15, 16, 33):  # tiles of M rows below 16, of 16 above
             vnni = kernels.lowbit_matmul(x[:M].contiguous(), qw.packed, 96, qw.bits, amx=False)
-            assert torch.equal(kernels.lowbit_matmul(x[:M].contiguous(), qw.packed, 96, qw.bits, amx=True), vnni)
+            assert torch.equal(
+                kernels.lowbit_matmul(x[:M].contiguous(), qw.packed, 96, qw.bits, amx=True), vnni
+            )
 
 
 def test_amx_kernel_leaves_pytorch_bf16_matmuls_alone():
@@ -295,11 +332,15 @@ def test_without_bf16_in_the_cpu_the_low_bit_kernel_serves_every_step():
     assert emulated.lowbit_max_m(False, False) == emulated.limits.lowbit_torch
     native = CpuKernels(fused=True, vnni=True, native_bf16=True, batch_invariant=False)
     assert native.lowbit_max_m(True, False) == native.limits.lowbit_vnni
-    assert CpuKernels(fused=True, vnni=True).lowbit_max_m(True, False) >= 1 << 20  # batch invariant: all sizes
+    assert (
+        CpuKernels(fused=True, vnni=True).lowbit_max_m(True, False) >= 1 << 20
+    )  # batch invariant: all sizes
 
 
 # -- a bf16 model's weights as they are (bf16gemm.c) -------------------------------------------------
-bf16_kernel = pytest.mark.skipif(not kernels.bf16gemm_supported(), reason="no bf16gemm.c here (AVX2 or AVX-512 BF16)")
+bf16_kernel = pytest.mark.skipif(
+    not kernels.bf16gemm_supported(), reason="no bf16gemm.c here (AVX2 or AVX-512 BF16)"
+)
 
 
 def bf16_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -332,7 +373,7 @@ def test_bf16_kernel_rows_do_not_depend_on_the_step():
     w, x = torch.randn(256, 576, generator=g).bfloat16(), torch.randn(37, 576, generator=g).bfloat16()
     qw = QuantizedWeight("bf16", w, torch.bfloat16, cpu())
     together = qw.matmul(x)
-    assert all(torch.equal(qw.matmul(x[i:i + 1]), together[i:i + 1]) for i in range(37))
+    assert all(torch.equal(qw.matmul(x[i : i + 1]), together[i : i + 1]) for i in range(37))
     ref = x.float() @ w.float().t()
     assert ((together.float() - ref).norm() / ref.norm()).item() < 0.01
 
@@ -347,4 +388,6 @@ def test_a_bf16_models_plan(tmp_path):
     assert resolve_plan("none", tmp_path, torch.bfloat16, cpu_dev) == {}
     assert CpuKernels(batch_invariant=True).bf16_max_m() >= 1 << 20
     assert CpuKernels(batch_invariant=False, native_bf16=True).bf16_max_m() == CpuKernels().limits.bf16gemm
-    assert CpuKernels(batch_invariant=False, native_bf16=False).bf16_max_m() >= 1 << 20  # oneDNN emulates bf16
+    assert (
+        CpuKernels(batch_invariant=False, native_bf16=False).bf16_max_m() >= 1 << 20
+    )  # oneDNN emulates bf16

@@ -26,7 +26,9 @@ def test_whole_answers(style: str, answer: str, reasoning: str | None, content: 
 
 
 @pytest.mark.parametrize("style, answer, reasoning, content", CASES)
-def test_every_cut_of_a_stream_says_the_same(style: str, answer: str, reasoning: str | None, content: str) -> None:
+def test_every_cut_of_a_stream_says_the_same(
+    style: str, answer: str, reasoning: str | None, content: str
+) -> None:
     for a in range(len(answer) + 1):
         for b in range(a, len(answer) + 1):
             p = ReasoningParser(style)
@@ -35,7 +37,10 @@ def test_every_cut_of_a_stream_says_the_same(style: str, answer: str, reasoning:
             got_c = "".join(t for k, t in pieces if k == "content")
             assert (got_r, got_c) == (reasoning, content), (a, b)
             kinds = [k for k, _ in pieces]
-            assert kinds == sorted(kinds, key=lambda k: k == "content"), (a, b)  # reasoning first, then content
+            assert kinds == sorted(kinds, key=lambda k: k == "content"), (
+                a,
+                b,
+            )  # reasoning first, then content
 
 
 def test_unknown_style_is_refused() -> None:
@@ -53,8 +58,11 @@ def test_openai_chunks_carry_reasoning_content_then_content() -> None:
     for cut in range(1, len(answer)):
         r = render.StreamRenderer(True, {"id": "c"}, 1, False, False, 3, str, reasoning_style="qwen3")
         parts = [answer[:cut], answer[cut:]]
-        chunks = [c for k, p in enumerate(parts)
-                  for c in r.delta(0, Delta(k + 1, Token(0, p, None), [], p, "eos_token" if k else None))]
+        chunks = [
+            c
+            for k, p in enumerate(parts)
+            for c in r.delta(0, Delta(k + 1, Token(0, p, None), [], p, "eos_token" if k else None))
+        ]
         deltas = [c["choices"][0]["delta"] for c in chunks]
         assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nadd 2 and 2\n", cut
         assert "".join(d.get("content") or "" for d in deltas) == "It is 4.", cut
@@ -74,11 +82,15 @@ def test_anthropic_thinking_blocks() -> None:
     answer = "<think>add</think>It is 4."
     out = SimpleNamespace(finish_reason="eos_token", stop_sequence=None, text=answer, tokens=[1, 2])
     msg = A.message_json("m", "x", out, None, "qwen3", 3)  # type: ignore[arg-type]
-    assert msg["content"] == [{"type": "thinking", "thinking": "add", "signature": ""},
-                              {"type": "text", "text": "It is 4."}]
+    assert msg["content"] == [
+        {"type": "thinking", "thinking": "add", "signature": ""},
+        {"type": "text", "text": "It is 4."},
+    ]
     s = A.MessageStream({"id": "m"}, lambda: out, None, "qwen3")  # type: ignore[arg-type, return-value]
-    events = [_json.loads(e.split("\n")[1][6:]) for e in s.start() + s.delta(Delta(1, Token(0, answer, None), [],
-                                                                                    answer, "eos_token"))]
+    events = [
+        _json.loads(e.split("\n")[1][6:])
+        for e in s.start() + s.delta(Delta(1, Token(0, answer, None), [], answer, "eos_token"))
+    ]
     starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
     kinds = [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"]
     assert starts == ["thinking", "text"] and kinds == ["thinking_delta", "text_delta"]
@@ -91,13 +103,20 @@ def test_constraints_apply_after_the_think_block(kind: str, tokenizer_dir, tok) 
     from pytgi.core import grammar as structured
     from pytgi.core.sampling_params import SamplingParams
 
-    given = {"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-                             "additionalProperties": False},
-             "regex": r'\{"a": [0-9]\}', "grammar": 'start: "{\\"a\\": " /[0-9]/ "}"'}[kind]
+    given = {
+        "json_schema": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "additionalProperties": False,
+        },
+        "regex": r'\{"a": [0-9]\}',
+        "grammar": 'start: "{\\"a\\": " /[0-9]/ "}"',
+    }[kind]
     ll = llguidance.LLTokenizer((tokenizer_dir / "tokenizer.json").read_text(), n_vocab=tok.vocab_size)
     for style, texts_ok, texts_bad in [
-        ("qwen3", ['<think>a is 1</think>\n{"a": 1}', '{"a": 1}'], ['<think>x</think>no', 'no']),
-        ("deepseek_r1", ['a is 1</think>{"a": 1}'], ['a</think>no']),
+        ("qwen3", ['<think>a is 1</think>\n{"a": 1}', '{"a": 1}'], ["<think>x</think>no", "no"]),
+        ("deepseek_r1", ['a is 1</think>{"a": 1}'], ["a</think>no"]),
     ]:
         grammar = structured.check(SamplingParams(**{kind: given}, reasoning=style))
         for text, want in [(t, True) for t in texts_ok] + [(t, False) for t in texts_bad]:
@@ -112,4 +131,5 @@ def test_a_constraint_that_writes_the_think_block_applies_from_the_start() -> No
 
     regex = r"<think>[a-z]+</think>[A-Z]"
     assert structured.check(SamplingParams(regex=regex, reasoning="qwen3")) == structured.check(
-        SamplingParams(regex=regex))
+        SamplingParams(regex=regex)
+    )

@@ -7,22 +7,24 @@ import json
 
 import pytest
 
+from pytgi.api.chat.tools import CLOSE, OPEN
 from pytgi.api.openai import responses as R
 from pytgi.api.openai.error_shape import OpenAIError
-from pytgi.api.chat.tools import CLOSE, OPEN
 from pytgi.core.outputs import Delta, Token
 
 
 def test_input_items_become_chat_messages() -> None:
-    msgs = R.input_messages([
-        {"role": "developer", "content": "Be brief."},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
-        {"type": "reasoning", "id": "rs_1", "summary": []},
-        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"c": "P"}'},
-        {"type": "function_call", "call_id": "c2", "name": "w", "arguments": '{"c": "R"}'},
-        {"type": "function_call_output", "call_id": "c1", "output": "18C"},
-        {"type": "function_call_output", "call_id": "c2", "output": {"t": 20}},
-    ])
+    msgs = R.input_messages(
+        [
+            {"role": "developer", "content": "Be brief."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "function_call", "call_id": "c1", "name": "w", "arguments": '{"c": "P"}'},
+            {"type": "function_call", "call_id": "c2", "name": "w", "arguments": '{"c": "R"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "18C"},
+            {"type": "function_call_output", "call_id": "c2", "output": {"t": 20}},
+        ]
+    )
     assert [m["role"] for m in msgs] == ["developer", "user", "assistant", "tool", "tool"]
     assert [c["id"] for c in msgs[2]["tool_calls"]] == ["c1", "c2"]  # consecutive calls: one turn
     assert msgs[4]["content"] == '{"t": 20}' and R.input_messages("hi") == [{"role": "user", "content": "hi"}]
@@ -80,5 +82,7 @@ def test_text_then_a_call_cut_anywhere() -> None:
         args = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
         assert said == "Checking." and json.loads(args) == {"c": "Paris"}, cut
         done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
-        assert done[0]["content"][0]["text"] == "Checking." and json.loads(done[1]["arguments"]) == {"c": "Paris"}
+        assert done[0]["content"][0]["text"] == "Checking." and json.loads(done[1]["arguments"]) == {
+            "c": "Paris"
+        }
         assert events[-1]["type"] == "response.completed"

@@ -268,8 +268,12 @@ def test_warped_logits_match_transformers_per_row() -> None:
 def test_top_k_and_top_p_cut_like_transformers_over_a_large_vocabulary(scale: float) -> None:
     """The cut-offs come from a widening topk, not a sort of V: the kept sets must still be HF's."""
     v = 5000
-    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams(temperature=1.0, top_k=3000, seed=2),
-              SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=3), SamplingParams(temperature=0.5, seed=4)]
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=1),
+        SamplingParams(temperature=1.0, top_k=3000, seed=2),
+        SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=3),
+        SamplingParams(temperature=0.5, seed=4),
+    ]
     logits = rand_logits(len(params), v=v, seed=13, scale=scale)
     warped = _warp(logits, build(params, v=v), rows=None)
     for i, p in enumerate(params):
@@ -422,8 +426,10 @@ def test_logits_mask_forbids_tokens() -> None:
     assert int(out.token_ids[1]) == 7 and int(out.token_ids[4]) == 199
     # The additive form (0 / -inf, what the engine builds from bitmasks) chooses the same tokens.
     bias = torch.zeros(b, V).masked_fill(~mask, float("-inf"))
-    assert torch.equal(SAMPLER(logits, build(params, prompts=[[110, 111]] * b, outputs=[[]] * b), bias).token_ids,
-                       SAMPLER(logits, build(params, prompts=[[110, 111]] * b, outputs=[[]] * b), mask).token_ids)
+    assert torch.equal(
+        SAMPLER(logits, build(params, prompts=[[110, 111]] * b, outputs=[[]] * b), bias).token_ids,
+        SAMPLER(logits, build(params, prompts=[[110, 111]] * b, outputs=[[]] * b), mask).token_ids,
+    )
     # Without the mask the greedy row picks its unconstrained argmax, which the mask forbade.
     assert int(SAMPLER(logits, build(params[:1]), None).token_ids[0]) not in allowed[0]
 

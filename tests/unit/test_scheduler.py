@@ -8,13 +8,30 @@ from tests.unit.helpers import make_request, run_step
 
 
 def make_scheduler(num_blocks=64, block_size=4, **kw) -> Scheduler:
-    cfg = dict(max_batch_size=8, max_batch_prefill_tokens=64, max_prefill_tokens_while_decoding=None,
-               waiting_served_ratio=0.3, max_waiting_tokens=20, enable_chunked_prefill=True)
+    cfg = dict(
+        max_batch_size=8,
+        max_batch_prefill_tokens=64,
+        max_prefill_tokens_while_decoding=None,
+        waiting_served_ratio=0.3,
+        max_waiting_tokens=20,
+        enable_chunked_prefill=True,
+    )
     cfg.update(kw)
-    info = EngineInfo(model_id="fake", model_path="", model_dtype="float32", model_device_type="cpu",
-                      vocab_size=1000, num_shard=1, max_input_tokens=255, max_total_tokens=256,
-                      max_batch_total_tokens=num_blocks * block_size, enable_prefix_caching=True,
-                      block_size=block_size, num_blocks=num_blocks, **cfg)
+    info = EngineInfo(
+        model_id="fake",
+        model_path="",
+        model_dtype="float32",
+        model_device_type="cpu",
+        vocab_size=1000,
+        num_shard=1,
+        max_input_tokens=255,
+        max_total_tokens=256,
+        max_batch_total_tokens=num_blocks * block_size,
+        enable_prefix_caching=True,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        **cfg,
+    )
     return Scheduler(info, BlockManager(num_blocks, block_size), watermark=0.0)
 
 
@@ -180,7 +197,9 @@ def test_prefix_cache_hit_schedules_only_the_rest():
 
 
 def test_prompt_tokens_are_capped_while_others_decode():
-    sched = make_scheduler(max_batch_prefill_tokens=64, max_prefill_tokens_while_decoding=8, max_waiting_tokens=1)
+    sched = make_scheduler(
+        max_batch_prefill_tokens=64, max_prefill_tokens_while_decoding=8, max_waiting_tokens=1
+    )
     sched.add(make_request("a", 10, max_new_tokens=50))
     assert scheduled(run_step(sched)) == {"a": 10}  # nothing decodes yet: the full budget
     sched.add(make_request("long", 30))

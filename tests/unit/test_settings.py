@@ -44,8 +44,16 @@ def test_flags_and_environment_build_both_configs(monkeypatch) -> None:
     assert server.port == 8080 and server.api_key_exempt == ("health", "metrics")
     assert server.cors_allow_origin == ("https://a.example", "https://b.example") and not server.json_output
     # flags given replace the environment's list; a switch flag flips its default
-    args = parse(["--cors-allow-origin", "https://c.example", "--cors-allow-origin", "https://d.example",
-                  "--disable-batch-invariance", "--json-output"])
+    args = parse(
+        [
+            "--cors-allow-origin",
+            "https://c.example",
+            "--cors-allow-origin",
+            "https://d.example",
+            "--disable-batch-invariance",
+            "--json-output",
+        ]
+    )
     server = ServerConfig(engine, Path("."), "m", **flags.from_args(args, "server"))
     assert server.cors_allow_origin == ("https://c.example", "https://d.example") and server.json_output
     assert not EngineConfig(**flags.from_args(args, "engine")).batch_invariant

@@ -79,7 +79,7 @@ def step(sched, sample):
         keep = accepted_prefix(s.draft, tokens)
         res.samples[rid] = P.TokenOut(rid, tokens[0])
         if keep:
-            res.more[rid] = [P.TokenOut(rid, t) for t in tokens[1:keep + 1]]
+            res.more[rid] = [P.TokenOut(rid, t) for t in tokens[1 : keep + 1]]
     return out, sched.update_from_output(out, res)
 
 
@@ -178,7 +178,7 @@ def test_a_proposer_drafts_for_the_steps_decodes_and_hears_of_their_end():
         sched.add(r)
     step(sched, lambda r, j: 4)  # prefills: no drafts
     assert fake.calls == []
-    out, updates = step(sched, lambda r, j: 7)  # every draft token confirmed
+    out, _updates = step(sched, lambda r, j: 7)  # every draft token confirmed
     assert fake.calls == [(["a", "b"], 14)]  # 16 rows less the two decodes
     assert [len(s.draft) for s in out.scheduled] == [3, 3]
     assert ("a", 3, 3) in fake.observed and ("b", 3, 3) in fake.observed

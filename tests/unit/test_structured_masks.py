@@ -24,9 +24,12 @@ from tests.unit.test_scheduler import make_scheduler
 from tests.unit.tiny_tokenizer import VOCAB_SIZE
 
 EOS = 2
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                           "age": {"type": "integer", "minimum": 0}},
-          "required": ["name", "age"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 
 
 @pytest.fixture()
@@ -48,12 +51,21 @@ def allowed(grammars: GrammarMatchers, ids: list[str]) -> torch.Tensor:
     return masks.result() == 0
 
 
-def generate(grammars: GrammarMatchers, tok: Tokenizer, rids: list[str], params: list[SamplingParams],
-             steps: int = 120, seed: int = 0) -> dict[str, tuple[list[int], str]]:
+def generate(
+    grammars: GrammarMatchers,
+    tok: Tokenizer,
+    rids: list[str],
+    params: list[SamplingParams],
+    steps: int = 120,
+    seed: int = 0,
+) -> dict[str, tuple[list[int], str]]:
     """Drive requests with random logits through the sampler and their masks until each grammar is
     complete (or EOS); returns (token ids, how it ended) per request."""
     logits_gen = torch.Generator().manual_seed(seed)
-    gens = {rid: torch.Generator().manual_seed(p.seed or 0) if p.sampling else None for rid, p in zip(rids, params)}
+    gens = {
+        rid: torch.Generator().manual_seed(p.seed or 0) if p.sampling else None
+        for rid, p in zip(rids, params)
+    }
     out = {rid: ([], "") for rid in rids}
     live = list(zip(rids, params))
     for _ in range(steps):
@@ -61,8 +73,14 @@ def generate(grammars: GrammarMatchers, tok: Tokenizer, rids: list[str], params:
             break
         masks = grammars.start_masks([rid for rid, _ in live])
         logits = torch.randn(len(live), VOCAB_SIZE, generator=logits_gen) * 3
-        meta = SamplingMetadata.build([p for _, p in live], [[]] * len(live), [out[r][0] for r, _ in live],
-                                      [gens[r] for r, _ in live], VOCAB_SIZE, torch.device("cpu"))
+        meta = SamplingMetadata.build(
+            [p for _, p in live],
+            [[]] * len(live),
+            [out[r][0] for r, _ in live],
+            [gens[r] for r, _ in live],
+            VOCAB_SIZE,
+            torch.device("cpu"),
+        )
         tokens = Sampler()(logits, meta, masks.result() if masks else None).token_ids.tolist()
         still = []
         for (rid, p), t in zip(live, tokens):
@@ -115,8 +133,10 @@ def test_ignore_eos_masks_eos_until_the_grammar_admits_nothing_else(grammars, to
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_json_schema_output_is_valid_for_greedy_and_sampling(grammars, tok, temperature):
     rids = [f"r{i}" for i in range(4)]
-    params = [SamplingParams(temperature=temperature, seed=i, do_sample=temperature > 0, json_schema=SCHEMA)
-              for i in range(4)]
+    params = [
+        SamplingParams(temperature=temperature, seed=i, do_sample=temperature > 0, json_schema=SCHEMA)
+        for i in range(4)
+    ]
     for rid in rids:
         grammars.add(rid, grammar(json_schema=SCHEMA))
     for rid, (ids, end) in generate(grammars, tok, rids, params).items():
@@ -197,8 +217,12 @@ def test_a_complete_grammar_ends_the_request_and_an_error_fails_only_its_own():
         sched.add(r)
     out = sched.schedule()
     samples = {s.request.request_id: P.TokenOut(s.request.request_id, 7) for s in out.scheduled}
-    updates = {u.request_id: u for u in sched.update_from_output(
-        out, StepOutput(samples, complete={"done"}, errors={"bad": "structured output: no"}))}
+    updates = {
+        u.request_id: u
+        for u in sched.update_from_output(
+            out, StepOutput(samples, complete={"done"}, errors={"bad": "structured output: no"})
+        )
+    }
     assert updates["done"].finish_reason == "eos_token" and done.status is Status.FINISHED
     assert updates["bad"].finish_reason == "error" and updates["bad"].error == "structured output: no"
     assert updates["other"].finish_reason is None and other.status is Status.RUNNING

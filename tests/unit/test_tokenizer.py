@@ -78,8 +78,9 @@ def test_missing_tokenizer_json_names_the_file(tmp_path: Path) -> None:
         Tokenizer.from_dir(tmp_path)
 
 
-def test_truncation_and_padding_in_tokenizer_json_are_ignored(tmp_path: Path, tokenizer_dir: Path,
-                                                               tok: Tokenizer) -> None:
+def test_truncation_and_padding_in_tokenizer_json_are_ignored(
+    tmp_path: Path, tokenizer_dir: Path, tok: Tokenizer
+) -> None:
     from tokenizers import Tokenizer as HFTokenizer
 
     raw = HFTokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
@@ -208,8 +209,9 @@ def test_custom_template_matches_transformers(custom_dir: Path) -> None:
     assert "[3/4] user" in rendered and "never rendered" not in rendered
 
 
-def test_template_kwargs_are_variables_and_override_special_tokens(tmp_path: Path,
-                                                                   tokenizer_dir: Path) -> None:
+def test_template_kwargs_are_variables_and_override_special_tokens(
+    tmp_path: Path, tokenizer_dir: Path
+) -> None:
     transformers = pytest.importorskip("transformers")
     template = "{{ bos_token }}{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}"
     path = make_dir(tmp_path, tokenizer_dir, {"bos_token": "<|im_start|>", "chat_template": template})
@@ -264,8 +266,9 @@ def test_template_files_special_tokens_and_eos_sources(tmp_path: Path, tokenizer
 
 def test_chat_template_json_and_none_valued_keys(tmp_path: Path, tokenizer_dir: Path) -> None:
     template = "{% for m in messages %}{{ m['role'] }}={{ m.get('content', 'MISSING') }};{% endfor %}"
-    tok = Tokenizer.from_dir(make_dir(tmp_path, tokenizer_dir, {}, chat_template__json=json.dumps(
-        {"chat_template": template})))
+    tok = Tokenizer.from_dir(
+        make_dir(tmp_path, tokenizer_dir, {}, chat_template__json=json.dumps({"chat_template": template}))
+    )
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": []}]
     assert tok.apply_chat_template(msgs) == "user=a;assistant=MISSING;"
 
@@ -321,7 +324,7 @@ def test_detokenizer_with_prompt_context(tok: Tokenizer) -> None:
     prompt = tok.encode("The answer is 日", add_special_tokens=False)
     output = tok.encode("本 🎉 done", add_special_tokens=False)
     detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
-    expected = tok.decode(prompt + output)[len(tok.decode(prompt)):]
+    expected = tok.decode(prompt + output)[len(tok.decode(prompt)) :]
     assert stream(detok, output) == expected == "本 🎉 done"
 
 

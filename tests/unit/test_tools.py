@@ -16,13 +16,26 @@ from pytgi.core.sampling_params import SamplingParams
 from pytgi.core.tokenizer import Tokenizer
 from tests.unit.tiny_tokenizer import VOCAB_SIZE
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"enum": ["c", "f"]}},
-                   "required": ["city"], "additionalProperties": False}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+    },
+}
 HERMES_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}<tool_call>{% endif %}"
 
 
@@ -67,16 +80,23 @@ def test_plans():
     assert named is not None and named.choice == "get_time" and not named.parallel
 
 
-@pytest.mark.parametrize("fns, choice, param", [
-    ([{"type": "function", "function": {"name": "bad name!"}}], None, "tools.[0].function.name"),
-    ([WEATHER, WEATHER], None, "tools.[1].function.name"),
-    ([{"type": "retrieval"}], None, "tools.[0]"),
-    ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], None, "tools.[0].function.parameters"),
-    ([WEATHER], "sometimes", "tool_choice"),
-    ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
-    ([WEATHER], {"type": "function"}, "tool_choice"),
-    ([], "required", "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "fns, choice, param",
+    [
+        ([{"type": "function", "function": {"name": "bad name!"}}], None, "tools.[0].function.name"),
+        ([WEATHER, WEATHER], None, "tools.[1].function.name"),
+        ([{"type": "retrieval"}], None, "tools.[0]"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+            None,
+            "tools.[0].function.parameters",
+        ),
+        ([WEATHER], "sometimes", "tool_choice"),
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+        ([WEATHER], {"type": "function"}, "tool_choice"),
+        ([], "required", "tool_choice"),
+    ],
+)
 def test_bad_tools_are_refused_naming_the_field(fns, choice, param):
     with pytest.raises(OpenAIError) as e:
         tools.plan(fns, choice, None, HERMES_TEMPLATE)
@@ -86,8 +106,16 @@ def test_bad_tools_are_refused_naming_the_field(fns, choice, param):
 # -- the template's messages -------------------------------------------------------------------------
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
-                                          "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
 ]
 
@@ -102,13 +130,23 @@ def test_a_template_with_tools_gets_them_and_the_history_as_data():
 def test_a_template_without_tools_gets_them_as_text():
     msgs, listed = tools.template_messages(HISTORY, plan(style_template=None), "prompted")
     assert listed is None
-    assert msgs[0]["role"] == "system" and "get_weather" in msgs[0]["content"] and tools.OPEN in msgs[0]["content"]
-    assert msgs[2] == {"role": "assistant",
-                       "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'}
+    assert (
+        msgs[0]["role"] == "system"
+        and "get_weather" in msgs[0]["content"]
+        and tools.OPEN in msgs[0]["content"]
+    )
+    assert msgs[2] == {
+        "role": "assistant",
+        "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    }
     assert msgs[3] == {"role": "user", "content": "<tool_response>\n18 C\n</tool_response>"}
     # tool_choice none: no tools offered, the history still readable
-    msgs, listed = tools.template_messages([{"role": "system", "content": "Be brief."}, *HISTORY], None, "prompted")
-    assert listed is None and msgs[0] == {"role": "system", "content": "Be brief."} and msgs[3]["role"] == "user"
+    msgs, listed = tools.template_messages(
+        [{"role": "system", "content": "Be brief."}, *HISTORY], None, "prompted"
+    )
+    assert (
+        listed is None and msgs[0] == {"role": "system", "content": "Be brief."} and msgs[3]["role"] == "user"
+    )
 
 
 def test_mistral_templates_get_call_ids_they_accept(tokenizer_dir):
@@ -128,14 +166,18 @@ def test_mistral_templates_get_call_ids_they_accept(tokenizer_dir):
 # -- forced calls' grammars --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def lltok(tokenizer_dir):
-    return llguidance.LLTokenizer((tokenizer_dir / "tokenizer.json").read_text(), n_vocab=VOCAB_SIZE, eos_token=[2])
+    return llguidance.LLTokenizer(
+        (tokenizer_dir / "tokenizer.json").read_text(), n_vocab=VOCAB_SIZE, eos_token=[2]
+    )
 
 
 def accepts(lltok, tok, g, text: str) -> bool:
     kind = {"grammar": "grammar", "json": "json_schema"}[g.type]
     matcher = llguidance.LLMatcher(lltok, structured.check(SamplingParams(**{kind: g.value})))
-    return all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False)) \
+    return (
+        all(matcher.consume_token(t) for t in tok.encode(text, add_special_tokens=False))
         and matcher.is_accepting()
+    )
 
 
 def call(name, args):
@@ -150,12 +192,16 @@ def test_required_admits_only_well_formed_calls(lltok, tok):
     g = tools.grammar(plan("required"))  # type: ignore[arg-type]
     assert g is not None
     assert accepts(lltok, tok, g, call("get_weather", {"city": "Paris"}))
-    assert accepts(lltok, tok, g, call("get_weather", {"city": "Oslo"}) + "\n" + call("get_time", {"zone": "UTC"}))
+    assert accepts(
+        lltok, tok, g, call("get_weather", {"city": "Oslo"}) + "\n" + call("get_time", {"zone": "UTC"})
+    )
     assert not accepts(lltok, tok, g, call("get_weather", {"town": "Paris"}))  # not its schema
     assert not accepts(lltok, tok, g, call("get_news", {}))
     assert not accepts(lltok, tok, g, "It is sunny.")
     single = tools.grammar(plan("required", parallel=False))  # type: ignore[arg-type]
-    assert not accepts(lltok, tok, single, call("get_weather", {"city": "Oslo"}) + "\n" + call("get_time", {"zone": "UTC"}))
+    assert not accepts(
+        lltok, tok, single, call("get_weather", {"city": "Oslo"}) + "\n" + call("get_time", {"zone": "UTC"})
+    )
 
 
 def test_a_named_function_admits_only_that_function(lltok, tok):
@@ -193,43 +239,103 @@ def stream(pieces: list[str], style: tools.Style) -> tuple[str, list[dict], tool
 ANSWERS = [  # (style, the model's text, content, [(name, arguments)])
     ("hermes", "Paris is lovely.", "Paris is lovely.", []),
     ("hermes", call("get_weather", {"city": "Paris"}), None, [("get_weather", {"city": "Paris"})]),
-    ("hermes", "Let me look.\n" + call("get_weather", {"city": "Paris", "unit": "c"}) + "\n"
-     + call("get_time", {"zone": "Europe/Paris"}), "Let me look.",
-     [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "Europe/Paris"})]),
-    ("hermes", '<tool_call>\n{"arguments": {"q": {"a": [1, "}"]}}, "name": "f"}\n</tool_call>', None,
-     [("f", {"q": {"a": [1, "}"]}})]),  # name after arguments: the call in one piece
-    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"x": "a\\"b}"}}', None, [("f", {"x": 'a"b}'})]),  # unclosed
+    (
+        "hermes",
+        "Let me look.\n"
+        + call("get_weather", {"city": "Paris", "unit": "c"})
+        + "\n"
+        + call("get_time", {"zone": "Europe/Paris"}),
+        "Let me look.",
+        [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "Europe/Paris"})],
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{"arguments": {"q": {"a": [1, "}"]}}, "name": "f"}\n</tool_call>',
+        None,
+        [("f", {"q": {"a": [1, "}"]}})],
+    ),  # name after arguments: the call in one piece
+    (
+        "hermes",
+        '<tool_call>\n{"name": "f", "arguments": {"x": "a\\"b}"}}',
+        None,
+        [("f", {"x": 'a"b}'})],
+    ),  # unclosed
     ("hermes", "<tool_call>not json</tool_call> ok", "<tool_call>not json</tool_call> ok", []),
     ("hermes", "a < b and <tool", "a < b and <tool", []),
     ("json", ' {"name": "get_time", "parameters": {"zone": "UTC"}}', None, [("get_time", {"zone": "UTC"})]),
-    ("json", "The time is noon. {\"name\": \"x\"}", "The time is noon. {\"name\": \"x\"}", []),
+    ("json", 'The time is noon. {"name": "x"}', 'The time is noon. {"name": "x"}', []),
     ("json", '{"not": "a call"}', '{"not": "a call"}', []),
     ("mistral", "Paris is lovely.", "Paris is lovely.", []),
     ("mistral", "see [1] and [TOOL", "see [1] and [TOOL", []),
-    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', None,
-     [("get_weather", {"city": "Paris"})]),
-    ("mistral", 'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
-     '{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}]', "Let me look.",
-     [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "Europe/Paris"})]),
-    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": [1, "]}"]}, "id": "abcdefghi"}]', None,
-     [("f", {"a": [1, "]}"]})]),
+    (
+        "mistral",
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        None,
+        [("get_weather", {"city": "Paris"})],
+    ),
+    (
+        "mistral",
+        (
+            'Let me look.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, '
+            '{"name": "get_time", "arguments": {"zone": "Europe/Paris"}}]'
+        ),
+        "Let me look.",
+        [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "Europe/Paris"})],
+    ),
+    (
+        "mistral",
+        '[TOOL_CALLS][{"name": "f", "arguments": {"a": [1, "]}"]}, "id": "abcdefghi"}]',
+        None,
+        [("f", {"a": [1, "]}"]})],
+    ),
     ("mistral", '[TOOL_CALLS][{"arguments": {"q": "}"}, "name": "f"}]', None, [("f", {"q": "}"})]),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": "{\\"x\\": 1}"}]', None, [("f", {"x": 1})]),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"x": "a\\"b}"}}', None, [("f", {"x": 'a"b}'})]),
     ("mistral", '[TOOL_CALLS][{"not": "a call"}]', '{"not": "a call"}', []),
-    ("mistral", '[TOOL_CALLS] [ { "name" : "f" ,\n "arguments" :\n  { "x" :\n 1 } } ]', None, [("f", {"x": 1})]),
-    ("hermes", '<tool_call>{ "name" : "f" , "arguments" :\n  { "x" :\n 1 } }</tool_call>', None, [("f", {"x": 1})]),
-    ("mistral_v11", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}',
-     "Sure.", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})]),
-    ("mistral_v11", '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS] {"zone": "{UTC}"}', None,
-     [("get_time", {"zone": "{UTC}"})]),
+    (
+        "mistral",
+        '[TOOL_CALLS] [ { "name" : "f" ,\n "arguments" :\n  { "x" :\n 1 } } ]',
+        None,
+        [("f", {"x": 1})],
+    ),
+    (
+        "hermes",
+        '<tool_call>{ "name" : "f" , "arguments" :\n  { "x" :\n 1 } }</tool_call>',
+        None,
+        [("f", {"x": 1})],
+    ),
+    (
+        "mistral_v11",
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"zone": "UTC"}',
+        "Sure.",
+        [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "UTC"})],
+    ),
+    (
+        "mistral_v11",
+        '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS] {"zone": "{UTC}"}',
+        None,
+        [("get_time", {"zone": "{UTC}"})],
+    ),
     ("mistral_v11", "[TOOL_CALLS]get_wea", "get_wea", []),
     ("pythonic", '[get_weather(city="Paris")]', None, [("get_weather", {"city": "Paris"})]),
-    ("pythonic", ' [get_weather(city=\'Paris\', unit="c"), get_time(zone="UTC")]', None,
-     [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "UTC"})]),
-    ("pythonic", '[f(a=True, b=null, c=-1.5, d=[1, "x)"], e={"k": None}, g=(1, 2))]', None,
-     [("f", {"a": True, "b": None, "c": -1.5, "d": [1, "x)"], "e": {"k": None}, "g": [1, 2]})]),
-    ("pythonic", '[tools.search(q="a]"), ping()] done', "done", [("tools.search", {"q": "a]"}), ("ping", {})]),
+    (
+        "pythonic",
+        ' [get_weather(city=\'Paris\', unit="c"), get_time(zone="UTC")]',
+        None,
+        [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"zone": "UTC"})],
+    ),
+    (
+        "pythonic",
+        '[f(a=True, b=null, c=-1.5, d=[1, "x)"], e={"k": None}, g=(1, 2))]',
+        None,
+        [("f", {"a": True, "b": None, "c": -1.5, "d": [1, "x)"], "e": {"k": None}, "g": [1, 2]})],
+    ),
+    (
+        "pythonic",
+        '[tools.search(q="a]"), ping()] done',
+        "done",
+        [("tools.search", {"q": "a]"}), ("ping", {})],
+    ),
     ("pythonic", "[1] Paris is lovely.", "[1] Paris is lovely.", []),
     ("pythonic", "[get_weather(1)]", "[get_weather(1)]", []),
     ("pythonic", "[get_weather(city=town)]", "[get_weather(city=town)]", []),
@@ -244,7 +350,7 @@ def test_calls_are_found_whole_and_streamed_in_any_cut(style, text, content, cal
     assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
     assert len({c.id for c in got_calls}) == len(got_calls)
     assert all(c.id.startswith("call_") for c in got_calls) or style.startswith("mistral")
-    cuts = [[text[i:i + n] for i in range(0, len(text), n)] for n in (1, 2, 3, 7)]
+    cuts = [[text[i : i + n] for i in range(0, len(text), n)] for n in (1, 2, 3, 7)]
     cuts += [[text[:at], text[at:]] for at in range(len(text) + 1)]  # in two at every character
     for pieces in cuts:
         s_content, s_calls, parser = stream(pieces, style)
@@ -260,17 +366,19 @@ def test_arguments_stream_as_they_are_written():
     parser = tools.ToolParser("hermes")
     assert parser.feed("<tool_") == []
     assert [type(e) for e in parser.feed('call>\n{"name": "get_weather", "arguments": ')] == [tools.CallStart]
-    pieces = [parser.feed(p) for p in ['{"ci', 'ty": "Pa', 'ris"', '}', '}', "\n</tool_call>"]]
-    assert [[e.text for e in p] for p in pieces] == [['{"ci'], ['ty": "Pa'], ['ris"'], [], ['}'], []]
+    pieces = [parser.feed(p) for p in ['{"ci', 'ty": "Pa', 'ris"', "}", "}", "\n</tool_call>"]]
+    assert [[e.text for e in p] for p in pieces] == [['{"ci'], ['ty": "Pa'], ['ris"'], [], ["}"], []]
     assert parser.finish() == [] and parser.calls[0].arguments == '{"city": "Paris"}'
 
 
 def test_mistral_arguments_stream_as_they_are_written():
     parser = tools.parser("mistral")
     assert parser.feed("Sure.[TOOL_") == [tools.Content("Sure.")]
-    assert [type(e) for e in parser.feed('CALLS] [{"name": "get_weather", "arguments": ')] == [tools.CallStart]
-    pieces = [parser.feed(p) for p in ['{"ci', 'ty": "Pa}', 'ris"', '}', ', "id": "abcdefghi"}', "]"]]
-    assert [[e.text for e in p] for p in pieces] == [['{"ci'], ['ty": "Pa}'], ['ris"'], ['}'], [], []]
+    assert [type(e) for e in parser.feed('CALLS] [{"name": "get_weather", "arguments": ')] == [
+        tools.CallStart
+    ]
+    pieces = [parser.feed(p) for p in ['{"ci', 'ty": "Pa}', 'ris"', "}", ', "id": "abcdefghi"}', "]"]]
+    assert [[e.text for e in p] for p in pieces] == [['{"ci'], ['ty": "Pa}'], ['ris"'], ["}"], [], []]
     assert parser.finish() == [] and parser.calls[0].arguments == '{"city": "Pa}ris"}'
     v11 = tools.parser("mistral_v11")
     assert [type(e) for e in v11.feed("[TOOL_CALLS]get_time[ARGS]")] == [tools.CallStart]
@@ -282,7 +390,9 @@ def test_pythonic_calls_are_sent_as_each_closes():
     assert parser.feed("[get_weather(city=") == []
     found = parser.feed('"Paris"), get_')
     assert [(type(e), getattr(e, "text", None)) for e in found] == [
-        (tools.CallStart, None), (tools.Arguments, '{"city": "Paris"}')]
+        (tools.CallStart, None),
+        (tools.Arguments, '{"city": "Paris"}'),
+    ]
     assert [type(e) for e in parser.feed('time(zone="UTC")]')] == [tools.CallStart, tools.Arguments]
     assert parser.finish() == []
 
@@ -310,34 +420,61 @@ def test_mistral_forces_its_special_token_then_a_list_of_calls(lltok, tok):
     single = tools.grammar(plan("required", parallel=False, style_template=MISTRAL_TEMPLATE), special)
     assert single is not None and not accepts_ids(lltok, single, ids(f"[{two}]"))
     # without the special token in the vocabulary, the marker is text
-    text_marker = tools.grammar(plan({"type": "function", "function": {"name": "get_time"}},
-                                     style_template=MISTRAL_TEMPLATE))
+    text_marker = tools.grammar(
+        plan({"type": "function", "function": {"name": "get_time"}}, style_template=MISTRAL_TEMPLATE)
+    )
     assert text_marker is not None
-    assert accepts(lltok, tok, text_marker, '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]')
+    assert accepts(
+        lltok, tok, text_marker, '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]'
+    )
     v11 = tools.grammar(plan("required", style_template="[TOOL_CALLS][ARGS]"), special)
     assert v11 is not None
-    assert accepts_ids(lltok, v11, ids('get_time[ARGS]{"zone": "UTC"}') + ids('get_weather[ARGS]{"city": "Oslo"}'))
+    assert accepts_ids(
+        lltok, v11, ids('get_time[ARGS]{"zone": "UTC"}') + ids('get_weather[ARGS]{"city": "Oslo"}')
+    )
     assert not accepts_ids(lltok, v11, ids('get_time[ARGS]{"city": "Oslo"}'))
 
 
 def test_pythonic_forces_keyword_calls_whose_values_follow_the_schema(lltok, tok):
     g = tools.grammar(plan("required", style_template=PYTHONIC_TEMPLATE))
     assert g is not None
-    for text in ['[get_weather(city="Paris")]', '[get_weather(city="Paris", unit="c"), get_time(zone="UTC")]']:
+    for text in [
+        '[get_weather(city="Paris")]',
+        '[get_weather(city="Paris", unit="c"), get_time(zone="UTC")]',
+    ]:
         assert accepts(lltok, tok, g, text), text
         assert tools.parse(text, "pythonic")[1]
-    for text in ['[get_weather(unit="c")]', '[get_weather(city=1)]', '[get_weather(city="Paris", town="x")]',
-                 '[get_weather(unit="c", city="Paris")]', "[get_news()]", "It is sunny."]:
+    for text in [
+        '[get_weather(unit="c")]',
+        "[get_weather(city=1)]",
+        '[get_weather(city="Paris", town="x")]',
+        '[get_weather(unit="c", city="Paris")]',
+        "[get_news()]",
+        "It is sunny.",
+    ]:
         assert not accepts(lltok, tok, g, text), text
-    optional = {"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}}}}}
+    optional = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+            },
+        },
+    }
     g = tools.grammar(plan("required", style_template=PYTHONIC_TEMPLATE, fns=(optional,)))
     assert g is not None
     for text in ["[f()]", "[f(a=1)]", "[f(b=true)]", "[f(a=1, b=false)]"]:
         assert accepts(lltok, tok, g, text), text
         assert tools.parse(text, "pythonic")[1], text
     assert not accepts(lltok, tok, g, "[f(, b=true)]")
-    odd = {"type": "function", "function": {"name": "g", "parameters": {
-        "type": "object", "properties": {"user-id": {"type": "string"}}}}}
+    odd = {
+        "type": "function",
+        "function": {
+            "name": "g",
+            "parameters": {"type": "object", "properties": {"user-id": {"type": "string"}}},
+        },
+    }
     g = tools.grammar(plan("required", style_template=PYTHONIC_TEMPLATE, fns=(odd,)))
     assert g is not None and accepts(lltok, tok, g, '[g(user=1, x="y")]')

@@ -11,7 +11,14 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from pytgi.api.frontend.validation import CompatGenerateRequest, GenerateParameters, GenerateRequest, Validation, ValidLimits, ValidRequest
+from pytgi.api.frontend.validation import (
+    CompatGenerateRequest,
+    GenerateParameters,
+    GenerateRequest,
+    Validation,
+    ValidLimits,
+    ValidRequest,
+)
 from pytgi.core.errors import InvalidRequest
 from pytgi.core.tokenizer import Tokenizer
 
@@ -76,9 +83,21 @@ def test_defaults_match_tgi() -> None:
     p = GenerateParameters()
     assert p.do_sample is False and p.max_new_tokens is None and p.stop == []
     assert p.details is False and p.decoder_input_details is False and p.watermark is False
-    for name in ("best_of", "temperature", "repetition_penalty", "frequency_penalty", "top_k", "top_p",
-                 "typical_p", "return_full_text", "truncate", "seed", "top_n_tokens", "grammar",
-                 "adapter_id"):
+    for name in (
+        "best_of",
+        "temperature",
+        "repetition_penalty",
+        "frequency_penalty",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "return_full_text",
+        "truncate",
+        "seed",
+        "top_n_tokens",
+        "grammar",
+        "adapter_id",
+    ):
         assert getattr(p, name) is None, name
     r = GenerateRequest.model_validate({"inputs": "x"})
     assert r.parameters == GenerateParameters() and r.add_special_tokens is True
@@ -128,9 +147,17 @@ def test_lenient_where_tgi_is() -> None:
     body = {
         "inputs": "x",
         "stream": True,  # sent to /generate by some clients
-        "parameters": {"temperature": 1, "top_p": None, "seed": None, "max_new_tokens": None,
-                       "return_full_text": None, "adapter_id": "lora", "not_a_field": 3,
-                       "grammar": None, "top_k": 5},
+        "parameters": {
+            "temperature": 1,
+            "top_p": None,
+            "seed": None,
+            "max_new_tokens": None,
+            "return_full_text": None,
+            "adapter_id": "lora",
+            "not_a_field": 3,
+            "grammar": None,
+            "top_k": 5,
+        },
     }
     r = GenerateRequest.model_validate_json(json.dumps(body))
     assert r.parameters.temperature == 1.0 and isinstance(r.parameters.temperature, float)
@@ -157,8 +184,10 @@ def test_lenient_where_tgi_is() -> None:
         ({"typical_p": 1.0}, "`typical_p` must be > 0.0 and < 1.0"),
         ({"typical_p": -0.5}, "`typical_p` must be > 0.0 and < 1.0"),
         ({"truncate": 0}, f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: 0"),
-        ({"truncate": MAX_INPUT + 1},
-         f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: {MAX_INPUT + 1}"),
+        (
+            {"truncate": MAX_INPUT + 1},
+            f"`truncate` must be strictly positive and less than {MAX_INPUT}. Given: {MAX_INPUT + 1}",
+        ),
         ({"stop": ["a", "b", "c", "d", "e"]}, "`stop` supports up to 4 stop sequences. Given: 5"),
         ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
         ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
@@ -172,8 +201,17 @@ def test_parameter_rules(val: Validation, params: dict, message: str) -> None:
 
 
 def test_boundaries_pass(val: Validation) -> None:
-    ok = req(frequency_penalty=2.0, top_p=0.999, typical_p=0.01, top_k=1, top_n_tokens=5,
-             stop=["a", "b", "c", "d"], truncate=MAX_INPUT, max_new_tokens=1, repetition_penalty=0.01)
+    ok = req(
+        frequency_penalty=2.0,
+        top_p=0.999,
+        typical_p=0.01,
+        top_k=1,
+        top_n_tokens=5,
+        stop=["a", "b", "c", "d"],
+        truncate=MAX_INPUT,
+        max_new_tokens=1,
+        repetition_penalty=0.01,
+    )
     assert isinstance(validate(val, ok), ValidRequest)
     assert validate(val, req(frequency_penalty=-2.0, top_n_tokens=0)).sampling.top_n_tokens == 0
     r = validate(val, req(best_of=2, do_sample=True))
@@ -184,10 +222,12 @@ def test_boundaries_pass(val: Validation) -> None:
 
 def test_streaming_rules(val: Validation) -> None:
     assert err(val, req(best_of=2, do_sample=True), stream=True) == (
-        "`best_of` != 1 is not supported when streaming tokens")
+        "`best_of` != 1 is not supported when streaming tokens"
+    )
     assert err(val, req(best_of=0), stream=True) == "`best_of` != 1 is not supported when streaming tokens"
     assert err(val, req(decoder_input_details=True), stream=True) == (
-        "`decoder_input_details` == true is not supported when streaming tokens")
+        "`decoder_input_details` == true is not supported when streaming tokens"
+    )
     assert validate(val, req(decoder_input_details=True), stream=False).sampling.prompt_logprobs
     r = validate(val, req(best_of=1), stream=True)
     assert r.stream and r.best_of == 1
@@ -227,7 +267,8 @@ def test_input_too_long(val: Validation, tok: Tokenizer) -> None:
     assert n > MAX_TOTAL
     assert err(val, req(text)) == (
         f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}. Given: {n} `inputs` tokens and 0 "
-        "`max_new_tokens`")
+        "`max_new_tokens`"
+    )
     text = "hello " * 34
     n = n_tokens(tok, text)
     assert MAX_INPUT < n < MAX_TOTAL
@@ -242,7 +283,8 @@ def test_total_tokens(val: Validation, tok: Tokenizer) -> None:
     m = MAX_TOTAL - n + 1
     assert err(val, req(max_new_tokens=m)) == (
         f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}. Given: {n} `inputs` tokens and {m} "
-        "`max_new_tokens`")
+        "`max_new_tokens`"
+    )
     assert validate(val, req(max_new_tokens=m - 1)).sampling.max_new_tokens == m - 1
 
 
@@ -253,7 +295,8 @@ def test_max_input_checked_after_truncation(val: Validation, tok: Tokenizer) -> 
     assert r.input_length == MAX_INPUT == len(r.input_ids)
     # the total bound uses the truncated length too
     assert err(val, req(text, truncate=MAX_INPUT, max_new_tokens=MAX_TOTAL - MAX_INPUT + 1)).startswith(
-        f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}. Given: {MAX_INPUT} `inputs` tokens")
+        f"`inputs` tokens + `max_new_tokens` must be <= {MAX_TOTAL}. Given: {MAX_INPUT} `inputs` tokens"
+    )
 
 
 # --- TGI's order -------------------------------------------------------------------------------
@@ -281,8 +324,12 @@ def test_max_input_checked_after_truncation(val: Validation, tok: Tokenizer) -> 
         ({"top_n_tokens": 9}, "", False, "`top_n_tokens`"),
         ({"truncate": 0}, "", False, "`inputs` cannot be empty"),
         ({"truncate": 0, "max_new_tokens": 10**6}, "x", False, "`truncate`"),
-        ({"max_new_tokens": 10**6, "grammar": {"type": "regex", "value": "("}}, "x", False,
-         "`inputs` tokens"),
+        (
+            {"max_new_tokens": 10**6, "grammar": {"type": "regex", "value": "("}},
+            "x",
+            False,
+            "`inputs` tokens",
+        ),
     ],
 )
 def test_order(val: Validation, params: dict, inputs: str, stream: bool, first: str) -> None:
@@ -322,11 +369,26 @@ def test_do_sample_semantics(val: Validation, params: dict, samples: bool) -> No
 
 
 def test_sampling_params_mapping(val: Validation) -> None:
-    r = validate(val, req(
-        temperature=0.5, top_k=7, top_p=0.8, typical_p=0.95, repetition_penalty=1.3, frequency_penalty=-0.5,
-        seed=1234, stop=["\n\n", "END"], max_new_tokens=9, top_n_tokens=3, ignore_eos_token=True,
-        decoder_input_details=True, details=True, return_full_text=True, watermark=True,
-    ))
+    r = validate(
+        val,
+        req(
+            temperature=0.5,
+            top_k=7,
+            top_p=0.8,
+            typical_p=0.95,
+            repetition_penalty=1.3,
+            frequency_penalty=-0.5,
+            seed=1234,
+            stop=["\n\n", "END"],
+            max_new_tokens=9,
+            top_n_tokens=3,
+            ignore_eos_token=True,
+            decoder_input_details=True,
+            details=True,
+            return_full_text=True,
+            watermark=True,
+        ),
+    )
     s = r.sampling
     assert (s.temperature, s.top_k, s.top_p, s.typical_p) == (0.5, 7, 0.8, 0.95)
     assert (s.repetition_penalty, s.frequency_penalty, s.presence_penalty) == (1.3, -0.5, 0.0)
@@ -337,7 +399,13 @@ def test_sampling_params_mapping(val: Validation) -> None:
     assert r.stream is False and r.best_of == 1 and r.inputs == "Hello world" and r.truncate is None
     d = validate(val, req()).sampling
     assert (d.temperature, d.top_k, d.top_p, d.typical_p, d.repetition_penalty, d.frequency_penalty) == (
-        1.0, 0, 1.0, 1.0, 1.0, 0.0)
+        1.0,
+        0,
+        1.0,
+        1.0,
+        1.0,
+        0.0,
+    )
     assert d.stop == [] and d.ignore_eos is False and d.top_n_tokens == 0 and d.prompt_logprobs is False
     r = validate(val, req())
     assert not (r.details or r.decoder_input_details or r.return_full_text or r.watermark)
@@ -402,14 +470,20 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}}
         ({"type": "json", "value": SCHEMA}, "json_schema", SCHEMA),
         ({"type": "json", "value": json.dumps(SCHEMA)}, "json_schema", SCHEMA),
         ({"type": "json_object", "value": SCHEMA}, "json_schema", SCHEMA),
-        ({"type": "json", "value": {"type": "array"}}, "json_schema", {"type": "array"}),  # no `properties` needed
+        (
+            {"type": "json", "value": {"type": "array"}},
+            "json_schema",
+            {"type": "array"},
+        ),  # no `properties` needed
         ({"type": "json_schema", "value": {"name": "person", "schema": SCHEMA}}, "json_schema", SCHEMA),
         ({"type": "regex", "value": r"\d{3}-[a-z]+"}, "regex", r"\d{3}-[a-z]+"),
         ({"type": "choice", "value": ["yes", "no"]}, "choice", ["yes", "no"]),
         ({"type": "grammar", "value": 'root ::= "a" | "b"'}, "grammar", 'root ::= "a" | "b"'),
     ],
 )
-def test_valid_grammar_constrains_the_engine_request(val: Validation, grammar: dict, field: str, expected) -> None:
+def test_valid_grammar_constrains_the_engine_request(
+    val: Validation, grammar: dict, field: str, expected
+) -> None:
     sampling = validate(val, req(grammar=grammar)).sampling
     assert getattr(sampling, field) == expected
 
@@ -469,7 +543,7 @@ def test_tokenize(val: Validation, tok: Tokenizer) -> None:
     assert all(set(t) == {"id", "text", "start", "stop"} for t in toks)
     raw = text.encode("utf-8")
     for t in toks:  # byte offsets into the UTF-8 input, as TGI (Rust) reports them
-        assert raw[t["start"]:t["stop"]].decode("utf-8") == t["text"]
+        assert raw[t["start"] : t["stop"]].decode("utf-8") == t["text"]
     assert toks[0] == {"id": toks[0]["id"], "text": "h", "start": 0, "stop": 1}
     assert toks[1]["text"] == "é" and (toks[1]["start"], toks[1]["stop"]) == (1, 3)
     assert asyncio.run(val.validate_tokenize(text)) == toks
@@ -477,8 +551,9 @@ def test_tokenize(val: Validation, tok: Tokenizer) -> None:
 
 
 def test_compat_request_validates(val: Validation, tok: Tokenizer) -> None:
-    c = CompatGenerateRequest.model_validate({"inputs": "Hello", "parameters": {"max_new_tokens": 2},
-                                              "stream": True})
+    c = CompatGenerateRequest.model_validate(
+        {"inputs": "Hello", "parameters": {"max_new_tokens": 2}, "stream": True}
+    )
     r = validate(val, c, stream=c.stream)
     assert r.stream and r.input_ids == tok.encode("Hello")
     assert validate(val, c.to_generate_request(), stream=True).input_ids == r.input_ids

@@ -13,9 +13,23 @@ import json
 from pathlib import Path
 
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<reponame>", "<file_sep>", "<filename>",
-    "<gh_stars>", "<issue_start>", "<issue_comment>", "<issue_closed>", "<jupyter_start>", "<jupyter_text>",
-    "<jupyter_code>", "<jupyter_output>", "<jupyter_script>", "<empty_output>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<repo_name>",
+    "<reponame>",
+    "<file_sep>",
+    "<filename>",
+    "<gh_stars>",
+    "<issue_start>",
+    "<issue_comment>",
+    "<issue_closed>",
+    "<jupyter_start>",
+    "<jupyter_text>",
+    "<jupyter_code>",
+    "<jupyter_output>",
+    "<jupyter_script>",
+    "<empty_output>",
 ]
 VOCAB_SIZE = 400
 
@@ -55,14 +69,20 @@ def build(path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(CORPUS * 4, trainer)
     tok.save(str(path / "tokenizer.json"))
     config = {
@@ -78,8 +98,13 @@ def build(path: str | Path) -> Path:
         "clean_up_tokenization_spaces": False,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
-    model_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "bos_token_id": 1,
-                    "eos_token_id": 2, "vocab_size": tok.get_vocab_size()}
+    model_config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "vocab_size": tok.get_vocab_size(),
+    }
     (path / "config.json").write_text(json.dumps(model_config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     return path
