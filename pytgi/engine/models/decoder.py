@@ -432,7 +432,7 @@ class DecoderModel(nn.Module):
         )
         plan = {name: kind for names in packed.values() for name in names}
         head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
-        if (dense := float_kind(act_dtype, self.kernels)) is not None:
+        if (dense := float_kind(act_dtype, self.kernels.triton)) is not None:
             # the checkpoint's float linears (the LM head, its `ignore` list) on the CPU's own kernels
             planned = self.planned(dense).items()
             plan |= {n: dense for mod, (_, names) in planned if mod not in packed for n in names}

@@ -103,16 +103,14 @@ def resolve_plan(
     if mode == "auto":
         if (model_dir / "quantization.json").is_file():
             return gguf_plan(model_dir)
-        if gpu:
-            return {}
-        return "bf16" if act_dtype == torch.bfloat16 and kernels.bf16gemm_supported() else {}
+        return float_kind(act_dtype, gpu) or {}
     return mode
 
 
-def float_kind(act_dtype: torch.dtype, cpu: CpuKernels) -> str | None:
+def float_kind(act_dtype: torch.dtype, gpu: bool) -> str | None:
     """The packed layout a float linear of a bf16 model runs in on this CPU ("bf16"), or None (float32
-    stays exact; a GPU takes float weights as they are)."""
-    if cpu.triton or act_dtype != torch.bfloat16 or not kernels.bf16gemm_supported():
+    stays exact; a GPU, `gpu`, takes float weights as they are)."""
+    if gpu or act_dtype != torch.bfloat16 or not kernels.bf16gemm_supported():
         return None
     return "bf16"
 
