@@ -128,6 +128,6 @@ def test_loading_the_kernels_leaves_the_process_float_mode_alone():
     import subprocess
     import sys
 
-    code = "import sys; from pytgi import kernels; assert kernels.available(); print(sys.float_info.min * 0.5 > 0)"
+    code = "import sys; from pytgi.engine import kernels; assert kernels.available(); print(sys.float_info.min * 0.5 > 0)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "True"
