@@ -321,6 +321,11 @@ class DecoderModel(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    @property
+    def head_name(self) -> str:
+        """The checkpoint tensor the LM head reads: the embedding's for a tied head."""
+        return EMBED if self.config.tie_word_embeddings else "lm_head.weight"
+
     def planned(self, plan: dict[str, str] | str) -> dict[nn.Module, tuple[str, list[str]]]:
         """The linears a quantization plan packs: each with its kind and the checkpoint names of its
         parts (q, k, v of a fused projection; the embedding's for a tied LM head)."""
@@ -338,7 +343,7 @@ class DecoderModel(nn.Module):
                 names = [f"model.{stem}.{p}.weight" for p in parts.get(last, [last])]
                 if (k := kind(names)) is not None:
                     todo[mod] = (k, names)
-        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        head = self.head_name
         if (k := kind([head])) is not None and k != "fp8":
             # logits are sensitive: never below 8 bits (nor FP8's 3-bit mantissa, as vLLM keeps it)
             todo[self.lm_head] = (k if k in ("int8x16", "bf16") else "int8", [head])
@@ -431,7 +436,7 @@ class DecoderModel(nn.Module):
             ckpt.dense_tensors(skip), expect_missing={f"{own[id(mod)]}.weight" for mod in packed}
         )
         plan = {name: kind for names in packed.values() for name in names}
-        head = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        head = self.head_name
         if (dense := float_kind(act_dtype, self.kernels.triton)) is not None:
             # the checkpoint's float linears (the LM head, its `ignore` list) on the CPU's own kernels
             planned = self.planned(dense).items()
