@@ -52,7 +52,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ),
         workers=cfg.validation_workers,
         vocab_size=info.vocab_size,
-        adapters=info.lora_adapters,
+        adapters=lambda: st.adapters,
         image_layout=info.image_layout,
     )
     st.infer = Infer(st.client, st.tokenizer, cfg.max_concurrent_requests)

@@ -28,20 +28,13 @@ class State:
     infer: Infer | None = None
     validation: Validation | None = None
     on_engine_death: list[Callable[[str], None]] = field(default_factory=list)
-    unloading: set[str] = field(default_factory=set)  # LoRA adapters on their way out: refused already
     media_slots: asyncio.Semaphore | None = None  # image URLs fetched at once (made on first use)
 
     @property
     def adapters(self) -> dict[str, str]:
-        """The LoRA adapters served: name → directory (none before the engine is up)."""
-        info = self.client.info
-        served = info.lora_adapters if info is not None else {}
-        return {n: p for n, p in served.items() if n not in self.unloading} if self.unloading else served
-
-    def adapters_changed(self) -> None:
-        """After a load or unload: validation takes the adapters served now."""
-        if self.validation is not None:
-            self.validation.adapters = frozenset(self.adapters)
+        """The LoRA adapters a request may name: name → directory, as the engine's last snapshot has
+        them (none before the engine is up; those being unloaded left out)."""
+        return self.client.adapters.names()
 
     @property
     def takes_images(self) -> bool:

@@ -201,8 +201,13 @@ async def info(request: Request) -> JSONResponse:
     st = state_of(request)
     cfg, eng = st.config, st.client.info
     assert eng is not None
-    # The settings marked for /info (pytgi.core.settings), as the engine resolved them.
-    resolved = {s.name: getattr(eng if s.reader == "engine" else cfg, s.name) for s in INFO_SETTINGS}
+    # The settings marked for /info (pytgi.core.settings), as the engine resolved them; the LoRA
+    # adapters as served now (the engine's last snapshot).
+    live = {"lora_adapters": st.adapters}
+    resolved = {
+        s.name: live[s.name] if s.name in live else getattr(eng if s.reader == "engine" else cfg, s.name)
+        for s in INFO_SETTINGS
+    }
     return JSONResponse(
         {
             "model_id": cfg.model_id,

@@ -182,7 +182,6 @@ class EngineConfig:
         max_positions: int,
         kv_capacity: Callable[[], int],
         quantization: dict[str, int] | None = None,
-        lora_adapters: dict[str, str] | None = None,
     ) -> EngineInfo:
         """Fill the defaults from the loaded model and check the limits against each other;
         `kv_capacity()` (KV slots that fit in memory) is asked only when no size was given."""
@@ -237,7 +236,6 @@ class EngineConfig:
             quantization=quantization,
             speculate=self.draft_tokens,
             draft_model=self.draft_model,
-            lora_adapters=lora_adapters or {},
         )
 
 
@@ -304,7 +302,6 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     quantization: dict[str, int] | None = None
     speculate: int = 0  # draft tokens per decode step, at most
     draft_model: str | None = None  # the draft model (--draft-model-id), if any
-    lora_adapters: dict[str, str] = {}  # the LoRA adapters served: name → their directory
     image_layout: ImageLayout | None = None  # a vision model's: how its images take prompt positions
 
 

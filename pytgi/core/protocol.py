@@ -1,7 +1,8 @@
 """Messages between the API process and the engine process (msgspec, no torch).
 
-API → engine: `Submit`, `Abort`, `Shutdown`. Engine → API: `Ready` (or `StartupFailed`) once,
-then one `StepOut` per engine step with every request's new token, and `Heartbeat`s while idle.
+API → engine: `Submit`, `Abort`, `Shutdown`, `AdapterOp`. Engine → API: `Ready` (or `StartupFailed`)
+once, then one `StepOut` per engine step with every request's new token, `Heartbeat`s while idle, and
+an `AdapterSnapshot` (then `AdapterDone`) when the LoRA adapters served change.
 """
 
 from __future__ import annotations
@@ -75,8 +76,24 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
     stats: EngineStats
 
 
+class AdapterSnapshot(msgspec.Struct, tag="adapters"):
+    """The LoRA adapters the engine serves, as its registry (pytgi.engine.adapters) has them now: sent
+    with `Ready` and after every change. The API process keeps only the last one."""
+
+    version: int
+    served: dict[str, str] = {}  # name → directory, those being unloaded included
+    unloading: list[str] = []  # refused to new requests; removed once their requests are done
+
+    def names(self) -> dict[str, str]:
+        """The adapters a new request may name: name → directory."""
+        if not self.unloading:
+            return self.served
+        return {n: p for n, p in self.served.items() if n not in self.unloading}
+
+
 class Ready(msgspec.Struct, tag="ready"):
     info: EngineInfo  # the engine's resolved configuration (pytgi.core.config)
+    adapters: AdapterSnapshot
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed"):
@@ -93,12 +110,11 @@ class AdapterOp(msgspec.Struct, tag="adapter"):
 
 class AdapterDone(msgspec.Struct, tag="adapter_done"):
     op_id: str
-    error: str | None  # why it failed (the adapters are then as they were)
-    adapters: dict[str, str]  # the adapters served now: name → directory
+    error: str | None  # why it failed (the adapters are then as they were); the new snapshot came first
 
 
 ToEngine = Submit | Abort | Shutdown | AdapterOp
-FromEngine = StepOut | Heartbeat | Ready | StartupFailed | AdapterDone
+FromEngine = StepOut | Heartbeat | Ready | StartupFailed | AdapterDone | AdapterSnapshot
 
 encoder = msgspec.msgpack.Encoder()
 to_engine = msgspec.msgpack.Decoder(ToEngine)

@@ -18,12 +18,13 @@ import msgspec
 
 from pytgi.core import grammar as structured
 from pytgi.core import protocol as P
-from pytgi.core.adapters import AdapterError, check_name
+from pytgi.core.adapters import AdapterError
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import DistributedError, InvalidRequest
 from pytgi.core.image_geometry import image_places
-from pytgi.core.model_files import resolve_adapter, resolve_adapters, resolve_model
+from pytgi.core.model_files import resolve_adapters, resolve_model
 from pytgi.core.sampling_params import SamplingParams, check_logit_bias, check_prompt
+from pytgi.engine.adapters import AdapterRegistry
 from pytgi.engine.images import ImageInputs, PromptImage
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.kv_sizing import GIB, free_bytes
@@ -73,7 +74,6 @@ class LLMEngine:
             vocab_size=runner.vocab_size,
             max_positions=runner.config.max_position_embeddings,
             quantization=file_quantization(model_path),
-            lora_adapters={name: str(path) for name, path in adapters.items()},
             kv_capacity=lambda: runner.auto_num_tokens(
                 config.kv_cache_memory_fraction, config.kv_cache_cpu_bytes
             ),
@@ -94,9 +94,9 @@ class LLMEngine:
             raise
         self.scheduler = Scheduler(self.info, self.block_manager, drafter=drafter)
         self.num_failed_steps = 0
-        self.unloading: set[str] = set()  # LoRA adapters refused to new requests, unloaded once unused
-        # each adapter's load number: the root of its prefix-cache blocks, new at each (re)load
-        self.adapter_loads = {name: i for i, name in enumerate(self.info.lora_adapters)}
+        self.adapters = AdapterRegistry(
+            runner, {name: str(path) for name, path in adapters.items()}, model_id, config.progress
+        )
         self.last_step = P.StepInfo()  # what the last step did, for the metrics
         kv_bytes = self.info.max_batch_total_tokens * runner.paged.kv_bytes_per_token()
         log.info(
@@ -151,12 +151,7 @@ class LLMEngine:
             image_places(prompt_ids, None, len(images), "images")
         adapter = params.adapter
         if adapter is not None:
-            if params.adapter not in info.lora_adapters:
-                raise InvalidRequest(f"unknown LoRA adapter {params.adapter!r}", "adapter_id")
-            if params.adapter in self.unloading:
-                raise InvalidRequest(f"LoRA adapter {params.adapter!r} is being unloaded", "adapter_id")
-            if self.runner.adapters().ensure(params.adapter, self._adapters_in_use()):
-                self.runner.adapters_changed()
+            self.adapters.check(adapter)  # its weights are made resident by the step that runs it
         check_logit_bias(params.logit_bias, info.vocab_size)
         check_prompt(
             prompt_ids, params.max_new_tokens, info.max_input_tokens, info.max_total_tokens, info.vocab_size
@@ -179,7 +174,7 @@ class LLMEngine:
     def _cache_root(self, adapter: str | None, images: list[PromptImage]) -> object:
         """Where the request's prefix-cache chain starts: blocks are shared only among requests for
         the same adapter load and the same images (by content)."""
-        root = None if adapter is None else (adapter, self.adapter_loads[adapter])
+        root = None if adapter is None else self.adapters.cache_root(adapter)
         return (root, tuple(img.digest for img in images)) if images else root
 
     # -- LoRA adapters at run time -------------------------------------------------------------------
@@ -188,33 +183,13 @@ class LLMEngine:
 
     def load_adapter(self, name: str, source: str) -> None:
         """Serve the adapter at `source` (a directory or a Hub id) as `name`."""
-        check_name(name)
-        if name in self.info.lora_adapters or name == self.info.model_id:
-            raise AdapterError(f"a model or LoRA adapter named {name!r} is already served")
-        path = resolve_adapter(source, self.config.progress)
-        try:
-            self.runner.adapters().register(name, path, self._adapters_in_use())
-        finally:
-            self.runner.adapters_changed()  # the other ranks wrap their linears even if it failed
-        self.adapter_loads[name] = max(self.adapter_loads.values(), default=-1) + 1
-        self._set_adapters({**self.info.lora_adapters, name: str(path)})
+        self.adapters.load(name, source, self._adapters_in_use())
 
     def unload_adapter(self, name: str) -> bool:
         """Stop serving `name`: refused to new requests now, unloaded once no request uses it
-        (False until then: call again after a step)."""
-        if name not in self.info.lora_adapters:
-            raise AdapterError(f"no LoRA adapter named {name!r} is served")
-        self.unloading.add(name)
-        if name in self._adapters_in_use():
-            return False
-        self.runner.adapters().remove(name)
-        self.runner.adapters_changed()
-        self.unloading.discard(name)
-        self._set_adapters({n: p for n, p in self.info.lora_adapters.items() if n != name})
-        return True
-
-    def _set_adapters(self, adapters: dict[str, str]) -> None:
-        self.info = msgspec.structs.replace(self.info, lora_adapters=adapters)
+        (False until then: it is removed after the step that finishes its last request)."""
+        self.adapters.unload(name)
+        return name in self.adapters.settle(self._adapters_in_use())
 
     def abort_request(self, request_id: str) -> bool:
         req = self.scheduler.requests.get(request_id)
@@ -222,6 +197,8 @@ class LLMEngine:
             return False
         self.scheduler.finish(req)
         self.runner.release(request_id)
+        if self.adapters.unloading:
+            self.adapters.settle(self._adapters_in_use())
         return True
 
     def has_unfinished(self) -> bool:
@@ -236,6 +213,9 @@ class LLMEngine:
         t0 = time.monotonic()
         failed = False
         try:
+            self.adapters.prepare(
+                [s.request.params.adapter for s in sched.scheduled], self._adapters_in_use()
+            )
             updates = self.scheduler.update_from_output(sched, self.runner.execute(sched.scheduled))
         except DistributedError:
             raise  # a lost rank is not this step's fault: the engine cannot go on
@@ -253,6 +233,8 @@ class LLMEngine:
         for u in updates:
             if u.finish_reason is not None:
                 self.runner.release(u.request_id)
+        if self.adapters.unloading:
+            self.adapters.settle(self._adapters_in_use())
         return updates
 
     def check_alive(self) -> None:

@@ -44,7 +44,8 @@ class EngineLoop:
     def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
         self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
         self.running = True
-        self.unloads: list[P.AdapterOp] = []  # adapter unloads waiting for their requests to finish
+        self.unloads: dict[str, list[str]] = {}  # adapter → the unload ops waiting for its requests
+        self.adapters_sent = engine.adapters.version  # the snapshot the API process has
 
     def run(self) -> None:
         while self.running:
@@ -59,7 +60,7 @@ class EngineLoop:
             if self.running and self.engine.has_unfinished():
                 self._step()
             if self.unloads:
-                self.unloads = [op for op in self.unloads if not self._adapter(op)]
+                self._answer_unloads()
 
     def _drain(self) -> None:
         errors: list[P.TokenOut] = []
@@ -85,25 +86,42 @@ class EngineLoop:
                 for rid in msg.request_ids:
                     self.engine.abort_request(rid)
             elif isinstance(msg, P.AdapterOp):
-                if not self._adapter(msg):
-                    self.unloads.append(msg)
+                self._adapter(msg)
             elif isinstance(msg, P.Shutdown):
                 self.running = False
         if errors:
             self._send(P.StepOut(errors, _stats(self.engine), P.StepInfo(failed=True)))
 
-    def _adapter(self, op: P.AdapterOp) -> bool:
-        """Load or unload a LoRA adapter and say so; False: an unload that waits for its requests."""
+    def _adapter(self, op: P.AdapterOp) -> None:
+        """Load or unload a LoRA adapter and say so (an unload once its requests are done)."""
         error = None
         try:
             if op.source is not None:
                 self.engine.load_adapter(op.name, op.source)
             elif not self.engine.unload_adapter(op.name):
-                return False
+                self.unloads.setdefault(op.name, []).append(op.op_id)
+                self._publish_adapters()  # refused to new requests from now on
+                return
         except Exception as exc:  # noqa: BLE001 - a refused operation changes nothing
             error = str(exc)
-        self._send(P.AdapterDone(op.op_id, error, self.engine.info.lora_adapters))
-        return True
+        self._publish_adapters()
+        self._send(P.AdapterDone(op.op_id, error))
+
+    def _answer_unloads(self) -> None:
+        gone = [name for name in self.unloads if name not in self.engine.adapters.served]
+        if gone:
+            self._publish_adapters()
+        for name in gone:
+            for op_id in self.unloads.pop(name):
+                self._send(P.AdapterDone(op_id, None))
+
+    def _publish_adapters(self) -> None:
+        """The registry's snapshot, if it changed since the last one sent (before any `AdapterDone`
+        that answers the change, so that the API process reads the new one when the answer arrives)."""
+        snapshot = self.engine.adapters.snapshot()
+        if snapshot.version != self.adapters_sent:
+            self._send(snapshot)
+            self.adapters_sent = snapshot.version
 
     def _step(self) -> None:
         updates = self.engine.step()
@@ -142,7 +160,7 @@ def main(argv: list[str] | None = None, runner_cls: type | None = None) -> int:
         outbox.send(P.encoder.encode(P.StartupFailed(f"{type(exc).__name__}: {exc}")))
         time.sleep(0.5)
         return 1
-    outbox.send(P.encoder.encode(P.Ready(engine.info)))
+    outbox.send(P.encoder.encode(P.Ready(engine.info, engine.adapters.snapshot())))
     try:
         EngineLoop(engine, inbox, outbox, args.parent_pid).run()
     except Exception:

@@ -226,22 +226,32 @@ def test_unloading_waits_for_the_adapters_running_requests(served, runtime):
                 "inputs": PROMPT,
                 "parameters": {"max_new_tokens": 400, "adapter_id": "zeta", "ignore_eos_token": True},
             }
-            running = asyncio.ensure_future(client.post(f"{runtime.url}/generate", json=body))
-            await asyncio.sleep(0.3)  # it is running
-            unload = asyncio.ensure_future(
-                client.post(f"{runtime.url}/v1/unload_lora_adapter", json={"lora_name": "zeta"})
-            )
-            await asyncio.sleep(0.2)
-            refused = await client.post(
-                f"{runtime.url}/generate",
-                json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "adapter_id": "zeta"}},
-            )
-            first, _ = await asyncio.wait({running, unload}, return_when=asyncio.FIRST_COMPLETED)
-            assert running in first, "the unload answered while its adapter's request was running"
-            return await running, await unload, refused
+            tokens = 0
+            async with client.stream("POST", f"{runtime.url}/generate_stream", json=body) as running:
+                lines = running.aiter_lines()
+                async for line in lines:  # its first token: it is running
+                    if line.startswith("data:"):
+                        tokens += 1
+                        break
+                unload = asyncio.ensure_future(
+                    client.post(f"{runtime.url}/v1/unload_lora_adapter", json={"lora_name": "zeta"})
+                )
+                # the engine's snapshot reaches the API process: zeta is no longer listed
+                while "zeta" in [
+                    m["id"] for m in (await client.get(f"{runtime.url}/v1/models")).json()["data"]
+                ]:
+                    await asyncio.sleep(0.01)
+                refused = await client.post(
+                    f"{runtime.url}/generate",
+                    json={"inputs": PROMPT, "parameters": {"max_new_tokens": 2, "adapter_id": "zeta"}},
+                )
+                assert not unload.done(), "the unload answered while its adapter's request was running"
+                async for line in lines:
+                    tokens += line.startswith("data:")
+            return tokens, await unload, refused
 
-    done, unloaded, refused = asyncio.run(main())
-    assert done.status_code == 200
+    tokens, unloaded, refused = asyncio.run(main())
+    assert tokens == 400
     assert unloaded.status_code == 200 and "removed successfully" in unloaded.text
     assert refused.status_code == 422 and "zeta" in refused.json()["error"]
     assert generate(runtime, "zeta").status_code == 422

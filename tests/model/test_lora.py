@@ -150,7 +150,7 @@ def test_unknown_adapters_and_unservable_ones_are_refused(tiny, tmp_path):
     try:
         with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'nope'"):
             engine.add_request("x", [1, 2, 3], SamplingParams(max_new_tokens=2, adapter="nope"))
-        assert engine.info.lora_adapters == {"qv": str(adapters["qv"])}
+        assert engine.adapters.snapshot().served == {"qv": str(adapters["qv"])}
     finally:
         engine.shutdown()
     big = make_adapter(path, tmp_path / "big", dict(r=8, target_modules=["q_proj"]), 9)
@@ -341,9 +341,16 @@ def test_adapters_loaded_at_run_time_on_two_shards_with_one_in_memory(tiny):
         for name, d in adapters.items():
             engine.load_adapter(name, str(d))
         assert list(engine.runner.adapters().slots) == ["mlp"]  # the last one loaded stays in memory
+        # adding a request loads nothing: the step that runs it does
+        engine.add_request("q", [1, 2, 3], SamplingParams(max_new_tokens=1, adapter="qv"))
+        assert list(engine.runner.adapters().slots) == ["mlp"]
+        engine.step()
+        assert list(engine.runner.adapters().slots) == ["qv"]
+        while engine.has_unfinished():
+            engine.step()
         assert [run(engine, [job])[0] for job in jobs] == want  # each one loaded back in turn
         assert engine.unload_adapter("qv")
-        assert "qv" not in engine.info.lora_adapters
+        assert "qv" not in engine.adapters.served
         with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'qv'"):
             engine.add_request("x", [1, 2], SamplingParams(max_new_tokens=1, adapter="qv"))
         assert run(engine, [(PROMPTS[0], "all")]) == [want[jobs.index((PROMPTS[0], "all"))]]

@@ -61,7 +61,7 @@ def http(tok: Tokenizer, val: Validation) -> TestClient:
         config=config,
         metrics=Metrics(),
         tokenizer=tok,
-        client=SimpleNamespace(info=None),
+        client=SimpleNamespace(info=None, adapters=P.AdapterSnapshot(-1)),
         validation=val,
         infer=Infer(_NoEngine(), tok, 8),
     )

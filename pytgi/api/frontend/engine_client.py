@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -38,6 +37,7 @@ class Engine(Protocol):
     replicas on Ray Serve (`pytgi.api.replicas.client.ReplicaClient`)."""
 
     info: P.EngineInfo | None
+    adapters: P.AdapterSnapshot  # the engine's last word on the LoRA adapters served
     healthy: bool
     on_step: Callable[[P.StepOut], None] | None
     on_stats: Callable[[P.EngineStats], None] | None
@@ -69,6 +69,7 @@ class EngineClient:
         self.config = config
         self.engine_module = engine_module  # run as `python -m`; its main() is pytgi.engine.process's
         self.info: P.EngineInfo | None = None
+        self.adapters = P.AdapterSnapshot(-1)  # none before the engine is up
         self.stats: P.EngineStats | None = None
         self.healthy = False
         self.dead_reason: str | None = None
@@ -117,7 +118,7 @@ class EngineClient:
                 if isinstance(msg, P.StartupFailed):
                     raise EngineDead(f"engine failed to start: {msg.message}")
                 if isinstance(msg, P.Ready):
-                    self.info = msg.info
+                    self.info, self.adapters = msg.info, msg.adapters
                     break
         self.healthy = True
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
@@ -157,7 +158,8 @@ class EngineClient:
 
     async def adapter(self, name: str, source: str | None) -> None:
         """Load (`source`: a directory or a Hub id) or unload (None) a LoRA adapter; an unload returns
-        once the adapter's requests are done. `AdapterError` when the engine refused it."""
+        once the adapter's requests are done. `AdapterError` when the engine refused it. `adapters`
+        is the engine's new snapshot by the time this returns."""
         if not self.healthy:
             raise EngineDead(self.dead_reason or "engine is not running")
         op_id = uuid.uuid4().hex
@@ -211,9 +213,11 @@ class EngineClient:
                 log.exception("failed to handle an engine message")
 
     def _handle(self, msg: object) -> None:
+        if isinstance(msg, P.AdapterSnapshot):
+            if msg.version > self.adapters.version:
+                self.adapters = msg
+            return
         if isinstance(msg, P.AdapterDone):
-            if self.info is not None:
-                self.info = msgspec.structs.replace(self.info, lora_adapters=msg.adapters)
             future = self._adapter_ops.pop(msg.op_id, None)
             if future is not None and not future.done():
                 future.set_result(msg.error)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -99,16 +99,17 @@ class Validation:
         limits: ValidLimits,
         workers: int = 2,
         vocab_size: int | None = None,
-        adapters: Collection[str] = (),
+        adapters: Callable[[], Collection[str]] = tuple,
         image_layout: ImageLayout | None = None,
     ):
-        """adapters: the LoRA adapters' names that `adapter_id` may take; image_layout: a vision
+        """adapters: the LoRA adapters' names that `adapter_id` may take now (asked at each request: the
+        engine's last snapshot); image_layout: a vision
         model's image token, and how many positions the engine expands each one to."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.tokenizer = tokenizer
         self.limits = limits
-        self.adapters = frozenset(adapters)
+        self.adapters = adapters
         self.image_layout = image_layout
         self.workers = workers
         self.vocab_size = vocab_size or getattr(tokenizer, "vocab_size", None)  # bounds token-id prompts
@@ -198,8 +199,8 @@ class Validation:
                 f"Given: {p.truncate}",
                 "truncate",
             )
-        if p.adapter_id is not None and p.adapter_id not in self.adapters:
-            served = ", ".join(f"`{a}`" for a in sorted(self.adapters)) or "none"
+        if p.adapter_id is not None and p.adapter_id not in (adapters := self.adapters()):
+            served = ", ".join(f"`{a}`" for a in sorted(adapters)) or "none"
             raise InvalidRequest(
                 f"`adapter_id` `{p.adapter_id}` is not a LoRA adapter of this server (adapters: {served})",
                 "adapter_id",

@@ -80,7 +80,7 @@ def _engine_gone(exc: EngineDead) -> OpenAIError:
 async def load_lora_adapter(request: Request, body: LoadLoraAdapter) -> Response:
     """Serve one more LoRA adapter; requests may name it as soon as this answers."""
     st, name = state_of(request), body.lora_name
-    if name in st.adapters or name in st.unloading or name == st.config.model_id:
+    if name in st.client.adapters.served or name == st.config.model_id:
         raise invalid(f"The lora adapter '{name}' has already been loaded.", "lora_name")
     cfg = st.config
     try:
@@ -94,7 +94,6 @@ async def load_lora_adapter(request: Request, body: LoadLoraAdapter) -> Response
         raise invalid(str(exc), "lora_path") from None
     except EngineDead as exc:
         raise _engine_gone(exc) from None
-    st.adapters_changed()
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
@@ -111,15 +110,10 @@ async def unload_lora_adapter(request: Request, body: UnloadLoraAdapter) -> Resp
             "lora_name",
             "lora_adapter_not_found",
         )
-    st.unloading.add(name)
-    st.adapters_changed()
     try:
-        await st.client.adapter(name, None)
+        await st.client.adapter(name, None)  # the engine refuses it to new requests as it reads this
     except AdapterError as exc:
         raise invalid(str(exc), "lora_name") from None
     except EngineDead as exc:
         raise _engine_gone(exc) from None
-    finally:
-        st.unloading.discard(name)
-        st.adapters_changed()
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

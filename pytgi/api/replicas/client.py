@@ -122,6 +122,7 @@ class ReplicaClient:
     ):
         self.config, self.options, self.engine_module = config, options, engine_module
         self.info: P.EngineInfo | None = None
+        self.adapters = P.AdapterSnapshot(-1)  # every replica's, as at start (no run-time loads here)
         self.stats: P.EngineStats | None = None
         self.healthy = False
         self.dead_reason: str | None = None
@@ -146,7 +147,8 @@ class ReplicaClient:
                 if time.monotonic() > deadline:
                     raise EngineDead(f"no engine replica started within {timeout:.0f}s: {exc}") from None
                 await asyncio.sleep(1.0)
-        self.info = _ready.decode(raw).info
+        ready = _ready.decode(raw)
+        self.info, self.adapters = ready.info, ready.adapters
         self.healthy = True
         self._tasks = [asyncio.create_task(self._poll_stats())]
         return self.info

@@ -61,7 +61,7 @@ class EngineReplica:
         log.info("replica %s: engine ready", self.name)
 
     def engine_info(self) -> bytes:
-        return encoder.encode(P.Ready(self.info))
+        return encoder.encode(P.Ready(self.info, self.client.adapters))
 
     def pid(self) -> int:
         """The engine process's (the tests kill it to see a replica die)."""
