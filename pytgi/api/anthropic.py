@@ -390,7 +390,7 @@ async def count_tokens(request: Request, body: CountTokensRequest) -> JSONRespon
     layout = st.client.info.image_layout if st.client.info is not None else None
     added = 0
     if layout is not None and images:  # fetched only where an image's size decides its positions
-        data = await load_images(images, st.media_limits()) if layout.kind != "fixed" else [b""] * len(images)
+        data = await load_images(images, st.media_limits()) if layout.sized else [b""] * len(images)
         added = added_positions(layout, data)
     template = st.tokenizer.chat_template
     plan = tools.plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls, template)

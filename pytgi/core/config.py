@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from pytgi.core.errors import ConfigError
+from pytgi.core.image_layouts import ImageLayout
 from pytgi.core.settings import setting
 
 DRAFT_MODEL_TOKENS = 4  # a draft model's tokens per step when --speculate is not given
@@ -237,42 +238,6 @@ class EngineConfig:
             speculate=self.draft_tokens,
             draft_model=self.draft_model,
         )
-
-
-class ImageLayout(msgspec.Struct, frozen=True, kw_only=True):
-    """How many prompt positions an image takes, once the engine expands its image token: what the API
-    process counts (`pytgi.core.image_geometry.image_positions`) before the engine runs the image processor.
-
-    - "fixed" (LLaVA-1.5): `positions`, whatever the image.
-    - "tiles" (Idefics3/SmolVLM): an image is resized so that its longest edge is `longest_edge`,
-      then cut into rows × cols tiles of `tile` pixels; it takes rows × cols × `tile_positions`,
-      `row_end` after each row of tiles but the last, `split_end` after the last, and `positions`
-      for the whole image seen at one tile's size. An image of one tile takes `positions` only.
-    - "anyres" (LLaVA-NeXT): the image is fitted to the best of `pinpoints` ([height, width]),
-      cut into tiles of `tile` pixels, and each tile into patches of `patch`; it takes its patches
-      with the padding cut off, one newline per row of them, and `positions` for the whole image.
-    - "merge" (Qwen2-VL, Qwen2.5-VL): the image is resized to whole multiples of `patch` × `merge`
-      pixels with between `min_pixels` and `max_pixels` pixels; it takes one position per `merge`
-      × `merge` patches.
-
-    `wrap` (Gemma 3: a blank line, "\\n\\n"): text the model's processor puts on both sides of each
-    image token before the prompt is tokenized (`pytgi.core.image_geometry.wrap_images`); it may merge with
-    the text around it, so it is tokenized with the prompt, not counted in `positions`."""
-
-    token: int  # the image token: a prompt holds one per image, where the chat template puts it
-    positions: int  # an image that is not split
-    kind: str = "fixed"
-    tile: int = 0
-    longest_edge: int = 0
-    tile_positions: int = 0
-    row_end: int = 0
-    split_end: int = 0
-    pinpoints: list[list[int]] = []
-    patch: int = 0
-    merge: int = 0
-    min_pixels: int = 0
-    max_pixels: int = 0
-    wrap: str = ""
 
 
 class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):

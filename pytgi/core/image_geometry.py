@@ -1,18 +1,17 @@
 """Image geometry and decoding, the same in both processes: where a prompt's images sit, how many
-positions each takes for a vision family (`ImageLayout`), and the one decoder both sides read images
-with. The API process counts positions before admission; the engine expands each image's token to as
-many."""
+positions each takes (each family's `ImageLayout`, pytgi.core.image_layouts), and the one decoder both
+sides read images with. The API process counts positions before admission; the engine expands each
+image's token to as many."""
 
 from __future__ import annotations
 
 import io
-import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from pytgi.core.config import ImageLayout
 from pytgi.core.errors import InvalidRequest
+from pytgi.core.image_layouts import ImageLayout
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_PIXELS = 64_000_000  # one image, decoded (width × height): 8000 × 8000
@@ -41,91 +40,16 @@ def wrap_images(text: str, layout: ImageLayout | None, token_text: str) -> str:
     return text.replace(token_text, layout.wrap + token_text + layout.wrap)
 
 
-def _fit_longest_edge(w: int, h: int, edge: int) -> tuple[int, int]:
-    """An image's size once its longest edge is `edge` (the aspect kept, the other edge made even, as
-    Idefics3's image processor resizes), then scaled under 4096 pixels a side."""
-    if w >= h:
-        w, h = edge, int(edge / (w / h))
-        h += h % 2
-    else:
-        w, h = int(edge * (w / h)), edge
-        w += w % 2
-    w, h = max(w, 1), max(h, 1)
-    if max(w, h) > 4096:
-        w, h = (4096, max(int(4096 / (w / h)), 1)) if w >= h else (max(int(4096 * (w / h)), 1), 4096)
-    return w, h
-
-
-def _anyres_positions(layout: ImageLayout, w: int, h: int) -> int:
-    """LLaVA-NeXT: the pinpoint that keeps most of the image's pixels (then wastes the fewest), its
-    patch grid, the rows or columns of padding cut off (the aspect kept), plus a newline per row."""
-    best, kept, waste = (0, 0), -1, 0
-    for ph, pw in layout.pinpoints:
-        scale = min(pw / w, ph / h)
-        effective = min(int(w * scale) * int(h * scale), w * h)
-        if effective > kept or (effective == kept and ph * pw - effective < waste):
-            best, kept, waste = (ph, pw), effective, ph * pw - effective
-    side = layout.tile // layout.patch
-    rows, cols = side * (best[0] // layout.tile), side * (best[1] // layout.tile)
-    if w / h > cols / rows:
-        rows -= (rows - int(round(h * (cols / w), 7))) // 2 * 2
-    else:
-        cols -= (cols - int(round(w * (rows / h), 7))) // 2 * 2
-    return rows * cols + rows + layout.positions
-
-
-def _merge_resize(layout: ImageLayout, w: int, h: int) -> tuple[int, int]:
-    """Qwen2-VL: the (height, width) an image is resized to: each a multiple of patch × merge, the
-    aspect kept as near as may be, the pixels between `min_pixels` and `max_pixels`."""
-    f = layout.patch * layout.merge
-    if max(w, h) / min(w, h) > 200:
-        raise InvalidRequest(
-            f"an image of {w}×{h} pixels: this model takes aspect ratios up to 200", "images"
-        )
-    hb, wb = round(h / f) * f, round(w / f) * f
-    if hb * wb > layout.max_pixels:
-        beta = math.sqrt(h * w / layout.max_pixels)
-        hb, wb = max(f, math.floor(h / beta / f) * f), max(f, math.floor(w / beta / f) * f)
-    elif hb * wb < layout.min_pixels:
-        beta = math.sqrt(layout.min_pixels / (h * w))
-        hb, wb = math.ceil(h * beta / f) * f, math.ceil(w * beta / f) * f
-    return hb, wb
-
-
 def image_positions(layout: ImageLayout, width: int, height: int) -> int:
-    """The prompt positions an image of `width` × `height` pixels takes (`ImageLayout` says how). The
-    engine expands the image's token to that many; the API process counts them before admission."""
-    if layout.kind == "anyres":
-        return _anyres_positions(layout, width, height)
-    if layout.kind == "merge":
-        h, w = _merge_resize(layout, width, height)
-        return (h // layout.patch) * (w // layout.patch) // layout.merge**2
-    if layout.kind != "tiles" or not layout.tile:
-        return layout.positions
-    w, h = _fit_longest_edge(width, height, layout.longest_edge) if layout.longest_edge else (width, height)
-    # then the long edge goes up to a whole number of tiles, the short one follows the aspect and goes
-    # up to a whole number of tiles too
-    t, aspect = layout.tile, w / h
-    if w >= h:
-        cols = -(-w // t)
-        rows = -(-int(cols * t / aspect) // t)
-    else:
-        rows = -(-h // t)
-        cols = -(-int(rows * t * aspect) // t)
-    if rows == cols == 1:  # one tile: not split
-        return layout.positions
-    return (
-        rows * cols * layout.tile_positions
-        + (rows - 1) * layout.row_end
-        + layout.split_end
-        + layout.positions
-    )
+    """The prompt positions an image of `width` × `height` pixels takes (its family's layout says how).
+    The engine expands the image's token to that many; the API process counts them before admission."""
+    return layout.image_positions(width, height)
 
 
 def added_positions(layout: ImageLayout, images: Sequence[bytes]) -> int:
     """The positions a prompt's images add to it beyond their image tokens (each image was checked by
     `decode_image`; its size is read from its header)."""
-    if layout.kind == "fixed":
+    if not layout.sized:
         return len(images) * (layout.positions - 1)
     from PIL import Image
 

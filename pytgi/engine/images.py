@@ -24,9 +24,9 @@ from typing import Any, Protocol
 
 import torch
 
-from pytgi.core.config import ImageLayout
 from pytgi.core.errors import InvalidRequest
 from pytgi.core.image_geometry import decode_image, image_places, image_positions
+from pytgi.core.image_layouts import ImageLayout
 from pytgi.engine.models.decoder import StepImages
 from pytgi.engine.models.vision import Expanded
 

@@ -15,6 +15,7 @@ import transformers
 from PIL import Image
 
 from pytgi.core.image_geometry import image_positions
+from pytgi.core.image_layouts import Merge
 from tests.model.vision_util import engine_for, greedy, png
 
 IMAGE, START, END = 150, 151, 152  # <|image_pad|>, <|vision_start|>, <|vision_end|>
@@ -181,7 +182,7 @@ def test_the_api_counts_each_image_as_the_processor_expands_it(tiny):
     engine = engine_for(tiny[1])
     try:
         images = engine.images
-        assert images is not None and images.layout.kind == "merge"
+        assert images is not None and isinstance(images.layout, Merge)
         for w, h in SIZES:
             made = images.processor(Image.new("RGB", (w, h)))
             assert image_positions(images.layout, w, h) == len(made.ids), (w, h)

@@ -82,17 +82,16 @@ def test_pixel_bound_and_count_bound():
 def test_image_positions_by_layout():
     """The API process's count of an image's positions, per family's layout (the model tests check
     each against its processor over many sizes; these pin a few by hand)."""
-    from pytgi.core.config import ImageLayout
     from pytgi.core.image_geometry import added_positions, image_positions
+    from pytgi.core.image_layouts import AnyRes, Fixed, Merge, Tiles
 
-    fixed = ImageLayout(token=5, positions=576)
+    fixed = Fixed(token=5, positions=576)
     assert image_positions(fixed, 10, 9999) == 576
     assert added_positions(fixed, [b"", b""]) == 2 * 575  # not read: every image takes the same
     # Idefics3 at SmolVLM's sizes: 1000 × 500 → 2048 × 1024 → 4 × 2 tiles of 512, 64 rows each
-    tiles = ImageLayout(
+    tiles = Tiles(
         token=5,
         positions=67,
-        kind="tiles",
         tile=512,
         longest_edge=2048,
         tile_positions=66,
@@ -101,24 +100,38 @@ def test_image_positions_by_layout():
     )
     assert image_positions(tiles, 1000, 500) == 8 * 66 + 1 + 1 + 67
     # Qwen2-VL: 448 × 448 is 32 × 32 patches of 14, 16 × 16 rows once merged 2 × 2
-    merge = ImageLayout(
-        token=5, positions=0, kind="merge", patch=14, merge=2, min_pixels=3136, max_pixels=12845056
-    )
+    merge = Merge(token=5, positions=0, patch=14, merge=2, min_pixels=3136, max_pixels=12845056)
     assert image_positions(merge, 448, 448) == 256
     assert image_positions(merge, 10, 10) == 4  # brought up to min_pixels: 56 × 56
     with pytest.raises(InvalidRequest, match="aspect ratios up to 200"):
         image_positions(merge, 3000, 10)
     # LLaVA-NeXT at 336 pixels: 800 × 600 fits 672 × 672 best (2 × 2 tiles, 48 × 48 patches); at
     # 4:3 the image fills 36 of the 48 rows, so 6 rows of padding go at each edge
-    anyres = ImageLayout(
+    anyres = AnyRes(
         token=5,
         positions=576,
-        kind="anyres",
         tile=336,
         patch=14,
         pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]],
     )
     assert image_positions(anyres, 800, 600) == 36 * 48 + 36 + 576
+
+
+def test_image_layouts_cross_the_process_boundary_by_their_tag():
+    """The engine publishes its layout in `EngineInfo`; the API process reads back the same family."""
+    import msgspec
+
+    from pytgi.core.image_layouts import AnyRes, Fixed, ImageLayout, Merge, Tiles
+
+    for layout in [
+        Fixed(token=1, positions=3, wrap="\n\n"),
+        Tiles(token=1, positions=3, tile=512, longest_edge=2048, tile_positions=66, row_end=1, split_end=1),
+        AnyRes(token=1, positions=3, tile=336, patch=14, pinpoints=[[336, 672]]),
+        Merge(token=1, positions=0, patch=14, merge=2, min_pixels=1, max_pixels=2),
+    ]:
+        raw = msgspec.msgpack.encode(layout)
+        assert msgspec.msgpack.decode(raw, type=ImageLayout) == layout
+        assert type(msgspec.msgpack.decode(raw, type=ImageLayout | None)) is type(layout)
 
 
 # -- fetching: pinned to the vetted address, one deadline, a cap ---------------------------------------

@@ -39,9 +39,9 @@ from pytgi.api.frontend.bodies import (
     ValidRequest,
 )
 from pytgi.core import grammar as structured
-from pytgi.core.config import ImageLayout
 from pytgi.core.errors import InvalidRequest
 from pytgi.core.image_geometry import added_positions, image_places, wrap_images
+from pytgi.core.image_layouts import ImageLayout
 from pytgi.core.sampling_params import SamplingParams, check, check_logit_bias, check_prompt, check_token_ids
 
 __all__ = [

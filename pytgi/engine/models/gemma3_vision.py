@@ -8,7 +8,7 @@ the model's processor replaces that with
     "\\n\\n" <start_of_image> <image_soft_token> × 256 <end_of_image> "\\n\\n"
 
 and tokenizes the whole, so the blank lines may merge with newlines beside them. The API process
-does the same (`ImageLayout.wrap`: the blank lines are put around the image token before the
+does the same (`LayoutBase.wrap`: the blank lines are put around the image token before the
 prompt is tokenized); the engine expands `<start_of_image>` to the rest, and the soft tokens take
 the image's rows.
 
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from pytgi.core.config import ImageLayout
 from pytgi.core.errors import UnsupportedModel
+from pytgi.core.image_layouts import Fixed
 from pytgi.engine.models.decoder import DecoderModel
 from pytgi.engine.models.vision import (
     TOWER_PROJECTOR_HEADS,
@@ -73,7 +73,7 @@ class Gemma3Images:
         self.processor = load_image_processor(path)
         self.soft = soft
         self.ids = [boi] + [soft] * config.mm_tokens_per_image + [eoi]
-        self.layout = ImageLayout(token=boi, positions=len(self.ids), wrap="\n\n")
+        self.layout = Fixed(token=boi, positions=len(self.ids), wrap="\n\n")
 
     def __call__(self, img: Any) -> Expanded:
         out = self.processor(images=[img], return_tensors="pt", do_pan_and_scan=False)

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from pytgi.core.config import ImageLayout
 from pytgi.core.errors import UnsupportedModel
+from pytgi.core.image_layouts import Tiles
 from pytgi.engine.models.decoder import DecoderModel
 from pytgi.engine.models.vision import Expanded, VisionLanguageModel, load_image_processor
 
@@ -101,10 +101,9 @@ class Idefics3Images:
             raise UnsupportedModel("the tokenizer lacks Idefics3's tile tokens (<row_1_col_1>, ...)")
         p = self.processor
         split = bool(getattr(p, "do_image_splitting", False))
-        self.layout = ImageLayout(
+        self.layout = Tiles(
             token=token,
             positions=len(self.whole),
-            kind="tiles",
             tile=_size(p.max_image_size) if split else 0,
             longest_edge=_size(p.size) if getattr(p, "do_resize", True) else 0,
             tile_positions=seq + 2,

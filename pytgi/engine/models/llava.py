@@ -16,9 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pytgi.core.config import ImageLayout
 from pytgi.core.errors import UnsupportedModel
-from pytgi.core.image_geometry import image_positions
+from pytgi.core.image_layouts import AnyRes, Fixed, ImageLayout
 from pytgi.engine.models.decoder import DecoderModel
 from pytgi.engine.models.vision import (
     TOWER_PROJECTOR_HEADS,
@@ -68,7 +67,7 @@ class LlavaImages:
     def __init__(self, path: Path, hf: dict[str, Any]) -> None:
         token, positions = vision_spec(hf)
         self.processor = load_image_processor(path)
-        self.layout = ImageLayout(token=token, positions=positions)
+        self.layout: ImageLayout = Fixed(token=token, positions=positions)
         if hf["architectures"][0] == NEXT:
             crop = self.processor.crop_size
             side = crop["height"] if isinstance(crop, dict) else crop.height
@@ -76,10 +75,9 @@ class LlavaImages:
             if side != vision.image_size:
                 raise UnsupportedModel(f"LLaVA-NeXT tiles of {side} pixels for a tower of another size")
             pinpoints = [list(p) for p in self.processor.image_grid_pinpoints]
-            self.layout = ImageLayout(
+            self.layout = AnyRes(
                 token=token,
                 positions=positions,
-                kind="anyres",
                 tile=side,
                 pinpoints=pinpoints,
                 patch=vision.patch_size,
@@ -88,7 +86,7 @@ class LlavaImages:
     def __call__(self, img: Any) -> Expanded:
         out = self.processor(images=[img], return_tensors="pt")
         pixels = {k: out[k] for k in ("pixel_values", "image_sizes") if k in out}
-        return Expanded(pixels, [self.layout.token] * image_positions(self.layout, *img.size))
+        return Expanded(pixels, [self.layout.token] * self.layout.image_positions(*img.size))
 
 
 def text_config(hf: dict[str, Any]) -> dict[str, Any]:

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from pytgi.core.config import ImageLayout
 from pytgi.core.errors import UnsupportedModel
+from pytgi.core.image_layouts import Merge
 from pytgi.engine.models.decoder import DecoderModel
 from pytgi.engine.models.vision import Expanded, VisionLanguageModel, load_image_processor
 
@@ -80,10 +80,9 @@ class Qwen2VLImages:
         if token is None:
             raise UnsupportedModel("the checkpoint's config names no image_token_id")
         self.merge = int(p.merge_size)
-        self.layout = ImageLayout(
+        self.layout = Merge(
             token=int(token),
             positions=0,
-            kind="merge",
             patch=int(p.patch_size),
             merge=self.merge,
             min_pixels=int(low),
