@@ -13,6 +13,7 @@ import os
 import torch
 
 from pytgi.core.errors import ModelTooLarge
+from pytgi.engine import distributed as dist
 
 GPU_HEADROOM = 1 << 30  # left free on a GPU for activations
 RUNTIME_BYTES = 3 << 29  # CPU: Python, torch, the kernels and a step's activations (1.5 GiB)
@@ -55,6 +56,20 @@ def kv_capacity_tokens(
     if cap_bytes is not None:
         budget = min(budget, cap_bytes)
     return max(budget, 0) // bytes_per_token
+
+
+def kv_tokens_on_every_rank(
+    device: torch.device,
+    bytes_per_token: int,
+    fraction: float | None,
+    replicas: int = 1,
+    cap_bytes: int | None = None,
+) -> int:
+    """KV slots that fit on every tensor-parallel rank (each rank calls it: a collective): `fraction`
+    of the memory left now, shared by the ranks on this machine and the engine `replicas` started
+    here, at most `cap_bytes`."""
+    engines = local_engines(dist.tp_size()) * replicas
+    return dist.all_reduce_min(kv_capacity_tokens(device, bytes_per_token, fraction, engines, cap_bytes))
 
 
 def local_engines(tp_size: int) -> int:

@@ -20,34 +20,24 @@ from pytgi.core.adapters import parse_specs
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import UnsupportedModel
 from pytgi.engine import distributed as dist
-from pytgi.engine.batch import PagedModel, StepBatch, fp8_kv_refusal
+from pytgi.engine.batch import StepBatch
 from pytgi.engine.cuda_graphs import parse_sizes
 from pytgi.engine.images import step_rows
-from pytgi.engine.kv_sizing import check_fits, kv_capacity_tokens, local_engines
-from pytgi.engine.models.attention import StepLayout
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.kv_sizing import kv_tokens_on_every_rank
+from pytgi.engine.loading import load_paged_model, resolve_device
 from pytgi.engine.models.decoder import DecoderModel, StepImages
 from pytgi.engine.models.loader import (
     CausalLM,
     eos_token_ids,
-    load_model,
     loaded_bytes,
-    read_config,
-    resolve_dtype,
-    weight_bytes,
 )
 from pytgi.engine.models.lora import LoraAdapters
 from pytgi.engine.sampling_step import SamplingStep
 from pytgi.engine.step import ScheduledRequest, StepOutput
+from pytgi.engine.step_message import StepMessage
 from pytgi.engine.structured import GrammarMatchers
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class ModelRunner:
@@ -59,25 +49,15 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.rank = rank
         dist.init(rank, config.num_shard, config.master_addr, config.master_port or 0, self.device)
-        self.dtype = resolve_dtype(config.dtype, read_config(model_path), self.device)
-        # On CPU this builds the C kernels now (about a second, once), not on the first request.
-        cpu = CpuKernels.for_device(self.device, self.dtype, batch_invariant=config.batch_invariant)
-        share = local_engines(dist.tp_size()) / dist.tp_size()  # of the whole model, on this machine
-        need = weight_bytes(model_path, self.dtype, self.device, config.quantize)
-        check_fits(int(need * share), self.device, f"the model ({model_path.name})")
-        model = load_model(
-            model_path,
-            self.dtype,
-            self.device,
-            cpu,
-            config.quantize,
-            config.attention_backend,
-            config.model_impl,
+        self.paged = load_paged_model(config, self.device)
+        self.dtype = self.paged.dtype
+        model = self.paged.model
+        # what the runner keeps of the engine's settings
+        self.max_lora_rank, self.max_cpu_loras = config.max_lora_rank, config.max_cpu_loras
+        self.local_replicas = config.local_replicas
+        self.graph_sizes = tuple(
+            s for s in parse_sizes(config.cuda_graphs) if s <= (config.max_batch_size or 256)
         )
-        if config.kv_cache_dtype != "auto" and (why := fp8_kv_refusal(model, self.device)):
-            raise ValueError(why)
-        self.paged = PagedModel(model, self.dtype, self.device, kv_dtype=config.kv_cache_dtype)
-        self.lora_config = config
         self.lora: LoraAdapters | None = None
         if config.lora_adapters:
             self.lora = self.adapters()
@@ -95,9 +75,8 @@ class ModelRunner:
         if self.lora is None:
             if not isinstance(self.model, DecoderModel):
                 raise UnsupportedModel("LoRA adapters need pytgi's own implementation of the model")
-            cfg = self.lora_config
             self.lora = LoraAdapters(
-                self.model, cfg.max_lora_rank, self.dtype, self.device, cfg.max_cpu_loras
+                self.model, self.max_lora_rank, self.dtype, self.device, self.max_cpu_loras
             )
         return self.lora
 
@@ -129,14 +108,8 @@ class ModelRunner:
         if self.rank == 0 and dist.tp_size() > 1:
             f = -1 if fraction is None else int(fraction * 1_000_000)
             dist.broadcast_command(dist.CMD_CAPACITY, f, -1 if cap_bytes is None else cap_bytes)
-        local = kv_capacity_tokens(
-            self.device,
-            self.paged.kv_bytes_per_token(),
-            fraction,
-            local_engines(dist.tp_size()) * self.lora_config.local_replicas,
-            cap_bytes,
-        )
-        return dist.all_reduce_min(local)
+        per_token = self.paged.kv_bytes_per_token()
+        return kv_tokens_on_every_rank(self.device, per_token, fraction, self.local_replicas, cap_bytes)
 
     def weights_bytes(self) -> int:
         """The bytes this rank's model holds (packed weights, dense ones, tables)."""
@@ -151,9 +124,7 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         """The decode step's CUDA graphs, at `--cuda-graphs`' batch sizes up to `--max-batch-size`."""
-        cfg = self.lora_config
-        cap = cfg.max_batch_size or 256
-        sizes = tuple(s for s in parse_sizes(cfg.cuda_graphs) if s <= cap)
+        sizes = self.graph_sizes
         max_pos = (
             getattr(self.config, "max_position_embeddings", None)
             or self.paged.num_blocks * self.paged.block_size
@@ -197,7 +168,7 @@ class ModelRunner:
             slots = self.lora.row_slots(adapters, step.layout.query_lens)
         images = self._image_rows(batch, step)  # the tower runs on rank 0; the others get its rows
         if dist.tp_size() > 1:
-            self._broadcast_step(step, plan.rows, slots, images)
+            StepMessage.of(step, plan.rows, slots, images).send(self.dtype)
         return self.sampling.run(self._forward(step, plan.rows, slots, images), plan)
 
     def _image_rows(self, batch: list[ScheduledRequest], step: StepBatch) -> StepImages | None:
@@ -238,67 +209,12 @@ class ModelRunner:
         self.grammars.remove(request_id)
 
     # -- tensor parallelism ------------------------------------------------------------------------
-    def _shapes(
-        self, T: int, B: int, M: int, R: int, n: int = 0, n_rope: int = 0, n_spans: int = 0
-    ) -> list[tuple[int, ...]]:
-        lora = [(T,)] if self.lora is not None else []  # each row's adapter slot
-        images = [(n,)] if n + n_rope else []  # the image rows' flat rows
-        rope = [(n_rope,), (3, n_rope)] if n_rope else []  # M-RoPE's rows and their 3-D positions
-        spans = [(n_spans, 3)] if n_spans else []  # positions attending both ways (StepLayout.spans)
-        return [(T,), (T,), (B,), (B,), (B, M), (T,), (R,), *lora, *images, *rope, *spans]
-
-    def _broadcast_step(
-        self, step: StepBatch, rows: np.ndarray, slots: np.ndarray | None, images: StepImages | None
-    ) -> None:
-        layout = step.layout
-        B, M = layout.block_tables.shape
-        T, R = len(step.ids), len(rows)
-        # a vision model's step says how many image rows, their width, and M-RoPE rows follow
-        n, width, n_rope = 0, 0, 0
-        if images is not None:
-            n, width = images.values.shape if len(images.rows) else (0, 0)
-            n_rope = 0 if images.rope_rows is None else len(images.rope_rows)
-        n_spans = 0 if layout.spans is None else len(layout.spans)
-        dist.broadcast_command(dist.CMD_STEP, T, B, M, R, n, width, n_rope, n_spans)
-        arrays = [step.ids, step.positions, layout.query_lens, layout.context_lens, layout.block_tables]
-        arrays += [layout.slot_mapping, rows]
-        if self.lora is not None:
-            arrays.append(slots if slots is not None else np.full(T, -1, np.int64))
-        if images is not None and n + n_rope:
-            arrays.append(images.rows.numpy())
-            if n_rope:
-                assert images.rope_rows is not None and images.rope_positions is not None
-                arrays += [images.rope_rows.numpy(), images.rope_positions.numpy()]
-        if layout.spans is not None:
-            arrays.append(layout.spans)
-        dist.broadcast_arrays(arrays, self._shapes(T, B, M, R, n, n_rope, n_spans))
-        if n:
-            dist.broadcast_tensor(images.values if images is not None else None, (n, width), self.dtype)
-
     @torch.inference_mode()
-    def worker_step(
-        self, T: int, B: int, M: int, R: int, n: int = 0, width: int = 0, n_rope: int = 0, n_spans: int = 0
-    ) -> None:
-        """Ranks > 0: receive rank 0's step arrays (and a vision model's image rows) and run this
-        shard's forward."""
-        ids, positions, q_lens, ctx, tables, slot_mapping, rows, *rest = dist.broadcast_arrays(
-            None, self._shapes(T, B, M, R, n, n_rope, n_spans)
-        )
-        spans = rest.pop() if n_spans else None
-        layout = StepLayout(q_lens, ctx, tables, slot_mapping, self.paged.block_size, spans)
-        lora = rest.pop(0) if self.lora is not None else None
-        slots = lora if lora is not None and (lora >= 0).any() else None
-        images = None
-        if n + n_rope:
-            flat = torch.from_numpy(rest[0].copy())
-            values = dist.broadcast_tensor(None, (n, width), self.dtype) if n else torch.zeros(0, 0)
-            rope = (
-                (torch.from_numpy(rest[1].copy()), torch.from_numpy(rest[2].copy()))
-                if n_rope
-                else (None, None)
-            )
-            images = StepImages(flat, values, *rope)
-        self._forward(StepBatch(ids, positions, layout), rows, slots, images)
+    def worker_step(self, header: tuple[int, ...]) -> None:
+        """Ranks > 0: receive rank 0's step (`StepMessage`, whose command arguments are `header`) and
+        run this shard's forward."""
+        msg = StepMessage.receive(header, self.dtype)
+        self._forward(*msg.parts(self.paged.block_size))
 
     def ping(self) -> None:
         """While idle, a no-op collective: a dead or stuck rank is noticed without waiting for traffic."""

@@ -34,11 +34,12 @@ def run_worker(config: EngineConfig, rank: int) -> int:
         return 1
     try:
         while True:
-            cmd, a, b, c, d, *images = dist.broadcast_command(dist.CMD_NOOP)
+            cmd, *args = dist.broadcast_command(dist.CMD_NOOP)
+            a, b = args[:2]
             if cmd == dist.CMD_NOOP:
                 dist.barrier()
             elif cmd == dist.CMD_STEP:
-                runner.worker_step(a, b, c, d, *images[:4])
+                runner.worker_step(tuple(args))
             elif cmd == dist.CMD_ALLOC:
                 runner.allocate_kv_cache(a, b)
             elif cmd == dist.CMD_CAPACITY:

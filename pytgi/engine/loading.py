@@ -1,0 +1,47 @@
+"""Loading this rank's model for the runner: the device and dtype resolved, the weights checked to fit
+before a byte is read, the model built with its kernels, and wrapped with its (not yet allocated)
+paged KV cache. The runner computes steps; this is the one place a served model is loaded (the draft
+model takes its own path, `pytgi.engine.draft`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pytgi.core.config import EngineConfig
+from pytgi.core.errors import ConfigError
+from pytgi.engine import distributed as dist
+from pytgi.engine.batch import PagedModel, fp8_kv_refusal
+from pytgi.engine.kv_sizing import check_fits, local_engines
+from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.loader import load_model, read_config, resolve_dtype, weight_bytes
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def model_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    assert config.model is not None, "a resolved model directory"
+    return resolve_dtype(config.dtype, read_config(Path(config.model)), device)
+
+
+def load_paged_model(config: EngineConfig, device: torch.device) -> PagedModel:
+    """This rank's shard of `config.model` (a resolved directory; the process group is up)."""
+    assert config.model is not None, "a resolved model directory"
+    model_path = Path(config.model)
+    dtype = model_dtype(config, device)
+    # On CPU this builds the C kernels now (about a second, once), not on the first request.
+    cpu = CpuKernels.for_device(device, dtype, batch_invariant=config.batch_invariant)
+    share = local_engines(dist.tp_size()) / dist.tp_size()  # of the whole model, on this machine
+    need = weight_bytes(model_path, dtype, device, config.quantize)
+    check_fits(int(need * share), device, f"the model ({model_path.name})")
+    model = load_model(
+        model_path, dtype, device, cpu, config.quantize, config.attention_backend, config.model_impl
+    )
+    if config.kv_cache_dtype != "auto" and (why := fp8_kv_refusal(model, device)):
+        raise ConfigError(why)
+    return PagedModel(model, dtype, device, kv_dtype=config.kv_cache_dtype)
