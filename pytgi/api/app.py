@@ -27,8 +27,8 @@ from pytgi.api.middleware import (
 from pytgi.api.openai import routes as openai
 from pytgi.api.replicas.client import ReplicaClient, ReplicaOptions
 from pytgi.api.state import State
-from pytgi.core.config import ServerConfig
-from pytgi.core.tokenizer import Tokenizer, read_chat_template
+from pytgi.core.config import ServerConfig, read_chat_template
+from pytgi.core.tokenizer import Tokenizer
 from pytgi.core.version import __version__
 
 log = logging.getLogger("pytgi.api")

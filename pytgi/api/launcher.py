@@ -14,8 +14,10 @@ import logging
 import os
 import resource
 import signal
+from pathlib import Path
 
 from pytgi.core import flags
+from pytgi.core.config import ConfigError, EngineConfig, ServerConfig
 from pytgi.core.logs import JSON_ENV, setup_logging
 from pytgi.core.model_files import resolve_or_none
 from pytgi.core.settings import Setting
@@ -58,43 +60,6 @@ def _raise_open_files_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
-def _replica_flags_error(args: argparse.Namespace) -> str | None:
-    """What is wrong with --replicas and its flags, or --otlp-endpoint (its package missing)."""
-    import importlib.util
-
-    from pytgi.api.replicas.affinity import POLICIES
-
-    def installed(module: str) -> bool:
-        try:
-            return importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:  # a parent package is missing
-            return False
-
-    if args.otlp_endpoint and not installed("opentelemetry.exporter.otlp.proto.http"):
-        return "--otlp-endpoint needs the OpenTelemetry SDK and OTLP/HTTP exporter: pip install 'pytgi[otel]'"
-    bounds = (args.min_replicas, args.max_replicas)
-    if args.replicas < 0 or any(b is not None and b < 1 for b in bounds):
-        return "--replicas must be >= 0, and --min-replicas / --max-replicas >= 1"
-    if args.replicas == 0:
-        if any(b is not None for b in bounds) or args.ray_address:
-            return "--min-replicas, --max-replicas and --ray-address need --replicas N (N >= 1)"
-        return None
-    if args.replica_routing not in POLICIES:
-        return f"--replica-routing: unknown {args.replica_routing!r}; choose among {', '.join(POLICIES)}"
-    lo, hi = bounds
-    if lo is not None and hi is not None and lo > hi:
-        return f"--min-replicas {lo} is above --max-replicas {hi}"
-    if (lo is not None and args.replicas < lo) or (hi is not None and args.replicas > hi):
-        return f"--replicas {args.replicas} (the replicas to start with) is outside the autoscaling bounds"
-    if not installed("ray"):  # (not ray.serve: that would import ray before its settings are made)
-        return "--replicas needs Ray Serve: pip install 'pytgi[ray]'"
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return (
-            "--replicas cannot run under torchrun's ranks (WORLD_SIZE > 1); use --num-shard for each replica"
-        )
-    return None
-
-
 def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process") -> int:
     """`engine_module`: the engine process's entry point (tests run one that wraps the runner)."""
     import uvicorn
@@ -107,8 +72,6 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
 
     from pytgi.api.app import create_app
     from pytgi.api.http import with_header_timeout
-    from pytgi.api.middleware import EXEMPTIONS
-    from pytgi.core.config import EngineConfig, ServerConfig
 
     if args.json_output:
         os.environ[JSON_ENV] = "1"  # the engine and worker processes inherit it
@@ -116,64 +79,40 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
     log = logging.getLogger("pytgi.launcher")
     for line in IGNORED_ENV:
         log.warning("%s", line)
-    exempt = tuple(e for e in args.api_key_exempt if e != "none")
-    if unknown := [e for e in exempt if e not in EXEMPTIONS]:
-        log.error(
-            "--api-key-exempt: unknown route name(s) %s; choose among %s",
-            ", ".join(unknown),
-            ", ".join(EXEMPTIONS),
-        )
-        return 2
-    from pytgi.api.chat.reasoning import PARSERS
-
-    if args.reasoning_parser is not None and args.reasoning_parser not in PARSERS:
-        log.error(
-            "--reasoning-parser: unknown %r; choose among %s", args.reasoning_parser, ", ".join(PARSERS)
-        )
-        return 2
-    if args.chat_template is not None:
-        from pytgi.core.tokenizer import read_chat_template
-
-        try:
-            read_chat_template(args.chat_template)
-        except ValueError as e:
-            log.error("--chat-template: %s", e)
-            return 2
-    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
-        log.error("HTTPS needs both --ssl-keyfile and --ssl-certfile")
-        return 2
-    _raise_open_files_limit()
-    if args.num_shard < 1:
-        log.error("--num-shard must be >= 1, got %d", args.num_shard)
-        return 2
-    if (why := _replica_flags_error(args)) is not None:
-        log.error("%s", why)
-        return 2
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if rank > 0:
         log.error("RANK=%d: `pytgi serve` is rank 0; start the other ranks with `pytgi shard`", rank)
         return 2
+    if world > 1:  # started per rank (torchrun, or by hand on several machines)
+        args.num_shard = world
+    # every setting checked before the model is fetched or loaded; the model resolved after
+    config = ServerConfig(
+        engine=EngineConfig(**flags.from_args(args, "engine")),
+        model_path=Path(args.model or "."),
+        model_id=args.model or "",
+        **flags.from_args(args, "server"),
+        engine_module=engine_module,
+    )
+    try:
+        config.engine.validate()
+        config.validate()
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    _raise_open_files_limit()
     progress = not args.json_output  # JSON logs say each downloaded file instead of drawing bars
     model = resolve_or_none(log, args.model, args.revision, progress)
     draft = resolve_or_none(log, args.draft_model, progress=progress) if args.draft_model else None
     if model is None or (args.draft_model and draft is None):
         return 2
-    model_path, model_id = model.path, model.model_id
-    if world > 1:  # started per rank (torchrun, or by hand on several machines)
-        args.num_shard = world
-    engine = dataclasses.replace(
-        EngineConfig(**flags.from_args(args, "engine")),
-        model=str(model_path),
-        draft_model=str(draft.path) if draft else None,
-        num_shard=args.num_shard,
-    )
-    config = ServerConfig(
-        engine=engine,
-        model_path=model_path,
-        model_id=model_id,
-        **{**flags.from_args(args, "server"), "api_key_exempt": exempt},
+    config = dataclasses.replace(
+        config,
+        engine=dataclasses.replace(
+            config.engine, model=str(model.path), draft_model=str(draft.path) if draft else None
+        ),
+        model_path=model.path,
+        model_id=model.model_id,
         model_sha=model.sha or args.revision,
-        engine_module=engine_module,
     )
     app = create_app(config)
     server = _Server(

@@ -13,6 +13,7 @@ from pytgi.api.json_response import JSONResponse
 from pytgi.api.openai.error_shape import from_infer_error
 from pytgi.api.replicas.client import NOTE, ReplicaNote
 from pytgi.api.state import ADMISSIONS
+from pytgi.core.config import API_KEY_EXEMPTIONS
 from pytgi.core.errors import Overloaded
 
 
@@ -57,6 +58,7 @@ EXEMPTIONS: dict[str, tuple[str, ...]] = {
     "openapi": ("GET /openapi.json",),
     "models": ("GET /v1/models", "GET /v1/models/*"),
 }
+assert tuple(EXEMPTIONS) == API_KEY_EXEMPTIONS  # the names ServerConfig checks --api-key-exempt against
 GENERATION_ROUTES = {
     "/generate",
     "/generate_stream",
@@ -76,7 +78,7 @@ class ApiKeyMiddleware:
 
     def __init__(self, app: ASGIApp, key: str, exempt: tuple[str, ...] = ("health",)) -> None:
         self.app, self.expected, self.key = app, f"Bearer {key}".encode(), key.encode()
-        self.open = {route for name in exempt for route in EXEMPTIONS[name]}
+        self.open = {route for name in exempt if name != "none" for route in EXEMPTIONS[name]}
 
     def _exempt(self, method: str, path: str) -> bool:
         if method == "OPTIONS" or f"{method} {path}" in self.open:

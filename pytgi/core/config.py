@@ -9,6 +9,8 @@ API process, and /info shows it. No torch here: the API process imports this mod
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -270,6 +272,30 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     image_layout: ImageLayout | None = None  # a vision model's: how its images take prompt positions
 
 
+# Names the API side defines and the settings below take (each module checks its own against these):
+API_KEY_EXEMPTIONS = ("health", "metrics", "info", "docs", "openapi", "models")  # pytgi.api.middleware
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # pytgi.api.chat.reasoning
+REPLICA_ROUTING = ("prefix", "round-robin")  # pytgi.api.replicas.affinity
+OTLP_MODULE = "opentelemetry.exporter.otlp.proto.http"
+
+
+def read_chat_template(value: str) -> str:
+    """`--chat-template`: a file's text, or the template itself (it has Jinja's `{{` or `{%`)."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(f"{value!r} is neither a file nor a Jinja template")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
 @dataclass(slots=True)
 class ServerConfig:
     """The API process's configuration: its serving settings (`setting`), and what the launcher
@@ -290,7 +316,7 @@ class ServerConfig:
         "require `Authorization: Bearer <key>` on every route but --api-key-exempt's (prefer the "
         "API_KEY environment variable: a flag shows in `ps` and /proc/*/cmdline)",
     )
-    # route names (pytgi.api.middleware.EXEMPTIONS)
+    # route names (API_KEY_EXEMPTIONS; "none": none of them)
     api_key_exempt: tuple[str, ...] = setting(
         ("health",),
         "routes open without the key, comma-separated: health, metrics, info, docs, openapi, models "
@@ -375,3 +401,59 @@ class ServerConfig:
     @property
     def tls(self) -> bool:
         return bool(self.ssl_certfile)
+
+    def validate(self) -> None:
+        """`ConfigError` naming the flag, for settings that cannot work together or on this machine
+        (checked before the model is fetched or loaded)."""
+        if unknown := [e for e in self.api_key_exempt if e not in (*API_KEY_EXEMPTIONS, "none")]:
+            raise ConfigError(
+                f"--api-key-exempt: unknown route name(s) {', '.join(unknown)}; choose among "
+                f"{', '.join(API_KEY_EXEMPTIONS)}"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ConfigError(
+                f"--reasoning-parser: unknown {self.reasoning_parser!r}; "
+                f"choose among {', '.join(REASONING_PARSERS)}"
+            )
+        if self.chat_template is not None:
+            try:
+                read_chat_template(self.chat_template)
+            except ConfigError as exc:
+                raise ConfigError(f"--chat-template: {exc}") from None
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ConfigError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        if self.otlp_endpoint and not _installed(OTLP_MODULE):
+            raise ConfigError(
+                "--otlp-endpoint needs the OpenTelemetry SDK and OTLP/HTTP exporter: "
+                "pip install 'pytgi[otel]'"
+            )
+        self._validate_replicas()
+
+    def _validate_replicas(self) -> None:
+        lo, hi = self.min_replicas, self.max_replicas
+        if self.replicas < 0 or any(b is not None and b < 1 for b in (lo, hi)):
+            raise ConfigError("--replicas must be >= 0, and --min-replicas / --max-replicas >= 1")
+        if self.replicas == 0:
+            if lo is not None or hi is not None or self.ray_address:
+                raise ConfigError(
+                    "--min-replicas, --max-replicas and --ray-address need --replicas N (N >= 1)"
+                )
+            return
+        if self.replica_routing not in REPLICA_ROUTING:
+            raise ConfigError(
+                f"--replica-routing: unknown {self.replica_routing!r}; "
+                f"choose among {', '.join(REPLICA_ROUTING)}"
+            )
+        if lo is not None and hi is not None and lo > hi:
+            raise ConfigError(f"--min-replicas {lo} is above --max-replicas {hi}")
+        if (lo is not None and self.replicas < lo) or (hi is not None and self.replicas > hi):
+            raise ConfigError(
+                f"--replicas {self.replicas} (the replicas to start with) is outside the autoscaling bounds"
+            )
+        if not _installed("ray"):  # (not ray.serve: that would import ray before its settings are made)
+            raise ConfigError("--replicas needs Ray Serve: pip install 'pytgi[ray]'")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise ConfigError(
+                "--replicas cannot run under torchrun's ranks (WORLD_SIZE > 1); "
+                "use --num-shard for each replica"
+            )

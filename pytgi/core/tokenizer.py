@@ -114,16 +114,6 @@ def _clean_up_tokenization(text: str) -> str:
     return text
 
 
-def read_chat_template(value: str) -> str:
-    """`--chat-template`: a file's text, or the template itself (it has Jinja's `{{` or `{%`)."""
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text()
-    if "{{" in value or "{%" in value:
-        return value
-    raise ValueError(f"{value!r} is neither a file nor a Jinja template")
-
-
 class Tokenizer:
     """A Hugging Face tokenizer directory, read without transformers."""
 

@@ -116,7 +116,7 @@ def test_serve_is_rank_0_and_names_the_command_of_the_others():
 
 @pytest.mark.parametrize(
     "n,message",
-    [("0", "--num-shard must be >= 1"), ("4", "cannot shard a model with 3 key/value heads over 4 ranks")],
+    [("0", "num_shard must be >= 1"), ("4", "cannot shard a model with 3 key/value heads over 4 ranks")],
 )
 def test_impossible_shard_counts_are_refused_at_start(n, message):
     proc = subprocess.run(

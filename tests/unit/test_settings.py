@@ -66,3 +66,39 @@ def test_defaults_are_the_configs_defaults(monkeypatch) -> None:
     assert EngineConfig(**flags.from_args(args, "engine")) == EngineConfig()
     server = ServerConfig(EngineConfig(), Path("."), "m", **flags.from_args(args, "server"))
     assert server == ServerConfig(EngineConfig(), Path("."), "m")
+
+
+def test_server_settings_validate_themselves(tmp_path, monkeypatch) -> None:
+    """ServerConfig.validate: each refusal a ConfigError naming the flag, before any model is read;
+    the names it checks against are those the API side's modules define."""
+    import pytest
+
+    from pytgi.api.chat.reasoning import PARSERS
+    from pytgi.api.middleware import EXEMPTIONS
+    from pytgi.api.replicas.affinity import POLICIES
+    from pytgi.core.config import API_KEY_EXEMPTIONS, REASONING_PARSERS, REPLICA_ROUTING, ConfigError
+
+    assert tuple(EXEMPTIONS) == API_KEY_EXEMPTIONS and PARSERS == REASONING_PARSERS
+    assert POLICIES == REPLICA_ROUTING
+
+    def config(**kw) -> ServerConfig:
+        return ServerConfig(EngineConfig(), Path("."), "m", **kw)
+
+    config().validate()
+    config(api_key_exempt=("none",), reasoning_parser="qwen3", chat_template="{{ x }}").validate()
+    (tmp_path / "t.jinja").write_text("{{ messages }}")
+    config(chat_template=str(tmp_path / "t.jinja"), ssl_keyfile="k", ssl_certfile="c").validate()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for kw, message in [
+        (dict(api_key_exempt=("health", "secrets")), "--api-key-exempt: unknown route name(s) secrets"),
+        (dict(reasoning_parser="nope"), "--reasoning-parser: unknown 'nope'"),
+        (dict(chat_template=str(tmp_path / "missing.jinja")), "--chat-template: "),
+        (dict(ssl_keyfile="k"), "HTTPS needs both"),
+        (dict(replicas=-1), "--replicas must be >= 0"),
+        (dict(min_replicas=2), "need --replicas N"),
+        (dict(replicas=2, replica_routing="random"), "--replica-routing: unknown 'random'"),
+        (dict(replicas=2, min_replicas=3, max_replicas=2), "--min-replicas 3 is above --max-replicas 2"),
+        (dict(replicas=5, max_replicas=4), "outside the autoscaling bounds"),
+    ]:
+        with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            config(**kw).validate()

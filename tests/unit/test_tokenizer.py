@@ -415,7 +415,7 @@ def test_partial_stop_len() -> None:
 
 
 def test_chat_template_flag_takes_a_file_or_a_template(tmp_path) -> None:
-    from pytgi.core.tokenizer import read_chat_template
+    from pytgi.core.config import read_chat_template
 
     (tmp_path / "t.jinja").write_text("{{ messages[0].content }}")
     assert read_chat_template(str(tmp_path / "t.jinja")) == "{{ messages[0].content }}"

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pytgi.core.config import REASONING_PARSERS
+
 START, END = "<think>", "</think>"
-PARSERS = ("deepseek_r1", "qwen3")
+PARSERS = REASONING_PARSERS  # each one a style of `Reasoning` below
 Kind = Literal["reasoning", "content"]
 
 

@@ -19,8 +19,9 @@ from typing import Any
 import msgspec
 
 from pytgi.core import protocol as P
+from pytgi.core.config import REPLICA_ROUTING
 
-POLICIES = ("prefix", "round-robin")
+POLICIES = REPLICA_ROUTING  # what `--replica-routing` may name
 # this process's routers (`pytgi.api.replicas.router`; the client reads their replicas' numbers). Here,
 # not in the router's module: Ray Serve pickles that module by value, so its globals are copies.
 ROUTERS: list[Any] = []
