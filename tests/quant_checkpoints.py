@@ -67,7 +67,7 @@ def fp8_blocks(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.T
     return q.contiguous(), scale, q.float() * full
 
 
-def ct_scheme(fmt: str, bits: int, group: int, sym: bool):  # type: ignore[no-untyped-def]
+def ct_scheme(fmt: str, bits: int, group: int, sym: bool):
     """compressed-tensors' own scheme for a format: int weights per group (`group` > 0), channel (-1) or
     tensor (0); float (e4m3) weights per channel (-1), tensor (0) or `group` x `group` block. int- and
     float-quantized are W8A8 (dynamic per-token activations), naive- and pack-quantized weight-only."""
@@ -85,7 +85,7 @@ def ct_scheme(fmt: str, bits: int, group: int, sym: bool):  # type: ignore[no-un
     return QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)
 
 
-def ct_plain(w: torch.Tensor, fmt: str, bits: int, group: int, sym: bool):  # type: ignore[no-untyped-def]
+def ct_plain(w: torch.Tensor, fmt: str, bits: int, group: int, sym: bool):
     """One linear as compressed-tensors' own compressor stores it in `fmt` (int- / naive- / float-
     quantized), from scales made here by round to nearest; and the weight its own decompressor gives."""
     from compressed_tensors.compressors import BaseCompressor
@@ -112,7 +112,7 @@ def ct_plain(w: torch.Tensor, fmt: str, bits: int, group: int, sym: bool):  # ty
     return {k: v.contiguous() for k, v in stored.items()}, deq
 
 
-def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool = True, fmt: str = "gptq",  # type: ignore[no-untyped-def]
+def write(hf, out: Path, method: str, bits: int = 4, group: int = 32, sym: bool = True, fmt: str = "gptq",
           act_order: bool = False):  # fmt: skip
     """Write `hf` (a float transformers model) as a `method` ("gptq" | "awq" | "fp8") checkpoint in
     `out`; return the float model whose linears hold the checkpoint's dequantized values. `act_order`:

@@ -82,7 +82,7 @@ def declared_gguf(path: Path, layers: int, hidden: int, inter: int, qtype: str =
     return path
 
 
-def _llama_metadata(writer, layers: int, hidden: int, inter: int, heads: int, kv: int, context: int) -> None:  # type: ignore[no-untyped-def]
+def _llama_metadata(writer, layers: int, hidden: int, inter: int, heads: int, kv: int, context: int) -> None:
     """A Llama file's hyperparameters, and the default model's tokenizer as its file has it."""
     from gguf import GGUFReader, GGUFValueType
 

@@ -19,11 +19,11 @@ def _engine_main() -> int:
     from pytgi.engine.runner import ModelRunner
 
     class FaultyRunner(ModelRunner):
-        def __init__(self, config, rank=0):  # type: ignore[no-untyped-def]
+        def __init__(self, config, rank=0):
             super().__init__(config, rank)
             self.prefix = Tokenizer.from_dir(config.model).encode(FAULT_PROMPT)[:3]
 
-        def execute(self, batch):  # type: ignore[no-untyped-def]
+        def execute(self, batch):
             if any(s.request.prompt_ids[: len(self.prefix)] == self.prefix for s in batch):
                 raise RuntimeError("injected fault")
             return super().execute(batch)

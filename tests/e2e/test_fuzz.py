@@ -153,7 +153,7 @@ GRAMMARS = st.fixed_dictionaries(
 )
 
 
-def _mutated(draw, body: dict, fields: list[str]) -> dict:  # type: ignore[no-untyped-def]
+def _mutated(draw, body: dict, fields: list[str]) -> dict:
     """A valid body with one to three fields set to edge values (a wrong type, a huge or negative
     number, a nasty string) or to any JSON at all."""
     for k in draw(st.lists(st.sampled_from(fields), min_size=1, max_size=3, unique=True)):
@@ -162,7 +162,7 @@ def _mutated(draw, body: dict, fields: list[str]) -> dict:  # type: ignore[no-un
 
 
 @st.composite
-def tgi_bodies(draw):  # type: ignore[no-untyped-def]
+def tgi_bodies(draw):
     params = _mutated(draw, {"max_new_tokens": 2}, TGI_PARAMS)
     body = {"inputs": draw(texts), "parameters": params}
     if draw(st.integers(0, 4)) == 0:  # the body's own fields
@@ -171,7 +171,7 @@ def tgi_bodies(draw):  # type: ignore[no-untyped-def]
 
 
 @st.composite
-def openai_bodies(draw, chat: bool):  # type: ignore[no-untyped-def]
+def openai_bodies(draw, chat: bool):
     body = {"messages": [{"role": "user", "content": draw(texts)}]} if chat else {"prompt": draw(texts)}
     body = _mutated(draw, {**body, "max_tokens": 2}, OPENAI_FIELDS)
     if chat and draw(st.booleans()):
@@ -214,7 +214,7 @@ BLOCKS = st.fixed_dictionaries(
 
 
 @st.composite
-def anthropic_bodies(draw):  # type: ignore[no-untyped-def]
+def anthropic_bodies(draw):
     content = draw(texts | st.lists(BLOCKS, max_size=3))
     body = {
         "model": "",
@@ -255,7 +255,7 @@ ITEMS = st.fixed_dictionaries(
 
 
 @st.composite
-def responses_bodies(draw):  # type: ignore[no-untyped-def]
+def responses_bodies(draw):
     body = {"model": "", "max_output_tokens": 2, "input": draw(texts | st.lists(ITEMS, max_size=3))}
     return _mutated(draw, body, RESPONSES_FIELDS)
 
@@ -264,7 +264,7 @@ ADAPTER_PATHS = ["empty", "junk", "../junk", "/etc", "/", "org/adapter", ".", ""
 
 
 @st.composite
-def adapter_bodies(draw):  # type: ignore[no-untyped-def]
+def adapter_bodies(draw):
     """The runtime adapter routes' bodies: paths inside --lora-dirs that hold no adapter, ways out of
     it, Hub ids, and any JSON in any field."""
     body = {"lora_name": draw(texts), "lora_path": draw(st.sampled_from(ADAPTER_PATHS) | texts)}
@@ -351,7 +351,7 @@ FUZZ = settings(
 def test_tgi_routes_never_answer_5xx(fuzz_server, path):
     @FUZZ
     @given(tgi_bodies())
-    def check(body):  # type: ignore[no-untyped-def]
+    def check(body):
         send(fuzz_server, "POST", path, body)
 
     check()
@@ -361,7 +361,7 @@ def test_tgi_routes_never_answer_5xx(fuzz_server, path):
 def test_adapter_routes_never_answer_5xx(fuzz_server, path):
     @FUZZ
     @given(adapter_bodies())
-    def check(body):  # type: ignore[no-untyped-def]
+    def check(body):
         assert send(fuzz_server, "POST", path, body) != 200 or path.endswith("unload_lora_adapter")
 
     check()
@@ -370,7 +370,7 @@ def test_adapter_routes_never_answer_5xx(fuzz_server, path):
 def test_responses_route_never_answers_5xx(fuzz_server):
     @FUZZ
     @given(responses_bodies())
-    def check(body):  # type: ignore[no-untyped-def]
+    def check(body):
         send(fuzz_server, "POST", "/v1/responses", body)
 
     check()
@@ -380,7 +380,7 @@ def test_responses_route_never_answers_5xx(fuzz_server):
 def test_anthropic_routes_never_answer_5xx(fuzz_server, path):
     @FUZZ
     @given(anthropic_bodies())
-    def check(body):  # type: ignore[no-untyped-def]
+    def check(body):
         send(fuzz_server, "POST", path, body)
 
     check()
@@ -390,7 +390,7 @@ def test_anthropic_routes_never_answer_5xx(fuzz_server, path):
 def test_openai_routes_never_answer_5xx(fuzz_server, path):
     @FUZZ
     @given(openai_bodies(chat=path.endswith("chat/completions")))
-    def check(body):  # type: ignore[no-untyped-def]
+    def check(body):
         send(fuzz_server, "POST", path, body)
 
     check()
@@ -436,7 +436,7 @@ def test_any_json_and_raw_bytes_on_every_route(fuzz_server):
 
     @FUZZ
     @given(st.sampled_from(posts), json_values)
-    def check(path, body):  # type: ignore[no-untyped-def]
+    def check(path, body):
         send(fuzz_server, "POST", path, body)
 
     check()
@@ -470,7 +470,7 @@ def test_after_the_fuzzing_the_server_is_healthy_with_every_slot_free(fuzz_serve
         )
     assert codes == [200] * CONCURRENCY  # a leaked slot would turn one of these into 429
     total = sum(STATUSES.values())
-    by_status = collections.Counter()
+    by_status: collections.Counter[int] = collections.Counter()
     for (_, code), n in STATUSES.items():
         by_status[code] += n
     report = {

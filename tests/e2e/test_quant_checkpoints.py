@@ -24,7 +24,7 @@ FORMATS = {
 }
 
 
-def quantized(path, name):  # type: ignore[no-untyped-def]
+def quantized(path, name):
     tiny_tokenizer.build(path)
     vocab = Tokenizer.from_file(str(path / "tokenizer.json")).get_vocab_size()
     torch.manual_seed(0)

@@ -39,7 +39,7 @@ def test_reasoning_content_streamed_and_not(server):
             model=MODEL, messages=ASK, max_tokens=60, temperature=0, stream=True, extra_body=THINKS
         )
     )
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]  # type: ignore[attr-defined]
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == reasoning
     assert "".join(d.content or "" for d in deltas) == content
     # no think block: all content; the template's kwargs are taken (this template has no switch)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -30,7 +31,7 @@ def greedy(url: str, prompt: str) -> str:
 
 @pytest.fixture(scope="module", params=[2, 3])
 def sharded(request, tmp_path_factory):
-    srv = Server("--num-shard", str(request.param), log=tmp_path_factory.mktemp("logs") / "sharded.log")
+    srv: Any = Server("--num-shard", str(request.param), log=tmp_path_factory.mktemp("logs") / "sharded.log")
     srv.num_shard = request.param
     yield srv.wait_ready()
     srv.stop()

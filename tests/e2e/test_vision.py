@@ -239,7 +239,7 @@ def test_tgi_markdown_anthropic_blocks_and_responses_items_see_the_same_image(se
             max_tokens=12,
             extra_body={"temperature": 0},
             messages=[
-                {
+                {  # type: ignore[misc]
                     "role": "user",
                     "content": [{"type": "text", "text": "Hi"}, {"type": "image", "source": source}],
                 }
@@ -249,7 +249,7 @@ def test_tgi_markdown_anthropic_blocks_and_responses_items_see_the_same_image(se
     n = claude.messages.count_tokens(
         model=model,
         messages=[
-            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image", "source": source}]}
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image", "source": source}]}  # type: ignore[misc]
         ],
     )
     assert n.input_tokens == ask(client, model, data_url(png(1)), text="Hi").usage.prompt_tokens
@@ -259,7 +259,7 @@ def test_tgi_markdown_anthropic_blocks_and_responses_items_see_the_same_image(se
         max_output_tokens=12,
         temperature=0,
         input=[
-            {
+            {  # type: ignore[misc]
                 "role": "user",
                 "content": [
                     {"type": "input_text", "text": "Hi"},
@@ -364,7 +364,7 @@ def test_idefics3_counts_each_image_by_its_tiles(tmp_path):
         n = claude.messages.count_tokens(
             model=str(path),
             messages=[
-                {
+                {  # type: ignore[misc]
                     "role": "user",
                     "content": [{"type": "text", "text": "Hi"}, {"type": "image", "source": source}],
                 }
@@ -405,7 +405,7 @@ def test_gemma3_tokenizes_the_blank_lines_around_each_image_as_its_processor(tmp
         n = claude.messages.count_tokens(
             model=str(path),
             messages=[
-                {
+                {  # type: ignore[misc]
                     "role": "user",
                     "content": [
                         {"type": "text", "text": "What is in the picture?\n"},

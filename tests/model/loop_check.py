@@ -16,7 +16,7 @@ def assert_loop_equals_python_path(fast: LLM, prompts: list, min_loop_steps: int
     used, loop = [], model.decoder_loop
     assert loop is not None
 
-    def counting(*args):  # type: ignore[no-untyped-def]
+    def counting(*args):
         h = loop(*args)
         used.append(h is not None)
         return h
@@ -30,7 +30,7 @@ def assert_loop_equals_python_path(fast: LLM, prompts: list, min_loop_steps: int
         dataclasses.replace(model.kernels, decoder_loop=False),
         "auto",
     )
-    assert plain.decoder_loop is None
+    assert plain.decoder_loop is None  # type: ignore[attr-defined]
     params = SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=True)
     outs = []
     for m in (model, plain):

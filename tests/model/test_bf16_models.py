@@ -24,7 +24,7 @@ PROMPTS = [[1, 2, 3, 4], [50, 60, 70], [9] * 40, list(range(100, 160)), [7, 8]]
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("bf16-llama")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    cfg = transformers.LlamaConfig(  # type: ignore[call-arg]
         vocab_size=256,
         hidden_size=128,
         intermediate_size=256,

@@ -19,7 +19,7 @@ from tests.kernel_paths import batch_invariant
 VOCAB = 64
 
 
-def save_tiny(path, seed: int, base=None, noise: float = 0.0, vocab: int = VOCAB):  # type: ignore[no-untyped-def]
+def save_tiny(path, seed: int, base=None, noise: float = 0.0, vocab: int = VOCAB):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         vocab_size=vocab,
@@ -100,7 +100,7 @@ def test_sampled_distribution_is_unchanged(engines):
     plain, spec = engines
     n, prompt = 600, [3, 8, 13]
 
-    def tokens(llm, first_seed):  # type: ignore[no-untyped-def]
+    def tokens(llm, first_seed):
         params = [
             SamplingParams(max_new_tokens=4, do_sample=True, seed=first_seed + i, ignore_eos=True)
             for i in range(n)

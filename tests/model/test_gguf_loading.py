@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -87,7 +88,7 @@ def test_quantized_tensors_are_packed_from_their_blocks(tmp_path, monkeypatch, f
     model_dir = resolve_model(str(path), progress=False).path
     assert not list(model_dir.glob("*.safetensors"))  # the weights stay in the GGUF file
     fast = ModelRunner(EngineConfig(model=str(model_dir), dtype="bfloat16", device="cpu"))
-    model = fast.model
+    model: Any = fast.model
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     per_layer = 2 if family == "qwen3moe" else 4  # qkv, o (and gate|up, down without experts)
     assert len(linears) == 1 + per_layer * kw["num_hidden_layers"]

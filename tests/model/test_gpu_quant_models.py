@@ -3,6 +3,8 @@ in their levels and grids, and `--quantize fp8`, give the logits of the dequanti
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
 import pytest
 import torch
@@ -32,7 +34,7 @@ def _on_triton(path, monkeypatch, quantize: str) -> tuple[ModelRunner, torch.nn.
         monkeypatch.setattr(
             runner, "model", load_model(path, torch.bfloat16, DEVICE, CpuKernels(triton=True), quantize)
         )
-    return runner, runner.model
+    return runner, cast(torch.nn.Module, runner.model)
 
 
 def test_gguf_linears_stay_in_their_levels_on_the_triton_path(tmp_path, monkeypatch):
@@ -61,7 +63,7 @@ def test_fp8_weights_give_the_logits_of_their_e4m3_values(tmp_path, monkeypatch)
     hf.save_pretrained(tmp_path / "m", safe_serialization=True)
     exact = ModelRunner(EngineConfig(model=str(tmp_path / "m"), dtype="float32", device="cpu"))
     with torch.no_grad():  # the reference: every linear but the head on its e4m3 values, in float32
-        for mod in exact.model.modules():
+        for mod in cast(Any, exact.model).modules():
             if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
                 q, s = gpu_quant.quantize_fp8(mod.weight.data.to(torch.bfloat16))
                 mod.weight.copy_(gpu_quant.fp8_values(q, s, (1, mod.weight.shape[1])))

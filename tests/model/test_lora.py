@@ -286,7 +286,7 @@ def test_the_c_decoder_loop_adds_the_adapters_as_the_python_path_does(tmp_path):
     loop, used = model.decoder_loop, []
     assert loop is not None and loop.takes_lora
 
-    def counting(*args):  # type: ignore[no-untyped-def]
+    def counting(*args):
         h = loop(*args)
         used.append(h is not None and args[-1] is not None)
         return h

@@ -6,6 +6,7 @@ formats not served are refused with the list of those that are."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import pytest
@@ -50,7 +51,7 @@ CASES = {  # name: (method, bits, group, sym, format, desc_act)
 }
 
 
-def checkpoint(tmp_path, case):  # type: ignore[no-untyped-def]
+def checkpoint(tmp_path, case):
     method, bits, group, sym, fmt, act_order = CASES[case]
     if method == "compressed-tensors":
         pytest.importorskip("compressed_tensors")
@@ -110,10 +111,11 @@ def test_bf16_keeps_the_levels_packed(tmp_path, case):
     """(FP8 on CPU: dequantized to bf16, on the bf16 kernel where it builds.)"""
     path, kw, ref = checkpoint(tmp_path, case)
     fast = ModelRunner(EngineConfig(model=str(path), dtype="bfloat16", device="cpu"))
-    linears = [m for m in fast.model.modules() if isinstance(m, QuantizedLinear)]
+    model: Any = fast.model
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     kind = read_quantization(path).kind
     # qkv, o, gate|up, down as the checkpoint's levels (FP8: dequantized to bf16); the tied float head int8
-    head = fast.model.lm_head
+    head = model.lm_head
     assert isinstance(head, QuantizedLinear) and head.quant.kind == HEAD_KIND
     assert len(linears) == 4 * kw["num_hidden_layers"] + 1
     assert {m.quant.kind for m in linears if m is not head} == {"bf16" if kind == "fp8" else kind}
@@ -190,7 +192,7 @@ def test_lora_and_speculation_on_a_gptq_checkpoint(tmp_path):
         engine.shutdown()
 
 
-def transformers_model(path):  # type: ignore[no-untyped-def]
+def transformers_model(path):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

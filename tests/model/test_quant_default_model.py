@@ -30,7 +30,7 @@ GREEDY = SamplingParams(max_new_tokens=16, temperature=0)
 
 
 @pytest.fixture(scope="module")
-def source():  # type: ignore[no-untyped-def]
+def source():
     from transformers import AutoModelForCausalLM
 
     path = hf_copy(resolve_model(None).path)

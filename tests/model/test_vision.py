@@ -6,6 +6,7 @@ cache; and the refusals."""
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import pytest
 import torch
@@ -192,8 +193,8 @@ def test_the_image_cache_skips_the_tower_for_an_image_seen_before(tiny, size):
     rows computed before, and gives what transformers gives; with 0, the tower runs again. Requests
     that hold the same image at once share it either way."""
     engine = engine_for(tiny, mm_cache_size=size, enable_prefix_caching=False)
-    model = engine.runner.model
-    calls = []
+    model: Any = engine.runner.model
+    calls: list[int] = []
     encode = model.encode_image
     model.encode_image = lambda pixels: calls.append(1) or encode(pixels)
     try:
@@ -306,7 +307,7 @@ def test_quantized_the_decoder_is_low_bit_and_the_vision_part_runs_in_bf16(tiny_
     and LLaVA-NeXT's newline row are bf16, and image prompts still answer."""
     engine = engine_for(tiny_next, dtype="bfloat16", quantize="int8")
     try:
-        model = engine.runner.model
+        model: Any = engine.runner.model
         assert {p.dtype for p in model.tower.parameters()} == {torch.bfloat16}
         assert {p.dtype for p in model.projector.parameters()} == {torch.bfloat16}
         assert model.image_newline.dtype == torch.bfloat16
@@ -379,7 +380,7 @@ def test_llava_on_the_default_models_real_text_weights(tmp_path):
     def chat(text: str, with_image: bool) -> list[int]:
         head = tok.encode(f"<|im_start|>user\n{text}", add_special_tokens=False)
         return (
-            head
+            head  # type: ignore[return-value]
             + [image] * with_image
             + tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
         )

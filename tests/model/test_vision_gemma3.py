@@ -106,7 +106,7 @@ def build(path):
         len(tok.encode("user\n\n\n", add_special_tokens=False))
         == len(tok.encode("user", add_special_tokens=False)) + 1
     )
-    cfg = transformers.Gemma3Config(
+    cfg = transformers.Gemma3Config(  # type: ignore[call-arg]
         text_config={**TEXT, "vocab_size": len(tok)},
         vision_config=VISION,
         mm_tokens_per_image=ROWS,

@@ -105,7 +105,7 @@ def tiny(request, tmp_path_factory):
 def reference(tiny, text: str, images: list[bytes]) -> list[int]:
     """transformers' generate, the prompt expanded and the pixels made by the family's processor."""
     family, path, _ = tiny
-    model = FAMILIES[family][1].from_pretrained(path, dtype=torch.float32).eval()
+    model = FAMILIES[family][1].from_pretrained(path, dtype=torch.float32).eval()  # type: ignore[attr-defined]
     tok = transformers.AutoTokenizer.from_pretrained(path)
     ids, kw = torch.tensor([tok.encode(text)]), {}
     if images:

@@ -94,7 +94,7 @@ def tiny(request, tmp_path_factory):
 def reference(tiny, prompt: list[int], images: list[bytes]) -> list[int]:
     """transformers' generate, each image token expanded to its merged patches as the processor does."""
     family, path = tiny
-    model = FAMILIES[family][1].from_pretrained(path, dtype=torch.float32).eval()
+    model = FAMILIES[family][1].from_pretrained(path, dtype=torch.float32).eval()  # type: ignore[attr-defined]
     kw = {}
     ids = list(prompt)
     if images:
@@ -187,7 +187,7 @@ def test_the_api_counts_each_image_as_the_processor_expands_it(tiny):
             made = images.processor(Image.new("RGB", (w, h)))
             assert image_positions(images.layout, w, h) == len(made.ids), (w, h)
             # what transformers itself says an image of this size takes (vLLM counts with it too)
-            assert len(made.ids) == images.processor.processor.get_number_of_image_patches(h, w) // 4, (w, h)
+            assert len(made.ids) == images.processor.processor.get_number_of_image_patches(h, w) // 4, (w, h)  # type: ignore[attr-defined]
     finally:
         engine.shutdown()
 

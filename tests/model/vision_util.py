@@ -29,7 +29,8 @@ def engine_for(path, **kw) -> LLMEngine:
 def greedy(engine: LLMEngine, jobs, new: int) -> tuple[list[list[int]], list[int]]:
     """jobs: (prompt ids, images) submitted together; each one's `new` greedy tokens (fewer at EOS),
     and the prompt tokens the prefix cache gave it."""
-    got, cached = {}, {}
+    got: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
     for i, (prompt, images) in enumerate(jobs):
         engine.add_request(str(i), prompt, SamplingParams(max_new_tokens=new, temperature=0), images=images)
         got[str(i)] = []

@@ -95,7 +95,7 @@ def deltas(text: str, cuts: list[int], finish: str) -> list[Delta]:
 
 def events(text: str, cuts: list[int], style, finish: str = "eos_token") -> list[dict]:
     out = SimpleNamespace(finish_reason=finish, stop_sequence=None)
-    stream = A.MessageStream({"id": "msg_1"}, lambda: out, style)
+    stream = A.MessageStream({"id": "msg_1"}, lambda: out, style)  # type: ignore[return-value]
     raw = stream.start() + [e for d in deltas(text, cuts, finish) for e in stream.delta(d)]
     parsed = []
     for e in raw:

@@ -657,7 +657,7 @@ def test_cli_targets() -> None:
     assert args.sweep_concurrency == [1, 2, 4]
     targets = build_targets(args)
     assert [t.name for t in targets] == ["pytgi", "llama-server", "transformers-serve"]
-    assert targets[1].args == "-np 4 -c 4096" and targets[0].protocol == "tgi"
+    assert targets[1].args == "-np 4 -c 4096" and targets[0].protocol == "tgi"  # type: ignore[attr-defined]
     targets = build_targets(
         parse("--url", "http://h:3000/", "--protocol", "openai", "--peer", "tgi=http://h:3000")
     )
@@ -689,7 +689,6 @@ def test_peak_rss_of_a_process_tree_counts_its_children() -> None:
     """A parent whose child holds 200 MB for a moment: the peak of the tree sees the child's pages."""
     import subprocess
     import sys
-    import time
 
     from pytgi.bench.procs import PeakRss, tree_rss
 
@@ -699,5 +698,4 @@ def test_peak_rss_of_a_process_tree_counts_its_children() -> None:
     )
     peak = PeakRss(parent.pid, every=0.05)
     parent.wait(30)
-    time.sleep(0.1)
     assert peak.stop() >= 200 << 20 and tree_rss(parent.pid) == 0

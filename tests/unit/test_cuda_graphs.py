@@ -39,7 +39,7 @@ def graphs(sizes=(1, 2, 4, 8)):
         kv_caches=[],
     )
     g = DecodeGraphs(paged, sizes, max_blocks=6, scratch_block=50)
-    g.graphs = {s: (_Replay(), torch.arange(s * 3, dtype=torch.float32).reshape(s, 3)) for s in sizes}
+    g.graphs = {s: (_Replay(), torch.arange(s * 3, dtype=torch.float32).reshape(s, 3)) for s in sizes}  # type: ignore[misc]
     return g
 
 

@@ -33,7 +33,7 @@ class FakeEngine:
         self.outbox = self._ctx.socket(zmq.PUSH)
         self.outbox.connect(f"ipc://{client._dir}/outbox")
 
-    async def recv(self) -> P.Submit | P.Abort | P.Shutdown:
+    async def recv(self) -> P.Submit | P.Abort | P.Shutdown | P.AdapterOp:
         return P.to_engine.decode(await asyncio.wait_for(self.inbox.recv(), TIMEOUT))
 
     async def nothing_received(self) -> bool:

@@ -42,7 +42,7 @@ class RecordingEngine:
 
 
 def sockets(name: str) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket, zmq.Socket]:
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     to_engine, inbox = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     outbox, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     inbox.bind(f"inproc://{name}-in")

@@ -54,7 +54,7 @@ def test_rope_write_kv(dtype):
     assert k_cache[1].abs().sum() == 0  # untouched slots stay untouched
 
 
-def _gemma_norm(dim: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+def _gemma_norm(dim: int, dtype: torch.dtype):
     norm = RMSNorm(dim, 1e-6, offset=True)
     norm.weight.data = (0.5 * torch.randn(dim)).to(dtype)
     return norm

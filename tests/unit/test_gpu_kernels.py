@@ -248,9 +248,11 @@ def test_fp8_kv_cache_written_by_rope_and_read_by_attention(dtype):
     v_cache = torch.randn(num_blocks * bs, KVH, D, device=DEVICE)
     k8, v8 = gpu.quantize_kv_fp8(k_cache), gpu.quantize_kv_fp8(v_cache)
     qq = torch.randn(4, H, D, device=DEVICE).to(dtype)
-    ref = TorchAttention(CpuKernels.none(), (H, KVH, D))
+    torch_attn = TorchAttention(CpuKernels.none(), (H, KVH, D))
     kv = [gpu.kv_fp8_values(c).to(dtype) for c in (k8, v8)]
-    want = ref.forward(qq, None, None, kv[0], kv[1], ref.prepare(layout, DEVICE), D**-0.5).float()
+    want = torch_attn.forward(
+        qq, None, None, kv[0], kv[1], torch_attn.prepare(layout, DEVICE), D**-0.5
+    ).float()
     backend = TritonAttention(CpuKernels.none(), (H, KVH, D))
     got = backend.forward(qq, None, None, k8, v8, backend.prepare(layout, DEVICE), D**-0.5).float()
     torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])

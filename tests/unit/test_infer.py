@@ -4,6 +4,7 @@ back exactly once when the admission closes, aborting what still runs."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -16,18 +17,21 @@ from tests.waiting import async_wait_until
 
 class FakeClient:
     def __init__(self, fail: Exception | None = None) -> None:
-        self.fail, self.submitted, self.aborted, self.released = fail, [], [], []
+        self.fail = fail
+        self.submitted: list[Any] = []
+        self.aborted: list[str] = []
+        self.released: list[str] = []
 
-    def submit(self, rid, ids, params, images=None):  # type: ignore[no-untyped-def]
+    def submit(self, rid, ids, params, images=None):
         if self.fail is not None:
             raise self.fail
         self.submitted.append(rid)
         return asyncio.Queue()
 
-    def abort(self, rid):  # type: ignore[no-untyped-def]
+    def abort(self, rid):
         self.aborted.append(rid)
 
-    def release(self, rid):  # type: ignore[no-untyped-def]
+    def release(self, rid):
         self.released.append(rid)
 
 
@@ -48,7 +52,7 @@ def _req() -> ValidRequest:
 
 
 def test_slots_are_refused_at_once_over_the_limit_and_come_back_on_close():
-    infer = Infer(FakeClient(), tokenizer=None, max_concurrent_requests=3)  # type: ignore[arg-type]
+    infer = Infer(FakeClient(), tokenizer=None, max_concurrent_requests=3)
     a, b = infer.admission(), infer.admission()
     a.take(2)
     with pytest.raises(Overloaded):
@@ -64,7 +68,7 @@ def test_slots_are_refused_at_once_over_the_limit_and_come_back_on_close():
 
 def test_closing_an_admission_aborts_its_running_streams():
     client = FakeClient()
-    infer = Infer(client, tokenizer=None, max_concurrent_requests=2)  # type: ignore[arg-type]
+    infer = Infer(client, tokenizer=None, max_concurrent_requests=2)
     adm = infer.admission()
     adm.take(1)
     stream = infer.stream(_req(), adm)
@@ -77,7 +81,7 @@ def test_a_submit_that_raises_keeps_no_slot():
         FakeClient(fail=UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates")),
         tokenizer=None,
         max_concurrent_requests=1,
-    )  # type: ignore[arg-type]
+    )
     adm = infer.admission()
     adm.take(1)
     with pytest.raises(UnicodeEncodeError):
@@ -95,16 +99,16 @@ class PieceTokenizer:
     def __init__(self, pieces: list[str]) -> None:
         self.pieces = pieces
 
-    def decode(self, ids, skip_special_tokens=True):  # type: ignore[no-untyped-def]
+    def decode(self, ids, skip_special_tokens=True):
         return "".join(self.pieces[i] for i in ids if not (skip_special_tokens and i == 0))
 
     def id_to_piece(self, i: int) -> str:
         return self.pieces[i]
 
 
-def _stream(pieces: list[str], **sampling):  # type: ignore[no-untyped-def]
+def _stream(pieces: list[str], **sampling):
     client = FakeClient()
-    infer = Infer(client, PieceTokenizer(pieces), max_concurrent_requests=1)  # type: ignore[arg-type]
+    infer = Infer(client, PieceTokenizer(pieces), max_concurrent_requests=1)
     adm = infer.admission()
     adm.take(1)
     req = _req()
@@ -112,7 +116,7 @@ def _stream(pieces: list[str], **sampling):  # type: ignore[no-untyped-def]
     return client, adm, infer.stream(req, adm)
 
 
-async def _drain(stream, updates):  # type: ignore[no-untyped-def]
+async def _drain(stream, updates):
     for u in updates:
         stream.queue.put_nowait(u)
     return [d async for d in stream]
@@ -172,13 +176,13 @@ def test_generate_collects_the_stream_and_best_of_keeps_the_likeliest():
     from pytgi.core.protocol import TokenOut
 
     client = FakeClient()
-    infer = Infer(client, PieceTokenizer(["</s>", "a", "b"]), max_concurrent_requests=2)  # type: ignore[arg-type]
+    infer = Infer(client, PieceTokenizer(["</s>", "a", "b"]), max_concurrent_requests=2)
     adm = infer.admission()
     adm.take(2)
     req = _req()
     req.best_of, req.sampling = 2, SamplingParams(max_new_tokens=1, temperature=1.0, do_sample=True)
 
-    async def main():  # type: ignore[no-untyped-def]
+    async def main():
         task = asyncio.ensure_future(infer.generate(req, adm))
         await async_wait_until(
             lambda: len(adm.streams) == 2, 5, "generate() to open both streams", interval=0

@@ -15,7 +15,7 @@ from starlette.routing import Route
 from pytgi.api.middleware import ApiKeyMiddleware, OverloadMiddleware, PayloadLimitMiddleware
 
 
-async def _ok(request):  # type: ignore[no-untyped-def]
+async def _ok(request):
     return PlainTextResponse(str(len(await request.body())))
 
 
@@ -33,7 +33,7 @@ PATHS = [
 APP = Starlette(routes=[Route(p, _ok, methods=["GET", "POST"]) for p in PATHS])
 
 
-def _call(app, method: str, path: str, **kw) -> httpx.Response:  # type: ignore[no-untyped-def]
+def _call(app, method: str, path: str, **kw) -> httpx.Response:
     async def go() -> httpx.Response:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             return await c.request(method, path, **kw)
@@ -77,7 +77,7 @@ def test_over_the_limit_a_generation_is_refused_before_its_body_is_read() -> Non
 def test_a_streamed_body_over_the_limit_is_413_and_one_under_it_arrives_whole() -> None:
     app = PayloadLimitMiddleware(APP, limit=1000)
 
-    async def chunks(n: int):  # type: ignore[no-untyped-def]
+    async def chunks(n: int):
         for _ in range(n):
             yield b"x" * 100
 

@@ -57,7 +57,7 @@ def http(tok: Tokenizer, val: Validation) -> TestClient:
     )
     oai.install(app, config)
     app.add_middleware(AdmissionMiddleware)
-    app.state.pytgi = State(  # type: ignore[arg-type]
+    app.state.pytgi = State(
         config=config,
         metrics=Metrics(),
         tokenizer=tok,
@@ -255,7 +255,7 @@ def renderer(chat: bool = True) -> render.StreamRenderer:
 def run(r: render.StreamRenderer, pieces: list[str], stops: list[str], last_reason: str) -> list[list[dict]]:
     """Each piece as one token through the output processor, then into the renderer."""
     sp = SamplingParams(max_new_tokens=50, temperature=0, stop=stops, include_stop_str_in_output=False)
-    proc = OutputProcessor(_Tok(pieces), [], sp)  # type: ignore[arg-type]
+    proc = OutputProcessor(_Tok(pieces), [], sp)
     out = []
     for k in range(len(pieces)):
         delta = proc.process(

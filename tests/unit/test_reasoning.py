@@ -81,12 +81,12 @@ def test_anthropic_thinking_blocks() -> None:
 
     answer = "<think>add</think>It is 4."
     out = SimpleNamespace(finish_reason="eos_token", stop_sequence=None, text=answer, tokens=[1, 2])
-    msg = A.message_json("m", "x", out, None, "qwen3", 3)  # type: ignore[arg-type]
+    msg = A.message_json("m", "x", out, None, "qwen3", 3)
     assert msg["content"] == [
         {"type": "thinking", "thinking": "add", "signature": ""},
         {"type": "text", "text": "It is 4."},
     ]
-    s = A.MessageStream({"id": "m"}, lambda: out, None, "qwen3")  # type: ignore[arg-type, return-value]
+    s = A.MessageStream({"id": "m"}, lambda: out, None, "qwen3")  # type: ignore[return-value]
     events = [
         _json.loads(e.split("\n")[1][6:])
         for e in s.start() + s.delta(Delta(1, Token(0, answer, None), [], answer, "eos_token"))
@@ -97,7 +97,7 @@ def test_anthropic_thinking_blocks() -> None:
 
 
 @pytest.mark.parametrize("kind", ["json_schema", "regex", "grammar"])
-def test_constraints_apply_after_the_think_block(kind: str, tokenizer_dir, tok) -> None:  # type: ignore[no-untyped-def]
+def test_constraints_apply_after_the_think_block(kind: str, tokenizer_dir, tok) -> None:
     import llguidance
 
     from pytgi.core import grammar as structured

@@ -4,6 +4,7 @@ the stream's events from deltas with a tool call cut at every character."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -57,9 +58,9 @@ def test_the_store_stays_under_its_byte_bound() -> None:
 
 
 def stream_events(text: str, cut: int, style) -> list[dict]:
-    done = {}
+    done: dict[str, Any] = {}
 
-    def final(status, items, generated):  # type: ignore[no-untyped-def]
+    def final(status, items, generated):
         done.update(status=status, items=[dict(i) for i in items], generated=generated)
         return {"id": "resp_1", "status": status}
 

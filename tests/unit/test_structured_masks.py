@@ -66,7 +66,7 @@ def generate(
         rid: torch.Generator().manual_seed(p.seed or 0) if p.sampling else None
         for rid, p in zip(rids, params)
     }
-    out = {rid: ([], "") for rid in rids}
+    out: dict[str, tuple[list[int], str]] = {rid: ([], "") for rid in rids}
     live = list(zip(rids, params))
     for _ in range(steps):
         if not live:

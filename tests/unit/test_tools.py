@@ -5,6 +5,7 @@ finds calls in whole answers and in streams cut anywhere."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import llguidance
 import pytest
@@ -185,11 +186,11 @@ def call(name, args):
 
 
 def test_auto_needs_no_grammar():
-    assert tools.grammar(plan()) is None  # type: ignore[arg-type]
+    assert tools.grammar(plan()) is None
 
 
 def test_required_admits_only_well_formed_calls(lltok, tok):
-    g = tools.grammar(plan("required"))  # type: ignore[arg-type]
+    g = tools.grammar(plan("required"))
     assert g is not None
     assert accepts(lltok, tok, g, call("get_weather", {"city": "Paris"}))
     assert accepts(
@@ -198,20 +199,20 @@ def test_required_admits_only_well_formed_calls(lltok, tok):
     assert not accepts(lltok, tok, g, call("get_weather", {"town": "Paris"}))  # not its schema
     assert not accepts(lltok, tok, g, call("get_news", {}))
     assert not accepts(lltok, tok, g, "It is sunny.")
-    single = tools.grammar(plan("required", parallel=False))  # type: ignore[arg-type]
+    single = tools.grammar(plan("required", parallel=False))
     assert not accepts(
         lltok, tok, single, call("get_weather", {"city": "Oslo"}) + "\n" + call("get_time", {"zone": "UTC"})
     )
 
 
 def test_a_named_function_admits_only_that_function(lltok, tok):
-    g = tools.grammar(plan({"type": "function", "function": {"name": "get_time"}}))  # type: ignore[arg-type]
+    g = tools.grammar(plan({"type": "function", "function": {"name": "get_time"}}))
     assert accepts(lltok, tok, g, call("get_time", {"zone": "UTC"}))
     assert not accepts(lltok, tok, g, call("get_weather", {"city": "Paris"}))
 
 
 def test_the_bare_json_style_forces_one_object(lltok, tok):
-    g = tools.grammar(plan("required", style_template="{{ tools }}"))  # type: ignore[arg-type]
+    g = tools.grammar(plan("required", style_template="{{ tools }}"))
     assert g is not None and g.type == "json"
     assert accepts(lltok, tok, g, '{"name": "get_time", "parameters": {"zone": "UTC"}}')
     assert not accepts(lltok, tok, g, '{"name": "get_time", "parameters": {"city": 1}}')
@@ -223,7 +224,7 @@ def stream(pieces: list[str], style: tools.Style) -> tuple[str, list[dict], tool
     events, and the parser."""
     parser = tools.parser(style)
     events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
-    content, calls = "", []
+    content, calls = "", list[Any]()
     for e in events:
         if isinstance(e, tools.Content):
             content += e.text

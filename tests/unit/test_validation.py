@@ -33,7 +33,7 @@ def val(tok: Tokenizer):
     v.close()
 
 
-def validate(v: Validation, r, stream: bool = False) -> ValidRequest:  # type: ignore[no-untyped-def]
+def validate(v: Validation, r, stream: bool = False) -> ValidRequest:
     """`Validation.validate` from a test without an event loop."""
     return asyncio.run(v.validate(r, stream))
 
