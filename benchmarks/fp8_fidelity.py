@@ -24,7 +24,7 @@ from benchmarks.fidelity import mean_nll, text_arguments
 from pytgi import LLM
 from pytgi.engine.kernels import gpu, gpu_quant
 from pytgi.engine.models.attention import TorchAttention
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear
 from pytgi.engine.models.loader import load_model
 
@@ -40,7 +40,7 @@ def main() -> None:
               enable_prefix_caching=False, progress=False)  # fmt: skip
     runner = llm.engine.runner
     # PyTorch's ops, so that the keys and values pass through TorchAttention.forward on their way in
-    runner.model = load_model(Path(llm.engine.model_path), torch.float32, torch.device("cpu"), CpuKernels.none())
+    runner.model = load_model(Path(llm.engine.model_path), torch.float32, torch.device("cpu"), Kernels.none())
     ids = llm.tokenizer.encode(Path(args.text).read_text(encoding="utf-8")[: args.chars])[: args.tokens]
     linears = [m for m in runner.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
     original = {m: m.weight.data.clone() for m in linears}

@@ -27,7 +27,7 @@ if str(REPO_ROOT) not in sys.path:
 
 from pytgi.engine.batch import StepBatch
 from pytgi.engine.models.attention import StepLayout, TorchAttention
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.triton_backend import TritonAttention
 
 H, KVH, D, BS = 32, 8, 128, 16
@@ -64,8 +64,8 @@ def main() -> int:
         k, v = torch.randn(T, KVH, D, device=dev, dtype=torch.bfloat16), torch.randn(T, KVH, D, device=dev, dtype=torch.bfloat16)
         row = {"case": name, "tokens": T}
         outs = {}
-        for label, backend in (("triton", TritonAttention(CpuKernels.none(), (H, KVH, D))),
-                               ("torch", TorchAttention(CpuKernels.none(), (H, KVH, D)))):
+        for label, backend in (("triton", TritonAttention(Kernels.none(), (H, KVH, D))),
+                               ("torch", TorchAttention(Kernels.none(), (H, KVH, D)))):
             def run():
                 return backend.forward(q, k, v, k_cache, v_cache, backend.prepare(lay, dev), D**-0.5)
             outs[label] = run().float()

@@ -26,8 +26,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from pytgi.bench import peers as bpeers
-from pytgi.bench.stream_client import discover_model, make_protocol, send_request
 from pytgi.bench.report import git_commit, machine_info, percentile, utc_stamp
+from pytgi.bench.stream_client import discover_model, make_protocol, send_request
 from pytgi.bench.workload import BenchRequest, count_tokens, load_tokenizer, synthetic_requests
 
 

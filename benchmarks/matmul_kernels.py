@@ -26,7 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.quant import QuantizedWeight
 
 LAYERS = 30
@@ -43,7 +43,7 @@ def build(kind: str) -> list:
         w = torch.randn(n, k, generator=g) * 0.02
         if kind.startswith("int"):
             bits, _, only = kind.partition("-")
-            cpu = CpuKernels.for_device(torch.device("cpu"), torch.bfloat16, vnni=only != "torch", amx=only == "")
+            cpu = Kernels.for_device(torch.device("cpu"), torch.bfloat16, vnni=only != "torch", amx=only == "")
             out.append(QuantizedWeight(bits, w, torch.bfloat16, cpu))
         else:
             out.append(w.to(getattr(torch, kind)))

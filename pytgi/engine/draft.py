@@ -31,7 +31,7 @@ from pytgi.core.model_files import resolve_model
 from pytgi.engine import distributed as dist
 from pytgi.engine.batch import PagedModel, StepBatch
 from pytgi.engine.kv_cache import BlockManager
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.loader import load_model, read_config, resolve_dtype
 from pytgi.engine.request import Request
 from pytgi.engine.sampler import row_stats
@@ -100,7 +100,7 @@ class DraftModel:
             )
         self.k, self.device, self.vocab, self.eos = k, device, target_vocab, eos_token_ids
         dtype = resolve_dtype("auto", read_config(path), device)
-        cpu = CpuKernels.for_device(device, dtype, batch_invariant=batch_invariant)
+        cpu = Kernels.for_device(device, dtype, batch_invariant=batch_invariant)
         with dist.unsharded():  # whole on rank 0, whatever the model's shards
             self.paged = PagedModel(
                 load_model(path, dtype, device, cpu, "auto"), dtype, device, unsharded=True

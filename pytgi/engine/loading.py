@@ -14,7 +14,7 @@ from pytgi.core.errors import ConfigError
 from pytgi.engine import distributed as dist
 from pytgi.engine.batch import PagedModel, fp8_kv_refusal
 from pytgi.engine.kv_sizing import check_fits, local_engines
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.loader import load_model, read_config, resolve_dtype, weight_bytes
 
 
@@ -35,7 +35,7 @@ def load_paged_model(config: EngineConfig, device: torch.device) -> PagedModel:
     model_path = Path(config.model)
     dtype = model_dtype(config, device)
     # On CPU this builds the C kernels now (about a second, once), not on the first request.
-    cpu = CpuKernels.for_device(device, dtype, batch_invariant=config.batch_invariant)
+    cpu = Kernels.for_device(device, dtype, batch_invariant=config.batch_invariant)
     share = local_engines(dist.tp_size()) / dist.tp_size()  # of the whole model, on this machine
     need = weight_bytes(model_path, dtype, device, config.quantize)
     check_fits(int(need * share), device, f"the model ({model_path.name})")

@@ -116,11 +116,11 @@ def test_loading_the_default_gguf_makes_no_float_copy(tmp_path, monkeypatch):
     resolve_model(None, progress=False)  # its metadata read first, outside the probe
     script = textwrap.dedent("""
         import json, torch
-        from pytgi.engine.models.cpu import CpuKernels
+        from pytgi.engine.models.cpu import Kernels
         from pytgi.engine.models.loader import load_model
         from pytgi.core.model_files import resolve_model
         path = resolve_model(None, progress=False).path
-        cpu = CpuKernels.for_device(torch.device("cpu"), torch.bfloat16)  # kernels built before the probe
+        cpu = Kernels.for_device(torch.device("cpu"), torch.bfloat16)  # kernels built before the probe
         def status(key):
             line = next(x for x in open("/proc/self/status") if x.startswith(key + ":"))
             return int(line.split()[1]) * 1024

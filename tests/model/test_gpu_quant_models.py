@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 from pytgi.core.config import EngineConfig
 from pytgi.core.model_files import resolve_model
 from pytgi.engine.kernels import gpu_quant
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear
 from pytgi.engine.models.loader import load_model
 from pytgi.engine.models.quant import GpuQuantizedWeight, QuantizedLinear
@@ -32,7 +32,7 @@ def _on_triton(path, monkeypatch, quantize: str) -> tuple[ModelRunner, torch.nn.
     runner = ModelRunner(EngineConfig(model=str(path), dtype="bfloat16", device=DEVICE.type, quantize=quant))
     if DEVICE.type != "cuda":
         monkeypatch.setattr(
-            runner, "model", load_model(path, torch.bfloat16, DEVICE, CpuKernels(triton=True), quantize)
+            runner, "model", load_model(path, torch.bfloat16, DEVICE, Kernels(triton=True), quantize)
         )
     return runner, cast(torch.nn.Module, runner.model)
 
@@ -92,7 +92,7 @@ def test_fp8_kv_cache_gives_the_logits_of_the_values_it_holds(tmp_path, monkeypa
         ModelRunner(
             EngineConfig(model=str(tmp_path / "m"), dtype="float32", device="cpu", kv_cache_dtype="fp8")
         )
-    model = load_model(tmp_path / "m", torch.float32, DEVICE, CpuKernels(triton=True), "none")
+    model = load_model(tmp_path / "m", torch.float32, DEVICE, Kernels(triton=True), "none")
     assert fp8_kv_refusal(model, torch.device("cuda")) is None
     seq = np.random.default_rng(3).integers(0, kw["vocab_size"], 21).tolist()
     outs = []

@@ -13,7 +13,7 @@ import transformers
 
 from pytgi.core.config import EngineConfig
 from pytgi.core.sampling_params import SamplingParams
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
 from pytgi.engine.step import ScheduledRequest
@@ -277,7 +277,7 @@ def test_pure_torch_path_matches(models, monkeypatch):
     runner = models[1]
     if type(runner.model).__name__ == "TransformersModel":
         pytest.skip("transformers' model code has no kernel choice")
-    model = type(runner.model)(runner.config, CpuKernels.none())  # the same weights on PyTorch's ops
+    model = type(runner.model)(runner.config, Kernels.none())  # the same weights on PyTorch's ops
     model.load_state_dict(runner.model.state_dict())
     monkeypatch.setattr(runner, "model", model.eval())
     test_chunks_and_paged_decodes_in_mixed_steps_match(models)
@@ -290,7 +290,7 @@ def test_triton_path_matches(models, monkeypatch):
     runner = models[1]
     if type(runner.model).__name__ == "TransformersModel":
         pytest.skip("transformers' model code has no kernel choice")
-    model = type(runner.model)(runner.config, CpuKernels(triton=True))
+    model = type(runner.model)(runner.config, Kernels(triton=True))
     assert type(model.attention).__name__ in ("TritonAttention", "SlidingWindowBackend")
     model.load_state_dict(runner.model.state_dict())
     monkeypatch.setattr(runner, "model", model.eval())

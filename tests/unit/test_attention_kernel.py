@@ -6,14 +6,14 @@ import torch
 
 from pytgi.engine import kernels
 from pytgi.engine.models.attention import StepLayout, TorchAttention
-from pytgi.engine.models.cpu import CROSSOVERS, CpuKernels, Crossovers
+from pytgi.engine.models.cpu import CROSSOVERS, Crossovers, Kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
 
 
 def attention(dtype, heads, **kernel_choice):
     """The attention backend on this CPU's kernels (`fused=False`: the gather + SDPA path)."""
-    return TorchAttention(CpuKernels.for_device(torch.device("cpu"), dtype, **kernel_choice), heads)
+    return TorchAttention(Kernels.for_device(torch.device("cpu"), dtype, **kernel_choice), heads)
 
 
 def reference(q, k_cache, v_cache, tables, ctx, rows, bs, scale):

@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf")
 
 from pytgi.core.errors import GGUFConversionError
 from pytgi.engine import kernels
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.gguf_weights import GGUFWeights, decode_blocks, decode_blocks_reference
 from pytgi.engine.models.quant import (
     LayoutRows,
@@ -131,7 +131,7 @@ def test_blocks_decode_to_their_values_and_pack_without_rounding(tmp_path, name)
     deq = (u.view(N, -1, group).float() * d[..., None] + m[..., None]).view(N, K)
     assert torch.equal(deq, ref), (kind, (deq - ref).abs().max().item())
     if kernels.vnni_supported():
-        cpu = CpuKernels.for_device(torch.device("cpu"), torch.bfloat16)
+        cpu = Kernels.for_device(torch.device("cpu"), torch.bfloat16)
         x = torch.randn(3, K).bfloat16()
         rows = LayoutRows((N, K), lambda: iter([(u[:16], d[:16], m[:16]), (u[16:], d[16:], m[16:])]))
         packed = QuantizedWeight(kind, rows, torch.bfloat16, cpu).matmul(x)
@@ -181,9 +181,7 @@ def test_the_fast_path_keeps_each_types_values_exactly(name):
     )
     assert torch.equal(deq, w), (kind, (deq - w).abs().max().item())
     if kernels.vnni_supported():  # and the kernel multiplies by exactly them (x rounded to int8 per 32)
-        qw = QuantizedWeight(
-            kind, w, torch.bfloat16, CpuKernels.for_device(torch.device("cpu"), torch.bfloat16)
-        )
+        qw = QuantizedWeight(kind, w, torch.bfloat16, Kernels.for_device(torch.device("cpu"), torch.bfloat16))
         x = torch.randn(3, K).bfloat16()
         g = x.float().view(3, -1, 32)
         amax = g.abs().amax(-1, keepdim=True)

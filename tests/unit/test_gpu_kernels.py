@@ -15,7 +15,7 @@ triton = pytest.importorskip("triton")
 from pytgi.engine.batch import StepBatch
 from pytgi.engine.kernels import gpu
 from pytgi.engine.models.attention import TorchAttention
-from pytgi.engine.models.cpu import CpuKernels, TorchOps, _rotate
+from pytgi.engine.models.cpu import Kernels, TorchOps, _rotate
 from pytgi.engine.models.layers import RMSNorm, RotaryEmbedding
 from pytgi.engine.models.triton_backend import TritonAttention, TritonOps
 
@@ -46,8 +46,8 @@ def test_paged_attention_matches_gather_and_sdpa(dtype, H, KVH, D):
     q, k, v = (torch.randn(T, n, D, device=DEVICE).to(dtype) for n in (H, KVH, KVH))
     outs = []
     for backend in (
-        TorchAttention(CpuKernels.none(), (H, KVH, D)),
-        TritonAttention(CpuKernels.none(), (H, KVH, D)),
+        TorchAttention(Kernels.none(), (H, KVH, D)),
+        TritonAttention(Kernels.none(), (H, KVH, D)),
     ):
         meta = backend.prepare(layout, DEVICE)
         outs.append(backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, D**-0.5).float())
@@ -55,7 +55,7 @@ def test_paged_attention_matches_gather_and_sdpa(dtype, H, KVH, D):
 
 
 def test_window_and_spans_take_the_gather_path():
-    backend = TritonAttention(CpuKernels.none(), (4, 2, 16))
+    backend = TritonAttention(Kernels.none(), (4, 2, 16))
     layout = mixed_step([3, 1], [3, 9], 4, 8)
     assert type(backend.prepare(layout, DEVICE)).__name__ == "TritonMetadata"
     assert type(backend.prepare(layout, DEVICE, window=4)).__name__ == "TorchAttentionMetadata"
@@ -160,9 +160,9 @@ def test_split_decode_attention_matches_gather_and_sdpa(dtype, splits):
     k_cache = torch.randn(num_blocks * bs, KVH, D, device=DEVICE).to(dtype)
     v_cache = torch.randn(num_blocks * bs, KVH, D, device=DEVICE).to(dtype)
     q = torch.randn(4, H, D, device=DEVICE).to(dtype)
-    ref = TorchAttention(CpuKernels.none(), (H, KVH, D))
+    ref = TorchAttention(Kernels.none(), (H, KVH, D))
     want = ref.forward(q, None, None, k_cache, v_cache, ref.prepare(layout, DEVICE), D**-0.5).float()
-    meta = TritonAttention(CpuKernels.none(), (H, KVH, D)).prepare(layout, DEVICE)
+    meta = TritonAttention(Kernels.none(), (H, KVH, D)).prepare(layout, DEVICE)
     meta.splits = splits
     out = torch.empty_like(q)
     got = gpu.paged_attention(
@@ -188,9 +188,9 @@ def test_decode_splits_fill_the_gpu_and_stop_when_requests_do():
     assert gpu.decode_splits(16, 8, 132) == 2
     assert gpu.decode_splits(64, 8, 132) == 1
     layout = mixed_step([1, 1], [5, 9], 4, 8)
-    assert TritonAttention(CpuKernels.none(), (4, 2, 16)).prepare(layout, DEVICE).splits > 1
+    assert TritonAttention(Kernels.none(), (4, 2, 16)).prepare(layout, DEVICE).splits > 1
     layout = mixed_step([3, 1], [3, 9], 4, 8)  # a prompt in the step: one program per request block
-    assert TritonAttention(CpuKernels.none(), (4, 2, 16)).prepare(layout, DEVICE).splits == 1
+    assert TritonAttention(Kernels.none(), (4, 2, 16)).prepare(layout, DEVICE).splits == 1
 
 
 def test_fp8_bytes_round_as_pytorch_casts():
@@ -248,11 +248,11 @@ def test_fp8_kv_cache_written_by_rope_and_read_by_attention(dtype):
     v_cache = torch.randn(num_blocks * bs, KVH, D, device=DEVICE)
     k8, v8 = gpu.quantize_kv_fp8(k_cache), gpu.quantize_kv_fp8(v_cache)
     qq = torch.randn(4, H, D, device=DEVICE).to(dtype)
-    torch_attn = TorchAttention(CpuKernels.none(), (H, KVH, D))
+    torch_attn = TorchAttention(Kernels.none(), (H, KVH, D))
     kv = [gpu.kv_fp8_values(c).to(dtype) for c in (k8, v8)]
     want = torch_attn.forward(
         qq, None, None, kv[0], kv[1], torch_attn.prepare(layout, DEVICE), D**-0.5
     ).float()
-    backend = TritonAttention(CpuKernels.none(), (H, KVH, D))
+    backend = TritonAttention(Kernels.none(), (H, KVH, D))
     got = backend.forward(qq, None, None, k8, v8, backend.prepare(layout, DEVICE), D**-0.5).float()
     torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from pytgi.engine import kernels
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.moe import SparseMoE
 from pytgi.engine.models.quant import QuantizedWeight
 
@@ -70,7 +70,7 @@ def packed_moe(kinds: tuple[str, str]) -> SparseMoE:
     moe = SparseMoE(h, inter, e, top_k=3, norm_topk=True)
     moe.gate.weight.data.copy_(torch.randn(e, h, generator=g))
     moe.to(torch.bfloat16)
-    cpu = CpuKernels.for_device(torch.device("cpu"), torch.bfloat16)
+    cpu = Kernels.for_device(torch.device("cpu"), torch.bfloat16)
     moe.packed = [
         (
             QuantizedWeight(kinds[0], torch.randn(2 * inter, h, generator=g) * 0.2, torch.bfloat16, cpu),

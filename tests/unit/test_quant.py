@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pytgi.engine import kernels
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.quant import (
     QuantizedWeight,
     gguf_plan,
@@ -19,9 +19,9 @@ from pytgi.engine.models.quant import (
 )
 
 
-def cpu(**kernel_choice) -> CpuKernels:
+def cpu(**kernel_choice) -> Kernels:
     """This CPU's kernels for bf16 (`vnni=False`: PyTorch's low-bit kernels)."""
-    return CpuKernels.for_device(torch.device("cpu"), torch.bfloat16, **kernel_choice)
+    return Kernels.for_device(torch.device("cpu"), torch.bfloat16, **kernel_choice)
 
 
 def q4_1_weight(N=32, K=64, seed=0):
@@ -327,14 +327,12 @@ def test_amx_kernel_leaves_pytorch_bf16_matmuls_alone():
 def test_without_bf16_in_the_cpu_the_low_bit_kernel_serves_every_step():
     """AVX2 emulates bf16 GEMMs (several times slower than the low-bit kernel at any step size), so
     prefill chunks stay on the packed weights there; with AVX512_BF16 big steps take bf16 GEMMs."""
-    emulated = CpuKernels(fused=True, vnni=True, native_bf16=False, batch_invariant=False)
+    emulated = Kernels(fused=True, vnni=True, native_bf16=False, batch_invariant=False)
     assert emulated.lowbit_max_m(True, False) >= 1 << 20
     assert emulated.lowbit_max_m(False, False) == emulated.limits.lowbit_torch
-    native = CpuKernels(fused=True, vnni=True, native_bf16=True, batch_invariant=False)
+    native = Kernels(fused=True, vnni=True, native_bf16=True, batch_invariant=False)
     assert native.lowbit_max_m(True, False) == native.limits.lowbit_vnni
-    assert (
-        CpuKernels(fused=True, vnni=True).lowbit_max_m(True, False) >= 1 << 20
-    )  # batch invariant: all sizes
+    assert Kernels(fused=True, vnni=True).lowbit_max_m(True, False) >= 1 << 20  # batch invariant: all sizes
 
 
 # -- a bf16 model's weights as they are (bf16gemm.c) -------------------------------------------------
@@ -386,8 +384,6 @@ def test_a_bf16_models_plan(tmp_path):
     assert resolve_plan("auto", tmp_path, torch.bfloat16, cpu_dev) == want
     assert resolve_plan("auto", tmp_path, torch.float32, cpu_dev) == {}
     assert resolve_plan("none", tmp_path, torch.bfloat16, cpu_dev) == {}
-    assert CpuKernels(batch_invariant=True).bf16_max_m() >= 1 << 20
-    assert CpuKernels(batch_invariant=False, native_bf16=True).bf16_max_m() == CpuKernels().limits.bf16gemm
-    assert (
-        CpuKernels(batch_invariant=False, native_bf16=False).bf16_max_m() >= 1 << 20
-    )  # oneDNN emulates bf16
+    assert Kernels(batch_invariant=True).bf16_max_m() >= 1 << 20
+    assert Kernels(batch_invariant=False, native_bf16=True).bf16_max_m() == Kernels().limits.bf16gemm
+    assert Kernels(batch_invariant=False, native_bf16=False).bf16_max_m() >= 1 << 20  # oneDNN emulates bf16

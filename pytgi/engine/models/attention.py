@@ -8,7 +8,7 @@ request's context from its blocks and runs SDPA twice per layer: once over all s
 queries (decodes), once over all multi-token queries (prefill chunks), each padded to the
 longest member. It is portable (CPU, CUDA) and the reference for faster backends.
 
-On CPU, when the C kernels build (`pytgi.engine.kernels`; `CpuKernels.fused`), decodes skip the
+On CPU, when the C kernels build (`pytgi.engine.kernels`; `Kernels.fused`), decodes skip the
 gather: a paged kernel reads keys and values in place, since copying each decode's whole context
 into a padded tensor costs more than attending to it. The same kernel also takes prefill chunks of
 up to `Crossovers.paged_prefill` tokens (AVX-512's split-K kernel, with AMX tiles for bf16, or the
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from pytgi.engine import kernels
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 
 
 @dataclass(slots=True)
@@ -98,7 +98,7 @@ def _group(
 
 
 class TorchAttention:
-    def __init__(self, cpu: CpuKernels, heads: tuple[int, int, int]) -> None:
+    def __init__(self, cpu: Kernels, heads: tuple[int, int, int]) -> None:
         """heads: (query heads, kv heads, head dim) on this rank."""
         self.paged = cpu.fused  # decodes (and small prefill chunks) in the paged C kernel
         self.paged_prefill_max = cpu.paged_prefill_max()
@@ -190,7 +190,7 @@ class SoftcapAttention(TorchAttention):
     Neither SDPA nor the paged kernel takes a cap, so every request's context is gathered and
     attended with two matmuls, the softmax in float32 (as transformers' eager attention)."""
 
-    def __init__(self, cpu: CpuKernels, heads: tuple[int, int, int], cap: float) -> None:
+    def __init__(self, cpu: Kernels, heads: tuple[int, int, int], cap: float) -> None:
         super().__init__(cpu, heads)
         self.paged, self.paged_prefill_max, self.cap = False, 0, cap
 

@@ -5,12 +5,12 @@ is not installed everywhere)."""
 from __future__ import annotations
 
 from pytgi.engine.models.attention import TorchAttention
-from pytgi.engine.models.cpu import CpuKernels, KernelOps, TorchOps
+from pytgi.engine.models.cpu import KernelOps, Kernels, TorchOps
 
 BACKENDS = ("auto", "torch", "triton")
 
 
-def get_backend(name: str, cpu: CpuKernels, heads: tuple[int, int, int]) -> TorchAttention:
+def get_backend(name: str, cpu: Kernels, heads: tuple[int, int, int]) -> TorchAttention:
     """ "auto": Triton's paged kernel where the model runs on the Triton kernels (CUDA), else "torch"."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (available: {', '.join(BACKENDS)})")
@@ -21,7 +21,7 @@ def get_backend(name: str, cpu: CpuKernels, heads: tuple[int, int, int]) -> Torc
     return TorchAttention(cpu, heads)
 
 
-def ops_for(cpu: CpuKernels) -> TorchOps:
+def ops_for(cpu: Kernels) -> TorchOps:
     """The element-wise steps (norms, activations, rotary): fused C kernels, Triton's, or PyTorch's."""
     if cpu.fused:
         return KernelOps()

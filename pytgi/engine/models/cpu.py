@@ -1,10 +1,10 @@
 """Which kernels run a model: decided once, at load, from the machine, the device and the dtype.
 
-`CpuKernels` says which of the C kernels (`pytgi.engine.kernels`) this process uses and, from one table
+`Kernels` says which of the C kernels (`pytgi.engine.kernels`) this process uses and, from one table
 of measured crossovers, which of them serves a step of a given size. Its `ops()` are the
 element-wise steps of the model's one forward: PyTorch's (`TorchOps`: CUDA, float16, no compiler,
 and the reference the kernels are tested against) or the fused C kernels (`KernelOps`).
-Tests build a model with the choice they want (`CpuKernels.none()`, `for_device(..., vnni=False)`).
+Tests build a model with the choice they want (`Kernels.none()`, `for_device(..., vnni=False)`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ CROSSOVERS = Crossovers()
 
 
 @dataclass(frozen=True)
-class CpuKernels:
-    """The C kernels this process uses. All False: PyTorch everywhere."""
+class Kernels:
+    """The kernels this process's model runs on, chosen once at load: on CPU the C kernels (each
+    switch below), on CUDA Triton's (`triton`). All False: PyTorch everywhere."""
 
     fused: bool = False  # the fused element-wise kernels and paged attention
     vnni: bool = False  # low-bit matmuls with qgemv.c (bf16 activations)
@@ -56,7 +57,7 @@ class CpuKernels:
     )
 
     @classmethod
-    def none(cls) -> CpuKernels:
+    def none(cls) -> Kernels:
         return cls()
 
     @classmethod
@@ -71,7 +72,7 @@ class CpuKernels:
         decoder_loop: bool = True,
         limits: Crossovers = CROSSOVERS,
         batch_invariant: bool = True,
-    ) -> CpuKernels:
+    ) -> Kernels:
         """Every kernel that applies, less those switched off (to compare paths)."""
         fused = fused and device.type == "cpu" and kernels.supports(dtype)
         vnni = vnni and device.type == "cpu" and dtype == torch.bfloat16 and kernels.vnni_supported()

@@ -12,7 +12,7 @@ differ in data, which `DecoderConfig` holds (parsed from each family's config.js
 - the embedding's scale, attention's scale, soft-capped attention scores and logits (Gemma 2);
 - sliding-window layers (`layer_types`), with their own RoPE base where the family has one.
 
-The forward is the same for all: which kernels run it is chosen at load (`CpuKernels`): its `ops()`
+The forward is the same for all: which kernels run it is chosen at load (`Kernels`): its `ops()`
 give the element-wise steps (PyTorch's, or the fused C kernels: a residual add shares a pass with
 the norm after it, rope writes k and v straight into the cache), the attention backend is built for
 its kernels and heads, quantized linears are swapped in (`quantize`), and on CPU a quantized model
@@ -39,7 +39,7 @@ from pytgi.engine.models.attention import (
 )
 from pytgi.engine.models.backends import get_backend, ops_for
 from pytgi.engine.models.checkpoint_quant import QuantizedCheckpoint, fp8_rows, grid_of, linear_levels
-from pytgi.engine.models.cpu import CpuKernels, TorchOps
+from pytgi.engine.models.cpu import Kernels, TorchOps
 from pytgi.engine.models.decoder_loop import DecoderLoop, GemmaDecoderLoop
 from pytgi.engine.models.gguf_weights import DECODERS, ROWS_PER_SLICE, GGUFWeights
 from pytgi.engine.models.layers import (
@@ -237,8 +237,8 @@ class DecoderModel(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: DecoderConfig, cpu: CpuKernels, attention: str = "auto") -> None:
-        """cpu: the kernels to run on (`CpuKernels.for_device`, or `CpuKernels.none()`: PyTorch's
+    def __init__(self, cfg: DecoderConfig, cpu: Kernels, attention: str = "auto") -> None:
+        """cpu: the kernels to run on (`Kernels.for_device`, or `Kernels.none()`: PyTorch's
         ops); attention: the attention backend's name."""
         super().__init__()
         check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())

@@ -14,7 +14,7 @@ import torch
 
 from pytgi.engine import kernels
 from pytgi.engine.distributed import tp_size
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 
 
 def _linears(layer):
@@ -45,7 +45,7 @@ class DecoderLoop:
         self._table: tuple[int, np.ndarray] | None = None  # (first K cache's address, per-layer pointers)
 
     @classmethod
-    def build(cls, model, cpu: CpuKernels) -> DecoderLoop | None:
+    def build(cls, model, cpu: Kernels) -> DecoderLoop | None:
         """The loop for this model, or None when it does not apply (see the module doc)."""
         if not cpu.decoder_loop or tp_size() != 1 or not cls._applies(model.config):
             return None

@@ -11,7 +11,7 @@ differences, as data (`pytgi.engine.models.decoder`):
 Gemma 2 is the same but for: no q/k norms, one RoPE base, every other layer sliding, and
 attention scores soft-capped (cap·tanh(s / cap), `SoftcapAttention`) as the final logits are.
 
-With the fused C kernels (`CpuKernels.fused`) each sandwich of norms around a residual add, the
+With the fused C kernels (`Kernels.fused`) each sandwich of norms around a residual add, the
 per-head q/k norms, the rotation with its K/V cache write and GELU·up are one call each
 (`pytgi/engine/kernels/fused.c`); otherwise they are PyTorch ops. Attention uses the same backend as
 Llama, whose sliding-window metadata reads only the blocks inside the window.

@@ -19,7 +19,7 @@ from pytgi.engine.models.checkpoint_quant import (
     UnsupportedQuantization,
     read_quantization,
 )
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.decoder import DecoderConfig, DecoderModel, StepImages
 from pytgi.engine.models.gemma import gemma_config
 from pytgi.engine.models.gguf_weights import GGUFWeights, open_gguf
@@ -194,7 +194,7 @@ def load_model(
     path: Path,
     dtype: torch.dtype,
     device: torch.device,
-    cpu: CpuKernels,
+    cpu: Kernels,
     quantize: str = "none",
     attention: str = "auto",
     impl: str = "auto",

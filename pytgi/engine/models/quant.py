@@ -44,7 +44,7 @@ from torch import nn
 
 from pytgi.core.errors import ConfigError
 from pytgi.engine import kernels
-from pytgi.engine.models.cpu import CpuKernels, triton_available
+from pytgi.engine.models.cpu import Kernels, triton_available
 from pytgi.engine.models.gguf_weights import Grid, group_values
 from pytgi.engine.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
@@ -327,10 +327,10 @@ class QuantizedWeight:
         kind: str,
         w: torch.Tensor | LayoutRows,
         act_dtype: torch.dtype,
-        cpu: CpuKernels,
+        cpu: Kernels,
     ) -> None:
         """`w`: the float weight, or its levels and grids already in the layout's terms, by rows
-        (`LayoutRows`); `cpu`: the kernels this process uses (`CpuKernels.for_device`)."""
+        (`LayoutRows`); `cpu`: the kernels this process uses (`Kernels.for_device`)."""
         N, K = w.shape
         self.kind, self.shape, self.act_dtype = kind, (N, K), act_dtype
         if kind == "bf16":  # the weight itself, laid out for bf16gemm.c
@@ -528,7 +528,7 @@ def quantize_model(
     model: nn.Module,
     kinds: dict[nn.Module, str],
     act_dtype: torch.dtype,
-    cpu: CpuKernels,
+    cpu: Kernels,
     layouts: dict[nn.Module, Callable[[str], LayoutRows]] | None = None,
     perms: dict[nn.Module, torch.Tensor] | None = None,
 ) -> None:

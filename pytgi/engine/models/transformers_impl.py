@@ -23,7 +23,7 @@ from torch import nn
 
 from pytgi.engine.models.attention import StepLayout, TorchAttention, TorchAttentionMetadata
 from pytgi.engine.models.backends import get_backend
-from pytgi.engine.models.cpu import CpuKernels
+from pytgi.engine.models.cpu import Kernels
 
 log = logging.getLogger(__name__)
 ATTENTION = "pytgi_paged"
@@ -102,7 +102,7 @@ class _LayerShape:
 
 class TransformersModel(nn.Module):
     def __init__(
-        self, path: Path, dtype: torch.dtype, device: torch.device, cpu: CpuKernels, attention: str = "auto"
+        self, path: Path, dtype: torch.dtype, device: torch.device, cpu: Kernels, attention: str = "auto"
     ) -> None:
         super().__init__()
         try:

@@ -7,7 +7,7 @@ Gemma 3's two-way image spans, goes through the gather + SDPA path it inherits. 
 the residual add with the norm after it, SiLU·up, and the rotation with the cache write; where a
 family needs more (Gemma's offset norms and sandwich, Qwen3's q/k norms, GELU) it keeps PyTorch's.
 
-Both are chosen at load (`CpuKernels.triton`: CUDA with Triton installed); imported only then.
+Both are chosen at load (`Kernels.triton`: CUDA with Triton installed); imported only then.
 """
 
 from __future__ import annotations
