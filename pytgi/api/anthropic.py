@@ -234,6 +234,19 @@ def stop_reason(out: OutputProcessor, tool_calls: bool) -> str:
     return {"length": "max_tokens", "stop_sequence": "stop_sequence"}.get(out.finish_reason or "", "end_turn")
 
 
+def usage(prompt: int, output: int, cached: int) -> dict[str, int]:
+    """Anthropic's usage. Its `input_tokens` are the prompt tokens no cache served: the prompt is
+    `input_tokens + cache_read_input_tokens` (what pytgi's prefix cache served) `+
+    cache_creation_input_tokens` (tokens written for the client's `cache_control`, which pytgi does not
+    honour yet: 0; its prefix cache keeps every full block anyway)."""
+    return {
+        "input_tokens": prompt - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": output,
+    }
+
+
 def _input(arguments: str) -> Any:
     try:
         return json.loads(arguments)
@@ -264,7 +277,7 @@ def message_json(
         "content": content,
         "stop_reason": stop_reason(out, bool(calls)),
         "stop_sequence": out.stop_sequence,
-        "usage": {"input_tokens": prompt, "output_tokens": len(out.tokens)},
+        "usage": usage(prompt, len(out.tokens), out.num_cached_tokens),
     }
 
 
@@ -285,6 +298,7 @@ class MessageStream:
         reasoning_style: str | None = None,
     ):
         self.head, self.out = head, out
+        self.prompt = head.get("usage", {}).get("input_tokens", 0)  # message_start's: the whole prompt
         self.parser = tools.parser(tool_style) if tool_style else None
         self.reasoner = reasoning.ReasoningParser(reasoning_style) if reasoning_style else None
         self.index, self.kind = -1, ""  # the open block, and its kind ("" when none is open)
@@ -344,7 +358,8 @@ class MessageStream:
                     "message_delta",
                     {
                         "delta": {"stop_reason": reason, "stop_sequence": out.stop_sequence},
-                        "usage": {"output_tokens": d.index},
+                        # the whole usage: the cached prompt tokens are known once the prompt ran
+                        "usage": usage(self.prompt, d.index, out.num_cached_tokens),
                     },
                 )
             )
@@ -371,7 +386,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
         "type": "message",
         "role": "assistant",
         "model": body.model,
-        "usage": {"input_tokens": reqs[0].input_length, "output_tokens": 0},
+        "usage": usage(reqs[0].input_length, 0, 0),  # before the prompt runs: its whole length
     }
     renderer = MessageStream(head, lambda: stream.output, tool_style, ex.st.config.reasoning_parser)
     return ex.sse([stream], lambda _, d: renderer.delta(d), error_event, start=renderer.start())

@@ -57,7 +57,9 @@ def test_text_equals_the_chat_route_streamed_and_not(client, oai):
     assert r.type == "message" and r.role == "assistant" and r.id.startswith("msg_")
     assert [b.type for b in r.content] == ["text"] and r.content[0].text == want.choices[0].message.content
     assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 12
-    assert r.usage.input_tokens == want.usage.prompt_tokens
+    # Anthropic's input_tokens leave out what the prefix cache served (the chat request's prompt)
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == want.usage.prompt_tokens
+    assert r.usage.cache_creation_input_tokens == 0
     with client.messages.stream(
         model=MODEL,
         system=[{"type": "text", "text": "Be brief."}],
@@ -175,7 +177,7 @@ def test_structured_output(client):
 def test_count_tokens_is_the_prompt_messages_would_take(client):
     r = client.messages.create(model=MODEL, messages=ASK, max_tokens=1, extra_body=GREEDY)
     n = client.messages.count_tokens(model=MODEL, messages=ASK)
-    assert n.input_tokens == r.usage.input_tokens
+    assert n.input_tokens == r.usage.input_tokens + r.usage.cache_read_input_tokens
     with_tools = client.messages.count_tokens(model=MODEL, messages=ASK, tools=[WEATHER])
     assert with_tools.input_tokens > n.input_tokens
 
@@ -224,3 +226,25 @@ def test_x_api_key(tmp_path):
         assert r.status_code == 200  # the same key, either header, on every route
     finally:
         srv.stop()
+
+
+def test_usage_says_what_the_prefix_cache_served(client, oai):
+    """The same long prompt twice: the second time its full blocks come from the prefix cache, and
+    Anthropic's usage (cache_read_input_tokens, streamed or not) and OpenAI's (cached_tokens) say so."""
+    system = "You answer questions about the weather. " * 12  # several full KV blocks
+    first = client.messages.create(model=MODEL, system=system, messages=ASK, max_tokens=2, extra_body=GREEDY)
+    again = client.messages.create(model=MODEL, system=system, messages=ASK, max_tokens=2, extra_body=GREEDY)
+    prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == prompt
+    assert again.usage.cache_read_input_tokens >= 64 and again.usage.input_tokens < prompt
+    with client.messages.stream(
+        model=MODEL, system=system, messages=ASK, max_tokens=2, extra_body=GREEDY
+    ) as stream:
+        final = stream.get_final_message()
+    assert final.usage.cache_read_input_tokens == again.usage.cache_read_input_tokens
+    assert final.usage.input_tokens == again.usage.input_tokens
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": system}, *ASK], max_tokens=2, extra_body=GREEDY
+    )
+    assert chat.usage.prompt_tokens == prompt
+    assert chat.usage.prompt_tokens_details.cached_tokens == again.usage.cache_read_input_tokens

@@ -160,3 +160,20 @@ def test_bad_requests(client, kw):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, **kw)
     assert e.value.body["type"] == "invalid_request_error"
+
+
+def test_usage_says_what_the_prefix_cache_served(client):
+    """Responses' usage.input_tokens_details.cached_tokens: the prompt tokens the prefix cache served,
+    streamed or not (it was always 0)."""
+    instructions = "You answer questions about the weather. " * 12  # several full KV blocks
+    ask = dict(
+        model=MODEL, instructions=instructions, input="Rain in Paris?", max_output_tokens=2, temperature=0
+    )
+    client.responses.create(**ask)
+    again = client.responses.create(**ask)
+    cached = again.usage.input_tokens_details.cached_tokens
+    assert 64 <= cached < again.usage.input_tokens
+    with client.responses.stream(**ask) as stream:
+        last = [e for e in stream][-1]  # cut by max_output_tokens: response.incomplete
+    assert last.type == "response.incomplete"
+    assert last.response.usage.input_tokens_details.cached_tokens == cached

@@ -94,7 +94,7 @@ def deltas(text: str, cuts: list[int], finish: str) -> list[Delta]:
 
 
 def events(text: str, cuts: list[int], style, finish: str = "eos_token") -> list[dict]:
-    out = SimpleNamespace(finish_reason=finish, stop_sequence=None)
+    out = SimpleNamespace(finish_reason=finish, stop_sequence=None, num_cached_tokens=0)
     stream = A.MessageStream({"id": "msg_1"}, lambda: out, style)  # type: ignore[return-value]
     raw = stream.start() + [e for d in deltas(text, cuts, finish) for e in stream.delta(d)]
     parsed = []

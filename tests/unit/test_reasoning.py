@@ -80,7 +80,9 @@ def test_anthropic_thinking_blocks() -> None:
     from pytgi.core.outputs import Delta, Token
 
     answer = "<think>add</think>It is 4."
-    out = SimpleNamespace(finish_reason="eos_token", stop_sequence=None, text=answer, tokens=[1, 2])
+    out = SimpleNamespace(
+        finish_reason="eos_token", stop_sequence=None, text=answer, tokens=[1, 2], num_cached_tokens=0
+    )
     msg = A.message_json("m", "x", out, None, "qwen3", 3)
     assert msg["content"] == [
         {"type": "thinking", "thinking": "add", "signature": ""},

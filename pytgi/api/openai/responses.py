@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -282,8 +283,9 @@ def response_json(
     model: str,
     status: str,
     output: list[dict[str, Any]],
-    usage: tuple[int, int] | None,
+    usage: tuple[int, int, int] | None,
 ) -> dict[str, Any]:
+    """`usage`: (input tokens, output tokens, input tokens the prefix cache served)."""
     return {
         "id": rid,
         "object": "response",
@@ -311,7 +313,7 @@ def response_json(
             "input_tokens": usage[0],
             "output_tokens": usage[1],
             "total_tokens": usage[0] + usage[1],
-            "input_tokens_details": {"cached_tokens": 0},
+            "input_tokens_details": {"cached_tokens": usage[2]},
             "output_tokens_details": {"reasoning_tokens": 0},
         },
     }
@@ -489,17 +491,22 @@ async def create_response(request: Request, body: ResponseRequest) -> Response:
     model = st.adapter_of(body.model) or st.config.model_id
     style, prompt = st.config.reasoning_parser, reqs[0].input_length
 
+    cached: list[Callable[[], int]] = []  # the generation's prompt tokens from the prefix cache, once known
+
     def final(status: str, items: list[dict[str, Any]], generated: int) -> dict[str, Any]:
-        response = response_json(body, rid, created, model, status, items, (prompt, generated))
+        use = (prompt, generated, cached[0]() if cached else 0)
+        response = response_json(body, rid, created, model, status, items, use)
         if body.store is not False:
             store_of(request).put(response, messages + _assistant_turn(items))
         return response
 
     if not body.stream:
         [g] = await ex.generate(reqs)
+        cached.append(lambda: g.output.num_cached_tokens)
         status = "incomplete" if g.output.finish_reason == "length" else "completed"
         return JSONResponse(final(status, output_items(g.output, tool_style, style), len(g.output.tokens)))
     [stream] = ex.streams(reqs)
+    cached.append(lambda: stream.output.num_cached_tokens)
     events = ResponseStream(final, tool_style, style)
     start = events.start(response_json(body, rid, created, model, "in_progress", [], None))
     return ex.sse([stream], lambda _, d: events.delta(d), lambda exc: _error_event(events, exc), start=start)
