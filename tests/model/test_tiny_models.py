@@ -49,6 +49,27 @@ CONFIGS = {
             },
         ),
     ),
+    "llama-yarn": (
+        transformers.LlamaConfig,
+        dict(BASE, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    ),
+    "qwen3-yarn-mscale": (  # DeepSeek's attention factor (mscale / mscale_all_dim), other ramp bounds
+        transformers.Qwen3Config,
+        dict(
+            BASE,
+            head_dim=32,
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+                "beta_fast": 16,
+                "beta_slow": 2,
+                "truncate": False,
+            },
+        ),
+    ),
     "llama-biases": (transformers.LlamaConfig, dict(BASE, attention_bias=True, mlp_bias=True)),
     "mistral": (transformers.MistralConfig, dict(BASE, sliding_window=None)),
     "mistral-sliding": (transformers.MistralConfig, dict(BASE, sliding_window=8)),  # sequences reach past it

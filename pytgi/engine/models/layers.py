@@ -175,8 +175,45 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, out)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(
+    inv_freq: torch.Tensor, scaling: dict, max_positions: int, base: float
+) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071), as transformers computes it: each frequency blends its interpolated
+    (divided by `factor`) and its original value by a linear ramp between the dimensions that turn
+    `beta_fast` and `beta_slow` times over the original context; cos and sin are then scaled by the
+    attention factor (given, DeepSeek's `mscale` / `mscale_all_dim` ratio, or 0.1 ln(factor) + 1)."""
+    dim = 2 * len(inv_freq)
+    old_ctx = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_positions / old_ctx
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = (
+            _yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dim)
+            if mscale and all_dim
+            else _yarn_mscale(factor)
+        )
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = (torch.arange(dim // 2, dtype=torch.float32) - low) / (
+        (high + 0.001 if low == high else high) - low
+    )
+    extrapolate = 1 - ramp.clamp(0, 1)
+    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attention)
+
+
 class RotaryEmbedding(nn.Module):
-    """Rotate-half rotary embeddings with a precomputed cos/sin table (default, linear, llama3)."""
+    """Rotate-half rotary embeddings with a precomputed cos/sin table (default, linear, llama3, yarn)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -186,17 +223,21 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         scaling = scaling or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
+        attention = 1.0  # what cos and sin are multiplied by (YaRN's attention factor)
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif kind == "linear":
             inv_freq = inv_freq / scaling["factor"]
+        elif kind == "yarn":
+            inv_freq, attention = _yarn(inv_freq, scaling, max_positions, base)
         elif kind not in ("default", "mrope"):  # M-RoPE: the default frequencies, by axis (`mrope`)
-            raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
+            raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn)")
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("cos", emb.cos() * attention, persistent=False)
         # The sine with rotate-half's sign folded in: the first half multiplies -x2.
-        self.register_buffer("sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        self.register_buffer("sin", sin * attention, persistent=False)
         self._axes: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # M-RoPE's, by section
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
