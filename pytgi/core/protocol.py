@@ -18,6 +18,7 @@ class Submit(msgspec.Struct, tag="submit"):
     prompt_ids: list[int]
     params: SamplingParams
     images: list[bytes] = []  # encoded images for the prompt's image tokens, in order (a vision model's)
+    cache_key: str | None = None  # the replica router's (OpenAI's prompt_cache_key); engines ignore it
 
 
 class Abort(msgspec.Struct, tag="abort"):

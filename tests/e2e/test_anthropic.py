@@ -244,7 +244,11 @@ def test_usage_says_what_the_prefix_cache_served(client, oai):
     assert final.usage.cache_read_input_tokens == again.usage.cache_read_input_tokens
     assert final.usage.input_tokens == again.usage.input_tokens
     chat = oai.chat.completions.create(
-        model=MODEL, messages=[{"role": "system", "content": system}, *ASK], max_tokens=2, extra_body=GREEDY
+        model=MODEL,
+        messages=[{"role": "system", "content": system}, *ASK],
+        max_tokens=2,
+        extra_body=GREEDY,
+        prompt_cache_key="conversation-1",  # OpenAI's; taken (it routes among --replicas)
     )
     assert chat.usage.prompt_tokens == prompt
     assert chat.usage.prompt_tokens_details.cached_tokens == again.usage.cache_read_input_tokens

@@ -170,7 +170,9 @@ def test_usage_says_what_the_prefix_cache_served(client):
         model=MODEL, instructions=instructions, input="Rain in Paris?", max_output_tokens=2, temperature=0
     )
     client.responses.create(**ask)
-    again = client.responses.create(**ask)
+    again = client.responses.create(
+        **ask, prompt_cache_key="conversation-1"
+    )  # taken (one engine: no routing)
     cached = again.usage.input_tokens_details.cached_tokens
     assert 64 <= cached < again.usage.input_tokens
     with client.responses.stream(**ask) as stream:

@@ -92,3 +92,28 @@ def test_the_deployment_gets_a_fixed_count_or_the_autoscalers_bounds():
     assert (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (1, 4, 2)
     assert auto.target_ongoing_requests == 8.0  # requests in flight a replica: the queue depth it aims at
     assert scaled["request_router_config"].request_router_kwargs["policy"] == "round-robin"
+
+
+def test_a_prompt_cache_key_keeps_a_conversation_on_its_replica():
+    """OpenAI's prompt_cache_key: requests sharing it go where it went, however their prompts differ
+    (short ones included, whose blocks alone would match nothing), within the load bound."""
+    from pytgi.api.replicas.affinity import submit_chain
+    from pytgi.core import protocol as P
+    from pytgi.core.sampling_params import SamplingParams
+
+    def chain(prompt: list[int], key: str | None) -> list[int]:
+        return submit_chain(P.encoder.encode(P.Submit("r", prompt, SamplingParams(), [], key)), 16)
+
+    assert chain([1, 2, 3], None) == []  # no full block: nothing to match by
+    assert chain([1, 2, 3], "conv-1")[0] == chain([9] * 40, "conv-1")[0] != chain([1, 2, 3], "conv-2")[0]
+    assert chain(SYSTEM_A, "conv-1")[1:] != chain(SYSTEM_A, None)  # keyed blocks are a chain of their own
+    aff = Affinity("prefix", block_size=16)
+    replicas, loads = ["r1", "r2"], {"r1": 0, "r2": 0}
+    first_turn = chain([5, 6, 7], "conv-1")
+    home = first(aff.rank(replicas, loads, first_turn))
+    aff.routed(home, first_turn)
+    loads[home] += 1
+    other = chain([5, 6, 7], "conv-2")  # same words, another conversation: spreads to the other replica
+    assert first(aff.rank(replicas, loads, other)) != home
+    for turn in range(3):  # later turns of conv-1, each prompt different
+        assert first(aff.rank(replicas, loads, chain([40 + turn] * (8 + 20 * turn), "conv-1"))) == home

@@ -22,7 +22,7 @@ class FakeClient:
         self.aborted: list[str] = []
         self.released: list[str] = []
 
-    def submit(self, rid, ids, params, images=None):
+    def submit(self, rid, ids, params, images=None, cache_key=None):
         if self.fail is not None:
             raise self.fail
         self.submitted.append(rid)

@@ -125,6 +125,7 @@ class GenerateInput:
     # OpenAI's (and vLLM's) sampling knobs TGI's parameters do not have
     min_p: float | None = None
     logit_bias: dict[int, float] | None = None
+    cache_key: str | None = None  # OpenAI's prompt_cache_key: the replica router's affinity
     reasoning: str | None = None  # chat answers with --reasoning-parser: constraints apply after <think>
     skip_special_tokens: bool = True  # False: special tokens stay in the text (Mistral's [TOOL_CALLS])
     images: list[bytes] = field(default_factory=list)  # for the prompt's image tokens, fetched and checked
@@ -173,3 +174,4 @@ class ValidRequest:
     inputs: str  # the original text (what return_full_text prepends)
     truncate: int | None  # as given
     images: list[bytes] = field(default_factory=list)  # for the prompt's image tokens, in order
+    cache_key: str | None = None  # routes requests that share it to one replica (pytgi.api.replicas)

@@ -53,8 +53,10 @@ class Engine(Protocol):
         prompt_ids: list[int],
         params: SamplingParams,
         images: list[bytes] | None = None,
+        cache_key: str | None = None,
     ) -> asyncio.Queue:
-        """Send a request; its `TokenOut`s (or an `EngineDead`) arrive on the returned queue."""
+        """Send a request; its `TokenOut`s (or an `EngineDead`) arrive on the returned queue.
+        `cache_key`: requests sharing it go to the same replica where there are several."""
         ...
 
     async def adapter(self, name: str, source: str | None) -> None: ...
@@ -144,6 +146,7 @@ class EngineClient:
         prompt_ids: list[int],
         params: SamplingParams,
         images: list[bytes] | None = None,
+        cache_key: str | None = None,  # one engine: nothing to route by it
     ) -> asyncio.Queue:
         """Send a request (`images`: for its image tokens); its `TokenOut`s (or an `EngineDead`) arrive
         on the returned queue."""

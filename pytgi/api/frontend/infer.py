@@ -94,7 +94,7 @@ class Infer:
         rid = f"req-{next(self._ids)}"
         timings = Timings(validation=validation_time, queued=time.monotonic())
         try:
-            queue = self.client.submit(rid, req.input_ids, req.sampling, req.images)
+            queue = self.client.submit(rid, req.input_ids, req.sampling, req.images, req.cache_key)
         except EngineDead as exc:
             raise GenerationError(str(exc)) from None
         stream = RequestStream(self, rid, req, queue, timings)

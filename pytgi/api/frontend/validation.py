@@ -288,6 +288,7 @@ class Validation:
             inputs=text,
             truncate=c.truncate,
             images=gi.images,
+            cache_key=gi.cache_key,
         )
 
     # --- public ------------------------------------------------------------------------------

@@ -51,6 +51,7 @@ class ResponseRequest(schema._Body):
     seed: int | None = None  # extensions, as on the chat route
     top_k: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    prompt_cache_key: str | None = None
 
 
 class Store:
@@ -235,6 +236,7 @@ def to_chat(body: ResponseRequest, messages: list[dict[str, Any]]) -> schema.Cha
             "seed": body.seed,
             "stream": body.stream,
             "chat_template_kwargs": body.chat_template_kwargs,
+            "prompt_cache_key": body.prompt_cache_key,
             **_tools(body),
             **_format(body),
         }

@@ -67,6 +67,8 @@ class StructuredOutputs(_Body):
 
 class SamplingBody(_Body):
     model: str | None = None
+    # OpenAI's: requests that share it (and their prompt's start) go to the same engine replica
+    prompt_cache_key: str | None = None
     max_tokens: U32 | None = None
     temperature: F32 | None = None
     top_p: F32 | None = None
@@ -331,6 +333,7 @@ def to_input(
         max_top_n_tokens=max_top_n,
         min_p=body.min_p,
         logit_bias=logit_bias(body),
+        cache_key=body.prompt_cache_key,
     )
 
 

@@ -29,10 +29,14 @@ _submit = msgspec.msgpack.Decoder(P.Submit)
 
 
 def submit_chain(payload: bytes, block_size: int) -> list[int]:
-    """The block chain of a request as the client sends it to a replica (a msgpack `Submit`)."""
+    """The block chain of a request as the client sends it to a replica (a msgpack `Submit`). With a
+    `cache_key` (OpenAI's `prompt_cache_key`) the chain starts with the key's hash: requests that share
+    the key match the replica that served it, whatever their prompts (and each other's blocks after).
+    """
     sub = _submit.decode(payload)
     images = tuple(hash(i) for i in sub.images)
-    return block_chain(sub.prompt_ids, block_size, (sub.params.adapter, images))
+    chain = block_chain(sub.prompt_ids, block_size, (sub.params.adapter, images, sub.cache_key))
+    return chain if sub.cache_key is None else [hash(("pytgi-key", sub.cache_key)), *chain]
 
 
 def block_chain(prompt_ids: Sequence[int], block_size: int, root: object = None) -> list[int]:

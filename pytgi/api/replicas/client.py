@@ -210,10 +210,11 @@ class ReplicaClient:
         prompt_ids: list[int],
         params: SamplingParams,
         images: list[bytes] | None = None,
+        cache_key: str | None = None,
     ) -> asyncio.Queue:
         if not self.healthy:
             raise EngineDead(self.dead_reason or "the replicas are not running")
-        payload = P.encoder.encode(P.Submit(request_id, prompt_ids, params, images or []))
+        payload = P.encoder.encode(P.Submit(request_id, prompt_ids, params, images or [], cache_key))
         queue: asyncio.Queue = asyncio.Queue()
         note = NOTE.get()
         if note is not None:
