@@ -73,7 +73,10 @@ async def with_keep_alive(items: AsyncIterable[T]) -> AsyncIterator[T | None]:
             pending.cancel()
 
 
-def record_success(st: State, t: Timings, arrived: float, input_length: int, generated: int) -> None:
+def record_success(
+    st: State, t: Timings, arrived: float, input_length: int, generated: int, cached: int = 0
+) -> None:
+    """`cached`: the prompt tokens the prefix cache served."""
     m = st.metrics
     m.request_success.inc()
     m.request_duration.observe(time.monotonic() - arrived)
@@ -83,6 +86,8 @@ def record_success(st: State, t: Timings, arrived: float, input_length: int, gen
     m.request_mean_time_per_token_duration.observe(inference / max(generated, 1))
     m.request_input_length.observe(input_length)
     m.request_generated_tokens.observe(generated)
+    m.prompt_tokens.inc(input_length)
+    m.prefix_cache_hit_tokens.labels(tier="ram").inc(cached)
 
 
 async def wait_disconnect(request: Request, task: asyncio.Task) -> bool:
@@ -224,7 +229,8 @@ class Exchange:
         timings = combined([g.timings for g in gens])
         self.st.metrics.time_to_first_token.observe(max(timings.start - self.arrived, 0.0))
         generated = sum(len(g.output.tokens) for g in gens)
-        record_success(self.st, timings, self.arrived, sum(r.input_length for r in reqs), generated)
+        cached = sum(g.output.num_cached_tokens for g in gens)
+        record_success(self.st, timings, self.arrived, sum(r.input_length for r in reqs), generated, cached)
         self.trace(reqs, [(g.timings, len(g.output.tokens), g.request.sampling.seed) for g in gens])
         return gens
 
@@ -314,7 +320,8 @@ class Exchange:
                 yield event
             timings = combined([s.timings for s in streams])
             inputs = sum(s.req.input_length for s in streams)
-            record_success(self.st, timings, self.arrived, inputs, sum(generated))
+            cached = sum(s.output.num_cached_tokens for s in streams)
+            record_success(self.st, timings, self.arrived, inputs, sum(generated), cached)
             self.trace([s.req for s in streams], self._traced(streams, generated))
         except InferError as exc:
             self._failed(exc)

@@ -84,6 +84,17 @@ class Metrics:
         self.prefix_cache_hit_rate = Gauge(
             "pytgi_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r
         )
+        # the prompt tokens of successful requests, and those a cache served, by tier (RAM: the KV
+        # pool's prefix cache; a disk tier is issue 45's)
+        self.prompt_tokens = Counter(
+            "pytgi_prompt_tokens", "Prompt tokens of successful requests", registry=r
+        )
+        self.prefix_cache_hit_tokens = Counter(
+            "pytgi_prefix_cache_hit_tokens",
+            "Prompt tokens of successful requests served from a prefix cache, by tier",
+            ["tier"],
+            registry=r,
+        )
         self.preemptions = Gauge(
             "pytgi_preemptions_total", "Requests preempted (recomputed later)", registry=r
         )

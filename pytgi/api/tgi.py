@@ -42,6 +42,7 @@ def sequence_details(g: Generation, req: ValidRequest) -> dict[str, Any]:
     d: dict[str, Any] = {
         "finish_reason": out.finish_reason,
         "generated_tokens": len(out.tokens),
+        "cached_tokens": out.num_cached_tokens,  # pytgi's: prompt tokens the prefix cache served
         "seed": _seed(g.request),
         "prefill": [token_json(t) for t in out.prefill] if req.decoder_input_details else [],
         "tokens": [token_json(t) for t in out.tokens],
@@ -71,6 +72,7 @@ def stream_json(delta: Delta, stream: RequestStream) -> dict[str, Any]:
         details = {
             "finish_reason": delta.finish_reason,
             "generated_tokens": delta.index,
+            "cached_tokens": stream.output.num_cached_tokens,  # pytgi's, as in `details` above
             "seed": _seed(req),
             "input_length": req.input_length,
         }

@@ -194,6 +194,7 @@ def test_sse_format(server):
     assert events[-1]["details"] == {
         "finish_reason": "length",
         "generated_tokens": 3,
+        "cached_tokens": 0,  # pytgi's: the prompt is shorter than a KV block
         "seed": None,
         "input_length": 5,
     }
@@ -218,6 +219,8 @@ def test_info_health_metrics_tokenize(server):
         "pytgi_kv_cache_usage_ratio",
         "pytgi_prefix_cache_hit_rate",
         "pytgi_preemptions_total",
+        "pytgi_prompt_tokens_total",
+        'pytgi_prefix_cache_hit_tokens_total{tier="ram"}',
     ):
         assert name in metrics, name
     toks = post(server, "/tokenize", {"inputs": "Hello world"}).json()
@@ -337,3 +340,28 @@ def test_a_lone_surrogate_in_stop_is_a_validation_error(server):
 
 def test_get_root_is_a_health_check_as_in_tgi(server):
     assert httpx.get(f"{server.url}/", timeout=10).status_code == 200
+
+
+def test_details_and_metrics_count_the_prefix_caches_tokens(server):
+    """The same long prompt twice: the second's details say how many prompt tokens the prefix cache
+    served (streamed and not), and the metrics' counter grows by as many."""
+    prompt = "The weather in Paris is mild in spring and wet in autumn. " * 8
+
+    def hits() -> float:
+        for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+            if line.startswith('pytgi_prefix_cache_hit_tokens_total{tier="ram"}'):
+                return float(line.split()[-1])
+        raise AssertionError("no prefix-cache counter")
+
+    body = {"inputs": prompt, "parameters": {"max_new_tokens": 2, "details": True}}
+    post(server, "/generate", body)
+    before = hits()
+    again = post(server, "/generate", body).json()["details"]
+    assert again["cached_tokens"] >= 64
+    assert hits() == before + again["cached_tokens"]
+    events = [
+        json.loads(line[5:])
+        for line in post(server, "/generate_stream", body).text.splitlines()
+        if line.startswith("data:")
+    ]
+    assert events[-1]["details"]["cached_tokens"] == again["cached_tokens"]
