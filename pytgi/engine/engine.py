@@ -164,18 +164,25 @@ class LLMEngine:
                 params,
                 self.eos_token_ids,
                 speculative=grammar is None and not params.watermark,
-                cache_root=self._cache_root(adapter, placed),
+                cache_root=self._cache_root(adapter, placed, prompt_ids),
                 images=placed,
             )
         )
         if grammar is not None:
             self.runner.grammars.add(request_id, grammar, params.ignore_eos)
 
-    def _cache_root(self, adapter: str | None, images: list[PromptImage]) -> object:
+    def _cache_root(
+        self, adapter: str | None, images: list[PromptImage], prompt_ids: Sequence[int]
+    ) -> object:
         """Where the request's prefix-cache chain starts: blocks are shared only among requests for
         the same adapter load and the same images (by content)."""
-        root = None if adapter is None else self.adapters.cache_root(adapter)
-        return (root, tuple(img.digest for img in images)) if images else root
+        root: object = None if adapter is None else self.adapters.cache_root(adapter)
+        if images:
+            root = (root, tuple(img.digest for img in images))
+        rotary = getattr(self.runner.model, "rotary", None)
+        if rotary is not None and rotary.long_after is not None and len(prompt_ids) > rotary.long_after:
+            root = ("long rope", root)  # its keys are made with the long table from the start
+        return root
 
     # -- LoRA adapters at run time -------------------------------------------------------------------
     def _adapters_in_use(self) -> set[str | None]:

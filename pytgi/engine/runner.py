@@ -156,6 +156,16 @@ class ModelRunner:
         ]
         if spans:
             step.layout.spans = np.array(spans, dtype=np.int64)
+        rotary = getattr(self.model, "rotary", None)
+        if rotary is not None and rotary.long_after is not None:  # LongRoPE: long sequences' table
+            long = [
+                max(len(r.prompt_ids), r.num_computed_tokens + s.num_new_tokens) > rotary.long_after
+                for r, s in zip(reqs, batch)
+            ]
+            if any(long):
+                step.positions = step.positions + np.repeat(
+                    np.array(long, dtype=np.int64) * rotary.long_offset, step.layout.query_lens
+                )
         return step
 
     @torch.inference_mode()  # the sampling step too: it edits the logits in place

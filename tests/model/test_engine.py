@@ -111,3 +111,54 @@ def test_unsupported_architecture_is_refused(tmp_path):
     with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel"):
         LLMEngine(EngineConfig(model=str(tmp_path), model_impl="pytgi"))  # auto: transformers' code runs it
     assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+
+
+def test_longrope_requests_get_their_table_and_their_own_cached_blocks(tmp_path):
+    """LongRoPE (Phi-3): a prompt past the original context runs on the long factors from its first
+    chunk, as transformers' one forward does, so it must not reuse blocks a short request computed on
+    the short ones; greedy output equals transformers' either way."""
+    torch.manual_seed(0)
+    cfg = transformers.Phi3Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        original_max_position_embeddings=16,
+        pad_token_id=0,
+        eos_token_id=None,
+        rope_scaling={
+            "type": "longrope",
+            "short_factor": [1.0 + 0.2 * i for i in range(4)],
+            "long_factor": [1.0 + 2.0 * i for i in range(4)],
+        },
+    )
+    hf = transformers.Phi3ForCausalLM(cfg).float().eval()
+    hf.save_pretrained(tmp_path)
+    engine = LLMEngine(
+        EngineConfig(model=str(tmp_path), dtype="float32", max_batch_total_tokens=512, block_size=4)
+    )
+    short, long = list(range(3, 15)), list(range(3, 15)) + list(range(40, 70))  # 12 and 42 tokens
+
+    def want(prompt: list[int]) -> list[int]:
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False)
+        return out[0, len(prompt) :].tolist()
+
+    def greedy(rid: str, prompt: list[int]) -> tuple[list[int], int]:
+        engine.add_request(rid, prompt, SamplingParams(max_new_tokens=5, temperature=0))
+        ids, cached = [], 0
+        while engine.has_unfinished():
+            for u in engine.step():
+                ids.append(u.token_id)
+                cached = max(cached, u.num_cached_tokens)
+        return ids, cached
+
+    try:
+        assert greedy("short", short) == (want(short), 0)
+        got, cached = greedy("long", long)  # its first 12 tokens' blocks exist, on the short table
+        assert got == want(long) and cached == 0
+        assert greedy("again", long) == (want(long), 40)  # its own blocks, on the long table
+    finally:
+        engine.shutdown()

@@ -70,6 +70,19 @@ CONFIGS = {
             },
         ),
     ),
+    "phi3-longrope": (  # a 30-token prompt is past the original 16: the long factors; 9 + 4 tokens stay short
+        transformers.Phi3Config,
+        dict(
+            BASE,
+            pad_token_id=0,
+            original_max_position_embeddings=16,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                "long_factor": [1.0 + 0.9 * i for i in range(8)],
+            },
+        ),
+    ),
     "llama-biases": (transformers.LlamaConfig, dict(BASE, attention_bias=True, mlp_bias=True)),
     "mistral": (transformers.MistralConfig, dict(BASE, sliding_window=None)),
     "mistral-sliding": (transformers.MistralConfig, dict(BASE, sliding_window=8)),  # sequences reach past it

@@ -212,8 +212,35 @@ def _yarn(
     return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate, float(attention)
 
 
+def _longrope(
+    head_dim: int, base: float, scaling: dict, max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """LongRoPE (Phi-3), as transformers computes it: the frequencies divided by `short_factor` for a
+    sequence within `original_max_position_embeddings`, by `long_factor` beyond; cos and sin scaled by
+    the attention factor (given, or sqrt(1 + ln(factor) / ln(original)))."""
+    old_ctx = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_positions / old_ctx
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+
+    def inv(factors: list[float]) -> torch.Tensor:
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base**shape)
+
+    return inv(scaling["short_factor"]), inv(scaling["long_factor"]), float(attention)
+
+
 class RotaryEmbedding(nn.Module):
-    """Rotate-half rotary embeddings with a precomputed cos/sin table (default, linear, llama3, yarn)."""
+    """Rotate-half rotary embeddings with a precomputed cos/sin table (default, linear, llama3, yarn,
+    longrope).
+
+    LongRoPE has two tables, one under the other: a sequence longer than `long_after` tokens reads its
+    rows `long_offset` further down (the runner adds it to such a request's positions, from the prompt's
+    length or its length so far, as transformers decides per forward of one sequence)."""
+
+    long_after: int | None = None  # LongRoPE: the original context, beyond which the long table applies
+    long_offset: int = 0
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -230,9 +257,18 @@ class RotaryEmbedding(nn.Module):
             inv_freq = inv_freq / scaling["factor"]
         elif kind == "yarn":
             inv_freq, attention = _yarn(inv_freq, scaling, max_positions, base)
+        elif kind == "longrope":
+            short, long, attention = _longrope(head_dim, base, scaling, max_positions)
+            self.long_after, self.long_offset = scaling["original_max_position_embeddings"], max_positions
         elif kind not in ("default", "mrope"):  # M-RoPE: the default frequencies, by axis (`mrope`)
-            raise ValueError(f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn)")
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+            raise ValueError(
+                f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn, longrope)"
+            )
+        at = torch.arange(max_positions, dtype=torch.float32)
+        if self.long_after is not None:
+            freqs = torch.cat((torch.outer(at, short), torch.outer(at, long)))
+        else:
+            freqs = torch.outer(at, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention, persistent=False)
         # The sine with rotate-half's sign folded in: the first half multiplies -x2.
