@@ -29,6 +29,7 @@ from pytgi.engine.images import ImageInputs, PromptImage
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.kv_sizing import GIB, free_bytes
 from pytgi.engine.models.checkpoint_quant import file_quantization
+from pytgi.engine.models.layers import long_rope
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import Scheduler
@@ -179,8 +180,8 @@ class LLMEngine:
         root: object = None if adapter is None else self.adapters.cache_root(adapter)
         if images:
             root = (root, tuple(img.digest for img in images))
-        rotary = getattr(self.runner.model, "rotary", None)
-        if rotary is not None and rotary.long_after is not None and len(prompt_ids) > rotary.long_after:
+        rotary = long_rope(self.runner.model)
+        if rotary is not None and len(prompt_ids) > (rotary.long_after or 0):
             root = ("long rope", root)  # its keys are made with the long table from the start
         return root
 

@@ -26,6 +26,7 @@ from pytgi.engine.images import step_rows
 from pytgi.engine.kv_sizing import kv_tokens_on_every_rank
 from pytgi.engine.loading import load_paged_model, resolve_device
 from pytgi.engine.models.decoder import DecoderModel, StepImages
+from pytgi.engine.models.layers import long_rope
 from pytgi.engine.models.loader import (
     CausalLM,
     eos_token_ids,
@@ -156,10 +157,9 @@ class ModelRunner:
         ]
         if spans:
             step.layout.spans = np.array(spans, dtype=np.int64)
-        rotary = getattr(self.model, "rotary", None)
-        if rotary is not None and rotary.long_after is not None:  # LongRoPE: long sequences' table
+        if (rotary := long_rope(self.model)) is not None:  # LongRoPE: long sequences' table
             long = [
-                max(len(r.prompt_ids), r.num_computed_tokens + s.num_new_tokens) > rotary.long_after
+                max(len(r.prompt_ids), r.num_computed_tokens + s.num_new_tokens) > (rotary.long_after or 0)
                 for r, s in zip(reqs, batch)
             ]
             if any(long):

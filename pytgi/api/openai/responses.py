@@ -13,7 +13,6 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -493,23 +492,22 @@ async def create_response(request: Request, body: ResponseRequest) -> Response:
     model = st.adapter_of(body.model) or st.config.model_id
     style, prompt = st.config.reasoning_parser, reqs[0].input_length
 
-    cached: list[Callable[[], int]] = []  # the generation's prompt tokens from the prefix cache, once known
-
-    def final(status: str, items: list[dict[str, Any]], generated: int) -> dict[str, Any]:
-        use = (prompt, generated, cached[0]() if cached else 0)
-        response = response_json(body, rid, created, model, status, items, use)
+    def final(status: str, items: list[dict[str, Any]], generated: int, cached: int) -> dict[str, Any]:
+        """`cached`: the prompt tokens the prefix cache served."""
+        response = response_json(body, rid, created, model, status, items, (prompt, generated, cached))
         if body.store is not False:
             store_of(request).put(response, messages + _assistant_turn(items))
         return response
 
     if not body.stream:
         [g] = await ex.generate(reqs)
-        cached.append(lambda: g.output.num_cached_tokens)
         status = "incomplete" if g.output.finish_reason == "length" else "completed"
-        return JSONResponse(final(status, output_items(g.output, tool_style, style), len(g.output.tokens)))
+        items = output_items(g.output, tool_style, style)
+        return JSONResponse(final(status, items, len(g.output.tokens), g.output.num_cached_tokens))
     [stream] = ex.streams(reqs)
-    cached.append(lambda: stream.output.num_cached_tokens)
-    events = ResponseStream(final, tool_style, style)
+    events = ResponseStream(
+        lambda status, items, n: final(status, items, n, stream.output.num_cached_tokens), tool_style, style
+    )
     start = events.start(response_json(body, rid, created, model, "in_progress", [], None))
     return ex.sse([stream], lambda _, d: events.delta(d), lambda exc: _error_event(events, exc), start=start)
 

@@ -231,6 +231,12 @@ def _longrope(
     return inv(scaling["short_factor"]), inv(scaling["long_factor"]), float(attention)
 
 
+def long_rope(model: object) -> RotaryEmbedding | None:
+    """The model's rotary embedding if it has LongRoPE's second table (None otherwise)."""
+    rotary = getattr(model, "rotary", None)
+    return rotary if isinstance(rotary, RotaryEmbedding) and rotary.long_after is not None else None
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embeddings with a precomputed cos/sin table (default, linear, llama3, yarn,
     longrope).
