@@ -180,8 +180,8 @@ class LLMEngine:
         root: object = None if adapter is None else self.adapters.cache_root(adapter)
         if images:
             root = (root, tuple(img.digest for img in images))
-        rotary = long_rope(self.runner.model)
-        if rotary is not None and len(prompt_ids) > (rotary.long_after or 0):
+        rope = long_rope(self.runner.model)
+        if rope is not None and len(prompt_ids) > rope[0]:
             root = ("long rope", root)  # its keys are made with the long table from the start
         return root
 

@@ -24,16 +24,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def model_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    assert config.model is not None, "a resolved model directory"
-    return resolve_dtype(config.dtype, read_config(Path(config.model)), device)
-
-
 def load_paged_model(config: EngineConfig, device: torch.device) -> PagedModel:
     """This rank's shard of `config.model` (a resolved directory; the process group is up)."""
     assert config.model is not None, "a resolved model directory"
     model_path = Path(config.model)
-    dtype = model_dtype(config, device)
+    dtype = resolve_dtype(config.dtype, read_config(model_path), device)
     # On CPU this builds the C kernels now (about a second, once), not on the first request.
     cpu = Kernels.for_device(device, dtype, batch_invariant=config.batch_invariant)
     share = local_engines(dist.tp_size()) / dist.tp_size()  # of the whole model, on this machine

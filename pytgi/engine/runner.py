@@ -157,14 +157,15 @@ class ModelRunner:
         ]
         if spans:
             step.layout.spans = np.array(spans, dtype=np.int64)
-        if (rotary := long_rope(self.model)) is not None:  # LongRoPE: long sequences' table
+        if (rope := long_rope(self.model)) is not None:  # LongRoPE: long sequences' table
+            after, offset = rope
             long = [
-                max(len(r.prompt_ids), r.num_computed_tokens + s.num_new_tokens) > (rotary.long_after or 0)
+                max(len(r.prompt_ids), r.num_computed_tokens + s.num_new_tokens) > after
                 for r, s in zip(reqs, batch)
             ]
             if any(long):
                 step.positions = step.positions + np.repeat(
-                    np.array(long, dtype=np.int64) * rotary.long_offset, step.layout.query_lens
+                    np.array(long, dtype=np.int64) * offset, step.layout.query_lens
                 )
         return step
 

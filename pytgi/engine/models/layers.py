@@ -231,10 +231,12 @@ def _longrope(
     return inv(scaling["short_factor"]), inv(scaling["long_factor"]), float(attention)
 
 
-def long_rope(model: object) -> RotaryEmbedding | None:
-    """The model's rotary embedding if it has LongRoPE's second table (None otherwise)."""
+def long_rope(model: object) -> tuple[int, int] | None:
+    """A LongRoPE model's (original context, row offset of the long table); None for any other."""
     rotary = getattr(model, "rotary", None)
-    return rotary if isinstance(rotary, RotaryEmbedding) and rotary.long_after is not None else None
+    if isinstance(rotary, RotaryEmbedding) and rotary.long_after is not None:
+        return rotary.long_after, rotary.long_offset
+    return None
 
 
 class RotaryEmbedding(nn.Module):
