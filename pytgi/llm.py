@@ -39,6 +39,7 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None  # when asked; the first is None
     finish_reason: str | None = None  # length | eos_token | stop_sequence
     num_cached_tokens: int = 0
+    num_disk_tokens: int = 0  # of them, read back from --prefix-cache-dir's files
     seed: int | None = None
 
     @property
@@ -72,7 +73,7 @@ class _Tracker:
         out.prompt_logprobs = proc.prompt_logprobs
         if delta is None:
             return None
-        out.num_cached_tokens = proc.num_cached_tokens
+        out.num_cached_tokens, out.num_disk_tokens = proc.num_cached_tokens, proc.num_disk_tokens
         out.token_ids.append(delta.token.id)
         out.logprobs.append(_logprob(delta.token))
         if self.params.top_n_tokens:

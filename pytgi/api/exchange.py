@@ -74,9 +74,15 @@ async def with_keep_alive(items: AsyncIterable[T]) -> AsyncIterator[T | None]:
 
 
 def record_success(
-    st: State, t: Timings, arrived: float, input_length: int, generated: int, cached: int = 0
+    st: State,
+    t: Timings,
+    arrived: float,
+    input_length: int,
+    generated: int,
+    cached: int = 0,
+    disk: int = 0,
 ) -> None:
-    """`cached`: the prompt tokens the prefix cache served."""
+    """`cached`: the prompt tokens the prefix cache served; `disk`: of them, those read from disk."""
     m = st.metrics
     m.request_success.inc()
     m.request_duration.observe(time.monotonic() - arrived)
@@ -87,7 +93,8 @@ def record_success(
     m.request_input_length.observe(input_length)
     m.request_generated_tokens.observe(generated)
     m.prompt_tokens.inc(input_length)
-    m.prefix_cache_hit_tokens.labels(tier="ram").inc(cached)
+    m.prefix_cache_hit_tokens.labels(tier="ram").inc(cached - disk)
+    m.prefix_cache_hit_tokens.labels(tier="disk").inc(disk)
 
 
 async def wait_disconnect(request: Request, task: asyncio.Task) -> bool:
@@ -230,7 +237,9 @@ class Exchange:
         self.st.metrics.time_to_first_token.observe(max(timings.start - self.arrived, 0.0))
         generated = sum(len(g.output.tokens) for g in gens)
         cached = sum(g.output.num_cached_tokens for g in gens)
-        record_success(self.st, timings, self.arrived, sum(r.input_length for r in reqs), generated, cached)
+        disk = sum(g.output.num_disk_tokens for g in gens)
+        inputs = sum(r.input_length for r in reqs)
+        record_success(self.st, timings, self.arrived, inputs, generated, cached, disk)
         self.trace(reqs, [(g.timings, len(g.output.tokens), g.request.sampling.seed) for g in gens])
         return gens
 
@@ -321,7 +330,8 @@ class Exchange:
             timings = combined([s.timings for s in streams])
             inputs = sum(s.req.input_length for s in streams)
             cached = sum(s.output.num_cached_tokens for s in streams)
-            record_success(self.st, timings, self.arrived, inputs, sum(generated), cached)
+            disk = sum(s.output.num_disk_tokens for s in streams)
+            record_success(self.st, timings, self.arrived, inputs, sum(generated), cached, disk)
             self.trace([s.req for s in streams], self._traced(streams, generated))
         except InferError as exc:
             self._failed(exc)

@@ -84,8 +84,8 @@ class Metrics:
         self.prefix_cache_hit_rate = Gauge(
             "pytgi_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache", registry=r
         )
-        # the prompt tokens of successful requests, and those a cache served, by tier (RAM: the KV
-        # pool's prefix cache; a disk tier is issue 45's)
+        # the prompt tokens of successful requests, and those a cache served, by tier (ram: the KV
+        # pool's prefix cache; disk: --prefix-cache-dir's files)
         self.prompt_tokens = Counter(
             "pytgi_prompt_tokens", "Prompt tokens of successful requests", registry=r
         )
@@ -97,6 +97,16 @@ class Metrics:
         )
         self.preemptions = Gauge(
             "pytgi_preemptions_total", "Requests preempted (recomputed later)", registry=r
+        )
+        # the disk tier (--prefix-cache-dir): its size, and its counts since the engine started
+        self.disk_bytes = Gauge("pytgi_prefix_cache_disk_bytes", "The disk tier's bytes", registry=r)
+        self.disk_files = Gauge("pytgi_prefix_cache_disk_files", "The disk tier's block files", registry=r)
+        self.disk_blocks = Gauge(
+            "pytgi_prefix_cache_disk_blocks_total",
+            "KV blocks the disk tier wrote, read back, skipped writing (too many in flight), evicted "
+            "past its bound, dropped (a failed check), verified and found different when recomputed",
+            ["op"],
+            registry=r,
         )
         # speculation (--speculate): TGI's per-request histogram, and pytgi's totals
         self.request_skipped_tokens = Histogram(
@@ -169,6 +179,20 @@ class Metrics:
         self.kv_cache_usage.set(s.kv_cache_usage)
         self.prefix_cache_hit_rate.set(s.prefix_cache_hit_rate)
         self.preemptions.set(s.preemptions)
+        if s.disk is not None:
+            d = s.disk
+            self.disk_bytes.set(d.bytes)
+            self.disk_files.set(d.files)
+            for op, n in (
+                ("written", d.written_blocks),
+                ("read", d.read_blocks),
+                ("write_skipped", d.write_skipped),
+                ("evicted", d.evicted_files),
+                ("dropped", d.dropped_files),
+                ("verified", d.verified_blocks),
+                ("verify_mismatch", d.verify_mismatches),
+            ):
+                self.disk_blocks.labels(op).set(n)
         self.spec_drafted.set(s.spec_drafted)
         self.spec_accepted.set(s.spec_accepted)
         self.spec_acceptance.set(s.spec_accepted / s.spec_drafted if s.spec_drafted else 0.0)

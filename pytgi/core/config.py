@@ -107,6 +107,19 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(
         True, "turn the prefix cache off", flag="--disable-prefix-caching", switch=True
     )
+    prefix_cache_dir: str | None = setting(
+        None,
+        "a directory for the prefix cache's disk tier: full KV blocks written behind, read back after "
+        "eviction or a restart (docs/prefix-cache.md)",
+    )
+    prefix_cache_disk_bytes: int = setting(
+        16 * 2**30, "the most the disk tier keeps in --prefix-cache-dir, the least recently used out"
+    )
+    prefix_cache_verify_rate: float = setting(
+        0.0,
+        "the share of disk reads checked: the last block recomputed and compared bit for bit, a "
+        "mismatching file dropped",
+    )
     # CPU: a row's numerics do not depend on the step (docs/batch-invariance.md)
     batch_invariant: bool = setting(
         True,
@@ -163,6 +176,19 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
+        if self.prefix_cache_dir is not None:
+            if not self.enable_prefix_caching:
+                raise ConfigError("--prefix-cache-dir needs the prefix cache (no --disable-prefix-caching)")
+            if self.num_shard > 1:
+                raise ConfigError(
+                    "--prefix-cache-dir serves one rank's KV cache: it does not run with --num-shard > 1 yet"
+                )
+        if self.prefix_cache_disk_bytes < 0:
+            raise ConfigError(f"prefix_cache_disk_bytes must be >= 0, got {self.prefix_cache_disk_bytes}")
+        if not 0.0 <= self.prefix_cache_verify_rate <= 1.0:
+            raise ConfigError(
+                f"prefix_cache_verify_rate must be in [0, 1], got {self.prefix_cache_verify_rate}"
             )
         if self.max_lora_rank < 1:
             raise ConfigError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")

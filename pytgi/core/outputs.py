@@ -50,6 +50,7 @@ class OutputProcessor:
     stopped: bool = False  # a stop string ended it here: the engine does not know, tell it (abort)
     stop_sequence: str | None = None  # which stop string ended it
     num_cached_tokens: int = 0
+    num_disk_tokens: int = 0  # of them, read back from the disk tier
     _detok: IncrementalDetokenizer | None = None
     _sent: int = 0  # how much of `text` the deltas have handed out
 
@@ -82,7 +83,7 @@ class OutputProcessor:
         if out.token_id < 0:
             return None
         assert self._detok is not None and not self.finished
-        self.num_cached_tokens = out.num_cached_tokens
+        self.num_cached_tokens, self.num_disk_tokens = out.num_cached_tokens, out.num_disk_tokens
         before = len(self.text)
         finish = out.finish_reason
         if not (finish == "eos_token" and out.token_id in self.tokenizer.eos_token_ids):

@@ -43,6 +43,22 @@ class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     num_skipped: int = 0  # on a request's last update: its tokens that came as accepted draft tokens
     queue_time: float = 0.0  # on a request's first token: seconds it waited in the engine's queue
+    num_disk_tokens: int = 0  # of the cached tokens, those read back from the disk tier
+
+
+class DiskCacheStats(msgspec.Struct, array_like=True):
+    """The prefix cache's disk tier (pytgi.engine.kv_disk): its size now, its counts since start."""
+
+    bytes: int = 0
+    files: int = 0
+    written_blocks: int = 0
+    read_blocks: int = 0
+    write_skipped: int = 0  # new blocks not written: too many writes in flight
+    write_errors: int = 0
+    evicted_files: int = 0  # past --prefix-cache-disk-bytes
+    dropped_files: int = 0  # failed a check: header, checksum, or a recomputed block's bits
+    verified_blocks: int = 0  # restored blocks recomputed and found equal (--prefix-cache-verify-rate)
+    verify_mismatches: int = 0
 
 
 class EngineStats(msgspec.Struct, array_like=True):
@@ -55,6 +71,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_drafted: int = 0  # draft tokens verified, since start
     spec_accepted: int = 0  # ... and accepted
     waiting_adapters: list[str] = []  # the LoRA adapters waiting requests ask for
+    disk: DiskCacheStats | None = None  # with --prefix-cache-dir
 
 
 class StepInfo(msgspec.Struct, array_like=True):

@@ -1,10 +1,11 @@
 """The LoRA adapters an engine serves: the one owner of their state.
 
 The registry knows which adapters are served (name → directory), which are on their way out, and each
-one's load number (the root of its prefix-cache blocks, new at every (re)load, so that a name loaded
-again with other weights never finds the old weights' blocks). It is the only code that puts adapter
-weights in memory: a request names an adapter and is checked here; the weights it needs are made
-resident just before a step that runs it (`prepare`), never as a side effect of adding the request.
+one's prefix-cache root (its name and its files' stamp, so that a name loaded again with other
+weights never finds the old weights' blocks, in this process or, on disk, the next). It is the only
+code that puts adapter weights in memory: a request names an adapter and is checked here; the
+weights it needs are made resident just before a step that runs it (`prepare`), never as a side
+effect of adding the request.
 
 The API process never keeps adapter state of its own: it reads the last `AdapterSnapshot` the engine
 published (at start, and after every change).
@@ -12,12 +13,15 @@ published (at start, and after every change).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pytgi.core.adapters import AdapterError, check_name
 from pytgi.core.errors import InvalidRequest
 from pytgi.core.model_files import resolve_adapter
+from pytgi.core.paths import files_stamp
 from pytgi.core.protocol import AdapterSnapshot
 
 if TYPE_CHECKING:
@@ -28,8 +32,7 @@ class AdapterRegistry:
     def __init__(self, runner: ModelRunner, served: dict[str, str], base_name: str, progress: bool) -> None:
         self.runner, self.base_name, self.progress = runner, base_name, progress
         self.served = dict(served)
-        self.loads = {name: i for i, name in enumerate(served)}
-        self.next_load = len(served)  # never reused: a name loaded again gets a new root
+        self.roots = {name: _root(name, path) for name, path in served.items()}
         self.unloading: set[str] = set()  # refused to new requests, removed once none runs
         self.version = 0  # bumped at every change: the snapshot's number
 
@@ -44,8 +47,8 @@ class AdapterRegistry:
         if name in self.unloading:
             raise InvalidRequest(f"LoRA adapter {name!r} is being unloaded", "adapter_id")
 
-    def cache_root(self, name: str) -> tuple[str, int]:
-        return (name, self.loads[name])
+    def cache_root(self, name: str) -> tuple[str, str]:
+        return self.roots[name]
 
     def prepare(self, needed: Collection[str | None], in_use: Collection[str | None]) -> None:
         """Before a step: the weights of every adapter in `needed` in memory (loaded back if they were
@@ -75,7 +78,7 @@ class AdapterRegistry:
             self.runner.adapters().register(name, path, in_use)
         finally:
             self.runner.adapters_changed()  # the other ranks wrap their linears even if it failed
-        self.loads[name], self.next_load = self.next_load, self.next_load + 1
+        self.roots[name] = _root(name, str(path))
         self.served[name] = str(path)
         self.version += 1
 
@@ -96,7 +99,12 @@ class AdapterRegistry:
         for name in done:
             lora.remove(name)
             self.unloading.discard(name)
-            del self.served[name], self.loads[name]
+            del self.served[name], self.roots[name]
         self.runner.adapters_changed()
         self.version += 1
         return done
+
+
+def _root(name: str, path: str) -> tuple[str, str]:
+    stamp = repr((path, files_stamp(Path(path)))).encode()
+    return (name, hashlib.blake2b(stamp, digest_size=16).hexdigest())

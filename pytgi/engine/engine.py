@@ -8,6 +8,7 @@ schedule → execute → update; the scheduler keeps the books, the runner compu
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -23,10 +24,12 @@ from pytgi.core.config import EngineConfig
 from pytgi.core.errors import DistributedError, InvalidRequest
 from pytgi.core.image_geometry import image_places
 from pytgi.core.model_files import resolve_adapters, resolve_model
+from pytgi.core.paths import files_stamp
 from pytgi.core.sampling_params import SamplingParams, check_logit_bias, check_prompt
 from pytgi.engine.adapters import AdapterRegistry
 from pytgi.engine.images import ImageInputs, PromptImage
 from pytgi.engine.kv_cache import BlockManager
+from pytgi.engine.kv_disk import DiskTier, fingerprint
 from pytgi.engine.kv_sizing import GIB, free_bytes
 from pytgi.engine.models.checkpoint_quant import file_quantization
 from pytgi.engine.models.layers import long_rope
@@ -93,7 +96,8 @@ class LLMEngine:
         except BaseException:
             self.shutdown()
             raise
-        self.scheduler = Scheduler(self.info, self.block_manager, drafter=drafter)
+        self.disk = self._disk_tier(config, model_path) if config.prefix_cache_dir else None
+        self.scheduler = Scheduler(self.info, self.block_manager, drafter=drafter, disk=self.disk)
         self.num_failed_steps = 0
         self.adapters = AdapterRegistry(
             runner, {name: str(path) for name, path in adapters.items()}, model_id, config.progress
@@ -129,6 +133,38 @@ class LLMEngine:
             self.eos_token_ids,
             config.batch_invariant,
             config.progress,
+        )
+
+    def _disk_tier(self, config: EngineConfig, model_path: Path) -> DiskTier:
+        """The prefix cache's disk tier, its files named by everything the KV bits depend on."""
+        import torch
+
+        model_files = files_stamp(model_path)
+        parts = model_path / "gguf.json"  # a GGUF file's converted directory: the file itself
+        if parts.is_file():
+            model_files += [s for p in json.loads(parts.read_text())["parts"] for s in files_stamp(Path(p))]
+        runner = self.runner
+        caches = runner.paged.kv_caches
+        fp = fingerprint(
+            model=self.info.model_id,
+            revision=config.revision,
+            files=model_files,
+            quantize=config.quantize,
+            dtype=str(runner.dtype),
+            kv=(config.kv_cache_dtype, str(caches[0][0].dtype), tuple(caches[0][0].shape[1:]), len(caches)),
+            block_size=config.block_size,
+            batch_invariant=config.batch_invariant,
+            device=runner.device.type,
+            torch=torch.__version__,
+        )
+        assert config.prefix_cache_dir is not None
+        return DiskTier(
+            config.prefix_cache_dir,
+            config.prefix_cache_disk_bytes,
+            fp,
+            self.block_manager,
+            caches,
+            config.prefix_cache_verify_rate,
         )
 
     @property
@@ -217,6 +253,8 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.last_step = P.StepInfo()
+            if self.disk is not None and self.disk.reads:
+                self.disk.wait(0.05)  # a request waits for its blocks from disk
             return []
         t0 = time.monotonic()
         failed = False
@@ -251,6 +289,10 @@ class LLMEngine:
         self.runner.ping()
 
     def shutdown(self) -> None:
+        disk = getattr(self, "disk", None)  # (None when the engine failed before making it)
+        if disk is not None:
+            disk.drain()  # the writes in flight land: a restart finds them
+            disk.close()
         self.runner.shutdown()
         self.shards.stop()
 
@@ -266,4 +308,5 @@ class LLMEngine:
             "spec_drafted": self.scheduler.spec_drafted,
             "spec_accepted": self.scheduler.spec_accepted,
             "waiting_adapters": sorted(waiting_adapters),
+            "disk": None if self.disk is None else msgspec.structs.replace(self.disk.stats),
         }

@@ -1,16 +1,19 @@
 """Paged KV-cache bookkeeping: blocks with refcounts, block tables, and the prefix cache.
 
 This module owns no tensors; the runner allocates the K/V tensors with `num_blocks` blocks.
-A full block is identified by a chained hash (hash of the previous block's hash and this block's
-token ids), so equal prefixes map to equal hash chains. Blocks whose refcount drops to zero keep
-their hash and stay reusable until they are evicted, least recently freed first.
-Python's tuple hash is 64-bit and deterministic for ints, so a collision is ~2**-64 per pair.
+A full block is identified by a chained hash (BLAKE2b of the previous block's hash and this block's
+token ids, 128 bits), so equal prefixes map to equal hash chains, in every process: the disk tier
+(`pytgi.engine.kv_disk`) names its files by them. Blocks whose refcount drops to zero keep their hash
+and stay reusable until they are evicted, least recently freed first.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from itertools import islice
 from typing import Protocol
 
 from pytgi.engine.request import Request
@@ -63,12 +66,13 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _chain_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
+    def chain_hashes(self, req: Request, num_full_blocks: int) -> list[int]:
         """The request's block hashes up to `num_full_blocks`, extending the memo on the request."""
         hashes, bs, ids = req.block_hashes, self.block_size, req.all_ids
         for i in range(len(hashes), num_full_blocks):
-            parent = hashes[i - 1] if i else req.cache_root  # an adapter's or an image's blocks are their own
-            hashes.append(hash((parent, tuple(ids[i * bs : (i + 1) * bs]))))
+            # an adapter's or an image's blocks are their own: the chain starts at their root
+            parent = hashes[i - 1] if i else root_hash(req.cache_root)
+            hashes.append(block_hash(parent, ids[i * bs : (i + 1) * bs]))
         return hashes[:num_full_blocks]
 
     def cached_prefix(self, req: Request) -> list[int]:
@@ -78,7 +82,7 @@ class BlockManager:
         if not self.enable_prefix_caching or req.wants_prompt_logprobs:
             return []
         blocks: list[int] = []
-        for h in self._chain_hashes(req, (req.num_tokens - 1) // self.block_size):
+        for h in self.chain_hashes(req, (req.num_tokens - 1) // self.block_size):
             block = self.hash_to_block.get(h)
             if block is None:
                 break
@@ -115,28 +119,49 @@ class BlockManager:
         """Release the blocks past what the request's tokens need (those taken for a rejected draft)."""
         keep = self.blocks_for(req.num_tokens)
         while len(req.block_table) > keep:
-            block = req.block_table.pop()
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
+            self.release(req.block_table.pop())
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Register the request's newly computed full blocks in the prefix cache."""
+    def cache_full_blocks(self, req: Request) -> list[tuple[int, int]]:
+        """Register the request's newly computed full blocks in the prefix cache; the (block, hash)
+        pairs it added (those the disk tier has not seen)."""
         if not self.enable_prefix_caching:
-            return
+            return []
         num_full = req.num_computed_tokens // self.block_size
-        for i, h in enumerate(self._chain_hashes(req, num_full)):
+        added = []
+        for i, h in enumerate(self.chain_hashes(req, num_full)):
             block = req.block_table[i]
-            if self.block_hash[block] is None and h not in self.hash_to_block:
-                self.block_hash[block] = h
-                self.hash_to_block[h] = block
+            if self.register(block, h):
+                added.append((block, h))
+        return added
+
+    def register(self, block: int, h: int) -> bool:
+        """Name a block holding computed KV by its hash, unless the hash (or the block) is named."""
+        if self.block_hash[block] is not None or h in self.hash_to_block:
+            return False
+        self.block_hash[block] = h
+        self.hash_to_block[h] = block
+        return True
+
+    def release(self, block: int) -> None:
+        """Drop one hold on a block (a request's, or the disk tier's read); free at none."""
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks[block] = None
+
+    def take_free(self, n: int, keep: Collection[int] = ()) -> list[int]:
+        """Up to `n` free blocks, held (refcount 1, no hash), the least recently freed first, none of
+        `keep` (the cached blocks a request about to be admitted will claim)."""
+        taken = list(islice((b for b in self.free_blocks if b not in keep), n))
+        for block in taken:
+            del self.free_blocks[block]
+            self._forget(block)
+            self.ref_counts[block] = 1
+        return taken
 
     def free(self, req: BlockSeq) -> None:
         """Release the request's blocks; tail blocks first, so they are evicted before shared prefixes."""
         for block in reversed(req.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
+            self.release(block)
         req.block_table = []
 
     def _claim(self, block: int) -> None:
@@ -156,3 +181,16 @@ class BlockManager:
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
             self.block_hash[block] = None
+
+
+def root_hash(root: object) -> int:
+    """Where a chain starts: the cache root (None, an adapter's name and files, image digests) by its
+    repr, which is the same in every process (unlike `hash` of a string)."""
+    digest = hashlib.blake2b(repr(root).encode(), digest_size=16).digest()
+    return int.from_bytes(digest, "little")
+
+
+def block_hash(parent: int, ids: Sequence[int]) -> int:
+    h = hashlib.blake2b(parent.to_bytes(16, "little"), digest_size=16)
+    h.update(array("q", ids).tobytes())
+    return int.from_bytes(h.digest(), "little")

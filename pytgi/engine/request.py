@@ -48,6 +48,10 @@ class Request:
     images: list[Any] = field(
         default_factory=list
     )  # PromptImage per image in the prompt (pytgi.engine.images)
+    # the prefix cache's disk tier (pytgi.engine.kv_disk): "" not looked up yet, "reading" its blocks,
+    # "done"; the prompt tokens it restored
+    disk: str = ""
+    num_disk_tokens: int = 0
     arrived: float = field(default_factory=time.monotonic)
     scheduled: float = 0.0  # when it was first admitted to the running batch
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pytgi.core import protocol as P
 from pytgi.core.config import EngineInfo
 from pytgi.engine.kv_cache import BlockManager
+from pytgi.engine.kv_disk import DiskTier
 from pytgi.engine.request import FinishReason, Request, Status
 from pytgi.engine.speculate import MAX_STEP_ROWS, Drafter, Proposer
 from pytgi.engine.step import ScheduledRequest, StepOutput
@@ -50,11 +51,13 @@ class Scheduler:
         block_manager: BlockManager,
         watermark: float = 0.01,
         drafter: Proposer | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         """`drafter`: the draft proposer (`pytgi.engine.draft.DraftModel`); None: n-gram drafts when
-        `config.speculate`."""
+        `config.speculate`. `disk`: the prefix cache's disk tier (--prefix-cache-dir)."""
         self.config = config
         self.block_manager = block_manager
+        self.disk = disk
         self.watermark = watermark  # fraction of blocks kept free when admitting, so decodes need not preempt
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.waiting: deque[Request] = deque()
@@ -87,6 +90,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.disk is not None:
+            self.disk.poll()  # blocks read from disk join the prefix cache
         cfg = self.config
         budget = cfg.max_batch_prefill_tokens
         # Prompt tokens (continuing chunks and new prefills) are capped in a step that also decodes.
@@ -98,6 +103,8 @@ class Scheduler:
             budget = self._draft(out, budget, self.drafter)
         if not out.preempted:
             self._admit_waiting(out, min(budget, prompt_budget))
+        if self.disk is not None:
+            self.disk.drop_holds()
         self.steps_since_admission = 1 if out.num_admitted else self.steps_since_admission + 1
         return out
 
@@ -148,6 +155,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.partial_prompt_logprobs = []  # recomputed from the start
         req.status = Status.WAITING
+        req.disk = ""  # its blocks may be on disk by now
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -184,6 +192,10 @@ class Scheduler:
             if len(plan) >= slots or budget <= 0:
                 break
             cached = bm.cached_prefix(req)
+            if self.disk is not None and not req.disk and not req.wants_prompt_logprobs:
+                free -= self.disk.start_read(req, len(cached), free - len(cached), claimed.union(cached))
+            if req.disk == "reading":
+                break  # first come, first served: the requests behind it wait for its blocks too
             n = req.num_tokens - len(cached) * bm.block_size
             if n > budget:
                 if not cfg.enable_chunked_prefill:
@@ -211,7 +223,7 @@ class Scheduler:
                 updates.extend(self._verified(s, out))
                 continue
             req.num_computed_tokens += s.num_new_tokens
-            self.block_manager.cache_full_blocks(req)
+            self._cache_full_blocks(req)
             prompt_logprobs = self._prompt_logprobs(req, out.prompt_logprobs.get(req.request_id))
             update = out.samples.get(req.request_id)
             if update is not None:
@@ -231,8 +243,16 @@ class Scheduler:
             else:
                 update = P.TokenOut(req.request_id)
             update.prompt_logprobs, update.num_cached_tokens = prompt_logprobs, req.num_cached_tokens
+            update.num_disk_tokens = min(req.num_disk_tokens, req.num_cached_tokens)
             updates.append(update)
+        if self.disk is not None:
+            self.disk.submit()
         return updates
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        added = self.block_manager.cache_full_blocks(req)
+        if self.disk is not None and added:
+            self.disk.offer(added)  # written behind
 
     def _verified(self, s: ScheduledRequest, out: StepOutput) -> list[P.TokenOut]:
         """A decode with a draft: its tokens are the sample after its last token, then (when that
@@ -252,6 +272,7 @@ class Scheduler:
             req.append_token(update.token_id)
             update.error = out.errors.get(req.request_id)
             update.num_cached_tokens = req.num_cached_tokens
+            update.num_disk_tokens = min(req.num_disk_tokens, req.num_cached_tokens)
             updates.append(update)
             reason = FinishReason.ERROR if update.error else req.check_stop()
             if reason is not None:
@@ -261,7 +282,7 @@ class Scheduler:
         if req.status is Status.FINISHED:
             updates[-1].num_skipped = req.num_accepted
         else:
-            self.block_manager.cache_full_blocks(req)
+            self._cache_full_blocks(req)
             self.block_manager.trim(req)
         return updates
 

@@ -14,24 +14,12 @@ from pytgi.core.errors import ModelNotFound, UnsupportedModel
 from pytgi.core.model_files import resolve_model
 from pytgi.core.sampling_params import SamplingParams
 from pytgi.engine.engine import LLMEngine
+from tests.model.tiny_llama import tiny_llama
 
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        eos_token_id=None,
-    )
-    path = tmp_path_factory.mktemp("tiny")
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+    return tiny_llama(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture
