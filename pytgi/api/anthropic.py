@@ -22,7 +22,7 @@ from pytgi.api.chat import reasoning, tools
 from pytgi.api.chat.requests import chat_requests
 from pytgi.api.error_handlers import anthropic_error_body
 from pytgi.api.exchange import Exchange, in_thread
-from pytgi.api.frontend.bodies import F32, I32, U32, Bool
+from pytgi.api.frontend.bodies import F32, I32, U32, Bool, ValidRequest
 from pytgi.api.frontend.media import load_images
 from pytgi.api.json_response import JSONResponse
 from pytgi.api.openai import schema
@@ -41,6 +41,7 @@ class Tool(schema._Body):
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
 
 
 class ToolChoice(schema._Body):
@@ -198,6 +199,45 @@ def _response_format(body: MessagesRequest) -> dict[str, Any]:
     }
 
 
+CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}
+MAX_CACHE_MARKS = 4  # Anthropic's limit
+
+
+def _ttl(mark: Any, where: str) -> float:
+    """A `cache_control`'s seconds: `{"type": "ephemeral", "ttl": "5m" (the default) | "1h"}`."""
+    if not isinstance(mark, dict) or mark.get("type") != "ephemeral":
+        raise invalid('`cache_control` must be {"type": "ephemeral", "ttl": "5m" | "1h"}', where)
+    ttl = mark.get("ttl", "5m")
+    if ttl not in CACHE_TTLS:
+        raise invalid(f"`cache_control.ttl` must be '5m' or '1h', got {ttl!r}", f"{where}.ttl")
+    return CACHE_TTLS[ttl]
+
+
+def cache_marks(body: CountTokensRequest) -> list[tuple[int, float]]:
+    """The body's `cache_control` marks as (chat messages, seconds): each pins the prompt up to the
+    end of the chat messages its block's message became (a mark on a tool or on `system`: the
+    system message, where templates put the tools)."""
+    found: list[tuple[int, float]] = []
+    system = 1 if body.system else 0
+    for j, tool in enumerate(body.tools or []):
+        if tool.cache_control is not None:
+            found.append((system, _ttl(tool.cache_control, f"tools.{j}.cache_control")))
+    for j, block in enumerate(body.system if isinstance(body.system, list) else []):
+        if isinstance(block, dict) and block.get("cache_control") is not None:
+            found.append((system, _ttl(block["cache_control"], f"system.{j}.cache_control")))
+    for i, m in enumerate(body.messages):
+        for j, block in enumerate(m.content if isinstance(m.content, list) else []):
+            if isinstance(block, dict) and block.get("cache_control") is not None:
+                ttl = _ttl(block["cache_control"], f"messages.{i}.content.{j}.cache_control")
+                upto = body.model_copy(update={"messages": body.messages[: i + 1]})
+                found.append((len(_messages(upto)), ttl))
+    if len(found) > MAX_CACHE_MARKS:
+        raise invalid(
+            f"A maximum of {MAX_CACHE_MARKS} blocks with cache_control may be provided. Found {len(found)}."
+        )
+    return found
+
+
 VLLM_EXTENSIONS = {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
 
 
@@ -234,17 +274,22 @@ def stop_reason(out: OutputProcessor, tool_calls: bool) -> str:
     return {"length": "max_tokens", "stop_sequence": "stop_sequence"}.get(out.finish_reason or "", "end_turn")
 
 
-def usage(prompt: int, output: int, cached: int) -> dict[str, int]:
-    """Anthropic's usage. Its `input_tokens` are the prompt tokens no cache served: the prompt is
-    `input_tokens + cache_read_input_tokens` (what pytgi's prefix cache served) `+
-    cache_creation_input_tokens` (tokens written for the client's `cache_control`, which pytgi does not
-    honour yet: 0; its prefix cache keeps every full block anyway)."""
+def usage(prompt: int, output: int, cached: int, pinned: int = 0) -> dict[str, int]:
+    """Anthropic's usage. The prompt is `cache_read_input_tokens` (what pytgi's prefix cache served)
+    `+ cache_creation_input_tokens` (the rest of the prompt up to its last `cache_control` mark, the
+    `pinned` tokens: computed now and pinned) `+ input_tokens` (the rest)."""
+    created = max(0, min(pinned, prompt) - cached)
     return {
-        "input_tokens": prompt - cached,
-        "cache_creation_input_tokens": 0,
+        "input_tokens": prompt - cached - created,
+        "cache_creation_input_tokens": created,
         "cache_read_input_tokens": cached,
         "output_tokens": output,
     }
+
+
+def pinned(req: ValidRequest) -> int:
+    """The prompt tokens the request's last `cache_control` mark pins (0: none, or pins are off)."""
+    return req.sampling.cache_pins[-1][0] if req.sampling.cache_pins else 0
 
 
 def _input(arguments: str) -> Any:
@@ -261,6 +306,7 @@ def message_json(
     tool_style: tools.Style | None,
     reasoning_style: str | None,
     prompt: int,
+    pinned: int = 0,
 ) -> dict:
     thinking, text = reasoning.split(out.text, reasoning_style) if reasoning_style else (None, out.text)
     content_text, calls = (text, []) if tool_style is None else tools.parse(text, tool_style)
@@ -277,7 +323,7 @@ def message_json(
         "content": content,
         "stop_reason": stop_reason(out, bool(calls)),
         "stop_sequence": out.stop_sequence,
-        "usage": usage(prompt, len(out.tokens), out.num_cached_tokens),
+        "usage": usage(prompt, len(out.tokens), out.num_cached_tokens, pinned),
     }
 
 
@@ -296,8 +342,9 @@ class MessageStream:
         out: Callable[[], OutputProcessor],
         tool_style: tools.Style | None,
         reasoning_style: str | None = None,
+        pinned: int = 0,
     ):
-        self.head, self.out = head, out
+        self.head, self.out, self.pinned = head, out, pinned
         self.prompt = head.get("usage", {}).get("input_tokens", 0)  # message_start's: the whole prompt
         self.parser = tools.parser(tool_style) if tool_style else None
         self.reasoner = reasoning.ReasoningParser(reasoning_style) if reasoning_style else None
@@ -359,7 +406,7 @@ class MessageStream:
                     {
                         "delta": {"stop_reason": reason, "stop_sequence": out.stop_sequence},
                         # the whole usage: the cached prompt tokens are known once the prompt ran
-                        "usage": usage(self.prompt, d.index, out.num_cached_tokens),
+                        "usage": usage(self.prompt, d.index, out.num_cached_tokens, self.pinned),
                     },
                 )
             )
@@ -374,12 +421,16 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
     with ex.refused():
         schema.check_model(body.model, ex.st.config.model_id, ex.st.adapters)
         chat = to_chat(body)
-    reqs, tool_style = await chat_requests(ex, chat, 1)
+        marks = cache_marks(body)
+    reqs, tool_style = await chat_requests(ex, chat, 1, marks)
     mid = f"msg_{uuid.uuid4().hex}"
     if not body.stream:
         [g] = await ex.generate(reqs)
         style = ex.st.config.reasoning_parser
-        return JSONResponse(message_json(mid, body.model, g.output, tool_style, style, reqs[0].input_length))
+        output = message_json(
+            mid, body.model, g.output, tool_style, style, reqs[0].input_length, pinned(reqs[0])
+        )
+        return JSONResponse(output)
     [stream] = ex.streams(reqs)
     head = {
         "id": mid,
@@ -388,7 +439,9 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
         "model": body.model,
         "usage": usage(reqs[0].input_length, 0, 0),  # before the prompt runs: its whole length
     }
-    renderer = MessageStream(head, lambda: stream.output, tool_style, ex.st.config.reasoning_parser)
+    renderer = MessageStream(
+        head, lambda: stream.output, tool_style, ex.st.config.reasoning_parser, pinned(reqs[0])
+    )
     return ex.sse([stream], lambda _, d: renderer.delta(d), error_event, start=renderer.start())
 
 

@@ -98,6 +98,11 @@ class Metrics:
         self.preemptions = Gauge(
             "pytgi_preemptions_total", "Requests preempted (recomputed later)", registry=r
         )
+        self.pinned_blocks = Gauge(
+            "pytgi_prefix_cache_pinned_blocks",
+            "KV blocks clients' pins hold (Anthropic's cache_control)",
+            registry=r,
+        )
         # the disk tier (--prefix-cache-dir): its size, and its counts since the engine started
         self.disk_bytes = Gauge("pytgi_prefix_cache_disk_bytes", "The disk tier's bytes", registry=r)
         self.disk_files = Gauge("pytgi_prefix_cache_disk_files", "The disk tier's block files", registry=r)
@@ -179,6 +184,7 @@ class Metrics:
         self.kv_cache_usage.set(s.kv_cache_usage)
         self.prefix_cache_hit_rate.set(s.prefix_cache_hit_rate)
         self.preemptions.set(s.preemptions)
+        self.pinned_blocks.set(s.pinned_blocks)
         if s.disk is not None:
             d = s.disk
             self.disk_bytes.set(d.bytes)

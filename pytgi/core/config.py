@@ -120,6 +120,12 @@ class EngineConfig:
         "the share of disk reads checked: the last block recomputed and compared bit for bit, a "
         "mismatching file dropped",
     )
+    prefix_cache_max_pin_seconds: float = setting(
+        3600.0,
+        "the longest a client's pin (Anthropic's cache_control ttl) keeps its prefix's blocks in the "
+        "KV pool; 0: pins are ignored",
+        info=True,
+    )
     # CPU: a row's numerics do not depend on the step (docs/batch-invariance.md)
     batch_invariant: bool = setting(
         True,
@@ -186,6 +192,10 @@ class EngineConfig:
                 )
         if self.prefix_cache_disk_bytes < 0:
             raise ConfigError(f"prefix_cache_disk_bytes must be >= 0, got {self.prefix_cache_disk_bytes}")
+        if self.prefix_cache_max_pin_seconds < 0:
+            raise ConfigError(
+                f"prefix_cache_max_pin_seconds must be >= 0, got {self.prefix_cache_max_pin_seconds}"
+            )
         if not 0.0 <= self.prefix_cache_verify_rate <= 1.0:
             raise ConfigError(
                 f"prefix_cache_verify_rate must be in [0, 1], got {self.prefix_cache_verify_rate}"
@@ -262,6 +272,9 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             block_size=self.block_size,
             num_blocks=num_blocks,
+            prefix_cache_max_pin_seconds=self.prefix_cache_max_pin_seconds
+            if self.enable_prefix_caching
+            else 0.0,
             quantization=quantization,
             speculate=self.draft_tokens,
             draft_model=self.draft_model,
@@ -296,6 +309,7 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     speculate: int = 0  # draft tokens per decode step, at most
     draft_model: str | None = None  # the draft model (--draft-model-id), if any
     image_layout: ImageLayout | None = None  # a vision model's: how its images take prompt positions
+    prefix_cache_max_pin_seconds: float = 0.0  # 0: clients' pins are ignored (or no prefix cache)
 
 
 # Names the API side defines and the settings below take (each module checks its own against these):

@@ -72,6 +72,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_accepted: int = 0  # ... and accepted
     waiting_adapters: list[str] = []  # the LoRA adapters waiting requests ask for
     disk: DiskCacheStats | None = None  # with --prefix-cache-dir
+    pinned_blocks: int = 0  # KV blocks clients' pins hold now (Anthropic's cache_control)
 
 
 class StepInfo(msgspec.Struct, array_like=True):

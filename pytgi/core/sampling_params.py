@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 from pytgi.core.errors import InvalidRequest
@@ -32,6 +33,10 @@ ENGINE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logit_bias": (
         lambda v: all(isinstance(t, int) and t >= 0 and -100.0 <= b <= 100.0 for t, b in v.items()),
         "must map token ids (>= 0) to biases in [-100, 100]",
+    ),
+    "cache_pins": (
+        lambda v: all(t >= 0 and d > 0 for t, d in v) and all(a[0] <= b[0] for a, b in pairwise(v)),
+        "must be (prompt tokens >= 0, seconds > 0) pairs, by tokens ascending",
     ),
 }
 
@@ -112,6 +117,9 @@ class SamplingParams:
     # The answer's reasoning format (--reasoning-parser): a constraint applies after its <think> block
     reasoning: str | None = None
     adapter: str | None = None  # the LoRA adapter (--lora-adapters) that generates; None: the base model
+    # (prompt tokens, seconds): keep the prefix cache's blocks of the prompt's first tokens that long
+    # (Anthropic's cache_control; at most --prefix-cache-max-pin-seconds)
+    cache_pins: list[tuple[int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

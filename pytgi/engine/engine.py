@@ -309,4 +309,5 @@ class LLMEngine:
             "spec_accepted": self.scheduler.spec_accepted,
             "waiting_adapters": sorted(waiting_adapters),
             "disk": None if self.disk is None else msgspec.structs.replace(self.disk.stats),
+            "pinned_blocks": len(self.block_manager.pins),
         }

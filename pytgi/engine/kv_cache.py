@@ -49,6 +49,11 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # prompt tokens found cached
+        # Pins (Anthropic's cache_control): block → until when (time.monotonic()); each holds one
+        # reference, so a pinned block is never evicted. At most half the pool, and pins give way
+        # when a request could not run otherwise (`yield_pins`).
+        self.pins: dict[int, float] = {}
+        self.max_pinned = num_blocks // 2
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -157,6 +162,50 @@ class BlockManager:
             self._forget(block)
             self.ref_counts[block] = 1
         return taken
+
+    # -- pins ------------------------------------------------------------------------------------
+    def pin(self, hashes: Sequence[int], until: float) -> int:
+        """Hold the cached blocks of a chain's first hashes until `until` (a pin already there is
+        extended, never shortened); returns how many blocks are pinned. Past the cap, pins that end
+        sooner give way; the chain stops at a block the cache lacks or the cap cannot take."""
+        n = 0
+        for h in hashes:
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            if block in self.pins:
+                self.pins[block] = max(self.pins[block], until)
+            else:
+                if len(self.pins) >= self.max_pinned:
+                    last = min(reversed(self.pins), key=self.pins.__getitem__)  # a chain's tail first
+                    if self.pins[last] >= until:
+                        break
+                    self._unpin(last)
+                self._claim(block)
+                self.pins[block] = until
+            n += 1
+        return n
+
+    def expire_pins(self, now: float) -> None:
+        for block in [b for b, until in self.pins.items() if until <= now]:
+            self._unpin(block)
+
+    def yield_pins(self, need: int) -> bool:
+        """Release pins, those that end soonest first (a chain's tail before its head), until `need`
+        more blocks are free; False if no pin was released."""
+        if not self.pins:
+            return False
+        target = self.num_free_blocks + need
+        newest_first = list(self.pins.items())[::-1]  # a chain's tail first: the sort is stable
+        for block, _ in sorted(newest_first, key=lambda pin: pin[1]):
+            if self.num_free_blocks >= target:
+                break
+            self._unpin(block)
+        return True
+
+    def _unpin(self, block: int) -> None:
+        del self.pins[block]
+        self.release(block)
 
     def free(self, req: BlockSeq) -> None:
         """Release the request's blocks; tail blocks first, so they are evicted before shared prefixes."""

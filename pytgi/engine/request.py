@@ -52,6 +52,7 @@ class Request:
     # "done"; the prompt tokens it restored
     disk: str = ""
     num_disk_tokens: int = 0
+    num_pinned: int = 0  # of params.cache_pins, those applied (once their tokens were computed)
     arrived: float = field(default_factory=time.monotonic)
     scheduled: float = 0.0  # when it was first admitted to the running batch
 

@@ -92,6 +92,8 @@ class Scheduler:
         out = SchedulerOutput()
         if self.disk is not None:
             self.disk.poll()  # blocks read from disk join the prefix cache
+        if self.block_manager.pins:
+            self.block_manager.expire_pins(time.monotonic())
         cfg = self.config
         budget = cfg.max_batch_prefill_tokens
         # Prompt tokens (continuing chunks and new prefills) are capped in a step that also decodes.
@@ -120,7 +122,10 @@ class Scheduler:
                 if n <= 0:
                     continue
                 n = whole_images(req, req.num_computed_tokens, n)
-            while not self.block_manager.allocate(req, n):
+            bm = self.block_manager
+            while not bm.allocate(req, n):
+                if bm.yield_pins(bm.blocks_needed(req, n) - bm.num_free_blocks):
+                    continue  # pins give way before a running request does
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is req:
@@ -203,6 +208,11 @@ class Scheduler:
                 n = whole_images(req, req.num_tokens - n, budget)
             need = bm.blocks_needed(req, n, cached)
             need -= sum(1 for b in cached if b in claimed and bm.ref_counts[b] == 0)
+            if need > free and not plan and bm.pins:  # pins give way to the first in line
+                before = bm.num_free_blocks
+                bm.yield_pins(need - free)
+                free += bm.num_free_blocks - before
+                need = bm.blocks_needed(req, n, cached)  # its cached blocks may be free now
             if need > free:
                 break
             claimed.update(cached)
@@ -250,9 +260,18 @@ class Scheduler:
         return updates
 
     def _cache_full_blocks(self, req: Request) -> None:
-        added = self.block_manager.cache_full_blocks(req)
+        bm = self.block_manager
+        added = bm.cache_full_blocks(req)
         if self.disk is not None and added:
             self.disk.offer(added)  # written behind
+        pins = req.params.cache_pins
+        limit = self.config.prefix_cache_max_pin_seconds
+        while req.num_pinned < len(pins) and pins[req.num_pinned][0] <= req.num_computed_tokens:
+            tokens, seconds = pins[req.num_pinned]
+            req.num_pinned += 1
+            if limit > 0 and bm.enable_prefix_caching:
+                until = time.monotonic() + min(seconds, limit)
+                bm.pin(bm.chain_hashes(req, tokens // bm.block_size), until)
 
     def _verified(self, s: ScheduledRequest, out: StepOutput) -> list[P.TokenOut]:
         """A decode with a draft: its tokens are the sample after its last token, then (when that

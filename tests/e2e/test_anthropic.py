@@ -252,3 +252,73 @@ def test_usage_says_what_the_prefix_cache_served(client, oai):
     )
     assert chat.usage.prompt_tokens == prompt
     assert chat.usage.prompt_tokens_details.cached_tokens == again.usage.cache_read_input_tokens
+
+
+def test_cache_control_pins_the_prefix_and_usage_counts_what_it_wrote(client, server):
+    """A `cache_control` mark on the system prompt: the first request computes it (its tokens are
+    `cache_creation_input_tokens`, and pinned), the next reads it; a mark on a message pins up to it."""
+    system = [
+        {
+            "type": "text",
+            "text": "You plan trips for a travel agency in Lisbon and answer in one line. " * 8,
+            "cache_control": {"type": "ephemeral", "ttl": "1h"},
+        }
+    ]
+    ask = [{"role": "user", "content": "Where is Porto?"}]
+    count = client.messages.count_tokens(model=MODEL, system=system, messages=ask).input_tokens
+    first = client.messages.create(model=MODEL, system=system, messages=ask, max_tokens=2, extra_body=GREEDY)
+    u = first.usage
+    assert u.cache_read_input_tokens == 0 and u.cache_creation_input_tokens >= 100
+    assert u.input_tokens + u.cache_creation_input_tokens == count
+    assert 0 < u.input_tokens < 30  # the user turn and the answer's start, after the mark
+    assert server.metric("pytgi_prefix_cache_pinned_blocks") >= u.cache_creation_input_tokens // 16
+
+    ask2 = [{"role": "user", "content": "And where is Faro?"}]
+    second = client.messages.create(
+        model=MODEL, system=system, messages=ask2, max_tokens=2, extra_body=GREEDY
+    )
+    v = second.usage
+    # read: the pinned full blocks (and any the cache kept past them); written: at most the mark's
+    # last, partial block
+    assert v.cache_read_input_tokens > 0 and v.cache_creation_input_tokens < 16
+    assert v.cache_read_input_tokens + v.cache_creation_input_tokens >= u.cache_creation_input_tokens
+
+    turns = [
+        *ask,
+        {"role": "assistant", "content": "In the north of Portugal."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "And Faro?", "cache_control": {"type": "ephemeral"}}],
+        },
+    ]
+    with client.messages.stream(
+        model=MODEL, system=system, messages=turns, max_tokens=2, extra_body=GREEDY
+    ) as stream:
+        w = stream.get_final_message().usage
+    assert w.cache_read_input_tokens >= v.cache_read_input_tokens
+    assert w.input_tokens < 10  # the mark is on the last message: only the answer's start is after it
+    total = client.messages.count_tokens(model=MODEL, system=system, messages=turns).input_tokens
+    assert w.input_tokens + w.cache_read_input_tokens + w.cache_creation_input_tokens == total
+
+
+@pytest.mark.parametrize(
+    ("block", "says"),
+    [
+        ({"type": "persistent"}, "ephemeral"),
+        ({"type": "ephemeral", "ttl": "2h"}, "'5m' or '1h'"),
+    ],
+)
+def test_a_bad_cache_control_is_refused(client, block, says):
+    content = [{"type": "text", "text": "Hi", "cache_control": block}]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, messages=[{"role": "user", "content": content}], max_tokens=2)
+    assert (
+        e.value.body["error"]["type"] == "invalid_request_error" and says in e.value.body["error"]["message"]
+    )
+
+
+def test_more_than_four_cache_marks_are_refused(client):
+    mark = {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client.messages.create(model=MODEL, messages=[{"role": "user", "content": [mark] * 5}], max_tokens=2)
+    assert "A maximum of 4 blocks with cache_control" in e.value.body["error"]["message"]

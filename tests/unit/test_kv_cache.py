@@ -122,3 +122,71 @@ def test_prompt_logprob_requests_skip_the_prefix_cache():
     _computed(bm, a, 9)
     b = make_request("b", list(range(100, 109)), prompt_logprobs=True)
     assert bm.cached_prefix(b) == []
+
+
+# -- pins (Anthropic's cache_control) ----------------------------------------------------------------
+def _pinned_chain(bm: BlockManager, prompt: list[int], until: float) -> tuple[list[int], list[int]]:
+    """A request computes `prompt`, pins its full blocks and finishes: (its blocks, their hashes)."""
+    req = make_request("p", prompt)
+    _computed(bm, req, len(prompt))
+    hashes = bm.chain_hashes(req, len(prompt) // bm.block_size)
+    assert bm.pin(hashes, until) == len(hashes)
+    blocks = list(req.block_table)
+    bm.free(req)
+    return blocks, hashes
+
+
+def test_a_pinned_block_outlives_eviction_until_it_expires():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    blocks, _ = _pinned_chain(bm, list(range(100, 108)), until=10.0)
+    assert bm.num_free_blocks == 4 and all(bm.ref_counts[b] == 1 for b in blocks)
+    churn = make_request("churn", 16)  # takes every unpinned block, evicting what they cached
+    _computed(bm, churn, 16)
+    bm.free(churn)
+    later = make_request("later", [*range(100, 108), 1])
+    assert bm.cached_prefix(later) == blocks  # the pinned prefix survived
+    bm.expire_pins(9.9)
+    assert len(bm.pins) == 2
+    bm.expire_pins(10.0)
+    assert not bm.pins and bm.num_free_blocks == 6
+    assert bm.cached_prefix(later) == blocks  # unpinned, still cached until evicted
+
+
+def test_a_later_pin_extends_and_never_shortens():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    blocks, hashes = _pinned_chain(bm, list(range(8)), until=10.0)
+    bm.pin(hashes[:1], 50.0)
+    bm.pin(hashes, 5.0)
+    assert bm.pins == {blocks[0]: 50.0, blocks[1]: 10.0}
+    assert bm.ref_counts[blocks[0]] == 1  # one reference per pinned block, however often pinned
+
+
+def test_pins_stop_at_the_first_uncached_block():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    _, hashes = _pinned_chain(bm, list(range(4)), until=10.0)
+    assert bm.pin([*hashes, 12345, hashes[0]], 20.0) == 1
+
+
+def test_pins_take_at_most_half_the_pool_the_sooner_ending_give_way():
+    bm = BlockManager(num_blocks=8, block_size=4)  # at most 4 pinned
+    first, _ = _pinned_chain(bm, list(range(16)), until=10.0)
+    req = make_request("second", list(range(200, 208)))
+    _computed(bm, req, 8)
+    second = bm.chain_hashes(req, 2)
+    assert bm.pin(second, until=20.0) == 2
+    assert set(bm.pins) == {*first[:2], *req.block_table}  # the first chain's tail gave way
+    assert bm.pin(second, until=5.0) == 2  # already pinned: extends nothing, displaces nothing
+    bm.free(req)
+    short = make_request("short", list(range(300, 304)))
+    _computed(bm, short, 4)
+    assert bm.pin(bm.chain_hashes(short, 1), until=1.0) == 0  # ends before every pin: not taken
+    assert len(bm.pins) == 4
+
+
+def test_yield_pins_frees_the_soonest_ending_tail_first():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    blocks, _ = _pinned_chain(bm, list(range(12)), until=10.0)
+    assert bm.yield_pins(2)  # asked for 2 more free blocks: the pool had 5, it has 7
+    assert list(bm.pins) == blocks[:1] and bm.num_free_blocks == 7
+    assert bm.yield_pins(5) and not bm.pins
+    assert not bm.yield_pins(1)  # nothing left to give

@@ -2,7 +2,7 @@
 
 from pytgi.core.config import EngineInfo
 from pytgi.engine.kv_cache import BlockManager
-from pytgi.engine.request import Status
+from pytgi.engine.request import Request, Status
 from pytgi.engine.scheduler import Scheduler
 from tests.unit.helpers import make_request, run_step
 
@@ -245,3 +245,63 @@ def test_a_chunk_never_ends_inside_a_two_way_image():
     assert whole_images(req, 0, 30) == 30  # the whole prompt: nothing to move
     req.images = []
     assert whole_images(req, 0, 5) == 5
+
+
+# -- clients' pins (SamplingParams.cache_pins: Anthropic's cache_control) ----------------------------
+def _drain(sched: Scheduler) -> None:
+    while sched.has_work():
+        run_step(sched)
+
+
+def _system_then_traffic(sched: Scheduler) -> Request:
+    """A request with a 12-token system prompt pinned for 300 s, then traffic that cycles through
+    every unpinned block, then a request with the same system prompt (returned, finished)."""
+    system = list(range(100, 112))  # 3 blocks
+    sched.add(make_request("a", [*system, 1, 2], max_new_tokens=2, cache_pins=[(12, 300.0)]))
+    _drain(sched)
+    for i in range(6):  # each takes 4 of the 16 blocks
+        sched.add(make_request(f"other{i}", 14, max_new_tokens=2))
+        _drain(sched)
+    b = make_request("b", [*system, 3], max_new_tokens=1)
+    sched.add(b)
+    _drain(sched)
+    return b
+
+
+def test_a_pinned_prefix_survives_traffic_that_evicts_everything_else(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("pytgi.engine.scheduler.time.monotonic", lambda: now[0])
+    sched = make_scheduler(num_blocks=16, prefix_cache_max_pin_seconds=3600.0)
+    assert _system_then_traffic(sched).num_cached_tokens == 12
+    bm = sched.block_manager
+    assert len(bm.pins) == 3 and set(bm.pins.values()) == {400.0}
+    now[0] = 400.0  # the pin ends with the step that sees its time
+    run_step(sched)
+    assert not bm.pins and bm.num_free_blocks == 16
+
+
+def test_an_unpinned_prefix_is_evicted_by_the_same_traffic():
+    sched = make_scheduler(num_blocks=16, prefix_cache_max_pin_seconds=0.0)  # pins are off
+    assert _system_then_traffic(sched).num_cached_tokens == 0
+    assert not sched.block_manager.pins
+
+
+def test_a_pin_lasts_at_most_the_servers_limit(monkeypatch):
+    monkeypatch.setattr("pytgi.engine.scheduler.time.monotonic", lambda: 0.0)
+    sched = make_scheduler(prefix_cache_max_pin_seconds=60.0)
+    sched.add(make_request("a", list(range(9)), max_new_tokens=1, cache_pins=[(4, 5.0), (8, 3600.0)]))
+    _drain(sched)
+    assert sorted(sched.block_manager.pins.values()) == [60.0, 60.0]  # the second pin extends the first
+
+
+def test_pins_give_way_to_a_request_that_needs_their_blocks():
+    sched = make_scheduler(num_blocks=16, prefix_cache_max_pin_seconds=3600.0)
+    sched.add(make_request("a", 33, max_new_tokens=1, cache_pins=[(32, 3600.0)]))
+    _drain(sched)
+    assert len(sched.block_manager.pins) == 8  # half the pool: the cap
+    big = make_request("big", 60, max_new_tokens=2)  # 15 blocks of 16: waits for no one
+    sched.add(big)
+    run_step(sched)
+    assert big.status is Status.RUNNING and len(sched.block_manager.pins) < 8
+    _drain(sched)
+    assert big.status is Status.FINISHED

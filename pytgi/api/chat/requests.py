@@ -3,14 +3,14 @@ Responses, and Anthropic's Messages (each converts its body to OpenAI's chat bod
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from pytgi.api.chat import tools
 from pytgi.api.exchange import Exchange, in_thread
 from pytgi.api.frontend.bodies import ValidRequest
 from pytgi.api.openai import schema
-from pytgi.api.openai.error_shape import invalid
+from pytgi.api.openai.error_shape import OpenAIError, invalid
 from pytgi.core.errors import InvalidRequest
 
 
@@ -24,10 +24,12 @@ def named(names: dict[str, str]) -> Iterator[None]:
 
 
 async def chat_requests(
-    ex: Exchange, body: schema.ChatCompletionRequest, n: int
+    ex: Exchange, body: schema.ChatCompletionRequest, n: int, cache_marks: Sequence[tuple[int, float]] = ()
 ) -> tuple[list[ValidRequest], tools.Style | None]:
     """A chat body's engine requests, admitted: OpenAI's chat rules, tools and constraints, the
-    chat template, validation. Anthropic's Messages route converts its body and comes here too."""
+    chat template, validation. Anthropic's Messages route converts its body and comes here too.
+    `cache_marks`: (messages, seconds) pins, each of the prompt up to the end of its first messages
+    (Anthropic's cache_control), given to the engine as prompt tokens (`SamplingParams.cache_pins`)."""
     st = ex.st
     template = st.tokenizer.chat_template
     with ex.refused():
@@ -54,14 +56,33 @@ async def chat_requests(
         "grammar": grammar_field,
     }
 
-    def render_template() -> str:
-        msgs, tool_list = tools.template_messages(messages, tool_plan, tools.style_of(template))
+    def render_template(count: int | None = None) -> str:
+        """The prompt, or (`count`) the text of its first `count` messages without the answer's start."""
+        msgs, tool_list = tools.template_messages(messages[:count], tool_plan, tools.style_of(template))
         try:
             return st.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=True, tools=tool_list, **(body.chat_template_kwargs or {})
+                msgs,
+                add_generation_prompt=count is None,
+                tools=tool_list,
+                **(body.chat_template_kwargs or {}),
             )
         except ValueError as exc:
             raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
+
+    def pins(prompt: list[int]) -> list[tuple[int, float]]:
+        """Each mark's prompt tokens: those its messages' own text shares with the prompt."""
+        out: dict[int, float] = {}
+        for count, seconds in cache_marks:
+            try:
+                ids = st.tokenizer.encode(render_template(count), add_special_tokens=False)
+            except OpenAIError:  # a template that cannot end there (it wants a user turn): no pin
+                continue
+            tokens = next(
+                (i for i, (a, b) in enumerate(zip(ids, prompt)) if a != b), min(len(ids), len(prompt))
+            )
+            if tokens:
+                out[tokens] = max(out.get(tokens, 0.0), seconds)
+        return sorted(out.items())
 
     async def prepare() -> list[ValidRequest]:
         with named(names):
@@ -84,6 +105,10 @@ async def chat_requests(
         gi.images = images
         # Mistral's calls open with a special token: the answer's text keeps special tokens (as vLLM's)
         gi.skip_special_tokens = tool_style not in tools.MISTRAL_STYLES
-        return schema.choices(await validation.validate(gi), n, body.seed)
+        valid = await validation.validate(gi)
+        info = st.client.info
+        if cache_marks and info is not None and info.prefix_cache_max_pin_seconds > 0:
+            valid.sampling.cache_pins = await in_thread(pins, valid.input_ids)
+        return schema.choices(valid, n, body.seed)
 
     return await ex.admit(n, prepare), tool_style

@@ -299,6 +299,7 @@ class ReplicaClient:
                 spec_drafted=sum(s.get("spec_drafted", 0) for s in stats),
                 spec_accepted=sum(s.get("spec_accepted", 0) for s in stats),
                 waiting_adapters=sorted({a for s in stats for a in s.get("waiting_adapters", ())}),
+                pinned_blocks=sum(s.get("pinned_blocks", 0) for s in stats),
             )
             self.stats = total
             if self.on_stats is not None:
