@@ -13,6 +13,7 @@ so that first-request costs are not a turn's). Reported per server: each turn's 
 Servers (each in the same invocation, on the same GGUF file):
 - pytgi, the KV pool's prefix cache only (a restart loses it);
 - pytgi with --prefix-cache-dir (the disk tier; a fresh directory per run, kept across the restart);
+- the same with --kv-cache-dtype int8 (the KV pool, and so the files, in int8);
 - llama.cpp's server, one slot, `cache_prompt` on every request, and its slot saved with
   `POST /slots/0?action=save` before the restart and restored after it (`--slot-save-path`), as its
   README documents; the restore's time counts in the next turn's TTFT.
@@ -170,7 +171,9 @@ def main() -> None:
     ap.add_argument("--answer-tokens", type=int, default=150)
     ap.add_argument("--restart-after", type=int, default=10)
     ap.add_argument("--pytgi-args", default="", help="serve flags for both pytgi servers")
-    ap.add_argument("--skip", action="append", default=[], help="a server to leave out: ram | disk | llama")
+    ap.add_argument(
+        "--skip", action="append", default=[], help="a server to leave out: ram | disk | int8 | llama"
+    )
     ap.add_argument("--llama-server", default=None, metavar="BINARY")
     ap.add_argument("--llama-server-args", default="-np 1 -c 32768 -t 2")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "agent_session.json")
@@ -190,6 +193,11 @@ def main() -> None:
     if "disk" not in args.skip:
         flags = f"{pytgi_flags} --prefix-cache-dir {work / 'kv'}"
         servers.append(Server("pytgi (RAM + disk)", lambda: bpeers.PytgiTarget("openai", flags, log_dir=work), {}))
+    if "int8" not in args.skip:
+        flags8 = f"{pytgi_flags} --prefix-cache-dir {work / 'kv8'} --kv-cache-dtype int8"
+        servers.append(
+            Server("pytgi (RAM + disk, int8 KV)", lambda: bpeers.PytgiTarget("openai", flags8, log_dir=work), {})
+        )
     if args.llama_server and "llama" not in args.skip:
         slots = work / "slots"
         slots.mkdir()

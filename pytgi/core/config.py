@@ -22,7 +22,7 @@ from pytgi.core.image_layouts import ImageLayout
 from pytgi.core.settings import setting
 
 DRAFT_MODEL_TOKENS = 4  # a draft model's tokens per step when --speculate is not given
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3
+KV_CACHE_DTYPES = ("auto", "bf16", "int8", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +99,9 @@ class EngineConfig:
     )
     kv_cache_dtype: str = setting(
         "auto",
-        "the KV cache's values: auto (the model's dtype) | fp8 (CUDA: e4m3 with a scale per token and "
-        "head, about half the bytes: twice the tokens)",
+        "the KV cache's values: auto, bf16 (the model's dtype) | int8 (CPU: a bf16 scale per token and "
+        "head, about half the bytes: twice the tokens) | fp8 (CUDA: e4m3, a float32 scale per token "
+        "and head)",
     )
     max_waiting_tokens: int = setting(20, "steps before waiting requests join regardless", info=True)
     max_batch_size: int | None = setting(None, "most running requests (default: 256)", info=True)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pytgi.engine import distributed as dist
+from pytgi.engine import kernels
 from pytgi.engine.cuda_graphs import DecodeGraphs
 from pytgi.engine.models.attention import StepLayout
 from pytgi.engine.models.decoder import StepImages
@@ -72,9 +73,11 @@ class PagedModel:
         unsharded: bool = False,
         kv_dtype: str = "auto",
     ):
-        """`kv_dtype`: "auto" (the cache in `dtype`) or "fp8" (`fp8_kv_refusal` says where it runs)."""
+        """`kv_dtype`: "auto" or "bf16" (the cache in `dtype`), "fp8" or "int8" (`kv_dtype_refusal`
+        says where they run)."""
         self.model, self.dtype, self.device, self.unsharded = model, dtype, device, unsharded
         self.fp8 = kv_dtype.startswith("fp8")
+        self.int8 = kv_dtype == "int8"
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None  # CUDA: the captured decode steps
@@ -83,6 +86,8 @@ class PagedModel:
         attn = self.model.layers[0].self_attn
         if self.fp8:  # a byte a value, and a float32 scale a head
             return len(self.model.layers) * 2 * attn.n_kv * (attn.head_dim + 4)
+        if self.int8:  # a byte a value, and a bf16 scale a head
+            return len(self.model.layers) * 2 * attn.n_kv * (attn.head_dim + 2)
         elt = torch.empty((), dtype=self.dtype).element_size()
         return len(self.model.layers) * 2 * attn.n_kv * attn.head_dim * elt
 
@@ -90,8 +95,11 @@ class PagedModel:
         """On CUDA one block more than asked: the scratch block of the decode graphs' padding rows."""
         attn = self.model.layers[0].self_attn
         spare = int(self.device.type == "cuda")
-        # FP8: each head's row of e4m3 bytes ends with its float32 scale (`pytgi.engine.kernels.gpu`)
-        row, dtype = (attn.head_dim + 4, torch.uint8) if self.fp8 else (attn.head_dim, self.dtype)
+        # FP8: each head's row of e4m3 bytes ends with its float32 scale (`pytgi.engine.kernels.gpu`);
+        # int8: with its bf16 scale (`pytgi.engine.kernels.kv8`)
+        row, dtype = (attn.head_dim, self.dtype)
+        if self.fp8 or self.int8:
+            row, dtype = attn.head_dim + (4 if self.fp8 else 2), torch.uint8
         shape = (2, (num_blocks + spare) * block_size, attn.n_kv, row)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_caches = []
@@ -141,6 +149,20 @@ class PagedModel:
     def _lora_active(self) -> bool:
         ctx = getattr(self.model, "lora_ctx", None)
         return ctx is not None and ctx.active
+
+
+def kv_dtype_refusal(model: CausalLM, device: torch.device, dtype: torch.dtype, kv_dtype: str) -> str | None:
+    """Why `--kv-cache-dtype kv_dtype` cannot serve this model here (None: it can)."""
+    if kv_dtype == "bf16" and dtype != torch.bfloat16:
+        return "--kv-cache-dtype bf16 holds the activations' dtype: it needs --dtype bfloat16"
+    if kv_dtype == "int8":  # written and read by the C kernels (kv8.h), every CPU attention path
+        if device.type != "cpu":
+            return "--kv-cache-dtype int8 is the CPU's (its C kernels read it); on CUDA, fp8"
+        if not (kernels.available() and kernels.supports(dtype)):
+            return "--kv-cache-dtype int8 needs pytgi's C kernels (a C compiler, no PYTGI_NO_KERNELS)"
+    if kv_dtype.startswith("fp8"):
+        return fp8_kv_refusal(model, device)
+    return None
 
 
 def fp8_kv_refusal(model: CausalLM, device: torch.device) -> str | None:

@@ -12,7 +12,7 @@ import torch
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import ConfigError
 from pytgi.engine import distributed as dist
-from pytgi.engine.batch import PagedModel, fp8_kv_refusal
+from pytgi.engine.batch import PagedModel, kv_dtype_refusal
 from pytgi.engine.kv_sizing import check_fits, local_engines
 from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.loader import load_model, read_config, resolve_dtype, weight_bytes
@@ -37,6 +37,6 @@ def load_paged_model(config: EngineConfig, device: torch.device) -> PagedModel:
     model = load_model(
         model_path, dtype, device, cpu, config.quantize, config.attention_backend, config.model_impl
     )
-    if config.kv_cache_dtype != "auto" and (why := fp8_kv_refusal(model, device)):
+    if why := kv_dtype_refusal(model, device, dtype, config.kv_cache_dtype):
         raise ConfigError(why)
     return PagedModel(model, dtype, device, kv_dtype=config.kv_cache_dtype)

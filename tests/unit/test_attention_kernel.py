@@ -80,6 +80,24 @@ def test_decode_kernel_equals_torch_path_in_a_mixed_step():
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 
+def scattered_step(
+    q_lens: np.ndarray, ctx: np.ndarray, bs: int, spare: int, seed: int
+) -> tuple[StepLayout, int]:
+    """A step's layout whose requests' blocks are scattered over a pool with `spare` blocks more
+    than they take; and the pool's slots."""
+    n_blocks = [(c + bs - 1) // bs for c in ctx]
+    perm = np.random.default_rng(seed).permutation(sum(n_blocks) + spare)
+    tables = np.zeros((len(ctx), max(n_blocks)), np.int64)
+    at = 0
+    for b, n in enumerate(n_blocks):
+        tables[b, :n] = perm[at : at + n]
+        at += n
+    positions = np.concatenate([np.arange(c - n, c) for n, c in zip(q_lens, ctx)])
+    req = np.repeat(np.arange(len(ctx)), q_lens)
+    slots = tables[req, positions // bs] * bs + positions % bs
+    return StepLayout(q_lens, ctx, tables, slots, bs), len(perm) * bs
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 # (10, 2, 20): heads the AVX-512 kernel does not take, so the portable kernel on every CPU
 @pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (4, 2, 16), (8, 8, 128), (10, 2, 20)])
@@ -90,20 +108,10 @@ def test_paged_prefill_kernel_equals_torch_path(dtype, tol, H, KVH, D):
     torch.manual_seed(0)
     bs = 16
     q_lens, ctx = np.array([1, 40, 3, 1, 17, 64]), np.array([300, 300, 3, 129, 17, 200])
-    n_blocks = [(c + bs - 1) // bs for c in ctx]
-    perm = np.random.default_rng(0).permutation(sum(n_blocks) + 4)
-    tables = np.zeros((len(ctx), max(n_blocks)), np.int64)
-    at = 0
-    for b, n in enumerate(n_blocks):
-        tables[b, :n] = perm[at : at + n]
-        at += n
-    positions = np.concatenate([np.arange(c - n, c) for n, c in zip(q_lens, ctx)])
-    req = np.repeat(np.arange(len(ctx)), q_lens)
-    slots = tables[req, positions // bs] * bs + positions % bs
-    layout = StepLayout(q_lens, ctx, tables, slots, bs)
+    layout, n_slots = scattered_step(q_lens, ctx, bs, spare=4, seed=0)
     T = int(q_lens.sum())
-    k_cache = torch.randn(len(perm) * bs, KVH, D).to(dtype)
-    v_cache = torch.randn(len(perm) * bs, KVH, D).to(dtype)
+    k_cache = torch.randn(n_slots, KVH, D).to(dtype)
+    v_cache = torch.randn(n_slots, KVH, D).to(dtype)
     q, k, v = (torch.randn(T, n, D).to(dtype) for n in (H, KVH, KVH))
     outs = []
     for use in (True, False):
@@ -179,14 +187,23 @@ def test_a_decode_row_is_the_same_in_a_verification_chunk():
     assert torch.equal(run(1, 50)[0], run(9, 58)[0])
 
 
+def caches(slots: int, KVH: int, D: int, kv8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 K and V caches, or the int8 caches of random bf16 values."""
+    if kv8:
+        return int8_cache(slots, KVH, D, torch.bfloat16)
+    k, v = (torch.randn(slots, KVH, D).bfloat16() for _ in range(2))
+    return k, v
+
+
+@pytest.mark.parametrize("kv8", [False, True])
 @pytest.mark.parametrize("tiles, D", [(0, 32), (1, 32), (0, 20)])
-def test_a_rows_attention_does_not_depend_on_its_chunk(tiles, D):
+def test_a_rows_attention_does_not_depend_on_its_chunk(tiles, D, kv8):
     """The same 40 query rows, in one chunk or in chunks of 7, 1 and 32 (the keys already written),
     give the same bits: with AMX tiles (prompt rows, where the CPU has them) or without, and in the
-    portable kernel (D = 20 on every CPU; every D without AVX-512)."""
+    portable kernel (D = 20 on every CPU; every D without AVX-512); from an int8 cache too."""
     torch.manual_seed(0)
     bs, H, KVH, n = 16, 6, 2, 40
-    k_cache, v_cache = (torch.randn(4 * bs, KVH, D).bfloat16() for _ in range(2))
+    k_cache, v_cache = caches(4 * bs, KVH, D, kv8)
     q = torch.randn(n, H, D).bfloat16()
     table = np.array([[2, 0, 3, 1]], np.int64)
 
@@ -213,15 +230,16 @@ def test_a_rows_attention_does_not_depend_on_its_chunk(tiles, D):
     assert torch.equal(run([1] * n), whole)
 
 
+@pytest.mark.parametrize("kv8", [False, True])
 @pytest.mark.parametrize("D", [64, 96, 128])
-def test_long_chunks_by_row_tiles_equal_split_k(D):
+def test_long_chunks_by_row_tiles_equal_split_k(D, kv8):
     """A long prompt's chunk (many query rows, context past one key chunk) goes by row tiles (AMX
-    tiles, or the lanes kernel on AVX-512 BF16), small chunks and decodes by split-K: the same bits
-    for every row, however the prompt is cut."""
+    tiles, or the lanes kernel on AVX-512 BF16; an int8 cache: the lanes), small chunks and decodes
+    by split-K: the same bits for every row, however the prompt is cut."""
     torch.manual_seed(2)
     bs, H, KVH, n = 16, 6, 2, 500
     nb = n // bs + 1
-    k_cache, v_cache = (torch.randn((nb + 2) * bs, KVH, D).bfloat16() for _ in range(2))
+    k_cache, v_cache = caches((nb + 2) * bs, KVH, D, kv8)
     q = (3 * torch.randn(n, H, D)).bfloat16()  # sharp softmaxes: a different cut would show in the bits
     table = np.random.default_rng(0).permutation(nb + 2)[:nb].astype(np.int64)[None]
 
@@ -287,3 +305,83 @@ def test_two_way_spans_unmask_an_image_for_itself(window):
             torch.testing.assert_close(
                 out[starts[b] + i], torch.einsum("hl,lhd->hd", w, vb), atol=1e-5, rtol=1e-5
             )
+
+
+# -- the int8 KV cache (--kv-cache-dtype int8, kv8.h) ----------------------------------------------------------
+def int8_cache(slots: int, KVH: int, D: int, dtype, g=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K and V written into int8 caches of `slots` rows, as the engine writes them."""
+    k8, v8 = (torch.zeros(slots, KVH, D + 2, dtype=torch.uint8) for _ in range(2))
+    k, v = (torch.randn(slots, KVH, D, generator=g).to(dtype) for _ in range(2))
+    kernels.write_kv8(k, v, torch.arange(slots), k8, v8)
+    return k8, v8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_row_holds_each_value_within_half_its_step(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(50, 3, 64, generator=g) * torch.logspace(-3, 3, 50)[:, None, None]).to(dtype)
+    x[7, 1] = 0  # an all-zero row: scale 0, values 0
+    k8, v8 = (torch.zeros(60, 3, 66, dtype=torch.uint8) for _ in range(2))
+    slots = torch.arange(10, 60)
+    kernels.write_kv8(x, -x, slots, k8, v8)
+    scale = k8[slots, :, 64:].contiguous().view(torch.bfloat16).float()[..., 0]
+    amax = x.float().abs().amax(-1)
+    assert (scale * 127 >= amax).all() and (scale <= amax / 127 * (1 + 2**-7)).all()  # rounded up
+    back = kernels.kv8_values(k8[slots], torch.float32)
+    assert ((back - x.float()).abs() <= scale[..., None] / 2 * (1 + 1e-6)).all()
+    assert torch.equal(kernels.kv8_values(v8[slots], torch.float32), -back)  # symmetric
+    assert k8[:10].eq(0).all()  # other slots untouched
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("H, KVH, D", [(9, 3, 64), (8, 8, 128), (10, 2, 20)])
+def test_the_paged_kernel_reads_the_int8_cache_as_gather_and_sdpa_do(dtype, tol, H, KVH, D):
+    """Decodes and prefill chunks over an int8 cache: the kernel (rows widened in place) agrees with
+    gather + SDPA over the rows' values, and the step's own keys go in as the engine writes them."""
+    g = torch.Generator().manual_seed(1)
+    bs = 16
+    q_lens, ctx = np.array([1, 40, 3, 1, 17]), np.array([300, 300, 3, 129, 17])
+    layout, n_slots = scattered_step(q_lens, ctx, bs, spare=2, seed=1)
+    tables = layout.block_tables
+    T = int(q_lens.sum())
+    k8, v8 = int8_cache(n_slots, KVH, D, dtype, g)
+    q, k, v = (torch.randn(T, n, D, generator=g).to(dtype) for n in (H, KVH, KVH))
+    outs, caches = [], []
+    for use in (True, False):
+        backend = attention(dtype, (H, KVH, D), fused=use, limits=Crossovers(paged_prefill=64))
+        meta = backend.prepare(layout, torch.device("cpu"))
+        assert (meta.paged is not None) == use
+        kc, vc = k8.clone(), v8.clone()
+        outs.append(backend.forward(q, k, v, kc, vc, meta, D**-0.5).float())
+        caches.append((kc, vc))
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    ref = reference(
+        q,
+        kernels.kv8_values(caches[0][0], torch.float32),
+        kernels.kv8_values(caches[0][1], torch.float32),
+        tables,
+        ctx,
+        [int(r) for r in np.cumsum(q_lens) - 1],
+        bs,
+        D**-0.5,
+    )
+    last = np.cumsum(q_lens) - 1  # each request's last query row sees its whole context
+    torch.testing.assert_close(outs[0][last], ref[last], atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_writes_the_int8_rows_of_the_keys_it_would_store(dtype):
+    """The fused rope's int8 rows are those of the keys (and values) it writes to a plain cache."""
+    g = torch.Generator().manual_seed(2)
+    T, H, KVH, D = 5, 4, 2, 64
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=g).to(dtype)
+    cos, sin = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+    slots = torch.tensor([3, 9, 0, 17, 4])
+    kc, vc = torch.zeros(20, KVH, D, dtype=dtype), torch.zeros(20, KVH, D, dtype=dtype)
+    q = kernels.rope_write_kv(qkv, cos, sin, slots, kc, vc, H, KVH, D)
+    k8, v8 = (torch.zeros(20, KVH, D + 2, dtype=torch.uint8) for _ in range(2))
+    q8 = kernels.rope_write_kv(qkv, cos, sin, slots, k8, v8, H, KVH, D)
+    w8, u8 = (torch.zeros_like(k8) for _ in range(2))
+    kernels.write_kv8(kc[slots], vc[slots], slots, w8, u8)
+    assert torch.equal(q, q8) and torch.equal(k8, w8) and torch.equal(v8, u8)

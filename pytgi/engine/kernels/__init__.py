@@ -188,15 +188,50 @@ def rope_write_kv(
     KVH: int,
     D: int,
 ) -> torch.Tensor:
-    """Rotary embedding of q and k from the fused qkv output; k and v go to their cache slots.
-    cos, sin: float32 [T, D]; slots: int64 [T]. Returns the rotated q, [T, H, D]."""
+    """Rotary embedding of q and k from the fused qkv output; k and v go to their cache slots (an int8
+    cache's rows: `kv8`). cos, sin: float32 [T, D]; slots: int64 [T]. Returns the rotated q, [T, H, D]."""
     assert qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and slots.is_contiguous()
     T = qkv.shape[0]
     q = qkv.new_empty(T, H, D)
     _fn("rope_write_kv", qkv.dtype)(
-        _ptr(qkv), _ptr(cos), _ptr(sin), _ptr(slots), _ptr(q), _ptr(k_cache), _ptr(v_cache), T, H, KVH, D
+        _ptr(qkv),
+        _ptr(cos),
+        _ptr(sin),
+        _ptr(slots),
+        _ptr(q),
+        _ptr(k_cache),
+        _ptr(v_cache),
+        T,
+        H,
+        KVH,
+        D,
+        int(kv8(k_cache)),
     )
     return q
+
+
+# -- the int8 KV cache (kv8.h) -------------------------------------------------------------------------------
+def kv8(cache: torch.Tensor) -> bool:
+    """Whether a KV cache is int8 (--kv-cache-dtype int8): uint8 [slots, KVH, D + 2], each head's row
+    its D values as int8 and then their bf16 scale."""
+    return cache.dtype == torch.uint8
+
+
+def write_kv8(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> None:
+    """k, v [T, KVH, D] (float32 or bf16) into the int8 cache's rows at `slots`."""
+    k, v = k.contiguous(), v.contiguous()
+    assert slots.is_contiguous() and kv8(k_cache) and k.dtype == v.dtype
+    T, KVH, D = k.shape
+    _fn("write_kv8", k.dtype)(_ptr(k), _ptr(v), _ptr(slots), _ptr(k_cache), _ptr(v_cache), T, KVH, D)
+
+
+def kv8_values(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values of int8 cache rows [..., D + 2] (any leading shape) in `dtype`: q · scale."""
+    D = rows.shape[-1] - 2
+    scale = rows[..., D:].contiguous().view(torch.bfloat16).float()
+    return (rows[..., :D].view(torch.int8).float() * scale).to(dtype)
 
 
 # -- paged attention (paged_attention.c) ----------------------------------------------------------------
@@ -235,9 +270,10 @@ def paged_attention(
         D,
         scale,
     )
+    flag = int(kv8(k_cache))
     if p.decodes_only:
         failed = _fn("decode_attention", q.dtype)(
-            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts), *common
+            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts), *common, flag
         )
     else:
         failed = _fn("paged_prefill", q.dtype)(
@@ -250,6 +286,7 @@ def paged_attention(
             *common[:2],
             _ptr(p.tiles),
             *common[2:],
+            flag,
         )
     _check(failed, "paged attention")
 
@@ -364,6 +401,7 @@ def decoder_layers(
     scale: float,
     vnni_max_m: int,
     lora: tuple[np.ndarray, np.ndarray] | None = None,
+    kv8: bool = False,
 ) -> torch.Tensor:
     """Run every layer on the residual stream x (bf16 [T, hidden], updated in place) and return its
     final RMSNorm. table: int64 [layers, fields] of pointers (see decoder.c); sizes: (hidden,
@@ -394,6 +432,7 @@ def decoder_layers(
         vnni_max_m,
         _ptr(lora[0]) if lora is not None else None,
         _ptr(lora[1]) if lora is not None else None,
+        int(kv8),
     )
     _check(failed, "decoder layers")
     return h
@@ -409,6 +448,7 @@ def gemma_layers(
     eps: float,
     scale: float,
     vnni_max_m: int,
+    kv8: bool = False,
 ) -> None:
     """Run every Gemma 3 layer on the residual stream x (bf16 [T, hidden], updated in place).
     ropes: ((cos, sin) of the full layers, (cos, sin) of the sliding ones), float32 [T, D]."""
@@ -436,6 +476,7 @@ def gemma_layers(
         p.block_size,
         int(p.decodes_only),
         vnni_max_m,
+        int(kv8),
     )
     _check(failed, "decoder layers")
 

@@ -56,15 +56,15 @@ static int matmul(const uint16_t *x, int64_t w, int64_t bits, uint16_t *out, int
 }
 
 /* this step's attention over the paged cache: the decode entry point when every query is one token */
-static int attend(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, uint16_t *out, const int64_t *q_starts,
+static int attend(const uint16_t *q, const void *kc, const void *vc, uint16_t *out, const int64_t *q_starts,
                   const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles,
                   int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale,
-                  int64_t all_decodes) {
+                  int64_t all_decodes, int64_t kv8) {
     if (all_decodes)
         return pytgi_decode_attention_bf16(q, kc, vc, out, q_starts, block_tables, ctx_lens, B, max_blocks, block_size,
-                                           H, KVH, D, scale);
+                                           H, KVH, D, scale, kv8);
     return pytgi_paged_prefill_bf16(q, kc, vc, out, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks,
-                                    block_size, H, KVH, D, scale);
+                                    block_size, H, KVH, D, scale, kv8);
 }
 
 int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, uint16_t *h, int64_t T,
@@ -72,7 +72,7 @@ int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t 
                               const float *cos, const float *sin, const int64_t *slots, const int64_t *q_starts,
                               const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B,
                               int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m,
-                              const int64_t *lora_layers, const int64_t *row_slots) {
+                              const int64_t *lora_layers, const int64_t *row_slots, int64_t kv8) {
     const int64_t nqkv = (H + 2 * KVH) * D;
     uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)(T * (nqkv + 2 * H * D + 2 * hidden + 3 * I)));
     if (buf == NULL) return 1;
@@ -83,12 +83,12 @@ int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t 
     for (int64_t i = 0; i < n_layers && !failed; i++) {
         const int64_t *L = layers + i * LAYER_FIELDS;
         const int64_t *R = lora_layers == NULL ? NULL : lora_layers + i * LORA_FIELDS;
-        uint16_t *kc = (uint16_t *)L[K_CACHE], *vc = (uint16_t *)L[V_CACHE];
+        void *kc = (void *)L[K_CACHE], *vc = (void *)L[V_CACHE];
         failed |= matmul(h, L[QKV_W], L[QKV_BITS], qkv, T, nqkv, hidden, vnni_max_m);
         failed |= lora(R, 0, row_slots, qkv, h, T, hidden, nqkv);
-        pytgi_rope_write_kv_bf16(qkv, cos, sin, slots, q, kc, vc, T, H, KVH, D);
+        pytgi_rope_write_kv_bf16(qkv, cos, sin, slots, q, kc, vc, T, H, KVH, D, kv8);
         failed |= attend(q, kc, vc, attn, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks, block_size, H, KVH,
-                         D, scale, all_decodes);
+                         D, scale, all_decodes, kv8);
         failed |= matmul(attn, L[O_W], L[O_BITS], o, T, hidden, H * D, vnni_max_m);
         failed |= lora(R, 1, row_slots, o, attn, T, H * D, hidden);
         pytgi_add_rms_norm_bf16(o, x, (const uint16_t *)L[POST_NORM], h, T, hidden, eps);
@@ -133,7 +133,7 @@ int pytgi_gemma_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x
                             const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
                             const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
                             const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size,
-                            int64_t all_decodes, int64_t vnni_max_m) {
+                            int64_t all_decodes, int64_t vnni_max_m, int64_t kv8) {
     const int64_t nqkv = (H + 2 * KVH) * D;
     uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)(T * (nqkv + 2 * H * D + 3 * hidden + 3 * I)));
     if (buf == NULL) return 1;
@@ -142,14 +142,14 @@ int pytgi_gemma_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x
     int failed = 0;
     for (int64_t i = 0; i < n_layers && !failed; i++) {
         const int64_t *L = layers + i * G_FIELDS;
-        uint16_t *kc = (uint16_t *)L[G_K_CACHE], *vc = (uint16_t *)L[G_V_CACHE];
+        void *kc = (void *)L[G_K_CACHE], *vc = (void *)L[G_V_CACHE];
         pytgi_norm_add_norm_bf16(NULL, x, NULL, (const float *)L[G_IN_NORM], h, T, hidden, eps);
         failed |= matmul(h, L[G_QKV_W], L[G_QKV_BITS], qkv, T, nqkv, hidden, vnni_max_m);
         if (L[G_Q_NORM]) pytgi_qk_norm_bf16(qkv, (const float *)L[G_Q_NORM], (const float *)L[G_K_NORM], T, H, KVH, D, eps, 0);
         pytgi_rope_write_kv_bf16(qkv, L[G_LOCAL] ? cos_local : cos, L[G_LOCAL] ? sin_local : sin, slots, q, kc, vc, T,
-                                 H, KVH, D);
+                                 H, KVH, D, kv8);
         failed |= attend(q, kc, vc, attn, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks, block_size, H, KVH,
-                         D, scale, all_decodes);
+                         D, scale, all_decodes, kv8);
         failed |= matmul(attn, L[G_O_W], L[G_O_BITS], o, T, hidden, H * D, vnni_max_m);
         pytgi_norm_add_norm_bf16(o, x, (const float *)L[G_POST_ATTN], (const float *)L[G_PRE_FF], h, T, hidden, eps);
         failed |= matmul(h, L[G_GU_W], L[G_GU_BITS], gu, T, 2 * I, hidden, vnni_max_m);

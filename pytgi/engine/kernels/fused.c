@@ -11,6 +11,7 @@
 
 #include "bf16.h"
 #include "exp16.h"
+#include "kv8.h"
 #include "pytgi_kernels.h"
 
 /* residual[t] += x[t]; out[t] = w * rms_norm(residual[t]).  x may be NULL (no add). */
@@ -63,27 +64,60 @@ void pytgi_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I
 }
 
 /* Rotary embedding (rotate-half, sign folded into `sin`) on the q and k parts of each row of the
- * fused qkv output, then: q → q_out [T, H, D]; k, v → their cache slots [slot, KVH, D].
+ * fused qkv output, then: q → q_out [T, H, D]; k, v → their cache slots [slot, KVH, D], or with
+ * kv8 the int8 cache's rows of the values as the model's dtype holds them (kv8.h).
  * cos/sin: [T, D] for each token's position. */
 #define DEFINE_ROPE(NAME, T_, LOAD, STORE, RT)                                                       \
     void NAME(const T_ *qkv, const float *cos, const float *sin, const int64_t *slots, T_ *q_out,    \
-              T_ *k_cache, T_ *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D) {             \
+              void *k_cache, void *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t kv8) { \
         const int64_t half = D / 2, width = (H + 2 * KVH) * D;                                       \
         _Pragma("omp parallel for if (T >= 8)")                                                      \
         for (int64_t t = 0; t < T; t++) {                                                            \
             const T_ *row = qkv + t * width;                                                         \
             const float *c = cos + t * D, *s = sin + t * D;                                          \
+            T_ kbuf[KV8_MAXD];                                                                       \
             for (int64_t h = 0; h < H + KVH; h++) {                                                  \
                 const T_ *x = row + h * D;                                                           \
-                T_ *dst = h < H ? q_out + (t * H + h) * D : k_cache + (slots[t] * KVH + h - H) * D;   \
+                T_ *dst = h < H ? q_out + (t * H + h) * D                                            \
+                          : kv8 ? kbuf : (T_ *)k_cache + (slots[t] * KVH + h - H) * D;               \
                 for (int64_t i = 0; i < D; i++) {                                                    \
                     const float sw = LOAD(x[i < half ? i + half : i - half]);                        \
                     dst[i] = STORE(RT(LOAD(x[i]) * RT(c[i])) + RT(sw * RT(s[i])));                   \
                 }                                                                                    \
+                if (kv8 && h >= H)                                                                   \
+                    kv8_put_##T_(kbuf, D, (uint8_t *)k_cache + (slots[t] * KVH + h - H) * KV8_ROW(D)); \
             }                                                                                        \
-            memcpy(v_cache + slots[t] * KVH * D, row + (H + KVH) * D, sizeof(T_) * (size_t)(KVH * D)); \
+            if (kv8)                                                                                 \
+                for (int64_t h = 0; h < KVH; h++)                                                    \
+                    kv8_put_##T_(row + (H + KVH + h) * D, D, (uint8_t *)v_cache + (slots[t] * KVH + h) * KV8_ROW(D)); \
+            else                                                                                     \
+                memcpy((T_ *)v_cache + slots[t] * KVH * D, row + (H + KVH) * D, sizeof(T_) * (size_t)(KVH * D)); \
         }                                                                                            \
     }
+
+/* a row of D values of the model's dtype into the int8 cache's row (kv8.h) */
+#define KV8_MAXD 512
+static inline void kv8_put_float(const float *x, int64_t D, uint8_t *dst) { kv8_store(x, D, dst); }
+static inline void kv8_put_uint16_t(const uint16_t *x, int64_t D, uint8_t *dst) {
+    float f[KV8_MAXD];
+    for (int64_t i = 0; i < D; i++) f[i] = bf16_load(x[i]);
+    kv8_store(f, D, dst);
+}
+
+/* k, v [T, KVH, D] (the model's dtype) → the int8 cache's rows at their slots (kv8.h) */
+#define DEFINE_WRITE_KV8(NAME, T_)                                                                   \
+    void NAME(const T_ *k, const T_ *v, const int64_t *slots, void *k_cache, void *v_cache, int64_t T, \
+              int64_t KVH, int64_t D) {                                                              \
+        _Pragma("omp parallel for if (T >= 8)")                                                      \
+        for (int64_t t = 0; t < T; t++)                                                              \
+            for (int64_t h = 0; h < KVH; h++) {                                                      \
+                const int64_t at = (slots[t] * KVH + h) * KV8_ROW(D);                                \
+                kv8_put_##T_(k + (t * KVH + h) * D, D, (uint8_t *)k_cache + at);                     \
+                kv8_put_##T_(v + (t * KVH + h) * D, D, (uint8_t *)v_cache + at);                     \
+            }                                                                                        \
+    }
+DEFINE_WRITE_KV8(pytgi_write_kv8_f32, float)
+DEFINE_WRITE_KV8(pytgi_write_kv8_bf16, uint16_t)
 
 static inline float f32_load(float x) { return x; }
 static inline float f32_id(float x) { return x; }

@@ -5,6 +5,7 @@
  * Layouts (row-major, element type T = float or bf16 stored as uint16):
  *   q, out        [T_flat, H, D]        the step's flat query tokens; request b's start at row q_starts[b]
  *   k_cache, v    [num_slots, KVH, D]   slot = block_tables[b][pos / block_size] * block_size + pos % block_size
+ *                                       (kv8: uint8 rows of D int8 values and their bf16 scale, kv8.h)
  *   block_tables  [B, max_blocks] int64
  *   ctx_lens      [B] int64             keys 0 .. ctx_lens[b]-1 exist (this step's included); query
  *                                       token i of q_lens[b] sits at ctx_lens[b] - q_lens[b] + i (causal)
@@ -25,6 +26,7 @@
 
 #include "bf16.h"
 #include "exp16.h"
+#include "kv8.h"
 #include "pytgi_kernels.h"
 
 static inline void row_f32(const float *restrict src, float *restrict dst, int64_t n) {
@@ -179,12 +181,25 @@ static inline float load_f32(float x) { return x; }
 DEFINE_WIDEN(widen_f32, float, load_f32)
 DEFINE_WIDEN(widen_bf16, uint16_t, bf16_load)
 
+/* The same from the int8 cache (kv8.h): each row's values times its scale. */
+static void widen_kv8(const uint8_t *cache, const int64_t *table, int64_t bs, int64_t KVH, int64_t kvh, int64_t D,
+                      int64_t j0, int64_t n, float *out, int64_t Dq) {
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t pos = j0 + j;
+        const uint8_t *src = cache + ((table[pos / bs] * bs + pos % bs) * KVH + kvh) * KV8_ROW(D);
+        const float s = kv8_scale(src, D);
+        for (int64_t d = 0; d < D; d++) out[j * Dq + d] = (float)(int8_t)src[d] * s;
+        for (int64_t d = D; d < Dq; d++) out[j * Dq + d] = 0.0f;
+    }
+    memset(out + n * Dq, 0, sizeof(float) * (size_t)((KB - n) * Dq));
+}
+
 /* Request b's query tokens t0 .. t1-1 (of Q, the last of its ctx cached positions), query heads
  * h0 .. h0+nh-1 (a kv head's group, or one of them). */
 #define DEFINE_PORTABLE_TASK(NAME, T, ROW, STORE, WIDEN)                                               \
-    static int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, int64_t q0, int64_t Q,     \
+    static int NAME(const T *q, const void *k_cache, const void *v_cache, T *out, int64_t q0, int64_t Q, \
                     int64_t t0, int64_t t1, int64_t ctx, const int64_t *table, int64_t bs, int64_t H,  \
-                    int64_t KVH, int64_t D, int64_t h0, int64_t nh, float scale) {                     \
+                    int64_t KVH, int64_t D, int64_t h0, int64_t nh, float scale, int kv8) {            \
         const int64_t kvh = h0 / (H / KVH), Lmax = ctx - Q + t1, stride = (Lmax + KB - 1) / KB * KB;  \
         const int64_t Dv = (D + 7) / 8, Dq = Dv * 8, R = (t1 - t0) * nh;                             \
         /* kv: a block of keys or values; per row r: its query, output sums and scores */           \
@@ -197,14 +212,16 @@ DEFINE_WIDEN(widen_bf16, uint16_t, bf16_load)
             for (int64_t d = 0; d < D; d++) qf[r * Dq + d] *= scale;                                 \
         }                                                                                            \
         for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {                                                  \
-            WIDEN(k_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq);     \
+            if (kv8) widen_kv8(k_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq); \
+            else WIDEN(k_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq); \
             for (int64_t r = 0; r < R; r++) /* row r sees keys 0 .. ctx - Q + t0 + r / nh */         \
                 if (j0 < ctx - Q + t0 + r / nh + 1)                                                  \
                     qk_block((const v8f *)(qf + r * Dq), (const v8f *)kv, Dv, (v8f *)(s + r * stride + j0)); \
         }                                                                                            \
         for (int64_t r = 0; r < R; r++) inv[r] = softmax_row(s + r * stride, ctx - Q + t0 + r / nh + 1); \
         for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {                                                  \
-            WIDEN(v_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq);     \
+            if (kv8) widen_kv8(v_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq); \
+            else WIDEN(v_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq); \
             for (int64_t r = 0; r < R; r++) {                                                        \
                 const int64_t L = ctx - Q + t0 + r / nh + 1;                                         \
                 if (j0 < L)                                                                          \
@@ -227,7 +244,7 @@ DEFINE_PORTABLE_TASK(portable_task_bf16, uint16_t, row_bf16, store_bf16, widen_b
 static int attention_portable(int bf16, const void *q, const void *k_cache, const void *v_cache, void *out,
                               const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
                               const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t bs, int64_t H,
-                              int64_t KVH, int64_t D, float scale) {
+                              int64_t KVH, int64_t D, float scale, int kv8) {
     const int64_t G = H / KVH;
     int64_t tiles = 0;
     for (int64_t b = 0; b < B; b++) tiles += ((q_lens ? q_lens[b] : 1) + ROWS - 1) / ROWS;
@@ -248,9 +265,9 @@ static int attention_portable(int bf16, const void *q, const void *k_cache, cons
         const int64_t Q = q_lens ? q_lens[b] : 1, t0 = (tile - first[b]) * ROWS, t1 = t0 + ROWS < Q ? t0 + ROWS : Q;
         const unsigned int csr = flush_denormals();
         const int err = bf16 ? portable_task_bf16(q, k_cache, v_cache, out, q_starts[b], Q, t0, t1, ctx_lens[b],
-                                                  block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale)
+                                                  block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale, kv8)
                              : portable_task_f32(q, k_cache, v_cache, out, q_starts[b], Q, t0, t1, ctx_lens[b],
-                                                 block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale);
+                                                 block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale, kv8);
         restore_csr(csr);
         if (err) {
             _Pragma("omp atomic write")
@@ -304,14 +321,14 @@ static inline __m512 reduce16(const __m512 *v) {
  * Query token t (0 <= t < Q) sits at position ctx - Q + t and sees keys 0 .. ctx - Q + t (causal).
  * `q` is the pair's first query head of token 0; tokens are `qstride` elements apart. Writes, per
  * (t, h): acc[(t*G + h)*D ..] = Σ_j e^(s_j - m) v_j, m[t*G + h] the max score, l[..] = Σ_j e^(s_j - m)
- * (m = -inf, l = 0 when the token sees no key here). Inlined with literal `bf16` and `D`, the row
- * loops unroll into registers. */
-static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, const char *q, int64_t qstride,
+ * (m = -inf, l = 0 when the token sees no key here). Inlined with literal `bf16`, `D` and `kv8` (the
+ * int8 cache's rows, widened times their scales), the row loops unroll into registers. */
+static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, int kv8, const char *q, int64_t qstride,
                                                          int64_t Q, int64_t ctx, const char *kc, const char *vc,
                                                          const int64_t *table, int64_t bs, int64_t KVH, int64_t kvh,
                                                          int64_t j_begin, int64_t j_end, int64_t G, float scale,
                                                          float *acc, float *m, float *l) {
-    const int64_t es = bf16 ? 2 : 4, DV = D / 16, row = KVH * D * es;
+    const int64_t es = bf16 ? 2 : 4, DV = D / 16, rb = kv8 ? KV8_ROW(D) : D * es, row = KVH * rb;
     float kf[16 * MAXD], vf[16 * MAXD];
     for (int64_t r = 0; r < Q * G; r++) {
         m[r] = -INFINITY;
@@ -321,13 +338,24 @@ static inline __attribute__((always_inline)) void chunk(int bf16, int64_t D, con
     for (int64_t j0 = j_begin; j0 < j_end; j0 += 16) {
         const int64_t n = j_end - j0 < 16 ? j_end - j0 : 16;
         for (int64_t j = 0; j < n; j++) { /* this block's keys and values, once for every query */
-            const int64_t pos = j0 + j, off = (table[pos / bs] * bs + pos % bs) * row + kvh * D * es;
+            const int64_t pos = j0 + j, off = (table[pos / bs] * bs + pos % bs) * row + kvh * rb;
             if (pos + 16 < j_end) { /* the next block's rows: the cache is read in scattered 128-byte pieces */
-                const int64_t ahead = (table[(pos + 16) / bs] * bs + (pos + 16) % bs) * row + kvh * D * es;
-                for (int64_t b = 0; b < D * es; b += 64) {
+                const int64_t ahead = (table[(pos + 16) / bs] * bs + (pos + 16) % bs) * row + kvh * rb;
+                for (int64_t b = 0; b < rb; b += 64) {
                     _mm_prefetch(kc + ahead + b, _MM_HINT_T0);
                     _mm_prefetch(vc + ahead + b, _MM_HINT_T0);
                 }
+            }
+            if (kv8) {
+                const __m512 ks = _mm512_set1_ps(kv8_scale((const uint8_t *)kc + off, D));
+                const __m512 vs = _mm512_set1_ps(kv8_scale((const uint8_t *)vc + off, D));
+                for (int64_t i = 0; i < DV; i++) {
+                    const __m128i kb = _mm_loadu_si128((const __m128i *)(kc + off + 16 * i));
+                    const __m128i vb = _mm_loadu_si128((const __m128i *)(vc + off + 16 * i));
+                    _mm512_storeu_ps(kf + j * D + 16 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(kb)), ks));
+                    _mm512_storeu_ps(vf + j * D + 16 * i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(vb)), vs));
+                }
+                continue;
             }
             for (int64_t i = 0; i < DV; i++) {
                 _mm512_storeu_ps(kf + j * D + 16 * i, ld16(kc + off + 16 * i * es, bf16));
@@ -415,18 +443,29 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
+/* Elements at .. at+31 of an int8 cache row (kv8.h) as 32 bf16: each value times the row's scale,
+ * rounded to bf16 (the bf16 the lanes multiply by). */
+static inline __m512i kv8_bf16x32(const char *row, int64_t D, int64_t at) {
+    const __m512 s = _mm512_set1_ps(kv8_scale((const uint8_t *)row, D));
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(row + at));
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b))), s);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1))), s);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
 /* Keys j0 .. j0+n-1 (n <= LB) of kv head kvh into kt [D/2][LB] and vp [LB/2][D] (dwords; zeros past
- * n), and the next block's cache rows prefetched. */
-static inline __attribute__((always_inline)) void lanes_block(int64_t D, const char *kc, const char *vc,
-                                                              const int64_t *table, int64_t bs, int64_t row,
+ * n), and the next block's cache rows prefetched. kv8: the cache's rows are int8 (kv8_bf16x32). */
+static inline __attribute__((always_inline)) void lanes_block(int64_t D, int kv8, const char *kc, const char *vc,
+                                                              const int64_t *table, int64_t bs, int64_t KVH,
                                                               int64_t kvh, int64_t j0, int64_t n, int64_t j_end,
                                                               uint32_t *kt, uint32_t *vp) {
     const __m512i zero = _mm512_setzero_si512();
+    const int64_t rb = kv8 ? KV8_ROW(D) : D * 2, row = KVH * rb;
     int64_t off[LB];
-    for (int64_t j = 0; j < LB; j++) off[j] = j < n ? (table[(j0 + j) / bs] * bs + (j0 + j) % bs) * row + kvh * D * 2 : -1;
+    for (int64_t j = 0; j < LB; j++) off[j] = j < n ? (table[(j0 + j) / bs] * bs + (j0 + j) % bs) * row + kvh * rb : -1;
     for (int64_t pos = j0 + LB; pos < j0 + 2 * LB && pos < j_end; pos++) {
-        const int64_t ahead = (table[pos / bs] * bs + pos % bs) * row + kvh * D * 2;
-        for (int64_t b = 0; b < D * 2; b += 64) {
+        const int64_t ahead = (table[pos / bs] * bs + pos % bs) * row + kvh * rb;
+        for (int64_t b = 0; b < rb; b += 64) {
             _mm_prefetch(kc + ahead + b, _MM_HINT_T0);
             _mm_prefetch(vc + ahead + b, _MM_HINT_T0);
         }
@@ -436,7 +475,7 @@ static inline __attribute__((always_inline)) void lanes_block(int64_t D, const c
             __m512i r[16];
             for (int j = 0; j < 16; j++) {
                 const int64_t o = off[16 * h + j];
-                r[j] = o >= 0 ? _mm512_loadu_si512(kc + o + 64 * c) : zero;
+                r[j] = o < 0 ? zero : kv8 ? kv8_bf16x32(kc + o, D, 32 * c) : _mm512_loadu_si512(kc + o + 64 * c);
             }
             transpose16(r);
             for (int p = 0; p < 16; p++) _mm512_store_si512(kt + (16 * c + p) * LB + 16 * h, r[p]);
@@ -448,8 +487,8 @@ static inline __attribute__((always_inline)) void lanes_block(int64_t D, const c
     for (int64_t k = 0; k < LB / 2; k++) {
         const int64_t a = off[2 * k], b = off[2 * k + 1];
         for (int64_t i = 0; i < D / 32; i++) {
-            const __m512i va = a >= 0 ? _mm512_loadu_si512(vc + a + 64 * i) : zero;
-            const __m512i vb = b >= 0 ? _mm512_loadu_si512(vc + b + 64 * i) : zero;
+            const __m512i va = a < 0 ? zero : kv8 ? kv8_bf16x32(vc + a, D, 32 * i) : _mm512_loadu_si512(vc + a + 64 * i);
+            const __m512i vb = b < 0 ? zero : kv8 ? kv8_bf16x32(vc + b, D, 32 * i) : _mm512_loadu_si512(vc + b + 64 * i);
             _mm512_store_si512(vp + k * D + 32 * i, _mm512_permutex2var_epi16(va, lo, vb));
             _mm512_store_si512(vp + k * D + 32 * i + 16, _mm512_permutex2var_epi16(va, hi, vb));
         }
@@ -544,7 +583,7 @@ static inline __attribute__((always_inline)) void lanes_block_rows(int64_t D, co
 }
 
 /* `chunk` for bf16 and D % 32 == 0 (same arguments and results). */
-static inline __attribute__((always_inline)) void chunk_lanes(int64_t D, const char *q, int64_t qstride, int64_t Q,
+static inline __attribute__((always_inline)) void chunk_lanes(int64_t D, int kv8, const char *q, int64_t qstride, int64_t Q,
                                                               int64_t ctx, const char *kc, const char *vc,
                                                               const int64_t *table, int64_t bs, int64_t KVH,
                                                               int64_t kvh, int64_t j_begin, int64_t j_end, int64_t G,
@@ -557,7 +596,7 @@ static inline __attribute__((always_inline)) void chunk_lanes(int64_t D, const c
     }
     for (int64_t j0 = j_begin; j0 < j_end; j0 += LB) {
         const int64_t n = j_end - j0 < LB ? j_end - j0 : LB;
-        lanes_block(D, kc, vc, table, bs, KVH * D * 2, kvh, j0, n, j_end, kt, vp);
+        lanes_block(D, kv8, kc, vc, table, bs, KVH, kvh, j0, n, j_end, kt, vp);
         lanes_block_rows(D, q, qstride, Q, ctx, G, j0, n, 0, Q * G, 0, kt, vp, scale, acc, m, l);
     }
 }
@@ -833,11 +872,11 @@ static int rows_task(int64_t task, int64_t RT, int64_t D, const uint16_t *q, int
 static int attention512(int bf16, const char *q, const char *k_cache, const char *v_cache, char *out,
                         const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
                         const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t bs,
-                        int64_t H, int64_t KVH, int64_t D, float scale) {
+                        int64_t H, int64_t KVH, int64_t D, float scale, int kv8) {
     const int64_t G = H / KVH, es = bf16 ? 2 : 4;
     int use_amx = 0;
 #if AMX_ATTN
-    if (bf16 && D % 32 == 0 && tiles != NULL)
+    if (bf16 && !kv8 && D % 32 == 0 && tiles != NULL)
         for (int64_t b = 0; b < B; b++) use_amx |= tiles[b] != 0;
     use_amx = use_amx && pytgi_qgemm_amx_supported();
 #endif
@@ -931,9 +970,11 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
             for (int64_t i = 0; i < KVH * nblk; i++) {
                 const int64_t kvh = i / nblk, j0 = i % nblk * LB, n = ctx - j0 < LB ? ctx - j0 : LB;
                 uint32_t *kt = (uint32_t *)(kv[k] + i * LANES_BLOCK_BYTES(D)), *vp = kt + D / 2 * LB;
-                if (D == 64) lanes_block(64, k_cache, v_cache, table, bs, KVH * 64 * 2, kvh, j0, n, ctx, kt, vp);
-                else if (D == 128) lanes_block(128, k_cache, v_cache, table, bs, KVH * 128 * 2, kvh, j0, n, ctx, kt, vp);
-                else lanes_block(D, k_cache, v_cache, table, bs, KVH * D * 2, kvh, j0, n, ctx, kt, vp);
+                if (D == 64 && kv8) lanes_block(64, 1, k_cache, v_cache, table, bs, KVH, kvh, j0, n, ctx, kt, vp);
+                else if (D == 64) lanes_block(64, 0, k_cache, v_cache, table, bs, KVH, kvh, j0, n, ctx, kt, vp);
+                else if (D == 128 && kv8) lanes_block(128, 1, k_cache, v_cache, table, bs, KVH, kvh, j0, n, ctx, kt, vp);
+                else if (D == 128) lanes_block(128, 0, k_cache, v_cache, table, bs, KVH, kvh, j0, n, ctx, kt, vp);
+                else lanes_block(D, kv8, k_cache, v_cache, table, bs, KVH, kvh, j0, n, ctx, kt, vp);
             }
 #endif
         }
@@ -981,18 +1022,28 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
             }
 #endif
 #if LANES_BUILT
-            if (bf16 && D % 32 == 0) {
-                if (D == 64) chunk_lanes(64, CHUNK_ARGS);
-                else if (D == 128) chunk_lanes(128, CHUNK_ARGS);
-                else chunk_lanes(D, CHUNK_ARGS);
+            if (bf16 && D % 32 == 0) { /* an int8 cache's rows become bf16 as they are laid out */
+                if (D == 64 && kv8) chunk_lanes(64, 1, CHUNK_ARGS);
+                else if (D == 64) chunk_lanes(64, 0, CHUNK_ARGS);
+                else if (D == 128 && kv8) chunk_lanes(128, 1, CHUNK_ARGS);
+                else if (D == 128) chunk_lanes(128, 0, CHUNK_ARGS);
+                else chunk_lanes(D, kv8, CHUNK_ARGS);
                 continue;
             }
 #endif
-            if (D == 64 && bf16) chunk(1, 64, CHUNK_ARGS);
-            else if (D == 64) chunk(0, 64, CHUNK_ARGS);
-            else if (D == 128 && bf16) chunk(1, 128, CHUNK_ARGS);
-            else if (D == 128) chunk(0, 128, CHUNK_ARGS);
-            else chunk(bf16, D, CHUNK_ARGS);
+            if (kv8) { /* the int8 cache: the rows widened to float32 times their scales */
+                if (D == 64 && bf16) chunk(1, 64, 1, CHUNK_ARGS);
+                else if (D == 64) chunk(0, 64, 1, CHUNK_ARGS);
+                else if (D == 128 && bf16) chunk(1, 128, 1, CHUNK_ARGS);
+                else if (D == 128) chunk(0, 128, 1, CHUNK_ARGS);
+                else chunk(bf16, D, 1, CHUNK_ARGS);
+                continue;
+            }
+            if (D == 64 && bf16) chunk(1, 64, 0, CHUNK_ARGS);
+            else if (D == 64) chunk(0, 64, 0, CHUNK_ARGS);
+            else if (D == 128 && bf16) chunk(1, 128, 0, CHUNK_ARGS);
+            else if (D == 128) chunk(0, 128, 0, CHUNK_ARGS);
+            else chunk(bf16, D, 0, CHUNK_ARGS);
 #undef CHUNK_ARGS
         }
         /* combine each split-K request's chunks (chunk c's results KVH * size floats after c - 1's) */
@@ -1032,15 +1083,15 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
 
 /* Decodes (one query token per request, at flat row rows[b]): the AVX-512 kernel when it applies. */
 #define DEFINE_DECODE_ENTRY(NAME, T, BF16)                                                             \
-    int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int64_t *rows,              \
+    int NAME(const T *q, const void *k_cache, const void *v_cache, T *out, const int64_t *rows,        \
              const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks,      \
-             int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale) {                     \
+             int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8) {        \
         if (FAST_OK)                                                                                   \
             return attention512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,   \
                                 (char *)out, rows, NULL, block_tables, ctx_lens, NULL, B, max_blocks,  \
-                                block_size, H, KVH, D, scale);                                         \
+                                block_size, H, KVH, D, scale, (int)kv8);                               \
         return attention_portable(BF16, q, k_cache, v_cache, out, rows, NULL, block_tables, ctx_lens, B, \
-                                  max_blocks, block_size, H, KVH, D, scale);                           \
+                                  max_blocks, block_size, H, KVH, D, scale, (int)kv8);                 \
     }
 DEFINE_DECODE_ENTRY(pytgi_decode_attention_f32, float, 0)
 DEFINE_DECODE_ENTRY(pytgi_decode_attention_bf16, uint16_t, 1)
@@ -1048,17 +1099,17 @@ DEFINE_DECODE_ENTRY(pytgi_decode_attention_bf16, uint16_t, 1)
 /* Prefill chunks (and decodes) in place: request b's q_lens[b] query tokens are flat rows
  * q_starts[b] .. (see attention512; the portable kernel where it does not apply, tiles ignored). */
 #define DEFINE_PREFILL(NAME, T, BF16)                                                                  \
-    int NAME(const T *q, const T *k_cache, const T *v_cache, T *out, const int64_t *q_starts,          \
+    int NAME(const T *q, const void *k_cache, const void *v_cache, T *out, const int64_t *q_starts,    \
              const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens,               \
              const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H,        \
-             int64_t KVH, int64_t D, float scale) {                                                     \
+             int64_t KVH, int64_t D, float scale, int64_t kv8) {                                        \
         (void)tiles;                                                                                   \
         if (!FAST_OK)                                                                                  \
             return attention_portable(BF16, q, k_cache, v_cache, out, q_starts, q_lens, block_tables,  \
-                                      ctx_lens, B, max_blocks, block_size, H, KVH, D, scale);          \
+                                      ctx_lens, B, max_blocks, block_size, H, KVH, D, scale, (int)kv8); \
         return attention512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,       \
                             (char *)out, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks, \
-                            block_size, H, KVH, D, scale);                                             \
+                            block_size, H, KVH, D, scale, (int)kv8);                                   \
     }
 DEFINE_PREFILL(pytgi_paged_prefill_f32, float, 0)
 DEFINE_PREFILL(pytgi_paged_prefill_bf16, uint16_t, 1)

@@ -5,7 +5,8 @@
  *
  * bf16 values are stored as uint16_t. Row-major layouts:
  *   activations  [T, features]; q, out of attention [T, H, D]
- *   k_cache, v_cache [num_slots, KVH, D], slot = block_tables[b][pos / block_size] * block_size + pos % block_size
+ *   k_cache, v_cache [num_slots, KVH, D], slot = block_tables[b][pos / block_size] * block_size + pos % block_size;
+ *   kv8 nonzero: uint8 [num_slots, KVH, D + 2], each row D int8 values and their bf16 scale (kv8.h)
  * Functions returning int return nonzero on failure (out of memory; 2: kernel not built here). */
 #ifndef PYTGI_KERNELS_H
 #define PYTGI_KERNELS_H
@@ -16,22 +17,25 @@ void pytgi_add_rms_norm_f32(const float *x, float *residual, const float *w, flo
 void pytgi_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *w, uint16_t *out, int64_t T, int64_t D, float eps);
 void pytgi_silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I);
 void pytgi_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I);
-void pytgi_rope_write_kv_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q, float *k_cache, float *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D);
+void pytgi_rope_write_kv_f32(const float *qkv, const float *cos, const float *sin, const int64_t *slots, float *q, void *k_cache, void *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t kv8);
 void pytgi_norm_add_norm_f32(const float *x, float *residual, const float *wa, const float *wb, float *out, int64_t T, int64_t D, float eps);
 void pytgi_norm_add_norm_bf16(const uint16_t *x, uint16_t *residual, const float *wa, const float *wb, uint16_t *out, int64_t T, int64_t D, float eps);
 void pytgi_qk_norm_f32(float *qkv, const float *qw, const float *kw, int64_t T, int64_t H, int64_t KVH, int64_t D, float eps, int64_t round_first);
 void pytgi_qk_norm_bf16(uint16_t *qkv, const float *qw, const float *kw, int64_t T, int64_t H, int64_t KVH, int64_t D, float eps, int64_t round_first);
 void pytgi_gelu_tanh_mul_f32(const float *gu, float *out, int64_t T, int64_t I);
 void pytgi_gelu_tanh_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I);
-void pytgi_rope_write_kv_bf16(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *slots, uint16_t *q, uint16_t *k_cache, uint16_t *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D);
+void pytgi_rope_write_kv_bf16(const uint16_t *qkv, const float *cos, const float *sin, const int64_t *slots, uint16_t *q, void *k_cache, void *v_cache, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t kv8);
+/* the int8 KV cache (kv8.h): k, v [T, KVH, D] in the model's dtype → their slots' rows */
+void pytgi_write_kv8_f32(const float *k, const float *v, const int64_t *slots, void *k_cache, void *v_cache, int64_t T, int64_t KVH, int64_t D);
+void pytgi_write_kv8_bf16(const uint16_t *k, const uint16_t *v, const int64_t *slots, void *k_cache, void *v_cache, int64_t T, int64_t KVH, int64_t D);
 void pytgi_logit_stats_f32(const float *x, int64_t B, int64_t V, int64_t *argmax, float *lse, int64_t *bad);
 
 /* paged_attention.c: attention over the paged cache, read in place. Decodes: one query token per
  * request, at flat row rows[b]. Prefill chunks (and decodes): q_lens[b] tokens from row q_starts[b]. */
-int pytgi_decode_attention_f32(const float *q, const float *k_cache, const float *v_cache, float *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale);
-int pytgi_decode_attention_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale);
-int pytgi_paged_prefill_f32(const float *q, const float *k_cache, const float *v_cache, float *out, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale);
-int pytgi_paged_prefill_bf16(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, uint16_t *out, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale);
+int pytgi_decode_attention_f32(const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8);
+int pytgi_decode_attention_bf16(const uint16_t *q, const void *k_cache, const void *v_cache, uint16_t *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8);
+int pytgi_paged_prefill_f32(const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8);
+int pytgi_paged_prefill_bf16(const uint16_t *q, const void *k_cache, const void *v_cache, uint16_t *out, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8);
 
 /* qgemv.c: bf16 activations [M, K] times a packed low-bit weight [N, K] (VNNI; AMX tiles). */
 int pytgi_qgemv_supported(void);
@@ -57,8 +61,8 @@ int pytgi_bf16gemm_supported(void);
 int pytgi_bf16gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K);
 
 /* decoder.c: all decoder layers in one call (bf16, packed weights, paged attention): Llama's, Gemma 3's. */
-int pytgi_gemma_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, int64_t T, int64_t hidden, int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale, const float *cos, const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m);
-int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, uint16_t *h, int64_t T, int64_t hidden, int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale, const float *cos, const float *sin, const int64_t *slots, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m, const int64_t *lora_layers, const int64_t *row_slots);
+int pytgi_gemma_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, int64_t T, int64_t hidden, int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale, const float *cos, const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m, int64_t kv8);
+int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, uint16_t *h, int64_t T, int64_t hidden, int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale, const float *cos, const float *sin, const int64_t *slots, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m, const int64_t *lora_layers, const int64_t *row_slots, int64_t kv8);
 
 /* lora.c: LoRA's low-rank products per row: y[t] += (x[t] · A_sᵀ) · B_sᵀ for the row's adapter slot s
  * (slots[t] < 0: none); A_s [R_s, K] at a_ptrs[s], R_s = ranks[s]; B_sᵀ's rows at bt_ptrs[s], each over

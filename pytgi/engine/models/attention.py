@@ -159,9 +159,13 @@ class TorchAttention:
         meta: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        kv8 = kernels.kv8(k_cache)
         if k is not None and v is not None:
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
+            if kv8:
+                kernels.write_kv8(k, v, meta.slot_mapping, k_cache, v_cache)
+            else:
+                k_cache.index_copy_(0, meta.slot_mapping, k)
+                v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if meta.paged is not None:
             kernels.paged_attention(q.contiguous(), k_cache, v_cache, out, meta.paged, scale)
@@ -169,8 +173,10 @@ class TorchAttention:
             if g is None:
                 continue
             qg = q[g.token_idx].transpose(1, 2)  # [G, H, Q, D]
-            kg = k_cache[g.slots].transpose(1, 2)  # [G, KVH, L, D]
-            vg = v_cache[g.slots].transpose(1, 2)
+            kg, vg = k_cache[g.slots], v_cache[g.slots]  # [G, L, KVH, D]
+            if kv8:
+                kg, vg = kernels.kv8_values(kg, q.dtype), kernels.kv8_values(vg, q.dtype)
+            kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [G, KVH, L, D]
             o = self._attend(qg, kg, vg, g.mask, scale).transpose(1, 2)  # [G, Q, H, D]
             if g.valid is None:
                 out[g.token_idx[:, 0]] = o[:, 0]

@@ -110,6 +110,7 @@ class DecoderLoop:
             self.scale,
             self.vnni_max_m,
             lora,
+            kernels.kv8(kv_caches[0][0]),
         )
 
 
@@ -160,5 +161,6 @@ class GemmaDecoderLoop(DecoderLoop):
             self.eps,
             self.scale,
             self.vnni_max_m,
+            kernels.kv8(kv_caches[0][0]),
         )
         return x
