@@ -21,6 +21,7 @@ from pytgi.engine import kernels
 from pytgi.engine.cuda_graphs import DecodeGraphs
 from pytgi.engine.models.attention import StepLayout
 from pytgi.engine.models.decoder import StepImages
+from pytgi.engine.models.layers import dynamic_rope
 from pytgi.engine.models.loader import CausalLM
 
 
@@ -118,6 +119,7 @@ class PagedModel:
             or self.device.type != "cuda"
             or not getattr(self.model.attention, "captures_decode", False)
             or getattr(cfg, "moe", None) is not None
+            or dynamic_rope(self.model) is not None  # its rows are computed per step, by length
         ):
             return False
         self.graphs = DecodeGraphs(self, sizes, min(max_blocks, self.num_blocks), self.num_blocks)

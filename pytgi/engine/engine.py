@@ -32,7 +32,7 @@ from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.kv_disk import DiskTier, fingerprint
 from pytgi.engine.kv_sizing import GIB, free_bytes
 from pytgi.engine.models.checkpoint_quant import file_quantization
-from pytgi.engine.models.layers import long_rope
+from pytgi.engine.models.layers import dynamic_rope, long_rope
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import Scheduler
@@ -219,6 +219,9 @@ class LLMEngine:
         rope = long_rope(self.runner.model)
         if rope is not None and len(prompt_ids) > rope[0]:
             root = ("long rope", root)  # its keys are made with the long table from the start
+        original = dynamic_rope(self.runner.model)
+        if original is not None and len(prompt_ids) > original:
+            root = ("dynamic rope", len(prompt_ids), root)  # its prompt's frequencies are its length's
         return root
 
     # -- LoRA adapters at run time -------------------------------------------------------------------

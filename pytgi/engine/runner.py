@@ -26,7 +26,7 @@ from pytgi.engine.images import step_rows
 from pytgi.engine.kv_sizing import kv_tokens_on_every_rank
 from pytgi.engine.loading import load_paged_model, resolve_device
 from pytgi.engine.models.decoder import DecoderModel, StepImages
-from pytgi.engine.models.layers import long_rope
+from pytgi.engine.models.layers import DYNAMIC_SHIFT, dynamic_rope, long_rope
 from pytgi.engine.models.loader import (
     CausalLM,
     eos_token_ids,
@@ -167,6 +167,12 @@ class ModelRunner:
                 step.positions = step.positions + np.repeat(
                     np.array(long, dtype=np.int64) * offset, step.layout.query_lens
                 )
+        if (original := dynamic_rope(self.model)) is not None:  # dynamic NTK: each token's length
+            prompts = np.repeat(np.array([len(r.prompt_ids) for r in reqs], np.int64), step.layout.query_lens)
+            length = np.maximum(prompts, step.positions + 1)
+            step.positions = np.where(
+                length > original, step.positions | (length << DYNAMIC_SHIFT), step.positions
+            )
         return step
 
     @torch.inference_mode()  # the sampling step too: it edits the logits in place

@@ -150,3 +150,66 @@ def test_longrope_requests_get_their_table_and_their_own_cached_blocks(tmp_path)
         assert greedy("again", long) == (want(long), 40)  # its own blocks, on the long table
     finally:
         engine.shutdown()
+
+
+def test_dynamic_ntk_rope_follows_transformers_per_forward(tmp_path):
+    """Dynamic NTK: transformers scales the base by the sequence's length at each forward once past
+    the original context (the prompt's forward: its length; each decode: the length so far). Greedy
+    output equals its `generate` for a prompt inside the original context that decodes past it and
+    for prompts past it; a long prompt's cached blocks serve only prompts of its own length."""
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(  # type: ignore[call-arg]  # the stubs lack rope_scaling (kwargs)
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+        eos_token_id=None,
+        rope_scaling={"rope_type": "dynamic", "factor": 4.0},
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    engine = LLMEngine(
+        EngineConfig(model=str(tmp_path), dtype="float32", max_batch_total_tokens=512, block_size=4)
+    )
+    assert engine.info.max_total_tokens == 64  # 4 × 16 positions
+    short, long = list(range(3, 13)), list(range(3, 13)) + list(range(40, 70))  # 10 and 40 tokens
+
+    def want(prompt: list[int]) -> list[int]:
+        hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).float().eval()  # a fresh rope state
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        ids = out.sequences[0, len(prompt) :].tolist()
+        logprobs[tuple(prompt)] = [float(s[0].log_softmax(-1)[t]) for s, t in zip(out.scores, ids)]
+        return ids
+
+    logprobs: dict[tuple[int, ...], list[float]] = {}
+
+    def greedy(rid: str, prompt: list[int]) -> tuple[list[int], int]:
+        engine.add_request(rid, prompt, SamplingParams(max_new_tokens=12, temperature=0))
+        ids, lps, cached = [], [], 0
+        while engine.has_unfinished():
+            for u in engine.step():
+                ids.append(u.token_id)
+                lps.append(u.logprob)
+                cached = max(cached, u.num_cached_tokens)
+        want(prompt)  # each token's logprob too: greedy tokens alone can hide a wrong frequency
+        torch.testing.assert_close(
+            torch.tensor(lps), torch.tensor(logprobs[tuple(prompt)]), atol=1e-4, rtol=0
+        )
+        return ids, cached
+
+    try:
+        assert greedy("short", short) == (want(short), 0)  # decodes 11 .. 22: past 16 from the 7th
+        assert greedy("long", long) == (want(long), 0)  # its first 8 tokens' blocks exist, for length 16
+        assert greedy("again", long) == (want(long), 36)  # its own blocks, for its length
+        longer = long + [5, 6, 7, 8]
+        assert greedy("longer", longer) == (want(longer), 0)  # another length: its own blocks
+    finally:
+        engine.shutdown()

@@ -168,7 +168,8 @@ class KernelOps(TorchOps):
     it, and rope writes k and v straight into the cache."""
 
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
-        return rotary.cos[positions].float(), rotary.sin[positions].float()  # float32 [T, D]
+        cos, sin = rotary.rows(positions)
+        return cos.float(), sin.float()  # float32 [T, D] (the tables follow the model's dtype)
 
     def add_norm(
         self, y: torch.Tensor | None, residual: torch.Tensor, norm, out_norm=None

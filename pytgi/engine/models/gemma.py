@@ -38,6 +38,8 @@ def gemma_config(cfg: dict[str, Any]) -> DecoderConfig:
     if gemma2 and not local:
         local = {"rope_theta": cfg.get("rope_theta", 10_000.0)}
     scaling = cfg.get("rope_scaling") or (full if full.get("rope_type", "default") != "default" else None)
+    if scaling and scaling.get("rope_type", scaling.get("type")) == "dynamic":
+        raise ValueError("dynamic rope scaling is not supported for Gemma models (its local layers' rope)")
     bias = cfg.get("attention_bias", False)
     return DecoderConfig(
         vocab_size=cfg["vocab_size"],

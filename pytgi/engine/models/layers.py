@@ -239,16 +239,36 @@ def long_rope(model: object) -> tuple[int, int] | None:
     return None
 
 
+DYNAMIC_SHIFT = 32  # dynamic NTK: a position's bits above these carry the length its frequencies are for
+
+
+def dynamic_rope(model: object) -> int | None:
+    """A dynamic-NTK model's original context (past it, a token's frequencies depend on its
+    sequence's length: `RotaryEmbedding.rows`); None for any other."""
+    rotary = getattr(model, "rotary", None)
+    if isinstance(rotary, RotaryEmbedding) and rotary.dynamic is not None:
+        return rotary.dynamic[1]
+    return None
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embeddings with a precomputed cos/sin table (default, linear, llama3, yarn,
     longrope).
 
     LongRoPE has two tables, one under the other: a sequence longer than `long_after` tokens reads its
     rows `long_offset` further down (the runner adds it to such a request's positions, from the prompt's
-    length or its length so far, as transformers decides per forward of one sequence)."""
+    length or its length so far, as transformers decides per forward of one sequence).
+
+    Dynamic NTK scales the base by the sequence's length once it is past the original context, as
+    transformers does at each forward of one sequence (the prompt's forward: its length; each decode:
+    its length so far); the keys already cached keep the frequencies they were made with. So a token's
+    frequencies are those of max(original context, prompt length, position + 1): the runner puts
+    that length above a position's low 32 bits (`DYNAMIC_SHIFT`) where it is past the original
+    context, and `rows` computes those tokens' rows."""
 
     long_after: int | None = None  # LongRoPE: the original context, beyond which the long table applies
     long_offset: int = 0
+    dynamic: tuple[float, int, float, int] | None = None  # dynamic NTK: (factor, original context, base, dim)
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -268,9 +288,11 @@ class RotaryEmbedding(nn.Module):
         elif kind == "longrope":
             short, long, attention = _longrope(head_dim, base, scaling, max_positions)
             self.long_after, self.long_offset = scaling["original_max_position_embeddings"], max_positions
+        elif kind == "dynamic":  # the table: the original frequencies (those of every length up to it)
+            self.dynamic = (scaling["factor"], scaling["original_max_position_embeddings"], base, head_dim)
         elif kind not in ("default", "mrope"):  # M-RoPE: the default frequencies, by axis (`mrope`)
             raise ValueError(
-                f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn, longrope)"
+                f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn, longrope, dynamic)"
             )
         at = torch.arange(max_positions, dtype=torch.float32)
         if self.long_after is not None:
@@ -286,7 +308,31 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin for these positions, shaped [T, 1, head_dim] to broadcast over heads."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        cos, sin = self.rows(positions)
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos, signed sin [T, head_dim] for these positions (dynamic NTK: see the class)."""
+        if self.dynamic is None:
+            return self.cos[positions], self.sin[positions]
+        lengths, at = positions >> DYNAMIC_SHIFT, positions & ((1 << DYNAMIC_SHIFT) - 1)
+        cos, sin = self.cos[at], self.sin[at]
+        scaled = lengths > 0
+        if bool(scaled.any()):
+            for length in lengths[scaled].unique().tolist():
+                rows = (lengths == length).nonzero()[:, 0]
+                freqs = torch.outer(at[rows].float(), self._dynamic_inv_freq(length).to(cos.device))
+                cos[rows] = torch.cat((freqs, freqs), dim=-1).cos()
+                sin[rows] = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        return cos, sin
+
+    def _dynamic_inv_freq(self, length: int) -> torch.Tensor:
+        """transformers' dynamic-NTK frequencies for a sequence of `length`, in its float32 steps."""
+        assert self.dynamic is not None
+        factor, original, base, dim = self.dynamic
+        seq = torch.tensor(length)
+        scaled = base * ((factor * seq / original) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (scaled ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
     def mrope(self, positions: torch.Tensor, section: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """M-RoPE (Qwen2-VL): float32 cos, signed sin [n, head_dim] for 3-D positions [3, n]; the

@@ -54,6 +54,11 @@ def llama_config(cfg: dict[str, Any]) -> DecoderConfig:
             "are not supported"
         )
     theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+    max_positions = cfg.get("max_position_embeddings", 2048)
+    if rope and rope.get("rope_type", rope.get("type")) == "dynamic":
+        # transformers scales the base from max_position_embeddings on: pytgi serves factor times it
+        rope = {**rope, "original_max_position_embeddings": max_positions}
+        max_positions = int(max_positions * rope["factor"])
     uses_window = arch == "MistralForCausalLM" or cfg.get("use_sliding_window", False)
     window = cfg.get("sliding_window") if uses_window else None
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
@@ -69,7 +74,7 @@ def llama_config(cfg: dict[str, Any]) -> DecoderConfig:
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta),
         rope_scaling=rope,
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=cfg.get("tie_word_embeddings", False),
         attention_bias=cfg.get("qkv_bias", True)
         if arch == "Qwen2MoeForCausalLM"

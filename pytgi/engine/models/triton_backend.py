@@ -104,7 +104,8 @@ class TritonAttention(TorchAttention):
 
 class TritonOps(TorchOps):
     def rope_tables(self, rotary, positions: torch.Tensor, dtype: torch.dtype):
-        return rotary.cos[positions].float(), rotary.sin[positions].float()  # float32 [T, D]
+        cos, sin = rotary.rows(positions)
+        return cos.float(), sin.float()  # float32 [T, D] (the tables follow the model's dtype)
 
     def add_norm(self, y, residual, norm, out_norm=None):
         if out_norm is not None or norm is None or norm.offset:  # nothing to fuse, or Gemma's norms
