@@ -10,6 +10,7 @@ and stay reusable until they are evicted, least recently freed first.
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
@@ -54,6 +55,7 @@ class BlockManager:
         # when a request could not run otherwise (`yield_pins`).
         self.pins: dict[int, float] = {}
         self.max_pinned = num_blocks // 2
+        self.next_expiry = math.inf  # no pin ends before this
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -168,27 +170,39 @@ class BlockManager:
         """Hold the cached blocks of a chain's first hashes until `until` (a pin already there is
         extended, never shortened); returns how many blocks are pinned. Past the cap, pins that end
         sooner give way; the chain stops at a block the cache lacks or the cap cannot take."""
-        n = 0
+        chain = []
         for h in hashes:
             block = self.hash_to_block.get(h)
             if block is None:
                 break
+            chain.append(block)
+        new = sum(1 for block in chain if block not in self.pins)
+        if len(self.pins) + new > self.max_pinned:
+            ours = set(chain)
+            for block in self._pins_by_end():
+                if len(self.pins) + new <= self.max_pinned or self.pins[block] >= until:
+                    break
+                if block not in ours:
+                    self._unpin(block)
+        n = 0
+        for block in chain:
             if block in self.pins:
                 self.pins[block] = max(self.pins[block], until)
-            else:
-                if len(self.pins) >= self.max_pinned:
-                    last = min(reversed(self.pins), key=self.pins.__getitem__)  # a chain's tail first
-                    if self.pins[last] >= until:
-                        break
-                    self._unpin(last)
+            elif len(self.pins) < self.max_pinned:
                 self._claim(block)
                 self.pins[block] = until
+                self.next_expiry = min(self.next_expiry, until)
+            else:
+                break
             n += 1
         return n
 
     def expire_pins(self, now: float) -> None:
+        if now < self.next_expiry:  # (a step looks at the pins only when one may have ended)
+            return
         for block in [b for b, until in self.pins.items() if until <= now]:
             self._unpin(block)
+        self.next_expiry = min(self.pins.values(), default=math.inf)
 
     def yield_pins(self, need: int) -> bool:
         """Release pins, those that end soonest first (a chain's tail before its head), until `need`
@@ -196,12 +210,16 @@ class BlockManager:
         if not self.pins:
             return False
         target = self.num_free_blocks + need
-        newest_first = list(self.pins.items())[::-1]  # a chain's tail first: the sort is stable
-        for block, _ in sorted(newest_first, key=lambda pin: pin[1]):
+        for block in self._pins_by_end():
             if self.num_free_blocks >= target:
                 break
             self._unpin(block)
         return True
+
+    def _pins_by_end(self) -> list[int]:
+        """The pinned blocks, those that end soonest first, a chain's tail before its head."""
+        newest_first = list(self.pins.items())[::-1]  # the sort is stable
+        return [block for block, _ in sorted(newest_first, key=lambda pin: pin[1])]
 
     def _unpin(self, block: int) -> None:
         del self.pins[block]

@@ -3,6 +3,8 @@ Responses, and Anthropic's Messages (each converts its body to OpenAI's chat bod
 
 from __future__ import annotations
 
+import bisect
+import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -69,17 +71,21 @@ async def chat_requests(
         except ValueError as exc:
             raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
 
-    def pins(prompt: list[int]) -> list[tuple[int, float]]:
-        """Each mark's prompt tokens: those its messages' own text shares with the prompt."""
+    def pins(text: str, prompt: list[int]) -> list[tuple[int, float]]:
+        """Each mark's prompt tokens: those wholly inside the text its messages alone render to, as
+        far as it is the prompt's (none where the prompt is not the text's tokens: images, truncation)."""
+        ids, offsets = st.tokenizer.encode_with_offsets(text, add_special_tokens=False)
+        if ids != prompt:
+            return []
+        ends = [end for _, end in offsets]
         out: dict[int, float] = {}
         for count, seconds in cache_marks:
             try:
-                ids = st.tokenizer.encode(render_template(count), add_special_tokens=False)
+                part = render_template(count)
             except OpenAIError:  # a template that cannot end there (it wants a user turn): no pin
                 continue
-            tokens = next(
-                (i for i, (a, b) in enumerate(zip(ids, prompt)) if a != b), min(len(ids), len(prompt))
-            )
+            shared = len(os.path.commonprefix([part, text]))
+            tokens = bisect.bisect_right(ends, shared)
             if tokens:
                 out[tokens] = max(out.get(tokens, 0.0), seconds)
         return sorted(out.items())
@@ -108,7 +114,7 @@ async def chat_requests(
         valid = await validation.validate(gi)
         info = st.client.info
         if cache_marks and info is not None and info.prefix_cache_max_pin_seconds > 0:
-            valid.sampling.cache_pins = await in_thread(pins, valid.input_ids)
+            valid.sampling.cache_pins = await in_thread(pins, text, valid.input_ids)
         return schema.choices(valid, n, body.seed)
 
     return await ex.admit(n, prepare), tool_style
