@@ -10,6 +10,14 @@ no mask for an attention it does not know, and keeps no cache of its own (`use_c
 
 A layer with a `sliding_window` attribute (Mistral, Gemma, ...) attends within it. Not supported:
 attention logit soft-capping (Gemma 2), tensor parallelism, and the low-bit CPU kernels.
+
+The fallback checks a model before it serves it (`refusal`, `_probe`): the model's cache layer types
+(transformers' own `get_layer_types_and_kwargs`) must all be full or sliding-window attention, and a
+4-token forward must call the attention function once per attention layer with no argument the paged
+kernel would drop. A recurrent or state-space layer (Qwen3-Next's and Qwen3.5's Gated DeltaNet,
+Granite-4.0-H's and OLMo-Hybrid's), attention sinks (gpt-oss's `s_aux`), chunked or sparse attention,
+shared KV and soft-capping are refused by name, since this path would serve them wrong without a word:
+it keeps no state between steps and joins a step's requests into one sequence.
 """
 
 from __future__ import annotations
@@ -21,12 +29,32 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pytgi.core.errors import UnsupportedModel
 from pytgi.engine.models.attention import StepLayout, TorchAttention, TorchAttentionMetadata
 from pytgi.engine.models.backends import get_backend
 from pytgi.engine.models.cpu import Kernels
 
 log = logging.getLogger(__name__)
 ATTENTION = "pytgi_paged"
+
+# the cache layer types this path serves: softmax attention over the paged cache, with or without a window
+PLAIN_LAYERS = frozenset({"full_attention", "sliding_attention"})
+LAYER_TYPES = {
+    "linear_attention": "linear-attention or state-space layers (a recurrent state between steps)",
+    "conv": "convolution layers (a state between steps)",
+    "hybrid": "hybrid layers (a recurrent state between steps)",
+    "hybrid_sliding": "hybrid layers (a recurrent state between steps)",
+    "chunked_attention": "chunked attention",
+    "indexed_attention": "indexed (sparse) attention",
+}
+# arguments transformers' layers pass to an attention function that this path honours or that do not
+# change attention's result
+HARMLESS_ARGS = frozenset(
+    {"position_ids", "use_cache", "output_router_logits", "output_attentions", "cache_position"}
+    | {"past_key_values", "past_key_value", "sliding_window", "pytgi_step", "is_causal", "softcap"}
+)
+ARG_NAMES = {"s_aux": "attention sinks (s_aux)", "sinks": "attention sinks"}
+PROBE = object()  # `pytgi_step` of the check's forward (`_probe`)
 
 
 @dataclass(slots=True)
@@ -61,6 +89,8 @@ class _Backend:
 def _paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function interface: [1, H, T, D] in, [1, T, H, D] out."""
     step: tuple[list, StepContext] | None = kwargs.get("pytgi_step")
+    if isinstance(step, _Probe):
+        return step.record(module, query, key, value, scaling, kwargs)
     if step is None:
         raise RuntimeError("the pytgi_paged attention runs only inside pytgi's engine")
     if kwargs.get("softcap") is not None:
@@ -71,6 +101,81 @@ def _paged_attention(module, query, key, value, attention_mask, scaling=None, dr
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     meta = ctx.metadata(getattr(module, "sliding_window", None))
     return ctx.backend.forward(q, k, v, k_cache, v_cache, meta, scale).unsqueeze(0), None
+
+
+class _Probe:
+    """The check's forward: records each call's layer and arguments, attends causally with SDPA."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int | None, set[str], bool]] = []
+
+    def record(self, module, query, key, value, scaling, kwargs) -> tuple[torch.Tensor, None]:
+        extra = {k for k, v in kwargs.items() if k not in HARMLESS_ARGS and v is not None}
+        capped = kwargs.get("softcap") is not None or kwargs.get("is_causal") is False
+        self.calls.append((getattr(module, "layer_idx", None), extra, capped))
+        rep = query.shape[1] // key.shape[1]
+        k, v = (t.repeat_interleave(rep, dim=1) for t in (key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling)
+        return out.transpose(1, 2), None
+
+
+def _supported() -> str:
+    from pytgi.engine.models.loader import SUPPORTED_ARCHITECTURES
+
+    return (
+        f"pytgi runs {', '.join(SUPPORTED_ARCHITECTURES)} with its own code, and through transformers' "
+        "code (--model-impl auto|transformers) causal LMs whose layers are all softmax attention, "
+        "full or sliding-window"
+    )
+
+
+def cache_layer_types(text_config) -> list[str]:
+    """The kind of cache each layer keeps, as transformers' caches read it from the config."""
+    from transformers import cache_utils
+
+    read = getattr(cache_utils, "get_layer_types_and_kwargs", None)
+    return list(read(text_config)[0]) if read else list(getattr(text_config, "layer_types", None) or [])
+
+
+def refusal(hf_config) -> str | None:
+    """Why this path cannot serve a model of this config (None: it can), before any weight is read."""
+    cfg = hf_config.get_text_config(decoder=True)
+    try:
+        types = cache_layer_types(cfg)
+    except Exception as e:  # noqa: BLE001  # a config transformers' own reader does not understand
+        return f"its layer types cannot be read ({type(e).__name__}: {e})"
+    if "reuse" in (getattr(cfg, "kv_sharing_modes", None) or []):
+        return "some layers reuse another layer's keys and values (shared KV)"
+    odd = [t for t in dict.fromkeys(types) if t not in PLAIN_LAYERS | {"dummy"}]
+    if odd:
+        what = "; ".join(f"{LAYER_TYPES.get(t, repr(t))}: {types.count(t)} of {len(types)}" for t in odd)
+        return f"its layers are not all softmax attention ({what})"
+    if getattr(cfg, "attn_logit_softcapping", None):
+        return "it soft-caps attention logits"
+    return None
+
+
+def _probe(decoder, layers: int, vocab: int, device: torch.device) -> str | None:
+    """Why a 4-token forward shows this path would serve the model wrong (None: it would not)."""
+    probe = _Probe()
+    ids = torch.arange(1, 5, device=device)[None] % max(vocab, 1)
+    with torch.no_grad():
+        positions = torch.arange(4, device=device)[None]
+        decoder(input_ids=ids, position_ids=positions, use_cache=False, pytgi_step=probe)
+    extra = sorted({a for _, args, _ in probe.calls for a in args})
+    if extra:
+        return "its attention takes arguments pytgi's paged attention would drop: " + ", ".join(
+            ARG_NAMES.get(a, a) for a in extra
+        )
+    if any(capped for *_, capped in probe.calls):
+        return "its attention is soft-capped or not causal"
+    idx = [i for i, *_ in probe.calls]
+    if None in idx or len(set(idx)) != len(idx) or len(idx) != layers:
+        return (
+            f"{len(idx)} attention calls for {layers} attention layers: some layers attend outside "
+            "transformers' attention interface (or share one cache layer)"
+        )
+    return None
 
 
 def _register() -> None:
@@ -116,6 +221,11 @@ class TransformersModel(nn.Module):
         if tp_size() > 1:
             raise ValueError("a model run by transformers' code cannot be sharded (--num-shard 1)")
         _register()
+        hf_config = transformers.AutoConfig.from_pretrained(str(path))
+        arch = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
+        why = refusal(hf_config)
+        if why:
+            raise UnsupportedModel(f"{arch} ({path.name}) cannot be served: {why}. {_supported()}")
         self.hf = (
             transformers.AutoModelForCausalLM.from_pretrained(
                 str(path), dtype=dtype, attn_implementation=ATTENTION
@@ -140,6 +250,10 @@ class TransformersModel(nn.Module):
         # What the runner sizes the KV cache from: one entry per layer.
         self.layers = [_LayerShape(c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
         self.final_logit_softcapping: float | None = getattr(cfg, "final_logit_softcapping", None)
+        attending = sum(1 for t in cache_layer_types(cfg) if t != "dummy") or c.num_hidden_layers
+        why = _probe(self.hf.get_decoder(), attending, c.vocab_size, device)
+        if why:
+            raise UnsupportedModel(f"{arch} ({path.name}) cannot be served: {why}. {_supported()}")
         log.info(
             "%s runs through transformers' model code (%s): pytgi does not implement it",
             type(self.hf).__name__,
