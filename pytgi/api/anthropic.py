@@ -269,7 +269,9 @@ def to_chat(body: MessagesRequest) -> schema.ChatCompletionRequest:
 
 # -- OpenAI's results → Anthropic's shapes ---------------------------------------------------------
 def stop_reason(out: OutputProcessor, tool_calls: bool) -> str:
-    if tool_calls:
+    """Anthropic's stop reason; an answer the token limit cut is `max_tokens` even when it holds
+    complete calls (as OpenAI's `length`): the client learns that more was coming."""
+    if tool_calls and out.finish_reason != "length":
         return "tool_use"
     return {"length": "max_tokens", "stop_sequence": "stop_sequence"}.get(out.finish_reason or "", "end_turn")
 

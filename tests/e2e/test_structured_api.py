@@ -256,6 +256,66 @@ def test_required_tool_call(client):
         check_call(call, WEATHER if call.function.name == "get_weather" else TIME)
 
 
+@pytest.mark.parametrize("max_tokens", [50, 100])
+def test_an_answer_cut_by_the_token_limit_keeps_its_complete_calls(client, server, max_tokens):
+    """Issue 46.5: with parallel calls this model repeats calls until max_tokens. The cut answer carries
+    every call the stream completed, on OpenAI chat, Responses and Anthropic, and the cut call's text
+    as content (not a call whose arguments are no JSON, and not nothing at all)."""
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0)
+    streamed: dict[int, dict[str, str]] = {}
+    text = ""
+    for chunk in client.chat.completions.create(**kw, max_tokens=max_tokens, stream=True):
+        text += (chunk.choices[0].delta.content or "") if chunk.choices else ""
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            got = streamed.setdefault(tc.index, {"name": "", "arguments": ""})
+            got["name"] += tc.function.name or ""
+            got["arguments"] += tc.function.arguments or ""
+
+    def whole(args: str) -> bool:
+        try:
+            return isinstance(json.loads(args), dict)
+        except json.JSONDecodeError:
+            return False
+
+    done = [(c["name"], json.loads(c["arguments"])) for c in streamed.values() if whole(c["arguments"])]
+    # the limit falls inside a call (before its name: the stream held it, then sent it as text; after:
+    # a call it started): the case this test is for
+    assert done and (text.strip() or len(done) < len(streamed)), (text, streamed)
+    r = client.chat.completions.create(**kw, max_tokens=max_tokens).choices[0]
+    assert r.finish_reason == "length"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.message.tool_calls] == done
+    assert r.message.content and r.message.content.lstrip().startswith("<tool_call>")
+
+    responses = client.responses.create(
+        model=MODEL,
+        input=ASK[0]["content"],
+        tools=[{"type": "function", **WEATHER["function"]}, {"type": "function", **TIME["function"]}],
+        tool_choice="required",
+        max_output_tokens=max_tokens,
+        temperature=0,
+    )
+    items = [(i.name, json.loads(i.arguments)) for i in responses.output if i.type == "function_call"]
+    assert responses.status == "incomplete" and items == done
+    assert any(i.type == "message" for i in responses.output)  # the cut call's text
+
+    import anthropic
+
+    m = anthropic.Anthropic(base_url=server.url, api_key="-", max_retries=0).messages.create(
+        model=MODEL,
+        max_tokens=max_tokens,
+        messages=ASK,
+        tools=[
+            {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+            for t in (WEATHER, TIME)
+        ],
+        tool_choice={"type": "any"},
+        extra_body={"temperature": 0},
+    )
+    assert m.stop_reason == "max_tokens"
+    assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == done
+    assert any(b.type == "text" and b.text.strip() for b in m.content)
+
+
 def test_named_tool_call_streamed_as_openai_streams_it(client):
     chunks = list(
         client.chat.completions.create(

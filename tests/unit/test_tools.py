@@ -363,6 +363,41 @@ def test_calls_are_found_whole_and_streamed_in_any_cut(style, text, content, cal
             assert all(len(c.id) == 9 and c.id.isalnum() for c in parser.calls)
 
 
+PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+CUT = [  # (style, an answer the token limit cut in its third call, the content it leaves)
+    (
+        "hermes",
+        f"<tool_call>{PARIS}</tool_call>\n" * 2 + '<tool_call>{"name": "get_weather", "arguments": {"ci',
+    ),
+    ("prompted", f"<tool_call>\n{PARIS}\n</tool_call>\n" * 2 + '<tool_call>\n{"name": "get_weather", "argu'),
+    ("mistral", f"[TOOL_CALLS][{PARIS}, {PARIS}, " + '{"name": "get_weather", "arguments": {"city": "Pa'),
+    (
+        "mistral_v11",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}' * 2 + '[TOOL_CALLS]get_weather[ARGS]{"ci',
+    ),
+    ("pythonic", '[get_weather(city="Paris"), get_weather(city="Paris"), get_weather(ci'),
+]
+
+
+@pytest.mark.parametrize("style, text", CUT)
+def test_an_answer_cut_short_keeps_its_complete_calls(style, text):
+    """Issue 46.5: a response the token limit cut keeps every call that was complete; the cut call's
+    text is content, as written (never a call with arguments that are no JSON)."""
+    content, calls = tools.parse(text, style)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})] * 2
+    assert content is not None and content.strip() and content in text, content
+    assert "Paris" not in content or style == "mistral"  # only the cut call's text
+    # the stream says the same complete calls (a started call it cannot take back stays, cut)
+    _, s_calls, _ = stream([text[i : i + 3] for i in range(0, len(text), 3)], style)
+    assert [json.loads(c["arguments"]) for c in s_calls[:2]] == [{"city": "Paris"}] * 2
+
+
+def test_a_cut_bare_call_is_content():
+    text = '{"name": "get_time", "parameters": {"zone": "UT'
+    assert tools.parse(text, "json") == (text, [])
+    assert tools.parse("<tool_call>not json", "hermes") == ("<tool_call>not json", [])  # no tag invented
+
+
 def test_arguments_stream_as_they_are_written():
     parser = tools.ToolParser("hermes")
     assert parser.feed("<tool_") == []

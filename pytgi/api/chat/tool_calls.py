@@ -69,6 +69,7 @@ class ToolCall:
 
 class CallParser(Protocol):
     calls: list[ToolCall]
+    cut: int | None  # after `finish`: where the last call's text starts, when it was cut short
 
     def feed(self, text: str) -> list[Event]: ...
 
@@ -99,12 +100,17 @@ def parser(style: Style) -> CallParser:
 
 
 def parse(text: str, style: Style) -> tuple[str | None, list[ToolCall]]:
-    """A whole answer's content (None when only calls) and its calls."""
+    """A whole answer's content (None when only calls) and its calls. A last call the answer cut short
+    (the token limit, a stop string) is no call: its text joins the content, as written."""
     p = parser(style)
     events = p.feed(text) + p.finish()
     content = "".join(e.text for e in events if isinstance(e, Content))
-    if p.calls:
-        return (content.strip() or None), p.calls
+    calls = p.calls
+    if p.cut is not None:
+        calls = calls[:-1]
+        content = (content.rstrip() + "\n" if content.strip() else "") + text[p.cut :].lstrip()
+    if calls:
+        return (content.strip() or None), calls
     return content, []
 
 
@@ -142,9 +148,13 @@ class ToolParser:
     _args_at: int = -1  # where the open call's arguments start in `_call` (-1: name not known yet)
     _sent: str = ""  # the open call's arguments sent so far
     _started: bool = False  # anything but whitespace seen (the bare JSON style opens only at the start)
+    _fed: int = 0  # characters fed so far
+    _call_at: int = 0  # where the open call's text (its opening tag) starts in what was fed
+    cut: int | None = None
 
     def feed(self, text: str) -> list[Event]:
         events: list[Event] = []
+        self._fed += len(text)
         if self._call is not None:
             self._call += text
         else:
@@ -175,6 +185,7 @@ class ToolParser:
                     return False
                 self._started = True
                 if stripped[0] == "{":
+                    self._call_at = self._fed - len(stripped)
                     self._call, self._text = stripped, ""
                     return True
             self._content(events, self._text)
@@ -183,6 +194,7 @@ class ToolParser:
         at = self._text.find(OPEN)
         if at >= 0:
             self._content(events, self._text[:at])
+            self._call_at = self._fed - len(self._text) + at
             self._call, self._text = self._text[at + len(OPEN) :], ""
             return True
         keep = _partial_suffix(self._text, OPEN)
@@ -211,7 +223,7 @@ class ToolParser:
             return False
         body = self._call if close < 0 else self._call[:close]
         rest = "" if close < 0 else self._call[close + len(CLOSE) :]
-        self._close(events, body)
+        self._close(events, body, closed=close >= 0)
         self._call, self._args_at, self._sent = None, -1, ""
         self._text += rest
         return bool(rest)
@@ -226,8 +238,9 @@ class ToolParser:
             self._sent = settled
             self.calls[-1].arguments = settled
 
-    def _close(self, events: list[Event], body: str) -> None:
-        """The call's whole text is known: finish it, or, if it is no call after all, say it as text."""
+    def _close(self, events: list[Event], body: str, closed: bool) -> None:
+        """The call's whole text is known (`closed`: its closing tag came; else the answer ended): finish
+        it, or, if it is no call after all, say it as text."""
         try:
             obj = json.loads(body)
         except json.JSONDecodeError:
@@ -237,7 +250,9 @@ class ToolParser:
         if not isinstance(name, str) or not isinstance(args, dict):
             if self._args_at < 0:  # nothing of it was sent as a call: it is text
                 opener = "" if self.style == "json" else OPEN
-                self._content(events, opener + body + ("" if self.style == "json" else CLOSE))
+                self._content(events, opener + body + (CLOSE if closed and self.style != "json" else ""))
+            elif not closed:  # started as a call, cut short
+                self.cut = self._call_at
             return
         if self._args_at < 0:  # its fields came in another order: the call in one piece
             self._start(events, name)
@@ -318,9 +333,13 @@ class MistralParser:
     _args_seen: int = 0  # list form: how much of `_obj` after `_args_at` `_args_end` has seen
     _args_len: int = -1  # list form: the arguments' length, once they are closed
     _sent: str = ""
+    _fed: int = 0  # characters fed so far
+    _call_at: int = 0  # where the open call's text starts in what was fed (v11: its marker)
+    cut: int | None = None
 
     def feed(self, text: str) -> list[Event]:
         events: list[Event] = []
+        self._fed += len(text)
         self._buf += text
         while self._step(events, final=False):
             pass
@@ -332,6 +351,8 @@ class MistralParser:
             pass
         if self._state == "object" and self._args_at < 0:  # cut off before its name: it was text
             _content(events, self.calls, self._obj)
+        elif self._state == "object" or (self._state == "args" and self._obj):  # a call cut short
+            self.cut = self._call_at
         elif self._state == "args" and not self._obj:
             self._send(events, "{}")
         elif self._state == "name":
@@ -346,6 +367,7 @@ class MistralParser:
             at = buf.find(MISTRAL_CALLS)
             if at >= 0:
                 _content(events, self.calls, buf[:at])
+                self._call_at = self._fed - len(buf) + at
                 self._state, self._buf = "marker", buf[at + len(MISTRAL_CALLS) :]
                 return True
             keep = 0 if final else _partial_suffix(buf, MISTRAL_CALLS)
@@ -361,6 +383,7 @@ class MistralParser:
                 self._state = "list" if rest[0] == "[" else "name"
                 self._buf = rest[1:] if rest[0] == "[" else rest
             elif rest[0] == "{":
+                self._call_at = self._fed - len(rest)
                 self._state, self._obj, self._end, self._args_at = "object", "", _JsonEnd(), -1
             else:  # the list's end (or something else: text)
                 self._state, self._buf = "text", rest[1:] if rest[0] == "]" else rest
@@ -511,6 +534,7 @@ class PythonicParser:
     _depth: int = 0  # brackets open inside the list
     _quote: str = ""  # the open string's quote
     _escaped: bool = False
+    cut: int | None = None  # calls are sent whole: a cut one was never a call (its text is content)
 
     def feed(self, text: str) -> list[Event]:
         events: list[Event] = []
