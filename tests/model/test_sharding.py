@@ -79,6 +79,46 @@ def test_tiny_model_logits_match_one_shard(tiny_path, tiny_reference, n):
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
 
 
+def test_tiny_gpt_oss_matches_one_shard(tmp_path):
+    """gpt-oss over 2 shards (3 key/value groups split 2+1): each rank's sinks are its query heads',
+    each expert's intermediate features split, the experts' down bias added once."""
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(
+        vocab_size=101,
+        hidden_size=48,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        swiglu_limit=0.5,
+        max_position_embeddings=256,
+        eos_token_id=None,
+    )
+    model = transformers.GptOssForCausalLM(cfg)
+    with torch.no_grad():  # biases and sinks that matter
+        for name, p in model.named_parameters():
+            if "bias" in name or "sinks" in name:
+                p.add_(torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20]
+    outs = []
+    for n in (1, 2):
+        engine = LLMEngine(
+            EngineConfig(model=str(tmp_path), max_batch_total_tokens=1024, num_shard=n, dtype="float32")
+        )
+        try:
+            outs.append(run(engine, prompts))
+        finally:
+            engine.shutdown()
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
+
+
 def test_a_rank_started_by_pytgi_shard_joins_rank_0(tiny_path, tiny_reference, monkeypatch):
     """Ranks on other machines: with WORLD_SIZE set, rank 0 starts no worker; `pytgi shard` is rank 1."""
     prompts, ref = tiny_reference

@@ -145,6 +145,28 @@ CONFIGS = {
             final_logit_softcapping=0.3,
         ),
     ),
+    # gpt-oss: sinks, alternating 8-token windows, YaRN, a biased top-2 router over 4 experts with
+    # biases and the clamped SwiGLU (a limit small enough to clamp random activations)
+    "gpt-oss": (
+        transformers.GptOssConfig,
+        dict(
+            BASE,
+            head_dim=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            swiglu_limit=0.5,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
     "olmo2-via-transformers": (transformers.Olmo2Config, dict(BASE)),
     "gpt-neox-via-transformers": (
@@ -188,6 +210,7 @@ ARCH = {
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
     transformers.Olmo2Config: transformers.Olmo2ForCausalLM,
+    transformers.GptOssConfig: transformers.GptOssForCausalLM,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
 }
 

@@ -158,6 +158,7 @@ class TorchAttention:
         v_cache: torch.Tensor,
         meta: TorchAttentionMetadata,
         scale: float,
+        sinks: torch.Tensor | None = None,  # [H] a logit per query head in each softmax (SinkAttention)
     ) -> torch.Tensor:
         kv8 = kernels.kv8(k_cache)
         if k is not None and v is not None:
@@ -177,7 +178,10 @@ class TorchAttention:
             if kv8:
                 kg, vg = kernels.kv8_values(kg, q.dtype), kernels.kv8_values(vg, q.dtype)
             kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)  # [G, KVH, L, D]
-            o = self._attend(qg, kg, vg, g.mask, scale).transpose(1, 2)  # [G, Q, H, D]
+            if sinks is None:
+                o = self._attend(qg, kg, vg, g.mask, scale).transpose(1, 2)  # [G, Q, H, D]
+            else:
+                o = _attend_sinks(qg, kg, vg, g.mask, scale, sinks).transpose(1, 2)
             if g.valid is None:
                 out[g.token_idx[:, 0]] = o[:, 0]
             else:
@@ -189,6 +193,29 @@ class TorchAttention:
     ) -> torch.Tensor:
         """q [G, H, Q, D], k and v [G, KVH, L, D], mask [G, 1, Q, L] → [G, H, Q, D]."""
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+
+def _attend_sinks(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head, `sinks[h]`, that attends to nothing: the
+    weights of the real keys sum to less than one. Two matmuls, the softmax in float32."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = ((q @ k.transpose(-1, -2)) * scale).float().masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+    p = torch.cat([s, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return p.to(q.dtype) @ v
+
+
+class SinkAttention(TorchAttention):
+    """Attention with sinks (gpt-oss): neither SDPA nor the paged kernels take them yet, so every
+    request's context is gathered and attended by `_attend_sinks`."""
+
+    def __init__(self, cpu: Kernels, heads: tuple[int, int, int]) -> None:
+        super().__init__(cpu, heads)
+        self.paged, self.paged_prefill_max = False, 0
 
 
 class SoftcapAttention(TorchAttention):

@@ -31,6 +31,7 @@ from torch import nn
 
 from pytgi.engine.distributed import check_heads, tp_size
 from pytgi.engine.models.attention import (
+    SinkAttention,
     SlidingWindowBackend,
     SoftcapAttention,
     TorchAttention,
@@ -90,6 +91,10 @@ class MoEConfig:
     norm_topk: bool  # renormalize the chosen experts' weights
     shared_intermediate_size: int | None  # Qwen2-MoE's shared expert
     sparse_layers: list[bool]  # which layers route (the others keep the dense MLP)
+    activation: str = "silu"  # the experts': "silu" (SwiGLU) | "swiglu_oai" (gpt-oss's clamped one)
+    swiglu_alpha: float = 1.702  # swiglu_oai's
+    swiglu_limit: float = 7.0
+    biases: bool = False  # the router and the experts have biases, gate|up interleaved (gpt-oss)
 
 
 @dataclass(slots=True)
@@ -121,6 +126,7 @@ class DecoderConfig:
     attn_logit_softcapping: float | None = None  # Gemma 2: cap · tanh(score / cap)
     final_logit_softcapping: float | None = None
     moe: MoEConfig | None = None
+    attn_sinks: bool = False  # a learned logit per query head in every softmax (gpt-oss)
 
 
 def local_heads(cfg: DecoderConfig) -> tuple[int, int, int]:
@@ -149,11 +155,17 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(shards[0], cfg.hidden_size, cfg.o_proj_bias)
         self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.sinks: nn.Parameter | None = None
+        if cfg.attn_sinks:  # this rank's query heads' sinks
+            self.sinks = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
+            first = shards[0][0] // cfg.head_dim
+            self.sinks.weight_loader = lambda p, t, _: p.data.copy_(t[first : first + len(p)])  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor, rope: Any, kv_cache: Any, meta: Any) -> torch.Tensor:
         meta = layer_metadata(meta, self.sliding)
         q, k, v = self.ops.qkv_rotary(self, self.qkv_proj(x), rope, kv_cache, meta)
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        extra = {} if self.sinks is None else {"sinks": self.sinks}
+        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **extra)
         return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.head_dim))
 
 
@@ -192,6 +204,7 @@ class DecoderLayer(nn.Module):
                 moe.top_k,
                 moe.norm_topk,
                 moe.shared_intermediate_size,
+                oai=(moe.swiglu_alpha, moe.swiglu_limit) if moe.biases else None,
             )
         )
         # The checkpoints' names: Llama's post_attention_layernorm is the MLP's input norm, Gemma's
@@ -246,6 +259,8 @@ class DecoderModel(nn.Module):
         backend = get_backend(attention, cpu, local_heads(cfg))
         if cfg.attn_logit_softcapping:
             backend = SoftcapAttention(cpu, local_heads(cfg), cfg.attn_logit_softcapping)
+        if cfg.attn_sinks:
+            backend = SinkAttention(cpu, local_heads(cfg))
         self.attention: TorchAttention | SlidingWindowBackend = backend
         slidings: list[bool | None] = [None] * cfg.num_hidden_layers
         if cfg.sliding_window and cfg.layer_types:
@@ -490,6 +505,7 @@ class DecoderModel(nn.Module):
         loaded: set[str] = set()
         for name, tensor in self._unfused(weights):
             name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+            name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's router
             if "rotary_emb" in name:
                 continue
             if ".mlp.experts." in name:  # a mixture of experts' stacked weights

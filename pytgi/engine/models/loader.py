@@ -23,6 +23,8 @@ from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.decoder import DecoderConfig, DecoderModel, StepImages
 from pytgi.engine.models.gemma import gemma_config
 from pytgi.engine.models.gguf_weights import GGUFWeights, open_gguf
+from pytgi.engine.models.gpt_oss import ARCHITECTURES as GPT_OSS_ARCHITECTURES
+from pytgi.engine.models.gpt_oss import gpt_oss_config
 from pytgi.engine.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from pytgi.engine.models.llama import llama_config
 from pytgi.engine.models.quant import resolve_plan
@@ -33,6 +35,7 @@ MODELS: dict[str, Callable[[dict[str, Any]], DecoderConfig]] = {
     **{arch: llama_config for arch in LLAMA_ARCHITECTURES},
     "Gemma3ForCausalLM": gemma_config,
     "Gemma2ForCausalLM": gemma_config,  # Gemma 3's layers, without q/k norms, soft-capped
+    **{arch: gpt_oss_config for arch in GPT_OSS_ARCHITECTURES},
 }
 # vision-language architecture → its model class (a vision part before `DecoderModel`) and the
 # language model's config.json read from its own

@@ -6,8 +6,10 @@ up fused (`gate_up [E, 2I, H]`, `down [E, H, I]`), and a step runs one pair of m
 has tokens: tokens are grouped by expert once, not visited one by one. A GGUF model's experts stay
 packed as the file holds them (`pack_experts`), and a bf16 step runs all its experts in one C call
 (`pytgi/engine/kernels/moe.c`: the same low-bit matmuls, no Python between them). Qwen2-MoE adds a shared
-expert, scaled by a sigmoid gate. With tensor parallelism each rank holds a slice of every expert's
-intermediate features and the partial outputs are all-reduced.
+expert, scaled by a sigmoid gate. gpt-oss (`oai`) has biases on the router and the experts, softmaxes
+the chosen experts' logits, and clamps its SwiGLU (`swiglu_oai`); its checkpoint stacks each expert's
+weights transposed, [E, H, 2I] with gate and up interleaved. With tensor parallelism each rank holds a
+slice of every expert's intermediate features and the partial outputs are all-reduced.
 """
 
 from __future__ import annotations
@@ -51,15 +53,22 @@ class SparseMoE(nn.Module):
         top_k: int,
         norm_topk: bool,
         shared_inter: int | None = None,
+        oai: tuple[float, float] | None = None,
     ) -> None:
+        """oai: gpt-oss's experts, (alpha, limit) of its clamped SwiGLU."""
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.start, self.local = local_range(inter)
-        self.inter = inter
-        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router, on every rank
-        self.gate.weight.requires_grad_(False)
+        self.inter, self.oai = inter, oai
+        self.gate = nn.Linear(hidden, num_experts, bias=oai is not None)  # the router, on every rank
+        self.gate.requires_grad_(False)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
+        self.gate_up_bias: nn.Parameter | None = None  # [E, 2 * local]: this rank's gate | up
+        self.down_bias: nn.Parameter | None = None  # [E, H]: added once, after the all-reduce
+        if oai is not None:
+            self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * self.local), requires_grad=False)
+            self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False)
         self.packed: list[tuple[Any, Any]] = []  # per expert, gate|up and down packed (`pack_experts`)
         self.fused: kernels.PackedExperts | None = None  # the same, for moe.c
         self.shared_expert = SharedExpert(hidden, shared_inter) if shared_inter else None
@@ -69,6 +78,8 @@ class SparseMoE(nn.Module):
         """Copy an expert checkpoint tensor (one expert's, or all stacked) into this rank's slice;
         returns the parameters it wrote to."""
         s, n = self.start, self.local
+        if self.oai is not None:
+            return self._load_oai(name, tensor)
         if name == "experts.gate_up_proj":  # stacked [E, 2I, H]
             self.gate_up.data[:, :n].copy_(tensor[:, s : s + n])
             self.gate_up.data[:, n:].copy_(tensor[:, self.inter + s : self.inter + s + n])
@@ -90,6 +101,26 @@ class SparseMoE(nn.Module):
         half = 0 if kind in ("w1", "gate_proj") else n
         self.gate_up.data[e, half : half + n].copy_(tensor[s : s + n])
         return ["gate_up"]
+
+    def _load_oai(self, name: str, tensor: torch.Tensor) -> list[str]:
+        """gpt-oss's stacked tensors: gate_up [E, H, 2I] and its bias [E, 2I] (gate and up interleaved),
+        down [E, I, H] and its bias [E, H]."""
+        s, n = self.start, self.local
+        assert self.gate_up_bias is not None and self.down_bias is not None
+        if name in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
+            t = tensor.transpose(1, 2) if name == "experts.gate_up_proj" else tensor  # [E, 2I(, H)]
+            gate, up = t[:, 0::2][:, s : s + n], t[:, 1::2][:, s : s + n]
+            dst = self.gate_up if name == "experts.gate_up_proj" else self.gate_up_bias
+            dst.data[:, :n].copy_(gate)
+            dst.data[:, n:].copy_(up)
+            return ["gate_up" if name == "experts.gate_up_proj" else "gate_up_bias"]
+        if name == "experts.down_proj":
+            self.down.data.copy_(tensor.transpose(1, 2)[:, :, s : s + n])
+            return ["down"]
+        if name == "experts.down_proj_bias":
+            self.down_bias.data.copy_(tensor)
+            return ["down_bias"]
+        raise ValueError(f"unexpected expert weight {name!r}")
 
     def pack_experts(self, weights: Any, names: list[str], kinds: tuple[str, str], act_dtype, cpu) -> None:
         """Keep the experts packed for the low-bit kernels, as a GGUF file's blocks hold them
@@ -124,7 +155,7 @@ class SparseMoE(nn.Module):
 
     def fuse(self) -> None:
         """Where every expert is packed for pytgi's low-bit kernel, hand them to one C call (moe.c)."""
-        if self.packed and all(w.vnni for pair in self.packed for w in pair):
+        if self.packed and self.oai is None and all(w.vnni for pair in self.packed for w in pair):
             gu, dn = zip(*self.packed)
             self.fused = kernels.PackedExperts(
                 gate_up=np.array([w.packed.data_ptr() for w in gu], dtype=np.int64),
@@ -139,10 +170,14 @@ class SparseMoE(nn.Module):
         if self.fused is not None and x.dtype == self.gate.weight.dtype == torch.bfloat16:  # all in moe.c
             routed = kernels.moe(x.contiguous(), self.fused, self.gate.weight, self.top_k, self.norm_topk)
             return self._shared(x, all_reduce(routed))
-        probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.oai is not None:  # the chosen logits softmaxed (= the renormalized softmax)
+            logits, experts = self.gate(x).float().topk(self.top_k, dim=-1)
+            weights = logits.softmax(dim=-1)
+        else:
+            probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)
+            weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
+            if self.norm_topk:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
@@ -153,16 +188,27 @@ class SparseMoE(nn.Module):
             if count == 0:
                 continue
             xe = xs[at : at + count]
-            if self.packed:
-                gate, up = self.packed[e][0].matmul(xe).chunk(2, dim=-1)
-                ys.append(self.packed[e][1].matmul(F.silu(gate) * up))
-            else:
-                gate, up = F.linear(xe, self.gate_up[e]).chunk(2, dim=-1)
-                ys.append(F.linear(F.silu(gate) * up, self.down[e]))
+            h = self.packed[e][0].matmul(xe) if self.packed else F.linear(xe, self.gate_up[e])
+            if self.gate_up_bias is not None:
+                h = h + self.gate_up_bias[e]
+            h = self._act(h)
+            ys.append(self.packed[e][1].matmul(h) if self.packed else F.linear(h, self.down[e]))
             at += count
         # back in (token, choice) order, then each token's k outputs weighted and summed in float32
         y = torch.cat(ys)[order.argsort()].view(len(x), self.top_k, -1).float()
-        return self._shared(x, all_reduce((y * weights[..., None]).sum(dim=1).to(x.dtype)))
+        out = all_reduce((y * weights[..., None]).sum(dim=1).to(x.dtype))
+        if self.down_bias is not None:  # each chosen expert's bias, weighted, once (not per rank)
+            out = out + (self.down_bias[experts].float() * weights[..., None]).sum(dim=1).to(x.dtype)
+        return self._shared(x, out)
+
+    def _act(self, h: torch.Tensor) -> torch.Tensor:
+        """gate | up → the experts' activation: SwiGLU, or gpt-oss's clamped one."""
+        gate, up = h.chunk(2, dim=-1)
+        if self.oai is None:
+            return F.silu(gate) * up
+        alpha, limit = self.oai
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
     def _shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The routed experts' output plus the shared expert's, where the model has one."""

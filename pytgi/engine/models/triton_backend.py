@@ -77,7 +77,9 @@ class TritonAttention(TorchAttention):
             return super().prepare(layout, device, window)
         return triton_metadata(layout, device, self.group, self.kv_heads)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale: float, sinks=None) -> torch.Tensor:
+        if sinks is not None:
+            raise NotImplementedError("attention sinks run on SinkAttention, not the Triton kernel")
         if not isinstance(meta, TritonMetadata):
             return super().forward(q, k, v, k_cache, v_cache, meta, scale)
         if k is not None and v is not None:
