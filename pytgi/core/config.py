@@ -315,7 +315,7 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 # Names the API side defines and the settings below take (each module checks its own against these):
 API_KEY_EXEMPTIONS = ("health", "metrics", "info", "docs", "openapi", "models")  # pytgi.api.middleware
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # pytgi.api.chat.reasoning
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "harmony")  # pytgi.api.chat.reasoning
 REPLICA_ROUTING = ("prefix", "round-robin")  # pytgi.api.replicas.affinity
 OTLP_MODULE = "opentelemetry.exporter.otlp.proto.http"
 
@@ -379,7 +379,7 @@ class ServerConfig:
     reasoning_parser: str | None = setting(
         None,
         "split a chat answer's reasoning (<think>…</think>) from its content: qwen3 (the model opens "
-        "the block) | deepseek_r1 (the template opens it)",
+        "the block) | deepseek_r1 (the template opens it) | harmony (gpt-oss: the analysis channel)",
     )
     chat_template: str | None = setting(
         None,

@@ -64,9 +64,8 @@ def test_greedy_equals_transformers_in_float32(gpt_oss):
         engine.shutdown()
     for prompt, (tokens, _) in zip(PROMPTS, got):
         with torch.no_grad():
-            ref = model.generate(
-                torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0
-            )[0, len(prompt) :].tolist()
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        ref = out[0, len(prompt) :].tolist()
         assert tokens == ref, (prompt, tokens, ref)
 
 

@@ -8,6 +8,9 @@ it streams (`--reasoning-parser`). The `<think>…</think>` family:
   `<think>` the model repeats is dropped) and everything up to `</think>` is reasoning; an answer
   cut before `</think>` is all reasoning.
 
+And `harmony` (gpt-oss): the analysis channel is the reasoning, the final channel (and commentary
+preambles) the content (`pytgi.api.chat.harmony`).
+
 Nothing said is taken back: text that may be the start of a tag is held until it is clear. No torch.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pytgi.api.chat.harmony import HarmonyReasoning
 from pytgi.core.config import REASONING_PARSERS
 
 START, END = "<think>", "</think>"
@@ -42,8 +46,11 @@ class ReasoningParser:
         self.buffer = ""
         self.trim = False  # drop the whitespace that starts the content after the reasoning
         self.reasoning = ""  # all the reasoning so far
+        self.harmony = HarmonyReasoning() if style == "harmony" else None  # messages, not a <think> block
 
     def feed(self, text: str) -> list[tuple[Kind, str]]:
+        if self.harmony is not None:
+            return self._harmony(self.harmony.feed(text))
         self.buffer += text
         out: list[tuple[Kind, str]] = []
         if self.state == "open":
@@ -75,9 +82,16 @@ class ReasoningParser:
 
     def finish(self) -> list[tuple[Kind, str]]:
         """The held text, once the answer is complete (a partial tag is text after all)."""
+        if self.harmony is not None:
+            return self._harmony(self.harmony.finish())
         inside = self.state == "inside" or (self.state == "open" and self.starts_inside)
         said, self.buffer = self.buffer, ""
         return self._say([], "reasoning" if inside else "content", said)
+
+    def _harmony(self, pieces: list[tuple[Kind, str]]) -> list[tuple[Kind, str]]:
+        assert self.harmony is not None
+        self.reasoning = self.harmony.reasoning
+        return pieces
 
     def _say(self, out: list[tuple[Kind, str]], kind: Kind, text: str) -> list[tuple[Kind, str]]:
         if text:

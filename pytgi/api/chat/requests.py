@@ -63,10 +63,7 @@ async def chat_requests(
         msgs, tool_list = tools.template_messages(messages[:count], tool_plan, tools.style_of(template))
         try:
             return st.tokenizer.apply_chat_template(
-                msgs,
-                add_generation_prompt=count is None,
-                tools=tool_list,
-                **(body.chat_template_kwargs or {}),
+                msgs, add_generation_prompt=count is None, tools=tool_list, **body.template_kwargs
             )
         except ValueError as exc:
             raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
@@ -107,10 +104,12 @@ async def chat_requests(
             grammar=grammar,
             adapter=st.adapter_of(body.model),
         )
-        gi.reasoning = st.config.reasoning_parser
+        reasoning = st.config.reasoning_parser
+        # harmony's reasoning is a message of its own, not a <think> block a constraint could wait for:
+        # a constraint applies from the first token (a forced call's grammar opens with its message)
+        gi.reasoning = reasoning if reasoning != "harmony" else None
         gi.images = images
-        # Mistral's calls open with a special token: the answer's text keeps special tokens (as vLLM's)
-        gi.skip_special_tokens = tool_style not in tools.MISTRAL_STYLES
+        gi.skip_special_tokens = not tools.keeps_special_tokens(template, tool_style, reasoning)
         valid = await validation.validate(gi)
         info = st.client.info
         if cache_marks and info is not None and info.prefix_cache_max_pin_seconds > 0:

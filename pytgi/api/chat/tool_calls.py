@@ -10,6 +10,9 @@ that may begin a call is held until it is clear. No torch here.
   (Mistral Small 3.2, Magistral, Devstral), ``[TOOL_CALLS]name[ARGS]{...}`` once per call.
 - ``pythonic``: a Python list of calls with keyword arguments, ``[get_weather(city="Paris"), ...]``, as
   the whole answer (Llama 3.2 / Llama 4 pythonic templates); argument values are Python or JSON literals.
+- ``harmony``: gpt-oss's messages (`pytgi.api.chat.harmony`); each one addressed ``to=functions.NAME`` is
+  a call whose arguments are its text, up to ``<|call|>``; the final channel and commentary preambles are
+  content, the analysis channel is neither (``--reasoning-parser harmony`` makes it the reasoning).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-Style = Literal["hermes", "json", "prompted", "mistral", "mistral_v11", "pythonic"]
+from pytgi.api.chat import harmony
+
+Style = Literal["hermes", "json", "prompted", "mistral", "mistral_v11", "pythonic", "harmony"]
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
 MISTRAL_STYLES = ("mistral", "mistral_v11")
@@ -96,6 +101,8 @@ def parser(style: Style) -> CallParser:
         return MistralParser(style)
     if style == "pythonic":
         return PythonicParser()
+    if style == "harmony":
+        return HarmonyParser()
     return ToolParser(style)
 
 
@@ -616,3 +623,64 @@ class PythonicParser:
         events += [CallStart(index, self.calls[-1].id, name), Arguments(index, arguments)]
         self._done = end
         return True
+
+
+# -- harmony (gpt-oss) -----------------------------------------------------------------------------
+@dataclass
+class HarmonyParser:
+    """gpt-oss's messages: a message to ``functions.NAME`` is a call, its start said once its header is
+    whole and its text streamed as its arguments, as written; the final channel, commentary preambles
+    and text in no message are content. The analysis channel is dropped (the reasoning parser, when
+    there is one, took it out already; a client without one gets the answer, as vLLM's), and so are
+    messages to tools that are not the request's (gpt-oss's built-in browser and python)."""
+
+    calls: list[ToolCall] = field(default_factory=list)
+    _messages: harmony.Messages = field(default_factory=harmony.Messages)
+    _call: harmony.Message | None = None  # the open message, when it is a call
+    _sent: str = ""  # its arguments so far
+    cut: int | None = None  # a call cut short: where its text (its arguments) starts
+
+    def feed(self, text: str) -> list[Event]:
+        return self._events(self._messages.feed(text), final=False)
+
+    def finish(self) -> list[Event]:
+        return self._events(self._messages.finish(), final=True)
+
+    def _events(self, pieces: list[harmony.Piece], final: bool) -> list[Event]:
+        events: list[Event] = []
+        for p in pieces:
+            m = p.message
+            if isinstance(p, harmony.Open):
+                name = p.message.function
+                if name is not None and _CALL_NAME.fullmatch(name):
+                    self.calls.append(ToolCall(new_call_id("harmony"), name, ""))
+                    events.append(CallStart(len(self.calls) - 1, self.calls[-1].id, name))
+                    self._call, self._sent = p.message, ""
+            elif isinstance(p, harmony.Close):
+                if m is self._call:
+                    self._end(events)
+            elif m is not None and m is self._call:
+                self._send(events, p.text)
+            elif m is None or (not m.recipient and m.channel != "analysis"):
+                _content(events, self.calls, p.text)
+        if final and self._call is not None:  # the answer ended inside a call: its <|call|> was the EOS
+            try:
+                json.loads(self._sent)
+            except json.JSONDecodeError:
+                self.cut = self._call.at  # cut short by the token limit (or no JSON: no call)
+            self._call = None
+        return events
+
+    def _send(self, events: list[Event], text: str) -> None:
+        if not self._sent:
+            text = text.lstrip()  # whitespace before the arguments is not theirs
+        if text:
+            self._sent += text
+            self.calls[-1].arguments = self._sent
+            events.append(Arguments(len(self.calls) - 1, text))
+
+    def _end(self, events: list[Event]) -> None:
+        """The call's end token came: its arguments are whole (none written: an empty object)."""
+        if not self._sent:
+            self._send(events, "{}")
+        self._call = None

@@ -12,6 +12,8 @@ The model's chat template decides the format (`style_of`):
   letters and digits, as these templates demand of the history.
 - ``pythonic``: the template asks for a Python list of calls (``[func_name1(params_name1=...``, as the
   Llama 3.2 / Llama 4 pythonic templates do): ``[get_weather(city="Paris")]``.
+- ``harmony``: the template writes ``<|channel|>`` (gpt-oss): the answer is harmony messages, a call
+  one addressed ``to=functions.NAME`` whose text is its JSON arguments (`pytgi.api.chat.harmony`).
 - ``json``: the template takes ``tools`` but has no tag (Llama 3.1/3.2): the answer is one bare JSON
   object ``{"name": ..., "parameters": {...}}``.
 - ``prompted``: the template knows no tools (SmolLM2, the default model). The tools go into the
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pytgi.api.chat import harmony
 from pytgi.api.chat.tool_calls import (
     CLOSE,
     MISTRAL_ARGS,
@@ -68,6 +71,7 @@ __all__ = [
     "ToolParser",
     "ToolPlan",
     "grammar",
+    "keeps_special_tokens",
     "parse",
     "parser",
     "plan",
@@ -161,6 +165,8 @@ def _choice(tool_choice: str | dict[str, Any] | None, names: set[str]) -> str:
 
 
 def style_of(chat_template: str | None) -> Style:
+    if chat_template and harmony.CHANNEL in chat_template:
+        return "harmony"
     if chat_template and OPEN in chat_template:
         return "hermes"
     if chat_template and MISTRAL_CALLS in chat_template:
@@ -170,6 +176,16 @@ def style_of(chat_template: str | None) -> Style:
     if chat_template and re.search(r"\btools\b", chat_template):
         return "json"
     return "prompted"
+
+
+def keeps_special_tokens(
+    chat_template: str | None, style: Style | None, reasoning_parser: str | None
+) -> bool:
+    """Whether a chat answer's text keeps its special tokens, for the parsers to see them (as vLLM's):
+    Mistral's calls open with one, and harmony's structure is all special tokens (its parsers take them
+    out; without one, a client sees the harmony rather than its words run together)."""
+    harmony = style_of(chat_template) == "harmony" or reasoning_parser == "harmony"
+    return style in MISTRAL_STYLES or harmony
 
 
 def plan(
@@ -282,7 +298,7 @@ def grammar(
 ) -> GrammarType | None:
     """For `required` or a named function: a grammar that admits only well-formed calls (llguidance's
     Lark with JSON schemas inside); None for `auto`. `special_id` gives the id of a special token
-    (Mistral's `[TOOL_CALLS]`), which the grammar names by id."""
+    (Mistral's `[TOOL_CALLS]`, harmony's markers), which the grammar names by id."""
     if not tool_plan.forced:
         return None
     functions = [f for f in tool_plan.functions if tool_plan.choice in ("required", f.name)]
@@ -308,6 +324,13 @@ def grammar(
             bodies.append(f'{marker(MISTRAL_CALLS)} "{f.name}" {marker(MISTRAL_ARGS)} %json {params}')
         elif style == "mistral":
             bodies.append(f"%json {json.dumps(bounded_whitespace(_call_schema(f, 'arguments')))}")
+        elif style == "harmony":
+            # <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
+            params = json.dumps(bounded_whitespace(f.parameters or _EMPTY_PARAMETERS))
+            head = (
+                f'{marker(harmony.CHANNEL)} "commentary to=functions.{f.name} " {marker(harmony.CONSTRAIN)}'
+            )
+            bodies.append(f'{head} "json" {marker(harmony.MESSAGE)} %json {params} {marker(harmony.CALL)}')
         else:
             text = json.dumps(bounded_whitespace(_call_schema(f, "arguments")))
             bodies.append(f'"{OPEN}\\n" %json {text} "\\n{CLOSE}"')
@@ -318,6 +341,8 @@ def grammar(
         start = f'{marker(MISTRAL_CALLS)} " "? "[" call{more} "]"'
     elif style == "mistral_v11":
         start = "call+" if many else "call"
+    elif style == "harmony":  # <|call|> ends the answer (an EOS): one call per answer
+        start = "call"
     else:
         start = 'call ("\\n" call)*' if many else "call"
     lark = "\n".join(

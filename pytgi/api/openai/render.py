@@ -123,8 +123,10 @@ def chat_message(
     if tool_style is None:
         return message, finish_reason(finish)
     content, calls = tools.parse(text, tool_style)
+    if calls or tool_style == "harmony":  # (harmony's content is not its text, even without calls)
+        message["content"] = content
     if calls:
-        message = {**message, "content": content, "tool_calls": [c.as_openai() for c in calls]}
+        message["tool_calls"] = [c.as_openai() for c in calls]
     return message, finish_reason(finish, bool(calls))
 
 

@@ -32,6 +32,11 @@ router = APIRouter()
 STORE_SIZE, STORE_BYTES = 1000, 256 << 20  # defaults of --responses-store-size, --responses-store-bytes
 
 
+class Reasoning(schema._Body):
+    effort: schema.ReasoningEffort | None = None  # → the chat body's `reasoning_effort`
+    summary: str | None = None  # accepted, ignored
+
+
 class ResponseRequest(schema._Body):
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -51,6 +56,7 @@ class ResponseRequest(schema._Body):
     top_k: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     prompt_cache_key: str | None = None
+    reasoning: Reasoning | None = None
 
 
 class Store:
@@ -235,6 +241,7 @@ def to_chat(body: ResponseRequest, messages: list[dict[str, Any]]) -> schema.Cha
             "seed": body.seed,
             "stream": body.stream,
             "chat_template_kwargs": body.chat_template_kwargs,
+            "reasoning_effort": body.reasoning.effort if body.reasoning else None,
             "prompt_cache_key": body.prompt_cache_key,
             **_tools(body),
             **_format(body),
@@ -307,7 +314,7 @@ def response_json(
         "previous_response_id": body.previous_response_id,
         "store": body.store is not False,
         "metadata": body.metadata or {},
-        "reasoning": None,
+        "reasoning": body.reasoning.model_dump() if body.reasoning else None,
         "usage": None
         if usage is None
         else {

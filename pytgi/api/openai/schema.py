@@ -32,6 +32,7 @@ MAX_COMPLETION_LOGPROBS = 20  # as chat's top_logprobs (OpenAI's legacy bound wa
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's bound for `top_logprobs`
 MODEL_ALIASES = ("", "tgi")  # also served: what TGI's OpenAI routes accept
 ROLES = {"system", "user", "assistant", "tool", "function", "developer"}
+ReasoningEffort = Literal["low", "medium", "high"]  # what gpt-oss's template and training know
 
 
 # -- request bodies --------------------------------------------------------------------------------
@@ -127,6 +128,16 @@ class ChatCompletionRequest(SamplingBody):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: Bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
+    reasoning_effort: ReasoningEffort | None = None  # → the chat template's `reasoning_effort` (gpt-oss's)
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables besides messages and tools: `chat_template_kwargs`, and
+        `reasoning_effort` when given (gpt-oss's template writes it: `Reasoning: low`)."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = self.reasoning_effort
+        return kwargs
 
     @property
     def max_new_tokens(self) -> tuple[int | None, str]:

@@ -217,7 +217,7 @@ def load_model(
             )
         from pytgi.engine.models.transformers_impl import TransformersModel
 
-        return TransformersModel(path, dtype, device, cpu, attention)
+        return TransformersModel(path, dtype, device, cpu, attention, SUPPORTED_ARCHITECTURES)
     arch = hf["architectures"][0]
     vision = VISION.get(arch)
     text = vision[1](hf) if vision else hf

@@ -119,11 +119,9 @@ class _Probe:
         return out.transpose(1, 2), None
 
 
-def _supported() -> str:
-    from pytgi.engine.models.loader import SUPPORTED_ARCHITECTURES
-
+def _supported(own: tuple[str, ...]) -> str:
     return (
-        f"pytgi runs {', '.join(SUPPORTED_ARCHITECTURES)} with its own code, and through transformers' "
+        f"pytgi runs {', '.join(own)} with its own code, and through transformers' "
         "code (--model-impl auto|transformers) causal LMs whose layers are all softmax attention, "
         "full or sliding-window"
     )
@@ -207,8 +205,15 @@ class _LayerShape:
 
 class TransformersModel(nn.Module):
     def __init__(
-        self, path: Path, dtype: torch.dtype, device: torch.device, cpu: Kernels, attention: str = "auto"
+        self,
+        path: Path,
+        dtype: torch.dtype,
+        device: torch.device,
+        cpu: Kernels,
+        attention: str = "auto",
+        own: tuple[str, ...] = (),
     ) -> None:
+        """own: the architectures pytgi's own code runs (named when a model is refused)."""
         super().__init__()
         try:
             import transformers
@@ -225,7 +230,7 @@ class TransformersModel(nn.Module):
         arch = (getattr(hf_config, "architectures", None) or [hf_config.model_type])[0]
         why = refusal(hf_config)
         if why:
-            raise UnsupportedModel(f"{arch} ({path.name}) cannot be served: {why}. {_supported()}")
+            raise UnsupportedModel(f"{arch} ({path.name}) cannot be served: {why}. {_supported(own)}")
         self.hf = (
             transformers.AutoModelForCausalLM.from_pretrained(
                 str(path), dtype=dtype, attn_implementation=ATTENTION
@@ -253,7 +258,7 @@ class TransformersModel(nn.Module):
         attending = sum(1 for t in cache_layer_types(cfg) if t != "dummy") or c.num_hidden_layers
         why = _probe(self.hf.get_decoder(), attending, c.vocab_size, device)
         if why:
-            raise UnsupportedModel(f"{arch} ({path.name}) cannot be served: {why}. {_supported()}")
+            raise UnsupportedModel(f"{arch} ({path.name}) cannot be served: {why}. {_supported(own)}")
         log.info(
             "%s runs through transformers' model code (%s): pytgi does not implement it",
             type(self.hf).__name__,
