@@ -23,6 +23,7 @@ from pytgi.core import protocol as P
 from pytgi.core.outputs import Delta, OutputProcessor, Token
 from pytgi.core.sampling_params import SamplingParams
 from pytgi.core.tokenizer import Tokenizer
+from tests.unit.test_tools import assemble
 
 TEMPLATE = (Path(__file__).parent / "gpt_oss_chat_template.jinja").read_text()
 # harmony's special tokens at small ids (gpt-oss's are 200002...200012; the parsers read text)
@@ -190,16 +191,7 @@ def stream(pieces: list[str], style: str = "harmony", reasoning: bool = False) -
         text = content_of(r.feed(piece)) if r else piece
         events += parser.feed(text) if text else []
     events += (parser.feed(content_of(r.finish())) if r else []) + parser.finish()
-    content, calls = "", list[Any]()
-    for e in events:
-        if isinstance(e, tools.Content):
-            content += e.text
-        elif isinstance(e, tools.CallStart):
-            assert e.index == len(calls)
-            calls.append({"id": e.id, "name": e.name, "arguments": ""})
-        else:
-            assert isinstance(e, tools.Arguments) and calls and e.index == len(calls) - 1
-            calls[e.index]["arguments"] += e.text
+    content, calls = assemble(events)
     return content, calls, parser
 
 

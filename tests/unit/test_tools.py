@@ -223,7 +223,12 @@ def stream(pieces: list[str], style: tools.Style) -> tuple[str, list[dict], tool
     """Feed the pieces; returns the content, the calls as a client would assemble them from the
     events, and the parser."""
     parser = tools.parser(style)
-    events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
+    content, calls = assemble([e for piece in pieces for e in parser.feed(piece)] + parser.finish())
+    return content, calls, parser
+
+
+def assemble(events: list[tools.Event]) -> tuple[str, list[dict]]:
+    """The content and the calls a client assembles from a parser's events."""
     content, calls = "", list[Any]()
     for e in events:
         if isinstance(e, tools.Content):
@@ -234,7 +239,7 @@ def stream(pieces: list[str], style: tools.Style) -> tuple[str, list[dict], tool
         else:
             assert isinstance(e, tools.Arguments) and calls and e.index == len(calls) - 1
             calls[e.index]["arguments"] += e.text
-    return content, calls, parser
+    return content, calls
 
 
 ANSWERS = [  # (style, the model's text, content, [(name, arguments)])
