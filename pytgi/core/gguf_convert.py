@@ -30,6 +30,7 @@ ARCHITECTURES = {
     "phi3": ("Phi3ForCausalLM", "phi3"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
 }
 # A "llama" file with experts is Mixtral.
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
@@ -62,6 +63,13 @@ LAYER_TENSORS = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# gpt-oss: the post-attention norm has its own name; sinks; the router; each expert tensor stacked
+# per kind with its bias ([E, I, H], [E, H, I]: the names keep .weight/.bias, `SparseMoE._load_oai`)
+GPT_OSS_LAYER_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+}
 # Phi-3 keeps q, k, v and gate, up fused
 PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -71,6 +79,11 @@ _GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\
 _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_REGEX = (  # o200k (gpt-oss, GPT-4o)
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -175,6 +188,33 @@ def gguf_config(reader: Any) -> dict[str, Any]:
             pad_token_id=None,
             tie_word_embeddings="output.weight" not in names,
         )
+    if model_type == "gpt_oss":
+        rope = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+        if _field(reader, f"{arch}.rope.scaling.type") == "yarn":
+            rope = {
+                "rope_type": "yarn",
+                "rope_theta": config["rope_theta"],
+                "factor": float(_required(reader, f"{arch}.rope.scaling.factor")),
+                "original_max_position_embeddings": int(
+                    _required(reader, f"{arch}.rope.scaling.original_context_length")
+                ),
+                "beta_fast": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                "beta_slow": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                "truncate": False,  # gpt-oss's (llama.cpp does not store it)
+            }
+        layers = config["num_hidden_layers"]
+        config.update(
+            num_local_experts=int(experts),
+            num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")),
+            intermediate_size=int(
+                _field(reader, f"{arch}.expert_feed_forward_length", config["intermediate_size"])
+            ),
+            sliding_window=int(_required(reader, f"{arch}.attention.sliding_window")),
+            # llama.cpp's pattern for gpt-oss: even layers slide (as transformers' default)
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+            attention_bias=True,
+            rope_parameters=rope,
+        )
     if model_type == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = False
@@ -191,10 +231,14 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         if model_type.startswith("gemma")
         else {**LAYER_TENSORS, **PHI3_LAYER_TENSORS}
         if model_type == "phi3"
+        else {**LAYER_TENSORS, **GPT_OSS_LAYER_TENSORS}
+        if model_type == "gpt_oss"
         else LAYER_TENSORS
     )
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
         hf = f"model.layers.{parts[1]}.{layer[parts[2]]}"
+        if model_type == "gpt_oss":  # experts keep .weight / .bias; the sinks are a bare parameter
+            return hf if parts[2] == "attn_sinks" else f"{hf}.{kind}"
         return (
             hf if parts[2].endswith("_exps") else f"{hf}.{kind}"
         )  # stacked experts: a parameter, no .weight
@@ -314,6 +358,7 @@ def gguf_tokenizer_json(reader: Any) -> str:
         "smollm": _GPT2_REGEX.replace(r" ?\p{N}+", r"\p{N}"),
         "llama-bpe": _LLAMA3_REGEX,
         "qwen2": _QWEN2_REGEX,
+        "gpt-4o": _GPT4O_REGEX,
     }.get(pre, _GPT2_REGEX)
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]

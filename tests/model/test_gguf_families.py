@@ -66,6 +66,28 @@ FAMILIES = {
         ),
     ),
     "phi3": ("phi3", transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(BASE, pad_token_id=0)),
+    # sinks, alternating 8-token windows (the 23-token prompt reaches past them), YaRN, the oai experts
+    "gpt-oss": (
+        "gpt-oss",
+        transformers.GptOssConfig,
+        transformers.GptOssForCausalLM,
+        dict(
+            BASE,
+            head_dim=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=8,  # the clamp's limit: llama.cpp's fixed 7.0 (GGUF stores none)
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
 }
 LAYER = {
     "input_layernorm": "attn_norm",
@@ -86,6 +108,26 @@ LAYER = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+
+
+# gpt-oss's tensors as llama.cpp's converter writes them: gate and up apart (de-interleaved), each
+# expert's weights transposed to [E, out, in]; sinks and the post-attention norm under their own names
+GPT_OSS = {
+    "self_attn.sinks": lambda a: [("attn_sinks.weight", a)],
+    "post_attention_layernorm.weight": lambda a: [("post_attention_norm.weight", a)],
+    "mlp.router.weight": lambda a: [("ffn_gate_inp.weight", a)],
+    "mlp.router.bias": lambda a: [("ffn_gate_inp.bias", a)],
+    "mlp.experts.gate_up_proj": lambda a: [
+        ("ffn_gate_exps.weight", a.swapaxes(1, 2)[:, 0::2]),
+        ("ffn_up_exps.weight", a.swapaxes(1, 2)[:, 1::2]),
+    ],
+    "mlp.experts.gate_up_proj_bias": lambda a: [
+        ("ffn_gate_exps.bias", a[:, 0::2]),
+        ("ffn_up_exps.bias", a[:, 1::2]),
+    ],
+    "mlp.experts.down_proj": lambda a: [("ffn_down_exps.weight", a.swapaxes(1, 2))],
+    "mlp.experts.down_proj_bias": lambda a: [("ffn_down_exps.bias", a)],
 }
 
 
@@ -128,6 +170,15 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if getattr(cfg, "shared_expert_intermediate_size", None):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "gpt-oss":  # as llama.cpp's GptOssModel writes it
+        rope = cfg.rope_parameters
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     # a byte-level vocabulary of single characters, no merges
     w.add_tokenizer_model("gpt2")
     w.add_token_list([chr(0x21 + i) for i in range(cfg.vocab_size)])
@@ -147,6 +198,10 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         else:
             _, _, i, rest = name.split(".", 3)
             stem, _, kind = rest.rpartition(".")
+            if arch == "gpt-oss" and rest in GPT_OSS:
+                for gguf_name, part in GPT_OSS[rest](a):
+                    add(f"blk.{i}.{gguf_name}", np.ascontiguousarray(part))
+                continue
             if rest in (
                 "mlp.experts.gate_up_proj",
                 "mlp.experts.down_proj",
@@ -193,7 +248,7 @@ def test_gguf_of_the_family_serves_transformers_logits(tmp_path, monkeypatch, fa
     arch, _, hf = tiny_model(FAMILIES[family])
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            if "norm" in name or "bias" in name:
+            if "norm" in name or "bias" in name or "sinks" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     path = write_gguf(hf, arch, tmp_path / f"{family}.gguf")
     model_dir = resolve_model(str(path), progress=False).path  # converted once, as `pytgi serve` does
@@ -203,3 +258,15 @@ def test_gguf_of_the_family_serves_transformers_logits(tmp_path, monkeypatch, fa
 
     seq = np.random.default_rng(1).integers(0, 97, 23).tolist()
     torch.testing.assert_close(prompt_logits(runner, seq), reference(hf, seq), atol=2e-5, rtol=1e-4)
+
+
+def test_the_gpt_4o_pre_tokenizer_splits_as_o200k():
+    """gpt-oss's GGUF names its pre-tokenizer "gpt-4o" (o200k): case runs, contractions, digits in
+    threes, punctuation with the slashes and newlines after it."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from pytgi.core.gguf_convert import _GPT4O_REGEX
+
+    split = pre_tokenizers.Split(Regex(_GPT4O_REGEX), behavior="isolated")
+    pieces = [p for p, _ in split.pre_tokenize_str("HelloWorld's 12345 foo/bar\n\n  x")]
+    assert pieces == ["Hello", "World's", " ", "123", "45", " foo", "/bar", "\n\n", " ", " x"]

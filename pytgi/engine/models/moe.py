@@ -104,9 +104,20 @@ class SparseMoE(nn.Module):
 
     def _load_oai(self, name: str, tensor: torch.Tensor) -> list[str]:
         """gpt-oss's stacked tensors: gate_up [E, H, 2I] and its bias [E, 2I] (gate and up interleaved),
-        down [E, I, H] and its bias [E, H]."""
+        down [E, I, H] and its bias [E, H]; or, from a GGUF file, `experts.{gate,up}_proj.weight`
+        [E, I, H] and `.bias` [E, I] apart, `experts.down_proj.weight` [E, H, I] and `.bias` [E, H]."""
         s, n = self.start, self.local
         assert self.gate_up_bias is not None and self.down_bias is not None
+        if name.startswith(("experts.gate_proj.", "experts.up_proj.")):
+            half = 0 if name.startswith("experts.gate_proj.") else n
+            dst = self.gate_up if name.endswith(".weight") else self.gate_up_bias
+            dst.data[:, half : half + n].copy_(tensor[:, s : s + n])
+            return ["gate_up" if name.endswith(".weight") else "gate_up_bias"]
+        if name == "experts.down_proj.weight":
+            self.down.data.copy_(tensor[:, :, s : s + n])
+            return ["down"]
+        if name == "experts.down_proj.bias":
+            name = "experts.down_proj_bias"
         if name in ("experts.gate_up_proj", "experts.gate_up_proj_bias"):
             t = tensor.transpose(1, 2) if name == "experts.gate_up_proj" else tensor  # [E, 2I(, H)]
             gate, up = t[:, 0::2][:, s : s + n], t[:, 1::2][:, s : s + n]
