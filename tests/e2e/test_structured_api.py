@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import httpx
 import jsonschema
@@ -31,7 +32,7 @@ PERSON = {
     },
 }
 PROMPT = "<|im_start|>user\nDescribe a person as JSON.<|im_end|>\n<|im_start|>assistant\n"
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -47,7 +48,7 @@ WEATHER = {
         },
     },
 }
-TIME = {
+TIME: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_time",

@@ -123,7 +123,8 @@ HISTORY = [
 
 def test_a_template_with_tools_gets_them_and_the_history_as_data():
     msgs, listed = tools.template_messages(HISTORY, plan(), "hermes")
-    assert listed == [WEATHER, TIME]
+    time = {"type": "function", "function": {"name": "get_time", "description": ""} | TIME["function"]}
+    assert listed == [WEATHER, time]  # a description always (gpt-oss's template reads it), "" if none
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"} and msgs[1]["content"] == ""
     assert msgs[2] == HISTORY[2]
 

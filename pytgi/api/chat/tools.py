@@ -90,10 +90,9 @@ class Function:
     parameters: dict[str, Any]
 
     def as_tool(self) -> dict[str, Any]:
-        """The OpenAI tool object, as chat templates take it."""
-        fn: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
-        if self.description:
-            fn["description"] = self.description
+        """The OpenAI tool object, as chat templates take it: a description always (empty when the
+        request gave none), since templates such as gpt-oss's read it unconditionally."""
+        fn = {"name": self.name, "description": self.description or "", "parameters": self.parameters}
         return {"type": "function", "function": fn}
 
 
