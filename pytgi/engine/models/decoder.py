@@ -91,10 +91,8 @@ class MoEConfig:
     norm_topk: bool  # renormalize the chosen experts' weights
     shared_intermediate_size: int | None  # Qwen2-MoE's shared expert
     sparse_layers: list[bool]  # which layers route (the others keep the dense MLP)
-    activation: str = "silu"  # the experts': "silu" (SwiGLU) | "swiglu_oai" (gpt-oss's clamped one)
-    swiglu_alpha: float = 1.702  # swiglu_oai's
-    swiglu_limit: float = 7.0
-    biases: bool = False  # the router and the experts have biases, gate|up interleaved (gpt-oss)
+    # gpt-oss's experts: (alpha, limit) of the clamped SwiGLU; with biases on the router and experts
+    oai: tuple[float, float] | None = None
 
 
 @dataclass(slots=True)
@@ -204,7 +202,7 @@ class DecoderLayer(nn.Module):
                 moe.top_k,
                 moe.norm_topk,
                 moe.shared_intermediate_size,
-                oai=(moe.swiglu_alpha, moe.swiglu_limit) if moe.biases else None,
+                oai=moe.oai,
             )
         )
         # The checkpoints' names: Llama's post_attention_layernorm is the MLP's input norm, Gemma's

@@ -7,7 +7,7 @@
 - a top-k router with a bias, whose chosen logits are softmaxed (the same weights as a softmax
   renormalized over the chosen experts), and experts with biases and a clamped SwiGLU:
   (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit) (`moe.SparseMoE`,
-  `activation="swiglu_oai"`); the checkpoint keeps gate and up interleaved, [E, H, 2I];
+  `oai`); the checkpoint keeps gate and up interleaved, [E, H, 2I];
 - YaRN rope (`rope_parameters`).
 """
 
@@ -59,9 +59,6 @@ def gpt_oss_config(cfg: dict[str, Any]) -> DecoderConfig:
             True,
             None,
             [True] * layers,
-            activation="swiglu_oai",
-            swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-            biases=True,
+            oai=(float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0))),
         ),
     )

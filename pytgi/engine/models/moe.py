@@ -7,7 +7,7 @@ has tokens: tokens are grouped by expert once, not visited one by one. A GGUF mo
 packed as the file holds them (`pack_experts`), and a bf16 step runs all its experts in one C call
 (`pytgi/engine/kernels/moe.c`: the same low-bit matmuls, no Python between them). Qwen2-MoE adds a shared
 expert, scaled by a sigmoid gate. gpt-oss (`oai`) has biases on the router and the experts, softmaxes
-the chosen experts' logits, and clamps its SwiGLU (`swiglu_oai`); its checkpoint stacks each expert's
+the chosen experts' logits, and clamps its SwiGLU; its checkpoint stacks each expert's
 weights transposed, [E, H, 2I] with gate and up interleaved. With tensor parallelism each rank holds a
 slice of every expert's intermediate features and the partial outputs are all-reduced.
 """

@@ -54,7 +54,6 @@ HARMLESS_ARGS = frozenset(
     | {"past_key_values", "past_key_value", "sliding_window", "pytgi_step", "is_causal", "softcap"}
 )
 ARG_NAMES = {"s_aux": "attention sinks (s_aux)", "sinks": "attention sinks"}
-PROBE = object()  # `pytgi_step` of the check's forward (`_probe`)
 
 
 @dataclass(slots=True)
