@@ -6,6 +6,8 @@ one is tests/model/test_sharding.py's."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -78,3 +80,69 @@ def test_batched_equals_alone_in_bf16(gpt_oss):
     finally:
         engine.shutdown()
     assert batched == alone  # tokens and every prompt and output logprob, to the bit
+
+
+def test_an_mxfp4_checkpoint_serves_its_experts_exactly(gpt_oss, tmp_path):
+    """gpt-oss as published: the experts in MXFP4 (`_blocks` / `_scales`, quant_method mxfp4). pytgi
+    dequantizes them at load; served, the checkpoint gives what the float checkpoint holding
+    transformers' own dequantization of the same bytes gives, to the bit."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model, _ = gpt_oss
+    cfg = model.config
+    e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator().manual_seed(3)
+    packed = {
+        "gate_up_proj": (
+            torch.randint(0, 256, (e, 2 * i, h // 32, 16), generator=g, dtype=torch.uint8),
+            torch.randint(122, 128, (e, 2 * i, h // 32), generator=g, dtype=torch.uint8),
+        ),
+        "down_proj": (
+            torch.randint(0, 256, (e, h, i // 32, 16), generator=g, dtype=torch.uint8),
+            torch.randint(122, 128, (e, h, i // 32), generator=g, dtype=torch.uint8),
+        ),
+    }
+    ref = type(model)(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for layer in ref.model.layers:
+            for name, (blocks, scales) in packed.items():
+                getattr(layer.mlp.experts, name).copy_(
+                    convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+                )
+    ref.save_pretrained(tmp_path / "float")
+    (tmp_path / "mxfp4").mkdir()
+    tensors = load_file(str(tmp_path / "float" / "model.safetensors"))
+    for n in range(cfg.num_hidden_layers):
+        for name, (blocks, scales) in packed.items():
+            del tensors[f"model.layers.{n}.mlp.experts.{name}"]
+            tensors[f"model.layers.{n}.mlp.experts.{name}_blocks"] = blocks.clone()
+            tensors[f"model.layers.{n}.mlp.experts.{name}_scales"] = scales.clone()
+    save_file(tensors, str(tmp_path / "mxfp4" / "model.safetensors"))
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn"],
+    }
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    outs = []
+    for kind in ("float", "mxfp4"):
+        engine = LLMEngine(
+            EngineConfig(model=str(tmp_path / kind), max_batch_total_tokens=1024, dtype="float32")
+        )
+        try:
+            outs.append(run(engine, PROMPTS))
+        finally:
+            engine.shutdown()
+    assert outs[0] == outs[1]
+    assert len({tuple(t) for t, _ in outs[1]}) > 1  # the answers differ: the experts matter
+
+
+def test_mxfp4_is_refused_beyond_gpt_oss(tmp_path):
+    from pytgi.engine.models.checkpoint_quant import UnsupportedQuantization, read_quantization
+
+    config = {"architectures": ["LlamaForCausalLM"], "quantization_config": {"quant_method": "mxfp4"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedQuantization, match="gpt-oss's experts only"):
+        read_quantization(tmp_path)

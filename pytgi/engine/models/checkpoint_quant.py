@@ -54,6 +54,7 @@ SERVED = (
     "compressed-tensors pack-quantized (W4A16 / W8A16: int weights, group or channel scales, sym or not)",
     "compressed-tensors int- and naive-quantized (W8A8 / W4A16 int weights, tensor, channel or group scales)",
     "compressed-tensors float-quantized (FP8 W8A8 / W8A16: e4m3 weights, tensor, channel or block scales)",
+    "mxfp4 (gpt-oss's experts: dequantized at load)",
 )
 CT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 CT_PLAIN = ("weight", "weight_scale", "weight_zero_point")  # int-, naive- and float-quantized
@@ -100,6 +101,47 @@ class CheckpointQuant:
         return PARTS
 
 
+# e2m1 (FP4) codes → values; an MXFP4 block is 32 of them (two a byte, the low nibble first) and a
+# shared power of two (an e8m0 byte, bias 127): the OCP microscaling format gpt-oss's experts use
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """gpt-oss's stacked experts: blocks [E, out, G, 16] bytes and scales [E, out, G] → the float tensor
+    [E, G·32, out] (inputs by outputs, as its float checkpoints store `gate_up_proj` / `down_proj`).
+    One expert at a time, so the float temporaries stay one expert's size. Exact: every value is
+    an e2m1 code times a power of two."""
+    lut = torch.tensor(FP4, dtype=torch.float32)
+    e, out, g, _ = blocks.shape
+    result = torch.empty(e, g * 32, out, dtype=dtype)
+    for i in range(e):
+        b = blocks[i].to(torch.int64)  # [out, G, 16]
+        values = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).reshape(out, g, 32)
+        values = torch.ldexp(values, scales[i].to(torch.int32)[..., None] - 127)
+        result[i] = values.reshape(out, g * 32).t().to(dtype)
+    return result
+
+
+def mxfp4_tensors(
+    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors with each `X_blocks` / `X_scales` pair replaced by `X` dequantized
+    (`dequantize_mxfp4`); the first of a pair waits for the other (they are neighbours in the files)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        base, _, part = name.rpartition("_")
+        if part not in ("blocks", "scales"):
+            yield name, tensor
+            continue
+        pair = pending.setdefault(base, {})
+        pair[part] = tensor
+        if len(pair) == 2:
+            del pending[base]
+            yield base, dequantize_mxfp4(pair["blocks"], pair["scales"], dtype)
+    if pending:
+        raise ValueError(f"MXFP4 tensors without their blocks or scales: {sorted(pending)[:3]}")
+
+
 def read_quantization(model_dir: Path) -> CheckpointQuant | None:
     """The checkpoint's quantization (None: float weights). Raises UnsupportedQuantization, with what
     is served, for any other method or option."""
@@ -118,6 +160,10 @@ def read_quantization(model_dir: Path) -> CheckpointQuant | None:
             "(and GGUF files of every type llama.cpp writes)"
         )
 
+    if method == "mxfp4":  # gpt-oss's experts: the loader dequantizes them (`mxfp4_tensors`)
+        if (cfg.get("architectures") or [None])[0] != "GptOssForCausalLM":
+            raise refuse("mxfp4 is served for gpt-oss's experts only")
+        return None
     if method == "gptq":
         bits, group = int(qc.get("bits", 4)), int(qc.get("group_size", 128))
         if bits not in (4, 8):

@@ -17,6 +17,7 @@ from pytgi.engine.models import gemma3_vision, idefics3, llava, qwen2_vl
 from pytgi.engine.models.checkpoint_quant import (
     QuantizedCheckpoint,
     UnsupportedQuantization,
+    mxfp4_tensors,
     read_quantization,
 )
 from pytgi.engine.models.cpu import Kernels
@@ -140,7 +141,12 @@ def _shapes(path: Path, gguf: GGUFWeights | None) -> dict[str, tuple[int, ...]]:
             (size,) = struct.unpack("<Q", f.read(8))
             header = json.loads(f.read(size))
         header.pop("__metadata__", None)
-        shapes.update({name: tuple(info["shape"]) for name, info in header.items()})
+        for name, info in header.items():
+            shape = tuple(info["shape"])
+            if name.endswith("_blocks"):  # MXFP4 (gpt-oss's experts): two values a byte, loaded as floats
+                shapes[name.removesuffix("_blocks")] = (*shape[:-2], shape[-2] * shape[-1] * 2)
+            elif not name.endswith("_scales"):
+                shapes[name] = shape
     return shapes
 
 
@@ -263,7 +269,13 @@ def load_model(
         model = DecoderModel(cfg, cpu, attention)
         if vision:
             model = vision[0](hf, model)
-    model.load_weights(gguf.dense_tensors() if gguf is not None else iter_safetensors(path))
+    if gguf is not None:
+        tensors = gguf.dense_tensors()
+    elif (hf.get("quantization_config") or {}).get("quant_method") == "mxfp4":
+        tensors = mxfp4_tensors(iter_safetensors(path), dtype)  # exact in bf16 too
+    else:
+        tensors = iter_safetensors(path)
+    model.load_weights(tensors)
     if plan:
         model.quantize(plan, dtype)
     return model.eval()
