@@ -18,6 +18,7 @@ import transformers
 from pytgi.core.config import EngineConfig
 from pytgi.core.model_files import resolve_model
 from pytgi.engine.runner import ModelRunner
+from tests.model.test_tiny_models import CONFIGS as TINY
 
 BASE = dict(
     vocab_size=97,
@@ -71,22 +72,8 @@ FAMILIES = {
         "gpt-oss",
         transformers.GptOssConfig,
         transformers.GptOssForCausalLM,
-        dict(
-            BASE,
-            head_dim=32,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=8,  # the clamp's limit: llama.cpp's fixed 7.0 (GGUF stores none)
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 150000.0,
-                "factor": 4.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-                "original_max_position_embeddings": 64,
-            },
-        ),
+        # test_tiny_models' gpt-oss, with the clamp's limit llama.cpp's fixed 7.0 (GGUF stores none)
+        {k: v for k, v in dict(TINY["gpt-oss"][1]).items() if k != "swiglu_limit"},
     ),
 }
 LAYER = {
