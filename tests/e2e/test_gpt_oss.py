@@ -7,7 +7,6 @@ not; Responses) and the `anthropic` SDK as a tool call; no harmony marker reache
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import anthropic
 import openai
@@ -16,23 +15,11 @@ import torch
 import transformers
 
 from tests.e2e.server import Server
+from tests.e2e.test_tool_formats import WEATHER  # a schema a random model finishes in a few tokens
 from tests.unit.test_harmony import harmony_dir  # noqa: F401  # the tokenizer's fixture
 
 pytestmark = pytest.mark.slow
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER: dict[str, Any] = {  # a schema a random model finishes within a few tokens
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ OpenAI-style call id in the history reaches a template that demands 9-character 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import anthropic
 import openai
@@ -19,7 +20,7 @@ from tests.unit.test_tools import MISTRAL_TEMPLATE, PYTHONIC_TEMPLATE
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
