@@ -8,10 +8,12 @@ of the rows asked for.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
@@ -83,18 +85,39 @@ class PagedModel:
         self.block_size = self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None  # CUDA: the captured decode steps
 
-    def kv_bytes_per_token(self) -> int:
-        attn = self.model.layers[0].self_attn
-        if self.fp8:  # a byte a value, and a float32 scale a head
-            return len(self.model.layers) * 2 * attn.n_kv * (attn.head_dim + 4)
-        if self.int8:  # a byte a value, and a bf16 scale a head
-            return len(self.model.layers) * 2 * attn.n_kv * (attn.head_dim + 2)
-        elt = torch.empty((), dtype=self.dtype).element_size()
-        return len(self.model.layers) * 2 * attn.n_kv * attn.head_dim * elt
+    def _attention(self) -> Any:
+        """The first attention layer's (its heads give the KV cache's shape; a hybrid model's linear
+        layers have none)."""
+        return next(a for layer in self.model.layers if (a := getattr(layer, "self_attn", None)) is not None)
 
-    def allocate(self, num_blocks: int, block_size: int) -> None:
-        """On CUDA one block more than asked: the scratch block of the decode graphs' padding rows."""
-        attn = self.model.layers[0].self_attn
+    def _kv_layers(self) -> int:
+        return sum(getattr(layer, "self_attn", None) is not None for layer in self.model.layers)
+
+    def kv_bytes_per_token(self) -> int:
+        attn, n = self._attention(), self._kv_layers()
+        if self.fp8:  # a byte a value, and a float32 scale a head
+            return n * 2 * attn.n_kv * (attn.head_dim + 4)
+        if self.int8:  # a byte a value, and a bf16 scale a head
+            return n * 2 * attn.n_kv * (attn.head_dim + 2)
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        return n * 2 * attn.n_kv * attn.head_dim * elt
+
+    def state_bytes_per_request(self) -> int:
+        """The recurrent state a request holds in the linear-attention layers (0: the model has none):
+        the convolution's inputs in the model's dtype, the delta rule's state in float32."""
+        elt = torch.empty((), dtype=self.dtype).element_size()
+        total = 0
+        for layer in self.model.layers:
+            if (linear := getattr(layer, "linear_attn", None)) is not None:
+                conv, rec = linear.state_shapes()
+                total += math.prod(conv) * elt + math.prod(rec) * 4
+        return total
+
+    def allocate(self, num_blocks: int, block_size: int, state_slots: int = 0) -> None:
+        """On CUDA one block more than asked: the scratch block of the decode graphs' padding rows.
+        `state_slots`: requests whose recurrent states the linear-attention layers keep (their entries
+        in `kv_caches` are those states, (convolution inputs, delta-rule state), not keys and values)."""
+        attn = self._attention()
         spare = int(self.device.type == "cuda")
         # FP8: each head's row of e4m3 bytes ends with its float32 scale (`pytgi.engine.kernels.gpu`);
         # int8: with its bf16 scale (`pytgi.engine.kernels.kv8`)
@@ -105,7 +128,16 @@ class PagedModel:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_caches = []
         self.graphs = None
-        for _ in self.model.layers:
+        for layer in self.model.layers:
+            if (linear := getattr(layer, "linear_attn", None)) is not None:
+                conv, rec = linear.state_shapes()
+                self.kv_caches.append(
+                    (
+                        torch.zeros((state_slots, *conv), dtype=self.dtype, device=self.device),
+                        torch.zeros((state_slots, *rec), dtype=torch.float32, device=self.device),
+                    )
+                )
+                continue
             k, v = torch.zeros(shape, dtype=dtype, device=self.device).unbind(0)
             self.kv_caches.append((k, v))
 

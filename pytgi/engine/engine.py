@@ -11,7 +11,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +21,7 @@ from pytgi.core import grammar as structured
 from pytgi.core import protocol as P
 from pytgi.core.adapters import AdapterError
 from pytgi.core.config import EngineConfig
-from pytgi.core.errors import DistributedError, InvalidRequest
+from pytgi.core.errors import ConfigError, DistributedError, InvalidRequest
 from pytgi.core.image_geometry import image_places
 from pytgi.core.model_files import resolve_adapters, resolve_model
 from pytgi.core.paths import files_stamp
@@ -70,7 +70,17 @@ class LLMEngine:
         load_seconds = time.perf_counter() - t0
         runner = self.runner
         self.eos_token_ids = runner.eos_token_ids
-        self.info = self.shards.config.resolve(
+        placed, kv_capacity = (
+            self.shards.config,
+            lambda: runner.auto_num_tokens(config.kv_cache_memory_fraction, config.kv_cache_cpu_bytes),
+        )
+        if runner.state_bytes:  # linear attention: a recurrent state per running request
+            try:
+                placed, kv_capacity = _with_states(placed, runner, kv_capacity)
+            except BaseException:
+                self.shutdown()
+                raise
+        self.info = placed.resolve(
             model_id=model_id,
             model_path=str(model_path),
             dtype=str(runner.dtype).removeprefix("torch."),
@@ -78,14 +88,13 @@ class LLMEngine:
             vocab_size=runner.vocab_size,
             max_positions=runner.config.max_position_embeddings,
             quantization=file_quantization(model_path),
-            kv_capacity=lambda: runner.auto_num_tokens(
-                config.kv_cache_memory_fraction, config.kv_cache_cpu_bytes
-            ),
+            kv_capacity=kv_capacity,
         )
+        slots = self.info.max_batch_size if runner.state_bytes else 0
         self.block_manager = BlockManager(
-            self.info.num_blocks, config.block_size, config.enable_prefix_caching
+            self.info.num_blocks, config.block_size, self.info.enable_prefix_caching, slots
         )
-        self.runner.allocate_kv_cache(self.info.num_blocks, config.block_size)
+        self.runner.allocate_kv_cache(self.info.num_blocks, config.block_size, slots)
         self.images: ImageInputs | None = None
         image_processor = getattr(self.runner.model, "image_processor", None)  # a vision model's
         if image_processor is not None:
@@ -314,3 +323,39 @@ class LLMEngine:
             "disk": None if self.disk is None else msgspec.structs.replace(self.disk.stats),
             "pinned_blocks": len(self.block_manager.pins),
         }
+
+
+def _with_states(
+    config: EngineConfig, runner: ModelRunner, kv_capacity: Callable[[], int]
+) -> tuple[EngineConfig, Callable[[], int]]:
+    """A model with linear-attention layers (Qwen3-Next, Qwen3.5): each running request holds a
+    recurrent state beside its KV blocks. The states cannot be shared by prefixes nor take back
+    rejected drafts, so the prefix cache is off and speculation, the disk tier and LoRA are refused.
+    --max-batch-size states are allocated (by default as many as a quarter of the KV cache's memory
+    holds, at most 256) and the KV cache gets what is left."""
+    asked = [
+        flag
+        for flag, on in (
+            ("--speculate / --draft-model-id", config.draft_tokens > 0),
+            ("--prefix-cache-dir", bool(config.prefix_cache_dir)),
+            ("--lora-adapters", bool(config.lora_adapters)),
+        )
+        if on
+    ]
+    if asked:
+        raise ConfigError(
+            f"{', '.join(asked)}: not with a model with linear-attention layers, whose recurrent states "
+            "cannot be shared, cached or rolled back (docs/models.md)"
+        )
+    state, per_token = runner.state_bytes, runner.paged.kv_bytes_per_token()
+    slots = config.max_batch_size
+    if slots is None:
+        tokens = config.max_batch_total_tokens or kv_capacity()
+        slots = max(1, min(256, tokens * per_token // 4 // state))
+    if config.enable_prefix_caching:
+        log.info("prefix caching is off: this model's linear-attention states are not kept per block")
+    taken = -(-slots * state // per_token)  # the states' memory, in KV tokens
+    return (
+        dataclasses.replace(config, max_batch_size=slots, enable_prefix_caching=False),
+        lambda: max(kv_capacity() - taken, 0),
+    )

@@ -37,7 +37,12 @@ class BlockSeq(Protocol):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, state_slots: int = 0
+    ) -> None:
+        """`state_slots`: a model with linear-attention layers keeps a recurrent state per running
+        request (`pytgi.engine.models.linear_attention`): a request takes a slot with its first blocks
+        and gives it back with them (preempted, it is recomputed from zero, as its blocks are)."""
         if num_blocks <= 0:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -56,6 +61,8 @@ class BlockManager:
         self.pins: dict[int, float] = {}
         self.max_pinned = num_blocks // 2
         self.next_expiry = math.inf  # no pin ends before this
+        self.free_states = list(range(state_slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self.has_states = state_slots > 0
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -109,6 +116,10 @@ class BlockManager:
         request); False, with nothing changed, if there are not enough free blocks."""
         if self.blocks_needed(req, num_new_tokens, cached) > self.num_free_blocks:
             return False
+        if self.has_states and getattr(req, "state_slot", 0) < 0:
+            if not self.free_states:
+                return False
+            req.state_slot = self.free_states.pop()  # type: ignore[attr-defined]
         if not req.block_table and req.num_computed_tokens == 0:
             if not req.num_preemptions:  # hit rate over first admissions only
                 self.prefix_queries += req.num_prompt_tokens
@@ -230,6 +241,9 @@ class BlockManager:
         for block in reversed(req.block_table):
             self.release(block)
         req.block_table = []
+        if getattr(req, "state_slot", -1) >= 0:
+            self.free_states.append(req.state_slot)  # type: ignore[attr-defined]
+            req.state_slot = -1  # type: ignore[attr-defined]
 
     def _claim(self, block: int) -> None:
         if self.ref_counts[block] == 0:

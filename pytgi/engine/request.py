@@ -35,6 +35,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the first schedule
     block_table: list[int] = field(default_factory=list)
+    state_slot: int = -1  # a model with linear attention: its recurrent state's slot while it runs
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
     status: Status = Status.WAITING
     num_preemptions: int = 0

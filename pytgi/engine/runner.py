@@ -52,6 +52,7 @@ class ModelRunner:
         dist.init(rank, config.num_shard, config.master_addr, config.master_port or 0, self.device)
         self.paged = load_paged_model(config, self.device)
         self.dtype = self.paged.dtype
+        self.state_bytes = self.paged.state_bytes_per_request()  # per running request (linear attention)
         model = self.paged.model
         # what the runner keeps of the engine's settings
         self.max_lora_rank, self.max_cpu_loras = config.max_lora_rank, config.max_cpu_loras
@@ -76,6 +77,10 @@ class ModelRunner:
         if self.lora is None:
             if not isinstance(self.model, DecoderModel):
                 raise UnsupportedModel("LoRA adapters need pytgi's own implementation of the model")
+            if self.state_bytes:
+                raise UnsupportedModel(
+                    "LoRA adapters on a model with linear-attention layers are not supported"
+                )
             self.lora = LoraAdapters(
                 self.model, self.max_lora_rank, self.dtype, self.device, self.max_cpu_loras
             )
@@ -116,10 +121,11 @@ class ModelRunner:
         """The bytes this rank's model holds (packed weights, dense ones, tables)."""
         return loaded_bytes(self.model)
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, state_slots: int = 0) -> None:
+        """`state_slots`: recurrent states for that many running requests (a model with linear attention)."""
         if self.rank == 0 and dist.tp_size() > 1:
-            dist.broadcast_command(dist.CMD_ALLOC, num_blocks, block_size)
-        self.paged.allocate(num_blocks, block_size)
+            dist.broadcast_command(dist.CMD_ALLOC, num_blocks, block_size, state_slots)
+        self.paged.allocate(num_blocks, block_size, state_slots)
         if self.device.type == "cuda" and dist.tp_size() == 1:
             self._capture_graphs()
 
@@ -157,6 +163,8 @@ class ModelRunner:
         ]
         if spans:
             step.layout.spans = np.array(spans, dtype=np.int64)
+        if self.state_bytes:
+            step.layout.state_slots = np.array([r.state_slot for r in reqs], dtype=np.int64)
         if (rope := long_rope(self.model)) is not None:  # LongRoPE: long sequences' table
             after, offset = rope
             long = [

@@ -37,8 +37,9 @@ FIELDS: dict[str, tuple[str | int, ...]] = {
     "rope_rows": ("rope_rows",),  # M-RoPE's rows ...
     "rope_positions": (3, "rope_rows"),  # ... and their 3-D positions
     "spans": ("spans", 3),  # positions attending both ways (StepLayout.spans)
+    "state_slots": ("requests",),  # each request's recurrent state (a model with linear attention)
 }
-OPTIONAL = ("lora_slots", "image_rows", "rope_rows", "rope_positions", "spans")
+OPTIONAL = ("lora_slots", "image_rows", "rope_rows", "rope_positions", "spans", "state_slots")
 
 
 @dataclass
@@ -55,6 +56,7 @@ class StepMessage:
     rope_rows: np.ndarray | None = None
     rope_positions: np.ndarray | None = None
     spans: np.ndarray | None = None
+    state_slots: np.ndarray | None = None
     image_values: torch.Tensor | None = None  # (image_rows, image_width), the model's dtype
 
     @classmethod
@@ -72,6 +74,7 @@ class StepMessage:
             rows,
             lora_slots=slots,
             spans=layout.spans,
+            state_slots=layout.state_slots,
         )
         if images is not None:
             msg.image_rows = images.rows.numpy()
@@ -84,7 +87,13 @@ class StepMessage:
     def parts(self, block_size: int) -> tuple[StepBatch, np.ndarray, np.ndarray | None, StepImages | None]:
         """What rank 0 made it of: the step, its logit rows, its rows' LoRA slots, its image rows."""
         layout = StepLayout(
-            self.query_lens, self.context_lens, self.block_tables, self.slot_mapping, block_size, self.spans
+            self.query_lens,
+            self.context_lens,
+            self.block_tables,
+            self.slot_mapping,
+            block_size,
+            self.spans,
+            self.state_slots,
         )
         images = None
         if self.image_rows is not None or self.rope_rows is not None:

@@ -35,13 +35,13 @@ def run_worker(config: EngineConfig, rank: int) -> int:
     try:
         while True:
             cmd, *args = dist.broadcast_command(dist.CMD_NOOP)
-            a, b = args[:2]
+            a, b, c = args[:3]
             if cmd == dist.CMD_NOOP:
                 dist.barrier()
             elif cmd == dist.CMD_STEP:
                 runner.worker_step(tuple(args))
             elif cmd == dist.CMD_ALLOC:
-                runner.allocate_kv_cache(a, b)
+                runner.allocate_kv_cache(a, b, c)
             elif cmd == dist.CMD_CAPACITY:
                 runner.auto_num_tokens(None if a < 0 else a / 1_000_000, None if b < 0 else b)
             elif cmd == dist.CMD_LORA:

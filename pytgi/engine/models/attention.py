@@ -43,6 +43,7 @@ class StepLayout:
     # [S, 3] int64 (request, lo, hi): positions [lo, hi) of the request that attend to each other both
     # ways (the rows of a Gemma 3 image, all in this step's chunk); None: causal everywhere
     spans: np.ndarray | None = None
+    state_slots: np.ndarray | None = None  # [B] int64: each request's recurrent state (linear attention)
 
 
 @dataclass(slots=True)
@@ -270,6 +271,7 @@ class SlidingWindowBackend:
 
 def layer_metadata(meta, sliding: bool | None):
     """A layer's own metadata: `sliding` None for models without windows."""
+    meta = getattr(meta, "attn", meta)  # a hybrid model's (`linear_attention.StateMetadata`)
     if sliding is None:
         return meta
     return meta.sliding if sliding else meta.full

@@ -176,6 +176,9 @@ class KernelOps(TorchOps):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         residual = residual.contiguous()  # updated in place from here on
         if out_norm is not None or (norm is not None and norm.offset):  # Gemma's float32 1 + w scales
+            if out_norm is None and y is not None:  # no sandwich (Qwen3-Next): a plain add first
+                residual.add_(y)
+                y = None
             eps = (norm if norm is not None else out_norm).eps
             wa = out_norm.scale() if out_norm is not None else None
             wb = norm.scale() if norm is not None else None

@@ -50,9 +50,11 @@ from pytgi.engine.models.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    apply_rotary,
     merged_shards,
     qkv_shards,
 )
+from pytgi.engine.models.linear_attention import GatedDeltaNet, LinearAttnConfig, StateBackend
 from pytgi.engine.models.moe import SparseMoE
 from pytgi.engine.models.quant import (
     GROUP,
@@ -69,7 +71,7 @@ from pytgi.engine.models.quant import (
     quantize_model,
 )
 
-SLIDING, FULL = "sliding_attention", "full_attention"
+SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
 
 class StepImages(NamedTuple):
@@ -125,6 +127,12 @@ class DecoderConfig:
     final_logit_softcapping: float | None = None
     moe: MoEConfig | None = None
     attn_sinks: bool = False  # a learned logit per query head in every softmax (gpt-oss)
+    # Qwen3-Next / Qwen3.5: gated DeltaNet layers (`layer_types` LINEAR) between the attention layers,
+    # whose output is gated (o · sigmoid(gate), the gate a second half of each query head's
+    # projection) and whose rotary embedding turns the first `rotary_dim` features of a head only
+    linear: LinearAttnConfig | None = None
+    attn_output_gate: bool = False
+    rotary_dim: int | None = None  # None: head_dim
 
 
 def local_heads(cfg: DecoderConfig) -> tuple[int, int, int]:
@@ -149,7 +157,11 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale
         self.backend, self.ops = backend, ops
         shards = qkv_shards(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, shards, cfg.attention_bias)
+        self.gated, self.rotary_dim = cfg.attn_output_gate, cfg.rotary_dim or cfg.head_dim
+        q_rows = (
+            (2 * shards[0][0], 2 * shards[0][1]) if self.gated else shards[0]
+        )  # each head's q, then its gate
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_rows, *shards[1:]], cfg.attention_bias)
         self.o_proj = RowParallelLinear(shards[0], cfg.hidden_size, cfg.o_proj_bias)
         self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
@@ -161,10 +173,34 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Any, kv_cache: Any, meta: Any) -> torch.Tensor:
         meta = layer_metadata(meta, self.sliding)
-        q, k, v = self.ops.qkv_rotary(self, self.qkv_proj(x), rope, kv_cache, meta)
+        gate = None
+        if self.gated or self.rotary_dim != self.head_dim:
+            q, k, v, gate = self._gated_qkv(self.qkv_proj(x), rope)
+        else:
+            q, k, v = self.ops.qkv_rotary(self, self.qkv_proj(x), rope, kv_cache, meta)
         extra = {} if self.sinks is None else {"sinks": self.sinks}
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **extra)
-        return self.o_proj(o.reshape(x.shape[0], self.n_heads * self.head_dim))
+        o = o.reshape(x.shape[0], self.n_heads * self.head_dim)
+        return self.o_proj(o if gate is None else o * torch.sigmoid(gate))
+
+    def _gated_qkv(
+        self, qkv: torch.Tensor, rope: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """q, k, v with the rotary embedding on each head's first `rotary_dim` features, and the
+        output's gate (None: not gated), in PyTorch ops (Qwen3-Next's attention layers)."""
+        T, H, KVH, D, r = qkv.shape[0], self.n_heads, self.n_kv, self.head_dim, self.rotary_dim
+        nq = H * D * (2 if self.gated else 1)
+        q, gate = qkv[:, :nq].view(T, H, -1), None
+        if self.gated:
+            q, gate = q[..., :D], q[..., D:].reshape(T, H * D)
+        k = qkv[:, nq : nq + KVH * D].view(T, KVH, D)
+        v = qkv[:, nq + KVH * D :].view(T, KVH, D)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = (t.reshape(T, 1, r).to(q.dtype) for t in rope)  # (KernelOps' tables are float32 [T, r])
+        q = torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+        k = torch.cat([apply_rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        return q, k, v, gate
 
 
 class MLP(nn.Module):
@@ -187,10 +223,19 @@ class DecoderLayer(nn.Module):
         ops: TorchOps,
         sliding: bool | None = None,
         sparse: bool = False,
+        linear: bool = False,
     ) -> None:
+        """linear: a gated DeltaNet layer (`linear_attn`, its KV cache entry a recurrent state) instead
+        of attention (`self_attn`)."""
         super().__init__()
         self.sliding, self.sandwich, self.ops = sliding, cfg.sandwich_norms, ops
-        self.self_attn = Attention(cfg, backend, ops, sliding)
+        self.self_attn: Attention | None = None
+        self.linear_attn: GatedDeltaNet | None = None
+        if linear:
+            assert cfg.linear is not None
+            self.linear_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps)
+        else:
+            self.self_attn = Attention(cfg, backend, ops, sliding)
         moe = cfg.moe
         self.mlp: MLP | SparseMoE = (
             MLP(cfg, ops)
@@ -225,7 +270,9 @@ class DecoderLayer(nn.Module):
         """h: this layer's input, normed. Returns the residual stream and the next norm of it (the
         next layer's input norm, or the model's final one; None: not normed): each residual add is
         paired with the norm after it, which the C kernels do in one pass."""
-        a = self.self_attn(h, ropes[1] if self.sliding else ropes[0], kv_cache, meta)
+        mixer = self.self_attn if self.linear_attn is None else self.linear_attn
+        assert mixer is not None
+        a = mixer(h, ropes[1] if self.sliding else ropes[0], kv_cache, meta)
         if self.sandwich:  # the sublayers' outputs are normed before they join the residual stream
             residual, mlp_in = self.ops.add_norm(
                 a, residual, self.pre_feedforward_layernorm, self.post_attention_layernorm
@@ -259,22 +306,25 @@ class DecoderModel(nn.Module):
             backend = SoftcapAttention(cpu, local_heads(cfg), cfg.attn_logit_softcapping)
         if cfg.attn_sinks:
             backend = SinkAttention(cpu, local_heads(cfg))
-        self.attention: TorchAttention | SlidingWindowBackend = backend
+        self.attention: TorchAttention | SlidingWindowBackend | StateBackend = backend
         slidings: list[bool | None] = [None] * cfg.num_hidden_layers
         if cfg.sliding_window and cfg.layer_types:
             self.attention = SlidingWindowBackend(backend, cfg.sliding_window)
             slidings = [t == SLIDING for t in cfg.layer_types]
+        linear = [t == LINEAR for t in cfg.layer_types or [FULL] * cfg.num_hidden_layers]
+        if cfg.linear is not None:
+            self.attention = StateBackend(self.attention)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         sparse = cfg.moe.sparse_layers if cfg.moe else [False] * cfg.num_hidden_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, self.ops, s, m) for s, m in zip(slidings, sparse)
+            DecoderLayer(cfg, backend, self.ops, s, m, lin) for s, m, lin in zip(slidings, sparse, linear)
         )
         self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+            cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
         self.rotary_local = (
             RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, None)
@@ -504,6 +554,7 @@ class DecoderModel(nn.Module):
         for name, tensor in self._unfused(weights):
             name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
             name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's router
+            name = name.replace(".conv1d.weight", ".conv1d")  # a linear-attention layer's convolution
             if "rotary_emb" in name:
                 continue
             if ".mlp.experts." in name:  # a mixture of experts' stacked weights

@@ -58,7 +58,13 @@ class DecoderLoop:
     @staticmethod
     def _applies(cfg) -> bool:
         return not (
-            cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias or cfg.qk_norm or cfg.moe is not None
+            cfg.attention_bias
+            or cfg.o_proj_bias
+            or cfg.mlp_bias
+            or cfg.qk_norm
+            or cfg.moe is not None
+            or cfg.linear is not None
+            or cfg.attn_output_gate
         )
 
     def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:

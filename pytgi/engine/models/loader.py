@@ -29,6 +29,8 @@ from pytgi.engine.models.gpt_oss import gpt_oss_config
 from pytgi.engine.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from pytgi.engine.models.llama import llama_config
 from pytgi.engine.models.quant import resolve_plan
+from pytgi.engine.models.qwen3_next import ARCHITECTURES as QWEN3_NEXT_ARCHITECTURES
+from pytgi.engine.models.qwen3_next import qwen3_next_config
 from pytgi.engine.models.safetensors_files import iter_safetensors
 
 # architecture → its config.json read as a `DecoderConfig` (every family runs on `DecoderModel`)
@@ -37,6 +39,7 @@ MODELS: dict[str, Callable[[dict[str, Any]], DecoderConfig]] = {
     "Gemma3ForCausalLM": gemma_config,
     "Gemma2ForCausalLM": gemma_config,  # Gemma 3's layers, without q/k norms, soft-capped
     **{arch: gpt_oss_config for arch in GPT_OSS_ARCHITECTURES},
+    **{arch: qwen3_next_config for arch in QWEN3_NEXT_ARCHITECTURES},
 }
 # vision-language architecture → its model class (a vision part before `DecoderModel`) and the
 # language model's config.json read from its own

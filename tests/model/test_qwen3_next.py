@@ -1,0 +1,203 @@
+"""Hybrid linear-attention models in pytgi's own code (issue 46, point 2): Qwen3-Next and Qwen3.5,
+tiny random configs, through the engine. Greedy tokens equal transformers' `generate` in float32,
+alone and batched, with prefill chunks that cut through the requests (and through the delta rule's
+64-token chunks); in bf16 a request batched with others gives what it gives alone; a preempted
+request recomputes its state; the chunked delta rule equals the token-by-token recurrence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pytgi.core.config import EngineConfig
+from pytgi.core.errors import ConfigError
+from pytgi.engine.engine import LLMEngine
+from pytgi.engine.models.linear_attention import chunked_rule, l2norm, recurrent_step
+from tests.model.test_sharding import run
+
+PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 64] * 10, [7, 9] * 10, list(range(30, 60)), [11]]
+
+COMMON = dict(
+    vocab_size=101,
+    hidden_size=64,
+    num_hidden_layers=4,  # three linear layers, then one attention layer
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    max_position_embeddings=512,
+    eos_token_id=None,
+    initializer_range=0.2,  # weights big enough for greedy tokens that vary
+)
+
+
+def _save(model, path):
+    with torch.no_grad():  # offsets from 1 (the norms), decays and gates that matter
+        for name, p in model.named_parameters():
+            if "norm" in name or "dt_bias" in name or "A_log" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3NextConfig(
+        **COMMON,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],  # one dense MLP among the experts
+    )
+    return _save(transformers.Qwen3NextForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen3-next"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory):
+    torch.manual_seed(1)
+    cfg = transformers.Qwen3_5TextConfig(**COMMON, intermediate_size=64)
+    return _save(transformers.Qwen3_5ForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen3.5"))
+
+
+@pytest.fixture(params=["qwen3_next", "qwen3_5"])
+def hybrid(request):
+    return request.getfixturevalue(request.param)
+
+
+def _engine(path, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), max_batch_total_tokens=1024, **kw))
+
+
+def _reference(model, prompt):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_equals_transformers_in_float32(hybrid):
+    model, path = hybrid
+    refs = [_reference(model, p) for p in PROMPTS]
+    assert len({tuple(r) for r in refs}) > 1  # the answers differ: the test can tell them apart
+    # alone and together; prefill chunks of 24 tokens cut every long prompt, and decodes join them
+    for kw in ({}, {"max_batch_prefill_tokens": 24, "enable_chunked_prefill": True}):
+        engine = _engine(path, dtype="float32", **kw)
+        try:
+            together = run(engine, PROMPTS)
+            alone = [run(engine, [p])[0] for p in PROMPTS]
+        finally:
+            engine.shutdown()
+        for ref, (a, _), (b, _) in zip(refs, together, alone):
+            assert a == ref and b == ref, (kw, ref, a, b)
+
+
+def test_batched_equals_alone_in_bf16(hybrid):
+    _, path = hybrid
+    engine = _engine(path, dtype="bfloat16")
+    try:
+        alone = [run(engine, [p])[0] for p in PROMPTS]
+        batched = run(engine, PROMPTS)
+    finally:
+        engine.shutdown()
+    assert batched == alone  # tokens and every prompt and output logprob, to the bit
+
+
+def test_a_preempted_request_recomputes_its_state(qwen3_next):
+    """A KV cache too small for every request at once: the last admitted is preempted, its state
+    slot freed and its state recomputed from its tokens when it runs again; the answers are those of
+    a cache big enough."""
+    _, path = qwen3_next
+    prompts = [list(range(1 + i, 41 + i)) for i in range(4)]
+    engine = _engine(path, dtype="float32")
+    try:
+        ref = run(engine, prompts)
+    finally:
+        engine.shutdown()
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path), max_batch_total_tokens=112, block_size=16, max_batch_size=4, dtype="float32"
+        )
+    )
+    try:
+        got = run(engine, prompts)
+        assert engine.scheduler.num_preemptions > 0
+        assert sorted(engine.block_manager.free_states) == list(range(engine.info.max_batch_size))
+    finally:
+        engine.shutdown()
+    assert [t for t, _ in got] == [t for t, _ in ref]
+
+
+def test_the_engine_says_what_it_turns_off(qwen3_next, tmp_path):
+    _, path = qwen3_next
+    engine = _engine(path, dtype="float32", max_batch_size=3)
+    try:
+        assert not engine.info.enable_prefix_caching
+        assert engine.info.max_batch_size == 3
+        assert engine.runner.paged.kv_caches[0][1].shape == (3, 4, 16, 8)  # a state per request
+    finally:
+        engine.shutdown()
+    with pytest.raises(ConfigError, match="--speculate"):
+        _engine(path, dtype="float32", speculate=2)
+    with pytest.raises(ConfigError, match="--prefix-cache-dir"):
+        _engine(path, dtype="float32", prefix_cache_dir=str(tmp_path / "kv"))
+
+
+@pytest.mark.parametrize("length", [1, 5, 64, 150])
+def test_the_chunked_rule_equals_the_recurrence(length):
+    g = torch.Generator().manual_seed(length)
+    H, K, V = 3, 16, 8
+    q, k = (l2norm(torch.randn(length, H, K, generator=g)) for _ in range(2))
+    v = torch.randn(length, H, V, generator=g)
+    decay = -torch.rand(length, H, generator=g) * 0.5
+    beta = torch.rand(length, H, generator=g)
+    s0 = torch.randn(H, K, V, generator=g)
+    out, state = chunked_rule(q, k, v, decay, beta, s0.clone(), chunk=16)
+    ref_state = s0.clone().unsqueeze(0)
+    ref = torch.stack(
+        [
+            recurrent_step(
+                q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1], beta[t : t + 1], ref_state
+            )[0]
+            for t in range(length)
+        ]
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, ref_state[0], rtol=1e-4, atol=1e-4)
+
+
+def test_pytorch_ops_alone_give_the_same_tokens(qwen3_next, monkeypatch):
+    """Without the C kernels (no compiler, or CUDA): PyTorch's ops for attention, norms and rope."""
+    from pytgi.engine import kernels
+
+    for name in ("supports", "vnni_supported", "bf16gemm_supported"):
+        monkeypatch.setattr(kernels, name, lambda *_: False)
+    model, path = qwen3_next
+    engine = _engine(path, dtype="float32")
+    try:
+        assert not engine.runner.model.kernels.fused
+        got = run(engine, PROMPTS)
+    finally:
+        engine.shutdown()
+    assert [t for t, _ in got] == [_reference(model, p) for p in PROMPTS]
+
+
+def test_two_shards_equal_one(hybrid):
+    """Each rank keeps whole key-head groups of the linear layers (their convolution channels, decays
+    and states) and its attention heads with their gates; the output projections are all-reduced."""
+    _, path = hybrid
+    outs = []
+    for n in (1, 2):
+        engine = _engine(path, dtype="float32", num_shard=n)
+        try:
+            outs.append(run(engine, PROMPTS))
+        finally:
+            engine.shutdown()
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
