@@ -9,6 +9,7 @@ own tools from the llama-cpp-python sdist (docs/bench.md has the build).
     .venv/bin/python benchmarks/make_shaped.py --shape qwen3moe --layers 22 --llama-cpp $SD
                                                                    # /tmp/llama/qwen3moe-22l-q4_k_m.gguf
     .venv/bin/python benchmarks/make_shaped.py --shape llama3b                    # HF dir only
+    .venv/bin/python benchmarks/make_shaped.py --shape qwen35 --layers 8          # /tmp/llama/qwen35-8l-hf
 
 - The model is never instantiated: each tensor is generated on its own (torch.Generator seeded
   0 + its index in the checkpoint order), N(0, 0.02) for matrices, 1.0 for norm weights, and
@@ -34,7 +35,7 @@ import time
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoTokenizer, LlamaConfig, Qwen3MoeConfig
+from transformers import AutoTokenizer, LlamaConfig, Qwen3_5TextConfig, Qwen3MoeConfig
 
 SHAPES = {
     "llama3b": dict(cls=LlamaConfig, arch="LlamaForCausalLM", vocab_size=128256, hidden_size=3072,
@@ -50,6 +51,13 @@ SHAPES = {
                      num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
                      max_position_embeddings=40960, tie_word_embeddings=False, moe_intermediate_size=768,
                      num_experts=128, num_experts_per_tok=8, norm_topk_prob=True),
+    # Qwen3.5-9B's text shape (transformers' Qwen3_5TextConfig defaults): three gated DeltaNet layers
+    # for each attention layer; no llama.cpp conversion here yet (pytgi reads no qwen35 GGUF)
+    "qwen35": dict(cls=Qwen3_5TextConfig, arch="Qwen3_5ForCausalLM", vocab_size=248320, hidden_size=4096,
+                   intermediate_size=12288, num_hidden_layers=32, num_attention_heads=16,
+                   num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=10000000.0,
+                   max_position_embeddings=32768, tie_word_embeddings=False, linear_num_key_heads=16,
+                   linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128),
 }
 SHARD_BYTES = 2_000_000_000
 
@@ -60,11 +68,28 @@ def tensor_plan(c):
     plan = [("model.embed_tokens.weight", (c.vocab_size, H))]
     for i in range(L):
         p = f"model.layers.{i}."
+        if c.model_type == "qwen3_5_text" and c.layer_types[i] == "linear_attention":
+            nk, nv = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+            a = p + "linear_attn."
+            plan += [(p + "input_layernorm.weight", (H,)),
+                     (a + "in_proj_qkv.weight", (2 * nk + nv, H)), (a + "in_proj_z.weight", (nv, H)),
+                     (a + "in_proj_b.weight", (c.linear_num_value_heads, H)),
+                     (a + "in_proj_a.weight", (c.linear_num_value_heads, H)),
+                     (a + "conv1d.weight", (2 * nk + nv, 1, c.linear_conv_kernel_dim)),
+                     (a + "dt_bias", (c.linear_num_value_heads,)), (a + "A_log", (c.linear_num_value_heads,)),
+                     (a + "norm.weight", (c.linear_value_head_dim,)), (a + "out_proj.weight", (H, nv))]
+            I = c.intermediate_size
+            plan += [(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H)),
+                     (p + "mlp.down_proj.weight", (H, I)), (p + "post_attention_layernorm.weight", (H,))]
+            continue
+        gate = 2 if c.model_type == "qwen3_5_text" else 1  # Qwen3.5's attention gate: a second q half
         plan += [(p + "input_layernorm.weight", (H,)),
-                 (p + "self_attn.q_proj.weight", (c.num_attention_heads * hd, H)),
+                 (p + "self_attn.q_proj.weight", (gate * c.num_attention_heads * hd, H)),
                  (p + "self_attn.k_proj.weight", (c.num_key_value_heads * hd, H)),
                  (p + "self_attn.v_proj.weight", (c.num_key_value_heads * hd, H)),
                  (p + "self_attn.o_proj.weight", (H, c.num_attention_heads * hd))]
+        if c.model_type == "qwen3_5_text":
+            plan += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
         if c.model_type == "qwen3_moe":
             E, F = c.num_experts, c.moe_intermediate_size
             plan += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,)),

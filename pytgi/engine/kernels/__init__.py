@@ -134,6 +134,30 @@ def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gdn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    pool: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """The gated delta rule's step for B requests (delta.c): q, k [B, H, K], v [B, H, V], g, beta [B, H]
+    (float32); `pool` [S, H, K, V] float32, each request's state at `slots[b]`, updated in place.
+    Returns o [B, H, V]."""
+    q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
+    slots = slots.to(torch.int64).contiguous()
+    assert pool.dtype == torch.float32 and pool.is_contiguous()
+    B, H, K = q.shape
+    V = v.shape[-1]
+    out = torch.empty(B, H, V, dtype=torch.float32)
+    _built().pytgi_gdn_decode_f32(
+        _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(pool), _ptr(slots), _ptr(out), B, H, K, V
+    )
+    return out
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up from the fused [T, 2 I] gate/up output."""
     return _gated("silu_mul", gate_up)

@@ -25,6 +25,7 @@ from pytgi.core.paths import cache_dir
 SOURCES = [
     *["paged_attention.c", "fused.c", "qgemv.c", "bf16gemm.c", "decoder.c", "lora.c"],
     *["pack.c", "gguf.c", "moe.c"],  # load-time packing, GGUF blocks, mixture-of-experts layers
+    "delta.c",  # linear attention's decode step
 ]
 HEADERS = ["pytgi_kernels.h", "bf16.h", "amx.h", "exp16.h"]  # part of the cache key
 CFLAGS = ["-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]

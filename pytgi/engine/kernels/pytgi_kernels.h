@@ -70,4 +70,8 @@ int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t 
 int pytgi_lora_add_f32(float *y, const float *x, int64_t T, int64_t K, int64_t N, const int64_t *slots, const int64_t *a_ptrs, const int64_t *bt_ptrs, const int64_t *ranks, const int64_t *col_ptrs);
 int pytgi_lora_add_bf16(uint16_t *y, const uint16_t *x, int64_t T, int64_t K, int64_t N, const int64_t *slots, const int64_t *a_ptrs, const int64_t *bt_ptrs, const int64_t *ranks, const int64_t *col_ptrs);
 
+/* delta.c: the gated delta rule's decode step (linear attention): q, k [B, H, K], v [B, H, V], g (log decay)
+ * and beta [B, H], float32; pool [slots, H, K, V] updated in place at slots[b]; out [B, H, V]. */
+void pytgi_gdn_decode_f32(const float *q, const float *k, const float *v, const float *g, const float *beta, float *pool, const int64_t *slots, float *out, int64_t B, int64_t H, int64_t K, int64_t V);
+
 #endif

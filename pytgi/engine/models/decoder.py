@@ -40,7 +40,7 @@ from pytgi.engine.models.attention import (
 )
 from pytgi.engine.models.backends import get_backend, ops_for
 from pytgi.engine.models.checkpoint_quant import QuantizedCheckpoint, fp8_rows, grid_of, linear_levels
-from pytgi.engine.models.cpu import Kernels, TorchOps
+from pytgi.engine.models.cpu import KernelOps, Kernels, TorchOps
 from pytgi.engine.models.decoder_loop import DecoderLoop, GemmaDecoderLoop
 from pytgi.engine.models.gguf_weights import DECODERS, ROWS_PER_SLICE, GGUFWeights
 from pytgi.engine.models.layers import (
@@ -233,7 +233,8 @@ class DecoderLayer(nn.Module):
         self.linear_attn: GatedDeltaNet | None = None
         if linear:
             assert cfg.linear is not None
-            self.linear_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps)
+            fused = isinstance(ops, KernelOps)  # the C kernels run this model (CPU)
+            self.linear_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, fused)
         else:
             self.self_attn = Attention(cfg, backend, ops, sliding)
         moe = cfg.moe

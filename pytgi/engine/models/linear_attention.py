@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pytgi.engine import kernels
 from pytgi.engine.distributed import local_range, tp_size
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, _set_loader
 
@@ -165,8 +166,10 @@ class GatedDeltaNet(nn.Module):
     """A linear-attention layer; this rank holds whole key-head groups (each key head with its
     num_v_heads / num_k_heads value heads)."""
 
-    def __init__(self, cfg: LinearAttnConfig, hidden: int, eps: float) -> None:
+    def __init__(self, cfg: LinearAttnConfig, hidden: int, eps: float, fused: bool = False) -> None:
+        """fused: decodes step the rule in the C kernel, in place in the pool (`kernels.gdn_decode`)."""
         super().__init__()
+        self.fused = fused
         nk, nv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.k_head_dim, cfg.v_head_dim
         if nk % tp_size():
             raise ValueError(f"cannot shard {nk} linear-attention key heads over {tp_size()} ranks")
@@ -240,9 +243,12 @@ class GatedDeltaNet(nn.Module):
             conv_states[slots] = window[..., 1:]
             mixed[rows] = F.silu((window.float() * self.conv1d.float()).sum(-1)).to(qkv.dtype)
             q, k, v = self._heads(mixed[rows])
-            s = rec_states[slots]
-            o[rows] = recurrent_step(q, k, v, g[rows], beta[rows], s)
-            rec_states[slots] = s
+            if self.fused:
+                o[rows] = kernels.gdn_decode(q, k, v, g[rows], beta[rows], rec_states, slots)
+            else:
+                s = rec_states[slots]
+                o[rows] = recurrent_step(q, k, v, g[rows], beta[rows], s)
+                rec_states[slots] = s
         start = 0
         for i, (n, fresh) in enumerate(zip(meta.query_lens, meta.fresh)):
             if n > 1:
