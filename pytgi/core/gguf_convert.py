@@ -31,7 +31,11 @@ ARCHITECTURES = {
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
     "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
 }
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # A "llama" file with experts is Mixtral.
 MIXTRAL = ("MixtralForCausalLM", "mixtral")
 # Gemma's layers have four norms: llama.cpp's ffn_norm is the one before the MLP there.
@@ -69,6 +73,19 @@ GPT_OSS_LAYER_TENSORS = {
     "post_attention_norm": "post_attention_layernorm",
     "attn_sinks": "self_attn.sinks",
     "ffn_gate_inp": "mlp.router",
+}
+# Qwen3-Next / Qwen3.5: the linear-attention layers' tensors (llama.cpp's converter splits Qwen3-Next's
+# in_proj_qkvz into Qwen3.5's q|k|v and z; ssm_a is −exp(A_log), `GGUFWeights.dense` takes it back)
+HYBRID_LAYER_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
 }
 # Phi-3 keeps q, k, v and gate, up fused
 PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
@@ -215,6 +232,40 @@ def gguf_config(reader: Any) -> dict[str, Any]:
             attention_bias=True,
             rope_parameters=rope,
         )
+    if model_type in HYBRID_TYPES:
+        layers = config["num_hidden_layers"]
+        recurrent = _field(reader, f"{arch}.attention.recurrent_layers")
+        interval = int(_field(reader, f"{arch}.full_attention_interval", 4))
+        if recurrent is None:
+            recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+        k_heads = int(_required(reader, f"{arch}.ssm.group_count"))
+        v_heads = int(_required(reader, f"{arch}.ssm.time_step_rank"))
+        config.update(
+            layer_types=["linear_attention" if r else "full_attention" for r in recurrent],
+            full_attention_interval=interval,
+            partial_rotary_factor=int(_required(reader, f"{arch}.rope.dimension_count")) / head_dim,
+            linear_num_key_heads=k_heads,
+            linear_num_value_heads=v_heads,
+            linear_key_head_dim=int(_required(reader, f"{arch}.ssm.state_size")),
+            linear_value_head_dim=int(_required(reader, f"{arch}.ssm.inner_size")) // v_heads,
+            linear_conv_kernel_dim=int(_field(reader, f"{arch}.ssm.conv_kernel", 4)),
+            attention_bias=False,
+            # how llama.cpp's converter laid the linear layers out (`linear_attention.LinearAttnConfig`):
+            # q|k|v and z apart; Qwen3.5's value heads reordered from grouped by key head to tiled
+            linear_layout={"split_qkvz": True, "tiled_v_heads": arch != "qwen3next" and k_heads != v_heads},
+        )
+        if experts:
+            config.update(
+                num_experts=int(experts),
+                num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")),
+                moe_intermediate_size=int(_required(reader, f"{arch}.expert_feed_forward_length")),
+                shared_expert_intermediate_size=int(
+                    _field(reader, f"{arch}.expert_shared_feed_forward_length", 0)
+                ),
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+            )
     if model_type == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in names
         config["mlp_bias"] = False
@@ -222,6 +273,10 @@ def gguf_config(reader: Any) -> dict[str, Any]:
 
 
 def hf_tensor_name(name: str, model_type: str = "llama") -> str:
+    if model_type in HYBRID_TYPES and name.endswith(".ssm_a"):  # a bare parameter: −exp(A_log)
+        return f"model.layers.{name.split('.')[1]}.linear_attn.A_log"
+    if model_type in HYBRID_TYPES and name.endswith(".ssm_dt.bias"):
+        return f"model.layers.{name.split('.')[1]}.linear_attn.dt_bias"
     stem, _, kind = name.rpartition(".")  # kind: weight | bias
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{kind}"
@@ -233,6 +288,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         if model_type == "phi3"
         else {**LAYER_TENSORS, **GPT_OSS_LAYER_TENSORS}
         if model_type == "gpt_oss"
+        else {**LAYER_TENSORS, **HYBRID_LAYER_TENSORS}
+        if model_type in HYBRID_TYPES
         else LAYER_TENSORS
     )
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:

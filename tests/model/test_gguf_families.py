@@ -123,21 +123,8 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
-    """`quant(gguf_name, array)`: the GGUF type to store a tensor as (None, or no `quant`: as it is)."""
-    import gguf
-
-    cfg = hf.config
-    w = gguf.GGUFWriter(str(path), arch)
-
-    def add(name: str, a: np.ndarray) -> None:
-        qtype = quant(name, a) if quant else None
-        if qtype is None:
-            w.add_tensor(name, a)
-        else:
-            t = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, np.float32), t), raw_dtype=t)
-
+def common_metadata(w, cfg) -> None:
+    """The keys every family's file has, from a transformers config, as llama.cpp's converter writes them."""
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -157,6 +144,34 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if getattr(cfg, "shared_expert_intermediate_size", None):
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def byte_vocabulary(w, size: int) -> None:
+    """A byte-level vocabulary of single characters, no merges."""
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([chr(0x21 + i) for i in range(size)])
+    w.add_token_merges([])
+    w.add_token_types([1] * size)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+
+
+def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
+    """`quant(gguf_name, array)`: the GGUF type to store a tensor as (None, or no `quant`: as it is)."""
+    import gguf
+
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+
+    def add(name: str, a: np.ndarray) -> None:
+        qtype = quant(name, a) if quant else None
+        if qtype is None:
+            w.add_tensor(name, a)
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, np.float32), t), raw_dtype=t)
+
+    common_metadata(w, cfg)
     if arch == "gpt-oss":  # as llama.cpp's GptOssModel writes it
         rope = cfg.rope_parameters
         w.add_expert_feed_forward_length(cfg.intermediate_size)
@@ -166,13 +181,7 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-    # a byte-level vocabulary of single characters, no merges
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([chr(0x21 + i) for i in range(cfg.vocab_size)])
-    w.add_token_merges([])
-    w.add_token_types([1] * cfg.vocab_size)
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+    byte_vocabulary(w, cfg.vocab_size)
     for name, t in hf.state_dict().items():
         a = t.detach().float().numpy()
         if name == "model.embed_tokens.weight":

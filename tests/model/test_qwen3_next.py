@@ -14,6 +14,7 @@ from pytgi.core.config import EngineConfig
 from pytgi.core.errors import ConfigError
 from pytgi.engine.engine import LLMEngine
 from pytgi.engine.models.linear_attention import chunked_rule, l2norm, recurrent_step
+from tests.model.test_gguf_families import LAYER, byte_vocabulary, common_metadata
 from tests.model.test_sharding import run
 
 PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 64] * 10, [7, 9] * 10, list(range(30, 60)), [11]]
@@ -222,3 +223,132 @@ def test_the_c_decode_step_equals_the_recurrence():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(pool[slots], ref_state, rtol=1e-5, atol=1e-5)
     assert torch.equal(pool[[1, 4, 5, 6]], untouched)
+
+
+# -- GGUF files as llama.cpp's converter writes them (point 4) -----------------------------------------
+# Checked against files made by llama.cpp's own convert_hf_to_gguf.py from such models: a Qwen3-Next's
+# in_proj_qkvz is split into Qwen3.5's q|k|v and z, Qwen3.5's value heads are reordered from grouped
+# by key head to tiled, A_log is stored as −exp(A_log), the offset norms as 1 + w (the gated norm as is).
+GGUF_NAMES = {
+    **LAYER,
+    "post_attention_layernorm": "post_attention_norm",
+    "linear_attn.in_proj_qkv": "attn_qkv",
+    "linear_attn.in_proj_z": "attn_gate",
+    "linear_attn.in_proj_ba": "ssm_ba",
+    "linear_attn.in_proj_a": "ssm_alpha",
+    "linear_attn.in_proj_b": "ssm_beta",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+}
+
+
+def _tiled(a, nk: int, r: int, dim: int):
+    """Value heads grouped by key head ([nk, r, ...] along `dim`) reordered to tiled ([r, nk, ...])."""
+    import numpy as np
+
+    a = np.moveaxis(a, dim, 0)
+    a = a.reshape(nk, r, -1, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+    return np.ascontiguousarray(np.moveaxis(a, 0, dim))
+
+
+def write_hybrid_gguf(hf, arch: str, path) -> None:
+    import gguf
+    import numpy as np
+
+    c = hf.config
+    nk, nv, dk, dv = (
+        c.linear_num_key_heads,
+        c.linear_num_value_heads,
+        c.linear_key_head_dim,
+        c.linear_value_head_dim,
+    )
+    r, tiled = nv // nk, arch == "qwen35" and nk != nv
+    w = gguf.GGUFWriter(str(path), arch)
+    common_metadata(w, c)
+    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    w.add_ssm_state_size(dk)
+    w.add_ssm_group_count(nk)
+    w.add_ssm_time_step_rank(nv)
+    w.add_ssm_inner_size(dv * nv)
+    w.add_full_attention_interval(4)
+    w.add_rope_dimension_count(c.head_dim // 4)
+    byte_vocabulary(w, c.vocab_size)
+    for name, t in hf.state_dict().items():
+        a = t.detach().float().numpy()
+        if name.endswith("norm.weight") and "linear_attn" not in name:
+            a = a + 1
+        if name == "model.embed_tokens.weight":
+            w.add_tensor("token_embd.weight", a)
+            continue
+        if name == "lm_head.weight":
+            w.add_tensor("output.weight", a)
+            continue
+        if name == "model.norm.weight":
+            w.add_tensor("output_norm.weight", a)
+            continue
+        _, _, i, rest = name.split(".", 3)
+        stem, _, kind = rest.rpartition(".")
+        blk = f"blk.{i}."
+        if rest == "linear_attn.in_proj_qkvz.weight":  # [q, k, v, z] per key head → q|k|v, z
+            q, k, v, z = np.split(a.reshape(nk, -1, a.shape[-1]), np.cumsum([dk, dk, r * dv])[:3], axis=1)
+            qkv = np.concatenate([x.reshape(-1, a.shape[-1]) for x in (q, k, v)])
+            w.add_tensor(blk + "attn_qkv.weight", np.ascontiguousarray(qkv))
+            w.add_tensor(blk + "attn_gate.weight", np.ascontiguousarray(z.reshape(-1, a.shape[-1])))
+            continue
+        if tiled and rest.startswith("linear_attn."):
+            if stem == "linear_attn.in_proj_qkv" or stem == "linear_attn.conv1d":
+                a = np.concatenate([a[: 2 * nk * dk], _tiled(a[2 * nk * dk :], nk, r, 0)])
+            elif stem in (
+                "linear_attn.in_proj_z",
+                "linear_attn.in_proj_a",
+                "linear_attn.in_proj_b",
+            ) or rest in ("linear_attn.A_log", "linear_attn.dt_bias"):
+                a = _tiled(a, nk, r, 0)
+            elif stem == "linear_attn.out_proj":
+                a = _tiled(a, nk, r, 1)
+        if rest == "linear_attn.A_log":
+            w.add_tensor(blk + "ssm_a", -np.exp(a))
+        elif rest == "linear_attn.dt_bias":
+            w.add_tensor(blk + "ssm_dt.bias", a)
+        elif rest == "linear_attn.conv1d.weight":
+            w.add_tensor(blk + "ssm_conv1d.weight", np.ascontiguousarray(a.reshape(a.shape[0], -1)))
+        elif rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]
+            gate, up = np.split(a, 2, axis=1)
+            w.add_tensor(blk + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            w.add_tensor(blk + "ffn_up_exps.weight", np.ascontiguousarray(up))
+        elif rest == "mlp.experts.down_proj":
+            w.add_tensor(blk + "ffn_down_exps.weight", a)
+        else:
+            w.add_tensor(f"{blk}{GGUF_NAMES[stem]}.{kind}", np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35"])
+def test_a_gguf_file_serves_transformers_tokens(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    kw = dict(COMMON, intermediate_size=64)
+    torch.manual_seed(2)
+    if arch == "qwen3next":  # llama.cpp's converter takes experts in every layer
+        cfg = transformers.Qwen3NextConfig(
+            **kw,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+        )
+        model, _ = _save(transformers.Qwen3NextForCausalLM(cfg).eval(), tmp_path / "hf")
+    else:
+        model, _ = _save(
+            transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kw)).eval(), tmp_path / "hf"
+        )
+    write_hybrid_gguf(model, arch, tmp_path / f"{arch}.gguf")
+    engine = _engine(tmp_path / f"{arch}.gguf", dtype="float32")
+    try:
+        got = run(engine, PROMPTS)
+    finally:
+        engine.shutdown()
+    assert [t for t, _ in got] == [_reference(model, p) for p in PROMPTS]

@@ -679,6 +679,8 @@ def _grid_layout(weights: GGUFWeights, mod: nn.Module, names: list[str], kind: s
     """This rank's part of a linear's weight, read from its parts' blocks a slice of rows at a time,
     in `kind`'s layout."""
     ranges: list[tuple[str, int, int, tuple[int, int] | None]] = []  # per part: its rows here, its columns
+    if isinstance(mod, ColumnParallelLinear) and len(names) == 1 < len(mod.shards):
+        names = names * len(mod.shards)  # one tensor holding every part (a linear layer's q | k | v)
     for i, name in enumerate(names):
         rows = weights.shape(name)[0]
         if isinstance(mod, ColumnParallelLinear):

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from pytgi.core.errors import GGUFConversionError
-from pytgi.core.gguf_convert import SOURCE_FILE, hf_tensor_name
+from pytgi.core.gguf_convert import HYBRID_TYPES, SOURCE_FILE, hf_tensor_name
 from pytgi.engine import kernels
 
 ROWS_PER_SLICE = 1024  # rows dequantized or decoded at a time: bounds the transient float32
@@ -310,6 +310,7 @@ class GGUFWeights:
         model_type = config["model_type"]
         self._permute = model_type in ("llama", "mixtral")  # llama.cpp interleaves these archs' q/k rows
         self._gemma = model_type.startswith("gemma")
+        self._hybrid = model_type in HYBRID_TYPES
 
     def names(self) -> list[str]:
         return list(self.tensors)
@@ -412,8 +413,10 @@ class GGUFWeights:
             part = np.array(part, dtype=np.float32)  # a copy: float types come as views of the mapping
             out[at : at + len(part)] = torch.from_numpy(part).reshape(len(part), -1)
         self._release(name)
-        if self._gemma and name.endswith("norm.weight"):
-            out -= 1  # llama.cpp stores Gemma's norms as 1 + w
+        if (self._gemma or self._hybrid) and name.endswith("norm.weight") and ".linear_attn." not in name:
+            out -= 1  # llama.cpp stores Gemma's and Qwen3-Next's offset norms as 1 + w
+        if self._hybrid and name.endswith(".A_log"):
+            out = torch.log(-out)  # llama.cpp stores −exp(A_log)
         heads = self._heads(name)
         if heads is not None:
             out = out[unpermute_rows(n, heads)]

@@ -42,7 +42,15 @@ class LinearAttnConfig:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
-    fused_qkvz: bool  # Qwen3-Next's in_proj_qkvz/in_proj_ba (grouped by key head); Qwen3.5's four projections
+    fused_qkvz: (
+        bool  # Qwen3-Next's in_proj_qkvz (grouped by key head); else Qwen3.5's in_proj_qkv and in_proj_z
+    )
+    grouped_ba: bool = (
+        False  # Qwen3-Next's in_proj_ba (b then a, grouped by key head); else in_proj_b, in_proj_a
+    )
+    # value heads in tiled order (key head j % num_k_heads), as llama.cpp's converter writes Qwen3.5's;
+    # else grouped (j // (num_v_heads / num_k_heads))
+    tiled_v_heads: bool = False
 
 
 @dataclass(slots=True)
@@ -173,6 +181,8 @@ class GatedDeltaNet(nn.Module):
         nk, nv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.k_head_dim, cfg.v_head_dim
         if nk % tp_size():
             raise ValueError(f"cannot shard {nk} linear-attention key heads over {tp_size()} ranks")
+        if cfg.tiled_v_heads and tp_size() > 1:
+            raise ValueError("a Qwen3.5 GGUF file's value heads (tiled by llama.cpp) are not sharded yet")
         self.cfg, self.rep = cfg, nv // nk
         k0, self.nk = (x // dk for x in local_range(nk, dk))
         self.nv = self.nk * self.rep
@@ -186,11 +196,13 @@ class GatedDeltaNet(nn.Module):
         if cfg.fused_qkvz:
             group = 2 * dk + 2 * self.rep * dv
             self.in_proj_qkvz = ColumnParallelLinear(hidden, [(k0 * group, self.nk * group)])
-            self.in_proj_ba = ColumnParallelLinear(hidden, [(k0 * 2 * self.rep, self.nk * 2 * self.rep)])
         else:
             self.in_proj_qkv = ColumnParallelLinear(hidden, self.channels)
             _set_loader(self.in_proj_qkv.weight, self._load_rows)
             self.in_proj_z = ColumnParallelLinear(hidden, [(v0 * dv, self.nv * dv)])
+        if cfg.grouped_ba:
+            self.in_proj_ba = ColumnParallelLinear(hidden, [(k0 * 2 * self.rep, self.nk * 2 * self.rep)])
+        else:
             self.in_proj_b = ColumnParallelLinear(hidden, [(v0, self.nv)])
             self.in_proj_a = ColumnParallelLinear(hidden, [(v0, self.nv)])
         width = sum(n for _, n in self.channels)
@@ -217,14 +229,19 @@ class GatedDeltaNet(nn.Module):
         """(q | k | v) [T, channels], z [T, nv, dv], b, a [T, nv]."""
         T, cfg = x.shape[0], self.cfg
         dk, dv, r = cfg.k_head_dim, cfg.v_head_dim, self.rep
+        if cfg.grouped_ba:
+            b, a = (
+                t.reshape(T, self.nv)
+                for t in self.in_proj_ba(x).view(T, self.nk, 2 * r).split([r, r], dim=-1)
+            )
+        else:
+            b, a = self.in_proj_b(x), self.in_proj_a(x)
         if not cfg.fused_qkvz:
-            z = self.in_proj_z(x).view(T, self.nv, dv)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+            return self.in_proj_qkv(x), self.in_proj_z(x).view(T, self.nv, dv), b, a
         qkvz = self.in_proj_qkvz(x).view(T, self.nk, -1)
         q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(T, self.nk, 2 * r).split([r, r], dim=-1)
         qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
-        return qkv, z.reshape(T, self.nv, dv), b.reshape(T, self.nv), a.reshape(T, self.nv)
+        return qkv, z.reshape(T, self.nv, dv), b, a
 
     def forward(
         self, x: torch.Tensor, rope: Any, state: tuple[torch.Tensor, torch.Tensor], meta: StateMetadata
@@ -273,5 +290,9 @@ class GatedDeltaNet(nn.Module):
         v [T, nv, dv], float32."""
         T, cfg = mixed.shape[0], self.cfg
         q, k, v = mixed.float().split([n for _, n in self.channels], dim=-1)
-        q, k = (l2norm(t.view(T, self.nk, cfg.k_head_dim)).repeat_interleave(self.rep, dim=1) for t in (q, k))
+        q, k = (l2norm(t.view(T, self.nk, cfg.k_head_dim)) for t in (q, k))
+        if cfg.tiled_v_heads:  # value head j reads key head j % nk
+            q, k = q.repeat(1, self.rep, 1), k.repeat(1, self.rep, 1)
+        else:  # ... or j // rep
+            q, k = q.repeat_interleave(self.rep, dim=1), k.repeat_interleave(self.rep, dim=1)
         return q * cfg.k_head_dim**-0.5, k, v.view(T, self.nv, cfg.v_head_dim)

@@ -43,6 +43,7 @@ def qwen3_next_config(cfg: dict[str, Any]) -> DecoderConfig:
     theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
     base = llama_config({**plain, "rope_theta": theta, "attention_bias": cfg.get("attention_bias", False)})
     head_dim = base.head_dim
+    layout = cfg.get("linear_layout") or {}  # a GGUF file's, as pytgi's conversion notes it
     moe = None
     if arch != "Qwen3_5ForCausalLM" and (cfg.get("num_experts") or 0) > 0:
         moe = moe_config(cfg, "Qwen3MoeForCausalLM")
@@ -63,6 +64,8 @@ def qwen3_next_config(cfg: dict[str, Any]) -> DecoderConfig:
             k_head_dim=cfg["linear_key_head_dim"],
             v_head_dim=cfg["linear_value_head_dim"],
             conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
-            fused_qkvz=arch == "Qwen3NextForCausalLM",
+            fused_qkvz=arch == "Qwen3NextForCausalLM" and not layout.get("split_qkvz", False),
+            grouped_ba=arch == "Qwen3NextForCausalLM",
+            tiled_v_heads=bool(layout.get("tiled_v_heads", False)),
         ),
     )
