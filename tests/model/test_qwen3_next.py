@@ -352,3 +352,28 @@ def test_a_gguf_file_serves_transformers_tokens(arch, tmp_path, monkeypatch):
     finally:
         engine.shutdown()
     assert [t for t, _ in got] == [_reference(model, p) for p in PROMPTS]
+
+
+def test_a_qwen3_5_vision_checkpoint_serves_its_language_model(tmp_path):
+    """Qwen3.5 is published as vision-language checkpoints (`Qwen3_5ForConditionalGeneration`): pytgi
+    serves their language model (`model.language_model.*`) as text, its vision tower and an MTP
+    layer's tensors left unread, with the greedy tokens of transformers' model on text."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(3)
+    cfg = transformers.Qwen3_5Config(
+        text_config=dict(COMMON, intermediate_size=64),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
+    )
+    model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+    _save(model, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert any(n.startswith("model.visual.") for n in tensors)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)  # a published checkpoint's MTP layer: not read
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    engine = _engine(tmp_path, dtype="float32")
+    try:
+        got = run(engine, PROMPTS)
+    finally:
+        engine.shutdown()
+    assert [t for t, _ in got] == [_reference(model, p) for p in PROMPTS]

@@ -133,6 +133,7 @@ class DecoderConfig:
     linear: LinearAttnConfig | None = None
     attn_output_gate: bool = False
     rotary_dim: int | None = None  # None: head_dim
+    ignored_weights: tuple[str, ...] = ()  # checkpoint tensors (by prefix) the model does not use
 
 
 def local_heads(cfg: DecoderConfig) -> tuple[int, int, int]:
@@ -553,7 +554,10 @@ class DecoderModel(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in self._unfused(weights):
-            name = name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+            if name.startswith(self.config.ignored_weights):
+                continue
+            name = name.removeprefix("model.").removeprefix("language_model.")  # (a VLM's, served as text)
+            name = name.replace(".block_sparse_moe.", ".mlp.")
             name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's router
             name = name.replace(".conv1d.weight", ".conv1d")  # a linear-attention layer's convolution
             if "rotary_emb" in name:

@@ -30,7 +30,8 @@ from pytgi.engine.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECT
 from pytgi.engine.models.llama import llama_config
 from pytgi.engine.models.quant import resolve_plan
 from pytgi.engine.models.qwen3_next import ARCHITECTURES as QWEN3_NEXT_ARCHITECTURES
-from pytgi.engine.models.qwen3_next import qwen3_next_config
+from pytgi.engine.models.qwen3_next import VLM_ARCHITECTURES as QWEN3_5_VLM_ARCHITECTURES
+from pytgi.engine.models.qwen3_next import qwen3_5_vlm_config, qwen3_next_config
 from pytgi.engine.models.safetensors_files import iter_safetensors
 
 # architecture → its config.json read as a `DecoderConfig` (every family runs on `DecoderModel`)
@@ -40,6 +41,7 @@ MODELS: dict[str, Callable[[dict[str, Any]], DecoderConfig]] = {
     "Gemma2ForCausalLM": gemma_config,  # Gemma 3's layers, without q/k norms, soft-capped
     **{arch: gpt_oss_config for arch in GPT_OSS_ARCHITECTURES},
     **{arch: qwen3_next_config for arch in QWEN3_NEXT_ARCHITECTURES},
+    **{arch: qwen3_5_vlm_config for arch in QWEN3_5_VLM_ARCHITECTURES},
 }
 # vision-language architecture → its model class (a vision part before `DecoderModel`) and the
 # language model's config.json read from its own

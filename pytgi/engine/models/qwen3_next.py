@@ -22,6 +22,22 @@ from pytgi.engine.models.linear_attention import LinearAttnConfig
 from pytgi.engine.models.llama import llama_config, moe_config
 
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# Qwen3.5 as published: vision-language checkpoints; served as text (their vision tower not read yet)
+VLM_ARCHITECTURES = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+# checkpoint tensors these models do not use: the multi-token-prediction layers, a VLM's vision tower
+IGNORED = ("mtp.", "model.mtp.")
+VLM_IGNORED = (*IGNORED, "model.visual.")
+
+
+def qwen3_5_vlm_config(cfg: dict[str, Any]) -> DecoderConfig:
+    """A Qwen3.5 vision-language checkpoint's language model (`model.language_model.*`)."""
+    text = dict(cfg.get("text_config") or {})
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
+    text["architectures"] = [VLM_ARCHITECTURES[cfg["architectures"][0]]]
+    return dataclasses.replace(qwen3_next_config(text), ignored_weights=VLM_IGNORED)
 
 
 def qwen3_next_config(cfg: dict[str, Any]) -> DecoderConfig:
@@ -58,6 +74,7 @@ def qwen3_next_config(cfg: dict[str, Any]) -> DecoderConfig:
         sliding_window=None,
         attn_output_gate=True,
         rotary_dim=int(head_dim * partial),
+        ignored_weights=IGNORED,
         linear=LinearAttnConfig(
             num_k_heads=cfg["linear_num_key_heads"],
             num_v_heads=cfg["linear_num_value_heads"],
