@@ -127,6 +127,37 @@ def test_paged_prefill_kernel_equals_torch_path(dtype, tol, H, KVH, D):
     torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+# (10, 2, 20): the portable kernel on every CPU
+@pytest.mark.parametrize("H, KVH, D", [(8, 2, 64), (4, 2, 16), (10, 2, 20)])
+@pytest.mark.parametrize("decodes_only", [False, True])
+def test_sinks_in_the_paged_kernel_equal_the_gathered_path(dtype, tol, H, KVH, D, decodes_only):
+    """gpt-oss's sinks (a logit per query head in each softmax, attending to nothing), some of them
+    above every score: the paged kernel (split-K, its rows' tiles, the portable path) equals the
+    gathered two-matmul attention (`_attend_sinks`)."""
+    torch.manual_seed(1)
+    bs = 16
+    q_lens = np.ones(4, np.int64) if decodes_only else np.array([1, 40, 3, 17])
+    ctx = np.array([300, 300, 3, 129])
+    layout, n_slots = scattered_step(q_lens, ctx, bs, spare=4, seed=1)
+    T = int(q_lens.sum())
+    k_cache, v_cache = (torch.randn(n_slots, KVH, D).to(dtype) for _ in range(2))
+    q, k, v = (torch.randn(T, n, D).to(dtype) for n in (H, KVH, KVH))
+    sinks = torch.randn(H) * 3
+    outs = []
+    for use in (True, False):
+        backend = attention(dtype, (H, KVH, D), fused=use, limits=Crossovers(paged_prefill=64))
+        meta = backend.prepare(layout, torch.device("cpu"))
+        assert (meta.paged is not None) == use
+        out = backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, D**-0.5, sinks=sinks)
+        outs.append(out.float())
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+    plain = attention(dtype, (H, KVH, D), fused=True).forward(
+        q, k, v, k_cache.clone(), v_cache.clone(), meta, D**-0.5
+    )
+    assert not torch.allclose(plain.float(), outs[1], atol=tol, rtol=tol)  # the sinks matter
+
+
 def test_big_prefill_chunks_keep_sdpa_unless_batch_invariant():
     n = CROSSOVERS.paged_prefill + 1
     layout = StepLayout(

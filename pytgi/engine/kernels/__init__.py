@@ -280,9 +280,12 @@ def paged_attention(
     out: torch.Tensor,
     p: PagedBatch,
     scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """out[rows of p's requests] = attention of their queries over their cached context."""
+    """out[rows of p's requests] = attention of their queries over their cached context. `sinks`
+    [H]: a logit per query head in each softmax that attends to nothing (gpt-oss)."""
     _, H, D = q.shape
+    sink = None if sinks is None else sinks.detach().float().contiguous()
     common = (
         _ptr(p.block_tables),
         _ptr(p.context_lens),
@@ -297,7 +300,7 @@ def paged_attention(
     flag = int(kv8(k_cache))
     if p.decodes_only:
         failed = _fn("decode_attention", q.dtype)(
-            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts), *common, flag
+            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts), *common, flag, _ptr(sink)
         )
     else:
         failed = _fn("paged_prefill", q.dtype)(
@@ -311,6 +314,7 @@ def paged_attention(
             _ptr(p.tiles),
             *common[2:],
             flag,
+            _ptr(sink),
         )
     _check(failed, "paged attention")
 

@@ -62,9 +62,9 @@ static int attend(const uint16_t *q, const void *kc, const void *vc, uint16_t *o
                   int64_t all_decodes, int64_t kv8) {
     if (all_decodes)
         return pytgi_decode_attention_bf16(q, kc, vc, out, q_starts, block_tables, ctx_lens, B, max_blocks, block_size,
-                                           H, KVH, D, scale, kv8);
+                                           H, KVH, D, scale, kv8, NULL);
     return pytgi_paged_prefill_bf16(q, kc, vc, out, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks,
-                                    block_size, H, KVH, D, scale, kv8);
+                                    block_size, H, KVH, D, scale, kv8, NULL);
 }
 
 int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, uint16_t *h, int64_t T,

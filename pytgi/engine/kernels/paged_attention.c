@@ -130,9 +130,10 @@ ROW_FN static void qk_block(const v8f *restrict q, const v8f *restrict kf, int64
     else qk_body(q, kf, Dv, s);
 }
 
-/* The row's L scores → e^(s - max) (padded with zeros to whole vectors); returns 1 / Σ. */
-ROW_FN static float softmax_row(float *restrict s, int64_t L) {
-    float m = -INFINITY;
+/* The row's L scores → e^(s - max) (padded with zeros to whole vectors); returns 1 / Σ. `sink` (NULL:
+ * none): one more logit in the softmax that attends to nothing (gpt-oss), in Σ and the max. */
+ROW_FN static float softmax_row(float *restrict s, int64_t L, const float *sink) {
+    float m = sink != NULL ? *sink : -INFINITY;
     for (int64_t j = 0; j < L; j++) m = s[j] > m ? s[j] : m;
     for (int64_t j = L; j < (L + 7) / 8 * 8; j++) s[j] = m - 100.0f; /* e^-100: 0 */
     v8f sum = {0};
@@ -143,7 +144,8 @@ ROW_FN static float softmax_row(float *restrict s, int64_t L) {
         memcpy(s + j, &x, sizeof x);
         sum += x;
     }
-    return 1.0f / (((sum[0] + sum[4]) + (sum[2] + sum[6])) + ((sum[1] + sum[5]) + (sum[3] + sum[7])));
+    const float total = ((sum[0] + sum[4]) + (sum[2] + sum[6])) + ((sum[1] + sum[5]) + (sum[3] + sum[7]));
+    return 1.0f / (sink != NULL ? total + expf(*sink - m) : total);
 }
 
 /* acc (Dv vectors) += Σ_{j < n} p[j] · value j (vf: KB rows of Dv vectors). */
@@ -199,7 +201,8 @@ static void widen_kv8(const uint8_t *cache, const int64_t *table, int64_t bs, in
 #define DEFINE_PORTABLE_TASK(NAME, T, ROW, STORE, WIDEN)                                               \
     static int NAME(const T *q, const void *k_cache, const void *v_cache, T *out, int64_t q0, int64_t Q, \
                     int64_t t0, int64_t t1, int64_t ctx, const int64_t *table, int64_t bs, int64_t H,  \
-                    int64_t KVH, int64_t D, int64_t h0, int64_t nh, float scale, int kv8) {            \
+                    int64_t KVH, int64_t D, int64_t h0, int64_t nh, float scale, int kv8,              \
+                    const float *sinks) {                                                              \
         const int64_t kvh = h0 / (H / KVH), Lmax = ctx - Q + t1, stride = (Lmax + KB - 1) / KB * KB;  \
         const int64_t Dv = (D + 7) / 8, Dq = Dv * 8, R = (t1 - t0) * nh;                             \
         /* kv: a block of keys or values; per row r: its query, output sums and scores */           \
@@ -218,7 +221,8 @@ static void widen_kv8(const uint8_t *cache, const int64_t *table, int64_t bs, in
                 if (j0 < ctx - Q + t0 + r / nh + 1)                                                  \
                     qk_block((const v8f *)(qf + r * Dq), (const v8f *)kv, Dv, (v8f *)(s + r * stride + j0)); \
         }                                                                                            \
-        for (int64_t r = 0; r < R; r++) inv[r] = softmax_row(s + r * stride, ctx - Q + t0 + r / nh + 1); \
+        for (int64_t r = 0; r < R; r++)                                                              \
+            inv[r] = softmax_row(s + r * stride, ctx - Q + t0 + r / nh + 1, sinks ? sinks + h0 + r % nh : NULL); \
         for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {                                                  \
             if (kv8) widen_kv8(v_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq); \
             else WIDEN(v_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq); \
@@ -244,7 +248,7 @@ DEFINE_PORTABLE_TASK(portable_task_bf16, uint16_t, row_bf16, store_bf16, widen_b
 static int attention_portable(int bf16, const void *q, const void *k_cache, const void *v_cache, void *out,
                               const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
                               const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t bs, int64_t H,
-                              int64_t KVH, int64_t D, float scale, int kv8) {
+                              int64_t KVH, int64_t D, float scale, int kv8, const float *sinks) {
     const int64_t G = H / KVH;
     int64_t tiles = 0;
     for (int64_t b = 0; b < B; b++) tiles += ((q_lens ? q_lens[b] : 1) + ROWS - 1) / ROWS;
@@ -265,9 +269,9 @@ static int attention_portable(int bf16, const void *q, const void *k_cache, cons
         const int64_t Q = q_lens ? q_lens[b] : 1, t0 = (tile - first[b]) * ROWS, t1 = t0 + ROWS < Q ? t0 + ROWS : Q;
         const unsigned int csr = flush_denormals();
         const int err = bf16 ? portable_task_bf16(q, k_cache, v_cache, out, q_starts[b], Q, t0, t1, ctx_lens[b],
-                                                  block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale, kv8)
+                                                  block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale, kv8, sinks)
                              : portable_task_f32(q, k_cache, v_cache, out, q_starts[b], Q, t0, t1, ctx_lens[b],
-                                                 block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale, kv8);
+                                                 block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale, kv8, sinks);
         restore_csr(csr);
         if (err) {
             _Pragma("omp atomic write")
@@ -759,9 +763,10 @@ static int chunk_amx(int64_t D, const uint16_t *q, int64_t qstride, int64_t Q, i
  * out = Σ_c e^(m_c - M) acc_c / Σ_c e^(m_c - M) l_c. Both schedules below combine with this, so a
  * row's result is the same bits whichever computed it. */
 static inline void combine_row(int64_t nc, const float *acc, const float *m, const float *l, int64_t cs, int64_t D,
-                               char *dst, int bf16) {
-    float M = -INFINITY, sum = 0.0f;
+                               char *dst, int bf16, const float *sink) {
+    float M = sink != NULL ? *sink : -INFINITY, sum = 0.0f; /* a sink (NULL: none) joins the max and Σ */
     for (int64_t c = 0; c < nc; c++) M = m[c * cs] > M ? m[c * cs] : M;
+    if (sink != NULL) sum = expf(*sink - M); /* the sink's term of Σ (it attends to nothing) */
     __m512 o[MAXD / 16];
     for (int64_t i = 0; i < D / 16; i++) o[i] = _mm512_setzero_ps();
     for (int64_t c = 0; c < nc; c++) {
@@ -787,7 +792,7 @@ static inline void combine_row(int64_t nc, const float *acc, const float *m, con
 static inline __attribute__((always_inline)) int lanes_rows_task(int64_t task, int64_t RT, int64_t D, const char *q,
                                                                  int64_t q0, int64_t Q, int64_t ctx, const uint8_t *kv,
                                                                  int64_t H, int64_t KVH, int64_t G, float scale,
-                                                                 char *out) {
+                                                                 char *out, const float *sinks) {
     const int64_t kvh = task / RT, r0 = task % RT * 16, R = Q * G, r1 = r0 + 16 < R ? r0 + 16 : R;
     const int64_t nc = (ctx + CHUNK - 1) / CHUNK, cs = 16 * (D + 2), nblk = (ctx + LB - 1) / LB;
     const char *qp = q + (q0 * H + kvh * G) * D * 2; /* the kv head's first query row */
@@ -808,7 +813,7 @@ static inline __attribute__((always_inline)) int lanes_rows_task(int64_t task, i
     }
     for (int64_t r = r0; r < r1; r++)
         combine_row(nc, part + (r - r0) * D, part + 16 * D + (r - r0), part + 16 * D + 16 + (r - r0), cs, D,
-                    out + ((q0 + r / G) * H + kvh * G + r % G) * D * 2, 1);
+                    out + ((q0 + r / G) * H + kvh * G + r % G) * D * 2, 1, sinks ? sinks + kvh * G + r % G : NULL);
     free(part);
     return 0;
 }
@@ -823,7 +828,8 @@ static inline __attribute__((always_inline)) int lanes_rows_task(int64_t task, i
  * for a long prompt is tens of MB written and read again), then combined. kv: the request's keys
  * and values for the tiles, per kv head and block of 32 (amx_block_kv). */
 static int rows_task(int64_t task, int64_t RT, int64_t D, const uint16_t *q, int64_t q0, int64_t Q, int64_t ctx,
-                     const uint8_t *kv, int64_t H, int64_t KVH, int64_t G, float scale, uint16_t *out) {
+                     const uint8_t *kv, int64_t H, int64_t KVH, int64_t G, float scale, uint16_t *out,
+                     const float *sinks) {
     const int64_t kvh = task / RT, r0 = task % RT * 16, R = Q * G, nc = (ctx + CHUNK - 1) / CHUNK, cs = 16 * (D + 2);
     const int64_t nblk = (ctx + 31) / 32;
     float *part = malloc(sizeof(float) * (size_t)(nc * cs));
@@ -853,7 +859,7 @@ static int rows_task(int64_t task, int64_t RT, int64_t D, const uint16_t *q, int
     for (int64_t i = 0; i < 16 && r0 + i < R; i++) {
         const int64_t r = r0 + i;
         combine_row(nc, part + i * D, part + 16 * D + i, part + 16 * D + 16 + i, cs, D,
-                    (char *)(out + ((q0 + r / G) * H + kvh * G + r % G) * D), 1);
+                    (char *)(out + ((q0 + r / G) * H + kvh * G + r % G) * D), 1, sinks ? sinks + kvh * G + r % G : NULL);
     }
     free(part);
     free(qa);
@@ -872,7 +878,7 @@ static int rows_task(int64_t task, int64_t RT, int64_t D, const uint16_t *q, int
 static int attention512(int bf16, const char *q, const char *k_cache, const char *v_cache, char *out,
                         const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
                         const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t bs,
-                        int64_t H, int64_t KVH, int64_t D, float scale, int kv8) {
+                        int64_t H, int64_t KVH, int64_t D, float scale, int kv8, const float *sinks) {
     const int64_t G = H / KVH, es = bf16 ? 2 : 4;
     int use_amx = 0;
 #if AMX_ATTN
@@ -989,10 +995,11 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
 #if AMX_ATTN
             if (ROW_AMX(b))
                 bad = rows_task(task, RT, D, (const uint16_t *)q, q_starts[b], QLEN(b), ctx_lens[b], kv[k], H, KVH, G,
-                                scale, (uint16_t *)out);
+                                scale, (uint16_t *)out, sinks);
 #endif
 #if LANES_BUILT
-#define LANES_TASK(D) lanes_rows_task(task, RT, D, q, q_starts[b], QLEN(b), ctx_lens[b], kv[k], H, KVH, G, scale, out)
+#define LANES_TASK(D) \
+    lanes_rows_task(task, RT, D, q, q_starts[b], QLEN(b), ctx_lens[b], kv[k], H, KVH, G, scale, out, sinks)
             if (!ROW_AMX(b)) bad = D == 64 ? LANES_TASK(64) : D == 128 ? LANES_TASK(128) : LANES_TASK(D);
 #undef LANES_TASK
 #endif
@@ -1056,7 +1063,8 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
             for (int64_t r = 0; r < Q * G; r++) {
                 const int64_t t = r / G, h = r % G;
                 combine_row(nc, pc + r * D, pc + Q * G * D + r, pc + Q * G * D + Q * G + r, KVH * size, D,
-                            (char *)out + ((q_starts[b] + t) * H + kvh * G + h) * D * es, bf16);
+                            (char *)out + ((q_starts[b] + t) * H + kvh * G + h) * D * es, bf16,
+                            sinks ? sinks + kvh * G + h : NULL);
             }
         }
 #if AMX_ATTN
@@ -1085,13 +1093,14 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
 #define DEFINE_DECODE_ENTRY(NAME, T, BF16)                                                             \
     int NAME(const T *q, const void *k_cache, const void *v_cache, T *out, const int64_t *rows,        \
              const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks,      \
-             int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8) {        \
+             int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8,          \
+             const float *sinks) {                                                                     \
         if (FAST_OK)                                                                                   \
             return attention512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,   \
                                 (char *)out, rows, NULL, block_tables, ctx_lens, NULL, B, max_blocks,  \
-                                block_size, H, KVH, D, scale, (int)kv8);                               \
+                                block_size, H, KVH, D, scale, (int)kv8, sinks);                        \
         return attention_portable(BF16, q, k_cache, v_cache, out, rows, NULL, block_tables, ctx_lens, B, \
-                                  max_blocks, block_size, H, KVH, D, scale, (int)kv8);                 \
+                                  max_blocks, block_size, H, KVH, D, scale, (int)kv8, sinks);          \
     }
 DEFINE_DECODE_ENTRY(pytgi_decode_attention_f32, float, 0)
 DEFINE_DECODE_ENTRY(pytgi_decode_attention_bf16, uint16_t, 1)
@@ -1102,14 +1111,14 @@ DEFINE_DECODE_ENTRY(pytgi_decode_attention_bf16, uint16_t, 1)
     int NAME(const T *q, const void *k_cache, const void *v_cache, T *out, const int64_t *q_starts,    \
              const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens,               \
              const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H,        \
-             int64_t KVH, int64_t D, float scale, int64_t kv8) {                                        \
+             int64_t KVH, int64_t D, float scale, int64_t kv8, const float *sinks) {                   \
         (void)tiles;                                                                                   \
         if (!FAST_OK)                                                                                  \
             return attention_portable(BF16, q, k_cache, v_cache, out, q_starts, q_lens, block_tables,  \
-                                      ctx_lens, B, max_blocks, block_size, H, KVH, D, scale, (int)kv8); \
+                                      ctx_lens, B, max_blocks, block_size, H, KVH, D, scale, (int)kv8, sinks); \
         return attention512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,       \
                             (char *)out, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks, \
-                            block_size, H, KVH, D, scale, (int)kv8);                                   \
+                            block_size, H, KVH, D, scale, (int)kv8, sinks);                            \
     }
 DEFINE_PREFILL(pytgi_paged_prefill_f32, float, 0)
 DEFINE_PREFILL(pytgi_paged_prefill_bf16, uint16_t, 1)

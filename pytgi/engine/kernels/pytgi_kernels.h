@@ -31,11 +31,12 @@ void pytgi_write_kv8_bf16(const uint16_t *k, const uint16_t *v, const int64_t *s
 void pytgi_logit_stats_f32(const float *x, int64_t B, int64_t V, int64_t *argmax, float *lse, int64_t *bad);
 
 /* paged_attention.c: attention over the paged cache, read in place. Decodes: one query token per
- * request, at flat row rows[b]. Prefill chunks (and decodes): q_lens[b] tokens from row q_starts[b]. */
-int pytgi_decode_attention_f32(const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8);
-int pytgi_decode_attention_bf16(const uint16_t *q, const void *k_cache, const void *v_cache, uint16_t *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8);
-int pytgi_paged_prefill_f32(const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8);
-int pytgi_paged_prefill_bf16(const uint16_t *q, const void *k_cache, const void *v_cache, uint16_t *out, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8);
+ * request, at flat row rows[b]. Prefill chunks (and decodes): q_lens[b] tokens from row q_starts[b].
+ * sinks: NULL, or a float32 logit per query head in each row's softmax that attends to nothing (gpt-oss). */
+int pytgi_decode_attention_f32(const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8, const float *sinks);
+int pytgi_decode_attention_bf16(const uint16_t *q, const void *k_cache, const void *v_cache, uint16_t *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8, const float *sinks);
+int pytgi_paged_prefill_f32(const float *q, const void *k_cache, const void *v_cache, float *out, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8, const float *sinks);
+int pytgi_paged_prefill_bf16(const uint16_t *q, const void *k_cache, const void *v_cache, uint16_t *out, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8, const float *sinks);
 
 /* qgemv.c: bf16 activations [M, K] times a packed low-bit weight [N, K] (VNNI; AMX tiles). */
 int pytgi_qgemv_supported(void);

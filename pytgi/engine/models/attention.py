@@ -170,7 +170,7 @@ class TorchAttention:
                 v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if meta.paged is not None:
-            kernels.paged_attention(q.contiguous(), k_cache, v_cache, out, meta.paged, scale)
+            kernels.paged_attention(q.contiguous(), k_cache, v_cache, out, meta.paged, scale, sinks)
         for g in (meta.decode, meta.prefill):
             if g is None:
                 continue
@@ -211,12 +211,8 @@ def _attend_sinks(
 
 
 class SinkAttention(TorchAttention):
-    """Attention with sinks (gpt-oss): neither SDPA nor the paged kernels take them yet, so every
-    request's context is gathered and attended by `_attend_sinks`."""
-
-    def __init__(self, cpu: Kernels, heads: tuple[int, int, int]) -> None:
-        super().__init__(cpu, heads)
-        self.paged, self.paged_prefill_max = False, 0
+    """Attention with sinks (gpt-oss): the paged C kernel takes them (its rows' softmax has one more
+    logit per query head); SDPA does not, so the gathered path attends with `_attend_sinks`."""
 
 
 class SoftcapAttention(TorchAttention):
