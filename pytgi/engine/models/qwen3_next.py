@@ -42,10 +42,14 @@ def qwen3_5_vlm_config(cfg: dict[str, Any]) -> DecoderConfig:
 
 def qwen3_next_config(cfg: dict[str, Any]) -> DecoderConfig:
     arch = (cfg.get("architectures") or [""])[0]
-    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    partial = float(cfg.get("partial_rotary_factor") or rope.pop("partial_rotary_factor", None) or 0.25)
-    rope.pop("partial_rotary_factor", None)
-    rope = {k: v for k, v in rope.items() if k not in ("mrope_section", "mrope_interleaved")}
+    given = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = float(cfg.get("partial_rotary_factor") or given.get("partial_rotary_factor") or 0.25)
+    # Qwen3.5's M-RoPE sections: text positions are the same on every axis, so plain RoPE
+    rope = {
+        k: v
+        for k, v in given.items()
+        if k not in ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+    }
     if rope.get("rope_type", rope.get("type")) in ("mrope", None, "default"):
         rope = {}
     layers = cfg["num_hidden_layers"]
@@ -56,7 +60,7 @@ def qwen3_next_config(cfg: dict[str, Any]) -> DecoderConfig:
     }
     if rope:
         plain["rope_parameters"] = rope
-    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    theta = cfg.get("rope_theta") or given.get("rope_theta") or 10000.0
     base = llama_config({**plain, "rope_theta": theta, "attention_bias": cfg.get("attention_bias", False)})
     head_dim = base.head_dim
     layout = cfg.get("linear_layout") or {}  # a GGUF file's, as pytgi's conversion notes it
