@@ -348,14 +348,16 @@ def _with_states(
             "cannot be shared, cached or rolled back (docs/models.md)"
         )
     state, per_token = runner.state_bytes, runner.paged.kv_bytes_per_token()
-    slots = config.max_batch_size
+    slots, measured = config.max_batch_size, None
     if slots is None:
-        tokens = config.max_batch_total_tokens or kv_capacity()
+        if config.max_batch_total_tokens is None:
+            measured = kv_capacity()  # measured once: the KV cache is sized from the same figure
+        tokens = config.max_batch_total_tokens or measured or 0
         slots = max(1, min(256, tokens * per_token // 4 // state))
     if config.enable_prefix_caching:
         log.info("prefix caching is off: this model's linear-attention states are not kept per block")
     taken = -(-slots * state // per_token)  # the states' memory, in KV tokens
     return (
         dataclasses.replace(config, max_batch_size=slots, enable_prefix_caching=False),
-        lambda: max(kv_capacity() - taken, 0),
+        lambda: max((kv_capacity() if measured is None else measured) - taken, 0),
     )

@@ -116,6 +116,7 @@ class BlockManager:
         request); False, with nothing changed, if there are not enough free blocks."""
         if self.blocks_needed(req, num_new_tokens, cached) > self.num_free_blocks:
             return False
+        # (a draft model's view of a request has no state slot: its model keeps no recurrent state)
         if self.has_states and getattr(req, "state_slot", 0) < 0:
             if not self.free_states:
                 return False
