@@ -43,12 +43,16 @@ void pytgi_add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16
     }
 }
 
-/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i] */
+/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, I + i]. e^-x is taken at 80 at most: -ffast-math assumes
+ * no infinities, and its vector expf gave NaN for gates below -88 (silu is -0 there in float32 anyway,
+ * to within 1e-33). */
+static inline float silu(float x) { return x / (1.0f + expf(x > -80.0f ? -x : 80.0f)); }
+
 void pytgi_silu_mul_f32(const float *gu, float *out, int64_t T, int64_t I) {
     _Pragma("omp parallel for if (T >= 8)")
     for (int64_t t = 0; t < T; t++) {
         const float *g = gu + t * 2 * I, *u = g + I;
-        for (int64_t i = 0; i < I; i++) out[t * I + i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (int64_t i = 0; i < I; i++) out[t * I + i] = silu(g[i]) * u[i];
     }
 }
 
@@ -58,7 +62,7 @@ void pytgi_silu_mul_bf16(const uint16_t *gu, uint16_t *out, int64_t T, int64_t I
         const uint16_t *g = gu + t * 2 * I, *u = g + I;
         for (int64_t i = 0; i < I; i++) {
             const float x = bf16_load(g[i]);
-            out[t * I + i] = bf16_round(bf16_rt(x / (1.0f + expf(-x))) * bf16_load(u[i]));
+            out[t * I + i] = bf16_round(bf16_rt(silu(x)) * bf16_load(u[i]));
         }
     }
 }
