@@ -10,6 +10,8 @@ own tools from the llama-cpp-python sdist (docs/bench.md has the build).
                                                                    # /tmp/llama/qwen3moe-22l-q4_k_m.gguf
     .venv/bin/python benchmarks/make_shaped.py --shape llama3b                    # HF dir only
     .venv/bin/python benchmarks/make_shaped.py --shape qwen35 --layers 8          # /tmp/llama/qwen35-8l-hf
+    .venv/bin/python benchmarks/make_shaped.py --shape gptoss20b --llama-cpp $SD --outtype bf16
+                                         # /tmp/llama/gptoss20b-24l-hf (MXFP4), gptoss20b-24l-bf16.gguf
 
 - The model is never instantiated: each tensor is generated on its own (torch.Generator seeded
   0 + its index in the checkpoint order), N(0, 0.02) for matrices, 1.0 for norm weights, and
@@ -19,6 +21,10 @@ own tools from the llama-cpp-python sdist (docs/bench.md has the build).
   the GGUF vocabulary with [PAD<i>] tokens up to it.
 - Qwen3-MoE experts use the original checkpoint names (mlp.experts.<j>.{gate,up,down}_proj.weight,
   mlp.gate.weight), which convert_hf_to_gguf.py stacks into ffn_*_exps.
+- gpt-oss-20b (gptoss20b) is written as OpenAI published it: the experts in MXFP4 (`*_blocks`: random
+  code bytes, `*_scales`: exponents 118..122, values within ±6·2^-5), quant_method mxfp4, the rest
+  bf16 with biases and sinks; llama.cpp's converter keeps the experts' MXFP4 blocks as they are (its
+  MXFP4_MOE file type) and writes the rest in --outtype (bf16 here, as ggml-org's files: no re-quantizing).
 - With --llama-cpp: convert_hf_to_gguf.py --outtype bf16 (run by --convert-python with the sdist's
   gguf-py on PYTHONPATH), then build/bin/llama-quantize ... Q4_K_M; the HF dir and the bf16 GGUF
   are deleted once used unless --keep.
@@ -35,7 +41,7 @@ import time
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoTokenizer, LlamaConfig, Qwen3_5TextConfig, Qwen3MoeConfig
+from transformers import AutoTokenizer, GptOssConfig, LlamaConfig, Qwen3_5TextConfig, Qwen3MoeConfig
 
 SHAPES = {
     "llama3b": dict(cls=LlamaConfig, arch="LlamaForCausalLM", vocab_size=128256, hidden_size=3072,
@@ -58,6 +64,12 @@ SHAPES = {
                    num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=10000000.0,
                    max_position_embeddings=32768, tie_word_embeddings=False, linear_num_key_heads=16,
                    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128),
+    # gpt-oss-20b: 24 layers alternating a 128-token window and full attention, 32 experts of 2880 (top 4)
+    "gptoss20b": dict(cls=GptOssConfig, arch="GptOssForCausalLM", vocab_size=201088, hidden_size=2880,
+                      intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                      num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=150000.0,
+                      max_position_embeddings=131072, tie_word_embeddings=False, num_local_experts=32,
+                      num_experts_per_tok=4, sliding_window=128),
 }
 SHARD_BYTES = 2_000_000_000
 
@@ -81,6 +93,21 @@ def tensor_plan(c):
             I = c.intermediate_size
             plan += [(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H)),
                      (p + "mlp.down_proj.weight", (H, I)), (p + "post_attention_layernorm.weight", (H,))]
+            continue
+        if c.model_type == "gpt_oss":
+            E, I, nh, nkv = c.num_local_experts, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads
+            a, m = p + "self_attn.", p + "mlp."
+            plan += [(p + "input_layernorm.weight", (H,))]
+            for proj, rows, cols in (("q", nh * hd, H), ("k", nkv * hd, H), ("v", nkv * hd, H), ("o", H, nh * hd)):
+                plan += [(a + f"{proj}_proj.weight", (rows, cols)), (a + f"{proj}_proj.bias", (rows,))]
+            plan += [(a + "sinks", (nh,)), (p + "post_attention_layernorm.weight", (H,)),
+                     (m + "router.weight", (E, H)), (m + "router.bias", (E,)),
+                     (m + "experts.gate_up_proj_blocks", (E, 2 * I, H // 32, 16)),
+                     (m + "experts.gate_up_proj_scales", (E, 2 * I, H // 32)),
+                     (m + "experts.gate_up_proj_bias", (E, 2 * I)),
+                     (m + "experts.down_proj_blocks", (E, H, I // 32, 16)),
+                     (m + "experts.down_proj_scales", (E, H, I // 32)),
+                     (m + "experts.down_proj_bias", (E, H))]
             continue
         gate = 2 if c.model_type == "qwen3_5_text" else 1  # Qwen3.5's attention gate: a second q half
         plan += [(p + "input_layernorm.weight", (H,)),
@@ -112,8 +139,12 @@ def tensor_plan(c):
 def write_weights(plan, out):
     """bf16 safetensors shards of <= SHARD_BYTES, one seeded generator per tensor."""
     shards, size = [[]], 0
+
+    def width(name):  # bytes a value: MXFP4 blocks and exponents are bytes
+        return 1 if name.endswith(("_blocks", "_scales")) else 2
+
     for idx, (name, shape) in enumerate(plan):
-        nbytes = 2 * torch.Size(shape).numel()
+        nbytes = width(name) * torch.Size(shape).numel()
         if shards[-1] and size + nbytes > SHARD_BYTES:
             shards.append([])
             size = 0
@@ -125,14 +156,18 @@ def write_weights(plan, out):
         tensors = {}
         for idx in idxs:
             name, shape = plan[idx]
+            g = torch.Generator().manual_seed(0 + idx)
             if name.endswith("norm.weight"):
                 t = torch.ones(shape, dtype=torch.bfloat16)
+            elif name.endswith("_blocks"):
+                t = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+            elif name.endswith("_scales"):
+                t = torch.randint(118, 123, shape, generator=g, dtype=torch.uint8)
             else:
-                g = torch.Generator().manual_seed(0 + idx)
                 t = torch.empty(shape).normal_(0.0, 0.02, generator=g).to(torch.bfloat16)
             tensors[name] = t
             weight_map[name] = fname
-            total += 2 * t.numel()
+            total += width(name) * t.numel()
         save_file(tensors, os.path.join(out, fname), metadata={"format": "pt"})
         print(f"  {fname}: {len(tensors)} tensors", flush=True)
     with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
@@ -156,6 +191,8 @@ def main():
     ap.add_argument("--llama-cpp", help="llama-cpp-python sdist dir with build/bin/llama-quantize")
     ap.add_argument("--convert-python", default="/tmp/llama/venv/bin/python")
     ap.add_argument("--keep", action="store_true", help="keep the HF dir and the bf16 GGUF")
+    ap.add_argument("--outtype", default="q4_k_m", choices=["q4_k_m", "bf16"],
+                    help="the GGUF: llama-quantize's Q4_K_M, or the converter's bf16 file as it is")
     args = ap.parse_args()
 
     shape = dict(SHAPES[args.shape])
@@ -177,10 +214,17 @@ def main():
     print("tokenizer:", type(tok).__name__, "len", len(tok), "bos", tok.bos_token_id, "eos", tok.eos_token_id)
 
     # --- config
-    config = cls(**shape, rope_parameters={"rope_type": "default", "rope_theta": theta}, hidden_act="silu",
-                 attention_bias=False, initializer_range=0.02, bos_token_id=tok.bos_token_id,
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if cls is GptOssConfig:  # YaRN from 4096 positions, as published
+        rope = {"rope_type": "yarn", "rope_theta": theta, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
+    config = cls(**shape, rope_parameters=rope, hidden_act="silu",
+                 attention_bias=cls is GptOssConfig, initializer_range=0.02, bos_token_id=tok.bos_token_id,
                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype="bfloat16")
     config.architectures = [arch]
+    if cls is GptOssConfig:
+        config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     config.save_pretrained(hf_dir)
 
     # --- weights
@@ -193,20 +237,23 @@ def main():
     if not args.llama_cpp:
         return
 
-    # --- llama.cpp: convert to bf16 GGUF, quantize to Q4_K_M
+    # --- llama.cpp: convert to bf16 GGUF, quantize to Q4_K_M (--outtype q4_k_m), or keep the bf16 file
     lcpp = os.path.join(args.llama_cpp, "vendor", "llama.cpp")
     env = dict(os.environ, PYTHONPATH=os.path.join(lcpp, "gguf-py"))
     t1 = time.time()
     run([args.convert_python, os.path.join(lcpp, "convert_hf_to_gguf.py"), hf_dir,
          "--outtype", "bf16", "--outfile", bf16], env=env)
     print(f"convert: {time.time() - t1:.0f} s, {bf16}: {gib(bf16)}", flush=True)
-    if not args.keep:
-        shutil.rmtree(hf_dir)
-    t2 = time.time()
-    run([os.path.join(args.llama_cpp, "build", "bin", "llama-quantize"), bf16, q4, "Q4_K_M"])
-    print(f"quantize: {time.time() - t2:.0f} s", flush=True)
-    if not args.keep:
-        os.remove(bf16)
+    if args.outtype == "bf16":  # the HF dir stays: pytgi serves the published (MXFP4) layout too
+        q4 = bf16
+    else:
+        if not args.keep:
+            shutil.rmtree(hf_dir)
+        t2 = time.time()
+        run([os.path.join(args.llama_cpp, "build", "bin", "llama-quantize"), bf16, q4, "Q4_K_M"])
+        print(f"quantize: {time.time() - t2:.0f} s", flush=True)
+        if not args.keep:
+            os.remove(bf16)
 
     sys.path.insert(0, env["PYTHONPATH"])  # the gguf-py that wrote the file
     from gguf import GGUFReader

@@ -195,3 +195,40 @@ def test_safetensors_are_read_as_safetensors_reads_them(tmp_path):
     for name, w in want.items():
         assert got[name].dtype == w.dtype and got[name].shape == w.shape
         assert torch.equal(got[name].view(torch.uint8), w.view(torch.uint8)), name
+
+
+@pytest.mark.skipif(not kernels.vnni_supported(), reason="the packed layouts need AVX2 or AVX-512 VNNI")
+def test_mxfp4_experts_stay_4_bit_from_a_gguf_file(tmp_path, monkeypatch):
+    """gpt-oss as llama.cpp ships it (experts in MXFP4): in bf16 the experts keep their e2m1 codes
+    (format mxfp4), holding the file's values exactly, and the logits stay as close to the float32
+    path's as int8 activations allow."""
+    from pytgi.engine.models.moe import SparseMoE
+    from pytgi.engine.models.quant import unpack_rows
+    from tests.model.test_gguf_families import FAMILIES as GGUF_FAMILIES
+
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    arch, kw, hf = tiny_model(GGUF_FAMILIES["gpt-oss"])
+
+    def quant(name: str, a: np.ndarray) -> str | None:
+        return "MXFP4" if "_exps.weight" in name else None
+
+    path = write_gguf(hf, arch, tmp_path / "gpt-oss.gguf", quant=quant)
+    model_dir = resolve_model(str(path), progress=False).path
+    fast = ModelRunner(EngineConfig(model=str(model_dir), dtype="bfloat16", device="cpu"))
+    exact = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
+    fast_model: Any = fast.model
+    exact_model: Any = exact.model
+    layers = [m for m in fast_model.modules() if isinstance(m, SparseMoE)]
+    floats = [m for m in exact_model.modules() if isinstance(m, SparseMoE)]
+    assert len(layers) == kw["num_hidden_layers"]
+    for moe, ref in zip(layers, floats):
+        assert moe.gate_up.numel() == moe.down.numel() == 0
+        for e, (gu, dn) in enumerate(moe.packed):
+            assert gu.kind == dn.kind == "mxfp4"
+            rows = torch.arange(gu.shape[0])
+            assert torch.equal(unpack_rows(gu.packed, rows, 5), ref.gate_up[e].float())
+            assert torch.equal(unpack_rows(dn.packed, torch.arange(dn.shape[0]), 5), ref.down[e].float())
+    seq = np.random.default_rng(1).integers(0, kw["vocab_size"], 23).tolist()
+    got, want = prompt_logits(fast, seq).float(), prompt_logits(exact, seq).float()
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9

@@ -7,6 +7,7 @@ one is tests/model/test_sharding.py's."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -71,21 +72,25 @@ def test_greedy_equals_transformers_in_float32(gpt_oss):
         assert tokens == ref, (prompt, tokens, ref)
 
 
-def test_batched_equals_alone_in_bf16(gpt_oss):
-    _, path = gpt_oss
+def alone_and_batched(path) -> tuple[list, list]:
+    """Each prompt's greedy tokens and logprobs in bf16, run alone, then all three in one batch."""
     engine = LLMEngine(EngineConfig(model=str(path), max_batch_total_tokens=1024, dtype="bfloat16"))
     try:
-        alone = [run(engine, [p])[0] for p in PROMPTS]
-        batched = run(engine, PROMPTS)
+        return [run(engine, [p])[0] for p in PROMPTS], run(engine, PROMPTS)
     finally:
         engine.shutdown()
+
+
+def test_batched_equals_alone_in_bf16(gpt_oss):
+    alone, batched = alone_and_batched(gpt_oss[1])
     assert batched == alone  # tokens and every prompt and output logprob, to the bit
 
 
-def test_an_mxfp4_checkpoint_serves_its_experts_exactly(gpt_oss, tmp_path):
-    """gpt-oss as published: the experts in MXFP4 (`_blocks` / `_scales`, quant_method mxfp4). pytgi
-    dequantizes them at load; served, the checkpoint gives what the float checkpoint holding
-    transformers' own dequantization of the same bytes gives, to the bit."""
+@pytest.fixture(scope="module")
+def mxfp4(gpt_oss, tmp_path_factory):
+    """gpt-oss as published: the experts in MXFP4 (`_blocks` / `_scales`, quant_method mxfp4), random codes
+    and exponents; beside it the float checkpoint holding transformers' own dequantization of the same
+    bytes. Returns (float dir, mxfp4 dir, {name: transformers' float tensor [E, in, out]})."""
     from safetensors.torch import load_file, save_file
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -103,40 +108,77 @@ def test_an_mxfp4_checkpoint_serves_its_experts_exactly(gpt_oss, tmp_path):
             torch.randint(122, 128, (e, h, i // 32), generator=g, dtype=torch.uint8),
         ),
     }
+    floats = {n: convert_moe_packed_tensors(b, s, dtype=torch.float32) for n, (b, s) in packed.items()}
     ref = type(model)(cfg).eval()
     ref.load_state_dict(model.state_dict())
     with torch.no_grad():
         for layer in ref.model.layers:
-            for name, (blocks, scales) in packed.items():
-                getattr(layer.mlp.experts, name).copy_(
-                    convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-                )
-    ref.save_pretrained(tmp_path / "float")
-    (tmp_path / "mxfp4").mkdir()
-    tensors = load_file(str(tmp_path / "float" / "model.safetensors"))
+            for name, t in floats.items():
+                getattr(layer.mlp.experts, name).copy_(t)
+    tmp = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    ref.save_pretrained(tmp / "float")
+    (tmp / "mxfp4").mkdir()
+    tensors = load_file(str(tmp / "float" / "model.safetensors"))
     for n in range(cfg.num_hidden_layers):
         for name, (blocks, scales) in packed.items():
             del tensors[f"model.layers.{n}.mlp.experts.{name}"]
             tensors[f"model.layers.{n}.mlp.experts.{name}_blocks"] = blocks.clone()
             tensors[f"model.layers.{n}.mlp.experts.{name}_scales"] = scales.clone()
-    save_file(tensors, str(tmp_path / "mxfp4" / "model.safetensors"))
-    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    save_file(tensors, str(tmp / "mxfp4" / "model.safetensors"))
+    config = json.loads((tmp / "float" / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "mxfp4",
         "modules_to_not_convert": ["model.layers.*.self_attn"],
     }
-    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps(config))
+    (tmp / "mxfp4" / "config.json").write_text(json.dumps(config))
+    return tmp / "float", tmp / "mxfp4", floats
+
+
+def test_an_mxfp4_checkpoint_serves_its_experts_exactly(mxfp4):
+    """In float32 pytgi dequantizes the experts at load; served, the checkpoint gives what the float
+    checkpoint of transformers' dequantization of the same bytes gives, to the bit."""
     outs = []
-    for kind in ("float", "mxfp4"):
-        engine = LLMEngine(
-            EngineConfig(model=str(tmp_path / kind), max_batch_total_tokens=1024, dtype="float32")
-        )
+    for path in mxfp4[:2]:
+        engine = LLMEngine(EngineConfig(model=str(path), max_batch_total_tokens=1024, dtype="float32"))
         try:
             outs.append(run(engine, PROMPTS))
         finally:
             engine.shutdown()
     assert outs[0] == outs[1]
     assert len({tuple(t) for t, _ in outs[1]}) > 1  # the answers differ: the experts matter
+
+
+def test_mxfp4_experts_stay_4_bit_in_bf16(mxfp4):
+    """In bf16 on a CPU with pytgi's low-bit kernel the experts keep their codes (format mxfp4: 4 bits a
+    weight, no float copy): the packed weights hold exactly transformers' values; served, a request
+    batched with others gives what it gives alone, and near the float32 tokens."""
+    from pytgi.engine import kernels
+    from pytgi.engine.models.cpu import Kernels
+    from pytgi.engine.models.loader import load_model
+    from pytgi.engine.models.moe import SparseMoE
+    from pytgi.engine.models.quant import unpack_rows
+
+    if not kernels.vnni_supported():
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2: MXFP4 is dequantized")
+    _, path, floats = mxfp4
+    cpu = Kernels.for_device(torch.device("cpu"), torch.bfloat16)
+    model: Any = load_model(path, torch.bfloat16, torch.device("cpu"), cpu)
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    assert layers and all(m.gate_up.numel() == 0 and m.down.numel() == 0 for m in layers)
+    gate_up, down = (
+        floats["gate_up_proj"],
+        floats["down_proj"],
+    )  # [E, H, 2I] (gate, up interleaved), [E, I, H]
+    for moe in layers:
+        for e, (gu, dn) in enumerate(moe.packed):
+            assert gu.kind == dn.kind == "mxfp4" and gu.bits == 5
+            want = torch.cat([gate_up[e].t()[0::2], gate_up[e].t()[1::2]])
+            assert torch.equal(unpack_rows(gu.packed, torch.arange(want.shape[0]), 5), want)
+            assert torch.equal(unpack_rows(dn.packed, torch.arange(down.shape[2]), 5), down[e].t())
+    del model
+    alone, batched = alone_and_batched(path)
+    assert batched == alone
+    assert len({tuple(t) for t, _ in batched}) > 1
 
 
 def test_mxfp4_is_refused_beyond_gpt_oss(tmp_path):
@@ -146,3 +188,31 @@ def test_mxfp4_is_refused_beyond_gpt_oss(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedQuantization, match="gpt-oss's experts only"):
         read_quantization(tmp_path)
+
+
+def test_mxfp4_experts_over_two_shards(mxfp4):
+    """The 4-bit experts split over 2 shards in bf16 (each rank a half of every expert's intermediate
+    features, the experts' down bias in the first rank's part alone): the prompts' logprobs move from one
+    shard's no more than the float checkpoint's do in bf16 (partial sums rounded apart)."""
+    from pytgi.engine import kernels
+
+    if not kernels.vnni_supported():
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2: MXFP4 is dequantized")
+    moved = []
+    for path in mxfp4[:2]:
+        outs = []
+        for n in (1, 2):
+            engine = LLMEngine(
+                EngineConfig(model=str(path), max_batch_total_tokens=1024, num_shard=n, dtype="bfloat16")
+            )
+            try:
+                outs.append(run(engine, PROMPTS))
+            finally:
+                engine.shutdown()
+        diffs = [
+            (torch.tensor(one[: len(p) - 1]) - torch.tensor(two[: len(p) - 1])).abs()
+            for p, (_, one), (_, two) in zip(PROMPTS, *outs)
+        ]
+        moved.append(torch.cat(diffs).mean().item())
+    float_moved, mxfp4_moved = moved
+    assert mxfp4_moved <= 2 * float_moved + 0.05, moved

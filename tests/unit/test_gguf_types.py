@@ -28,6 +28,7 @@ from pytgi.engine.models.quant import (
     kind_for_gguf_type,
     quantize_int4,
     quantize_int8_groups,
+    quantize_mxfp4,
 )
 
 N, K = 32, 512  # rows, values per row: two K-quant super-blocks
@@ -43,6 +44,7 @@ FP16_FIELDS = {
     "Q4_K": [0, 2],
     "Q5_K": [0, 2],
     "Q6_K": [208],
+    "MXFP4": [],  # its scale is a power of two (an e8m0 byte, at 0)
 }
 FLOATS = {"F32": np.float32, "F16": np.float16}
 
@@ -63,6 +65,8 @@ def _raw(name: str, seed: int = 0) -> np.ndarray:
     raw = rng.integers(0, 256, (N, K // block, size), dtype=np.uint8)
     if name == "Q8_0":  # llama.cpp rounds x / (amax / 127): -128 never occurs
         raw[..., 2:][raw[..., 2:] == 0x80] = 0x81
+    if name == "MXFP4":  # 2^-10 .. 2^2: a weight's scales
+        raw[..., 0] = rng.integers(118, 131, (N, K // block))
     d = np.float16(2.0**-7)
     for i, off in enumerate(FP16_FIELDS[name]):
         if i == 0:  # the scale: 2^-7 (2^-8 on odd rows)
@@ -96,7 +100,22 @@ def _gguf_tensor(tmp_path: Path, name: str, raw: np.ndarray) -> GGUFWeights:
 
 
 DOWN = "model.layers.0.mlp.down_proj.weight"
-TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = [
+    "F32",
+    "F16",
+    "BF16",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q8_0",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+    "MXFP4",
+]
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -126,7 +145,8 @@ def test_blocks_decode_to_their_values_and_pack_without_rounding(tmp_path, name)
     )
     u, d, m = grid_layout(_gguf_tensor(tmp_path, name, _raw(name)).grid(DOWN), kind)
     group = 16 if kind == "int8x16" else 32
-    assert int(u.min()) >= (0 if kind == "int4" else 1) and int(u.max()) <= (15 if kind == "int4" else 255)
+    low, high = {"int4": (0, 15), "mxfp4": (0, 24)}.get(kind, (1, 255))
+    assert int(u.min()) >= low and int(u.max()) <= high
     assert torch.equal(d, d.half().float()) and torch.equal(m, m.half().float())  # fp16 scales
     deq = (u.view(N, -1, group).float() * d[..., None] + m[..., None]).view(N, K)
     assert torch.equal(deq, ref), (kind, (deq - ref).abs().max().item())
@@ -168,6 +188,8 @@ def _any_scales(name: str) -> np.ndarray:
     for off in FP16_FIELDS[name]:
         vals = rng.uniform(-0.05, 0.05, raw.shape[:2]).astype(np.float16)
         raw[..., off : off + 2] = vals.view(np.uint8).reshape(*raw.shape[:2], 2)
+    if name == "MXFP4":  # every power of two whose step (half of it) and offset fp16 holds
+        raw[..., 0] = rng.integers(104, 141, raw.shape[:2])
     return raw.reshape(N, -1)
 
 
@@ -180,6 +202,8 @@ def test_the_fast_path_keeps_each_types_values_exactly(name):
     deq = (
         quantize_int4(w)[-1]
         if kind == "int4"
+        else quantize_mxfp4(w)[-1]
+        if kind == "mxfp4"
         else quantize_int8_groups(w, 16 if kind == "int8x16" else 32)[-1]
     )
     assert torch.equal(deq, w), (kind, (deq - w).abs().max().item())
@@ -206,6 +230,7 @@ def test_types_without_a_uniform_grid_stay_unquantized():
     """IQ and ternary types (codebooks, not grids) keep the converter's float values: no second rounding."""
     assert kind_for_gguf_type("IQ4_NL") is None and kind_for_gguf_type("TQ2_0") is None
     assert kind_for_gguf_type("F16") is None
+    assert kind_for_gguf_type("MXFP4") == "mxfp4"  # a codebook, but one on a uniform grid of 25 levels
     assert [kind_for_gguf_type(t) for t in ("Q4_K", "Q5_0", "Q3_K", "Q6_K")] == [
         "int4",
         "int8",

@@ -63,12 +63,17 @@ def test_stacked_and_per_expert_checkpoints_load_the_same():
         stacked.load_experts("experts.0.w9.weight", gate[0])
 
 
-def packed_moe(kinds: tuple[str, str]) -> SparseMoE:
-    """Experts packed for the low-bit kernels (as a GGUF model's are), at sizes those take."""
+def packed_moe(kinds: tuple[str, str], oai: bool = False) -> SparseMoE:
+    """Experts packed for the low-bit kernels (as a GGUF model's are), at sizes those take; `oai`:
+    gpt-oss's, with biases and the clamped SwiGLU."""
     h, inter, e = 64, 32, 6
     g = torch.Generator().manual_seed(7)
-    moe = SparseMoE(h, inter, e, top_k=3, norm_topk=True)
+    moe = SparseMoE(h, inter, e, top_k=3, norm_topk=True, oai=(1.702, 1.5) if oai else None)
     moe.gate.weight.data.copy_(torch.randn(e, h, generator=g))
+    if oai:
+        assert moe.gate.bias is not None and moe.gate_up_bias is not None and moe.down_bias is not None
+        for b in (moe.gate.bias, moe.gate_up_bias, moe.down_bias):
+            b.data.copy_(torch.randn(b.shape, generator=g) * 0.5)
     moe.to(torch.bfloat16)
     cpu = Kernels.for_device(torch.device("cpu"), torch.bfloat16)
     moe.packed = [
@@ -82,13 +87,22 @@ def packed_moe(kinds: tuple[str, str]) -> SparseMoE:
     return moe
 
 
-@pytest.mark.parametrize("kinds", [("int4", "int4"), ("int4", "int8x16"), ("int8", "int4")])
-def test_one_c_call_runs_the_experts_as_the_step_by_step_path(kinds):
+@pytest.mark.parametrize(
+    "kinds, oai",
+    [
+        (("int4", "int4"), False),
+        (("int4", "int8x16"), False),
+        (("int8", "int4"), False),
+        (("mxfp4", "mxfp4"), True),  # gpt-oss's
+        (("int8", "int8"), True),
+    ],
+)
+def test_one_c_call_runs_the_experts_as_the_step_by_step_path(kinds, oai):
     """moe.c against the expert-by-expert PyTorch loop over the same packed weights: the same matmuls,
     the sums in another order; and a token's output does not depend on the rest of the step."""
     if not kernels.vnni_supported():
         pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
-    moe = packed_moe(kinds)
+    moe = packed_moe(kinds, oai)
     assert moe.fused is not None
     x = torch.randn(11, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     fused = moe(x)
@@ -100,3 +114,20 @@ def test_one_c_call_runs_the_experts_as_the_step_by_step_path(kinds):
     torch.testing.assert_close(
         fused.float(), stepwise.float(), atol=0.02 * stepwise.abs().max().item(), rtol=0.02
     )
+
+
+def test_gpt_oss_down_bias_comes_from_the_first_rank_alone():
+    """With tensor parallelism each rank's experts give a partial sum; gpt-oss's down bias belongs in
+    one of them only. A rank whose slice does not start at 0 leaves out each token's weighted biases."""
+    if not kernels.vnni_supported():
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
+    moe = packed_moe(("mxfp4", "mxfp4"), oai=True)
+    assert moe.fused is not None and moe.down_bias is not None
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(4)).bfloat16()
+    first = moe(x)
+    moe.start = 32  # where a second rank's slice of each expert starts
+    other = moe(x)
+    moe.start = 0
+    logits, chosen = F.linear(x, moe.gate.weight, moe.gate.bias).float().topk(3, dim=-1)
+    bias = (moe.down_bias[chosen].float() * logits.softmax(-1)[..., None]).sum(1)
+    torch.testing.assert_close((first.float() - other.float()), bias, atol=0.05, rtol=0.05)

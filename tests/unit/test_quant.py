@@ -7,6 +7,7 @@ import torch
 
 from pytgi.engine import kernels
 from pytgi.engine.models.cpu import Kernels
+from pytgi.engine.models.gguf_weights import FP4_LEVELS
 from pytgi.engine.models.quant import (
     QuantizedWeight,
     gguf_plan,
@@ -15,7 +16,9 @@ from pytgi.engine.models.quant import (
     quantize_int4,
     quantize_int8,
     quantize_int8_groups,
+    quantize_mxfp4,
     resolve_plan,
+    unpack_rows,
 )
 
 
@@ -174,7 +177,7 @@ def test_own_grid_finds_steps_the_smallest_gap_overstates():
 
 
 @pytest.mark.parametrize("vnni", [True, False], ids=["vnni", "torch"])
-@pytest.mark.parametrize("kind", ["int4", "int8", "int8x16"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8x16", "mxfp4"])
 @pytest.mark.parametrize("M", [1, 3, 4, 7])
 def test_kernel_multiplies_by_the_dequantized_weight(kind, vnni, M):
     if vnni and not kernels.vnni_supported():
@@ -195,7 +198,7 @@ def _int8_activations(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(g * (127 / amax)) * (amax / 127)).view(x.shape)  # the kernel's own rounding
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "int8x16"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8x16", "mxfp4"])
 @pytest.mark.parametrize("M", [1, 2, 5])
 def test_low_bit_kernel_sums_exactly_what_the_layout_holds(kind, M):
     """Against the dequantized weight times the int8-rounded activations, the kernel is off only by
@@ -206,18 +209,22 @@ def test_low_bit_kernel_sums_exactly_what_the_layout_holds(kind, M):
     w = torch.randn(64, 256) * 0.05
     w[:16, :32] = 0.0  # a block of one value
     w[16:32, 64:96] *= torch.linspace(0.1, 10, 32)  # halves of very different scales (int8x16's own)
+    w[32:48] *= 1e-3  # small ones (MXFP4's powers of two)
     qw = QuantizedWeight(kind, w, torch.bfloat16, cpu())
     x = torch.randn(M, 256).bfloat16()
     x[:, 32:64] = -x[:, 32:64].abs()  # negative activations against the 8-bit sign trick
     x[:, 64:80] *= 8  # the two halves of a group with unequal sums
-    deq = (quantize_int4(w) if kind == "int4" else quantize_int8_groups(w, 16 if kind == "int8x16" else 32))[
-        -1
-    ]
+    if kind == "mxfp4":
+        deq = quantize_mxfp4(w)[-1]
+    else:
+        deq = (
+            quantize_int4(w) if kind == "int4" else quantize_int8_groups(w, 16 if kind == "int8x16" else 32)
+        )[-1]
     ref = _int8_activations(x) @ deq.t()
     torch.testing.assert_close(qw.matmul(x).float(), ref, atol=2e-4 * ref.abs().max().item(), rtol=8e-3)
 
 
-@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("bits", [4, 5, 8, 16])
 def test_packing_in_c_writes_the_reference_layout(bits):
     """pack.c (what a model's load runs) writes byte for byte what the PyTorch reference does."""
     if not kernels.available():
@@ -225,6 +232,8 @@ def test_packing_in_c_writes_the_reference_layout(bits):
     g = torch.Generator().manual_seed(bits)
     N, K = 48, 96
     q = torch.randint(0, 16 if bits == 4 else 256, (N, K), generator=g)
+    if bits == 5:  # MXFP4's levels
+        q = torch.tensor(FP4_LEVELS)[torch.randint(0, 16, (N, K), generator=g)]
     d, m = torch.rand(N, K // (16 if bits == 16 else 32), 2, generator=g).unbind(-1)
     assert torch.equal(pack_vnni(q, d, m - 0.5, bits), pack_vnni_reference(q, d, m - 0.5, bits))
 
@@ -233,7 +242,7 @@ def test_vnni_kernel_on_a_model_sized_weight():
     if not kernels.vnni_supported():
         pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
     w = torch.randn(960, 576) * 0.05
-    for kind in ("int4", "int8", "int8x16"):
+    for kind in ("int4", "int8", "int8x16", "mxfp4"):
         qw = QuantizedWeight(kind, w, torch.bfloat16, cpu())
         x = torch.randn(5, 576).bfloat16()
         y, ref = qw.matmul(x).float(), x.float() @ qw.dequantized.float().t()
@@ -274,7 +283,7 @@ def test_plan_follows_the_gguf_types(tmp_path):
         resolve_plan("fp3", tmp_path, torch.bfloat16, cpu)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "int8x16"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8x16", "mxfp4"])
 @pytest.mark.parametrize("M", [13, 16, 40, 64, 65, 96])
 def test_amx_kernel_multiplies_by_the_dequantized_weight(kind, M):
     """Steps of 13..96 tokens: AMX tiles over the same packed weights (int8 activations, int32 sums
@@ -289,7 +298,7 @@ def test_amx_kernel_multiplies_by_the_dequantized_weight(kind, M):
     assert ((y - ref).norm() / ref.norm()).item() < 0.02  # int8 activations, as the VNNI kernel's
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8", "int8x16"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "int8x16", "mxfp4"])
 def test_every_row_is_the_same_whatever_the_step(kind):
     """Batch invariance: the AMX tiles' rows equal the VNNI kernel's bit for bit, and a row's output
     does not depend on how many rows share the step (the default serves every step size)."""
@@ -387,3 +396,22 @@ def test_a_bf16_models_plan(tmp_path):
     assert Kernels(batch_invariant=True).bf16_max_m() >= 1 << 20
     assert Kernels(batch_invariant=False, native_bf16=True).bf16_max_m() == Kernels().limits.bf16gemm
     assert Kernels(batch_invariant=False, native_bf16=False).bf16_max_m() >= 1 << 20  # oneDNN emulates bf16
+
+
+def test_mxfp4_grid_holds_e2m1_values_and_unpacks_from_codes():
+    """MXFP4's values (e2m1 times a power of two per 32) are levels 12 + 2·value on a grid of step half
+    that power: the grid holds every such value exactly, the packed layout stores their codes, and rows
+    read back from it (an embedding table's path) are those values."""
+    g = torch.Generator().manual_seed(7)
+    fp4 = torch.tensor(
+        [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    )
+    codes = torch.randint(0, 16, (32, 128), generator=g)
+    scale = torch.exp2(torch.randint(-12, 3, (32, 4, 1), generator=g).float())
+    w = (fp4[codes].view(32, 4, 32) * scale).view(32, 128)
+    q, d, m, deq = quantize_mxfp4(w)
+    assert torch.equal(deq, w) and int(q.min()) >= 0 and int(q.max()) <= 24
+    assert torch.equal(m, -12 * d)
+    packed = pack_vnni(q, d, m, 5)
+    assert packed.shape[-1] == 320  # the 4-bit format's bytes
+    assert torch.equal(unpack_rows(packed, torch.arange(32), 5), w)

@@ -353,18 +353,52 @@ class PackedExperts:
     bits_down: np.ndarray
     inter: int  # I
     amx_above: int  # steps of more rows use AMX tiles (where built)
+    oai: tuple[float, float] | None = None  # gpt-oss's experts: the clamped SwiGLU's (alpha, limit)
 
 
 def moe(
-    x: torch.Tensor, experts: PackedExperts, router: torch.Tensor, top_k: int, norm_topk: bool
+    x: torch.Tensor,
+    experts: PackedExperts,
+    router: torch.Tensor,
+    top_k: int,
+    norm_topk: bool,
+    biases: tuple[Any, Any, Any] | None = None,
 ) -> torch.Tensor:
     """A mixture-of-experts layer's routed part in one call: the bf16 router [E, H] picks each token's
     `top_k` experts (softmax, renormalised with `norm_topk`), then runs each expert on its tokens
-    (moe.c's `pytgi_moe_experts_bf16`)."""
+    (moe.c's `pytgi_moe_experts_bf16`). gpt-oss's experts (`experts.oai`) take `biases`: the router's [E],
+    the experts' gate|up [E, 2I] and down [E, H] (None on tensor-parallel ranks but the first), bf16."""
     assert x.is_contiguous() and x.dtype == torch.bfloat16 and router.dtype == torch.bfloat16
     assert router.is_contiguous()
     T, H = x.shape
     out = torch.empty_like(x)
+    if experts.oai is not None:
+        assert biases is not None and norm_topk
+        router_bias, gu_bias, down_bias = biases
+        assert all(t is None or (t.is_contiguous() and t.dtype == torch.bfloat16) for t in biases)
+        alpha, limit = experts.oai
+        failed = _built().pytgi_moe_oai_bf16(
+            _ptr(x),
+            _ptr(out),
+            T,
+            H,
+            experts.inter,
+            len(experts.gate_up),
+            top_k,
+            _ptr(router),
+            _ptr(router_bias),
+            _ptr(experts.gate_up),
+            _ptr(experts.down),
+            _ptr(experts.bits_gu),
+            _ptr(experts.bits_down),
+            experts.amx_above,
+            _ptr(gu_bias),
+            _ptr(down_bias),
+            alpha,
+            limit,
+        )
+        _check(failed, "experts")
+        return out
     failed = _built().pytgi_moe_bf16(
         _ptr(x),
         _ptr(out),
@@ -406,6 +440,18 @@ def gguf_decode(
     if failed:
         what = f"ggml type {ggml_type} is not decoded by gguf.c" if failed == 2 else "no offsets given"
         raise ValueError(what)
+
+
+def mxfp4_decode(blocks: torch.Tensor, scales: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> None:
+    """A Hugging Face MXFP4 tensor's blocks (uint8 [..., 16]) and exponents (uint8 [...], one a block) →
+    levels `q` (uint8, 32 a block) and steps `d` (float32, one a block), written in place, as
+    `gguf_decode` gives a GGUF MXFP4 tensor's (offset -12·d)."""
+    assert blocks.dtype == scales.dtype == torch.uint8 and blocks.shape[-1] == 16
+    blocks, scales = blocks.contiguous(), scales.contiguous()
+    nb = scales.numel()
+    assert blocks.numel() == 16 * nb and q.numel() == 32 * nb and d.numel() == nb
+    assert q.is_contiguous() and d.is_contiguous() and d.dtype == torch.float32
+    _built().pytgi_mxfp4_decode(_ptr(blocks), _ptr(scales), nb, _ptr(q), _ptr(d))
 
 
 def bf16_matmul(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor:

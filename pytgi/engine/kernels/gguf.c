@@ -4,12 +4,19 @@
  * For every block: q[v] (uint8 level of value v), and per group of 32 (16 for Q2_K, Q3_K, Q6_K) values
  * d (the step) and, for the types with an offset, m: value = d·q + m. The symmetric types (Q4_0, Q5_0,
  * Q8_0, Q3_K, Q6_K) have m = -zero·d and leave m alone. Types are ggml's numbers. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "pytgi_kernels.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, MXFP4 = 39 };
+
+/* MXFP4 (e2m1 codes, a shared power of two per 32): code → level 12 + 2·value on a grid of step
+ * d = 2^(e - 128) and offset -12·d (symmetric, zero 12) */
+static const uint8_t FP4_LEVEL[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+
+static float e8m0_half(uint8_t e) { return ldexpf(1.0f, (int)e - 128); }
 
 /* IEEE half → float, exact (subnormals, infinities and NaN included), whatever the CPU. */
 static float half(const uint8_t *p) {
@@ -53,6 +60,7 @@ static int type_size(int64_t type) {
     case Q4_K: return 144;
     case Q5_K: return 176;
     case Q6_K: return 210;
+    case MXFP4: return 17;
     default: return 0;
     }
 }
@@ -80,6 +88,10 @@ static void decode(int64_t type, const uint8_t *b, uint8_t *q, float *d, float *
     case Q8_0:
         for (int v = 0; v < 32; v++) q[v] = b[2 + v] ^ 128;
         d[0] = half(b);
+        break;
+    case MXFP4: /* the exponent, then values j and j + 16 in byte j's low and high nibbles */
+        for (int i = 0; i < 16; i++) q[i] = FP4_LEVEL[b[1 + i] & 15], q[i + 16] = FP4_LEVEL[b[1 + i] >> 4];
+        d[0] = e8m0_half(b[0]);
         break;
     case Q4_K:
     case Q5_K: {
@@ -143,4 +155,17 @@ int pytgi_gguf_decode(int64_t type, const uint8_t *blocks, int64_t nb, uint8_t *
     for (int64_t i = 0; i < nb; i++)
         decode(type, blocks + i * size, q + i * qk, d + i * groups, offset ? m + i * groups : 0);
     return 0;
+}
+
+/* A Hugging Face MXFP4 checkpoint's blocks (gpt-oss's `*_blocks`: 16 bytes per 32 values, value 2j in
+ * byte j's low nibble and 2j + 1 in its high one) and their exponents (`*_scales`, one byte a block) →
+ * levels and steps as the GGUF type's above. */
+void pytgi_mxfp4_decode(const uint8_t *blocks, const uint8_t *scales, int64_t nb, uint8_t *q, float *d) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < nb; i++) {
+        const uint8_t *b = blocks + 16 * i;
+        uint8_t *o = q + 32 * i;
+        for (int j = 0; j < 16; j++) o[2 * j] = FP4_LEVEL[b[j] & 15], o[2 * j + 1] = FP4_LEVEL[b[j] >> 4];
+        d[i] = e8m0_half(scales[i]);
+    }
 }

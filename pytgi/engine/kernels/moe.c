@@ -8,7 +8,12 @@
  * wt[p]; expert e owns pairs starts[e] .. starts[e + 1]. Its gate|up and down weights are packed at the
  * addresses gate_up[e], down[e] in formats bits_gu[e], bits_down[e]. Each token's output is the sum of
  * its pairs' weighted outputs in float32, in the order of the pairs (by expert): the same for a token
- * whatever else the step holds. */
+ * whatever else the step holds.
+ *
+ * gpt-oss's experts (`pytgi_moe_oai_bf16`) add a bias to the router's logits, to each expert's gate|up
+ * and to its down output (given on one tensor-parallel rank only: the partial outputs are summed), and
+ * take a clamped SwiGLU: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit). Its
+ * router softmaxes the chosen logits: the renormalised softmax over the chosen experts. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,8 +25,8 @@
  * k largest (the lower index first among equals), renormalised to sum 1 when norm_topk; then the
  * (token, expert) pairs sorted by expert, stably (token order within an expert): starts [E + 1], tok and
  * wt [T k]. */
-static int route(const uint16_t *x, const uint16_t *router, int64_t T, int64_t H, int64_t E, int64_t k,
-                 int64_t norm_topk, int64_t *starts, int64_t *tok, float *wt) {
+static int route(const uint16_t *x, const uint16_t *router, const uint16_t *bias, int64_t T, int64_t H, int64_t E,
+                 int64_t k, int64_t norm_topk, int64_t *starts, int64_t *tok, float *wt) {
     float *p = malloc(sizeof(float) * (size_t)(T * E));
     int64_t *pick = malloc(sizeof(int64_t) * (size_t)(T * k));
     float *pw = malloc(sizeof(float) * (size_t)(T * k));
@@ -35,7 +40,7 @@ static int route(const uint16_t *x, const uint16_t *router, int64_t T, int64_t H
         for (int64_t e = 0; e < E; e++) {
             float acc = 0.0f;
             for (int64_t h = 0; h < H; h++) acc += bf16_load(x[t * H + h]) * bf16_load(router[e * H + h]);
-            pt[e] = bf16_rt(acc);
+            pt[e] = bf16_rt(bias != NULL ? acc + bf16_load(bias[e]) : acc);
         }
         float top = pt[0];
         for (int64_t e = 1; e < E; e++) top = pt[e] > top ? pt[e] : top;
@@ -71,31 +76,41 @@ static int route(const uint16_t *x, const uint16_t *router, int64_t T, int64_t H
     return 0;
 }
 
-int pytgi_moe_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k,
-                   int64_t norm_topk, const uint16_t *router, const int64_t *gate_up, const int64_t *down,
-                   const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above) {
-    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(E + 1 + T * k));
-    float *wt = malloc(sizeof(float) * (size_t)(T * k));
-    int failed = starts == NULL || wt == NULL;
-    if (!failed) failed = route(x, router, T, H, E, k, norm_topk, starts, starts + E + 1, wt);
-    if (!failed)
-        failed = pytgi_moe_experts_bf16(x, out, T, H, I, E, starts, starts + E + 1, wt, gate_up, down, bits_gu,
-                                        bits_down, amx_above);
-    free(starts);
-    free(wt);
-    return failed;
+/* gpt-oss's additions to the experts (NULL: plain SwiGLU experts without biases). */
+typedef struct {
+    const uint16_t *gate_up_bias; /* [E, 2I] */
+    const uint16_t *down_bias;    /* [E, H], or NULL (a rank but the first) */
+    float alpha, limit;
+} oai_experts;
+
+/* gate|up rows (bf16 [n, 2I]) plus expert bias b [2I] → the clamped SwiGLU h [n, I], each operation
+ * rounded to bf16 as the PyTorch path's are. */
+static void oai_act(const uint16_t *gu, const uint16_t *b, uint16_t *h, int64_t n, int64_t I, float alpha,
+                    float limit) {
+    _Pragma("omp parallel for if (n >= 8)")
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t i = 0; i < I; i++) {
+            float g = bf16_rt(bf16_load(gu[t * 2 * I + i]) + bf16_load(b[i]));
+            float u = bf16_rt(bf16_load(gu[t * 2 * I + I + i]) + bf16_load(b[I + i]));
+            g = g < limit ? g : limit;
+            u = u < -limit ? -limit : u > limit ? limit : u;
+            /* the exponent kept finite (-ffast-math assumes no infinities): sigmoid(-80) is 0 in bf16 */
+            const float z = bf16_rt(g * alpha);
+            const float glu = bf16_rt(g * bf16_rt(1.0f / (1.0f + expf(z > -80.0f ? -z : 80.0f))));
+            h[t * I + i] = bf16_round(bf16_rt(u + 1.0f) * glu);
+        }
 }
 
-int pytgi_moe_experts_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E,
-                           const int64_t *starts, const int64_t *tok, const float *wt, const int64_t *gate_up,
-                           const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down,
-                           int64_t amx_above) {
+static int experts(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E,
+                   const int64_t *starts, const int64_t *tok, const float *wt, const int64_t *gate_up,
+                   const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above,
+                   const oai_experts *oai) {
     const int64_t P = starts[E];
     uint16_t *xs = malloc(sizeof(uint16_t) * (size_t)(P * (2 * H + 3 * I)));
     float *acc = calloc((size_t)(T * H), sizeof(float));
-    if (xs == NULL || acc == NULL) {
-        free(xs);
-        free(acc);
+    int64_t *expert = malloc(sizeof(int64_t) * (size_t)(P > 0 ? P : 1));
+    if (xs == NULL || acc == NULL || expert == NULL) {
+        free(xs), free(acc), free(expert);
         return 1;
     }
     uint16_t *ys = xs + P * H, *gu = ys + P * H, *h = gu + 2 * P * I;
@@ -104,25 +119,69 @@ int pytgi_moe_experts_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t 
     int failed = 0;
     for (int64_t e = 0; e < E && !failed; e++) {
         const int64_t a = starts[e], n = starts[e + 1] - a;
+        for (int64_t p = a; p < a + n; p++) expert[p] = e;
         if (n == 0) continue;
         const int amx = n > amx_above;
         const uint8_t *wgu = (const uint8_t *)(intptr_t)gate_up[e], *wd = (const uint8_t *)(intptr_t)down[e];
         failed |= amx ? pytgi_qgemm_amx_bf16(xs + a * H, wgu, gu + 2 * a * I, n, 2 * I, H, bits_gu[e])
                       : pytgi_qgemv_bf16(xs + a * H, wgu, gu + 2 * a * I, n, 2 * I, H, bits_gu[e]);
-        pytgi_silu_mul_bf16(gu + 2 * a * I, h + a * I, n, I);
+        if (oai != NULL)
+            oai_act(gu + 2 * a * I, oai->gate_up_bias + e * 2 * I, h + a * I, n, I, oai->alpha, oai->limit);
+        else
+            pytgi_silu_mul_bf16(gu + 2 * a * I, h + a * I, n, I);
         failed |= amx ? pytgi_qgemm_amx_bf16(h + a * I, wd, ys + a * H, n, H, I, bits_down[e])
                       : pytgi_qgemv_bf16(h + a * I, wd, ys + a * H, n, H, I, bits_down[e]);
     }
     if (!failed) {
+        const uint16_t *db = oai != NULL ? oai->down_bias : NULL;
         for (int64_t p = 0; p < P; p++) {
             float *o = acc + tok[p] * H;
             const uint16_t *y = ys + p * H;
             const float w = wt[p];
-            for (int64_t i = 0; i < H; i++) o[i] += w * bf16_load(y[i]);
+            if (db != NULL)
+                for (int64_t i = 0; i < H; i++) o[i] += w * bf16_rt(bf16_load(y[i]) + bf16_load(db[expert[p] * H + i]));
+            else
+                for (int64_t i = 0; i < H; i++) o[i] += w * bf16_load(y[i]);
         }
         for (int64_t i = 0; i < T * H; i++) out[i] = bf16_round(acc[i]);
     }
-    free(xs);
-    free(acc);
+    free(xs), free(acc), free(expert);
     return failed;
+}
+
+static int moe(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k,
+               int64_t norm_topk, const uint16_t *router, const uint16_t *router_bias, const int64_t *gate_up,
+               const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above,
+               const oai_experts *oai) {
+    int64_t *starts = malloc(sizeof(int64_t) * (size_t)(E + 1 + T * k));
+    float *wt = malloc(sizeof(float) * (size_t)(T * k));
+    int failed = starts == NULL || wt == NULL;
+    if (!failed) failed = route(x, router, router_bias, T, H, E, k, norm_topk, starts, starts + E + 1, wt);
+    if (!failed)
+        failed = experts(x, out, T, H, I, E, starts, starts + E + 1, wt, gate_up, down, bits_gu, bits_down,
+                         amx_above, oai);
+    free(starts);
+    free(wt);
+    return failed;
+}
+
+int pytgi_moe_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k,
+                   int64_t norm_topk, const uint16_t *router, const int64_t *gate_up, const int64_t *down,
+                   const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above) {
+    return moe(x, out, T, H, I, E, k, norm_topk, router, NULL, gate_up, down, bits_gu, bits_down, amx_above, NULL);
+}
+
+int pytgi_moe_oai_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k,
+                       const uint16_t *router, const uint16_t *router_bias, const int64_t *gate_up,
+                       const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above,
+                       const uint16_t *gate_up_bias, const uint16_t *down_bias, float alpha, float limit) {
+    const oai_experts oai = {gate_up_bias, down_bias, alpha, limit};
+    return moe(x, out, T, H, I, E, k, 1, router, router_bias, gate_up, down, bits_gu, bits_down, amx_above, &oai);
+}
+
+int pytgi_moe_experts_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E,
+                           const int64_t *starts, const int64_t *tok, const float *wt, const int64_t *gate_up,
+                           const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down,
+                           int64_t amx_above) {
+    return experts(x, out, T, H, I, E, starts, tok, wt, gate_up, down, bits_gu, bits_down, amx_above, NULL);
 }

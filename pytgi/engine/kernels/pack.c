@@ -8,12 +8,18 @@
 
 #include "pytgi_kernels.h"
 
-/* u: levels [N, K] (< 16 for bits 4); d16, m16: fp16 bits [N, K/32] (bits 4, 8) or [N, K/16] (bits 16);
- * out: N/16 tiles × K/32 groups of qgemv.c's blocks. N a multiple of 16, K of 32. */
+/* MXFP4's level (12 + 2·value, 0..24) → its e2m1 code, which qgemv.c's format 5 stores (levels off
+ * that grid, which no MXFP4 block holds, are taken as the nearest one below) */
+static const uint8_t FP4_CODE[25] = {15, 15, 15, 15, 14, 14, 13, 13, 12, 11, 10, 9, 0,
+                                     1,  2,  3,  4,  4,  5,  5,  6,  6,  6,  6,  7};
+
+/* u: levels [N, K] (< 16 for bits 4, < 25 for bits 5: MXFP4's); d16, m16: fp16 bits [N, K/32] (bits 4, 5,
+ * 8) or [N, K/16] (bits 16); out: N/16 tiles × K/32 groups of qgemv.c's blocks. N a multiple of 16, K
+ * of 32. */
 void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m16, uint8_t *out, int64_t N,
                        int64_t K, int64_t bits) {
     const int64_t G = K / 32, halves = bits == 16 ? 2 : 1, S = G * halves; /* scales per row */
-    const int64_t wbytes = bits == 4 ? 256 : 512, block = wbytes + 64 * halves;
+    const int64_t wbytes = bits == 4 || bits == 5 ? 256 : 512, block = wbytes + 64 * halves;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < N / 16; t++) {
         for (int64_t g = 0; g < G; g++) {
@@ -24,7 +30,11 @@ void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m1
             for (int64_t r = 0; r < 16; r++) {
                 uint32_t w[8];
                 memcpy(w, u + (16 * t + r) * K + 32 * g, sizeof w);
-                if (bits == 4)
+                if (bits == 5) {
+                    uint8_t *c = (uint8_t *)w;
+                    for (int i = 0; i < 32; i++) c[i] = FP4_CODE[c[i] < 25 ? c[i] : 24];
+                }
+                if (bits == 4 || bits == 5)
                     for (int64_t j = 0; j < 4; j++) o32[16 * j + r] = w[j] | (w[j + 4] << 4);
                 else
                     for (int64_t j = 0; j < 8; j++) o32[16 * j + r] = w[j];

@@ -48,6 +48,7 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
  * gate_up[e], down[e]): routed by the bf16 router [E, H] (moe), or by the step's (token, expert) pairs
  * sorted by expert, expert e's from starts[e] (moe_experts). */
 int pytgi_moe_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, int64_t norm_topk, const uint16_t *router, const int64_t *gate_up, const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above);
+int pytgi_moe_oai_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const uint16_t *router, const uint16_t *router_bias, const int64_t *gate_up, const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above, const uint16_t *gate_up_bias, const uint16_t *down_bias, float alpha, float limit);
 int pytgi_moe_experts_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, const int64_t *starts, const int64_t *tok, const float *wt, const int64_t *gate_up, const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above);
 
 /* pack.c: levels u [N, K], fp16 bits of d and m per group → qgemv.c's packed layout (at load time). */
@@ -56,6 +57,7 @@ void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m1
 /* gguf.c: n_blocks GGUF blocks of ggml type `type` → levels q, steps d and offsets m per group (m: NULL
  * for the symmetric types); returns 2 for a type it does not decode. */
 int pytgi_gguf_decode(int64_t type, const uint8_t *blocks, int64_t n_blocks, uint8_t *q, float *d, float *m);
+void pytgi_mxfp4_decode(const uint8_t *blocks, const uint8_t *scales, int64_t n_blocks, uint8_t *q, float *d);
 
 /* bf16gemm.c: bf16 activations [M, K] times a packed bf16 weight [N, K] (AVX-512 BF16, or AVX2). */
 int pytgi_bf16gemm_supported(void);

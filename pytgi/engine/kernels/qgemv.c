@@ -23,6 +23,10 @@
  * change every 16 inputs (the sub-blocks of GGUF's Q6_K and Q2_K), stored as the 8-bit block
  * followed by 16 fp16 d and 16 m for inputs 0..15 of the group, then 16 d and 16 m for 16..31
  * (128 bytes); the sums of the two halves are scaled apart, and x's offset sums are kept per half.
+ * Or 5 (MXFP4, gpt-oss's experts): stored as 4 bits, but each nibble is an e2m1 code, not a level;
+ * a table (one byte shuffle) turns the code into its level on a uniform grid of 25, 12 + 2·value
+ * (0..24), so that d = the block's power of two / 2 and m = -12·d hold it exactly and the sums are
+ * the 4-bit format's.
  *
  * With AVX2 only, the same layout is multiplied with AVX2's byte multiply-adds (below); with
  * neither, `pytgi_qgemv_supported()` returns 0 and callers use PyTorch's kernels.
@@ -35,8 +39,12 @@
 #include "bf16.h"
 #include "pytgi_kernels.h"
 
-/* Bytes of one (tile, group) block in format `bits` (4, 8 or 16: see above). */
-static inline int64_t block_bytes(int64_t bits) { return bits == 4 ? 320 : bits == 8 ? 576 : 640; }
+#define NIBBLES(bits) ((bits) == 4 || (bits) == 5) /* formats stored two values a byte */
+/* MXFP4: e2m1 code (sign, then magnitude 0 0.5 1 1.5 2 3 4 6) → level 12 + 2·value */
+#define FP4_LEVELS 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
+
+/* Bytes of one (tile, group) block in format `bits` (4, 5, 8 or 16: see above). */
+static inline int64_t block_bytes(int64_t bits) { return NIBBLES(bits) ? 320 : bits == 8 ? 576 : 640; }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -93,17 +101,18 @@ static inline __attribute__((always_inline)) __m512 fold_group(__m512 acc, __m51
 static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int bits, int64_t G, const int8_t *xq,
                                                         const float *sx, const float *sxs, const float *sxh,
                                                         int64_t M, int MR, __m512 *acc) {
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    const int64_t wbytes = bits == 4 ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
+    const __m512i nib = _mm512_set1_epi8(0x0F), fp4 = _mm512_broadcast_i32x4(_mm_setr_epi8(FP4_LEVELS));
+    const int64_t wbytes = NIBBLES(bits) ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++, blk += bbytes) {
         for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
         __m512i w[8];
-        if (bits == 4) {
+        if (NIBBLES(bits)) {
             for (int v = 0; v < 4; v++) {
                 __m512i p = _mm512_loadu_si512((const void *)(blk + 64 * v));
                 w[v] = _mm512_and_si512(p, nib);
                 w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), nib);
+                if (bits == 5) w[v] = _mm512_shuffle_epi8(fp4, w[v]), w[v + 4] = _mm512_shuffle_epi8(fp4, w[v + 4]);
             }
         } else {
             for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(blk + 64 * j));
@@ -158,12 +167,14 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
         }                                                                                             \
     }
 TILE_ROWS(4)
+TILE_ROWS(5)
 TILE_ROWS(8)
 TILE_ROWS(16)
 
 static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t *xq, const float *sx,
                       const float *sxs, const float *sxh, int64_t M, uint16_t *out, int64_t N, int64_t n16) {
     if (bits == 4) tile_rows_4(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
+    else if (bits == 5) tile_rows_5(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
     else if (bits == 8) tile_rows_8(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
     else tile_rows_16(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
 }
@@ -299,21 +310,23 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
         _tile_storeconfig(&saved);
         _tile_loadconfig(&cfg);
         /* 4-bit blocks are spread to bytes once per column tile (as 8-bit blocks: the same sums and
-         * scales) when several row tiles read them */
-        uint8_t *wide = bits == 4 ? aligned_alloc(64, (size_t)(G * block_bytes(8))) : NULL;
+         * scales) when several row tiles read them; MXFP4 codes become their levels there */
+        uint8_t *wide = NIBBLES(bits) ? aligned_alloc(64, (size_t)(G * block_bytes(8))) : NULL;
         _Pragma("omp for schedule(static)")
         for (int64_t n16 = 0; n16 < N / 16; n16++) {
             const uint8_t *blk = w + n16 * tile_bytes;
             int64_t kind = bits;
             if (wide != NULL) {
-                const __m512i nib = _mm512_set1_epi8(0x0F);
+                const __m512i nib = _mm512_set1_epi8(0x0F), fp4 = _mm512_broadcast_i32x4(_mm_setr_epi8(FP4_LEVELS));
                 for (int64_t g = 0; g < G; g++) {
                     const uint8_t *src = blk + g * block_bytes(4);
                     uint8_t *dst = wide + g * block_bytes(8);
                     for (int v = 0; v < 4; v++) {
                         const __m512i p = _mm512_loadu_si512((const void *)(src + 64 * v));
-                        _mm512_store_si512((void *)(dst + 64 * v), _mm512_and_si512(p, nib));
-                        _mm512_store_si512((void *)(dst + 64 * (v + 4)), _mm512_and_si512(_mm512_srli_epi16(p, 4), nib));
+                        __m512i lo = _mm512_and_si512(p, nib), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), nib);
+                        if (bits == 5) lo = _mm512_shuffle_epi8(fp4, lo), hi = _mm512_shuffle_epi8(fp4, hi);
+                        _mm512_store_si512((void *)(dst + 64 * v), lo);
+                        _mm512_store_si512((void *)(dst + 64 * (v + 4)), hi);
                     }
                     _mm512_store_si512((void *)(dst + 512), _mm512_loadu_si512((const void *)(src + 256)));
                 }
@@ -346,7 +359,7 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
  * summed to int16) and `vpmaddwd` by ones (int16 pairs to int32) in place of `vpdpbusd`. A
  * 64-byte vector of the layout is two 32-byte halves: rows 0-7, then rows 8-15.
  * 4-bit weights: each int16 pair sum is at most 2·15·127, so the 8 vectors of a group add up in
- * int16 (≤ 30480) before one widening. 8-bit weights (unsigned 1..255) would saturate the int16
+ * int16 (≤ 30480) before one widening; MXFP4's levels (≤ 24, bits 5) are widened every two vectors. 8-bit weights (unsigned 1..255) would saturate the int16
  * pairs, so they are made signed (q − 128, offset m + 128·d) and multiplied as |x| × sign(x)·q,
  * as llama.cpp does, or with several rows as |q| × sign(q)·x, |q| shared by the rows (≤ 2·127·127
  * a pair either way), widened every vector. */
@@ -405,7 +418,7 @@ static inline __attribute__((always_inline)) __m256 fold(__m256 acc, __m256i s, 
                                                           float sx, float xsum) {
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const void *)dp));
     __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(dp + 32)));
-    if (bits != 4) m = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d, m);
+    if (!NIBBLES(bits)) m = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d, m);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(sx)), acc);
     return _mm256_fmadd_ps(m, _mm256_set1_ps(xsum), acc);
 }
@@ -419,7 +432,8 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                                                         const float *sx, const float *sxs, const float *sxh,
                                                         int64_t M, int MR, __m256 *acc) {
     const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    const int64_t wbytes = bits == 4 ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
+    const __m256i fp4 = _mm256_broadcastsi128_si256(_mm_setr_epi8(FP4_LEVELS));
+    const int64_t wbytes = NIBBLES(bits) ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
     for (int r = 0; r < 2 * MR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++, blk += bbytes) {
         for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
@@ -437,6 +451,18 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                     }
                 }
                 for (int r = 0; r < MR; r++) s[r] = _mm256_madd_epi16(s[r], ones);
+            } else if (bits == 5) {
+                for (int v = 0; v < 4; v++) {
+                    const __m256i p = _mm256_loadu_si256((const void *)(blk + 64 * v + 32 * h));
+                    const __m256i lo = _mm256_shuffle_epi8(fp4, _mm256_and_si256(p, nib));
+                    const __m256i hi = _mm256_shuffle_epi8(fp4, _mm256_and_si256(_mm256_srli_epi16(p, 4), nib));
+                    for (int r = 0; r < MR; r++) {
+                        const int32_t *xr = (const int32_t *)(xq + 32 * r);
+                        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[v])),
+                                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[v + 4])));
+                        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(t, ones));
+                    }
+                }
             } else {
                 for (int j = 0; j < 8; j++) {  /* |q| shared by the rows, each row's x takes q's sign */
                     const __m256i wj = _mm256_xor_si256(_mm256_loadu_si256((const void *)(blk + 64 * j + 32 * h)), flip);
@@ -468,7 +494,8 @@ static inline __attribute__((always_inline)) void tile1(const uint8_t *blk, int 
                                                          const float *sx, const float *sxs, const float *sxh,
                                                          int64_t M, __m256 *acc) {
     const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    const int64_t wbytes = bits == 4 ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
+    const __m256i fp4 = _mm256_broadcastsi128_si256(_mm_setr_epi8(FP4_LEVELS));
+    const int64_t wbytes = NIBBLES(bits) ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++, blk += bbytes) {
         for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
@@ -487,6 +514,19 @@ static inline __attribute__((always_inline)) void tile1(const uint8_t *blk, int 
             }
             s0 = _mm256_madd_epi16(s0, ones);
             s1 = _mm256_madd_epi16(s1, ones);
+        } else if (bits == 5) {
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                const __m256i xl = _mm256_set1_epi32(xr[v]), xh = _mm256_set1_epi32(xr[v + 4]);
+                const __m256i p0 = _mm256_loadu_si256((const void *)(blk + 64 * v));
+                const __m256i p1 = _mm256_loadu_si256((const void *)(blk + 64 * v + 32));
+                const __m256i l0 = _mm256_shuffle_epi8(fp4, _mm256_and_si256(p0, nib));
+                const __m256i h0 = _mm256_shuffle_epi8(fp4, _mm256_and_si256(_mm256_srli_epi16(p0, 4), nib));
+                const __m256i l1 = _mm256_shuffle_epi8(fp4, _mm256_and_si256(p1, nib));
+                const __m256i h1 = _mm256_shuffle_epi8(fp4, _mm256_and_si256(_mm256_srli_epi16(p1, 4), nib));
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l0, xl), _mm256_maddubs_epi16(h0, xh)), ones));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l1, xl), _mm256_maddubs_epi16(h1, xh)), ones));
+            }
         } else {
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
@@ -542,6 +582,9 @@ static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t 
     if (bits == 4) {  /* the bit width a literal in each copy */
         while (M - t >= 4) ROWS_BITS(4, 4);
         while (M - t >= 1) ROW1_BITS(4);
+    } else if (bits == 5) {
+        while (M - t >= 4) ROWS_BITS(4, 5);
+        while (M - t >= 1) ROW1_BITS(5);
     } else if (bits == 8) {
         while (M - t >= 4) ROWS_BITS(4, 8);
         while (M - t >= 1) ROW1_BITS(8);

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from pytgi.core.errors import UnsupportedModel
+from pytgi.engine.models.gguf_weights import Grid
 from pytgi.engine.models.quant import GROUP, _fp16
 from pytgi.engine.models.safetensors_files import iter_safetensors
 
@@ -54,7 +55,7 @@ SERVED = (
     "compressed-tensors pack-quantized (W4A16 / W8A16: int weights, group or channel scales, sym or not)",
     "compressed-tensors int- and naive-quantized (W8A8 / W4A16 int weights, tensor, channel or group scales)",
     "compressed-tensors float-quantized (FP8 W8A8 / W8A16: e4m3 weights, tensor, channel or block scales)",
-    "mxfp4 (gpt-oss's experts: dequantized at load)",
+    "mxfp4 (gpt-oss's experts: kept in 4 bits on CPU, dequantized elsewhere)",
 )
 CT_PARTS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 CT_PLAIN = ("weight", "weight_scale", "weight_zero_point")  # int-, naive- and float-quantized
@@ -122,11 +123,62 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return result
 
 
+@dataclass
+class Mxfp4:
+    """A stacked MXFP4 tensor as the checkpoint holds it: blocks [E, out, G, 16] (two e2m1 codes a byte)
+    and exponents [E, out, G] (e8m0)."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+
+class Mxfp4Experts:
+    """gpt-oss's stacked MXFP4 experts read as `SparseMoE.pack_experts` reads a GGUF file's: tensors
+    "gate" and "up" ([E·I, H]: the even and odd rows of `gate_up_proj`, where the checkpoint interleaves
+    them) and "down" ([E·H, I]), each a slice of rows at a time as levels and grids (`Grid`), the
+    codes never turned into floats."""
+
+    def __init__(self, gate_up: Mxfp4, down: Mxfp4) -> None:
+        self.gate_up, self.down = gate_up, down
+
+    def shape(self, name: str) -> tuple[int, int, int]:
+        t = self.down if name == "down" else self.gate_up
+        e, rows, g, _ = t.blocks.shape
+        return (e, rows // (2 if name != "down" else 1), g * 32)
+
+    def grid(self, name: str, start: int, stop: int) -> Grid:
+        from pytgi.engine import kernels
+
+        t = self.down if name == "down" else self.gate_up
+        rows = t.blocks.shape[1] // (2 if name != "down" else 1)
+        e, r0, r1 = start // rows, start % rows, stop - (start // rows) * rows
+        assert r1 <= rows, "rows of one expert at a time"
+        pick: slice | Any = slice(r0, r1)
+        if name != "down":  # gate | up interleaved: gate on even rows, up on odd ones
+            first = 0 if name == "gate" else 1
+            pick = slice(2 * r0 + first, 2 * r1 + first - 1, 2)
+        blocks, scales = t.blocks[e, pick], t.scales[e, pick]
+        n, g = scales.shape
+        q = torch.empty(n, g * 32, dtype=torch.uint8)
+        d = torch.empty(n, g)
+        if kernels.available():
+            kernels.mxfp4_decode(blocks, scales, q, d)
+        else:
+            from pytgi.engine.models.gguf_weights import FP4_LEVELS
+
+            lut = torch.tensor(FP4_LEVELS, dtype=torch.uint8)
+            b = blocks.long()
+            q = torch.stack((lut[b & 15], lut[b >> 4]), dim=-1).reshape(n, g * 32)
+            d = torch.ldexp(torch.ones(n, g), scales.int() - 128)
+        return Grid(q, d, None, GROUP, 12, 25)
+
+
 def mxfp4_tensors(
-    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
+    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, keep: bool = False
+) -> Iterator[tuple[str, Any]]:
     """A checkpoint's tensors with each `X_blocks` / `X_scales` pair replaced by `X` dequantized
-    (`dequantize_mxfp4`); the first of a pair waits for the other (they are neighbours in the files)."""
+    (`dequantize_mxfp4`), or with `keep` by the pair as it is (`Mxfp4`: the experts then keep their
+    codes, `SparseMoE`); the first of a pair waits for the other (they are neighbours in the files)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         base, _, part = name.rpartition("_")
@@ -137,7 +189,10 @@ def mxfp4_tensors(
         pair[part] = tensor
         if len(pair) == 2:
             del pending[base]
-            yield base, dequantize_mxfp4(pair["blocks"], pair["scales"], dtype)
+            if keep:
+                yield base, Mxfp4(pair["blocks"], pair["scales"])
+            else:
+                yield base, dequantize_mxfp4(pair["blocks"], pair["scales"], dtype)
     if pending:
         raise ValueError(f"MXFP4 tensors without their blocks or scales: {sorted(pending)[:3]}")
 

@@ -437,6 +437,8 @@ class DecoderModel(nn.Module):
         experts: dict[SparseMoE, list[str]] = {}
         for name, mod in self.named_modules():
             parts = [f"model.{name}.experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+            if parts[0] not in plan:  # gpt-oss's, beside their biases: `...experts.gate_proj.weight`
+                parts = [f"{p}.weight" for p in parts]
             if (
                 isinstance(mod, SparseMoE)
                 and not self.kernels.triton  # a GPU's experts are dequantized (not packed yet)
@@ -598,7 +600,7 @@ def merged_kind(kinds: set[str | None]) -> str | None:
     """The one layout that holds every part of a fused weight (None: some part is not packed)."""
     if None in kinds:
         return None
-    if len(kinds) == 1 and kinds <= {"bf16", "fp8", "int4"}:
+    if len(kinds) == 1 and kinds <= {"bf16", "fp8", "int4", "mxfp4"}:
         return next(iter(kinds))
     return "int8x16" if "int8x16" in kinds else "int8"
 

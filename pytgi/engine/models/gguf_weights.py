@@ -125,6 +125,17 @@ def _q8_0(b):
     return b[:, 2:34] ^ 128, _f16(b, 0), None  # int8 + 128
 
 
+# MXFP4's e2m1 codes (sign, then magnitude 0 0.5 1 1.5 2 3 4 6) as levels 12 + 2·value: a uniform grid
+# of 25 with a step of half the block's power of two (2^(e - 128)) and zero at level 12
+FP4_LEVELS = (12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0)
+
+
+def _mxfp4(b):
+    lut = torch.tensor(FP4_LEVELS, dtype=torch.uint8)
+    codes = _nibbles(b[:, 1:17], 16).long()
+    return lut[codes], torch.ldexp(torch.ones(len(b), 1), b[:, :1].int() - 128), None
+
+
 def _q4_k(b):
     sc, mn = _k_scales(b[:, 4:16])
     return _nibbles(b[:, 16:144], 32), _f16(b, 0) * sc, -_f16(b, 2) * mn
@@ -170,6 +181,7 @@ TYPE_SIZES = {
     "Q4_K": 144,
     "Q5_K": 176,
     "Q6_K": 210,
+    "MXFP4": 17,
 }  # bytes of a block (32 values, 256 for K-quants)
 # GGUF type → (decoder of [nb, type size] block bytes → (q, d, m), levels of q, values per group, zero:
 # m = -zero·d for the symmetric types, whose decoders give no m)
@@ -184,6 +196,7 @@ DECODERS: dict[str, tuple[Any, int, int, int | None]] = {
     "Q6_K": (_q6_k, 64, 16, 32),
     "Q3_K": (_q3_k, 8, 16, 4),
     "Q2_K": (_q2_k, 4, 16, None),
+    "MXFP4": (_mxfp4, 25, 32, 12),
 }
 
 
@@ -361,7 +374,7 @@ class GGUFWeights:
     def grid(self, name: str, start: int = 0, stop: int | None = None) -> Grid | None:
         """Rows start .. stop of the tensor (rows in Hugging Face's order; a stack of experts' rows
         run on from one expert to the next) as levels and grids, or None for a type on no uniform
-        grid (floats, IQ*, TQ*, MXFP4). Only those rows' blocks are read."""
+        grid (floats, IQ*, TQ*). Only those rows' blocks are read."""
         kind = self.type_name(name)
         if kind not in DECODERS:
             return None

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from pytgi.core.errors import ConfigError, UnsupportedModel
+from pytgi.engine import kernels
 from pytgi.engine.models import gemma3_vision, idefics3, llava, qwen2_vl
 from pytgi.engine.models.checkpoint_quant import (
     QuantizedCheckpoint,
@@ -28,6 +29,7 @@ from pytgi.engine.models.gpt_oss import ARCHITECTURES as GPT_OSS_ARCHITECTURES
 from pytgi.engine.models.gpt_oss import gpt_oss_config
 from pytgi.engine.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
 from pytgi.engine.models.llama import llama_config
+from pytgi.engine.models.moe import SparseMoE
 from pytgi.engine.models.quant import resolve_plan
 from pytgi.engine.models.qwen3_next import ARCHITECTURES as QWEN3_NEXT_ARCHITECTURES
 from pytgi.engine.models.qwen3_next import VLM_ARCHITECTURES as QWEN3_5_VLM_ARCHITECTURES
@@ -133,11 +135,22 @@ def resolve_dtype(name: str, cfg: dict[str, Any], device: torch.device) -> torch
 
 
 # bytes per weight of each packed layout, its fp16 scales and offsets included (`pytgi.engine.models.quant`)
-PACKED_BYTES = {"int4": 0.625, "int8": 1.125, "int8x16": 1.25, "fp8": 1.0}
+PACKED_BYTES = {"int4": 0.625, "mxfp4": 0.625, "int8": 1.125, "int8x16": 1.25, "fp8": 1.0}
 
 
-def _shapes(path: Path, gguf: GGUFWeights | None) -> dict[str, tuple[int, ...]]:
-    """Every checkpoint tensor's shape, from the GGUF file or the safetensors headers (no data read)."""
+def keeps_mxfp4(dtype: torch.dtype, device: torch.device, cpu: Kernels | None = None) -> bool:
+    """Whether a Hugging Face MXFP4 checkpoint's experts stay 4-bit (bf16 on a CPU with pytgi's low-bit
+    kernel), rather than being dequantized to `dtype`."""
+    vnni = cpu.vnni if cpu is not None else kernels.vnni_supported()
+    gpu = cpu is not None and cpu.triton
+    return device.type == "cpu" and dtype == torch.bfloat16 and vnni and not gpu
+
+
+def _shapes(
+    path: Path, gguf: GGUFWeights | None, mxfp4: set[str] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor's shape, from the GGUF file or the safetensors headers (no data read);
+    the names of MXFP4 tensors go to `mxfp4`."""
     if gguf is not None:
         return {name: gguf.shape(name) for name in gguf.names()}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -150,6 +163,8 @@ def _shapes(path: Path, gguf: GGUFWeights | None) -> dict[str, tuple[int, ...]]:
             shape = tuple(info["shape"])
             if name.endswith("_blocks"):  # MXFP4 (gpt-oss's experts): two values a byte, loaded as floats
                 shapes[name.removesuffix("_blocks")] = (*shape[:-2], shape[-2] * shape[-1] * 2)
+                if mxfp4 is not None:
+                    mxfp4.add(name.removesuffix("_blocks"))
             elif not name.endswith("_scales"):
                 shapes[name] = shape
     return shapes
@@ -161,7 +176,10 @@ def weight_bytes(path: Path, dtype: torch.dtype, device: torch.device, quantize:
     `dtype`, or in float32 when it is quantized on the fly (`--quantize int8|int4`)."""
     plan = resolve_plan(quantize, path, dtype, device)
     weights = open_gguf(path)
-    shapes, gguf = _shapes(path, weights), weights is not None
+    mxfp4: set[str] = set()
+    shapes, gguf = _shapes(path, weights, mxfp4), weights is not None
+    if not keeps_mxfp4(dtype, device):
+        mxfp4.clear()
     elt = (
         4
         if isinstance(plan, str) and plan not in ("bf16", "fp8")
@@ -169,7 +187,7 @@ def weight_bytes(path: Path, dtype: torch.dtype, device: torch.device, quantize:
     )
     total = 0.0
     for name, shape in shapes.items():
-        kind = plan.get(name) if gguf and isinstance(plan, dict) else None
+        kind = plan.get(name) if gguf and isinstance(plan, dict) else "mxfp4" if name in mxfp4 else None
         total += math.prod(shape) * PACKED_BYTES.get(kind or "", elt)
     return int(total)
 
@@ -177,7 +195,6 @@ def weight_bytes(path: Path, dtype: torch.dtype, device: torch.device, quantize:
 def loaded_bytes(model: Any) -> int:
     """The bytes a loaded model holds: its parameters and buffers, its linears' and experts' packed
     weights."""
-    from pytgi.engine.models.moe import SparseMoE
     from pytgi.engine.models.quant import QuantizedLinear
 
     seen: set[int] = set()
@@ -277,7 +294,12 @@ def load_model(
     if gguf is not None:
         tensors = gguf.dense_tensors()
     elif (hf.get("quantization_config") or {}).get("quant_method") == "mxfp4":
-        tensors = mxfp4_tensors(iter_safetensors(path), dtype)  # exact in bf16 too
+        keep = keeps_mxfp4(dtype, device, cpu)
+        if keep:  # the experts' codes packed as they are read: never a float copy of them
+            for mod in model.modules():
+                if isinstance(mod, SparseMoE):
+                    mod.keep_mxfp4 = (dtype, cpu)
+        tensors = mxfp4_tensors(iter_safetensors(path), dtype, keep)  # exact in bf16 too
     else:
         tensors = iter_safetensors(path)
     model.load_weights(tensors)

@@ -8,8 +8,10 @@ packed as the file holds them (`pack_experts`), and a bf16 step runs all its exp
 (`pytgi/engine/kernels/moe.c`: the same low-bit matmuls, no Python between them). Qwen2-MoE adds a shared
 expert, scaled by a sigmoid gate. gpt-oss (`oai`) has biases on the router and the experts, softmaxes
 the chosen experts' logits, and clamps its SwiGLU; its checkpoint stacks each expert's
-weights transposed, [E, H, 2I] with gate and up interleaved. With tensor parallelism each rank holds a
-slice of every expert's intermediate features and the partial outputs are all-reduced.
+weights transposed, [E, H, 2I] with gate and up interleaved, or in MXFP4 (two e2m1 codes a byte, a
+power of two per 32): on a CPU with pytgi's low-bit kernels those stay 4-bit (format "mxfp4"), packed
+from the codes as they are read (`keep_mxfp4`). With tensor parallelism each rank holds a slice of every
+expert's intermediate features and the partial outputs are all-reduced.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from torch import nn
 from pytgi.engine import kernels
 from pytgi.engine.distributed import all_reduce, local_range
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, merged_shards
+
+GROUP = 32  # inputs per group of the low-bit layouts (`pytgi.engine.models.quant.GROUP`)
 
 # checkpoint names of one expert's weights: Mixtral's w1 / w3 / w2, or gate_proj / up_proj / down_proj
 _EXPERT = re.compile(r"experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
@@ -71,6 +75,10 @@ class SparseMoE(nn.Module):
             self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False)
         self.packed: list[tuple[Any, Any]] = []  # per expert, gate|up and down packed (`pack_experts`)
         self.fused: kernels.PackedExperts | None = None  # the same, for moe.c
+        # (act dtype, kernels) where the loader keeps MXFP4 experts packed (`_load_oai`), and the first of
+        # the pair of MXFP4 tensors while the other is read
+        self.keep_mxfp4: tuple[torch.dtype, Any] | None = None
+        self._mxfp4: dict[str, Any] = {}
         self.shared_expert = SharedExpert(hidden, shared_inter) if shared_inter else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
 
@@ -105,9 +113,25 @@ class SparseMoE(nn.Module):
     def _load_oai(self, name: str, tensor: torch.Tensor) -> list[str]:
         """gpt-oss's stacked tensors: gate_up [E, H, 2I] and its bias [E, 2I] (gate and up interleaved),
         down [E, I, H] and its bias [E, H]; or, from a GGUF file, `experts.{gate,up}_proj.weight`
-        [E, I, H] and `.bias` [E, I] apart, `experts.down_proj.weight` [E, H, I] and `.bias` [E, H]."""
+        [E, I, H] and `.bias` [E, I] apart, `experts.down_proj.weight` [E, H, I] and `.bias` [E, H].
+        MXFP4 weights (`checkpoint_quant.Mxfp4`) are packed as they are where `keep_mxfp4` says so and
+        this rank's slice falls on whole groups, else dequantized."""
+        from pytgi.engine.models.checkpoint_quant import Mxfp4, Mxfp4Experts, dequantize_mxfp4
+
         s, n = self.start, self.local
         assert self.gate_up_bias is not None and self.down_bias is not None
+        if isinstance(tensor, Mxfp4):
+            hidden = self.down.shape[1]
+            if self.keep_mxfp4 is None or s % GROUP or n % GROUP or hidden % 16:
+                tensor = dequantize_mxfp4(tensor.blocks, tensor.scales, self.gate_up.dtype)
+            else:
+                self._mxfp4[name] = tensor
+                if len(self._mxfp4) == 2:  # both read: packed, a slice of rows at a time
+                    held, self._mxfp4 = self._mxfp4, {}
+                    experts = Mxfp4Experts(held["experts.gate_up_proj"], held["experts.down_proj"])
+                    act_dtype, cpu = self.keep_mxfp4
+                    self.pack_experts(experts, ["gate", "up", "down"], ("mxfp4", "mxfp4"), act_dtype, cpu)
+                return ["gate_up" if name == "experts.gate_up_proj" else "down"]
         if name.startswith(("experts.gate_proj.", "experts.up_proj.")):
             half = 0 if name.startswith("experts.gate_proj.") else n
             dst = self.gate_up if name.endswith(".weight") else self.gate_up_bias
@@ -166,8 +190,9 @@ class SparseMoE(nn.Module):
 
     def fuse(self) -> None:
         """Where every expert is packed for pytgi's low-bit kernel, hand them to one C call (moe.c)."""
-        if self.packed and self.oai is None and all(w.vnni for pair in self.packed for w in pair):
+        if self.packed and all(w.vnni for pair in self.packed for w in pair):
             gu, dn = zip(*self.packed)
+
             self.fused = kernels.PackedExperts(
                 gate_up=np.array([w.packed.data_ptr() for w in gu], dtype=np.int64),
                 down=np.array([w.packed.data_ptr() for w in dn], dtype=np.int64),
@@ -175,11 +200,18 @@ class SparseMoE(nn.Module):
                 bits_down=np.array([w.bits for w in dn], dtype=np.int64),
                 inter=gu[0].shape[0] // 2,
                 amx_above=min(w.vnni_max_m for pair in self.packed for w in pair),
+                oai=self.oai,
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and x.dtype == self.gate.weight.dtype == torch.bfloat16:  # all in moe.c
-            routed = kernels.moe(x.contiguous(), self.fused, self.gate.weight, self.top_k, self.norm_topk)
+            biases = None
+            if self.oai is not None:  # gpt-oss's (the down bias in the first rank's part of the sum alone)
+                assert self.gate_up_bias is not None and self.down_bias is not None
+                biases = (self.gate.bias, self.gate_up_bias, self.down_bias if self.start == 0 else None)
+            routed = kernels.moe(
+                x.contiguous(), self.fused, self.gate.weight, self.top_k, self.norm_topk, biases
+            )
             return self._shared(x, all_reduce(routed))
         if self.oai is not None:  # the chosen logits softmaxed (= the renormalized softmax)
             logits, experts = self.gate(x).float().topk(self.top_k, dim=-1)

@@ -25,7 +25,9 @@ Which tensors to quantize, and how, is a per-tensor plan:
   Q4_K tensors become int4, Q5_0/Q5_1/Q5_K/Q8_0 int8 and Q2_K/Q3_K/Q6_K int8x16. The loader reads
   each tensor's levels and grids from its blocks (`pytgi.engine.models.gguf_weights`, `grid_layout`) and
   packs them as they are: exact but for fp16 scales, for every type, with no float copy of the
-  model; float tensors, and types on no uniform grid (IQ*, TQ*, MXFP4), are dequantized to bf16;
+  model; float tensors, and types on no uniform grid (IQ*, TQ*), are dequantized to bf16;
+- MXFP4 (gpt-oss's experts, in a GGUF file or a Hugging Face checkpoint) keeps its 4-bit codes: format
+  "mxfp4", which the kernels turn into levels on a uniform grid of 25 as they read them (qgemv.c);
 - a Hugging Face model is quantized only on request (`--quantize int8|int4`). By default (bf16 on a CPU
   whose kernels build) its weights stay as they are, bf16, and are only re-laid out for
   `pytgi/engine/kernels/bf16gemm.c` ("bf16"): a decode step then reads them at memory speed, every step size
@@ -45,7 +47,7 @@ from torch import nn
 from pytgi.core.errors import ConfigError
 from pytgi.engine import kernels
 from pytgi.engine.models.cpu import Kernels, triton_available
-from pytgi.engine.models.gguf_weights import Grid, group_values
+from pytgi.engine.models.gguf_weights import FP4_LEVELS, Grid, group_values
 from pytgi.engine.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 GROUP = 32
@@ -53,7 +55,12 @@ INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # on a 16-level grid per 32 values
 INT8_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q8_0"}  # on a grid of at most 256 levels per 32 values
 SUB16_TYPES = {"Q2_K", "Q3_K", "Q6_K"}  # scales per 16 values that no grid per 32 holds
 MODES = ("none", "auto", "int8", "int4", "bf16", "fp8")
-BITS = {"int4": 4, "int8": 8, "int8x16": 16}  # the kernels' name for each layout (qgemv.c)
+BITS = {"int4": 4, "mxfp4": 5, "int8": 8, "int8x16": 16}  # the kernels' name for each layout (qgemv.c)
+# MXFP4's level (12 + 2·value) → its e2m1 code (as pack.c's table: off-grid levels to the one below)
+FP4_CODES = torch.tensor(
+    [15, 15, 15, 15, 14, 14, 13, 13, 12, 11, 10, 9, 0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 6, 6, 7]
+)
+FP4_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 def gguf_plan(model_dir: Path) -> dict[str, str]:
@@ -69,7 +76,9 @@ def gguf_plan(model_dir: Path) -> dict[str, str]:
 def kind_for_gguf_type(t: str) -> str | None:
     """The packed layout that holds a GGUF type's values exactly (but for fp16 scales), or None to
     keep the converted float values: float types, and types whose values lie on no uniform grid
-    (IQ*, TQ*, MXFP4: codebooks)."""
+    (IQ*, TQ*: codebooks)."""
+    if t == "MXFP4":
+        return "mxfp4"
     if t in INT4_TYPES:
         return "int4"
     if t in SUB16_TYPES:
@@ -200,6 +209,22 @@ def quantize_int4(
     return q.view(N, K).to(torch.int32), d, m, (q * d[..., None] + m[..., None]).view(N, K)
 
 
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The OCP MXFP4 grid (gpt-oss's experts): per 32 inputs a power of two 2^e (the largest value
+    in 4..8 of it) and each value the nearest e2m1 value (0, ±0.5, ±1, ±1.5, ±2, ±3, ±4, ±6) times it.
+    Returns (levels 12 + 2·value [N, K] int32, d = 2^(e - 1), m = -12·d [N, K/32], dequantized w)."""
+    N, K = w.shape
+    g = w.float().view(N, K // GROUP, GROUP)
+    amax = g.abs().amax(dim=-1)
+    e = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=1e-30))) - 2, torch.zeros_like(amax))
+    v = g / torch.exp2(e)[..., None]
+    mag = (v.abs()[..., None] - FP4_MAGNITUDES).abs().argmin(dim=-1)
+    q = (12 + torch.sign(v) * 2 * FP4_MAGNITUDES[mag]).round()
+    d = torch.exp2(e - 1)
+    m = -12 * d
+    return q.view(N, K).to(torch.int32), d, m, (q * d[..., None] + m[..., None]).view(N, K)
+
+
 def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
     """The layout `pytgi/engine/kernels/qgemv.c` reads: q unsigned ([N, K], values < 256), d and m
     [N, K/32] (bits 4, 8) or [N, K/16] (bits 16: int8x16); per tile of 16 rows and group of 32
@@ -214,15 +239,17 @@ def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> t
 
 def block_bytes(bits: int) -> int:
     """Bytes of a packed (16 rows, 32 inputs) block: the levels, then fp16 d and m."""
-    return (256 if bits == 4 else 512) + (128 if bits == 16 else 64)
+    return (256 if bits in (4, 5) else 512) + (128 if bits == 16 else 64)
 
 
 def pack_vnni_reference(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
     """`pack_vnni` in PyTorch's operations (where the C kernels are not built, and to test pack.c)."""
     N, K = q.shape
     G = K // GROUP
+    if bits == 5:  # MXFP4's levels stored as their e2m1 codes
+        q = FP4_CODES[q.long()]
     v = q.to(torch.uint8).view(N // 16, 16, G, 8, 4).permute(0, 2, 3, 1, 4).reshape(N // 16, G, 8, 64)
-    if bits == 4:
+    if bits in (4, 5):
         v = v[:, :, :4] | (v[:, :, 4:] << 4)
 
     def scales(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 32 bytes]
@@ -237,13 +264,15 @@ def pack_vnni_reference(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits:
 def unpack_rows(packed: torch.Tensor, rows: torch.Tensor, bits: int) -> torch.Tensor:
     """Rows of a `pack_vnni` layout, dequantized: float32 [len(rows), K]."""
     T, G = len(rows), packed.shape[1]
-    wbytes = 256 if bits == 4 else 512
+    wbytes = 256 if bits in (4, 5) else 512
     blocks = packed[rows // 16]  # [T, G, bytes]: each row's tile
     r = (rows % 16).view(T, 1, 1, 1)
     w = blocks[..., :wbytes]
-    if bits == 4:  # byte j of a quad holds quad j (low nibble) and quad j + 4 (high)
+    if bits in (4, 5):  # byte j of a quad holds quad j (low nibble) and quad j + 4 (high)
         w = w.reshape(T, G, 4, 16, 4)
         w = torch.cat([w & 15, w >> 4], dim=2)
+        if bits == 5:  # e2m1 codes → their levels
+            w = torch.tensor(FP4_LEVELS, dtype=torch.uint8)[w.long()]
     w = w.reshape(T, G, 8, 16, 4)
     q = w.gather(3, r.view(T, 1, 1, 1, 1).expand(T, G, 8, 1, 4)).view(T, G, 32).float()
     scales = blocks[..., wbytes:].contiguous().view(torch.float16).view(T, G, -1, 16)
@@ -265,14 +294,17 @@ def grid_layout(grid: Grid, kind: str) -> tuple[torch.Tensor, torch.Tensor, torc
     w = d·u + m. int4 takes 16 levels per 32 values; int8 (per 32) and int8x16 (per 16) hold u in
     1..255, symmetric grids (m = -zero·d) at u = q - zero + 128 with m = -128·d, offset ones at
     u = q + 1 with m = fp16(m - d). Exact but for the fp16 rounding of d and m (and, for Q8_0 alone,
-    a level of -128, which no file llama.cpp writes, read as -127)."""
+    a level of -128, which no file llama.cpp writes, read as -127). mxfp4 takes MXFP4's grids alone
+    (levels 12 + 2·value, zero 12: `gguf_weights.FP4_LEVELS`)."""
     group = 16 if kind == "int8x16" else GROUP
     if grid.group != group and not (grid.group == GROUP and group == 16):
         raise ValueError(f"a grid per {grid.group} values does not fit {kind}")
     if kind == "int4" and grid.levels > 16:
         raise ValueError(f"{grid.levels} levels do not fit int4")
+    if kind == "mxfp4" and (grid.levels != 25 or grid.zero != 12):
+        raise ValueError("only MXFP4 blocks fit mxfp4")
     d = _fp16(grid.d)
-    if kind == "int4":
+    if kind in ("int4", "mxfp4"):
         u = grid.q
         m = -float(grid.zero or 0) * d if grid.m is None else _fp16(grid.m)
     elif grid.m is None:  # q - zero + 128 stays in 0..255 (zero: half the levels); 0 only for Q8_0's -128
@@ -349,7 +381,10 @@ class QuantizedWeight:
                 self._pack_rows(w, act_dtype)
                 return
             w = group_values(*w.whole())  # PyTorch's kernels: their own grids
-        if kind == "int4":
+        if kind == "mxfp4" and self.vnni:
+            q, d, m, deq = quantize_mxfp4(w)
+            self.packed = pack_vnni(q, d, m, 5)
+        elif kind == "int4":
             q, d, m, deq = quantize_int4(w)
             if self.vnni:
                 self.packed = pack_vnni(q, d, m, 4)
@@ -489,7 +524,7 @@ def can_quantize(kind: str, w: torch.Tensor, gpu: bool = False) -> bool:
         return N % 16 == 0 and K % 2 == 0
     if kind == "fp8":
         return True
-    return kind != "int4" or (K % GROUP == 0 and N % 16 == 0)
+    return kind not in ("int4", "mxfp4") or (K % GROUP == 0 and N % 16 == 0)
 
 
 class QuantizedLinear(nn.Module):
