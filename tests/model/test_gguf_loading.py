@@ -232,3 +232,24 @@ def test_mxfp4_experts_stay_4_bit_from_a_gguf_file(tmp_path, monkeypatch):
     got, want = prompt_logits(fast, seq).float(), prompt_logits(exact, seq).float()
     assert (got - want).abs().max() <= 0.03 * want.abs().max()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.skipif(not kernels.bf16gemm_supported(), reason="the bf16 kernel needs AVX-512 BF16 or AVX2")
+def test_a_gguf_files_float_linears_take_the_bf16_kernel(tmp_path, monkeypatch):
+    """A GGUF file's F32 / F16 / BF16 linears (gpt-oss's attention and head as ggml-org ships them) run on
+    pytgi's bf16 kernel in a bf16 model, as a bf16 Hugging Face model's do, beside the packed experts."""
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    arch, kw, hf = tiny_model(FAMILIES["qwen3moe"])
+
+    # the experts Q8_0, the rest as the float32 model holds it (F32)
+    path = write_gguf(hf, arch, tmp_path / "mixed.gguf", quant=lambda n, a: "Q8_0" if "_exps" in n else None)
+    model_dir = resolve_model(str(path), progress=False).path
+    fast = ModelRunner(EngineConfig(model=str(model_dir), dtype="bfloat16", device="cpu"))
+    model: Any = fast.model
+    kinds = {n: m.quant.kind for n, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    assert kinds["lm_head"] == "bf16"  # the file's F32 head
+    assert {k for n, k in kinds.items() if "self_attn" in n} == {"bf16"}
+    exact = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
+    seq = np.random.default_rng(1).integers(0, kw["vocab_size"], 23).tolist()
+    got, want = prompt_logits(fast, seq).float(), prompt_logits(exact, seq).float()
+    assert (got - want).abs().max() <= 0.03 * want.abs().max()

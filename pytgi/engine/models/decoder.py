@@ -463,8 +463,17 @@ class DecoderModel(nn.Module):
         for mod, (gate, up, down) in experts.items():
             kinds = (merged_kind({plan[gate], plan[up]}) or "int8", plan[down])
             mod.pack_experts(weights, [gate, up, down], kinds, act_dtype, self.kernels)
+        plan_now = {name: plan[name] for _, names in packed.values() for name in names}
+        if (dense := float_kind(act_dtype, self.kernels.triton)) is not None:
+            # the file's float linears (F32 / F16 / BF16: gpt-oss's attention and head as ggml-org ships
+            # them) on the CPU's bf16 kernel, as a bf16 Hugging Face model's: PyTorch's matmul read them
+            # at half the memory's speed in a decode step
+            for mod, (_, names) in self.planned(dense).items():
+                floats = all(n in weights.tensors and weights.type_name(n) in FLOAT_TYPES for n in names)
+                if mod not in packed and floats:
+                    plan_now |= {n: dense for n in names}
         self.quantize(
-            {name: plan[name] for _, names in packed.values() for name in names},
+            plan_now,
             act_dtype,
             {mod: functools.partial(_grid_layout, weights, mod, names) for mod, (_, names) in packed.items()},
         )
@@ -594,6 +603,7 @@ class DecoderModel(nn.Module):
 
 
 EMBED = "model.embed_tokens.weight"
+FLOAT_TYPES = {"F32", "F16", "BF16"}  # GGUF's float tensor types
 
 
 def merged_kind(kinds: set[str | None]) -> str | None:
