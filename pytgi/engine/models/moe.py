@@ -29,8 +29,7 @@ from torch import nn
 from pytgi.engine import kernels
 from pytgi.engine.distributed import all_reduce, local_range
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, merged_shards
-
-GROUP = 32  # inputs per group of the low-bit layouts (`pytgi.engine.models.quant.GROUP`)
+from pytgi.engine.models.quant import GROUP
 
 # checkpoint names of one expert's weights: Mixtral's w1 / w3 / w2, or gate_proj / up_proj / down_proj
 _EXPERT = re.compile(r"experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
