@@ -1,5 +1,5 @@
 """Which matmul for which step size: the default model's 30 layers of linears (qkv, o, gate/up,
-down) plus its LM head, timed with float32, bfloat16, int8 and int4 weight-only kernels at each M
+down) plus its LM head, timed with float32, bfloat16, int8, int4 and mxfp4 weight-only kernels at each M
 (tokens in the step): pytgi's kernels (`pytgi/engine/kernels/qgemv.c`: VNNI, then AMX for bigger steps,
 where the CPU has them; `int4-vnni` without AMX) and PyTorch's (`int8-torch`, `int4-torch`). This
 is what the crossovers in `pytgi.engine.models.cpu.Crossovers` (the `lowbit_*` and `vnni_before_amx`
@@ -32,7 +32,7 @@ from pytgi.engine.models.quant import QuantizedWeight
 LAYERS = 30
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in): qkv, o, gate_up, down
 HEAD = (49152, 576)
-KINDS = ("float32", "bfloat16", "int8", "int4", "int4-vnni", "int8-torch", "int4-torch")
+KINDS = ("float32", "bfloat16", "int8", "int4", "mxfp4", "int4-vnni", "int8-torch", "int4-torch")
 
 
 def build(kind: str) -> list:
@@ -41,7 +41,7 @@ def build(kind: str) -> list:
     out = []
     for n, k in shapes:
         w = torch.randn(n, k, generator=g) * 0.02
-        if kind.startswith("int"):
+        if kind.startswith("int") or kind == "mxfp4":
             bits, _, only = kind.partition("-")
             cpu = Kernels.for_device(torch.device("cpu"), torch.bfloat16, vnni=only != "torch", amx=only == "")
             out.append(QuantizedWeight(bits, w, torch.bfloat16, cpu))
