@@ -15,7 +15,7 @@ import transformers
 
 from pytgi.core.config import EngineConfig
 from pytgi.engine.engine import LLMEngine
-from tests.model.test_sharding import run
+from tests.model.test_sharding import run, run_sharded
 
 PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 64] * 3, [7, 9] * 10, list(range(30, 60))]
 
@@ -200,15 +200,7 @@ def test_mxfp4_experts_over_two_shards(mxfp4):
         pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2: MXFP4 is dequantized")
     moved = []
     for path in mxfp4[:2]:
-        outs = []
-        for n in (1, 2):
-            engine = LLMEngine(
-                EngineConfig(model=str(path), max_batch_total_tokens=1024, num_shard=n, dtype="bfloat16")
-            )
-            try:
-                outs.append(run(engine, PROMPTS))
-            finally:
-                engine.shutdown()
+        outs = [run_sharded(path, PROMPTS, n, "bfloat16") for n in (1, 2)]
         diffs = [
             (torch.tensor(one[: len(p) - 1]) - torch.tensor(two[: len(p) - 1])).abs()
             for p, (_, one), (_, two) in zip(PROMPTS, *outs)

@@ -54,6 +54,19 @@ def run(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple[list[int], li
     return [(tokens[str(i)], logprobs[str(i)]) for i in range(len(prompts))]
 
 
+def run_sharded(
+    path, prompts: list[list[int]], num_shard: int, dtype: str
+) -> list[tuple[list[int], list[float]]]:
+    """`run` on a fresh engine over `num_shard` shards, shut down after."""
+    engine = LLMEngine(
+        EngineConfig(model=str(path), max_batch_total_tokens=1024, num_shard=num_shard, dtype=dtype)
+    )
+    try:
+        return run(engine, prompts)
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_path):
     prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20, list(range(30, 60))]
@@ -105,15 +118,7 @@ def test_tiny_gpt_oss_matches_one_shard(tmp_path):
                 p.add_(torch.randn_like(p))
     model.save_pretrained(tmp_path)
     prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20]
-    outs = []
-    for n in (1, 2):
-        engine = LLMEngine(
-            EngineConfig(model=str(tmp_path), max_batch_total_tokens=1024, num_shard=n, dtype="float32")
-        )
-        try:
-            outs.append(run(engine, prompts))
-        finally:
-            engine.shutdown()
+    outs = [run_sharded(tmp_path, prompts, n, "float32") for n in (1, 2)]
     for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
         assert tokens == ref_tokens
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
