@@ -16,11 +16,12 @@ def assert_loop_equals_python_path(fast: LLM, prompts: list, min_loop_steps: int
     used, loop = [], model.decoder_loop
     assert loop is not None
 
-    def counting(*args):
-        h = loop(*args)
+    def counting(*args, **kwargs):
+        h = loop(*args, **kwargs)
         used.append(h is not None)
         return h
 
+    counting.takes_lora, counting.takes_window = loop.takes_lora, loop.takes_window  # type: ignore[attr-defined]
     model.decoder_loop = counting
     # The same model without the loop: the Python layer loop over the same kernels.
     plain = load_model(

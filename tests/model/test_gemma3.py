@@ -87,12 +87,15 @@ def test_float32_greedy_equals_transformers_past_the_window(gguf, llm):
 @decoder_loop
 def test_c_decoder_loop_equals_the_python_path(gguf):
     """Gemma 3's one-call decoder loop (bf16, packed weights) gives the Python layer loop's tokens and
-    prompt logprobs bit for bit; it runs while no context reaches past the window."""
+    prompt logprobs bit for bit, with decodes before and past the window (the sliding layers' keys
+    then start where each request's window does)."""
     from pytgi import LLM
 
     fast = LLM(model=str(gguf), max_batch_total_tokens=4096, max_total_tokens=2048)
     try:
-        prompts = [fast.tokenizer.encode(t) for t in ("The capital of France is", "def f(x):\n", "Once upon")]
+        texts = ("The capital of France is", "def f(x):\n", "Once upon", long_prompt())
+        prompts = [fast.tokenizer.encode(t) for t in texts]
+        assert len(prompts[-1]) > fast.engine.runner.model.config.sliding_window
         assert_loop_equals_python_path(fast, prompts, 11)
     finally:
         fast.shutdown()

@@ -286,8 +286,8 @@ def test_the_c_decoder_loop_adds_the_adapters_as_the_python_path_does(tmp_path):
     loop, used = model.decoder_loop, []
     assert loop is not None and loop.takes_lora
 
-    def counting(*args):
-        h = loop(*args)
+    def counting(*args, **kwargs):
+        h = loop(*args, **kwargs)
         used.append(h is not None and args[-1] is not None)
         return h
 

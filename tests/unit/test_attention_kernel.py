@@ -158,6 +158,40 @@ def test_sinks_in_the_paged_kernel_equal_the_gathered_path(dtype, tol, H, KVH, D
     assert not torch.allclose(plain.float(), outs[1], atol=tol, rtol=tol)  # the sinks matter
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+# (10, 2, 20): the portable kernel on every CPU
+@pytest.mark.parametrize("H, KVH, D", [(8, 2, 64), (4, 4, 128), (10, 2, 20)])
+@pytest.mark.parametrize("kv8, sinks", [(False, False), (False, True), (True, False)])
+def test_a_window_in_the_paged_kernel_equals_the_gathered_path(dtype, tol, H, KVH, D, kv8, sinks):
+    """A sliding window (gpt-oss's, Gemma's) for decodes in the paged kernel: each request's keys
+    start where its last token's window does (not on a block's or a chunk's edge), and equal the
+    gathered path's masked attention; the step's prefill chunk keeps the gathered path."""
+    torch.manual_seed(2)
+    bs, window = 16, 100
+    q_lens, ctx = np.array([1, 1, 17, 1, 1]), np.array([300, 60, 250, 101, 133])
+    layout, n_slots = scattered_step(q_lens, ctx, bs, spare=4, seed=2)
+    T = int(q_lens.sum())
+    if kv8:
+        k_cache, v_cache = int8_cache(n_slots, KVH, D, dtype)
+    else:
+        k_cache, v_cache = (torch.randn(n_slots, KVH, D).to(dtype) for _ in range(2))
+    q = torch.randn(T, H, D).to(dtype)
+    sink = torch.randn(H) * 3 if sinks else None
+    outs = []
+    for use in (True, False):
+        backend = attention(dtype, (H, KVH, D), fused=use, limits=Crossovers(paged_prefill=64))
+        meta = backend.prepare(layout, torch.device("cpu"), window=window)
+        if use:
+            assert meta.paged.q_lens.tolist() == [1, 1, 1, 1] and meta.paged.first.tolist() == [200, 0, 1, 33]
+            assert meta.prefill is not None and meta.decode is None
+        out = backend.forward(q, None, None, k_cache, v_cache, meta, D**-0.5, sinks=sink)
+        outs.append(out.float())
+    torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+    full = attention(dtype, (H, KVH, D), fused=True).prepare(layout, torch.device("cpu"))
+    whole = attention(dtype, (H, KVH, D)).forward(q, None, None, k_cache, v_cache, full, D**-0.5, sinks=sink)
+    assert not torch.allclose(whole[0].float(), outs[0][0], atol=tol, rtol=tol)  # the window matters
+
+
 def test_big_prefill_chunks_keep_sdpa_unless_batch_invariant():
     n = CROSSOVERS.paged_prefill + 1
     layout = StepLayout(

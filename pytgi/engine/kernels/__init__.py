@@ -271,6 +271,7 @@ class PagedBatch:
     block_size: int
     decodes_only: bool  # all q_lens are 1: the decode entry point
     tiles: np.ndarray | None = None  # [B] nonzero: this request's rows use AMX tiles (None: no request does)
+    first: np.ndarray | None = None  # [B] the first key each request's queries see (a window; None: 0)
 
 
 def paged_attention(
@@ -300,7 +301,15 @@ def paged_attention(
     flag = int(kv8(k_cache))
     if p.decodes_only:
         failed = _fn("decode_attention", q.dtype)(
-            _ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(out), _ptr(p.q_starts), *common, flag, _ptr(sink)
+            _ptr(q),
+            _ptr(k_cache),
+            _ptr(v_cache),
+            _ptr(out),
+            _ptr(p.q_starts),
+            *common,
+            flag,
+            _ptr(sink),
+            _ptr(p.first),
         )
     else:
         failed = _fn("paged_prefill", q.dtype)(
@@ -315,6 +324,7 @@ def paged_attention(
             *common[2:],
             flag,
             _ptr(sink),
+            _ptr(p.first),
         )
     _check(failed, "paged attention")
 
@@ -523,9 +533,11 @@ def gemma_layers(
     scale: float,
     vnni_max_m: int,
     kv8: bool = False,
+    first: np.ndarray | None = None,
 ) -> None:
     """Run every Gemma 3 layer on the residual stream x (bf16 [T, hidden], updated in place).
-    ropes: ((cos, sin) of the full layers, (cos, sin) of the sliding ones), float32 [T, D]."""
+    ropes: ((cos, sin) of the full layers, (cos, sin) of the sliding ones), float32 [T, D]. first:
+    per request the first key the sliding layers see (decodes past the window), or None."""
     (cos, sin), (cos_l, sin_l) = ropes
     failed = _built().pytgi_gemma_layers_bf16(
         _ptr(table),
@@ -551,6 +563,7 @@ def gemma_layers(
         int(p.decodes_only),
         vnni_max_m,
         int(kv8),
+        _ptr(first),
     )
     _check(failed, "decoder layers")
 

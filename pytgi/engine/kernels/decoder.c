@@ -59,12 +59,12 @@ static int matmul(const uint16_t *x, int64_t w, int64_t bits, uint16_t *out, int
 static int attend(const uint16_t *q, const void *kc, const void *vc, uint16_t *out, const int64_t *q_starts,
                   const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles,
                   int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale,
-                  int64_t all_decodes, int64_t kv8) {
+                  int64_t all_decodes, int64_t kv8, const int64_t *first) {
     if (all_decodes)
         return pytgi_decode_attention_bf16(q, kc, vc, out, q_starts, block_tables, ctx_lens, B, max_blocks, block_size,
-                                           H, KVH, D, scale, kv8, NULL);
+                                           H, KVH, D, scale, kv8, NULL, first);
     return pytgi_paged_prefill_bf16(q, kc, vc, out, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks,
-                                    block_size, H, KVH, D, scale, kv8, NULL);
+                                    block_size, H, KVH, D, scale, kv8, NULL, first);
 }
 
 int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, uint16_t *h, int64_t T,
@@ -88,7 +88,7 @@ int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t 
         failed |= lora(R, 0, row_slots, qkv, h, T, hidden, nqkv);
         pytgi_rope_write_kv_bf16(qkv, cos, sin, slots, q, kc, vc, T, H, KVH, D, kv8);
         failed |= attend(q, kc, vc, attn, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks, block_size, H, KVH,
-                         D, scale, all_decodes, kv8);
+                         D, scale, all_decodes, kv8, NULL);
         failed |= matmul(attn, L[O_W], L[O_BITS], o, T, hidden, H * D, vnni_max_m);
         failed |= lora(R, 1, row_slots, o, attn, T, H * D, hidden);
         pytgi_add_rms_norm_bf16(o, x, (const uint16_t *)L[POST_NORM], h, T, hidden, eps);
@@ -106,7 +106,8 @@ int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t 
 /* Gemma 3's layers (pytgi/engine/models/gemma.py with the fused kernels), the same calls in the same
  * order: sandwich norms around each residual add, per-head q/k norms, each layer's own RoPE table
  * (sliding layers rotate with the local base), GELU-tanh·up. The residual stream `x` is updated in
- * place; the final norm stays with the caller. Norm weights are float32 (Gemma's 1 + w). */
+ * place; the final norm stays with the caller. Norm weights are float32 (Gemma's 1 + w). `first`: NULL, or
+ * per request the first key the sliding layers see (its window's; every query one token then). */
 enum {
     G_IN_NORM,   /* float32 [hidden] */
     G_POST_ATTN, /* float32 [hidden] */
@@ -133,7 +134,7 @@ int pytgi_gemma_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x
                             const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots,
                             const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
                             const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size,
-                            int64_t all_decodes, int64_t vnni_max_m, int64_t kv8) {
+                            int64_t all_decodes, int64_t vnni_max_m, int64_t kv8, const int64_t *first) {
     const int64_t nqkv = (H + 2 * KVH) * D;
     uint16_t *buf = malloc(sizeof(uint16_t) * (size_t)(T * (nqkv + 2 * H * D + 3 * hidden + 3 * I)));
     if (buf == NULL) return 1;
@@ -149,7 +150,7 @@ int pytgi_gemma_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x
         pytgi_rope_write_kv_bf16(qkv, L[G_LOCAL] ? cos_local : cos, L[G_LOCAL] ? sin_local : sin, slots, q, kc, vc, T,
                                  H, KVH, D, kv8);
         failed |= attend(q, kc, vc, attn, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks, block_size, H, KVH,
-                         D, scale, all_decodes, kv8);
+                         D, scale, all_decodes, kv8, L[G_LOCAL] ? first : NULL);
         failed |= matmul(attn, L[G_O_W], L[G_O_BITS], o, T, hidden, H * D, vnni_max_m);
         pytgi_norm_add_norm_bf16(o, x, (const float *)L[G_POST_ATTN], (const float *)L[G_PRE_FF], h, T, hidden, eps);
         failed |= matmul(h, L[G_GU_W], L[G_GU_BITS], gu, T, 2 * I, hidden, vnni_max_m);

@@ -9,6 +9,8 @@
  *   block_tables  [B, max_blocks] int64
  *   ctx_lens      [B] int64             keys 0 .. ctx_lens[b]-1 exist (this step's included); query
  *                                       token i of q_lens[b] sits at ctx_lens[b] - q_lens[b] + i (causal)
+ *   first         [B] int64 or NULL     no query of request b sees a key before first[b] (NULL: 0): a
+ *                                       decode's sliding window (at most ctx_lens[b] - q_lens[b])
  * Query head h uses key/value head h / (H / KVH) (grouped-query attention).
  *
  * Two implementations, sums in float32, both taking decodes and prefill chunks alike: with
@@ -202,8 +204,9 @@ static void widen_kv8(const uint8_t *cache, const int64_t *table, int64_t bs, in
     static int NAME(const T *q, const void *k_cache, const void *v_cache, T *out, int64_t q0, int64_t Q, \
                     int64_t t0, int64_t t1, int64_t ctx, const int64_t *table, int64_t bs, int64_t H,  \
                     int64_t KVH, int64_t D, int64_t h0, int64_t nh, float scale, int kv8,              \
-                    const float *sinks) {                                                              \
-        const int64_t kvh = h0 / (H / KVH), Lmax = ctx - Q + t1, stride = (Lmax + KB - 1) / KB * KB;  \
+                    const float *sinks, int64_t f) {                                                   \
+        /* keys f .. Lmax-1; row r's scores at s + r * stride, key j's at j - f */                  \
+        const int64_t kvh = h0 / (H / KVH), Lmax = ctx - Q + t1, stride = (Lmax - f + KB - 1) / KB * KB; \
         const int64_t Dv = (D + 7) / 8, Dq = Dv * 8, R = (t1 - t0) * nh;                             \
         /* kv: a block of keys or values; per row r: its query, output sums and scores */           \
         float *kv = aligned_alloc(32, sizeof(float) * (size_t)(KB * Dq + R * (2 * Dq + stride + 8))); \
@@ -214,22 +217,22 @@ static void widen_kv8(const uint8_t *cache, const int64_t *table, int64_t bs, in
             ROW(q + ((q0 + t0 + r / nh) * H + h0 + r % nh) * D, qf + r * Dq, D);                     \
             for (int64_t d = 0; d < D; d++) qf[r * Dq + d] *= scale;                                 \
         }                                                                                            \
-        for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {                                                  \
+        for (int64_t j0 = f; j0 < Lmax; j0 += KB) {                                                  \
             if (kv8) widen_kv8(k_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq); \
             else WIDEN(k_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq); \
-            for (int64_t r = 0; r < R; r++) /* row r sees keys 0 .. ctx - Q + t0 + r / nh */         \
+            for (int64_t r = 0; r < R; r++) /* row r sees keys f .. ctx - Q + t0 + r / nh */         \
                 if (j0 < ctx - Q + t0 + r / nh + 1)                                                  \
-                    qk_block((const v8f *)(qf + r * Dq), (const v8f *)kv, Dv, (v8f *)(s + r * stride + j0)); \
+                    qk_block((const v8f *)(qf + r * Dq), (const v8f *)kv, Dv, (v8f *)(s + r * stride + j0 - f)); \
         }                                                                                            \
         for (int64_t r = 0; r < R; r++)                                                              \
-            inv[r] = softmax_row(s + r * stride, ctx - Q + t0 + r / nh + 1, sinks ? sinks + h0 + r % nh : NULL); \
-        for (int64_t j0 = 0; j0 < Lmax; j0 += KB) {                                                  \
+            inv[r] = softmax_row(s + r * stride, ctx - Q + t0 + r / nh + 1 - f, sinks ? sinks + h0 + r % nh : NULL); \
+        for (int64_t j0 = f; j0 < Lmax; j0 += KB) {                                                  \
             if (kv8) widen_kv8(v_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq); \
             else WIDEN(v_cache, table, bs, KVH, kvh, D, j0, Lmax - j0 < KB ? Lmax - j0 : KB, kv, Dq); \
             for (int64_t r = 0; r < R; r++) {                                                        \
                 const int64_t L = ctx - Q + t0 + r / nh + 1;                                         \
                 if (j0 < L)                                                                          \
-                    pv_block((v8f *)(acc + r * Dq), s + r * stride + j0, (const v8f *)kv, Dv,        \
+                    pv_block((v8f *)(acc + r * Dq), s + r * stride + j0 - f, (const v8f *)kv, Dv,    \
                              L - j0 < KB ? L - j0 : KB);                                             \
             }                                                                                        \
         }                                                                                            \
@@ -248,7 +251,8 @@ DEFINE_PORTABLE_TASK(portable_task_bf16, uint16_t, row_bf16, store_bf16, widen_b
 static int attention_portable(int bf16, const void *q, const void *k_cache, const void *v_cache, void *out,
                               const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
                               const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t bs, int64_t H,
-                              int64_t KVH, int64_t D, float scale, int kv8, const float *sinks) {
+                              int64_t KVH, int64_t D, float scale, int kv8, const float *sinks,
+                              const int64_t *kv_first) {
     const int64_t G = H / KVH;
     int64_t tiles = 0;
     for (int64_t b = 0; b < B; b++) tiles += ((q_lens ? q_lens[b] : 1) + ROWS - 1) / ROWS;
@@ -267,11 +271,12 @@ static int attention_portable(int bf16, const void *q, const void *k_cache, cons
         int64_t b = 0;
         while (first[b + 1] <= tile) b++;
         const int64_t Q = q_lens ? q_lens[b] : 1, t0 = (tile - first[b]) * ROWS, t1 = t0 + ROWS < Q ? t0 + ROWS : Q;
+        const int64_t f = kv_first == NULL ? 0 : kv_first[b] < ctx_lens[b] - Q ? kv_first[b] : ctx_lens[b] - Q;
         const unsigned int csr = flush_denormals();
         const int err = bf16 ? portable_task_bf16(q, k_cache, v_cache, out, q_starts[b], Q, t0, t1, ctx_lens[b],
-                                                  block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale, kv8, sinks)
+                                                  block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale, kv8, sinks, f)
                              : portable_task_f32(q, k_cache, v_cache, out, q_starts[b], Q, t0, t1, ctx_lens[b],
-                                                 block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale, kv8, sinks);
+                                                 block_tables + b * max_blocks, bs, H, KVH, D, h0, nh, scale, kv8, sinks, f);
         restore_csr(csr);
         if (err) {
             _Pragma("omp atomic write")
@@ -878,7 +883,8 @@ static int rows_task(int64_t task, int64_t RT, int64_t D, const uint16_t *q, int
 static int attention512(int bf16, const char *q, const char *k_cache, const char *v_cache, char *out,
                         const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables,
                         const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t bs,
-                        int64_t H, int64_t KVH, int64_t D, float scale, int kv8, const float *sinks) {
+                        int64_t H, int64_t KVH, int64_t D, float scale, int kv8, const float *sinks,
+                        const int64_t *kv_first) {
     const int64_t G = H / KVH, es = bf16 ? 2 : 4;
     int use_amx = 0;
 #if AMX_ATTN
@@ -892,14 +898,17 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
     const int lanes = 0;
 #endif
 #define ROW_AMX(b) (use_amx && tiles[b])
-#define BYROWS(b) ((ROW_AMX(b) || lanes) && QLEN(b) * G >= BYROWS_MIN && ctx_lens[b] > CHUNK)
+/* a request's first key (a sliding window's: split-K's chunks start there) and its number of chunks */
+#define FIRST(b) (kv_first == NULL ? 0 : kv_first[b] < ctx_lens[b] - QLEN(b) ? kv_first[b] : ctx_lens[b] - QLEN(b))
+#define CHUNKS(b) ((ctx_lens[b] - FIRST(b) + CHUNK - 1) / CHUNK)
+#define BYROWS(b) ((ROW_AMX(b) || lanes) && QLEN(b) * G >= BYROWS_MIN && ctx_lens[b] > CHUNK && FIRST(b) == 0)
     /* split-K task i: request task_b[i], chunk task_c[i], all kv heads (task index * KVH + kvh); partial
      * results at part_off[i] + kvh * (its size). Row-tile tasks: request rows_b[i], rows_first[i] its
      * first, with its keys and values for the tiles at kv[i]. */
     int64_t n_tasks = 0, floats = 0, n_rows = 0, row_tasks = 0;
     for (int64_t b = 0; b < B; b++) {
         if (BYROWS(b)) n_rows++, row_tasks += KVH * ((QLEN(b) * G + 15) / 16);
-        else n_tasks += (ctx_lens[b] + CHUNK - 1) / CHUNK;
+        else n_tasks += CHUNKS(b);
     }
     int64_t *meta = malloc(sizeof(int64_t) * (size_t)(3 * n_tasks + 2 * B + 2 * n_rows + 2));
     uint8_t **kv = calloc((size_t)(n_rows + 1), sizeof(uint8_t *));
@@ -917,7 +926,7 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
             rt += KVH * ((QLEN(b) * G + 15) / 16);
             continue;
         }
-        for (int64_t c = 0; c < (ctx_lens[b] + CHUNK - 1) / CHUNK; c++, i++) {
+        for (int64_t c = 0; c < CHUNKS(b); c++, i++) {
             task_b[i] = b, task_c[i] = c, part_off[i] = floats;
             floats += KVH * QLEN(b) * G * (D + 2);
         }
@@ -1012,15 +1021,15 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
         for (int64_t task = 0; task < n_tasks * KVH / per; task++)
         for (int64_t kvh = task % (KVH / per) * per; kvh < (task % (KVH / per) + 1) * per; kvh++) {
             const int64_t i = task / (KVH / per), b = task_b[i], c = task_c[i], Q = QLEN(b);
-            const int64_t j_end = ctx_lens[b] < (c + 1) * CHUNK ? ctx_lens[b] : (c + 1) * CHUNK;
+            const int64_t j_begin = FIRST(b) + c * CHUNK, j_end = ctx_lens[b] < j_begin + CHUNK ? ctx_lens[b] : j_begin + CHUNK;
             const char *qp = q + (q_starts[b] * H + kvh * G) * D * es;
             float *acc = parts + part_off[i] + kvh * Q * G * (D + 2), *m = acc + Q * G * D, *l = m + Q * G;
 #define CHUNK_ARGS qp, H * D, Q, ctx_lens[b], k_cache, v_cache, block_tables + b * max_blocks, bs, KVH, kvh, \
-                   c * CHUNK, j_end, G, scale, acc, m, l
+                   j_begin, j_end, G, scale, acc, m, l
 #if AMX_ATTN
             if (use_amx && tiles[b]) {
                 if (chunk_amx(D, (const uint16_t *)qp, H * D, Q, ctx_lens[b], (const uint16_t *)k_cache,
-                              (const uint16_t *)v_cache, block_tables + b * max_blocks, bs, KVH, kvh, c * CHUNK, j_end,
+                              (const uint16_t *)v_cache, block_tables + b * max_blocks, bs, KVH, kvh, j_begin, j_end,
                               G, scale, acc, m, l)) {
                     _Pragma("omp atomic write")
                     failed = 1;
@@ -1073,6 +1082,8 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
         restore_csr(csr);
     }
 #undef BYROWS
+#undef CHUNKS
+#undef FIRST
 #undef ROW_AMX
     for (int64_t k = 0; k < n_rows; k++) free(kv[k]);
     free(parts);
@@ -1094,13 +1105,13 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
     int NAME(const T *q, const void *k_cache, const void *v_cache, T *out, const int64_t *rows,        \
              const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks,      \
              int64_t block_size, int64_t H, int64_t KVH, int64_t D, float scale, int64_t kv8,          \
-             const float *sinks) {                                                                     \
+             const float *sinks, const int64_t *first) {                                               \
         if (FAST_OK)                                                                                   \
             return attention512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,   \
                                 (char *)out, rows, NULL, block_tables, ctx_lens, NULL, B, max_blocks,  \
-                                block_size, H, KVH, D, scale, (int)kv8, sinks);                        \
+                                block_size, H, KVH, D, scale, (int)kv8, sinks, first);                 \
         return attention_portable(BF16, q, k_cache, v_cache, out, rows, NULL, block_tables, ctx_lens, B, \
-                                  max_blocks, block_size, H, KVH, D, scale, (int)kv8, sinks);          \
+                                  max_blocks, block_size, H, KVH, D, scale, (int)kv8, sinks, first);   \
     }
 DEFINE_DECODE_ENTRY(pytgi_decode_attention_f32, float, 0)
 DEFINE_DECODE_ENTRY(pytgi_decode_attention_bf16, uint16_t, 1)
@@ -1111,14 +1122,15 @@ DEFINE_DECODE_ENTRY(pytgi_decode_attention_bf16, uint16_t, 1)
     int NAME(const T *q, const void *k_cache, const void *v_cache, T *out, const int64_t *q_starts,    \
              const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens,               \
              const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H,        \
-             int64_t KVH, int64_t D, float scale, int64_t kv8, const float *sinks) {                   \
+             int64_t KVH, int64_t D, float scale, int64_t kv8, const float *sinks,                     \
+             const int64_t *first) {                                                                   \
         (void)tiles;                                                                                   \
         if (!FAST_OK)                                                                                  \
             return attention_portable(BF16, q, k_cache, v_cache, out, q_starts, q_lens, block_tables,  \
-                                      ctx_lens, B, max_blocks, block_size, H, KVH, D, scale, (int)kv8, sinks); \
+                                      ctx_lens, B, max_blocks, block_size, H, KVH, D, scale, (int)kv8, sinks, first); \
         return attention512(BF16, (const char *)q, (const char *)k_cache, (const char *)v_cache,       \
                             (char *)out, q_starts, q_lens, block_tables, ctx_lens, tiles, B, max_blocks, \
-                            block_size, H, KVH, D, scale, (int)kv8, sinks);                            \
+                            block_size, H, KVH, D, scale, (int)kv8, sinks, first);                     \
     }
 DEFINE_PREFILL(pytgi_paged_prefill_f32, float, 0)
 DEFINE_PREFILL(pytgi_paged_prefill_bf16, uint16_t, 1)

@@ -16,7 +16,8 @@ portable one elsewhere): a small chunk of a long prompt, scheduled next to runni
 more for its gather and mask than for its attention. Bigger chunks keep SDPA, whose flash kernel
 wins on long chunks, unless the run is batch invariant (the default): then the paged kernel takes
 every chunk, and every row (with AMX tiles where the CPU has them), so a row's numerics never
-depend on its step (docs/batch-invariance.md).
+depend on its step (docs/batch-invariance.md). In sliding-window layers past the window the kernel
+takes the decodes, each request's keys starting where its window does; prompt chunks are gathered.
 """
 
 from __future__ import annotations
@@ -110,19 +111,21 @@ class TorchAttention:
     def prepare(
         self, layout: StepLayout, device: torch.device, window: int | None = None
     ) -> TorchAttentionMetadata:
-        """`window`: a sliding window for every query (the paged kernel has none: SDPA then)."""
+        """`window`: a sliding window for every query. The paged kernel starts each request's keys
+        where its window does, which is exact for one query token: it takes the decodes then, and
+        prefill chunks are gathered and masked."""
         starts = np.concatenate(([0], np.cumsum(layout.query_lens)[:-1]))
         is_decode = layout.query_lens == 1
         dec, pre = np.nonzero(is_decode)[0], np.nonzero(~is_decode)[0]
         paged = None
-        if self.paged and window is None:
+        if self.paged:
             small = layout.query_lens[pre] <= self.paged_prefill_max
             if layout.spans is not None:  # the paged kernel is causal: spans take the masked path
                 small &= ~np.isin(pre, layout.spans[:, 0])
-            if small.any():
+            if small.any() and window is None:
                 dec, pre = np.sort(np.concatenate([dec, pre[small]])), pre[~small]
             if len(dec):
-                paged = self._paged(layout, dec, starts)
+                paged = self._paged(layout, dec, starts, window)
         return TorchAttentionMetadata(
             slot_mapping=torch.from_numpy(layout.slot_mapping).to(device),
             decode=_group(layout, dec, starts, device, window) if len(dec) and paged is None else None,
@@ -130,12 +133,15 @@ class TorchAttention:
             paged=paged,
         )
 
-    def _paged(self, layout: StepLayout, rows: np.ndarray, starts: np.ndarray) -> kernels.PagedBatch:
+    def _paged(
+        self, layout: StepLayout, rows: np.ndarray, starts: np.ndarray, window: int | None = None
+    ) -> kernels.PagedBatch:
         """The paged kernel's batch for requests `rows`, and which of them use AMX tiles (where the CPU
         has them, for bf16). Batch invariant, every row does, decodes included: a row's numerics are
         then the same whatever else its chunk holds, and the tiles cost a lone decode no more than the
         vector path (a few more rows, such as a verified draft, far less). Else the tiles pay off from
-        16 query rows per kv head."""
+        16 query rows per kv head. `window` (decodes only): a request's last token sees its last
+        `window` positions."""
         q_starts, q_lens, ctx = starts[rows], layout.query_lens[rows], layout.context_lens[rows]
         tables = layout.block_tables[rows]
         tiles = np.full(len(rows), self.tiles) if self.invariant else q_lens * self.group >= 16
@@ -148,6 +154,7 @@ class TorchAttention:
             block_size=layout.block_size,
             decodes_only=bool((q_lens == 1).all() and not tiles.any()),
             tiles=i64(tiles) if tiles.any() else None,
+            first=None if window is None else i64(np.maximum(ctx - window, 0)),
         )
 
     def forward(
@@ -247,6 +254,19 @@ class WindowedMetadata:
     def uniform(self) -> TorchAttentionMetadata | None:
         """The one metadata every layer can use, if there is one."""
         return self.full if self.full is self.sliding else None
+
+    def paged_window(self) -> np.ndarray | None:
+        """When every query of the step is in the paged kernel on both kinds of layer (decodes: the
+        same requests), the sliding layers' first keys: `full` with these serves every layer."""
+        full, sliding = self.full.paged, self.sliding.paged
+        if full is None or sliding is None or sliding.first is None:
+            return None
+        gathered = (self.full.decode, self.full.prefill, self.sliding.decode, self.sliding.prefill)
+        if any(g is not None for g in gathered):
+            return None
+        if not np.array_equal(full.q_starts, sliding.q_starts):
+            return None
+        return sliding.first
 
 
 class SlidingWindowBackend:

@@ -360,14 +360,20 @@ class DecoderModel(nn.Module):
                 table[image_rows.rope_rows] = rows.reshape(len(rows), *table.shape[1:]).to(table.dtype)
         local = self.rotary_local
         ropes = (rope, rope if local is None else self.ops.rope_tables(local, positions, x.dtype))
-        whole = meta.uniform if isinstance(meta, WindowedMetadata) else meta  # one metadata for every layer
+        whole, first = meta, None  # one metadata for every layer (and the sliding layers' first keys)
+        if isinstance(meta, WindowedMetadata):
+            whole = meta.uniform
+            loop = self.decoder_loop
+            if whole is None and loop is not None and loop.takes_window:
+                first = meta.paged_window()
+                whole = None if first is None else meta.full
         ctx = self.lora_ctx
         lora = (ctx.loop_table, ctx.row_slots) if ctx is not None and ctx.active else None
         if (
             self.decoder_loop is not None
             and whole is not None
             and (lora is None or self.decoder_loop.takes_lora)
-            and (h := self.decoder_loop(x, ropes, kv_caches, whole, lora)) is not None
+            and (h := self.decoder_loop(x, ropes, kv_caches, whole, lora, first=first)) is not None
         ):
             return self.norm(h) if cfg.sandwich_norms else h
         # With sandwich norms the final norm runs on its own, as the C loop's caller runs it.

@@ -95,12 +95,16 @@ class DecoderLoop:
         )
 
     takes_lora = True  # LoRA adapters' products inside the loop (decoder.c)
+    takes_window = False  # steps past a sliding window (all layers one metadata until then)
 
-    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta, lora=None) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta, lora=None, first=None) -> torch.Tensor | None:
         """The final hidden states for this step (x, updated in place, is the residual stream), or
         None when the step is not for the loop. `ropes`: the (full, sliding) layers' tables; Llama's
         loop takes models without a sliding layer's base of its own: the first. `lora`: the adapters'
-        tables and each row's slot (`pytgi.engine.models.lora.LoraContext`), or None."""
+        tables and each row's slot (`pytgi.engine.models.lora.LoraContext`), or None. `first`: per
+        request the sliding layers' first key (`WindowedMetadata.paged_window`; loops that take
+        windows only)."""
+        assert first is None, "this loop takes no sliding window"
         if not self.takes(x, meta):
             return None
         cos, sin = ropes[0]
@@ -152,8 +156,9 @@ class GemmaDecoderLoop(DecoderLoop):
         )
 
     takes_lora = False  # a step with adapters runs the layers one by one
+    takes_window = True  # decodes past the window: the sliding layers start at their first keys
 
-    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta, lora=None) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor, ropes, kv_caches, meta, lora=None, first=None) -> torch.Tensor | None:
         if not self.takes(x, meta):
             return None
         x = x.contiguous()
@@ -168,5 +173,6 @@ class GemmaDecoderLoop(DecoderLoop):
             self.scale,
             self.vnni_max_m,
             kernels.kv8(kv_caches[0][0]),
+            first,
         )
         return x
