@@ -407,11 +407,15 @@ def test_mxfp4_grid_holds_e2m1_values_and_unpacks_from_codes():
         [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
     )
     codes = torch.randint(0, 16, (32, 128), generator=g)
-    scale = torch.exp2(torch.randint(-12, 3, (32, 4, 1), generator=g).float())
+    # steps 2^-23 (fp16's subnormals) .. 2^15 (its largest), and a block of zeros
+    scale = torch.exp2(torch.randint(-22, 17, (32, 4, 1), generator=g).float())
     w = (fp4[codes].view(32, 4, 32) * scale).view(32, 128)
+    w[3, 32:64] = 0
     q, d, m, deq = quantize_mxfp4(w)
     assert torch.equal(deq, w) and int(q.min()) >= 0 and int(q.max()) <= 24
     assert torch.equal(m, -12 * d)
+    d[3, 1] = m[3, 1] = 0  # a step of zero: exponent byte 0
     packed = pack_vnni(q, d, m, 5)
-    assert packed.shape[-1] == 320  # the 4-bit format's bytes
+    assert packed.shape[-1] == 272  # the 4-bit codes, then each row's e8m0 exponent: 4.25 bits a weight
+    assert torch.equal(packed, pack_vnni_reference(q, d, m, 5))
     assert torch.equal(unpack_rows(packed, torch.arange(32), 5), w)

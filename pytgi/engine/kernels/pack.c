@@ -13,13 +13,21 @@
 static const uint8_t FP4_CODE[25] = {15, 15, 15, 15, 14, 14, 13, 13, 12, 11, 10, 9, 0,
                                      1,  2,  3,  4,  4,  5,  5,  6,  6,  6,  6,  7};
 
+/* An fp16 power of two (MXFP4's step) → MXFP4's e8m0 byte E, the step being 2^(E - 128); 0 for zero
+ * (a mantissa, which no MXFP4 step has, is dropped) */
+static uint8_t fp4_exponent(uint16_t h) {
+    const int e = (h >> 10) & 31, mant = h & 1023;
+    if (e == 0) return mant == 0 ? 0 : (uint8_t)(104 + 31 - __builtin_clz((unsigned)mant)); /* 2^(j - 24) */
+    return (uint8_t)(e - 15 + 128);
+}
+
 /* u: levels [N, K] (< 16 for bits 4, < 25 for bits 5: MXFP4's); d16, m16: fp16 bits [N, K/32] (bits 4, 5,
- * 8) or [N, K/16] (bits 16); out: N/16 tiles × K/32 groups of qgemv.c's blocks. N a multiple of 16, K
- * of 32. */
+ * 8; bits 5 reads d alone, m being -12·d) or [N, K/16] (bits 16); out: N/16 tiles × K/32 groups of
+ * qgemv.c's blocks. N a multiple of 16, K of 32. */
 void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m16, uint8_t *out, int64_t N,
                        int64_t K, int64_t bits) {
     const int64_t G = K / 32, halves = bits == 16 ? 2 : 1, S = G * halves; /* scales per row */
-    const int64_t wbytes = bits == 4 || bits == 5 ? 256 : 512, block = wbytes + 64 * halves;
+    const int64_t wbytes = bits == 4 || bits == 5 ? 256 : 512, block = wbytes + (bits == 5 ? 16 : 64 * halves);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < N / 16; t++) {
         for (int64_t g = 0; g < G; g++) {
@@ -38,6 +46,10 @@ void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m1
                     for (int64_t j = 0; j < 4; j++) o32[16 * j + r] = w[j] | (w[j + 4] << 4);
                 else
                     for (int64_t j = 0; j < 8; j++) o32[16 * j + r] = w[j];
+            }
+            if (bits == 5) { /* each row's exponent */
+                for (int64_t r = 0; r < 16; r++) o[wbytes + r] = fp4_exponent(d16[(16 * t + r) * S + g]);
+                continue;
             }
             uint16_t *s = (uint16_t *)(o + wbytes); /* per half: 16 d, then 16 m */
             for (int64_t h = 0; h < halves; h++)

@@ -26,7 +26,10 @@
  * Or 5 (MXFP4, gpt-oss's experts): stored as 4 bits, but each nibble is an e2m1 code, not a level;
  * a table (one byte shuffle) turns the code into its level on a uniform grid of 25, 12 + 2·value
  * (0..24), so that d = the block's power of two / 2 and m = -12·d hold it exactly and the sums are
- * the 4-bit format's.
+ * the 4-bit format's. d being a power of two and m following from it, the block ends in 16 bytes,
+ * not 64: each row's E (MXFP4's own e8m0 byte, d = 2^(E - 128); 0: a block of zeros), 272 bytes,
+ * 4.25 bits a weight as in the file. (The packer takes d from fp16, so E is 0 or 104..143: d and m
+ * are exact in fp16 too, as the AMX path's spread blocks hold them.)
  *
  * With AVX2 only, the same layout is multiplied with AVX2's byte multiply-adds (below); with
  * neither, `pytgi_qgemv_supported()` returns 0 and callers use PyTorch's kernels.
@@ -44,12 +47,21 @@
 #define FP4_LEVELS 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
 
 /* Bytes of one (tile, group) block in format `bits` (4, 5, 8 or 16: see above). */
-static inline int64_t block_bytes(int64_t bits) { return NIBBLES(bits) ? 320 : bits == 8 ? 576 : 640; }
+static inline int64_t block_bytes(int64_t bits) { return bits == 5 ? 272 : bits == 4 ? 320 : bits == 8 ? 576 : 640; }
+/* the bytes after a block's weights: fp16 d and m (per 16 inputs too for bits 16), or MXFP4's exponents */
+#define TAIL_BYTES(bits) ((bits) == 16 ? 128 : (bits) == 5 ? 16 : 64)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
 int pytgi_qgemv_supported(void) { return 1; }
+
+/* MXFP4's 16 exponent bytes (one a row; 0: a zero block) → the rows' steps 2^(E - 128) */
+static inline __m512 fp4_steps(const uint8_t *e) {
+    const __m512i E = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)e));
+    const __m512i pow2 = _mm512_slli_epi32(_mm512_sub_epi32(E, _mm512_set1_epi32(1)), 23);
+    return _mm512_maskz_mov_ps(_mm512_test_epi32_mask(E, E), _mm512_castsi512_ps(pow2));
+}
 
 /* One activation row (bf16) → int8 per group of 32, its scale, scale·Σq per group and scale·Σq
  * over the group's first 16 (for the formats with scales per 16). Group g's bytes go to q + qs·g,
@@ -102,7 +114,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                                                         const float *sx, const float *sxs, const float *sxh,
                                                         int64_t M, int MR, __m512 *acc) {
     const __m512i nib = _mm512_set1_epi8(0x0F), fp4 = _mm512_broadcast_i32x4(_mm_setr_epi8(FP4_LEVELS));
-    const int64_t wbytes = NIBBLES(bits) ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
+    const int64_t wbytes = NIBBLES(bits) ? 256 : 512, bbytes = wbytes + TAIL_BYTES(bits);
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++, blk += bbytes) {
         for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
@@ -117,8 +129,9 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
         } else {
             for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(blk + 64 * j));
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes)));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 32)));
+        const __m512 d = bits == 5 ? fp4_steps(blk + wbytes) : _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes)));
+        const __m512 m = bits == 5 ? _mm512_mul_ps(d, _mm512_set1_ps(-12.0f))
+                                   : _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 32)));
         __m512 d1 = d, m1 = m; /* inputs 16..31's own scales (bits 16), loaded once for the rows */
         if (bits == 16) {
             d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 64)));
@@ -319,7 +332,7 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
             if (wide != NULL) {
                 const __m512i nib = _mm512_set1_epi8(0x0F), fp4 = _mm512_broadcast_i32x4(_mm_setr_epi8(FP4_LEVELS));
                 for (int64_t g = 0; g < G; g++) {
-                    const uint8_t *src = blk + g * block_bytes(4);
+                    const uint8_t *src = blk + g * block_bytes(bits);
                     uint8_t *dst = wide + g * block_bytes(8);
                     for (int v = 0; v < 4; v++) {
                         const __m512i p = _mm512_loadu_si512((const void *)(src + 64 * v));
@@ -328,7 +341,13 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
                         _mm512_store_si512((void *)(dst + 64 * v), lo);
                         _mm512_store_si512((void *)(dst + 64 * (v + 4)), hi);
                     }
-                    _mm512_store_si512((void *)(dst + 512), _mm512_loadu_si512((const void *)(src + 256)));
+                    if (bits == 5) { /* fp16 d and m from the exponents (exact: see the layout) */
+                        const __m512 d = fp4_steps(src + 256);
+                        _mm256_store_si256((void *)(dst + 512), _mm512_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT));
+                        _mm256_store_si256((void *)(dst + 544), _mm512_cvtps_ph(_mm512_mul_ps(d, _mm512_set1_ps(-12.0f)),
+                                                                                _MM_FROUND_TO_NEAREST_INT));
+                    } else
+                        _mm512_store_si512((void *)(dst + 512), _mm512_loadu_si512((const void *)(src + 256)));
                 }
                 blk = wide, kind = 8;
             }
@@ -416,8 +435,16 @@ static void quantize_row(const uint16_t *x, int64_t K, int8_t *q, int64_t qs, fl
  * multiplied (8-bit weights are made signed: + 128·d). */
 static inline __attribute__((always_inline)) __m256 fold(__m256 acc, __m256i s, const uint8_t *dp, int bits,
                                                           float sx, float xsum) {
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const void *)dp));
-    __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(dp + 32)));
+    __m256 d, m;
+    if (bits == 5) { /* 8 rows' MXFP4 exponents (0: a zero block): d = 2^(E - 128), m = -12·d */
+        const __m256i E = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const void *)dp));
+        const __m256i pow2 = _mm256_slli_epi32(_mm256_sub_epi32(E, _mm256_set1_epi32(1)), 23);
+        d = _mm256_and_ps(_mm256_castsi256_ps(pow2), _mm256_castsi256_ps(_mm256_cmpgt_epi32(E, _mm256_setzero_si256())));
+        m = _mm256_mul_ps(d, _mm256_set1_ps(-12.0f));
+    } else {
+        d = _mm256_cvtph_ps(_mm_loadu_si128((const void *)dp));
+        m = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(dp + 32)));
+    }
     if (!NIBBLES(bits)) m = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d, m);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(sx)), acc);
     return _mm256_fmadd_ps(m, _mm256_set1_ps(xsum), acc);
@@ -433,7 +460,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                                                         int64_t M, int MR, __m256 *acc) {
     const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     const __m256i fp4 = _mm256_broadcastsi128_si256(_mm_setr_epi8(FP4_LEVELS));
-    const int64_t wbytes = NIBBLES(bits) ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
+    const int64_t wbytes = NIBBLES(bits) ? 256 : 512, bbytes = wbytes + TAIL_BYTES(bits);
     for (int r = 0; r < 2 * MR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++, blk += bbytes) {
         for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
@@ -480,7 +507,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                     }
                 }
             }
-            const uint8_t *dp = blk + wbytes + (bits == 16 ? 64 : 0) + 16 * h;
+            const uint8_t *dp = blk + wbytes + (bits == 16 ? 64 : 0) + (bits == 5 ? 8 : 16) * h;
             for (int r = 0; r < MR; r++)
                 acc[2 * r + h] = fold(acc[2 * r + h], s[r], dp, bits, sx[r], bits == 16 ? sxs[r] - sxh[r] : sxs[r]);
         }
@@ -495,7 +522,7 @@ static inline __attribute__((always_inline)) void tile1(const uint8_t *blk, int 
                                                          int64_t M, __m256 *acc) {
     const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     const __m256i fp4 = _mm256_broadcastsi128_si256(_mm_setr_epi8(FP4_LEVELS));
-    const int64_t wbytes = NIBBLES(bits) ? 256 : 512, bbytes = wbytes + (bits == 16 ? 128 : 64);
+    const int64_t wbytes = NIBBLES(bits) ? 256 : 512, bbytes = wbytes + TAIL_BYTES(bits);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++, blk += bbytes) {
         for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
@@ -545,7 +572,7 @@ static inline __attribute__((always_inline)) void tile1(const uint8_t *blk, int 
         const uint8_t *dp = blk + wbytes + (bits == 16 ? 64 : 0);
         const float xsum = bits == 16 ? sxs[M * g] - sxh[M * g] : sxs[M * g];
         a0 = fold(a0, s0, dp, bits, sx[M * g], xsum);
-        a1 = fold(a1, s1, dp + 16, bits, sx[M * g], xsum);
+        a1 = fold(a1, s1, dp + (bits == 5 ? 8 : 16), bits, sx[M * g], xsum);
     }
     acc[0] = a0;
     acc[1] = a1;

@@ -135,7 +135,7 @@ def resolve_dtype(name: str, cfg: dict[str, Any], device: torch.device) -> torch
 
 
 # bytes per weight of each packed layout, its fp16 scales and offsets included (`pytgi.engine.models.quant`)
-PACKED_BYTES = {"int4": 0.625, "mxfp4": 0.625, "int8": 1.125, "int8x16": 1.25, "fp8": 1.0}
+PACKED_BYTES = {"int4": 0.625, "mxfp4": 0.53125, "int8": 1.125, "int8x16": 1.25, "fp8": 1.0}
 
 
 def keeps_mxfp4(dtype: torch.dtype, device: torch.device, cpu: Kernels | None = None) -> bool:

@@ -238,8 +238,15 @@ def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> t
 
 
 def block_bytes(bits: int) -> int:
-    """Bytes of a packed (16 rows, 32 inputs) block: the levels, then fp16 d and m."""
-    return (256 if bits in (4, 5) else 512) + (128 if bits == 16 else 64)
+    """Bytes of a packed (16 rows, 32 inputs) block: the levels, then fp16 d and m (mxfp4: each row's
+    e8m0 exponent instead, d = 2^(E - 128) and m = -12·d)."""
+    return (256 if bits in (4, 5) else 512) + (16 if bits == 5 else 128 if bits == 16 else 64)
+
+
+def fp4_exponents(d: torch.Tensor) -> torch.Tensor:
+    """MXFP4's steps (powers of two, as fp16 holds them) → their e8m0 bytes E (d = 2^(E - 128); 0: zero)."""
+    d = d.half().float()
+    return torch.where(d > 0, torch.frexp(d).exponent + 127, 0).to(torch.uint8)
 
 
 def pack_vnni_reference(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
@@ -255,6 +262,9 @@ def pack_vnni_reference(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits:
     def scales(t: torch.Tensor) -> torch.Tensor:  # [N, G] -> [N/16, G, 32 bytes]
         return t.half().view(N // 16, 16, G).permute(0, 2, 1).contiguous().view(torch.uint8)
 
+    if bits == 5:
+        e = fp4_exponents(d).view(N // 16, 16, G).permute(0, 2, 1)
+        return torch.cat([v.reshape(N // 16, G, -1), e], dim=-1).contiguous()
     halves = [(d, m)] if bits != 16 else [(d.view(N, G, 2)[..., h], m.view(N, G, 2)[..., h]) for h in (0, 1)]
     return torch.cat(
         [v.reshape(N // 16, G, -1)] + [scales(t) for pair in halves for t in pair], dim=-1
@@ -275,6 +285,10 @@ def unpack_rows(packed: torch.Tensor, rows: torch.Tensor, bits: int) -> torch.Te
             w = torch.tensor(FP4_LEVELS, dtype=torch.uint8)[w.long()]
     w = w.reshape(T, G, 8, 16, 4)
     q = w.gather(3, r.view(T, 1, 1, 1, 1).expand(T, G, 8, 1, 4)).view(T, G, 32).float()
+    if bits == 5:
+        e = blocks[..., wbytes:].long().gather(2, r.view(T, 1, 1).expand(T, G, 1)).float()  # [T, G, 1]
+        step = torch.where(e > 0, torch.exp2(e - 128), 0.0)
+        return (q * step - 12 * step).view(T, G * 32)
     scales = blocks[..., wbytes:].contiguous().view(torch.float16).view(T, G, -1, 16)
     s = scales.gather(3, r.expand(T, G, scales.shape[2], 1)).squeeze(3).float()  # [T, G, d m (d m)]
     groups = s.shape[2] // 2  # scales per 32 inputs: 1, or 2 for int8x16
