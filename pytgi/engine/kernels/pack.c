@@ -21,13 +21,15 @@ static uint8_t fp4_exponent(uint16_t h) {
     return (uint8_t)(e - 15 + 128);
 }
 
-/* u: levels [N, K] (< 16 for bits 4, < 25 for bits 5: MXFP4's); d16, m16: fp16 bits [N, K/32] (bits 4, 5,
- * 8; bits 5 reads d alone, m being -12·d) or [N, K/16] (bits 16); out: N/16 tiles × K/32 groups of
- * qgemv.c's blocks. N a multiple of 16, K of 32. */
+/* u: levels [N, K] (< 16 for bits 4, < 25 for bits 5: MXFP4's, < 64 for bits 6); d16, m16: fp16 bits
+ * [N, K/32] (bits 4, 5, 8; bits 5 reads d alone, m being -12·d) or [N, K/16] (bits 16, and 6, which
+ * reads d alone: m = -32·d); out: N/16 tiles × K/32 groups of qgemv.c's blocks. N a multiple of 16, K
+ * of 32. */
 void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m16, uint8_t *out, int64_t N,
                        int64_t K, int64_t bits) {
-    const int64_t G = K / 32, halves = bits == 16 ? 2 : 1, S = G * halves; /* scales per row */
-    const int64_t wbytes = bits == 4 || bits == 5 ? 256 : 512, block = wbytes + (bits == 5 ? 16 : 64 * halves);
+    const int64_t G = K / 32, halves = bits == 16 || bits == 6 ? 2 : 1, S = G * halves; /* scales per row */
+    const int64_t wbytes = bits == 4 || bits == 5 ? 256 : bits == 6 ? 384 : 512;
+    const int64_t block = wbytes + (bits == 5 ? 16 : bits == 6 ? 64 : 64 * halves);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < N / 16; t++) {
         for (int64_t g = 0; g < G; g++) {
@@ -35,6 +37,7 @@ void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m1
             /* 4 inputs to a 32-bit word: word j of row r goes to word 16j + r (with 4 bits, words j and
              * j + 4 share one, the second in the high nibbles: levels < 16 never carry into a neighbour) */
             uint32_t *o32 = (uint32_t *)o;
+            if (bits == 6) memset(o + 256, 0, 128);
             for (int64_t r = 0; r < 16; r++) {
                 uint32_t w[8];
                 memcpy(w, u + (16 * t + r) * K + 32 * g, sizeof w);
@@ -42,7 +45,12 @@ void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m1
                     uint8_t *c = (uint8_t *)w;
                     for (int i = 0; i < 32; i++) c[i] = FP4_CODE[c[i] < 25 ? c[i] : 24];
                 }
-                if (bits == 4 || bits == 5)
+                if (bits == 6) /* low 4 bits as bits 4 stores them; vector j's high 2 at bit 2·(j % 4) of 4 + j / 4 */
+                    for (int64_t j = 0; j < 8; j++) {
+                        if (j < 4) o32[16 * j + r] = (w[j] & 0x0F0F0F0Fu) | ((w[j + 4] & 0x0F0F0F0Fu) << 4);
+                        o32[64 + 16 * (j / 4) + r] |= ((w[j] >> 4) & 0x03030303u) << (2 * (j % 4));
+                    }
+                else if (bits == 4 || bits == 5)
                     for (int64_t j = 0; j < 4; j++) o32[16 * j + r] = w[j] | (w[j + 4] << 4);
                 else
                     for (int64_t j = 0; j < 8; j++) o32[16 * j + r] = w[j];
@@ -51,7 +59,12 @@ void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m1
                 for (int64_t r = 0; r < 16; r++) o[wbytes + r] = fp4_exponent(d16[(16 * t + r) * S + g]);
                 continue;
             }
-            uint16_t *s = (uint16_t *)(o + wbytes); /* per half: 16 d, then 16 m */
+            uint16_t *s = (uint16_t *)(o + wbytes); /* per half: 16 d, then 16 m (bits 6: 16 d) */
+            if (bits == 6) {
+                for (int64_t h = 0; h < 2; h++)
+                    for (int64_t r = 0; r < 16; r++) s[16 * h + r] = d16[(16 * t + r) * S + 2 * g + h];
+                continue;
+            }
             for (int64_t h = 0; h < halves; h++)
                 for (int64_t r = 0; r < 16; r++) {
                     s[32 * h + r] = d16[(16 * t + r) * S + g * halves + h];

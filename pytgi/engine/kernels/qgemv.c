@@ -30,6 +30,10 @@
  * not 64: each row's E (MXFP4's own e8m0 byte, d = 2^(E - 128); 0: a block of zeros), 272 bytes,
  * 4.25 bits a weight as in the file. (The packer takes d from fp16, so E is 0 or 104..143: d and m
  * are exact in fp16 too, as the AMX path's spread blocks hold them.)
+ * Or 6 (GGUF's Q6_K and Q3_K: symmetric levels 0..63 with a scale per 16 inputs, m = -32·d): the
+ * levels' low 4 bits as the 4-bit format stores them (256 bytes), their high 2 bits in two more
+ * vectors (vector j's bits at bit 2·(j % 4) of vector 4 + j / 4's byte; 128 bytes), then 16 fp16 d for
+ * inputs 0..15 and 16 for 16..31 (64 bytes): 448 bytes, 7 bits a weight where 8-bit levels take 10.
  *
  * With AVX2 only, the same layout is multiplied with AVX2's byte multiply-adds (below); with
  * neither, `pytgi_qgemv_supported()` returns 0 and callers use PyTorch's kernels.
@@ -47,14 +51,26 @@
 #define FP4_LEVELS 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
 
 /* Bytes of one (tile, group) block in format `bits` (4, 5, 8 or 16: see above). */
-static inline int64_t block_bytes(int64_t bits) { return bits == 5 ? 272 : bits == 4 ? 320 : bits == 8 ? 576 : 640; }
-/* the bytes after a block's weights: fp16 d and m (per 16 inputs too for bits 16), or MXFP4's exponents */
+static inline int64_t block_bytes(int64_t bits) {
+    return bits == 5 ? 272 : bits == 4 ? 320 : bits == 6 ? 448 : bits == 8 ? 576 : 640;
+}
+/* the bytes after a block's weights: fp16 d and m (per 16 inputs too for bits 16), MXFP4's
+ * exponents, or bits 6's two d */
 #define TAIL_BYTES(bits) ((bits) == 16 ? 128 : (bits) == 5 ? 16 : 64)
+#define WEIGHT_BYTES(bits) (NIBBLES(bits) ? 256 : (bits) == 6 ? 384 : 512)
+#define HALVES(bits) ((bits) == 16 || (bits) == 6) /* formats with a scale per 16 inputs */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
 int pytgi_qgemv_supported(void) { return 1; }
+
+/* Bits 6: weight vector j's high 2 bits (at bit 2·(j % 4) of h's bytes) as bits 4 and 5 */
+static inline __m512i high2(__m512i h, int j) {
+    const int k = j % 4;
+    const __m512i at = k == 0 ? _mm512_slli_epi16(h, 4) : k == 1 ? _mm512_slli_epi16(h, 2) : k == 2 ? h : _mm512_srli_epi16(h, 2);
+    return _mm512_and_si512(at, _mm512_set1_epi8(0x30));
+}
 
 /* MXFP4's 16 exponent bytes (one a row; 0: a zero block) → the rows' steps 2^(E - 128) */
 static inline __m512 fp4_steps(const uint8_t *e) {
@@ -95,7 +111,7 @@ static inline __attribute__((always_inline)) __m512 fold_group(__m512 acc, __m51
                                                                 __m512 m, __m512 d1, __m512 m1, float xs, float xsum,
                                                                 float lo) {
     const __m512 x = _mm512_set1_ps(xs);
-    if (bits == 16) {
+    if (HALVES(bits)) {
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(d, x), acc);
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(d1, x), acc);
         acc = _mm512_fmadd_ps(m, _mm512_set1_ps(lo), acc);
@@ -114,28 +130,37 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                                                         const float *sx, const float *sxs, const float *sxh,
                                                         int64_t M, int MR, __m512 *acc) {
     const __m512i nib = _mm512_set1_epi8(0x0F), fp4 = _mm512_broadcast_i32x4(_mm_setr_epi8(FP4_LEVELS));
-    const int64_t wbytes = NIBBLES(bits) ? 256 : 512, bbytes = wbytes + TAIL_BYTES(bits);
+    const int64_t wbytes = WEIGHT_BYTES(bits), bbytes = wbytes + TAIL_BYTES(bits);
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++, blk += bbytes) {
         for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
         __m512i w[8];
-        if (NIBBLES(bits)) {
+        if (NIBBLES(bits) || bits == 6) {
             for (int v = 0; v < 4; v++) {
                 __m512i p = _mm512_loadu_si512((const void *)(blk + 64 * v));
                 w[v] = _mm512_and_si512(p, nib);
                 w[v + 4] = _mm512_and_si512(_mm512_srli_epi16(p, 4), nib);
                 if (bits == 5) w[v] = _mm512_shuffle_epi8(fp4, w[v]), w[v + 4] = _mm512_shuffle_epi8(fp4, w[v + 4]);
             }
+            if (bits == 6) {
+                const __m512i h0 = _mm512_loadu_si512((const void *)(blk + 256)), h1 = _mm512_loadu_si512((const void *)(blk + 320));
+                for (int j = 0; j < 4; j++)
+                    w[j] = _mm512_or_si512(w[j], high2(h0, j)), w[j + 4] = _mm512_or_si512(w[j + 4], high2(h1, j));
+            }
         } else {
             for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(blk + 64 * j));
         }
         const __m512 d = bits == 5 ? fp4_steps(blk + wbytes) : _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes)));
         const __m512 m = bits == 5 ? _mm512_mul_ps(d, _mm512_set1_ps(-12.0f))
-                                   : _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 32)));
-        __m512 d1 = d, m1 = m; /* inputs 16..31's own scales (bits 16), loaded once for the rows */
+                         : bits == 6 ? _mm512_mul_ps(d, _mm512_set1_ps(-32.0f))
+                                     : _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 32)));
+        __m512 d1 = d, m1 = m; /* inputs 16..31's own scales (bits 16, 6), loaded once for the rows */
         if (bits == 16) {
             d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 64)));
             m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 96)));
+        } else if (bits == 6) {
+            d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 32)));
+            m1 = _mm512_mul_ps(d1, _mm512_set1_ps(-32.0f));
         }
         for (int r = 0; r < MR; r++) {
             const int32_t *xr = (const int32_t *)(xq + 32 * r);
@@ -181,6 +206,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
     }
 TILE_ROWS(4)
 TILE_ROWS(5)
+TILE_ROWS(6)
 TILE_ROWS(8)
 TILE_ROWS(16)
 
@@ -188,6 +214,7 @@ static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t 
                       const float *sxs, const float *sxh, int64_t M, uint16_t *out, int64_t N, int64_t n16) {
     if (bits == 4) tile_rows_4(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
     else if (bits == 5) tile_rows_5(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
+    else if (bits == 6) tile_rows_6(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
     else if (bits == 8) tile_rows_8(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
     else tile_rows_16(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
 }
@@ -324,7 +351,8 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
         _tile_loadconfig(&cfg);
         /* 4-bit blocks are spread to bytes once per column tile (as 8-bit blocks: the same sums and
          * scales) when several row tiles read them; MXFP4 codes become their levels there */
-        uint8_t *wide = NIBBLES(bits) ? aligned_alloc(64, (size_t)(G * block_bytes(8))) : NULL;
+        const int64_t spread = bits == 6 ? 16 : 8; /* the format the spread blocks take */
+        uint8_t *wide = NIBBLES(bits) || bits == 6 ? aligned_alloc(64, (size_t)(G * block_bytes(spread))) : NULL;
         _Pragma("omp for schedule(static)")
         for (int64_t n16 = 0; n16 < N / 16; n16++) {
             const uint8_t *blk = w + n16 * tile_bytes;
@@ -333,15 +361,26 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
                 const __m512i nib = _mm512_set1_epi8(0x0F), fp4 = _mm512_broadcast_i32x4(_mm_setr_epi8(FP4_LEVELS));
                 for (int64_t g = 0; g < G; g++) {
                     const uint8_t *src = blk + g * block_bytes(bits);
-                    uint8_t *dst = wide + g * block_bytes(8);
+                    uint8_t *dst = wide + g * block_bytes(spread);
                     for (int v = 0; v < 4; v++) {
                         const __m512i p = _mm512_loadu_si512((const void *)(src + 64 * v));
                         __m512i lo = _mm512_and_si512(p, nib), hi = _mm512_and_si512(_mm512_srli_epi16(p, 4), nib);
                         if (bits == 5) lo = _mm512_shuffle_epi8(fp4, lo), hi = _mm512_shuffle_epi8(fp4, hi);
+                        if (bits == 6) {
+                            lo = _mm512_or_si512(lo, high2(_mm512_loadu_si512((const void *)(src + 256)), v));
+                            hi = _mm512_or_si512(hi, high2(_mm512_loadu_si512((const void *)(src + 320)), v));
+                        }
                         _mm512_store_si512((void *)(dst + 64 * v), lo);
                         _mm512_store_si512((void *)(dst + 64 * (v + 4)), hi);
                     }
-                    if (bits == 5) { /* fp16 d and m from the exponents (exact: see the layout) */
+                    if (bits == 6) { /* per half: d, then m = -32·d (exact in fp16 for d below 2^11) */
+                        for (int h = 0; h < 2; h++) {
+                            const __m256i d = _mm256_loadu_si256((const void *)(src + 384 + 32 * h));
+                            const __m512 m = _mm512_mul_ps(_mm512_cvtph_ps(d), _mm512_set1_ps(-32.0f));
+                            _mm256_store_si256((void *)(dst + 512 + 64 * h), d);
+                            _mm256_store_si256((void *)(dst + 544 + 64 * h), _mm512_cvtps_ph(m, _MM_FROUND_TO_NEAREST_INT));
+                        }
+                    } else if (bits == 5) { /* fp16 d and m from the exponents (exact: see the layout) */
                         const __m512 d = fp4_steps(src + 256);
                         _mm256_store_si256((void *)(dst + 512), _mm512_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT));
                         _mm256_store_si256((void *)(dst + 544), _mm512_cvtps_ph(_mm512_mul_ps(d, _mm512_set1_ps(-12.0f)),
@@ -349,7 +388,7 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
                     } else
                         _mm512_store_si512((void *)(dst + 512), _mm512_loadu_si512((const void *)(src + 256)));
                 }
-                blk = wide, kind = 8;
+                blk = wide, kind = spread;
             }
             for (int64_t m0 = 0; m0 < Mp; m0 += R) {
                 __m512 acc[16];
@@ -441,13 +480,23 @@ static inline __attribute__((always_inline)) __m256 fold(__m256 acc, __m256i s, 
         const __m256i pow2 = _mm256_slli_epi32(_mm256_sub_epi32(E, _mm256_set1_epi32(1)), 23);
         d = _mm256_and_ps(_mm256_castsi256_ps(pow2), _mm256_castsi256_ps(_mm256_cmpgt_epi32(E, _mm256_setzero_si256())));
         m = _mm256_mul_ps(d, _mm256_set1_ps(-12.0f));
+    } else if (bits == 6) { /* 8 rows' d (m = -32·d) */
+        d = _mm256_cvtph_ps(_mm_loadu_si128((const void *)dp));
+        m = _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
     } else {
         d = _mm256_cvtph_ps(_mm_loadu_si128((const void *)dp));
         m = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(dp + 32)));
     }
-    if (!NIBBLES(bits)) m = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d, m);
+    if (!NIBBLES(bits) && bits != 6) m = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d, m);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(sx)), acc);
     return _mm256_fmadd_ps(m, _mm256_set1_ps(xsum), acc);
+}
+
+/* Bits 6: weight vector j's high 2 bits (at bit 2·(j % 4) of h's bytes) as bits 4 and 5 */
+static inline __m256i high2(__m256i h, int j) {
+    const int k = j % 4;
+    const __m256i at = k == 0 ? _mm256_slli_epi16(h, 4) : k == 1 ? _mm256_slli_epi16(h, 2) : k == 2 ? h : _mm256_srli_epi16(h, 2);
+    return _mm256_and_si256(at, _mm256_set1_epi8(0x30));
 }
 
 /* MR rows of the output for one tile of 16 columns (activations group-major, as the AVX-512 tile
@@ -460,7 +509,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                                                         int64_t M, int MR, __m256 *acc) {
     const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     const __m256i fp4 = _mm256_broadcastsi128_si256(_mm_setr_epi8(FP4_LEVELS));
-    const int64_t wbytes = NIBBLES(bits) ? 256 : 512, bbytes = wbytes + TAIL_BYTES(bits);
+    const int64_t wbytes = WEIGHT_BYTES(bits), bbytes = wbytes + TAIL_BYTES(bits);
     for (int r = 0; r < 2 * MR; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++, blk += bbytes) {
         for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
@@ -478,6 +527,26 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                     }
                 }
                 for (int r = 0; r < MR; r++) s[r] = _mm256_madd_epi16(s[r], ones);
+            } else if (bits == 6) { /* inputs 0..15 (low nibbles) and 16..31 apart: each half its own d */
+                __m256i s1[4];
+                const __m256i h0 = _mm256_loadu_si256((const void *)(blk + 256 + 32 * h));
+                const __m256i h1 = _mm256_loadu_si256((const void *)(blk + 320 + 32 * h));
+                for (int r = 0; r < MR; r++) s1[r] = _mm256_setzero_si256();
+                for (int v = 0; v < 4; v++) {
+                    const __m256i p = _mm256_loadu_si256((const void *)(blk + 64 * v + 32 * h));
+                    const __m256i lo = _mm256_or_si256(_mm256_and_si256(p, nib), high2(h0, v));
+                    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), nib), high2(h1, v));
+                    for (int r = 0; r < MR; r++) {
+                        const int32_t *xr = (const int32_t *)(xq + 32 * r);
+                        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[v])), ones));
+                        s1[r] = _mm256_add_epi32(s1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[v + 4])), ones));
+                    }
+                }
+                for (int r = 0; r < MR; r++) {
+                    acc[2 * r + h] = fold(acc[2 * r + h], s[r], blk + 384 + 16 * h, bits, sx[r], sxh[r]);
+                    acc[2 * r + h] = fold(acc[2 * r + h], s1[r], blk + 416 + 16 * h, bits, sx[r], sxs[r] - sxh[r]);
+                }
+                continue;
             } else if (bits == 5) {
                 for (int v = 0; v < 4; v++) {
                     const __m256i p = _mm256_loadu_si256((const void *)(blk + 64 * v + 32 * h));
@@ -522,7 +591,7 @@ static inline __attribute__((always_inline)) void tile1(const uint8_t *blk, int 
                                                          int64_t M, __m256 *acc) {
     const __m256i nib = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     const __m256i fp4 = _mm256_broadcastsi128_si256(_mm_setr_epi8(FP4_LEVELS));
-    const int64_t wbytes = NIBBLES(bits) ? 256 : 512, bbytes = wbytes + TAIL_BYTES(bits);
+    const int64_t wbytes = WEIGHT_BYTES(bits), bbytes = wbytes + TAIL_BYTES(bits);
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; g++, blk += bbytes) {
         for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
@@ -541,6 +610,28 @@ static inline __attribute__((always_inline)) void tile1(const uint8_t *blk, int 
             }
             s0 = _mm256_madd_epi16(s0, ones);
             s1 = _mm256_madd_epi16(s1, ones);
+        } else if (bits == 6) { /* as `tile`: each half of the inputs its own sums and d */
+            const __m256i h00 = _mm256_loadu_si256((const void *)(blk + 256)), h01 = _mm256_loadu_si256((const void *)(blk + 288));
+            const __m256i h10 = _mm256_loadu_si256((const void *)(blk + 320)), h11 = _mm256_loadu_si256((const void *)(blk + 352));
+            __m256i t0 = _mm256_setzero_si256(), t1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                const __m256i xl = _mm256_set1_epi32(xr[v]), xh = _mm256_set1_epi32(xr[v + 4]);
+                const __m256i p0 = _mm256_loadu_si256((const void *)(blk + 64 * v));
+                const __m256i p1 = _mm256_loadu_si256((const void *)(blk + 64 * v + 32));
+                const __m256i l0 = _mm256_or_si256(_mm256_and_si256(p0, nib), high2(h00, v));
+                const __m256i u0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p0, 4), nib), high2(h10, v));
+                const __m256i l1 = _mm256_or_si256(_mm256_and_si256(p1, nib), high2(h01, v));
+                const __m256i u1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p1, 4), nib), high2(h11, v));
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(l0, xl), ones));
+                t0 = _mm256_add_epi32(t0, _mm256_madd_epi16(_mm256_maddubs_epi16(u0, xh), ones));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(l1, xl), ones));
+                t1 = _mm256_add_epi32(t1, _mm256_madd_epi16(_mm256_maddubs_epi16(u1, xh), ones));
+            }
+            const float lo = sxh[M * g], rest = sxs[M * g] - sxh[M * g];
+            a0 = fold(fold(a0, s0, blk + 384, bits, sx[M * g], lo), t0, blk + 416, bits, sx[M * g], rest);
+            a1 = fold(fold(a1, s1, blk + 400, bits, sx[M * g], lo), t1, blk + 432, bits, sx[M * g], rest);
+            continue;
         } else if (bits == 5) {
 #pragma GCC unroll 4
             for (int v = 0; v < 4; v++) {
@@ -612,6 +703,9 @@ static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t 
     } else if (bits == 5) {
         while (M - t >= 4) ROWS_BITS(4, 5);
         while (M - t >= 1) ROW1_BITS(5);
+    } else if (bits == 6) {
+        while (M - t >= 4) ROWS_BITS(4, 6);
+        while (M - t >= 1) ROW1_BITS(6);
     } else if (bits == 8) {
         while (M - t >= 4) ROWS_BITS(4, 8);
         while (M - t >= 1) ROW1_BITS(8);

@@ -59,6 +59,7 @@ from pytgi.engine.models.moe import SparseMoE
 from pytgi.engine.models.quant import (
     GROUP,
     HEAD_KIND,
+    SIX_BIT_TYPES,
     Fp8Rows,
     Layout,
     LayoutRows,
@@ -734,4 +735,5 @@ def _grid_layout(weights: GGUFWeights, mod: nn.Module, names: list[str], kind: s
             )
 
     width = mod.local_in if isinstance(mod, RowParallelLinear) else weights.shape(names[0])[-1]
-    return LayoutRows((total + pad, width), slices)
+    six = kind == "int8x16" and all(weights.type_name(n) in SIX_BIT_TYPES for n in names)
+    return LayoutRows((total + pad, width), slices, six)

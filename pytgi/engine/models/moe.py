@@ -161,7 +161,7 @@ class SparseMoE(nn.Module):
         (`pytgi.engine.models.quant.grid_layout`): per expert, this rank's slice of gate|up in `kinds[0]`'s
         layout and of down in `kinds[1]`'s, read from `weights` (`GGUFWeights`; `names`: the stacked
         gate, up and down tensors). Every step then multiplies by the packed weights."""
-        from pytgi.engine.models.quant import Layout, LayoutRows, QuantizedWeight, grid_layout
+        from pytgi.engine.models.quant import SIX_BIT_TYPES, Layout, LayoutRows, QuantizedWeight, grid_layout
 
         gate, up, down = names
         s, n, inter = self.start, self.local, self.inter
@@ -174,11 +174,16 @@ class SparseMoE(nn.Module):
         def down_rows(e: int) -> Iterator[Layout]:  # expert e's rows, this rank's columns
             yield grid_layout(weights.grid(down, e * hidden, (e + 1) * hidden).cols(s, n), kinds[1])
 
+        six = [all(weights.type_name(t) in SIX_BIT_TYPES for t in ts) for ts in ((gate, up), (down,))]
         self.packed = []
         for e in range(self.num_experts):
             pair = (
-                QuantizedWeight(kinds[0], LayoutRows((2 * n, hidden), partial(gate_up, e)), act_dtype, cpu),
-                QuantizedWeight(kinds[1], LayoutRows((hidden, n), partial(down_rows, e)), act_dtype, cpu),
+                QuantizedWeight(
+                    kinds[0], LayoutRows((2 * n, hidden), partial(gate_up, e), six[0]), act_dtype, cpu
+                ),
+                QuantizedWeight(
+                    kinds[1], LayoutRows((hidden, n), partial(down_rows, e), six[1]), act_dtype, cpu
+                ),
             )
             for w in pair:
                 w.dequantized = torch.empty(0)  # the packed weight serves every step here

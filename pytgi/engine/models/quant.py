@@ -54,6 +54,7 @@ GROUP = 32
 INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # on a 16-level grid per 32 values
 INT8_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q8_0"}  # on a grid of at most 256 levels per 32 values
 SUB16_TYPES = {"Q2_K", "Q3_K", "Q6_K"}  # scales per 16 values that no grid per 32 holds
+SIX_BIT_TYPES = {"Q6_K", "Q3_K"}  # ... of them, the symmetric ones of at most 64 levels: 6 bits on CPU
 MODES = ("none", "auto", "int8", "int4", "bf16", "fp8")
 BITS = {"int4": 4, "mxfp4": 5, "int8": 8, "int8x16": 16}  # the kernels' name for each layout (qgemv.c)
 # MXFP4's level (12 + 2·value) → its e2m1 code (as pack.c's table: off-grid levels to the one below)
@@ -239,8 +240,8 @@ def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> t
 
 def block_bytes(bits: int) -> int:
     """Bytes of a packed (16 rows, 32 inputs) block: the levels, then fp16 d and m (mxfp4: each row's
-    e8m0 exponent instead, d = 2^(E - 128) and m = -12·d)."""
-    return (256 if bits in (4, 5) else 512) + (16 if bits == 5 else 128 if bits == 16 else 64)
+    e8m0 exponent instead, d = 2^(E - 128) and m = -12·d; bits 6: d per 16 inputs, m = -32·d)."""
+    return {4: 320, 5: 272, 6: 448, 8: 576, 16: 640}[bits]
 
 
 def fp4_exponents(d: torch.Tensor) -> torch.Tensor:
@@ -265,6 +266,14 @@ def pack_vnni_reference(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits:
     if bits == 5:
         e = fp4_exponents(d).view(N // 16, 16, G).permute(0, 2, 1)
         return torch.cat([v.reshape(N // 16, G, -1), e], dim=-1).contiguous()
+    if bits == 6:  # low nibbles as bits 4; vector j's high 2 bits at bit 2·(j % 4) of vector 4 + j // 4
+        low = (v[:, :, :4] & 15) | ((v[:, :, 4:] & 15) << 4)
+        top = (v >> 4).view(N // 16, G, 2, 4, 64)
+        high = top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6)
+        ds = d.half().view(N // 16, 16, G, 2).permute(0, 2, 3, 1).contiguous().view(torch.uint8)
+        return torch.cat(
+            [low.reshape(N // 16, G, -1), high.reshape(N // 16, G, -1), ds.reshape(N // 16, G, -1)], -1
+        )
     halves = [(d, m)] if bits != 16 else [(d.view(N, G, 2)[..., h], m.view(N, G, 2)[..., h]) for h in (0, 1)]
     return torch.cat(
         [v.reshape(N // 16, G, -1)] + [scales(t) for pair in halves for t in pair], dim=-1
@@ -278,6 +287,16 @@ def unpack_rows(packed: torch.Tensor, rows: torch.Tensor, bits: int) -> torch.Te
     blocks = packed[rows // 16]  # [T, G, bytes]: each row's tile
     r = (rows % 16).view(T, 1, 1, 1)
     w = blocks[..., :wbytes]
+    if bits == 6:  # the low nibbles as bits 4, then each vector's high 2 bits; d per 16, m = -32·d
+        low = blocks[..., :256].reshape(T, G, 4, 64)
+        high = blocks[..., 256:384].reshape(T, G, 2, 1, 64) >> torch.tensor([0, 2, 4, 6]).view(1, 1, 1, 4, 1)
+        w = (torch.cat([low & 15, low >> 4], dim=2) | ((high.reshape(T, G, 8, 64) & 3) << 4)).view(
+            T, G, 8, 16, 4
+        )
+        q = w.gather(3, r.view(T, 1, 1, 1, 1).expand(T, G, 8, 1, 4)).view(T, G, 2, 16).float()
+        ds = blocks[..., 384:].contiguous().view(torch.float16).view(T, G, 2, 16)
+        dr = ds.gather(3, r.expand(T, G, 2, 1)).float()  # [T, G, 2, 1]
+        return (dr * (q - 32)).view(T, G * 32)
     if bits in (4, 5):  # byte j of a quad holds quad j (low nibble) and quad j + 4 (high)
         w = w.reshape(T, G, 4, 16, 4)
         w = torch.cat([w & 15, w >> 4], dim=2)
@@ -341,6 +360,9 @@ class LayoutRows:
 
     shape: tuple[int, int]
     slices: Callable[[], Iterator[Layout]]
+    # int8x16's levels all q - zero + 128 with m = -128·d and |q - zero| <= 32 (Q6_K's, Q3_K's): the
+    # CPU packs them in 6 bits (qgemv.c's format 6)
+    six: bool = False
 
     def tiles(self) -> Iterator[Layout]:
         """The slices regrouped on whole tiles of 16 rows (the packed layout's unit)."""
@@ -418,10 +440,13 @@ class QuantizedWeight:
         N, K = self.shape
         keep = self.max_m < 1 << 30  # bigger steps multiply by the dequantized weight
         self.dequantized = torch.empty(N if keep else 0, K, dtype=act_dtype)
+        if self.kind == "int8x16" and w.six:
+            self.bits = 6
         self.packed = torch.empty(N // 16, K // GROUP, block_bytes(self.bits), dtype=torch.uint8)
         at = 0
         for u, d, m in w.tiles():
-            kernels.pack_lowbit(u, d, m, self.bits, self.packed[at // 16 : (at + len(u)) // 16])
+            levels = (u.to(torch.int16) - 96).clamp_(0, 63).to(torch.uint8) if self.bits == 6 else u
+            kernels.pack_lowbit(levels, d, m, self.bits, self.packed[at // 16 : (at + len(u)) // 16])
             if keep:
                 self.dequantized[at : at + len(u)] = group_values(u, d, m)
             at += len(u)
