@@ -22,6 +22,7 @@ from pytgi.engine import kernels
 from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.gguf_weights import GGUFWeights, decode_blocks, decode_blocks_reference
 from pytgi.engine.models.quant import (
+    SIX_BIT_TYPES,
     LayoutRows,
     QuantizedWeight,
     grid_layout,
@@ -29,6 +30,7 @@ from pytgi.engine.models.quant import (
     quantize_int4,
     quantize_int8_groups,
     quantize_mxfp4,
+    unpack_rows,
 )
 
 N, K = 32, 512  # rows, values per row: two K-quant super-blocks
@@ -159,6 +161,10 @@ def test_blocks_decode_to_their_values_and_pack_without_rounding(tmp_path, name)
         # other level: twice the step): the sums then round apart, by at most the output's last bit.
         again = QuantizedWeight(kind, ref, torch.bfloat16, cpu).matmul(x)
         torch.testing.assert_close(packed, again, rtol=2**-7, atol=0.0)
+        if name in SIX_BIT_TYPES:  # the CPU's 6-bit layout holds the same values (rows read back)
+            six = QuantizedWeight(kind, LayoutRows((N, K), rows.slices, six=True), torch.bfloat16, cpu)
+            assert six.bits == 6 and torch.equal(unpack_rows(six.packed, torch.arange(N), 6), ref)
+            torch.testing.assert_close(six.matmul(x), packed, rtol=2**-7, atol=0.0)
 
 
 @pytest.mark.parametrize("name", [t for t in TYPES if t not in ("F32", "F16", "BF16")])
