@@ -174,7 +174,10 @@ class SparseMoE(nn.Module):
         def down_rows(e: int) -> Iterator[Layout]:  # expert e's rows, this rank's columns
             yield grid_layout(weights.grid(down, e * hidden, (e + 1) * hidden).cols(s, n), kinds[1])
 
-        six = [all(weights.type_name(t) in SIX_BIT_TYPES for t in ts) for ts in ((gate, up), (down,))]
+        types = getattr(weights, "type_name", None)  # a GGUF file's (a checkpoint's MXFP4 pairs have none)
+        six = [
+            types is not None and all(types(t) in SIX_BIT_TYPES for t in ts) for ts in ((gate, up), (down,))
+        ]
         self.packed = []
         for e in range(self.num_experts):
             pair = (
