@@ -27,7 +27,7 @@ SOURCES = [
     *["pack.c", "gguf.c", "moe.c"],  # load-time packing, GGUF blocks, mixture-of-experts layers
     "delta.c",  # linear attention's decode step
 ]
-HEADERS = ["pytgi_kernels.h", "bf16.h", "amx.h", "exp16.h"]  # part of the cache key
+HEADERS = sorted(p.name for p in Path(__file__).parent.glob("*.h"))  # part of the cache key (each of them)
 CFLAGS = ["-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 LDFLAGS = ["-shared", "-fopenmp", "-lm"]  # no -ffast-math: see above
 

@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "lowbit.h"
 #include "pytgi_kernels.h"
 
 /* MXFP4's level (12 + 2·value, 0..24) → its e2m1 code, which qgemv.c's format 5 stores (levels off
@@ -27,9 +28,8 @@ static uint8_t fp4_exponent(uint16_t h) {
  * of 32. */
 void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m16, uint8_t *out, int64_t N,
                        int64_t K, int64_t bits) {
-    const int64_t G = K / 32, halves = bits == 16 || bits == 6 ? 2 : 1, S = G * halves; /* scales per row */
-    const int64_t wbytes = bits == 4 || bits == 5 ? 256 : bits == 6 ? 384 : 512;
-    const int64_t block = wbytes + (bits == 5 ? 16 : bits == 6 ? 64 : 64 * halves);
+    const int64_t G = K / 32, halves = HALVES(bits) ? 2 : 1, S = G * halves; /* scales per row */
+    const int64_t wbytes = WEIGHT_BYTES(bits), block = block_bytes(bits);
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < N / 16; t++) {
         for (int64_t g = 0; g < G; g++) {
@@ -50,7 +50,7 @@ void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m1
                         if (j < 4) o32[16 * j + r] = (w[j] & 0x0F0F0F0Fu) | ((w[j + 4] & 0x0F0F0F0Fu) << 4);
                         o32[64 + 16 * (j / 4) + r] |= ((w[j] >> 4) & 0x03030303u) << (2 * (j % 4));
                     }
-                else if (bits == 4 || bits == 5)
+                else if (NIBBLES(bits))
                     for (int64_t j = 0; j < 4; j++) o32[16 * j + r] = w[j] | (w[j + 4] << 4);
                 else
                     for (int64_t j = 0; j < 8; j++) o32[16 * j + r] = w[j];

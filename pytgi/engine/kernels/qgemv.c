@@ -44,21 +44,11 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "lowbit.h"
 #include "pytgi_kernels.h"
 
-#define NIBBLES(bits) ((bits) == 4 || (bits) == 5) /* formats stored two values a byte */
 /* MXFP4: e2m1 code (sign, then magnitude 0 0.5 1 1.5 2 3 4 6) → level 12 + 2·value */
 #define FP4_LEVELS 12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0
-
-/* Bytes of one (tile, group) block in format `bits` (4, 5, 8 or 16: see above). */
-static inline int64_t block_bytes(int64_t bits) {
-    return bits == 5 ? 272 : bits == 4 ? 320 : bits == 6 ? 448 : bits == 8 ? 576 : 640;
-}
-/* the bytes after a block's weights: fp16 d and m (per 16 inputs too for bits 16), MXFP4's
- * exponents, or bits 6's two d */
-#define TAIL_BYTES(bits) ((bits) == 16 ? 128 : (bits) == 5 ? 16 : 64)
-#define WEIGHT_BYTES(bits) (NIBBLES(bits) ? 256 : (bits) == 6 ? 384 : 512)
-#define HALVES(bits) ((bits) == 16 || (bits) == 6) /* formats with a scale per 16 inputs */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -350,7 +340,8 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
         _tile_storeconfig(&saved);
         _tile_loadconfig(&cfg);
         /* 4-bit blocks are spread to bytes once per column tile (as 8-bit blocks: the same sums and
-         * scales) when several row tiles read them; MXFP4 codes become their levels there */
+         * scales) when several row tiles read them; MXFP4 codes become their levels there, and 6-bit
+         * blocks become int8x16's (bits 16) with m = -32·d written out */
         const int64_t spread = bits == 6 ? 16 : 8; /* the format the spread blocks take */
         uint8_t *wide = NIBBLES(bits) || bits == 6 ? aligned_alloc(64, (size_t)(G * block_bytes(spread))) : NULL;
         _Pragma("omp for schedule(static)")
@@ -487,7 +478,7 @@ static inline __attribute__((always_inline)) __m256 fold(__m256 acc, __m256i s, 
         d = _mm256_cvtph_ps(_mm_loadu_si128((const void *)dp));
         m = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(dp + 32)));
     }
-    if (!NIBBLES(bits) && bits != 6) m = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d, m);
+    if (bits == 8 || bits == 16) m = _mm256_fmadd_ps(_mm256_set1_ps(128.0f), d, m); /* the sign trick's */
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(sx)), acc);
     return _mm256_fmadd_ps(m, _mm256_set1_ps(xsum), acc);
 }

@@ -59,7 +59,6 @@ from pytgi.engine.models.moe import SparseMoE
 from pytgi.engine.models.quant import (
     GROUP,
     HEAD_KIND,
-    SIX_BIT_TYPES,
     Fp8Rows,
     Layout,
     LayoutRows,
@@ -70,6 +69,7 @@ from pytgi.engine.models.quant import (
     grid_layout,
     kind_for_gguf_type,
     quantize_model,
+    six_bit,
 )
 
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
@@ -735,5 +735,5 @@ def _grid_layout(weights: GGUFWeights, mod: nn.Module, names: list[str], kind: s
             )
 
     width = mod.local_in if isinstance(mod, RowParallelLinear) else weights.shape(names[0])[-1]
-    six = kind == "int8x16" and all(weights.type_name(n) in SIX_BIT_TYPES for n in names)
+    six = kind == "int8x16" and six_bit(weights.type_name(n) for n in names)
     return LayoutRows((total + pad, width), slices, six)

@@ -161,7 +161,7 @@ class SparseMoE(nn.Module):
         (`pytgi.engine.models.quant.grid_layout`): per expert, this rank's slice of gate|up in `kinds[0]`'s
         layout and of down in `kinds[1]`'s, read from `weights` (`GGUFWeights`; `names`: the stacked
         gate, up and down tensors). Every step then multiplies by the packed weights."""
-        from pytgi.engine.models.quant import SIX_BIT_TYPES, Layout, LayoutRows, QuantizedWeight, grid_layout
+        from pytgi.engine.models.quant import Layout, LayoutRows, QuantizedWeight, grid_layout, six_bit
 
         gate, up, down = names
         s, n, inter = self.start, self.local, self.inter
@@ -175,9 +175,7 @@ class SparseMoE(nn.Module):
             yield grid_layout(weights.grid(down, e * hidden, (e + 1) * hidden).cols(s, n), kinds[1])
 
         types = getattr(weights, "type_name", None)  # a GGUF file's (a checkpoint's MXFP4 pairs have none)
-        six = [
-            types is not None and all(types(t) in SIX_BIT_TYPES for t in ts) for ts in ((gate, up), (down,))
-        ]
+        six = [types is not None and six_bit(map(types, ts)) for ts in ((gate, up), (down,))]
         self.packed = []
         for e in range(self.num_experts):
             pair = (

@@ -37,7 +37,7 @@ Which tensors to quantize, and how, is a per-tensor plan:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +72,12 @@ def gguf_plan(model_dir: Path) -> dict[str, str]:
         return {}
     types = json.loads(path.read_text()).get("tensors", {})
     return {name: kind for name, t in types.items() if (kind := kind_for_gguf_type(t)) is not None}
+
+
+def six_bit(types: Iterable[str]) -> bool:
+    """Whether a linear whose parts are of these GGUF types takes the CPU's 6-bit layout
+    (`LayoutRows.six`)."""
+    return all(t in SIX_BIT_TYPES for t in types)
 
 
 def kind_for_gguf_type(t: str) -> str | None:
