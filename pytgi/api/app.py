@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
-from pytgi.api import anthropic, tgi, tracing
+from pytgi.api import anthropic, embeddings, scores, tgi, tracing
 from pytgi.api.error_handlers import install_handlers
 from pytgi.api.frontend.engine_client import Engine, EngineClient
 from pytgi.api.frontend.infer import Infer
@@ -54,6 +54,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         vocab_size=info.vocab_size,
         adapters=lambda: st.adapters,
         image_layout=info.image_layout,
+        refusal=None if info.task == "generate" else embeddings.refusal(info),
     )
     st.infer = Infer(st.client, st.tokenizer, cfg.max_concurrent_requests)
     st.metrics.model_info(info, lambda: st.adapters)
@@ -101,6 +102,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         tokenizer.chat_template = read_chat_template(config.chat_template)
     app.state.pytgi = State(config, client, tokenizer, Metrics())
     install_handlers(app)
+    app.include_router(embeddings.router)
+    app.include_router(scores.router)
     app.include_router(tgi.router)
     openai.install(app, config)  # OpenAI's routes, and OpenAI's error shape under /v1/
     anthropic.install(app)  # Anthropic's Messages routes, and its error shape under /v1/messages

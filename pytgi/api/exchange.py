@@ -209,6 +209,9 @@ class Exchange:
         self.take(count)
         t0 = time.monotonic()
         with self.refused():
+            refusal = self.st.validation.refusal if self.st.validation is not None else None
+            if refusal is not None:  # a model that does not generate (an embedding model)
+                raise InvalidRequest(refusal, "model", "model_not_supported")
             reqs = await prepare()
         self.validation_time = time.monotonic() - t0
         self.st.metrics.request_validation_duration.observe(self.validation_time)

@@ -7,7 +7,10 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
+from pytgi.api import embeddings, scores
 from pytgi.api.error_handlers import error_body, error_response, infer_error_response, validation_response
 from pytgi.api.exchange import Exchange, sse_event
 from pytgi.api.frontend.bodies import DetokenizeRequest, GenerateInput
@@ -18,6 +21,7 @@ from pytgi.api.json_response import JSONResponse
 from pytgi.api.state import State, state_of
 from pytgi.core import flags
 from pytgi.core.outputs import Delta, OutputProcessor, Token
+from pytgi.core.pooling import PoolingInfo
 from pytgi.core.sampling_params import check_token_ids
 from pytgi.core.version import __version__
 
@@ -175,6 +179,25 @@ async def generate_stream(request: Request, body: GenerateRequest) -> Response:
 
 
 @router.post("/", tags=["Text Generation Inference"])
+async def root(request: Request) -> Response:
+    """TGI's compat route (`/generate` or `/generate_stream` by `stream`); on an embedding model,
+    TEI's (pytgi.api.embeddings.root)."""
+    try:
+        body = await request.json()
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+        raise RequestValidationError([{"loc": ("body",), "msg": "the body is not JSON"}]) from None
+    info = state_of(request).client.info
+    if info is not None and info.task == "embed":
+        return await embeddings.root(request, body)
+    if info is not None and info.task == "classify":
+        return await scores.root(request, body)
+    try:
+        compat = CompatGenerateRequest.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    return await compat_generate(request, compat)
+
+
 async def compat_generate(request: Request, body: CompatGenerateRequest) -> Response:
     if body.stream:
         return await stream_response(request, body.to_generate_request())
@@ -196,6 +219,23 @@ async def health(request: Request) -> Response:
 
 
 INFO_SETTINGS = [s for s in flags.table() if s.info]
+PIPELINE_TAGS = {
+    "generate": "text-generation",
+    "embed": "feature-extraction",
+    "classify": "text-classification",
+}
+
+
+def model_type(pooling: PoolingInfo) -> dict[str, Any]:
+    """TEI's `model_type`: an embedding model's pooling, a cross-encoder's labels (one: a reranker)."""
+    if not pooling.labels:
+        return {"embedding": {"pooling": pooling.method}}
+    id2label = dict(enumerate(pooling.labels))
+    labels = {
+        "id2label": {str(i): n for i, n in id2label.items()},
+        "label2id": {n: i for i, n in id2label.items()},
+    }
+    return {"reranker" if len(pooling.labels) == 1 else "classifier": labels}
 
 
 @router.get("/info", tags=["Text Generation Inference"])
@@ -217,10 +257,12 @@ async def info(request: Request) -> JSONResponse:
             "model_dtype": eng.model_dtype,
             "model_device_type": eng.model_device_type,
             "model_quantization": eng.quantization,  # pytgi's: a GGUF file's tensor types and counts
-            "model_pipeline_tag": "text-generation",
+            "model_pipeline_tag": PIPELINE_TAGS[eng.task],
+            **({"model_type": model_type(eng.pooling)} if eng.pooling else {}),  # TEI's field
             **resolved,
             "max_input_length": eng.max_input_tokens,  # TGI's older name
-            "max_client_batch_size": 4,
+            "max_client_batch_size": 4 if eng.task == "generate" else cfg.max_client_batch_size,
+            "max_batch_tokens": eng.max_batch_prefill_tokens,  # TEI's name
             "router": "pytgi",
             "version": __version__,
             "sha": None,

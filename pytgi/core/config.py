@@ -19,6 +19,7 @@ import msgspec
 
 from pytgi.core.errors import ConfigError
 from pytgi.core.image_layouts import ImageLayout
+from pytgi.core.pooling import PoolingInfo
 from pytgi.core.settings import setting
 
 DRAFT_MODEL_TOKENS = 4  # a draft model's tokens per step when --speculate is not given
@@ -311,6 +312,8 @@ class EngineInfo(msgspec.Struct, frozen=True, kw_only=True):
     draft_model: str | None = None  # the draft model (--draft-model-id), if any
     image_layout: ImageLayout | None = None  # a vision model's: how its images take prompt positions
     prefix_cache_max_pin_seconds: float = 0.0  # 0: clients' pins are ignored (or no prefix cache)
+    task: str = "generate"  # or "embed": a pooling model (pytgi.core.pooling), served by its own routes
+    pooling: PoolingInfo | None = None  # an embedding model's pooling
 
 
 # Names the API side defines and the settings below take (each module checks its own against these):
@@ -351,6 +354,9 @@ class ServerConfig:
     max_best_of: int = setting(2, "largest best_of", info=True)
     max_stop_sequences: int = setting(4, "most stop sequences per request", info=True)
     max_top_n_tokens: int = setting(5, "largest top_n_tokens")
+    max_client_batch_size: int = setting(
+        2048, "most inputs in one embedding request (OpenAI's limit; TEI's default is 32)"
+    )
     validation_workers: int = setting(2, "tokenizer threads", info=True)
     api_key: str | None = setting(
         None,

@@ -13,12 +13,22 @@ from pytgi.core.config import EngineInfo
 from pytgi.core.sampling_params import SamplingParams
 
 
+class PoolParams(msgspec.Struct, frozen=True):
+    """A pooling request's (an embedding model's): what comes back for its prompt."""
+
+    tokens: bool = False  # every token's hidden state (TEI's /embed_all), not the pooled vector
+    normalize: bool | None = None  # None: the model's own default (a sentence-transformers Normalize)
+    dimensions: int | None = None  # Matryoshka: the first `dimensions` values, normalized after the cut
+    pair_at: int | None = None  # a cross-encoder's pair: where its second text's tokens start (segment 1)
+
+
 class Submit(msgspec.Struct, tag="submit"):
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     images: list[bytes] = []  # encoded images for the prompt's image tokens, in order (a vision model's)
     cache_key: str | None = None  # the replica router's (OpenAI's prompt_cache_key); engines ignore it
+    pool: PoolParams | None = None  # a pooling model's request (`params` unused)
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -44,6 +54,16 @@ class TokenOut(msgspec.Struct, array_like=True, omit_defaults=True):
     num_skipped: int = 0  # on a request's last update: its tokens that came as accepted draft tokens
     queue_time: float = 0.0  # on a request's first token: seconds it waited in the engine's queue
     num_disk_tokens: int = 0  # of the cached tokens, those read back from the disk tier
+
+
+class PoolOut(msgspec.Struct, array_like=True):
+    """A pooling request's result: `rows` float32 vectors (little-endian bytes), in one step."""
+
+    request_id: str
+    data: bytes
+    rows: int
+    num_tokens: int  # the prompt's
+    queue_time: float = 0.0
 
 
 class DiskCacheStats(msgspec.Struct, array_like=True):
@@ -89,6 +109,7 @@ class StepOut(msgspec.Struct, tag="step"):
     updates: list[TokenOut]
     stats: EngineStats
     step: StepInfo
+    pooled: list[PoolOut] = []  # a pooling model's results (its errors come as `updates`)
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat"):

@@ -129,6 +129,7 @@ class Tokenizer:
         hf.no_truncation()
         hf.no_padding()
         self._hf = hf
+        self._truncating: dict[int, _HFTokenizer] = {}  # encode_pair's, by length
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
         self.special_tokens: dict[str, str] = _special_token_strings(config, special_map)
         self.chat_template: str | None = chat_template
@@ -182,6 +183,37 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_truncated(
+        self, text: str, most: int, side: str = "right", add_special_tokens: bool = True
+    ) -> list[int]:
+        """At most `most` ids: the text's tokens cut on `side` ("right" keeps the start), the special
+        tokens kept around them, as transformers' and sentence-transformers' truncation does."""
+        if not add_special_tokens:
+            ids = self._hf.encode(text, add_special_tokens=False).ids
+            return ids[-most:] if side == "left" else ids[:most]
+        enc = self._hf.encode(text, add_special_tokens=False)
+        enc.truncate(max(most - self._hf.num_special_tokens_to_add(False), 0), direction=side)
+        return self._hf.post_process(enc).ids
+
+    def encode_pair(self, first: str, second: str, most: int | None = None) -> tuple[list[int], int | None]:
+        """A pair as a cross-encoder reads it (`[CLS] first [SEP] second [SEP]` for BERT), and where
+        its second segment starts (None: the tokenizer gives the pair one segment, as RoBERTa's does).
+        `most`: cut the longer text first until the pair fits, as transformers' longest_first does."""
+        hf = self._hf
+        if most is not None:
+            cut = self._truncating.get(most)
+            if (
+                cut is None
+            ):  # a copy of its own: truncation is a tokenizer's state, and threads share this one
+                cut = _HFTokenizer.from_str(self._hf.to_str())
+                cut.no_padding()
+                cut.enable_truncation(most, strategy="longest_first")
+                self._truncating[most] = cut
+            hf = cut
+        enc = hf.encode(first, second, add_special_tokens=True)
+        types = enc.type_ids
+        return enc.ids, next((i for i, t in enumerate(types) if t == 1), None)
 
     def encode_with_offsets(
         self, text: str, add_special_tokens: bool = True

@@ -21,10 +21,11 @@ from pytgi.core import grammar as structured
 from pytgi.core import protocol as P
 from pytgi.core.adapters import AdapterError
 from pytgi.core.config import EngineConfig
-from pytgi.core.errors import ConfigError, DistributedError, InvalidRequest
+from pytgi.core.errors import ConfigError, DistributedError, InvalidRequest, UnsupportedModel
 from pytgi.core.image_geometry import image_places
 from pytgi.core.model_files import resolve_adapters, resolve_model
 from pytgi.core.paths import files_stamp
+from pytgi.core.pooling import model_task
 from pytgi.core.sampling_params import SamplingParams, check_logit_bias, check_prompt
 from pytgi.engine.adapters import AdapterRegistry
 from pytgi.engine.images import ImageInputs, PromptImage
@@ -52,6 +53,13 @@ class LLMEngine:
         config.validate()
         model = resolve_model(config.model, progress=config.progress, revision=config.revision)
         model_path, model_id = model.path, model.model_id
+        task = model_task(model_path)
+        if task != "generate":  # an embedding model or a cross-encoder: pytgi.engine.pooler's
+            what = "an embedding model" if task == "embed" else "a cross-encoder"
+            raise UnsupportedModel(
+                f"{model_id} is {what}: `pytgi serve` serves it on its own routes (docs/embeddings.md); it "
+                "does not generate text"
+            )
         adapters = resolve_adapters(config.lora_adapters, config.progress)
         if model_id in adapters:
             raise AdapterError(
@@ -246,6 +254,9 @@ class LLMEngine:
         (False until then: it is removed after the step that finishes its last request)."""
         self.adapters.unload(name)
         return name in self.adapters.settle(self._adapters_in_use())
+
+    def add_pool_request(self, request_id: str, prompt_ids: list[int], params: P.PoolParams) -> None:
+        raise InvalidRequest(f"the model `{self.info.model_id}` generates text; it computes no embeddings")
 
     def abort_request(self, request_id: str) -> bool:
         req = self.scheduler.requests.get(request_id)

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 import msgspec
 import zmq
@@ -79,7 +80,10 @@ class EngineLoop:
                 continue
             if isinstance(msg, P.Submit):
                 try:
-                    self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.images)
+                    if msg.pool is not None:  # an embedding's
+                        self.engine.add_pool_request(msg.request_id, msg.prompt_ids, msg.pool)
+                    else:
+                        self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.images)
                 except Exception as exc:  # noqa: BLE001 - a request the engine refuses fails alone
                     errors.append(P.TokenOut(msg.request_id, finish_reason="error", error=str(exc)))
             elif isinstance(msg, P.Abort):
@@ -124,11 +128,30 @@ class EngineLoop:
             self.adapters_sent = snapshot.version
 
     def _step(self) -> None:
-        updates = self.engine.step()
-        self._send(P.StepOut(updates, _stats(self.engine), self.engine.last_step))
+        out = self.engine.step()
+        updates = [u for u in out if isinstance(u, P.TokenOut)]
+        pooled = [u for u in out if isinstance(u, P.PoolOut)]
+        self._send(P.StepOut(updates, _stats(self.engine), self.engine.last_step, pooled))
 
     def _send(self, msg: msgspec.Struct) -> None:
         self.outbox.send(P.encoder.encode(msg), copy=False)
+
+
+def start_engine(config: EngineConfig, runner_cls: type | None = None) -> Any:
+    """The engine for what the model is for (pytgi.core.pooling.model_task): `LLMEngine` for a
+    generator, `PoolingEngine` for an embedding model."""
+    from pytgi.core.model_files import resolve_model
+    from pytgi.core.pooling import model_task
+
+    model = resolve_model(config.model, progress=config.progress, revision=config.revision)
+    if model_task(model.path) != "generate":  # an embedding model or a cross-encoder
+        from pytgi.engine.pooler import PoolingEngine
+
+        return PoolingEngine(config, model)
+    from pytgi.engine.engine import LLMEngine
+    from pytgi.engine.runner import ModelRunner
+
+    return LLMEngine(config, runner_cls or ModelRunner)
 
 
 def main(argv: list[str] | None = None, runner_cls: type | None = None) -> int:
@@ -148,10 +171,7 @@ def main(argv: list[str] | None = None, runner_cls: type | None = None) -> int:
     outbox.connect(args.outbox)
     outbox.setsockopt(zmq.LINGER, 2000)
     try:
-        from pytgi.engine.engine import LLMEngine
-        from pytgi.engine.runner import ModelRunner
-
-        engine = LLMEngine(EngineConfig(**json.loads(args.config)), runner_cls or ModelRunner)
+        engine = start_engine(EngineConfig(**json.loads(args.config)), runner_cls)
     except Exception as exc:
         if isinstance(exc, UserError):  # the user's to fix, and its message says how: no traceback
             log.error("engine failed to start: %s", exc)

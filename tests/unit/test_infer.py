@@ -10,6 +10,7 @@ import pytest
 
 from pytgi.api.frontend.infer import Infer
 from pytgi.api.frontend.validation import ValidRequest
+from pytgi.core import protocol as P
 from pytgi.core.errors import Overloaded
 from pytgi.core.sampling_params import SamplingParams
 from tests.waiting import async_wait_until
@@ -195,3 +196,49 @@ def test_generate_collects_the_stream_and_best_of_keeps_the_likeliest():
     g = asyncio.run(main())
     assert g.output.text == "b" and [o.output.text for o in g.best_of_sequences] == ["a"]
     assert len(set(client.submitted)) == 2
+
+
+class PoolClient(FakeClient):
+    """Answers each pooling request on its queue: a vector, or (for ids [0]) the engine's refusal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queues: dict[str, asyncio.Queue] = {}
+
+    def submit(self, rid, ids, params, images=None, cache_key=None, pool=None):
+        assert pool is not None
+        self.submitted.append(rid)
+        self.queues[rid] = asyncio.Queue()
+        return self.queues[rid]
+
+    def answer(self, rid: str, ids: list[int]) -> None:
+        if ids == [0]:
+            self.queues[rid].put_nowait(P.TokenOut(rid, finish_reason="error", error="refused"))
+        else:
+            self.queues[rid].put_nowait(P.PoolOut(rid, bytes(ids), 1, len(ids)))
+
+
+def test_a_pooling_call_returns_each_inputs_vector_in_order_and_fails_whole():
+    from pytgi.core.errors import GenerationError
+
+    async def main() -> None:
+        client = PoolClient()
+        infer = Infer(client, tokenizer=None, max_concurrent_requests=4)
+        adm = infer.admission()
+        inputs = [[3], [1, 2], [4, 5, 6]]
+        task = asyncio.ensure_future(infer.pool(inputs, P.PoolParams(), adm))
+        await async_wait_until(lambda: len(client.submitted) == 3, 5, "three submitted")
+        for rid, ids in reversed(list(zip(client.submitted, inputs, strict=True))):  # answered out of order
+            client.answer(rid, ids)
+        out = await task
+        assert [o.data for o in out] == [bytes(i) for i in inputs]
+        assert client.released == client.submitted and not client.aborted
+        # one input refused: the call fails, and what still runs is aborted
+        task = asyncio.ensure_future(infer.pool([[0], [7]], P.PoolParams(), adm))
+        await async_wait_until(lambda: len(client.submitted) == 5, 5, "two more submitted")
+        client.answer(client.submitted[3], [0])
+        with pytest.raises(GenerationError, match="refused"):
+            await task
+        assert client.aborted == [client.submitted[4]]
+
+    asyncio.run(main())

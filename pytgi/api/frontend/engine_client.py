@@ -54,9 +54,11 @@ class Engine(Protocol):
         params: SamplingParams,
         images: list[bytes] | None = None,
         cache_key: str | None = None,
+        pool: P.PoolParams | None = None,
     ) -> asyncio.Queue:
         """Send a request; its `TokenOut`s (or an `EngineDead`) arrive on the returned queue.
-        `cache_key`: requests sharing it go to the same replica where there are several."""
+        `cache_key`: requests sharing it go to the same replica where there are several. `pool`: an
+        embedding model's request, whose `PoolOut` (or an error's `TokenOut`) arrives instead."""
         ...
 
     async def adapter(self, name: str, source: str | None) -> None: ...
@@ -147,13 +149,14 @@ class EngineClient:
         params: SamplingParams,
         images: list[bytes] | None = None,
         cache_key: str | None = None,  # one engine: nothing to route by it
+        pool: P.PoolParams | None = None,
     ) -> asyncio.Queue:
         """Send a request (`images`: for its image tokens); its `TokenOut`s (or an `EngineDead`) arrive
         on the returned queue."""
         if not self.healthy:
             raise EngineDead(self.dead_reason or "engine is not running")
         # may raise: nothing registered yet
-        msg = P.encoder.encode(P.Submit(request_id, prompt_ids, params, images or []))
+        msg = P.encoder.encode(P.Submit(request_id, prompt_ids, params, images or [], pool=pool))
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._inbox.send(msg)
@@ -236,6 +239,10 @@ class EngineClient:
             queue = self._queues.get(update.request_id)
             if queue is not None:
                 queue.put_nowait(update)
+        for pooled in msg.pooled:
+            queue = self._queues.get(pooled.request_id)
+            if queue is not None:
+                queue.put_nowait(pooled)
         if self.on_step is not None:
             self.on_step(msg)
 

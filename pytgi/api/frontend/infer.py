@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 
 from pytgi.api.frontend.engine_client import Engine
 from pytgi.api.frontend.validation import ValidRequest
+from pytgi.core import protocol as P
 from pytgi.core.errors import EngineDead, GenerationError, IncompleteGeneration, Overloaded
 from pytgi.core.outputs import Delta, OutputProcessor
+from pytgi.core.sampling_params import SamplingParams
 from pytgi.core.tokenizer import Tokenizer
 
 
@@ -52,7 +54,7 @@ class Admission:
     def __init__(self, infer: Infer) -> None:
         self.infer = infer
         self.slots = 0
-        self.streams: list[RequestStream] = []
+        self.streams: list[RequestStream | PoolCall] = []
         self.closed = False
 
     def take(self, n: int = 1) -> None:
@@ -101,6 +103,20 @@ class Infer:
         admission.streams.append(stream)
         return stream
 
+    async def pool(
+        self, inputs: list[list[int]], params: P.PoolParams | list[P.PoolParams], admission: Admission
+    ) -> list[P.PoolOut]:
+        """A pooling model's vectors for `inputs` (token ids), one `PoolOut` each, in order; `params`:
+        for all, or one per input."""
+        if admission.closed:
+            raise RuntimeError("admission already closed")
+        call = PoolCall(self)
+        admission.streams.append(call)
+        try:
+            return await call.run(inputs, params)
+        finally:
+            call.close()
+
     async def generate(
         self, req: ValidRequest, admission: Admission, validation_time: float = 0.0
     ) -> Generation:
@@ -125,6 +141,51 @@ class Infer:
         if not stream.output.finished:
             raise IncompleteGeneration()
         return Generation(stream.output, stream.timings, stream.req)
+
+
+class PoolCall:
+    """One HTTP request's pooling requests (an embedding model's), one engine request per input,
+    submitted together so the engine batches them; `close()` aborts those still running."""
+
+    def __init__(self, infer: Infer) -> None:
+        self.infer = infer
+        self.pending: dict[str, asyncio.Queue] = {}
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for rid in self.pending:
+            self.infer.client.abort(rid)
+        self.pending.clear()
+
+    async def run(
+        self, inputs: list[list[int]], params: P.PoolParams | list[P.PoolParams]
+    ) -> list[P.PoolOut]:
+        rids = []
+        each = params if isinstance(params, list) else [params] * len(inputs)
+        for ids, one in zip(inputs, each, strict=True):
+            rid = f"req-{next(self.infer._ids)}"
+            try:
+                self.pending[rid] = self.infer.client.submit(rid, ids, _NO_SAMPLING, pool=one)
+            except EngineDead as exc:
+                raise GenerationError(str(exc)) from None
+            rids.append(rid)
+        out = []
+        for rid in rids:
+            got = await self.pending[rid].get()
+            del self.pending[rid]
+            self.infer.client.release(rid)
+            if isinstance(got, EngineDead):
+                raise GenerationError(str(got))
+            if isinstance(got, P.TokenOut):  # the engine refused or failed it
+                raise GenerationError(got.error or "the engine failed the request")
+            out.append(got)
+        return out
+
+
+_NO_SAMPLING = SamplingParams(max_new_tokens=1)
 
 
 class RequestStream:

@@ -27,7 +27,7 @@ import json
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pytgi.api.frontend.bodies import (
     CompatGenerateRequest,
@@ -43,6 +43,8 @@ from pytgi.core.errors import InvalidRequest
 from pytgi.core.image_geometry import added_positions, image_places, wrap_images
 from pytgi.core.image_layouts import ImageLayout
 from pytgi.core.sampling_params import SamplingParams, check, check_logit_bias, check_prompt, check_token_ids
+
+T = TypeVar("T")
 
 __all__ = [
     "CompatGenerateRequest",
@@ -101,16 +103,19 @@ class Validation:
         vocab_size: int | None = None,
         adapters: Callable[[], Collection[str]] = tuple,
         image_layout: ImageLayout | None = None,
+        refusal: str | None = None,
     ):
         """adapters: the LoRA adapters' names that `adapter_id` may take now (asked at each request: the
         engine's last snapshot); image_layout: a vision
-        model's image token, and how many positions the engine expands each one to."""
+        model's image token, and how many positions the engine expands each one to; refusal: why every
+        generation is refused (a model that does not generate: an embedding model)."""
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self.tokenizer = tokenizer
         self.limits = limits
         self.adapters = adapters
         self.image_layout = image_layout
+        self.refusal = refusal
         self.workers = workers
         self.vocab_size = vocab_size or getattr(tokenizer, "vocab_size", None)  # bounds token-id prompts
         # `tokenizers` releases the GIL while encoding, so threads tokenize in parallel off the event loop.
@@ -296,6 +301,8 @@ class Validation:
     async def validate(self, req: _Request, stream: bool = False) -> ValidRequest:
         """All of TGI's checks in TGI's order; tokenization runs in the worker pool. `stream` applies
         to a TGI body (a `GenerateInput` says it itself)."""
+        if self.refusal is not None:
+            raise InvalidRequest(self.refusal, "model", "model_not_supported")
         checked = self._check_parameters(_as_input(req, stream))
         gi = checked.input
         loop = asyncio.get_running_loop()
@@ -322,6 +329,10 @@ class Validation:
                 }
             )
         return out
+
+    async def in_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` on the tokenizer threads (an embedding request's inputs)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def validate_tokenize(self, inputs: str, add_special_tokens: bool = True) -> list[dict]:
         """/tokenize: `[{id, text, start, stop}]` (TGI does no parameter checks on this route)."""

