@@ -18,12 +18,18 @@ import msgspec
 from pytgi.core.errors import UnsupportedModel
 
 # The encoders pytgi runs itself (pytgi.engine.models.encoder), by architecture → family
-ENCODERS = {"BertModel": "bert", "RobertaModel": "roberta", "XLMRobertaModel": "roberta"}
+ENCODERS = {
+    "BertModel": "bert",
+    "RobertaModel": "roberta",
+    "XLMRobertaModel": "roberta",
+    "ModernBertModel": "modernbert",
+}
 # ... and their cross-encoders (a classification head on the first token): scores for pairs, labels
 CLASSIFIERS = {
     "BertForSequenceClassification": "bert",
     "RobertaForSequenceClassification": "roberta",
     "XLMRobertaForSequenceClassification": "roberta",
+    "ModernBertForSequenceClassification": "modernbert",
 }
 GENERATOR_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 POOLING_METHODS = ("mean", "cls", "last")

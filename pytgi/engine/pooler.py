@@ -242,7 +242,7 @@ class PoolingEngine:
 
     def _types(self, batch: list[PoolRequest], lens: list[int]) -> torch.Tensor | None:
         """Each token's segment where a pair's second text has its own (BERT's token types), else None."""
-        if self.model.token_type.num_embeddings < 2 or all(r.params.pair_at is None for r in batch):
+        if self.model.segments < 2 or all(r.params.pair_at is None for r in batch):
             return None
         types = torch.zeros(sum(lens), dtype=torch.long)
         at = 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Literal
 
 import pytest
 import torch
@@ -244,3 +245,60 @@ def test_a_cross_encoders_logits_equal_transformers_batched_or_alone(tmp_path, f
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
         eng.add_pool_request("alone", a + b, P.PoolParams(pair_at=len(a)))
         assert run(eng)["alone"].data == out[f"p{i}"].data
+
+
+def tiny_modernbert(
+    path, labels: int | None = None, pooling: Literal["cls", "mean"] = "cls"
+) -> transformers.PreTrainedModel:
+    torch.manual_seed(0)
+    cfg = transformers.ModernBertConfig(
+        vocab_size=120,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,  # global, local, local, global
+        num_attention_heads=4,
+        local_attention=8,  # a local layer sees 4 tokens either side
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+    )
+    cfg._attn_implementation = "sdpa"
+    model: transformers.PreTrainedModel
+    if labels is None:
+        model = transformers.ModernBertModel(cfg)
+    else:
+        cfg.num_labels, cfg.classifier_pooling = labels, pooling
+        model = transformers.ModernBertForSequenceClassification(cfg)
+    model.eval().save_pretrained(path)
+    return model
+
+
+def test_tiny_modernbert_equals_transformers_batched_or_alone(tmp_path):
+    ref = tiny_modernbert(tmp_path)
+    model = load_encoder(tmp_path, torch.float32)
+    batch = prompts(6, most=40, seed=7)  # past the local window
+    lens = [len(p) for p in batch]
+    together = model(torch.tensor([t for p in batch for t in p]), lens)
+    for ids, rows in zip(batch, together.split(lens), strict=True):
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).last_hidden_state[0]
+        torch.testing.assert_close(rows, want, atol=2e-5, rtol=1e-5)
+        assert torch.equal(model(torch.tensor(ids), [len(ids)]), rows)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_a_modernbert_cross_encoder_equals_transformers(tmp_path, pooling):
+    ref = tiny_modernbert(tmp_path, labels=2, pooling=pooling)
+    eng = engine(tmp_path)
+    assert eng.info.task == "classify"
+    batch = prompts(4, most=30, seed=8)
+    for i, ids in enumerate(batch):
+        eng.add_pool_request(f"r{i}", ids, P.PoolParams())
+    out = run(eng)
+    for i, ids in enumerate(batch):
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0]
+        got = torch.frombuffer(bytearray(out[f"r{i}"].data), dtype=torch.float32)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)

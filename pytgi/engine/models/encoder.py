@@ -14,7 +14,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from torch import nn
 from pytgi.core.errors import UnsupportedModel
 from pytgi.core.pooling import CLASSIFIERS, ENCODERS, PoolingInfo
 from pytgi.engine.models.safetensors_files import iter_safetensors
+
+if TYPE_CHECKING:
+    from pytgi.engine.models.modernbert import ModernEncoder
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -86,7 +89,7 @@ class EncoderModel(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         arch = (cfg.get("architectures") or ["?"])[0]
-        families = {**ENCODERS, **CLASSIFIERS}
+        families = {a: f for a, f in {**ENCODERS, **CLASSIFIERS}.items() if f != "modernbert"}
         if arch not in families:
             raise UnsupportedModel(
                 f"architecture {arch!r} is not an encoder pytgi runs ({', '.join(families)})"
@@ -105,7 +108,8 @@ class EncoderModel(nn.Module):
         self.max_positions = cfg["max_position_embeddings"] - self.position_offset
         self.word = nn.Embedding(cfg["vocab_size"], hidden)
         self.position = nn.Embedding(cfg["max_position_embeddings"], hidden)
-        self.token_type = nn.Embedding(max(cfg.get("type_vocab_size", 1), 1), hidden)
+        self.segments = max(cfg.get("type_vocab_size", 1), 1)  # token types: a pair's two texts where 2
+        self.token_type = nn.Embedding(self.segments, hidden)
         self.embed_norm = nn.LayerNorm(hidden, eps=eps)
         self.layers = nn.ModuleList(
             EncoderLayer(hidden, cfg["num_attention_heads"], cfg["intermediate_size"], eps, act)
@@ -136,32 +140,41 @@ class EncoderModel(nn.Module):
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """A transformers checkpoint's names (`bert.` / `roberta.` prefixes and old gamma/beta included);
         the pooler is read only for a cross-encoder's head (BERT's is its first half)."""
-        own = dict(self.named_parameters())
-        qkv: dict[str, dict[str, torch.Tensor]] = {}
-        loaded: set[str] = set()
-        for name, t in _renamed(tensors):
-            if name is None:
-                continue
-            if name.endswith(("#q", "#k", "#v")):
-                key, part = name[:-2], name[-1]
-                qkv.setdefault(key, {})[part] = t
-                if len(qkv[key]) < 3:
-                    continue
-                parts = qkv.pop(key)
-                name, t = key, torch.cat([parts["q"], parts["k"], parts["v"]])
-            if name not in own:
-                continue
-            param = own[name]
-            if param.shape != t.shape:
-                raise UnsupportedModel(
-                    f"weight {name}: shape {tuple(t.shape)}, expected {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(t)
-            loaded.add(name)
-        missing = sorted(set(own) - loaded)
-        if missing:
-            raise UnsupportedModel(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+        copy_weights(self, _fused(_renamed(tensors)))
+
+
+def copy_weights(model: nn.Module, named: Iterable[tuple[str | None, torch.Tensor]]) -> None:
+    """Each (name, tensor) into the model's parameter of that name (None: not the model's); every
+    parameter must be given, at its shape."""
+    own = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, t in named:
+        if name is None or name not in own:
+            continue
+        if own[name].shape != t.shape:
+            raise UnsupportedModel(
+                f"weight {name}: shape {tuple(t.shape)}, expected {tuple(own[name].shape)}"
+            )
+        with torch.no_grad():
+            own[name].copy_(t)
+        loaded.add(name)
+    missing = sorted(set(own) - loaded)
+    if missing:
+        raise UnsupportedModel(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+
+def _fused(named: Iterable[tuple[str | None, torch.Tensor]]) -> Iterator[tuple[str | None, torch.Tensor]]:
+    """q, k and v (tagged `#q` ...) concatenated into one tensor once all three came."""
+    qkv: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in named:
+        if name is None or not name.endswith(("#q", "#k", "#v")):
+            yield name, t
+            continue
+        key, part = name[:-2], name[-1]
+        qkv.setdefault(key, {})[part] = t
+        if len(qkv[key]) == 3:
+            parts = qkv.pop(key)
+            yield key, torch.cat([parts["q"], parts["k"], parts["v"]])
 
 
 _LAYER_NAMES = {
@@ -212,12 +225,18 @@ def _renamed(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str 
         yield (None if new is None else f"layers.{index}.{new}.{leaf}"), t
 
 
-def load_encoder(path: Path, dtype: torch.dtype) -> EncoderModel:
+def load_encoder(path: Path, dtype: torch.dtype) -> EncoderModel | ModernEncoder:
     import json
 
+    from pytgi.engine.models.modernbert import ModernEncoder
+
     cfg = json.loads((path / "config.json").read_text())
+    arch = (cfg.get("architectures") or ["?"])[0]
+    model: EncoderModel | ModernEncoder
     with torch.device("cpu"):
-        model = EncoderModel(cfg)
+        model = (
+            ModernEncoder(cfg) if {**ENCODERS, **CLASSIFIERS}.get(arch) == "modernbert" else EncoderModel(cfg)
+        )
     model.load_weights(iter_safetensors(path))
     return model.to(dtype).eval()
 
