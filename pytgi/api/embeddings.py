@@ -25,6 +25,7 @@ from pytgi.api.state import State, state_of
 from pytgi.core import protocol as P
 from pytgi.core.config import EngineInfo
 from pytgi.core.errors import InferError, InvalidRequest
+from pytgi.core.pooling import PoolingInfo
 from pytgi.core.sampling_params import check_token_ids
 
 router = APIRouter()
@@ -132,9 +133,12 @@ class Embedder:
         truncate: int | None,
         side: str = "right",
         add_special_tokens: bool = True,
+        prompt_name: str | None = None,
     ) -> list[list[int]]:
-        """Token ids per input; longer than `truncate` (or the model's limit when truncating) cut on
-        `side`; too long otherwise refused, naming the limit."""
+        """Token ids per input, each text after its prompt (`prompt_name`'s, or the model's default
+        one); longer than `truncate` (or the model's limit when truncating) cut on `side`; too long
+        otherwise refused, naming the limit."""
+        prompt = prompt_text(self.pooling, prompt_name)
         if not inputs:
             raise InvalidRequest("the input cannot be empty", self.param)
         limit = self.st.config.max_client_batch_size
@@ -161,7 +165,7 @@ class Embedder:
                     f"truncate_prompt_tokens must be >= 1, got {truncate}", "truncate_prompt_tokens"
                 )
             most = min(truncate, most)
-        texts = [x for x in inputs if isinstance(x, str)]
+        texts = [prompt + x for x in inputs if isinstance(x, str)]
         assert self.st.validation is not None
         tok = self.st.tokenizer
 
@@ -219,9 +223,16 @@ def _truncate(body: EmbedRequest | SimilarityRequest, info: EngineInfo) -> int |
     return info.max_input_tokens if body.truncate else None
 
 
-def _no_prompt_names(name: str | None) -> None:
-    if name is not None:
-        raise InvalidRequest(f"prompt_name {name!r}: this model defines no prompts", "prompt_name")
+def prompt_text(pooling: PoolingInfo, name: str | None) -> str:
+    """The text a prompt name puts before each input (the model's default prompt when none is named),
+    as sentence-transformers' `encode(prompt_name=...)` does."""
+    name = name if name is not None else pooling.default_prompt_name
+    if name is None:
+        return ""
+    if name not in pooling.prompts:
+        known = ", ".join(pooling.prompts) or "none"
+        raise InvalidRequest(f"prompt_name {name!r}: this model's prompts are {known}", "prompt_name")
+    return pooling.prompts[name]
 
 
 # -- OpenAI -----------------------------------------------------------------------------------------
@@ -259,10 +270,12 @@ async def openai_embeddings(request: Request, body: EmbeddingRequest) -> JSONRes
 async def embed(request: Request, body: EmbedRequest, tokens: bool = False) -> JSONResponse:
     em = Embedder(request, "inputs")
     with em.exchange.refused():
-        _no_prompt_names(body.prompt_name)
         if not tokens:
             em.check_dimensions(body.dimensions)
-        ids = await em.tokenize(_as_list(body.inputs), _truncate(body, em.info), body.truncation_direction)
+        inputs = _as_list(body.inputs)
+        ids = await em.tokenize(
+            inputs, _truncate(body, em.info), body.truncation_direction, True, body.prompt_name
+        )
     params = P.PoolParams(tokens=True) if tokens else P.PoolParams(False, body.normalize, body.dimensions)
     out = await em.pool(ids, params)
     headers = {"x-total-tokens": str(sum(o.num_tokens for o in out))}
@@ -286,9 +299,9 @@ async def similarity(request: Request, body: SimilarityRequest) -> JSONResponse:
     """The cosine similarity of `source_sentence` to each of `sentences`."""
     em = Embedder(request, "inputs")
     with em.exchange.refused():
-        _no_prompt_names(body.prompt_name)
         texts: list[str | list[int]] = [body.inputs.source_sentence, *body.inputs.sentences]
-        ids = await em.tokenize(texts, _truncate(body, em.info), body.truncation_direction)
+        truncate = _truncate(body, em.info)
+        ids = await em.tokenize(texts, truncate, body.truncation_direction, True, body.prompt_name)
     source, *others = [floats(o.data) for o in await em.pool(ids, P.PoolParams(normalize=True))]
     return JSONResponse([sum(a * b for a, b in zip(source, v, strict=True)) for v in others])
 

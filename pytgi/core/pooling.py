@@ -43,6 +43,10 @@ class PoolingInfo(msgspec.Struct, frozen=True, kw_only=True):
     dimensions: int  # the embedding's size (the hidden size)
     max_seq_length: int | None = None  # sentence-transformers' limit, where the model sets one
     labels: tuple[str, ...] = ()  # a classifier's (config.json's id2label, in order); one: a reranker
+    # config_sentence_transformers.json's: text put before an input by name (e.g. "query": "query: "),
+    # and the one put before every input that names none
+    prompts: dict[str, str] = {}
+    default_prompt_name: str | None = None
 
 
 def _read(path: Path) -> Any:
@@ -99,16 +103,27 @@ def read_pooling(path: Path, hidden_size: int) -> PoolingInfo:
                 )
     st = _read(path / "sentence_bert_config.json") or {}
     limit = st.get("max_seq_length")
+    st_config = _read(path / "config_sentence_transformers.json") or {}
+    prompts = {str(k): str(v) for k, v in (st_config.get("prompts") or {}).items()}
+    default = st_config.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise UnsupportedModel(f"{path.name}: default_prompt_name {default!r} names no prompt")
     return PoolingInfo(
         method=method,
         normalize=normalize,
         dimensions=dims,
         max_seq_length=limit if isinstance(limit, int) and limit > 0 else None,
+        prompts=prompts,
+        default_prompt_name=default,
     )
 
 
 def _pooling_config(file: Path, hidden_size: int) -> tuple[str, int]:
     cfg = _read(file) or {}
+    if cfg.get("include_prompt") is False:
+        raise UnsupportedModel(
+            f"{file}: pooling without the prompt's tokens (include_prompt false) is not supported"
+        )
     modes = [k.removeprefix("pooling_mode_") for k, v in cfg.items() if k.startswith("pooling_mode_") and v]
     names = {"mean_tokens": "mean", "cls_token": "cls", "lasttoken": "last"}
     if len(modes) != 1 or modes[0] not in names:

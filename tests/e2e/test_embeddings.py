@@ -6,6 +6,7 @@ process. Generation routes on it, and embedding routes on a generator, are clear
 from __future__ import annotations
 
 import base64
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -20,9 +21,15 @@ from tests.minilm import LONG, SENTENCES, minilm_dir
 pytestmark = pytest.mark.slow
 
 
+PROMPTS = {"query": "query: ", "passage": "passage: "}
+
+
 @pytest.fixture(scope="module")
 def minilm(tmp_path_factory):
-    return minilm_dir(tmp_path_factory.mktemp("minilm"))
+    path = minilm_dir(tmp_path_factory.mktemp("minilm"))
+    config = path / "config_sentence_transformers.json"  # prompts, as e5's and bge's models name theirs
+    config.write_text(json.dumps({**json.loads(config.read_text()), "prompts": PROMPTS}))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +84,18 @@ def test_token_ids_and_truncation(served, st):
     r = httpx.post(f"{served.url}/embed", json={"inputs": LONG, "truncate": True}, timeout=60)
     assert r.status_code == 200
     assert cosines(r.json()[0], st.encode(LONG)) >= 0.99999  # cut where sentence-transformers cuts
+
+
+def test_prompt_names_put_the_models_prompt_first(served, st):
+    got = httpx.post(
+        f"{served.url}/embed", json={"inputs": SENTENCES[:2], "prompt_name": "query"}, timeout=60
+    )
+    assert cosines(got.json(), st.encode(SENTENCES[:2], prompt_name="query")).min() >= 0.99999
+    assert got.headers["x-total-tokens"] == str(
+        sum(len(st.tokenize(["query: " + s])["input_ids"][0]) for s in SENTENCES[:2])
+    )
+    plain = httpx.post(f"{served.url}/embed", json={"inputs": SENTENCES[0]}, timeout=60).json()
+    assert cosines(plain[0], got.json()[0]) < 0.999  # the prompt changes the vector
 
 
 def test_huggingface_hub_inference_client(served, st):
@@ -147,7 +166,7 @@ def test_tei_routes(served, st):
         ("/embed", {"inputs": []}, 422, "cannot be empty"),
         ("/embed", {"inputs": "x", "dimensions": 385}, 422, "dimensions must be in 1..384"),
         ("/embed", {"inputs": "x", "truncation_direction": "up"}, 422, "right or left"),
-        ("/embed", {"inputs": "x", "prompt_name": "query"}, 422, "defines no prompts"),
+        ("/embed", {"inputs": "x", "prompt_name": "title"}, 422, "prompts are query, passage"),
         ("/embed", {"inputs": [[1, 99999]]}, 422, "< 30522"),
         ("/embed", {"inputs": 5}, 422, "inputs"),
         ("/v1/embeddings", {"input": [[]]}, 400, "cannot be empty"),

@@ -127,3 +127,23 @@ def test_truncation_keeps_the_special_tokens(tmp_path):
     assert tok.encode_truncated("one two three four five six", 5, "left") == [101] + full[-4:]
     assert tok.encode_truncated("one two three four five six", 3, add_special_tokens=False) == full[1:4]
     assert tok.encode_truncated("one two", 50) == tok.encode("one two")
+
+
+def test_prompts_from_config_sentence_transformers(tmp_path):
+    path = model_dir(tmp_path, "BertModel", ["Transformer", "Pooling"], {"pooling_mode_mean_tokens": True})
+    prompts = {"query": "query: ", "passage": "passage: "}
+    (path / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": prompts, "default_prompt_name": "query"})
+    )
+    pooling = read_pooling(path, 32)
+    assert pooling.prompts == prompts and pooling.default_prompt_name == "query"
+    (path / "config_sentence_transformers.json").write_text(
+        json.dumps({"prompts": prompts, "default_prompt_name": "title"})
+    )
+    with pytest.raises(UnsupportedModel, match="default_prompt_name 'title' names no prompt"):
+        read_pooling(path, 32)
+    (path / "1_Pooling" / "config.json").write_text(
+        json.dumps({"pooling_mode_mean_tokens": True, "include_prompt": False})
+    )
+    with pytest.raises(UnsupportedModel, match="include_prompt false"):
+        read_pooling(path, 32)
