@@ -34,11 +34,19 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def per_prompt(fn: Any, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
-    """`fn` on each prompt's rows alone (so its rows' bits are its own), the results in order."""
-    if len(lens) == 1:
-        return fn(x)
-    return torch.cat([fn(part) for part in x.split(lens)])
+def per_prompt(lin: nn.Linear, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """A linear on each prompt's rows alone (so its rows' bits are its own, whatever the step: a GEMM's
+    rows change with its M), written in place into one output."""
+    out = x.new_empty(x.shape[0], lin.out_features)
+    w, at = lin.weight.t(), 0
+    for n in lens:
+        rows = x[at : at + n]
+        if lin.bias is None:
+            torch.mm(rows, w, out=out[at : at + n])
+        else:
+            torch.addmm(lin.bias, rows, w, out=out[at : at + n])
+        at += n
+    return out
 
 
 class EncoderLayer(nn.Module):
@@ -63,9 +71,9 @@ class EncoderLayer(nn.Module):
     def _attend(self, qkv: torch.Tensor) -> torch.Tensor:
         """One prompt's bidirectional attention: [L, 3·hidden] → [L, hidden]."""
         L = qkv.shape[0]
-        q, k, v = qkv.view(L, 3, self.heads, self.head_dim).permute(1, 2, 0, 3)
+        q, k, v = qkv.view(1, L, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 4-D: the flash kernel
         out = F.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(self.head_dim))
-        return out.transpose(0, 1).reshape(L, -1)
+        return out[0].transpose(0, 1).reshape(L, -1)
 
 
 class ClassifierHead(nn.Module):

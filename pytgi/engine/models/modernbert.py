@@ -72,18 +72,18 @@ class ModernLayer(nn.Module):
 
     def _attend(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         L = qkv.shape[0]
-        q, k, v = qkv.view(L, 3, self.heads, self.head_dim).permute(1, 2, 0, 3)
+        q, k, v = qkv.view(1, L, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 4-D: the flash kernel
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         mask = None
         if self.window is not None and L > self.window + 1:
             pos = torch.arange(L)
             mask = (pos[:, None] - pos[None, :]).abs() <= self.window
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.head_dim))
-        return out.transpose(0, 1).reshape(L, -1)
+        return out[0].transpose(0, 1).reshape(L, -1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on halves (x: [heads, L, D]), in float32 as transformers computes it."""
+    """RoPE on halves (x: [1, heads, L, D]), in float32 as transformers computes it."""
     half = x.shape[-1] // 2
     xf = x.float()
     rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
