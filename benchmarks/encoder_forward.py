@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from pytgi.core.pooling import read_pooling
-from pytgi.engine.models.encoder import finish, load_encoder, pool
+from pytgi.engine.models.encoder import finish, pool
+from pytgi.engine.models.encoders import load_encoder
 
 
 def main() -> None:

@@ -24,7 +24,8 @@ from pytgi.core.errors import ConfigError, InvalidRequest
 from pytgi.core.model_files import ResolvedModel
 from pytgi.core.pooling import model_task, read_labels, read_pooling
 from pytgi.core.sampling_params import SamplingParams, check_token_ids
-from pytgi.engine.models.encoder import finish, load_encoder, pool
+from pytgi.engine.models.encoder import finish, pool
+from pytgi.engine.models.encoders import load_encoder
 from pytgi.engine.shards import set_cpu_threads
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ from pytgi.core.config import EngineConfig
 from pytgi.core.errors import ConfigError, InvalidRequest, UnsupportedModel
 from pytgi.core.model_files import ResolvedModel
 from pytgi.core.pooling import PoolingInfo, read_pooling
-from pytgi.engine.models.encoder import finish, load_encoder, pool
+from pytgi.engine.models.encoder import finish, pool
+from pytgi.engine.models.encoders import load_encoder
 from pytgi.engine.pooler import PoolingEngine
 from tests import minilm as examples
 from tests.minilm import minilm_dir

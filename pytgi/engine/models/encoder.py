@@ -13,8 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,10 +21,6 @@ from torch import nn
 
 from pytgi.core.errors import UnsupportedModel
 from pytgi.core.pooling import CLASSIFIERS, ENCODERS, PoolingInfo
-from pytgi.engine.models.safetensors_files import iter_safetensors
-
-if TYPE_CHECKING:
-    from pytgi.engine.models.modernbert import ModernEncoder
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -231,22 +226,6 @@ def _renamed(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str 
             continue
         new = _LAYER_NAMES.get(rest)
         yield (None if new is None else f"layers.{index}.{new}.{leaf}"), t
-
-
-def load_encoder(path: Path, dtype: torch.dtype) -> EncoderModel | ModernEncoder:
-    import json
-
-    from pytgi.engine.models.modernbert import ModernEncoder
-
-    cfg = json.loads((path / "config.json").read_text())
-    arch = (cfg.get("architectures") or ["?"])[0]
-    model: EncoderModel | ModernEncoder
-    with torch.device("cpu"):
-        model = (
-            ModernEncoder(cfg) if {**ENCODERS, **CLASSIFIERS}.get(arch) == "modernbert" else EncoderModel(cfg)
-        )
-    model.load_weights(iter_safetensors(path))
-    return model.to(dtype).eval()
 
 
 def pool(hidden: torch.Tensor, lens: list[int], pooling: PoolingInfo) -> list[torch.Tensor]:
