@@ -198,7 +198,7 @@ class Embedder:
                 self.request, asyncio.ensure_future(self.st.infer.pool(ids, params, ex.admission))
             )
         except InferError as exc:
-            ex._failed(exc)
+            ex.failed(exc)
             raise
         m = self.st.metrics
         m.request_success.inc()

@@ -187,7 +187,8 @@ class Exchange:
             self.st.metrics.request_failure.labels("validation").inc()
             raise
 
-    def _failed(self, exc: InferError) -> None:
+    def failed(self, exc: InferError) -> None:
+        """Count a request the router could not serve, by its kind (`tgi_request_failure`)."""
         self.st.metrics.request_failure.labels(exc.error_type).inc()
 
     def take(self, count: int) -> None:
@@ -198,7 +199,7 @@ class Exchange:
         try:
             self.admission.take(count)
         except InferError as exc:
-            self._failed(exc)
+            self.failed(exc)
             raise
 
     async def admit(
@@ -233,7 +234,7 @@ class Exchange:
         try:
             gens = await unless_gone(self.request, asyncio.ensure_future(run_all()))
         except InferError as exc:
-            self._failed(exc)
+            self.failed(exc)
             self.trace(reqs, [], exc)
             raise
         timings = combined([g.timings for g in gens])
@@ -252,7 +253,7 @@ class Exchange:
         try:
             return [self.st.infer.stream(r, self.admission, self.validation_time) for r in reqs]
         except InferError as exc:
-            self._failed(exc)
+            self.failed(exc)
             raise
 
     @staticmethod
@@ -337,7 +338,7 @@ class Exchange:
             record_success(self.st, timings, self.arrived, inputs, sum(generated), cached, disk)
             self.trace([s.req for s in streams], self._traced(streams, generated))
         except InferError as exc:
-            self._failed(exc)
+            self.failed(exc)
             self.trace([s.req for s in streams], self._traced(streams, generated), exc)
             yield on_error(exc)
         finally:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +121,7 @@ class PoolingEngine:
             pooling=self.pooling,
         )
         self.adapters = NoAdapters()
-        self.waiting: deque[PoolRequest] = deque()
+        self.waiting: dict[str, PoolRequest] = {}  # by id, in arrival order
         self.num_failed_steps = 0
         self.last_step = P.StepInfo()
         pooling = self.pooling
@@ -147,7 +146,7 @@ class PoolingEngine:
         )
 
     def add_pool_request(self, request_id: str, prompt_ids: list[int], params: P.PoolParams) -> None:
-        if any(r.request_id == request_id for r in self.waiting):
+        if request_id in self.waiting:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         info = self.info
         if not prompt_ids:
@@ -171,14 +170,10 @@ class PoolingEngine:
             raise InvalidRequest(
                 f"dimensions must be in 1..{self.pooling.dimensions}, got {dims}", "dimensions"
             )
-        self.waiting.append(PoolRequest(request_id, list(prompt_ids), params, time.monotonic()))
+        self.waiting[request_id] = PoolRequest(request_id, list(prompt_ids), params, time.monotonic())
 
     def abort_request(self, request_id: str) -> bool:
-        for r in self.waiting:
-            if r.request_id == request_id:
-                self.waiting.remove(r)
-                return True
-        return False
+        return self.waiting.pop(request_id, None) is not None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting)
@@ -194,12 +189,14 @@ class PoolingEngine:
         batch: list[PoolRequest] = []
         tokens = 0
         info = self.info
-        while self.waiting and len(batch) < info.max_batch_size:
-            n = len(self.waiting[0].prompt_ids)
-            if tokens + n > info.max_batch_prefill_tokens:
+        for r in self.waiting.values():
+            n = len(r.prompt_ids)
+            if len(batch) == info.max_batch_size or tokens + n > info.max_batch_prefill_tokens:
                 break
-            batch.append(self.waiting.popleft())
+            batch.append(r)
             tokens += n
+        for r in batch:
+            del self.waiting[r.request_id]
         return batch
 
     def step(self) -> list[P.PoolOut | P.TokenOut]:
