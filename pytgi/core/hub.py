@@ -45,7 +45,12 @@ HF_FILES = {  # beside the *.safetensors, what pytgi reads of a Hugging Face mod
     "merges.txt",
     "chat_template.jinja",
     "chat_template.json",
+    # an embedding model's sentence-transformers files (pytgi.core.pooling), and its pooling's folder
+    "modules.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
 }
+POOLING_CONFIG = re.compile(r"^[0-9]+_Pooling/config\.json$")
 PICKLED = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
@@ -124,7 +129,8 @@ def choose_files(repo: str, files: list[str], ref: HubRef) -> Selection:
         return Selection("hf", ("adapter_config.json", "adapter_model.safetensors"))  # a LoRA adapter
     safetensors = [f for f in top if f.endswith(".safetensors")]
     if ref.tag is None and "config.json" in top and safetensors:
-        return Selection("hf", tuple(sorted(safetensors + [f for f in top if f in HF_FILES])))
+        pooling = [f for f in files if POOLING_CONFIG.match(f)]
+        return Selection("hf", tuple(sorted(safetensors + [f for f in top if f in HF_FILES] + pooling)))
     if not groups:
         if ref.tag is not None:
             raise HubError(

@@ -194,3 +194,24 @@ def test_a_generator_refuses_embedding_routes(server):
     assert r.status_code == 400 and "computes no embeddings" in r.json()["error"]["message"]
     r = httpx.post(f"{server.url}/embed", json={"inputs": "hello"}, timeout=60)
     assert r.status_code == 422 and "computes no embeddings" in r.json()["error"]
+
+
+def test_an_embedding_model_by_its_hub_id_keeps_its_pooling(minilm, st, tmp_path):
+    """From a loopback stand-in for the Hub: the sentence-transformers files come too (1_Pooling's
+    folder included), so the vectors are normalized mean-pooled ones, as sentence-transformers makes."""
+    from tests.e2e.test_hub import hub_env
+    from tests.fake_hub import FakeHub, Repo
+
+    files = {str(p.relative_to(minilm)): p for p in minilm.rglob("*") if p.is_file()}
+    repo = "sentence-transformers/all-MiniLM-L6-v2"
+    with FakeHub({repo: Repo(files)}) as hub:
+        srv = Server("--model-id", repo, env=hub_env(hub.url, tmp_path / "hf"), log=tmp_path / "hub.log")
+        try:
+            srv.wait_ready()
+            body = {"input": SENTENCES[0], "encoding_format": "float"}  # normalized as the model says
+            got = httpx.post(f"{srv.url}/v1/embeddings", json=body, timeout=60).json()["data"][0]["embedding"]
+            assert cosines(got, st.encode(SENTENCES[0])) >= 0.99999
+            assert abs(np.linalg.norm(got) - 1) < 1e-5  # the model's Normalize module, from the Hub
+            assert httpx.get(f"{srv.url}/info").json()["max_input_length"] == 256  # its max_seq_length
+        finally:
+            srv.stop()

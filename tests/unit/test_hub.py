@@ -159,3 +159,29 @@ def test_refusals_name_the_repository_and_the_fix(files, ref, said):
     with pytest.raises(HubError) as exc:
         choose_files(ref.repo, files, ref)
     assert said in str(exc.value)
+
+
+def test_an_embedding_model_takes_its_sentence_transformers_files():
+    files = [
+        "1_Pooling/config.json",
+        "2_Normalize/.gitkeep",
+        "README.md",
+        "config.json",
+        "config_sentence_transformers.json",
+        "model.safetensors",
+        "modules.json",
+        "onnx/model.onnx",
+        "pytorch_model.bin",
+        "sentence_bert_config.json",
+        "tokenizer.json",
+        "vocab.txt",
+    ]
+    assert choose_files("sentence-transformers/m", files, HubRef("sentence-transformers/m")).files == (
+        "1_Pooling/config.json",
+        "config.json",
+        "config_sentence_transformers.json",
+        "model.safetensors",
+        "modules.json",
+        "sentence_bert_config.json",
+        "tokenizer.json",
+    )
