@@ -13,7 +13,7 @@ import array
 import asyncio
 import base64
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +42,25 @@ SERVES = {"embed": "an embedding model", "classify": "a cross-encoder"}
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def json_body(request: Request) -> Any:
+    """A route's body read by hand (a route whose body's model depends on the served model or the body)."""
+    try:
+        return await request.json()
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+        raise RequestValidationError([{"loc": ("body",), "msg": "the body is not JSON"}]) from None
+
+
+def parsed(model: type[M], body: Any) -> M:
+    """`body` as `model`, or the 422 FastAPI gives a body it parses itself."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
 
 
 class EmbeddingRequest(_Body):
@@ -308,9 +327,6 @@ async def similarity(request: Request, body: SimilarityRequest) -> JSONResponse:
 
 async def root(request: Request, body: Any) -> JSONResponse:
     """TEI's `POST /` on an embedding model: `/similarity`'s body, or `/embed`'s."""
-    try:
-        if isinstance(body, dict) and isinstance(body.get("inputs"), dict):
-            return await similarity(request, SimilarityRequest.model_validate(body))
-        return await embed(request, EmbedRequest.model_validate(body))
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
+    if isinstance(body, dict) and isinstance(body.get("inputs"), dict):
+        return await similarity(request, parsed(SimilarityRequest, body))
+    return await embed(request, parsed(EmbedRequest, body))

@@ -15,10 +15,9 @@ import uuid
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from pytgi.api.embeddings import Embedder, _Body, floats, serves
+from pytgi.api.embeddings import Embedder, _Body, floats, json_body, parsed, serves
 from pytgi.api.json_response import JSONResponse
 from pytgi.core import protocol as P
 from pytgi.core.errors import InvalidRequest
@@ -191,13 +190,10 @@ async def rerank(request: Request, body: RerankRequest) -> JSONResponse:
 @router.post("/rerank", tags=["Text Embeddings Inference"])
 async def rerank_route(request: Request) -> JSONResponse:
     """TEI's body (`texts`) or vLLM's (`documents`): each answered in its own shape."""
-    body = await _json(request)
-    try:
-        if isinstance(body, dict) and "documents" in body:
-            return await rerank(request, RerankRequest.model_validate(body))
-        return await tei_rerank(request, TeiRerankRequest.model_validate(body))
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
+    body = await json_body(request)
+    if isinstance(body, dict) and "documents" in body:
+        return await rerank(request, parsed(RerankRequest, body))
+    return await tei_rerank(request, parsed(TeiRerankRequest, body))
 
 
 @router.post("/v1/rerank", tags=["OpenAI"])
@@ -275,16 +271,6 @@ async def predict_route(request: Request, body: PredictRequest) -> JSONResponse:
     return await predict(request, body)
 
 
-async def _json(request: Request) -> Any:
-    try:
-        return await request.json()
-    except (ValueError, RecursionError):
-        raise RequestValidationError([{"loc": ("body",), "msg": "the body is not JSON"}]) from None
-
-
 async def root(request: Request, body: Any) -> JSONResponse:
     """TEI's `POST /` on a cross-encoder: `/predict`."""
-    try:
-        return await predict(request, PredictRequest.model_validate(body))
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
+    return await predict(request, parsed(PredictRequest, body))

@@ -7,8 +7,6 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 
 from pytgi.api import embeddings, scores
 from pytgi.api.error_handlers import error_body, error_response, infer_error_response, validation_response
@@ -182,20 +180,13 @@ async def generate_stream(request: Request, body: GenerateRequest) -> Response:
 async def root(request: Request) -> Response:
     """TGI's compat route (`/generate` or `/generate_stream` by `stream`); on an embedding model,
     TEI's (pytgi.api.embeddings.root)."""
-    try:
-        body = await request.json()
-    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-        raise RequestValidationError([{"loc": ("body",), "msg": "the body is not JSON"}]) from None
+    body = await embeddings.json_body(request)
     info = state_of(request).client.info
     if info is not None and info.task == "embed":
         return await embeddings.root(request, body)
     if info is not None and info.task == "classify":
         return await scores.root(request, body)
-    try:
-        compat = CompatGenerateRequest.model_validate(body)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
-    return await compat_generate(request, compat)
+    return await compat_generate(request, embeddings.parsed(CompatGenerateRequest, body))
 
 
 async def compat_generate(request: Request, body: CompatGenerateRequest) -> Response:
