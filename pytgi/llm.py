@@ -166,8 +166,8 @@ class LLM:
             while pending and self.engine.has_unfinished():
                 for u in self.engine.step():
                     tracker = trackers.get(u.request_id)
-                    if tracker is None or tracker.proc.finished:  # tokens of a step after a stop string
-                        continue
+                    if tracker is None or tracker.proc.finished or not isinstance(u, TokenOut):
+                        continue  # tokens of a step after a stop string
                     delta = tracker.apply(u)
                     if tracker.proc.stopped:  # a stop string: the engine only knows token ids
                         self.engine.abort_request(u.request_id)

@@ -18,6 +18,14 @@ SENTENCES = [
     "A monkey is playing drums.",
     "hi",
 ]
+# a query and documents to rerank
+QUERY = "How many people live in Berlin?"
+DOCS = [
+    "Berlin has a population of 3,520,031 registered inhabitants in an area of 891.82 square kilometers.",
+    "New York City is famous for the Metropolitan Museum of Art.",
+    "Berlin is the capital of Germany.",
+    "hi",
+]
 LONG = "The quick brown fox jumps over the lazy dog. " * 40  # 402 tokens: past the model's 256
 
 

@@ -19,7 +19,7 @@ import msgspec
 
 from pytgi.core.errors import ConfigError
 from pytgi.core.image_layouts import ImageLayout
-from pytgi.core.pooling import PoolingInfo
+from pytgi.core.pooling import TASKS, PoolingInfo
 from pytgi.core.settings import setting
 
 DRAFT_MODEL_TOKENS = 4  # a draft model's tokens per step when --speculate is not given
@@ -48,6 +48,17 @@ class EngineConfig:
     )
     model_impl: str = setting(
         "auto", "whose model code: auto (pytgi's where it has it, else transformers') | pytgi | transformers"
+    )
+    task: str = setting(
+        "auto",
+        "what the model serves: auto (its architecture and sentence-transformers files say) | generate | "
+        "embed (a causal LM: its last token's state) | classify (a causal LM: --classifier-tokens' logits)",
+    )
+    classifier_tokens: tuple[str, ...] = setting(
+        (),
+        "--task classify on a causal LM: the negative and the positive token, whose logits' difference at "
+        "the last position scores a pair (Qwen3-Reranker: no,yes)",
+        repeat=True,
     )
     max_input_tokens: int | None = setting(None, "longest prompt (default: max_total_tokens - 1)", info=True)
     max_total_tokens: int | None = setting(
@@ -156,6 +167,20 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | triton
     progress: bool = True  # show progress bars on first conversion
 
+    def pooling_refusals(self) -> list[str]:
+        """The flags asked for that no pooling model takes (one rank, no drafts, no adapters, no disk
+        tier): each engine of one refuses them at start."""
+        return [
+            flag
+            for flag, on in (
+                ("--num-shard", self.num_shard > 1),
+                ("--speculate / --draft-model-id", self.draft_tokens > 0),
+                ("--lora-adapters", bool(self.lora_adapters)),
+                ("--prefix-cache-dir", bool(self.prefix_cache_dir)),
+            )
+            if on
+        ]
+
     def validate(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
@@ -177,6 +202,12 @@ class EngineConfig:
             raise ConfigError(f"speculate must be >= 0, got {self.speculate}")
         if self.mm_cache_size < 0:
             raise ConfigError(f"mm_cache_size must be >= 0, got {self.mm_cache_size}")
+        if self.task not in TASKS:
+            raise ConfigError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.classifier_tokens and (len(self.classifier_tokens) != 2 or self.task != "classify"):
+            raise ConfigError(
+                "--classifier-tokens takes two tokens, the negative then the positive, with --task classify"
+            )
         if self.kv_cache_memory_fraction is not None and not 0 < self.kv_cache_memory_fraction <= 1:
             raise ConfigError(
                 f"kv_cache_memory_fraction must be in (0, 1], got {self.kv_cache_memory_fraction}"

@@ -4,7 +4,10 @@ A model is served for what its head is (`model_task`): a language-model head gen
 with no head (BERT, RoBERTa, XLM-RoBERTa) embeds, pooled as its sentence-transformers configuration
 says (`modules.json`, `1_Pooling/config.json`, a `Normalize` module, `sentence_bert_config.json`'s
 `max_seq_length`); anything else is refused at start, never served as a generator with a random head.
-docs/embeddings.md.
+A causal LM packaged for sentence-transformers (Qwen3-Embedding, gte-Qwen2: a Pooling module) embeds
+with its last token's state, and a decoder's `*ForSequenceClassification` scores pairs: both run on
+the paged engine (`--task` says otherwise: a causal LM as an embedder, or as a reranker by two tokens'
+logits, Qwen3-Reranker's). docs/embeddings.md.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ from typing import Any
 
 import msgspec
 
-from pytgi.core.errors import UnsupportedModel
+from pytgi.core.errors import InvalidRequest, UnsupportedModel
+from pytgi.core.sampling_params import check_token_ids
 
 # The encoders pytgi runs itself (pytgi.engine.models.encoder), by architecture → family
 ENCODERS = {
@@ -31,8 +35,16 @@ CLASSIFIERS = {
     "XLMRobertaForSequenceClassification": "roberta",
     "ModernBertForSequenceClassification": "modernbert",
 }
+# a decoder's sequence classifier (a score head on its last token) → the causal LM it is built on,
+# which the paged engine runs (pytgi.engine.models.loader)
+DECODER_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+DECODER_CLASSIFIERS = {f"{f}ForSequenceClassification": f"{f}ForCausalLM" for f in DECODER_FAMILIES}
+# ... and a decoder saved without its head (e5-mistral's MistralModel): an embedder
+DECODER_EMBEDDERS = {f"{f}Model": f"{f}ForCausalLM" for f in DECODER_FAMILIES}
+DECODER_POOLERS = {**DECODER_CLASSIFIERS, **DECODER_EMBEDDERS}
 GENERATOR_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 POOLING_METHODS = ("mean", "cls", "last")
+TASKS = ("auto", "generate", "embed", "classify")  # --task
 
 
 class PoolingInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,6 +55,10 @@ class PoolingInfo(msgspec.Struct, frozen=True, kw_only=True):
     dimensions: int  # the embedding's size (the hidden size)
     max_seq_length: int | None = None  # sentence-transformers' limit, where the model sets one
     labels: tuple[str, ...] = ()  # a classifier's (config.json's id2label, in order); one: a reranker
+    # a causal LM scoring by its logits (--classifier-tokens): the negative and the positive token's ids;
+    # the one label's logit is the positive's minus the negative's
+    label_token_ids: tuple[int, ...] = ()
+    token_states: bool = True  # every token's state can be asked for (TEI's /embed_all): an encoder's
     # config_sentence_transformers.json's: text put before an input by name (e.g. "query": "query: "),
     # and the one put before every input that names none
     prompts: dict[str, str] = {}
@@ -56,39 +72,116 @@ def _read(path: Path) -> Any:
         return None
 
 
-def model_task(path: Path) -> str:
-    """ "generate" or "embed", from config.json's architecture; `UnsupportedModel` for a model that
-    is neither (a masked-LM or classification head, say): its head must not be served as a generator."""
-    cfg = _read(path / "config.json")
-    archs = (cfg or {}).get("architectures") or []
-    arch = archs[0] if archs else None
+def architecture(path: Path) -> str | None:
+    archs = (_read(path / "config.json") or {}).get("architectures") or []
+    return archs[0] if archs else None
+
+
+def is_encoder(path: Path) -> bool:
+    """Whether the model is one of pytgi's encoders (pytgi.engine.pooler runs it; a decoder's pooling
+    runs on the paged engine)."""
+    arch = architecture(path)
+    return arch in ENCODERS or arch in CLASSIFIERS
+
+
+def _has_pooling(path: Path) -> bool:
+    """Whether the model is packaged for sentence-transformers with a pooling module."""
+    modules = _read(path / "modules.json")
+    return isinstance(modules, list) and any(
+        str(m.get("type", "")).rsplit(".", 1)[-1] == "Pooling" for m in modules if isinstance(m, dict)
+    )
+
+
+def model_task(path: Path, task: str = "auto") -> str:
+    """ "generate", "embed" or "classify": what the model serves, from config.json's architecture and
+    its sentence-transformers files (`task` "auto"), or as `--task` asks where the model can;
+    `UnsupportedModel` for a model that can serve none (a masked-LM head, say): its head must not be
+    served as a generator."""
+    if task not in TASKS:
+        raise UnsupportedModel(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+    arch = architecture(path)
+    if arch in ENCODERS or arch in CLASSIFIERS or arch in DECODER_POOLERS:
+        own = "embed" if arch in ENCODERS or arch in DECODER_EMBEDDERS else "classify"
+        if task not in ("auto", own):
+            raise UnsupportedModel(f"{path.name}: a {arch} serves --task {own}, not {task}")
+        return own
     if arch is None or arch.endswith(GENERATOR_SUFFIXES):
-        return "generate"
-    if arch in ENCODERS:
-        return "embed"
-    if arch in CLASSIFIERS:
-        return "classify"
+        if task != "auto":
+            return task
+        return "embed" if _has_pooling(path) else "generate"
     raise UnsupportedModel(
         f"{path.name}: architecture {arch!r} has no language-model head, so it cannot generate, and pytgi "
-        f"serves no pooling model of it (embedding models: {', '.join(ENCODERS)}; cross-encoders: "
-        f"{', '.join(CLASSIFIERS)}; docs/embeddings.md)"
+        f"serves no pooling model of it (embedding models: {', '.join([*ENCODERS, *DECODER_EMBEDDERS])} and "
+        "causal LMs with a sentence-transformers Pooling module; cross-encoders: "
+        f"{', '.join([*CLASSIFIERS, *DECODER_CLASSIFIERS])}; docs/embeddings.md)"
     )
 
 
 def read_labels(path: Path) -> PoolingInfo:
-    """A cross-encoder's: its labels (id2label, by id), the first token's state classified."""
+    """A cross-encoder's: its labels (id2label, by id), the first token's state classified (an
+    encoder's) or the last one's (a decoder's)."""
     cfg = _read(path / "config.json") or {}
     n = int(cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2)
     id2label = cfg.get("id2label") or {}
     labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
-    return PoolingInfo(method="cls", normalize=False, dimensions=n, labels=labels)
+    decoder = architecture(path) in DECODER_CLASSIFIERS
+    return PoolingInfo(
+        method="last" if decoder else "cls", normalize=False, dimensions=n, labels=labels, token_states=False
+    )
 
 
-def read_pooling(path: Path, hidden_size: int) -> PoolingInfo:
-    """The model's sentence-transformers pooling; without one (a bare encoder), mean pooling and no
-    normalization, as sentence-transformers itself defaults to for a plain transformers model."""
+def check_pool_request(info: Any, prompt_ids: list[int], params: Any) -> None:
+    """An engine's checks of a pooling request (`EngineInfo`, the prompt, `PoolParams`): `InvalidRequest`."""
+    pooling: PoolingInfo = info.pooling
+    if not prompt_ids:
+        raise InvalidRequest("the input is empty", "inputs")
+    if len(prompt_ids) > info.max_input_tokens:
+        raise InvalidRequest(
+            f"the input has {len(prompt_ids)} tokens, more than the {info.max_input_tokens} this model takes",
+            "inputs",
+            "context_length_exceeded",
+        )
+    check_token_ids(prompt_ids, info.vocab_size)
+    if params.pair_at is not None and not 0 < params.pair_at < len(prompt_ids):
+        raise InvalidRequest(f"pair_at must be in 1..{len(prompt_ids) - 1}, got {params.pair_at}")
+    if info.task == "classify" and (params.tokens or params.dimensions is not None):
+        raise InvalidRequest("a cross-encoder's answer is its labels' scores: no token states, no dimensions")
+    if params.tokens and not pooling.token_states:
+        raise InvalidRequest(
+            "every token's state (/embed_all) comes from an encoder; this model's embedding is its last "
+            "token's"
+        )
+    dims = params.dimensions
+    if dims is not None and not 0 < dims <= pooling.dimensions:
+        raise InvalidRequest(f"dimensions must be in 1..{pooling.dimensions}, got {dims}", "dimensions")
+
+
+def token_labels(path: Path, tokens: tuple[int, ...], names: tuple[str, ...]) -> PoolingInfo:
+    """A causal LM as a reranker (Qwen3-Reranker): one label, the positive token's logit minus the
+    negative's at the last position (its sigmoid: the positive token's probability of the two)."""
+    if len(tokens) != 2:
+        raise UnsupportedModel(
+            f"{path.name}: --classifier-tokens takes two tokens, the negative then the positive (no,yes)"
+        )
+    return PoolingInfo(
+        method="last",
+        normalize=False,
+        dimensions=1,
+        labels=(names[1],),
+        label_token_ids=tokens,
+        token_states=False,
+    )
+
+
+def read_pooling(path: Path, hidden_size: int, decoder: bool = False) -> PoolingInfo:
+    """The model's sentence-transformers pooling; without one, for a bare encoder mean pooling and no
+    normalization, as sentence-transformers itself defaults to for a plain transformers model, and for
+    a causal LM its last token's state, normalized (vLLM's default). `decoder`: a causal LM's, computed
+    chunk by chunk on the paged engine, where only the last token's state is kept."""
     modules = _read(path / "modules.json")
-    method, normalize, dims = "mean", False, hidden_size
+    method, normalize, dims = ("last", True, hidden_size) if decoder else ("mean", False, hidden_size)
+    if decoder and isinstance(modules, list):
+        normalize = False  # the modules say
     if isinstance(modules, list):
         for m in modules:
             kind = str(m.get("type", "")).rsplit(".", 1)[-1]
@@ -108,6 +201,11 @@ def read_pooling(path: Path, hidden_size: int) -> PoolingInfo:
     default = st_config.get("default_prompt_name")
     if default is not None and default not in prompts:
         raise UnsupportedModel(f"{path.name}: default_prompt_name {default!r} names no prompt")
+    if decoder and method != "last":
+        raise UnsupportedModel(
+            f"{path.name}: a causal LM's embedding is its last token's state here (pooling_mode_lasttoken); "
+            f"{method} pooling over a causal LM is not supported"
+        )
     return PoolingInfo(
         method=method,
         normalize=normalize,
@@ -115,6 +213,7 @@ def read_pooling(path: Path, hidden_size: int) -> PoolingInfo:
         max_seq_length=limit if isinstance(limit, int) and limit > 0 else None,
         prompts=prompts,
         default_prompt_name=default,
+        token_states=not decoder,
     )
 
 

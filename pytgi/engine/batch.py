@@ -160,11 +160,12 @@ class PagedModel:
 
     @torch.inference_mode()
     def forward(
-        self, batch: StepBatch, rows: np.ndarray, image_rows: StepImages | None = None
+        self, batch: StepBatch, rows: np.ndarray, image_rows: StepImages | None = None, hidden: bool = False
     ) -> torch.Tensor | None:
-        """Run the step; the logits (float32) of the flat rows `rows` (None if there are none).
-        `image_rows`: flat rows whose embeddings are an image's rows (a vision model's)."""
-        if self.graphs is not None and image_rows is None and not self._lora_active():
+        """Run the step; the logits (float32) of the flat rows `rows` (None if there are none), or with
+        `hidden` their last hidden states (a pooling model's). `image_rows`: flat rows whose embeddings
+        are an image's rows (a vision model's)."""
+        if self.graphs is not None and image_rows is None and not hidden and not self._lora_active():
             logits = self.graphs.run(batch, rows)
             if logits is not None:
                 return logits
@@ -173,12 +174,13 @@ class PagedModel:
         positions = torch.from_numpy(batch.positions).to(self.device)
         with dist.unsharded() if self.unsharded else nullcontext():
             if image_rows is None:
-                hidden = self.model(ids, positions, self.kv_caches, meta)
+                states = self.model(ids, positions, self.kv_caches, meta)
             else:
-                hidden = self.model(ids, positions, self.kv_caches, meta, image_rows)
+                states = self.model(ids, positions, self.kv_caches, meta, image_rows)
             if not len(rows):
                 return None
-            return self.model.compute_logits(hidden[torch.from_numpy(rows).to(self.device)])
+            picked = states[torch.from_numpy(rows).to(self.device)]
+            return picked if hidden else self.model.compute_logits(picked)
 
     def _lora_active(self) -> bool:
         ctx = getattr(self.model, "lora_ctx", None)

@@ -25,7 +25,17 @@ from pytgi.core.errors import ConfigError, DistributedError, InvalidRequest, Uns
 from pytgi.core.image_geometry import image_places
 from pytgi.core.model_files import resolve_adapters, resolve_model
 from pytgi.core.paths import files_stamp
-from pytgi.core.pooling import model_task
+from pytgi.core.pooling import (
+    DECODER_CLASSIFIERS,
+    PoolingInfo,
+    architecture,
+    check_pool_request,
+    is_encoder,
+    model_task,
+    read_labels,
+    read_pooling,
+    token_labels,
+)
 from pytgi.core.sampling_params import SamplingParams, check_logit_bias, check_prompt
 from pytgi.engine.adapters import AdapterRegistry
 from pytgi.engine.images import ImageInputs, PromptImage
@@ -34,6 +44,7 @@ from pytgi.engine.kv_disk import DiskTier, fingerprint
 from pytgi.engine.kv_sizing import GIB, free_bytes
 from pytgi.engine.models.checkpoint_quant import file_quantization
 from pytgi.engine.models.layers import dynamic_rope, long_rope
+from pytgi.engine.pool_head import PoolHead
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
 from pytgi.engine.scheduler import Scheduler
@@ -53,13 +64,25 @@ class LLMEngine:
         config.validate()
         model = resolve_model(config.model, progress=config.progress, revision=config.revision)
         model_path, model_id = model.path, model.model_id
-        task = model_task(model_path)
-        if task != "generate":  # an embedding model or a cross-encoder: pytgi.engine.pooler's
+        task = model_task(model_path, config.task)
+        if task != "generate" and is_encoder(model_path):  # pytgi.engine.pooler's
             what = "an embedding model" if task == "embed" else "a cross-encoder"
             raise UnsupportedModel(
                 f"{model_id} is {what}: `pytgi serve` serves it on its own routes (docs/embeddings.md); it "
                 "does not generate text"
             )
+        if task != "generate":  # a causal LM's pooling: its prompt only, then its last token's state
+            check_decoder_pooling(config)
+            if (
+                task == "classify"
+                and not config.classifier_tokens
+                and architecture(model_path) not in DECODER_CLASSIFIERS
+            ):
+                raise ConfigError(
+                    f"{model_id} is a causal LM: --task classify needs --classifier-tokens, the negative "
+                    "and the positive token whose logits score a pair (Qwen3-Reranker: no,yes)"
+                )
+            config = dataclasses.replace(config, task=task, enable_prefix_caching=False)
         adapters = resolve_adapters(config.lora_adapters, config.progress)
         if model_id in adapters:
             raise AdapterError(
@@ -82,6 +105,11 @@ class LLMEngine:
             self.shards.config,
             lambda: runner.auto_num_tokens(config.kv_cache_memory_fraction, config.kv_cache_cpu_bytes),
         )
+        if runner.state_bytes and task != "generate":
+            self.shutdown()
+            raise UnsupportedModel(
+                f"{model_id}: a model with linear-attention layers is not served for pooling"
+            )
         if runner.state_bytes:  # linear attention: a recurrent state per running request
             try:
                 placed, kv_capacity = _with_states(placed, runner, kv_capacity)
@@ -98,6 +126,14 @@ class LLMEngine:
             quantization=file_quantization(model_path),
             kv_capacity=kv_capacity,
         )
+        if task != "generate":
+            try:
+                pooling = self._pooling(task, model_path, runner)
+            except BaseException:
+                self.shutdown()
+                raise
+            self.info = msgspec.structs.replace(self.info, task=task, pooling=pooling)
+            runner.pool_head = PoolHead(runner.model, pooling, task)
         slots = self.info.max_batch_size if runner.state_bytes else 0
         self.block_manager = BlockManager(
             self.info.num_blocks, config.block_size, self.info.enable_prefix_caching, slots
@@ -133,6 +169,33 @@ class LLMEngine:
             free_bytes(runner.device) / GIB,
             load_seconds,
         )
+
+    def _pooling(self, task: str, model_path: Path, runner: ModelRunner) -> PoolingInfo:
+        """A causal LM's pooling: its sentence-transformers files' (an embedder), its classifier's labels
+        (a `*ForSequenceClassification`), or --classifier-tokens' (a causal LM as a reranker)."""
+        if task == "embed":
+            if (json.loads((model_path / "config.json").read_text())).get("is_causal") is False:
+                log.warning(
+                    "%s: config.json says is_causal false; pytgi attends causally on the paged engine, so "
+                    "its vectors are those of the model's causal attention (docs/embeddings.md)",
+                    self.info.model_id,
+                )
+            return read_pooling(model_path, runner.config.hidden_size, decoder=True)
+        names = self.config.classifier_tokens
+        if not names:  # a `*ForSequenceClassification` (checked before loading)
+            return read_labels(model_path)
+        from pytgi.core.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_dir(model_path)
+        ids = []
+        for name in names:
+            one = tok.encode(name, add_special_tokens=False)
+            if len(one) != 1:
+                raise ConfigError(
+                    f"--classifier-tokens: {name!r} is {len(one)} tokens of this model, not one"
+                )
+            ids.append(one[0])
+        return token_labels(model_path, tuple(ids), names)
 
     def _draft_model(self, config: EngineConfig, model_path: Path) -> DraftModel:
         from pytgi.engine.draft import DraftModel
@@ -197,6 +260,10 @@ class LLMEngine:
         if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         info = self.info
+        if info.task != "generate":
+            raise InvalidRequest(
+                f"the model `{info.model_id}` computes embeddings; it does not generate text"
+            )
         params.validate()
         placed: list[PromptImage] = []
         if self.images is not None:  # its image tokens and its images must agree, none included
@@ -256,7 +323,25 @@ class LLMEngine:
         return name in self.adapters.settle(self._adapters_in_use())
 
     def add_pool_request(self, request_id: str, prompt_ids: list[int], params: P.PoolParams) -> None:
-        raise InvalidRequest(f"the model `{self.info.model_id}` generates text; it computes no embeddings")
+        """A pooling model's request: its prompt computed (in chunks, with the running batch), then its
+        last token's state is its answer (`PoolHead`)."""
+        if self.info.task == "generate":
+            raise InvalidRequest(
+                f"the model `{self.info.model_id}` generates text; it computes no embeddings"
+            )
+        if request_id in self.scheduler.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        check_pool_request(self.info, prompt_ids, params)
+        self.scheduler.add(
+            Request(
+                request_id,
+                list(prompt_ids),
+                POOL_SAMPLING,
+                self.eos_token_ids,
+                speculative=False,
+                pool=params,
+            )
+        )
 
     def abort_request(self, request_id: str) -> bool:
         req = self.scheduler.requests.get(request_id)
@@ -272,7 +357,7 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     # -- one step ---------------------------------------------------------------------------------
-    def step(self) -> list[P.TokenOut]:
+    def step(self) -> list[P.TokenOut | P.PoolOut]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.last_step = P.StepInfo()
@@ -291,7 +376,7 @@ class LLMEngine:
         except Exception as exc:  # a failing step fails exactly its own requests
             log.exception("step failed for %d requests", len(sched.scheduled))
             self.num_failed_steps += 1
-            failed, updates = True, self.scheduler.fail(sched, f"{type(exc).__name__}: {exc}")
+            failed, updates = True, [*self.scheduler.fail(sched, f"{type(exc).__name__}: {exc}")]
         self.last_step = P.StepInfo(
             time.monotonic() - t0,
             len(sched.scheduled),
@@ -300,7 +385,7 @@ class LLMEngine:
             failed,
         )
         for u in updates:
-            if u.finish_reason is not None:
+            if not isinstance(u, P.TokenOut) or u.finish_reason is not None:
                 self.runner.release(u.request_id)
         if self.adapters.unloading:
             self.adapters.settle(self._adapters_in_use())
@@ -334,6 +419,19 @@ class LLMEngine:
             "disk": None if self.disk is None else msgspec.structs.replace(self.disk.stats),
             "pinned_blocks": len(self.block_manager.pins),
         }
+
+
+POOL_SAMPLING = SamplingParams(max_new_tokens=1)  # a pooling request's: it samples nothing
+
+
+def check_decoder_pooling(config: EngineConfig) -> None:
+    """Settings a causal LM served for pooling cannot take, refused at start in one line."""
+    asked = config.pooling_refusals()
+    if asked:
+        raise ConfigError(
+            f"{', '.join(asked)}: not with a causal LM served for pooling (embeddings, scores), which runs "
+            "on one rank without adapters (docs/embeddings.md)"
+        )
 
 
 def _with_states(

@@ -24,6 +24,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def pooling_head(config: EngineConfig) -> str:
+    """The head `load_model` builds for the engine's task (the task resolved by the engine first)."""
+    if config.task in ("auto", "generate") or config.classifier_tokens:
+        return "lm"
+    return "score" if config.task == "classify" else "none"
+
+
 def load_paged_model(config: EngineConfig, device: torch.device) -> PagedModel:
     """This rank's shard of `config.model` (a resolved directory; the process group is up)."""
     assert config.model is not None, "a resolved model directory"
@@ -35,7 +42,14 @@ def load_paged_model(config: EngineConfig, device: torch.device) -> PagedModel:
     need = weight_bytes(model_path, dtype, device, config.quantize)
     check_fits(int(need * share), device, f"the model ({model_path.name})")
     model = load_model(
-        model_path, dtype, device, cpu, config.quantize, config.attention_backend, config.model_impl
+        model_path,
+        dtype,
+        device,
+        cpu,
+        config.quantize,
+        config.attention_backend,
+        config.model_impl,
+        pooling_head(config),
     )
     if why := kv_dtype_refusal(model, device, dtype, config.kv_cache_dtype):
         raise ConfigError(why)

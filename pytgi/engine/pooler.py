@@ -21,8 +21,8 @@ from pytgi.core import protocol as P
 from pytgi.core.config import EngineConfig, EngineInfo
 from pytgi.core.errors import ConfigError, InvalidRequest
 from pytgi.core.model_files import ResolvedModel
-from pytgi.core.pooling import model_task, read_labels, read_pooling
-from pytgi.core.sampling_params import SamplingParams, check_token_ids
+from pytgi.core.pooling import check_pool_request, model_task, read_labels, read_pooling
+from pytgi.core.sampling_params import SamplingParams
 from pytgi.engine.models.encoder import finish, pool
 from pytgi.engine.models.encoders import load_encoder
 from pytgi.engine.shards import set_cpu_threads
@@ -53,13 +53,9 @@ class PoolRequest:
 
 def check_pooling_config(config: EngineConfig) -> None:
     """Settings a pooling model cannot take, refused at start in one line."""
-    asked = [
+    asked = config.pooling_refusals() + [
         flag
         for flag, on in (
-            ("--num-shard", config.num_shard > 1),
-            ("--speculate / --draft-model-id", config.draft_tokens > 0),
-            ("--lora-adapters", bool(config.lora_adapters)),
-            ("--prefix-cache-dir", bool(config.prefix_cache_dir)),
             (f"--quantize {config.quantize}", config.quantize not in ("auto", "none")),
             (f"--dtype {config.dtype}", config.dtype not in DTYPES),
             (f"--device {config.device}", config.device not in ("auto", "cpu")),
@@ -82,7 +78,7 @@ class PoolingEngine:
         set_cpu_threads(1)
         dtype = DTYPES[config.dtype]
         self.model = load_encoder(model.path, dtype)
-        task = model_task(model.path)
+        task = model_task(model.path, config.task)
         self.pooling = (
             read_labels(model.path)
             if task == "classify"
@@ -148,28 +144,7 @@ class PoolingEngine:
     def add_pool_request(self, request_id: str, prompt_ids: list[int], params: P.PoolParams) -> None:
         if request_id in self.waiting:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        info = self.info
-        if not prompt_ids:
-            raise InvalidRequest("the input is empty", "inputs")
-        if len(prompt_ids) > info.max_input_tokens:
-            raise InvalidRequest(
-                f"the input has {len(prompt_ids)} tokens, more than the {info.max_input_tokens} this model "
-                "takes",
-                "inputs",
-                "context_length_exceeded",
-            )
-        check_token_ids(prompt_ids, info.vocab_size)
-        if params.pair_at is not None and not 0 < params.pair_at < len(prompt_ids):
-            raise InvalidRequest(f"pair_at must be in 1..{len(prompt_ids) - 1}, got {params.pair_at}")
-        if self.info.task == "classify" and (params.tokens or params.dimensions is not None):
-            raise InvalidRequest(
-                "a cross-encoder's answer is its labels' scores: no token states, no dimensions"
-            )
-        dims = params.dimensions
-        if dims is not None and not 0 < dims <= self.pooling.dimensions:
-            raise InvalidRequest(
-                f"dimensions must be in 1..{self.pooling.dimensions}, got {dims}", "dimensions"
-            )
+        check_pool_request(self.info, prompt_ids, params)
         self.waiting[request_id] = PoolRequest(request_id, list(prompt_ids), params, time.monotonic())
 
     def abort_request(self, request_id: str) -> bool:

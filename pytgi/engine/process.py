@@ -138,13 +138,14 @@ class EngineLoop:
 
 
 def start_engine(config: EngineConfig, runner_cls: type | None = None) -> Any:
-    """The engine for what the model is for (pytgi.core.pooling.model_task): `LLMEngine` for a
-    generator, `PoolingEngine` for an embedding model."""
+    """The engine for what the model is for (pytgi.core.pooling.model_task): `PoolingEngine` for an
+    encoder (an embedding model or a cross-encoder), `LLMEngine` for a causal LM (a generator, or an
+    embedder or reranker computed on the paged KV cache)."""
     from pytgi.core.model_files import resolve_model
-    from pytgi.core.pooling import model_task
+    from pytgi.core.pooling import is_encoder
 
     model = resolve_model(config.model, progress=config.progress, revision=config.revision)
-    if model_task(model.path) != "generate":  # an embedding model or a cross-encoder
+    if is_encoder(model.path):
         from pytgi.engine.pooler import PoolingEngine
 
         return PoolingEngine(config, model)

@@ -56,6 +56,7 @@ class Request:
     num_pinned: int = 0  # of params.cache_pins, those applied (once their tokens were computed)
     arrived: float = field(default_factory=time.monotonic)
     scheduled: float = 0.0  # when it was first admitted to the running batch
+    pool: Any = None  # a pooling model's request (`PoolParams`): its prompt's state is its answer
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.prompt_ids) + list(self.output_ids)

@@ -33,6 +33,7 @@ from pytgi.engine.models.loader import (
     loaded_bytes,
 )
 from pytgi.engine.models.lora import LoraAdapters
+from pytgi.engine.pool_head import PoolHead
 from pytgi.engine.sampling_step import SamplingStep
 from pytgi.engine.step import ScheduledRequest, StepOutput
 from pytgi.engine.step_message import StepMessage
@@ -71,6 +72,7 @@ class ModelRunner:
         # Structured output's matchers (rank 0 samples; nothing is built until a request asks).
         self.grammars = GrammarMatchers(model_path / "tokenizer.json", self.vocab_size, self.eos_token_ids)
         self.sampling = SamplingStep(self.vocab_size, self.device, self.grammars)
+        self.pool_head: PoolHead | None = None  # a pooling model's (set by the engine once it knows)
 
     def adapters(self) -> LoraAdapters:
         """The model's LoRA adapters (the targeted linears are wrapped the first time)."""
@@ -186,6 +188,8 @@ class ModelRunner:
     @torch.inference_mode()  # the sampling step too: it edits the logits in place
     def execute(self, batch: list[ScheduledRequest]) -> StepOutput:
         step = self.layout(batch)
+        if self.pool_head is not None:  # a pooling model (one rank, no adapters, no images)
+            return self.pool_head.step(self.paged, batch, step)
         plan = self.sampling.plan(batch, step.last_rows)
         slots = None
         if self.lora is not None:

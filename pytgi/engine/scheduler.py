@@ -222,11 +222,12 @@ class Scheduler:
         return plan
 
     # -- after the forward ------------------------------------------------------------------------
-    def update_from_output(self, sched: SchedulerOutput, out: StepOutput) -> list[P.TokenOut]:
+    def update_from_output(self, sched: SchedulerOutput, out: StepOutput) -> list[P.TokenOut | P.PoolOut]:
         """Advance the scheduled requests by what the runner computed: their KV is now there (and
         their full blocks join the prefix cache), sampled tokens are appended and checked for a
-        stop. Returns one update per request that got a token or its whole prompt's logprobs."""
-        updates = []
+        stop. Returns one update per request that got a token or its whole prompt's logprobs, and
+        the answer of each pooling request whose prompt is done (it ends there)."""
+        updates: list[P.TokenOut | P.PoolOut] = []
         for s in sched.scheduled:
             req = s.request
             if s.draft and req.request_id in out.samples:
@@ -234,6 +235,10 @@ class Scheduler:
                 continue
             req.num_computed_tokens += s.num_new_tokens
             self._cache_full_blocks(req)
+            if (pooled := out.pooled.get(req.request_id)) is not None:
+                self.finish(req)
+                updates.append(pooled)
+                continue
             prompt_logprobs = self._prompt_logprobs(req, out.prompt_logprobs.get(req.request_id))
             update = out.samples.get(req.request_id)
             if update is not None:

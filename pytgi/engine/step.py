@@ -45,3 +45,4 @@ class StepOutput:
     prompt_logprobs: dict[str, list[float | None]] = field(default_factory=dict)
     complete: set[str] = field(default_factory=set)  # structured output whose grammar is complete
     errors: dict[str, str] = field(default_factory=dict)  # requests that cannot go on (and why)
+    pooled: dict[str, P.PoolOut] = field(default_factory=dict)  # a pooling model's finished requests

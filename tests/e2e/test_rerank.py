@@ -15,16 +15,9 @@ import torch
 import transformers
 
 from tests.e2e.server import Server
-from tests.minilm import minilm_dir
+from tests.minilm import DOCS, QUERY, minilm_dir
 
 pytestmark = pytest.mark.slow
-QUERY = "How many people live in Berlin?"
-DOCS = [
-    "Berlin has a population of 3,520,031 registered inhabitants in an area of 891.82 square kilometers.",
-    "New York City is famous for the Metropolitan Museum of Art.",
-    "Berlin is the capital of Germany.",
-    "hi",
-]
 
 
 def cross_encoder(path, minilm, labels: int):

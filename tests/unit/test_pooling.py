@@ -46,10 +46,67 @@ def model_dir(
         ("RobertaModel", "embed"),
         ("BertForSequenceClassification", "classify"),
         ("XLMRobertaForSequenceClassification", "classify"),
+        ("Qwen3ForSequenceClassification", "classify"),
+        ("LlamaForSequenceClassification", "classify"),
+        ("MistralModel", "embed"),  # e5-mistral's: a decoder saved without its head
+        ("Qwen2Model", "embed"),
     ],
 )
 def test_a_model_is_served_for_what_its_head_is(tmp_path, arch, task):
     assert model_task(model_dir(tmp_path, arch)) == task
+
+
+def test_a_causal_lm_packaged_for_sentence_transformers_embeds(tmp_path):
+    """Qwen3-Embedding's and gte-Qwen2's layout: a causal LM's config, a Pooling module."""
+    path = model_dir(
+        tmp_path,
+        "Qwen3ForCausalLM",
+        ["Transformer", "Pooling", "Normalize"],
+        {"pooling_mode_lasttoken": True},
+    )
+    assert model_task(path) == "embed"
+    info = read_pooling(path, 64, decoder=True)
+    assert (info.method, info.normalize, info.dimensions, info.token_states) == ("last", True, 64, False)
+
+
+@pytest.mark.parametrize(
+    "arch,task,served",
+    [
+        ("Qwen3ForCausalLM", "embed", "embed"),
+        ("Qwen3ForCausalLM", "classify", "classify"),
+        ("Qwen3ForCausalLM", "generate", "generate"),
+        ("BertModel", "embed", "embed"),
+        ("BertModel", "generate", None),
+        ("BertForSequenceClassification", "embed", None),
+        ("Qwen3ForSequenceClassification", "generate", None),
+    ],
+)
+def test_task_asks_for_what_a_model_can_serve(tmp_path, arch, task, served):
+    path = model_dir(tmp_path, arch)
+    if served is None:
+        with pytest.raises(UnsupportedModel, match=f"not {task}"):
+            model_task(path, task)
+    else:
+        assert model_task(path, task) == served
+
+
+def test_a_causal_lms_embedding_is_its_last_tokens(tmp_path):
+    (tmp_path / "bare").mkdir()
+    bare = model_dir(tmp_path / "bare", "MistralModel")
+    info = read_pooling(bare, 32, decoder=True)  # no sentence-transformers files: vLLM's default
+    assert (info.method, info.normalize) == ("last", True)
+    (tmp_path / "mean").mkdir()
+    mean = model_dir(
+        tmp_path / "mean", "Qwen3ForCausalLM", ["Transformer", "Pooling"], {"pooling_mode_mean_tokens": True}
+    )
+    with pytest.raises(UnsupportedModel, match="mean pooling over a causal LM"):
+        read_pooling(mean, 32, decoder=True)
+    no_norm = read_pooling(
+        model_dir(tmp_path, "Qwen3ForCausalLM", ["Transformer", "Pooling"], {"pooling_mode_lasttoken": True}),
+        32,
+        decoder=True,
+    )
+    assert not no_norm.normalize  # its modules say: no Normalize
 
 
 @pytest.mark.parametrize("arch", ["BertForMaskedLM", "T5EncoderModel", "BertForTokenClassification"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import struct
@@ -13,6 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from pytgi.core.errors import ConfigError, UnsupportedModel
+from pytgi.core.pooling import DECODER_POOLERS
 from pytgi.engine import kernels
 from pytgi.engine.models import gemma3_vision, idefics3, llava, qwen2_vl
 from pytgi.engine.models.checkpoint_quant import (
@@ -97,6 +99,7 @@ def model_impl(cfg: dict[str, Any], path: Path, impl: str = "auto") -> str:
     if impl not in MODEL_IMPLS:
         raise ValueError(f"unknown model implementation {impl!r} ({' | '.join(MODEL_IMPLS)})")
     arch = (cfg.get("architectures") or [None])[0]
+    arch = DECODER_POOLERS.get(arch, arch)  # a decoder's classifier or bare model: its causal LM's code
     if impl == "transformers" or (
         impl == "auto" and arch not in SUPPORTED_ARCHITECTURES and arch is not None
     ):
@@ -230,10 +233,18 @@ def load_model(
     quantize: str = "none",
     attention: str = "auto",
     impl: str = "auto",
+    head: str = "lm",
 ) -> CausalLM:
     """`cpu`: the kernels to run on; `quantize`: none | auto | int8 | int4 (see `pytgi.engine.models.quant`);
-    `attention`: the attention backend's name; `impl`: auto | pytgi | transformers (whose model code)."""
+    `attention`: the attention backend's name; `impl`: auto | pytgi | transformers (whose model code);
+    `head`: lm (the LM head: a generator's, or a reranker's by its tokens' logits) | score (a sequence
+    classifier's score head, left in `model.score_weight`) | none (an embedder's: no head at all, the
+    checkpoint need not have one)."""
     hf = read_config(path)
+    if head != "lm" and model_impl(hf, path, impl) == "transformers":
+        raise UnsupportedModel(
+            f"{path.name}: a pooling model needs pytgi's own model code (--model-impl pytgi)"
+        )
     if model_impl(hf, path, impl) == "transformers":
         if quantize not in ("auto", "none"):
             raise ConfigError(f"--quantize {quantize} needs pytgi's own model code (--model-impl pytgi)")
@@ -250,9 +261,18 @@ def load_model(
     arch = hf["architectures"][0]
     vision = VISION.get(arch)
     text = vision[1](hf) if vision else hf
+    if (causal := DECODER_POOLERS.get(text["architectures"][0])) is not None:
+        text = {**text, "architectures": [causal]}  # its layers are its causal LM's
     cfg = MODELS[text["architectures"][0]](text)
+    aside: dict[str, torch.Tensor] = {}
+    if head != "lm":  # the LM head is not used: tied to the embedding (no memory), not read
+        if vision:
+            raise UnsupportedModel(f"{path.name}: a vision model is not served as a pooling model")
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
     gguf = open_gguf(path)
     checkpoint = read_quantization(path) if gguf is None else None
+    if head == "score" and (checkpoint is not None or gguf is not None):
+        raise UnsupportedModel(f"{path.name}: a sequence classifier is served from float safetensors only")
     if checkpoint is not None:  # GPTQ, AWQ, compressed-tensors, FP8: served as published
         if vision:
             raise UnsupportedQuantization(f"a quantized vision model ({checkpoint.method}) is not served yet")
@@ -302,8 +322,27 @@ def load_model(
                     mod.keep_mxfp4 = (dtype, cpu)
         tensors = mxfp4_tensors(iter_safetensors(path), dtype, keep)  # exact in bf16 too
     else:
-        tensors = iter_safetensors(path)
+        tensors = (
+            _set_aside(iter_safetensors(path), "score.weight", aside)
+            if head == "score"
+            else iter_safetensors(path)
+        )
     model.load_weights(tensors)
+    if head == "score":
+        if "score.weight" not in aside:
+            raise ValueError(f"{path.name}: a sequence classifier's checkpoint without score.weight")
+        model.score_weight = aside["score.weight"].to(device, dtype)
     if plan:
         model.quantize(plan, dtype)
     return model.eval()
+
+
+def _set_aside(
+    tensors: Iterator[tuple[str, torch.Tensor]], name: str, kept: dict[str, torch.Tensor]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors but `name` (with or without "model."), which is copied into `kept`."""
+    for n, t in tensors:
+        if n.removeprefix("model.") == name:
+            kept[name] = t.clone()
+        else:
+            yield n, t

@@ -1,0 +1,185 @@
+"""Causal LMs as pooling models on the paged engine (pytgi.engine.pool_head): a tiny random Qwen3
+embedder against transformers and sentence-transformers, a Qwen3 sequence classifier and a causal LM
+scoring by two tokens' logits against transformers; long prompts in chunks, batched = alone bit for
+bit; what such a model refuses."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from pytgi.core import protocol as P
+from pytgi.core.config import EngineConfig
+from pytgi.core.errors import ConfigError, InvalidRequest
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.core.tokenizer import Tokenizer
+from pytgi.engine.engine import LLMEngine
+from tests.decoder_pooling import qwen3_causal, qwen3_classifier, qwen3_embedder
+from tests.minilm import SENTENCES, minilm_dir
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    return minilm_dir(tmp_path_factory.mktemp("minilm"))
+
+
+def engine(path, dtype: str = "float32", **kw) -> LLMEngine:
+    # a 48-token step: prompts past it are computed in chunks
+    return LLMEngine(
+        EngineConfig(
+            model=str(path),
+            dtype=dtype,
+            max_batch_total_tokens=2048,
+            max_batch_prefill_tokens=48,
+            block_size=4,
+            **kw,
+        )
+    )
+
+
+def prompts(n: int, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, 30000) for _ in range(rng.randint(1, 160))] for _ in range(n)]
+
+
+def run(eng: LLMEngine, batch: list[list[int]], params: P.PoolParams = P.PoolParams()) -> list[bytes]:
+    """Every prompt submitted at once; each answer's bytes, in order."""
+    for i, ids in enumerate(batch):
+        eng.add_pool_request(f"r{i}", ids, params)
+    got: dict[str, bytes] = {}
+    while eng.has_unfinished():
+        for u in eng.step():
+            assert isinstance(u, P.PoolOut), u
+            got[u.request_id] = u.data
+    return [got[f"r{i}"] for i in range(len(batch))]
+
+
+def vec(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype=np.float32)
+
+
+def test_embedder_equals_transformers_in_chunks(tmp_path, minilm):
+    ref = qwen3_embedder(tmp_path, minilm)
+    eng = engine(tmp_path)
+    info = eng.info
+    assert info.task == "embed" and info.pooling is not None
+    assert (info.pooling.method, info.pooling.normalize, info.pooling.dimensions) == ("last", True, 32)
+    batch = prompts(8)
+    together = run(eng, batch)
+    for ids, got in zip(batch, together):
+        with torch.no_grad():
+            want = torch.nn.functional.normalize(ref(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+        np.testing.assert_allclose(vec(got), want.numpy(), atol=2e-6)
+    short = vec(run(eng, [batch[0]], P.PoolParams(dimensions=8, normalize=True))[0])
+    assert short.shape == (8,) and abs(np.linalg.norm(short) - 1) < 1e-6
+    raw = vec(run(eng, [batch[0]], P.PoolParams(normalize=False))[0])
+    with torch.no_grad():
+        state = ref(torch.tensor([batch[0]])).last_hidden_state[0, -1].numpy()
+    np.testing.assert_allclose(raw, state, atol=2e-5)
+
+
+def test_batched_equals_alone_bit_for_bit(tmp_path, minilm):
+    """On the default path (bfloat16, pytgi's batch-invariant kernels): every row's arithmetic is the
+    same whatever the step, so a prompt's vector is the same bits in chunks next to others as alone.
+    (In float32 the linears are PyTorch's GEMMs, whose rows change with the step's size: within 1e-6.)"""
+    qwen3_embedder(tmp_path, minilm)
+    batch = prompts(8)
+    eng = engine(tmp_path, "bfloat16")
+    assert run(eng, batch) == [run(eng, [ids])[0] for ids in batch]
+    eng = engine(tmp_path)
+    for a, b in zip(run(eng, batch), [run(eng, [ids])[0] for ids in batch]):
+        np.testing.assert_allclose(vec(a), vec(b), atol=1e-6)
+
+
+def test_embedder_equals_sentence_transformers(tmp_path, minilm):
+    from sentence_transformers import SentenceTransformer
+
+    qwen3_embedder(tmp_path, minilm)
+    st = SentenceTransformer(str(tmp_path), device="cpu")
+    tok = Tokenizer.from_dir(tmp_path)
+    texts = [*SENTENCES, "The quick brown fox jumps over the lazy dog. " * 20]
+    got = np.stack([vec(v) for v in run(engine(tmp_path), [tok.encode(t) for t in texts])])
+    want = np.stack([st.encode(t) for t in texts])  # one at a time: no padding
+    cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert cos.min() >= 0.99999
+    ranks = lambda m: np.argsort(-(m @ m.T), axis=1)[:, :5]
+    assert (ranks(got) == ranks(want)).all()
+
+
+@pytest.mark.parametrize("labels", [1, 3])
+def test_sequence_classifier_equals_transformers(tmp_path, minilm, labels):
+    ref = qwen3_classifier(tmp_path, minilm, labels)
+    eng = engine(tmp_path)
+    assert eng.info.task == "classify" and eng.info.pooling is not None
+    assert len(eng.info.pooling.labels) == labels
+    batch = prompts(5, seed=labels)
+    got = run(eng, batch)
+    for ids, data in zip(batch, got):
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0]
+        np.testing.assert_allclose(vec(data), want.numpy(), atol=2e-5)
+
+
+def test_a_causal_lm_scores_by_two_tokens(tmp_path, minilm):
+    ref = qwen3_causal(tmp_path, minilm)
+    eng = engine(tmp_path, task="classify", classifier_tokens=("no", "yes"))
+    tok = Tokenizer.from_dir(tmp_path)
+    no, yes = (tok.encode(w, add_special_tokens=False)[0] for w in ("no", "yes"))
+    assert eng.info.pooling is not None
+    assert eng.info.pooling.labels == ("yes",) and eng.info.pooling.label_token_ids == (no, yes)
+    batch = prompts(4, seed=7)
+    got = run(eng, batch)
+    for ids, data in zip(batch, got):
+        with torch.no_grad():
+            logits = ref(torch.tensor([ids])).logits[0, -1]
+        np.testing.assert_allclose(vec(data), [(logits[yes] - logits[no]).item()], atol=2e-5)
+        p_yes = torch.softmax(logits[[no, yes]], 0)[1].item()
+        assert abs(1 / (1 + np.exp(-vec(data)[0])) - p_yes) < 1e-5  # its sigmoid: P(yes) of the two
+
+
+def test_what_a_pooling_causal_lm_refuses(tmp_path, minilm):
+    qwen3_causal(tmp_path / "lm", minilm)
+    with pytest.raises(ConfigError, match="--classifier-tokens"):
+        engine(tmp_path / "lm", task="classify")
+    with pytest.raises(ConfigError, match="not one"):
+        engine(tmp_path / "lm", task="classify", classifier_tokens=("no", "yes please"))
+    with pytest.raises(ConfigError, match="--num-shard"):
+        engine(tmp_path / "lm", task="embed", num_shard=2)
+    generator = engine(tmp_path / "lm")  # no sentence-transformers files: it generates
+    assert generator.info.task == "generate"
+    with pytest.raises(InvalidRequest, match="computes no embeddings"):
+        generator.add_pool_request("a", [5, 6], P.PoolParams())
+    qwen3_embedder(tmp_path / "emb", minilm)
+    eng = engine(tmp_path / "emb")
+    with pytest.raises(InvalidRequest, match="does not generate"):
+        eng.add_request("a", [5, 6], SamplingParams(max_new_tokens=2))
+    for params, words in [
+        (P.PoolParams(tokens=True), "encoder"),
+        (P.PoolParams(dimensions=33), "dimensions"),
+    ]:
+        with pytest.raises(InvalidRequest, match=words):
+            eng.add_pool_request("b", [5, 6], params)
+    with pytest.raises(InvalidRequest, match="more than"):
+        eng.add_pool_request("c", [5] * (eng.info.max_input_tokens + 1), P.PoolParams())
+    assert not eng.has_unfinished()
+
+
+def test_a_bare_decoder_model_embeds_by_its_last_token(tmp_path, minilm):
+    """e5-mistral's layout: `MistralModel` (here Qwen3Model) with no sentence-transformers files: its
+    last token's state, normalized (vLLM's default for a causal LM)."""
+    ref = qwen3_embedder(tmp_path, minilm)
+    for name in ("modules.json", "sentence_bert_config.json"):
+        (tmp_path / name).unlink()
+    import json
+
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3Model"]}))
+    eng = engine(tmp_path)
+    assert eng.info.task == "embed"
+    ids = prompts(1)[0]
+    with torch.no_grad():
+        want = torch.nn.functional.normalize(ref(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+    np.testing.assert_allclose(vec(run(eng, [ids])[0]), want.numpy(), atol=2e-6)
