@@ -331,6 +331,60 @@ async def similarity(request: Request, body: SimilarityRequest) -> JSONResponse:
     return JSONResponse([sum(a * b for a, b in zip(source, v, strict=True)) for v in others])
 
 
+# -- TEI's /tokenize and /decode on a pooling model ------------------------------------------------------
+class TokenizeRequest(_Body):
+    inputs: str | list[str]
+    add_special_tokens: bool = True
+    prompt_name: str | None = None
+
+
+class DecodeRequest(_Body):
+    ids: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
+
+
+def _simple_tokens(st: State, text: str, add_special_tokens: bool) -> list[dict[str, Any]]:
+    """TEI's SimpleToken per token: a special token's text is its own, with no span; another's is the
+    slice of the text it covers, its span in UTF-8 bytes."""
+    tok = st.tokenizer
+    ids, offsets = tok.encode_with_offsets(text, add_special_tokens)
+    out = []
+    for tid, (cs, ce) in zip(ids, offsets, strict=True):
+        if tid in tok.special_ids:
+            out.append({"id": tid, "text": tok.token(tid), "special": True, "start": None, "stop": None})
+        else:
+            start, stop = len(text[:cs].encode()), len(text[:ce].encode())
+            out.append({"id": tid, "text": text[cs:ce], "special": False, "start": start, "stop": stop})
+    return out
+
+
+async def tei_tokenize(request: Request, body: TokenizeRequest) -> JSONResponse:
+    """TEI's `/tokenize`: every input's tokens (a list per input, one input too), after its prompt."""
+    st = state_of(request)
+    info = st.client.info
+    assert info is not None and info.pooling is not None and st.validation is not None
+    prompt = prompt_text(info.pooling, body.prompt_name)
+    texts = [body.inputs] if isinstance(body.inputs, str) else body.inputs
+    if not texts:
+        raise InvalidRequest("`inputs` cannot be empty", "inputs")
+
+    def run() -> list[list[dict[str, Any]]]:
+        return [_simple_tokens(st, prompt + t, body.add_special_tokens) for t in texts]
+
+    return JSONResponse(await st.validation.in_pool(run))
+
+
+async def tei_decode(request: Request, body: DecodeRequest) -> JSONResponse:
+    """TEI's `/decode`: one text per list of ids."""
+    st = state_of(request)
+    assert st.validation is not None
+    lists = [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids
+    for ids in lists:
+        check_token_ids(ids, st.validation.vocab_size)  # type: ignore[arg-type]
+    texts = [st.tokenizer.decode(ids, body.skip_special_tokens) for ids in lists]  # type: ignore[arg-type]
+    return JSONResponse(texts)
+
+
 async def root(request: Request, body: Any) -> JSONResponse:
     """TEI's `POST /` on an embedding model: `/similarity`'s body, or `/embed`'s."""
     if isinstance(body, dict) and isinstance(body.get("inputs"), dict):

@@ -268,12 +268,24 @@ async def metrics(request: Request) -> Response:
 
 
 @router.post("/tokenize", tags=["Text Generation Inference"])
-async def tokenize(request: Request, body: GenerateRequest) -> JSONResponse:
+async def tokenize(request: Request) -> JSONResponse:
+    """TGI's `/tokenize` (`GenerateRequest`'s body: one input's tokens); on a pooling model, TEI's
+    (pytgi.api.embeddings.tei_tokenize: a list of inputs, a list of tokens each)."""
     st = state_of(request)
+    raw = await embeddings.json_body(request)
+    if st.client.info is not None and st.client.info.task != "generate":
+        return await embeddings.tei_tokenize(request, embeddings.parsed(embeddings.TokenizeRequest, raw))
+    body = embeddings.parsed(GenerateRequest, raw)
     assert st.validation is not None
     if not body.inputs:
         return validation_response("`inputs` cannot be empty")
     return JSONResponse(await st.validation.validate_tokenize(body.inputs, body.add_special_tokens))
+
+
+@router.post("/decode", tags=["Text Embeddings Inference"])
+async def decode(request: Request, body: embeddings.DecodeRequest) -> JSONResponse:
+    """TEI's: token ids (a list, or a list of lists) → one text each."""
+    return await embeddings.tei_decode(request, body)
 
 
 @router.post("/detokenize", tags=["Text Generation Inference"])

@@ -222,6 +222,10 @@ class Tokenizer:
         enc = self._hf.encode(text, add_special_tokens=add_special_tokens)
         return enc.ids, enc.offsets
 
+    def token(self, id: int) -> str:
+        """The vocabulary's string for `id` ("[CLS]", "Ġthe"), as it is written there."""
+        return self._hf.id_to_token(id) or ""
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
         return _clean_up_tokenization(text) if self._clean_up else text

@@ -160,6 +160,29 @@ def test_tei_routes(served, st):
     assert info["max_input_length"] == 256 and info["max_client_batch_size"] == 2048
 
 
+def test_tei_tokenize_and_decode(served, st):
+    """TEI's shapes on an embedding model: a list of tokens per input (special tokens without a span,
+    others with their UTF-8 byte span), and one text per list of ids."""
+    url = served.url
+    one = httpx.post(f"{url}/tokenize", json={"inputs": "Héllo world"}, timeout=60).json()
+    assert [t["id"] for t in one[0]] == st.tokenize(["Héllo world"])["input_ids"][0].tolist()
+    assert one[0][0] == {"id": 101, "text": "[CLS]", "special": True, "start": None, "stop": None}
+    world = one[0][-2]
+    assert world["text"] == "world" and (world["start"], world["stop"]) == (7, 12)  # é is two bytes
+    many = httpx.post(
+        f"{url}/tokenize", json={"inputs": ["a", "b c"], "add_special_tokens": False}, timeout=60
+    ).json()
+    assert [[t["text"] for t in toks] for toks in many] == [["a"], ["b", "c"]]
+    prompted = httpx.post(f"{url}/tokenize", json={"inputs": "a", "prompt_name": "query"}, timeout=60).json()
+    assert [t["text"] for t in prompted[0]] == ["[CLS]", "query", ":", "a", "[SEP]"]
+    ids = [t["id"] for t in one[0]]
+    assert httpx.post(f"{url}/decode", json={"ids": ids}, timeout=60).json() == ["hello world"]
+    both = httpx.post(f"{url}/decode", json={"ids": [ids, ids], "skip_special_tokens": False}, timeout=60)
+    assert both.json() == ["[CLS] hello world [SEP]"] * 2
+    assert httpx.post(f"{url}/tokenize", json={"inputs": []}, timeout=60).status_code == 422
+    assert httpx.post(f"{url}/decode", json={"ids": [99999]}, timeout=60).status_code == 422
+
+
 @pytest.mark.parametrize(
     "path,body,status,words",
     [
