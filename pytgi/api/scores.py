@@ -135,7 +135,8 @@ class Scorer(Embedder):
         ids, params = await self.pairs(pairs, truncate)
         out = await self.pool(ids, params)
         logits = [floats(o.data)[0] for o in out]
-        return (logits if raw else [sigmoid(x) for x in logits]), sum(o.num_tokens for o in out)
+        identity = raw or self.pooling.activation == "identity"
+        return (logits if identity else [sigmoid(x) for x in logits]), sum(o.num_tokens for o in out)
 
 
 def _tei_truncate(truncate: bool | None, side: str) -> int | None:
@@ -256,7 +257,10 @@ async def predict(request: Request, body: PredictRequest) -> JSONResponse:
     labels = sc.pooling.labels
 
     def ranked(logits: list[float]) -> list[dict[str, Any]]:
-        probs = logits if body.raw_scores else [sigmoid(logits[0])] if len(logits) == 1 else softmax(logits)
+        if body.raw_scores or (len(logits) == 1 and sc.pooling.activation == "identity"):
+            probs = logits
+        else:
+            probs = [sigmoid(logits[0])] if len(logits) == 1 else softmax(logits)
         return sorted(
             ({"score": p, "label": label} for p, label in zip(probs, labels, strict=True)),
             key=lambda d: -d["score"],

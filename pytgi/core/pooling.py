@@ -59,6 +59,9 @@ class PoolingInfo(msgspec.Struct, frozen=True, kw_only=True):
     # the one label's logit is the positive's minus the negative's
     label_token_ids: tuple[int, ...] = ()
     token_states: bool = True  # every token's state can be asked for (TEI's /embed_all): an encoder's
+    # a one-label cross-encoder's score from its logit (sentence-transformers' activation_fn): "sigmoid"
+    # (its default) or "identity" (the logit itself)
+    activation: str = "sigmoid"
     # config_sentence_transformers.json's: text put before an input by name (e.g. "query": "query: "),
     # and the one put before every input that names none
     prompts: dict[str, str] = {}
@@ -126,8 +129,33 @@ def read_labels(path: Path) -> PoolingInfo:
     labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
     decoder = architecture(path) in DECODER_CLASSIFIERS
     return PoolingInfo(
-        method="last" if decoder else "cls", normalize=False, dimensions=n, labels=labels, token_states=False
+        method="last" if decoder else "cls",
+        normalize=False,
+        dimensions=n,
+        labels=labels,
+        token_states=False,
+        activation=_activation(path, cfg),
     )
+
+
+ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "identity"}
+
+
+def _activation(path: Path, cfg: dict[str, Any]) -> str:
+    """sentence-transformers' CrossEncoder activation, as it saves it in config.json (v4+:
+    `sentence_transformers.activation_fn`; before: `sbert_ce_default_activation_function`)."""
+    st = cfg.get("sentence_transformers")
+    name = (st.get("activation_fn") if isinstance(st, dict) else None) or cfg.get(
+        "sbert_ce_default_activation_function"
+    )
+    if not name:
+        return "sigmoid"
+    short = str(name).rsplit(".", 1)[-1]
+    if short not in ACTIVATIONS:
+        raise UnsupportedModel(
+            f"{path.name}: the cross-encoder's activation {name!r} is not supported (Sigmoid, Identity)"
+        )
+    return ACTIVATIONS[short]
 
 
 def check_pool_request(info: Any, prompt_ids: list[int], params: Any) -> None:

@@ -5,6 +5,7 @@ transformers' own model) in this process. An embedding model reranks by cosine."
 
 from __future__ import annotations
 
+import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -182,5 +183,24 @@ def test_an_embedding_model_reranks_by_cosine(minilm, tmp_path_factory):
         assert [r["index"] for r in ranked] == list(np.argsort(want)[::-1])
         r = httpx.post(f"{srv.url}/predict", json={"inputs": "x"})
         assert r.status_code == 422 and "computes no labels" in r.text
+    finally:
+        srv.stop()
+
+
+def test_a_cross_encoder_saved_with_no_activation_scores_by_its_logit(minilm, tmp_path_factory):
+    """sentence-transformers' CrossEncoder saved with activation_fn Identity (its config.json's
+    `sentence_transformers` entry): its scores are the logits, as `predict` gives them."""
+    path = cross_encoder(tmp_path_factory.mktemp("identity"), minilm, 1)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["sentence_transformers"] = {"activation_fn": "torch.nn.modules.linear.Identity", "version": "5.0.0"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    srv = Server("--model-id", str(path), log=tmp_path_factory.mktemp("logs") / "identity.log").wait_ready()
+    try:
+        want = st_scores(path, [(QUERY, d) for d in DOCS])
+        assert min(want) < 0 or max(want) > 1  # logits, not probabilities
+        got = httpx.post(f"{srv.url}/v1/score", json={"text_1": QUERY, "text_2": DOCS}).json()
+        np.testing.assert_allclose([d["score"] for d in got["data"]], want, atol=1e-5)
+        label = httpx.post(f"{srv.url}/predict", json={"inputs": [QUERY, DOCS[0]]}).json()
+        assert abs(label[0]["score"] - want[0]) < 1e-5
     finally:
         srv.stop()

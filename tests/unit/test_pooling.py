@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pytgi.core.errors import UnsupportedModel
-from pytgi.core.pooling import PoolingInfo, model_task, read_pooling
+from pytgi.core.pooling import PoolingInfo, model_task, read_labels, read_pooling
 
 
 def model_dir(
@@ -204,3 +204,24 @@ def test_prompts_from_config_sentence_transformers(tmp_path):
     )
     with pytest.raises(UnsupportedModel, match="include_prompt false"):
         read_pooling(path, 32)
+
+
+@pytest.mark.parametrize(
+    "extra,activation",
+    [
+        ({}, "sigmoid"),
+        ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Sigmoid"}}, "sigmoid"),
+        ({"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}}, "identity"),
+        ({"sbert_ce_default_activation_function": "torch.nn.modules.linear.Identity"}, "identity"),
+        ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Tanh"}}, None),
+    ],
+)
+def test_a_cross_encoders_activation_from_its_config(tmp_path, extra, activation):
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["BertForSequenceClassification"], "num_labels": 1, **extra})
+    )
+    if activation is None:
+        with pytest.raises(UnsupportedModel, match="Tanh"):
+            read_labels(tmp_path)
+    else:
+        assert read_labels(tmp_path).activation == activation
