@@ -229,7 +229,9 @@ def worker(kind: str, job_path: str, born: float) -> None:
         from sentence_transformers import SentenceTransformer
 
         torch.set_num_threads(threads)
-        model = SentenceTransformer(job["model"], device="cpu")
+        dtype = job["st_dtype"]
+        kwargs = {} if dtype == "auto" else {"model_kwargs": {"dtype": getattr(torch, dtype)}}
+        model = SentenceTransformer(job["model"], device="cpu", **kwargs)
 
         def embed(xs: list[str]) -> list[list[float]]:
             return model.encode(xs, batch_size=BATCH, convert_to_numpy=True).tolist()
@@ -268,7 +270,7 @@ def run_inprocess(args: argparse.Namespace, name: str, sentences: list[str]) -> 
     python = sys.executable if name == "sentence-transformers" else args.fastembed_python
     with tempfile.TemporaryDirectory(prefix="embbench-") as tmp:
         job, result = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        given = {k: getattr(args, k) for k in ("threads", "model", "onnx_dir")}
+        given = {k: getattr(args, k) for k in ("threads", "model", "onnx_dir", "st_dtype")}
         job.write_text(json.dumps({"sentences": sentences, "result": str(result), **given}))
         cmd = [python, __file__, "--worker", name, str(job), str(time.time())]
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # fastembed and transformers: never the Hub
@@ -391,6 +393,12 @@ def main() -> int:
     ap.add_argument("--latency-sentences", type=int, default=2000, help="sent again at --latency-concurrency")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server, torch, ORT")
     ap.add_argument("--model", default="/tmp/minilm", help="the sentence-transformers directory")
+    ap.add_argument(
+        "--st-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="sentence-transformers' dtype (auto: the checkpoint's, as it loads it by default)",
+    )
     ap.add_argument("--pytgi-args", default="--dtype float32", help="more `pytgi serve` flags")
     ap.add_argument("--pytgi-bf16-args", default="--dtype bfloat16", help="... for the pytgi-bf16 peer")
     ap.add_argument("--llama-server", default=str(LLAMA_CPP / "build/bin/llama-server"))

@@ -1,19 +1,25 @@
-"""The offline API, as vLLM users know it: `LLM(...).generate(prompts, SamplingParams(...))`."""
+"""The offline API, as vLLM users know it: `LLM(...).generate(prompts, SamplingParams(...))`, and
+on a pooling model `LLM(...).embed(texts)` and `LLM(...).score(text_1, text_2)`."""
 
 from __future__ import annotations
 
+import array
 import itertools
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypedDict, cast
 
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import GenerationError, InvalidRequest
 from pytgi.core.outputs import Delta, OutputProcessor, Token
-from pytgi.core.protocol import TokenOut
+from pytgi.core.protocol import PoolOut, PoolParams, TokenOut
 from pytgi.core.sampling_params import SamplingParams
 from pytgi.core.tokenizer import Tokenizer
 from pytgi.engine.engine import LLMEngine
+from pytgi.engine.pooler import PoolingEngine
+from pytgi.engine.process import start_engine
 
 
 class ImagePrompt(TypedDict):
@@ -57,6 +63,25 @@ def _logprob(token: Token) -> float:
     return token.logprob
 
 
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """vLLM's shape: `out.outputs.embedding` (`embed`), `out.outputs.score` (`score`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | ScoringOutput
+
+
 class _Tracker:
     """One request's `OutputProcessor` and the `RequestOutput` it fills."""
 
@@ -84,8 +109,11 @@ class _Tracker:
 
 class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, **engine_args))
-        self.tokenizer = Tokenizer.from_dir(self.engine.model_path)
+        # a generator or a causal LM's pooling on LLMEngine, an encoder on PoolingEngine
+        self.engine: LLMEngine | PoolingEngine = start_engine(
+            EngineConfig(model=model, dtype=dtype, **engine_args)
+        )
+        self.tokenizer = Tokenizer.from_dir(Path(self.engine.info.model_path))
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
@@ -146,6 +174,82 @@ class LLM:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate(self.tokenizer.encode(prompt, add_special_tokens=False), sampling_params)[0]
 
+    # -- pooling models ---------------------------------------------------------------------------
+    def embed(
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        normalize: bool | None = None,
+        dimensions: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """An embedding model's vectors, the prompts batched together; each text after the model's
+        default prompt, as the server puts it (`normalize` None: the model's own default)."""
+        batch = self._batch(prompts)
+        pooling = self.engine.info.pooling
+        default = pooling.prompts.get(pooling.default_prompt_name or "", "") if pooling else ""
+        ids = [self.encode(default + p if isinstance(p, str) else p) for p in batch]
+        outs = self._pool(ids, [PoolParams(False, normalize, dimensions)] * len(ids))
+        return [
+            PoolingRequestOutput(o.request_id, i, EmbeddingOutput(_floats(o.data))) for o, i in zip(outs, ids)
+        ]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[PoolingRequestOutput]:
+        """vLLM's `score`: one text against each of `text_2`, or as many as `text_2`, pairwise. A
+        cross-encoder (or a causal LM's classifier) scores each pair by its one label (through the
+        model's activation, a sigmoid by default); an embedding model by its vectors' cosine."""
+        firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+        seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise InvalidRequest("give one text_1, or as many as text_2")
+        info = self.engine.info
+        if info.task == "embed":
+            a, b = self.embed(firsts, normalize=True), self.embed(seconds, normalize=True)
+            scores = [
+                sum(x * y for x, y in zip(u.outputs.embedding, v.outputs.embedding))  # type: ignore[union-attr]
+                for u, v in zip(a, b)
+            ]
+            return [
+                PoolingRequestOutput(u.request_id, u.prompt_token_ids + v.prompt_token_ids, ScoringOutput(s))
+                for u, v, s in zip(a, b, scores)
+            ]
+        pooling = info.pooling
+        if info.task != "classify" or pooling is None or len(pooling.labels) != 1:
+            raise InvalidRequest(f"the model `{info.model_id}` scores no pairs: a reranker (one label) does")
+        pairs = [self.tokenizer.encode_pair(a, b) for a, b in zip(firsts, seconds)]
+        outs = self._pool([i for i, _ in pairs], [PoolParams(pair_at=at) for _, at in pairs])
+        identity = pooling.activation == "identity"
+        return [
+            PoolingRequestOutput(o.request_id, ids, ScoringOutput(x if identity else 1 / (1 + math.exp(-x))))
+            for o, (ids, _) in zip(outs, pairs)
+            for x in [_floats(o.data)[0]]
+        ]
+
+    @staticmethod
+    def _batch(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:
+        if isinstance(prompts, str) or (prompts and isinstance(cast(Sequence[Any], prompts)[0], int)):
+            return [cast(str | list[int], prompts)]
+        return list(cast(Sequence[str | list[int]], prompts))
+
+    def _pool(self, ids: list[list[int]], params: list[PoolParams]) -> list[PoolOut]:
+        """Submit every prompt, step until all are answered; answers in the prompts' order."""
+        rids = [f"llm-{next(self._ids)}" for _ in ids]
+        got: dict[str, PoolOut] = {}
+        try:
+            for rid, i, p in zip(rids, ids, params):
+                self.engine.add_pool_request(rid, i, p)
+            while len(got) < len(rids) and self.engine.has_unfinished():
+                for u in self.engine.step():
+                    if isinstance(u, PoolOut):
+                        got[u.request_id] = u
+                    elif u.error:
+                        raise GenerationError(f"request {u.request_id}: {u.error}")
+        finally:
+            for rid in rids:
+                if rid not in got:
+                    self.engine.abort_request(rid)
+        return [got[r] for r in rids]
+
     def _submit(self, prompt: Prompt, params: SamplingParams) -> _Tracker:
         images: list[bytes] = []
         text: str | list[int]
@@ -177,3 +281,7 @@ class LLM:
         finally:
             for rid in pending:  # an exception or an abandoned stream must not leave work behind
                 self.engine.abort_request(rid)
+
+
+def _floats(data: bytes) -> list[float]:
+    return array.array("f", data).tolist()

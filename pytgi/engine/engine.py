@@ -116,6 +116,14 @@ class LLMEngine:
             except BaseException:
                 self.shutdown()
                 raise
+        pooling = None
+        if task != "generate":
+            try:
+                pooling = self._pooling(task, model_id, model_path, runner)
+            except BaseException:
+                self.shutdown()
+                raise
+            placed = pooling_sizes(placed, pooling, runner.config.max_position_embeddings, runner.device.type)
         self.info = placed.resolve(
             model_id=model_id,
             model_path=str(model_path),
@@ -126,12 +134,7 @@ class LLMEngine:
             quantization=file_quantization(model_path),
             kv_capacity=kv_capacity,
         )
-        if task != "generate":
-            try:
-                pooling = self._pooling(task, model_path, runner)
-            except BaseException:
-                self.shutdown()
-                raise
+        if pooling is not None:
             self.info = msgspec.structs.replace(self.info, task=task, pooling=pooling)
             runner.pool_head = PoolHead(runner.model, pooling, task)
         slots = self.info.max_batch_size if runner.state_bytes else 0
@@ -170,7 +173,7 @@ class LLMEngine:
             load_seconds,
         )
 
-    def _pooling(self, task: str, model_path: Path, runner: ModelRunner) -> PoolingInfo:
+    def _pooling(self, task: str, model_id: str, model_path: Path, runner: ModelRunner) -> PoolingInfo:
         """A causal LM's pooling: its sentence-transformers files' (an embedder), its classifier's labels
         (a `*ForSequenceClassification`), or --classifier-tokens' (a causal LM as a reranker)."""
         if task == "embed":
@@ -178,7 +181,7 @@ class LLMEngine:
                 log.warning(
                     "%s: config.json says is_causal false; pytgi attends causally on the paged engine, so "
                     "its vectors are those of the model's causal attention (docs/embeddings.md)",
-                    self.info.model_id,
+                    model_id,
                 )
             return read_pooling(model_path, runner.config.hidden_size, decoder=True)
         names = self.config.classifier_tokens
@@ -422,6 +425,25 @@ class LLMEngine:
 
 
 POOL_SAMPLING = SamplingParams(max_new_tokens=1)  # a pooling request's: it samples nothing
+POOL_MAX_INPUT = 8192  # a pooling model's longest input by default, where its files set none
+
+
+def pooling_sizes(config: EngineConfig, pooling: PoolingInfo, positions: int, device: str) -> EngineConfig:
+    """A causal LM served for pooling: its longest input by default its sentence-transformers
+    `max_seq_length` (else 8192 tokens, at most its positions), and its KV cache by default only what
+    its prompts in flight need, not a generator's share of memory: a request's KV lives until its
+    prompt's last chunk, so the longest input and four steps' worth of chunks beside it."""
+    limit = min(pooling.max_seq_length or POOL_MAX_INPUT, positions - 1)
+    max_input = config.max_input_tokens or (
+        min(config.max_total_tokens - 1, limit) if config.max_total_tokens else limit
+    )
+    prefill = config.max_batch_prefill_tokens or (4096 if device == "cuda" else 1024)
+    return dataclasses.replace(
+        config,
+        max_input_tokens=max_input,
+        max_total_tokens=config.max_total_tokens or max_input + 1,
+        max_batch_total_tokens=config.max_batch_total_tokens or max_input + 1 + 4 * prefill,
+    )
 
 
 def check_decoder_pooling(config: EngineConfig) -> None:

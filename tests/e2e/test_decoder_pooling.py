@@ -114,7 +114,7 @@ def reference_scores(path, pairs: list[tuple[str, str]]) -> list[float]:
     """Qwen3-Reranker's score by transformers: P("yes") of the two at the pair's last token."""
     tok = transformers.AutoTokenizer.from_pretrained(path)
     model = transformers.Qwen3ForCausalLM.from_pretrained(path).eval()
-    no, yes = tok.convert_tokens_to_ids(["no", "yes"])
+    no, yes = (tok.convert_tokens_to_ids(t) for t in ("no", "yes"))
     out = []
     for a, b in pairs:
         ids = tok(a, b, return_tensors="pt")["input_ids"]

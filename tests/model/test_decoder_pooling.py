@@ -28,15 +28,9 @@ def minilm(tmp_path_factory):
 
 def engine(path, dtype: str = "float32", **kw) -> LLMEngine:
     # a 48-token step: prompts past it are computed in chunks
+    kw = {"max_batch_total_tokens": 2048, **kw}
     return LLMEngine(
-        EngineConfig(
-            model=str(path),
-            dtype=dtype,
-            max_batch_total_tokens=2048,
-            max_batch_prefill_tokens=48,
-            block_size=4,
-            **kw,
-        )
+        EngineConfig(model=str(path), dtype=dtype, max_batch_prefill_tokens=48, block_size=4, **kw)
     )
 
 
@@ -140,6 +134,16 @@ def test_a_causal_lm_scores_by_two_tokens(tmp_path, minilm):
         assert abs(1 / (1 + np.exp(-vec(data)[0])) - p_yes) < 1e-5  # its sigmoid: P(yes) of the two
 
 
+def test_a_pooling_models_sizes_are_its_prompts_in_flight(tmp_path, minilm):
+    """Its longest input is its sentence-transformers max_seq_length (400 here); its KV cache holds
+    that and four steps' chunks (not a generator's share of memory)."""
+    qwen3_embedder(tmp_path, minilm)
+    info = engine(tmp_path, max_batch_total_tokens=None).info
+    assert (info.max_input_tokens, info.max_total_tokens) == (400, 401)
+    assert info.max_batch_total_tokens == (401 + 4 * 48) // 4 * 4
+    assert not info.enable_prefix_caching
+
+
 def test_what_a_pooling_causal_lm_refuses(tmp_path, minilm):
     qwen3_causal(tmp_path / "lm", minilm)
     with pytest.raises(ConfigError, match="--classifier-tokens"):
@@ -183,3 +187,57 @@ def test_a_bare_decoder_model_embeds_by_its_last_token(tmp_path, minilm):
     with torch.no_grad():
         want = torch.nn.functional.normalize(ref(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
     np.testing.assert_allclose(vec(run(eng, [ids])[0]), want.numpy(), atol=2e-6)
+
+
+def test_the_offline_llm_embeds_and_scores(tmp_path, minilm):
+    """vLLM's offline API on pooling models: `LLM.embed` on the Qwen3 embedder and on
+    all-MiniLM-L6-v2 (an encoder: PoolingEngine) against sentence-transformers, `LLM.score` on the
+    yes/no reranker against transformers, and `generate` refused on both."""
+    from sentence_transformers import SentenceTransformer
+
+    from pytgi import LLM
+
+    qwen3_embedder(tmp_path / "emb", minilm)
+    for path in (tmp_path / "emb", minilm):
+        st = SentenceTransformer(str(path), device="cpu")
+        llm = LLM(str(path), dtype="float32")
+        got = np.array([o.outputs.embedding for o in llm.embed(SENTENCES[:4])])
+        want = np.stack([st.encode(s) for s in SENTENCES[:4]])
+        np.testing.assert_allclose(got, want, atol=2e-5)
+        assert len(llm.embed(SENTENCES[0], dimensions=8)[0].outputs.embedding) == 8
+        cos = llm.score(SENTENCES[0], SENTENCES[1:3])
+        np.testing.assert_allclose([c.outputs.score for c in cos], want[1:3] @ want[0], atol=2e-5)
+        with pytest.raises(InvalidRequest, match="does not generate"):
+            llm.generate("hi")
+    ref = qwen3_causal(tmp_path / "rr", minilm)
+    llm = LLM(str(tmp_path / "rr"), dtype="float32", task="classify", classifier_tokens=("no", "yes"))
+    tok = Tokenizer.from_dir(tmp_path / "rr")
+    no, yes = (tok.encode(w, add_special_tokens=False)[0] for w in ("no", "yes"))
+    scores = llm.score("a question", ["an answer", "another one"])
+    for doc, s in zip(["an answer", "another one"], scores):
+        ids = tok.encode_pair("a question", doc)[0]
+        assert s.prompt_token_ids == ids
+        with torch.no_grad():
+            logits = ref(torch.tensor([ids])).logits[0, -1]
+        assert abs(s.outputs.score - torch.softmax(logits[[no, yes]], 0)[1].item()) < 1e-5
+    with pytest.raises(InvalidRequest, match="give one text_1"):
+        llm.score(["a", "b"], ["c", "d", "e"])
+
+
+def test_a_gguf_causal_lm_embeds_with_task_embed(tmp_path):
+    """`--task embed` on a GGUF file (Qwen3-Embedding is published as GGUF too): its last token's
+    state, normalized, as transformers computes it from the same file."""
+    import transformers
+
+    from pytgi import LLM
+    from tests.tiny_repos import gguf_model
+
+    path = gguf_model(tmp_path / "tiny-F16.gguf")[0]
+    llm = LLM(str(path), dtype="float32", task="embed")
+    assert llm.engine.info.task == "embed"
+    ids = llm.encode("The quick brown fox")
+    got = np.array(llm.embed(ids)[0].outputs.embedding)
+    ref = transformers.AutoModel.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.nn.functional.normalize(ref(torch.tensor([ids])).last_hidden_state[0, -1], dim=-1)
+    np.testing.assert_allclose(got, want.numpy(), atol=1e-5)

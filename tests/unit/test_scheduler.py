@@ -305,3 +305,36 @@ def test_pins_give_way_to_a_request_that_needs_their_blocks():
     assert big.status is Status.RUNNING and len(sched.block_manager.pins) < 8
     _drain(sched)
     assert big.status is Status.FINISHED
+
+
+def test_a_pooling_request_is_chunked_then_ends_with_its_answer():
+    """An embedding's request (`Request.pool`): its prompt scheduled in chunks beside a generator's
+    decodes, and the step that reaches its end gives its answer instead of a token: it finishes
+    there, its blocks freed, with no decode."""
+    from pytgi.core import protocol as P
+    from pytgi.engine.step import StepOutput
+
+    sched = make_scheduler(max_batch_prefill_tokens=16)
+    gen = make_request("gen", 4, max_new_tokens=8)
+    sched.add(gen)
+    run_step(sched)
+    pool = make_request("emb", 40, max_new_tokens=1)
+    pool.pool = P.PoolParams()
+    sched.add(pool)
+    answers = []
+    for _ in range(10):
+        out = sched.schedule()
+        if not out.scheduled:
+            break
+        done = {s.request.request_id for s in out.scheduled if s.samples}
+        result = StepOutput(
+            {r: P.TokenOut(r, 7) for r in done if r != "emb"},
+            pooled={"emb": P.PoolOut("emb", b"\0" * 8, 1, 40)} if "emb" in done else {},
+        )
+        answers += [u for u in sched.update_from_output(out, result) if isinstance(u, P.PoolOut)]
+        if answers:
+            break
+    assert [a.request_id for a in answers] == ["emb"]
+    assert pool.status is Status.FINISHED and pool.output_ids == [] and pool.num_computed_tokens == 40
+    assert "emb" not in sched.requests and gen.status is Status.RUNNING
+    assert len(gen.output_ids) == 4  # the generator decoded in every step the prompt's chunks took
