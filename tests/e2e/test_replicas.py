@@ -108,6 +108,29 @@ def test_joins_a_ray_cluster_by_address_and_leaves_it_running(tmp_path):
             head.kill()
 
 
+def test_an_embedding_model_on_replicas(tmp_path):
+    """`--replicas 2` on all-MiniLM-L6-v2: every input is one request on one replica, and the vectors
+    are sentence-transformers' whichever replica computed them."""
+    import numpy as np
+    from sentence_transformers import SentenceTransformer
+
+    from tests.minilm import SENTENCES, minilm_dir
+
+    minilm = minilm_dir(tmp_path)
+    srv = Server("--model-id", str(minilm), "--replicas", "2", log=tmp_path / "server.log")
+    srv.wait_ready(timeout=600)
+    try:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-", max_retries=0)
+        got = np.array([d.embedding for d in client.embeddings.create(model="m", input=SENTENCES).data])
+        want = SentenceTransformer(str(minilm), device="cpu").encode(SENTENCES)
+        cos = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+        assert cos.min() >= 0.99999
+        r = httpx.post(f"{srv.url}/rerank", json={"query": SENTENCES[0], "texts": SENTENCES[1:3]}, timeout=60)
+        assert r.status_code == 200 and len(r.json()) == 2
+    finally:
+        assert srv.stop() == 0
+
+
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "server.log"

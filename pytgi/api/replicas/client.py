@@ -25,7 +25,7 @@ import msgspec
 from pytgi.core import protocol as P
 from pytgi.core.adapters import AdapterError
 from pytgi.core.config import EngineConfig
-from pytgi.core.errors import EngineDead, InvalidRequest
+from pytgi.core.errors import EngineDead
 from pytgi.core.sampling_params import SamplingParams
 
 log = logging.getLogger("pytgi.api.replicas")
@@ -213,11 +213,10 @@ class ReplicaClient:
         cache_key: str | None = None,
         pool: P.PoolParams | None = None,
     ) -> asyncio.Queue:
-        if pool is not None:
-            raise InvalidRequest("embeddings are not served with --replicas yet (docs/embeddings.md)")
         if not self.healthy:
             raise EngineDead(self.dead_reason or "the replicas are not running")
-        payload = P.encoder.encode(P.Submit(request_id, prompt_ids, params, images or [], cache_key))
+        submit = P.Submit(request_id, prompt_ids, params, images or [], cache_key, pool)
+        payload = P.encoder.encode(submit)
         queue: asyncio.Queue = asyncio.Queue()
         note = NOTE.get()
         if note is not None:

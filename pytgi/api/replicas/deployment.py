@@ -4,8 +4,9 @@ relays requests to it. The replica's actor never imports torch; its engine proce
 
 `generate` takes a msgpack `Submit` and streams msgpack messages back: first `Routed` (the replica's
 name, at once: the API process puts it in the `x-pytgi-replica` header), then the request's
-`TokenOut`s. Cancelling the stream aborts the request in the engine. When the engine process dies,
-the requests in flight fail, `check_health` fails, and Ray Serve replaces the replica.
+`TokenOut`s (`Update`), or a pooling request's `PoolOut` (`Pooled`: an embedding model's).
+Cancelling the stream aborts the request in the engine. When the engine process dies, the requests
+in flight fail, `check_health` fails, and Ray Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -36,7 +37,11 @@ class Update(msgspec.Struct, tag="update"):
     out: P.TokenOut
 
 
-ReplicaMessage = Routed | Failed | Update
+class Pooled(msgspec.Struct, tag="pooled"):
+    out: P.PoolOut
+
+
+ReplicaMessage = Routed | Failed | Update | Pooled
 encoder = msgspec.msgpack.Encoder()
 decoder = msgspec.msgpack.Decoder(ReplicaMessage)
 _submit = msgspec.msgpack.Decoder(P.Submit)
@@ -72,7 +77,7 @@ class EngineReplica:
         sub = _submit.decode(submit)
         yield encoder.encode(Routed(self.name))
         try:
-            queue = self.client.submit(sub.request_id, sub.prompt_ids, sub.params, sub.images)
+            queue = self.client.submit(sub.request_id, sub.prompt_ids, sub.params, sub.images, pool=sub.pool)
         except EngineDead as exc:
             yield encoder.encode(Failed(f"replica {self.name}: {exc}"))
             return
@@ -83,6 +88,10 @@ class EngineReplica:
                 if isinstance(update, EngineDead):
                     yield encoder.encode(Failed(f"replica {self.name}: {update}"))
                     return
+                if isinstance(update, P.PoolOut):  # a pooling request's answer: its last message
+                    finished = True
+                    yield encoder.encode(Pooled(update))
+                    continue
                 finished = update.finish_reason is not None
                 yield encoder.encode(Update(update))
         finally:
