@@ -205,25 +205,27 @@ class LLM:
         info = self.engine.info
         if info.task == "embed":
             a, b = self.embed(firsts, normalize=True), self.embed(seconds, normalize=True)
-            scores = [
-                sum(x * y for x, y in zip(u.outputs.embedding, v.outputs.embedding))  # type: ignore[union-attr]
-                for u, v in zip(a, b)
-            ]
-            return [
-                PoolingRequestOutput(u.request_id, u.prompt_token_ids + v.prompt_token_ids, ScoringOutput(s))
-                for u, v, s in zip(a, b, scores)
-            ]
+            out = []
+            for u, v in zip(a, b):
+                x, y = cast(EmbeddingOutput, u.outputs), cast(EmbeddingOutput, v.outputs)
+                cos = sum(p * q for p, q in zip(x.embedding, y.embedding))  # unit vectors
+                out.append(
+                    PoolingRequestOutput(
+                        u.request_id, u.prompt_token_ids + v.prompt_token_ids, ScoringOutput(cos)
+                    )
+                )
+            return out
         pooling = info.pooling
         if info.task != "classify" or pooling is None or len(pooling.labels) != 1:
             raise InvalidRequest(f"the model `{info.model_id}` scores no pairs: a reranker (one label) does")
         pairs = [self.tokenizer.encode_pair(a, b) for a, b in zip(firsts, seconds)]
         outs = self._pool([i for i, _ in pairs], [PoolParams(pair_at=at) for _, at in pairs])
-        identity = pooling.activation == "identity"
-        return [
-            PoolingRequestOutput(o.request_id, ids, ScoringOutput(x if identity else 1 / (1 + math.exp(-x))))
-            for o, (ids, _) in zip(outs, pairs)
-            for x in [_floats(o.data)[0]]
-        ]
+        results = []
+        for o, (ids, _) in zip(outs, pairs):
+            logit = _floats(o.data)[0]
+            score = logit if pooling.activation == "identity" else 1 / (1 + math.exp(-logit))
+            results.append(PoolingRequestOutput(o.request_id, ids, ScoringOutput(score)))
+        return results
 
     @staticmethod
     def _batch(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:

@@ -13,7 +13,7 @@ import array
 import asyncio
 import base64
 import time
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
@@ -378,10 +378,11 @@ async def tei_decode(request: Request, body: DecodeRequest) -> JSONResponse:
     """TEI's `/decode`: one text per list of ids."""
     st = state_of(request)
     assert st.validation is not None
-    lists = [body.ids] if not body.ids or isinstance(body.ids[0], int) else body.ids
+    one = not body.ids or isinstance(body.ids[0], int)  # one list of ids, or lists of them
+    lists = cast(list[list[int]], [body.ids] if one else body.ids)
     for ids in lists:
-        check_token_ids(ids, st.validation.vocab_size)  # type: ignore[arg-type]
-    texts = [st.tokenizer.decode(ids, body.skip_special_tokens) for ids in lists]  # type: ignore[arg-type]
+        check_token_ids(ids, st.validation.vocab_size)
+    texts = [st.tokenizer.decode(ids, body.skip_special_tokens) for ids in lists]
     return JSONResponse(texts)
 
 

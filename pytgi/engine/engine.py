@@ -44,6 +44,7 @@ from pytgi.engine.kv_disk import DiskTier, fingerprint
 from pytgi.engine.kv_sizing import GIB, free_bytes
 from pytgi.engine.models.checkpoint_quant import file_quantization
 from pytgi.engine.models.layers import dynamic_rope, long_rope
+from pytgi.engine.models.loader import read_config
 from pytgi.engine.pool_head import PoolHead
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
@@ -177,7 +178,7 @@ class LLMEngine:
         """A causal LM's pooling: its sentence-transformers files' (an embedder), its classifier's labels
         (a `*ForSequenceClassification`), or --classifier-tokens' (a causal LM as a reranker)."""
         if task == "embed":
-            if (json.loads((model_path / "config.json").read_text())).get("is_causal") is False:
+            if read_config(model_path).get("is_causal") is False:
                 log.warning(
                     "%s: config.json says is_causal false; pytgi attends causally on the paged engine, so "
                     "its vectors are those of the model's causal attention (docs/embeddings.md)",

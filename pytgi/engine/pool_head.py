@@ -9,14 +9,13 @@ answer is the same batched as alone. docs/embeddings.md.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from pytgi.core import protocol as P
 from pytgi.core.pooling import PoolingInfo
+from pytgi.engine.batch import PagedModel, StepBatch
 from pytgi.engine.models.encoder import finish
 from pytgi.engine.models.loader import CausalLM
 from pytgi.engine.step import ScheduledRequest, StepOutput
@@ -48,12 +47,12 @@ class PoolHead:
             out.append((logits[pos] - logits[neg]).reshape(1))
         return out
 
-    def step(self, paged: object, batch: list[ScheduledRequest], step: object) -> StepOutput:
-        """Run the step (`PagedModel.forward` over `StepBatch` `step`) and pool the requests it finishes."""
+    def step(self, paged: PagedModel, batch: list[ScheduledRequest], step: StepBatch) -> StepOutput:
+        """Run the step and pool the requests whose prompt it finishes (the others' chunks only write
+        their KV)."""
         out = StepOutput()
         done = [i for i, s in enumerate(batch) if s.samples]
-        rows = np.asarray(step.last_rows, dtype=np.int64)[done]  # type: ignore[attr-defined]
-        states = paged.forward(step, rows, hidden=True)  # type: ignore[attr-defined]
+        states = paged.forward(step, step.last_rows[np.array(done, dtype=np.int64)], hidden=True)
         if states is None:
             return out
         for i, v in zip(done, self(states), strict=True):
@@ -67,6 +66,6 @@ class PoolHead:
                 v.contiguous().cpu().numpy().tobytes(),
                 1,
                 req.num_prompt_tokens,
-                max(req.scheduled - req.arrived, 0.0) if req.scheduled else time.monotonic() - req.arrived,
+                max(req.scheduled - req.arrived, 0.0),  # waited before its first chunk
             )
         return out
