@@ -303,3 +303,16 @@ def test_a_modernbert_cross_encoder_equals_transformers(tmp_path, pooling):
             want = ref(torch.tensor([ids])).logits[0]
         got = torch.frombuffer(bytearray(out[f"r{i}"].data), dtype=torch.float32)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_a_steps_prompts_are_shared_by_the_workers_by_tokens():
+    """The pooling engine's split of a step over its one-thread workers: every prompt once, the groups'
+    tokens as even as longest-first allows, each group in the step's order, no empty group."""
+    from pytgi.engine.pooler import _groups
+
+    lens = [5, 1, 1, 1, 4, 8]
+    groups = _groups(lens, 2)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert sorted(sum(lens[i] for i in g) for g in groups) == [10, 10]
+    assert all(g == sorted(g) for g in groups)
+    assert _groups([3], 4) == [[0]] and _groups([2, 2], 1) == [[0, 1]]
