@@ -3,8 +3,9 @@
 
 The prompt is computed as a generator's is (chunked, in the running batch, on the KV cache); the step
 that reaches its last token hands that token's state here instead of to the sampler, and the request
-ends. Every row is computed on its own (a GEMM's rows change with the batch's size), so a request's
-answer is the same batched as alone. docs/embeddings.md.
+ends. The head runs on each row alone (a GEMM's rows change with the batch's size); the decoder's
+rows are batch invariant where the generator's are (bf16 on pytgi's kernels: the same bits batched or
+alone; float32 within 1e-6). docs/embeddings.md.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from pytgi.core import protocol as P
 from pytgi.core.pooling import PoolingInfo
 from pytgi.engine.batch import PagedModel, StepBatch
-from pytgi.engine.models.encoder import finish
+from pytgi.engine.models.encoder import embedding
 from pytgi.engine.models.loader import CausalLM
 from pytgi.engine.step import ScheduledRequest, StepOutput
 
@@ -60,7 +61,7 @@ class PoolHead:
             p = req.pool
             assert p is not None, "a generation request on a pooling model"
             if self.task == "embed":
-                v = finish(v, self.pooling.normalize if p.normalize is None else p.normalize, p.dimensions)
+                v = embedding(v, self.pooling, p)
             out.pooled[req.request_id] = P.PoolOut(
                 req.request_id,
                 v.contiguous().cpu().numpy().tobytes(),

@@ -31,7 +31,7 @@ from pytgi.core.errors import ConfigError, InvalidRequest
 from pytgi.core.model_files import ResolvedModel
 from pytgi.core.pooling import check_pool_request, model_task, read_labels, read_pooling
 from pytgi.core.sampling_params import SamplingParams
-from pytgi.engine.models.encoder import finish, pool
+from pytgi.engine.models.encoder import embedding, pool
 from pytgi.engine.models.encoders import load_encoder
 from pytgi.engine.shards import set_cpu_threads
 
@@ -230,8 +230,7 @@ class PoolingEngine:
             elif p.tokens:
                 vec = rows.float()
             else:
-                normalize = self.pooling.normalize if p.normalize is None else p.normalize
-                vec = finish(v, normalize, p.dimensions)
+                vec = embedding(v, self.pooling, p)
             data = vec.contiguous().numpy().tobytes()
             out.append(P.PoolOut(r.request_id, data, vec.shape[0] if p.tokens else 1, n, t0 - r.arrived))
         return out

@@ -242,6 +242,13 @@ def pool(hidden: torch.Tensor, lens: list[int], pooling: PoolingInfo) -> list[to
     return out
 
 
+def embedding(v: torch.Tensor, pooling: PoolingInfo, params: Any) -> torch.Tensor:
+    """A pooled vector as a request (`PoolParams`) asks for it: cut to its `dimensions`, normalized
+    unless it says otherwise (None: the model's own Normalize module decides)."""
+    normalize = pooling.normalize if params.normalize is None else params.normalize
+    return finish(v, normalize, params.dimensions)
+
+
 def finish(v: torch.Tensor, normalize: bool, dimensions: int | None) -> torch.Tensor:
     """Matryoshka's cut (the first `dimensions` values), then the L2 normalization: a shortened
     vector is a unit vector again, as OpenAI's `dimensions` and TEI's are."""
