@@ -38,7 +38,12 @@ def test_kernel_tests_pass_on_the_portable_paths(tmp_path, march, qgemv):
     if not NEEDS[march] <= _cpu_flags():
         pytest.skip(f"this CPU cannot run {march} code (no {', '.join(sorted(NEEDS[march] - _cpu_flags()))})")
     env = dict(os.environ, PYTGI_MARCH=march, PYTGI_CACHE=str(tmp_path))
-    files = ["test_attention_kernel.py", "test_fused_kernels.py", "test_quant.py"]
+    files = [
+        "test_attention_kernel.py",
+        "test_fused_kernels.py",
+        "test_quant.py",
+        "test_encoder_kernels.py",
+    ]
     probe = "from pytgi.engine import kernels; print(kernels.vnni_supported(), kernels.amx_supported())"
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [qgemv, "False"], out.stdout + out.stderr

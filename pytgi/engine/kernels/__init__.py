@@ -472,6 +472,50 @@ def bf16_matmul(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor:
     return out
 
 
+def encoder_attention_supported(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `encoder_attention` runs here for the dtype and head size (else: PyTorch's SDPA)."""
+    lib = _lib()
+    return (
+        lib is not None
+        and dtype in _SUFFIX
+        and bool(lib.pytgi_encoder_attention_supported(int(dtype == torch.bfloat16), head_dim))
+    )
+
+
+def encoder_attention(qkv: torch.Tensor, heads: int, scale: float) -> torch.Tensor:
+    """One prompt's bidirectional attention on the calling thread: qkv [L, 3·H·D] (q, k, v of each
+    head in turn, as the fused projection writes them) → [L, H·D]."""
+    L, width = qkv.shape
+    D = width // (3 * heads)
+    qkv = qkv.contiguous()
+    out = qkv.new_empty(L, heads * D)
+    _check(_fn("encoder_attention", qkv.dtype)(_ptr(qkv), _ptr(out), L, heads, D, scale), "encoder attention")
+    return out
+
+
+def bias_gelu_(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """bf16 x [T, N] = GELU(x + bias) in place (erf GELU, in float32, rounded once)."""
+    assert x.dtype == bias.dtype == torch.bfloat16 and x.is_contiguous() and bias.is_contiguous()
+    T, N = x.shape
+    _built().pytgi_bias_gelu_bf16(_ptr(x), _ptr(bias), T, N)
+    return x
+
+
+def bias_residual_norm(
+    x: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, norm: torch.nn.LayerNorm
+) -> torch.Tensor:
+    """bf16 LayerNorm(x + bias + residual) ([T, N] each, bias [N]), in float32, rounded once."""
+    T, N = x.shape
+    w, b = norm.weight, norm.bias
+    assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (x, bias, residual, w, b))
+    out = torch.empty_like(x)
+    failed = _built().pytgi_bias_residual_norm_bf16(
+        _ptr(x), _ptr(bias), _ptr(residual), _ptr(w), _ptr(b), _ptr(out), T, N, norm.eps
+    )
+    _check(failed, "bias, residual and LayerNorm")
+    return out
+
+
 # -- all decoder layers in one call (decoder.c): Llama's, Gemma 3's ------------------------------------------
 def decoder_layers(
     table: np.ndarray,

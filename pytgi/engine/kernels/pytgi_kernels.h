@@ -78,4 +78,14 @@ int pytgi_lora_add_bf16(uint16_t *y, const uint16_t *x, int64_t T, int64_t K, in
  * and beta [B, H], float32; pool [slots, H, K, V] updated in place at slots[b]; out [B, H, V]. */
 void pytgi_gdn_decode_f32(const float *q, const float *k, const float *v, const float *g, const float *beta, float *pool, const int64_t *slots, float *out, int64_t B, int64_t H, int64_t K, int64_t V);
 
+/* encoder.c: one prompt's bidirectional attention (the encoders), on the calling thread:
+ * qkv [L, 3, H, D] (the fused projection's output) → out [L, H, D]. Built for AVX-512 (bf16: AVX-512 BF16)
+ * and D a multiple of 16 (supported(): 1), else returns 2. */
+int pytgi_encoder_attention_supported(int64_t bf16, int64_t D);
+int pytgi_encoder_attention_f32(const float *qkv, float *out, int64_t L, int64_t H, int64_t D, float scale);
+int pytgi_encoder_attention_bf16(const uint16_t *qkv, uint16_t *out, int64_t L, int64_t H, int64_t D, float scale);
+/* x [T, N] = GELU(x + bias) in place (erf GELU); out [T, N] = LayerNorm(x + bias + residual) · w + b. */
+void pytgi_bias_gelu_bf16(uint16_t *x, const uint16_t *bias, int64_t T, int64_t N);
+int pytgi_bias_residual_norm_bf16(const uint16_t *x, const uint16_t *bias, const uint16_t *residual, const uint16_t *w, const uint16_t *b, uint16_t *out, int64_t T, int64_t N, float eps);
+
 #endif

