@@ -1,25 +1,30 @@
 """The engine of a pooling model (embeddings): requests in, one vector (or every token's state) out.
 
 It has `LLMEngine`'s face as the engine process's loop uses it (add, abort, step, stats), and a
-smaller inside: a pooling request is computed whole in one step (an encoder attends both ways, so
-its prompt cannot be chunked) and never decodes, so there is no KV cache, no preemption and no
-prefix cache. A step takes waiting requests first come, first served, while the step's tokens stay
-within `--max-batch-prefill-tokens` and its requests within `--max-batch-size` (TEI's
-max_batch_tokens and max_batch_requests).
+smaller inside: a pooling request is computed whole (an encoder attends both ways, so its prompt
+cannot be chunked) and never decodes, so there is no KV cache, no preemption and no prefix cache.
 
-A step's prompts are split over one worker thread per core, each running its share with one intra-op
-thread (`_groups`: balanced by tokens). An encoder's prompts are independent (every linear and
-attention runs per prompt), so this is the parallelism that needs no barrier: on two cores OpenMP's
-intra-op threads over small per-prompt GEMMs did 62–78 sentences/s where two one-thread workers did
-83–98 (all-MiniLM-L6-v2, bf16, in-process). It keeps batch invariance whole: every prompt is always
-computed by one thread, alone or batched. docs/embeddings.md.
+Each prompt is computed by one worker thread alone, one worker per core, each with one intra-op
+thread. An encoder's prompts are independent (every linear and attention runs per prompt), so this
+is the parallelism that needs no barrier: on two cores OpenMP's intra-op threads over small
+per-prompt GEMMs did 62–78 sentences/s where two one-thread workers did 83–98 (all-MiniLM-L6-v2,
+bf16, in-process). And it keeps batch invariance whole: a prompt's vector is computed by one thread
+from its own rows, whatever else is in flight.
+
+The workers are fed continuously, not step by step: `step` hands every waiting request to the
+workers' queue (first come, first served, while the prompts in flight stay within
+`--max-batch-prefill-tokens` tokens and `--max-batch-size` requests: TEI's max_batch_tokens and
+max_batch_requests), then returns what has finished, waiting for at least one. So a worker never
+idles while a request waits, and the engine loop reads new requests while the workers compute
+(a whole step at a time, the requests arriving during a step waited for it to end and the next
+step's first few prompts left a core idle). docs/embeddings.md.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +136,9 @@ class PoolingEngine:
         )
         self.adapters = NoAdapters()
         self.waiting: dict[str, PoolRequest] = {}  # by id, in arrival order
+        self.flight: dict[Future[P.PoolOut | P.TokenOut], PoolRequest] = {}  # handed to the workers
+        self.flight_tokens = 0
+        self.aborted: set[str] = set()  # in flight when aborted: their results are dropped
         self.num_failed_steps = 0
         self.last_step = P.StepInfo()
         pooling = self.pooling
@@ -155,16 +163,23 @@ class PoolingEngine:
         )
 
     def add_pool_request(self, request_id: str, prompt_ids: list[int], params: P.PoolParams) -> None:
-        if request_id in self.waiting:
+        if request_id in self.waiting or any(r.request_id == request_id for r in self.flight.values()):
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         check_pool_request(self.info, prompt_ids, params)
         self.waiting[request_id] = PoolRequest(request_id, list(prompt_ids), params, time.monotonic())
 
     def abort_request(self, request_id: str) -> bool:
-        return self.waiting.pop(request_id, None) is not None
+        if self.waiting.pop(request_id, None) is not None:
+            return True
+        for f, r in self.flight.items():
+            if r.request_id == request_id:
+                if not f.cancel():  # running: its result is dropped
+                    self.aborted.add(request_id)
+                return True
+        return False
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting)
+        return bool(self.waiting or self.flight)
 
     def load_adapter(self, name: str, source: str) -> None:
         raise ConfigError("an embedding model serves no LoRA adapters")
@@ -173,67 +188,67 @@ class PoolingEngine:
         raise ConfigError("an embedding model serves no LoRA adapters")
 
     # -- one step ---------------------------------------------------------------------------------
-    def _schedule(self) -> list[PoolRequest]:
-        batch: list[PoolRequest] = []
-        tokens = 0
+    def _submit(self) -> None:
+        """Waiting requests to the workers, first come first served, within the budgets in flight."""
         info = self.info
-        for r in self.waiting.values():
+        for r in list(self.waiting.values()):
             n = len(r.prompt_ids)
-            if len(batch) == info.max_batch_size or tokens + n > info.max_batch_prefill_tokens:
+            if self.flight and (
+                len(self.flight) == info.max_batch_size
+                or self.flight_tokens + n > info.max_batch_prefill_tokens
+            ):
                 break
-            batch.append(r)
-            tokens += n
-        for r in batch:
             del self.waiting[r.request_id]
-        return batch
+            self.flight[self.workers.submit(self._compute, r)] = r
+            self.flight_tokens += n
 
     def step(self) -> list[P.PoolOut | P.TokenOut]:
-        batch = self._schedule()
-        if not batch:
+        """Hand the waiting requests to the workers, then return the results of those that finished
+        (waiting for the first one if none has)."""
+        self._submit()
+        if not self.flight:
             self.last_step = P.StepInfo()
             return []
         t0 = time.monotonic()
-        lens = [len(r.prompt_ids) for r in batch]
-        failed = False
-        out: list[P.PoolOut | P.TokenOut]
-        try:
-            out = self._run(batch, lens, t0)
-        except Exception as exc:  # a failing step fails exactly its own requests
-            log.exception("step failed for %d requests", len(batch))
-            self.num_failed_steps += 1
-            failed = True
-            error = f"{type(exc).__name__}: {exc}"
-            out = [P.TokenOut(r.request_id, finish_reason="error", error=error) for r in batch]
-        self.last_step = P.StepInfo(time.monotonic() - t0, len(batch), sum(lens), "prefill", failed)
-        return out
-
-    def _run(self, batch: list[PoolRequest], lens: list[int], t0: float) -> list[P.PoolOut | P.TokenOut]:
-        """The step's prompts on the worker threads, a balanced share each (`_groups`)."""
-        groups = _groups(lens, self.workers_count)
-        parts = self.workers.map(
-            lambda g: self._run_group([batch[i] for i in g], [lens[i] for i in g], t0), groups
-        )
-        return [o for part in parts for o in part]
-
-    def _run_group(
-        self, batch: list[PoolRequest], lens: list[int], t0: float
-    ) -> list[P.PoolOut | P.TokenOut]:
-        ids = torch.tensor([t for r in batch for t in r.prompt_ids])
-        hidden = self.model(ids, lens, self._types(batch, lens))
-        classify = self.info.task == "classify"
-        pooled = self.model.classify(hidden, lens) if classify else pool(hidden, lens, self.pooling)
+        done, _ = wait(self.flight, return_when=FIRST_COMPLETED)
         out: list[P.PoolOut | P.TokenOut] = []
-        for r, rows, v, n in zip(batch, hidden.split(lens), pooled, lens, strict=True):
-            p = r.params
-            if classify:
-                vec = v  # the labels' logits, as they are: the API applies sigmoid or softmax
-            elif p.tokens:
-                vec = rows.float()
-            else:
-                vec = embedding(v, self.pooling, p)
-            data = vec.contiguous().numpy().tobytes()
-            out.append(P.PoolOut(r.request_id, data, vec.shape[0] if p.tokens else 1, n, t0 - r.arrived))
+        failed = False
+        tokens = 0
+        for f in done:
+            r = self.flight.pop(f)
+            self.flight_tokens -= len(r.prompt_ids)
+            tokens += len(r.prompt_ids)
+            if f.cancelled() or r.request_id in self.aborted:
+                self.aborted.discard(r.request_id)
+                continue
+            o = f.result()
+            failed |= isinstance(o, P.TokenOut)
+            out.append(o)
+        self.num_failed_steps += failed
+        self.last_step = P.StepInfo(time.monotonic() - t0, len(done), tokens, "prefill", failed)
         return out
+
+    def _compute(self, r: PoolRequest) -> P.PoolOut | P.TokenOut:
+        """One request's vector (on a worker thread); a failure fails this request alone."""
+        try:
+            return self._pooled(r)
+        except Exception as exc:  # a failing prompt fails exactly its own request
+            log.exception("pooling failed for %s", r.request_id)
+            return P.TokenOut(r.request_id, finish_reason="error", error=f"{type(exc).__name__}: {exc}")
+
+    def _pooled(self, r: PoolRequest) -> P.PoolOut:
+        n = len(r.prompt_ids)
+        started = time.monotonic()
+        hidden = self.model(torch.tensor(r.prompt_ids), [n], self._types([r], [n]))
+        p = r.params
+        if self.info.task == "classify":  # the labels' logits: the API applies sigmoid or softmax
+            vec = self.model.classify(hidden, [n])[0]
+        elif p.tokens:
+            vec = hidden.float()
+        else:
+            vec = embedding(pool(hidden, [n], self.pooling)[0], self.pooling, p)
+        data = vec.contiguous().numpy().tobytes()
+        return P.PoolOut(r.request_id, data, vec.shape[0] if p.tokens else 1, n, started - r.arrived)
 
     def _types(self, batch: list[PoolRequest], lens: list[int]) -> torch.Tensor | None:
         """Each token's segment where a pair's second text has its own (BERT's token types), else None."""
@@ -251,26 +266,14 @@ class PoolingEngine:
         pass
 
     def shutdown(self) -> None:
-        self.workers.shutdown(wait=False)
+        self.workers.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict[str, Any]:
         return {
-            "running": 0,
+            "running": len(self.flight),
             "waiting": len(self.waiting),
             "kv_cache_usage": 0.0,
             "prefix_cache_hit_rate": 0.0,
             "preemptions": 0,
             "failed_steps": self.num_failed_steps,
         }
-
-
-def _groups(lens: list[int], workers: int) -> list[list[int]]:
-    """The prompts' indices in at most `workers` groups of about as many tokens each (longest first,
-    each to the lightest group so far), each group in the step's order."""
-    groups: list[list[int]] = [[] for _ in range(min(workers, len(lens)))]
-    tokens = [0] * len(groups)
-    for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
-        k = tokens.index(min(tokens))
-        groups[k].append(i)
-        tokens[k] += lens[i]
-    return [sorted(g) for g in groups if g]

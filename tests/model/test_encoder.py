@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from typing import Literal
 
 import pytest
@@ -155,14 +156,14 @@ def test_the_pooling_engine_batches_within_its_budget(tmp_path):
     batch = prompts(7, most=60, seed=3)
     for i, ids in enumerate(batch):
         eng.add_pool_request(f"r{i}", ids, P.PoolParams())
-    steps = []
     out: dict[str, P.PoolOut] = {}
+    most = 0
     while eng.has_unfinished():
         got = eng.step()
-        steps.append(eng.last_step)
+        assert len(eng.flight) <= 3 and eng.flight_tokens <= 100  # in flight: within the budgets
+        most = max(most, len(eng.flight) + eng.last_step.batch_size)
         out.update({o.request_id: o for o in got if isinstance(o, P.PoolOut)})
-    assert all(s.batch_size <= 3 and s.num_tokens <= 100 for s in steps)
-    assert len(out) == 7 and len(steps) < 7
+    assert len(out) == 7 and most > 1
     for i, ids in enumerate(batch):  # the same bits as each alone
         eng.add_pool_request("alone", ids, P.PoolParams())
         assert run(eng)["alone"].data == out[f"r{i}"].data
@@ -305,14 +306,32 @@ def test_a_modernbert_cross_encoder_equals_transformers(tmp_path, pooling):
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 
 
-def test_a_steps_prompts_are_shared_by_the_workers_by_tokens():
-    """The pooling engine's split of a step over its one-thread workers: every prompt once, the groups'
-    tokens as even as longest-first allows, each group in the step's order, no empty group."""
-    from pytgi.engine.pooler import _groups
+def test_the_pooling_engine_drops_aborted_requests_and_fails_a_prompt_alone(tmp_path, monkeypatch):
+    """Aborted while waiting or while a worker computes it: no result. A prompt whose forward raises
+    fails its own request; the others in flight beside it are answered."""
+    tiny(tmp_path, "bert")
+    eng = engine(tmp_path)
+    batch = prompts(6, seed=5)
+    forward = eng.model.forward
 
-    lens = [5, 1, 1, 1, 4, 8]
-    groups = _groups(lens, 2)
-    assert sorted(i for g in groups for i in g) == list(range(6))
-    assert sorted(sum(lens[i] for i in g) for g in groups) == [10, 10]
-    assert all(g == sorted(g) for g in groups)
-    assert _groups([3], 4) == [[0]] and _groups([2, 2], 1) == [[0, 1]]
+    def flaky(ids, lens, types=None):
+        if ids.tolist() == batch[2]:
+            raise RuntimeError("boom")
+        if ids.tolist() == batch[4]:
+            time.sleep(1.0)  # still computing when aborted
+        return forward(ids, lens, types)
+
+    monkeypatch.setattr(eng.model, "forward", flaky)
+    for i, ids in enumerate(batch):
+        eng.add_pool_request(f"r{i}", ids, P.PoolParams())
+    with pytest.raises(InvalidRequest, match="already in use"):
+        eng.add_pool_request("r0", batch[0], P.PoolParams())
+    eng.abort_request("r5")  # waiting
+    out: dict[str, P.PoolOut | P.TokenOut] = {o.request_id: o for o in eng.step()}
+    eng.abort_request("r4")  # handed to the workers by the step
+    while eng.has_unfinished():
+        out.update({o.request_id: o for o in eng.step()})
+    assert sorted(out) == ["r0", "r1", "r2", "r3"]
+    assert isinstance(out["r2"], P.TokenOut) and "boom" in (out["r2"].error or "")
+    assert all(isinstance(out[k], P.PoolOut) for k in out if k != "r2")
+    assert eng.stats()["failed_steps"] >= 1 and not eng.flight and not eng.aborted
