@@ -42,7 +42,10 @@ def _tokenizer(path: Path, minilm: Path) -> None:
             shutil.copy(minilm / name, path / name)
 
 
-def qwen3_embedder(path: Path, minilm: Path, seed: int = 0) -> transformers.PreTrainedModel:
+def qwen3_embedder(
+    path: Path, minilm: Path, seed: int = 0, pooling: str = "lasttoken"
+) -> transformers.PreTrainedModel:
+    """`pooling`: sentence-transformers' mode, lasttoken (Qwen3-Embedding's), mean_tokens or cls_token."""
     torch.manual_seed(seed)
     model = transformers.Qwen3Model(qwen3_config()).eval()
     model.save_pretrained(path)
@@ -51,7 +54,7 @@ def qwen3_embedder(path: Path, minilm: Path, seed: int = 0) -> transformers.PreT
     (path / "modules.json").write_text(json.dumps(MODULES))
     (path / "1_Pooling").mkdir()
     (path / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": 32, "pooling_mode_lasttoken": True})
+        json.dumps({"word_embedding_dimension": 32, f"pooling_mode_{pooling}": True})
     )
     (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 400}))
     _tokenizer(path, minilm)

@@ -291,12 +291,6 @@ async def embed(request: Request, body: EmbedRequest, tokens: bool = False) -> J
     with em.exchange.refused():
         if not tokens:
             em.check_dimensions(body.dimensions)
-        elif not em.pooling.token_states:
-            raise InvalidRequest(
-                f"the model `{em.info.model_id}` embeds with its last token's state: every token's state "
-                "(/embed_all) comes from an encoder",
-                "inputs",
-            )
         inputs = _as_list(body.inputs)
         ids = await em.tokenize(
             inputs, _truncate(body, em.info), body.truncation_direction, True, body.prompt_name

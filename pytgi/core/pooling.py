@@ -58,7 +58,6 @@ class PoolingInfo(msgspec.Struct, frozen=True, kw_only=True):
     # a causal LM scoring by its logits (--classifier-tokens): the negative and the positive token's ids;
     # the one label's logit is the positive's minus the negative's
     label_token_ids: tuple[int, ...] = ()
-    token_states: bool = True  # every token's state can be asked for (TEI's /embed_all): an encoder's
     # a one-label cross-encoder's score from its logit (sentence-transformers' activation_fn): "sigmoid"
     # (its default) or "identity" (the logit itself)
     activation: str = "sigmoid"
@@ -133,7 +132,6 @@ def read_labels(path: Path) -> PoolingInfo:
         normalize=False,
         dimensions=n,
         labels=labels,
-        token_states=False,
         activation=_activation(path, cfg),
     )
 
@@ -174,11 +172,6 @@ def check_pool_request(info: Any, prompt_ids: list[int], params: Any) -> None:
         raise InvalidRequest(f"pair_at must be in 1..{len(prompt_ids) - 1}, got {params.pair_at}")
     if info.task == "classify" and (params.tokens or params.dimensions is not None):
         raise InvalidRequest("a cross-encoder's answer is its labels' scores: no token states, no dimensions")
-    if params.tokens and not pooling.token_states:
-        raise InvalidRequest(
-            "every token's state (/embed_all) comes from an encoder; this model's embedding is its last "
-            "token's"
-        )
     dims = params.dimensions
     if dims is not None and not 0 < dims <= pooling.dimensions:
         raise InvalidRequest(f"dimensions must be in 1..{pooling.dimensions}, got {dims}", "dimensions")
@@ -197,7 +190,6 @@ def token_labels(path: Path, tokens: tuple[int, ...], names: tuple[str, ...]) ->
         dimensions=1,
         labels=(names[1],),
         label_token_ids=tokens,
-        token_states=False,
     )
 
 
@@ -205,7 +197,7 @@ def read_pooling(path: Path, hidden_size: int, decoder: bool = False) -> Pooling
     """The model's sentence-transformers pooling; without one, for a bare encoder mean pooling and no
     normalization, as sentence-transformers itself defaults to for a plain transformers model, and for
     a causal LM its last token's state, normalized (vLLM's default). `decoder`: a causal LM's, computed
-    chunk by chunk on the paged engine, where only the last token's state is kept."""
+    chunk by chunk on the paged engine (pytgi.engine.pool_head)."""
     modules = _read(path / "modules.json")
     method, normalize, dims = ("last", True, hidden_size) if decoder else ("mean", False, hidden_size)
     if decoder and isinstance(modules, list):
@@ -229,11 +221,6 @@ def read_pooling(path: Path, hidden_size: int, decoder: bool = False) -> Pooling
     default = st_config.get("default_prompt_name")
     if default is not None and default not in prompts:
         raise UnsupportedModel(f"{path.name}: default_prompt_name {default!r} names no prompt")
-    if decoder and method != "last":
-        raise UnsupportedModel(
-            f"{path.name}: a causal LM's embedding is its last token's state here (pooling_mode_lasttoken); "
-            f"{method} pooling over a causal LM is not supported"
-        )
     return PoolingInfo(
         method=method,
         normalize=normalize,
@@ -241,7 +228,6 @@ def read_pooling(path: Path, hidden_size: int, decoder: bool = False) -> Pooling
         max_seq_length=limit if isinstance(limit, int) and limit > 0 else None,
         prompts=prompts,
         default_prompt_name=default,
-        token_states=not decoder,
     )
 
 

@@ -74,6 +74,12 @@ class LLMEngine:
             )
         if task != "generate":  # a causal LM's pooling: its prompt only, then its last token's state
             check_decoder_pooling(config)
+            if read_config(model_path).get("is_causal") is False:
+                raise UnsupportedModel(
+                    f"{model_id}: config.json says is_causal false (the model attends both ways), and "
+                    "pytgi's paged engine attends causally: its vectors would not be the model's "
+                    "(docs/embeddings.md)"
+                )
             if (
                 task == "classify"
                 and not config.classifier_tokens
@@ -178,12 +184,6 @@ class LLMEngine:
         """A causal LM's pooling: its sentence-transformers files' (an embedder), its classifier's labels
         (a `*ForSequenceClassification`), or --classifier-tokens' (a causal LM as a reranker)."""
         if task == "embed":
-            if read_config(model_path).get("is_causal") is False:
-                log.warning(
-                    "%s: config.json says is_causal false; pytgi attends causally on the paged engine, so "
-                    "its vectors are those of the model's causal attention (docs/embeddings.md)",
-                    model_id,
-                )
             return read_pooling(model_path, runner.config.hidden_size, decoder=True)
         names = self.config.classifier_tokens
         if not names:  # a `*ForSequenceClassification` (checked before loading)

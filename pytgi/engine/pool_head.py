@@ -1,11 +1,14 @@
 """A causal LM's pooling on the paged engine (Qwen3-Embedding, gte-Qwen2, Qwen3-Reranker, a decoder's
-`*ForSequenceClassification`): the answer made from the last prompt token's final hidden state.
+`*ForSequenceClassification`): the answer made from the prompt's final hidden states.
 
 The prompt is computed as a generator's is (chunked, in the running batch, on the KV cache); the step
 that reaches its last token hands that token's state here instead of to the sampler, and the request
-ends. The head runs on each row alone (a GEMM's rows change with the batch's size); the decoder's
-rows are batch invariant where the generator's are (bf16 on pytgi's kernels: the same bits batched or
-alone; float32 within 1e-6). docs/embeddings.md.
+ends. An embedder that pools every token (mean or first-token pooling, or /embed_all's every state)
+keeps each chunk's states as its steps compute them (`partial`) and pools them whole at the last
+chunk: one reduction over the prompt's rows, whatever its chunks were. The head runs on each row
+alone (a GEMM's rows change with the batch's size); the decoder's rows are batch invariant where the
+generator's are (bf16 on pytgi's kernels: the same bits batched or alone; float32 within 1e-6).
+docs/embeddings.md.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch.nn.functional as F
 from pytgi.core import protocol as P
 from pytgi.core.pooling import PoolingInfo
 from pytgi.engine.batch import PagedModel, StepBatch
-from pytgi.engine.models.encoder import embedding
+from pytgi.engine.models.encoder import embedding, pool
 from pytgi.engine.models.loader import CausalLM
 from pytgi.engine.step import ScheduledRequest, StepOutput
 
@@ -30,6 +33,7 @@ class PoolHead:
     def __init__(self, model: CausalLM, pooling: PoolingInfo, task: str) -> None:
         self.model, self.pooling, self.task = model, pooling, task
         self.score: torch.Tensor | None = None
+        self.partial: dict[str, list[torch.Tensor]] = {}  # an all-token request's states so far, by chunk
         if task == "classify" and not pooling.label_token_ids:
             self.score = getattr(model, "score_weight", None)
             assert self.score is not None, "a sequence classifier loaded without its score head"
@@ -48,24 +52,59 @@ class PoolHead:
             out.append((logits[pos] - logits[neg]).reshape(1))
         return out
 
+    def whole(self, s: ScheduledRequest) -> bool:
+        """Whether the request's answer needs every token's state, not only its last one's."""
+        p = s.request.pool
+        return self.task == "embed" and (self.pooling.method != "last" or (p is not None and p.tokens))
+
+    def drop(self, request_id: str) -> None:
+        """A request gone before its last chunk (aborted): its states so far."""
+        self.partial.pop(request_id, None)
+
     def step(self, paged: PagedModel, batch: list[ScheduledRequest], step: StepBatch) -> StepOutput:
         """Run the step and pool the requests whose prompt it finishes (the others' chunks only write
-        their KV)."""
+        their KV; an all-token request's chunk also leaves its states in `partial`)."""
         out = StepOutput()
-        done = [i for i, s in enumerate(batch) if s.samples]
-        states = paged.forward(step, step.last_rows[np.array(done, dtype=np.int64)], hidden=True)
-        if states is None:
+        ends = np.cumsum(step.layout.query_lens)
+        rows: list[int] = []  # the step's rows to read
+        spans: list[tuple[int, int]] = []  # each request's span of them
+        for i, s in enumerate(batch):
+            first = len(rows)
+            if self.whole(s):
+                rows.extend(range(int(ends[i]) - s.num_new_tokens, int(ends[i])))
+            elif s.samples:
+                rows.append(int(ends[i]) - 1)
+            spans.append((first, len(rows)))
+        if not rows:
+            paged.forward(step, np.zeros(0, dtype=np.int64), hidden=True)
             return out
-        for i, v in zip(done, self(states), strict=True):
-            req = batch[i].request
+        states = paged.forward(step, np.array(rows, dtype=np.int64), hidden=True)
+        assert states is not None
+        for s, (a, b) in zip(batch, spans, strict=True):
+            req = s.request
+            if self.whole(s):
+                if req.num_computed_tokens == 0:  # its first chunk (again, if it was preempted)
+                    self.partial[req.request_id] = []
+                self.partial[req.request_id].append(states[a:b].float())
+            if not s.samples:
+                continue
             p = req.pool
             assert p is not None, "a generation request on a pooling model"
-            if self.task == "embed":
-                v = embedding(v, self.pooling, p)
+            rows_out = 1
+            if self.whole(s):
+                hidden = torch.cat(self.partial.pop(req.request_id))
+                if p.tokens:
+                    v, rows_out = hidden, hidden.shape[0]
+                else:
+                    v = embedding(pool(hidden, [hidden.shape[0]], self.pooling)[0], self.pooling, p)
+            else:
+                v = self(states[a:b])[0]
+                if self.task == "embed":
+                    v = embedding(v, self.pooling, p)
             out.pooled[req.request_id] = P.PoolOut(
                 req.request_id,
                 v.contiguous().cpu().numpy().tobytes(),
-                1,
+                rows_out,
                 req.num_prompt_tokens,
                 max(req.scheduled - req.arrived, 0.0),  # waited before its first chunk
             )

@@ -236,6 +236,8 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         self.grammars.remove(request_id)
+        if self.pool_head is not None:
+            self.pool_head.drop(request_id)
 
     # -- tensor parallelism ------------------------------------------------------------------------
     @torch.inference_mode()

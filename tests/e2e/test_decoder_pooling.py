@@ -90,12 +90,14 @@ def test_concurrent_requests_equal_alone(embedder):
     with ThreadPoolExecutor(16) as pool:
         together = list(pool.map(embed, texts))
     np.testing.assert_allclose(np.array(together), np.array(alone), atol=1e-6)
+    states = httpx.post(f"{srv.url}/embed_all", json={"inputs": texts[0]}, timeout=60).json()[0]
+    tokens = httpx.post(f"{srv.url}/tokenize", json={"inputs": texts[0]}, timeout=60).json()[0]
+    assert len(states) == len(tokens) and len(states[0]) == 32  # every token's state, over its chunks
 
 
 @pytest.mark.parametrize(
     "path,body,status,words",
     [
-        ("/embed_all", {"inputs": "x"}, 422, "last token's state"),
         ("/embed", {"inputs": "x", "dimensions": 33}, 422, "dimensions must be in 1..32"),
         ("/generate", {"inputs": "hello"}, 422, "is an embedding model"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "embedding model"),

@@ -5,6 +5,7 @@ bit; what such a model refuses."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 
 from pytgi.core import protocol as P
 from pytgi.core.config import EngineConfig
-from pytgi.core.errors import ConfigError, InvalidRequest
+from pytgi.core.errors import ConfigError, InvalidRequest, UnsupportedModel
 from pytgi.core.sampling_params import SamplingParams
 from pytgi.core.tokenizer import Tokenizer
 from pytgi.engine.engine import LLMEngine
@@ -73,25 +74,38 @@ def test_embedder_equals_transformers_in_chunks(tmp_path, minilm):
     with torch.no_grad():
         state = ref(torch.tensor([batch[0]])).last_hidden_state[0, -1].numpy()
     np.testing.assert_allclose(raw, state, atol=2e-5)
+    long = max(batch, key=len)  # every token's state (/embed_all), kept over its chunks
+    states = vec(run(eng, [long], P.PoolParams(tokens=True))[0]).reshape(len(long), 32)
+    with torch.no_grad():
+        want = ref(torch.tensor([long])).last_hidden_state[0].numpy()
+    np.testing.assert_allclose(states, want, atol=2e-5)
+    assert not eng.runner.pool_head.partial
 
 
-def test_batched_equals_alone_bit_for_bit(tmp_path, minilm):
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean_tokens"])
+def test_batched_equals_alone_bit_for_bit(tmp_path, minilm, pooling):
     """On the default path (bfloat16, pytgi's batch-invariant kernels): every row's arithmetic is the
-    same whatever the step, so a prompt's vector is the same bits in chunks next to others as alone.
+    same whatever the step, so a prompt's vector is the same bits in chunks next to others as alone
+    (mean pooling: one reduction over the prompt's rows at its last chunk, whatever its chunks were).
     (In float32 the linears are PyTorch's GEMMs, whose rows change with the step's size: within 1e-6.)"""
-    qwen3_embedder(tmp_path, minilm)
+    qwen3_embedder(tmp_path, minilm, pooling=pooling)
     batch = prompts(8)
     eng = engine(tmp_path, "bfloat16")
     assert run(eng, batch) == [run(eng, [ids])[0] for ids in batch]
+    if pooling == "mean_tokens":
+        return
     eng = engine(tmp_path)
     for a, b in zip(run(eng, batch), [run(eng, [ids])[0] for ids in batch]):
         np.testing.assert_allclose(vec(a), vec(b), atol=1e-6)
 
 
-def test_embedder_equals_sentence_transformers(tmp_path, minilm):
+@pytest.mark.parametrize("pooling", ["lasttoken", "mean_tokens", "cls_token"])
+def test_embedder_equals_sentence_transformers(tmp_path, minilm, pooling):
+    """Every pooling sentence-transformers has for a causal LM: the last token's state, or the mean or
+    first of every token's, kept chunk by chunk (the 20-times sentence spans several 48-token chunks)."""
     from sentence_transformers import SentenceTransformer
 
-    qwen3_embedder(tmp_path, minilm)
+    qwen3_embedder(tmp_path, minilm, pooling=pooling)
     st = SentenceTransformer(str(tmp_path), device="cpu")
     tok = Tokenizer.from_dir(tmp_path)
     texts = [*SENTENCES, "The quick brown fox jumps over the lazy dog. " * 20]
@@ -161,7 +175,6 @@ def test_what_a_pooling_causal_lm_refuses(tmp_path, minilm):
     with pytest.raises(InvalidRequest, match="does not generate"):
         eng.add_request("a", [5, 6], SamplingParams(max_new_tokens=2))
     for params, words in [
-        (P.PoolParams(tokens=True), "encoder"),
         (P.PoolParams(dimensions=33), "dimensions"),
     ]:
         with pytest.raises(InvalidRequest, match=words):
@@ -169,6 +182,10 @@ def test_what_a_pooling_causal_lm_refuses(tmp_path, minilm):
     with pytest.raises(InvalidRequest, match="more than"):
         eng.add_pool_request("c", [5] * (eng.info.max_input_tokens + 1), P.PoolParams())
     assert not eng.has_unfinished()
+    cfg = json.loads((tmp_path / "emb/config.json").read_text())  # an embedder trained to attend both ways
+    (tmp_path / "emb/config.json").write_text(json.dumps({**cfg, "is_causal": False}))
+    with pytest.raises(UnsupportedModel, match="is_causal false"):
+        engine(tmp_path / "emb")
 
 
 def test_a_bare_decoder_model_embeds_by_its_last_token(tmp_path, minilm):
