@@ -66,20 +66,18 @@ class PoolHead:
         their KV; an all-token request's chunk also leaves its states in `partial`)."""
         out = StepOutput()
         ends = np.cumsum(step.layout.query_lens)
-        rows: list[int] = []  # the step's rows to read
-        spans: list[tuple[int, int]] = []  # each request's span of them
-        for i, s in enumerate(batch):
-            first = len(rows)
-            if self.whole(s):
-                rows.extend(range(int(ends[i]) - s.num_new_tokens, int(ends[i])))
-            elif s.samples:
-                rows.append(int(ends[i]) - 1)
-            spans.append((first, len(rows)))
-        if not rows:
-            paged.forward(step, np.zeros(0, dtype=np.int64), hidden=True)
+        # the step's rows to read: a request's whole chunk where it needs every state, else its last
+        # row where the step ends its prompt, else none; `spans`: each request's part of them
+        firsts = np.array(
+            [e - (s.num_new_tokens if self.whole(s) else int(s.samples)) for e, s in zip(ends, batch)],
+            dtype=np.int64,
+        )
+        rows = np.concatenate([np.arange(a, e) for a, e in zip(firsts, ends)])
+        counts = np.cumsum(ends - firsts)
+        spans = list(zip([0, *counts[:-1].tolist()], counts.tolist()))
+        states = paged.forward(step, rows.astype(np.int64), hidden=True)
+        if states is None:  # no request needs a state this step
             return out
-        states = paged.forward(step, np.array(rows, dtype=np.int64), hidden=True)
-        assert states is not None
         for s, (a, b) in zip(batch, spans, strict=True):
             req = s.request
             if self.whole(s):
