@@ -14,8 +14,8 @@
  * AVX-512 (D a multiple of 16): keys in the lanes, 16 keys' scores per vector, a tile of ROWS query
  * rows sharing every key and value load. float32 with FMAs; bf16 (AVX-512 BF16) with vdpbf16ps over
  * pairs of the head's dimensions for q·k and over pairs of keys for P·V, P rounded to bf16 (as the
- * paged kernel does). Elsewhere a portable loop over float32 copies of the head's keys and values
- * (the compiler's vectorization).
+ * paged kernel does). Elsewhere nothing: pytgi_encoder_attention_supported() says 0 and the encoder
+ * takes PyTorch's SDPA (a portable loop here measured 4-6x slower than it).
  *
  * The layer's element-wise steps in bf16, each one pass over its rows, in float32 and rounded once (where
  * PyTorch rounds after each step): the up projection's bias and GELU (erf), and the bias, residual and
