@@ -19,25 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from pytgi.core.errors import GGUFConversionError
+from pytgi.core.families import FAMILIES, gguf_architecture, gguf_names
 
-# GGUF architecture → (HF architecture class, model_type). llama.cpp stores Mistral as "llama".
-ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
-    "phi3": ("Phi3ForCausalLM", "phi3"),
-    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
-    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
-    "gpt-oss": ("GptOssForCausalLM", "gpt_oss"),
-    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
-    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
-    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
-}
-HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
-# A "llama" file with experts is Mixtral.
-MIXTRAL = ("MixtralForCausalLM", "mixtral")
+# the model types of the GGUF names whose families keep a recurrent state (their tensors' own names)
+HYBRID_TYPES = frozenset(g.model_type for f in FAMILIES if f.recurrent for g in f.gguf)
 # Gemma's layers have four norms: llama.cpp's ffn_norm is the one before the MLP there.
 GEMMA_LAYER_TENSORS = {
     "post_attention_norm": "post_attention_layernorm",
@@ -122,14 +107,13 @@ def _required(reader: Any, key: str) -> Any:
 
 def gguf_config(reader: Any) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise GGUFConversionError(
-            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
-        )
-    hf_arch, model_type = ARCHITECTURES[arch]
     experts = _field(reader, f"{arch}.expert_count")
-    if arch == "llama" and experts:
-        hf_arch, model_type = MIXTRAL
+    name = gguf_architecture(str(arch), bool(experts))  # a "llama" file with experts is Mixtral
+    if name is None:
+        raise GGUFConversionError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(gguf_names())})"
+        )
+    hf_arch, model_type = name.architecture, name.model_type
     n_heads = int(_required(reader, f"{arch}.attention.head_count"))
     hidden = int(_required(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
@@ -266,9 +250,10 @@ def gguf_config(reader: Any) -> dict[str, Any]:
                 decoder_sparse_step=1,
                 mlp_only_layers=[],
             )
-    if model_type == "llama":
-        config["attention_bias"] = "blk.0.attn_q.bias" in names
-        config["mlp_bias"] = False
+    config.setdefault("attention_bias", "blk.0.attn_q.bias" in names)
+    for key, hf_key in name.keys:  # the family's own keys (its registry entry)
+        if (value := _field(reader, f"{arch}.{key}")) is not None:
+            config[hf_key] = value
     return config
 
 

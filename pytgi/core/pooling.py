@@ -19,29 +19,16 @@ from typing import Any
 import msgspec
 
 from pytgi.core.errors import InvalidRequest, UnsupportedModel
+from pytgi.core.families import DECODER, ENCODER, FAMILIES
 from pytgi.core.sampling_params import check_token_ids
 
-# The encoders pytgi runs itself (pytgi.engine.models.encoder), by architecture → family
-ENCODERS = {
-    "BertModel": "bert",
-    "RobertaModel": "roberta",
-    "XLMRobertaModel": "roberta",
-    "ModernBertModel": "modernbert",
-}
-# ... and their cross-encoders (a classification head on the first token): scores for pairs, labels
-CLASSIFIERS = {
-    "BertForSequenceClassification": "bert",
-    "RobertaForSequenceClassification": "roberta",
-    "XLMRobertaForSequenceClassification": "roberta",
-    "ModernBertForSequenceClassification": "modernbert",
-}
-# a decoder's sequence classifier (a score head on its last token) → the causal LM it is built on,
-# which the paged engine runs (pytgi.engine.models.loader)
-DECODER_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
-DECODER_CLASSIFIERS = {f"{f}ForSequenceClassification": f"{f}ForCausalLM" for f in DECODER_FAMILIES}
-# ... and a decoder saved without its head (e5-mistral's MistralModel): an embedder
-DECODER_EMBEDDERS = {f"{f}Model": f"{f}ForCausalLM" for f in DECODER_FAMILIES}
-DECODER_POOLERS = {**DECODER_CLASSIFIERS, **DECODER_EMBEDDERS}
+# The pooling architectures, from the family registry (pytgi.core.families): an encoder's embedders
+# and cross-encoders (pytgi.engine.pooler runs them), and a decoder's bare model (an embedder) and
+# sequence classifier (a score head on its last token), which the paged engine runs as its causal LM
+ENCODERS = frozenset(a for f in FAMILIES if f.kind == ENCODER for a in f.embedders)
+CLASSIFIERS = frozenset(a for f in FAMILIES if f.kind == ENCODER for a in f.classifiers)
+DECODER_EMBEDDERS = frozenset(a for f in FAMILIES if f.kind == DECODER for a in f.embedders)
+DECODER_CLASSIFIERS = frozenset(a for f in FAMILIES if f.kind == DECODER for a in f.classifiers)
 GENERATOR_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 POOLING_METHODS = ("mean", "cls", "last")
 TASKS = ("auto", "generate", "embed", "classify")  # --task
@@ -102,7 +89,7 @@ def model_task(path: Path, task: str = "auto") -> str:
     if task not in TASKS:
         raise UnsupportedModel(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
     arch = architecture(path)
-    if arch in ENCODERS or arch in CLASSIFIERS or arch in DECODER_POOLERS:
+    if arch in ENCODERS or arch in CLASSIFIERS or arch in DECODER_EMBEDDERS or arch in DECODER_CLASSIFIERS:
         own = "embed" if arch in ENCODERS or arch in DECODER_EMBEDDERS else "classify"
         if task not in ("auto", own):
             raise UnsupportedModel(f"{path.name}: a {arch} serves --task {own}, not {task}")
@@ -113,9 +100,10 @@ def model_task(path: Path, task: str = "auto") -> str:
         return "embed" if _has_pooling(path) else "generate"
     raise UnsupportedModel(
         f"{path.name}: architecture {arch!r} has no language-model head, so it cannot generate, and pytgi "
-        f"serves no pooling model of it (embedding models: {', '.join([*ENCODERS, *DECODER_EMBEDDERS])} and "
-        "causal LMs with a sentence-transformers Pooling module; cross-encoders: "
-        f"{', '.join([*CLASSIFIERS, *DECODER_CLASSIFIERS])}; docs/embeddings.md)"
+        "serves no pooling model of it (embedding models: "
+        f"{', '.join(sorted(ENCODERS | DECODER_EMBEDDERS))} and causal LMs with a sentence-transformers "
+        f"Pooling module; cross-encoders: {', '.join(sorted(CLASSIFIERS | DECODER_CLASSIFIERS))}; "
+        "docs/embeddings.md)"
     )
 
 

@@ -16,6 +16,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.models import BPE
 
 NO_TEMPLATE = "this model has no chat template; send a plain prompt"
 # Previous tokens decoded before a prompt's end, so the first output token decodes in context.
@@ -141,7 +142,7 @@ class Tokenizer:
         add_bos = config.get("add_bos_token")
         self.add_bos_token: bool = add_bos if isinstance(add_bos, bool) else self._post_processor_adds_bos()
         # transformers skips the clean-up for BPE models: it would strip real spaces before punctuation
-        is_bpe = "BPE" in type(hf.model).__name__
+        is_bpe = isinstance(hf.model, BPE)
         self._clean_up = bool(config.get("clean_up_tokenization_spaces")) and not is_bpe
 
     @classmethod

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pytgi.core.families import Family
 from pytgi.engine import distributed as dist
 from pytgi.engine import kernels
 from pytgi.engine.cuda_graphs import DecodeGraphs
@@ -75,10 +76,12 @@ class PagedModel:
         device: torch.device,
         unsharded: bool = False,
         kv_dtype: str = "auto",
+        family: Family | None = None,
     ):
         """`kv_dtype`: "auto" or "bf16" (the cache in `dtype`), "fp8" or "int8" (`kv_dtype_refusal`
-        says where they run)."""
+        says where they run); `family`: the model's (None: transformers' code runs it)."""
         self.model, self.dtype, self.device, self.unsharded = model, dtype, device, unsharded
+        self.family = family
         self.fp8 = kv_dtype.startswith("fp8")
         self.int8 = kv_dtype == "int8"
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -149,7 +152,9 @@ class PagedModel:
         if (
             not sizes
             or self.device.type != "cuda"
-            or not getattr(self.model.attention, "captures_decode", False)
+            or self.family is None
+            or not self.family.cuda_graphs
+            or not self.model.attention.captures_decode
             or getattr(cfg, "moe", None) is not None
             or dynamic_rope(self.model) is not None  # its rows are computed per step, by length
         ):
@@ -187,8 +192,11 @@ class PagedModel:
         return ctx is not None and ctx.active
 
 
-def kv_dtype_refusal(model: CausalLM, device: torch.device, dtype: torch.dtype, kv_dtype: str) -> str | None:
-    """Why `--kv-cache-dtype kv_dtype` cannot serve this model here (None: it can)."""
+def kv_dtype_refusal(
+    model: CausalLM, device: torch.device, dtype: torch.dtype, kv_dtype: str, family: Family | None
+) -> str | None:
+    """Why `--kv-cache-dtype kv_dtype` cannot serve this model here (None: it can); `family`: the
+    model's (None: transformers' code runs it)."""
     if kv_dtype == "bf16" and dtype != torch.bfloat16:
         return "--kv-cache-dtype bf16 holds the activations' dtype: it needs --dtype bfloat16"
     if kv_dtype == "int8":  # written and read by the C kernels (kv8.h), every CPU attention path
@@ -197,18 +205,20 @@ def kv_dtype_refusal(model: CausalLM, device: torch.device, dtype: torch.dtype, 
         if not (kernels.available() and kernels.supports(dtype)):
             return "--kv-cache-dtype int8 needs pytgi's C kernels (a C compiler, no PYTGI_NO_KERNELS)"
     if kv_dtype.startswith("fp8"):
-        return fp8_kv_refusal(model, device)
+        return fp8_kv_refusal(model, device, family)
+    if family is not None and kv_dtype != "auto" and kv_dtype not in family.kv_dtypes:
+        return f"--kv-cache-dtype {kv_dtype}: not for {family.name} ({', '.join(family.kv_dtypes)})"
     return None
 
 
-def fp8_kv_refusal(model: CausalLM, device: torch.device) -> str | None:
+def fp8_kv_refusal(model: CausalLM, device: torch.device, family: Family | None) -> str | None:
     """Why `--kv-cache-dtype fp8` cannot serve this model here (None: it can). The FP8 cache is read and
     written by the Triton kernels alone: a CUDA GPU, pytgi's own model code, plain causal attention
-    (no sliding window, soft cap or image spans, which take the gather path)."""
+    (no sliding window, soft cap or image spans, which take the gather path): the family must list
+    fp8, and this model's attention backend (its checkpoint may set a window) must read it."""
     if device.type != "cuda":
         return "--kv-cache-dtype fp8 needs a CUDA GPU (the CPU's kernels read bf16 or float32 caches)"
-    attention = getattr(model, "attention", None)
-    if type(attention).__name__ != "TritonAttention" or hasattr(model, "text"):  # (a vision model's text)
+    if family is None or "fp8" not in family.kv_dtypes or not model.attention.fp8_cache:
         return (
             "--kv-cache-dtype fp8 needs plain causal attention in pytgi's Triton kernels: this model's "
             "sliding windows, soft-capped scores, image spans or model code read the cache otherwise"

@@ -32,7 +32,7 @@ from pytgi.engine import distributed as dist
 from pytgi.engine.batch import PagedModel, StepBatch
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.models.cpu import Kernels
-from pytgi.engine.models.loader import load_model, read_config, resolve_dtype
+from pytgi.engine.models.loader import load_model, model_family, read_config, resolve_dtype
 from pytgi.engine.request import Request
 from pytgi.engine.sampler import row_stats
 from pytgi.engine.speculate import next_length
@@ -103,7 +103,11 @@ class DraftModel:
         cpu = Kernels.for_device(device, dtype, batch_invariant=batch_invariant)
         with dist.unsharded():  # whole on rank 0, whatever the model's shards
             self.paged = PagedModel(
-                load_model(path, dtype, device, cpu, "auto"), dtype, device, unsharded=True
+                load_model(path, dtype, device, cpu, "auto"),
+                dtype,
+                device,
+                unsharded=True,
+                family=model_family(path),
             )
         self.paged.allocate(num_blocks, block_size)
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=False)

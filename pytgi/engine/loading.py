@@ -15,7 +15,7 @@ from pytgi.engine import distributed as dist
 from pytgi.engine.batch import PagedModel, kv_dtype_refusal
 from pytgi.engine.kv_sizing import check_fits, local_engines
 from pytgi.engine.models.cpu import Kernels
-from pytgi.engine.models.loader import load_model, read_config, resolve_dtype, weight_bytes
+from pytgi.engine.models.loader import load_model, model_family, read_config, resolve_dtype, weight_bytes
 
 
 def resolve_device(name: str) -> torch.device:
@@ -51,6 +51,7 @@ def load_paged_model(config: EngineConfig, device: torch.device) -> PagedModel:
         config.model_impl,
         pooling_head(config),
     )
-    if why := kv_dtype_refusal(model, device, dtype, config.kv_cache_dtype):
+    family = model_family(model_path, config.model_impl)
+    if why := kv_dtype_refusal(model, device, dtype, config.kv_cache_dtype, family):
         raise ConfigError(why)
-    return PagedModel(model, dtype, device, kv_dtype=config.kv_cache_dtype)
+    return PagedModel(model, dtype, device, kv_dtype=config.kv_cache_dtype, family=family)

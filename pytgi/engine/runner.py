@@ -77,12 +77,12 @@ class ModelRunner:
     def adapters(self) -> LoraAdapters:
         """The model's LoRA adapters (the targeted linears are wrapped the first time)."""
         if self.lora is None:
-            if not isinstance(self.model, DecoderModel):
+            family = self.paged.family
+            if family is None:
                 raise UnsupportedModel("LoRA adapters need pytgi's own implementation of the model")
-            if self.state_bytes:
-                raise UnsupportedModel(
-                    "LoRA adapters on a model with linear-attention layers are not supported"
-                )
+            if not family.lora:
+                raise UnsupportedModel(f"LoRA adapters on {family.name} are not supported (docs/models.md)")
+            assert isinstance(self.model, DecoderModel), "a family with LoRA runs on DecoderModel"
             self.lora = LoraAdapters(
                 self.model, self.max_lora_rank, self.dtype, self.device, self.max_cpu_loras
             )

@@ -15,9 +15,10 @@ from pathlib import Path
 
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import DistributedError
+from pytgi.core.families import VISION, family_of
 from pytgi.core.net import free_port
 from pytgi.engine.distributed import check_heads
-from pytgi.engine.models.loader import VISION
+from pytgi.engine.models.registry import config_reader
 
 
 class ShardGroup:
@@ -37,9 +38,9 @@ class ShardGroup:
         if self.world_size == 1:
             return
         cfg = json.loads((Path(str(config.model)) / "config.json").read_text())
-        vision = VISION.get((cfg.get("architectures") or [""])[0])
-        if vision is not None:  # a vision model's language model is what is sharded (its tower is not)
-            cfg = vision[1](cfg)
+        family = family_of((cfg.get("architectures") or [""])[0])
+        if family is not None and family.kind == VISION:  # its language model is sharded (not its tower)
+            cfg = config_reader(family)(cfg)
         heads = cfg["num_attention_heads"]
         check_heads(heads, cfg.get("num_key_value_heads") or heads, self.world_size)
         if not self.external:

@@ -1,4 +1,4 @@
-"""GGUF files of the families beyond Llama/Qwen/Gemma (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-3): a tiny
+"""GGUF files of the families beyond Llama/Qwen/Gemma (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-3, Granite): a tiny
 random transformers model is written out as llama.cpp's converter writes it (tensor names, q/k row
 interleaving, experts stacked per kind, Phi-3's fused tensors, the metadata keys), pytgi converts
 and serves the file, and its logits equal transformers' on the original model (fp32).
@@ -67,6 +67,12 @@ FAMILIES = {
         ),
     ),
     "phi3": ("phi3", transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(BASE, pad_token_id=0)),
+    "granite": (
+        "granite",
+        transformers.GraniteConfig,
+        transformers.GraniteForCausalLM,
+        {**dict(TINY["granite"][1]), "tie_word_embeddings": False},
+    ),
     # sinks, alternating 8-token windows (the 23-token prompt reaches past them), YaRN, the oai experts
     "gpt-oss": (
         "gpt-oss",
@@ -181,6 +187,11 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
         w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    if arch == "granite":  # as llama.cpp's GraniteModel writes it
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     byte_vocabulary(w, cfg.vocab_size)
     for name, t in hf.state_dict().items():
         a = t.detach().float().numpy()
@@ -209,7 +220,7 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
                     add(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
                     add(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
                 continue
-            if arch == "llama" and stem in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in ("llama", "granite") and stem in ("self_attn.q_proj", "self_attn.k_proj"):
                 a = _permute(
                     a, cfg.num_attention_heads if stem.endswith("q_proj") else cfg.num_key_value_heads
                 )

@@ -81,19 +81,22 @@ def test_fp8_kv_cache_gives_the_logits_of_the_values_it_holds(tmp_path, monkeypa
     """`--kv-cache-dtype fp8` (CUDA only: refused elsewhere) on a tiny model: a prompt in chunks and
     decodes over an e4m3 cache give logits close to the model-dtype cache's, and the same cache
     refuses the paths that would read it otherwise."""
+    from pytgi.core.families import family_of
     from pytgi.engine.batch import PagedModel, fp8_kv_refusal
     from tests.model.test_tiny_models import BLOCK, NUM_BLOCKS, Paged, step
 
     _arch, kw, hf = tiny_model(FAMILIES["llama"])
     hf.save_pretrained(tmp_path / "m", safe_serialization=True)
     runner = ModelRunner(EngineConfig(model=str(tmp_path / "m"), dtype="float32", device="cpu"))
-    assert "CUDA" in fp8_kv_refusal(runner.model, torch.device("cpu"))
+    llama = family_of("LlamaForCausalLM")
+    assert "CUDA" in fp8_kv_refusal(runner.model, torch.device("cpu"), llama)
     with pytest.raises(ValueError, match="needs a CUDA GPU"):
         ModelRunner(
             EngineConfig(model=str(tmp_path / "m"), dtype="float32", device="cpu", kv_cache_dtype="fp8")
         )
     model = load_model(tmp_path / "m", torch.float32, DEVICE, Kernels(triton=True), "none")
-    assert fp8_kv_refusal(model, torch.device("cuda")) is None
+    assert fp8_kv_refusal(model, torch.device("cuda"), llama) is None
+    assert "plain causal" in fp8_kv_refusal(model, torch.device("cuda"), family_of("Gemma3ForCausalLM"))
     seq = np.random.default_rng(3).integers(0, kw["vocab_size"], 21).tolist()
     outs = []
     for kv in ("auto", "fp8"):

@@ -167,6 +167,17 @@ CONFIGS = {
             },
         ),
     ),
+    # Granite (added as docs/models.md's "Adding a model family" says): multipliers far from 1
+    "granite": (
+        transformers.GraniteConfig,
+        dict(
+            BASE,
+            embedding_multiplier=3.0,
+            attention_multiplier=0.3,
+            residual_multiplier=0.6,
+            logits_scaling=4.0,
+        ),
+    ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
     "olmo2-via-transformers": (transformers.Olmo2Config, dict(BASE)),
     "gpt-neox-via-transformers": (
@@ -211,6 +222,7 @@ ARCH = {
     transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
     transformers.Olmo2Config: transformers.Olmo2ForCausalLM,
     transformers.GptOssConfig: transformers.GptOssForCausalLM,
+    transformers.GraniteConfig: transformers.GraniteForCausalLM,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
 }
 

@@ -100,6 +100,11 @@ def _group(
 
 
 class TorchAttention:
+    # what the runner may ask of a backend (declared, never probed): whether CUDA graphs can replay its
+    # decode steps, and whether it reads and writes an FP8 cache (plain causal attention on Triton)
+    captures_decode = False
+    fp8_cache = False
+
     def __init__(self, cpu: Kernels, heads: tuple[int, int, int]) -> None:
         """heads: (query heads, kv heads, head dim) on this rank."""
         self.paged = cpu.fused  # decodes (and small prefill chunks) in the paged C kernel
@@ -271,6 +276,9 @@ class WindowedMetadata:
 
 class SlidingWindowBackend:
     """A backend for models whose sliding layers see the last `window` positions only."""
+
+    captures_decode = False
+    fp8_cache = False
 
     def __init__(self, inner: TorchAttention, window: int) -> None:
         self.inner, self.window = inner, window

@@ -10,7 +10,10 @@ differ in data, which `DecoderConfig` holds (parsed from each family's config.js
   optional per-head q/k norms before the rotation (Qwen3, Gemma 3);
 - the MLP's activation (SiLU or tanh-GELU), biases, a sparse mixture of experts;
 - the embedding's scale, attention's scale, soft-capped attention scores and logits (Gemma 2);
-- sliding-window layers (`layer_types`), with their own RoPE base where the family has one.
+- sliding-window layers (`layer_types`), with their own RoPE base where the family has one;
+- the sublayers' outputs scaled before the residual add, the logits divided (Granite).
+
+Which families there are, and which reader each has, is `pytgi.core.families`' table.
 
 The forward is the same for all: which kernels run it is chosen at load (`Kernels`): its `ops()`
 give the element-wise steps (PyTorch's, or the fused C kernels: a residual add shares a pass with
@@ -135,6 +138,10 @@ class DecoderConfig:
     attn_output_gate: bool = False
     rotary_dim: int | None = None  # None: head_dim
     ignored_weights: tuple[str, ...] = ()  # checkpoint tensors (by prefix) the model does not use
+    # Granite: each sublayer's output is scaled before it joins the residual stream, and the logits
+    # divided by `logit_scale`
+    residual_scale: float | None = None
+    logit_scale: float | None = None
 
 
 def local_heads(cfg: DecoderConfig) -> tuple[int, int, int]:
@@ -231,6 +238,7 @@ class DecoderLayer(nn.Module):
         of attention (`self_attn`)."""
         super().__init__()
         self.sliding, self.sandwich, self.ops = sliding, cfg.sandwich_norms, ops
+        self.residual_scale = cfg.residual_scale
         self.self_attn: Attention | None = None
         self.linear_attn: GatedDeltaNet | None = None
         if linear:
@@ -276,6 +284,8 @@ class DecoderLayer(nn.Module):
         mixer = self.self_attn if self.linear_attn is None else self.linear_attn
         assert mixer is not None
         a = mixer(h, ropes[1] if self.sliding else ropes[0], kv_cache, meta)
+        if self.residual_scale is not None:
+            a = a * self.residual_scale
         if self.sandwich:  # the sublayers' outputs are normed before they join the residual stream
             residual, mlp_in = self.ops.add_norm(
                 a, residual, self.pre_feedforward_layernorm, self.post_attention_layernorm
@@ -285,7 +295,10 @@ class DecoderLayer(nn.Module):
             residual, mlp_in = self.ops.add_norm(a, residual, self.post_attention_layernorm)
             mlp_out_norm = None
         assert mlp_in is not None
-        return self.ops.add_norm(self.mlp(mlp_in), residual, next_norm, mlp_out_norm)
+        out = self.mlp(mlp_in)
+        if self.residual_scale is not None:
+            out = out * self.residual_scale
+        return self.ops.add_norm(out, residual, next_norm, mlp_out_norm)
 
 
 class DecoderModel(nn.Module):
@@ -390,6 +403,8 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
+        if self.config.logit_scale is not None:
+            logits = logits / self.config.logit_scale
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pytgi.core.errors import UnsupportedModel
-from pytgi.core.pooling import CLASSIFIERS, ENCODERS, PoolingInfo
+from pytgi.core.families import family_of
+from pytgi.core.pooling import PoolingInfo
 from pytgi.engine import kernels
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -119,11 +120,9 @@ class EncoderModel(nn.Module):
     def __init__(self, cfg: dict[str, Any]) -> None:
         super().__init__()
         arch = (cfg.get("architectures") or ["?"])[0]
-        families = {a: f for a, f in {**ENCODERS, **CLASSIFIERS}.items() if f != "modernbert"}
-        if arch not in families:
-            raise UnsupportedModel(
-                f"architecture {arch!r} is not an encoder pytgi runs ({', '.join(families)})"
-            )
+        family = family_of(arch)
+        if family is None or family.module != "encoder":  # (ModernBERT's is modernbert.py)
+            raise UnsupportedModel(f"architecture {arch!r} is not one of BERT's or RoBERTa's encoders")
         if cfg.get("position_embedding_type", "absolute") != "absolute":
             raise UnsupportedModel(
                 f"position_embedding_type {cfg['position_embedding_type']!r}: only absolute"
@@ -134,7 +133,7 @@ class EncoderModel(nn.Module):
         hidden, eps = cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-12)
         self.hidden_size = hidden
         # RoBERTa numbers positions from padding_idx + 1 (its position table has those rows more)
-        self.position_offset = cfg.get("pad_token_id", 1) + 1 if families[arch] == "roberta" else 0
+        self.position_offset = cfg.get("pad_token_id", 1) + 1 if "Roberta" in arch else 0
         self.max_positions = cfg["max_position_embeddings"] - self.position_offset
         self.word = nn.Embedding(cfg["vocab_size"], hidden)
         self.position = nn.Embedding(cfg["max_position_embeddings"], hidden)
@@ -146,7 +145,7 @@ class EncoderModel(nn.Module):
             for _ in range(cfg["num_hidden_layers"])
         )
         labels = cfg.get("num_labels") or len(cfg.get("id2label") or {}) or 2
-        self.head = ClassifierHead(hidden, labels) if arch in CLASSIFIERS else None
+        self.head = ClassifierHead(hidden, labels) if arch in family.classifiers else None
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, lens: list[int], types: torch.Tensor | None = None) -> torch.Tensor:

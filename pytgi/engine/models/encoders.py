@@ -8,9 +8,11 @@ from pathlib import Path
 
 import torch
 
-from pytgi.core.pooling import CLASSIFIERS, ENCODERS
+from pytgi.core.errors import UnsupportedModel
+from pytgi.core.families import ENCODER, family_of
 from pytgi.engine.models.encoder import EncoderModel
 from pytgi.engine.models.modernbert import ModernEncoder
+from pytgi.engine.models.registry import model_class
 from pytgi.engine.models.safetensors_files import iter_safetensors
 
 Encoder = EncoderModel | ModernEncoder
@@ -19,9 +21,11 @@ Encoder = EncoderModel | ModernEncoder
 def load_encoder(path: Path, dtype: torch.dtype) -> Encoder:
     cfg = json.loads((path / "config.json").read_text())
     arch = (cfg.get("architectures") or ["?"])[0]
+    family = family_of(arch)
+    if family is None or family.kind != ENCODER:
+        raise UnsupportedModel(f"{path.name}: {arch} is not one of pytgi's encoders")
     model: Encoder
     with torch.device("cpu"):
-        modern = {**ENCODERS, **CLASSIFIERS}.get(arch) == "modernbert"
-        model = ModernEncoder(cfg) if modern else EncoderModel(cfg)
+        model = model_class(family)(cfg)
     model.load_weights(iter_safetensors(path))
     return model.to(dtype).eval()

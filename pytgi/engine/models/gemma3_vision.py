@@ -37,8 +37,6 @@ from pytgi.engine.models.vision import (
     load_image_processor,
 )
 
-ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
-
 
 def hf_config(hf: dict[str, Any]) -> Any:
     """transformers' config of the checkpoint, its defaults filled in."""

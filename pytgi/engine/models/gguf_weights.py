@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from pytgi.core.errors import GGUFConversionError
+from pytgi.core.families import gguf_of_model_type
 from pytgi.core.gguf_convert import HYBRID_TYPES, SOURCE_FILE, hf_tensor_name
 from pytgi.engine import kernels
 
@@ -321,7 +322,8 @@ class GGUFWeights:
             for t in read_tensor_index(mm):
                 self.tensors[hf_tensor_name(t.name, config["model_type"])] = (mm, t)
         model_type = config["model_type"]
-        self._permute = model_type in ("llama", "mixtral")  # llama.cpp interleaves these archs' q/k rows
+        gguf_name = gguf_of_model_type(model_type)
+        self._permute = gguf_name is not None and gguf_name.permuted_qk  # llama.cpp interleaved q/k rows
         self._gemma = model_type.startswith("gemma")
         self._hybrid = model_type in HYBRID_TYPES
 

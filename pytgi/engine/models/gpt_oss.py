@@ -18,8 +18,6 @@ from typing import Any
 from pytgi.engine.models.decoder import FULL, SLIDING, DecoderConfig, MoEConfig
 from pytgi.engine.models.llama import llama_config
 
-ARCHITECTURES = ("GptOssForCausalLM",)
-
 
 def gpt_oss_config(cfg: dict[str, Any]) -> DecoderConfig:
     layers = cfg["num_hidden_layers"]

@@ -29,7 +29,6 @@ from pytgi.core.image_layouts import Tiles
 from pytgi.engine.models.decoder import DecoderModel
 from pytgi.engine.models.vision import Expanded, VisionLanguageModel, load_image_processor
 
-ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 PREFIXES = {"model.text_model.": "text", "model.vision_model.": "tower", "model.connector.": "connector"}
 
 

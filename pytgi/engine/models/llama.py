@@ -7,23 +7,12 @@ from typing import Any
 
 from pytgi.engine.models.decoder import SLIDING, DecoderConfig, MoEConfig
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Phi3ForCausalLM",  # Llama with q, k, v (and gate, up) fused in the checkpoint
-    "MixtralForCausalLM",  # ... and with a sparse mixture of experts for MLP (pytgi.engine.models.moe)
-    "Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM",
-)
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
-
-def moe_config(cfg: dict[str, Any], arch: str) -> MoEConfig | None:
-    if arch not in MOE_ARCHITECTURES:
+def moe_config(cfg: dict[str, Any]) -> MoEConfig | None:
+    """The sparse MLP of a config with experts (Mixtral, Qwen2-MoE, Qwen3-MoE; Qwen3-Next's)."""
+    if not (cfg.get("num_local_experts") or cfg.get("num_experts")):
         return None
-    if arch == "MixtralForCausalLM":
+    if "moe_intermediate_size" not in cfg:  # Mixtral's experts: the dense MLP's size, no shared one
         return MoEConfig(
             cfg["num_local_experts"],
             cfg["num_experts_per_tok"],
@@ -62,7 +51,7 @@ def llama_config(cfg: dict[str, Any]) -> DecoderConfig:
     uses_window = arch == "MistralForCausalLM" or cfg.get("use_sliding_window", False)
     window = cfg.get("sliding_window") if uses_window else None
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-    qwen2 = arch in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+    qwen2 = arch.startswith("Qwen2")  # Qwen2 and Qwen2-MoE: biases on q, k, v only
     return DecoderConfig(
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -81,9 +70,9 @@ def llama_config(cfg: dict[str, Any]) -> DecoderConfig:
         else cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
         o_proj_bias=cfg.get("attention_bias", False) and not qwen2,
         mlp_bias=cfg.get("mlp_bias", False),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+        qk_norm=arch.startswith("Qwen3"),
         attn_scale=head_dim**-0.5,
-        moe=moe_config(cfg, arch),
+        moe=moe_config(cfg),
         sliding_window=window,
         layer_types=(cfg.get("layer_types") or [SLIDING] * cfg["num_hidden_layers"]) if window else None,
     )

@@ -27,8 +27,12 @@ from pytgi.engine.models.vision import (
     load_image_processor,
 )
 
-ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration")
-NEXT = "LlavaNextForConditionalGeneration"
+
+def _is_next(hf: dict[str, Any]) -> bool:
+    """LLaVA-NeXT (any-resolution tiles and a row-end embedding), not LLaVA-1.5."""
+    return str(hf["architectures"][0]).startswith("LlavaNext")
+
+
 PREFIXES = {  # checkpoint prefix → part
     "model.image_newline": "newline",  # LLaVA-NeXT's row end
     "image_newline": "newline",
@@ -41,7 +45,7 @@ def hf_config(hf: dict[str, Any]) -> Any:
     most of the language model's and the tower's out)."""
     from transformers import LlavaConfig, LlavaNextConfig
 
-    config_cls: Any = LlavaNextConfig if hf["architectures"][0] == NEXT else LlavaConfig
+    config_cls: Any = LlavaNextConfig if _is_next(hf) else LlavaConfig
     return config_cls(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
 
 
@@ -68,7 +72,7 @@ class LlavaImages:
         token, positions = vision_spec(hf)
         self.processor = load_image_processor(path)
         self.layout: ImageLayout = Fixed(token=token, positions=positions)
-        if hf["architectures"][0] == NEXT:
+        if _is_next(hf):
             crop = self.processor.crop_size
             side = crop["height"] if isinstance(crop, dict) else crop.height
             vision = hf_config(hf).vision_config
@@ -112,7 +116,7 @@ class LlavaModel(VisionLanguageModel):
         from transformers.models.llava_next.modeling_llava_next import LlavaNextMultiModalProjector
 
         vision_spec(hf)  # refuses a tower it does not know
-        self.next = hf["architectures"][0] == NEXT
+        self.next = _is_next(hf)
         projector_cls: Any = LlavaNextMultiModalProjector if self.next else LlavaMultiModalProjector
         config = hf_config(hf)
         self.tower = AutoModel.from_config(config.vision_config)

@@ -7,16 +7,15 @@ import dataclasses
 import json
 import math
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from pytgi.core.errors import ConfigError, UnsupportedModel
-from pytgi.core.pooling import DECODER_POOLERS
+from pytgi.core.families import VISION, Family, causal_lm, family_of, own_architectures
 from pytgi.engine import kernels
-from pytgi.engine.models import gemma3_vision, idefics3, llava, qwen2_vl
 from pytgi.engine.models.checkpoint_quant import (
     QuantizedCheckpoint,
     UnsupportedQuantization,
@@ -24,41 +23,12 @@ from pytgi.engine.models.checkpoint_quant import (
     read_quantization,
 )
 from pytgi.engine.models.cpu import Kernels
-from pytgi.engine.models.decoder import DecoderConfig, DecoderModel, StepImages
-from pytgi.engine.models.gemma import gemma_config
+from pytgi.engine.models.decoder import DecoderModel, StepImages
 from pytgi.engine.models.gguf_weights import GGUFWeights, open_gguf
-from pytgi.engine.models.gpt_oss import ARCHITECTURES as GPT_OSS_ARCHITECTURES
-from pytgi.engine.models.gpt_oss import gpt_oss_config
-from pytgi.engine.models.llama import SUPPORTED_ARCHITECTURES as LLAMA_ARCHITECTURES
-from pytgi.engine.models.llama import llama_config
 from pytgi.engine.models.moe import SparseMoE
 from pytgi.engine.models.quant import resolve_plan
-from pytgi.engine.models.qwen3_next import ARCHITECTURES as QWEN3_NEXT_ARCHITECTURES
-from pytgi.engine.models.qwen3_next import VLM_ARCHITECTURES as QWEN3_5_VLM_ARCHITECTURES
-from pytgi.engine.models.qwen3_next import qwen3_5_vlm_config, qwen3_next_config
+from pytgi.engine.models.registry import config_reader, decoder_config, model_class
 from pytgi.engine.models.safetensors_files import iter_safetensors
-
-# architecture → its config.json read as a `DecoderConfig` (every family runs on `DecoderModel`)
-MODELS: dict[str, Callable[[dict[str, Any]], DecoderConfig]] = {
-    **{arch: llama_config for arch in LLAMA_ARCHITECTURES},
-    "Gemma3ForCausalLM": gemma_config,
-    "Gemma2ForCausalLM": gemma_config,  # Gemma 3's layers, without q/k norms, soft-capped
-    **{arch: gpt_oss_config for arch in GPT_OSS_ARCHITECTURES},
-    **{arch: qwen3_next_config for arch in QWEN3_NEXT_ARCHITECTURES},
-    **{arch: qwen3_5_vlm_config for arch in QWEN3_5_VLM_ARCHITECTURES},
-}
-# vision-language architecture → its model class (a vision part before `DecoderModel`) and the
-# language model's config.json read from its own
-VISION: dict[str, tuple[Any, Callable[[dict[str, Any]], dict[str, Any]]]] = {
-    **{arch: (llava.LlavaModel, llava.text_config) for arch in llava.ARCHITECTURES},
-    **{arch: (idefics3.Idefics3Model, idefics3.text_config) for arch in idefics3.ARCHITECTURES},
-    **{arch: (qwen2_vl.Qwen2VLModel, qwen2_vl.text_config) for arch in qwen2_vl.ARCHITECTURES},
-    **{
-        arch: (gemma3_vision.Gemma3VisionModel, gemma3_vision.text_config)
-        for arch in gemma3_vision.ARCHITECTURES
-    },
-}
-SUPPORTED_ARCHITECTURES = (*MODELS, *VISION)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,18 +69,26 @@ def model_impl(cfg: dict[str, Any], path: Path, impl: str = "auto") -> str:
     if impl not in MODEL_IMPLS:
         raise ValueError(f"unknown model implementation {impl!r} ({' | '.join(MODEL_IMPLS)})")
     arch = (cfg.get("architectures") or [None])[0]
-    arch = DECODER_POOLERS.get(arch, arch)  # a decoder's classifier or bare model: its causal LM's code
-    if impl == "transformers" or (
-        impl == "auto" and arch not in SUPPORTED_ARCHITECTURES and arch is not None
-    ):
+    arch = causal_lm(arch) or arch  # a decoder's classifier or bare model: its causal LM's code
+    own = family_of(arch) is not None
+    if impl == "transformers" or (impl == "auto" and not own and arch is not None):
         return "transformers"
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if not own:
         raise UnsupportedModel(
             f"architecture {arch!r} of {path} is not supported; pytgi runs "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} "
+            f"{', '.join(own_architectures())} "
             "(--model-impl auto runs others through transformers' model code)"
         )
     return "pytgi"
+
+
+def model_family(path: Path, impl: str = "auto") -> Family | None:
+    """The family whose code runs the model (None: transformers' code runs it)."""
+    hf = read_config(path)
+    if model_impl(hf, path, impl) == "transformers":
+        return None
+    arch = (hf.get("architectures") or [None])[0]
+    return family_of(causal_lm(arch) or arch)
 
 
 def eos_token_ids(path: Path) -> frozenset[int]:
@@ -257,13 +235,11 @@ def load_model(
             )
         from pytgi.engine.models.transformers_impl import TransformersModel
 
-        return TransformersModel(path, dtype, device, cpu, attention, SUPPORTED_ARCHITECTURES)
-    arch = hf["architectures"][0]
-    vision = VISION.get(arch)
-    text = vision[1](hf) if vision else hf
-    if (causal := DECODER_POOLERS.get(text["architectures"][0])) is not None:
-        text = {**text, "architectures": [causal]}  # its layers are its causal LM's
-    cfg = MODELS[text["architectures"][0]](text)
+        return TransformersModel(path, dtype, device, cpu, attention, own_architectures())
+    family = family_of(hf["architectures"][0])
+    vision = family if family is not None and family.kind == VISION else None
+    text = config_reader(vision)(hf) if vision else hf
+    cfg = decoder_config(text, path)
     aside: dict[str, torch.Tensor] = {}
     if head != "lm":  # the LM head is not used: tied to the embedding (no memory), not read
         if vision:
@@ -311,7 +287,7 @@ def load_model(
     ):
         model = DecoderModel(cfg, cpu, attention)
         if vision:
-            model = vision[0](hf, model)
+            model = model_class(vision)(hf, model)
     if gguf is not None:
         tensors = gguf.dense_tensors()
     elif (hf.get("quantization_config") or {}).get("quant_method") == "mxfp4":

@@ -23,7 +23,6 @@ from pytgi.core.image_layouts import Merge
 from pytgi.engine.models.decoder import DecoderModel
 from pytgi.engine.models.vision import Expanded, VisionLanguageModel, load_image_processor
 
-ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration")
 # checkpoint prefix → part: transformers 5's names, then the Hub's older ones (the decoder at `model.`)
 PREFIXES = {
     "model.language_model.": "text",

@@ -21,12 +21,6 @@ from pytgi.engine.models.decoder import FULL, LINEAR, DecoderConfig
 from pytgi.engine.models.linear_attention import LinearAttnConfig
 from pytgi.engine.models.llama import llama_config, moe_config
 
-ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
-# Qwen3.5 as published: vision-language checkpoints; served as text (their vision tower not read yet)
-VLM_ARCHITECTURES = {
-    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
-}
 # checkpoint tensors these models do not use: the multi-token-prediction layers, a VLM's vision tower
 IGNORED = ("mtp.", "model.mtp.")
 VLM_IGNORED = (*IGNORED, "model.visual.")
@@ -36,7 +30,8 @@ def qwen3_5_vlm_config(cfg: dict[str, Any]) -> DecoderConfig:
     """A Qwen3.5 vision-language checkpoint's language model (`model.language_model.*`)."""
     text = dict(cfg.get("text_config") or {})
     text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
-    text["architectures"] = [VLM_ARCHITECTURES[cfg["architectures"][0]]]
+    # Qwen3_5ForConditionalGeneration → Qwen3_5ForCausalLM, the MoE's alike
+    text["architectures"] = [cfg["architectures"][0].replace("ForConditionalGeneration", "ForCausalLM")]
     return dataclasses.replace(qwen3_next_config(text), ignored_weights=VLM_IGNORED)
 
 
@@ -66,7 +61,7 @@ def qwen3_next_config(cfg: dict[str, Any]) -> DecoderConfig:
     layout = cfg.get("linear_layout") or {}  # a GGUF file's, as pytgi's conversion notes it
     moe = None
     if arch != "Qwen3_5ForCausalLM" and (cfg.get("num_experts") or 0) > 0:
-        moe = moe_config(cfg, "Qwen3MoeForCausalLM")
+        moe = moe_config(cfg)
     return dataclasses.replace(
         base,
         intermediate_size=cfg.get("intermediate_size") or cfg.get("moe_intermediate_size") or 0,

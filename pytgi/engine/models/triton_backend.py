@@ -69,6 +69,7 @@ def triton_metadata(
 
 class TritonAttention(TorchAttention):
     captures_decode = True  # a decode step's launches read only device tensors: CUDA graphs replay it
+    fp8_cache = True  # its rotary kernel writes e4m3 keys and values, its attention reads them
 
     def prepare(  # type: ignore[override]
         self, layout: StepLayout, device: torch.device, window: int | None = None

@@ -1,0 +1,467 @@
+"""Every model family pytgi runs with its own code, declared once (no torch).
+
+A `Family` says which Hugging Face architectures it is (as a generator, an embedder, a
+cross-encoder), which names llama.cpp writes for it in a GGUF file, where its code is (a module of
+`pytgi.engine.models` and the function there that reads its config.json, or its model class), and
+what it can do: its attention kinds, a recurrent state, images, experts, LoRA, speculation, tensor
+parallelism, CUDA graphs, KV-cache dtypes, and the chat formats its published templates use.
+
+Every list of models in pytgi is read from `FAMILIES`: the loader's table of config readers
+(`pytgi.engine.models.registry`), the pooling tasks (`pytgi.core.pooling`), the GGUF names
+(`pytgi.core.gguf_convert`), the encoders, the fallback's list of what pytgi runs itself, and
+docs/models.md's support table (`python -m pytgi.core.families docs/models.md`, kept current by
+a test). A capability question ("can this model take LoRA adapters?") is a lookup here, never a
+probe of a loaded module. Adding a family is one model file and one entry below (docs/models.md,
+"Adding a model family").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# attention kinds (`Family.attention`)
+FULL = "full"  # softmax over the whole context
+SLIDING = "sliding"  # within a window, on some or all layers
+SINKS = "sinks"  # a learned logit per head in every softmax (gpt-oss)
+SOFTCAP = "softcap"  # cap · tanh(score / cap) (Gemma 2)
+GATED = "gated"  # the output gated per head (Qwen3-Next)
+ATTENTION_KINDS = (FULL, SLIDING, SINKS, SOFTCAP, GATED)
+# what a family's code is (`Family.kind`)
+DECODER, VISION, ENCODER = "decoder", "vision", "encoder"
+KV_DTYPES = ("auto", "bf16", "int8", "fp8")  # --kv-cache-dtype
+REGENERATE = "`python -m pytgi.core.families docs/models.md`"
+
+
+@dataclass(frozen=True, slots=True)
+class GgufName:
+    """A `general.architecture` llama.cpp writes, and the Hugging Face architecture and model_type it
+    reads as. `experts`: the name stands for this architecture only when the file has experts (or
+    only when it has none: False); None: either way."""
+
+    name: str
+    architecture: str
+    model_type: str
+    experts: bool | None = None
+    permuted_qk: bool = False  # llama.cpp's converter interleaved the q and k rows (its "llama" order)
+    # metadata keys (after "<name>.") read into config.json's keys, beyond those every file has
+    keys: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    name: str  # as users say it: "Qwen3", "Gemma 2"
+    module: str  # its code: a module of pytgi.engine.models
+    generators: tuple[str, ...] = ()  # architectures served as generators
+    embedders: tuple[str, ...] = ()  # ... as embedding models (a decoder saved without its head)
+    classifiers: tuple[str, ...] = ()  # ... as cross-encoders (a score or classification head)
+    # decoders: the function of `module` reading config.json into a DecoderConfig; vision: the one
+    # reading the language model's config.json out of the whole model's
+    config: str = ""
+    model: str = ""  # vision and encoders: the model class in `module`
+    kind: str = DECODER
+    gguf: tuple[GgufName, ...] = ()
+    attention: frozenset[str] = frozenset({FULL})
+    recurrent: bool = False  # layers that keep a state between steps (a state pool)
+    experts: bool = False  # a sparse mixture of experts
+    images: str | None = None  # the image layout (pytgi.core.image_layouts) of a vision family
+    lora: bool = True
+    speculation: bool = True  # n-gram and draft-model speculation
+    tensor_parallel: bool = True  # --num-shard
+    cuda_graphs: bool = True
+    kv_dtypes: tuple[str, ...] = KV_DTYPES
+    # the formats its published chat templates use: tool calls (pytgi.api.chat.tools' styles) and the
+    # reasoning parser that splits its thinking (--reasoning-parser); informational until a request asks
+    tools: tuple[str, ...] = ()
+    reasoning: str | None = None
+    note: str = ""  # what the support table adds (one clause)
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        return (*self.generators, *self.embedders, *self.classifiers)
+
+
+_PLAIN = frozenset({FULL})
+_WINDOWED = frozenset({FULL, SLIDING})
+
+
+def _llama_like(
+    name: str,
+    prefix: str,
+    gguf: tuple[GgufName, ...],
+    attention: frozenset[str] = _PLAIN,
+    pooling: bool = True,
+    **kw: object,
+) -> Family:
+    """A family on `llama.py`'s reader: `prefix`ForCausalLM, and its bare model and classifier."""
+    return Family(
+        name=name,
+        module="llama",
+        config="llama_config",
+        generators=(f"{prefix}ForCausalLM",),
+        embedders=(f"{prefix}Model",) if pooling else (),
+        classifiers=(f"{prefix}ForSequenceClassification",) if pooling else (),
+        gguf=gguf,
+        attention=attention,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+FAMILIES: tuple[Family, ...] = (
+    _llama_like(
+        "Llama",
+        "Llama",
+        (GgufName("llama", "LlamaForCausalLM", "llama", experts=False, permuted_qk=True),),
+        tools=("llama3_json", "pythonic"),
+        note="Llama 2/3/3.x, SmolLM2, and most fine-tunes",
+    ),
+    _llama_like(
+        "Mistral",
+        "Mistral",
+        (),  # llama.cpp writes Mistral as "llama"
+        attention=_WINDOWED,
+        tools=("mistral", "mistral_v11"),
+        note="a window where the checkpoint sets one (then no CUDA graphs nor FP8 cache)",
+    ),
+    _llama_like("Qwen2", "Qwen2", (GgufName("qwen2", "Qwen2ForCausalLM", "qwen2"),), tools=("hermes",)),
+    _llama_like(
+        "Qwen3",
+        "Qwen3",
+        (GgufName("qwen3", "Qwen3ForCausalLM", "qwen3"),),
+        tools=("hermes",),
+        reasoning="qwen3",
+    ),
+    _llama_like(
+        "Phi-3",
+        "Phi3",
+        (GgufName("phi3", "Phi3ForCausalLM", "phi3"),),
+        pooling=False,
+        note="q, k, v and gate, up fused in the checkpoint",
+    ),
+    _llama_like(
+        "Mixtral",
+        "Mixtral",
+        (GgufName("llama", "MixtralForCausalLM", "mixtral", experts=True, permuted_qk=True),),
+        attention=_WINDOWED,
+        pooling=False,
+        experts=True,
+        cuda_graphs=False,
+        tools=("mistral",),
+        note="experts packed per expert; LoRA on the attention projections, not the experts",
+    ),
+    _llama_like(
+        "Qwen2-MoE",
+        "Qwen2Moe",
+        (GgufName("qwen2moe", "Qwen2MoeForCausalLM", "qwen2_moe"),),
+        pooling=False,
+        experts=True,
+        cuda_graphs=False,
+        tools=("hermes",),
+        note="a shared expert beside the routed ones",
+    ),
+    _llama_like(
+        "Qwen3-MoE",
+        "Qwen3Moe",
+        (GgufName("qwen3moe", "Qwen3MoeForCausalLM", "qwen3_moe"),),
+        pooling=False,
+        experts=True,
+        cuda_graphs=False,
+        tools=("hermes",),
+        reasoning="qwen3",
+    ),
+    Family(
+        name="Granite",
+        module="granite",
+        config="granite_config",
+        generators=("GraniteForCausalLM",),
+        gguf=(
+            GgufName(
+                "granite",
+                "GraniteForCausalLM",
+                "granite",
+                permuted_qk=True,
+                keys=(
+                    ("attention.scale", "attention_multiplier"),
+                    ("embedding_scale", "embedding_multiplier"),
+                    ("residual_scale", "residual_multiplier"),
+                    ("logit_scale", "logits_scaling"),
+                ),
+            ),
+        ),
+        note="IBM Granite 3.x: Llama with embedding, attention, residual and logit multipliers",
+    ),
+    Family(
+        name="Gemma 2",
+        module="gemma",
+        config="gemma_config",
+        generators=("Gemma2ForCausalLM",),
+        gguf=(GgufName("gemma2", "Gemma2ForCausalLM", "gemma2"),),
+        attention=frozenset({FULL, SLIDING, SOFTCAP}),
+        cuda_graphs=False,
+        kv_dtypes=("auto", "bf16", "int8"),
+        note="Gemma 3's layers without q/k norms, attention and logits soft-capped",
+    ),
+    Family(
+        name="Gemma 3",
+        module="gemma",
+        config="gemma_config",
+        generators=("Gemma3ForCausalLM",),
+        gguf=(GgufName("gemma3", "Gemma3ForCausalLM", "gemma3_text"),),
+        attention=_WINDOWED,
+        cuda_graphs=False,
+        kv_dtypes=("auto", "bf16", "int8"),
+        note="five sliding layers of six, each kind with its own RoPE base",
+    ),
+    Family(
+        name="gpt-oss",
+        module="gpt_oss",
+        config="gpt_oss_config",
+        generators=("GptOssForCausalLM",),
+        gguf=(GgufName("gpt-oss", "GptOssForCausalLM", "gpt_oss"),),
+        attention=frozenset({FULL, SLIDING, SINKS}),
+        experts=True,
+        cuda_graphs=False,
+        kv_dtypes=("auto", "bf16", "int8"),
+        tools=("harmony",),
+        reasoning="harmony",
+        note=(
+            "the published MXFP4 checkpoints' experts stay 4-bit on a CPU with the low-bit kernel; "
+            "`--quantize` takes the attention linears; LoRA not tested"
+        ),
+    ),
+    Family(
+        name="Qwen3-Next / Qwen3.5",
+        module="qwen3_next",
+        config="qwen3_next_config",
+        generators=("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
+        gguf=(
+            GgufName("qwen3next", "Qwen3NextForCausalLM", "qwen3_next"),
+            GgufName("qwen35", "Qwen3_5ForCausalLM", "qwen3_5_text"),
+            GgufName("qwen35moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+        ),
+        attention=frozenset({FULL, GATED}),
+        recurrent=True,
+        experts=True,
+        lora=False,
+        speculation=False,
+        cuda_graphs=False,
+        kv_dtypes=("auto", "bf16", "int8"),
+        tools=("hermes",),
+        reasoning="qwen3",
+        note=(
+            "gated DeltaNet layers on a state pool; `--num-shard 1` for `qwen35` GGUF files (llama.cpp "
+            "reorders their value heads)"
+        ),
+    ),
+    Family(
+        name="Qwen3.5 (vision checkpoints, as text)",
+        module="qwen3_next",
+        config="qwen3_5_vlm_config",
+        generators=("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
+        attention=frozenset({FULL, GATED}),
+        recurrent=True,
+        experts=True,
+        lora=False,
+        speculation=False,
+        cuda_graphs=False,
+        kv_dtypes=("auto", "bf16", "int8"),
+        tools=("hermes",),
+        reasoning="qwen3",
+        note="the language model only: the vision tower and MTP layers are not read",
+    ),
+    Family(
+        name="LLaVA, LLaVA-NeXT",
+        module="llava",
+        kind=VISION,
+        lora=False,
+        config="text_config",
+        model="LlavaModel",
+        generators=("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"),
+        images="Fixed, AnyRes",
+        kv_dtypes=("auto", "bf16", "int8"),
+        note="transformers' vision tower and projector before pytgi's decoder",
+    ),
+    Family(
+        name="Idefics3, SmolVLM",
+        module="idefics3",
+        kind=VISION,
+        lora=False,
+        config="text_config",
+        model="Idefics3Model",
+        generators=("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
+        images="Tiles",
+        kv_dtypes=("auto", "bf16", "int8"),
+    ),
+    Family(
+        name="Qwen2-VL, Qwen2.5-VL",
+        module="qwen2_vl",
+        kind=VISION,
+        lora=False,
+        config="text_config",
+        model="Qwen2VLModel",
+        generators=("Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration"),
+        images="Merge",
+        kv_dtypes=("auto", "bf16", "int8"),
+        tools=("hermes",),
+        note="M-RoPE positions for image rows",
+    ),
+    Family(
+        name="Gemma 3 (vision)",
+        module="gemma3_vision",
+        kind=VISION,
+        lora=False,
+        config="text_config",
+        model="Gemma3VisionModel",
+        generators=("Gemma3ForConditionalGeneration",),
+        attention=_WINDOWED,
+        images="Fixed",
+        cuda_graphs=False,
+        kv_dtypes=("auto", "bf16", "int8"),
+    ),
+    Family(
+        name="BERT",
+        module="encoder",
+        kind=ENCODER,
+        model="EncoderModel",
+        embedders=("BertModel",),
+        classifiers=("BertForSequenceClassification",),
+        lora=False,
+        speculation=False,
+        tensor_parallel=False,
+        cuda_graphs=False,
+        kv_dtypes=(),
+        note="bidirectional; sentence-transformers pooling",
+    ),
+    Family(
+        name="RoBERTa, XLM-RoBERTa",
+        module="encoder",
+        kind=ENCODER,
+        model="EncoderModel",
+        embedders=("RobertaModel", "XLMRobertaModel"),
+        classifiers=("RobertaForSequenceClassification", "XLMRobertaForSequenceClassification"),
+        lora=False,
+        speculation=False,
+        tensor_parallel=False,
+        cuda_graphs=False,
+        kv_dtypes=(),
+    ),
+    Family(
+        name="ModernBERT",
+        module="modernbert",
+        kind=ENCODER,
+        model="ModernEncoder",
+        embedders=("ModernBertModel",),
+        classifiers=("ModernBertForSequenceClassification",),
+        attention=_WINDOWED,
+        lora=False,
+        speculation=False,
+        tensor_parallel=False,
+        cuda_graphs=False,
+        kv_dtypes=(),
+    ),
+)
+
+# every architecture → its family (an architecture belongs to one family: checked by a test)
+BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}
+
+
+def family_of(architecture: str | None) -> Family | None:
+    """The family whose code runs `architecture` (None: pytgi has none; transformers' fallback may)."""
+    return BY_ARCHITECTURE.get(architecture or "")
+
+
+def own_architectures(kind: str | None = None) -> tuple[str, ...]:
+    """Every architecture pytgi runs itself (of one kind of code: DECODER, VISION, ENCODER)."""
+    return tuple(a for f in FAMILIES if kind in (None, f.kind) for a in f.architectures)
+
+
+def gguf_names() -> tuple[str, ...]:
+    """The `general.architecture` names pytgi reads, each once."""
+    return tuple(dict.fromkeys(g.name for f in FAMILIES for g in f.gguf))
+
+
+def gguf_architecture(name: str, experts: bool) -> GgufName | None:
+    """What a GGUF file of `general.architecture` `name` is (with experts or not)."""
+    for f in FAMILIES:
+        for g in f.gguf:
+            if g.name == name and g.experts in (None, experts):
+                return g
+    return None
+
+
+def gguf_of_model_type(model_type: str) -> GgufName | None:
+    """The GGUF name a converted file's model_type came from."""
+    return next((g for f in FAMILIES for g in f.gguf if g.model_type == model_type), None)
+
+
+def causal_lm(architecture: str | None) -> str | None:
+    """A decoder's bare model or classifier (`Qwen3Model`, `Qwen3ForSequenceClassification`): the
+    causal LM whose layers it has (`Qwen3ForCausalLM`); None for anything else."""
+    f = family_of(architecture)
+    if f is None or f.kind != DECODER or architecture in f.generators or not f.generators:
+        return None
+    return f.generators[0]
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+START, END = "<!-- families: generated -->", "<!-- families: end -->"
+
+
+def markdown() -> str:
+    """docs/models.md's support table, one row a family (between its START and END lines)."""
+    head = (
+        "| family | architectures | GGUF | code | attention | state, experts, images | pooling | LoRA | "
+        "speculation | `--num-shard` | CUDA graphs | KV dtypes | tools, reasoning | notes |"
+    )
+    rows = [
+        START,
+        f"<!-- Generated from pytgi/core/families.py ({REGENERATE}); a unit test keeps it current. -->",
+        "",
+        head,
+        "|" + "---|" * (head.count(" | ") + 1),
+    ]
+    for f in FAMILIES:
+        extra = [
+            *(["recurrent state"] if f.recurrent else []),
+            *(["experts"] if f.experts else []),
+            *([f"images ({f.images})"] if f.images else []),
+        ]
+        pooling = [*(["embed"] if f.embedders else []), *(["classify"] if f.classifiers else [])]
+        formats = [*f.tools, *([f"reasoning: {f.reasoning}"] if f.reasoning else [])]
+        cells = [
+            f.name,
+            ", ".join(f"`{a}`" for a in f.architectures),
+            ", ".join(dict.fromkeys(f"`{g.name}`" for g in f.gguf)) or "—",
+            f"`{f.module}.py`" + (f" (`{f.config or f.model}`)" if f.config or f.model else ""),
+            ", ".join(k for k in ATTENTION_KINDS if k in f.attention),
+            ", ".join(extra) or "—",
+            ", ".join(pooling) or "—",
+            _yes(f.lora),
+            _yes(f.speculation),
+            _yes(f.tensor_parallel),
+            _yes(f.cuda_graphs),
+            ", ".join(f.kv_dtypes) or "—",
+            ", ".join(formats) or "—",
+            f.note,
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join([*rows, END]) + "\n"
+
+
+def with_table(doc: str) -> str:
+    """`doc` (docs/models.md) with its generated section replaced by today's table."""
+    start, end = doc.index(START), doc.index(END) + len(END) + 1
+    return doc[:start] + markdown() + doc[end:]
+
+
+if __name__ == "__main__":  # python -m pytgi.core.families docs/models.md: the table rewritten in place
+    import sys
+    from pathlib import Path
+
+    if len(sys.argv) > 1:
+        path = Path(sys.argv[1])
+        path.write_text(with_table(path.read_text()))
+    else:
+        print(markdown(), end="")
