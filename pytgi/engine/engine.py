@@ -23,7 +23,7 @@ from pytgi.core.adapters import AdapterError
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import ConfigError, DistributedError, InvalidRequest, UnsupportedModel
 from pytgi.core.image_geometry import image_places
-from pytgi.core.model_files import resolve_adapters, resolve_model
+from pytgi.core.model_files import ResolvedModel, resolve_adapters, resolve_model
 from pytgi.core.paths import files_stamp
 from pytgi.core.pooling import (
     DECODER_CLASSIFIERS,
@@ -61,9 +61,16 @@ class LLMEngine:
     """`runner_cls` builds rank 0's runner from the placed config (tests pass a subclass that
     fails on purpose)."""
 
-    def __init__(self, config: EngineConfig, runner_cls: type[ModelRunner] = ModelRunner) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner_cls: type[ModelRunner] = ModelRunner,
+        model: ResolvedModel | None = None,
+    ) -> None:
+        """`model`: `config.model` resolved already (`start_engine` resolves it once)."""
         config.validate()
-        model = resolve_model(config.model, progress=config.progress, revision=config.revision)
+        if model is None:
+            model = resolve_model(config.model, progress=config.progress, revision=config.revision)
         model_path, model_id = model.path, model.model_id
         task = model_task(model_path, config.task)
         if task != "generate" and is_encoder(model_path):  # pytgi.engine.pooler's

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -23,6 +23,11 @@ from pytgi.core import protocol as P
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import UserError
 from pytgi.core.logs import setup_logging
+
+if TYPE_CHECKING:  # imported when the engine starts (the process answers its parent first)
+    from pytgi.engine.engine import LLMEngine
+    from pytgi.engine.pooler import PoolingEngine
+    from pytgi.engine.runner import ModelRunner
 
 log = logging.getLogger("pytgi.engine")
 IDLE_POLL_MS = 500  # idle: heartbeat and parent check this often
@@ -137,10 +142,12 @@ class EngineLoop:
         self.outbox.send(P.encoder.encode(msg), copy=False)
 
 
-def start_engine(config: EngineConfig, runner_cls: type | None = None) -> Any:
+def start_engine(
+    config: EngineConfig, runner_cls: type[ModelRunner] | None = None
+) -> LLMEngine | PoolingEngine:
     """The engine for what the model is for (pytgi.core.pooling.model_task): `PoolingEngine` for an
     encoder (an embedding model or a cross-encoder), `LLMEngine` for a causal LM (a generator, or an
-    embedder or reranker computed on the paged KV cache)."""
+    embedder or reranker computed on the paged KV cache). The model is resolved here, once."""
     from pytgi.core.model_files import resolve_model
     from pytgi.core.pooling import is_encoder
 
@@ -152,10 +159,10 @@ def start_engine(config: EngineConfig, runner_cls: type | None = None) -> Any:
     from pytgi.engine.engine import LLMEngine
     from pytgi.engine.runner import ModelRunner
 
-    return LLMEngine(config, runner_cls or ModelRunner)
+    return LLMEngine(config, runner_cls or ModelRunner, model)
 
 
-def main(argv: list[str] | None = None, runner_cls: type | None = None) -> int:
+def main(argv: list[str] | None = None, runner_cls: type[ModelRunner] | None = None) -> int:
     """`runner_cls`: rank 0's runner class, `ModelRunner` by default (a test engine process passes
     a subclass that fails some steps)."""
     ap = argparse.ArgumentParser()
