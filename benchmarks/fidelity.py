@@ -4,7 +4,7 @@ negative log-likelihood per token of a held-out text under both, for one model.
     .venv/bin/python benchmarks/fidelity.py --model /path/to/model.gguf [--text FILE] [--tokens 1500]
 
 The text defaults to the first 6,000 characters of docs/architecture.md (prose written after every
-model this is run on was trained). docs/benchmarks.md's figures up to December 2026 used the first
+model this is run on was trained). The figures in docs/history/ up to December 2026 used the first
 6,000 characters of an unpublished design document instead.
 Prints both NLLs and their difference (nats/token); writes benchmarks/results/fidelity-<timestamp>.json.
 """

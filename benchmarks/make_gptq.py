@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """A GPTQ checkpoint (AutoGPTQ's v1 layout: 4-bit, symmetric, group 128, no desc_act) of a Hugging Face
 bf16 model directory, by round to nearest, one tensor at a time: for comparing pytgi's GPTQ path with
-its GGUF path on the same random-weight model (benchmarks/make_shaped.py; docs/benchmarks.md).
+its GGUF path on the same random-weight model (benchmarks/make_shaped.py;
+docs/history/issue-43-pre-quantized.md).
 
     .venv/bin/python benchmarks/make_gptq.py /tmp/llama/llama3b-hf /tmp/llama/llama3b-gptq
 """

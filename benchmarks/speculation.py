@@ -8,7 +8,7 @@ With --llama-server BIN, llama.cpp's server runs the same prompts (as text, chat
 by pytgi's tokenizer) on the same GGUF file, without and with its n-gram speculation
 (`--spec-type ngram-simple --spec-draft-n-max N`), one request at a time, and its own timings give
 its decode tokens/s. Prints a table and writes benchmarks/results/speculation-<timestamp>.json. The
-mixed concurrent load is `pytgi bench --peer pytgi --peer pytgi="--speculate 4"` (docs/benchmarks.md).
+mixed concurrent load is `pytgi bench --peer pytgi --peer pytgi="--speculate 4"` (docs/speculation.md).
 
 With --draft-model PATH the speculative run drafts with that model (`--draft-model-id`) instead of
 n-grams; --dtype sets the model's dtype for both runs (the draft model runs its own fast path), e.g.

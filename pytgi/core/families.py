@@ -17,7 +17,7 @@ probe of a loaded module. Adding a family is one model file and one entry below 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # attention kinds (`Family.attention`)
 FULL = "full"  # softmax over the whole context
@@ -104,6 +104,37 @@ def _llama_like(
         attention=attention,
         **kw,  # type: ignore[arg-type]
     )
+
+
+NO_FP8 = ("auto", "bf16", "int8")  # the FP8 cache is read by plain causal attention on Triton only
+# what the entries of one kind share (each entry replaces the rest)
+_HYBRID = Family(  # Qwen3-Next's layers: gated DeltaNet between gated attention layers
+    name="",
+    module="qwen3_next",
+    attention=frozenset({FULL, GATED}),
+    recurrent=True,
+    experts=True,
+    lora=False,
+    speculation=False,
+    cuda_graphs=False,
+    kv_dtypes=NO_FP8,
+    tools=("hermes",),
+    reasoning="qwen3",
+)
+_VISION = Family(  # an image tower before pytgi's decoder; adapters wrap DecoderModel's linears only
+    name="", module="", kind=VISION, config="text_config", lora=False, kv_dtypes=NO_FP8
+)
+_ENCODER = Family(  # whole prompts, no KV cache, one rank
+    name="",
+    module="encoder",
+    kind=ENCODER,
+    model="EncoderModel",
+    lora=False,
+    speculation=False,
+    tensor_parallel=False,
+    cuda_graphs=False,
+    kv_dtypes=(),
+)
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -197,7 +228,7 @@ FAMILIES: tuple[Family, ...] = (
         gguf=(GgufName("gemma2", "Gemma2ForCausalLM", "gemma2"),),
         attention=frozenset({FULL, SLIDING, SOFTCAP}),
         cuda_graphs=False,
-        kv_dtypes=("auto", "bf16", "int8"),
+        kv_dtypes=NO_FP8,
         note="Gemma 3's layers without q/k norms, attention and logits soft-capped",
     ),
     Family(
@@ -208,7 +239,7 @@ FAMILIES: tuple[Family, ...] = (
         gguf=(GgufName("gemma3", "Gemma3ForCausalLM", "gemma3_text"),),
         attention=_WINDOWED,
         cuda_graphs=False,
-        kv_dtypes=("auto", "bf16", "int8"),
+        kv_dtypes=NO_FP8,
         note="five sliding layers of six, each kind with its own RoPE base",
     ),
     Family(
@@ -220,7 +251,7 @@ FAMILIES: tuple[Family, ...] = (
         attention=frozenset({FULL, SLIDING, SINKS}),
         experts=True,
         cuda_graphs=False,
-        kv_dtypes=("auto", "bf16", "int8"),
+        kv_dtypes=NO_FP8,
         tools=("harmony",),
         reasoning="harmony",
         note=(
@@ -228,9 +259,9 @@ FAMILIES: tuple[Family, ...] = (
             "`--quantize` takes the attention linears; LoRA not tested"
         ),
     ),
-    Family(
+    replace(
+        _HYBRID,
         name="Qwen3-Next / Qwen3.5",
-        module="qwen3_next",
         config="qwen3_next_config",
         generators=("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
         gguf=(
@@ -238,125 +269,76 @@ FAMILIES: tuple[Family, ...] = (
             GgufName("qwen35", "Qwen3_5ForCausalLM", "qwen3_5_text"),
             GgufName("qwen35moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
         ),
-        attention=frozenset({FULL, GATED}),
-        recurrent=True,
-        experts=True,
-        lora=False,
-        speculation=False,
-        cuda_graphs=False,
-        kv_dtypes=("auto", "bf16", "int8"),
-        tools=("hermes",),
-        reasoning="qwen3",
         note=(
             "gated DeltaNet layers on a state pool; `--num-shard 1` for `qwen35` GGUF files (llama.cpp "
             "reorders their value heads)"
         ),
     ),
-    Family(
+    replace(
+        _HYBRID,
         name="Qwen3.5 (vision checkpoints, as text)",
-        module="qwen3_next",
         config="qwen3_5_vlm_config",
         generators=("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
-        attention=frozenset({FULL, GATED}),
-        recurrent=True,
-        experts=True,
-        lora=False,
-        speculation=False,
-        cuda_graphs=False,
-        kv_dtypes=("auto", "bf16", "int8"),
-        tools=("hermes",),
-        reasoning="qwen3",
         note="the language model only: the vision tower and MTP layers are not read",
     ),
-    Family(
+    replace(
+        _VISION,
         name="LLaVA, LLaVA-NeXT",
         module="llava",
-        kind=VISION,
-        lora=False,
-        config="text_config",
         model="LlavaModel",
         generators=("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration"),
         images="Fixed, AnyRes",
-        kv_dtypes=("auto", "bf16", "int8"),
         note="transformers' vision tower and projector before pytgi's decoder",
     ),
-    Family(
+    replace(
+        _VISION,
         name="Idefics3, SmolVLM",
         module="idefics3",
-        kind=VISION,
-        lora=False,
-        config="text_config",
         model="Idefics3Model",
         generators=("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
         images="Tiles",
-        kv_dtypes=("auto", "bf16", "int8"),
     ),
-    Family(
+    replace(
+        _VISION,
         name="Qwen2-VL, Qwen2.5-VL",
         module="qwen2_vl",
-        kind=VISION,
-        lora=False,
-        config="text_config",
         model="Qwen2VLModel",
         generators=("Qwen2_5_VLForConditionalGeneration", "Qwen2VLForConditionalGeneration"),
         images="Merge",
-        kv_dtypes=("auto", "bf16", "int8"),
         tools=("hermes",),
         note="M-RoPE positions for image rows",
     ),
-    Family(
+    replace(
+        _VISION,
         name="Gemma 3 (vision)",
         module="gemma3_vision",
-        kind=VISION,
-        lora=False,
-        config="text_config",
         model="Gemma3VisionModel",
         generators=("Gemma3ForConditionalGeneration",),
         attention=_WINDOWED,
         images="Fixed",
         cuda_graphs=False,
-        kv_dtypes=("auto", "bf16", "int8"),
     ),
-    Family(
+    replace(
+        _ENCODER,
         name="BERT",
-        module="encoder",
-        kind=ENCODER,
-        model="EncoderModel",
         embedders=("BertModel",),
         classifiers=("BertForSequenceClassification",),
-        lora=False,
-        speculation=False,
-        tensor_parallel=False,
-        cuda_graphs=False,
-        kv_dtypes=(),
         note="bidirectional; sentence-transformers pooling",
     ),
-    Family(
+    replace(
+        _ENCODER,
         name="RoBERTa, XLM-RoBERTa",
-        module="encoder",
-        kind=ENCODER,
-        model="EncoderModel",
         embedders=("RobertaModel", "XLMRobertaModel"),
         classifiers=("RobertaForSequenceClassification", "XLMRobertaForSequenceClassification"),
-        lora=False,
-        speculation=False,
-        tensor_parallel=False,
-        cuda_graphs=False,
-        kv_dtypes=(),
     ),
-    Family(
+    replace(
+        _ENCODER,
         name="ModernBERT",
         module="modernbert",
-        kind=ENCODER,
         model="ModernEncoder",
         embedders=("ModernBertModel",),
         classifiers=("ModernBertForSequenceClassification",),
         attention=_WINDOWED,
-        lora=False,
-        speculation=False,
-        tensor_parallel=False,
-        cuda_graphs=False,
-        kv_dtypes=(),
     ),
 )
 
