@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.fidelity import mean_nll, text_arguments
 from pytgi import LLM
 from pytgi.engine.kernels import gpu, gpu_quant
+from pytgi.engine.loading.model import load_model
 from pytgi.engine.models.attention import TorchAttention
 from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear
-from pytgi.engine.models.loader import load_model
 
 
 def fp8_weight(w: torch.Tensor) -> torch.Tensor:

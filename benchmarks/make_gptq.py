@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pytgi.engine.models.safetensors_files import iter_safetensors
+from pytgi.engine.loading.safetensors_dir import iter_safetensors
 from tests.quant_checkpoints import LINEARS, pack_cols, pack_rows, rtn
 
 

@@ -1,7 +1,7 @@
 """GPTQ, AWQ, compressed-tensors (every format, with that library's own packer and compressors) and FP8
 (block-scaled, HF's `fp8`) checkpoints of a transformers model, written here by each format's published
 layout (AutoGPTQ's v1 GPTQ format or GPTQModel's v2, AutoAWQ's GEMM packing;
-`pytgi.engine.models.checkpoint_quant` describes both), with round-to-nearest levels per group, and the float
+`pytgi.engine.loading.checkpoints` describes both), with round-to-nearest levels per group, and the float
 model that holds exactly their dequantized values (the reference: transformers on the same weights)."""
 
 from __future__ import annotations

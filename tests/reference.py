@@ -13,7 +13,7 @@ def hf_copy(model_dir: str | os.PathLike) -> Path:
     weights stay in the GGUF file), its float32 export (`export_float`), made once into the cache."""
     from pytgi.core.gguf_convert import SOURCE_FILE
     from pytgi.core.paths import cache_dir
-    from pytgi.engine.models.gguf_weights import export_float
+    from pytgi.engine.loading.gguf import export_float
 
     model_dir = Path(model_dir)
     if not (model_dir / SOURCE_FILE).is_file():

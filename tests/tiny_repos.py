@@ -46,7 +46,7 @@ def declared_gguf(path: Path, layers: int, hidden: int, inter: int, qtype: str =
     checking the model's size never notices)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
-    from pytgi.engine.models.gguf_weights import read_tensor_index
+    from pytgi.engine.loading.gguf import read_tensor_index
 
     qt = GGMLQuantizationType[qtype]
     block, size = GGML_QUANT_SIZES[qt]

@@ -272,7 +272,8 @@ class EngineConfig:
             raise ConfigError(f"max_input_tokens ({max_input}) must be < max_total_tokens ({total})")
         prefill = self.max_batch_prefill_tokens or (4096 if device_type == "cuda" else 1024)
         # Off by default: capping prompt tokens while others decode bounds the worst stall a long prompt
-        # causes, but throttles prefill under load (docs/benchmarks.md measures both sides).
+        # causes, but throttles prefill under load (docs/history/2026-11-30-default-model.md measures
+        # both sides).
         cap = self.max_prefill_tokens_while_decoding or 0
         if cap < 0:
             raise ConfigError(f"max_prefill_tokens_while_decoding must be >= 0, got {cap}")

@@ -3,8 +3,8 @@
 A GGUF file is read once into a small directory in the cache (config.json, tokenizer.json,
 tokenizer_config.json, generation_config.json, quantization.json with every tensor's type, and
 gguf.json naming the file's parts). The weights stay in the GGUF file: the loader reads them from
-there at every start, one tensor at a time (`pytgi.engine.models.gguf_weights`), so no copy of the model
-is ever written. `pytgi.engine.models.gguf_weights.export_float` writes a float32 safetensors copy for
+there at every start, one tensor at a time (`pytgi.engine.loading.gguf`), so no copy of the model
+is ever written. `pytgi.engine.loading.gguf.export_float` writes a float32 safetensors copy for
 tools that want one (transformers, as the fidelity tests do).
 """
 

@@ -23,9 +23,9 @@ from pytgi.engine import distributed as dist
 from pytgi.engine import kernels
 from pytgi.engine.cuda_graphs import DecodeGraphs
 from pytgi.engine.models.attention import StepLayout
+from pytgi.engine.models.causal_lm import CausalLM
 from pytgi.engine.models.decoder import StepImages
 from pytgi.engine.models.layers import dynamic_rope
-from pytgi.engine.models.loader import CausalLM
 
 
 @dataclass(slots=True)

@@ -31,8 +31,8 @@ from pytgi.core.model_files import resolve_model
 from pytgi.engine import distributed as dist
 from pytgi.engine.batch import PagedModel, StepBatch
 from pytgi.engine.kv_cache import BlockManager
+from pytgi.engine.loading.model import load_model, model_family, read_config, resolve_dtype
 from pytgi.engine.models.cpu import Kernels
-from pytgi.engine.models.loader import load_model, model_family, read_config, resolve_dtype
 from pytgi.engine.request import Request
 from pytgi.engine.sampler import row_stats
 from pytgi.engine.speculate import next_length

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from pytgi.core import protocol as P
 from pytgi.core.pooling import PoolingInfo
 from pytgi.engine.batch import PagedModel, StepBatch
+from pytgi.engine.models.causal_lm import CausalLM
+from pytgi.engine.models.decoder import DecoderModel
 from pytgi.engine.models.encoder import embedding, pool
-from pytgi.engine.models.loader import CausalLM
 from pytgi.engine.step import ScheduledRequest, StepOutput
 
 
@@ -35,7 +36,8 @@ class PoolHead:
         self.score: torch.Tensor | None = None
         self.partial: dict[str, list[torch.Tensor]] = {}  # an all-token request's states so far, by chunk
         if task == "classify" and not pooling.label_token_ids:
-            self.score = getattr(model, "score_weight", None)
+            assert isinstance(model, DecoderModel), "a sequence classifier runs on pytgi's decoder"
+            self.score = model.score_weight
             assert self.score is not None, "a sequence classifier loaded without its score head"
 
     def __call__(self, states: torch.Tensor) -> list[torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pytgi import LLM, SamplingParams
-from pytgi.engine.models.loader import load_model
+from pytgi.engine.loading.model import load_model
 
 
 def assert_loop_equals_python_path(fast: LLM, prompts: list, min_loop_steps: int) -> None:

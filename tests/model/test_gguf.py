@@ -75,7 +75,7 @@ def test_a_split_gguf_converts_as_the_whole_file(tmp_path):
     directory as the file written whole; another part, or a missing one, is refused by name."""
     from pytgi.core.errors import GGUFConversionError
     from pytgi.core.gguf_convert import convert_gguf
-    from pytgi.engine.models.gguf_weights import open_gguf
+    from pytgi.engine.loading.gguf import open_gguf
     from tests.tiny_repos import gguf_model
 
     whole = gguf_model(tmp_path / "w-F16.gguf")[0]

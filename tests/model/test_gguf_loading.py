@@ -117,7 +117,7 @@ def test_loading_the_default_gguf_makes_no_float_copy(tmp_path, monkeypatch):
     script = textwrap.dedent("""
         import json, torch
         from pytgi.engine.models.cpu import Kernels
-        from pytgi.engine.models.loader import load_model
+        from pytgi.engine.loading.model import load_model
         from pytgi.core.model_files import resolve_model
         path = resolve_model(None, progress=False).path
         cpu = Kernels.for_device(torch.device("cpu"), torch.bfloat16)  # kernels built before the probe
@@ -173,7 +173,7 @@ def test_safetensors_are_read_as_safetensors_reads_them(tmp_path):
     every dtype and shape as safetensors' own reader gives them, across several files."""
     from safetensors.torch import load_file, save_file
 
-    from pytgi.engine.models.safetensors_files import iter_safetensors
+    from pytgi.engine.loading.safetensors_dir import iter_safetensors
 
     g = torch.Generator().manual_seed(0)
     first = {

@@ -153,8 +153,8 @@ def test_mxfp4_experts_stay_4_bit_in_bf16(mxfp4):
     weight, no float copy): the packed weights hold exactly transformers' values; served, a request
     batched with others gives what it gives alone, and near the float32 tokens."""
     from pytgi.engine import kernels
+    from pytgi.engine.loading.model import load_model
     from pytgi.engine.models.cpu import Kernels
-    from pytgi.engine.models.loader import load_model
     from pytgi.engine.models.moe import SparseMoE
     from pytgi.engine.models.quant import unpack_rows
 
@@ -182,7 +182,7 @@ def test_mxfp4_experts_stay_4_bit_in_bf16(mxfp4):
 
 
 def test_mxfp4_is_refused_beyond_gpt_oss(tmp_path):
-    from pytgi.engine.models.checkpoint_quant import UnsupportedQuantization, read_quantization
+    from pytgi.engine.loading.checkpoints import UnsupportedQuantization, read_quantization
 
     config = {"architectures": ["LlamaForCausalLM"], "quantization_config": {"quant_method": "mxfp4"}}
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -14,9 +14,9 @@ pytest.importorskip("triton")
 from pytgi.core.config import EngineConfig
 from pytgi.core.model_files import resolve_model
 from pytgi.engine.kernels import gpu_quant
+from pytgi.engine.loading.model import load_model
 from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear
-from pytgi.engine.models.loader import load_model
 from pytgi.engine.models.quant import GpuQuantizedWeight, QuantizedLinear
 from pytgi.engine.runner import ModelRunner
 from tests.model.test_gguf_families import prompt_logits, tiny_model, write_gguf

@@ -1,4 +1,4 @@
-"""GPTQ and AWQ checkpoints served as published (`pytgi.engine.models.checkpoint_quant`): written here by
+"""GPTQ and AWQ checkpoints served as published (`pytgi.engine.loading.checkpoints`): written here by
 each format's layout from a tiny random Llama, their float32 path equals transformers on the
 dequantized weights, their bf16 path keeps the levels packed (no float copy) and stays close, and
 formats not served are refused with the list of those that are."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pytgi.core.config import EngineConfig
-from pytgi.engine.models.checkpoint_quant import (
+from pytgi.engine.loading.checkpoints import (
     QuantizedCheckpoint,
     UnsupportedQuantization,
     dequantize,
@@ -23,7 +23,7 @@ from pytgi.engine.models.checkpoint_quant import (
     linear_levels,
     read_quantization,
 )
-from pytgi.engine.models.gguf_weights import group_values
+from pytgi.engine.loading.gguf import group_values
 from pytgi.engine.models.quant import HEAD_KIND, QuantizedLinear
 from pytgi.engine.runner import ModelRunner
 from tests.model.test_gguf_families import prompt_logits, tiny_model

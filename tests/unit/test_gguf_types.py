@@ -19,8 +19,8 @@ gguf = pytest.importorskip("gguf")
 
 from pytgi.core.errors import GGUFConversionError
 from pytgi.engine import kernels
+from pytgi.engine.loading.gguf import GGUFWeights, decode_blocks, decode_blocks_reference
 from pytgi.engine.models.cpu import Kernels
-from pytgi.engine.models.gguf_weights import GGUFWeights, decode_blocks, decode_blocks_reference
 from pytgi.engine.models.quant import (
     SIX_BIT_TYPES,
     LayoutRows,

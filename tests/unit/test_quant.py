@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pytgi.engine import kernels
+from pytgi.engine.loading.gguf import FP4_LEVELS, group_values
 from pytgi.engine.models.cpu import Kernels
-from pytgi.engine.models.gguf_weights import FP4_LEVELS, group_values
 from pytgi.engine.models.quant import (
     LayoutRows,
     QuantizedWeight,

@@ -443,7 +443,7 @@ def gguf_decode(
 ) -> None:
     """GGUF blocks (uint8 [n_blocks, type size], a view of the file's mapping will do) → their levels
     `q` (uint8), steps `d` and offsets `m` per group (float32; None for the symmetric types), written
-    in place: `pytgi.engine.models.gguf_weights.decode_blocks`'s values."""
+    in place: `pytgi.engine.loading.gguf.decode_blocks`'s values."""
     assert blocks.dtype == np.uint8 and blocks.flags.c_contiguous and q.is_contiguous() and d.is_contiguous()
     assert m is None or m.is_contiguous()
     failed = _built().pytgi_gguf_decode(ggml_type, _ptr(blocks), blocks.shape[0], _ptr(q), _ptr(d), _ptr(m))

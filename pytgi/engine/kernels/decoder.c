@@ -2,7 +2,7 @@
  *
  * A decode step of one token runs ~10 kernels per layer; called one by one from Python, each pays
  * for a ctypes call, tensor allocations and module calls, which add up to a sizeable part of a
- * small step (docs/benchmarks.md has the figures). This loop calls the very same kernels
+ * small step (docs/history/2026-11-30-default-model.md has the figures). This loop calls the very same kernels
  * (paged_attention.c, fused.c, qgemv.c) with the same arguments, so its output equals the Python
  * path's bit for bit. pytgi/engine/models/decoder_loop.py uses it when every linear has a packed low-bit
  * weight, attention is all paged, and the model is unsharded and bias-free.

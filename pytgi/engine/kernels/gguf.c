@@ -1,4 +1,4 @@
-/* GGUF's quantized blocks → levels and per-group grids (pytgi/engine/models/gguf_weights.py's `Grid`), at load
+/* GGUF's quantized blocks → levels and per-group grids (pytgi/engine/loading/gguf.py's `Grid`), at load
  * time: the same values as the PyTorch decoders there (their reference), in one pass over the blocks.
  *
  * For every block: q[v] (uint8 level of value v), and per group of 32 (16 for Q2_K, Q3_K, Q6_K) values

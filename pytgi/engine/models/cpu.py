@@ -22,8 +22,8 @@ from pytgi.engine.models.layers import apply_rotary
 @dataclass(frozen=True)
 class Crossovers:
     """Step sizes in tokens where one kernel stops beating the next, measured with
-    `benchmarks/matmul_kernels.py` (figures in docs/benchmarks.md). A step of at most `n` tokens takes the
-    kernel named, a bigger one the alternative."""
+    `benchmarks/matmul_kernels.py` (figures in docs/history/2026-11-30-default-model.md). A step of at
+    most `n` tokens takes the kernel named, a bigger one the alternative."""
 
     lowbit_torch: int = 10  # PyTorch's int4/int8 weight-only kernels, else the bf16 matmul
     lowbit_vnni: int = 32  # qgemv.c without AMX, else the bf16 matmul
@@ -93,7 +93,8 @@ class Kernels:
     def lowbit_max_m(self, vnni: bool, amx: bool) -> int:
         """Steps of at most this many tokens use a weight's low-bit kernel, bigger ones bf16 weights.
         Without bf16 in the CPU (AVX2, AVX-512 without BF16) a bf16 GEMM is emulated, 4-10x slower
-        than the low-bit kernel at every step size (docs/benchmarks.md), so that serves them all.
+        than the low-bit kernel at every step size (docs/history/issue-13-26-small-models-vs-llama-cpp.md),
+        so that serves them all.
         Batch invariant, so does qgemv.c (VNNI or AVX2, with AMX tiles above `vnni_before_amx`: the same
         sums): a bf16 matmul's rows change with the step's size (oneDNN picks its kernel by shape)."""
         if vnni and (self.batch_invariant or (not amx and not self.native_bf16)):

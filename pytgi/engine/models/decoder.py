@@ -24,8 +24,6 @@ may run all its layers in one C call (`pytgi.engine.models.decoder_loop`) for th
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -42,10 +40,8 @@ from pytgi.engine.models.attention import (
     layer_metadata,
 )
 from pytgi.engine.models.backends import get_backend, ops_for
-from pytgi.engine.models.checkpoint_quant import QuantizedCheckpoint, fp8_rows, grid_of, linear_levels
 from pytgi.engine.models.cpu import KernelOps, Kernels, TorchOps
 from pytgi.engine.models.decoder_loop import DecoderLoop, GemmaDecoderLoop
-from pytgi.engine.models.gguf_weights import DECODERS, ROWS_PER_SLICE, GGUFWeights
 from pytgi.engine.models.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -60,19 +56,8 @@ from pytgi.engine.models.layers import (
 from pytgi.engine.models.linear_attention import GatedDeltaNet, LinearAttnConfig, StateBackend
 from pytgi.engine.models.moe import SparseMoE
 from pytgi.engine.models.quant import (
-    GROUP,
-    HEAD_KIND,
-    Fp8Rows,
-    Layout,
-    LayoutRows,
-    QuantizedLinear,
-    QuantizedWeight,
-    float_kind,
-    float_rows,
-    grid_layout,
-    kind_for_gguf_type,
+    merged_kind,
     quantize_model,
-    six_bit,
 )
 
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
@@ -142,6 +127,7 @@ class DecoderConfig:
     # divided by `logit_scale`
     residual_scale: float | None = None
     logit_scale: float | None = None
+    score_labels: int = 0  # a sequence classifier's score head ([labels, hidden], `score.weight`); 0: none
 
 
 def local_heads(cfg: DecoderConfig) -> tuple[int, int, int]:
@@ -337,6 +323,11 @@ class DecoderModel(nn.Module):
         )
         self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.score_weight = (  # a sequence classifier's (`PoolHead`): its last token's labels
+            nn.Parameter(torch.empty(cfg.score_labels, cfg.hidden_size), requires_grad=False)
+            if cfg.score_labels
+            else None
+        )
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(
@@ -447,122 +438,6 @@ class DecoderModel(nn.Module):
         loop = GemmaDecoderLoop if self.config.sandwich_norms else DecoderLoop
         self.decoder_loop = loop.build(self, self.kernels)
 
-    def load_gguf(self, weights: GGUFWeights, plan: dict[str, str], act_dtype: torch.dtype) -> None:
-        """Load a GGUF file's tensors one at a time: the planned linears packed from their blocks' levels
-        and grids (no float copy), the rest dequantized to this model's dtype. Build the model with
-        `torch.empty` weights (untouched pages cost no memory): the packed linears' are never written."""
-        packed: dict[nn.Module, tuple[str, list[str]]] = {}
-        for mod, (kind, names) in self.planned(plan).items():
-            if kind != "bf16" and _packable(weights, mod, kind, names):
-                packed[mod] = (kind, names)
-        own = {id(m): n for n, m in self.named_modules()}
-        experts: dict[SparseMoE, list[str]] = {}
-        for name, mod in self.named_modules():
-            parts = [f"model.{name}.experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-            if parts[0] not in plan:  # gpt-oss's, beside their biases: `...experts.gate_proj.weight`
-                parts = [f"{p}.weight" for p in parts]
-            if (
-                isinstance(mod, SparseMoE)
-                and not self.kernels.triton  # a GPU's experts are dequantized (not packed yet)
-                and mod.local % GROUP == 0
-                and mod.start % GROUP == 0
-                and all(p in plan and weights.type_name(p) in DECODERS for p in parts)
-            ):
-                experts[mod] = parts
-        # the embedding table too: rows read from a packed weight (the tied head's, or its own)
-        table = self.kernels.vnni and act_dtype == torch.bfloat16 and weights.type_name(EMBED) in DECODERS
-        skip = {n for _, names in packed.values() for n in names}
-        skip |= {n for names in experts.values() for n in names}
-        skip.discard(EMBED)  # a tied head's tensor is the table's too: read dense, unless packed rows serve
-        if table:
-            skip.add(EMBED)
-        self.load_weights(
-            weights.dense_tensors(act_dtype, frozenset(skip)),
-            expect_missing={f"{own[id(mod)]}.weight" for mod in packed}
-            | {f"{own[id(mod)]}.{p}" for mod in experts for p in ("gate_up", "down")}
-            | ({"embed_tokens.weight"} if table else set()),
-        )
-        for mod, (gate, up, down) in experts.items():
-            kinds = (merged_kind({plan[gate], plan[up]}) or "int8", plan[down])
-            mod.pack_experts(weights, [gate, up, down], kinds, act_dtype, self.kernels)
-        plan_now = {name: plan[name] for _, names in packed.values() for name in names}
-        if (dense := float_kind(act_dtype, self.kernels.triton)) is not None:
-            # the file's float linears (F32 / F16 / BF16: gpt-oss's attention and head as ggml-org ships
-            # them) on the CPU's bf16 kernel, as a bf16 Hugging Face model's: PyTorch's matmul read them
-            # at half the memory's speed in a decode step
-            for mod, (_, names) in self.planned(dense).items():
-                floats = all(n in weights.tensors and weights.type_name(n) in FLOAT_TYPES for n in names)
-                if mod not in packed and floats:
-                    plan_now |= {n: dense for n in names}
-        self.quantize(
-            plan_now,
-            act_dtype,
-            {mod: functools.partial(_grid_layout, weights, mod, names) for mod, (_, names) in packed.items()},
-        )
-        if table:
-            self._packed_table(weights, act_dtype)
-
-    def load_quantized_checkpoint(self, ckpt: QuantizedCheckpoint, act_dtype: torch.dtype) -> None:
-        """Load a pre-quantized checkpoint (`pytgi.engine.models.checkpoint_quant`): its quantized linears
-        packed from their levels (`CheckpointQuant.kind`, no float copy), the rest as they are; a linear whose
-        shard does not fall on whole groups, or FP8 on CPU, is dequantized instead. On CPU the float
-        linears then take the bf16 kernel, and the LM head `HEAD_KIND` (docs/models.md)."""
-        kind = ckpt.quant.kind
-        packed: dict[nn.Module, list[str]] = {}
-        perms: dict[nn.Module, torch.Tensor] = {}  # GPTQ desc_act: the inputs' order
-        keep = kind != "fp8" or self.kernels.triton  # e4m3 stays e4m3 on CUDA only
-        for mod, (_, names) in self.planned(kind).items() if keep else ():
-            modules = [n.removesuffix(".weight") for n in names]
-            if mod is self.lm_head or not all(m in ckpt.linears for m in modules):
-                continue
-            group = (ckpt.quant.block[1] or 1) if ckpt.quant.float8 else _group(ckpt, modules[0])
-            if isinstance(mod, RowParallelLinear) and mod.in_start % group:
-                continue  # a shard across groups: dequantized
-            order = [ckpt.perm(m) for m in modules]
-            first = order[0]
-            if any(p is not None for p in order):
-                # the parts of a fused linear share one input: one order for all, and a whole input
-                if first is None or not all(p is not None and torch.equal(p, first) for p in order):
-                    continue
-                if isinstance(mod, RowParallelLinear) and mod.local_in != len(first):
-                    continue
-                perms[mod] = first
-            packed[mod] = names
-        own = {id(m): n for n, m in self.named_modules()}
-        skip = frozenset(n.removesuffix(".weight") for names in packed.values() for n in names)
-        self.load_weights(
-            ckpt.dense_tensors(skip), expect_missing={f"{own[id(mod)]}.weight" for mod in packed}
-        )
-        plan = {name: kind for names in packed.values() for name in names}
-        head = self.head_name
-        if (dense := float_kind(act_dtype, self.kernels.triton)) is not None:
-            # the checkpoint's float linears (the LM head, its `ignore` list) on the CPU's own kernels
-            planned = self.planned(dense).items()
-            plan |= {n: dense for mod, (_, names) in planned if mod not in packed for n in names}
-            plan[head] = HEAD_KIND
-        layouts: dict[nn.Module, Any] = {
-            mod: functools.partial(_checkpoint_layout, ckpt, mod, names) for mod, names in packed.items()
-        }
-        if plan.get(head) not in (None, "bf16"):  # quantized a slice of rows at a time
-            layouts[self.lm_head] = functools.partial(float_rows, self.lm_head.weight.data)
-        self.quantize(plan, act_dtype, layouts, perms)
-
-    def _packed_table(self, weights: GGUFWeights, act_dtype: torch.dtype) -> None:
-        """The embedding table as a packed weight's rows: the tied head's, or its own from the file's
-        blocks; dequantized into `weight` where the packed layout cannot hold it."""
-        head = self.lm_head.quant if isinstance(self.lm_head, QuantizedLinear) else None
-        if not (self.config.tie_word_embeddings and head is not None and head.vnni):
-            kind = kind_for_gguf_type(weights.type_name(EMBED)) or "int8"
-            head = QuantizedWeight(
-                kind, _grid_layout(weights, self.embed_tokens, [EMBED], kind), act_dtype, self.kernels
-            )
-            head.dequantized = torch.empty(0)
-        if head.vnni:
-            self.embed_tokens.packed = head
-            self.embed_tokens.weight = nn.Parameter(torch.empty(0, dtype=act_dtype), requires_grad=False)
-        else:
-            self.embed_tokens.load_weight(self.embed_tokens.weight, weights.dense(EMBED, act_dtype))
-
     def _unfused(self, weights: Any) -> Any:
         """Checkpoints that store q, k, v (or gate, up) as one tensor (Phi-3) as separate ones, so each
         part reaches its shard of the fused layer."""
@@ -595,6 +470,8 @@ class DecoderModel(nn.Module):
             name = name.replace(".conv1d.weight", ".conv1d")  # a linear-attention layer's convolution
             if "rotary_emb" in name:
                 continue
+            if name == "score.weight" and self.score_weight is not None:
+                name = "score_weight"
             if ".mlp.experts." in name:  # a mixture of experts' stacked weights
                 layer, rest = name.split(".mlp.", 1)
                 mlp = self.get_submodule(layer + ".mlp")
@@ -625,130 +502,3 @@ class DecoderModel(nn.Module):
 
 
 EMBED = "model.embed_tokens.weight"
-FLOAT_TYPES = {"F32", "F16", "BF16"}  # GGUF's float tensor types
-
-
-def merged_kind(kinds: set[str | None]) -> str | None:
-    """The one layout that holds every part of a fused weight (None: some part is not packed)."""
-    if None in kinds:
-        return None
-    if len(kinds) == 1 and kinds <= {"bf16", "fp8", "int4", "mxfp4"}:
-        return next(iter(kinds))
-    return "int8x16" if "int8x16" in kinds else "int8"
-
-
-def _packable(weights: GGUFWeights, mod: nn.Module, kind: str, names: list[str]) -> bool:
-    """Whether a planned linear's parts can be packed from their levels and grids as they are: every
-    part of a type with a decoder, a row-parallel shard on whole groups."""
-    if not all(weights.type_name(n) in DECODERS for n in names):
-        return False
-    if isinstance(mod, RowParallelLinear):
-        return mod.in_start % GROUP == 0 and mod.local_in % GROUP == 0
-    return True
-
-
-def _in_out(ckpt: QuantizedCheckpoint, module: str) -> tuple[int, int]:
-    """A quantized linear's (inputs, outputs), from the checkpoint's shapes."""
-    if ckpt.quant.parts[0] == "weight":  # one value per element
-        N, K = ckpt.shapes[f"{module}.weight"]
-        return K, N
-    if ckpt.quant.method == "compressed-tensors":
-        packed = ckpt.shapes[f"{module}.weight_packed"]
-        return packed[1] * (32 // ckpt.quant.bits), packed[0]
-    qw = ckpt.shapes[f"{module}.qweight"]
-    K = qw[0] * (32 // ckpt.quant.bits) if ckpt.quant.method == "gptq" else qw[0]
-    return K, ckpt.shapes[f"{module}.scales"][1]
-
-
-def _group(ckpt: QuantizedCheckpoint, module: str) -> int:
-    """A quantized linear's group of inputs in the checkpoint (its whole row for group_size -1)."""
-    if ckpt.quant.method == "compressed-tensors":
-        scale = ckpt.shapes[f"{module}.weight_scale"]
-        return _in_out(ckpt, module)[0] // (scale[1] if len(scale) == 2 else 1)
-    return _in_out(ckpt, module)[0] // ckpt.shapes[f"{module}.scales"][0]
-
-
-def _checkpoint_layout(
-    ckpt: QuantizedCheckpoint, mod: nn.Module, names: list[str], kind: str
-) -> LayoutRows | Fp8Rows:
-    """This rank's part of a quantized checkpoint's linear, in `kind`'s layout, a part at a time."""
-    modules = [n.removesuffix(".weight") for n in names]
-
-    if ckpt.quant.float8:
-        return _fp8_layout(ckpt, mod, modules)
-
-    def slices() -> Iterator[Layout]:
-        for i, module in enumerate(modules):
-            rows = mod.shards[i] if isinstance(mod, ColumnParallelLinear) else None
-            levels, zeros, scales, _ = linear_levels(
-                ckpt.quant, ckpt.parts(module), None if rows is None else (rows[0], rows[0] + rows[1])
-            )
-            if isinstance(mod, RowParallelLinear):
-                group = _group(ckpt, module)
-                cols = slice(mod.in_start, mod.in_start + mod.local_in)
-                levels = levels[:, cols]
-                zeros, scales = (t[:, cols.start // group : cols.stop // group] for t in (zeros, scales))
-            yield grid_of(ckpt.quant, levels, zeros, scales, kind)
-
-    K, N = _in_out(ckpt, modules[0])
-    if isinstance(mod, ColumnParallelLinear):
-        return LayoutRows((sum(mod.shards[i][1] for i in range(len(modules))), K), slices)
-    return LayoutRows((N, mod.local_in if isinstance(mod, RowParallelLinear) else K), slices)
-
-
-def _fp8_layout(ckpt: QuantizedCheckpoint, mod: nn.Module, modules: list[str]) -> Fp8Rows:
-    """This rank's part of an FP8 checkpoint's linear: its parts' rows (and shard) joined."""
-    data, scales = [], []
-    block_k = 0
-    for i, module in enumerate(modules):
-        q, s, block_k = fp8_rows(ckpt.quant, ckpt.parts(module))
-        if isinstance(mod, ColumnParallelLinear):
-            start, size = mod.shards[i]
-            q, s = q[start : start + size], s[start : start + size]
-        elif isinstance(mod, RowParallelLinear):
-            q = q[:, mod.in_start : mod.in_start + mod.local_in]
-            s = s[:, mod.in_start // block_k : -(-(mod.in_start + mod.local_in) // block_k)]
-        data.append(q)
-        scales.append(s)
-    return Fp8Rows(torch.cat(data).contiguous(), torch.cat(scales).contiguous(), block_k)
-
-
-def _grid_layout(weights: GGUFWeights, mod: nn.Module, names: list[str], kind: str) -> LayoutRows:
-    """This rank's part of a linear's weight, read from its parts' blocks a slice of rows at a time,
-    in `kind`'s layout."""
-    ranges: list[tuple[str, int, int, tuple[int, int] | None]] = []  # per part: its rows here, its columns
-    if isinstance(mod, ColumnParallelLinear) and len(names) == 1 < len(mod.shards):
-        names = names * len(mod.shards)  # one tensor holding every part (a linear layer's q | k | v)
-    for i, name in enumerate(names):
-        rows = weights.shape(name)[0]
-        if isinstance(mod, ColumnParallelLinear):
-            start, size = mod.shards[i]
-            ranges.append((name, start, start + size, None))
-        elif isinstance(mod, RowParallelLinear):
-            ranges.append((name, 0, rows, (mod.in_start, mod.local_in)))
-        elif isinstance(mod, VocabParallelEmbedding):  # an LM head, or the table itself
-            ranges.append((name, mod.start, min(mod.start + mod.local_vocab, rows), None))
-        else:
-            ranges.append((name, 0, rows, None))
-    total = sum(stop - start for _, start, stop, _ in ranges)
-    pad = mod.local_vocab - total if isinstance(mod, VocabParallelEmbedding) else 0
-
-    def slices() -> Iterator[Layout]:
-        for name, start, stop, cols in ranges:
-            for at in range(start, stop, ROWS_PER_SLICE):
-                grid = weights.grid(name, at, min(at + ROWS_PER_SLICE, stop))
-                assert grid is not None, name
-                yield grid_layout(grid if cols is None else grid.cols(*cols), kind)
-        if pad > 0:  # the last rank's rows past the vocabulary: zero
-            first = weights.grid(names[-1], 0, 1)
-            assert first is not None
-            u, d, _ = grid_layout(first, kind)
-            yield (
-                u.new_full((pad, u.shape[1]), 128),
-                d.new_zeros(pad, d.shape[1]),
-                d.new_zeros(pad, d.shape[1]),
-            )
-
-    width = mod.local_in if isinstance(mod, RowParallelLinear) else weights.shape(names[0])[-1]
-    six = kind == "int8x16" and six_bit(weights.type_name(n) for n in names)
-    return LayoutRows((total + pad, width), slices, six)

@@ -10,10 +10,10 @@ import torch
 
 from pytgi.core.errors import UnsupportedModel
 from pytgi.core.families import ENCODER, family_of
+from pytgi.engine.loading.safetensors_dir import iter_safetensors
 from pytgi.engine.models.encoder import EncoderModel
 from pytgi.engine.models.modernbert import ModernEncoder
 from pytgi.engine.models.registry import model_class
-from pytgi.engine.models.safetensors_files import iter_safetensors
 
 Encoder = EncoderModel | ModernEncoder
 

@@ -10,7 +10,7 @@ expert, scaled by a sigmoid gate. gpt-oss (`oai`) has biases on the router and t
 the chosen experts' logits, and clamps its SwiGLU; its checkpoint stacks each expert's
 weights transposed, [E, H, 2I] with gate and up interleaved, or in MXFP4 (two e2m1 codes a byte, a
 power of two per 32): on a CPU with pytgi's low-bit kernels those stay 4-bit (format "mxfp4"), packed
-from the codes as they are read (`keep_mxfp4`). With tensor parallelism each rank holds a slice of every
+from the codes as they are read (`Mxfp4.pack`). With tensor parallelism each rank holds a slice of every
 expert's intermediate features and the partial outputs are all-reduced.
 """
 
@@ -74,10 +74,7 @@ class SparseMoE(nn.Module):
             self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False)
         self.packed: list[tuple[Any, Any]] = []  # per expert, gate|up and down packed (`pack_experts`)
         self.fused: kernels.PackedExperts | None = None  # the same, for moe.c
-        # (act dtype, kernels) where the loader keeps MXFP4 experts packed (`_load_oai`), and the first of
-        # the pair of MXFP4 tensors while the other is read
-        self.keep_mxfp4: tuple[torch.dtype, Any] | None = None
-        self._mxfp4: dict[str, Any] = {}
+        self._mxfp4: dict[str, Any] = {}  # the first of a pair of MXFP4 tensors while the other is read
         self.shared_expert = SharedExpert(hidden, shared_inter) if shared_inter else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
 
@@ -113,22 +110,22 @@ class SparseMoE(nn.Module):
         """gpt-oss's stacked tensors: gate_up [E, H, 2I] and its bias [E, 2I] (gate and up interleaved),
         down [E, I, H] and its bias [E, H]; or, from a GGUF file, `experts.{gate,up}_proj.weight`
         [E, I, H] and `.bias` [E, I] apart, `experts.down_proj.weight` [E, H, I] and `.bias` [E, H].
-        MXFP4 weights (`checkpoint_quant.Mxfp4`) are packed as they are where `keep_mxfp4` says so and
+        MXFP4 weights (`checkpoints.Mxfp4`) are packed as they are where the source says so (`pack`) and
         this rank's slice falls on whole groups, else dequantized."""
-        from pytgi.engine.models.checkpoint_quant import Mxfp4, Mxfp4Experts, dequantize_mxfp4
+        from pytgi.engine.loading.checkpoints import Mxfp4, Mxfp4Experts, dequantize_mxfp4
 
         s, n = self.start, self.local
         assert self.gate_up_bias is not None and self.down_bias is not None
         if isinstance(tensor, Mxfp4):
             hidden = self.down.shape[1]
-            if self.keep_mxfp4 is None or s % GROUP or n % GROUP or hidden % 16:
+            if tensor.pack is None or s % GROUP or n % GROUP or hidden % 16:
                 tensor = dequantize_mxfp4(tensor.blocks, tensor.scales, self.gate_up.dtype)
             else:
                 self._mxfp4[name] = tensor
                 if len(self._mxfp4) == 2:  # both read: packed, a slice of rows at a time
                     held, self._mxfp4 = self._mxfp4, {}
                     experts = Mxfp4Experts(held["experts.gate_up_proj"], held["experts.down_proj"])
-                    act_dtype, cpu = self.keep_mxfp4
+                    act_dtype, cpu = tensor.pack
                     self.pack_experts(experts, ["gate", "up", "down"], ("mxfp4", "mxfp4"), act_dtype, cpu)
                 return ["gate_up" if name == "experts.gate_up_proj" else "down"]
         if name.startswith(("experts.gate_proj.", "experts.up_proj.")):

@@ -23,7 +23,7 @@ kernels multiply by them:
 Which tensors to quantize, and how, is a per-tensor plan:
 - a GGUF model follows its file (`quantization.json`, written by the converter): Q4_0, Q4_1 and
   Q4_K tensors become int4, Q5_0/Q5_1/Q5_K/Q8_0 int8 and Q2_K/Q3_K/Q6_K int8x16. The loader reads
-  each tensor's levels and grids from its blocks (`pytgi.engine.models.gguf_weights`, `grid_layout`) and
+  each tensor's levels and grids from its blocks (`pytgi.engine.loading.gguf`, `grid_layout`) and
   packs them as they are: exact but for fp16 scales, for every type, with no float copy of the
   model; float tensors, and types on no uniform grid (IQ*, TQ*), are dequantized to bf16;
 - MXFP4 (gpt-oss's experts, in a GGUF file or a Hugging Face checkpoint) keeps its 4-bit codes: format
@@ -46,8 +46,8 @@ from torch import nn
 
 from pytgi.core.errors import ConfigError
 from pytgi.engine import kernels
+from pytgi.engine.loading.gguf import FP4_LEVELS, Grid, group_values
 from pytgi.engine.models.cpu import Kernels, triton_available
-from pytgi.engine.models.gguf_weights import FP4_LEVELS, Grid, group_values
 from pytgi.engine.models.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 GROUP = 32
@@ -328,7 +328,7 @@ def pack_bf16(w: torch.Tensor) -> torch.Tensor:
 
 
 def grid_layout(grid: Grid, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A GGUF tensor's levels and grids (`pytgi.engine.models.gguf_weights.Grid`) in a packed layout's terms,
+    """A GGUF tensor's levels and grids (`pytgi.engine.loading.gguf.Grid`) in a packed layout's terms,
     its levels kept: (u uint8 [N, K], d, m float32 holding fp16 values [N, K / group]) with
     w = d·u + m. int4 takes 16 levels per 32 values; int8 (per 32) and int8x16 (per 16) hold u in
     1..255, symmetric grids (m = -zero·d) at u = q - zero + 128 with m = -128·d, offset ones at
@@ -644,3 +644,12 @@ def quantize_model(
         perm = None if perm is None else perm.to(mod.weight.device)
         setattr(model.get_submodule(parent), attr, QuantizedLinear(mod, quant, perm))
     model.to(act_dtype)
+
+
+def merged_kind(kinds: set[str | None]) -> str | None:
+    """The one layout that holds every part of a fused weight (None: some part is not packed)."""
+    if None in kinds:
+        return None
+    if len(kinds) == 1 and kinds <= {"bf16", "fp8", "int4", "mxfp4"}:
+        return next(iter(kinds))
+    return "int8x16" if "int8x16" in kinds else "int8"

@@ -14,8 +14,9 @@ from pytgi.core.errors import ConfigError
 from pytgi.engine import distributed as dist
 from pytgi.engine.batch import PagedModel, kv_dtype_refusal
 from pytgi.engine.kv_sizing import check_fits, local_engines
+from pytgi.engine.loading.model import load_model, model_family, read_config, resolve_dtype
+from pytgi.engine.loading.sizes import weight_bytes
 from pytgi.engine.models.cpu import Kernels
-from pytgi.engine.models.loader import load_model, model_family, read_config, resolve_dtype, weight_bytes
 
 
 def resolve_device(name: str) -> torch.device:

@@ -44,9 +44,9 @@ from typing import Any
 import torch
 
 from pytgi.core.errors import UnsupportedModel
-from pytgi.engine.models.gguf_weights import Grid
+from pytgi.engine.loading.gguf import Grid
+from pytgi.engine.loading.safetensors_dir import iter_safetensors
 from pytgi.engine.models.quant import GROUP, _fp16
-from pytgi.engine.models.safetensors_files import iter_safetensors
 
 SERVED = (
     "gptq (bits 4 or 8, any group size, sym or not, desc_act too)",
@@ -126,10 +126,12 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 @dataclass
 class Mxfp4:
     """A stacked MXFP4 tensor as the checkpoint holds it: blocks [E, out, G, 16] (two e2m1 codes a byte)
-    and exponents [E, out, G] (e8m0)."""
+    and exponents [E, out, G] (e8m0); `pack`: the activations' dtype and the kernels its experts are
+    packed for (as codes), or None: dequantized by the experts' loader."""
 
     blocks: torch.Tensor
     scales: torch.Tensor
+    pack: tuple[torch.dtype, Any] | None = None
 
 
 class Mxfp4Experts:
@@ -166,11 +168,14 @@ class Mxfp4Experts:
 
 
 def mxfp4_tensors(
-    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, keep: bool = False
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    keep: tuple[torch.dtype, Any] | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """A checkpoint's tensors with each `X_blocks` / `X_scales` pair replaced by `X` dequantized
-    (`dequantize_mxfp4`), or with `keep` by the pair as it is (`Mxfp4`: the experts then keep their
-    codes, `SparseMoE`); the first of a pair waits for the other (they are neighbours in the files)."""
+    (`dequantize_mxfp4`), or with `keep` (the activations' dtype and the kernels) by the pair as it is
+    (`Mxfp4`: the experts then pack their codes, `SparseMoE`); the first of a pair waits for the other
+    (they are neighbours in the files)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
         base, _, part = name.rpartition("_")
@@ -181,8 +186,8 @@ def mxfp4_tensors(
         pair[part] = tensor
         if len(pair) == 2:
             del pending[base]
-            if keep:
-                yield base, Mxfp4(pair["blocks"], pair["scales"])
+            if keep is not None:
+                yield base, Mxfp4(pair["blocks"], pair["scales"], keep)
             else:
                 yield base, dequantize_mxfp4(pair["blocks"], pair["scales"], dtype)
     if pending:
