@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict, cast
 
+from pytgi.core import protocol as P
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import GenerationError, InvalidRequest
 from pytgi.core.outputs import Delta, OutputProcessor, Token
@@ -262,7 +263,7 @@ class LLM:
         ids = self.encode(text)
         rid = f"llm-{next(self._ids)}"
         out = RequestOutput(rid, text if isinstance(text, str) else None, ids, seed=params.seed)
-        self.engine.add_request(rid, ids, params, images)
+        self.engine.submit(P.Submit(rid, ids, params, images))
         return _Tracker(out, params, self.tokenizer)
 
     def _run(self, trackers: dict[str, _Tracker]) -> Iterator[tuple[str, str]]:

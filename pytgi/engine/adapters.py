@@ -14,7 +14,7 @@ published (at start, and after every change).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,9 +28,22 @@ if TYPE_CHECKING:
     from pytgi.engine.runner import ModelRunner
 
 
+def _none_in_use() -> Collection[str | None]:
+    return ()
+
+
 class AdapterRegistry:
-    def __init__(self, runner: ModelRunner, served: dict[str, str], base_name: str, progress: bool) -> None:
-        self.runner, self.base_name, self.progress = runner, base_name, progress
+    """`in_use`: the adapters its engine's requests name now (never evicted nor removed under them)."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        served: dict[str, str],
+        base_name: str,
+        progress: bool,
+        in_use: Callable[[], Collection[str | None]] = _none_in_use,
+    ) -> None:
+        self.runner, self.base_name, self.progress, self.in_use = runner, base_name, progress, in_use
         self.served = dict(served)
         self.roots = {name: _root(name, path) for name, path in served.items()}
         self.unloading: set[str] = set()  # refused to new requests, removed once none runs
@@ -50,13 +63,13 @@ class AdapterRegistry:
     def cache_root(self, name: str) -> tuple[str, str]:
         return self.roots[name]
 
-    def prepare(self, needed: Collection[str | None], in_use: Collection[str | None]) -> None:
+    def prepare(self, needed: Collection[str | None]) -> None:
         """Before a step: the weights of every adapter in `needed` in memory (loaded back if they were
-        evicted; `in_use`: the adapters of running requests, which are never evicted for it), and the
-        other ranks told once."""
+        evicted; the adapters in use are never evicted for it), and the other ranks told once."""
         names = [n for n in dict.fromkeys(needed) if n is not None]
         if not names:
             return
+        in_use = self.in_use()
         lora = self.runner.adapters()
         changed = False
         try:
@@ -67,7 +80,7 @@ class AdapterRegistry:
                 self.runner.adapters_changed()
 
     # -- at run time --------------------------------------------------------------------------------
-    def load(self, name: str, source: str, in_use: Collection[str | None]) -> None:
+    def load(self, name: str, source: str) -> None:
         """Serve the adapter at `source` (a directory or a Hub id) as `name`: its weights are read and
         checked now, so that a bad adapter is refused here and not by a request's step."""
         check_name(name)
@@ -75,7 +88,7 @@ class AdapterRegistry:
             raise AdapterError(f"a model or LoRA adapter named {name!r} is already served")
         path = resolve_adapter(source, self.progress)
         try:
-            self.runner.adapters().register(name, path, in_use)
+            self.runner.adapters().register(name, path, self.in_use())
         finally:
             self.runner.adapters_changed()  # the other ranks wrap their linears even if it failed
         self.roots[name] = _root(name, str(path))
@@ -90,8 +103,9 @@ class AdapterRegistry:
             self.unloading.add(name)
             self.version += 1
 
-    def settle(self, in_use: Collection[str | None]) -> list[str]:
+    def settle(self) -> list[str]:
         """Remove the adapters being unloaded that no request uses any more; their names."""
+        in_use = self.in_use()
         done = [name for name in sorted(self.unloading) if name not in in_use]
         if not done:
             return []

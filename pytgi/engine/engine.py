@@ -7,6 +7,7 @@ schedule → execute → update; the scheduler keeps the books, the runner compu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -42,9 +43,9 @@ from pytgi.engine.images import ImageInputs, PromptImage
 from pytgi.engine.kv_cache import BlockManager
 from pytgi.engine.kv_disk import DiskTier, fingerprint
 from pytgi.engine.kv_sizing import GIB, free_bytes
-from pytgi.engine.models.checkpoint_quant import file_quantization
+from pytgi.engine.loading.checkpoints import file_quantization
+from pytgi.engine.loading.model import read_config
 from pytgi.engine.models.layers import dynamic_rope, long_rope
-from pytgi.engine.models.loader import read_config
 from pytgi.engine.pool_head import PoolHead
 from pytgi.engine.request import Request
 from pytgi.engine.runner import ModelRunner
@@ -104,39 +105,47 @@ class LLMEngine:
             )
         config = dataclasses.replace(config, lora_adapters=tuple(f"{n}={p}" for n, p in adapters.items()))
         self.config = config
+        # One cleanup path: whatever has started (the ranks, rank 0's runner) is stopped, in the
+        # reverse order, if a later part of the start fails.
+        with contextlib.ExitStack() as started:
+            self._start(config, runner_cls, task, model_id, model_path, adapters, started)
+            started.pop_all()
+
+    def _start(
+        self,
+        config: EngineConfig,
+        runner_cls: type[ModelRunner],
+        task: str,
+        model_id: str,
+        model_path: Path,
+        adapters: dict[str, Path],
+        started: contextlib.ExitStack,
+    ) -> None:
+        """The engine's parts, each registered in `started` to be stopped if a later one fails: the
+        ranks and rank 0's runner (the model and its KV cache, a recurrent model's state pool, a pooling
+        model's head), the block manager, the images, a draft model, the disk tier, the scheduler and
+        the adapters."""
         t0 = time.perf_counter()
         self.shards = ShardGroup(dataclasses.replace(config, model=str(model_path)))
+        started.callback(self.shards.stop)
         set_cpu_threads(self.shards.local_ranks)
-        try:
-            self.runner = runner_cls(self.shards.config, rank=0)
-        except BaseException:
-            self.shards.stop()
-            raise
+        self.runner = runner = runner_cls(self.shards.config, rank=0)
+        started.callback(runner.shutdown)
         load_seconds = time.perf_counter() - t0
-        runner = self.runner
         self.eos_token_ids = runner.eos_token_ids
         placed, kv_capacity = (
             self.shards.config,
             lambda: runner.auto_num_tokens(config.kv_cache_memory_fraction, config.kv_cache_cpu_bytes),
         )
         if runner.state_bytes and task != "generate":
-            self.shutdown()
             raise UnsupportedModel(
                 f"{model_id}: a model with linear-attention layers is not served for pooling"
             )
         if runner.state_bytes:  # linear attention: a recurrent state per running request
-            try:
-                placed, kv_capacity = _with_states(placed, runner, kv_capacity)
-            except BaseException:
-                self.shutdown()
-                raise
+            placed, kv_capacity = _with_states(placed, runner, kv_capacity)
         pooling = None
         if task != "generate":
-            try:
-                pooling = self._pooling(task, model_id, model_path, runner)
-            except BaseException:
-                self.shutdown()
-                raise
+            pooling = self._pooling(task, model_id, model_path, runner)
             placed = pooling_sizes(placed, pooling, runner.config.max_position_embeddings, runner.device.type)
         self.info = placed.resolve(
             model_id=model_id,
@@ -155,22 +164,22 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.info.num_blocks, config.block_size, self.info.enable_prefix_caching, slots
         )
-        self.runner.allocate_kv_cache(self.info.num_blocks, config.block_size, slots)
+        runner.allocate_kv_cache(self.info.num_blocks, config.block_size, slots)
         self.images: ImageInputs | None = None
-        image_processor = getattr(self.runner.model, "image_processor", None)  # a vision model's
+        image_processor = getattr(runner.model, "image_processor", None)  # a vision model's
         if image_processor is not None:
             self.images = ImageInputs(image_processor(model_path), config.mm_cache_size)
             self.info = msgspec.structs.replace(self.info, image_layout=self.images.layout)
-        try:
-            drafter = self._draft_model(config, model_path) if config.draft_model else None
-        except BaseException:
-            self.shutdown()
-            raise
+        drafter = self._draft_model(config, model_path) if config.draft_model else None
         self.disk = self._disk_tier(config, model_path) if config.prefix_cache_dir else None
         self.scheduler = Scheduler(self.info, self.block_manager, drafter=drafter, disk=self.disk)
         self.num_failed_steps = 0
         self.adapters = AdapterRegistry(
-            runner, {name: str(path) for name, path in adapters.items()}, model_id, config.progress
+            runner,
+            {name: str(path) for name, path in adapters.items()},
+            model_id,
+            config.progress,
+            self._adapters_in_use,
         )
         self.last_step = P.StepInfo()  # what the last step did, for the metrics
         kv_bytes = self.info.max_batch_total_tokens * runner.paged.kv_bytes_per_token()
@@ -323,15 +332,12 @@ class LLMEngine:
     def _adapters_in_use(self) -> set[str | None]:
         return {r.params.adapter for r in self.scheduler.requests.values()}
 
-    def load_adapter(self, name: str, source: str) -> None:
-        """Serve the adapter at `source` (a directory or a Hub id) as `name`."""
-        self.adapters.load(name, source, self._adapters_in_use())
-
-    def unload_adapter(self, name: str) -> bool:
-        """Stop serving `name`: refused to new requests now, unloaded once no request uses it
-        (False until then: it is removed after the step that finishes its last request)."""
-        self.adapters.unload(name)
-        return name in self.adapters.settle(self._adapters_in_use())
+    def submit(self, msg: P.Submit) -> None:
+        """A request from the API process: a generation, or a pooling model's (`msg.pool`)."""
+        if msg.pool is not None:
+            self.add_pool_request(msg.request_id, msg.prompt_ids, msg.pool)
+        else:
+            self.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.images)
 
     def add_pool_request(self, request_id: str, prompt_ids: list[int], params: P.PoolParams) -> None:
         """A pooling model's request: its prompt computed (in chunks, with the running batch), then its
@@ -361,7 +367,7 @@ class LLMEngine:
         self.scheduler.finish(req)
         self.runner.release(request_id)
         if self.adapters.unloading:
-            self.adapters.settle(self._adapters_in_use())
+            self.adapters.settle()
         return True
 
     def has_unfinished(self) -> bool:
@@ -378,9 +384,7 @@ class LLMEngine:
         t0 = time.monotonic()
         failed = False
         try:
-            self.adapters.prepare(
-                [s.request.params.adapter for s in sched.scheduled], self._adapters_in_use()
-            )
+            self.adapters.prepare([s.request.params.adapter for s in sched.scheduled])
             updates = self.scheduler.update_from_output(sched, self.runner.execute(sched.scheduled))
         except DistributedError:
             raise  # a lost rank is not this step's fault: the engine cannot go on
@@ -399,7 +403,7 @@ class LLMEngine:
             if not isinstance(u, P.TokenOut) or u.finish_reason is not None:
                 self.runner.release(u.request_id)
         if self.adapters.unloading:
-            self.adapters.settle(self._adapters_in_use())
+            self.adapters.settle()
         return updates
 
     def check_alive(self) -> None:
@@ -408,7 +412,7 @@ class LLMEngine:
         self.runner.ping()
 
     def shutdown(self) -> None:
-        disk = getattr(self, "disk", None)  # (None when the engine failed before making it)
+        disk = self.disk
         if disk is not None:
             disk.drain()  # the writes in flight land: a restart finds them
             disk.close()

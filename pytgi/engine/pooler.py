@@ -35,25 +35,12 @@ from pytgi.core.config import EngineConfig, EngineInfo
 from pytgi.core.errors import ConfigError, InvalidRequest
 from pytgi.core.model_files import ResolvedModel
 from pytgi.core.pooling import check_pool_request, model_task, read_labels, read_pooling
-from pytgi.core.sampling_params import SamplingParams
 from pytgi.engine.models.encoder import embedding, pool
 from pytgi.engine.models.encoders import load_encoder
 from pytgi.engine.shards import set_cpu_threads
 
 log = logging.getLogger(__name__)
 DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class NoAdapters:
-    """A pooling model serves no LoRA adapters (the engine loop's view of the registry)."""
-
-    def __init__(self) -> None:
-        self.version = 0
-        self.served: dict[str, str] = {}
-        self.unloading: set[str] = set()
-
-    def snapshot(self) -> P.AdapterSnapshot:
-        return P.AdapterSnapshot(0)
 
 
 @dataclass(slots=True)
@@ -83,6 +70,10 @@ def check_pooling_config(config: EngineConfig) -> None:
 
 
 class PoolingEngine:
+    """An encoder's engine (one `process.Engine`): whole prompts, no KV cache, no adapters."""
+
+    adapters = None  # it serves no LoRA adapters
+
     def __init__(self, config: EngineConfig, model: ResolvedModel) -> None:
         config.validate()
         check_pooling_config(config)
@@ -134,7 +125,6 @@ class PoolingEngine:
             task=task,
             pooling=self.pooling,
         )
-        self.adapters = NoAdapters()
         self.waiting: dict[str, PoolRequest] = {}  # by id, in arrival order
         self.flight: dict[Future[P.PoolOut | P.TokenOut], PoolRequest] = {}  # handed to the workers
         self.flight_tokens = 0
@@ -157,10 +147,13 @@ class PoolingEngine:
         )
 
     # -- requests ---------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *_: Any) -> None:
-        raise InvalidRequest(
-            f"the model `{self.info.model_id}` computes embeddings; it does not generate text"
-        )
+    def submit(self, msg: P.Submit) -> None:
+        """A request from the API process: an embedding model computes pooling requests only."""
+        if msg.pool is None:
+            raise InvalidRequest(
+                f"the model `{self.info.model_id}` computes embeddings; it does not generate text"
+            )
+        self.add_pool_request(msg.request_id, msg.prompt_ids, msg.pool)
 
     def add_pool_request(self, request_id: str, prompt_ids: list[int], params: P.PoolParams) -> None:
         if request_id in self.waiting or any(r.request_id == request_id for r in self.flight.values()):
@@ -180,12 +173,6 @@ class PoolingEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.flight)
-
-    def load_adapter(self, name: str, source: str) -> None:
-        raise ConfigError("an embedding model serves no LoRA adapters")
-
-    def unload_adapter(self, name: str) -> bool:
-        raise ConfigError("an embedding model serves no LoRA adapters")
 
     # -- one step ---------------------------------------------------------------------------------
     def _submit(self) -> None:

@@ -14,17 +14,19 @@ import os
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import zmq
 
 from pytgi.core import protocol as P
-from pytgi.core.config import EngineConfig
-from pytgi.core.errors import UserError
+from pytgi.core.config import EngineConfig, EngineInfo
+from pytgi.core.errors import ConfigError, UserError
 from pytgi.core.logs import setup_logging
 
 if TYPE_CHECKING:  # imported when the engine starts (the process answers its parent first)
+    from pytgi.engine.adapters import AdapterRegistry
     from pytgi.engine.engine import LLMEngine
     from pytgi.engine.pooler import PoolingEngine
     from pytgi.engine.runner import ModelRunner
@@ -42,16 +44,42 @@ def _request_id(raw: bytes) -> str | None:
     return rid if isinstance(rid, str) else None
 
 
-def _stats(engine) -> P.EngineStats:
+class Engine(Protocol):
+    """What the engine process's loop needs of an engine: `LLMEngine` (a causal LM, generating or
+    pooling on the paged KV cache) and `PoolingEngine` (an encoder) are each one. A request an engine
+    does not serve is refused as any invalid request is (`InvalidRequest`)."""
+
+    info: EngineInfo
+    last_step: P.StepInfo
+
+    @property
+    def adapters(self) -> AdapterRegistry | None:
+        """Its LoRA adapters (None: it serves none)."""
+        ...
+
+    def submit(self, msg: P.Submit) -> None: ...
+    def abort_request(self, request_id: str) -> bool: ...
+    def has_unfinished(self) -> bool: ...
+    def step(self) -> Sequence[P.TokenOut | P.PoolOut]: ...
+    def check_alive(self) -> None: ...
+    def stats(self) -> dict[str, Any]: ...
+    def shutdown(self) -> None: ...
+
+
+def _stats(engine: Engine) -> P.EngineStats:
     return P.EngineStats(**engine.stats())
 
 
+def _snapshot(engine: Engine) -> P.AdapterSnapshot:
+    return P.AdapterSnapshot(0) if engine.adapters is None else engine.adapters.snapshot()
+
+
 class EngineLoop:
-    def __init__(self, engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
         self.engine, self.inbox, self.outbox, self.parent_pid = engine, inbox, outbox, parent_pid
         self.running = True
         self.unloads: dict[str, list[str]] = {}  # adapter → the unload ops waiting for its requests
-        self.adapters_sent = engine.adapters.version  # the snapshot the API process has
+        self.adapters_sent = _snapshot(engine).version  # the snapshot the API process has
 
     def run(self) -> None:
         while self.running:
@@ -85,10 +113,7 @@ class EngineLoop:
                 continue
             if isinstance(msg, P.Submit):
                 try:
-                    if msg.pool is not None:  # an embedding's
-                        self.engine.add_pool_request(msg.request_id, msg.prompt_ids, msg.pool)
-                    else:
-                        self.engine.add_request(msg.request_id, msg.prompt_ids, msg.params, msg.images)
+                    self.engine.submit(msg)
                 except Exception as exc:  # noqa: BLE001 - a request the engine refuses fails alone
                     errors.append(P.TokenOut(msg.request_id, finish_reason="error", error=str(exc)))
             elif isinstance(msg, P.Abort):
@@ -103,21 +128,26 @@ class EngineLoop:
 
     def _adapter(self, op: P.AdapterOp) -> None:
         """Load or unload a LoRA adapter and say so (an unload once its requests are done)."""
-        error = None
+        error, registry = None, self.engine.adapters
         try:
+            if registry is None:
+                raise ConfigError(f"the model `{self.engine.info.model_id}` serves no LoRA adapters")
             if op.source is not None:
-                self.engine.load_adapter(op.name, op.source)
-            elif not self.engine.unload_adapter(op.name):
-                self.unloads.setdefault(op.name, []).append(op.op_id)
-                self._publish_adapters()  # refused to new requests from now on
-                return
+                registry.load(op.name, op.source)
+            else:
+                registry.unload(op.name)  # refused to new requests from now on
+                if op.name not in registry.settle():  # removed once its requests are done
+                    self.unloads.setdefault(op.name, []).append(op.op_id)
+                    self._publish_adapters()
+                    return
         except Exception as exc:  # noqa: BLE001 - a refused operation changes nothing
             error = str(exc)
         self._publish_adapters()
         self._send(P.AdapterDone(op.op_id, error))
 
     def _answer_unloads(self) -> None:
-        gone = [name for name in self.unloads if name not in self.engine.adapters.served]
+        served = {} if self.engine.adapters is None else self.engine.adapters.served
+        gone = [name for name in self.unloads if name not in served]
         if gone:
             self._publish_adapters()
         for name in gone:
@@ -127,7 +157,7 @@ class EngineLoop:
     def _publish_adapters(self) -> None:
         """The registry's snapshot, if it changed since the last one sent (before any `AdapterDone`
         that answers the change, so that the API process reads the new one when the answer arrives)."""
-        snapshot = self.engine.adapters.snapshot()
+        snapshot = _snapshot(self.engine)
         if snapshot.version != self.adapters_sent:
             self._send(snapshot)
             self.adapters_sent = snapshot.version
@@ -188,7 +218,7 @@ def main(argv: list[str] | None = None, runner_cls: type[ModelRunner] | None = N
         outbox.send(P.encoder.encode(P.StartupFailed(f"{type(exc).__name__}: {exc}")))
         time.sleep(0.5)
         return 1
-    outbox.send(P.encoder.encode(P.Ready(engine.info, engine.adapters.snapshot())))
+    outbox.send(P.encoder.encode(P.Ready(engine.info, _snapshot(engine))))
     try:
         EngineLoop(engine, inbox, outbox, args.parent_pid).run()
     except Exception:

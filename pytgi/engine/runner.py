@@ -3,7 +3,7 @@
 Rank 0's runner lays the step out (`StepBatch`), picks the logit rows it needs (`SamplingStep.plan`),
 runs the forward over the paged KV cache (`PagedModel`) and samples (`SamplingStep.run`). With tensor
 parallelism it first broadcasts the step's arrays, and the other ranks' runners (`pytgi.engine.worker`)
-run the same forward on their shards: the commands of that protocol are `pytgi.engine.distributed`'s CMD_*.
+run the same forward on their shards: the commands of that protocol are `pytgi.engine.distributed.commands`'.
 """
 
 from __future__ import annotations
@@ -22,16 +22,15 @@ from pytgi.core.errors import UnsupportedModel
 from pytgi.engine import distributed as dist
 from pytgi.engine.batch import StepBatch
 from pytgi.engine.cuda_graphs import parse_sizes
+from pytgi.engine.distributed import commands
 from pytgi.engine.images import step_rows
 from pytgi.engine.kv_sizing import kv_tokens_on_every_rank
-from pytgi.engine.loading import load_paged_model, resolve_device
+from pytgi.engine.loading.model import eos_token_ids
+from pytgi.engine.loading.rank import load_paged_model, resolve_device
+from pytgi.engine.loading.sizes import loaded_bytes
+from pytgi.engine.models.causal_lm import CausalLM
 from pytgi.engine.models.decoder import DecoderModel, StepImages
 from pytgi.engine.models.layers import DYNAMIC_SHIFT, dynamic_rope, long_rope
-from pytgi.engine.models.loader import (
-    CausalLM,
-    eos_token_ids,
-    loaded_bytes,
-)
 from pytgi.engine.models.lora import LoraAdapters
 from pytgi.engine.pool_head import PoolHead
 from pytgi.engine.sampling_step import SamplingStep
@@ -93,7 +92,7 @@ class ModelRunner:
         if self.rank != 0 or dist.tp_size() == 1 or self.lora is None:
             return
         state = np.frombuffer(json.dumps(self.lora.state()).encode(), np.uint8).astype(np.int64)
-        dist.broadcast_command(dist.CMD_LORA, len(state))
+        commands.send(commands.Adapters(len(state)))
         dist.broadcast_arrays([state], [(len(state),)])
 
     def worker_adapters(self, n: int) -> None:
@@ -114,8 +113,7 @@ class ModelRunner:
         """KV slots that fit on every rank (`pytgi.engine.kv_sizing`): `fraction` (None: the device's
         default) of the memory left now, shared by the ranks on this machine, at most `cap_bytes`."""
         if self.rank == 0 and dist.tp_size() > 1:
-            f = -1 if fraction is None else int(fraction * 1_000_000)
-            dist.broadcast_command(dist.CMD_CAPACITY, f, -1 if cap_bytes is None else cap_bytes)
+            commands.send(commands.Capacity(fraction, cap_bytes))
         per_token = self.paged.kv_bytes_per_token()
         return kv_tokens_on_every_rank(self.device, per_token, fraction, self.local_replicas, cap_bytes)
 
@@ -126,7 +124,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, block_size: int, state_slots: int = 0) -> None:
         """`state_slots`: recurrent states for that many running requests (a model with linear attention)."""
         if self.rank == 0 and dist.tp_size() > 1:
-            dist.broadcast_command(dist.CMD_ALLOC, num_blocks, block_size, state_slots)
+            commands.send(commands.Allocate(num_blocks, block_size, state_slots))
         self.paged.allocate(num_blocks, block_size, state_slots)
         if self.device.type == "cuda" and dist.tp_size() == 1:
             self._capture_graphs()
@@ -250,14 +248,14 @@ class ModelRunner:
     def ping(self) -> None:
         """While idle, a no-op collective: a dead or stuck rank is noticed without waiting for traffic."""
         if self.rank == 0 and dist.tp_size() > 1:
-            dist.broadcast_command(dist.CMD_NOOP)
+            commands.send(commands.Ping())
             dist.barrier()
 
     def shutdown(self) -> None:
         self.grammars.shutdown()
         if self.rank == 0 and dist.tp_size() > 1:
             try:
-                dist.broadcast_command(dist.CMD_SHUTDOWN)
+                commands.send(commands.Shutdown())
             except dist.DistributedError:
                 pass
         dist.shutdown()

@@ -17,6 +17,7 @@ import torch
 
 from pytgi.engine import distributed as dist
 from pytgi.engine.batch import StepBatch
+from pytgi.engine.distributed import commands
 from pytgi.engine.models.attention import StepLayout
 from pytgi.engine.models.decoder import StepImages
 
@@ -127,7 +128,7 @@ class StepMessage:
         """Rank 0: broadcast the message (the others call `receive` after the command)."""
         sizes = self.sizes()
         mask = sum(1 << i for i, name in enumerate(OPTIONAL) if getattr(self, name) is not None)
-        dist.broadcast_command(dist.CMD_STEP, *(sizes[d] for d in DIMS), mask)
+        commands.send(commands.Step((*(sizes[d] for d in DIMS), mask)))
         present = [name for name in FIELDS if getattr(self, name) is not None]
         arrays = [getattr(self, name) for name in present]
         dist.broadcast_arrays(arrays, [_shape(FIELDS[name], sizes) for name in present])

@@ -18,6 +18,7 @@ import sys
 from pytgi.core.config import EngineConfig
 from pytgi.core.logs import setup_logging
 from pytgi.engine import distributed as dist
+from pytgi.engine.distributed import commands
 
 log = logging.getLogger("pytgi.worker")
 
@@ -34,20 +35,19 @@ def run_worker(config: EngineConfig, rank: int) -> int:
         return 1
     try:
         while True:
-            cmd, *args = dist.broadcast_command(dist.CMD_NOOP)
-            a, b, c = args[:3]
-            if cmd == dist.CMD_NOOP:
-                dist.barrier()
-            elif cmd == dist.CMD_STEP:
-                runner.worker_step(tuple(args))
-            elif cmd == dist.CMD_ALLOC:
-                runner.allocate_kv_cache(a, b, c)
-            elif cmd == dist.CMD_CAPACITY:
-                runner.auto_num_tokens(None if a < 0 else a / 1_000_000, None if b < 0 else b)
-            elif cmd == dist.CMD_LORA:
-                runner.worker_adapters(a)
-            elif cmd == dist.CMD_SHUTDOWN:
-                break
+            match commands.receive():
+                case commands.Ping():
+                    dist.barrier()
+                case commands.Step(header):
+                    runner.worker_step(header)
+                case commands.Allocate(num_blocks, block_size, state_slots):
+                    runner.allocate_kv_cache(num_blocks, block_size, state_slots)
+                case commands.Capacity(fraction, cap_bytes):
+                    runner.auto_num_tokens(fraction, cap_bytes)
+                case commands.Adapters(length):
+                    runner.worker_adapters(length)
+                case commands.Shutdown():
+                    break
     except dist.DistributedError as exc:
         log.error("rank %d: %s", rank, exc)
         return 1

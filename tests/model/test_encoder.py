@@ -19,6 +19,7 @@ from pytgi.core.config import EngineConfig
 from pytgi.core.errors import ConfigError, InvalidRequest, UnsupportedModel
 from pytgi.core.model_files import ResolvedModel
 from pytgi.core.pooling import PoolingInfo, read_pooling
+from pytgi.core.sampling_params import SamplingParams
 from pytgi.engine.models.encoder import finish, pool
 from pytgi.engine.models.encoders import load_encoder
 from pytgi.engine.pooler import PoolingEngine
@@ -189,7 +190,7 @@ def test_the_pooling_engine_answers_what_a_request_asks(tmp_path):
     with pytest.raises(InvalidRequest, match="dimensions must be in 1..32"):
         eng.add_pool_request("dims", [5], P.PoolParams(dimensions=33))
     with pytest.raises(InvalidRequest, match="does not generate"):
-        eng.add_request("gen", [5], None)
+        eng.submit(P.Submit("gen", [5], SamplingParams()))
 
 
 def test_flags_an_embedding_model_cannot_take_are_refused(tmp_path):

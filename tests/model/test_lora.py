@@ -185,8 +185,9 @@ def test_the_prefix_cache_keeps_each_adapters_blocks_apart(tiny):
         assert cached["qv"] > 0 and cached["base"] == 0 and cached["all"] == 0
         assert run(engine, [(prompt, "qv")]) == first  # from its own cached blocks, the same
         # a name unloaded and loaded again with other weights does not find the old weights' blocks
-        assert engine.unload_adapter("qv")
-        engine.load_adapter("qv", str(adapters["all"]))
+        engine.adapters.unload("qv")
+        assert engine.adapters.settle() == ["qv"]
+        engine.adapters.load("qv", str(adapters["all"]))
         engine.add_request("again", prompt, SamplingParams(max_new_tokens=1, temperature=0, adapter="qv"))
         while engine.has_unfinished():
             for u in engine.step():
@@ -331,7 +332,7 @@ def test_adapters_loaded_at_run_time_on_two_shards_with_one_in_memory(tiny):
     engine = engine_for(path, {})
     try:
         for name, d in adapters.items():
-            engine.load_adapter(name, str(d))
+            engine.adapters.load(name, str(d))
         jobs = [(p, name) for p in PROMPTS[:2] for name in [None, *adapters]]
         want = [run(engine, [job])[0] for job in jobs]
     finally:
@@ -339,7 +340,7 @@ def test_adapters_loaded_at_run_time_on_two_shards_with_one_in_memory(tiny):
     engine = engine_for(path, {}, num_shard=2, max_cpu_loras=1)
     try:
         for name, d in adapters.items():
-            engine.load_adapter(name, str(d))
+            engine.adapters.load(name, str(d))
         assert list(engine.runner.adapters().slots) == ["mlp"]  # the last one loaded stays in memory
         # adding a request loads nothing: the step that runs it does
         engine.add_request("q", [1, 2, 3], SamplingParams(max_new_tokens=1, adapter="qv"))
@@ -349,7 +350,8 @@ def test_adapters_loaded_at_run_time_on_two_shards_with_one_in_memory(tiny):
         while engine.has_unfinished():
             engine.step()
         assert [run(engine, [job])[0] for job in jobs] == want  # each one loaded back in turn
-        assert engine.unload_adapter("qv")
+        engine.adapters.unload("qv")
+        assert engine.adapters.settle() == ["qv"]
         assert "qv" not in engine.adapters.served
         with pytest.raises(InvalidRequest, match="unknown LoRA adapter 'qv'"):
             engine.add_request("x", [1, 2], SamplingParams(max_new_tokens=1, adapter="qv"))

@@ -56,7 +56,13 @@ def adapter_dir(tmp_path: Path, name: str) -> str:
 
 @pytest.fixture
 def registry(tmp_path):
-    return AdapterRegistry(FakeRunner(), {"a": adapter_dir(tmp_path, "a")}, "base", progress=False)
+    """A registry whose requests name the adapters in `registry.running` (a test's to set)."""
+    running: set[str | None] = set()
+    registry = AdapterRegistry(
+        FakeRunner(), {"a": adapter_dir(tmp_path, "a")}, "base", progress=False, in_use=lambda: running
+    )
+    registry.running = running  # type: ignore[attr-defined]
+    return registry
 
 
 def test_requests_may_name_served_adapters_only(registry):
@@ -69,38 +75,39 @@ def test_requests_may_name_served_adapters_only(registry):
 
 
 def test_prepare_loads_each_needed_adapter_once_and_tells_the_ranks_once(registry, tmp_path):
-    registry.load("b", adapter_dir(tmp_path, "b"), ())
+    registry.load("b", adapter_dir(tmp_path, "b"))
     runner = registry.runner
     runner.lora.slots.clear()  # both evicted
     runner.lora.calls.clear()
     runner.broadcasts = 0
-    registry.prepare(["a", None, "b", "a"], {"a", "b"})
+    registry.running.update({"a", "b"})
+    registry.prepare(["a", None, "b", "a"])
     assert runner.lora.calls == [("ensure", "a"), ("ensure", "b")]
     assert runner.broadcasts == 1
-    registry.prepare(["a"], {"a"})  # resident already: nothing to tell
+    registry.prepare(["a"])  # resident already: nothing to tell
     assert runner.broadcasts == 1
-    registry.prepare([None, None], set())
+    registry.prepare([None, None])
     assert runner.lora.calls[-1] == ("ensure", "a")
 
 
 def test_a_name_loaded_again_gets_a_new_cache_root(registry, tmp_path):
     first = registry.cache_root("a")
     registry.unload("a")
-    assert registry.settle(set()) == ["a"]
-    registry.load("a", adapter_dir(tmp_path, "a2"), ())
+    assert registry.settle() == ["a"]
+    registry.load("a", adapter_dir(tmp_path, "a2"))
     assert registry.cache_root("a") != first
-    registry.load("c", adapter_dir(tmp_path, "c"), ())
+    registry.load("c", adapter_dir(tmp_path, "c"))
     assert len({registry.cache_root("a"), registry.cache_root("c"), first}) == 3
 
 
 def test_loads_refuse_taken_names_and_unloads_unknown_ones(registry, tmp_path):
     for name in ["a", "base"]:
         with pytest.raises(AdapterError, match="already served"):
-            registry.load(name, adapter_dir(tmp_path, f"x{name}"), ())
+            registry.load(name, adapter_dir(tmp_path, f"x{name}"))
     with pytest.raises(AdapterError, match="no LoRA adapter named 'zz'"):
         registry.unload("zz")
     with pytest.raises(AdapterError):
-        registry.load("bad name!", adapter_dir(tmp_path, "y"), ())
+        registry.load("bad name!", adapter_dir(tmp_path, "y"))
     assert registry.version == 0
 
 
@@ -110,9 +117,11 @@ def test_an_unload_waits_for_its_requests_and_every_change_is_a_new_snapshot(reg
     v1 = registry.snapshot()
     assert v1.version > v0.version and v1.unloading == ["a"] and v1.names() == {}
     assert "a" in v1.served  # still in memory for its running requests
-    assert registry.settle({"a", None}) == []
+    registry.running.update({"a", None})
+    assert registry.settle() == []
     assert registry.runner.lora.calls == []
-    assert registry.settle({None}) == ["a"]
+    registry.running.discard("a")
+    assert registry.settle() == ["a"]
     v2 = registry.snapshot()
     assert v2.version > v1.version and v2.served == {} and v2.unloading == []
     assert registry.runner.lora.calls == [("remove", "a")]

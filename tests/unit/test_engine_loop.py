@@ -16,21 +16,16 @@ from tests.unit.test_adapter_registry import FakeRunner
 class RecordingEngine:
     def __init__(self, adapters: dict[str, str] | None = None) -> None:
         self.added: list[str] = []
-        self.adapters = AdapterRegistry(FakeRunner(), adapters or {}, "base", progress=False)
         self.running: set[str | None] = set()  # the adapters of running requests
+        self.adapters = AdapterRegistry(
+            FakeRunner(), adapters or {}, "base", progress=False, in_use=lambda: self.running
+        )
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, images=()) -> None:
-        self.added.append(rid)
+    def submit(self, msg: P.Submit) -> None:
+        self.added.append(msg.request_id)
 
     def abort_request(self, rid: str) -> None:
         pass
-
-    def load_adapter(self, name: str, source: str) -> None:
-        self.adapters.load(name, source, self.running)
-
-    def unload_adapter(self, name: str) -> bool:
-        self.adapters.unload(name)
-        return name in self.adapters.settle(self.running)
 
     def has_unfinished(self) -> bool:
         return False
@@ -103,7 +98,7 @@ def test_adapter_changes_are_published_before_they_are_answered(tmp_path) -> Non
     loop._answer_unloads()
     assert received() == []  # "old" still has a running request
     engine.running = set()
-    engine.adapters.settle(engine.running)  # as the step that finishes its last request does
+    engine.adapters.settle()  # as the step that finishes its last request does
     loop._answer_unloads()
     third, done2 = received()
     assert (

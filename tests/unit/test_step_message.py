@@ -9,6 +9,7 @@ import torch
 
 from pytgi.engine import distributed as dist
 from pytgi.engine.batch import StepBatch
+from pytgi.engine.distributed import commands
 from pytgi.engine.models.attention import StepLayout
 from pytgi.engine.models.decoder import StepImages
 from pytgi.engine.step_message import StepMessage
@@ -49,7 +50,7 @@ class Wire:
     def header(self) -> tuple[int, ...]:
         self.receiving = True
         kind, (cmd, *args) = self.sent.pop(0)
-        assert kind == "command" and cmd == dist.CMD_STEP
+        assert kind == "command" and cmd == commands.Step.code
         return tuple(args)
 
 
@@ -101,3 +102,35 @@ def test_a_field_whose_shape_disagrees_with_the_others_is_refused():
     msg = StepMessage.of(step(False), np.array([1], np.int64), np.zeros(3, np.int64), None)
     with pytest.raises(ValueError, match="lora_slots"):
         msg.sizes()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        commands.Ping(),
+        commands.Shutdown(),
+        commands.Allocate(12, 16, 3),
+        commands.Capacity(0.25, None),
+        commands.Capacity(None, 1 << 33),
+        commands.Adapters(40),
+        commands.Step((3, 4, 5, 1)),
+    ],
+)
+def test_each_command_arrives_as_sent(monkeypatch, command):
+    """A command is its code and at most 9 integers on the wire; the receiver gets the same typed one."""
+    wire: list[tuple[int, ...]] = []
+
+    def broadcast(cmd: int, *args: int) -> tuple[int, ...]:
+        if wire:  # receiving: rank 0's ten integers
+            return wire.pop()
+        assert len(args) <= 9
+        wire.append((cmd, *args, *[0] * (9 - len(args))))
+        return wire[-1]
+
+    monkeypatch.setattr(dist, "broadcast_command", broadcast)
+    commands.send(command)
+    got = commands.receive()
+    if isinstance(command, commands.Step):  # the header is as long as the wire: its reader knows its dims
+        assert isinstance(got, commands.Step) and got.header[: len(command.header)] == command.header
+    else:
+        assert got == command

@@ -27,9 +27,6 @@ _TP_SIZE = 1
 _CMD_GROUP = None  # commands: a long timeout, since workers wait on it while the engine is idle
 DEFAULT_TIMEOUT_S = float(os.environ.get("PYTGI_DIST_TIMEOUT", "20"))
 
-# Commands rank 0 broadcasts to the workers.
-CMD_STEP, CMD_NOOP, CMD_ALLOC, CMD_CAPACITY, CMD_SHUTDOWN, CMD_LORA = range(6)
-
 
 def tp_rank() -> int:
     return _TP_RANK
