@@ -37,7 +37,7 @@ def record(path: Path, max_new_tokens: int) -> None:
 
 
 def replay(traces: dict, k: int, step_ms: float, row_ms: float) -> None:
-    from pytgi.engine.speculate import Drafter
+    from pytgi.engine.speculation.ngram import Drafter
 
     cost = lambda rows: step_ms + row_ms * (rows - 1)
     totals: dict[str, list[float]] = {}

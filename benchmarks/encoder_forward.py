@@ -18,7 +18,7 @@ import torch
 from pytgi.core import protocol as P
 from pytgi.core.config import EngineConfig
 from pytgi.core.model_files import ResolvedModel
-from pytgi.engine.pooler import PoolingEngine
+from pytgi.engine.pooling.encoder_engine import PoolingEngine
 
 
 def vectors(eng: PoolingEngine, batch: list[list[int]], tag: str) -> torch.Tensor:

@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from pytgi.engine.batch import StepBatch
+from pytgi.engine.execution.batch import StepBatch
 from pytgi.engine.models.attention import StepLayout, TorchAttention
 from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.triton_backend import TritonAttention

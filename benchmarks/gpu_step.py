@@ -25,7 +25,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from pytgi import LLM
-from pytgi.engine.batch import StepBatch
+from pytgi.engine.execution.batch import StepBatch
 
 
 def cuda_ms(fn, iters: int) -> float:

@@ -26,7 +26,7 @@ import torch
 
 from pytgi.core.config import EngineConfig
 from pytgi.core.sampling_params import SamplingParams
-from pytgi.engine.engine import LLMEngine
+from pytgi.engine.llm_engine import LLMEngine
 from pytgi.engine.models.linear_attention import GatedDeltaNet
 
 

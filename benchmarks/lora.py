@@ -39,7 +39,7 @@ from pytgi.core.config import EngineConfig
 from pytgi.core.model_files import resolve_model
 from pytgi.core.sampling_params import SamplingParams
 from pytgi.core.tokenizer import Tokenizer
-from pytgi.engine.engine import LLMEngine
+from pytgi.engine.llm_engine import LLMEngine
 
 TARGETS = {"all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
            "qv": ["q_proj", "v_proj"]}

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pytgi.core.sampling_params import SamplingParams
-from pytgi.engine.sampler import Sampler, SamplingMetadata
+from pytgi.engine.sampling.sampler import Sampler, SamplingMetadata
 
 MODES = {
     "greedy": SamplingParams(temperature=0),

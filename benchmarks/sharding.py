@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from pytgi.core.config import EngineConfig
 from pytgi.core.sampling_params import SamplingParams
-from pytgi.engine.engine import LLMEngine
+from pytgi.engine.llm_engine import LLMEngine
 
 
 def run(n: int, args: argparse.Namespace) -> dict[str, float]:

@@ -21,8 +21,8 @@ sys.path.insert(0, str(REPO))
 
 from pytgi import LLM, SamplingParams
 from pytgi.bench.report import git_commit, machine_info, utc_stamp
-from pytgi.engine.sampler import SamplingMetadata
-from pytgi.engine.step import ScheduledRequest
+from pytgi.engine.sampling.sampler import SamplingMetadata
+from pytgi.engine.scheduling.step import ScheduledRequest
 
 
 def median_ms(fn, n: int = 30) -> float:  # type: ignore[no-untyped-def]

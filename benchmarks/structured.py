@@ -131,7 +131,7 @@ def run_mode(llm: LLM, prompts: list[str], mode: str, tokens: int) -> dict:
 
 def replay_masks(llm: LLM, token_ids: list[list[int]], grammar: str) -> dict:
     """llguidance's masks alone: 16 matchers stepped through the given outputs."""
-    from pytgi.engine.structured import GrammarMatchers
+    from pytgi.engine.sampling.grammars import GrammarMatchers
 
     runner = llm.engine.runner
     g = GrammarMatchers(Path(llm.engine.info.model_path) / "tokenizer.json", runner.vocab_size,

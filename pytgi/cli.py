@@ -64,7 +64,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _shard(args: argparse.Namespace) -> int:
-    from pytgi.engine.shard import shard
+    from pytgi.engine.distributed.remote_rank import shard
 
     return shard(args)
 

@@ -18,8 +18,8 @@ from pytgi.core.outputs import Delta, OutputProcessor, Token
 from pytgi.core.protocol import PoolOut, PoolParams, TokenOut
 from pytgi.core.sampling_params import SamplingParams
 from pytgi.core.tokenizer import Tokenizer
-from pytgi.engine.engine import LLMEngine
-from pytgi.engine.pooler import PoolingEngine
+from pytgi.engine.llm_engine import LLMEngine
+from pytgi.engine.pooling.encoder_engine import PoolingEngine
 from pytgi.engine.process import start_engine
 
 

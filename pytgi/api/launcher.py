@@ -2,7 +2,7 @@
 process, and uvicorn. Exits non-zero when the engine dies or cannot start.
 
 `pytgi shard`, a tensor-parallel rank > 0 on another machine, is the engine side's
-(`pytgi.engine.shard`)."""
+(`pytgi.engine.distributed.remote_rank`)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 grammar (Lark, or GBNF/EBNF as llama.cpp and vLLM users write it). `grammar_of` turns it into the
 grammar string llguidance's matcher takes, and `check` refuses an invalid one with a message that
 names what is wrong. Torch-free: the API process checks a request's grammar before anything is
-queued, and the engine builds its matchers from the same string (`pytgi.engine.structured`).
+queued, and the engine builds its matchers from the same string (`pytgi.engine.sampling.grammars`).
 
 llguidance rather than xgrammar: it needs no torch (so the API process can check grammars), builds a
 matcher lazily (no per-grammar compile of the whole vocabulary), and computes masks fast on this CPU

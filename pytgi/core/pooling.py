@@ -23,8 +23,9 @@ from pytgi.core.families import DECODER, ENCODER, FAMILIES
 from pytgi.core.sampling_params import check_token_ids
 
 # The pooling architectures, from the family registry (pytgi.core.families): an encoder's embedders
-# and cross-encoders (pytgi.engine.pooler runs them), and a decoder's bare model (an embedder) and
-# sequence classifier (a score head on its last token), which the paged engine runs as its causal LM
+# and cross-encoders (pytgi.engine.pooling.encoder_engine runs them), and a decoder's bare model (an
+# embedder) and sequence classifier (a score head on its last token), which the paged engine runs as
+# its causal LM
 ENCODERS = frozenset(a for f in FAMILIES if f.kind == ENCODER for a in f.embedders)
 CLASSIFIERS = frozenset(a for f in FAMILIES if f.kind == ENCODER for a in f.classifiers)
 DECODER_EMBEDDERS = frozenset(a for f in FAMILIES if f.kind == DECODER for a in f.embedders)
@@ -67,8 +68,8 @@ def architecture(path: Path) -> str | None:
 
 
 def is_encoder(path: Path) -> bool:
-    """Whether the model is one of pytgi's encoders (pytgi.engine.pooler runs it; a decoder's pooling
-    runs on the paged engine)."""
+    """Whether the model is one of pytgi's encoders (pytgi.engine.pooling.encoder_engine runs it; a
+    decoder's pooling runs on the paged engine)."""
     arch = architecture(path)
     return arch in ENCODERS or arch in CLASSIFIERS
 
@@ -185,7 +186,7 @@ def read_pooling(path: Path, hidden_size: int, decoder: bool = False) -> Pooling
     """The model's sentence-transformers pooling; without one, for a bare encoder mean pooling and no
     normalization, as sentence-transformers itself defaults to for a plain transformers model, and for
     a causal LM its last token's state, normalized (vLLM's default). `decoder`: a causal LM's, computed
-    chunk by chunk on the paged engine (pytgi.engine.pool_head)."""
+    chunk by chunk on the paged engine (pytgi.engine.pooling.head)."""
     modules = _read(path / "modules.json")
     method, normalize, dims = ("last", True, hidden_size) if decoder else ("mean", False, hidden_size)
     if decoder and isinstance(modules, list):

@@ -67,7 +67,7 @@ class PoolOut(msgspec.Struct, array_like=True):
 
 
 class DiskCacheStats(msgspec.Struct, array_like=True):
-    """The prefix cache's disk tier (pytgi.engine.kv_disk): its size now, its counts since start."""
+    """The prefix cache's disk tier (pytgi.engine.kv.disk_tier): its size now, its counts since start."""
 
     bytes: int = 0
     files: int = 0
@@ -117,7 +117,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat"):
 
 
 class AdapterSnapshot(msgspec.Struct, tag="adapters"):
-    """The LoRA adapters the engine serves, as its registry (pytgi.engine.adapters) has them now: sent
+    """The LoRA adapters the engine serves, as its registry (pytgi.engine.adapter_registry) has them now: sent
     with `Ready` and after every change. The API process keeps only the last one."""
 
     version: int

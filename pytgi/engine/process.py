@@ -26,10 +26,10 @@ from pytgi.core.errors import ConfigError, UserError
 from pytgi.core.logs import setup_logging
 
 if TYPE_CHECKING:  # imported when the engine starts (the process answers its parent first)
-    from pytgi.engine.adapters import AdapterRegistry
-    from pytgi.engine.engine import LLMEngine
-    from pytgi.engine.pooler import PoolingEngine
-    from pytgi.engine.runner import ModelRunner
+    from pytgi.engine.adapter_registry import AdapterRegistry
+    from pytgi.engine.execution.runner import ModelRunner
+    from pytgi.engine.llm_engine import LLMEngine
+    from pytgi.engine.pooling.encoder_engine import PoolingEngine
 
 log = logging.getLogger("pytgi.engine")
 IDLE_POLL_MS = 500  # idle: heartbeat and parent check this often
@@ -183,11 +183,11 @@ def start_engine(
 
     model = resolve_model(config.model, progress=config.progress, revision=config.revision)
     if is_encoder(model.path):
-        from pytgi.engine.pooler import PoolingEngine
+        from pytgi.engine.pooling.encoder_engine import PoolingEngine
 
         return PoolingEngine(config, model)
-    from pytgi.engine.engine import LLMEngine
-    from pytgi.engine.runner import ModelRunner
+    from pytgi.engine.execution.runner import ModelRunner
+    from pytgi.engine.llm_engine import LLMEngine
 
     return LLMEngine(config, runner_cls or ModelRunner, model)
 

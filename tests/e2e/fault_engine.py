@@ -16,7 +16,7 @@ FAULT_PROMPT = "zqxj fault injection"
 def _engine_main() -> int:
     from pytgi.core.tokenizer import Tokenizer
     from pytgi.engine import process
-    from pytgi.engine.runner import ModelRunner
+    from pytgi.engine.execution.runner import ModelRunner
 
     class FaultyRunner(ModelRunner):
         def __init__(self, config, rank=0):

@@ -73,7 +73,7 @@ class Server:
 
     def worker_pids(self) -> list[int]:
         """The tensor-parallel ranks 1.. that rank 0 started (`--num-shard`)."""
-        return [p for p in descendants(self.proc.pid) if "pytgi.engine.worker" in argv(p)]
+        return [p for p in descendants(self.proc.pid) if "pytgi.engine.distributed.worker" in argv(p)]
 
     def stop(self) -> int:
         if self.proc.poll() is None:

@@ -301,7 +301,7 @@ def test_non_streaming_disconnect_aborts_too(server):
 
 
 def test_watermark_is_detectable(server):
-    from pytgi.engine.watermark import z_score
+    from pytgi.engine.sampling.watermark import z_score
 
     def ids(watermark: bool) -> list[int]:
         body = {

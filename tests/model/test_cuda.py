@@ -17,8 +17,8 @@ import transformers
 
 from pytgi import LLM, SamplingParams
 from pytgi.core.config import EngineConfig
-from pytgi.engine.batch import StepBatch
-from pytgi.engine.runner import ModelRunner
+from pytgi.engine.execution.batch import StepBatch
+from pytgi.engine.execution.runner import ModelRunner
 from tests.unit import tiny_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")

@@ -1,4 +1,4 @@
-"""Causal LMs as pooling models on the paged engine (pytgi.engine.pool_head): a tiny random Qwen3
+"""Causal LMs as pooling models on the paged engine (pytgi.engine.pooling.head): a tiny random Qwen3
 embedder against transformers and sentence-transformers, a Qwen3 sequence classifier and a causal LM
 scoring by two tokens' logits against transformers; long prompts in chunks, batched = alone bit for
 bit; what such a model refuses."""
@@ -17,7 +17,7 @@ from pytgi.core.config import EngineConfig
 from pytgi.core.errors import ConfigError, InvalidRequest, UnsupportedModel
 from pytgi.core.sampling_params import SamplingParams
 from pytgi.core.tokenizer import Tokenizer
-from pytgi.engine.engine import LLMEngine
+from pytgi.engine.llm_engine import LLMEngine
 from tests.decoder_pooling import qwen3_causal, qwen3_classifier, qwen3_embedder
 from tests.minilm import SENTENCES, minilm_dir
 

@@ -178,7 +178,7 @@ def test_a_sharded_model_keeps_its_draft_model_whole(pair):
 def test_a_long_prompt_catches_up_in_pieces(pair, engines, monkeypatch):
     """The draft model computes a prompt it is far behind on a piece a step (here 4 tokens), and
     drafts once near: the output is unchanged."""
-    import pytgi.engine.draft as draft_module
+    import pytgi.engine.speculation.draft_model as draft_module
 
     _target_dir, _draft_dir = pair
     plain, spec = engines

@@ -1,4 +1,4 @@
-"""Encoders for embeddings (pytgi.engine.models.encoder, pytgi.engine.pooler): tiny random BERT and
+"""Encoders for embeddings (pytgi.engine.models.encoder, pytgi.engine.pooling.encoder_engine): tiny random BERT and
 XLM-RoBERTa against transformers' own models, the real all-MiniLM-L6-v2 against sentence-transformers
 (cosine >= 0.99999, the same ranking), a prompt's vector the same bits batched or alone, and the
 pooling engine's steps."""
@@ -22,7 +22,7 @@ from pytgi.core.pooling import PoolingInfo, read_pooling
 from pytgi.core.sampling_params import SamplingParams
 from pytgi.engine.models.encoder import finish, pool
 from pytgi.engine.models.encoders import load_encoder
-from pytgi.engine.pooler import PoolingEngine
+from pytgi.engine.pooling.encoder_engine import PoolingEngine
 from tests import minilm as examples
 from tests.minilm import minilm_dir
 
@@ -202,7 +202,7 @@ def test_flags_an_embedding_model_cannot_take_are_refused(tmp_path):
 
 
 def test_an_encoder_is_never_loaded_as_a_generator(tmp_path):
-    from pytgi.engine.engine import LLMEngine
+    from pytgi.engine.llm_engine import LLMEngine
 
     tiny(tmp_path, "bert")
     with pytest.raises(UnsupportedModel, match="is an embedding model"):

@@ -13,7 +13,7 @@ from pytgi.core.config import EngineConfig
 from pytgi.core.errors import ModelNotFound, UnsupportedModel
 from pytgi.core.model_files import resolve_model
 from pytgi.core.sampling_params import SamplingParams
-from pytgi.engine.engine import LLMEngine
+from pytgi.engine.llm_engine import LLMEngine
 from tests.model.tiny_llama import tiny_llama
 
 

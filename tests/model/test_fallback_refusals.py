@@ -12,7 +12,7 @@ import transformers
 
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import UnsupportedModel
-from pytgi.engine.runner import ModelRunner
+from pytgi.engine.execution.runner import ModelRunner
 
 BASE = dict(
     vocab_size=128,

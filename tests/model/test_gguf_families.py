@@ -17,7 +17,7 @@ import transformers
 
 from pytgi.core.config import EngineConfig
 from pytgi.core.model_files import resolve_model
-from pytgi.engine.runner import ModelRunner
+from pytgi.engine.execution.runner import ModelRunner
 from tests.model.test_tiny_models import CONFIGS as TINY
 
 BASE = dict(

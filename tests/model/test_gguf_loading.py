@@ -21,8 +21,8 @@ import transformers
 from pytgi.core.config import EngineConfig
 from pytgi.core.model_files import default_gguf_path, resolve_model
 from pytgi.engine import kernels
+from pytgi.engine.execution.runner import ModelRunner
 from pytgi.engine.models.quant import QuantizedLinear
-from pytgi.engine.runner import ModelRunner
 from tests.model.test_gguf_families import prompt_logits, tiny_model, write_gguf
 
 SHAPE = dict(

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from pytgi.core.config import EngineConfig
-from pytgi.engine.engine import LLMEngine
+from pytgi.engine.llm_engine import LLMEngine
 from tests.model.test_sharding import run, run_sharded
 
 PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 64] * 3, [7, 9] * 10, list(range(30, 60))]

@@ -13,12 +13,12 @@ pytest.importorskip("triton")
 
 from pytgi.core.config import EngineConfig
 from pytgi.core.model_files import resolve_model
+from pytgi.engine.execution.runner import ModelRunner
 from pytgi.engine.kernels import gpu_quant
 from pytgi.engine.loading.model import load_model
 from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear
 from pytgi.engine.models.quant import GpuQuantizedWeight, QuantizedLinear
-from pytgi.engine.runner import ModelRunner
 from tests.model.test_gguf_families import prompt_logits, tiny_model, write_gguf
 from tests.model.test_gguf_loading import FAMILIES, _quant
 
@@ -82,7 +82,7 @@ def test_fp8_kv_cache_gives_the_logits_of_the_values_it_holds(tmp_path, monkeypa
     decodes over an e4m3 cache give logits close to the model-dtype cache's, and the same cache
     refuses the paths that would read it otherwise."""
     from pytgi.core.families import family_of
-    from pytgi.engine.batch import PagedModel, fp8_kv_refusal
+    from pytgi.engine.execution.batch import PagedModel, fp8_kv_refusal
     from tests.model.test_tiny_models import BLOCK, NUM_BLOCKS, Paged, step
 
     _arch, kw, hf = tiny_model(FAMILIES["llama"])

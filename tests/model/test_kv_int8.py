@@ -9,7 +9,7 @@ import pytest
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import ConfigError
 from pytgi.core.sampling_params import SamplingParams
-from pytgi.engine.engine import LLMEngine
+from pytgi.engine.llm_engine import LLMEngine
 from tests.model.tiny_llama import tiny_llama
 
 PROMPTS = [[(i * k) % 120 + 3 for i in range(n)] for k, n in ((37, 40), (11, 9), (53, 70), (7, 23))]

@@ -16,7 +16,7 @@ from pytgi.core.adapters import AdapterError
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import InvalidRequest
 from pytgi.core.sampling_params import SamplingParams
-from pytgi.engine.engine import LLMEngine
+from pytgi.engine.llm_engine import LLMEngine
 from tests.kernel_paths import decoder_loop
 from tests.reference import hf_copy
 

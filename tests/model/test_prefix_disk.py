@@ -8,8 +8,8 @@ import pytest
 
 from pytgi.core.config import EngineConfig
 from pytgi.core.sampling_params import SamplingParams
-from pytgi.engine.engine import LLMEngine
-from pytgi.engine.request import Request
+from pytgi.engine.llm_engine import LLMEngine
+from pytgi.engine.scheduling.request import Request
 from tests.model.tiny_llama import tiny_llama
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pytgi.core.config import EngineConfig
+from pytgi.engine.execution.runner import ModelRunner
 from pytgi.engine.loading.checkpoints import (
     QuantizedCheckpoint,
     UnsupportedQuantization,
@@ -25,7 +26,6 @@ from pytgi.engine.loading.checkpoints import (
 )
 from pytgi.engine.loading.gguf import group_values
 from pytgi.engine.models.quant import HEAD_KIND, QuantizedLinear
-from pytgi.engine.runner import ModelRunner
 from tests.model.test_gguf_families import prompt_logits, tiny_model
 from tests.model.test_gguf_loading import FAMILIES
 from tests.model.test_tiny_models import reference
@@ -167,7 +167,7 @@ def test_lora_and_speculation_on_a_gptq_checkpoint(tmp_path):
     """An adapter trained on the float model serves on the checkpoint as peft runs it on the
     dequantized weights (float32), and speculation leaves greedy outputs as they are."""
     peft = pytest.importorskip("peft")
-    from pytgi.engine.engine import LLMEngine
+    from pytgi.engine.llm_engine import LLMEngine
     from tests.model.test_lora import NEW, PROMPTS, make_adapter, run
 
     path, kw, ref = checkpoint(tmp_path, "gptq-4bit-sym")

@@ -12,7 +12,7 @@ import transformers
 
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import ConfigError
-from pytgi.engine.engine import LLMEngine
+from pytgi.engine.llm_engine import LLMEngine
 from pytgi.engine.models.linear_attention import chunked_rule, l2norm, recurrent_step
 from tests.model.test_gguf_families import LAYER, byte_vocabulary, common_metadata
 from tests.model.test_sharding import run

@@ -13,7 +13,7 @@ import transformers
 from pytgi import LLM, SamplingParams
 from pytgi.core.config import EngineConfig
 from pytgi.core.net import free_port
-from pytgi.engine.engine import LLMEngine
+from pytgi.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.slow
 

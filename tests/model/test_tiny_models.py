@@ -13,10 +13,10 @@ import transformers
 
 from pytgi.core.config import EngineConfig
 from pytgi.core.sampling_params import SamplingParams
+from pytgi.engine.execution.runner import ModelRunner
 from pytgi.engine.models.cpu import Kernels
-from pytgi.engine.request import Request
-from pytgi.engine.runner import ModelRunner
-from pytgi.engine.step import ScheduledRequest
+from pytgi.engine.scheduling.request import Request
+from pytgi.engine.scheduling.step import ScheduledRequest
 
 BLOCK = 4
 NUM_BLOCKS = 64

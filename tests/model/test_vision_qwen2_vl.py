@@ -194,7 +194,7 @@ def test_the_api_counts_each_image_as_the_processor_expands_it(tiny):
 
 def test_positions_that_ignore_the_grid_give_another_answer(tiny, monkeypatch):
     """The parity above tests M-RoPE: with 1-D positions the same model answers otherwise."""
-    from pytgi.engine import images
+    from pytgi.engine.execution import images
 
     want = reference(tiny, *JOBS[0])
     monkeypatch.setattr(

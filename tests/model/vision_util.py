@@ -9,7 +9,7 @@ from PIL import Image
 
 from pytgi.core.config import EngineConfig
 from pytgi.core.sampling_params import SamplingParams
-from pytgi.engine.engine import LLMEngine
+from pytgi.engine.llm_engine import LLMEngine
 
 
 def png(seed: int, size=(70, 45)) -> bytes:

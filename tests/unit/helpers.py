@@ -6,9 +6,9 @@ import itertools
 
 from pytgi.core import protocol as P
 from pytgi.core.sampling_params import SamplingParams
-from pytgi.engine.request import Request
-from pytgi.engine.scheduler import Scheduler, SchedulerOutput
-from pytgi.engine.step import StepOutput
+from pytgi.engine.scheduling.request import Request
+from pytgi.engine.scheduling.scheduler import Scheduler, SchedulerOutput
+from pytgi.engine.scheduling.step import StepOutput
 
 _unique = itertools.count(1)
 

@@ -1,4 +1,4 @@
-"""The engine's LoRA adapter registry (pytgi.engine.adapters) without a model: who may name what,
+"""The engine's LoRA adapter registry (pytgi.engine.adapter_registry) without a model: who may name what,
 when weights are loaded, when an unload completes, and the snapshots the API process reads."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from pytgi.core import protocol as P
 from pytgi.core.adapters import AdapterError
 from pytgi.core.errors import InvalidRequest
-from pytgi.engine.adapters import AdapterRegistry
+from pytgi.engine.adapter_registry import AdapterRegistry
 
 
 class FakeLora:

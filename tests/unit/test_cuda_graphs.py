@@ -1,4 +1,4 @@
-"""The decode graphs' bookkeeping (`pytgi.engine.cuda_graphs`) without a GPU: which graph a step
+"""The decode graphs' bookkeeping (`pytgi.engine.execution.cuda_graphs`) without a GPU: which graph a step
 replays, and what its fixed input buffers hold (the capture and replay run in tests/model/test_cuda.py)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from pytgi.engine.batch import StepBatch
-from pytgi.engine.cuda_graphs import DEFAULT_SIZES, DecodeGraphs, parse_sizes
+from pytgi.engine.execution.batch import StepBatch
+from pytgi.engine.execution.cuda_graphs import DEFAULT_SIZES, DecodeGraphs, parse_sizes
 
 
 def test_parse_sizes():

@@ -8,7 +8,7 @@ import zmq
 
 from pytgi.core import protocol as P
 from pytgi.core.sampling_params import SamplingParams
-from pytgi.engine.adapters import AdapterRegistry
+from pytgi.engine.adapter_registry import AdapterRegistry
 from pytgi.engine.process import EngineLoop
 from tests.unit.test_adapter_registry import FakeRunner
 

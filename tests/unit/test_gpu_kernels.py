@@ -12,7 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from pytgi.engine.batch import StepBatch
+from pytgi.engine.execution.batch import StepBatch
 from pytgi.engine.kernels import gpu
 from pytgi.engine.models.attention import TorchAttention
 from pytgi.engine.models.cpu import Kernels, TorchOps, _rotate

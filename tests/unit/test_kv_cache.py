@@ -1,4 +1,4 @@
-from pytgi.engine.kv_cache import BlockManager
+from pytgi.engine.kv.blocks import BlockManager
 from tests.unit.helpers import make_request
 
 

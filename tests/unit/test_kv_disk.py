@@ -1,4 +1,4 @@
-"""The prefix cache's disk tier with no model (`pytgi.engine.kv_disk`): the scheduler over a KV pool
+"""The prefix cache's disk tier with no model (`pytgi.engine.kv.disk_tier`): the scheduler over a KV pool
 of plain tensors that a fake forward fills with a function of each token and position, so a block
 read back from disk can be checked value for value."""
 
@@ -16,11 +16,11 @@ import torch
 from pytgi.core import protocol as P
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import ConfigError
-from pytgi.engine import kv_disk
-from pytgi.engine.kv_cache import root_hash
-from pytgi.engine.kv_disk import HEADER, BadFile, DiskStore, DiskTier, fingerprint
-from pytgi.engine.request import Request, Status
-from pytgi.engine.step import StepOutput
+from pytgi.engine.kv import disk_tier as kv_disk
+from pytgi.engine.kv.blocks import root_hash
+from pytgi.engine.kv.disk_tier import HEADER, BadFile, DiskStore, DiskTier, fingerprint
+from pytgi.engine.scheduling.request import Request, Status
+from pytgi.engine.scheduling.step import StepOutput
 from tests.unit.helpers import make_request
 from tests.unit.test_scheduler import make_scheduler
 
@@ -263,7 +263,7 @@ def test_copies_waiting_for_the_disk_are_bounded(tmp_path, monkeypatch):
 
 
 def test_chain_hashes_are_the_same_in_every_process():
-    code = "from pytgi.engine.kv_cache import root_hash; print(root_hash(('qv', 'ab12')))"
+    code = "from pytgi.engine.kv.blocks import root_hash; print(root_hash(('qv', 'ab12')))"
     seen = {
         subprocess.run(
             [sys.executable, "-c", code],

@@ -9,7 +9,7 @@ import torch
 
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import ModelTooLarge
-from pytgi.engine import kv_sizing
+from pytgi.engine.kv import sizing as kv_sizing
 
 CPU = torch.device("cpu")
 GIB = 1 << 30

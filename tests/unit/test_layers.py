@@ -74,7 +74,7 @@ def test_the_core_imports_neither_torch_nor_fastapi():
 def test_the_engine_never_imports_fastapi():
     code = (
         "import sys\n"
-        "import pytgi.engine.process, pytgi.engine.worker, pytgi.engine.engine, pytgi.engine.shard\n"
+        "import pytgi.engine.process, pytgi.engine.distributed.worker, pytgi.engine.llm_engine, pytgi.engine.distributed.remote_rank\n"
         "assert 'fastapi' not in sys.modules and 'starlette' not in sys.modules\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (
 
 from pytgi.core.sampling_params import SamplingParams
 from pytgi.engine import kernels
-from pytgi.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, _apply_penalties, _warp
+from pytgi.engine.sampling.sampler import Sampler, SamplerOutput, SamplingMetadata, _apply_penalties, _warp
 
 CPU = torch.device("cpu")
 V = 200

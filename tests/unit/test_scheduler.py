@@ -1,9 +1,9 @@
 """Scheduler behaviour with no model: build requests, schedule, feed fake tokens back."""
 
 from pytgi.core.config import EngineInfo
-from pytgi.engine.kv_cache import BlockManager
-from pytgi.engine.request import Request, Status
-from pytgi.engine.scheduler import Scheduler
+from pytgi.engine.kv.blocks import BlockManager
+from pytgi.engine.scheduling.request import Request, Status
+from pytgi.engine.scheduling.scheduler import Scheduler
 from tests.unit.helpers import make_request, run_step
 
 
@@ -239,7 +239,7 @@ def test_a_chunk_never_ends_inside_a_two_way_image():
     sched.add(req)
     chunks = [scheduled(run_step(sched))["a"] for _ in range(5)]
     assert chunks == [4, 10, 6, 6, 4]  # 0-4 | the image 4-14 | 14-20 | 20-26 (the second image) | 26-30
-    from pytgi.engine.scheduler import whole_images
+    from pytgi.engine.scheduling.scheduler import whole_images
 
     assert whole_images(req, 8, 3) == 6  # from inside an image (a cache hit): to its end
     assert whole_images(req, 0, 30) == 30  # the whole prompt: nothing to move
@@ -270,7 +270,7 @@ def _system_then_traffic(sched: Scheduler) -> Request:
 
 def test_a_pinned_prefix_survives_traffic_that_evicts_everything_else(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr("pytgi.engine.scheduler.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("pytgi.engine.scheduling.scheduler.time.monotonic", lambda: now[0])
     sched = make_scheduler(num_blocks=16, prefix_cache_max_pin_seconds=3600.0)
     assert _system_then_traffic(sched).num_cached_tokens == 12
     bm = sched.block_manager
@@ -287,7 +287,7 @@ def test_an_unpinned_prefix_is_evicted_by_the_same_traffic():
 
 
 def test_a_pin_lasts_at_most_the_servers_limit(monkeypatch):
-    monkeypatch.setattr("pytgi.engine.scheduler.time.monotonic", lambda: 0.0)
+    monkeypatch.setattr("pytgi.engine.scheduling.scheduler.time.monotonic", lambda: 0.0)
     sched = make_scheduler(prefix_cache_max_pin_seconds=60.0)
     sched.add(make_request("a", list(range(9)), max_new_tokens=1, cache_pins=[(4, 5.0), (8, 3600.0)]))
     _drain(sched)
@@ -312,7 +312,7 @@ def test_a_pooling_request_is_chunked_then_ends_with_its_answer():
     decodes, and the step that reaches its end gives its answer instead of a token: it finishes
     there, its blocks freed, with no decode."""
     from pytgi.core import protocol as P
-    from pytgi.engine.step import StepOutput
+    from pytgi.engine.scheduling.step import StepOutput
 
     sched = make_scheduler(max_batch_prefill_tokens=16)
     gen = make_request("gen", 4, max_new_tokens=8)

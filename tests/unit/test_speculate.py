@@ -2,9 +2,9 @@
 scheduler (tokens, KV positions, blocks, stops) and the draft length's adaptation."""
 
 from pytgi.core import protocol as P
-from pytgi.engine.request import Status
-from pytgi.engine.speculate import Drafter, accepted_prefix
-from pytgi.engine.step import StepOutput
+from pytgi.engine.scheduling.request import Status
+from pytgi.engine.scheduling.step import StepOutput
+from pytgi.engine.speculation.ngram import Drafter, accepted_prefix
 from tests.unit.helpers import make_request
 from tests.unit.test_scheduler import make_scheduler
 

@@ -1,4 +1,4 @@
-"""The tensor-parallel step message (pytgi.engine.step_message) over a recorded wire: what rank 0
+"""The tensor-parallel step message (pytgi.engine.distributed.step_message) over a recorded wire: what rank 0
 sends is what the other ranks rebuild, field by field, with and without the optional parts."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from pytgi.engine import distributed as dist
-from pytgi.engine.batch import StepBatch
 from pytgi.engine.distributed import commands
+from pytgi.engine.distributed.step_message import StepMessage
+from pytgi.engine.execution.batch import StepBatch
 from pytgi.engine.models.attention import StepLayout
 from pytgi.engine.models.decoder import StepImages
-from pytgi.engine.step_message import StepMessage
 
 
 class Wire:

@@ -15,10 +15,10 @@ from pytgi.core import protocol as P
 from pytgi.core.errors import GrammarError
 from pytgi.core.sampling_params import SamplingParams
 from pytgi.core.tokenizer import Tokenizer
-from pytgi.engine.request import Status
-from pytgi.engine.sampler import Sampler, SamplingMetadata
-from pytgi.engine.step import StepOutput
-from pytgi.engine.structured import GrammarMatchers
+from pytgi.engine.sampling.grammars import GrammarMatchers
+from pytgi.engine.sampling.sampler import Sampler, SamplingMetadata
+from pytgi.engine.scheduling.request import Status
+from pytgi.engine.scheduling.step import StepOutput
 from tests.unit.helpers import make_request
 from tests.unit.test_scheduler import make_scheduler
 from tests.unit.tiny_tokenizer import VOCAB_SIZE

@@ -1,6 +1,6 @@
 import torch
 
-from pytgi.engine.watermark import apply_watermark, green_list, z_score
+from pytgi.engine.sampling.watermark import apply_watermark, green_list, z_score
 
 
 def test_green_list_is_a_deterministic_half_of_the_vocabulary():

@@ -3,7 +3,7 @@ prompt, unless that one is overloaded, then the least loaded. No Ray here: `pytg
 runs this policy inside Ray Serve's request router, and the unit tests run it alone.
 
 A replica's prefix cache keys full blocks of `block_size` tokens by the chain of their hashes
-(`pytgi.engine.kv_cache`). The router cannot see those caches; it keeps its own picture
+(`pytgi.engine.kv.blocks`). The router cannot see those caches; it keeps its own picture
 (`PrefixIndex`): the block chains of the prompts it sent to each replica, the least recently sent
 forgotten first past `capacity` blocks a replica (about what its KV cache holds). A prompt's match on
 a replica is how many of its leading blocks that picture holds.

@@ -1,8 +1,8 @@
 """Tensor parallelism over torch.distributed (gloo on CPU, NCCL on CUDA).
 
 Rank 0 is the engine: it schedules, broadcasts each step's inputs, samples. Ranks 1..N-1 run
-`pytgi.engine.worker`: receive a command, run their shard of the forward, repeat. Sizes that N does
-not divide are split as evenly as their unit allows (the first ranks take one unit more): attention
+`pytgi.engine.distributed.worker`: receive a command, run their shard of the forward, repeat. Sizes that N
+does not divide are split as evenly as their unit allows (the first ranks take one unit more): attention
 by key/value heads (with their query heads), the MLP by columns, the vocabulary by rows.
 """
 

@@ -1,7 +1,7 @@
 """Loading this rank's model for the runner: the device and dtype resolved, the weights checked to fit
 before a byte is read, the model built with its kernels, and wrapped with its (not yet allocated)
 paged KV cache. The runner computes steps; this is the one place a served model is loaded (the draft
-model takes its own path, `pytgi.engine.draft`)."""
+model takes its own path, `pytgi.engine.speculation.draft_model`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import ConfigError
 from pytgi.engine import distributed as dist
-from pytgi.engine.batch import PagedModel, kv_dtype_refusal
-from pytgi.engine.kv_sizing import check_fits, local_engines
+from pytgi.engine.execution.batch import PagedModel, kv_dtype_refusal
+from pytgi.engine.kv.sizing import check_fits, local_engines
 from pytgi.engine.loading.model import load_model, model_family, read_config, resolve_dtype
 from pytgi.engine.loading.sizes import weight_bytes
 from pytgi.engine.models.cpu import Kernels

@@ -8,7 +8,7 @@ recurrent state S [v_heads, k_dim, v_dim] (float32). Token t updates it by the g
 
 with q and k L2-normalized (q also scaled by k_dim^-½), β = sigmoid(b) and the log decay
 g = −exp(A_log) · softplus(a + dt_bias). The states live in a pool (`StatePool` in
-`pytgi.engine.kv_cache` hands out the slots, `PagedModel.allocate` the tensors); a request's slot
+`pytgi.engine.kv.blocks` hands out the slots, `PagedModel.allocate` the tensors); a request's slot
 starts from zero at its first token (a preempted request is recomputed from its tokens, as its
 KV blocks are), so prefix caching is off for these models.
 

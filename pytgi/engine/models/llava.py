@@ -3,9 +3,9 @@
 An image becomes a fixed number of rows of the language model's input: the tower's hidden states of
 layer `vision_feature_layer` (without the CLS row under the "default" strategy), through the
 projector. The prompt holds one image token per image; the engine expands it to that many copies
-(`LlavaImages`, `pytgi.engine.images`), and the step that computes those positions takes the image's rows
-instead of the token's embedding. The tower and the projector are transformers' modules, run whole
-on this rank; the language model is `DecoderModel`, with its kernels, quantization and KV cache.
+(`LlavaImages`, `pytgi.engine.execution.images`), and the step that computes those positions takes the
+image's rows instead of the token's embedding. The tower and the projector are transformers' modules, run
+whole on this rank; the language model is `DecoderModel`, with its kernels, quantization and KV cache.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ of its 14-pixel patches becomes one row. The chat template writes
 `<|vision_start|><|image_pad|><|vision_end|>` for an image; the engine expands `<|image_pad|>` to
 the image's rows. Positions are 3-D (temporal, height, width): text counts on along all three; an
 image's rows take their row and column in its grid from where the image starts, and the text after
-it goes on from there plus the grid's longer side (`pytgi.engine.images.mrope_positions`). The
+it goes on from there plus the grid's longer side (`pytgi.engine.execution.images.mrope_positions`). The
 rotary's frequencies are split between the three axes (`mrope_section`), so a text-only prompt
 runs exactly as a Qwen2 model's.
 """

@@ -2,8 +2,9 @@
 
 Rank 0's runner lays the step out (`StepBatch`), picks the logit rows it needs (`SamplingStep.plan`),
 runs the forward over the paged KV cache (`PagedModel`) and samples (`SamplingStep.run`). With tensor
-parallelism it first broadcasts the step's arrays, and the other ranks' runners (`pytgi.engine.worker`)
-run the same forward on their shards: the commands of that protocol are `pytgi.engine.distributed.commands`'.
+parallelism it first broadcasts the step's arrays, and the other ranks' runners
+(`pytgi.engine.distributed.worker`) run the same forward on their shards: the commands of that protocol are
+`pytgi.engine.distributed.commands`'.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from pytgi.core.adapters import parse_specs
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import UnsupportedModel
 from pytgi.engine import distributed as dist
-from pytgi.engine.batch import StepBatch
-from pytgi.engine.cuda_graphs import parse_sizes
 from pytgi.engine.distributed import commands
-from pytgi.engine.images import step_rows
-from pytgi.engine.kv_sizing import kv_tokens_on_every_rank
+from pytgi.engine.distributed.step_message import StepMessage
+from pytgi.engine.execution.batch import StepBatch
+from pytgi.engine.execution.cuda_graphs import parse_sizes
+from pytgi.engine.execution.images import step_rows
+from pytgi.engine.kv.sizing import kv_tokens_on_every_rank
 from pytgi.engine.loading.model import eos_token_ids
 from pytgi.engine.loading.rank import load_paged_model, resolve_device
 from pytgi.engine.loading.sizes import loaded_bytes
@@ -32,11 +34,10 @@ from pytgi.engine.models.causal_lm import CausalLM
 from pytgi.engine.models.decoder import DecoderModel, StepImages
 from pytgi.engine.models.layers import DYNAMIC_SHIFT, dynamic_rope, long_rope
 from pytgi.engine.models.lora import LoraAdapters
-from pytgi.engine.pool_head import PoolHead
-from pytgi.engine.sampling_step import SamplingStep
-from pytgi.engine.step import ScheduledRequest, StepOutput
-from pytgi.engine.step_message import StepMessage
-from pytgi.engine.structured import GrammarMatchers
+from pytgi.engine.pooling.head import PoolHead
+from pytgi.engine.sampling.grammars import GrammarMatchers
+from pytgi.engine.sampling.step import SamplingStep
+from pytgi.engine.scheduling.step import ScheduledRequest, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class ModelRunner:
 
     # -- KV cache ---------------------------------------------------------------------------------
     def auto_num_tokens(self, fraction: float | None, cap_bytes: int | None) -> int:
-        """KV slots that fit on every rank (`pytgi.engine.kv_sizing`): `fraction` (None: the device's
+        """KV slots that fit on every rank (`pytgi.engine.kv.sizing`): `fraction` (None: the device's
         default) of the memory left now, shared by the ranks on this machine, at most `cap_bytes`."""
         if self.rank == 0 and dist.tp_size() > 1:
             commands.send(commands.Capacity(fraction, cap_bytes))

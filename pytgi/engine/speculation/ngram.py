@@ -11,14 +11,15 @@ The scheduler asks `Drafter.propose` for each decode; the runner computes the re
 token and its draft in one step (a row per position), samples every row, and keeps the draft's
 longest prefix the samples agree with, plus the sample after it (`accepted_prefix`). Every row is
 sampled as the request's next token at that position would be without speculation: greedy rows
-by argmax, seeded rows with the draw of that position (`pytgi.engine.runner`), so a request's
+by argmax, seeded rows with the draw of that position (`pytgi.engine.execution.runner`), so a request's
 output is the one it would have had without speculation, token for token. For a draft of one
 token per position (a point mass) this is the rejection sampling of Leviathan et al.: the draft is
 accepted with probability p(draft), and on rejection the token comes from p without it.
 
-The scheduler takes any `Proposer`: this n-gram one, or a draft model's (`pytgi.engine.draft`,
-`--draft-model-id`). Medusa/EAGLE heads would be a third. A proposer keeps its own state per request
-id, from its first proposal for the request until `release` (the request ended or was preempted).
+The scheduler takes any `Proposer`: this n-gram one, or a draft model's
+(`pytgi.engine.speculation.draft_model`, `--draft-model-id`). Medusa/EAGLE heads would be a third. A
+proposer keeps its own state per request id, from its first proposal for the request until `release` (the
+request ended or was preempted).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pytgi.engine.request import Request
+from pytgi.engine.scheduling.request import Request
 
 MAX_NGRAM = 8  # longest suffix matched: a longer match picks the right one of a token's occurrences
 CANDIDATES = 64  # a token's latest occurrences tried

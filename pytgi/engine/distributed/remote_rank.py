@@ -11,7 +11,7 @@ from pytgi.core import flags
 from pytgi.core.config import EngineConfig
 from pytgi.core.logs import setup_logging
 from pytgi.core.model_files import resolve_or_none
-from pytgi.engine.worker import run_worker
+from pytgi.engine.distributed.worker import run_worker
 
 
 def shard(args: argparse.Namespace) -> int:

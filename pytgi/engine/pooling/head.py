@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 from pytgi.core import protocol as P
 from pytgi.core.pooling import PoolingInfo
-from pytgi.engine.batch import PagedModel, StepBatch
+from pytgi.engine.execution.batch import PagedModel, StepBatch
 from pytgi.engine.models.causal_lm import CausalLM
 from pytgi.engine.models.decoder import DecoderModel
 from pytgi.engine.models.encoder import embedding, pool
-from pytgi.engine.step import ScheduledRequest, StepOutput
+from pytgi.engine.scheduling.step import ScheduledRequest, StepOutput
 
 
 class PoolHead:

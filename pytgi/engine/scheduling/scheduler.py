@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 from pytgi.core import protocol as P
 from pytgi.core.config import EngineInfo
-from pytgi.engine.kv_cache import BlockManager
-from pytgi.engine.kv_disk import DiskTier
-from pytgi.engine.request import FinishReason, Request, Status
-from pytgi.engine.speculate import MAX_STEP_ROWS, Drafter, Proposer
-from pytgi.engine.step import ScheduledRequest, StepOutput
+from pytgi.engine.kv.blocks import BlockManager
+from pytgi.engine.kv.disk_tier import DiskTier
+from pytgi.engine.scheduling.request import FinishReason, Request, Status
+from pytgi.engine.scheduling.step import ScheduledRequest, StepOutput
+from pytgi.engine.speculation.ngram import MAX_STEP_ROWS, Drafter, Proposer
 
 
 @dataclass(slots=True)
@@ -53,8 +53,8 @@ class Scheduler:
         drafter: Proposer | None = None,
         disk: DiskTier | None = None,
     ) -> None:
-        """`drafter`: the draft proposer (`pytgi.engine.draft.DraftModel`); None: n-gram drafts when
-        `config.speculate`. `disk`: the prefix cache's disk tier (--prefix-cache-dir)."""
+        """`drafter`: the draft proposer (`pytgi.engine.speculation.draft_model.DraftModel`); None: n-gram
+        drafts when `config.speculate`. `disk`: the prefix cache's disk tier (--prefix-cache-dir)."""
         self.config = config
         self.block_manager = block_manager
         self.disk = disk

@@ -1,8 +1,8 @@
 """A tensor-parallel worker (ranks 1..N-1): join the group, load this rank's shard, then run the
 forward of every step rank 0 broadcasts until told to stop (or until a collective fails).
 
-Rank 0 starts its local workers as `python -m pytgi.engine.worker --config JSON --rank R`, with the
-config it loads itself; on other machines `pytgi shard` (pytgi.api.launcher) builds the config
+Rank 0 starts its local workers as `python -m pytgi.engine.distributed.worker --config JSON --rank R`, with
+the config it loads itself; on other machines `pytgi shard` (pytgi.api.launcher) builds the config
 from flags and the torchrun environment and calls `run_worker`.
 """
 
@@ -24,8 +24,8 @@ log = logging.getLogger("pytgi.worker")
 
 
 def run_worker(config: EngineConfig, rank: int) -> int:
-    from pytgi.engine.runner import ModelRunner
-    from pytgi.engine.shards import set_cpu_threads
+    from pytgi.engine.distributed.local_ranks import set_cpu_threads
+    from pytgi.engine.execution.runner import ModelRunner
 
     set_cpu_threads(1 if "WORLD_SIZE" in os.environ else config.num_shard)
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pytgi.core import protocol as P
-from pytgi.engine.request import Request
+from pytgi.engine.scheduling.request import Request
 
 
 @dataclass(slots=True)

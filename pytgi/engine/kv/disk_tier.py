@@ -49,8 +49,8 @@ import torch
 
 from pytgi.core import protocol as P
 from pytgi.core.errors import ConfigError
-from pytgi.engine.kv_cache import BlockManager
-from pytgi.engine.request import Request
+from pytgi.engine.kv.blocks import BlockManager
+from pytgi.engine.scheduling.request import Request
 
 log = logging.getLogger(__name__)
 

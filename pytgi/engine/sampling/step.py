@@ -18,12 +18,12 @@ import torch
 
 from pytgi.core import protocol as P
 from pytgi.core.errors import GrammarError
-from pytgi.engine.request import Request
-from pytgi.engine.sampler import Sampler, SamplingMetadata, row_stats
-from pytgi.engine.speculate import accepted_prefix
-from pytgi.engine.step import ScheduledRequest, StepOutput
-from pytgi.engine.structured import GrammarMatchers, StepMasks
-from pytgi.engine.watermark import apply_watermark
+from pytgi.engine.sampling.grammars import GrammarMatchers, StepMasks
+from pytgi.engine.sampling.sampler import Sampler, SamplingMetadata, row_stats
+from pytgi.engine.sampling.watermark import apply_watermark
+from pytgi.engine.scheduling.request import Request
+from pytgi.engine.scheduling.step import ScheduledRequest, StepOutput
+from pytgi.engine.speculation.ngram import accepted_prefix
 
 
 @dataclass(slots=True)

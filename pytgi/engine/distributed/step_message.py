@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from pytgi.engine import distributed as dist
-from pytgi.engine.batch import StepBatch
 from pytgi.engine.distributed import commands
+from pytgi.engine.execution.batch import StepBatch
 from pytgi.engine.models.attention import StepLayout
 from pytgi.engine.models.decoder import StepImages
 

@@ -53,7 +53,15 @@ class ShardGroup:
 
     def _spawn(self, rank: int) -> subprocess.Popen:
         config = json.dumps(dataclasses.asdict(self.config))
-        cmd = [sys.executable, "-m", "pytgi.engine.worker", "--config", config, "--rank", str(rank)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytgi.engine.distributed.worker",
+            "--config",
+            config,
+            "--rank",
+            str(rank),
+        ]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.world_size)))
         return subprocess.Popen(cmd, env=env)

@@ -48,8 +48,8 @@ class Request:
     cache_root: object = None
     images: list[Any] = field(
         default_factory=list
-    )  # PromptImage per image in the prompt (pytgi.engine.images)
-    # the prefix cache's disk tier (pytgi.engine.kv_disk): "" not looked up yet, "reading" its blocks,
+    )  # PromptImage per image in the prompt (pytgi.engine.execution.images)
+    # the prefix cache's disk tier (pytgi.engine.kv.disk_tier): "" not looked up yet, "reading" its blocks,
     # "done"; the prompt tokens it restored
     disk: str = ""
     num_disk_tokens: int = 0

@@ -11,7 +11,7 @@ costs nothing but the work.
 
 Drafts are the draft model's argmax, a point mass, whatever the request's sampling: the runner
 samples every verified row as it would without speculation and keeps the draft's prefix those
-samples confirm (`pytgi.engine.speculate.accepted_prefix`). For a point-mass draft that is the
+samples confirm (`pytgi.engine.speculation.ngram.accepted_prefix`). For a point-mass draft that is the
 rejection sampling of Leviathan et al. (the draft token is kept with probability p(token)), so the
 output distribution is the model's, and a seeded request's tokens are even the ones it gets without
 speculation. Drafting from the draft model's own distribution q would keep more tokens at high
@@ -29,13 +29,13 @@ import torch
 from pytgi.core.errors import DraftModelError
 from pytgi.core.model_files import resolve_model
 from pytgi.engine import distributed as dist
-from pytgi.engine.batch import PagedModel, StepBatch
-from pytgi.engine.kv_cache import BlockManager
+from pytgi.engine.execution.batch import PagedModel, StepBatch
+from pytgi.engine.kv.blocks import BlockManager
 from pytgi.engine.loading.model import load_model, model_family, read_config, resolve_dtype
 from pytgi.engine.models.cpu import Kernels
-from pytgi.engine.request import Request
-from pytgi.engine.sampler import row_stats
-from pytgi.engine.speculate import next_length
+from pytgi.engine.sampling.sampler import row_stats
+from pytgi.engine.scheduling.request import Request
+from pytgi.engine.speculation.ngram import next_length
 
 # Prompt tokens the draft model computes per step for requests it is catching up on (a new prompt):
 # the step's other streams wait for them.
@@ -45,7 +45,7 @@ CATCHUP_TOKENS = 512
 @dataclass(slots=True, eq=False)
 class _Seq:
     """The draft model's view of one request: the tokens its KV holds and their blocks (a
-    `pytgi.engine.kv_cache.BlockSeq`)."""
+    `pytgi.engine.kv.blocks.BlockSeq`)."""
 
     ids: list[int] = field(default_factory=list)  # the tokens whose KV the draft cache holds, in order
     known: int = 0  # the request's tokens at the last proposal: ids[:known] are still its tokens

@@ -3,7 +3,7 @@
 This module owns no tensors; the runner allocates the K/V tensors with `num_blocks` blocks.
 A full block is identified by a chained hash (BLAKE2b of the previous block's hash and this block's
 token ids, 128 bits), so equal prefixes map to equal hash chains, in every process: the disk tier
-(`pytgi.engine.kv_disk`) names its files by them. Blocks whose refcount drops to zero keep their hash
+(`pytgi.engine.kv.disk_tier`) names its files by them. Blocks whose refcount drops to zero keep their hash
 and stay reusable until they are evicted, least recently freed first.
 """
 
@@ -17,12 +17,12 @@ from collections.abc import Collection, Sequence
 from itertools import islice
 from typing import Protocol
 
-from pytgi.engine.request import Request
+from pytgi.engine.scheduling.request import Request
 
 
 class BlockSeq(Protocol):
     """What the block manager reads and sets of a sequence: a `Request`, or the draft model's view of
-    one (`pytgi.engine.draft`). The prefix cache takes requests only."""
+    one (`pytgi.engine.speculation.draft_model`). The prefix cache takes requests only."""
 
     block_table: list[int]
     num_computed_tokens: int  # tokens whose KV is in the blocks

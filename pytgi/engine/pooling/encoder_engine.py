@@ -35,9 +35,9 @@ from pytgi.core.config import EngineConfig, EngineInfo
 from pytgi.core.errors import ConfigError, InvalidRequest
 from pytgi.core.model_files import ResolvedModel
 from pytgi.core.pooling import check_pool_request, model_task, read_labels, read_pooling
+from pytgi.engine.distributed.local_ranks import set_cpu_threads
 from pytgi.engine.models.encoder import embedding, pool
 from pytgi.engine.models.encoders import load_encoder
-from pytgi.engine.shards import set_cpu_threads
 
 log = logging.getLogger(__name__)
 DTYPES = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}

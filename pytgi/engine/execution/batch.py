@@ -21,7 +21,7 @@ import torch
 from pytgi.core.families import Family
 from pytgi.engine import distributed as dist
 from pytgi.engine import kernels
-from pytgi.engine.cuda_graphs import DecodeGraphs
+from pytgi.engine.execution.cuda_graphs import DecodeGraphs
 from pytgi.engine.models.attention import StepLayout
 from pytgi.engine.models.causal_lm import CausalLM
 from pytgi.engine.models.decoder import StepImages
@@ -145,8 +145,8 @@ class PagedModel:
             self.kv_caches.append((k, v))
 
     def capture_graphs(self, sizes: tuple[int, ...], max_blocks: int) -> bool:
-        """Capture the decode step at these batch sizes (`pytgi.engine.cuda_graphs`), where the model
-        allows it: CUDA, the Triton attention backend with plain causal layers, no mixture of experts.
+        """Capture the decode step at these batch sizes (`pytgi.engine.execution.cuda_graphs`), where the
+        model allows it: CUDA, the Triton attention backend with plain causal layers, no mixture of experts.
         Whether it did."""
         cfg = getattr(self.model, "config", None)
         if (

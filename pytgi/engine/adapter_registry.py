@@ -25,7 +25,7 @@ from pytgi.core.paths import files_stamp
 from pytgi.core.protocol import AdapterSnapshot
 
 if TYPE_CHECKING:
-    from pytgi.engine.runner import ModelRunner
+    from pytgi.engine.execution.runner import ModelRunner
 
 
 def _none_in_use() -> Collection[str | None]:

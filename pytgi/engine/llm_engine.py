@@ -38,22 +38,22 @@ from pytgi.core.pooling import (
     token_labels,
 )
 from pytgi.core.sampling_params import SamplingParams, check_logit_bias, check_prompt
-from pytgi.engine.adapters import AdapterRegistry
-from pytgi.engine.images import ImageInputs, PromptImage
-from pytgi.engine.kv_cache import BlockManager
-from pytgi.engine.kv_disk import DiskTier, fingerprint
-from pytgi.engine.kv_sizing import GIB, free_bytes
+from pytgi.engine.adapter_registry import AdapterRegistry
+from pytgi.engine.distributed.local_ranks import ShardGroup, set_cpu_threads
+from pytgi.engine.execution.images import ImageInputs, PromptImage
+from pytgi.engine.execution.runner import ModelRunner
+from pytgi.engine.kv.blocks import BlockManager
+from pytgi.engine.kv.disk_tier import DiskTier, fingerprint
+from pytgi.engine.kv.sizing import GIB, free_bytes
 from pytgi.engine.loading.checkpoints import file_quantization
 from pytgi.engine.loading.model import read_config
 from pytgi.engine.models.layers import dynamic_rope, long_rope
-from pytgi.engine.pool_head import PoolHead
-from pytgi.engine.request import Request
-from pytgi.engine.runner import ModelRunner
-from pytgi.engine.scheduler import Scheduler
-from pytgi.engine.shards import ShardGroup, set_cpu_threads
+from pytgi.engine.pooling.head import PoolHead
+from pytgi.engine.scheduling.request import Request
+from pytgi.engine.scheduling.scheduler import Scheduler
 
 if TYPE_CHECKING:
-    from pytgi.engine.draft import DraftModel
+    from pytgi.engine.speculation.draft_model import DraftModel
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class LLMEngine:
             model = resolve_model(config.model, progress=config.progress, revision=config.revision)
         model_path, model_id = model.path, model.model_id
         task = model_task(model_path, config.task)
-        if task != "generate" and is_encoder(model_path):  # pytgi.engine.pooler's
+        if task != "generate" and is_encoder(model_path):  # pytgi.engine.pooling.encoder_engine's
             what = "an embedding model" if task == "embed" else "a cross-encoder"
             raise UnsupportedModel(
                 f"{model_id} is {what}: `pytgi serve` serves it on its own routes (docs/embeddings.md); it "
@@ -218,7 +218,7 @@ class LLMEngine:
         return token_labels(model_path, tuple(ids), names)
 
     def _draft_model(self, config: EngineConfig, model_path: Path) -> DraftModel:
-        from pytgi.engine.draft import DraftModel
+        from pytgi.engine.speculation.draft_model import DraftModel
 
         assert config.draft_model is not None
         runner = self.runner
@@ -276,7 +276,7 @@ class LLMEngine:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, images: Sequence[bytes] = ()
     ) -> None:
         """`images`: the encoded images (PNG, JPEG, ...) of the prompt's image tokens, in order (a
-        vision model's; pytgi.engine.images)."""
+        vision model's; pytgi.engine.execution.images)."""
         if request_id in self.scheduler.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         info = self.info
