@@ -7,6 +7,8 @@ an `AdapterSnapshot` (then `AdapterDone`) when the LoRA adapters served change.
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import msgspec
 
 from pytgi.core.config import EngineInfo
@@ -93,6 +95,25 @@ class EngineStats(msgspec.Struct, array_like=True):
     waiting_adapters: list[str] = []  # the LoRA adapters waiting requests ask for
     disk: DiskCacheStats | None = None  # with --prefix-cache-dir
     pinned_blocks: int = 0  # KV blocks clients' pins hold now (Anthropic's cache_control)
+
+
+class _EngineStatsExtras(TypedDict, total=False):
+    spec_drafted: int
+    spec_accepted: int
+    waiting_adapters: list[str]
+    disk: DiskCacheStats | None
+    pinned_blocks: int
+
+
+class EngineStatsFields(_EngineStatsExtras):
+    """An engine's `stats()`: `EngineStats`' fields by name (those after `failed_steps` may be left out)."""
+
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    preemptions: int
+    failed_steps: int
 
 
 class StepInfo(msgspec.Struct, array_like=True):

@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -419,7 +419,7 @@ class LLMEngine:
         self.runner.shutdown()
         self.shards.stop()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> P.EngineStatsFields:
         waiting_adapters = {r.params.adapter for r in self.scheduler.waiting if r.params.adapter}
         return {
             "running": len(self.scheduler.running),

@@ -26,7 +26,6 @@ import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -255,7 +254,7 @@ class PoolingEngine:
     def shutdown(self) -> None:
         self.workers.shutdown(wait=False, cancel_futures=True)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> P.EngineStatsFields:
         return {
             "running": len(self.flight),
             "waiting": len(self.waiting),
