@@ -47,6 +47,7 @@ from pytgi.engine.kv.disk_tier import DiskTier, fingerprint
 from pytgi.engine.kv.sizing import GIB, free_bytes
 from pytgi.engine.loading.checkpoints import file_quantization
 from pytgi.engine.loading.model import read_config
+from pytgi.engine.models.decoder import DecoderConfig
 from pytgi.engine.models.layers import dynamic_rope, long_rope
 from pytgi.engine.pooling.head import PoolHead
 from pytgi.engine.scheduling.request import Request
@@ -200,7 +201,9 @@ class LLMEngine:
         """A causal LM's pooling: its sentence-transformers files' (an embedder), its classifier's labels
         (a `*ForSequenceClassification`), or --classifier-tokens' (a causal LM as a reranker)."""
         if task == "embed":
-            return read_pooling(model_path, runner.config.hidden_size, decoder=True)
+            config = runner.config
+            assert isinstance(config, DecoderConfig), "a pooling model runs on pytgi's own code"
+            return read_pooling(model_path, config.hidden_size, decoder=True)
         names = self.config.classifier_tokens
         if not names:  # a `*ForSequenceClassification` (checked before loading)
             return read_labels(model_path)

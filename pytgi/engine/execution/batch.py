@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -26,6 +26,13 @@ from pytgi.engine.models.attention import StepLayout
 from pytgi.engine.models.causal_lm import CausalLM
 from pytgi.engine.models.decoder import StepImages
 from pytgi.engine.models.layers import dynamic_rope
+
+
+class KVHeads(Protocol):
+    """An attention layer's heads on this rank, which size the KV cache (`self_attn` of a layer)."""
+
+    n_kv: int
+    head_dim: int
 
 
 @dataclass(slots=True)
@@ -88,7 +95,7 @@ class PagedModel:
         self.block_size = self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None  # CUDA: the captured decode steps
 
-    def _attention(self) -> Any:
+    def _attention(self) -> KVHeads:
         """The first attention layer's (its heads give the KV cache's shape; a hybrid model's linear
         layers have none)."""
         return next(a for layer in self.model.layers if (a := getattr(layer, "self_attn", None)) is not None)

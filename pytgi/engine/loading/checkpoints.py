@@ -36,7 +36,7 @@ The layouts (GPTQ's v1 format, as AutoGPTQ writes it):
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ import torch
 from pytgi.core.errors import UnsupportedModel
 from pytgi.engine.loading.gguf import Grid
 from pytgi.engine.loading.safetensors_dir import iter_safetensors
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.quant import GROUP, _fp16
 
 SERVED = (
@@ -131,7 +132,7 @@ class Mxfp4:
 
     blocks: torch.Tensor
     scales: torch.Tensor
-    pack: tuple[torch.dtype, Any] | None = None
+    pack: tuple[torch.dtype, Kernels] | None = None
 
 
 class Mxfp4Experts:
@@ -155,7 +156,7 @@ class Mxfp4Experts:
         rows = t.blocks.shape[1] // (2 if name != "down" else 1)
         e, r0, r1 = start // rows, start % rows, stop - (start // rows) * rows
         assert r1 <= rows, "rows of one expert at a time"
-        pick: slice | Any = slice(r0, r1)
+        pick = slice(r0, r1)
         if name != "down":  # gate | up interleaved: gate on even rows, up on odd ones
             first = 0 if name == "gate" else 1
             pick = slice(2 * r0 + first, 2 * r1 + first - 1, 2)
@@ -170,8 +171,8 @@ class Mxfp4Experts:
 def mxfp4_tensors(
     tensors: Iterator[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
-    keep: tuple[torch.dtype, Any] | None = None,
-) -> Iterator[tuple[str, Any]]:
+    keep: tuple[torch.dtype, Kernels] | None = None,
+) -> Iterator[tuple[str, torch.Tensor | Mxfp4]]:
     """A checkpoint's tensors with each `X_blocks` / `X_scales` pair replaced by `X` dequantized
     (`dequantize_mxfp4`), or with `keep` (the activations' dtype and the kernels) by the pair as it is
     (`Mxfp4`: the experts then pack their codes, `SparseMoE`); the first of a pair waits for the other
@@ -249,7 +250,9 @@ def read_quantization(model_dir: Path) -> CheckpointQuant | None:
     return q
 
 
-def _compressed_tensors(qc: dict[str, Any], refuse: Any) -> CheckpointQuant:
+def _compressed_tensors(
+    qc: dict[str, Any], refuse: Callable[[str], UnsupportedQuantization]
+) -> CheckpointQuant:
     """compressed-tensors (llm-compressor's format): one config group of weights, int (packed in int32
     words, or one int8 per value) or e4m3. Activation schemes (W8A8's dynamic or static input scales)
     are read but not needed: activations stay in the model's dtype on CPU, and the CUDA FP8 kernel

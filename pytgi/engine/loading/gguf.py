@@ -8,7 +8,7 @@ the file's pages and turned straight into what the engine keeps, then its pages 
   is *decoded*, not dequantized: `grid()` returns its levels and, per group of 16 or 32 values, the
   step and offset of its grid (`Grid`: w = d·q + m), from which `pytgi.engine.models.quant` packs the
   low-bit layouts of the CPU kernels without rounding the levels again.
-- Any tensor can also be read `dense()`: dequantized with the `gguf` package a slice of rows at a
+- Every tensor can also be read `dense()`: dequantized with the `gguf` package a slice of rows at a
   time, into the dtype the model keeps (float32 for the exact path, bf16 for tensors that stay
   dense: norms, the embedding table, types on no uniform grid).
 
@@ -25,10 +25,10 @@ import mmap
 import os
 import shutil
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ from pytgi.core.errors import GGUFConversionError
 from pytgi.core.families import gguf_of_model_type
 from pytgi.core.gguf_convert import HYBRID_TYPES, SOURCE_FILE, hf_tensor_name
 from pytgi.engine import kernels
+
+if TYPE_CHECKING:
+    from gguf import GGMLQuantizationType
 
 ROWS_PER_SLICE = 1024  # rows dequantized or decoded at a time: bounds the transient float32
 
@@ -186,7 +189,8 @@ TYPE_SIZES = {
 }  # bytes of a block (32 values, 256 for K-quants)
 # GGUF type → (decoder of [nb, type size] block bytes → (q, d, m), levels of q, values per group, zero:
 # m = -zero·d for the symmetric types, whose decoders give no m)
-DECODERS: dict[str, tuple[Any, int, int, int | None]] = {
+BlockDecoder = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+DECODERS: dict[str, tuple[BlockDecoder, int, int, int | None]] = {
     "Q4_0": (_q4_0, 16, 32, 8),
     "Q4_1": (_q4_1, 16, 32, None),
     "Q4_K": (_q4_k, 16, 32, None),
@@ -241,7 +245,7 @@ class TensorInfo(NamedTuple):
     """Where a tensor lies in a GGUF file, read from the file's header."""
 
     name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
+    tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # GGUF's order: the fastest-varying dimension first
     data_offset: int  # bytes from the file's start
     n_bytes: int
@@ -251,7 +255,7 @@ class TensorInfo(NamedTuple):
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 
-def read_tensor_index(buf: Any) -> list[TensorInfo]:
+def read_tensor_index(buf: mmap.mmap | bytes) -> list[TensorInfo]:
     """The tensors of a GGUF file (a buffer over its bytes), from its header alone: the metadata is
     stepped over, not decoded (gguf's reader decoding the default model's 49k-token vocabulary was 7.7 s
     of an 11 s profiled load)."""
@@ -315,7 +319,7 @@ class GGUFWeights:
     def __init__(self, parts: list[Path], config: dict[str, Any]) -> None:
 
         self.config = config
-        self.tensors: dict[str, tuple[Any, TensorInfo]] = {}
+        self.tensors: dict[str, tuple[mmap.mmap, TensorInfo]] = {}  # the file's mapping, where in it
         for part in parts:
             with open(part, "rb") as f:  # read-only: a file bigger than the memory maps too
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

@@ -26,7 +26,7 @@ from pytgi.engine.loading.safetensors_dir import iter_safetensors
 from pytgi.engine.loading.sizes import keeps_mxfp4
 from pytgi.engine.models.causal_lm import CausalLM
 from pytgi.engine.models.cpu import Kernels
-from pytgi.engine.models.decoder import DecoderConfig, DecoderModel
+from pytgi.engine.models.decoder import DecoderConfig, DecoderModel, Weights
 from pytgi.engine.models.quant import resolve_plan
 from pytgi.engine.models.registry import config_reader, decoder_config, model_class
 from pytgi.engine.models.vision import VisionLanguageModel
@@ -160,7 +160,7 @@ def load_model(
         if vision:
             model = model_class(vision)(hf, model)
     if gguf is not None:
-        tensors: Iterator[tuple[str, Any]] = gguf.dense_tensors()
+        tensors: Weights = gguf.dense_tensors()
     elif (hf.get("quantization_config") or {}).get("quant_method") == "mxfp4":
         # with the low-bit kernel the experts' codes are packed as they are read: never a float copy
         keep = (dtype, cpu) if keeps_mxfp4(dtype, device, cpu) else None

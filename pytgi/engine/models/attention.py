@@ -23,6 +23,7 @@ takes the decodes, each request's keys starting where its window does; prompt ch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
 
 import numpy as np
 import torch
@@ -30,6 +31,20 @@ import torch.nn.functional as F
 
 from pytgi.engine import kernels
 from pytgi.engine.models.cpu import Kernels
+from pytgi.engine.models.linear_attention import StateMetadata
+
+if TYPE_CHECKING:
+    from pytgi.engine.models.triton_backend import TritonMetadata
+
+# One layer's cache: its keys and values [slots, KVH, D] (a linear-attention layer's: its convolution
+# inputs and recurrent states, by request slot)
+LayerCache: TypeAlias = tuple[torch.Tensor, torch.Tensor]
+# A rotary embedding's tables at the step's positions: cos and (signed) sin
+Rope: TypeAlias = tuple[torch.Tensor, torch.Tensor]
+# What one layer's attention reads: its backend's metadata for the step
+LayerMetadata: TypeAlias = "TorchAttentionMetadata | TritonMetadata"
+# A decoder's step metadata, as its backend prepares it (`layer_metadata` picks a layer's)
+DecoderMetadata: TypeAlias = "LayerMetadata | WindowedMetadata | StateMetadata"
 
 
 @dataclass(slots=True)
@@ -169,10 +184,11 @@ class TorchAttention:
         v: torch.Tensor | None,
         k_cache: torch.Tensor,  # [num_blocks * block_size, KVH, D]
         v_cache: torch.Tensor,
-        meta: TorchAttentionMetadata,
+        meta: LayerMetadata,  # what this backend's `prepare` made
         scale: float,
         sinks: torch.Tensor | None = None,  # [H] a logit per query head in each softmax (SinkAttention)
     ) -> torch.Tensor:
+        assert isinstance(meta, TorchAttentionMetadata), "the gather path reads its own metadata"
         kv8 = kernels.kv8(k_cache)
         if k is not None and v is not None:
             if kv8:
@@ -293,9 +309,9 @@ class SlidingWindowBackend:
         return self.inner.forward(*args, **kwargs)
 
 
-def layer_metadata(meta, sliding: bool | None):
+def layer_metadata(meta: DecoderMetadata, sliding: bool | None) -> LayerMetadata:
     """A layer's own metadata: `sliding` None for models without windows."""
-    meta = getattr(meta, "attn", meta)  # a hybrid model's (`linear_attention.StateMetadata`)
-    if sliding is None:
-        return meta
-    return meta.sliding if sliding else meta.full
+    attn = meta.attn if isinstance(meta, StateMetadata) else meta  # a hybrid model's attention layers'
+    if not isinstance(attn, WindowedMetadata):  # no windows: `sliding` is None
+        return attn
+    return attn.sliding if sliding else attn.full

@@ -24,14 +24,19 @@ may run all its layers in one C call (`pytgi.engine.models.decoder_loop`) for th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, TypeAlias
 
+import numpy as np
 import torch
 from torch import nn
 
 from pytgi.engine.distributed import check_heads, tp_size
 from pytgi.engine.models.attention import (
+    DecoderMetadata,
+    LayerCache,
+    Rope,
     SinkAttention,
     SlidingWindowBackend,
     SoftcapAttention,
@@ -56,9 +61,20 @@ from pytgi.engine.models.layers import (
 from pytgi.engine.models.linear_attention import GatedDeltaNet, LinearAttnConfig, StateBackend
 from pytgi.engine.models.moe import SparseMoE
 from pytgi.engine.models.quant import (
+    Fp8Rows,
+    LayoutRows,
     merged_kind,
     quantize_model,
 )
+
+if TYPE_CHECKING:
+    from pytgi.engine.loading.checkpoints import Mxfp4
+    from pytgi.engine.models.lora import LoraContext
+
+# A checkpoint tensor as the loaders give it: a tensor, or gpt-oss's MXFP4 experts as the checkpoint
+# holds them (`Mxfp4`: their codes packed by `SparseMoE`, never dequantized)
+Weight: TypeAlias = "torch.Tensor | Mxfp4"
+Weights: TypeAlias = "Iterable[tuple[str, Weight]]"  # (name, tensor) pairs in Hugging Face naming
 
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
@@ -166,7 +182,9 @@ class Attention(nn.Module):
             first = shards[0][0] // cfg.head_dim
             self.sinks.weight_loader = lambda p, t, _: p.data.copy_(t[first : first + len(p)])  # type: ignore[attr-defined]
 
-    def forward(self, x: torch.Tensor, rope: Any, kv_cache: Any, meta: Any) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: Rope, kv_cache: LayerCache, meta: DecoderMetadata
+    ) -> torch.Tensor:
         meta = layer_metadata(meta, self.sliding)
         gate = None
         if self.gated or self.rotary_dim != self.head_dim:
@@ -179,7 +197,7 @@ class Attention(nn.Module):
         return self.o_proj(o if gate is None else o * torch.sigmoid(gate))
 
     def _gated_qkv(
-        self, qkv: torch.Tensor, rope: Any
+        self, qkv: torch.Tensor, rope: Rope
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """q, k, v with the rotary embedding on each head's first `rotary_dim` features, and the
         output's gate (None: not gated), in PyTorch ops (Qwen3-Next's attention layers)."""
@@ -259,9 +277,9 @@ class DecoderLayer(nn.Module):
         self,
         residual: torch.Tensor,
         h: torch.Tensor,
-        ropes: tuple[Any, Any],
-        kv_cache: Any,
-        meta: Any,
+        ropes: tuple[Rope, Rope],
+        kv_cache: LayerCache,
+        meta: DecoderMetadata,
         next_norm: RMSNorm | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: this layer's input, normed. Returns the residual stream and the next norm of it (the
@@ -340,14 +358,15 @@ class DecoderModel(nn.Module):
         )
         self.mrope_section: list[int] | None = None  # M-RoPE's frequencies per axis (set by Qwen2-VL)
         self.decoder_loop: DecoderLoop | None = None  # set by `quantize` where it applies
-        self.lora_ctx: Any = None  # LoRA adapters' step context (`pytgi.engine.models.lora`), once registered
+        # LoRA adapters' step context (`pytgi.engine.models.lora`), once registered
+        self.lora_ctx: LoraContext | None = None
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[Any],
-        meta: Any,
+        kv_caches: list[LayerCache],
+        meta: DecoderMetadata,
         image_rows: StepImages | None = None,
     ) -> torch.Tensor:
         """`image_rows`: a vision model's rows of images, and its M-RoPE positions (`StepImages`)."""
@@ -365,7 +384,9 @@ class DecoderModel(nn.Module):
                 table[image_rows.rope_rows] = rows.reshape(len(rows), *table.shape[1:]).to(table.dtype)
         local = self.rotary_local
         ropes = (rope, rope if local is None else self.ops.rope_tables(local, positions, x.dtype))
-        whole, first = meta, None  # one metadata for every layer (and the sliding layers' first keys)
+        # one metadata for every layer (and the sliding layers' first keys)
+        whole: DecoderMetadata | None = meta
+        first: np.ndarray | None = None
         if isinstance(meta, WindowedMetadata):
             whole = meta.uniform
             loop = self.decoder_loop
@@ -428,7 +449,11 @@ class DecoderModel(nn.Module):
         return todo
 
     def quantize(
-        self, plan: dict[str, str] | str, act_dtype: torch.dtype, layouts: Any = None, perms: Any = None
+        self,
+        plan: dict[str, str] | str,
+        act_dtype: torch.dtype,
+        layouts: dict[nn.Module, Callable[[str], LayoutRows | Fp8Rows]] | None = None,
+        perms: dict[nn.Module, torch.Tensor] | None = None,
     ) -> None:
         """Swap each planned linear for a low-bit one (see `pytgi.engine.models.quant`) and cast the model
         to `act_dtype`. Call on float32 weights, before the model is cast, or with `layouts` (module →
@@ -438,25 +463,27 @@ class DecoderModel(nn.Module):
         loop = GemmaDecoderLoop if self.config.sandwich_norms else DecoderLoop
         self.decoder_loop = loop.build(self, self.kernels)
 
-    def _unfused(self, weights: Any) -> Any:
+    def _unfused(self, weights: Weights) -> Iterator[tuple[str, Weight]]:
         """Checkpoints that store q, k, v (or gate, up) as one tensor (Phi-3) as separate ones, so each
         part reaches its shard of the fused layer."""
         cfg = self.config
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         for name, tensor in weights:
             if ".qkv_proj." in name:
+                assert isinstance(tensor, torch.Tensor), name
                 yield from zip(
                     [name.replace("qkv_proj", p) for p in ("q_proj", "k_proj", "v_proj")],
                     tensor.split([q, kv, kv]),
                 )
             elif ".gate_up_proj." in name:
+                assert isinstance(tensor, torch.Tensor), name
                 yield from zip(
                     [name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")], tensor.chunk(2)
                 )
             else:
                 yield name, tensor
 
-    def load_weights(self, weights: Any, expect_missing: set[str] | frozenset[str] = frozenset()) -> None:
+    def load_weights(self, weights: Weights, expect_missing: set[str] | frozenset[str] = frozenset()) -> None:
         """Copy (name, tensor) pairs in Hugging Face naming into this rank's parameters (all of them but
         `expect_missing`, which another step fills)."""
         params = dict(self.named_parameters(remove_duplicate=False))
@@ -478,6 +505,7 @@ class DecoderModel(nn.Module):
                 assert isinstance(mlp, SparseMoE), name
                 loaded.update(f"{layer}.mlp.{p}" for p in mlp.load_experts(rest, tensor))
                 continue
+            assert isinstance(tensor, torch.Tensor), f"{name}: MXFP4 codes are a mixture of experts' only"
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             shard = 0

@@ -21,7 +21,7 @@ and only the chunks' states are sequential.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,6 +31,16 @@ from torch import nn
 from pytgi.engine import kernels
 from pytgi.engine.distributed import local_range, tp_size
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, _set_loader
+
+if TYPE_CHECKING:
+    from pytgi.engine.models.attention import (
+        LayerMetadata,
+        Rope,
+        SlidingWindowBackend,
+        StepLayout,
+        TorchAttention,
+        WindowedMetadata,
+    )
 
 CHUNK = 64  # tokens per chunk of the chunked delta rule
 
@@ -58,7 +68,7 @@ class StateMetadata:
     """A step's metadata for a model with linear-attention layers: `attn` is the attention layers'
     own; the rest says which state each request reads and writes."""
 
-    attn: Any
+    attn: LayerMetadata | WindowedMetadata
     slots: torch.Tensor  # [B] each request's state slot
     query_lens: list[int]
     fresh: list[bool]  # the request starts here: its state starts from zero
@@ -70,10 +80,14 @@ class StateMetadata:
 class StateBackend:
     """Wraps a model's attention backend: `prepare` adds the state slots to its metadata."""
 
-    def __init__(self, inner: Any) -> None:
+    # what the runner may ask of a backend (`TorchAttention`'s): neither, for a model with recurrent states
+    captures_decode = False
+    fp8_cache = False
+
+    def __init__(self, inner: TorchAttention | SlidingWindowBackend) -> None:
         self.inner = inner
 
-    def prepare(self, layout, device: torch.device) -> StateMetadata:
+    def prepare(self, layout: StepLayout, device: torch.device) -> StateMetadata:
         slots = layout.state_slots
         assert slots is not None, "a model with linear attention needs each request's state slot"
         q_lens = layout.query_lens
@@ -244,7 +258,7 @@ class GatedDeltaNet(nn.Module):
         return qkv, z.reshape(T, self.nv, dv), b, a
 
     def forward(
-        self, x: torch.Tensor, rope: Any, state: tuple[torch.Tensor, torch.Tensor], meta: StateMetadata
+        self, x: torch.Tensor, rope: Rope, state: tuple[torch.Tensor, torch.Tensor], meta: StateMetadata
     ) -> torch.Tensor:
         conv_states, rec_states = state
         qkv, z, b, a = self._project(x)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,8 +28,14 @@ from torch import nn
 
 from pytgi.engine import kernels
 from pytgi.engine.distributed import all_reduce, local_range
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, merged_shards
 from pytgi.engine.models.quant import GROUP
+
+if TYPE_CHECKING:
+    from pytgi.engine.loading.checkpoints import Mxfp4, Mxfp4Experts
+    from pytgi.engine.loading.gguf import GGUFWeights, Grid
+    from pytgi.engine.models.quant import QuantizedWeight
 
 # checkpoint names of one expert's weights: Mixtral's w1 / w3 / w2, or gate_proj / up_proj / down_proj
 _EXPERT = re.compile(r"experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
@@ -72,18 +78,20 @@ class SparseMoE(nn.Module):
         if oai is not None:
             self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, 2 * self.local), requires_grad=False)
             self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False)
-        self.packed: list[tuple[Any, Any]] = []  # per expert, gate|up and down packed (`pack_experts`)
+        # per expert, gate|up and down packed (`pack_experts`)
+        self.packed: list[tuple[QuantizedWeight, QuantizedWeight]] = []
         self.fused: kernels.PackedExperts | None = None  # the same, for moe.c
-        self._mxfp4: dict[str, Any] = {}  # the first of a pair of MXFP4 tensors while the other is read
+        self._mxfp4: dict[str, Mxfp4] = {}  # the first of a pair of MXFP4 tensors while the other is read
         self.shared_expert = SharedExpert(hidden, shared_inter) if shared_inter else None
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
 
-    def load_experts(self, name: str, tensor: torch.Tensor) -> list[str]:
+    def load_experts(self, name: str, tensor: torch.Tensor | Mxfp4) -> list[str]:
         """Copy an expert checkpoint tensor (one expert's, or all stacked) into this rank's slice;
         returns the parameters it wrote to."""
         s, n = self.start, self.local
         if self.oai is not None:
             return self._load_oai(name, tensor)
+        assert isinstance(tensor, torch.Tensor), f"{name}: MXFP4 experts are gpt-oss's only"
         if name == "experts.gate_up_proj":  # stacked [E, 2I, H]
             self.gate_up.data[:, :n].copy_(tensor[:, s : s + n])
             self.gate_up.data[:, n:].copy_(tensor[:, self.inter + s : self.inter + s + n])
@@ -106,7 +114,7 @@ class SparseMoE(nn.Module):
         self.gate_up.data[e, half : half + n].copy_(tensor[s : s + n])
         return ["gate_up"]
 
-    def _load_oai(self, name: str, tensor: torch.Tensor) -> list[str]:
+    def _load_oai(self, name: str, tensor: torch.Tensor | Mxfp4) -> list[str]:
         """gpt-oss's stacked tensors: gate_up [E, H, 2I] and its bias [E, 2I] (gate and up interleaved),
         down [E, I, H] and its bias [E, H]; or, from a GGUF file, `experts.{gate,up}_proj.weight`
         [E, I, H] and `.bias` [E, I] apart, `experts.down_proj.weight` [E, H, I] and `.bias` [E, H].
@@ -153,7 +161,14 @@ class SparseMoE(nn.Module):
             return ["down_bias"]
         raise ValueError(f"unexpected expert weight {name!r}")
 
-    def pack_experts(self, weights: Any, names: list[str], kinds: tuple[str, str], act_dtype, cpu) -> None:
+    def pack_experts(
+        self,
+        weights: GGUFWeights | Mxfp4Experts,
+        names: list[str],
+        kinds: tuple[str, str],
+        act_dtype: torch.dtype,
+        cpu: Kernels,
+    ) -> None:
         """Keep the experts packed for the low-bit kernels, as a GGUF file's blocks hold them
         (`pytgi.engine.models.quant.grid_layout`): per expert, this rank's slice of gate|up in `kinds[0]`'s
         layout and of down in `kinds[1]`'s, read from `weights` (`GGUFWeights`; `names`: the stacked
@@ -164,12 +179,17 @@ class SparseMoE(nn.Module):
         s, n, inter = self.start, self.local, self.inter
         hidden = weights.shape(down)[1]
 
+        def grid(name: str, start: int, stop: int) -> Grid:
+            rows = weights.grid(name, start, stop)
+            assert rows is not None, f"{name}: not on a grid the low-bit kernels take"
+            return rows
+
         def gate_up(e: int) -> Iterator[Layout]:  # this rank's rows of expert e's gate, then up
             for name in (gate, up):
-                yield grid_layout(weights.grid(name, e * inter + s, e * inter + s + n), kinds[0])
+                yield grid_layout(grid(name, e * inter + s, e * inter + s + n), kinds[0])
 
         def down_rows(e: int) -> Iterator[Layout]:  # expert e's rows, this rank's columns
-            yield grid_layout(weights.grid(down, e * hidden, (e + 1) * hidden).cols(s, n), kinds[1])
+            yield grid_layout(grid(down, e * hidden, (e + 1) * hidden).cols(s, n), kinds[1])
 
         types = getattr(weights, "type_name", None)  # a GGUF file's (a checkpoint's MXFP4 pairs have none)
         six = [types is not None and six_bit(map(types, ts)) for ts in ((gate, up), (down,))]

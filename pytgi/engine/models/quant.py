@@ -609,7 +609,7 @@ def quantize_model(
     kinds: dict[nn.Module, str],
     act_dtype: torch.dtype,
     cpu: Kernels,
-    layouts: dict[nn.Module, Callable[[str], LayoutRows]] | None = None,
+    layouts: dict[nn.Module, Callable[[str], LayoutRows | Fp8Rows]] | None = None,
     perms: dict[nn.Module, torch.Tensor] | None = None,
 ) -> None:
     """Swap each linear in `kinds` ("int4" | "int8" | "int8x16" | "bf16") for a `QuantizedLinear`, and cast
@@ -633,6 +633,7 @@ def quantize_model(
         if cpu.triton:
             quant = GpuQuantizedWeight(kind, w, act_dtype, mod.weight.device)
         else:
+            assert not isinstance(w, Fp8Rows), "an FP8 checkpoint's rows are packed on CUDA only"
             quant = QuantizedWeight(kind, w, act_dtype, cpu)
         if quant.max_m >= 1 << 30:  # the layer's own matmul never runs
             quant.dequantized = torch.empty(0, dtype=act_dtype)

@@ -1,4 +1,4 @@
-"""Any causal LM that transformers implements, run by transformers' own model code inside pytgi's
+"""A causal LM that transformers implements, run by transformers' own model code inside pytgi's
 engine (as vLLM's `--model-impl transformers`): pytgi schedules, batches, caches and samples; the
 model's layers are transformers'.
 
@@ -77,6 +77,11 @@ class StepContext:
 
 class _Backend:
     """The runner's view of attention: one `StepContext` per step."""
+
+    # what the runner may ask of a backend (`TorchAttention`'s): neither, for transformers' code (the
+    # runner asks only of a family's model)
+    captures_decode = False
+    fp8_cache = False
 
     def __init__(self, inner: TorchAttention) -> None:
         self.inner = inner

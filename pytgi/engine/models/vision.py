@@ -4,6 +4,7 @@ model around the decoder."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -12,7 +13,8 @@ import torch
 from torch import nn
 
 from pytgi.core.errors import UnsupportedModel
-from pytgi.engine.models.decoder import DecoderModel, StepImages
+from pytgi.engine.models.attention import DecoderMetadata, LayerCache
+from pytgi.engine.models.decoder import DecoderModel, StepImages, Weight, Weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,12 +65,12 @@ class VisionLanguageModel(nn.Module):
         self.hf, self.text = hf, text
         self.config, self.attention, self.layers = text.config, text.attention, text.layers
 
-    def load_weights(self, weights: Any) -> None:
+    def load_weights(self, weights: Weights) -> None:
         """The decoder's tensors go to `DecoderModel`, renamed as a Llama checkpoint's; the others are
         gathered by part for `load_parts` (an unknown tensor is an error)."""
         parts: dict[str, dict[str, torch.Tensor]] = {p: {} for p in self.PREFIXES.values() if p != "text"}
 
-        def text_weights() -> Any:
+        def text_weights() -> Iterator[tuple[str, Weight]]:
             for name, tensor in weights:
                 if name in self.HEADS:
                     yield "lm_head.weight", tensor
@@ -82,6 +84,7 @@ class VisionLanguageModel(nn.Module):
                 if part == "text":
                     yield "model." + rest, tensor
                 else:
+                    assert isinstance(tensor, torch.Tensor), name
                     parts[part][rest] = tensor
 
         self.text.load_weights(text_weights())
@@ -109,8 +112,8 @@ class VisionLanguageModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[Any],
-        meta: Any,
+        kv_caches: list[LayerCache],
+        meta: DecoderMetadata,
         image_rows: StepImages | None = None,
     ) -> torch.Tensor:
         return self.text(input_ids, positions, kv_caches, meta, image_rows)
