@@ -8,10 +8,13 @@ from __future__ import annotations
 import io
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pytgi.core.errors import InvalidRequest
 from pytgi.core.image_layouts import ImageLayout
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 MAX_PIXELS = 64_000_000  # one image, decoded (width × height): 8000 × 8000
@@ -60,7 +63,7 @@ def added_positions(layout: ImageLayout, images: Sequence[bytes]) -> int:
     return added
 
 
-def decode_image(data: bytes, where: str, max_pixels: int = MAX_PIXELS) -> Any:
+def decode_image(data: bytes, where: str, max_pixels: int = MAX_PIXELS) -> Image:
     """The image as a PIL image in RGB: a format in FORMATS, at most `max_pixels` pixels (checked from
     the header, before decoding: a decompression bomb is refused), not truncated or corrupt; else an
     `InvalidRequest` naming `where`. The API process checks each image with it before admission, the

@@ -20,7 +20,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -30,13 +30,16 @@ from pytgi.core.image_layouts import ImageLayout
 from pytgi.engine.models.decoder import StepImages
 from pytgi.engine.models.vision import Expanded
 
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
 
 class ImageProcessor(Protocol):
     """A vision model's image processor, in the engine (`model.image_processor(path)`)."""
 
     layout: ImageLayout  # what the API process counts an image's positions by
 
-    def __call__(self, img: Any) -> Expanded: ...
+    def __call__(self, img: Image) -> Expanded: ...
 
 
 @dataclass(eq=False)  # no slots: a RowCache holds it weakly

@@ -22,7 +22,7 @@ causal only). Pan-and-scan crops are not taken (the processor's default): an ima
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from pytgi.engine.models.vision import (
     VisionLanguageModel,
     load_image_processor,
 )
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 
 def hf_config(hf: dict[str, Any]) -> Any:
@@ -73,7 +76,7 @@ class Gemma3Images:
         self.ids = [boi] + [soft] * config.mm_tokens_per_image + [eoi]
         self.layout = Fixed(token=boi, positions=len(self.ids), wrap="\n\n")
 
-    def __call__(self, img: Any) -> Expanded:
+    def __call__(self, img: Image) -> Expanded:
         out = self.processor(images=[img], return_tensors="pt", do_pan_and_scan=False)
         pixels = {"pixel_values": out["pixel_values"]}
         return Expanded(pixels, self.ids, row_token=self.soft, bidirectional=True)

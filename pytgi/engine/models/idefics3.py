@@ -20,7 +20,7 @@ modules, run whole on this rank; the language model is `DecoderModel`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from pytgi.core.errors import UnsupportedModel
 from pytgi.core.image_layouts import Tiles
 from pytgi.engine.models.decoder import DecoderModel
 from pytgi.engine.models.vision import Expanded, VisionLanguageModel, load_image_processor
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 PREFIXES = {"model.text_model.": "text", "model.vision_model.": "tower", "model.connector.": "connector"}
 
@@ -110,7 +113,7 @@ class Idefics3Images:
             split_end=len(self.split_end),
         )
 
-    def __call__(self, img: Any) -> Expanded:
+    def __call__(self, img: Image) -> Expanded:
         out = self.processor(images=[img], return_tensors="pt", return_row_col_info=True)
         rows, cols = out["rows"][0][0], out["cols"][0][0]
         if max(rows, cols) > 6:

@@ -11,7 +11,7 @@ whole on this rank; the language model is `DecoderModel`, with its kernels, quan
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from pytgi.engine.models.vision import (
     VisionLanguageModel,
     load_image_processor,
 )
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 
 def _is_next(hf: dict[str, Any]) -> bool:
@@ -87,7 +90,7 @@ class LlavaImages:
                 patch=vision.patch_size,
             )
 
-    def __call__(self, img: Any) -> Expanded:
+    def __call__(self, img: Image) -> Expanded:
         out = self.processor(images=[img], return_tensors="pt")
         pixels = {k: out[k] for k in ("pixel_values", "image_sizes") if k in out}
         return Expanded(pixels, [self.layout.token] * self.layout.image_positions(*img.size))

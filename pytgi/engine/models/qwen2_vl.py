@@ -14,7 +14,7 @@ runs exactly as a Qwen2 model's.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from pytgi.core.errors import UnsupportedModel
 from pytgi.core.image_layouts import Merge
 from pytgi.engine.models.decoder import DecoderModel
 from pytgi.engine.models.vision import Expanded, VisionLanguageModel, load_image_processor
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
 
 # checkpoint prefix → part: transformers 5's names, then the Hub's older ones (the decoder at `model.`)
 PREFIXES = {
@@ -88,7 +91,7 @@ class Qwen2VLImages:
             max_pixels=int(high),
         )
 
-    def __call__(self, img: Any) -> Expanded:
+    def __call__(self, img: Image) -> Expanded:
         out = self.processor(images=[img], return_tensors="pt")
         t, h, w = (int(x) for x in out["image_grid_thw"][0])
         if t != 1:

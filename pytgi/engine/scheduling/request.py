@@ -5,9 +5,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pytgi.core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pytgi.core.protocol import PoolParams
+    from pytgi.engine.execution.images import PromptImage
 
 
 class Status(enum.Enum):
@@ -46,9 +50,8 @@ class Request:
     # where the prefix cache's hash chain starts: None for the base model, the adapter's name and
     # load number for an adapter (blocks of an adapter unloaded and loaded again are not its own)
     cache_root: object = None
-    images: list[Any] = field(
-        default_factory=list
-    )  # PromptImage per image in the prompt (pytgi.engine.execution.images)
+    # a `PromptImage` per image in the prompt (pytgi.engine.execution.images)
+    images: list[PromptImage] = field(default_factory=list)
     # the prefix cache's disk tier (pytgi.engine.kv.disk_tier): "" not looked up yet, "reading" its blocks,
     # "done"; the prompt tokens it restored
     disk: str = ""
@@ -56,7 +59,7 @@ class Request:
     num_pinned: int = 0  # of params.cache_pins, those applied (once their tokens were computed)
     arrived: float = field(default_factory=time.monotonic)
     scheduled: float = 0.0  # when it was first admitted to the running batch
-    pool: Any = None  # a pooling model's request (`PoolParams`): its prompt's state is its answer
+    pool: PoolParams | None = None  # a pooling model's request: its prompt's state is its answer
 
     def __post_init__(self) -> None:
         self.all_ids = list(self.prompt_ids) + list(self.output_ids)
