@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from pytgi.core.errors import InvalidRequest, UnsupportedModel
 from pytgi.core.families import DECODER, ENCODER, FAMILIES
 from pytgi.core.sampling_params import check_token_ids
+
+if TYPE_CHECKING:
+    from pytgi.core.config import EngineInfo
+    from pytgi.core.protocol import PoolParams
 
 # The pooling architectures, from the family registry (pytgi.core.families): an encoder's embedders
 # and cross-encoders (pytgi.engine.pooling.encoder_engine runs them), and a decoder's bare model (an
@@ -145,9 +149,8 @@ def _activation(path: Path, cfg: dict[str, Any]) -> str:
     return ACTIVATIONS[short]
 
 
-def check_pool_request(info: Any, prompt_ids: list[int], params: Any) -> None:
+def check_pool_request(info: EngineInfo, prompt_ids: list[int], params: PoolParams) -> None:
     """An engine's checks of a pooling request (`EngineInfo`, the prompt, `PoolParams`): `InvalidRequest`."""
-    pooling: PoolingInfo = info.pooling
     if not prompt_ids:
         raise InvalidRequest("the input is empty", "inputs")
     if len(prompt_ids) > info.max_input_tokens:
@@ -162,6 +165,8 @@ def check_pool_request(info: Any, prompt_ids: list[int], params: Any) -> None:
     if info.task == "classify" and (params.tokens or params.dimensions is not None):
         raise InvalidRequest("a cross-encoder's answer is its labels' scores: no token states, no dimensions")
     dims = params.dimensions
+    pooling = info.pooling
+    assert pooling is not None, "a pooling model's engine knows its pooling"
     if dims is not None and not 0 < dims <= pooling.dimensions:
         raise InvalidRequest(f"dimensions must be in 1..{pooling.dimensions}, got {dims}", "dimensions")
 

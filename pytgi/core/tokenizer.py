@@ -10,7 +10,6 @@ import json
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -31,14 +30,14 @@ def _read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def _token_content(value: Any) -> str | None:
+def _token_content(value: object) -> str | None:
     """tokenizer_config stores a special token as a string or as an AddedToken dict."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
 
 
-def _as_id_list(value: Any) -> list[int]:
+def _as_id_list(value: object) -> list[int]:
     if isinstance(value, int) and not isinstance(value, bool):
         return [value]
     if isinstance(value, list):
@@ -75,7 +74,11 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+    x: object,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
 ) -> str:
     # transformers' override: jinja's built-in tojson escapes HTML characters, which templates don't want.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
@@ -244,9 +247,10 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tools: list | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> str:
-        """Render like transformers' apply_chat_template(..., tokenize=False)."""
+        """Render like transformers' apply_chat_template(..., tokenize=False); `kwargs`: more of the
+        template's variables."""
         if self.chat_template is None:
             raise ValueError(NO_TEMPLATE)
         # transformers drops None-valued keys (OpenAI clients send content=None with tool calls)

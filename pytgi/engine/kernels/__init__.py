@@ -19,7 +19,6 @@ import subprocess
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -29,10 +28,17 @@ from pytgi.engine.kernels.build import build
 log = logging.getLogger(__name__)
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_CTYPES = {"int64_t": ctypes.c_int64, "float": ctypes.c_float, "int": ctypes.c_int, "void": None}
+# a C argument's or result's type, as ctypes declares it
+CType = type[ctypes.c_int64] | type[ctypes.c_float] | type[ctypes.c_int] | type[ctypes.c_void_p]
+_CTYPES: dict[str, CType | None] = {
+    "int64_t": ctypes.c_int64,
+    "float": ctypes.c_float,
+    "int": ctypes.c_int,
+    "void": None,
+}
 
 
-def _signatures(header: str) -> dict[str, tuple[Any, list[Any]]]:
+def _signatures(header: str) -> dict[str, tuple[CType | None, list[CType | None]]]:
     """name → (result type, argument types), from the header's declarations."""
     out = {}
     for result, name, params in re.findall(r"^(int|void) (pytgi_\w+)\(([^)]*)\);", header, re.MULTILINE):
@@ -73,7 +79,7 @@ def _built() -> ctypes.CDLL:
     return lib
 
 
-def _fn(name: str, dtype: torch.dtype) -> Any:
+def _fn(name: str, dtype: torch.dtype) -> ctypes._NamedFuncPointer:
     return getattr(_built(), f"pytgi_{name}_{_SUFFIX[dtype]}")
 
 
@@ -372,7 +378,7 @@ def moe(
     router: torch.Tensor,
     top_k: int,
     norm_topk: bool,
-    biases: tuple[Any, Any, Any] | None = None,
+    biases: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """A mixture-of-experts layer's routed part in one call: the bf16 router [E, H] picks each token's
     `top_k` experts (softmax, renormalised with `norm_topk`), then runs each expert on its tokens

@@ -22,12 +22,15 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pytgi.core.errors import GrammarError
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +66,11 @@ class GrammarMatchers:
         self._eos = sorted(eos_token_ids)
         self._pool: ThreadPoolExecutor | None = None
         self._tokenizer: Future | None = None
-        self._pristine: OrderedDict[str, Any] = OrderedDict()  # grammar → its matcher before any token
+        self._pristine: OrderedDict[str, LLMatcher] = OrderedDict()  # grammar → its matcher before any token
         self._lock = threading.Lock()
         self._matchers: dict[str, Future] = {}  # request id → its matcher
         self._ignore_eos: set[str] = set()
-        self._executor: Any = None  # llguidance.LLExecutor, made on first use
+        self._executor: LLExecutor | None = None  # made on first use
 
     # -- requests -----------------------------------------------------------------------------------
     def add(self, request_id: str, grammar: str, ignore_eos: bool = False) -> None:
