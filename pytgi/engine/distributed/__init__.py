@@ -14,7 +14,6 @@ import ipaddress
 import os
 import socket
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch
@@ -99,7 +98,9 @@ def _loopback(address: str) -> str | None:
     return next((str(ip) for ip in ips if ip.version == 4), str(ips[0]))
 
 
-def _loopback_store(address: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+def _loopback_store(
+    address: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta
+) -> dist.TCPStore:
     """The rendezvous store, listening on loopback only: torch's TCPStore server listens on every
     interface, so rank 0 hands it a socket bound to `address`; gloo's own connections are kept to the
     loopback interface too (GLOO_SOCKET_IFNAME, unless set). Nothing of a one-machine group is then

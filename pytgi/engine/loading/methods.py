@@ -160,6 +160,7 @@ def _packed_table(model: DecoderModel, weights: GGUFWeights, act_dtype: torch.dt
         )
         head.dequantized = torch.empty(0)
     if head.vnni:
+        assert isinstance(head, QuantizedWeight), "the CPU's packed layout has rows to read"
         model.embed_tokens.packed = head
         model.embed_tokens.weight = nn.Parameter(torch.empty(0, dtype=act_dtype), requires_grad=False)
     else:

@@ -22,6 +22,7 @@ from torch import nn
 from pytgi.core.errors import UnsupportedModel
 from pytgi.core.families import family_of
 from pytgi.core.pooling import PoolingInfo
+from pytgi.core.protocol import PoolParams
 from pytgi.engine import kernels
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -268,7 +269,7 @@ def pool(hidden: torch.Tensor, lens: list[int], pooling: PoolingInfo) -> list[to
     return out
 
 
-def embedding(v: torch.Tensor, pooling: PoolingInfo, params: Any) -> torch.Tensor:
+def embedding(v: torch.Tensor, pooling: PoolingInfo, params: PoolParams) -> torch.Tensor:
     """A pooled vector as a request (`PoolParams`) asks for it: cut to its `dimensions`, normalized
     unless it says otherwise (None: the model's own Normalize module decides)."""
     normalize = pooling.normalize if params.normalize is None else params.normalize

@@ -69,7 +69,7 @@ def text_config(hf: dict[str, Any]) -> dict[str, Any]:
     return text
 
 
-def _size(value: Any) -> int:
+def _size(value: object) -> int:
     """A size entry of the image processor (a dict or transformers' SizeDict): its longest edge."""
     if value is None:
         return 0

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from pytgi.engine.distributed import all_gather_last_dim, all_reduce, local_range, tp_rank, tp_size
+
+if TYPE_CHECKING:
+    from pytgi.engine.models.quant import QuantizedWeight
 
 
 def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
@@ -108,7 +111,7 @@ class VocabParallelEmbedding(nn.Module):
         _set_loader(self.weight, self.load_weight)
         # A packed weight whose rows stand for the table (`pytgi.engine.models.quant.QuantizedWeight.rows`): a
         # GGUF model's embedding, read from its blocks, shared with a tied LM head. None: `weight`.
-        self.packed: Any = None
+        self.packed: QuantizedWeight | None = None
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         part = loaded[self.start : self.start + self.local_vocab]

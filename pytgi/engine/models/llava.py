@@ -48,7 +48,7 @@ def hf_config(hf: dict[str, Any]) -> Any:
     most of the language model's and the tower's out)."""
     from transformers import LlavaConfig, LlavaNextConfig
 
-    config_cls: Any = LlavaNextConfig if _is_next(hf) else LlavaConfig
+    config_cls: type[LlavaConfig | LlavaNextConfig] = LlavaNextConfig if _is_next(hf) else LlavaConfig
     return config_cls(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")})
 
 
@@ -120,7 +120,9 @@ class LlavaModel(VisionLanguageModel):
 
         vision_spec(hf)  # refuses a tower it does not know
         self.next = _is_next(hf)
-        projector_cls: Any = LlavaNextMultiModalProjector if self.next else LlavaMultiModalProjector
+        projector_cls: type[LlavaMultiModalProjector | LlavaNextMultiModalProjector] = (
+            LlavaNextMultiModalProjector if self.next else LlavaMultiModalProjector
+        )
         config = hf_config(hf)
         self.tower = AutoModel.from_config(config.vision_config)
         self.projector = projector_cls(config)

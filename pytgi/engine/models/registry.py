@@ -8,10 +8,13 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from pytgi.core.errors import UnsupportedModel
 from pytgi.core.families import DECODER, Family, causal_lm, family_of
+
+if TYPE_CHECKING:
+    from pytgi.engine.models.decoder import DecoderConfig
 
 
 def _attr(family: Family, name: str) -> Any:
@@ -36,7 +39,7 @@ def family_for(architecture: str | None, path: Path) -> Family:
     return family
 
 
-def decoder_config(text: dict[str, Any], path: Path) -> Any:
+def decoder_config(text: dict[str, Any], path: Path) -> DecoderConfig:
     """A language model's config.json read by its family into a `DecoderConfig` (a decoder's bare
     model or classifier has its causal LM's layers)."""
     arch = (text.get("architectures") or [None])[0]
