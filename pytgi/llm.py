@@ -142,7 +142,7 @@ class LLM:
         """Run all prompts to completion, continuously batched; outputs in the prompts' order."""
         if isinstance(prompts, (str, dict)):
             batch: list[Prompt] = [prompts]
-        elif prompts and isinstance(cast(Sequence[Any], prompts)[0], int):
+        elif prompts and isinstance(cast(Sequence[object], prompts)[0], int):
             batch = [cast(Prompt, prompts)]
         else:
             batch = list(cast(Sequence[Prompt], prompts))
@@ -230,7 +230,7 @@ class LLM:
 
     @staticmethod
     def _batch(prompts: str | list[int] | Sequence[str | list[int]]) -> list[str | list[int]]:
-        if isinstance(prompts, str) or (prompts and isinstance(cast(Sequence[Any], prompts)[0], int)):
+        if isinstance(prompts, str) or (prompts and isinstance(cast(Sequence[object], prompts)[0], int)):
             return [cast(str | list[int], prompts)]
         return list(cast(Sequence[str | list[int]], prompts))
 

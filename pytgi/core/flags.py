@@ -25,7 +25,7 @@ def table() -> list[Setting]:
 def add_arguments(
     parser: argparse.ArgumentParser,
     only: tuple[str, ...] | None = None,
-    env: Callable[[Setting], Any] | None = None,
+    env: Callable[[Setting], object] | None = None,
 ) -> None:
     """The settings' flags (`only`: these fields), each defaulting to its environment variable;
     `env(setting)` may read that variable differently (the launcher does for HOSTNAME)."""

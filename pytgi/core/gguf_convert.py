@@ -16,10 +16,17 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from pytgi.core.errors import GGUFConversionError
 from pytgi.core.families import FAMILIES, gguf_architecture, gguf_names
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
+    from tokenizers import Tokenizer
+
+# A GGUF file's metadata and tensor index: one file's reader, or a split file's parts read as one
+Reader: TypeAlias = "GGUFReader | _SplitReader"
 
 # the model types of the GGUF names whose families keep a recurrent state (their tensors' own names)
 HYBRID_TYPES = frozenset(g.model_type for f in FAMILIES if f.recurrent for g in f.gguf)
@@ -93,19 +100,20 @@ _QWEN2_REGEX = (
 )
 
 
-def _field(reader: Any, key: str, default: Any = None) -> Any:
+def _field(reader: Reader, key: str, default: object = None) -> Any:
+    """The metadata value at `key` as the file holds it (a number, a string, a list...), or `default`."""
     field = reader.fields.get(key)
     return default if field is None else field.contents()
 
 
-def _required(reader: Any, key: str) -> Any:
+def _required(reader: Reader, key: str) -> Any:
     value = _field(reader, key)
     if value is None:
         raise GGUFConversionError(f"the GGUF file has no {key!r}: it is incomplete or not a model file")
     return value
 
 
-def gguf_config(reader: Any) -> dict[str, Any]:
+def gguf_config(reader: Reader) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     experts = _field(reader, f"{arch}.expert_count")
     name = gguf_architecture(str(arch), bool(experts))  # a "llama" file with experts is Mixtral
@@ -300,7 +308,7 @@ def _recovered_merges(tokens: list[str], rank: dict[str, float]) -> list[tuple[s
     return [(left, right) for _, _, _, left, right in merges]
 
 
-def _sentencepiece_tokenizer_json(reader: Any, arch: str) -> str:
+def _sentencepiece_tokenizer_json(reader: Reader, arch: str) -> str:
     """A SentencePiece BPE vocabulary (`tokenizer.ggml.model` = llama) as transformers reads it from
     the file, byte fallback to <0xNN> tokens, BOS added as the file says (by default, as llama.cpp):
     - the Llama family's (Llama 2, Mistral, TinyLlama...): words split on '▁' with one prepended to
@@ -359,7 +367,9 @@ def _sentencepiece_tokenizer_json(reader: Any, arch: str) -> str:
     return tok.to_str()
 
 
-def _add_marked_tokens(tok: Any, tokens: list[str], types: list[int], vocab: dict[str, int] | None) -> None:
+def _add_marked_tokens(
+    tok: Tokenizer, tokens: list[str], types: list[int], vocab: dict[str, int] | None
+) -> None:
     """Control tokens (type 3) are added special tokens, user-defined ones (4) plain added tokens:
     both are matched whole in the text."""
     from tokenizers import AddedToken
@@ -376,7 +386,7 @@ def _add_marked_tokens(tok: Any, tokens: list[str], types: list[int], vocab: dic
     )
 
 
-def gguf_tokenizer_json(reader: Any) -> str:
+def gguf_tokenizer_json(reader: Reader) -> str:
     """Build a `tokenizers` tokenizer equal to the one the GGUF file describes: byte-level BPE
     ('gpt2'), or SentencePiece BPE ('llama': the Llama and Gemma families')."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -418,7 +428,7 @@ def gguf_tokenizer_json(reader: Any) -> str:
     return tok.to_str()
 
 
-def _tokenizer_config(reader: Any, config: dict[str, Any]) -> dict[str, Any]:
+def _tokenizer_config(reader: Reader, config: dict[str, Any]) -> dict[str, Any]:
     tokens = _field(reader, "tokenizer.ggml.tokens")
 
     def tok(key: str) -> str | None:
@@ -467,7 +477,7 @@ def gguf_parts(path: str | os.PathLike) -> list[Path]:
 class _SplitReader:
     """The parts of a split GGUF file read as one: the first part's metadata, every part's tensors."""
 
-    def __init__(self, readers: list[Any]) -> None:
+    def __init__(self, readers: list[GGUFReader]) -> None:
         self.fields = readers[0].fields
         self.tensors = [t for r in readers for t in r.tensors]
 

@@ -41,7 +41,7 @@ ENGINE_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def check(name: str, value: Any) -> None:
+def check(name: str, value: object) -> None:
     """Refuse `value` for the field `name` if it breaks its shared rule (None: not given)."""
     ok, rule = SHARED_RULES[name]
     if value is not None and not ok(value):

@@ -14,13 +14,14 @@ import types
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 READERS = ("engine", "server")
+T = TypeVar("T")
 
 
 def setting(
-    default: Any,
+    default: T,
     help: str,
     *,
     flag: str | None = None,
@@ -28,7 +29,7 @@ def setting(
     switch: bool = False,
     repeat: bool = False,
     info: bool = False,
-) -> Any:
+) -> T:
     """A config field that is a serving setting. `flag`: its command-line flag (default: the field's
     name with dashes); `env`: its environment variable (default: the flag in UPPER_SNAKE_CASE);
     `switch`: a bool flag without a value, which sets the field to `not default`; `repeat`: a tuple
