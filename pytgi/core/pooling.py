@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
 from pytgi.core.errors import InvalidRequest, UnsupportedModel
 from pytgi.core.families import DECODER, ENCODER, FAMILIES
 from pytgi.core.sampling_params import check_token_ids
-
-if TYPE_CHECKING:
-    from pytgi.core.config import EngineInfo
-    from pytgi.core.protocol import PoolParams
 
 # The pooling architectures, from the family registry (pytgi.core.families): an encoder's embedders
 # and cross-encoders (pytgi.engine.pooling.encoder_engine runs them), and a decoder's bare model (an
@@ -149,7 +145,31 @@ def _activation(path: Path, cfg: dict[str, Any]) -> str:
     return ACTIVATIONS[short]
 
 
-def check_pool_request(info: EngineInfo, prompt_ids: list[int], params: PoolParams) -> None:
+class PoolTarget(Protocol):
+    """What `check_pool_request` reads of an engine's `EngineInfo` (pytgi.core.config)."""
+
+    @property
+    def task(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def max_input_tokens(self) -> int: ...
+    @property
+    def pooling(self) -> PoolingInfo | None: ...
+
+
+class PoolAsk(Protocol):
+    """What it reads of a request's `PoolParams` (pytgi.core.protocol)."""
+
+    @property
+    def tokens(self) -> bool: ...
+    @property
+    def dimensions(self) -> int | None: ...
+    @property
+    def pair_at(self) -> int | None: ...
+
+
+def check_pool_request(info: PoolTarget, prompt_ids: list[int], params: PoolAsk) -> None:
     """An engine's checks of a pooling request (`EngineInfo`, the prompt, `PoolParams`): `InvalidRequest`."""
     if not prompt_ids:
         raise InvalidRequest("the input is empty", "inputs")

@@ -23,7 +23,7 @@ takes the decodes, each request's keys starting where its window does; prompt ch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TypeAlias
 
 import numpy as np
 import torch
@@ -31,10 +31,6 @@ import torch.nn.functional as F
 
 from pytgi.engine import kernels
 from pytgi.engine.models.cpu import Kernels
-from pytgi.engine.models.linear_attention import StateMetadata
-
-if TYPE_CHECKING:
-    from pytgi.engine.models.triton_backend import TritonMetadata
 
 # One layer's cache: its keys and values [slots, KVH, D] (a linear-attention layer's: its convolution
 # inputs and recurrent states, by request slot)
@@ -43,8 +39,6 @@ LayerCache: TypeAlias = tuple[torch.Tensor, torch.Tensor]
 Rope: TypeAlias = tuple[torch.Tensor, torch.Tensor]
 # What one layer's attention reads: its backend's metadata for the step
 LayerMetadata: TypeAlias = "TorchAttentionMetadata | TritonMetadata"
-# A decoder's step metadata, as its backend prepares it (`layer_metadata` picks a layer's)
-DecoderMetadata: TypeAlias = "LayerMetadata | WindowedMetadata | StateMetadata"
 
 
 @dataclass(slots=True)
@@ -76,6 +70,21 @@ class TorchAttentionMetadata:
     decode: _Group | None
     prefill: _Group | None
     paged: kernels.PagedBatch | None = None  # requests whose attention the C kernel computes
+
+
+@dataclass(slots=True)
+class TritonMetadata:
+    """One step's layout on the device, for the Triton paged attention kernel (`TritonAttention`,
+    `pytgi.engine.models.triton_backend`; `gpu` below is `pytgi.engine.kernels.gpu`)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: each new token's cache slot
+    programs: torch.Tensor  # [P, 2] int32: the kernel's programs (`gpu.attention_programs`)
+    q_start: torch.Tensor  # [B + 1] int32: each request's first flat row (and the end)
+    context_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, M] int32
+    block_m: int  # query tokens per program
+    block_size: int
+    splits: int = 1  # a decode step's programs per request and kv head (`gpu.decode_splits`)
 
 
 def _group(
@@ -307,11 +316,3 @@ class SlidingWindowBackend:
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
         return self.inner.forward(*args, **kwargs)
-
-
-def layer_metadata(meta: DecoderMetadata, sliding: bool | None) -> LayerMetadata:
-    """A layer's own metadata: `sliding` None for models without windows."""
-    attn = meta.attn if isinstance(meta, StateMetadata) else meta  # a hybrid model's attention layers'
-    if not isinstance(attn, WindowedMetadata):  # no windows: `sliding` is None
-        return attn
-    return attn.sliding if sliding else attn.full

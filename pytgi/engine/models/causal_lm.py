@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import torch
 
-from pytgi.engine.models.attention import DecoderMetadata, LayerCache, StepLayout
-from pytgi.engine.models.decoder import DecoderConfig, StepImages
+from pytgi.engine.models.attention import LayerCache, StepLayout
+from pytgi.engine.models.decoder import DecoderConfig, DecoderMetadata, StepImages
 
 if TYPE_CHECKING:
     from pytgi.engine.models.transformers_impl import StepContext, TransformersConfig

@@ -34,15 +34,14 @@ from torch import nn
 
 from pytgi.engine.distributed import check_heads, tp_size
 from pytgi.engine.models.attention import (
-    DecoderMetadata,
     LayerCache,
+    LayerMetadata,
     Rope,
     SinkAttention,
     SlidingWindowBackend,
     SoftcapAttention,
     TorchAttention,
     WindowedMetadata,
-    layer_metadata,
 )
 from pytgi.engine.models.backends import get_backend, ops_for
 from pytgi.engine.models.cpu import KernelOps, Kernels, TorchOps
@@ -58,7 +57,7 @@ from pytgi.engine.models.layers import (
     merged_shards,
     qkv_shards,
 )
-from pytgi.engine.models.linear_attention import GatedDeltaNet, LinearAttnConfig, StateBackend
+from pytgi.engine.models.linear_attention import GatedDeltaNet, LinearAttnConfig, StateBackend, StateMetadata
 from pytgi.engine.models.moe import SparseMoE
 from pytgi.engine.models.quant import (
     Fp8Rows,
@@ -75,6 +74,9 @@ if TYPE_CHECKING:
 # holds them (`Mxfp4`: their codes packed by `SparseMoE`, never dequantized)
 Weight: TypeAlias = "torch.Tensor | Mxfp4"
 Weights: TypeAlias = "Iterable[tuple[str, Weight]]"  # (name, tensor) pairs in Hugging Face naming
+
+# A decoder's step metadata, as its backend prepares it (`layer_metadata` picks a layer's)
+DecoderMetadata: TypeAlias = "LayerMetadata | WindowedMetadata | StateMetadata"
 
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
@@ -151,6 +153,14 @@ def local_heads(cfg: DecoderConfig) -> tuple[int, int, int]:
     shards = qkv_shards(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
     n_kv = shards[1][1] // cfg.head_dim
     return n_kv * (cfg.num_attention_heads // cfg.num_key_value_heads), n_kv, cfg.head_dim
+
+
+def layer_metadata(meta: DecoderMetadata, sliding: bool | None) -> LayerMetadata:
+    """A layer's own metadata: `sliding` None for models without windows."""
+    attn = meta.attn if isinstance(meta, StateMetadata) else meta  # a hybrid model's attention layers'
+    if not isinstance(attn, WindowedMetadata):  # no windows: `sliding` is None
+        return attn
+    return attn.sliding if sliding else attn.full
 
 
 def _norm(cfg: DecoderConfig, dim: int) -> RMSNorm:

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from pytgi.engine.distributed import all_gather_last_dim, all_reduce, local_range, tp_rank, tp_size
-
-if TYPE_CHECKING:
-    from pytgi.engine.models.quant import QuantizedWeight
 
 
 def _set_loader(param: nn.Parameter, loader: Callable[..., None]) -> None:
@@ -99,6 +96,12 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class PackedRows(Protocol):
+    """A packed weight whose rows can be read (`pytgi.engine.models.quant.QuantizedWeight.rows`)."""
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor: ...
+
+
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows; out-of-range ids on a rank contribute zeros."""
 
@@ -111,7 +114,7 @@ class VocabParallelEmbedding(nn.Module):
         _set_loader(self.weight, self.load_weight)
         # A packed weight whose rows stand for the table (`pytgi.engine.models.quant.QuantizedWeight.rows`): a
         # GGUF model's embedding, read from its blocks, shared with a tied LM head. None: `weight`.
-        self.packed: QuantizedWeight | None = None
+        self.packed: PackedRows | None = None
 
     def load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         part = loaded[self.start : self.start + self.local_vocab]

@@ -12,28 +12,12 @@ Both are chosen at load (`Kernels.triton`: CUDA with Triton installed); imported
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from pytgi.engine.kernels import gpu
-from pytgi.engine.models.attention import StepLayout, TorchAttention, TorchAttentionMetadata
+from pytgi.engine.models.attention import StepLayout, TorchAttention, TorchAttentionMetadata, TritonMetadata
 from pytgi.engine.models.cpu import TorchOps, _rotate
-
-
-@dataclass(slots=True)
-class TritonMetadata:
-    """One step's layout on the device, for the paged attention kernel."""
-
-    slot_mapping: torch.Tensor  # [T] int64: each new token's cache slot
-    programs: torch.Tensor  # [P, 2] int32: the kernel's programs (`gpu.attention_programs`)
-    q_start: torch.Tensor  # [B + 1] int32: each request's first flat row (and the end)
-    context_lens: torch.Tensor  # [B] int32
-    block_tables: torch.Tensor  # [B, M] int32
-    block_m: int  # query tokens per program
-    block_size: int
-    splits: int = 1  # a decode step's programs per request and kv head (`gpu.decode_splits`)
 
 
 def multiprocessors(device: torch.device) -> int:

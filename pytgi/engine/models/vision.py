@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from pytgi.core.errors import UnsupportedModel
-from pytgi.engine.models.attention import DecoderMetadata, LayerCache
-from pytgi.engine.models.decoder import DecoderModel, StepImages, Weight, Weights
+from pytgi.engine.models.attention import LayerCache
+from pytgi.engine.models.decoder import DecoderMetadata, DecoderModel, StepImages, Weight, Weights
 
 
 @dataclass(frozen=True, slots=True)
