@@ -13,12 +13,13 @@ import asyncio
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pytgi.bench import peers as bpeers
 
 if TYPE_CHECKING:  # the rest is imported when a benchmark runs: `pytgi serve` builds this parser too
     from pytgi.bench import stream_client as bclient
+    from pytgi.bench.report import Run
     from pytgi.bench.workload import BenchRequest
     from pytgi.core.tokenizer import Tokenizer
 
@@ -186,7 +187,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 # -- running ------------------------------------------------------------------------------------------
 def build_targets(args: argparse.Namespace) -> list[bpeers.Target]:
     chat = args.openai_endpoint == "chat"
-    common: dict[str, Any] = {"startup_timeout": args.startup_timeout}
+    common: bpeers.StartOptions = {"startup_timeout": args.startup_timeout}
     targets: list[bpeers.Target] = []
     if args.url:
         targets.append(
@@ -285,7 +286,7 @@ def benchmark(
     progress: bool = False,
     save_text: bool = False,
     protocol: bclient.Protocol | None = None,
-) -> dict[str, Any]:
+) -> Run:
     """One run against a started target: {server, url, protocol, endpoint, model, concurrency, request_rate,
     summary, requests}."""
     from pytgi.bench import report
@@ -312,7 +313,7 @@ def benchmark(
         )
         errors = 0
 
-        def on_done(r: Any) -> None:
+        def on_done(r: bclient.RequestResult) -> None:
             nonlocal errors
             errors += not r.ok
             bar.update(1)
@@ -338,18 +339,16 @@ def benchmark(
     finally:
         if bar is not None:
             bar.close()
-    info = target.describe()
-    info.update(
-        {
-            "model": getattr(protocol, "model", None),
-            "concurrency": concurrency,
-            "request_rate": request_rate,
-            "ignore_eos": ignore_eos,
-            "summary": report.summarize(load),
-            "requests": [r.to_json(with_text=save_text) for r in load.results],
-        }
-    )
-    return info
+    run: Run = {
+        **target.describe(),
+        "model": getattr(protocol, "model", None),
+        "concurrency": concurrency,
+        "request_rate": request_rate,
+        "ignore_eos": ignore_eos,
+        "summary": report.summarize(load),
+        "requests": [r.to_json(with_text=save_text) for r in load.results],
+    }
+    return run
 
 
 def warmup(
@@ -414,7 +413,7 @@ def run_bench(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
 
-    runs: list[dict[str, Any]] = []
+    runs: list[Run] = []
     failures: list[str] = []
     for target in targets:
         try:

@@ -15,10 +15,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from pytgi.bench.procs import PeakRss
 from pytgi.core.net import free_port
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 PEER_KINDS = ("pytgi", "llama-server", "transformers-serve", "tgi", "openai")
 DEFAULT_LLAMA_SERVER_ARGS = "-np 16 -c 16384 -t 2"
@@ -28,6 +31,42 @@ LOCALHOST = "127.0.0.1"
 
 class PeerError(RuntimeError):
     pass
+
+
+class _StartedInfo(TypedDict, total=False):
+    ready_s: float | None  # a started peer's: from start to its first healthy answer
+    peak_rss_bytes: int | None  # ... and the peak resident memory of its process tree
+
+
+class ServerInfo(_StartedInfo):
+    """A target as a benchmark's JSON describes it (`Target.describe`)."""
+
+    server: str
+    url: str
+    protocol: str
+    endpoint: str
+    command: list[str] | None
+
+
+class TargetOptions(TypedDict, total=False):
+    """`Target`'s fields a started peer's constructor passes on to it."""
+
+    chat: bool
+    send_ignore_eos: bool
+    model: str | None
+
+
+class StartOptions(TypedDict, total=False):
+    """How a peer this benchmark starts is started (`ManagedTarget`'s options)."""
+
+    startup_timeout: float
+    log_dir: Path | None
+    env: dict[str, str] | None
+
+
+class PytgiOptions(StartOptions, total=False):
+    chat: bool
+    model: str | None
 
 
 @dataclass
@@ -48,7 +87,7 @@ class Target:
     def stop(self) -> None:
         pass
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ServerInfo:
         return {
             "server": self.name,
             "url": self.url,
@@ -79,7 +118,7 @@ class ManagedTarget(Target):
         startup_timeout: float = 600.0,
         log_dir: Path | None = None,
         env: dict[str, str] | None = None,
-        **kw: Any,
+        **kw: Unpack[TargetOptions],
     ) -> None:
         super().__init__(name=name, protocol=protocol, **kw)
         self.startup_timeout = startup_timeout
@@ -159,7 +198,7 @@ class ManagedTarget(Target):
         except OSError:
             return ""
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> ServerInfo:
         peak = self._rss.peak if self._rss is not None else self.peak_rss
         return {**super().describe(), "ready_s": self.ready_s, "peak_rss_bytes": peak}
 
@@ -204,7 +243,7 @@ def pytgi_command(port: int, extra_args: str | list[str] = "", python: str | Non
 
 
 class PytgiTarget(ManagedTarget):
-    def __init__(self, protocol: str = "tgi", extra_args: str = "", **kw: Any) -> None:
+    def __init__(self, protocol: str = "tgi", extra_args: str = "", **kw: Unpack[PytgiOptions]) -> None:
         super().__init__("pytgi", protocol, **kw)
         self.extra_args = extra_args
 
@@ -234,7 +273,7 @@ class LlamaServerTarget(ManagedTarget):
         model: str | os.PathLike | None = None,
         args: str = DEFAULT_LLAMA_SERVER_ARGS,
         chat: bool = False,
-        **kw: Any,
+        **kw: Unpack[StartOptions],
     ) -> None:
         super().__init__("llama-server", "openai", chat=chat, **kw)
         self.binary = binary
@@ -310,7 +349,7 @@ class TransformersServeTarget(ManagedTarget):
         cmd: str = DEFAULT_TRANSFORMERS_SERVE_CMD,
         extra_args: str = "",
         chat: bool = False,
-        **kw: Any,
+        **kw: Unpack[StartOptions],
     ) -> None:
         super().__init__("transformers-serve", "openai", chat=chat, send_ignore_eos=False, **kw)
         self.model_dir = model_dir

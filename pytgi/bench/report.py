@@ -8,14 +8,62 @@ import os
 import platform
 import subprocess
 from collections import Counter
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
-from pytgi.bench.stream_client import LoadResult, RequestResult
+from pytgi.bench.peers import ServerInfo
+from pytgi.bench.stream_client import LoadResult, RequestRecord, RequestResult
 
 PERCENTILES = (50, 90, 99)
 MAX_ERROR_MESSAGES = 5
+
+
+class ErrorCount(TypedDict):
+    message: str
+    count: int
+
+
+class Summary(TypedDict):
+    """One benchmark's figures (`summarize`); each distribution is `distribution`'s."""
+
+    requests: int
+    completed: int
+    errors: int
+    error_messages: list[ErrorCount]
+    duration_s: float
+    input_tokens: int
+    output_tokens: int
+    requested_output_tokens: int
+    reported_output_tokens: int | None
+    output_len_mismatches: int
+    request_throughput: float
+    output_throughput: float
+    total_throughput: float
+    ttft_ms: dict[str, float | None]
+    itl_ms: dict[str, float | None]
+    tpot_ms: dict[str, float | None]
+    e2e_ms: dict[str, float | None]
+
+
+class Run(ServerInfo):
+    """One run against one server at one load, as the JSON holds it (`pytgi.bench.command.benchmark`)."""
+
+    model: str | None
+    concurrency: int | None
+    request_rate: float | None
+    ignore_eos: bool
+    summary: Summary
+    requests: list[RequestRecord]
+
+
+class MachineInfo(TypedDict):
+    hostname: str
+    platform: str
+    cpu: str
+    cpus: int | None
+    python: str
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -41,7 +89,7 @@ def distribution(values: list[float], scale: float = 1.0) -> dict[str, float | N
     return out
 
 
-def summarize(load: LoadResult) -> dict[str, Any]:
+def summarize(load: LoadResult) -> Summary:
     """Throughput and latency figures of one benchmark. Output tokens are the re-tokenized counts."""
     results: list[RequestResult] = load.results
     ok = [r for r in results if r.ok]
@@ -89,7 +137,7 @@ def _ratio(x: float | None, base: float | None) -> str:
     return f"{x / base:.2f}×"
 
 
-def load_label(run: dict[str, Any]) -> str:
+def load_label(run: Run) -> str:
     if run.get("request_rate") is not None:
         rate = run["request_rate"]
         cap = f", ≤{run['concurrency']}" if run.get("concurrency") else ""
@@ -97,7 +145,7 @@ def load_label(run: dict[str, Any]) -> str:
     return f"c={run['concurrency']}"
 
 
-def markdown_table(runs: list[dict[str, Any]]) -> str:
+def markdown_table(runs: list[Run]) -> str:
     """One row per run; ratios are against the first server run at the same load."""
     head = (
         "| server | load | ok / err | out tok/s | total tok/s | req/s | TTFT ms p50 / p90 / p99 "
@@ -105,7 +153,7 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
         "| ITL p50 vs first | ready s | peak RSS GiB |"
     )
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
-    firsts: dict[str, dict[str, Any]] = {}
+    firsts: dict[str, Summary] = {}
     for run in runs:
         s = run["summary"]
         label = load_label(run)
@@ -122,7 +170,7 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def error_lines(runs: list[dict[str, Any]]) -> list[str]:
+def error_lines(runs: list[Run]) -> list[str]:
     out = []
     for run in runs:
         for e in run["summary"]["error_messages"]:
@@ -131,7 +179,7 @@ def error_lines(runs: list[dict[str, Any]]) -> list[str]:
 
 
 # -- JSON and the plot --------------------------------------------------------------------------------
-def machine_info() -> dict[str, Any]:
+def machine_info() -> MachineInfo:
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -176,14 +224,15 @@ def default_out_path(root: Path | None = None) -> Path:
     return (root or Path("benchmarks") / "results") / f"bench-{utc_stamp()}.json"
 
 
-def write_json(path: Path, doc: dict[str, Any]) -> None:
+def write_json(path: Path, doc: Mapping[str, object]) -> None:
+    """`doc` (anything `json.dumps` takes) written to `path` at once: a reader never sees half of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     tmp.replace(path)
 
 
-def plot_sweep(runs: list[dict[str, Any]], path: Path, title: str = "") -> Path | None:
+def plot_sweep(runs: list[Run], path: Path, title: str = "") -> Path | None:
     """Throughput, TTFT and ITL against concurrency, one line per server; None without matplotlib."""
     try:
         import matplotlib
@@ -207,7 +256,7 @@ def plot_sweep(runs: list[dict[str, Any]], path: Path, title: str = "") -> Path 
         for i, name in enumerate(servers):
             rs = sorted(
                 (r for r in runs if r["server"] == name and r.get("concurrency")),
-                key=lambda r: r["concurrency"],
+                key=lambda r: r["concurrency"] or 0,  # (set: the filter kept those)
             )
             xs = [r["concurrency"] for r in rs]
             color = f"C{i}"
@@ -215,7 +264,7 @@ def plot_sweep(runs: list[dict[str, Any]], path: Path, title: str = "") -> Path 
             if tail is not None:
                 ax.plot(xs, [tail(r["summary"]) for r in rs], "x--", color=color, alpha=0.6)
         ax.set_xscale("log", base=2)
-        ticks = sorted({r["concurrency"] for r in runs if r.get("concurrency")})
+        ticks = sorted({r["concurrency"] or 0 for r in runs if r.get("concurrency")})
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
         ax.set_xlabel("concurrent clients")

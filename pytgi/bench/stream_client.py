@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import httpx
 
@@ -89,7 +89,7 @@ def _json_object(data: str) -> dict[str, Any] | Chunk:
     return obj if isinstance(obj, dict) else Chunk(error=f"bad event: {data[:200]}")
 
 
-def _error_message(err: Any) -> str:
+def _error_message(err: object) -> str:
     if isinstance(err, dict):
         return str(err.get("message") or err.get("error") or json.dumps(err))
     return str(err)
@@ -254,8 +254,8 @@ class RequestResult:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
-    def to_json(self, with_text: bool = False) -> dict[str, Any]:
-        out = {
+    def to_json(self, with_text: bool = False) -> RequestRecord:
+        out: RequestRecord = {
             "index": self.index,
             "input_len": self.input_len,
             "requested_output_len": self.requested_output_len,
@@ -355,6 +355,28 @@ def _short(text: str, n: int = 300) -> str:
 
 
 # -- the load ----------------------------------------------------------------------------------------
+class _RequestText(TypedDict, total=False):
+    text: str  # with --save-text
+
+
+class RequestRecord(_RequestText):
+    """A request's line in a benchmark's JSON (`RequestResult.to_json`)."""
+
+    index: int
+    input_len: int
+    requested_output_len: int
+    ok: bool
+    error: str | None
+    start: float
+    ttft: float | None
+    e2e: float | None
+    tpot: float | None
+    itl: list[float]
+    output_tokens: int
+    reported_tokens: int | None
+    chunks: int
+
+
 @dataclass
 class LoadResult:
     results: list[RequestResult]
