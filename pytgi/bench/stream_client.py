@@ -95,6 +95,38 @@ def _error_message(err: object) -> str:
     return str(err)
 
 
+class _TGIOptions(TypedDict, total=False):
+    ignore_eos_token: bool
+
+
+class TGIParameters(_TGIOptions):
+    max_new_tokens: int
+    details: bool
+
+
+class TGIBody(TypedDict):
+    """`POST /generate_stream`'s request."""
+
+    inputs: str
+    parameters: TGIParameters
+
+
+class _OpenAIOptions(TypedDict, total=False):
+    messages: list[dict[str, str]]  # chat
+    prompt: str  # completions
+    ignore_eos: bool
+    stream_options: dict[str, bool]
+
+
+class OpenAIBody(_OpenAIOptions):
+    """`POST /v1/completions`' (or `/v1/chat/completions`') request."""
+
+    model: str
+    stream: bool
+    temperature: float
+    max_tokens: int
+
+
 class Protocol:
     name = ""
     path = ""
@@ -103,7 +135,7 @@ class Protocol:
     # server streams as empty text (`pytgi bench --count-tokens events`).
     by_events = False
 
-    def body(self, req: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
+    def body(self, req: BenchRequest, ignore_eos: bool) -> TGIBody | OpenAIBody:
         raise NotImplementedError
 
     def parse(self, data: str) -> Chunk:
@@ -119,8 +151,8 @@ class TGIProtocol(Protocol):
     name = "tgi"
     path = "/generate_stream"
 
-    def body(self, req: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
-        params: dict[str, Any] = {"max_new_tokens": req.output_len, "details": False}
+    def body(self, req: BenchRequest, ignore_eos: bool) -> TGIBody:
+        params: TGIParameters = {"max_new_tokens": req.output_len, "details": False}
         if ignore_eos:
             params["ignore_eos_token"] = True
         return {"inputs": req.prompt, "parameters": params}
@@ -163,8 +195,8 @@ class OpenAIProtocol(Protocol):
         self.include_usage = include_usage
         self.path = "/v1/chat/completions" if chat else "/v1/completions"
 
-    def body(self, req: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
-        body: dict[str, Any] = {
+    def body(self, req: BenchRequest, ignore_eos: bool) -> OpenAIBody:
+        body: OpenAIBody = {
             "model": self.model,
             "stream": True,
             "temperature": 0,
