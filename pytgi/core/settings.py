@@ -14,10 +14,12 @@ import types
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeAlias, TypeVar, cast
 
 READERS = ("engine", "server")
 T = TypeVar("T")
+# A setting's value: the configs' fields are these (and Optional ones)
+SettingValue: TypeAlias = "str | int | float | bool | tuple[str, ...] | None"
 
 
 def setting(
@@ -42,8 +44,8 @@ def setting(
 @dataclass(frozen=True, slots=True)
 class Setting:
     name: str  # the config field
-    type: Callable[[str], Any]  # parses a flag's or an environment variable's text
-    default: Any
+    type: Callable[[str], SettingValue]  # parses a flag's or an environment variable's text
+    default: SettingValue
     help: str
     flag: str
     env: str
@@ -52,7 +54,7 @@ class Setting:
     repeat: bool = False
     info: bool = False
 
-    def from_env(self) -> Any:
+    def from_env(self) -> SettingValue:
         """The environment's value (parsed), or the default."""
         text = os.environ.get(self.env)
         if text is None:
@@ -62,14 +64,14 @@ class Setting:
         return self.type(text)
 
 
-def _parser(annotation: Any) -> Callable[[str], Any]:
-    """int | None → int, and so on: what parses one value of the field."""
+def _parser(annotation: object) -> Callable[[str], SettingValue]:
+    """int | None → int, and so on: what parses one value of the field (its annotation's class)."""
     base = annotation
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
         base = next(a for a in typing.get_args(annotation) if a is not type(None))
     if typing.get_origin(base) is tuple:  # a comma-separated list
         return lambda text: tuple(p.strip() for p in text.split(",") if p.strip())
-    return base
+    return cast("Callable[[str], SettingValue]", base)
 
 
 def declared(cls: type, reader: str) -> Iterator[Setting]:
@@ -79,6 +81,7 @@ def declared(cls: type, reader: str) -> Iterator[Setting]:
         if "help" not in meta:
             continue
         flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        assert f.default is not dataclasses.MISSING, f"{f.name}: `setting` gives every field a default"
         yield Setting(
             name=f.name,
             type=_parser(hints[f.name]),
