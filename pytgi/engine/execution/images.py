@@ -20,7 +20,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -28,7 +28,7 @@ from pytgi.core.errors import InvalidRequest
 from pytgi.core.image_geometry import decode_image, image_places, image_positions
 from pytgi.core.image_layouts import ImageLayout
 from pytgi.engine.models.decoder import StepImages
-from pytgi.engine.models.vision import Expanded
+from pytgi.engine.models.vision import Expanded, VisionLanguageModel
 
 if TYPE_CHECKING:
     from PIL.Image import Image
@@ -156,7 +156,7 @@ class ImageInputs:
 
 
 def step_rows(
-    model: Any, spans: Sequence[tuple[int, int, int, int, Sequence[PromptImage]]]
+    model: VisionLanguageModel, spans: Sequence[tuple[int, int, int, int, Sequence[PromptImage]]]
 ) -> StepImages | None:
     """The flat rows of a step that are image positions, and their image rows (computed now where not
     yet); with M-RoPE, the 3-D positions of every row of a request with images. `spans`: per request

@@ -34,6 +34,7 @@ from pytgi.engine.models.causal_lm import CausalLM
 from pytgi.engine.models.decoder import DecoderModel, StepImages
 from pytgi.engine.models.layers import DYNAMIC_SHIFT, dynamic_rope, long_rope
 from pytgi.engine.models.lora import LoraAdapters
+from pytgi.engine.models.vision import VisionLanguageModel
 from pytgi.engine.pooling.head import PoolHead
 from pytgi.engine.sampling.grammars import GrammarMatchers
 from pytgi.engine.sampling.step import SamplingStep
@@ -215,7 +216,9 @@ class ModelRunner:
             for s, first, n in zip(batch, firsts, step.layout.query_lens)
             if s.request.images
         ]
-        return step_rows(self.paged.model, spans)
+        model = self.paged.model
+        assert isinstance(model, VisionLanguageModel), "a request with images runs on a vision model"
+        return step_rows(model, spans)
 
     def _forward(
         self,

@@ -7,7 +7,7 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +16,9 @@ from pytgi.engine.loading.gguf import GGUFWeights, open_gguf
 from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.moe import SparseMoE
 from pytgi.engine.models.quant import resolve_plan
+
+if TYPE_CHECKING:
+    from pytgi.engine.models.causal_lm import CausalLM
 
 # bytes per weight of each packed layout, its fp16 scales and offsets included (`pytgi.engine.models.quant`);
 # int8x16's tensors of Q6_K and Q3_K take 0.875 on CPU (6 bits): the estimate stays on the safe side
@@ -76,14 +79,14 @@ def weight_bytes(path: Path, dtype: torch.dtype, device: torch.device, quantize:
     return int(total)
 
 
-def loaded_bytes(model: Any) -> int:
+def loaded_bytes(model: CausalLM) -> int:
     """The bytes a loaded model holds: its parameters and buffers, its linears' and experts' packed
     weights."""
     from pytgi.engine.models.quant import QuantizedLinear
 
     seen: set[int] = set()
     total = 0
-    tensors = [*model.parameters(), *model.buffers()]
+    tensors: list[torch.Tensor | None] = [*model.parameters(), *model.buffers()]
     for mod in model.modules():
         quants = [mod.quant] if isinstance(mod, QuantizedLinear) else []
         quants += [w for pair in mod.packed for w in pair] if isinstance(mod, SparseMoE) else []

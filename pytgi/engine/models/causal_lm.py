@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 import torch
+from torch import nn
 
 from pytgi.engine.models.attention import LayerCache, StepLayout
 from pytgi.engine.models.decoder import DecoderConfig, DecoderMetadata, StepImages
@@ -70,3 +71,8 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits of the given hidden states."""
         ...
+
+    # nn.Module's, for the bytes it holds (`pytgi.engine.loading.sizes.loaded_bytes`)
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+    def buffers(self) -> Iterator[torch.Tensor]: ...
+    def modules(self) -> Iterator[nn.Module]: ...

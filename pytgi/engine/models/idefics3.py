@@ -31,11 +31,20 @@ from pytgi.engine.models.vision import Expanded, VisionLanguageModel, load_image
 
 if TYPE_CHECKING:
     from PIL.Image import Image
+    from transformers import Idefics3Config, SmolVLMConfig
+    from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector, Idefics3VisionTransformer
+    from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector, SmolVLMVisionTransformer
 
 PREFIXES = {"model.text_model.": "text", "model.vision_model.": "tower", "model.connector.": "connector"}
 
 
-def _family(hf: dict[str, Any]) -> tuple[Any, Any, Any]:
+def _family(
+    hf: dict[str, Any],
+) -> tuple[
+    type[SmolVLMConfig | Idefics3Config],
+    type[SmolVLMVisionTransformer | Idefics3VisionTransformer],
+    type[SmolVLMConnector | Idefics3Connector],
+]:
     """transformers' config, tower and connector classes for the checkpoint's architecture."""
     if hf["architectures"][0] == "SmolVLMForConditionalGeneration":
         from transformers import SmolVLMConfig

@@ -25,6 +25,9 @@ from pytgi.engine.models.vision import Expanded, VisionLanguageModel, load_image
 
 if TYPE_CHECKING:
     from PIL.Image import Image
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 # checkpoint prefix → part: transformers 5's names, then the Hub's older ones (the decoder at `model.`)
 PREFIXES = {
@@ -36,7 +39,12 @@ PREFIXES = {
 MROPE_SECTION = [16, 24, 24]  # transformers' default where the config names none
 
 
-def _family(hf: dict[str, Any]) -> tuple[Any, Any]:
+def _family(
+    hf: dict[str, Any],
+) -> tuple[
+    type[Qwen2VLConfig | Qwen2_5_VLConfig],
+    type[Qwen2VisionTransformerPretrainedModel | Qwen2_5_VisionTransformerPretrainedModel],
+]:
     """transformers' config and vision tower classes for the checkpoint's architecture."""
     if hf["architectures"][0] == "Qwen2VLForConditionalGeneration":
         from transformers import Qwen2VLConfig
