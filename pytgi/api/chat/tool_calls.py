@@ -61,15 +61,7 @@ Event = Content | CallStart | Arguments
 class ToolCall:
     id: str
     name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-    def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        return d if index is None else {"index": index, **d}
+    arguments: str  # JSON text, as the model wrote it
 
 
 class CallParser(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pytgi.api.chat import reasoning, tools
+from pytgi.api.chat import answer, tools
 from pytgi.core.outputs import Delta, OutputProcessor, Token
 from pytgi.core.version import __version__
 
@@ -110,24 +110,25 @@ def completion_logprobs(out: OutputProcessor, echo: str | None) -> dict[str, Any
     return {k: head_lps[k] + lps[k] for k in lps}
 
 
+def tool_call(call: tools.ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
 def chat_message(
     text: str, finish: str | None, tool_style: tools.Style | None, reasoning_style: str | None = None
 ) -> tuple[dict[str, Any], str | None]:
     """A whole answer's message and finish reason (OpenAI's); with a reasoning parser, the reasoning
     apart (`reasoning_content`, as vLLM and DeepSeek's API name it); with tools, the calls found in
     the rest."""
-    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    a = answer.read(text, tool_style, reasoning_style)
+    message: dict[str, Any] = {"role": "assistant", "content": a.text, "refusal": None}
     if reasoning_style is not None:
-        message["reasoning_content"], text = reasoning.split(text, reasoning_style)
-        message["content"] = text
-    if tool_style is None:
-        return message, finish_reason(finish)
-    content, calls = tools.parse(text, tool_style)
-    if calls or tool_style == "harmony":  # (harmony's content is not its text, even without calls)
-        message["content"] = content
-    if calls:
-        message["tool_calls"] = [c.as_openai() for c in calls]
-    return message, finish_reason(finish, bool(calls))
+        message["reasoning_content"] = a.reasoning
+    if a.calls or tool_style == "harmony":  # (harmony's content is not its text, even without calls)
+        message["content"] = a.content
+    if a.calls:
+        message["tool_calls"] = [tool_call(c) for c in a.calls]
+    return message, finish_reason(finish, bool(a.calls))
 
 
 def chat_message_logprobs(out: OutputProcessor) -> dict[str, Any]:
@@ -162,12 +163,8 @@ class StreamRenderer:
         self.offsets = [len(e) if e and not chat else 0 for e in (echo or [""] * count)]
         self.completion_tokens = 0
         self.cached_tokens = 0  # set before `end` (the streams know it)
-        # chat with tools: each choice's text goes through a tool-call parser
-        self.parsers = [tools.parser(tool_style) for _ in range(count)] if tool_style else None
-        # with a reasoning parser, each choice's reasoning goes out as `delta.reasoning_content` first
-        self.reasoners = (
-            [reasoning.ReasoningParser(reasoning_style) for _ in range(count)] if reasoning_style else None
-        )
+        # chat: each choice's reasoning (`delta.reasoning_content`, first) and tool calls apart
+        self.answers = [answer.AnswerStream(tool_style, reasoning_style) for _ in range(count)]
 
     def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {**self.head, "choices": [choice]}
@@ -215,51 +212,39 @@ class StreamRenderer:
 
     def delta(self, i: int, d: Delta) -> list[dict[str, Any]]:
         self.pending[i].append(d)
-        text, out = d.text, []
-        if self.reasoners:
-            r = self.reasoners[i]
-            pieces = (r.feed(d.text) if d.text else []) + (r.finish() if d.finish_reason is not None else [])
-            out = [
-                self._chunk(
-                    {"index": i, "delta": {"reasoning_content": t}, "logprobs": None, "finish_reason": None}
-                )
-                for kind, t in pieces
-                if kind == "reasoning"
-            ]
-            text = "".join(t for kind, t in pieces if kind == "content")
-        parser = self.parsers[i] if self.parsers else None
-        if parser is None:
-            out += [self._choice(i, text, self._take_logprobs(i), None)] if text else []
-        else:
-            events = parser.feed(text) if text else []
-            if d.finish_reason is not None:
-                events += parser.finish()
-            out += [self._tool_chunk(i, e) for e in events]
+        out = []
+        for piece in self.answers[i].feed(d):
+            if isinstance(piece, answer.Reasoning):
+                delta = {"reasoning_content": piece.text}
+                out.append(self._chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None}))
+            elif isinstance(piece, tools.Content):
+                out.append(self._choice(i, piece.text, self._take_logprobs(i), None))
+            else:
+                out.append(self._tool_chunk(i, piece))
         if d.finish_reason is not None:
             self.completion_tokens += d.index
-            reason = finish_reason(d.finish_reason, bool(parser and parser.calls))
+            reason = finish_reason(d.finish_reason, bool(self.answers[i].calls))
             out.append(self._choice(i, None if self.chat else "", self._take_logprobs(i), reason))
         return out
 
-    def _tool_chunk(self, i: int, e: tools.Event) -> dict[str, Any]:
-        """A chat chunk for what the tool parser found: content, a call's start, a piece of arguments."""
-        if isinstance(e, tools.Content):
-            delta: dict[str, Any] = {"content": e.text}
-        elif isinstance(e, tools.CallStart):
-            delta = {
-                "tool_calls": [
-                    {
-                        "index": e.index,
-                        "id": e.id,
-                        "type": "function",
-                        "function": {"name": e.name, "arguments": ""},
-                    }
-                ]
+    def _tool_chunk(self, i: int, e: tools.CallStart | tools.Arguments) -> dict[str, Any]:
+        """A chat chunk for a call's start or a piece of its arguments."""
+        if isinstance(e, tools.CallStart):
+            call = {
+                "index": e.index,
+                "id": e.id,
+                "type": "function",
+                "function": {"name": e.name, "arguments": ""},
             }
         else:
-            delta = {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
+            call = {"index": e.index, "function": {"arguments": e.text}}
         return self._chunk(
-            {"index": i, "delta": delta, "logprobs": self._take_logprobs(i), "finish_reason": None}
+            {
+                "index": i,
+                "delta": {"tool_calls": [call]},
+                "logprobs": self._take_logprobs(i),
+                "finish_reason": None,
+            }
         )
 
     def end(self) -> list[dict[str, Any]]:

@@ -1,9 +1,10 @@
 """OpenAI's Responses API: `POST /v1/responses` (whole or streamed), `GET /v1/responses/{id}`.
 
-A Responses body converts into a chat body (`instructions` → a system message; `input` as a string
-or items: messages, `function_call` and `function_call_output`; flat function tools; `text.format`
-→ `response_format`) and takes the chat route's path (`chat_requests`). Only the shapes are the
-Responses API's: output items (`reasoning`, `message`, `function_call`), the stream's events, and a
+A Responses body translates into the chat request every chat API speaks (`to_chat`,
+`pytgi.api.chat.language`: `instructions` → a system message; `input` as a string or items: messages,
+`function_call` and `function_call_output`; flat function tools; `text.format` → the constraint) and
+takes the chat path (`chat_requests`). Only the shapes are the Responses API's: output items
+(`reasoning`, `message`, `function_call`), the stream's events, the fields refusals name, and a
 bounded in-memory store for `previous_response_id` and `GET`. No torch here.
 """
 
@@ -15,12 +16,29 @@ import uuid
 from collections import OrderedDict
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, FastAPI, Request, Response
 
-from pytgi.api.chat import reasoning, tools
+from pytgi.api.chat import answer, tools
+from pytgi.api.chat.language import (
+    Call,
+    ChatRequest,
+    Function,
+    Image,
+    JSONObject,
+    Message,
+    Named,
+    Part,
+    ReasoningEffort,
+    Role,
+    Sampling,
+    Text,
+    ToolChoice,
+    renamed,
+)
 from pytgi.api.chat.requests import chat_requests
 from pytgi.api.exchange import Exchange
-from pytgi.api.frontend.bodies import F32, U32, Bool
+from pytgi.api.frontend.bodies import F32, U32, Bool, GrammarType
 from pytgi.api.json_response import JSONResponse
 from pytgi.api.openai import schema
 from pytgi.api.openai.error_shape import OpenAIError, as_openai_error, invalid
@@ -33,7 +51,7 @@ STORE_SIZE, STORE_BYTES = 1000, 256 << 20  # defaults of --responses-store-size,
 
 
 class Reasoning(schema._Body):
-    effort: schema.ReasoningEffort | None = None  # → the chat body's `reasoning_effort`
+    effort: ReasoningEffort | None = None  # → the chat request's `reasoning_effort`
     summary: str | None = None  # accepted, ignored
 
 
@@ -60,26 +78,30 @@ class ResponseRequest(schema._Body):
 
 
 class Store:
-    """The newest responses and the conversation each ends (chat messages), by id: at most `size` of
-    them and `max_bytes` of their JSON, the oldest dropped first (`--responses-store-size`,
-    `--responses-store-bytes`). One that alone is over the byte bound is not kept."""
+    """The newest responses and the conversation each ends (the chat messages as JSON, instructions
+    left out), by id: at most `size` of them and `max_bytes` of their JSON, the oldest dropped first
+    (`--responses-store-size`, `--responses-store-bytes`). One that alone is over the byte bound is
+    not kept."""
 
     def __init__(self, size: int = STORE_SIZE, max_bytes: int = STORE_BYTES) -> None:
         self.size, self.max_bytes, self.bytes = size, max_bytes, 0
-        self.items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], int]] = OrderedDict()
+        self.items: OrderedDict[str, tuple[JSONObject, list[JSONObject], int]] = OrderedDict()
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        size = len(json.dumps([response, conversation], ensure_ascii=False).encode())
-        old = self.items.pop(response["id"], None)
+    def put(self, response: JSONObject, conversation: list[JSONObject]) -> None:
+        rid, size = (
+            str(response["id"]),
+            len(json.dumps([response, conversation], ensure_ascii=False).encode()),
+        )
+        old = self.items.pop(rid, None)
         if old is not None:
             self.bytes -= old[2]
         if size <= self.max_bytes:
-            self.items[response["id"]] = (response, conversation, size)
+            self.items[rid] = (response, conversation, size)
             self.bytes += size
         while self.items and (len(self.items) > self.size or self.bytes > self.max_bytes):
             self.bytes -= self.items.popitem(last=False)[1][2]
 
-    def get(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    def get(self, rid: str) -> tuple[JSONObject, list[JSONObject]] | None:
         item = self.items.get(rid)
         return None if item is None else (item[0], item[1])
 
@@ -94,69 +116,63 @@ def install(app: FastAPI, config: ServerConfig) -> None:
     app.state.responses_store = Store(config.responses_store_size, config.responses_store_bytes)
 
 
-# -- the body → chat ---------------------------------------------------------------------------------
-def _content_text(content: Any, where: str) -> str | list[dict[str, Any]]:
-    """A message's content: its text parts joined, or (with an `input_image`) chat content parts."""
+# -- the body → the chat request ---------------------------------------------------------------------
+# the Responses API's names for the chat request's fields, where they differ (a tool's are the same)
+PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "constraint": "text.format"}
+
+
+def _content(content: object, where: str) -> str | list[Part]:
+    """A message's content: a string, or its text and image parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise invalid(f"`{where}` must be a string or a list of content parts", where)
-    parts: list[dict[str, Any]] = []
+    parts: list[Part] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if isinstance(part, dict) and kind in ("input_text", "output_text", "text"):
-            parts.append({"type": "text", "text": str(part.get("text", ""))})
+            parts.append(Text(str(part.get("text", ""))))
         elif isinstance(part, dict) and kind == "input_image" and isinstance(part.get("image_url"), str):
-            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            parts.append(Image(part["image_url"], f"{where}.{j}.image_url"))
         else:
             raise invalid(
                 f"content parts of type `{kind}` are not supported: only text parts and `input_image` "
                 "parts with an `image_url` are",
                 f"{where}.{j}",
             )
-    if any(p["type"] == "image_url" for p in parts):
-        return parts
-    return "\n".join(p["text"] for p in parts)
+    return parts
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+ROLES: dict[str, Role] = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[Message]:
     """The chat messages `input` stands for."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    out: list[dict[str, Any]] = []
+        return [Message("user", items)]
+    out: list[Message] = []
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
+            given = item.get("role")
+            role = ROLES.get(given) if isinstance(given, str) else None
+            if role is None:
                 raise invalid(
                     f"`input.{i}.role` must be user, system, developer or assistant", f"input.{i}.role"
                 )
-            out.append(
-                {"role": role, "content": _content_text(item.get("content", ""), f"input.{i}.content")}
-            )
+            out.append(Message(role, _content(item.get("content", ""), f"input.{i}.content")))
         elif kind == "function_call":
-            call = {
-                "id": str(item.get("call_id", "")),
-                "type": "function",
-                "function": {
-                    "name": str(item.get("name", "")),
-                    "arguments": str(item.get("arguments", "{}")),
-                },
-            }
-            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
-                out[-1]["tool_calls"].append(call)
+            call = Call(
+                str(item.get("name", "")), str(item.get("arguments", "{}")), str(item.get("call_id", ""))
+            )
+            if out and out[-1].role == "assistant" and out[-1].calls:
+                out[-1].calls.append(call)
             else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                out.append(Message("assistant", None, [call]))
         elif kind == "function_call_output":
             output = item.get("output", "")
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": str(item.get("call_id", "")),
-                    "content": output if isinstance(output, str) else json.dumps(output),
-                }
-            )
+            content = output if isinstance(output, str) else json.dumps(output)
+            out.append(Message("tool", content, call_id=str(item.get("call_id", ""))))
         elif kind == "reasoning":
             continue  # earlier reasoning is not sent back to the model
         else:
@@ -164,56 +180,55 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(body: ResponseRequest) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if body.tools:
-        functions = []
-        for i, t in enumerate(body.tools):
-            if t.get("type") != "function":
-                raise invalid(
-                    f"tools of type `{t.get('type')}` are not supported: only function tools are",
-                    f"tools.{i}.type",
-                )
-            functions.append(
-                {
-                    "type": "function",
-                    "function": {
-                        "name": t.get("name"),
-                        "description": t.get("description") or "",
-                        "parameters": t.get("parameters") or {"type": "object"},
-                    },
-                }
+def _functions(body: ResponseRequest) -> list[Function]:
+    out = []
+    for i, t in enumerate(body.tools or []):
+        if t.get("type") != "function":
+            raise invalid(
+                f"tools of type `{t.get('type')}` are not supported: only function tools are",
+                f"tools.{i}.type",
             )
-        out["tools"] = functions
-    choice = body.tool_choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
-    if choice is not None:
-        out["tool_choice"] = choice
-    if body.parallel_tool_calls is not None:
-        out["parallel_tool_calls"] = body.parallel_tool_calls
+        name, params = t.get("name"), t.get("parameters") or {"type": "object"}
+        if not isinstance(name, str):
+            raise invalid(f"`tools.{i}.name` must be a string. Given: {name!r}", f"tools.{i}.name")
+        if not isinstance(params, dict):
+            raise invalid(f"`tools.{i}.parameters` must be a JSON schema object", f"tools.{i}.parameters")
+        out.append(Function(name, t.get("description") or "", params))
     return out
 
 
-def _format(body: ResponseRequest) -> dict[str, Any]:
+def _tool_choice(choice: str | dict[str, Any] | None) -> ToolChoice | None:
+    if choice is None:
+        return None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise invalid(
+                f'`tool_choice` must be "none", "auto", "required" or a named function. Given: {choice!r}',
+                "tool_choice",
+            )
+        return choice  # type: ignore[return-value]
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise invalid('a named `tool_choice` must be {"type": "function", "name": ...}', "tool_choice")
+    return Named(choice["name"])
+
+
+def _format(body: ResponseRequest) -> GrammarType | None:
     fmt = (body.text or {}).get("format")
     if not fmt or fmt.get("type") == "text":
-        return {}
+        return None
     if fmt.get("type") == "json_object":
-        return {"response_format": {"type": "json_object"}}
+        return GrammarType(type="json", value={"type": "object"})
     if fmt.get("type") == "json_schema":
-        return {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": fmt.get("name") or "output", "schema": fmt.get("schema")},
-            }
-        }
+        if not isinstance(fmt.get("schema"), dict):
+            raise invalid("`text.format` of type `json_schema` needs `schema`", "text.format")
+        return GrammarType(type="json", value=fmt["schema"])
     raise invalid(f"`text.format` of type `{fmt.get('type')}` is not supported", "text.format")
 
 
-def conversation(body: ResponseRequest, store: Store) -> list[dict[str, Any]]:
-    """The messages before this turn's answer: a previous response's, then `instructions`, then `input`."""
-    before: list[dict[str, Any]] = []
+def conversation(body: ResponseRequest, store: Store) -> list[Message]:
+    """The messages before this turn's answer: a previous response's conversation (its instructions do
+    not carry over), then `input`."""
+    before: list[Message] = []
     if body.previous_response_id is not None:
         stored = store.get(body.previous_response_id)
         if stored is None:
@@ -224,28 +239,31 @@ def conversation(body: ResponseRequest, store: Store) -> list[dict[str, Any]]:
                 "previous_response_id",
                 "previous_response_not_found",
             )
-        before = [m for m in stored[1] if m["role"] != "system"]  # instructions do not carry over
-    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    return system + before + input_messages(body.input)
+        before = msgspec.convert(stored[1], list[Message])
+    return before + input_messages(body.input)
 
 
-def to_chat(body: ResponseRequest, messages: list[dict[str, Any]]) -> schema.ChatCompletionRequest:
-    return schema.ChatCompletionRequest.model_validate(
-        {
-            "model": body.model,
-            "messages": messages,
-            "max_tokens": body.max_output_tokens,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": body.top_p,
-            "top_k": body.top_k,
-            "seed": body.seed,
-            "stream": body.stream,
-            "chat_template_kwargs": body.chat_template_kwargs,
-            "reasoning_effort": body.reasoning.effort if body.reasoning else None,
-            "prompt_cache_key": body.prompt_cache_key,
-            **_tools(body),
-            **_format(body),
-        }
+def to_chat(body: ResponseRequest, messages: list[Message]) -> ChatRequest:
+    """The chat request: `instructions` as a system message, then `messages`."""
+    system = [Message("system", body.instructions)] if body.instructions else []
+    return ChatRequest(
+        system + messages,
+        Sampling(
+            max_tokens=body.max_output_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+        ),
+        tools=_functions(body),
+        tool_choice=_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        constraint=_format(body),
+        reasoning_effort=body.reasoning.effort if body.reasoning else None,
+        chat_template_kwargs=dict(body.chat_template_kwargs or {}),
+        stream=bool(body.stream),
+        model=body.model,
+        cache_key=body.prompt_cache_key,
     )
 
 
@@ -330,25 +348,17 @@ def response_json(
 def output_items(
     out: OutputProcessor, tool_style: tools.Style | None, reasoning_style: str | None
 ) -> list[dict]:
-    thought, text = reasoning.split(out.text, reasoning_style) if reasoning_style else (None, out.text)
-    content, calls = (text, []) if tool_style is None else tools.parse(text, tool_style)
-    items = [reasoning_item(thought)] if thought else []
-    items += [message_item(content)] if content else []
-    return items + [call_item(c) for c in calls]
+    a = answer.read(out.text, tool_style, reasoning_style)
+    items = [reasoning_item(a.reasoning)] if a.reasoning else []
+    items += [message_item(a.content)] if a.content else []
+    return items + [call_item(c) for c in a.calls]
 
 
-def _assistant_turn(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The answer as chat messages, for the next turn of a stored conversation."""
+def _assistant_turn(items: list[dict[str, Any]]) -> Message:
+    """The answer as a chat message, for the next turn of a stored conversation."""
     text = "".join(c["text"] for i in items if i["type"] == "message" for c in i["content"])
-    calls = [
-        {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-        for i in items
-        if i["type"] == "function_call"
-    ]
-    message: dict[str, Any] = {"role": "assistant", "content": text or None}
-    if calls:
-        message["tool_calls"] = calls
-    return [message]
+    calls = [Call(i["name"], i["arguments"], i["call_id"]) for i in items if i["type"] == "function_call"]
+    return Message("assistant", text or None, calls)
 
 
 class ResponseStream:
@@ -356,8 +366,7 @@ class ResponseStream:
 
     def __init__(self, final: Any, tool_style: tools.Style | None, reasoning_style: str | None) -> None:
         self.final = final  # (status, output items, output tokens) → the completed response
-        self.parser = tools.parser(tool_style) if tool_style else None
-        self.reasoner = reasoning.ReasoningParser(reasoning_style) if reasoning_style else None
+        self.answer = answer.AnswerStream(tool_style, reasoning_style)
         self.seq = 0
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being written
@@ -435,20 +444,11 @@ class ResponseStream:
         return events
 
     def delta(self, d: Delta) -> list[str]:
-        events, text = [], d.text
-        if self.reasoner is not None:
-            pieces = (self.reasoner.feed(d.text) if d.text else []) + (
-                self.reasoner.finish() if d.finish_reason is not None else []
-            )
-            events += [e for kind, t in pieces if kind == "reasoning" for e in self._text("reasoning", t)]
-            text = "".join(t for kind, t in pieces if kind == "content")
-        found: list[tools.Event] = [tools.Content(text)] if text and self.parser is None else []
-        if self.parser is not None:
-            found = (self.parser.feed(text) if text else []) + (
-                self.parser.finish() if d.finish_reason else []
-            )
-        for e in found:
-            if isinstance(e, tools.Content):
+        events: list[str] = []
+        for e in self.answer.feed(d):
+            if isinstance(e, answer.Reasoning):
+                events += self._text("reasoning", e.text)
+            elif isinstance(e, tools.Content):
                 events += self._text("message", e.text) if e.text else []
             elif isinstance(e, tools.CallStart):
                 events += self._begin(
@@ -495,7 +495,8 @@ async def create_response(request: Request, body: ResponseRequest) -> Response:
         schema.check_model(body.model, st.config.model_id, st.adapters)
         messages = conversation(body, store_of(request))
         chat = to_chat(body, messages)
-    reqs, tool_style = await chat_requests(ex, chat, 1)
+    with renamed(PARAMS):
+        reqs, tool_style = await chat_requests(ex, chat)
     model = st.adapter_of(body.model) or st.config.model_id
     style, prompt = st.config.reasoning_parser, reqs[0].input_length
 
@@ -503,7 +504,7 @@ async def create_response(request: Request, body: ResponseRequest) -> Response:
         """`cached`: the prompt tokens the prefix cache served."""
         response = response_json(body, rid, created, model, status, items, (prompt, generated, cached))
         if body.store is not False:
-            store_of(request).put(response, messages + _assistant_turn(items))
+            store_of(request).put(response, msgspec.to_builtins([*messages, _assistant_turn(items)]))
         return response
 
     if not body.stream:

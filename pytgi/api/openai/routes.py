@@ -1,8 +1,9 @@
 """OpenAI's routes: /v1/models, /v1/completions, /v1/chat/completions.
 
-A request's trip: OpenAI's own rules (`schema`), then conversion into the router's `GenerateInput` and
-the same validation, admission, engine streams and output processing as TGI's routes, then OpenAI's
-shapes (`render`). No torch here.
+A request's trip: OpenAI's own rules (`schema`), then translation into the chat request every chat API
+speaks (`pytgi.api.chat`) or, for completions, into the router's `GenerateInput`; the same validation,
+admission, engine streams and output processing as TGI's routes; then OpenAI's shapes (`render`). No
+torch here.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
 
-from pytgi.api.chat.requests import chat_requests, named
+from pytgi.api.chat.language import renamed
+from pytgi.api.chat.requests import chat_requests, choices
 from pytgi.api.exchange import Exchange, sse_event
 from pytgi.api.frontend.bodies import ValidRequest
 from pytgi.api.frontend.infer import Generation
@@ -117,7 +119,7 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
 
     async def prepare() -> list[ValidRequest]:
         reqs = []
-        with named(names):
+        with renamed(names):
             for prompt in prompts:
                 gi = schema.to_input(
                     body,
@@ -129,7 +131,7 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
                     grammar=grammar,
                     adapter=ex.st.adapter_of(body.model),
                 )
-                reqs += schema.choices(await validation.validate(gi), n, body.seed)
+                reqs += choices(await validation.validate(gi), n, body.seed)
         return reqs
 
     reqs = await ex.admit(len(prompts) * n, prepare)
@@ -169,7 +171,10 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
     created = int(time.time())
     ex, n = _begin(request, body)
     st = ex.st
-    reqs, tool_style = await chat_requests(ex, body, n)
+    with ex.refused():
+        chat, param = schema.to_chat(body, n)
+    with renamed(param):
+        reqs, tool_style = await chat_requests(ex, chat)
     model = st.adapter_of(body.model) or st.config.model_id
     head = render.head("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", created, model)
 
