@@ -18,7 +18,9 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pytgi.api.chat import answer, tools
 from pytgi.api.chat.constraints import StructuredFields, one
@@ -36,14 +38,12 @@ from pytgi.api.chat.language import (
     ToolChoice,
 )
 from pytgi.api.chat.requests import chat_requests, prompt_tokens
-from pytgi.api.error_handlers import anthropic_error_body
+from pytgi.api.error_handlers import OVERLOADED, anthropic_error_body, describe
 from pytgi.api.exchange import Exchange
 from pytgi.api.frontend.bodies import F32, I32, U32, Bool, GrammarType, ValidRequest
 from pytgi.api.json_response import JSONResponse
-from pytgi.api.openai import schema
-from pytgi.api.openai.error_shape import OpenAIError, as_openai_error
 from pytgi.api.state import state_of
-from pytgi.core.errors import ClientGone, InferError, InvalidRequest
+from pytgi.core.errors import ClientGone, InferError, InvalidRequest, Overloaded, UnknownModel
 from pytgi.core.outputs import Delta, OutputProcessor
 
 PREFIX = "/v1/messages"
@@ -400,9 +400,9 @@ class MessageStream:
 # -- routes ----------------------------------------------------------------------------------------
 @router.post(PREFIX, tags=["Anthropic"])
 async def messages(request: Request, body: MessagesRequest) -> Response:
-    ex = Exchange(request, refusals=(OpenAIError,))
+    ex = Exchange(request)
     with ex.refused():
-        schema.check_model(body.model, ex.st.config.model_id, ex.st.adapters)
+        ex.st.check_model(body.model)
         chat = to_chat(body)
         chat.cache_marks = cache_marks(body)
     reqs, tool_style = await chat_requests(ex, chat)
@@ -432,15 +432,32 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
 async def count_tokens(request: Request, body: CountTokensRequest) -> JSONResponse:
     """The prompt's tokens as `messages` would count them (the chat template with the tools)."""
     st = state_of(request)
-    schema.check_model(body.model, st.config.model_id, st.adapters)
+    st.check_model(body.model)
     return JSONResponse({"input_tokens": await prompt_tokens(st, to_chat(body))})
 
 
 # -- errors ----------------------------------------------------------------------------------------
+def _status(exc: Exception) -> tuple[int, str]:
+    if isinstance(exc, UnknownModel):
+        return 404, exc.message
+    if isinstance(exc, InvalidRequest):
+        return 400, exc.message
+    if isinstance(exc, RequestValidationError):
+        return 400, describe(exc)
+    if isinstance(exc, Overloaded):
+        return 429, OVERLOADED
+    if isinstance(exc, InferError):
+        return 500, exc.message
+    if isinstance(exc, StarletteHTTPException):
+        return exc.status_code, str(exc.detail)
+    return 500, f"internal error: {type(exc).__name__}"
+
+
 def as_anthropic(exc: Exception) -> tuple[int, dict[str, Any]]:
-    """(status, `{"type": "error", "error": {"type", "message"}}`) for what a route raised."""
-    err = as_openai_error(exc)  # OpenAI's status and message: the same refusals, another shape
-    return err.status, anthropic_error_body(err.status, err.message)
+    """(status, `{"type": "error", "error": {"type", "message"}}`) for what a route raised: a
+    refusal 400 (404 for a model not served), a malformed body 400, too many requests 429."""
+    status, message = _status(exc)
+    return status, anthropic_error_body(status, message)
 
 
 def error_event(exc: InferError) -> str:

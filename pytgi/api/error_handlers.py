@@ -51,6 +51,10 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+# what OpenAI's and Anthropic's routes say when the concurrency slots are all taken
+OVERLOADED = "Model is overloaded: too many concurrent requests, retry later"
+
+
 def validation_response(message: str) -> JSONResponse:
     return error_response(422, f"Input validation error: {message}", "validation")
 
@@ -63,7 +67,8 @@ def infer_error_response(exc: InferError) -> JSONResponse:
     return error_response(INFER_STATUS[exc.error_type], exc.message, exc.error_type)
 
 
-def _describe(exc: RequestValidationError) -> str:
+def describe(exc: RequestValidationError) -> str:
+    """A malformed body's faults, each as `where: what`."""
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
@@ -74,7 +79,7 @@ def _describe(exc: RequestValidationError) -> str:
 def install_handlers(app: FastAPI, openai_paths: tuple[str, ...] = ("/v1/",)) -> None:
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_response(_describe(exc))
+        return validation_response(describe(exc))
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:

@@ -4,7 +4,7 @@ torch, no FastAPI), the API side (`pytgi.api`, and `pytgi.bench`, a client), the
 API side never imports the engine, the core imports neither; the import graph, in-function imports
 counted, has no cycle; at most five modules sit at the package root. On the API side, the chat
 language (`pytgi.api.chat`) imports no API's own module, however indirectly: each API translates
-into it, never the other way."""
+into it, never the other way; and no API imports another's."""
 
 import subprocess
 import sys
@@ -55,6 +55,19 @@ def test_the_chat_language_imports_no_api_of_its_own():
                 if is_vendor(target):
                     wrong.append(" → ".join([*path, target]))
                 todo.append((target, [*path, target]))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_api_imports_another():
+    def api(module: str) -> str | None:
+        return next((v for v in VENDORS if module == v or module.startswith(v + ".")), None)
+
+    wrong = [
+        f"{a} imports {b}"
+        for a, targets in graph().items()
+        for b in targets
+        if api(a) is not None and api(b) is not None and api(a) != api(b)
+    ]
     assert not wrong, "\n".join(wrong)
 
 

@@ -492,7 +492,7 @@ async def create_response(request: Request, body: ResponseRequest) -> Response:
     ex = Exchange(request, refusals=(OpenAIError,))
     st = ex.st
     with ex.refused():
-        schema.check_model(body.model, st.config.model_id, st.adapters)
+        st.check_model(body.model)
         messages = conversation(body, store_of(request))
         chat = to_chat(body, messages)
     with renamed(PARAMS):

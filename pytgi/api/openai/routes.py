@@ -49,7 +49,7 @@ async def list_models(request: Request) -> JSONResponse:
 @router.get("/v1/models/{model:path}", tags=["OpenAI"])
 async def retrieve_model(request: Request, model: str) -> JSONResponse:
     st = state_of(request)
-    schema.check_model(model, st.config.model_id, st.adapters)  # the names the other routes accept
+    st.check_model(model)  # the names the other routes accept
     return JSONResponse(_model_card(st, st.adapter_of(model)))
 
 
@@ -57,7 +57,7 @@ def _begin(request: Request, body: schema.SamplingBody) -> tuple[Exchange, int]:
     """What both routes check first; returns the exchange and n."""
     ex = Exchange(request, refusals=(OpenAIError,))
     with ex.refused():
-        schema.check_model(body.model, ex.st.config.model_id, ex.st.adapters)
+        ex.st.check_model(body.model)
         return ex, schema.check_sampling(body)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,12 +30,11 @@ from pytgi.api.chat.language import (
     ToolChoice,
 )
 from pytgi.api.frontend.bodies import F32, I32, I64, U32, Bool, GenerateInput, GrammarType
-from pytgi.api.openai.error_shape import OpenAIError, invalid
+from pytgi.api.openai.error_shape import invalid
 
 MAX_N = 8  # choices per prompt
 MAX_COMPLETION_LOGPROBS = 20  # as chat's top_logprobs (OpenAI's legacy bound was 5; vLLM allows 20)
 MAX_CHAT_TOP_LOGPROBS = MAX_TOP_LOGPROBS  # OpenAI's bound for `top_logprobs`
-MODEL_ALIASES = ("", "tgi")  # also served: what TGI's OpenAI routes accept
 # each role a message may have, and the chat request's (`developer` is the system role)
 ROLES: dict[str, Role] = {
     "system": "system",
@@ -137,19 +136,6 @@ class ChatCompletionRequest(SamplingBody):
 
 
 # -- OpenAI's own rules ----------------------------------------------------------------------------
-def check_model(model: str | None, served: str, adapters: Collection[str] = ()) -> None:
-    """`model` names the served model (or an alias of it) or one of its LoRA adapters."""
-    if not (model is None or model in MODEL_ALIASES or model == served or model in adapters):
-        also = "".join(f", `{a}`" for a in sorted(adapters))
-        raise OpenAIError(
-            404,
-            f"The model `{model}` does not exist: this server serves `{served}`{also}",
-            "invalid_request_error",
-            "model",
-            "model_not_found",
-        )
-
-
 def check_sampling(body: SamplingBody) -> int:
     """The rules TGI's parameters have no counterpart for; returns n."""
     n = 1 if body.n is None else body.n
