@@ -15,7 +15,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -25,7 +25,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pytgi.api.chat import answer, tools
 from pytgi.api.chat.constraints import StructuredFields, one
 from pytgi.api.chat.language import (
-    JSON,
     Call,
     ChatRequest,
     Function,
@@ -41,7 +40,7 @@ from pytgi.api.chat.requests import chat_requests, prompt_tokens
 from pytgi.api.error_handlers import OVERLOADED, anthropic_error_body, describe
 from pytgi.api.exchange import Exchange
 from pytgi.api.frontend.bodies import F32, I32, U32, Bool, GrammarType, ValidRequest
-from pytgi.api.json_response import JSONResponse
+from pytgi.api.json_response import JSON, JSONObject, JSONResponse
 from pytgi.api.state import state_of
 from pytgi.core.errors import ClientGone, InferError, InvalidRequest, Overloaded, UnknownModel
 from pytgi.core.outputs import Delta, OutputProcessor
@@ -58,8 +57,8 @@ class _Body(BaseModel):
 class Tool(_Body):
     name: str
     description: str | None = None
-    input_schema: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
+    input_schema: JSONObject
+    cache_control: JSONObject | None = None
 
 
 class ToolChoiceBody(_Body):
@@ -70,20 +69,20 @@ class ToolChoiceBody(_Body):
 
 class MessageBody(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]]
+    content: str | list[JSONObject]
 
 
 class CountTokensRequest(_Body):
     model: str
     messages: list[MessageBody]
-    system: str | list[dict[str, Any]] | None = None
+    system: str | list[JSONObject] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoiceBody | None = None
 
 
 class OutputFormat(_Body):
     type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: JSONObject = Field(alias="schema")
 
 
 class OutputConfig(_Body):
@@ -107,15 +106,18 @@ class MessagesRequest(CountTokensRequest, StructuredFields):
 
 
 # -- Anthropic's body → the chat request -----------------------------------------------------------
-def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
+def _text(blocks: JSON | list[JSONObject], where: str) -> str:
     """A string, or text blocks joined (what `system` and a tool result hold)."""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise InvalidRequest(f"`{where}` must be a string or a list of text blocks", where)
     texts = []
     for j, b in enumerate(blocks):
-        if b.get("type") != "text" or not isinstance(b.get("text"), str):
+        text = b.get("text") if isinstance(b, dict) and b.get("type") == "text" else None
+        if not isinstance(text, str):
             raise InvalidRequest(f"`{where}.{j}` must be a text block", f"{where}.{j}")
-        texts.append(b["text"])
+        texts.append(text)
     return "\n".join(texts)
 
 
@@ -139,13 +141,15 @@ def _messages(body: CountTokensRequest) -> list[Message]:
         if isinstance(m.content, str):
             out.append(Message(m.role, m.content))
             continue
-        texts, calls, results = [], [], []
+        texts: list[str] = []
+        calls: list[Call] = []
+        results: list[Message] = []
         parts: list[Part] = []  # text and image parts in order, where the message has an image
         for j, b in enumerate(m.content):
-            where, kind = f"messages.{i}.content.{j}", b.get("type")
-            if kind == "text" and isinstance(b.get("text"), str):
-                texts.append(b["text"])
-                parts.append(Text(b["text"]))
+            where, kind, text = f"messages.{i}.content.{j}", b.get("type"), b.get("text")
+            if kind == "text" and isinstance(text, str):
+                texts.append(text)
+                parts.append(Text(text))
             elif kind == "image" and m.role == "user":
                 parts.append(Image(_image_url(b.get("source"), where), f"{where}.source"))
             elif kind == "tool_use" and m.role == "assistant":
@@ -269,7 +273,7 @@ def stop_reason(out: OutputProcessor, tool_calls: bool) -> str:
     return {"length": "max_tokens", "stop_sequence": "stop_sequence"}.get(out.finish_reason or "", "end_turn")
 
 
-def usage(prompt: int, output: int, cached: int, pinned: int = 0) -> dict[str, int]:
+def usage(prompt: int, output: int, cached: int, pinned: int = 0) -> JSONObject:
     """Anthropic's usage. The prompt is `cache_read_input_tokens` (what pytgi's prefix cache served)
     `+ cache_creation_input_tokens` (the rest of the prompt up to its last `cache_control` mark, the
     `pinned` tokens: computed now and pinned) `+ input_tokens` (the rest)."""
@@ -287,7 +291,7 @@ def pinned(req: ValidRequest) -> int:
     return req.sampling.cache_pins[-1][0] if req.sampling.cache_pins else 0
 
 
-def _input(arguments: str) -> Any:
+def _input(arguments: str) -> JSON:
     try:
         return json.loads(arguments)
     except ValueError:
@@ -302,9 +306,9 @@ def message_json(
     reasoning_style: str | None,
     prompt: int,
     pinned: int = 0,
-) -> dict:
+) -> JSONObject:
     a = answer.read(out.text, tool_style, reasoning_style)
-    content: list[dict[str, Any]] = (
+    content: list[JSON] = (
         [{"type": "thinking", "thinking": a.reasoning, "signature": ""}] if a.reasoning else []
     )
     content += [{"type": "text", "text": a.content}] if a.content else []
@@ -323,7 +327,7 @@ def message_json(
     }
 
 
-def event(name: str, data: dict[str, Any]) -> str:
+def event(name: str, data: JSONObject) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
 
 
@@ -334,14 +338,16 @@ class MessageStream:
 
     def __init__(
         self,
-        head: dict[str, Any],
+        head: JSONObject,
         out: Callable[[], OutputProcessor],
         tool_style: tools.Style | None,
         reasoning_style: str | None = None,
         pinned: int = 0,
     ):
         self.head, self.out, self.pinned = head, out, pinned
-        self.prompt = head.get("usage", {}).get("input_tokens", 0)  # message_start's: the whole prompt
+        given = head.get("usage")
+        prompt = given.get("input_tokens") if isinstance(given, dict) else None
+        self.prompt = prompt if isinstance(prompt, int) else 0  # message_start's: the whole prompt
         self.answer = answer.AnswerStream(tool_style, reasoning_style)
         self.index, self.kind = -1, ""  # the open block, and its kind ("" when none is open)
 
@@ -349,9 +355,9 @@ class MessageStream:
         message = {**self.head, "content": [], "stop_reason": None, "stop_sequence": None}
         return [event("message_start", {"message": message})]
 
-    def _open(self, block: dict[str, Any]) -> list[str]:
+    def _open(self, block: JSONObject) -> list[str]:
         events = self._close()
-        self.index, self.kind = self.index + 1, block["type"]
+        self.index, self.kind = self.index + 1, str(block["type"])
         return [*events, event("content_block_start", {"index": self.index, "content_block": block})]
 
     def _close(self) -> list[str]:
@@ -362,6 +368,7 @@ class MessageStream:
 
     def delta(self, d: Delta) -> list[str]:
         events: list[str] = []
+        delta: JSONObject
         for e in self.answer.feed(d):
             if isinstance(e, answer.Reasoning):
                 if self.kind != "thinking":
@@ -415,7 +422,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
         )
         return JSONResponse(output)
     [stream] = ex.streams(reqs)
-    head = {
+    head: JSONObject = {
         "id": mid,
         "type": "message",
         "role": "assistant",
@@ -453,7 +460,7 @@ def _status(exc: Exception) -> tuple[int, str]:
     return 500, f"internal error: {type(exc).__name__}"
 
 
-def as_anthropic(exc: Exception) -> tuple[int, dict[str, Any]]:
+def as_anthropic(exc: Exception) -> tuple[int, JSONObject]:
     """(status, `{"type": "error", "error": {"type", "message"}}`) for what a route raised: a
     refusal 400 (404 for a model not served), a malformed body 400, too many requests 429."""
     status, message = _status(exc)

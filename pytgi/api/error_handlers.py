@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pytgi.api.json_response import JSONResponse
+from pytgi.api.json_response import JSONObject, JSONResponse
 from pytgi.core.errors import ClientGone, InferError, InvalidRequest
 
 
@@ -45,7 +43,7 @@ ANTHROPIC_TYPES = {
 }
 
 
-def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+def anthropic_error_body(status: int, message: str) -> JSONObject:
     """Anthropic's `{"type": "error", "error": {"type", "message"}}`."""
     kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}

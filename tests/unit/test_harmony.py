@@ -389,7 +389,9 @@ def test_openai_chunks_and_message_with_harmony_reasoning_and_calls():
             for k, p in enumerate(parts)
             for c in r.delta(0, Delta(k + 1, Token(0, p, None), [], p, "eos_token" if k else None))
         ]
-        deltas = [c["choices"][0]["delta"] for c in chunks]
+        deltas: list[Any] = [
+            c["choices"][0]["delta"] for c in chunks
+        ]  # the wire's JSON, as the test knows it
         assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants a<b. Use the tool."
         assert "".join(d.get("content") or "" for d in deltas) == "", cut
         args = "".join(tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", []))

@@ -6,11 +6,11 @@ most (`one`); it becomes the chat request's `constraint`. No torch here."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pytgi.api.frontend.bodies import GrammarType
+from pytgi.api.json_response import JSONObject
 from pytgi.core.errors import InvalidRequest
 
 
@@ -18,7 +18,7 @@ class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs` (one of them)."""
 
     model_config = ConfigDict(extra="ignore")
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_: JSONObject | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
@@ -29,7 +29,7 @@ class StructuredFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     structured_outputs: StructuredOutputs | None = None
-    guided_json: dict[str, Any] | str | None = None
+    guided_json: JSONObject | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None

@@ -16,21 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Literal, TypeAlias
+from typing import Literal
 
 import msgspec
 
 from pytgi.api.frontend.bodies import GenerateInput, GenerateParameters, GrammarType
 from pytgi.api.frontend.media import ImageRef
+from pytgi.api.json_response import JSONObject
 from pytgi.core.errors import InvalidRequest
-
-# A JSON value, as a JSON schema, a tool's arguments or a chat template's variable are (msgspec, which
-# converts stored conversations back, does not follow a recursive alias: to it, any value)
-if TYPE_CHECKING:
-    JSON: TypeAlias = str | int | float | bool | None | list["JSON"] | dict[str, "JSON"]
-else:
-    JSON = object
-JSONObject: TypeAlias = dict[str, JSON]
 
 Role = Literal["system", "user", "assistant", "tool", "function"]  # "function": OpenAI's legacy results
 ReasoningEffort = Literal["low", "medium", "high"]  # what gpt-oss's template and training know

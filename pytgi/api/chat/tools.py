@@ -35,10 +35,8 @@ from dataclasses import dataclass
 
 from pytgi.api.chat import harmony
 from pytgi.api.chat.language import (
-    JSON,
     Call,
     Function,
-    JSONObject,
     Message,
     Named,
     Text,
@@ -63,6 +61,7 @@ from pytgi.api.chat.tool_calls import (
     parser,
 )
 from pytgi.api.frontend.bodies import GrammarType
+from pytgi.api.json_response import JSON, JSONObject
 from pytgi.core.errors import InvalidRequest
 from pytgi.core.grammar import bounded_whitespace
 

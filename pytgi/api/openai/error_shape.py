@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pytgi.api.error_handlers import OVERLOADED
-from pytgi.api.json_response import JSONResponse
+from pytgi.api.json_response import JSONObject, JSONResponse
 from pytgi.core.errors import ClientGone, InferError, InvalidRequest, Overloaded, UnknownModel
 
 PREFIX = "/v1/"
@@ -32,7 +31,7 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JSONObject:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 

@@ -14,7 +14,9 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -25,7 +27,6 @@ from pytgi.api.chat.language import (
     ChatRequest,
     Function,
     Image,
-    JSONObject,
     Message,
     Named,
     Part,
@@ -39,7 +40,7 @@ from pytgi.api.chat.language import (
 from pytgi.api.chat.requests import chat_requests
 from pytgi.api.exchange import Exchange
 from pytgi.api.frontend.bodies import F32, U32, Bool, GrammarType
-from pytgi.api.json_response import JSONResponse
+from pytgi.api.json_response import JSON, JSONObject, JSONResponse
 from pytgi.api.openai import schema
 from pytgi.api.openai.error_shape import OpenAIError, as_openai_error, invalid
 from pytgi.core.config import ServerConfig
@@ -57,22 +58,22 @@ class Reasoning(schema._Body):
 
 class ResponseRequest(schema._Body):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[JSONObject]
     instructions: str | None = None
     max_output_tokens: U32 | None = None
     temperature: F32 | None = None
     top_p: F32 | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[JSONObject] | None = None
+    tool_choice: str | JSONObject | None = None
     parallel_tool_calls: Bool | None = None
-    text: dict[str, Any] | None = None
+    text: JSONObject | None = None
     stream: Bool | None = False
     store: Bool | None = True
     previous_response_id: str | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: JSONObject | None = None
     seed: int | None = None  # extensions, as on the chat route
     top_k: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
     prompt_cache_key: str | None = None
     reasoning: Reasoning | None = None
 
@@ -146,7 +147,7 @@ def _content(content: object, where: str) -> str | list[Part]:
 ROLES: dict[str, Role] = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[Message]:
+def input_messages(items: str | list[JSONObject]) -> list[Message]:
     """The chat messages `input` stands for."""
     if isinstance(items, str):
         return [Message("user", items)]
@@ -193,11 +194,12 @@ def _functions(body: ResponseRequest) -> list[Function]:
             raise invalid(f"`tools.{i}.name` must be a string. Given: {name!r}", f"tools.{i}.name")
         if not isinstance(params, dict):
             raise invalid(f"`tools.{i}.parameters` must be a JSON schema object", f"tools.{i}.parameters")
-        out.append(Function(name, t.get("description") or "", params))
+        description = t.get("description")
+        out.append(Function(name, description if isinstance(description, str) else "", params))
     return out
 
 
-def _tool_choice(choice: str | dict[str, Any] | None) -> ToolChoice | None:
+def _tool_choice(choice: str | JSONObject | None) -> ToolChoice | None:
     if choice is None:
         return None
     if isinstance(choice, str):
@@ -207,22 +209,27 @@ def _tool_choice(choice: str | dict[str, Any] | None) -> ToolChoice | None:
                 "tool_choice",
             )
         return choice  # type: ignore[return-value]
-    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+    name = choice.get("name")
+    if choice.get("type") != "function" or not isinstance(name, str):
         raise invalid('a named `tool_choice` must be {"type": "function", "name": ...}', "tool_choice")
-    return Named(choice["name"])
+    return Named(name)
 
 
 def _format(body: ResponseRequest) -> GrammarType | None:
     fmt = (body.text or {}).get("format")
-    if not fmt or fmt.get("type") == "text":
+    if not fmt:
         return None
-    if fmt.get("type") == "json_object":
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
         return GrammarType(type="json", value={"type": "object"})
-    if fmt.get("type") == "json_schema":
-        if not isinstance(fmt.get("schema"), dict):
+    if kind == "json_schema" and isinstance(fmt, dict):
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
             raise invalid("`text.format` of type `json_schema` needs `schema`", "text.format")
-        return GrammarType(type="json", value=fmt["schema"])
-    raise invalid(f"`text.format` of type `{fmt.get('type')}` is not supported", "text.format")
+        return GrammarType(type="json", value=schema)
+    raise invalid(f"`text.format` of type `{kind}` is not supported", "text.format")
 
 
 def conversation(body: ResponseRequest, store: Store) -> list[Message]:
@@ -272,34 +279,38 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(text: str, status: str = "completed", iid: str | None = None) -> JSONObject:
     return {
         "type": "message",
-        "id": _id("msg"),
+        "id": iid or _id("msg"),
         "status": status,
         "role": "assistant",
         "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
     }
 
 
-def reasoning_item(text: str) -> dict[str, Any]:
+def reasoning_item(text: str, iid: str | None = None) -> JSONObject:
     return {
         "type": "reasoning",
-        "id": _id("rs"),
+        "id": iid or _id("rs"),
         "summary": [],
         "content": [{"type": "reasoning_text", "text": text}],
     }
 
 
-def call_item(call: tools.ToolCall) -> dict[str, Any]:
+def _call_item(call_id: str, name: str, arguments: str, status: str, iid: str | None = None) -> JSONObject:
     return {
         "type": "function_call",
-        "id": _id("fc"),
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments,
-        "status": "completed",
+        "id": iid or _id("fc"),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
     }
+
+
+def call_item(call: tools.ToolCall) -> JSONObject:
+    return _call_item(call.id, call.name, call.arguments, "completed")
 
 
 def response_json(
@@ -308,9 +319,9 @@ def response_json(
     created: int,
     model: str,
     status: str,
-    output: list[dict[str, Any]],
+    output: list[JSONObject],
     usage: tuple[int, int, int] | None,
-) -> dict[str, Any]:
+) -> JSONObject:
     """`usage`: (input tokens, output tokens, input tokens the prefix cache served)."""
     return {
         "id": rid,
@@ -318,14 +329,14 @@ def response_json(
         "created_at": created,
         "status": status,
         "model": model,
-        "output": output,
+        "output": [*output],
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
-        "tools": body.tools or [],
+        "tools": [*(body.tools or [])],
         "tool_choice": body.tool_choice or "auto",
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "text": body.text or {"format": {"type": "text"}},
@@ -347,94 +358,128 @@ def response_json(
 
 def output_items(
     out: OutputProcessor, tool_style: tools.Style | None, reasoning_style: str | None
-) -> list[dict]:
+) -> list[JSONObject]:
     a = answer.read(out.text, tool_style, reasoning_style)
     items = [reasoning_item(a.reasoning)] if a.reasoning else []
     items += [message_item(a.content)] if a.content else []
     return items + [call_item(c) for c in a.calls]
 
 
-def _assistant_turn(items: list[dict[str, Any]]) -> Message:
+def _text_of(value: JSON) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _assistant_turn(items: list[JSONObject]) -> Message:
     """The answer as a chat message, for the next turn of a stored conversation."""
-    text = "".join(c["text"] for i in items if i["type"] == "message" for c in i["content"])
-    calls = [Call(i["name"], i["arguments"], i["call_id"]) for i in items if i["type"] == "function_call"]
+    text, calls = "", []
+    for item in items:
+        content = item.get("content")
+        if item.get("type") == "message" and isinstance(content, list):
+            text += "".join(_text_of(part.get("text")) for part in content if isinstance(part, dict))
+        elif item.get("type") == "function_call":
+            name, arguments = _text_of(item.get("name")), _text_of(item.get("arguments"))
+            calls.append(Call(name, arguments, _text_of(item.get("call_id"))))
     return Message("assistant", text or None, calls)
+
+
+@dataclass
+class _Writing:
+    """The output item being streamed: its text (a call's: its arguments) grows as it comes."""
+
+    type: Literal["message", "reasoning", "function_call"]
+    id: str
+    call_id: str = ""
+    name: str = ""
+    text: str = ""
+    status: str = "in_progress"
+
+    def item(self) -> JSONObject:
+        if self.type == "message":
+            return message_item(self.text, self.status, self.id)
+        if self.type == "reasoning":
+            return reasoning_item(self.text, self.id)
+        return _call_item(self.call_id, self.name, self.text, self.status, self.id)
+
+    def part(self) -> JSONObject:
+        """A message's or reasoning's (only) content part."""
+        if self.type == "message":
+            return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+        return {"type": "reasoning_text", "text": self.text}
+
+
+Final = Callable[[str, list[JSONObject], int], JSONObject]  # (status, items, output tokens) → response
 
 
 class ResponseStream:
     """The stream's events from one answer's deltas, each with its `sequence_number`."""
 
-    def __init__(self, final: Any, tool_style: tools.Style | None, reasoning_style: str | None) -> None:
+    def __init__(self, final: Final, tool_style: tools.Style | None, reasoning_style: str | None) -> None:
         self.final = final  # (status, output items, output tokens) → the completed response
         self.answer = answer.AnswerStream(tool_style, reasoning_style)
         self.seq = 0
-        self.items: list[dict[str, Any]] = []
-        self.open: dict[str, Any] | None = None  # the item being written
+        self.items: list[JSONObject] = []
+        self.open: _Writing | None = None  # the item being written
 
-    def event(self, kind: str, **data: Any) -> str:
+    def event(self, kind: str, **data: JSON) -> str:
         self.seq += 1
         return (
             f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1, **data})}\n\n"
         )
 
-    def start(self, response: dict[str, Any]) -> list[str]:
+    def start(self, response: JSONObject) -> list[str]:
         return [
             self.event("response.created", response=response),
             self.event("response.in_progress", response=response),
         ]
 
-    def _begin(self, item: dict[str, Any]) -> list[str]:
+    def _begin(self, w: _Writing) -> list[str]:
         events = self._end()
-        self.open = item
+        self.open = w
         index = len(self.items)
-        events.append(self.event("response.output_item.added", output_index=index, item=item))
-        if item["type"] in ("message", "reasoning"):
-            events.append(
-                self._part_event("content_part.added", item, index, part={**item["content"][0], "text": ""})
-            )
+        events.append(self.event("response.output_item.added", output_index=index, item=w.item()))
+        if w.type != "function_call":
+            events.append(self._part_event("content_part.added", w, index, part=w.part()))
         return events
 
-    def _part_event(self, kind: str, item: dict[str, Any], index: int, **data: Any) -> str:
+    def _part_event(self, kind: str, w: _Writing, index: int, **data: JSON) -> str:
         """An event about the (only) content part of a message or reasoning item."""
-        return self.event(f"response.{kind}", item_id=item["id"], output_index=index, content_index=0, **data)
+        return self.event(f"response.{kind}", item_id=w.id, output_index=index, content_index=0, **data)
 
     def _end(self) -> list[str]:
-        item, self.open = self.open, None
-        if item is None:
+        w, self.open = self.open, None
+        if w is None:
             return []
-        index, events = len(self.items), []
+        index, events, item = len(self.items), [], w.item()
         self.items.append(item)
-        if item["type"] in ("message", "reasoning"):
-            part, kind = item["content"][0], "output_text" if item["type"] == "message" else "reasoning_text"
-            events.append(self._part_event(f"{kind}.done", item, index, text=part["text"]))
-            events.append(self._part_event("content_part.done", item, index, part=part))
+        if w.type != "function_call":
+            kind = "output_text" if w.type == "message" else "reasoning_text"
+            events.append(self._part_event(f"{kind}.done", w, index, text=w.text))
+            events.append(self._part_event("content_part.done", w, index, part=w.part()))
         else:
             events.append(
                 self.event(
                     "response.function_call_arguments.done",
-                    item_id=item["id"],
+                    item_id=w.id,
                     output_index=index,
-                    arguments=item["arguments"],
-                    name=item["name"],
+                    arguments=w.text,
+                    name=w.name,
                 )
             )
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
 
-    def _text(self, kind: str, text: str) -> list[str]:
+    def _text(self, kind: Literal["message", "reasoning"], text: str) -> list[str]:
         events = []
-        if self.open is None or self.open["type"] != kind:
-            events += self._begin(
-                message_item("", "in_progress") if kind == "message" else reasoning_item("")
-            )
+        if self.open is None or self.open.type != kind:
+            events += self._begin(_Writing(kind, _id("msg" if kind == "message" else "rs")))
         assert self.open is not None
-        self.open["content"][0]["text"] += text
+        self.open.text += text
         name = "output_text" if kind == "message" else "reasoning_text"
-        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        extra: JSONObject = {"logprobs": []} if kind == "message" else {}
         events.append(
             self.event(
                 f"response.{name}.delta",
-                item_id=self.open["id"],
+                item_id=self.open.id,
                 output_index=len(self.items),
                 content_index=0,
                 delta=text,
@@ -451,29 +496,20 @@ class ResponseStream:
             elif isinstance(e, tools.Content):
                 events += self._text("message", e.text) if e.text else []
             elif isinstance(e, tools.CallStart):
-                events += self._begin(
-                    {
-                        "type": "function_call",
-                        "id": _id("fc"),
-                        "call_id": e.id,
-                        "name": e.name,
-                        "arguments": "",
-                        "status": "in_progress",
-                    }
-                )
+                events += self._begin(_Writing("function_call", _id("fc"), e.id, e.name))
             elif self.open is not None:
-                self.open["arguments"] += e.text
+                self.open.text += e.text
                 events.append(
                     self.event(
                         "response.function_call_arguments.delta",
-                        item_id=self.open["id"],
+                        item_id=self.open.id,
                         output_index=len(self.items),
                         delta=e.text,
                     )
                 )
         if d.finish_reason is not None:
             if self.open is not None:
-                self.open["status"] = "completed"
+                self.open.status = "completed"
             events += self._end()
             status = "incomplete" if d.finish_reason == "length" else "completed"
             response = self.final(status, self.items, d.index)
@@ -500,7 +536,7 @@ async def create_response(request: Request, body: ResponseRequest) -> Response:
     model = st.adapter_of(body.model) or st.config.model_id
     style, prompt = st.config.reasoning_parser, reqs[0].input_length
 
-    def final(status: str, items: list[dict[str, Any]], generated: int, cached: int) -> dict[str, Any]:
+    def final(status: str, items: list[JSONObject], generated: int, cached: int) -> JSONObject:
         """`cached`: the prompt tokens the prefix cache served."""
         response = response_json(body, rid, created, model, status, items, (prompt, generated, cached))
         if body.store is not False:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
 
@@ -20,7 +19,7 @@ from pytgi.api.chat.requests import chat_requests, choices
 from pytgi.api.exchange import Exchange, sse_event
 from pytgi.api.frontend.bodies import ValidRequest
 from pytgi.api.frontend.infer import Generation
-from pytgi.api.json_response import JSONResponse
+from pytgi.api.json_response import JSONObject, JSONResponse
 from pytgi.api.openai import lora_routes, render, responses, schema
 from pytgi.api.openai.error_shape import OpenAIError, from_infer_error, install_handlers
 from pytgi.api.state import State, state_of
@@ -31,9 +30,9 @@ _STARTED = int(time.time())
 
 
 # -- routes ----------------------------------------------------------------------------------------
-def _model_card(st: State, adapter: str | None = None) -> dict[str, Any]:
+def _model_card(st: State, adapter: str | None = None) -> JSONObject:
     """The served model's card, or an adapter's (vLLM's shape: its directory and its parent)."""
-    card = {"object": "model", "created": _STARTED, "owned_by": "pytgi"}
+    card: JSONObject = {"object": "model", "created": _STARTED, "owned_by": "pytgi"}
     if adapter is None:
         return {"id": st.config.model_id, **card}
     return {"id": adapter, **card, "root": st.adapters[adapter], "parent": st.config.model_id}
@@ -65,10 +64,10 @@ async def _answer(
     ex: Exchange,
     body: schema.SamplingBody,
     reqs: list[ValidRequest],
-    head: dict[str, Any],
+    head: JSONObject,
     prompt_tokens: int,
     renderer: Callable[[], render.StreamRenderer],
-    choice: Callable[[int, ValidRequest, Generation], dict[str, Any]],
+    choice: Callable[[int, ValidRequest, Generation], JSONObject],
 ) -> Response:
     """Stream the choices, or run them to completion and answer them in one body."""
     if body.stream:
@@ -150,7 +149,7 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
             [r.inputs if echo else "" for r in reqs],
         )
 
-    def choice(index: int, req: ValidRequest, g: Generation) -> dict[str, Any]:
+    def choice(index: int, req: ValidRequest, g: Generation) -> JSONObject:
         prefix = req.inputs if echo else ""
         logprobs = None
         if body.logprobs is not None:
@@ -191,7 +190,7 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
             reasoning_style=st.config.reasoning_parser,
         )
 
-    def choice(index: int, req: ValidRequest, g: Generation) -> dict[str, Any]:
+    def choice(index: int, req: ValidRequest, g: Generation) -> JSONObject:
         message, finish = render.chat_message(
             g.output.text, g.output.finish_reason, tool_style, st.config.reasoning_parser
         )

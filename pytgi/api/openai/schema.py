@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +30,7 @@ from pytgi.api.chat.language import (
     ToolChoice,
 )
 from pytgi.api.frontend.bodies import F32, I32, I64, U32, Bool, GenerateInput, GrammarType
+from pytgi.api.json_response import JSONObject
 from pytgi.api.openai.error_shape import invalid
 
 MAX_N = 8  # choices per prompt
@@ -59,7 +60,7 @@ class StreamOptions(_Body):
 class JsonSchemaFormat(_Body):
     name: str | None = None
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JSONObject | None = Field(default=None, alias="schema")
     strict: Bool | None = None
 
 
@@ -121,10 +122,10 @@ class ChatCompletionRequest(SamplingBody):
     max_completion_tokens: U32 | None = None
     logprobs: Bool | None = False
     top_logprobs: U32 | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[JSONObject] | None = None
+    tool_choice: str | JSONObject | None = None
     parallel_tool_calls: Bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
+    chat_template_kwargs: JSONObject | None = None  # vLLM's: e.g. {"enable_thinking": false}
     reasoning_effort: ReasoningEffort | None = None  # → the chat template's `reasoning_effort` (gpt-oss's)
 
     @property
@@ -272,7 +273,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[Message]:
     return out
 
 
-def _functions(tools: list[dict[str, Any]]) -> list[Function]:
+def _functions(tools: list[JSONObject]) -> list[Function]:
     out = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -298,7 +299,7 @@ def _functions(tools: list[dict[str, Any]]) -> list[Function]:
     return out
 
 
-def _tool_choice(tool_choice: str | dict[str, Any] | None) -> ToolChoice | None:
+def _tool_choice(tool_choice: str | JSONObject | None) -> ToolChoice | None:
     if tool_choice is None:
         return None
     if isinstance(tool_choice, str):
