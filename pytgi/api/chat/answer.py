@@ -2,8 +2,7 @@
 and its tool calls (`read`), or an answer's deltas turned into the same pieces as they can be said
 (`AnswerStream`). The reasoning parser (`--reasoning-parser`) takes the reasoning out first, then the
 tool-call parser of the template's style finds the calls in the rest. Each chat API renders these in
-its own shapes (`pytgi.api.openai.render`, `pytgi.api.openai.responses`, `pytgi.api.anthropic`). No
-torch here."""
+its own shapes. No torch here."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The API side's own chat language: what a chat request asks for, whichever API it came through.
 
-OpenAI's chat completions (`pytgi.api.openai.schema.to_chat`), OpenAI's Responses
-(`pytgi.api.openai.responses.to_chat`) and Anthropic's Messages (`pytgi.api.anthropic.to_chat`) each
-translate their body into a `ChatRequest`; `pytgi.api.chat.requests.chat_requests` turns that into the
+OpenAI's chat completions, OpenAI's Responses and Anthropic's Messages each translate their body into
+a `ChatRequest` (each API's `to_chat`); `pytgi.api.chat.requests.chat_requests` turns that into the
 router's requests, and each API renders what comes back (`pytgi.api.chat.answer`) in its own shapes.
-Nothing here knows a vendor's module: the arrow runs from each API into this language, never back.
+Nothing here imports an API's module: the arrow runs from each API into this language, never back.
 
 Refusals on the chat side are `pytgi.core.errors.InvalidRequest`s whose `param` is a field of the
 `ChatRequest` (`messages`, `max_tokens`, `top_logprobs`, `tool_choice`, `tools`, `tools.<i>.name`,
