@@ -1,10 +1,12 @@
 """Anthropic's Messages API: `POST /v1/messages` (whole or streamed) and `POST /v1/messages/count_tokens`.
 
-A Messages body converts into OpenAI's chat body (`system` → a system message; text, `tool_use` and
-`tool_result` blocks → content, assistant tool calls and tool messages; `tools` and `tool_choice` as
-functions) and takes the chat route's path (`chat_requests`: the same rules, chat template, tools,
-admission, validation and output processing). Only the shapes are Anthropic's: content blocks, stop
-reasons, the stream's events and the error body. No torch here.
+A Messages body translates into the chat request every chat API speaks (`to_chat`,
+`pytgi.api.chat.language`: `system` → a system message; text, image, `tool_use` and `tool_result`
+blocks → content, assistant tool calls and tool messages; `tools` and `tool_choice` as functions;
+`output_config.format` → the constraint; `thinking` → the template's `enable_thinking`) and takes the
+chat path (`chat_requests`: the same rules, chat template, tools, admission, validation and output
+processing). Only the shapes are Anthropic's: content blocks, stop reasons, the stream's events and
+the error body. No torch here.
 """
 
 from __future__ import annotations
@@ -13,23 +15,34 @@ import asyncio
 import json
 import uuid
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 from fastapi import APIRouter, FastAPI, Request, Response
-from pydantic import Field
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pytgi.api.chat import reasoning, tools
-from pytgi.api.chat.requests import chat_requests
-from pytgi.api.error_handlers import anthropic_error_body
-from pytgi.api.exchange import Exchange, in_thread
-from pytgi.api.frontend.bodies import F32, I32, U32, Bool, ValidRequest
-from pytgi.api.frontend.media import load_images
-from pytgi.api.json_response import JSONResponse
-from pytgi.api.openai import schema
-from pytgi.api.openai.error_shape import OpenAIError, as_openai_error, invalid
+from pytgi.api.chat import answer, tools
+from pytgi.api.chat.constraints import StructuredFields, one
+from pytgi.api.chat.language import (
+    Call,
+    ChatRequest,
+    Function,
+    Image,
+    Message,
+    Named,
+    Part,
+    Sampling,
+    Text,
+    ToolChoice,
+)
+from pytgi.api.chat.requests import chat_requests, prompt_tokens
+from pytgi.api.error_handlers import OVERLOADED, anthropic_error_body, describe
+from pytgi.api.exchange import Exchange
+from pytgi.api.frontend.bodies import F32, I32, U32, Bool, GrammarType, ValidRequest
+from pytgi.api.json_response import JSON, JSONObject, JSONResponse
 from pytgi.api.state import state_of
-from pytgi.core.errors import ClientGone, InferError
-from pytgi.core.image_geometry import added_positions, wrap_images
+from pytgi.core.errors import ClientGone, InferError, InvalidRequest, Overloaded, UnknownModel
 from pytgi.core.outputs import Delta, OutputProcessor
 
 PREFIX = "/v1/messages"
@@ -37,54 +50,52 @@ router = APIRouter()
 
 
 # -- bodies ----------------------------------------------------------------------------------------
-class Tool(schema._Body):
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as Anthropic's SDKs expect
+
+
+class Tool(_Body):
     name: str
     description: str | None = None
-    input_schema: dict[str, Any]
-    cache_control: dict[str, Any] | None = None
+    input_schema: JSONObject
+    cache_control: JSONObject | None = None
 
 
-class ToolChoice(schema._Body):
+class ToolChoiceBody(_Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: Bool | None = None
 
 
-class Message(schema._Body):
+class MessageBody(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]]
+    content: str | list[JSONObject]
 
 
-class CountTokensRequest(schema._Body):
+class CountTokensRequest(_Body):
     model: str
-    messages: list[Message]
-    system: str | list[dict[str, Any]] | None = None
+    messages: list[MessageBody]
+    system: str | list[JSONObject] | None = None
     tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
+    tool_choice: ToolChoiceBody | None = None
 
 
-class OutputFormat(schema._Body):
+class OutputFormat(_Body):
     type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: JSONObject = Field(alias="schema")
 
 
-class OutputConfig(schema._Body):
+class OutputConfig(_Body):
     format: OutputFormat | None = None  # `effort` is accepted and ignored
 
 
-class Thinking(schema._Body):
+class Thinking(_Body):
     type: Literal["enabled", "disabled", "adaptive"]
 
 
-class MessagesRequest(CountTokensRequest):
+class MessagesRequest(CountTokensRequest, StructuredFields):
     max_tokens: U32
     thinking: Thinking | None = None  # → the template's enable_thinking (Qwen3's switch)
-    # vLLM's structured-output extensions, as its OpenAI routes take them
-    structured_outputs: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
     output_config: OutputConfig | None = None
     output_format: OutputFormat | None = None  # the structured-outputs beta's name
     temperature: F32 | None = None
@@ -94,122 +105,99 @@ class MessagesRequest(CountTokensRequest):
     stream: Bool | None = False
 
 
-# -- Anthropic's body → OpenAI's -------------------------------------------------------------------
-def _text(blocks: str | list[dict[str, Any]], where: str) -> str:
+# -- Anthropic's body → the chat request -----------------------------------------------------------
+def _text(blocks: JSON | list[JSONObject], where: str) -> str:
     """A string, or text blocks joined (what `system` and a tool result hold)."""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise InvalidRequest(f"`{where}` must be a string or a list of text blocks", where)
     texts = []
     for j, b in enumerate(blocks):
-        if b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise invalid(f"`{where}.{j}` must be a text block", f"{where}.{j}")
-        texts.append(b["text"])
+        text = b.get("text") if isinstance(b, dict) and b.get("type") == "text" else None
+        if not isinstance(text, str):
+            raise InvalidRequest(f"`{where}.{j}` must be a text block", f"{where}.{j}")
+        texts.append(text)
     return "\n".join(texts)
 
 
-def _image_url(source: Any, where: str) -> str:
-    """An image block's source as an OpenAI image URL: base64 data as a data: URL, or its URL."""
+def _image_url(source: object, where: str) -> str:
+    """An image block's source as a URL: base64 data as a data: URL, or its URL."""
     kind = source.get("type") if isinstance(source, dict) else None
-    if kind == "base64" and isinstance(source.get("data"), str):
+    if isinstance(source, dict) and kind == "base64" and isinstance(source.get("data"), str):
         return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
-    if kind == "url" and isinstance(source.get("url"), str):
+    if isinstance(source, dict) and kind == "url" and isinstance(source.get("url"), str):
         return str(source["url"])
-    raise invalid("an image block's `source` is {type: base64, media_type, data} or {type: url, url}", where)
+    raise InvalidRequest(
+        "an image block's `source` is {type: base64, media_type, data} or {type: url, url}", where
+    )
 
 
-def _messages(body: CountTokensRequest) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def _messages(body: CountTokensRequest) -> list[Message]:
+    out: list[Message] = []
     if body.system:
-        out.append({"role": "system", "content": _text(body.system, "system")})
+        out.append(Message("system", _text(body.system, "system")))
     for i, m in enumerate(body.messages):
         if isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content})
+            out.append(Message(m.role, m.content))
             continue
-        texts, calls, results = [], [], []
-        parts: list[dict[str, Any]] = []  # text and image parts in order, where the message has an image
+        texts: list[str] = []
+        calls: list[Call] = []
+        results: list[Message] = []
+        parts: list[Part] = []  # text and image parts in order, where the message has an image
         for j, b in enumerate(m.content):
-            where, kind = f"messages.{i}.content.{j}", b.get("type")
-            if kind == "text" and isinstance(b.get("text"), str):
-                texts.append(b["text"])
-                parts.append({"type": "text", "text": b["text"]})
+            where, kind, text = f"messages.{i}.content.{j}", b.get("type"), b.get("text")
+            if kind == "text" and isinstance(text, str):
+                texts.append(text)
+                parts.append(Text(text))
             elif kind == "image" and m.role == "user":
-                parts.append({"type": "image_url", "image_url": {"url": _image_url(b.get("source"), where)}})
+                parts.append(Image(_image_url(b.get("source"), where), f"{where}.source"))
             elif kind == "tool_use" and m.role == "assistant":
                 arguments = json.dumps(b.get("input") or {}, ensure_ascii=False)
-                calls.append(
-                    {
-                        "id": str(b.get("id", "")),
-                        "type": "function",
-                        "function": {"name": str(b.get("name", "")), "arguments": arguments},
-                    }
-                )
+                calls.append(Call(str(b.get("name", "")), arguments, str(b.get("id", ""))))
             elif kind == "tool_result" and m.role == "user":
                 content = _text(b.get("content") or "", f"{where}.content")
-                results.append(
-                    {"role": "tool", "tool_call_id": str(b.get("tool_use_id", "")), "content": content}
-                )
+                results.append(Message("tool", content, call_id=str(b.get("tool_use_id", ""))))
             elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
                 continue  # earlier reasoning is not sent back to the model
             else:
-                raise invalid(
+                raise InvalidRequest(
                     f"content blocks of type `{kind}` are not supported in {m.role} messages", where
                 )
         out += results  # a user turn's tool results answer the assistant's calls before its text
-        if any(p["type"] == "image_url" for p in parts):
-            out.append({"role": m.role, "content": parts})
+        if any(isinstance(p, Image) for p in parts):
+            out.append(Message(m.role, parts))
         elif texts or calls:
-            message: dict[str, Any] = {"role": m.role, "content": "\n".join(texts) if texts else None}
-            if calls:
-                message["tool_calls"] = calls
-            out.append(message)
+            out.append(Message(m.role, "\n".join(texts) if texts else None, calls))
     return out
 
 
-def _tools(body: CountTokensRequest) -> dict[str, Any]:
-    if not body.tools:
-        return {}
-    functions = [
-        {
-            "type": "function",
-            "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
-        }
-        for t in body.tools
-    ]
-    out: dict[str, Any] = {"tools": functions}
-    choice = body.tool_choice
-    if choice is not None:
-        if choice.type == "tool":
-            if not choice.name:
-                raise invalid("`tool_choice` of type `tool` needs `name`", "tool_choice")
-            out["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
-        else:
-            out["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
-        if choice.disable_parallel_tool_use:
-            out["parallel_tool_calls"] = False
-    return out
+def _tool_choice(choice: ToolChoiceBody) -> ToolChoice:
+    if choice.type == "tool":
+        if not choice.name:
+            raise InvalidRequest("`tool_choice` of type `tool` needs `name`", "tool_choice")
+        return Named(choice.name)
+    return {"auto": "auto", "any": "required", "none": "none"}[choice.type]  # type: ignore[return-value]
 
 
-def _response_format(body: MessagesRequest) -> dict[str, Any]:
-    fmt = body.output_config.format if body.output_config else None
-    fmt = fmt or body.output_format
-    if fmt is None:
-        return {}
-    return {
-        "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
-    }
+def _constraint(body: MessagesRequest) -> GrammarType | None:
+    """`output_config.format` (or the beta's `output_format`), or vLLM's fields: one of them."""
+    fmt = (body.output_config.format if body.output_config else None) or body.output_format
+    own = [(GrammarType(type="json", value=fmt.schema_), "output_config.format")] if fmt else []
+    return one(own + body.structured_constraints(), "output_config.format")[0]
 
 
 CACHE_TTLS = {"5m": 300.0, "1h": 3600.0}
 MAX_CACHE_MARKS = 4  # Anthropic's limit
 
 
-def _ttl(mark: Any, where: str) -> float:
+def _ttl(mark: JSON, where: str) -> float:
     """A `cache_control`'s seconds: `{"type": "ephemeral", "ttl": "5m" (the default) | "1h"}`."""
     if not isinstance(mark, dict) or mark.get("type") != "ephemeral":
-        raise invalid('`cache_control` must be {"type": "ephemeral", "ttl": "5m" | "1h"}', where)
+        raise InvalidRequest('`cache_control` must be {"type": "ephemeral", "ttl": "5m" | "1h"}', where)
     ttl = mark.get("ttl", "5m")
-    if ttl not in CACHE_TTLS:
-        raise invalid(f"`cache_control.ttl` must be '5m' or '1h', got {ttl!r}", f"{where}.ttl")
+    if not isinstance(ttl, str) or ttl not in CACHE_TTLS:
+        raise InvalidRequest(f"`cache_control.ttl` must be '5m' or '1h', got {ttl!r}", f"{where}.ttl")
     return CACHE_TTLS[ttl]
 
 
@@ -232,42 +220,51 @@ def cache_marks(body: CountTokensRequest) -> list[tuple[int, float]]:
                 upto = body.model_copy(update={"messages": body.messages[: i + 1]})
                 found.append((len(_messages(upto)), ttl))
     if len(found) > MAX_CACHE_MARKS:
-        raise invalid(
+        raise InvalidRequest(
             f"A maximum of {MAX_CACHE_MARKS} blocks with cache_control may be provided. Found {len(found)}."
         )
     return found
 
 
-VLLM_EXTENSIONS = {"structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+def _tools(body: CountTokensRequest) -> tuple[list[Function], ToolChoice | None, bool]:
+    """The functions, the tool choice and whether calls may be parallel (a choice only with tools)."""
+    if not body.tools:
+        return [], None, True
+    functions = [Function(t.name, t.description or "", t.input_schema) for t in body.tools]
+    choice = body.tool_choice
+    if choice is None:
+        return functions, None, True
+    return functions, _tool_choice(choice), not choice.disable_parallel_tool_use
 
 
-def to_chat(body: MessagesRequest) -> schema.ChatCompletionRequest:
-    """OpenAI's chat body for a Messages body (Anthropic's temperature is 0..1)."""
+def to_chat(body: CountTokensRequest) -> ChatRequest:
+    """The chat request a Messages body (or a count_tokens body) asks for (Anthropic's temperature
+    is 0..1)."""
+    functions, choice, parallel = _tools(body)
+    if not isinstance(body, MessagesRequest):
+        return ChatRequest(_messages(body), tools=functions, tool_choice=choice, model=body.model)
     if body.temperature is not None and not 0.0 <= body.temperature <= 1.0:
-        raise invalid(f"`temperature` must be >= 0 and <= 1. Given: {body.temperature}", "temperature")
-    return schema.ChatCompletionRequest.model_validate(
-        {
-            "model": body.model,
-            "messages": _messages(body),
-            "max_tokens": body.max_tokens,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": body.top_p,
-            "top_k": body.top_k,
-            "stop": body.stop_sequences,
-            "stream": body.stream,
-            **_tools(body),
-            **_response_format(body),
-            **body.model_dump(include=VLLM_EXTENSIONS, exclude_none=True),
-            **(
-                {"chat_template_kwargs": {"enable_thinking": body.thinking.type != "disabled"}}
-                if body.thinking
-                else {}
-            ),
-        }
+        raise InvalidRequest(f"`temperature` must be >= 0 and <= 1. Given: {body.temperature}", "temperature")
+    return ChatRequest(
+        _messages(body),
+        Sampling(
+            max_tokens=body.max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            stop=list(body.stop_sequences or []),
+        ),
+        tools=functions,
+        tool_choice=choice,
+        parallel_tool_calls=parallel,
+        constraint=_constraint(body),
+        thinking=None if body.thinking is None else body.thinking.type != "disabled",
+        stream=bool(body.stream),
+        model=body.model,
     )
 
 
-# -- OpenAI's results → Anthropic's shapes ---------------------------------------------------------
+# -- the answer → Anthropic's shapes ---------------------------------------------------------
 def stop_reason(out: OutputProcessor, tool_calls: bool) -> str:
     """Anthropic's stop reason; an answer the token limit cut is `max_tokens` even when it holds
     complete calls (as OpenAI's `length`): the client learns that more was coming."""
@@ -276,7 +273,7 @@ def stop_reason(out: OutputProcessor, tool_calls: bool) -> str:
     return {"length": "max_tokens", "stop_sequence": "stop_sequence"}.get(out.finish_reason or "", "end_turn")
 
 
-def usage(prompt: int, output: int, cached: int, pinned: int = 0) -> dict[str, int]:
+def usage(prompt: int, output: int, cached: int, pinned: int = 0) -> JSONObject:
     """Anthropic's usage. The prompt is `cache_read_input_tokens` (what pytgi's prefix cache served)
     `+ cache_creation_input_tokens` (the rest of the prompt up to its last `cache_control` mark, the
     `pinned` tokens: computed now and pinned) `+ input_tokens` (the rest)."""
@@ -294,7 +291,7 @@ def pinned(req: ValidRequest) -> int:
     return req.sampling.cache_pins[-1][0] if req.sampling.cache_pins else 0
 
 
-def _input(arguments: str) -> Any:
+def _input(arguments: str) -> JSON:
     try:
         return json.loads(arguments)
     except ValueError:
@@ -309,27 +306,28 @@ def message_json(
     reasoning_style: str | None,
     prompt: int,
     pinned: int = 0,
-) -> dict:
-    thinking, text = reasoning.split(out.text, reasoning_style) if reasoning_style else (None, out.text)
-    content_text, calls = (text, []) if tool_style is None else tools.parse(text, tool_style)
-    content: list[dict[str, Any]] = (
-        [{"type": "thinking", "thinking": thinking, "signature": ""}] if thinking else []
+) -> JSONObject:
+    a = answer.read(out.text, tool_style, reasoning_style)
+    content: list[JSON] = (
+        [{"type": "thinking", "thinking": a.reasoning, "signature": ""}] if a.reasoning else []
     )
-    content += [{"type": "text", "text": content_text}] if content_text else []
-    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)} for c in calls]
+    content += [{"type": "text", "text": a.content}] if a.content else []
+    content += [
+        {"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.arguments)} for c in a.calls
+    ]
     return {
         "id": mid,
         "type": "message",
         "role": "assistant",
         "model": model,
         "content": content,
-        "stop_reason": stop_reason(out, bool(calls)),
+        "stop_reason": stop_reason(out, bool(a.calls)),
         "stop_sequence": out.stop_sequence,
         "usage": usage(prompt, len(out.tokens), out.num_cached_tokens, pinned),
     }
 
 
-def event(name: str, data: dict[str, Any]) -> str:
+def event(name: str, data: JSONObject) -> str:
     return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
 
 
@@ -340,25 +338,26 @@ class MessageStream:
 
     def __init__(
         self,
-        head: dict[str, Any],
+        head: JSONObject,
         out: Callable[[], OutputProcessor],
         tool_style: tools.Style | None,
         reasoning_style: str | None = None,
         pinned: int = 0,
     ):
         self.head, self.out, self.pinned = head, out, pinned
-        self.prompt = head.get("usage", {}).get("input_tokens", 0)  # message_start's: the whole prompt
-        self.parser = tools.parser(tool_style) if tool_style else None
-        self.reasoner = reasoning.ReasoningParser(reasoning_style) if reasoning_style else None
+        given = head.get("usage")
+        prompt = given.get("input_tokens") if isinstance(given, dict) else None
+        self.prompt = prompt if isinstance(prompt, int) else 0  # message_start's: the whole prompt
+        self.answer = answer.AnswerStream(tool_style, reasoning_style)
         self.index, self.kind = -1, ""  # the open block, and its kind ("" when none is open)
 
     def start(self) -> list[str]:
         message = {**self.head, "content": [], "stop_reason": None, "stop_sequence": None}
         return [event("message_start", {"message": message})]
 
-    def _open(self, block: dict[str, Any]) -> list[str]:
+    def _open(self, block: JSONObject) -> list[str]:
         events = self._close()
-        self.index, self.kind = self.index + 1, block["type"]
+        self.index, self.kind = self.index + 1, str(block["type"])
         return [*events, event("content_block_start", {"index": self.index, "content_block": block})]
 
     def _close(self) -> list[str]:
@@ -368,25 +367,14 @@ class MessageStream:
         return [event("content_block_stop", {"index": self.index})]
 
     def delta(self, d: Delta) -> list[str]:
-        text, events = d.text, []
-        if self.reasoner is not None:
-            pieces = self.reasoner.feed(d.text) if d.text else []
-            pieces += self.reasoner.finish() if d.finish_reason is not None else []
-            for kind, t in pieces:
-                if kind == "reasoning":
-                    if self.kind != "thinking":
-                        events += self._open({"type": "thinking", "thinking": "", "signature": ""})
-                    delta = {"type": "thinking_delta", "thinking": t}
-                    events.append(event("content_block_delta", {"index": self.index, "delta": delta}))
-            text = "".join(t for kind, t in pieces if kind == "content")
-        if self.parser is None:
-            found: list[tools.Event] = [tools.Content(text)] if text else []
-        else:
-            found = self.parser.feed(text) if text else []
-            if d.finish_reason is not None:
-                found += self.parser.finish()
-        for e in found:
-            if isinstance(e, tools.Content):
+        events: list[str] = []
+        delta: JSONObject
+        for e in self.answer.feed(d):
+            if isinstance(e, answer.Reasoning):
+                if self.kind != "thinking":
+                    events += self._open({"type": "thinking", "thinking": "", "signature": ""})
+                delta = {"type": "thinking_delta", "thinking": e.text}
+            elif isinstance(e, tools.Content):
                 if not e.text:
                     continue
                 if self.kind != "text":
@@ -400,7 +388,7 @@ class MessageStream:
             events.append(event("content_block_delta", {"index": self.index, "delta": delta}))
         if d.finish_reason is not None:
             out = self.out()
-            reason = stop_reason(out, bool(self.parser and self.parser.calls))
+            reason = stop_reason(out, bool(self.answer.calls))
             events += self._close()
             events.append(
                 event(
@@ -419,12 +407,12 @@ class MessageStream:
 # -- routes ----------------------------------------------------------------------------------------
 @router.post(PREFIX, tags=["Anthropic"])
 async def messages(request: Request, body: MessagesRequest) -> Response:
-    ex = Exchange(request, refusals=(OpenAIError,))
+    ex = Exchange(request)
     with ex.refused():
-        schema.check_model(body.model, ex.st.config.model_id, ex.st.adapters)
+        ex.st.check_model(body.model)
         chat = to_chat(body)
-        marks = cache_marks(body)
-    reqs, tool_style = await chat_requests(ex, chat, 1, marks)
+        chat.cache_marks = cache_marks(body)
+    reqs, tool_style = await chat_requests(ex, chat)
     mid = f"msg_{uuid.uuid4().hex}"
     if not body.stream:
         [g] = await ex.generate(reqs)
@@ -434,7 +422,7 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
         )
         return JSONResponse(output)
     [stream] = ex.streams(reqs)
-    head = {
+    head: JSONObject = {
         "id": mid,
         "type": "message",
         "role": "assistant",
@@ -451,42 +439,32 @@ async def messages(request: Request, body: MessagesRequest) -> Response:
 async def count_tokens(request: Request, body: CountTokensRequest) -> JSONResponse:
     """The prompt's tokens as `messages` would count them (the chat template with the tools)."""
     st = state_of(request)
-    schema.check_model(body.model, st.config.model_id, st.adapters)
-    chat = to_chat(MessagesRequest.model_validate({**body.model_dump(), "max_tokens": 1}))
-    messages = schema.check_chat(chat)
-    images = schema.take_images(messages)
-    if images and not st.takes_images:
-        raise invalid(f"the model `{st.config.model_id}` does not take images", images[0].where)
-    layout = st.client.info.image_layout if st.client.info is not None else None
-    added = 0
-    if layout is not None and images:  # fetched only where an image's size decides its positions
-        data = await load_images(images, st.media_limits()) if layout.sized else [b""] * len(images)
-        added = added_positions(layout, data)
-    template = st.tokenizer.chat_template
-    plan = tools.plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls, template)
-    msgs, tool_list = tools.template_messages(messages, plan, tools.style_of(template))
-
-    def count() -> int:
-        try:
-            text = st.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tools=tool_list)
-        except ValueError as exc:
-            raise invalid(f"cannot apply the chat template: {exc}", "messages") from None
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise invalid("`messages` must be valid Unicode (no lone surrogates)", "messages") from None
-        if layout is not None:
-            text = wrap_images(text, layout, st.image_token_text())
-        return len(st.tokenizer.encode(text, add_special_tokens=False)) + added
-
-    return JSONResponse({"input_tokens": await in_thread(count)})
+    st.check_model(body.model)
+    return JSONResponse({"input_tokens": await prompt_tokens(st, to_chat(body))})
 
 
 # -- errors ----------------------------------------------------------------------------------------
-def as_anthropic(exc: Exception) -> tuple[int, dict[str, Any]]:
-    """(status, `{"type": "error", "error": {"type", "message"}}`) for what a route raised."""
-    err = as_openai_error(exc)  # OpenAI's status and message: the same refusals, another shape
-    return err.status, anthropic_error_body(err.status, err.message)
+def _status(exc: Exception) -> tuple[int, str]:
+    if isinstance(exc, UnknownModel):
+        return 404, exc.message
+    if isinstance(exc, InvalidRequest):
+        return 400, exc.message
+    if isinstance(exc, RequestValidationError):
+        return 400, describe(exc)
+    if isinstance(exc, Overloaded):
+        return 429, OVERLOADED
+    if isinstance(exc, InferError):
+        return 500, exc.message
+    if isinstance(exc, StarletteHTTPException):
+        return exc.status_code, str(exc.detail)
+    return 500, f"internal error: {type(exc).__name__}"
+
+
+def as_anthropic(exc: Exception) -> tuple[int, JSONObject]:
+    """(status, `{"type": "error", "error": {"type", "message"}}`) for what a route raised: a
+    refusal 400 (404 for a model not served), a malformed body 400, too many requests 429."""
+    status, message = _status(exc)
+    return status, anthropic_error_body(status, message)
 
 
 def error_event(exc: InferError) -> str:

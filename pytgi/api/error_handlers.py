@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pytgi.api.json_response import JSONResponse
+from pytgi.api.json_response import JSONObject, JSONResponse
 from pytgi.core.errors import ClientGone, InferError, InvalidRequest
 
 
@@ -45,10 +43,14 @@ ANTHROPIC_TYPES = {
 }
 
 
-def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+def anthropic_error_body(status: int, message: str) -> JSONObject:
     """Anthropic's `{"type": "error", "error": {"type", "message"}}`."""
     kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+# what OpenAI's and Anthropic's routes say when the concurrency slots are all taken
+OVERLOADED = "Model is overloaded: too many concurrent requests, retry later"
 
 
 def validation_response(message: str) -> JSONResponse:
@@ -63,7 +65,8 @@ def infer_error_response(exc: InferError) -> JSONResponse:
     return error_response(INFER_STATUS[exc.error_type], exc.message, exc.error_type)
 
 
-def _describe(exc: RequestValidationError) -> str:
+def describe(exc: RequestValidationError) -> str:
+    """A malformed body's faults, each as `where: what`."""
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
@@ -74,7 +77,7 @@ def _describe(exc: RequestValidationError) -> str:
 def install_handlers(app: FastAPI, openai_paths: tuple[str, ...] = ("/v1/",)) -> None:
     @app.exception_handler(RequestValidationError)
     async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_response(_describe(exc))
+        return validation_response(describe(exc))
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest) -> JSONResponse:

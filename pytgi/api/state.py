@@ -15,8 +15,10 @@ from pytgi.api.frontend.media import ImageRef, MediaLimits, load_images
 from pytgi.api.frontend.validation import Validation
 from pytgi.api.metrics import Metrics
 from pytgi.core.config import ServerConfig
-from pytgi.core.errors import InvalidRequest
+from pytgi.core.errors import InvalidRequest, UnknownModel
 from pytgi.core.tokenizer import Tokenizer
+
+MODEL_ALIASES = ("", "tgi")  # also served: what TGI's OpenAI routes accept
 
 
 @dataclass(slots=True)
@@ -66,6 +68,14 @@ class State:
             model = self.client.info.model_id if self.client.info is not None else "served"
             raise InvalidRequest(f"the model `{model}` does not take images", refs[0].where)
         return await load_images(refs, self.media_limits())
+
+    def check_model(self, model: str | None) -> None:
+        """`model` (an OpenAI or Anthropic body's) names the served model (or an alias of it) or one
+        of its LoRA adapters."""
+        served, adapters = self.config.model_id, self.adapters
+        if not (model is None or model in MODEL_ALIASES or model == served or model in adapters):
+            also = "".join(f", `{a}`" for a in sorted(adapters))
+            raise UnknownModel(f"The model `{model}` does not exist: this server serves `{served}`{also}")
 
     def adapter_of(self, model: str | None) -> str | None:
         """The adapter an OpenAI or Anthropic `model` names; None: the base model."""

@@ -54,6 +54,13 @@ class InvalidRequest(ValueError):
         self.message, self.param, self.code = message, param, code
 
 
+class UnknownModel(InvalidRequest):
+    """A request naming a model this server does not serve (OpenAI and Anthropic answer 404)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "model", "model_not_found")
+
+
 # --- a request that was admitted and then could not be answered
 
 

@@ -1,4 +1,4 @@
-"""Anthropic's Messages API without an engine: the body's conversion into OpenAI's chat body, and the
+"""Anthropic's Messages API without an engine: the body's translation into the chat request, and the
 stream's events from deltas (text, a tool call cut at every character), in Anthropic's order."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 
 from pytgi.api import anthropic as A
+from pytgi.api.chat.language import Call, Named
 from pytgi.api.chat.tools import CLOSE, OPEN
-from pytgi.api.openai.error_shape import OpenAIError
+from pytgi.core.errors import InvalidRequest
 from pytgi.core.outputs import Delta, Token
 
 
@@ -18,7 +19,7 @@ def body(**kw) -> A.MessagesRequest:
     return A.MessagesRequest.model_validate({"model": "m", "max_tokens": 8, **kw})
 
 
-def test_system_blocks_tools_and_results_become_openai_chat() -> None:
+def test_system_blocks_tools_and_results_become_the_chat_request() -> None:
     chat = A.to_chat(
         body(
             system=[{"type": "text", "text": "Be brief."}],
@@ -45,12 +46,13 @@ def test_system_blocks_tools_and_results_become_openai_chat() -> None:
             temperature=0.5,
         )
     )
-    msgs = [m.model_dump(exclude_none=True) for m in chat.messages]
-    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "user"]
-    assert msgs[2]["tool_calls"][0]["function"] == {"name": "w", "arguments": json.dumps({"c": "P"})}
-    assert msgs[3]["tool_call_id"] == "t1" and msgs[3]["content"] == "18C"
+    msgs = chat.messages
+    assert [m.role for m in msgs] == ["system", "user", "assistant", "tool", "user"]
+    assert msgs[2].calls == [Call("w", json.dumps({"c": "P"}), "t1")] and msgs[2].content == "Let me look."
+    assert msgs[3].call_id == "t1" and msgs[3].content == "18C"
     assert chat.tool_choice == "required" and chat.parallel_tool_calls is False
-    assert chat.stop == ["x"] and chat.temperature == 0.5 and chat.max_tokens == 8
+    sampling = chat.sampling
+    assert sampling.stop == ["x"] and sampling.temperature == 0.5 and sampling.max_tokens == 8
     named = A.to_chat(
         body(
             messages=[{"role": "user", "content": "hi"}],
@@ -58,7 +60,7 @@ def test_system_blocks_tools_and_results_become_openai_chat() -> None:
             tool_choice={"type": "tool", "name": "w"},
         )
     )
-    assert named.tool_choice == {"type": "function", "function": {"name": "w"}}
+    assert named.tool_choice == Named("w")
 
 
 @pytest.mark.parametrize(
@@ -76,7 +78,7 @@ def test_system_blocks_tools_and_results_become_openai_chat() -> None:
 )
 def test_what_cannot_be_converted_is_a_400(kw: dict) -> None:
     kw.setdefault("messages", [{"role": "user", "content": "hi"}])
-    with pytest.raises(OpenAIError) as e:
+    with pytest.raises(InvalidRequest) as e:
         A.to_chat(body(**kw))
     status, err = A.as_anthropic(e.value)
     assert status == 400 and err == {

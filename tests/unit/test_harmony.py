@@ -16,6 +16,7 @@ import pydantic
 import pytest
 
 from pytgi.api.chat import harmony, tools
+from pytgi.api.chat.language import Message
 from pytgi.api.chat.reasoning import ReasoningParser, split
 from pytgi.api.openai import render, responses, schema
 from pytgi.core import grammar as structured
@@ -87,7 +88,11 @@ def htok(harmony_dir) -> Tokenizer:
 
 
 def plan(choice: Any = None, fns: tuple = (WEATHER, TIME)) -> tools.ToolPlan:
-    found = tools.plan(list(fns), choice, None, TEMPLATE)
+    body = schema.ChatCompletionRequest.model_validate(
+        {"messages": [], "tools": list(fns), "tool_choice": choice}
+    )
+    chat, _ = schema.to_chat(body)
+    found = tools.plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls, TEMPLATE)
     assert found is not None
     return found
 
@@ -274,8 +279,9 @@ def test_a_tool_call_and_its_result_render_as_harmony(htok):
     body = schema.ChatCompletionRequest.model_validate(
         {"messages": history, "tools": [WEATHER], "reasoning_effort": "low"}
     )
-    msgs, tool_list = tools.template_messages(schema.check_chat(body), plan(), "harmony")
-    text = htok.apply_chat_template(msgs, tools=tool_list, **body.template_kwargs)
+    chat, _ = schema.to_chat(body)
+    msgs, tool_list = tools.template_messages(chat.messages, plan(), "harmony")
+    text = htok.apply_chat_template(msgs, tools=tool_list, **chat.template_kwargs)
     assert text.startswith("<|start|>system<|message|>") and "Reasoning: low\n" in text
     assert "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n# Tools\n\n## functions\n\n" in text
     assert "// The weather in a city\ntype get_weather = (_: {\ncity: string,\n}) => any;" in text
@@ -299,18 +305,16 @@ def test_reasoning_effort_is_accepted_on_chat_and_responses():
             "chat_template_kwargs": {"reasoning_effort": "low", "x": 1},
         }
     )
-    assert body.template_kwargs == {"reasoning_effort": "high", "x": 1}
-    assert schema.ChatCompletionRequest.model_validate({"messages": []}).template_kwargs == {}
+    assert schema.to_chat(body)[0].template_kwargs == {"reasoning_effort": "high", "x": 1}
+    assert schema.to_chat(schema.ChatCompletionRequest(messages=[]))[0].template_kwargs == {}
     with pytest.raises(pydantic.ValidationError):
         schema.ChatCompletionRequest.model_validate({"messages": [], "reasoning_effort": "extreme"})
     r = responses.ResponseRequest.model_validate(
         {"input": "hi", "reasoning": {"effort": "low", "summary": "auto"}}
     )
-    assert responses.to_chat(r, [{"role": "user", "content": "hi"}]).template_kwargs == {
-        "reasoning_effort": "low"
-    }
+    assert responses.to_chat(r, [Message("user", "hi")]).template_kwargs == {"reasoning_effort": "low"}
     plain = responses.ResponseRequest.model_validate({"input": "hi"})
-    assert responses.to_chat(plain, [{"role": "user", "content": "hi"}]).reasoning_effort is None
+    assert responses.to_chat(plain, [Message("user", "hi")]).reasoning_effort is None
 
 
 # -- the tokenizer: special tokens kept, <|call|> and <|return|> end the answer --------------------------
@@ -385,7 +389,9 @@ def test_openai_chunks_and_message_with_harmony_reasoning_and_calls():
             for k, p in enumerate(parts)
             for c in r.delta(0, Delta(k + 1, Token(0, p, None), [], p, "eos_token" if k else None))
         ]
-        deltas = [c["choices"][0]["delta"] for c in chunks]
+        deltas: list[Any] = [
+            c["choices"][0]["delta"] for c in chunks
+        ]  # the wire's JSON, as the test knows it
         assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants a<b. Use the tool."
         assert "".join(d.get("content") or "" for d in deltas) == "", cut
         args = "".join(tc["function"]["arguments"] for d in deltas for tc in d.get("tool_calls", []))

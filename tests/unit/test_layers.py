@@ -2,7 +2,9 @@
 torch, no FastAPI), the API side (`pytgi.api`, and `pytgi.bench`, a client), the engine side
 (`pytgi.engine`: the engine, models, kernels, distributed). The engine never imports the API side, the
 API side never imports the engine, the core imports neither; the import graph, in-function imports
-counted, has no cycle; at most five modules sit at the package root."""
+counted, has no cycle; at most five modules sit at the package root. On the API side, the chat
+language (`pytgi.api.chat`) imports no API's own module, however indirectly: each API translates
+into it, never the other way; and no API imports another's."""
 
 import subprocess
 import sys
@@ -28,6 +30,43 @@ def test_each_side_imports_only_itself_and_the_core():
         for a, targets in graph().items()
         for b in targets
         if side(a) in allowed and side(b) not in allowed[side(a)]
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+VENDORS = ("pytgi.api.openai", "pytgi.api.anthropic", "pytgi.api.tgi")
+
+
+def is_vendor(module: str) -> bool:
+    return any(module == v or module.startswith(v + ".") for v in VENDORS)
+
+
+def test_the_chat_language_imports_no_api_of_its_own():
+    g = graph()
+    chat = sorted(m for m in g if m == "pytgi.api.chat" or m.startswith("pytgi.api.chat."))
+    assert "pytgi.api.chat.language" in chat and "pytgi.api.chat.requests" in chat
+    wrong = []
+    for start in chat:
+        seen, todo = {start}, [(start, [start])]
+        while todo:  # every module it imports, however indirectly, with the path there
+            module, path = todo.pop()
+            for target in g[module] - seen:
+                seen.add(target)
+                if is_vendor(target):
+                    wrong.append(" → ".join([*path, target]))
+                todo.append((target, [*path, target]))
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_api_imports_another():
+    def api(module: str) -> str | None:
+        return next((v for v in VENDORS if module == v or module.startswith(v + ".")), None)
+
+    wrong = [
+        f"{a} imports {b}"
+        for a, targets in graph().items()
+        for b in targets
+        if api(a) is not None and api(b) is not None and api(a) != api(b)
     ]
     assert not wrong, "\n".join(wrong)
 

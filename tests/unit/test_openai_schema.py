@@ -12,6 +12,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from pytgi.api import tgi
+from pytgi.api.chat import tools
+from pytgi.api.chat.language import Message
+from pytgi.api.chat.requests import choices
 from pytgi.api.error_handlers import install_handlers
 from pytgi.api.frontend.infer import Infer
 from pytgi.api.frontend.validation import Validation, ValidLimits
@@ -189,7 +192,7 @@ def test_tools_with_tool_choice_none_are_accepted_by_the_checks() -> None:
         {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}
     )
     assert schema.check_sampling(body) == 1
-    assert schema.check_chat(body) == [{"role": "user", "content": "hi"}]
+    assert schema.to_chat(body)[0].messages == [Message("user", "hi")]
 
 
 def test_messages_join_text_parts_and_map_developer() -> None:
@@ -205,7 +208,7 @@ def test_messages_join_text_parts_and_map_developer() -> None:
             ]
         }
     )
-    assert schema.messages_for_template(body.messages) == [
+    assert tools.template_messages(schema.chat_messages(body.messages), None, "hermes")[0] == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "a\nb", "name": "u"},
     ]
@@ -214,7 +217,7 @@ def test_messages_join_text_parts_and_map_developer() -> None:
 def test_sampling_defaults_and_seeds(val: Validation) -> None:
     body = schema.CompletionRequest.model_validate({"prompt": "x", "seed": 5, "n": 2, "stop": "x"})
     req = validate(val, schema.to_input(body, "x", 16, None, 20))
-    sp = [r.sampling for r in schema.choices(req, 2, body.seed)]
+    sp = [r.sampling for r in choices(req, 2, body.seed)]
     assert [s.seed for s in sp] == [5, 6]
     assert all(s.sampling and s.temperature == 1.0 and not s.include_stop_str_in_output for s in sp)
     body = schema.CompletionRequest.model_validate({"prompt": "x", "temperature": 0})

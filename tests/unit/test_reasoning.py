@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from pytgi.api.chat.reasoning import ReasoningParser, split
@@ -63,7 +65,9 @@ def test_openai_chunks_carry_reasoning_content_then_content() -> None:
             for k, p in enumerate(parts)
             for c in r.delta(0, Delta(k + 1, Token(0, p, None), [], p, "eos_token" if k else None))
         ]
-        deltas = [c["choices"][0]["delta"] for c in chunks]
+        deltas: list[Any] = [
+            c["choices"][0]["delta"] for c in chunks
+        ]  # the wire's JSON, as the test knows it
         assert "".join(d.get("reasoning_content", "") for d in deltas) == "\nadd 2 and 2\n", cut
         assert "".join(d.get("content") or "" for d in deltas) == "It is 4.", cut
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from pytgi.api.chat.language import Message
 from pytgi.api.chat.tools import CLOSE, OPEN
 from pytgi.api.openai import responses as R
 from pytgi.api.openai.error_shape import OpenAIError
@@ -26,9 +27,9 @@ def test_input_items_become_chat_messages() -> None:
             {"type": "function_call_output", "call_id": "c2", "output": {"t": 20}},
         ]
     )
-    assert [m["role"] for m in msgs] == ["developer", "user", "assistant", "tool", "tool"]
-    assert [c["id"] for c in msgs[2]["tool_calls"]] == ["c1", "c2"]  # consecutive calls: one turn
-    assert msgs[4]["content"] == '{"t": 20}' and R.input_messages("hi") == [{"role": "user", "content": "hi"}]
+    assert [m.role for m in msgs] == ["system", "user", "assistant", "tool", "tool"]  # developer: system
+    assert [c.id for c in msgs[2].calls] == ["c1", "c2"]  # consecutive calls: one turn
+    assert msgs[4].content == '{"t": 20}' and R.input_messages("hi") == [Message("user", "hi")]
     with pytest.raises(OpenAIError):
         R.input_messages([{"type": "input_image"}])
 

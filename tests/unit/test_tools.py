@@ -1,6 +1,6 @@
-"""OpenAI tool calling without a model: the request's tools and tool_choice, the template's messages,
-the grammar of a forced call (checked with llguidance over the tiny tokenizer), and the parser that
-finds calls in whole answers and in streams cut anywhere."""
+"""Tool calling without a model: OpenAI's tools and tool_choice through the chat request, the template's
+messages, the grammar of a forced call (checked with llguidance over the tiny tokenizer), and the
+parser that finds calls in whole answers and in streams cut anywhere."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import llguidance
 import pytest
 
 from pytgi.api.chat import tools
-from pytgi.api.openai.error_shape import OpenAIError
+from pytgi.api.chat.language import Call, ChatRequest, Function, Message, Named, renamed
+from pytgi.api.openai import schema
+from pytgi.api.openai.error_shape import OpenAIError, as_openai_error
 from pytgi.core import grammar as structured
+from pytgi.core.errors import InvalidRequest
 from pytgi.core.sampling_params import SamplingParams
 from pytgi.core.tokenizer import Tokenizer
 from tests.unit.tiny_tokenizer import VOCAB_SIZE
@@ -40,8 +43,27 @@ TIME = {
 HERMES_TEMPLATE = "{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}<tool_call>{% endif %}"
 
 
+def openai_chat(fns, choice=None, parallel=None) -> tuple[ChatRequest, Any]:
+    """An OpenAI chat body with these tools, as the chat request (and OpenAI's names for its fields)."""
+    body = schema.ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": list(fns),
+            "tool_choice": choice,
+            "parallel_tool_calls": parallel,
+        }
+    )
+    return schema.to_chat(body)
+
+
 def plan(choice=None, parallel=None, style_template=HERMES_TEMPLATE, fns=(WEATHER, TIME)):
-    return tools.plan(list(fns), choice, parallel, style_template)
+    chat, _ = openai_chat(fns, choice, parallel)
+    return tools.plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls, style_template)
+
+
+def history(messages: list[dict[str, Any]]) -> list[Message]:
+    """OpenAI's messages as the chat request's."""
+    return schema.chat_messages([schema.ChatMessage.model_validate(m) for m in messages])
 
 
 # -- tools and tool_choice ---------------------------------------------------------------------------
@@ -75,7 +97,7 @@ def test_plans():
     p = plan()
     assert p is not None and p.choice == "auto" and not p.forced and p.parallel and p.style == "hermes"
     assert [f.name for f in p.functions] == ["get_weather", "get_time"]
-    assert plan("none") is None and tools.plan(None, None, None, None) is None
+    assert plan("none") is None and tools.plan([], None, True, None) is None
     assert plan("required").forced
     named = plan({"type": "function", "function": {"name": "get_time"}}, parallel=False)
     assert named is not None and named.choice == "get_time" and not named.parallel
@@ -99,9 +121,29 @@ def test_plans():
     ],
 )
 def test_bad_tools_are_refused_naming_the_field(fns, choice, param):
-    with pytest.raises(OpenAIError) as e:
-        tools.plan(fns, choice, None, HERMES_TEMPLATE)
-    assert e.value.status == 400 and e.value.param == param
+    """OpenAI's answer: its own checks on the way into the chat request, then the chat request's,
+    named as OpenAI names the field."""
+    with pytest.raises((OpenAIError, InvalidRequest)) as e:
+        chat, names = openai_chat(fns, choice)
+        with renamed(names):
+            tools.plan(chat.tools, chat.tool_choice, chat.parallel_tool_calls, HERMES_TEMPLATE)
+    err = as_openai_error(e.value)
+    assert err.status == 400 and err.param == param
+
+
+def test_the_chat_requests_tools_are_refused_naming_its_fields():
+    f = Function("f", None, {})
+    for functions, choice, param in [
+        ([Function("bad name!", None, {})], None, "tools.0.name"),
+        ([f, f], None, "tools.1.name"),
+        ([f], Named("g"), "tool_choice"),
+        ([], "required", "tool_choice"),
+    ]:
+        with pytest.raises(InvalidRequest) as e:
+            tools.plan(functions, choice, True, HERMES_TEMPLATE)
+        assert e.value.param == param
+    named = tools.plan([f], Named("f"), False, HERMES_TEMPLATE)
+    assert named is not None and named.choice == "f" and named.forced and not named.parallel
 
 
 # -- the template's messages -------------------------------------------------------------------------
@@ -122,7 +164,7 @@ HISTORY = [
 
 
 def test_a_template_with_tools_gets_them_and_the_history_as_data():
-    msgs, listed = tools.template_messages(HISTORY, plan(), "hermes")
+    msgs, listed = tools.template_messages(history(HISTORY), plan(), "hermes")
     time = {"type": "function", "function": {"name": "get_time", "description": ""} | TIME["function"]}
     assert listed == [WEATHER, time]  # a description always (gpt-oss's template reads it), "" if none
     assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"} and msgs[1]["content"] == ""
@@ -130,7 +172,7 @@ def test_a_template_with_tools_gets_them_and_the_history_as_data():
 
 
 def test_a_template_without_tools_gets_them_as_text():
-    msgs, listed = tools.template_messages(HISTORY, plan(style_template=None), "prompted")
+    msgs, listed = tools.template_messages(history(HISTORY), plan(style_template=None), "prompted")
     assert listed is None
     assert (
         msgs[0]["role"] == "system"
@@ -144,7 +186,7 @@ def test_a_template_without_tools_gets_them_as_text():
     assert msgs[3] == {"role": "user", "content": "<tool_response>\n18 C\n</tool_response>"}
     # tool_choice none: no tools offered, the history still readable
     msgs, listed = tools.template_messages(
-        [{"role": "system", "content": "Be brief."}, *HISTORY], None, "prompted"
+        history([{"role": "system", "content": "Be brief."}, *HISTORY]), None, "prompted"
     )
     assert (
         listed is None and msgs[0] == {"role": "system", "content": "Be brief."} and msgs[3]["role"] == "user"
@@ -152,17 +194,20 @@ def test_a_template_without_tools_gets_them_as_text():
 
 
 def test_mistral_templates_get_call_ids_they_accept(tokenizer_dir):
-    history = [{"role": "user", "content": "Weather in Paris?"}, *HISTORY[1:]]
-    msgs, _ = tools.template_messages(history, plan(style_template=MISTRAL_TEMPLATE), "mistral")
-    (call,) = msgs[1]["tool_calls"]
+    sent = [{"role": "user", "content": "Weather in Paris?"}, *HISTORY[1:]]
+    msgs, _ = tools.template_messages(history(sent), plan(style_template=MISTRAL_TEMPLATE), "mistral")
+    calls = msgs[1]["tool_calls"]
+    assert isinstance(calls, list) and len(calls) == 1
+    call = calls[0]
     assert len(call["id"]) == 9 and call["id"].isalnum() and msgs[2]["tool_call_id"] == call["id"]
-    assert tools.template_messages(msgs, None, "mistral")[0][1]["tool_calls"][0]["id"] == call["id"]  # kept
+    again = [Message("assistant", calls=[Call("get_weather", id=call["id"])])]
+    assert tools.template_messages(again, None, "mistral")[0][0]["tool_calls"][0]["id"] == call["id"]  # kept
     mistral = Tokenizer.from_dir(tokenizer_dir)
     mistral.chat_template = MISTRAL_TEMPLATE
     text = mistral.apply_chat_template(msgs)
     assert f'"call_id": "{call["id"]}"' in text and '"arguments": {"city": "Paris"}' in text
     with pytest.raises(ValueError, match="length 9"):
-        mistral.apply_chat_template(history)  # what an OpenAI client sends, unmapped
+        mistral.apply_chat_template(sent)  # what an OpenAI client sends, unmapped
 
 
 # -- forced calls' grammars --------------------------------------------------------------------------

@@ -23,9 +23,10 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 from pytgi.api.chat import harmony
+from pytgi.api.json_response import JSON, JSONObject
 
 Style = Literal["hermes", "json", "prompted", "mistral", "mistral_v11", "pythonic", "harmony"]
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -61,15 +62,7 @@ Event = Content | CallStart | Arguments
 class ToolCall:
     id: str
     name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-    def as_openai(self, index: int | None = None) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "id": self.id,
-            "type": "function",
-            "function": {"name": self.name, "arguments": self.arguments},
-        }
-        return d if index is None else {"index": index, **d}
+    arguments: str  # JSON text, as the model wrote it
 
 
 class CallParser(Protocol):
@@ -307,10 +300,10 @@ class _JsonEnd:
         return -1
 
 
-def _call_object(text: str) -> tuple[str, dict[str, Any]] | None:
+def _call_object(text: str) -> tuple[str, JSONObject] | None:
     """A call object's name and arguments, when `text` is one (arguments may come as a JSON string)."""
     try:
-        obj = json.loads(text)
+        obj: JSON = json.loads(text)
     except json.JSONDecodeError:
         return None
     if not isinstance(obj, dict):
@@ -491,7 +484,7 @@ _PY_LIST_PREFIX = re.compile(r"\s*(?:\[\s*(?:[A-Za-z_][\w.]*\s*)?)?")  # ... or 
 _PY_NAMES = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
 
 
-def _literal(node: ast.expr) -> Any:
+def _literal(node: ast.expr) -> JSON:
     """A Python (or JSON) literal's value; ValueError for anything else (names, calls, operators)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, (str, int, float, bool, type(None))):
         return node.value

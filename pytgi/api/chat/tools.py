@@ -1,6 +1,7 @@
-"""OpenAI's tool calling: which tools a request offers and how it lets the model use them, the prompt
-they reach the model in, and the grammar that forces a call; `tool_calls` finds the calls in what the
-model writes. No torch here.
+"""Tool calling: which tools a chat request offers (`Function`s) and how it lets the model use them
+(its `tool_choice`), the prompt they reach the model in, and the grammar that forces a call;
+`tool_calls` finds the calls in what the model writes. Every chat API translates its tools into this
+(`pytgi.api.chat.language`); refusals name the chat request's fields. No torch here.
 
 The model's chat template decides the format (`style_of`):
 
@@ -29,11 +30,18 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from pytgi.api.chat import harmony
+from pytgi.api.chat.language import (
+    Call,
+    Function,
+    Message,
+    Named,
+    Text,
+    ToolChoice,
+)
 from pytgi.api.chat.tool_calls import (
     CLOSE,
     MISTRAL_ARGS,
@@ -53,7 +61,8 @@ from pytgi.api.chat.tool_calls import (
     parser,
 )
 from pytgi.api.frontend.bodies import GrammarType
-from pytgi.api.openai.error_shape import invalid
+from pytgi.api.json_response import JSON, JSONObject
+from pytgi.core.errors import InvalidRequest
 from pytgi.core.grammar import bounded_whitespace
 
 __all__ = [
@@ -80,20 +89,7 @@ __all__ = [
 ]
 _NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
 _PYTHONIC = re.compile(r"\[\s*func_name1\s*\(")  # the pythonic templates' instruction shows the format
-_EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-
-
-@dataclass(frozen=True)
-class Function:
-    name: str
-    description: str | None
-    parameters: dict[str, Any]
-
-    def as_tool(self) -> dict[str, Any]:
-        """The OpenAI tool object, as chat templates take it: a description always (empty when the
-        request gave none), since templates such as gpt-oss's read it unconditionally."""
-        fn = {"name": self.name, "description": self.description or "", "parameters": self.parameters}
-        return {"type": "function", "function": fn}
+_EMPTY_PARAMETERS: JSONObject = {"type": "object", "properties": {}}
 
 
 @dataclass(frozen=True)
@@ -109,58 +105,31 @@ class ToolPlan:
 
 
 # -- the request's tools ---------------------------------------------------------------------------
-def _functions(tools: list[dict[str, Any]]) -> tuple[Function, ...]:
-    out: dict[str, Function] = {}
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type", "function") != "function"
-            or not isinstance(fn, dict)
-        ):
-            raise invalid(f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}', f"tools.[{i}]")
-        name = fn.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise invalid(
-                f"`tools[{i}].function.name` must be 1 to 64 letters, digits, '_', '.' or '-'. "
-                f"Given: {name!r}",
-                f"tools.[{i}].function.name",
+def _check(functions: Sequence[Function]) -> None:
+    """Each function's name as templates and parsers take it, and no name twice."""
+    seen: set[str] = set()
+    for i, f in enumerate(functions):
+        if not _NAME.match(f.name):
+            raise InvalidRequest(
+                f"a tool's name must be 1 to 64 letters, digits, '_', '.' or '-'. Given: {f.name!r}",
+                f"tools.{i}.name",
             )
-        if name in out:
-            raise invalid(f"`tools` has two functions named `{name}`", f"tools.[{i}].function.name")
-        params = fn.get("parameters", _EMPTY_PARAMETERS)
-        if not isinstance(params, dict):
-            raise invalid(
-                f"`tools[{i}].function.parameters` must be a JSON schema object",
-                f"tools.[{i}].function.parameters",
-            )
-        desc = fn.get("description")
-        out[name] = Function(name, desc if isinstance(desc, str) else None, params)
-    return tuple(out.values())
+        if f.name in seen:
+            raise InvalidRequest(f"`tools` has two functions named `{f.name}`", f"tools.{i}.name")
+        seen.add(f.name)
 
 
-def _choice(tool_choice: str | dict[str, Any] | None, names: set[str]) -> str:
+def _choice(tool_choice: ToolChoice | None, names: set[str]) -> str:
     if tool_choice is None:
         return "auto"
-    if isinstance(tool_choice, str):
-        if tool_choice not in ("none", "auto", "required"):
-            raise invalid(
-                f'`tool_choice` must be "none", "auto", "required" or a named function. '
-                f"Given: {tool_choice!r}",
-                "tool_choice",
-            )
+    if not isinstance(tool_choice, Named):
         return tool_choice
-    fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str):
-        raise invalid(
-            'a named `tool_choice` must be {"type": "function", "function": {"name": ...}}', "tool_choice"
+    if tool_choice.name not in names:
+        raise InvalidRequest(
+            f"`tool_choice` names the function `{tool_choice.name}`, which `tools` does not have",
+            "tool_choice",
         )
-    if name not in names:
-        raise invalid(
-            f"`tool_choice` names the function `{name}`, which `tools` does not have", "tool_choice"
-        )
-    return name
+    return tool_choice.name
 
 
 def style_of(chat_template: str | None) -> Style:
@@ -188,37 +157,35 @@ def keeps_special_tokens(
 
 
 def plan(
-    tools: list[dict[str, Any]] | None,
-    tool_choice: str | dict[str, Any] | None,
-    parallel_tool_calls: bool | None,
+    functions: Sequence[Function],
+    tool_choice: ToolChoice | None,
+    parallel_tool_calls: bool,
     chat_template: str | None,
 ) -> ToolPlan | None:
     """The request's tools and how they may be used; None when the model is to write text only."""
-    if not tools:
+    if not functions:
         if tool_choice not in (None, "none"):
-            raise invalid("`tool_choice` needs `tools`", "tool_choice")
+            raise InvalidRequest("`tool_choice` needs `tools`", "tool_choice")
         return None
-    functions = _functions(tools)
+    _check(functions)
     choice = _choice(tool_choice, {f.name for f in functions})
     if choice == "none":
         return None
-    return ToolPlan(functions, choice, parallel_tool_calls is not False, style_of(chat_template))
+    return ToolPlan(tuple(functions), choice, parallel_tool_calls, style_of(chat_template))
 
 
 # -- the prompt ------------------------------------------------------------------------------------
-def _call_text(name: str, arguments: Any) -> str:
+def _call_text(name: str, arguments: JSON) -> str:
     return f"{OPEN}\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n{CLOSE}"
 
 
-def _arguments(call: dict[str, Any]) -> Any:
-    """An earlier call's arguments as data (OpenAI sends them as a JSON string; templates want an object)."""
-    args = (call.get("function") or {}).get("arguments")
-    if isinstance(args, str):
-        try:
-            return json.loads(args)
-        except json.JSONDecodeError:
-            return args
-    return args if args is not None else {}
+def _arguments(call: Call) -> JSON:
+    """An earlier call's arguments as data (they are JSON text; templates want an object)."""
+    try:
+        value: JSON = json.loads(call.arguments)
+    except json.JSONDecodeError:
+        return call.arguments
+    return value
 
 
 def _system_prompt(functions: tuple[Function, ...]) -> str:
@@ -233,39 +200,49 @@ def _system_prompt(functions: tuple[Function, ...]) -> str:
     )
 
 
+def _content(m: Message) -> str | list[JSON]:
+    """A turn's content as templates take it: text (parts joined), or parts where it has an image
+    (`{"type": "image"}`: the image itself goes to the engine apart)."""
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    if all(isinstance(p, Text) for p in m.content):
+        return "\n".join(p.text for p in m.content if isinstance(p, Text))
+    return [{"type": "text", "text": p.text} if isinstance(p, Text) else {"type": "image"} for p in m.content]
+
+
+def _call(c: Call, style: Style) -> JSONObject:
+    """An earlier call as templates take it, its arguments as data; with an id Mistral's templates
+    accept in a Mistral style."""
+    out: JSONObject = {"type": "function", "function": {"name": c.name, "arguments": _arguments(c)}}
+    if c.id is not None:
+        out = {"id": mistral_id(c.id) if style in MISTRAL_STYLES else c.id, **out}
+    return out
+
+
 def template_messages(
-    messages: list[dict[str, Any]], tool_plan: ToolPlan | None, style: Style
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The messages and `tools` for the chat template. Earlier calls and tool results pass through as
-    the template expects them; for a template that knows no tools they become text."""
-    out: list[dict[str, Any]] = []
+    messages: Sequence[Message], tool_plan: ToolPlan | None, style: Style
+) -> tuple[list[JSONObject], list[JSONObject] | None]:
+    """The messages and `tools` for the chat template. Earlier calls and tool results pass as the
+    template expects them; for a template that knows no tools they become text."""
+    out: list[JSONObject] = []
     for m in messages:
-        m = dict(m)
-        calls = m.get("tool_calls")
-        if style == "prompted":
-            if m["role"] == "assistant" and calls:
-                texts = [_call_text((c.get("function") or {}).get("name", ""), _arguments(c)) for c in calls]
-                m = {
-                    "role": "assistant",
-                    "content": "\n".join(filter(None, [m.get("content") or "", *texts])),
-                }
-            elif m["role"] == "tool":
-                m = {
-                    "role": "user",
-                    "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>",
-                }
-        elif calls:
-            m["tool_calls"] = [
-                {**c, "function": {**(c.get("function") or {}), "arguments": _arguments(c)}} for c in calls
-            ]
-        if style in MISTRAL_STYLES:
-            if m.get("tool_calls"):
-                m["tool_calls"] = [_with_mistral_id(c) for c in m["tool_calls"]]
-            if isinstance(m.get("tool_call_id"), str):
-                m["tool_call_id"] = mistral_id(m["tool_call_id"])
-        if m.get("content") is None:
-            m["content"] = ""
-        out.append(m)
+        content = _content(m)
+        d: JSONObject
+        if style == "prompted" and m.role == "assistant" and m.calls:
+            texts = [_call_text(c.name, _arguments(c)) for c in m.calls]
+            said = content if isinstance(content, str) else ""
+            d = {"role": "assistant", "content": "\n".join(filter(None, [said, *texts]))}
+        elif style == "prompted" and m.role == "tool":
+            d = {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+        else:
+            d = {"role": m.role, "content": content, **m.fields}
+            if m.calls:
+                d["tool_calls"] = [_call(c, style) for c in m.calls]
+            if m.call_id is not None:
+                d["tool_call_id"] = mistral_id(m.call_id) if style in MISTRAL_STYLES else m.call_id
+        out.append(d)
     if tool_plan is None:
         return out, None
     if style != "prompted":
@@ -278,12 +255,8 @@ def template_messages(
     return out, None
 
 
-def _with_mistral_id(call: dict[str, Any]) -> dict[str, Any]:
-    return {**call, "id": mistral_id(call["id"])} if isinstance(call.get("id"), str) else call
-
-
 # -- the grammar of a forced call ------------------------------------------------------------------
-def _call_schema(f: Function, arguments_key: str) -> dict[str, Any]:
+def _call_schema(f: Function, arguments_key: str) -> JSONObject:
     return {
         "type": "object",
         "additionalProperties": False,
@@ -361,15 +334,16 @@ def _python_arguments(f: Function, i: int) -> tuple[str, list[str]]:
     optional; any keyword with any JSON value when the properties are no Python names."""
     schema = f.parameters or _EMPTY_PARAMETERS
     found = schema.get("properties")
-    props: dict[str, Any] = found if isinstance(found, dict) else {}
-    required = set(schema.get("required") or ()) if isinstance(schema.get("required"), list) else set()
+    props: JSONObject = found if isinstance(found, dict) else {}
+    listed = schema.get("required")
+    required = {n for n in listed if isinstance(n, str)} if isinstance(listed, list) else set()
     names = list(props)
     if not all(isinstance(n, str) and n.isidentifier() for n in names):
         kwarg = f"kw_{i}"
         return f'({kwarg} (", " {kwarg})*)?', [f'{kwarg}: /[A-Za-z_][A-Za-z0-9_]*/ "=" %json {{}}']
     if not names:
         return "", []
-    values = [bounded_whitespace(props[n]) if isinstance(props[n], dict) else {} for n in names]
+    values = [bounded_whitespace(v) if isinstance(v, dict) else {} for v in props.values()]
     rules = [f'kw_{i}_{j}: "{n}=" %json {json.dumps(v)}' for j, (n, v) in enumerate(zip(names, values))]
 
     def rest(j: int) -> str:  # the properties from j on, each after ", "

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pytgi.api.json_response import JSONResponse
-from pytgi.core.errors import ClientGone, InferError, InvalidRequest, Overloaded
+from pytgi.api.error_handlers import OVERLOADED
+from pytgi.api.json_response import JSONObject, JSONResponse
+from pytgi.core.errors import ClientGone, InferError, InvalidRequest, Overloaded, UnknownModel
 
 PREFIX = "/v1/"
 
@@ -31,7 +31,7 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JSONObject:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
@@ -41,13 +41,7 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 def from_infer_error(exc: InferError) -> OpenAIError:
     if isinstance(exc, Overloaded):
-        return OpenAIError(
-            429,
-            "Model is overloaded: too many concurrent requests, retry later",
-            "requests",
-            None,
-            "rate_limit_exceeded",
-        )
+        return OpenAIError(429, OVERLOADED, "requests", None, "rate_limit_exceeded")
     return OpenAIError(500, exc.message, "server_error", None, exc.error_type)
 
 
@@ -69,6 +63,8 @@ def as_openai_error(exc: Exception) -> OpenAIError:
         return invalid(message, param)
     if isinstance(exc, InferError):
         return from_infer_error(exc)
+    if isinstance(exc, UnknownModel):
+        return OpenAIError(404, exc.message, "invalid_request_error", exc.param, exc.code)
     if isinstance(exc, InvalidRequest):
         return invalid(exc.message, exc.param, exc.code)
     if isinstance(exc, StarletteHTTPException):

@@ -3,9 +3,10 @@ stream chunks, logprobs in both of OpenAI's shapes, usage. No torch here."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
-from pytgi.api.chat import reasoning, tools
+from pytgi.api.chat import answer, tools
+from pytgi.api.json_response import JSON, JSONObject
 from pytgi.core.outputs import Delta, OutputProcessor, Token
 from pytgi.core.version import __version__
 
@@ -25,7 +26,7 @@ def _lp(value: float | None) -> float | None:
     return None if value is None else max(float(value), MIN_LOGPROB)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> JSONObject:
     """OpenAI's usage; `cached_tokens`: prompt tokens the prefix cache served."""
     return {
         "prompt_tokens": prompt_tokens,
@@ -35,7 +36,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
     }
 
 
-def head(kind: str, rid: str, created: int, model: str) -> dict[str, Any]:
+def head(kind: str, rid: str, created: int, model: str) -> JSONObject:
     return {
         "id": rid,
         "object": kind,
@@ -45,15 +46,14 @@ def head(kind: str, rid: str, created: int, model: str) -> dict[str, Any]:
     }
 
 
-def chat_logprobs(pieces: list[str], tokens: list[Token], tops: list[list[Token]]) -> dict[str, Any]:
-    content = [
+def chat_logprobs(pieces: list[str], tokens: list[Token], tops: list[list[Token]]) -> JSONObject:
+    content: list[JSON] = [
         {
             "token": piece,
             "logprob": _lp(t.logprob),
-            "bytes": list(piece.encode("utf-8")),
+            "bytes": [*piece.encode("utf-8")],
             "top_logprobs": [
-                {"token": a.text, "logprob": _lp(a.logprob), "bytes": list(a.text.encode("utf-8"))}
-                for a in alts
+                {"token": a.text, "logprob": _lp(a.logprob), "bytes": [*a.text.encode("utf-8")]} for a in alts
             ],
         }
         for piece, t, alts in zip(pieces, tokens, tops)
@@ -63,24 +63,24 @@ def chat_logprobs(pieces: list[str], tokens: list[Token], tops: list[list[Token]
 
 def text_logprobs(
     pieces: list[str], tokens: list[Token], tops: list[list[Token] | None], offsets: list[int]
-) -> dict[str, Any]:
+) -> JSONObject:
     """The legacy completions shape; `top_logprobs` holds the alternatives and always the chosen token
     (None where there is no logprob: the prompt's first token)."""
-    top: list[dict[str, float] | None] = []
+    top: list[JSON] = []
     for piece, t, alts in zip(pieces, tokens, tops):
         if t.logprob is None:
             top.append(None)
             continue
-        d: dict[str, float] = {}
+        d: JSONObject = {}
         for a in alts or []:
-            d.setdefault(a.text, _lp(a.logprob))  # type: ignore[arg-type]
-        d.setdefault(piece, _lp(t.logprob))  # type: ignore[arg-type]
+            d.setdefault(a.text, _lp(a.logprob))
+        d.setdefault(piece, _lp(t.logprob))
         top.append(d)
     return {
-        "tokens": pieces,
+        "tokens": [*pieces],
         "token_logprobs": [_lp(t.logprob) for t in tokens],
         "top_logprobs": top,
-        "text_offset": offsets,
+        "text_offset": [*offsets],
     }
 
 
@@ -92,45 +92,45 @@ def _offsets(texts: list[str], base: int) -> list[int]:
     return out
 
 
-def completion_logprobs(out: OutputProcessor, echo: str | None) -> dict[str, Any]:
+def completion_logprobs(out: OutputProcessor, echo: str | None) -> JSONObject:
     """A whole completion's logprobs; with `echo` (the prompt's text) the prompt's tokens first."""
-    pieces = [t.id for t in out.tokens]
+    pieces = [out.tokenizer.id_to_piece(t.id) for t in out.tokens]
     texts = ["" if t.special else t.text for t in out.tokens]
-    lps = text_logprobs(
-        [out.tokenizer.id_to_piece(i) for i in pieces],
-        out.tokens,
-        list(out.top_tokens),
-        _offsets(texts, len(echo or "")),
-    )
+    offsets = _offsets(texts, len(echo or ""))
     if echo is None:
-        return lps
+        return text_logprobs(pieces, out.tokens, list(out.top_tokens), offsets)
     prefill = out.prefill or [Token(i, out.tokenizer.id_to_piece(i), None) for i in out.prompt_ids]
     prompt_pieces = [t.text for t in prefill]
-    head_lps = text_logprobs(prompt_pieces, prefill, [None] * len(prefill), _offsets(prompt_pieces, 0))
-    return {k: head_lps[k] + lps[k] for k in lps}
+    return text_logprobs(
+        prompt_pieces + pieces,
+        prefill + out.tokens,
+        [None] * len(prefill) + list(out.top_tokens),
+        _offsets(prompt_pieces, 0) + offsets,
+    )
+
+
+def tool_call(call: tools.ToolCall) -> JSONObject:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def chat_message(
     text: str, finish: str | None, tool_style: tools.Style | None, reasoning_style: str | None = None
-) -> tuple[dict[str, Any], str | None]:
+) -> tuple[JSONObject, str | None]:
     """A whole answer's message and finish reason (OpenAI's); with a reasoning parser, the reasoning
     apart (`reasoning_content`, as vLLM and DeepSeek's API name it); with tools, the calls found in
     the rest."""
-    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    a = answer.read(text, tool_style, reasoning_style)
+    message: JSONObject = {"role": "assistant", "content": a.text, "refusal": None}
     if reasoning_style is not None:
-        message["reasoning_content"], text = reasoning.split(text, reasoning_style)
-        message["content"] = text
-    if tool_style is None:
-        return message, finish_reason(finish)
-    content, calls = tools.parse(text, tool_style)
-    if calls or tool_style == "harmony":  # (harmony's content is not its text, even without calls)
-        message["content"] = content
-    if calls:
-        message["tool_calls"] = [c.as_openai() for c in calls]
-    return message, finish_reason(finish, bool(calls))
+        message["reasoning_content"] = a.reasoning
+    if a.calls or tool_style == "harmony":  # (harmony's content is not its text, even without calls)
+        message["content"] = a.content
+    if a.calls:
+        message["tool_calls"] = [tool_call(c) for c in a.calls]
+    return message, finish_reason(finish, bool(a.calls))
 
 
-def chat_message_logprobs(out: OutputProcessor) -> dict[str, Any]:
+def chat_message_logprobs(out: OutputProcessor) -> JSONObject:
     return chat_logprobs([out.tokenizer.id_to_piece(t.id) for t in out.tokens], out.tokens, out.top_tokens)
 
 
@@ -141,12 +141,12 @@ class StreamRenderer:
     def __init__(
         self,
         chat: bool,
-        head: dict[str, Any],
+        head: JSONObject,
         count: int,
         logprobs: bool,
         include_usage: bool,
         prompt_tokens: int,
-        id_to_piece: Any,
+        id_to_piece: Callable[[int], str],
         echo: list[str] | None = None,
         tool_style: tools.Style | None = None,
         reasoning_style: str | None = None,
@@ -162,23 +162,21 @@ class StreamRenderer:
         self.offsets = [len(e) if e and not chat else 0 for e in (echo or [""] * count)]
         self.completion_tokens = 0
         self.cached_tokens = 0  # set before `end` (the streams know it)
-        # chat with tools: each choice's text goes through a tool-call parser
-        self.parsers = [tools.parser(tool_style) for _ in range(count)] if tool_style else None
-        # with a reasoning parser, each choice's reasoning goes out as `delta.reasoning_content` first
-        self.reasoners = (
-            [reasoning.ReasoningParser(reasoning_style) for _ in range(count)] if reasoning_style else None
-        )
+        # chat: each choice's reasoning (`delta.reasoning_content`, first) and tool calls apart
+        self.answers = [answer.AnswerStream(tool_style, reasoning_style) for _ in range(count)]
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+    def _chunk(self, choice: JSONObject) -> JSONObject:
         return {**self.head, "choices": [choice]}
 
-    def _choice(self, i: int, text: str | None, logprobs: Any, finish: str | None) -> dict[str, Any]:
+    def _choice(
+        self, i: int, text: str | None, logprobs: JSONObject | None, finish: str | None
+    ) -> JSONObject:
         if self.chat:
-            delta = {"content": text} if text is not None else {}
+            delta: JSONObject = {"content": text} if text is not None else {}
             return self._chunk({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
         return self._chunk({"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish})
 
-    def start(self) -> list[dict[str, Any]]:
+    def start(self) -> list[JSONObject]:
         """Chat: the assistant role first, per choice; completions with `echo`: the prompt first."""
         out = []
         for i in range(self.count):
@@ -199,7 +197,7 @@ class StreamRenderer:
                 )
         return out
 
-    def _take_logprobs(self, i: int) -> dict[str, Any] | None:
+    def _take_logprobs(self, i: int) -> JSONObject | None:
         deltas, self.pending[i] = self.pending[i], []
         if not self.logprobs or not deltas:
             return None
@@ -213,56 +211,45 @@ class StreamRenderer:
         self.offsets[i] = offsets[-1] + len(texts[-1])
         return text_logprobs(pieces, tokens, list(tops), offsets)
 
-    def delta(self, i: int, d: Delta) -> list[dict[str, Any]]:
+    def delta(self, i: int, d: Delta) -> list[JSONObject]:
         self.pending[i].append(d)
-        text, out = d.text, []
-        if self.reasoners:
-            r = self.reasoners[i]
-            pieces = (r.feed(d.text) if d.text else []) + (r.finish() if d.finish_reason is not None else [])
-            out = [
-                self._chunk(
-                    {"index": i, "delta": {"reasoning_content": t}, "logprobs": None, "finish_reason": None}
-                )
-                for kind, t in pieces
-                if kind == "reasoning"
-            ]
-            text = "".join(t for kind, t in pieces if kind == "content")
-        parser = self.parsers[i] if self.parsers else None
-        if parser is None:
-            out += [self._choice(i, text, self._take_logprobs(i), None)] if text else []
-        else:
-            events = parser.feed(text) if text else []
-            if d.finish_reason is not None:
-                events += parser.finish()
-            out += [self._tool_chunk(i, e) for e in events]
+        out = []
+        for piece in self.answers[i].feed(d):
+            if isinstance(piece, answer.Reasoning):
+                delta: JSONObject = {"reasoning_content": piece.text}
+                out.append(self._chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None}))
+            elif isinstance(piece, tools.Content):
+                out.append(self._choice(i, piece.text, self._take_logprobs(i), None))
+            else:
+                out.append(self._tool_chunk(i, piece))
         if d.finish_reason is not None:
             self.completion_tokens += d.index
-            reason = finish_reason(d.finish_reason, bool(parser and parser.calls))
+            reason = finish_reason(d.finish_reason, bool(self.answers[i].calls))
             out.append(self._choice(i, None if self.chat else "", self._take_logprobs(i), reason))
         return out
 
-    def _tool_chunk(self, i: int, e: tools.Event) -> dict[str, Any]:
-        """A chat chunk for what the tool parser found: content, a call's start, a piece of arguments."""
-        if isinstance(e, tools.Content):
-            delta: dict[str, Any] = {"content": e.text}
-        elif isinstance(e, tools.CallStart):
-            delta = {
-                "tool_calls": [
-                    {
-                        "index": e.index,
-                        "id": e.id,
-                        "type": "function",
-                        "function": {"name": e.name, "arguments": ""},
-                    }
-                ]
+    def _tool_chunk(self, i: int, e: tools.CallStart | tools.Arguments) -> JSONObject:
+        """A chat chunk for a call's start or a piece of its arguments."""
+        call: JSONObject
+        if isinstance(e, tools.CallStart):
+            call = {
+                "index": e.index,
+                "id": e.id,
+                "type": "function",
+                "function": {"name": e.name, "arguments": ""},
             }
         else:
-            delta = {"tool_calls": [{"index": e.index, "function": {"arguments": e.text}}]}
+            call = {"index": e.index, "function": {"arguments": e.text}}
         return self._chunk(
-            {"index": i, "delta": delta, "logprobs": self._take_logprobs(i), "finish_reason": None}
+            {
+                "index": i,
+                "delta": {"tool_calls": [call]},
+                "logprobs": self._take_logprobs(i),
+                "finish_reason": None,
+            }
         )
 
-    def end(self) -> list[dict[str, Any]]:
+    def end(self) -> list[JSONObject]:
         if not self.include_usage:
             return []
         use = usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)

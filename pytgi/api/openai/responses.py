@@ -1,9 +1,10 @@
 """OpenAI's Responses API: `POST /v1/responses` (whole or streamed), `GET /v1/responses/{id}`.
 
-A Responses body converts into a chat body (`instructions` → a system message; `input` as a string
-or items: messages, `function_call` and `function_call_output`; flat function tools; `text.format`
-→ `response_format`) and takes the chat route's path (`chat_requests`). Only the shapes are the
-Responses API's: output items (`reasoning`, `message`, `function_call`), the stream's events, and a
+A Responses body translates into the chat request every chat API speaks (`to_chat`,
+`pytgi.api.chat.language`: `instructions` → a system message; `input` as a string or items: messages,
+`function_call` and `function_call_output`; flat function tools; `text.format` → the constraint) and
+takes the chat path (`chat_requests`). Only the shapes are the Responses API's: output items
+(`reasoning`, `message`, `function_call`), the stream's events, the fields refusals name, and a
 bounded in-memory store for `previous_response_id` and `GET`. No torch here.
 """
 
@@ -13,15 +14,33 @@ import json
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
 
+import msgspec
 from fastapi import APIRouter, FastAPI, Request, Response
 
-from pytgi.api.chat import reasoning, tools
+from pytgi.api.chat import answer, tools
+from pytgi.api.chat.language import (
+    Call,
+    ChatRequest,
+    Function,
+    Image,
+    Message,
+    Named,
+    Part,
+    ReasoningEffort,
+    Role,
+    Sampling,
+    Text,
+    ToolChoice,
+    renamed,
+)
 from pytgi.api.chat.requests import chat_requests
 from pytgi.api.exchange import Exchange
-from pytgi.api.frontend.bodies import F32, U32, Bool
-from pytgi.api.json_response import JSONResponse
+from pytgi.api.frontend.bodies import F32, U32, Bool, GrammarType
+from pytgi.api.json_response import JSON, JSONObject, JSONResponse
 from pytgi.api.openai import schema
 from pytgi.api.openai.error_shape import OpenAIError, as_openai_error, invalid
 from pytgi.core.config import ServerConfig
@@ -33,53 +52,57 @@ STORE_SIZE, STORE_BYTES = 1000, 256 << 20  # defaults of --responses-store-size,
 
 
 class Reasoning(schema._Body):
-    effort: schema.ReasoningEffort | None = None  # → the chat body's `reasoning_effort`
+    effort: ReasoningEffort | None = None  # → the chat request's `reasoning_effort`
     summary: str | None = None  # accepted, ignored
 
 
 class ResponseRequest(schema._Body):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | list[JSONObject]
     instructions: str | None = None
     max_output_tokens: U32 | None = None
     temperature: F32 | None = None
     top_p: F32 | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[JSONObject] | None = None
+    tool_choice: str | JSONObject | None = None
     parallel_tool_calls: Bool | None = None
-    text: dict[str, Any] | None = None
+    text: JSONObject | None = None
     stream: Bool | None = False
     store: Bool | None = True
     previous_response_id: str | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: JSONObject | None = None
     seed: int | None = None  # extensions, as on the chat route
     top_k: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
     prompt_cache_key: str | None = None
     reasoning: Reasoning | None = None
 
 
 class Store:
-    """The newest responses and the conversation each ends (chat messages), by id: at most `size` of
-    them and `max_bytes` of their JSON, the oldest dropped first (`--responses-store-size`,
-    `--responses-store-bytes`). One that alone is over the byte bound is not kept."""
+    """The newest responses and the conversation each ends (the chat messages as JSON, instructions
+    left out), by id: at most `size` of them and `max_bytes` of their JSON, the oldest dropped first
+    (`--responses-store-size`, `--responses-store-bytes`). One that alone is over the byte bound is
+    not kept."""
 
     def __init__(self, size: int = STORE_SIZE, max_bytes: int = STORE_BYTES) -> None:
         self.size, self.max_bytes, self.bytes = size, max_bytes, 0
-        self.items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], int]] = OrderedDict()
+        self.items: OrderedDict[str, tuple[JSONObject, list[JSONObject], int]] = OrderedDict()
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        size = len(json.dumps([response, conversation], ensure_ascii=False).encode())
-        old = self.items.pop(response["id"], None)
+    def put(self, response: JSONObject, conversation: list[JSONObject]) -> None:
+        rid, size = (
+            str(response["id"]),
+            len(json.dumps([response, conversation], ensure_ascii=False).encode()),
+        )
+        old = self.items.pop(rid, None)
         if old is not None:
             self.bytes -= old[2]
         if size <= self.max_bytes:
-            self.items[response["id"]] = (response, conversation, size)
+            self.items[rid] = (response, conversation, size)
             self.bytes += size
         while self.items and (len(self.items) > self.size or self.bytes > self.max_bytes):
             self.bytes -= self.items.popitem(last=False)[1][2]
 
-    def get(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    def get(self, rid: str) -> tuple[JSONObject, list[JSONObject]] | None:
         item = self.items.get(rid)
         return None if item is None else (item[0], item[1])
 
@@ -94,69 +117,63 @@ def install(app: FastAPI, config: ServerConfig) -> None:
     app.state.responses_store = Store(config.responses_store_size, config.responses_store_bytes)
 
 
-# -- the body → chat ---------------------------------------------------------------------------------
-def _content_text(content: Any, where: str) -> str | list[dict[str, Any]]:
-    """A message's content: its text parts joined, or (with an `input_image`) chat content parts."""
+# -- the body → the chat request ---------------------------------------------------------------------
+# the Responses API's names for the chat request's fields, where they differ (a tool's are the same)
+PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "constraint": "text.format"}
+
+
+def _content(content: object, where: str) -> str | list[Part]:
+    """A message's content: a string, or its text and image parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise invalid(f"`{where}` must be a string or a list of content parts", where)
-    parts: list[dict[str, Any]] = []
+    parts: list[Part] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         if isinstance(part, dict) and kind in ("input_text", "output_text", "text"):
-            parts.append({"type": "text", "text": str(part.get("text", ""))})
+            parts.append(Text(str(part.get("text", ""))))
         elif isinstance(part, dict) and kind == "input_image" and isinstance(part.get("image_url"), str):
-            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            parts.append(Image(part["image_url"], f"{where}.{j}.image_url"))
         else:
             raise invalid(
                 f"content parts of type `{kind}` are not supported: only text parts and `input_image` "
                 "parts with an `image_url` are",
                 f"{where}.{j}",
             )
-    if any(p["type"] == "image_url" for p in parts):
-        return parts
-    return "\n".join(p["text"] for p in parts)
+    return parts
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+ROLES: dict[str, Role] = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+
+
+def input_messages(items: str | list[JSONObject]) -> list[Message]:
     """The chat messages `input` stands for."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    out: list[dict[str, Any]] = []
+        return [Message("user", items)]
+    out: list[Message] = []
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "system", "developer", "assistant"):
+            given = item.get("role")
+            role = ROLES.get(given) if isinstance(given, str) else None
+            if role is None:
                 raise invalid(
                     f"`input.{i}.role` must be user, system, developer or assistant", f"input.{i}.role"
                 )
-            out.append(
-                {"role": role, "content": _content_text(item.get("content", ""), f"input.{i}.content")}
-            )
+            out.append(Message(role, _content(item.get("content", ""), f"input.{i}.content")))
         elif kind == "function_call":
-            call = {
-                "id": str(item.get("call_id", "")),
-                "type": "function",
-                "function": {
-                    "name": str(item.get("name", "")),
-                    "arguments": str(item.get("arguments", "{}")),
-                },
-            }
-            if out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]:
-                out[-1]["tool_calls"].append(call)
+            call = Call(
+                str(item.get("name", "")), str(item.get("arguments", "{}")), str(item.get("call_id", ""))
+            )
+            if out and out[-1].role == "assistant" and out[-1].calls:
+                out[-1].calls.append(call)
             else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                out.append(Message("assistant", None, [call]))
         elif kind == "function_call_output":
             output = item.get("output", "")
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": str(item.get("call_id", "")),
-                    "content": output if isinstance(output, str) else json.dumps(output),
-                }
-            )
+            content = output if isinstance(output, str) else json.dumps(output)
+            out.append(Message("tool", content, call_id=str(item.get("call_id", ""))))
         elif kind == "reasoning":
             continue  # earlier reasoning is not sent back to the model
         else:
@@ -164,56 +181,61 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _tools(body: ResponseRequest) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if body.tools:
-        functions = []
-        for i, t in enumerate(body.tools):
-            if t.get("type") != "function":
-                raise invalid(
-                    f"tools of type `{t.get('type')}` are not supported: only function tools are",
-                    f"tools.{i}.type",
-                )
-            functions.append(
-                {
-                    "type": "function",
-                    "function": {
-                        "name": t.get("name"),
-                        "description": t.get("description") or "",
-                        "parameters": t.get("parameters") or {"type": "object"},
-                    },
-                }
+def _functions(body: ResponseRequest) -> list[Function]:
+    out = []
+    for i, t in enumerate(body.tools or []):
+        if t.get("type") != "function":
+            raise invalid(
+                f"tools of type `{t.get('type')}` are not supported: only function tools are",
+                f"tools.{i}.type",
             )
-        out["tools"] = functions
-    choice = body.tool_choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
-    if choice is not None:
-        out["tool_choice"] = choice
-    if body.parallel_tool_calls is not None:
-        out["parallel_tool_calls"] = body.parallel_tool_calls
+        name, params = t.get("name"), t.get("parameters") or {"type": "object"}
+        if not isinstance(name, str):
+            raise invalid(f"`tools.{i}.name` must be a string. Given: {name!r}", f"tools.{i}.name")
+        if not isinstance(params, dict):
+            raise invalid(f"`tools.{i}.parameters` must be a JSON schema object", f"tools.{i}.parameters")
+        description = t.get("description")
+        out.append(Function(name, description if isinstance(description, str) else "", params))
     return out
 
 
-def _format(body: ResponseRequest) -> dict[str, Any]:
+def _tool_choice(choice: str | JSONObject | None) -> ToolChoice | None:
+    if choice is None:
+        return None
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise invalid(
+                f'`tool_choice` must be "none", "auto", "required" or a named function. Given: {choice!r}',
+                "tool_choice",
+            )
+        return choice  # type: ignore[return-value]
+    name = choice.get("name")
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise invalid('a named `tool_choice` must be {"type": "function", "name": ...}', "tool_choice")
+    return Named(name)
+
+
+def _format(body: ResponseRequest) -> GrammarType | None:
     fmt = (body.text or {}).get("format")
-    if not fmt or fmt.get("type") == "text":
-        return {}
-    if fmt.get("type") == "json_object":
-        return {"response_format": {"type": "json_object"}}
-    if fmt.get("type") == "json_schema":
-        return {
-            "response_format": {
-                "type": "json_schema",
-                "json_schema": {"name": fmt.get("name") or "output", "schema": fmt.get("schema")},
-            }
-        }
-    raise invalid(f"`text.format` of type `{fmt.get('type')}` is not supported", "text.format")
+    if not fmt:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarType(type="json", value={"type": "object"})
+    if kind == "json_schema" and isinstance(fmt, dict):
+        schema = fmt.get("schema")
+        if not isinstance(schema, dict):
+            raise invalid("`text.format` of type `json_schema` needs `schema`", "text.format")
+        return GrammarType(type="json", value=schema)
+    raise invalid(f"`text.format` of type `{kind}` is not supported", "text.format")
 
 
-def conversation(body: ResponseRequest, store: Store) -> list[dict[str, Any]]:
-    """The messages before this turn's answer: a previous response's, then `instructions`, then `input`."""
-    before: list[dict[str, Any]] = []
+def conversation(body: ResponseRequest, store: Store) -> list[Message]:
+    """The messages before this turn's answer: a previous response's conversation (its instructions do
+    not carry over), then `input`."""
+    before: list[Message] = []
     if body.previous_response_id is not None:
         stored = store.get(body.previous_response_id)
         if stored is None:
@@ -224,28 +246,31 @@ def conversation(body: ResponseRequest, store: Store) -> list[dict[str, Any]]:
                 "previous_response_id",
                 "previous_response_not_found",
             )
-        before = [m for m in stored[1] if m["role"] != "system"]  # instructions do not carry over
-    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    return system + before + input_messages(body.input)
+        before = msgspec.convert(stored[1], list[Message])
+    return before + input_messages(body.input)
 
 
-def to_chat(body: ResponseRequest, messages: list[dict[str, Any]]) -> schema.ChatCompletionRequest:
-    return schema.ChatCompletionRequest.model_validate(
-        {
-            "model": body.model,
-            "messages": messages,
-            "max_tokens": body.max_output_tokens,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": body.top_p,
-            "top_k": body.top_k,
-            "seed": body.seed,
-            "stream": body.stream,
-            "chat_template_kwargs": body.chat_template_kwargs,
-            "reasoning_effort": body.reasoning.effort if body.reasoning else None,
-            "prompt_cache_key": body.prompt_cache_key,
-            **_tools(body),
-            **_format(body),
-        }
+def to_chat(body: ResponseRequest, messages: list[Message]) -> ChatRequest:
+    """The chat request: `instructions` as a system message, then `messages`."""
+    system = [Message("system", body.instructions)] if body.instructions else []
+    return ChatRequest(
+        system + messages,
+        Sampling(
+            max_tokens=body.max_output_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+        ),
+        tools=_functions(body),
+        tool_choice=_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        constraint=_format(body),
+        reasoning_effort=body.reasoning.effort if body.reasoning else None,
+        chat_template_kwargs=dict(body.chat_template_kwargs or {}),
+        stream=bool(body.stream),
+        model=body.model,
+        cache_key=body.prompt_cache_key,
     )
 
 
@@ -254,34 +279,38 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(text: str, status: str = "completed") -> dict[str, Any]:
+def message_item(text: str, status: str = "completed", iid: str | None = None) -> JSONObject:
     return {
         "type": "message",
-        "id": _id("msg"),
+        "id": iid or _id("msg"),
         "status": status,
         "role": "assistant",
         "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
     }
 
 
-def reasoning_item(text: str) -> dict[str, Any]:
+def reasoning_item(text: str, iid: str | None = None) -> JSONObject:
     return {
         "type": "reasoning",
-        "id": _id("rs"),
+        "id": iid or _id("rs"),
         "summary": [],
         "content": [{"type": "reasoning_text", "text": text}],
     }
 
 
-def call_item(call: tools.ToolCall) -> dict[str, Any]:
+def _call_item(call_id: str, name: str, arguments: str, status: str, iid: str | None = None) -> JSONObject:
     return {
         "type": "function_call",
-        "id": _id("fc"),
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments,
-        "status": "completed",
+        "id": iid or _id("fc"),
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
     }
+
+
+def call_item(call: tools.ToolCall) -> JSONObject:
+    return _call_item(call.id, call.name, call.arguments, "completed")
 
 
 def response_json(
@@ -290,9 +319,9 @@ def response_json(
     created: int,
     model: str,
     status: str,
-    output: list[dict[str, Any]],
+    output: list[JSONObject],
     usage: tuple[int, int, int] | None,
-) -> dict[str, Any]:
+) -> JSONObject:
     """`usage`: (input tokens, output tokens, input tokens the prefix cache served)."""
     return {
         "id": rid,
@@ -300,14 +329,14 @@ def response_json(
         "created_at": created,
         "status": status,
         "model": model,
-        "output": output,
+        "output": [*output],
         "error": None,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "top_p": 1.0 if body.top_p is None else body.top_p,
-        "tools": body.tools or [],
+        "tools": [*(body.tools or [])],
         "tool_choice": body.tool_choice or "auto",
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "text": body.text or {"format": {"type": "text"}},
@@ -329,103 +358,128 @@ def response_json(
 
 def output_items(
     out: OutputProcessor, tool_style: tools.Style | None, reasoning_style: str | None
-) -> list[dict]:
-    thought, text = reasoning.split(out.text, reasoning_style) if reasoning_style else (None, out.text)
-    content, calls = (text, []) if tool_style is None else tools.parse(text, tool_style)
-    items = [reasoning_item(thought)] if thought else []
-    items += [message_item(content)] if content else []
-    return items + [call_item(c) for c in calls]
+) -> list[JSONObject]:
+    a = answer.read(out.text, tool_style, reasoning_style)
+    items = [reasoning_item(a.reasoning)] if a.reasoning else []
+    items += [message_item(a.content)] if a.content else []
+    return items + [call_item(c) for c in a.calls]
 
 
-def _assistant_turn(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The answer as chat messages, for the next turn of a stored conversation."""
-    text = "".join(c["text"] for i in items if i["type"] == "message" for c in i["content"])
-    calls = [
-        {"id": i["call_id"], "type": "function", "function": {"name": i["name"], "arguments": i["arguments"]}}
-        for i in items
-        if i["type"] == "function_call"
-    ]
-    message: dict[str, Any] = {"role": "assistant", "content": text or None}
-    if calls:
-        message["tool_calls"] = calls
-    return [message]
+def _text_of(value: JSON) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _assistant_turn(items: list[JSONObject]) -> Message:
+    """The answer as a chat message, for the next turn of a stored conversation."""
+    text, calls = "", []
+    for item in items:
+        content = item.get("content")
+        if item.get("type") == "message" and isinstance(content, list):
+            text += "".join(_text_of(part.get("text")) for part in content if isinstance(part, dict))
+        elif item.get("type") == "function_call":
+            name, arguments = _text_of(item.get("name")), _text_of(item.get("arguments"))
+            calls.append(Call(name, arguments, _text_of(item.get("call_id"))))
+    return Message("assistant", text or None, calls)
+
+
+@dataclass
+class _Writing:
+    """The output item being streamed: its text (a call's: its arguments) grows as it comes."""
+
+    type: Literal["message", "reasoning", "function_call"]
+    id: str
+    call_id: str = ""
+    name: str = ""
+    text: str = ""
+    status: str = "in_progress"
+
+    def item(self) -> JSONObject:
+        if self.type == "message":
+            return message_item(self.text, self.status, self.id)
+        if self.type == "reasoning":
+            return reasoning_item(self.text, self.id)
+        return _call_item(self.call_id, self.name, self.text, self.status, self.id)
+
+    def part(self) -> JSONObject:
+        """A message's or reasoning's (only) content part."""
+        if self.type == "message":
+            return {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
+        return {"type": "reasoning_text", "text": self.text}
+
+
+Final = Callable[[str, list[JSONObject], int], JSONObject]  # (status, items, output tokens) → response
 
 
 class ResponseStream:
     """The stream's events from one answer's deltas, each with its `sequence_number`."""
 
-    def __init__(self, final: Any, tool_style: tools.Style | None, reasoning_style: str | None) -> None:
+    def __init__(self, final: Final, tool_style: tools.Style | None, reasoning_style: str | None) -> None:
         self.final = final  # (status, output items, output tokens) → the completed response
-        self.parser = tools.parser(tool_style) if tool_style else None
-        self.reasoner = reasoning.ReasoningParser(reasoning_style) if reasoning_style else None
+        self.answer = answer.AnswerStream(tool_style, reasoning_style)
         self.seq = 0
-        self.items: list[dict[str, Any]] = []
-        self.open: dict[str, Any] | None = None  # the item being written
+        self.items: list[JSONObject] = []
+        self.open: _Writing | None = None  # the item being written
 
-    def event(self, kind: str, **data: Any) -> str:
+    def event(self, kind: str, **data: JSON) -> str:
         self.seq += 1
         return (
             f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1, **data})}\n\n"
         )
 
-    def start(self, response: dict[str, Any]) -> list[str]:
+    def start(self, response: JSONObject) -> list[str]:
         return [
             self.event("response.created", response=response),
             self.event("response.in_progress", response=response),
         ]
 
-    def _begin(self, item: dict[str, Any]) -> list[str]:
+    def _begin(self, w: _Writing) -> list[str]:
         events = self._end()
-        self.open = item
+        self.open = w
         index = len(self.items)
-        events.append(self.event("response.output_item.added", output_index=index, item=item))
-        if item["type"] in ("message", "reasoning"):
-            events.append(
-                self._part_event("content_part.added", item, index, part={**item["content"][0], "text": ""})
-            )
+        events.append(self.event("response.output_item.added", output_index=index, item=w.item()))
+        if w.type != "function_call":
+            events.append(self._part_event("content_part.added", w, index, part=w.part()))
         return events
 
-    def _part_event(self, kind: str, item: dict[str, Any], index: int, **data: Any) -> str:
+    def _part_event(self, kind: str, w: _Writing, index: int, **data: JSON) -> str:
         """An event about the (only) content part of a message or reasoning item."""
-        return self.event(f"response.{kind}", item_id=item["id"], output_index=index, content_index=0, **data)
+        return self.event(f"response.{kind}", item_id=w.id, output_index=index, content_index=0, **data)
 
     def _end(self) -> list[str]:
-        item, self.open = self.open, None
-        if item is None:
+        w, self.open = self.open, None
+        if w is None:
             return []
-        index, events = len(self.items), []
+        index, events, item = len(self.items), [], w.item()
         self.items.append(item)
-        if item["type"] in ("message", "reasoning"):
-            part, kind = item["content"][0], "output_text" if item["type"] == "message" else "reasoning_text"
-            events.append(self._part_event(f"{kind}.done", item, index, text=part["text"]))
-            events.append(self._part_event("content_part.done", item, index, part=part))
+        if w.type != "function_call":
+            kind = "output_text" if w.type == "message" else "reasoning_text"
+            events.append(self._part_event(f"{kind}.done", w, index, text=w.text))
+            events.append(self._part_event("content_part.done", w, index, part=w.part()))
         else:
             events.append(
                 self.event(
                     "response.function_call_arguments.done",
-                    item_id=item["id"],
+                    item_id=w.id,
                     output_index=index,
-                    arguments=item["arguments"],
-                    name=item["name"],
+                    arguments=w.text,
+                    name=w.name,
                 )
             )
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
 
-    def _text(self, kind: str, text: str) -> list[str]:
+    def _text(self, kind: Literal["message", "reasoning"], text: str) -> list[str]:
         events = []
-        if self.open is None or self.open["type"] != kind:
-            events += self._begin(
-                message_item("", "in_progress") if kind == "message" else reasoning_item("")
-            )
+        if self.open is None or self.open.type != kind:
+            events += self._begin(_Writing(kind, _id("msg" if kind == "message" else "rs")))
         assert self.open is not None
-        self.open["content"][0]["text"] += text
+        self.open.text += text
         name = "output_text" if kind == "message" else "reasoning_text"
-        extra: dict[str, Any] = {"logprobs": []} if kind == "message" else {}
+        extra: JSONObject = {"logprobs": []} if kind == "message" else {}
         events.append(
             self.event(
                 f"response.{name}.delta",
-                item_id=self.open["id"],
+                item_id=self.open.id,
                 output_index=len(self.items),
                 content_index=0,
                 delta=text,
@@ -435,45 +489,27 @@ class ResponseStream:
         return events
 
     def delta(self, d: Delta) -> list[str]:
-        events, text = [], d.text
-        if self.reasoner is not None:
-            pieces = (self.reasoner.feed(d.text) if d.text else []) + (
-                self.reasoner.finish() if d.finish_reason is not None else []
-            )
-            events += [e for kind, t in pieces if kind == "reasoning" for e in self._text("reasoning", t)]
-            text = "".join(t for kind, t in pieces if kind == "content")
-        found: list[tools.Event] = [tools.Content(text)] if text and self.parser is None else []
-        if self.parser is not None:
-            found = (self.parser.feed(text) if text else []) + (
-                self.parser.finish() if d.finish_reason else []
-            )
-        for e in found:
-            if isinstance(e, tools.Content):
+        events: list[str] = []
+        for e in self.answer.feed(d):
+            if isinstance(e, answer.Reasoning):
+                events += self._text("reasoning", e.text)
+            elif isinstance(e, tools.Content):
                 events += self._text("message", e.text) if e.text else []
             elif isinstance(e, tools.CallStart):
-                events += self._begin(
-                    {
-                        "type": "function_call",
-                        "id": _id("fc"),
-                        "call_id": e.id,
-                        "name": e.name,
-                        "arguments": "",
-                        "status": "in_progress",
-                    }
-                )
+                events += self._begin(_Writing("function_call", _id("fc"), e.id, e.name))
             elif self.open is not None:
-                self.open["arguments"] += e.text
+                self.open.text += e.text
                 events.append(
                     self.event(
                         "response.function_call_arguments.delta",
-                        item_id=self.open["id"],
+                        item_id=self.open.id,
                         output_index=len(self.items),
                         delta=e.text,
                     )
                 )
         if d.finish_reason is not None:
             if self.open is not None:
-                self.open["status"] = "completed"
+                self.open.status = "completed"
             events += self._end()
             status = "incomplete" if d.finish_reason == "length" else "completed"
             response = self.final(status, self.items, d.index)
@@ -492,18 +528,19 @@ async def create_response(request: Request, body: ResponseRequest) -> Response:
     ex = Exchange(request, refusals=(OpenAIError,))
     st = ex.st
     with ex.refused():
-        schema.check_model(body.model, st.config.model_id, st.adapters)
+        st.check_model(body.model)
         messages = conversation(body, store_of(request))
         chat = to_chat(body, messages)
-    reqs, tool_style = await chat_requests(ex, chat, 1)
+    with renamed(PARAMS):
+        reqs, tool_style = await chat_requests(ex, chat)
     model = st.adapter_of(body.model) or st.config.model_id
     style, prompt = st.config.reasoning_parser, reqs[0].input_length
 
-    def final(status: str, items: list[dict[str, Any]], generated: int, cached: int) -> dict[str, Any]:
+    def final(status: str, items: list[JSONObject], generated: int, cached: int) -> JSONObject:
         """`cached`: the prompt tokens the prefix cache served."""
         response = response_json(body, rid, created, model, status, items, (prompt, generated, cached))
         if body.store is not False:
-            store_of(request).put(response, messages + _assistant_turn(items))
+            store_of(request).put(response, msgspec.to_builtins([*messages, _assistant_turn(items)]))
         return response
 
     if not body.stream:

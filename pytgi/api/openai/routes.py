@@ -1,8 +1,9 @@
 """OpenAI's routes: /v1/models, /v1/completions, /v1/chat/completions.
 
-A request's trip: OpenAI's own rules (`schema`), then conversion into the router's `GenerateInput` and
-the same validation, admission, engine streams and output processing as TGI's routes, then OpenAI's
-shapes (`render`). No torch here.
+A request's trip: OpenAI's own rules (`schema`), then translation into the chat request every chat API
+speaks (`pytgi.api.chat`) or, for completions, into the router's `GenerateInput`; the same validation,
+admission, engine streams and output processing as TGI's routes; then OpenAI's shapes (`render`). No
+torch here.
 """
 
 from __future__ import annotations
@@ -10,15 +11,15 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request, Response
 
-from pytgi.api.chat.requests import chat_requests, named
+from pytgi.api.chat.language import renamed
+from pytgi.api.chat.requests import chat_requests, choices
 from pytgi.api.exchange import Exchange, sse_event
 from pytgi.api.frontend.bodies import ValidRequest
 from pytgi.api.frontend.infer import Generation
-from pytgi.api.json_response import JSONResponse
+from pytgi.api.json_response import JSONObject, JSONResponse
 from pytgi.api.openai import lora_routes, render, responses, schema
 from pytgi.api.openai.error_shape import OpenAIError, from_infer_error, install_handlers
 from pytgi.api.state import State, state_of
@@ -29,9 +30,9 @@ _STARTED = int(time.time())
 
 
 # -- routes ----------------------------------------------------------------------------------------
-def _model_card(st: State, adapter: str | None = None) -> dict[str, Any]:
+def _model_card(st: State, adapter: str | None = None) -> JSONObject:
     """The served model's card, or an adapter's (vLLM's shape: its directory and its parent)."""
-    card = {"object": "model", "created": _STARTED, "owned_by": "pytgi"}
+    card: JSONObject = {"object": "model", "created": _STARTED, "owned_by": "pytgi"}
     if adapter is None:
         return {"id": st.config.model_id, **card}
     return {"id": adapter, **card, "root": st.adapters[adapter], "parent": st.config.model_id}
@@ -47,7 +48,7 @@ async def list_models(request: Request) -> JSONResponse:
 @router.get("/v1/models/{model:path}", tags=["OpenAI"])
 async def retrieve_model(request: Request, model: str) -> JSONResponse:
     st = state_of(request)
-    schema.check_model(model, st.config.model_id, st.adapters)  # the names the other routes accept
+    st.check_model(model)  # the names the other routes accept
     return JSONResponse(_model_card(st, st.adapter_of(model)))
 
 
@@ -55,7 +56,7 @@ def _begin(request: Request, body: schema.SamplingBody) -> tuple[Exchange, int]:
     """What both routes check first; returns the exchange and n."""
     ex = Exchange(request, refusals=(OpenAIError,))
     with ex.refused():
-        schema.check_model(body.model, ex.st.config.model_id, ex.st.adapters)
+        ex.st.check_model(body.model)
         return ex, schema.check_sampling(body)
 
 
@@ -63,10 +64,10 @@ async def _answer(
     ex: Exchange,
     body: schema.SamplingBody,
     reqs: list[ValidRequest],
-    head: dict[str, Any],
+    head: JSONObject,
     prompt_tokens: int,
     renderer: Callable[[], render.StreamRenderer],
-    choice: Callable[[int, ValidRequest, Generation], dict[str, Any]],
+    choice: Callable[[int, ValidRequest, Generation], JSONObject],
 ) -> Response:
     """Stream the choices, or run them to completion and answer them in one body."""
     if body.stream:
@@ -117,7 +118,7 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
 
     async def prepare() -> list[ValidRequest]:
         reqs = []
-        with named(names):
+        with renamed(names):
             for prompt in prompts:
                 gi = schema.to_input(
                     body,
@@ -129,7 +130,7 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
                     grammar=grammar,
                     adapter=ex.st.adapter_of(body.model),
                 )
-                reqs += schema.choices(await validation.validate(gi), n, body.seed)
+                reqs += choices(await validation.validate(gi), n, body.seed)
         return reqs
 
     reqs = await ex.admit(len(prompts) * n, prepare)
@@ -148,7 +149,7 @@ async def completions(request: Request, body: schema.CompletionRequest) -> Respo
             [r.inputs if echo else "" for r in reqs],
         )
 
-    def choice(index: int, req: ValidRequest, g: Generation) -> dict[str, Any]:
+    def choice(index: int, req: ValidRequest, g: Generation) -> JSONObject:
         prefix = req.inputs if echo else ""
         logprobs = None
         if body.logprobs is not None:
@@ -169,7 +170,10 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
     created = int(time.time())
     ex, n = _begin(request, body)
     st = ex.st
-    reqs, tool_style = await chat_requests(ex, body, n)
+    with ex.refused():
+        chat, param = schema.to_chat(body, n)
+    with renamed(param):
+        reqs, tool_style = await chat_requests(ex, chat)
     model = st.adapter_of(body.model) or st.config.model_id
     head = render.head("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", created, model)
 
@@ -186,7 +190,7 @@ async def chat_completions(request: Request, body: schema.ChatCompletionRequest)
             reasoning_style=st.config.reasoning_parser,
         )
 
-    def choice(index: int, req: ValidRequest, g: Generation) -> dict[str, Any]:
+    def choice(index: int, req: ValidRequest, g: Generation) -> JSONObject:
         message, finish = render.chat_message(
             g.output.text, g.output.finish_reason, tool_style, st.config.reasoning_parser
         )

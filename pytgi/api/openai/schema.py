@@ -1,38 +1,50 @@
-"""OpenAI's request bodies, the rules only OpenAI's API has, and the conversion of a body into the
-router's `GenerateInput` (as TGI's `try_into_generate` does), so that every rule the two APIs share is
+"""OpenAI's request bodies, the rules only OpenAI's API has, and their translation: a chat body into
+the chat request every chat API speaks (`to_chat`, `pytgi.api.chat.language`), a completion body into
+the router's `GenerateInput` (as TGI's `try_into_generate` does), so that every rule the APIs share is
 checked once, by `pytgi.api.frontend.validation`. No torch here.
 """
 
 from __future__ import annotations
 
-import copy
-import random
-from collections.abc import Collection
-from typing import Any, Literal
+import json
+import re
+from collections.abc import Callable, Mapping
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pytgi.api.frontend.bodies import (
-    F32,
-    I32,
-    I64,
-    U32,
-    Bool,
-    GenerateInput,
-    GenerateParameters,
-    GrammarType,
-    ValidRequest,
+from pytgi.api.chat.constraints import StructuredFields, one
+from pytgi.api.chat.language import (
+    MAX_TOP_LOGPROBS,
+    Call,
+    ChatRequest,
+    Function,
+    Image,
+    Message,
+    Named,
+    Part,
+    ReasoningEffort,
+    Role,
+    Sampling,
+    Text,
+    ToolChoice,
 )
-from pytgi.api.frontend.media import ImageRef
-from pytgi.api.openai.error_shape import OpenAIError, invalid
-from pytgi.core.errors import InvalidRequest
+from pytgi.api.frontend.bodies import F32, I32, I64, U32, Bool, GenerateInput, GrammarType
+from pytgi.api.json_response import JSONObject
+from pytgi.api.openai.error_shape import invalid
 
 MAX_N = 8  # choices per prompt
 MAX_COMPLETION_LOGPROBS = 20  # as chat's top_logprobs (OpenAI's legacy bound was 5; vLLM allows 20)
-MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's bound for `top_logprobs`
-MODEL_ALIASES = ("", "tgi")  # also served: what TGI's OpenAI routes accept
-ROLES = {"system", "user", "assistant", "tool", "function", "developer"}
-ReasoningEffort = Literal["low", "medium", "high"]  # what gpt-oss's template and training know
+MAX_CHAT_TOP_LOGPROBS = MAX_TOP_LOGPROBS  # OpenAI's bound for `top_logprobs`
+# each role a message may have, and the chat request's (`developer` is the system role)
+ROLES: dict[str, Role] = {
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "function": "function",
+    "developer": "system",
+}
 
 
 # -- request bodies --------------------------------------------------------------------------------
@@ -48,7 +60,7 @@ class StreamOptions(_Body):
 class JsonSchemaFormat(_Body):
     name: str | None = None
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    schema_: JSONObject | None = Field(default=None, alias="schema")
     strict: Bool | None = None
 
 
@@ -57,16 +69,7 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputs(_Body):
-    """vLLM's `structured_outputs` (one of them)."""
-
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-
-
-class SamplingBody(_Body):
+class SamplingBody(_Body, StructuredFields):
     model: str | None = None
     # OpenAI's: requests that share it (and their prompt's start) go to the same engine replica
     prompt_cache_key: str | None = None
@@ -88,11 +91,6 @@ class SamplingBody(_Body):
     min_p: F32 | None = None
     repetition_penalty: F32 | None = None
     ignore_eos: Bool | None = False
-    structured_outputs: StructuredOutputs | None = None
-    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -124,20 +122,11 @@ class ChatCompletionRequest(SamplingBody):
     max_completion_tokens: U32 | None = None
     logprobs: Bool | None = False
     top_logprobs: U32 | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[JSONObject] | None = None
+    tool_choice: str | JSONObject | None = None
     parallel_tool_calls: Bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: e.g. {"enable_thinking": false}
+    chat_template_kwargs: JSONObject | None = None  # vLLM's: e.g. {"enable_thinking": false}
     reasoning_effort: ReasoningEffort | None = None  # → the chat template's `reasoning_effort` (gpt-oss's)
-
-    @property
-    def template_kwargs(self) -> dict[str, Any]:
-        """The chat template's variables besides messages and tools: `chat_template_kwargs`, and
-        `reasoning_effort` when given (gpt-oss's template writes it: `Reasoning: low`)."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.reasoning_effort is not None:
-            kwargs["reasoning_effort"] = self.reasoning_effort
-        return kwargs
 
     @property
     def max_new_tokens(self) -> tuple[int | None, str]:
@@ -148,19 +137,6 @@ class ChatCompletionRequest(SamplingBody):
 
 
 # -- OpenAI's own rules ----------------------------------------------------------------------------
-def check_model(model: str | None, served: str, adapters: Collection[str] = ()) -> None:
-    """`model` names the served model (or an alias of it) or one of its LoRA adapters."""
-    if not (model is None or model in MODEL_ALIASES or model == served or model in adapters):
-        also = "".join(f", `{a}`" for a in sorted(adapters))
-        raise OpenAIError(
-            404,
-            f"The model `{model}` does not exist: this server serves `{served}`{also}",
-            "invalid_request_error",
-            "model",
-            "model_not_found",
-        )
-
-
 def check_sampling(body: SamplingBody) -> int:
     """The rules TGI's parameters have no counterpart for; returns n."""
     n = 1 if body.n is None else body.n
@@ -201,67 +177,6 @@ def check_completion(body: CompletionRequest) -> list[str | list[int]]:
     return list(prompt)
 
 
-def check_chat(body: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The chat route's own rules; returns the messages for the chat template."""
-    if body.top_logprobs is not None and not body.logprobs:
-        raise invalid("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
-    return messages_for_template(body.messages)
-
-
-def messages_for_template(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages for the chat template: text parts joined; `developer` is the system role."""
-    if not messages:
-        raise invalid("`messages` cannot be empty", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if m.role not in ROLES:
-            raise invalid(
-                f"`messages[{i}].role` must be one of {sorted(ROLES)}. Given: {m.role!r}",
-                f"messages.[{i}].role",
-            )
-        d = m.model_dump(exclude_none=True)
-        if m.role == "developer":
-            d["role"] = "system"
-        if isinstance(m.content, list):
-            parts: list[dict[str, Any]] = []
-            for j, part in enumerate(m.content):
-                where = f"messages.[{i}].content.[{j}]"
-                if part.type == "text":
-                    parts.append({"type": "text", "text": part.text or ""})
-                elif part.type == "image_url":
-                    image = getattr(part, "image_url", None)
-                    url = image.get("url") if isinstance(image, dict) else image
-                    if not isinstance(url, str) or not url:
-                        raise invalid("an `image_url` part needs `image_url.url`", f"{where}.image_url")
-                    parts.append({"type": "image", IMAGE_REF: ImageRef(url, f"{where}.image_url")})
-                else:
-                    raise invalid(
-                        f"content parts of type `{part.type}` are not supported: only `text` and "
-                        "`image_url` parts are",
-                        f"{where}.type",
-                    )
-            has_image = any(p["type"] == "image" for p in parts)
-            # text alone is joined, as every template takes; with images the template gets the parts
-            d["content"] = parts if has_image else "\n".join(p["text"] for p in parts)
-        out.append(d)
-    return out
-
-
-IMAGE_REF = "_pytgi_image"  # an image part's reference, taken out (`take_images`) before the template
-
-
-def take_images(messages: list[dict[str, Any]]) -> list[ImageRef]:
-    """The image parts' references in prompt order, removed from the parts (the template sees
-    `{"type": "image"}`)."""
-    refs: list[ImageRef] = []
-    for m in messages:
-        if isinstance(m.get("content"), list):
-            for part in m["content"]:
-                if IMAGE_REF in part:
-                    refs.append(part.pop(IMAGE_REF))
-    return refs
-
-
 def constraint(body: SamplingBody) -> tuple[GrammarType | None, str]:
     """What the output must match, as the router's grammar, and the field that asked for it: OpenAI's
     `response_format`, or vLLM's `structured_outputs` / `guided_*`."""
@@ -275,28 +190,177 @@ def constraint(body: SamplingBody) -> tuple[GrammarType | None, str]:
                 "`response_format` of type `json_schema` needs `json_schema.schema`", "response_format"
             )
         given.append((GrammarType(type="json", value=rf.json_schema.schema_), "response_format"))
-    so = body.structured_outputs
-    for kind, value, field in [
-        ("json", so and so.json_, "structured_outputs"),
-        ("regex", so and so.regex, "structured_outputs"),
-        ("choice", so and so.choice, "structured_outputs"),
-        ("grammar", so and so.grammar, "structured_outputs"),
-        ("json", body.guided_json, "guided_json"),
-        ("regex", body.guided_regex, "guided_regex"),
-        ("choice", body.guided_choice, "guided_choice"),
-        ("grammar", body.guided_grammar, "guided_grammar"),
-    ]:
-        if value is not None:
-            given.append((GrammarType(type=kind, value=value), field))  # type: ignore[arg-type]
-    if len(given) > 1:
+    return one(given + body.structured_constraints(), "response_format")
+
+
+def sampling(body: SamplingBody, max_tokens: int | None) -> Sampling:
+    """The body's sampling fields, in the chat request's terms."""
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        seed=body.seed,
+        logit_bias=logit_bias(body),
+        ignore_eos=bool(body.ignore_eos),
+    )
+
+
+# -- a chat body into the chat request -------------------------------------------------------------
+def _parts(content: list[ContentPart], i: int) -> list[Part]:
+    parts: list[Part] = []
+    for j, part in enumerate(content):
+        where = f"messages.[{i}].content.[{j}]"
+        if part.type == "text":
+            parts.append(Text(part.text or ""))
+        elif part.type == "image_url":
+            image = (part.model_extra or {}).get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str) or not url:
+                raise invalid("an `image_url` part needs `image_url.url`", f"{where}.image_url")
+            parts.append(Image(url, f"{where}.image_url"))
+        else:
+            raise invalid(
+                f"content parts of type `{part.type}` are not supported: only `text` and `image_url` "
+                "parts are",
+                f"{where}.type",
+            )
+    return parts
+
+
+def _calls(given: object, i: int) -> list[Call]:
+    """An assistant message's `tool_calls` (arguments as JSON text, as OpenAI sends them)."""
+    if given is None:
+        return []
+    if not isinstance(given, list) or not all(isinstance(c, dict) for c in given):
         raise invalid(
-            "give one structured-output constraint, not several: " + ", ".join(field for _, field in given),
-            given[1][1],
+            f"`messages[{i}].tool_calls` must be a list of tool calls", f"messages.[{i}].tool_calls"
         )
-    return given[0] if given else (None, "response_format")
+    calls = []
+    for c in given:
+        fn = c.get("function")
+        fn = fn if isinstance(fn, dict) else {}
+        name, args, call_id = fn.get("name"), fn.get("arguments"), c.get("id")
+        if not isinstance(args, str):
+            args = json.dumps({} if args is None else args, ensure_ascii=False)
+        calls.append(
+            Call(name if isinstance(name, str) else "", args, None if call_id is None else str(call_id))
+        )
+    return calls
 
 
-# -- into the router's request ---------------------------------------------------------------------
+def chat_messages(messages: list[ChatMessage]) -> list[Message]:
+    """The messages in the chat request's terms: `developer` is the system role, and the fields the
+    chat request does not name (`name`, ...) go to the template as they are."""
+    out = []
+    for i, m in enumerate(messages):
+        role = ROLES.get(m.role)
+        if role is None:
+            raise invalid(
+                f"`messages[{i}].role` must be one of {sorted(ROLES)}. Given: {m.role!r}",
+                f"messages.[{i}].role",
+            )
+        fields = {k: v for k, v in (m.model_extra or {}).items() if v is not None}
+        calls = _calls(fields.pop("tool_calls", None), i)
+        call_id = fields.pop("tool_call_id") if isinstance(fields.get("tool_call_id"), str) else None
+        content = _parts(m.content, i) if isinstance(m.content, list) else m.content
+        out.append(Message(role, content, calls, call_id, fields))
+    return out
+
+
+def _functions(tools: list[JSONObject]) -> list[Function]:
+    out = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+        ):
+            raise invalid(f'`tools[{i}]` must be {{"type": "function", "function": {{...}}}}', f"tools.[{i}]")
+        name = fn.get("name")
+        if not isinstance(name, str):
+            raise invalid(
+                f"`tools[{i}].function.name` must be a string. Given: {name!r}", f"tools.[{i}].function.name"
+            )
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise invalid(
+                f"`tools[{i}].function.parameters` must be a JSON schema object",
+                f"tools.[{i}].function.parameters",
+            )
+        desc = fn.get("description")
+        out.append(Function(name, desc if isinstance(desc, str) else None, params))
+    return out
+
+
+def _tool_choice(tool_choice: str | JSONObject | None) -> ToolChoice | None:
+    if tool_choice is None:
+        return None
+    if isinstance(tool_choice, str):
+        if tool_choice not in ("none", "auto", "required"):
+            raise invalid(
+                f'`tool_choice` must be "none", "auto", "required" or a named function. '
+                f"Given: {tool_choice!r}",
+                "tool_choice",
+            )
+        return tool_choice  # type: ignore[return-value]
+    fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise invalid(
+            'a named `tool_choice` must be {"type": "function", "function": {"name": ...}}', "tool_choice"
+        )
+    return Named(name)
+
+
+_TOOL_FIELD = re.compile(r"tools\.(\d+)\.(\w+)")
+
+
+def chat_param(names: Mapping[str, str]) -> Callable[[str], str]:
+    """OpenAI's name for a chat request's field (`names`: those that depend on the body)."""
+
+    def param(name: str) -> str:
+        tool = _TOOL_FIELD.fullmatch(name)
+        if tool is not None:
+            return f"tools.[{tool[1]}].function.{tool[2]}"
+        return names.get(name, name)
+
+    return param
+
+
+def to_chat(body: ChatCompletionRequest, n: int = 1) -> tuple[ChatRequest, Callable[[str], str]]:
+    """The chat request an OpenAI chat body asks for (OpenAI's own rules checked on the way), and
+    OpenAI's name for each of its fields (for `param`)."""
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("`top_logprobs` needs `logprobs` set to true", "top_logprobs")
+    messages = chat_messages(body.messages)
+    grammar, grammar_field = constraint(body)
+    max_tokens, max_tokens_field = body.max_new_tokens
+    chat = ChatRequest(
+        messages,
+        sampling(body, max_tokens),
+        n=n,
+        top_logprobs=body.top_logprobs if body.logprobs else None,
+        tools=_functions(body.tools or []),
+        tool_choice=_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        constraint=grammar,
+        reasoning_effort=body.reasoning_effort,
+        chat_template_kwargs=dict(body.chat_template_kwargs or {}),
+        stream=bool(body.stream),
+        model=body.model,
+        cache_key=body.prompt_cache_key,
+    )
+    return chat, chat_param({"max_tokens": max_tokens_field, "constraint": grammar_field})
+
+
+# -- a completion body into the router's request ---------------------------------------------------
 def to_input(
     body: SamplingBody,
     inputs: str | list[int],
@@ -310,58 +374,14 @@ def to_input(
 ) -> GenerateInput:
     """TGI's parameters for an OpenAI body: temperature 0 is greedy, any other samples (OpenAI's default
     temperature is 1); top_p 1 and top_k 0 / -1 disable them; the stop text is cut."""
-    temperature = 1.0 if body.temperature is None else body.temperature
-    top_k = None if body.top_k in (None, 0, -1) else body.top_k
-    params = GenerateParameters.model_construct(
-        temperature=temperature if temperature != 0 else None,
-        do_sample=temperature != 0,
-        top_p=None if body.top_p in (None, 1.0) else body.top_p,
-        top_k=top_k,
-        repetition_penalty=body.repetition_penalty,
-        frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty,
-        max_new_tokens=max_new_tokens,
-        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-        seed=None if body.seed is None else body.seed % 2**64,  # OpenAI's int64 seeds into the engine's u64
-        top_n_tokens=top_n,
-        decoder_input_details=prompt_logprobs,
-        ignore_eos_token=bool(body.ignore_eos),
-        best_of=None,
-        typical_p=None,
-        return_full_text=None,
-        truncate=None,
-        watermark=False,
-        details=True,
-        grammar=grammar,
-        adapter_id=adapter,
-    )
-    return GenerateInput(
+    return sampling(body, max_new_tokens).to_input(
         inputs,
-        params,
+        top_n,
+        max_top_n,
         stream=bool(body.stream),
+        prompt_logprobs=prompt_logprobs,
         add_special_tokens=add_special_tokens,
-        include_stop_str_in_output=False,
-        max_top_n_tokens=max_top_n,
-        min_p=body.min_p,
-        logit_bias=logit_bias(body),
+        grammar=grammar,
+        adapter=adapter,
         cache_key=body.prompt_cache_key,
     )
-
-
-def as_openai(exc: InvalidRequest, names: dict[str, str]) -> OpenAIError:
-    """A shared rule's refusal, naming OpenAI's field (`names`: TGI's name → the body's)."""
-    param = names.get(exc.param or "", exc.param)
-    return invalid(exc.message, param, exc.code)
-
-
-def choices(req: ValidRequest, n: int, seed: int | None) -> list[ValidRequest]:
-    """n engine requests for n choices: a given seed becomes seed + choice, so each is reproducible;
-    without one each sampled choice draws its own."""
-    out = [req]
-    for i in range(1, n):
-        other = copy.copy(req)
-        other.sampling = copy.copy(req.sampling)
-        if req.sampling.sampling:
-            other.sampling.seed = random.getrandbits(63) if seed is None else (seed + i) % 2**64
-        out.append(other)
-    return out
