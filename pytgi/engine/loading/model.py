@@ -1,4 +1,5 @@
-"""Build a model from a Hugging Face directory: config, architecture check, safetensors weights."""
+"""A model built from its directory: whose code runs it (its family's, or transformers'), its config
+read by its family, then its weights from one source through one quantization method."""
 
 from __future__ import annotations
 
@@ -41,13 +42,19 @@ def read_config(path: Path) -> dict[str, Any]:
 MODEL_IMPLS = ("auto", "pytgi", "transformers")
 
 
+def _own_family(cfg: dict[str, Any]) -> Family | None:
+    """The family whose code runs config.json's architecture (a decoder's classifier or bare model:
+    its causal LM's); None where pytgi has none."""
+    arch = (cfg.get("architectures") or [None])[0]
+    return family_of(causal_lm(arch) or arch)
+
+
 def model_impl(cfg: dict[str, Any], path: Path, impl: str = "auto") -> str:
     """Whose model code runs this model: pytgi's where it has it (auto), or transformers'."""
     if impl not in MODEL_IMPLS:
         raise ValueError(f"unknown model implementation {impl!r} ({' | '.join(MODEL_IMPLS)})")
     arch = (cfg.get("architectures") or [None])[0]
-    arch = causal_lm(arch) or arch  # a decoder's classifier or bare model: its causal LM's code
-    own = family_of(arch) is not None
+    own = _own_family(cfg) is not None
     if impl == "transformers" or (impl == "auto" and not own and arch is not None):
         return "transformers"
     if not own:
@@ -62,10 +69,7 @@ def model_impl(cfg: dict[str, Any], path: Path, impl: str = "auto") -> str:
 def model_family(path: Path, impl: str = "auto") -> Family | None:
     """The family whose code runs the model (None: transformers' code runs it)."""
     hf = read_config(path)
-    if model_impl(hf, path, impl) == "transformers":
-        return None
-    arch = (hf.get("architectures") or [None])[0]
-    return family_of(causal_lm(arch) or arch)
+    return None if model_impl(hf, path, impl) == "transformers" else _own_family(hf)
 
 
 def eos_token_ids(path: Path) -> frozenset[int]:
