@@ -165,8 +165,9 @@ FAMILIES: tuple[Family, ...] = (
         "Phi-3",
         "Phi3",
         (GgufName("phi3", "Phi3ForCausalLM", "phi3"),),
+        attention=_WINDOWED,
         pooling=False,
-        note="q, k, v and gate, up fused in the checkpoint",
+        note="q, k, v and gate, up fused in the checkpoint; a window where the checkpoint sets one",
     ),
     _llama_like(
         "Mixtral",
