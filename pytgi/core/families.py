@@ -221,6 +221,17 @@ FAMILIES: tuple[Family, ...] = (
         note="IBM Granite 3.x: Llama with embedding, attention, residual and logit multipliers",
     ),
     Family(
+        name="SmolLM3",
+        module="smollm3",
+        config="smollm3_config",
+        generators=("SmolLM3ForCausalLM",),
+        gguf=(GgufName("smollm3", "SmolLM3ForCausalLM", "smollm3", permuted_qk=True),),
+        attention=_WINDOWED,
+        tools=("hermes",),
+        reasoning="qwen3",
+        note="Llama's layers, every fourth without rotary embedding (NoPE, `no_rope_layers`)",
+    ),
+    Family(
         name="Gemma 2",
         module="gemma",
         config="gemma_config",

@@ -79,6 +79,12 @@ HYBRID_LAYER_TENSORS = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
+# OLMo 2/3 and Exaone 4 norm the sublayers' outputs (and not their inputs)
+POST_NORM_TYPES = frozenset({"olmo2", "olmo3", "exaone4"})
+POST_NORM_LAYER_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # Phi-3 keeps q, k, v and gate, up fused
 PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -93,6 +99,10 @@ _GPT4O_REGEX = (  # o200k (gpt-oss, GPT-4o)
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SEED_CODER_REGEX = (  # Seed-Coder's tokenizer.json: digits one by one, no newline joined to punctuation
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -198,19 +208,7 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
             tie_word_embeddings="output.weight" not in names,
         )
     if model_type == "gpt_oss":
-        rope = {"rope_type": "default", "rope_theta": config["rope_theta"]}
-        if _field(reader, f"{arch}.rope.scaling.type") == "yarn":
-            rope = {
-                "rope_type": "yarn",
-                "rope_theta": config["rope_theta"],
-                "factor": float(_required(reader, f"{arch}.rope.scaling.factor")),
-                "original_max_position_embeddings": int(
-                    _required(reader, f"{arch}.rope.scaling.original_context_length")
-                ),
-                "beta_fast": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
-                "beta_slow": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
-                "truncate": False,  # gpt-oss's (llama.cpp does not store it)
-            }
+        rope = _rope(reader, arch, config["rope_theta"], truncate=False)  # gpt-oss's (llama.cpp stores none)
         layers = config["num_hidden_layers"]
         config.update(
             num_local_experts=int(experts),
@@ -224,6 +222,23 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
             attention_bias=True,
             rope_parameters=rope,
         )
+    if model_type == "olmo2":  # OLMo 2; with windows OLMo 3 (llama.cpp writes both as "olmo2")
+        config.update(rope_parameters=_rope(reader, arch, config["rope_theta"]))
+        if window := _field(reader, f"{arch}.attention.sliding_window"):
+            layers = config["num_hidden_layers"]
+            pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+            pattern = [(i + 1) % 4 != 0 for i in range(layers)] if pattern is None else pattern
+            local = float(_field(reader, f"{arch}.rope.freq_base_swa", config["rope_theta"]))
+            config.update(
+                architectures=["Olmo3ForCausalLM"],
+                model_type="olmo3",
+                sliding_window=int(window),
+                layer_types=["sliding_attention" if p else "full_attention" for p in pattern],
+                rope_parameters={
+                    "full_attention": config["rope_parameters"],
+                    "sliding_attention": {"rope_type": "default", "rope_theta": local},
+                },
+            )
     if model_type in HYBRID_TYPES:
         layers = config["num_hidden_layers"]
         recurrent = _field(reader, f"{arch}.attention.recurrent_layers")
@@ -265,6 +280,31 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
     return config
 
 
+def _rope(reader: Reader, arch: str, theta: float, truncate: bool | None = None) -> dict[str, Any]:
+    """The RoPE parameters a file stores: plain, or YaRN's (`truncate`: the family's, if it has one
+    llama.cpp does not store)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind not in (None, "none", "yarn"):
+        raise GGUFConversionError(f"the GGUF file's {kind!r} RoPE scaling is not supported for {arch!r}")
+    if kind == "yarn":
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": theta,
+            "factor": float(_required(reader, f"{arch}.rope.scaling.factor")),
+            "original_max_position_embeddings": int(
+                _required(reader, f"{arch}.rope.scaling.original_context_length")
+            ),
+            "beta_fast": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+        }
+        if (attn := _field(reader, f"{arch}.rope.scaling.yarn_attn_factor")) is not None:
+            rope["attention_factor"] = float(attn)
+        if truncate is not None:
+            rope["truncate"] = truncate
+    return rope
+
+
 def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     if model_type in HYBRID_TYPES and name.endswith(".ssm_a"):  # a bare parameter: −exp(A_log)
         return f"model.layers.{name.split('.')[1]}.linear_attn.A_log"
@@ -283,6 +323,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         if model_type == "gpt_oss"
         else {**LAYER_TENSORS, **HYBRID_LAYER_TENSORS}
         if model_type in HYBRID_TYPES
+        else {**LAYER_TENSORS, **POST_NORM_LAYER_TENSORS}
+        if model_type in POST_NORM_TYPES
         else LAYER_TENSORS
     )
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
@@ -409,13 +451,16 @@ def gguf_tokenizer_json(reader: Reader) -> str:
     split = {
         "smollm": _GPT2_REGEX.replace(r" ?\p{N}+", r"\p{N}"),
         "llama-bpe": _LLAMA3_REGEX,
+        "dbrx": _LLAMA3_REGEX,  # cl100k's split (DBRX; OLMo 2/3's dolma2 tokenizer)
         "qwen2": _QWEN2_REGEX,
         "gpt-4o": _GPT4O_REGEX,
+        "seed-coder": _SEED_CODER_REGEX,
+        # GPT-2's split: "olmo" (OLMo 1's GPT-NeoX tokenizer) and "exaone4" (llama.cpp reads it as "gpt2")
     }.get(pre, _GPT2_REGEX)
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
     )
-    if pre == "smollm":  # exactly what SmolLM's own tokenizer.json does
+    if pre in ("smollm", "command-r"):  # exactly what SmolLM's own tokenizer.json does (and Command-R's)
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Digits(individual_digits=True),

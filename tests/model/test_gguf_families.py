@@ -4,7 +4,11 @@ interleaving, experts stacked per kind, Phi-3's fused tensors, the metadata keys
 and serves the file, and its logits equal transformers' on the original model (fp32).
 
 The layout below was checked against files that llama.cpp's own `convert_hf_to_gguf.py` made from
-such models (docs/models.md says how)."""
+such models (docs/models.md says how). Checked on 2026-12-07 with the llama-cpp-python 0.3.36 sdist's
+converter (`--outtype f32`, 4-layer models with SmolLM2's tokenizer), pytgi serving each file with
+transformers' logits:
+- SmolLM3: tensor names and metadata as written here, q/k rows interleaved (no key for the NoPE
+  layers), `tokenizer.ggml.pre` "smollm" (SmolLM2's tokenizer; SmolLM3's own is Llama 3's)."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ BASE = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+TINY_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # (some families' defaults are past 97)
 FAMILIES = {
     "mixtral": (
         "llama",
@@ -72,6 +77,14 @@ FAMILIES = {
         transformers.GraniteConfig,
         transformers.GraniteForCausalLM,
         {**dict(TINY["granite"][1]), "tie_word_embeddings": False},
+    ),
+    # four layers: llama.cpp's smollm3 forward leaves every fourth without rotary embedding (no key
+    # in the file says so), as SmolLM3's default no_rope_layers does; q/k rows interleaved
+    "smollm3": (
+        "smollm3",
+        transformers.SmolLM3Config,
+        transformers.SmolLM3ForCausalLM,
+        dict(BASE, **TINY_IDS, num_hidden_layers=4),
     ),
     # sinks, alternating 8-token windows (the 23-token prompt reaches past them), YaRN, the oai experts
     "gpt-oss": (
@@ -124,6 +137,15 @@ GPT_OSS = {
 }
 
 
+# OLMo 2/3's and Exaone 4's norms of the sublayers' outputs
+POST_NORMED = ("olmo2", "exaone4")
+POST_NORMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's LlamaModel subclasses: q/k rows interleaved
+
+
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's interleaving of the q/k rows of a "llama" file."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -138,7 +160,8 @@ def common_metadata(w, cfg) -> None:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # (OLMo 3: per layer type)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
     if getattr(cfg, "head_dim", None):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -192,6 +215,19 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
         w.add_logit_scale(cfg.logits_scaling)
+    if arch == "olmo2" and getattr(
+        cfg, "sliding_window", None
+    ):  # OLMo 3, as llama.cpp's Olmo2Model writes it
+        full, local = cfg.rope_parameters["full_attention"], cfg.rope_parameters["sliding_attention"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(full["factor"])
+        w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_attn_factor(full["attention_factor"])
+        w.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
+        w.add_rope_freq_base_swa(local["rope_theta"])
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     byte_vocabulary(w, cfg.vocab_size)
     for name, t in hf.state_dict().items():
         a = t.detach().float().numpy()
@@ -220,11 +256,12 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
                     add(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
                     add(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
                 continue
-            if arch in ("llama", "granite") and stem in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in PERMUTED and stem in ("self_attn.q_proj", "self_attn.k_proj"):
                 a = _permute(
                     a, cfg.num_attention_heads if stem.endswith("q_proj") else cfg.num_key_value_heads
                 )
-            add(f"blk.{i}.{LAYER[stem]}.{kind}", np.ascontiguousarray(a))
+            layer = {**LAYER, **POST_NORMS} if arch in POST_NORMED else LAYER
+            add(f"blk.{i}.{layer[stem]}.{kind}", np.ascontiguousarray(a))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -32,6 +32,8 @@ BASE = dict(
     rms_norm_eps=1e-6,
 )
 
+SMALL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # families whose defaults are past 97
+
 CONFIGS = {
     "llama": (transformers.LlamaConfig, dict(BASE, rope_theta=10000.0)),
     "llama-mha-tied": (transformers.LlamaConfig, dict(BASE, num_key_value_heads=4, tie_word_embeddings=True)),
@@ -178,6 +180,23 @@ CONFIGS = {
             logits_scaling=4.0,
         ),
     ),
+    # SmolLM3: the middle layer of three without rotary embedding (NoPE); then with an 8-token window,
+    # which SmolLM3's config puts on the NoPE layers
+    "smollm3-nope": (
+        transformers.SmolLM3Config,
+        dict(BASE, **SMALL_IDS, num_hidden_layers=3, no_rope_layer_interval=2, tie_word_embeddings=False),
+    ),
+    "smollm3-sliding-tied": (
+        transformers.SmolLM3Config,
+        dict(
+            BASE,
+            **SMALL_IDS,
+            num_hidden_layers=3,
+            no_rope_layers=[1, 0, 0],
+            use_sliding_window=True,
+            sliding_window=8,
+        ),
+    ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
     "olmo2-via-transformers": (transformers.Olmo2Config, dict(BASE)),
     "gpt-neox-via-transformers": (
@@ -224,6 +243,7 @@ ARCH = {
     transformers.GptOssConfig: transformers.GptOssForCausalLM,
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
+    transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
 }
 
 

@@ -23,6 +23,12 @@ def _linears(layer):
     return tuple(getattr(m, "inner", m) for m in mods)
 
 
+def _plain_layers(cfg) -> bool:
+    """No layer differs in a way the C loops do not take: NoPE layers, norms after the sublayers only,
+    q/k norms over the whole projection (`DecoderConfig`'s fields for SmolLM3, OLMo 2/3, Exaone 4)."""
+    return cfg.rope_layers is None and cfg.pre_norms and not cfg.qk_norm_whole
+
+
 def _packed(layer) -> list[int]:
     """(address, format) of each linear's packed weight, in _linears' order."""
     return [v for mod in _linears(layer) for v in (mod.quant.packed.data_ptr(), mod.quant.bits)]
@@ -66,6 +72,7 @@ class DecoderLoop:
             or cfg.linear is not None
             or cfg.attn_output_gate
             or cfg.residual_scale is not None
+            or not _plain_layers(cfg)
         )
 
     def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
@@ -134,7 +141,8 @@ class GemmaDecoderLoop(DecoderLoop):
 
     @staticmethod
     def _applies(cfg) -> bool:
-        return not cfg.attention_bias and not cfg.attn_logit_softcapping  # soft-capped attention is not paged
+        # soft-capped attention is not paged
+        return not cfg.attention_bias and not cfg.attn_logit_softcapping and _plain_layers(cfg)
 
     def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
         layer, attn = self.layers[i], self.layers[i].self_attn
