@@ -232,6 +232,18 @@ FAMILIES: tuple[Family, ...] = (
         note="Llama's layers, every fourth without rotary embedding (NoPE, `no_rope_layers`)",
     ),
     Family(
+        name="OLMo 2, OLMo 3",
+        module="olmo",
+        config="olmo_config",
+        generators=("Olmo2ForCausalLM", "Olmo3ForCausalLM"),
+        gguf=(GgufName("olmo2", "Olmo2ForCausalLM", "olmo2"),),
+        attention=_WINDOWED,
+        note=(
+            "norms after attention and the MLP only, q/k normed over all heads; OLMo 3: three "
+            "sliding layers of four (a `olmo2` GGUF file with windows reads as OLMo 3)"
+        ),
+    ),
+    Family(
         name="Gemma 2",
         module="gemma",
         config="gemma_config",

@@ -8,7 +8,10 @@ such models (docs/models.md says how). Checked on 2026-12-07 with the llama-cpp-
 converter (`--outtype f32`, 4-layer models with SmolLM2's tokenizer), pytgi serving each file with
 transformers' logits:
 - SmolLM3: tensor names and metadata as written here, q/k rows interleaved (no key for the NoPE
-  layers), `tokenizer.ggml.pre` "smollm" (SmolLM2's tokenizer; SmolLM3's own is Llama 3's)."""
+  layers), `tokenizer.ggml.pre` "smollm" (SmolLM2's tokenizer; SmolLM3's own is Llama 3's);
+- OLMo 2 and OLMo 3 ("olmo2"; OLMo 3 with an 8-token window and YaRN on its full layers): the output
+  norms as `post_attention_norm` / `post_ffw_norm`, q/k rows as the checkpoint has them, the window,
+  its pattern, `rope.freq_base_swa` and YaRN's keys as written here."""
 
 from __future__ import annotations
 
@@ -85,6 +88,31 @@ FAMILIES = {
         transformers.SmolLM3Config,
         transformers.SmolLM3ForCausalLM,
         dict(BASE, **TINY_IDS, num_hidden_layers=4),
+    ),
+    "olmo2": ("olmo2", transformers.Olmo2Config, transformers.Olmo2ForCausalLM, dict(BASE, **TINY_IDS)),
+    # OLMo 3 as "olmo2" with windows: three 8-token sliding layers of four, YaRN on the full one
+    "olmo3": (
+        "olmo2",
+        transformers.Olmo3Config,
+        transformers.Olmo3ForCausalLM,
+        dict(
+            BASE,
+            **TINY_IDS,
+            num_hidden_layers=4,
+            sliding_window=8,
+            rope_parameters={
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 500000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "attention_factor": 1.25,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
     ),
     # sinks, alternating 8-token windows (the 23-token prompt reaches past them), YaRN, the oai experts
     "gpt-oss": (
@@ -215,9 +243,7 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
         w.add_logit_scale(cfg.logits_scaling)
-    if arch == "olmo2" and getattr(
-        cfg, "sliding_window", None
-    ):  # OLMo 3, as llama.cpp's Olmo2Model writes it
+    if arch == "olmo2" and getattr(cfg, "sliding_window", None):  # OLMo 3, as llama.cpp writes it
         full, local = cfg.rope_parameters["full_attention"], cfg.rope_parameters["sliding_attention"]
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(full["factor"])

@@ -124,6 +124,36 @@ def test_tiny_gpt_oss_matches_one_shard(tmp_path):
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
 
 
+def test_tiny_olmo3_matches_one_shard(tmp_path):
+    """OLMo 3 over 2 shards (3 key/value groups split 2+1): its q/k norms span every head, so each
+    rank's sum of squares is all-reduced and each holds its heads' slice of the norm weights."""
+    torch.manual_seed(0)
+    cfg = transformers.Olmo3Config(
+        vocab_size=101,
+        hidden_size=48,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=256,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    model = transformers.Olmo3ForCausalLM(cfg)
+    with torch.no_grad():  # norms that differ per feature, so a wrong slice shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(tmp_path)
+    prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20]
+    outs = [run_sharded(tmp_path, prompts, n, "float32") for n in (1, 2)]
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
+
+
 def test_a_rank_started_by_pytgi_shard_joins_rank_0(tiny_path, tiny_reference, monkeypatch):
     """Ranks on other machines: with WORLD_SIZE set, rank 0 starts no worker; `pytgi shard` is rank 1."""
     prompts, ref = tiny_reference

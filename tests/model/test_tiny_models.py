@@ -197,8 +197,29 @@ CONFIGS = {
             sliding_window=8,
         ),
     ),
+    # OLMo 2: norms after the sublayers only, q/k normed over all heads; OLMo 3: 8-token windows on
+    # two layers of three, YaRN on the full layer and a RoPE base of its own on the sliding ones
+    "olmo2": (transformers.Olmo2Config, dict(BASE, **SMALL_IDS)),
+    "olmo3-sliding-yarn": (
+        transformers.Olmo3Config,
+        dict(
+            BASE,
+            **SMALL_IDS,
+            num_hidden_layers=3,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 500000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
-    "olmo2-via-transformers": (transformers.Olmo2Config, dict(BASE)),
     "gpt-neox-via-transformers": (
         transformers.GPTNeoXConfig,
         dict(
@@ -240,6 +261,7 @@ ARCH = {
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
     transformers.Olmo2Config: transformers.Olmo2ForCausalLM,
+    transformers.Olmo3Config: transformers.Olmo3ForCausalLM,
     transformers.GptOssConfig: transformers.GptOssForCausalLM,
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
