@@ -244,6 +244,18 @@ FAMILIES: tuple[Family, ...] = (
         ),
     ),
     Family(
+        name="Exaone 4",
+        module="exaone4",
+        config="exaone4_config",
+        generators=("Exaone4ForCausalLM",),
+        gguf=(GgufName("exaone4", "Exaone4ForCausalLM", "exaone4"),),
+        attention=_WINDOWED,
+        note=(
+            "norms after attention and the MLP only, per-head q/k norms; with a window, three sliding "
+            "layers of four and global layers without RoPE"
+        ),
+    ),
+    Family(
         name="Gemma 2",
         module="gemma",
         config="gemma_config",

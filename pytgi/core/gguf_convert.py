@@ -273,6 +273,20 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
                 decoder_sparse_step=1,
                 mlp_only_layers=[],
             )
+    if model_type == "exaone4":
+        if window := _field(reader, f"{arch}.attention.sliding_window"):
+            pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+            layers = config["num_hidden_layers"]
+            if pattern is None or isinstance(pattern, int):  # llama.cpp's default: every 4th layer global
+                pattern = [(i + 1) % int(pattern or 4) != 0 for i in range(layers)]
+            config.update(
+                sliding_window=int(window),
+                layer_types=["sliding_attention" if p else "full_attention" for p in pattern],
+            )
+        else:
+            config.update(sliding_window=None, layer_types=["full_attention"] * config["num_hidden_layers"])
+    if (llama3 := _rope_freqs(reader, arch, config["rope_theta"], int(head_dim))) is not None:
+        config["rope_scaling"] = llama3
     config.setdefault("attention_bias", "blk.0.attn_q.bias" in names)
     for key, hf_key in name.keys:  # the family's own keys (its registry entry)
         if (value := _field(reader, f"{arch}.{key}")) is not None:
@@ -305,12 +319,88 @@ def _rope(reader: Reader, arch: str, theta: float, truncate: bool | None = None)
     return rope
 
 
+def _llama3_factors(dim: int, theta: float, rope: dict[str, Any]) -> list[float]:
+    """What llama.cpp's converter writes as `rope_freqs` for a llama3 scaling: each frequency's divisor."""
+    import math
+
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    orig = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / dim)
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _rope_freqs(reader: Reader, arch: str, theta: float, dim: int) -> dict[str, Any] | None:
+    """A llama3 scaling back from the `rope_freqs` tensor llama.cpp writes for it (Llama 3.1+,
+    Exaone 4): its factor is the largest divisor, its low/high bounds (up to a common scale with the
+    original context, which leaves the frequencies as they are) from the smoothed ones; checked by
+    recomputing every divisor. None: the file has no such tensor."""
+    import math
+
+    import numpy as np
+
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if t is None:
+        return None
+    got = [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+    factor = max(got)
+    orig = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 8192))
+    wavelens = [2 * math.pi * theta ** (i / dim) for i in range(0, dim, 2)]
+    close = lambda a, b: abs(a - b) <= 1e-5 * max(1.0, abs(b))
+    band = [(orig / w, f) for w, f in zip(wavelens, got) if not close(f, 1.0) and not close(f, factor)]
+    if factor <= 1.0 or len(got) != len(wavelens):
+        raise GGUFConversionError(
+            f"the GGUF file's rope_freqs ({len(got)} divisors) are not a llama3 scaling"
+        )
+    # smooth = (x - low) / (high - low) for x = orig / wavelen, between the factor's x (below low) and
+    # 1's (above high): fitted through two smoothed divisors, or, with fewer, any bounds that put
+    # each x in its group
+    lows = [x for x, f in zip((orig / w for w in wavelens), got) if close(f, factor)]
+    highs = [x for x, f in zip((orig / w for w in wavelens), got) if close(f, 1.0)]
+    x_low, x_high = max(lows, default=0.0), min(highs, default=2 * orig / wavelens[0])
+    smooth = [(x, (1 / f - 1 / factor) / (1 - 1 / factor)) for x, f in band]
+    candidates: list[tuple[float, float]] = []
+    if len(smooth) >= 2:
+        (x1, s1), (x2, s2) = smooth[0], smooth[-1]
+        slope = (s2 - s1) / (x2 - x1)
+        candidates.append((x1 - s1 / slope, x1 - s1 / slope + 1 / slope))
+    elif smooth:
+        x1, s1 = smooth[0]
+        for share in (0.5, 0.9, 0.99, 0.1):
+            low = x_low + share * (x1 - x_low)
+            candidates.append((low, low + (x1 - low) / s1))
+    else:
+        candidates.append((x_low + (x_high - x_low) / 3, x_low + 2 * (x_high - x_low) / 3))
+    for low, high in candidates:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": theta,
+            "factor": factor,
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": orig,
+        }
+        if all(close(a, b) for a, b in zip(_llama3_factors(dim, theta, rope), got)):
+            return rope
+    raise GGUFConversionError("the GGUF file's rope_freqs are not a llama3 scaling pytgi can read back")
+
+
 def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     if model_type in HYBRID_TYPES and name.endswith(".ssm_a"):  # a bare parameter: −exp(A_log)
         return f"model.layers.{name.split('.')[1]}.linear_attn.A_log"
     if model_type in HYBRID_TYPES and name.endswith(".ssm_dt.bias"):
         return f"model.layers.{name.split('.')[1]}.linear_attn.dt_bias"
     stem, _, kind = name.rpartition(".")  # kind: weight | bias
+    if stem == "rope_freqs":  # a llama3 scaling's divisors: read into the config (`_rope_freqs`)
+        return "model.rotary_emb.rope_freqs"
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{kind}"
     parts = stem.split(".")

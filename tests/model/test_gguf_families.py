@@ -11,7 +11,9 @@ transformers' logits:
   layers), `tokenizer.ggml.pre` "smollm" (SmolLM2's tokenizer; SmolLM3's own is Llama 3's);
 - OLMo 2 and OLMo 3 ("olmo2"; OLMo 3 with an 8-token window and YaRN on its full layers): the output
   norms as `post_attention_norm` / `post_ffw_norm`, q/k rows as the checkpoint has them, the window,
-  its pattern, `rope.freq_base_swa` and YaRN's keys as written here."""
+  its pattern, `rope.freq_base_swa` and YaRN's keys as written here;
+- Exaone 4 (window 8 on three layers of four, llama3 scaling): as OLMo's plus per-head q/k norms,
+  the llama3 scaling as a `rope_freqs.weight` of divisors (pytgi reads the scaling back from them)."""
 
 from __future__ import annotations
 
@@ -114,6 +116,29 @@ FAMILIES = {
             },
         ),
     ),
+    # Exaone 4: three 8-token sliding layers of four, the global one without RoPE, llama3 scaling
+    # (as llama.cpp's rope_freqs divisors)
+    "exaone4": (
+        "exaone4",
+        transformers.Exaone4Config,
+        transformers.Exaone4ForCausalLM,
+        dict(
+            BASE,
+            **TINY_IDS,
+            num_hidden_layers=4,
+            head_dim=32,
+            sliding_window=8,
+            sliding_window_pattern=4,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
     # sinks, alternating 8-token windows (the 23-token prompt reaches past them), YaRN, the oai experts
     "gpt-oss": (
         "gpt-oss",
@@ -177,6 +202,23 @@ PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's LlamaModel subclasses:
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's interleaving of the q/k rows of a "llama" file."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_divisors(dim: int, rope: dict) -> np.ndarray:
+    """llama.cpp's `rope_freqs` for a llama3 scaling: 1 for short wavelengths, the factor for long ones,
+    smoothed between."""
+    factor, orig = rope["factor"], rope["original_max_position_embeddings"]
+    short, long = orig / rope["high_freq_factor"], orig / rope["low_freq_factor"]
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * np.pi * rope["rope_theta"] ** (i / dim)
+        smooth = (orig / wavelen - rope["low_freq_factor"]) / (
+            rope["high_freq_factor"] - rope["low_freq_factor"]
+        )
+        out.append(
+            1.0 if wavelen < short else factor if wavelen > long else 1 / ((1 - smooth) / factor + smooth)
+        )
+    return np.array(out, dtype=np.float32)
 
 
 def common_metadata(w, cfg) -> None:
@@ -254,6 +296,10 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         w.add_rope_freq_base_swa(local["rope_theta"])
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    if arch == "exaone4":  # as llama.cpp's Exaone4Model writes it
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        add("rope_freqs.weight", llama3_divisors(cfg.head_dim, cfg.rope_parameters))
     byte_vocabulary(w, cfg.vocab_size)
     for name, t in hf.state_dict().items():
         a = t.detach().float().numpy()
@@ -340,3 +386,28 @@ def test_the_gpt_4o_pre_tokenizer_splits_as_o200k():
     split = pre_tokenizers.Split(Regex(_GPT4O_REGEX), behavior="isolated")
     pieces = [p for p, _ in split.pre_tokenize_str("HelloWorld's 12345 foo/bar\n\n  x")]
     assert pieces == ["Hello", "World's", " ", "123", "45", " foo", "/bar", "\n\n", " ", " x"]
+
+
+@pytest.mark.parametrize(
+    "theta, factor, orig", [(500000.0, 8.0, 8192), (1_000_000.0, 16.0, 8192), (500000.0, 32.0, 8192)]
+)
+def test_a_llama3_scaling_is_read_back_from_its_rope_freqs(theta, factor, orig):
+    """Llama 3.1-3.3's and Exaone 4's published scalings (head_dim 128): the divisors pytgi's
+    parameters give are the file's."""
+    from types import SimpleNamespace
+
+    from pytgi.core.gguf_convert import _llama3_factors, _rope_freqs
+
+    rope = dict(
+        rope_theta=theta,
+        factor=factor,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=orig,
+    )
+    divisors = llama3_divisors(128, rope)
+    reader = SimpleNamespace(fields={}, tensors=[SimpleNamespace(name="rope_freqs.weight", data=divisors)])
+    got = _rope_freqs(reader, "llama", theta, 128)
+    assert got is not None and got["rope_type"] == "llama3" and got["factor"] == factor
+    np.testing.assert_allclose(_llama3_factors(128, theta, got), divisors, rtol=1e-5)
+    assert _rope_freqs(SimpleNamespace(fields={}, tensors=[]), "llama", theta, 128) is None

@@ -219,6 +219,31 @@ CONFIGS = {
             },
         ),
     ),
+    # Exaone 4: OLMo's norm placement with per-head q/k norms; 8-token windows on two sliding layers
+    # of three, which rotate (llama3-scaled), the global one without RoPE; then no window: all rotate
+    "exaone4-sliding-nope": (
+        transformers.Exaone4Config,
+        dict(
+            BASE,
+            **SMALL_IDS,
+            num_hidden_layers=3,
+            head_dim=32,
+            sliding_window=8,
+            sliding_window_pattern=3,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    "exaone4-global": (
+        transformers.Exaone4Config,
+        dict(BASE, **SMALL_IDS, sliding_window=None, layer_types=["full_attention"] * 2),
+    ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
     "gpt-neox-via-transformers": (
         transformers.GPTNeoXConfig,
@@ -266,6 +291,7 @@ ARCH = {
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
     transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
+    transformers.Exaone4Config: transformers.Exaone4ForCausalLM,
 }
 
 
