@@ -256,6 +256,14 @@ FAMILIES: tuple[Family, ...] = (
         ),
     ),
     Family(
+        name="Seed-OSS",
+        module="seed_oss",
+        config="seed_oss_config",
+        generators=("SeedOssForCausalLM",),
+        gguf=(GgufName("seed_oss", "SeedOssForCausalLM", "seed_oss"),),
+        note="Llama's layers with q/k/v biases (and an output bias where the config sets one)",
+    ),
+    Family(
         name="Gemma 2",
         module="gemma",
         config="gemma_config",

@@ -285,6 +285,10 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
             )
         else:
             config.update(sliding_window=None, layer_types=["full_attention"] * config["num_hidden_layers"])
+    if model_type == "seed_oss":
+        config.update(
+            attention_bias="blk.0.attn_q.bias" in names, attention_out_bias="blk.0.attn_output.bias" in names
+        )
     if (llama3 := _rope_freqs(reader, arch, config["rope_theta"], int(head_dim))) is not None:
         config["rope_scaling"] = llama3
     config.setdefault("attention_bias", "blk.0.attn_q.bias" in names)
@@ -415,6 +419,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         if model_type in HYBRID_TYPES
         else {**LAYER_TENSORS, **POST_NORM_LAYER_TENSORS}
         if model_type in POST_NORM_TYPES
+        else {**LAYER_TENSORS, "post_attention_norm": "post_attention_layernorm"}
+        if model_type == "seed_oss"  # its MLP's input norm under that name
         else LAYER_TENSORS
     )
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:

@@ -13,7 +13,9 @@ transformers' logits:
   norms as `post_attention_norm` / `post_ffw_norm`, q/k rows as the checkpoint has them, the window,
   its pattern, `rope.freq_base_swa` and YaRN's keys as written here;
 - Exaone 4 (window 8 on three layers of four, llama3 scaling): as OLMo's plus per-head q/k norms,
-  the llama3 scaling as a `rope_freqs.weight` of divisors (pytgi reads the scaling back from them)."""
+  the llama3 scaling as a `rope_freqs.weight` of divisors (pytgi reads the scaling back from them);
+- Seed-OSS (with an output bias): Llama's names but the MLP's input norm as `post_attention_norm`,
+  q/k rows as the checkpoint has them, the biases as `attn_{q,k,v,output}.bias`."""
 
 from __future__ import annotations
 
@@ -138,6 +140,13 @@ FAMILIES = {
                 "original_max_position_embeddings": 32,
             },
         ),
+    ),
+    # Seed-OSS: biases on q, k, v and the output (its MLP's input norm as `post_attention_norm`)
+    "seed_oss": (
+        "seed_oss",
+        transformers.SeedOssConfig,
+        transformers.SeedOssForCausalLM,
+        dict(BASE, **TINY_IDS, head_dim=32, attention_out_bias=True),
     ),
     # sinks, alternating 8-token windows (the 23-token prompt reaches past them), YaRN, the oai experts
     "gpt-oss": (
@@ -333,6 +342,8 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
                     a, cfg.num_attention_heads if stem.endswith("q_proj") else cfg.num_key_value_heads
                 )
             layer = {**LAYER, **POST_NORMS} if arch in POST_NORMED else LAYER
+            if arch == "seed_oss":
+                layer = {**LAYER, "post_attention_layernorm": "post_attention_norm"}
             add(f"blk.{i}.{layer[stem]}.{kind}", np.ascontiguousarray(a))
     w.write_header_to_file()
     w.write_kv_data_to_file()

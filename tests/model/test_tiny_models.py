@@ -244,6 +244,11 @@ CONFIGS = {
         transformers.Exaone4Config,
         dict(BASE, **SMALL_IDS, sliding_window=None, layer_types=["full_attention"] * 2),
     ),
+    # Seed-OSS: q/k/v biases, and the output projection's too
+    "seed-oss-biases": (
+        transformers.SeedOssConfig,
+        dict(BASE, **SMALL_IDS, head_dim=32, attention_out_bias=True),
+    ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
     "gpt-neox-via-transformers": (
         transformers.GPTNeoXConfig,
@@ -291,6 +296,7 @@ ARCH = {
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
     transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
+    transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Exaone4Config: transformers.Exaone4ForCausalLM,
 }
 
