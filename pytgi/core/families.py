@@ -264,6 +264,29 @@ FAMILIES: tuple[Family, ...] = (
         note="Llama's layers with q/k/v biases (and an output bias where the config sets one)",
     ),
     Family(
+        name="Cohere 2",
+        module="cohere2",
+        config="cohere2_config",
+        generators=("Cohere2ForCausalLM",),
+        # ggml's plain rotation pairs (2i, 2i + 1), as Cohere's: the loader reorders those rows as it
+        # does a "llama" file's (`permuted_qk`)
+        gguf=(
+            GgufName(
+                "cohere2",
+                "Cohere2ForCausalLM",
+                "cohere2",
+                permuted_qk=True,
+                keys=(("logit_scale", "logit_scale"),),
+            ),
+        ),
+        attention=_WINDOWED,
+        lora=False,  # its adapters' q/k rows would need the checkpoint's reordering (`rope_interleaved`)
+        note=(
+            "Command R7B / A: attention and MLP in parallel after one LayerNorm, three sliding layers "
+            "of four with RoPE, global ones without; no LoRA (q/k rows reordered at load)"
+        ),
+    ),
+    Family(
         name="Gemma 2",
         module="gemma",
         config="gemma_config",

@@ -285,6 +285,18 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
             )
         else:
             config.update(sliding_window=None, layer_types=["full_attention"] * config["num_hidden_layers"])
+    if model_type == "cohere2":
+        layers = config["num_hidden_layers"]
+        pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+        if pattern is None or isinstance(pattern, int):  # llama.cpp's default: every 4th layer global
+            pattern = [(i + 1) % int(pattern or 4) != 0 for i in range(layers)]
+        config.update(
+            layer_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_epsilon", 1e-5)),
+            sliding_window=int(_required(reader, f"{arch}.attention.sliding_window")),
+            layer_types=["sliding_attention" if p else "full_attention" for p in pattern],
+            # its GGUF name is `permuted_qk`: the loader puts the q/k rows in rotate-half's order
+            pytgi_qk_rows="rotate_half",
+        )
     if model_type == "seed_oss":
         config.update(
             attention_bias="blk.0.attn_q.bias" in names, attention_out_bias="blk.0.attn_output.bias" in names

@@ -15,7 +15,12 @@ transformers' logits:
 - Exaone 4 (window 8 on three layers of four, llama3 scaling): as OLMo's plus per-head q/k norms,
   the llama3 scaling as a `rope_freqs.weight` of divisors (pytgi reads the scaling back from them);
 - Seed-OSS (with an output bias): Llama's names but the MLP's input norm as `post_attention_norm`,
-  q/k rows as the checkpoint has them, the biases as `attn_{q,k,v,output}.bias`."""
+  q/k rows as the checkpoint has them, the biases as `attn_{q,k,v,output}.bias`;
+- Cohere 2: Llama's names (one `attn_norm` a layer, no `ffn_norm`), q/k rows as the checkpoint has
+  them (ggml's plain rotation pairs features as Cohere does), `logit_scale`, the window, no pattern
+  key (llama.cpp's is every 4th layer global), `attention.layer_norm_epsilon`, zero biases dropped
+  (others refused), no `output.weight` (tied). The converter needs `rotary_pct` in config.json
+  (the Hub's configs have it; a tiny transformers 5 one was given 1.0)."""
 
 from __future__ import annotations
 
@@ -148,6 +153,16 @@ FAMILIES = {
         transformers.SeedOssForCausalLM,
         dict(BASE, **TINY_IDS, head_dim=32, attention_out_bias=True),
     ),
+    # Cohere 2: three 8-token sliding layers of four (llama.cpp's fixed pattern), q/k rows as the
+    # checkpoint pairs them (interleaved), LayerNorms, scaled logits, tied embeddings
+    "cohere2": (
+        "cohere2",
+        transformers.Cohere2Config,
+        transformers.Cohere2ForCausalLM,
+        dict(
+            BASE, **TINY_IDS, num_hidden_layers=4, sliding_window=8, logit_scale=0.3, tie_word_embeddings=True
+        ),
+    ),
     # sinks, alternating 8-token windows (the 23-token prompt reaches past them), YaRN, the oai experts
     "gpt-oss": (
         "gpt-oss",
@@ -238,7 +253,10 @@ def common_metadata(w, cfg) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if hasattr(cfg, "layer_norm_eps"):  # Cohere's LayerNorms
+        w.add_layer_norm_eps(cfg.layer_norm_eps)
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # (OLMo 3: per layer type)
     w.add_rope_freq_base(float(rope["rope_theta"]))
     if getattr(cfg, "head_dim", None):
@@ -305,6 +323,9 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         w.add_rope_freq_base_swa(local["rope_theta"])
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    if arch == "cohere2":  # as llama.cpp's Cohere2Model writes it (no pattern: llama.cpp's is 4)
+        w.add_logit_scale(cfg.logit_scale)
+        w.add_sliding_window(cfg.sliding_window)
     if arch == "exaone4":  # as llama.cpp's Exaone4Model writes it
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])

@@ -249,6 +249,20 @@ CONFIGS = {
         transformers.SeedOssConfig,
         dict(BASE, **SMALL_IDS, head_dim=32, attention_out_bias=True),
     ),
+    # Cohere 2: parallel blocks after one LayerNorm, 8-token windows on two layers of three (rotated,
+    # pairs interleaved), the global one without RoPE, logits scaled, tied; q/k/v/o biases
+    "cohere2-sliding-nope": (
+        transformers.Cohere2Config,
+        dict(
+            BASE,
+            **SMALL_IDS,
+            num_hidden_layers=3,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            logit_scale=0.3,
+            attention_bias=True,
+        ),
+    ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
     "gpt-neox-via-transformers": (
         transformers.GPTNeoXConfig,
@@ -296,6 +310,7 @@ ARCH = {
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
     transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
+    transformers.Cohere2Config: transformers.Cohere2ForCausalLM,
     transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Exaone4Config: transformers.Exaone4ForCausalLM,
 }

@@ -154,6 +154,13 @@ class DecoderConfig:
     pre_norms: bool = True
     # the q/k norms span the whole projection, all heads at once (OLMo 2/3), not each head
     qk_norm_whole: bool = False
+    # Cohere 2: LayerNorms (the mean subtracted, no bias, in float32) instead of RMSNorms; attention and
+    # the MLP side by side on one normed input (`input_layernorm`), both added to the residual stream;
+    # the checkpoint's q/k rows pair features (2i, 2i + 1) for the rotation (reordered per head at
+    # load to rotate-half's halves)
+    layer_norm: bool = False
+    parallel_block: bool = False
+    rope_interleaved: bool = False
 
 
 def local_heads(cfg: DecoderConfig) -> tuple[int, int, int]:
@@ -172,7 +179,20 @@ def layer_metadata(meta: DecoderMetadata, sliding: bool | None) -> LayerMetadata
 
 
 def _norm(cfg: DecoderConfig, dim: int) -> RMSNorm:
+    if cfg.layer_norm:
+        return LayerNorm(dim, cfg.rms_norm_eps)
     return RMSNorm(dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
+
+
+class LayerNorm(RMSNorm):
+    """LayerNorm without a bias, computed in float32 and rounded once (Cohere's). Runs in PyTorch ops
+    only: the layers of a model with it never hand it to the fused kernels (`DecoderLayer`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf - xf.mean(-1, keepdim=True)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
 
 
 class WholeNorm(RMSNorm):
@@ -292,7 +312,7 @@ class DecoderLayer(nn.Module):
         of attention (`self_attn`); rotates: False for a layer without rotary embedding (NoPE)."""
         super().__init__()
         self.sliding, self.sandwich, self.ops = sliding, cfg.sandwich_norms, ops
-        self.rotates, self.pre_norms = rotates, cfg.pre_norms
+        self.rotates, self.pre_norms, self.parallel = rotates, cfg.pre_norms, cfg.parallel_block
         self.residual_scale = cfg.residual_scale
         self.self_attn: Attention | None = None
         self.linear_attn: GatedDeltaNet | None = None
@@ -321,7 +341,8 @@ class DecoderLayer(nn.Module):
         # OLMo 2/3 and Exaone 4 (`pre_norms` False) have the two output norms only.
         if cfg.pre_norms:
             self.input_layernorm = _norm(cfg, cfg.hidden_size)
-        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        if not cfg.parallel_block:  # (Cohere's one norm a layer is its input's)
+            self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         if self.sandwich:
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
         if self.sandwich or not cfg.pre_norms:
@@ -345,6 +366,9 @@ class DecoderLayer(nn.Module):
         a = mixer(h, ropes[2] if not self.rotates else ropes[1] if self.sliding else ropes[0], kv_cache, meta)
         if self.residual_scale is not None:
             a = a * self.residual_scale
+        if self.parallel:  # Cohere 2: x + attn(norm(x)) + mlp(norm(x)), in PyTorch ops (its LayerNorm)
+            residual = residual + a + self.mlp(h)
+            return residual, None if next_norm is None else next_norm(residual)
         if not self.pre_norms:  # OLMo 2/3, Exaone 4: x + norm(attn(x)), then + norm(mlp(that))
             residual, _ = self.ops.add_norm(a, residual, None, self.post_attention_layernorm)
             out = self.mlp(residual)
@@ -471,7 +495,11 @@ class DecoderModel(nn.Module):
         # With sandwich norms the final norm runs on its own, as the C loop's caller runs it.
         final = None if cfg.sandwich_norms else self.norm
         next_norms: list[Any] = [None] * (len(self.layers) - 1) + [final]
-        if cfg.pre_norms:
+        if cfg.layer_norm:  # (PyTorch's ops: the fused kernels' norms are RMSNorms)
+            first_norm: RMSNorm = self.layers[0].input_layernorm  # type: ignore[assignment]
+            residual, h = x, first_norm(x)
+            next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [final]
+        elif cfg.pre_norms:
             residual, h = self.ops.add_norm(None, x, self.layers[0].input_layernorm)
             next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [final]
         else:  # each layer's input is the residual stream itself
@@ -567,6 +595,12 @@ class DecoderModel(nn.Module):
             name = name.replace(".block_sparse_moe.", ".mlp.")
             name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's router
             name = name.replace(".conv1d.weight", ".conv1d")  # a linear-attention layer's convolution
+            if self.config.rope_interleaved and name.endswith(QK_ROWS):  # Cohere's pairs → rotate-half
+                assert isinstance(tensor, torch.Tensor), name
+                heads = (
+                    self.config.num_attention_heads if ".q_proj." in name else self.config.num_key_value_heads
+                )
+                tensor = tensor[rotate_half_rows(len(tensor), heads)]
             if self.config.qk_norm_whole:  # OLMo 2/3's norms of the whole q and k projections
                 name = name.replace(".self_attn.q_norm.", ".self_attn.q_norm_all.")
                 name = name.replace(".self_attn.k_norm.", ".self_attn.k_norm_all.")
@@ -605,3 +639,10 @@ class DecoderModel(nn.Module):
 
 
 EMBED = "model.embed_tokens.weight"
+QK_ROWS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+
+
+def rotate_half_rows(rows: int, n_heads: int) -> torch.Tensor:
+    """The row order that turns each head's interleaved pairs (2i, 2i + 1) into rotate-half's (i,
+    i + head_dim / 2): the same as undoing llama.cpp's interleaving of a "llama" file's q/k rows."""
+    return torch.arange(rows).view(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(rows)

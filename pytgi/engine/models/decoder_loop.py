@@ -25,8 +25,15 @@ def _linears(layer):
 
 def _plain_layers(cfg) -> bool:
     """No layer differs in a way the C loops do not take: NoPE layers, norms after the sublayers only,
-    q/k norms over the whole projection (`DecoderConfig`'s fields for SmolLM3, OLMo 2/3, Exaone 4)."""
-    return cfg.rope_layers is None and cfg.pre_norms and not cfg.qk_norm_whole
+    q/k norms over the whole projection, LayerNorms, parallel blocks (`DecoderConfig`'s fields for
+    SmolLM3, OLMo 2/3, Exaone 4, Cohere 2)."""
+    return (
+        cfg.rope_layers is None
+        and cfg.pre_norms
+        and not cfg.qk_norm_whole
+        and not cfg.layer_norm
+        and not cfg.parallel_block
+    )
 
 
 def _packed(layer) -> list[int]:
