@@ -240,7 +240,7 @@ FAMILIES: tuple[Family, ...] = (
         attention=_WINDOWED,
         note=(
             "norms after attention and the MLP only, q/k normed over all heads; OLMo 3: three "
-            "sliding layers of four (a `olmo2` GGUF file with windows reads as OLMo 3)"
+            "sliding layers of four (an `olmo2` GGUF file with windows reads as OLMo 3)"
         ),
     ),
     Family(

@@ -443,3 +443,38 @@ def test_a_llama3_scaling_is_read_back_from_its_rope_freqs(theta, factor, orig):
     assert got is not None and got["rope_type"] == "llama3" and got["factor"] == factor
     np.testing.assert_allclose(_llama3_factors(128, theta, got), divisors, rtol=1e-5)
     assert _rope_freqs(SimpleNamespace(fields={}, tensors=[]), "llama", theta, 128) is None
+
+
+@pytest.mark.parametrize(
+    "pre, pieces",
+    [
+        # cl100k's split (OLMo 2/3's tokenizer): digits in threes, a newline run joined to punctuation
+        ("dbrx", ["Hello", " world", "!\n\n", "123", "45"]),
+        # Seed-Coder's (Seed-OSS): digits one by one, newlines apart from punctuation
+        ("seed-coder", ["Hello", " world", "!", "\n\n", "1", "2", "3", "4", "5"]),
+        # Command-R's (Cohere 2): digits one by one, then GPT-2's split
+        ("command-r", ["Hello", "Ġworld", "!", "ĊĊ", "1", "2", "3", "4", "5"]),
+        ("exaone4", ["Hello", "Ġworld", "!", "Ċ", "Ċ", "12345"]),  # GPT-2's
+    ],
+)
+def test_the_new_families_pre_tokenizers_split_as_llama_cpp_names_them(pre, pieces):
+    """The `tokenizer.ggml.pre` names llama.cpp writes for these families' tokenizers."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer
+
+    from pytgi.core.gguf_convert import gguf_tokenizer_json
+
+    values = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": ["a"],
+        "tokenizer.ggml.token_type": [1],
+        "tokenizer.ggml.merges": [],
+    }
+    reader = SimpleNamespace(fields={k: SimpleNamespace(contents=lambda v=v: v) for k, v in values.items()})
+    tok = Tokenizer.from_str(gguf_tokenizer_json(reader))
+    got = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("Hello world!\n\n12345")]
+    if pre in ("dbrx", "seed-coder"):  # the byte-level step renders spaces and newlines as Ġ and Ċ
+        pieces = [p.replace(" ", "Ġ").replace("\n", "Ċ") for p in pieces]
+    assert got == pieces

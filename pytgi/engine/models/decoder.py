@@ -1,8 +1,8 @@
 """One decoder-only transformer over the paged KV cache, for every family pytgi runs itself.
 
 Llama 2/3, Mistral, Qwen2/2.5/3 (and their mixtures of experts), Phi-3, SmolLM, Gemma 2 and Gemma 3
-differ in data, which `DecoderConfig` holds (parsed from each family's config.json by
-`pytgi.engine.models.llama` and `pytgi.engine.models.gemma`):
+(and the families below) differ in data, which `DecoderConfig` holds (parsed from each family's
+config.json by its reader: `pytgi.engine.models.llama`, `pytgi.engine.models.gemma`, ...):
 
 - the norms: RMSNorm scaling by ``weight`` in the model's dtype, or by ``1 + weight`` in float32
   (Gemma, `norm_offset`); two a layer (before attention and before the MLP), or four (Gemma's
@@ -11,7 +11,13 @@ differ in data, which `DecoderConfig` holds (parsed from each family's config.js
 - the MLP's activation (SiLU or tanh-GELU), biases, a sparse mixture of experts;
 - the embedding's scale, attention's scale, soft-capped attention scores and logits (Gemma 2);
 - sliding-window layers (`layer_types`), with their own RoPE base where the family has one;
-- the sublayers' outputs scaled before the residual add, the logits divided (Granite).
+- the sublayers' outputs scaled before the residual add, the logits divided (Granite);
+- layers without rotary embedding (`rope_layers`: SmolLM3's NoPE layers, the global layers of Exaone 4
+  and Cohere 2), which rotate by the identity's tables;
+- norms after the sublayers only (`pre_norms` False: OLMo 2/3, Exaone 4), q/k norms over the whole
+  projection (`qk_norm_whole`: OLMo 2/3, all-reduced across ranks);
+- LayerNorms, attention and the MLP side by side, q/k rows paired for the rotation as (2i, 2i + 1) and
+  reordered at load (`layer_norm`, `parallel_block`, `rope_interleaved`: Cohere 2).
 
 Which families there are, and which reader each has, is `pytgi.core.families`' table.
 
