@@ -1,13 +1,14 @@
 """SmolLM3 read as a `DecoderConfig`: Llama's layers, with no rotary embedding on some of them.
 
 `no_rope_layers` says per layer whether it rotates q and k (1) or not (0: NoPE, by default every
-fourth layer); those layers' keys go to the cache as projected (`rope_layers`: the C all-layers loop
-steps aside for them). A window, where `use_sliding_window` sets one, is on the layers `layer_types`
-names. The embeddings are tied by default.
+fourth layer); those layers' keys go to the cache as projected (`rope_layers`: they rotate by the
+identity's tables, and the C all-layers loop runs them in calls of their own). A window, where
+`use_sliding_window` sets one, is on the layers `layer_types` names. The embeddings are tied by
+default.
 
-llama.cpp writes these files as "smollm3" (q/k rows as the checkpoint has them) and keeps the NoPE
+llama.cpp writes these files as "smollm3" (a "llama" file's interleaved q/k rows) and keeps the NoPE
 layers' pattern in no key of the file: its `smollm3` forward rotates every layer but each fourth,
-so the conversion restores `no_rope_layer_interval` 4 (pytgi.core.gguf_convert).
+as this reader's default `no_rope_layer_interval` 4 does for a converted file's config.
 """
 
 from __future__ import annotations
