@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pytgi.core.errors import UnsupportedModel
 from pytgi.engine.models.decoder import FULL, SLIDING, DecoderConfig
 from pytgi.engine.models.llama import llama_config
 
@@ -28,6 +29,10 @@ ROTATE_HALF = "rotate_half"  # a converted GGUF file's config: its q/k rows are 
 
 
 def cohere2_config(cfg: dict[str, Any]) -> DecoderConfig:
+    if (pct := cfg.get("rotary_pct", 1.0)) != 1.0:  # the Hub's configs carry it (transformers 5 reads none)
+        raise UnsupportedModel(
+            f"Cohere 2 with a partial rotary embedding (rotary_pct {pct}) is not supported"
+        )
     n = cfg["num_hidden_layers"]
     pattern = cfg.get("sliding_window_pattern", 4)
     types = cfg.get("layer_types") or [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
