@@ -178,6 +178,70 @@ CONFIGS = {
             logits_scaling=4.0,
         ),
     ),
+    # Gemma 4, every per-layer feature: sliding layers (window 8) of head size 16 and 2 kv heads, full
+    # layers of head size 32 with 1 kv head whose keys are their values (no v_proj) and proportional
+    # RoPE (a quarter of the angles turn), per-layer inputs, the last two layers reading layers 2's
+    # and 3's KV cache with a double-wide MLP, random layer scalars (the fixture), soft-capped logits
+    "gemma4": (
+        transformers.Gemma4TextConfig,
+        dict(
+            BASE,
+            num_hidden_layers=6,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=97,
+            sliding_window=8,
+            final_logit_softcapping=0.5,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 1_000_000.0,
+                },
+            },
+        ),
+    ),
+    # Gemma 4's multimodal checkpoint served as text (its vision and audio towers not read): full layers
+    # with their own head size but v_proj and the sliding layers' kv heads
+    "gemma4-multimodal-as-text": (
+        transformers.Gemma4Config,
+        dict(
+            text_config=dict(
+                BASE,
+                head_dim=16,
+                global_head_dim=32,
+                hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=97,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+            vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16
+            ),
+            audio_config=dict(
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                subsampling_conv_channels=[8, 4],
+                output_proj_dims=32,
+            ),
+            # ids outside the test's 97: transformers would embed its placeholders as padding
+            image_token_id=200,
+            audio_token_id=201,
+            video_token_id=202,
+            boi_token_id=203,
+            eoi_token_id=204,
+            boa_token_id=205,
+            eoa_token_index=206,
+        ),
+    ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
     "olmo2-via-transformers": (transformers.Olmo2Config, dict(BASE)),
     "gpt-neox-via-transformers": (
@@ -223,6 +287,8 @@ ARCH = {
     transformers.Olmo2Config: transformers.Olmo2ForCausalLM,
     transformers.GptOssConfig: transformers.GptOssForCausalLM,
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
+    transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
+    transformers.Gemma4Config: transformers.Gemma4ForConditionalGeneration,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
 }
 
@@ -238,6 +304,9 @@ def models(request, tmp_path_factory):
         for name, p in hf.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in hf.named_buffers():  # Gemma 4's per-layer output scales (ones at init)
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
     runner = ModelRunner(
