@@ -247,6 +247,21 @@ FAMILIES: tuple[Family, ...] = (
         module="gemma4",
         config="gemma4_config",
         generators=("Gemma4ForCausalLM",),
+        gguf=(
+            GgufName(
+                "gemma4",
+                "Gemma4ForCausalLM",
+                "gemma4_text",
+                # the scalar keys; the per-layer ones (kv heads, MLP widths, the sliding pattern, the
+                # two head sizes, the full layers' RoPE factors) are read by gguf_convert's `_gemma4`
+                keys=(
+                    ("attention.sliding_window", "sliding_window"),
+                    ("attention.shared_kv_layers", "num_kv_shared_layers"),
+                    ("embedding_length_per_layer_input", "hidden_size_per_layer_input"),
+                    ("final_logit_softcapping", "final_logit_softcapping"),
+                ),
+            ),
+        ),
         attention=_WINDOWED,
         lora=False,
         tensor_parallel=False,
