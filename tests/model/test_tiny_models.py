@@ -193,7 +193,7 @@ CONFIGS = {
             attention_k_eq_v=True,
             num_kv_shared_layers=2,
             use_double_wide_mlp=True,
-            hidden_size_per_layer_input=8,
+            hidden_size_per_layer_input=16,
             vocab_size_per_layer_input=97,
             sliding_window=8,
             final_logit_softcapping=0.5,
@@ -433,3 +433,44 @@ def test_triton_path_matches(models, monkeypatch):
     model.load_state_dict(runner.model.state_dict())
     monkeypatch.setattr(runner, "model", model.eval())
     test_chunks_and_paged_decodes_in_mixed_steps_match(models)
+
+
+def test_gemma4_reads_the_published_config_keys():
+    """Google's config.json files give the full layers' heads as `global_head_dim` and (where k == v)
+    `num_global_key_value_heads`; transformers saves them as `per_layer_config`: the same layers."""
+    from pytgi.engine.models.gemma4 import gemma4_config
+
+    cfg_cls, kw = CONFIGS["gemma4"]
+    saved = cfg_cls(**kw).to_dict()
+    published = {k: v for k, v in saved.items() if k != "per_layer_config"}
+    published.update(global_head_dim=32, num_global_key_value_heads=1)
+    got, want = gemma4_config(published), gemma4_config(saved)
+    assert got == want
+    heads = [(a.num_key_value_heads, a.head_dim, a.kv_source, a.k_eq_v) for a in want.layer_attention or []]
+    assert heads == [(2, 16, None, False), (1, 32, None, True)] * 2 + [(2, 16, 2, False), (1, 32, 3, True)]
+    assert [a.intermediate_size for a in want.layer_attention or []] == [None] * 4 + [192, 192]
+    # without k == v the global kv-head count is not applied (as transformers reads it)
+    plain = gemma4_config({**published, "attention_k_eq_v": False})
+    assert [a.num_key_value_heads for a in plain.layer_attention or []] == [2] * 6
+
+
+@pytest.mark.parametrize(
+    "change, feature",
+    [
+        (
+            dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+            "mixture-of-experts",
+        ),
+        (dict(use_bidirectional_attention="all"), "bidirectional attention"),
+    ],
+)
+def test_gemma4_refuses_what_it_does_not_run_at_load(tmp_path, change, feature):
+    """One `UnsupportedModel` line at load naming the feature (before: an error that did not say)."""
+    from pytgi.core.errors import UnsupportedModel
+
+    cfg_cls, kw = CONFIGS["gemma4"]
+    torch.manual_seed(0)
+    transformers.Gemma4ForCausalLM(cfg_cls(**{**kw, **change})).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModel, match=feature) as err:
+        ModelRunner(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu"))
+    assert "\n" not in str(err.value) and "--model-impl transformers" in str(err.value)

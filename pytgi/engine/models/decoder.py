@@ -379,14 +379,13 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
         # Gemma 4: the layer's own input (`DecoderModel.per_layer_inputs`), gated by its output and
         # projected back into the residual stream; then the whole stream scaled by `layer_scalar`
-        self.per_layer_input_gate: nn.Linear | None = None
+        # (whole linears on every rank, on the kernels the others run: `quantize` packs them too)
+        self.per_layer_input_gate: ColumnParallelLinear | None = None
         if cfg.per_layer_input_size:
             p = cfg.per_layer_input_size
-            self.per_layer_input_gate = nn.Linear(cfg.hidden_size, p, bias=False)
-            self.per_layer_projection = nn.Linear(p, cfg.hidden_size, bias=False)
+            self.per_layer_input_gate = ColumnParallelLinear(cfg.hidden_size, [(0, p)])
+            self.per_layer_projection = ColumnParallelLinear(p, [(0, cfg.hidden_size)])
             self.post_per_layer_input_norm = _norm(cfg, cfg.hidden_size)
-            for lin in (self.per_layer_input_gate, self.per_layer_projection):
-                lin.weight.requires_grad_(False)
         self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False) if cfg.layer_scalar else None
         self.activation = cfg.activation
 
@@ -480,10 +479,9 @@ class DecoderModel(nn.Module):
         if cfg.per_layer_input_size:
             width = cfg.num_hidden_layers * cfg.per_layer_input_size
             self.embed_tokens_per_layer = nn.Embedding(cfg.per_layer_vocab_size, width)
-            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, width, bias=False)
+            self.embed_tokens_per_layer.weight.requires_grad_(False)
+            self.per_layer_model_projection = ColumnParallelLinear(cfg.hidden_size, [(0, width)])
             self.per_layer_projection_norm = _norm(cfg, cfg.per_layer_input_size)
-            for p in (self.embed_tokens_per_layer.weight, self.per_layer_model_projection.weight):
-                p.requires_grad_(False)
         self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         self.score_weight = (  # a sequence classifier's (`PoolHead`): its last token's labels
@@ -606,8 +604,9 @@ class DecoderModel(nn.Module):
         todo: dict[nn.Module, tuple[str, list[str]]] = {}
         for name, mod in self.named_modules():
             if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
-                stem, last = name.rsplit(".", 1)
-                names = [f"model.{stem}.{p}.weight" for p in parts.get(last, [last])]
+                stem, _, last = name.rpartition(".")  # (Gemma 4's per_layer_model_projection: no stem)
+                where = f"model.{stem}." if stem else "model."
+                names = [f"{where}{p}.weight" for p in parts.get(last, [last])]
                 if (k := kind(names)) is not None:
                     todo[mod] = (k, names)
         head = self.head_name

@@ -44,7 +44,10 @@ DEFAULT_ROPE = {
 
 
 def _refuse(feature: str) -> UnsupportedModel:
-    return UnsupportedModel(f"Gemma 4: {feature} is not supported by pytgi's own code")
+    return UnsupportedModel(
+        f"Gemma 4: {feature} is not supported by pytgi's own code "
+        "(--model-impl transformers runs it with transformers' model code)"
+    )
 
 
 def _layer_heads(cfg: dict[str, Any], types: list[str]) -> list[tuple[int, int]]:
