@@ -20,18 +20,10 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_gemma4(tmp_path_factory):
-    """test_tiny_models' Gemma 4 (caches of two shapes, two layers reading others' caches), vocabulary 128."""
-    import torch
-    import transformers
+    """test_tiny_models' Gemma 4 (caches of two shapes, two layers reading others' caches)."""
+    from tests.model.test_tiny_models import save_tiny_gemma4
 
-    from tests.model.test_tiny_models import CONFIGS
-
-    cfg_cls, kw = CONFIGS["gemma4"]
-    torch.manual_seed(0)
-    cfg = cfg_cls(**{**kw, "vocab_size": 128, "vocab_size_per_layer_input": 128, "eos_token_id": None})
-    path = tmp_path_factory.mktemp("gemma4")
-    transformers.Gemma4ForCausalLM(cfg).save_pretrained(path)
-    return path
+    return save_tiny_gemma4(tmp_path_factory.mktemp("gemma4"))
 
 
 def generate(engine: LLMEngine, prompt: list[int], n: int = 6) -> tuple[list[int], int, int]:

@@ -474,3 +474,18 @@ def test_gemma4_refuses_what_it_does_not_run_at_load(tmp_path, change, feature):
     with pytest.raises(UnsupportedModel, match=feature) as err:
         ModelRunner(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu"))
     assert "\n" not in str(err.value) and "--model-impl transformers" in str(err.value)
+
+
+def save_tiny_gemma4(path):
+    """The "gemma4" config above with a vocabulary of 128, no EOS (the engine tests' prompts) and no
+    soft cap (whose 0.5 leaves near ties everywhere), saved with random weights (a sharper head):
+    the engine tests' Gemma 4."""
+    cfg_cls, kw = CONFIGS["gemma4"]
+    torch.manual_seed(0)
+    vocab = {"vocab_size": 128, "vocab_size_per_layer_input": 128}
+    cfg = cfg_cls(**{**kw, **vocab, "eos_token_id": None, "final_logit_softcapping": None})
+    hf = transformers.Gemma4ForCausalLM(cfg)
+    with torch.no_grad():  # a tied head of std 0.16, not 0.02: logits far from a flat distribution
+        hf.model.embed_tokens.weight.mul_(8)
+    hf.save_pretrained(path)
+    return path
