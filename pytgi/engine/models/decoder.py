@@ -1,8 +1,8 @@
 """One decoder-only transformer over the paged KV cache, for every family pytgi runs itself.
 
-Llama 2/3, Mistral, Qwen2/2.5/3 (and their mixtures of experts), Phi-3, SmolLM, Gemma 2 and Gemma 3
+Llama 2/3, Mistral, Qwen2/2.5/3 (and their mixtures of experts), Phi-3, SmolLM, Gemma 2, 3 and 4
 differ in data, which `DecoderConfig` holds (parsed from each family's config.json by
-`pytgi.engine.models.llama` and `pytgi.engine.models.gemma`):
+`pytgi.engine.models.llama`, `pytgi.engine.models.gemma`, `pytgi.engine.models.gemma4`...):
 
 - the norms: RMSNorm scaling by ``weight`` in the model's dtype, or by ``1 + weight`` in float32
   (Gemma, `norm_offset`); two a layer (before attention and before the MLP), or four (Gemma's
@@ -11,7 +11,10 @@ differ in data, which `DecoderConfig` holds (parsed from each family's config.js
 - the MLP's activation (SiLU or tanh-GELU), biases, a sparse mixture of experts;
 - the embedding's scale, attention's scale, soft-capped attention scores and logits (Gemma 2);
 - sliding-window layers (`layer_types`), with their own RoPE base where the family has one;
-- the sublayers' outputs scaled before the residual add, the logits divided (Granite).
+- the sublayers' outputs scaled before the residual add, the logits divided (Granite);
+- per layer, where layers differ (Gemma 4, `LayerAttention`): kv heads and head size, reading an earlier
+  layer's KV cache, keys that are the values, the MLP's width; values normed per head, per-layer
+  inputs gated into each layer's output, a scalar on each layer's output.
 
 Which families there are, and which reader each has, is `pytgi.core.families`' table.
 

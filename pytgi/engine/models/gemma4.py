@@ -20,8 +20,8 @@ as data (`pytgi.engine.models.decoder`):
 These run in PyTorch ops where the fused C kernels do not take them (q, k, v and the per-layer input;
 the C all-layers loop steps aside). Not implemented, and refused at load with the feature named: the
 mixture-of-experts block (`enable_moe_block`, Gemma 4 26B-A4B), bidirectional attention over all
-tokens (`use_bidirectional_attention: "all"`), RoPE types other than default and proportional, and
-per-layer overrides of anything but head size and kv heads. A multimodal checkpoint
+tokens (`use_bidirectional_attention: "all"`), RoPE types other than default and proportional,
+per-layer overrides of anything but head size and kv heads, and `--num-shard` above 1. A multimodal checkpoint
 (`Gemma4ForConditionalGeneration`) is served as text: its language model, the vision and audio towers
 not read.
 """
@@ -32,6 +32,7 @@ import dataclasses
 from typing import Any
 
 from pytgi.core.errors import UnsupportedModel
+from pytgi.engine.distributed import tp_size
 from pytgi.engine.models.decoder import FULL, SLIDING, DecoderConfig, LayerAttention
 
 # a multimodal checkpoint's tensors that are not its language model's
@@ -44,10 +45,7 @@ DEFAULT_ROPE = {
 
 
 def _refuse(feature: str) -> UnsupportedModel:
-    return UnsupportedModel(
-        f"Gemma 4: {feature} is not supported by pytgi's own code "
-        "(--model-impl transformers runs it with transformers' model code)"
-    )
+    return UnsupportedModel(f"Gemma 4: {feature} is not supported by pytgi's own code")
 
 
 def _layer_heads(cfg: dict[str, Any], types: list[str]) -> list[tuple[int, int]]:
@@ -90,6 +88,8 @@ def _kv_sources(types: list[str], shared: int) -> list[int | None]:
 
 
 def gemma4_config(cfg: dict[str, Any]) -> DecoderConfig:
+    if tp_size() > 1:  # (its full layers' single kv head, its per-layer inputs: never sharded yet)
+        raise _refuse("tensor parallelism (--num-shard > 1)")
     if cfg.get("enable_moe_block"):
         raise _refuse("the mixture-of-experts block (enable_moe_block, as in gemma-4-26B-A4B)")
     if cfg.get("use_bidirectional_attention") == "all":
