@@ -364,7 +364,8 @@ def test_gemma4_gguf_serves_transformers_logits(tmp_path, monkeypatch, dtype):
     aside) stays within a few times transformers' own bf16 error (a smoke test of that path)."""
     monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
     cfg_cls, kw = TINY["gemma4"]
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # (a vocabulary of 128: the per-layer table's rows can be packed, 16 a tile)
+    kw = {**kw, "vocab_size": 128, "vocab_size_per_layer_input": 128}
     hf = transformers.Gemma4ForCausalLM(cfg_cls(**kw)).float().eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -374,13 +375,16 @@ def test_gemma4_gguf_serves_transformers_logits(tmp_path, monkeypatch, dtype):
             if name.endswith("layer_scalar"):
                 b.uniform_(0.5, 1.5)
 
-    def q8(name: str, a: np.ndarray) -> str | None:  # the layers' matrices, as a Q8_0 file has them
-        return "Q8_0" if dtype == "auto" and a.ndim == 2 and a.shape[1] % 32 == 0 and "blk." in name else None
+    def q8(name: str, a: np.ndarray) -> str | None:  # the matrices and the per-layer table, as Q8_0
+        mat = a.ndim == 2 and a.shape[1] % 32 == 0 and ("blk." in name or name.startswith("per_layer_token"))
+        return "Q8_0" if dtype == "auto" and mat else None
 
     path = write_gemma4_gguf(hf, tmp_path / "gemma4.gguf", q8)
     model_dir = resolve_model(str(path), progress=False).path
     runner = ModelRunner(EngineConfig(model=str(model_dir), dtype=dtype, device="cpu"))
     assert type(runner.model).__name__ == "DecoderModel"
+    table = runner.model.embed_tokens_per_layer
+    assert (table.packed is not None) == (dtype == "auto" and runner.model.kernels.vnni)
     from tests.model.test_tiny_models import reference
 
     seq = np.random.default_rng(1).integers(0, 97, 23).tolist()  # past the 8-token window

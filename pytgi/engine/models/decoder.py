@@ -478,11 +478,11 @@ class DecoderModel(nn.Module):
         )
         # Gemma 4's per-layer inputs: a second embedding table (every layer's part side by side) and a
         # projection of the embeddings, each normed and summed (`per_layer_inputs`)
-        self.embed_tokens_per_layer: nn.Embedding | None = None
+        # (a GGUF file's table stays packed where the CPU's kernels read rows: `methods.load_gguf`)
+        self.embed_tokens_per_layer: VocabParallelEmbedding | None = None
         if cfg.per_layer_input_size:
             width = cfg.num_hidden_layers * cfg.per_layer_input_size
-            self.embed_tokens_per_layer = nn.Embedding(cfg.per_layer_vocab_size, width)
-            self.embed_tokens_per_layer.weight.requires_grad_(False)
+            self.embed_tokens_per_layer = VocabParallelEmbedding(cfg.per_layer_vocab_size, width)
             self.per_layer_model_projection = ColumnParallelLinear(cfg.hidden_size, [(0, width)])
             self.per_layer_projection_norm = _norm(cfg, cfg.per_layer_input_size)
         self.norm = _norm(cfg, cfg.hidden_size)
