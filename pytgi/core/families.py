@@ -259,6 +259,21 @@ FAMILIES: tuple[Family, ...] = (
             "`--quantize` takes the attention linears; LoRA not tested"
         ),
     ),
+    Family(
+        name="DeepSeek V2 / V3",
+        module="deepseek",
+        config="deepseek_config",
+        generators=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+        experts=True,
+        lora=False,
+        tensor_parallel=False,
+        cuda_graphs=False,
+        kv_dtypes=("auto", "bf16"),
+        note=(
+            "multi-head latent attention, its KV cache the latent only (Kimi K2 too); the MTP layers "
+            "are not read"
+        ),
+    ),
     replace(
         _HYBRID,
         name="Qwen3-Next / Qwen3.5",

@@ -32,6 +32,21 @@ BASE = dict(
     rms_norm_eps=1e-6,
 )
 
+# DeepSeek's MLA dims (latent 32 + rotary 16: a cache row of 48), every layer dense
+MLA = dict(
+    BASE,
+    num_key_value_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
+    first_k_dense_replace=2,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+)
+
 CONFIGS = {
     "llama": (transformers.LlamaConfig, dict(BASE, rope_theta=10000.0)),
     "llama-mha-tied": (transformers.LlamaConfig, dict(BASE, num_key_value_heads=4, tie_word_embeddings=True)),
@@ -178,6 +193,25 @@ CONFIGS = {
             logits_scaling=4.0,
         ),
     ),
+    # DeepSeek's multi-head latent attention: V2-Lite's plain q_proj, V2's and V3's q_a → q_b; the
+    # cache holds the latent row (kv_lora_rank + qk_rope_head_dim), attention runs in the latent space
+    "deepseek-v2-lite-mla": (transformers.DeepseekV2Config, dict(MLA, q_lora_rank=None)),
+    "deepseek-v3-mla-yarn": (
+        transformers.DeepseekV3Config,
+        dict(
+            MLA,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 0.9,
+                "mscale_all_dim": 0.7,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        ),
+    ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
     "olmo2-via-transformers": (transformers.Olmo2Config, dict(BASE)),
     "gpt-neox-via-transformers": (
@@ -224,6 +258,8 @@ ARCH = {
     transformers.GptOssConfig: transformers.GptOssForCausalLM,
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
+    transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
+    transformers.DeepseekV3Config: transformers.DeepseekV3ForCausalLM,
 }
 
 
@@ -360,7 +396,11 @@ def test_triton_path_matches(models, monkeypatch):
     if type(runner.model).__name__ == "TransformersModel":
         pytest.skip("transformers' model code has no kernel choice")
     model = type(runner.model)(runner.config, Kernels(triton=True))
-    assert type(model.attention).__name__ in ("TritonAttention", "SlidingWindowBackend")
+    # (MLA's latent rows of 48 values: the gather path, Triton's kernel takes rows of 2^n values)
+    mla = model.config.mla is not None
+    assert type(model.attention).__name__ in (
+        ("TorchAttention",) if mla else ("TritonAttention", "SlidingWindowBackend")
+    )
     model.load_state_dict(runner.model.state_dict())
     monkeypatch.setattr(runner, "model", model.eval())
     test_chunks_and_paged_decodes_in_mixed_steps_match(models)

@@ -32,7 +32,7 @@ class KVHeads(Protocol):
     """An attention layer's heads on this rank, which size the KV cache (`self_attn` of a layer)."""
 
     n_kv: int
-    head_dim: int
+    head_dim: int  # a key's (a value's too, unless the layer says `v_head_dim`: MLA's values are its keys)
 
 
 @dataclass(slots=True)
@@ -103,14 +103,21 @@ class PagedModel:
     def _kv_layers(self) -> int:
         return sum(getattr(layer, "self_attn", None) is not None for layer in self.model.layers)
 
+    def _rows(self) -> tuple[int, int]:
+        """A key's and a value's values per kv head (MLA's latent rows are keys and values both: no
+        value columns)."""
+        attn = self._attention()
+        return attn.head_dim, getattr(attn, "v_head_dim", attn.head_dim)
+
     def kv_bytes_per_token(self) -> int:
         attn, n = self._attention(), self._kv_layers()
+        k, v = self._rows()
         if self.fp8:  # a byte a value, and a float32 scale a head
-            return n * 2 * attn.n_kv * (attn.head_dim + 4)
+            return n * attn.n_kv * (k + v + 8)
         if self.int8:  # a byte a value, and a bf16 scale a head
-            return n * 2 * attn.n_kv * (attn.head_dim + 2)
+            return n * attn.n_kv * (k + v + 4)
         elt = torch.empty((), dtype=self.dtype).element_size()
-        return n * 2 * attn.n_kv * attn.head_dim * elt
+        return n * attn.n_kv * (k + v) * elt
 
     def state_bytes_per_request(self) -> int:
         """The recurrent state a request holds in the linear-attention layers (0: the model has none):
@@ -135,6 +142,7 @@ class PagedModel:
         if self.fp8 or self.int8:
             row, dtype = attn.head_dim + (4 if self.fp8 else 2), torch.uint8
         shape = (2, (num_blocks + spare) * block_size, attn.n_kv, row)
+        v_row = self._rows()[1]  # MLA: 0, the values are the keys' rows
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_caches = []
         self.graphs = None
@@ -148,7 +156,11 @@ class PagedModel:
                     )
                 )
                 continue
-            k, v = torch.zeros(shape, dtype=dtype, device=self.device).unbind(0)
+            if v_row == attn.head_dim:
+                k, v = torch.zeros(shape, dtype=dtype, device=self.device).unbind(0)
+            else:
+                k = torch.zeros(shape[1:], dtype=dtype, device=self.device)
+                v = torch.zeros((*shape[1:3], v_row), dtype=dtype, device=self.device)
             self.kv_caches.append((k, v))
 
     def capture_graphs(self, sizes: tuple[int, ...], max_blocks: int) -> bool:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pytgi.core.errors import UnsupportedModel
 from pytgi.engine.distributed import check_heads, tp_size
 from pytgi.engine.models.attention import (
     LayerCache,
@@ -58,6 +59,7 @@ from pytgi.engine.models.layers import (
     qkv_shards,
 )
 from pytgi.engine.models.linear_attention import GatedDeltaNet, LinearAttnConfig, StateBackend, StateMetadata
+from pytgi.engine.models.mla import MLAConfig, MLAttention
 from pytgi.engine.models.moe import SparseMoE
 from pytgi.engine.models.quant import (
     Fp8Rows,
@@ -146,6 +148,9 @@ class DecoderConfig:
     residual_scale: float | None = None
     logit_scale: float | None = None
     score_labels: int = 0  # a sequence classifier's score head ([labels, hidden], `score.weight`); 0: none
+    # multi-head latent attention (DeepSeek V2/V3, `pytgi.engine.models.mla`): then one kv head of
+    # `head_dim` = the latent's row, `rotary_dim` its rotary part, `attn_scale` MLA's softmax scale
+    mla: MLAConfig | None = None
 
 
 def local_heads(cfg: DecoderConfig) -> tuple[int, int, int]:
@@ -253,12 +258,22 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.sliding, self.sandwich, self.ops = sliding, cfg.sandwich_norms, ops
         self.residual_scale = cfg.residual_scale
-        self.self_attn: Attention | None = None
+        self.self_attn: Attention | MLAttention | None = None
         self.linear_attn: GatedDeltaNet | None = None
         if linear:
             assert cfg.linear is not None
             fused = isinstance(ops, KernelOps)  # the C kernels run this model (CPU)
             self.linear_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, fused)
+        elif cfg.mla is not None:
+            self.self_attn = MLAttention(
+                cfg.mla,
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.rms_norm_eps,
+                cfg.attention_bias,
+                cfg.attn_scale,
+                backend,
+            )
         else:
             self.self_attn = Attention(cfg, backend, ops, sliding)
         moe = cfg.moe
@@ -329,9 +344,15 @@ class DecoderModel(nn.Module):
         """cpu: the kernels to run on (`Kernels.for_device`, or `Kernels.none()`: PyTorch's
         ops); attention: the attention backend's name."""
         super().__init__()
+        if cfg.mla is not None and tp_size() > 1:
+            raise UnsupportedModel(
+                "multi-head latent attention (DeepSeek V2/V3) runs on one rank: --num-shard 1"
+            )
         check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())
         self.config, self.kernels, self.ops = cfg, cpu, ops_for(cpu)
         backend = get_backend(attention, cpu, local_heads(cfg))
+        if cfg.mla is not None and cpu.triton and cfg.head_dim & (cfg.head_dim - 1):
+            backend = TorchAttention(cpu, local_heads(cfg))  # Triton's kernel takes rows of 2^n values
         if cfg.attn_logit_softcapping:
             backend = SoftcapAttention(cpu, local_heads(cfg), cfg.attn_logit_softcapping)
         if cfg.attn_sinks:
@@ -520,7 +541,7 @@ class DecoderModel(nn.Module):
                 continue
             shard = 0
             for part, (fused, idx) in self.FUSED.items():
-                if f".{part}." in name:
+                if f".{part}." in name and name not in params:  # (MLA's q_proj is its own)
                     name, shard = name.replace(part, fused), idx
                     break
             if name not in params:

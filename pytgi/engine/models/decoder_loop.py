@@ -66,6 +66,7 @@ class DecoderLoop:
             or cfg.linear is not None
             or cfg.attn_output_gate
             or cfg.residual_scale is not None
+            or cfg.mla is not None
         )
 
     def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:

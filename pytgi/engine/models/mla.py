@@ -1,0 +1,131 @@
+"""Multi-head latent attention (MLA: DeepSeek V2 / V3, Kimi K2), over the paged KV cache.
+
+A token's keys and values are made from one latent vector: `kv_a_proj_with_mqa` gives the latent
+c (`kv_lora_rank` features, then `kv_a_layernorm`) and a rotary key k_pe (`qk_rope_head_dim`
+features) shared by every head; each head's key is [W_UK·c, k_pe] and its value W_UV·c, where
+`kv_b_proj` stacks W_UK and W_UV per head. Queries come from `q_proj`, or from `q_a_proj` →
+`q_a_layernorm` → `q_b_proj` (`q_lora_rank`), each head's [q_nope, q_pe]; the rotary embedding
+turns q_pe and k_pe only (DeepSeek's checkpoints pair the rotary features (x0, x1), (x2, x3), ...:
+`rope_interleave`, read as transformers reads them).
+
+The cache holds the latent only: [c, k_pe] per token and layer, one "head" of `kv_lora_rank +
+qk_rope_head_dim` values, in the key cache (the value cache has no columns). Attention runs in the
+latent space with the projections absorbed: q_nope·W_UK is the query against c, so each head's
+query is [q_nope·W_UK, q_pe] against the cached rows as a single kv head's keys; the values are
+the same rows (their first `kv_lora_rank` features are c, the rest is dropped from the output),
+and the output is brought back through W_UV. So the model's attention backend (the paged C kernel,
+gather + SDPA, Triton where the row is a power of two) runs MLA unchanged, with every query head in
+the one kv head's group; prefill chunks and decodes alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pytgi.engine.models.attention import LayerCache, LayerMetadata, Rope, TorchAttention
+from pytgi.engine.models.layers import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    apply_rotary,
+    merged_shards,
+)
+
+
+@dataclass(slots=True)
+class MLAConfig:
+    kv_lora_rank: int  # the latent's features (c)
+    qk_nope_head_dim: int  # a head's query and key features without the rotary embedding
+    qk_rope_head_dim: int  # ... with it (k_pe is shared by the heads)
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: one q_proj (DeepSeek V2-Lite)
+    rope_interleave: bool = True  # the rotary features in pairs (x0, x1), ... (DeepSeek's checkpoints)
+
+    @property
+    def cache_row(self) -> int:
+        """The values a token keeps per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+class _Weight(nn.Module):
+    """A weight read whole by its layer (not a linear of its own: never quantized or swapped)."""
+
+    def __init__(self, rows: int, cols: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, cols), requires_grad=False)
+
+
+def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
+    """Rotary features paired (x0, x1), (x2, x3), ... laid out as rotate-half's (x0, x2, ..., x1, x3,
+    ...): the same rotation, and the same dot products once q and k are both laid out so."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class MLAttention(nn.Module):
+    """A layer's multi-head latent attention (`self_attn`); `n_kv`, `head_dim` and `v_head_dim` give its
+    KV cache's shape: one head of the latent row, no value columns."""
+
+    def __init__(
+        self,
+        mla: MLAConfig,
+        hidden: int,
+        heads: int,
+        eps: float,
+        bias: bool,
+        scale: float,
+        backend: TorchAttention,
+    ) -> None:
+        super().__init__()
+        self.mla, self.n_heads, self.scale, self.backend = mla, heads, scale, backend
+        self.n_kv, self.head_dim, self.v_head_dim = 1, mla.cache_row, 0
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        self.q_proj: ColumnParallelLinear | None = None
+        self.q_a_proj: ColumnParallelLinear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: ColumnParallelLinear | None = None
+        if mla.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, merged_shards([heads * qk]))
+        else:
+            self.q_a_proj = ColumnParallelLinear(hidden, merged_shards([mla.q_lora_rank]), bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, merged_shards([heads * qk]))
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, merged_shards([mla.cache_row]), bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps)
+        # per head W_UK [nope, latent] then W_UV [v, latent]: used as matrices, in the latent space
+        self.kv_b_proj = _Weight(heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
+        self.o_proj = RowParallelLinear((0, heads * mla.v_head_dim), hidden, bias)
+        # the rotary features' order (no interleaving: rotate-half's)
+        self.order = _pairs_to_halves if mla.rope_interleave else (lambda x: x)
+
+    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, latent] and W_UV [H, v, latent], views of `kv_b_proj`."""
+        m, H = self.mla, self.n_heads
+        w = self.kv_b_proj.weight.view(H, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
+
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: LayerCache, meta: LayerMetadata) -> torch.Tensor:
+        m, T, H = self.mla, x.shape[0], self.n_heads
+        r, d = m.kv_lora_rank, m.qk_rope_head_dim
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(T, H, -1).split([m.qk_nope_head_dim, d], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([r, d], dim=-1)
+        cos, sin = (t.reshape(T, 1, d).to(x.dtype) for t in rope)  # (the C kernels' tables: float32 [T, d])
+        q_pe = apply_rotary(self.order(q_pe), cos, sin)
+        k_pe = apply_rotary(self.order(k_pe).view(T, 1, d), cos, sin)
+        k_cache = kv_cache[0]
+        row = torch.cat((self.kv_a_layernorm(c).view(T, 1, r), k_pe), dim=-1)
+        k_cache.index_copy_(0, meta.slot_mapping, row.to(k_cache.dtype))
+        w_uk, w_uv = self._absorbed()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, latent]
+        q_row = torch.cat((q_lat.transpose(0, 1), q_pe), dim=-1)  # [T, H, latent + rope]
+        # the cached rows are the keys and the values (of which the latent's features are kept)
+        out = self.backend.forward(q_row, None, None, k_cache, k_cache, meta, self.scale)
+        o = torch.bmm(out[..., :r].transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
+        return self.o_proj(o.transpose(0, 1).reshape(T, H * m.v_head_dim))
