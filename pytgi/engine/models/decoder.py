@@ -60,7 +60,7 @@ from pytgi.engine.models.layers import (
 )
 from pytgi.engine.models.linear_attention import GatedDeltaNet, LinearAttnConfig, StateBackend, StateMetadata
 from pytgi.engine.models.mla import MLAConfig, MLAttention
-from pytgi.engine.models.moe import SparseMoE
+from pytgi.engine.models.moe import Routing, SparseMoE
 from pytgi.engine.models.quant import (
     Fp8Rows,
     LayoutRows,
@@ -104,6 +104,9 @@ class MoEConfig:
     sparse_layers: list[bool]  # which layers route (the others keep the dense MLP)
     # gpt-oss's experts: (alpha, limit) of the clamped SwiGLU; with biases on the router and experts
     oai: tuple[float, float] | None = None
+    # the router's rule beyond softmax top-k (DeepSeek-V3, GLM-4.5, MiniMax-M2; frozen: one default)
+    routing: Routing = Routing()  # noqa: RUF009
+    shared_gate: bool = True  # Qwen2-MoE's sigmoid gate on the shared expert; False: added as it is
 
 
 @dataclass(slots=True)
@@ -288,6 +291,8 @@ class DecoderLayer(nn.Module):
                 moe.norm_topk,
                 moe.shared_intermediate_size,
                 oai=moe.oai,
+                routing=moe.routing,
+                shared_gate=moe.shared_gate,
             )
         )
         # The checkpoints' names: Llama's post_attention_layernorm is the MLP's input norm, Gemma's
@@ -525,6 +530,7 @@ class DecoderModel(nn.Module):
             name = name.removeprefix("model.").removeprefix("language_model.")  # (a VLM's, served as text)
             name = name.replace(".block_sparse_moe.", ".mlp.")
             name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's router
+            name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's (ungated)
             name = name.replace(".conv1d.weight", ".conv1d")  # a linear-attention layer's convolution
             if "rotary_emb" in name:
                 continue
