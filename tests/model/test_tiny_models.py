@@ -46,6 +46,27 @@ MLA = dict(
     num_experts_per_tok=2,
     moe_intermediate_size=48,
 )
+MLA_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 0.9,
+    "mscale_all_dim": 0.7,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+# ... with a dense layer, then two of experts: 8 routed (2 a token), a shared one
+MLA_MOE = dict(
+    MLA,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    routed_scaling_factor=1.5,
+)
 
 CONFIGS = {
     "llama": (transformers.LlamaConfig, dict(BASE, rope_theta=10000.0)),
@@ -196,20 +217,29 @@ CONFIGS = {
     # DeepSeek's multi-head latent attention: V2-Lite's plain q_proj, V2's and V3's q_a → q_b; the
     # cache holds the latent row (kv_lora_rank + qk_rope_head_dim), attention runs in the latent space
     "deepseek-v2-lite-mla": (transformers.DeepseekV2Config, dict(MLA, q_lora_rank=None)),
-    "deepseek-v3-mla-yarn": (
+    "deepseek-v3-mla-yarn": (transformers.DeepseekV3Config, dict(MLA, rope_parameters=MLA_YARN)),
+    # ... and their experts after a dense layer: V2-Lite's greedy softmax router; V2's within the
+    # best groups (by each group's best), scaled; V3's sigmoid router whose correction bias (random,
+    # set after init) chooses within the best groups (by each group's best two), renormalized and
+    # scaled, beside two shared experts, under YaRN with DeepSeek's mscale
+    "deepseek-v2-lite-moe": (
+        transformers.DeepseekV2Config,
+        dict(MLA_MOE, q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.0),
+    ),
+    "deepseek-v2-moe-groups": (
+        transformers.DeepseekV2Config,
+        dict(MLA_MOE, topk_method="group_limited_greedy", n_group=2, topk_group=1),
+    ),
+    "deepseek-v3-moe": (
         transformers.DeepseekV3Config,
         dict(
-            MLA,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 64,
-                "mscale": 0.9,
-                "mscale_all_dim": 0.7,
-                "beta_fast": 32,
-                "beta_slow": 1,
-            },
+            MLA_MOE,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            n_shared_experts=2,
+            rope_parameters=MLA_YARN,
         ),
     ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
@@ -274,6 +304,9 @@ def models(request, tmp_path_factory):
         for name, p in hf.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in hf.named_buffers():  # DeepSeek V3's router bias (zeros at init)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
     runner = ModelRunner(

@@ -26,6 +26,7 @@ from typing import Any
 from pytgi.core.errors import UnsupportedModel
 from pytgi.engine.models.decoder import DecoderConfig, MoEConfig
 from pytgi.engine.models.mla import MLAConfig
+from pytgi.engine.models.moe import Routing
 
 
 def _mscale(factor: float, mscale: float) -> float:
@@ -43,12 +44,42 @@ def mla_scale(qk_head_dim: int, rope: dict[str, Any] | None) -> float:
     return scale
 
 
-def deepseek_moe(cfg: dict[str, Any]) -> MoEConfig | None:
+def deepseek_routing(cfg: dict[str, Any], v3: bool) -> Routing:
+    """V3's router: sigmoid scores plus the correction bias, grouped by the sum of each group's best
+    two; V2's: softmax scores, grouped by each group's best where `topk_method` is
+    group_limited_greedy (greedy: one group). Both scale the weights by routed_scaling_factor."""
+    scale = float(cfg.get("routed_scaling_factor") or 1.0)
+    n_group, topk_group = cfg.get("n_group") or 1, cfg.get("topk_group") or 1
+    if v3:
+        return Routing("sigmoid", True, n_group, topk_group, "top2", scale)
+    method = cfg.get("topk_method") or "greedy"
+    if method == "greedy":
+        return Routing("softmax", False, 1, 1, "max", scale)
+    if method == "group_limited_greedy":
+        return Routing("softmax", False, n_group, topk_group, "max", scale)
+    raise UnsupportedModel(
+        f"DeepSeek V2's topk_method {method!r} is not served (greedy, group_limited_greedy)"
+    )
+
+
+def deepseek_moe(cfg: dict[str, Any], v3: bool) -> MoEConfig | None:
     """The routed and shared experts after the dense layers (None: a model without experts)."""
     experts, dense = cfg.get("n_routed_experts"), cfg.get("first_k_dense_replace") or 0
-    if not experts or dense >= cfg["num_hidden_layers"]:
+    layers, freq = cfg["num_hidden_layers"], cfg.get("moe_layer_freq") or 1
+    if not experts or dense >= layers:
         return None
-    raise UnsupportedModel("DeepSeek's mixture of experts is not served yet")
+    inter, shared = cfg["moe_intermediate_size"], cfg.get("n_shared_experts") or 0
+    return MoEConfig(
+        experts,
+        cfg["num_experts_per_tok"],
+        inter,
+        # V2's router never renormalizes (as transformers' DeepseekV2 reads it)
+        v3 and bool(cfg.get("norm_topk_prob", True)),
+        inter * shared or None,
+        [i >= dense and i % freq == 0 for i in range(layers)],
+        routing=deepseek_routing(cfg, v3),
+        shared_gate=False,  # the shared experts' output is added as it is
+    )
 
 
 def deepseek_config(cfg: dict[str, Any]) -> DecoderConfig:
@@ -90,7 +121,7 @@ def deepseek_config(cfg: dict[str, Any]) -> DecoderConfig:
         mlp_bias=False,
         qk_norm=False,
         attn_scale=mla_scale(mla.qk_nope_head_dim + mla.qk_rope_head_dim, rope),
-        moe=deepseek_moe(cfg),
+        moe=deepseek_moe(cfg, v3=arch == "DeepseekV3ForCausalLM"),
         rotary_dim=mla.qk_rope_head_dim,
         mla=mla,
         # the multi-token-prediction layers after the last one
