@@ -264,6 +264,9 @@ FAMILIES: tuple[Family, ...] = (
         module="deepseek",
         config="deepseek_config",
         generators=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+        # one name for both: a file whose router is V2's (softmax) reads as DeepseekV2ForCausalLM
+        # (`pytgi.core.gguf_convert._deepseek2`)
+        gguf=(GgufName("deepseek2", "DeepseekV3ForCausalLM", "deepseek_v3"),),
         experts=True,
         lora=False,
         tensor_parallel=False,

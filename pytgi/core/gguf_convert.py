@@ -79,6 +79,20 @@ HYBRID_LAYER_TENSORS = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
+# DeepSeek V2 / V3 (`deepseek2`): multi-head latent attention's projections; kv_b_proj split per head
+# into W_UK transposed (attn_k_b, [H, latent, nope]) and W_UV (attn_v_b, [H, v, latent]) by the
+# converter (older files keep attn_kv_b whole); the router's correction bias (`exp_probs_b`)
+DEEPSEEK_LAYER_TENSORS = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj",
+}
+DEEPSEEK_TYPES = frozenset({"deepseek_v2", "deepseek_v3"})
 # Phi-3 keeps q, k, v and gate, up fused
 PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -258,11 +272,80 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
                 decoder_sparse_step=1,
                 mlp_only_layers=[],
             )
+    if model_type in DEEPSEEK_TYPES:
+        config.update(_deepseek2(reader, str(arch), config, names))
     config.setdefault("attention_bias", "blk.0.attn_q.bias" in names)
     for key, hf_key in name.keys:  # the family's own keys (its registry entry)
         if (value := _field(reader, f"{arch}.{key}")) is not None:
             config[hf_key] = value
     return config
+
+
+def _deepseek2(reader: Reader, arch: str, config: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A `deepseek2` file's config.json keys, as llama.cpp's converter wrote them from DeepSeek V2 / V3's:
+    MLA's ranks and head sizes (`key_length_mla` / `value_length_mla`, or, in older files, the
+    per-head `key_length` / `value_length`), the dense layers first, the experts, and the router: V3's
+    (sigmoid scores and a correction bias: `expert_gating_func` 2, or `exp_probs_b` tensors without the
+    key) or V2's (softmax; grouped when the file has expert groups). YaRN's `yarn_log_multiplier` is
+    0.1 · mscale_all_dim, which llama.cpp reads as both mscales (the rotary tables unscaled, the
+    softmax scaled by mscale²): so here too."""
+    rope_dim = int(_required(reader, f"{arch}.rope.dimension_count"))
+    key_mla = _field(reader, f"{arch}.attention.key_length_mla")
+    if key_mla is not None:
+        nope, v_dim = int(key_mla) - rope_dim, int(_required(reader, f"{arch}.attention.value_length_mla"))
+    else:  # files from before the MLA keys: the per-head sizes, kv_b_proj whole
+        nope = int(_required(reader, f"{arch}.attention.key_length")) - rope_dim
+        v_dim = int(_required(reader, f"{arch}.attention.value_length"))
+    q_lora = _field(reader, f"{arch}.attention.q_lora_rank")
+    layers = config["num_hidden_layers"]
+    out: dict[str, Any] = {
+        "num_key_value_heads": config["num_attention_heads"],  # MLA's heads (llama.cpp writes 1)
+        "head_dim": rope_dim,
+        "q_lora_rank": None if q_lora is None else int(q_lora),
+        "kv_lora_rank": int(_required(reader, f"{arch}.attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": nope,
+        "v_head_dim": v_dim,
+        "rope_interleave": True,  # llama.cpp keeps DeepSeek's paired rotary features
+        "first_k_dense_replace": int(_field(reader, f"{arch}.leading_dense_block_count", 0)),
+        "num_nextn_predict_layers": int(_field(reader, f"{arch}.nextn_predict_layers", 0)),
+    }
+    experts = _field(reader, f"{arch}.expert_count")
+    gating = _field(reader, f"{arch}.expert_gating_func")
+    v3 = gating == 2 or (gating is None and any(n.endswith(".exp_probs_b.bias") for n in names))
+    if experts:
+        groups = int(_field(reader, f"{arch}.expert_group_count", 1) or 1)
+        out.update(
+            n_routed_experts=int(experts),
+            num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")),
+            moe_intermediate_size=int(_required(reader, f"{arch}.expert_feed_forward_length")),
+            n_shared_experts=int(_field(reader, f"{arch}.expert_shared_count", 0)),
+            routed_scaling_factor=float(_field(reader, f"{arch}.expert_weights_scale", 1.0)),
+            norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", False)),
+            n_group=groups,
+            topk_group=int(_field(reader, f"{arch}.expert_group_used_count", 1) or 1),
+            topk_method="group_limited_greedy" if groups > 1 else "greedy",
+        )
+    else:
+        out["first_k_dense_replace"] = layers
+    if not v3:
+        out.update(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if _field(reader, f"{arch}.rope.scaling.type") == "yarn":
+        mscale = float(_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": config["rope_theta"],
+            "factor": float(_required(reader, f"{arch}.rope.scaling.factor")),
+            "original_max_position_embeddings": int(
+                _required(reader, f"{arch}.rope.scaling.original_context_length")
+            ),
+            "beta_fast": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+            **({"mscale": mscale, "mscale_all_dim": mscale} if mscale else {}),
+        }
+    out["rope_parameters"] = rope
+    return out
 
 
 def hf_tensor_name(name: str, model_type: str = "llama") -> str:
@@ -274,6 +357,10 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{kind}"
     parts = stem.split(".")
+    if model_type in DEEPSEEK_TYPES and len(parts) == 3 and parts[0] == "blk" and parts[2] == "exp_probs_b":
+        return f"model.layers.{parts[1]}.mlp.gate.e_score_correction_bias"  # a bare parameter
+    if model_type in DEEPSEEK_TYPES and len(parts) > 3 and parts[0] == "blk" and parts[2] == "nextn":
+        return f"model.layers.{parts[1]}.{'.'.join(parts[2:])}.{kind}"  # an MTP layer's (not read)
     layer = (
         {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS}
         if model_type.startswith("gemma")
@@ -283,6 +370,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         if model_type == "gpt_oss"
         else {**LAYER_TENSORS, **HYBRID_LAYER_TENSORS}
         if model_type in HYBRID_TYPES
+        else {**LAYER_TENSORS, **DEEPSEEK_LAYER_TENSORS}
+        if model_type in DEEPSEEK_TYPES
         else LAYER_TENSORS
     )
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:

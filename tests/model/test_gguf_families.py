@@ -81,6 +81,23 @@ FAMILIES = {
         # test_tiny_models' gpt-oss, with the clamp's limit llama.cpp's fixed 7.0 (GGUF stores none)
         {k: v for k, v in dict(TINY["gpt-oss"][1]).items() if k != "swiglu_limit"},
     ),
+    # DeepSeek V3's MLA and experts (test_tiny_models' V3, YaRN's mscale equal to mscale_all_dim: a
+    # file keeps 0.1 · mscale_all_dim alone) and V2-Lite's (its q_proj, a greedy softmax router)
+    "deepseek2-v3": (
+        "deepseek2",
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        {
+            **dict(TINY["deepseek-v3-moe"][1]),
+            "rope_parameters": {**TINY["deepseek-v3-moe"][1]["rope_parameters"], "mscale": 0.7},
+        },
+    ),
+    "deepseek2-v2-lite": (
+        "deepseek2",
+        transformers.DeepseekV2Config,
+        transformers.DeepseekV2ForCausalLM,
+        dict(TINY["deepseek-v2-lite-moe"][1]),
+    ),
 }
 LAYER = {
     "input_layernorm": "attn_norm",
@@ -101,7 +118,71 @@ LAYER = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    # DeepSeek's (llama.cpp's `deepseek2`)
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
+
+
+def deepseek2_metadata(w, cfg) -> None:
+    """The keys llama.cpp's DeepseekV2Model writes (MLA as one kv head of the latent row; the MTP
+    layers skipped; no gating function where the config names none: the correction bias says V3)."""
+    rope = cfg.rope_parameters
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "yarn":
+        import gguf
+
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if cfg.n_group is not None:
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    w.add_value_length(cfg.kv_lora_rank)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+
+
+def deepseek2_tensors(cfg, rest: str, a: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
+    """A layer tensor's GGUF name(s) and values where llama.cpp's converter changes them: kv_b_proj split
+    per head into W_UK transposed (attn_k_b) and W_UV (attn_v_b); the router's correction bias."""
+    if rest == "self_attn.kv_b_proj.weight":
+        kv_b = a.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+        k_b, v_b = kv_b[:, : cfg.qk_nope_head_dim], kv_b[:, cfg.qk_nope_head_dim :]
+        return [("attn_k_b.weight", k_b.swapaxes(1, 2)), ("attn_v_b.weight", v_b)]
+    if rest == "mlp.gate.e_score_correction_bias":
+        return [("exp_probs_b.bias", a)]
+    return None
 
 
 # gpt-oss's tensors as llama.cpp's converter writes them: gate and up apart (de-interleaved), each
@@ -177,7 +258,10 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
             t = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, np.float32), t), raw_dtype=t)
 
-    common_metadata(w, cfg)
+    if arch == "deepseek2":
+        deepseek2_metadata(w, cfg)
+    else:
+        common_metadata(w, cfg)
     if arch == "gpt-oss":  # as llama.cpp's GptOssModel writes it
         rope = cfg.rope_parameters
         w.add_expert_feed_forward_length(cfg.intermediate_size)
@@ -205,6 +289,10 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         else:
             _, _, i, rest = name.split(".", 3)
             stem, _, kind = rest.rpartition(".")
+            if arch == "deepseek2" and (parts := deepseek2_tensors(cfg, rest, a)) is not None:
+                for gguf_name, part in parts:
+                    add(f"blk.{i}.{gguf_name}", np.ascontiguousarray(part))
+                continue
             if arch == "gpt-oss" and rest in GPT_OSS:
                 for gguf_name, part in GPT_OSS[rest](a):
                     add(f"blk.{i}.{gguf_name}", np.ascontiguousarray(part))
@@ -257,6 +345,9 @@ def test_gguf_of_the_family_serves_transformers_logits(tmp_path, monkeypatch, fa
         for name, p in hf.named_parameters():
             if "norm" in name or "bias" in name or "sinks" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in hf.named_buffers():  # DeepSeek V3's router bias (zeros at init)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     path = write_gguf(hf, arch, tmp_path / f"{family}.gguf")
     model_dir = resolve_model(str(path), progress=False).path  # converted once, as `pytgi serve` does
     runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))

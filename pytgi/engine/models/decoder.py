@@ -343,6 +343,9 @@ class DecoderModel(nn.Module):
         "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
+        # MLA's kv_b_proj as a llama.cpp file splits it (`MLAttention`)
+        "k_b_proj": ("kv_b_proj", 1),
+        "v_b_proj": ("kv_b_proj", 2),
     }
 
     def __init__(self, cfg: DecoderConfig, cpu: Kernels, attention: str = "auto") -> None:

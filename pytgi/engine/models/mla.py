@@ -50,12 +50,26 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
-class _Weight(nn.Module):
-    """A weight read whole by its layer (not a linear of its own: never quantized or swapped)."""
+class _KVB(nn.Module):
+    """kv_b_proj's weight [H · (nope + v), latent], read whole by its layer (not a linear of its own:
+    never quantized or swapped). A checkpoint gives it whole (shard 0); a llama.cpp file in two
+    (`k_b_proj` shard 1: W_UK transposed, [H, latent, nope]; `v_b_proj` shard 2: W_UV, [H, v, latent])."""
 
-    def __init__(self, rows: int, cols: int) -> None:
+    def __init__(self, heads: int, nope: int, v: int, latent: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, cols), requires_grad=False)
+        self.heads, self.nope = heads, nope
+        self.weight = nn.Parameter(torch.empty(heads * (nope + v), latent), requires_grad=False)
+        self.weight.weight_loader = self.load  # type: ignore[attr-defined]
+
+    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        if shard == 0:
+            param.data.copy_(loaded)
+            return
+        w = param.data.view(self.heads, -1, param.shape[1])
+        if shard == 1:
+            w[:, : self.nope].copy_(loaded.view(self.heads, param.shape[1], self.nope).transpose(1, 2))
+        else:
+            w[:, self.nope :].copy_(loaded.view(self.heads, -1, param.shape[1]))
 
 
 def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +109,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, merged_shards([mla.cache_row]), bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps)
         # per head W_UK [nope, latent] then W_UV [v, latent]: used as matrices, in the latent space
-        self.kv_b_proj = _Weight(heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)
+        self.kv_b_proj = _KVB(heads, mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank)
         self.o_proj = RowParallelLinear((0, heads * mla.v_head_dim), hidden, bias)
         # the rotary features' order (no interleaving: rotate-half's)
         self.order = _pairs_to_halves if mla.rope_interleave else (lambda x: x)
