@@ -260,10 +260,15 @@ FAMILIES: tuple[Family, ...] = (
         ),
     ),
     Family(
-        name="DeepSeek V2 / V3",
+        name="DeepSeek V2 / V3, GLM-4.7-Flash, Mistral 4",
         module="deepseek",
         config="deepseek_config",
-        generators=("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"),
+        generators=(
+            "DeepseekV2ForCausalLM",
+            "DeepseekV3ForCausalLM",
+            "Glm4MoeLiteForCausalLM",
+            "Mistral4ForCausalLM",
+        ),
         # one name for both: a file whose router is V2's (softmax) reads as DeepseekV2ForCausalLM
         # (`pytgi.core.gguf_convert._deepseek2`)
         gguf=(GgufName("deepseek2", "DeepseekV3ForCausalLM", "deepseek_v3"),),
@@ -274,7 +279,7 @@ FAMILIES: tuple[Family, ...] = (
         kv_dtypes=("auto", "bf16"),
         note=(
             "multi-head latent attention, its KV cache the latent only (Kimi K2 too); the MTP layers "
-            "are not read"
+            "are not read; GLM-4.7-Flash's GGUF files are `deepseek2` too (Mistral 4's `mistral4`: not read)"
         ),
     ),
     replace(

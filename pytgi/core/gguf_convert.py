@@ -297,8 +297,10 @@ def _deepseek2(reader: Reader, arch: str, config: dict[str, Any], names: set[str
         nope = int(_required(reader, f"{arch}.attention.key_length")) - rope_dim
         v_dim = int(_required(reader, f"{arch}.attention.value_length"))
     q_lora = _field(reader, f"{arch}.attention.q_lora_rank")
-    layers = config["num_hidden_layers"]
+    mtp = int(_field(reader, f"{arch}.nextn_predict_layers", 0))
+    layers = config["num_hidden_layers"] - mtp  # (GLM-4.7-Flash's file counts its MTP layer as a block)
     out: dict[str, Any] = {
+        "num_hidden_layers": layers,
         "num_key_value_heads": config["num_attention_heads"],  # MLA's heads (llama.cpp writes 1)
         "head_dim": rope_dim,
         "q_lora_rank": None if q_lora is None else int(q_lora),
@@ -308,7 +310,7 @@ def _deepseek2(reader: Reader, arch: str, config: dict[str, Any], names: set[str
         "v_head_dim": v_dim,
         "rope_interleave": True,  # llama.cpp keeps DeepSeek's paired rotary features
         "first_k_dense_replace": int(_field(reader, f"{arch}.leading_dense_block_count", 0)),
-        "num_nextn_predict_layers": int(_field(reader, f"{arch}.nextn_predict_layers", 0)),
+        "num_nextn_predict_layers": mtp,
     }
     experts = _field(reader, f"{arch}.expert_count")
     gating = _field(reader, f"{arch}.expert_gating_func")

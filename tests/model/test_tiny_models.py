@@ -242,6 +242,35 @@ CONFIGS = {
             rope_parameters=MLA_YARN,
         ),
     ),
+    # the same layers under other names: GLM-4.7-Flash (V3's router, a kind per layer) and Mistral 4
+    # (softmax scores grouped by each group's best two; queries scaled by Llama 4's rule past 8 positions)
+    "glm4-moe-lite": (
+        transformers.Glm4MoeLiteConfig,
+        dict(
+            {k: v for k, v in MLA_MOE.items() if k != "first_k_dense_replace"},
+            mlp_layer_types=["sparse", "dense", "sparse"],
+            n_group=2,
+            topk_group=1,
+        ),
+    ),
+    "mistral4": (
+        transformers.Mistral4Config,
+        dict(
+            MLA_MOE,
+            n_group=2,
+            topk_group=1,
+            rope_parameters={
+                **MLA_YARN,
+                "factor": 32.0,
+                "original_max_position_embeddings": 8,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.5,
+                "max_position_embeddings": 256,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+    ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
     "olmo2-via-transformers": (transformers.Olmo2Config, dict(BASE)),
     "gpt-neox-via-transformers": (
@@ -290,6 +319,8 @@ ARCH = {
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
     transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
     transformers.DeepseekV3Config: transformers.DeepseekV3ForCausalLM,
+    transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
+    transformers.Mistral4Config: transformers.Mistral4ForCausalLM,
 }
 
 

@@ -59,7 +59,7 @@ from pytgi.engine.models.layers import (
     qkv_shards,
 )
 from pytgi.engine.models.linear_attention import GatedDeltaNet, LinearAttnConfig, StateBackend, StateMetadata
-from pytgi.engine.models.mla import MLAConfig, MLAttention
+from pytgi.engine.models.mla import MLAConfig, MLAttention, query_scales
 from pytgi.engine.models.moe import Routing, SparseMoE
 from pytgi.engine.models.quant import (
     Fp8Rows,
@@ -423,6 +423,10 @@ class DecoderModel(nn.Module):
                 table[image_rows.rope_rows] = rows.reshape(len(rows), *table.shape[1:]).to(table.dtype)
         local = self.rotary_local
         ropes = (rope, rope if local is None else self.ops.rope_tables(local, positions, x.dtype))
+        if cfg.mla is not None and (q_scale := query_scales(cfg.mla, positions, x.dtype)) is not None:
+            for layer in self.layers:  # Mistral 4's queries, by position
+                assert isinstance(layer.self_attn, MLAttention)
+                layer.self_attn.q_scale = q_scale
         # one metadata for every layer (and the sliding layers' first keys)
         whole: DecoderMetadata | None = meta
         first: np.ndarray | None = None

@@ -43,6 +43,8 @@ class MLAConfig:
     v_head_dim: int
     q_lora_rank: int | None = None  # None: one q_proj (DeepSeek V2-Lite)
     rope_interleave: bool = True  # the rotary features in pairs (x0, x1), ... (DeepSeek's checkpoints)
+    # Mistral 4: queries scaled by 1 + beta · ln(1 + floor(position / context)), (beta, context)
+    llama4_scale: tuple[float, int] | None = None
 
     @property
     def cache_row(self) -> int:
@@ -113,6 +115,7 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear((0, heads * mla.v_head_dim), hidden, bias)
         # the rotary features' order (no interleaving: rotate-half's)
         self.order = _pairs_to_halves if mla.rope_interleave else (lambda x: x)
+        self.q_scale: torch.Tensor | None = None  # [T]: the step's query scales (`query_scales`)
 
     def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, latent] and W_UV [H, v, latent], views of `kv_b_proj`."""
@@ -139,7 +142,18 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._absorbed()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, latent]
         q_row = torch.cat((q_lat.transpose(0, 1), q_pe), dim=-1)  # [T, H, latent + rope]
+        if self.q_scale is not None:
+            q_row = q_row * self.q_scale[:, None, None]
         # the cached rows are the keys and the values (of which the latent's features are kept)
         out = self.backend.forward(q_row, None, None, k_cache, k_cache, meta, self.scale)
         o = torch.bmm(out[..., :r].transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(T, H * m.v_head_dim))
+
+
+def query_scales(mla: MLAConfig, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Mistral 4's query scale per token, 1 + beta · ln(1 + floor(position / context)), as transformers
+    computes it (Llama 4's); None for the other families."""
+    if mla.llama4_scale is None:
+        return None
+    beta, context = mla.llama4_scale
+    return (1 + beta * torch.log(1 + torch.floor(positions / context))).to(dtype)
