@@ -53,25 +53,36 @@ class MLAConfig:
 
 
 class _KVB(nn.Module):
-    """kv_b_proj's weight [H · (nope + v), latent], read whole by its layer (not a linear of its own:
-    never quantized or swapped). A checkpoint gives it whole (shard 0); a llama.cpp file in two
-    (`k_b_proj` shard 1: W_UK transposed, [H, latent, nope]; `v_b_proj` shard 2: W_UV, [H, v, latent])."""
+    """kv_b_proj as its layer multiplies by it: per head W_UK [nope, latent] (queries into the latent
+    space) and W_UV transposed [latent, v] (the output out of it), each contiguous (a strided batch of
+    matrices costs PyTorch's bf16 bmm a copy per call), in one flat parameter. Not a linear of its own:
+    never quantized or swapped. A checkpoint gives kv_b_proj whole ([H · (nope + v), latent], shard 0);
+    a llama.cpp file in two (`k_b_proj` shard 1: W_UK transposed, [H, latent, nope]; `v_b_proj` shard
+    2: W_UV, [H, v, latent])."""
 
     def __init__(self, heads: int, nope: int, v: int, latent: int) -> None:
         super().__init__()
-        self.heads, self.nope = heads, nope
-        self.weight = nn.Parameter(torch.empty(heads * (nope + v), latent), requires_grad=False)
+        self.heads, self.nope, self.v, self.latent = heads, nope, v, latent
+        self.weight = nn.Parameter(torch.empty(heads * latent * (nope + v)), requires_grad=False)
         self.weight.weight_loader = self.load  # type: ignore[attr-defined]
 
+    def parts(self, w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, latent] and W_UV transposed [H, latent, v], views of the parameter."""
+        w = self.weight if w is None else w
+        H, r, k = self.heads, self.latent, self.heads * self.nope * self.latent
+        return w[:k].view(H, self.nope, r), w[k:].view(H, r, self.v)
+
     def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        w_uk, w_uvt = self.parts(param.data)
+        H, r = self.heads, self.latent
         if shard == 0:
-            param.data.copy_(loaded)
-            return
-        w = param.data.view(self.heads, -1, param.shape[1])
-        if shard == 1:
-            w[:, : self.nope].copy_(loaded.view(self.heads, param.shape[1], self.nope).transpose(1, 2))
+            kv_b = loaded.reshape(H, self.nope + self.v, r)
+            w_uk.copy_(kv_b[:, : self.nope])
+            w_uvt.copy_(kv_b[:, self.nope :].transpose(1, 2))
+        elif shard == 1:
+            w_uk.copy_(loaded.reshape(H, r, self.nope).transpose(1, 2))
         else:
-            w[:, self.nope :].copy_(loaded.view(self.heads, -1, param.shape[1]))
+            w_uvt.copy_(loaded.reshape(H, self.v, r).transpose(1, 2))
 
 
 def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
@@ -110,18 +121,12 @@ class MLAttention(nn.Module):
             self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, merged_shards([heads * qk]))
         self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, merged_shards([mla.cache_row]), bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps)
-        # per head W_UK [nope, latent] then W_UV [v, latent]: used as matrices, in the latent space
+        # per head W_UK and W_UV: used as matrices, in the latent space
         self.kv_b_proj = _KVB(heads, mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank)
         self.o_proj = RowParallelLinear((0, heads * mla.v_head_dim), hidden, bias)
         # the rotary features' order (no interleaving: rotate-half's)
         self.order = _pairs_to_halves if mla.rope_interleave else (lambda x: x)
         self.q_scale: torch.Tensor | None = None  # [T]: the step's query scales (`query_scales`)
-
-    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, nope, latent] and W_UV [H, v, latent], views of `kv_b_proj`."""
-        m, H = self.mla, self.n_heads
-        w = self.kv_b_proj.weight.view(H, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: LayerCache, meta: LayerMetadata) -> torch.Tensor:
         m, T, H = self.mla, x.shape[0], self.n_heads
@@ -139,14 +144,14 @@ class MLAttention(nn.Module):
         k_cache = kv_cache[0]
         row = torch.cat((self.kv_a_layernorm(c).view(T, 1, r), k_pe), dim=-1)
         k_cache.index_copy_(0, meta.slot_mapping, row.to(k_cache.dtype))
-        w_uk, w_uv = self._absorbed()
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk)  # [H, T, latent]
+        w_uk, w_uvt = self.kv_b_proj.parts()
+        q_lat = torch.bmm(q_nope.transpose(0, 1).contiguous(), w_uk)  # [H, T, latent]
         q_row = torch.cat((q_lat.transpose(0, 1), q_pe), dim=-1)  # [T, H, latent + rope]
         if self.q_scale is not None:
             q_row = q_row * self.q_scale[:, None, None]
         # the cached rows are the keys and the values (of which the latent's features are kept)
         out = self.backend.forward(q_row, None, None, k_cache, k_cache, meta, self.scale)
-        o = torch.bmm(out[..., :r].transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
+        o = torch.bmm(out[..., :r].transpose(0, 1).contiguous(), w_uvt)  # [H, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(T, H * m.v_head_dim))
 
 
