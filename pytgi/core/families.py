@@ -276,7 +276,7 @@ FAMILIES: tuple[Family, ...] = (
         lora=False,
         tensor_parallel=False,
         cuda_graphs=False,
-        kv_dtypes=("auto", "bf16"),
+        kv_dtypes=NO_FP8,
         note=(
             "multi-head latent attention, its KV cache the latent only (Kimi K2 too); the MTP layers "
             "are not read; GLM-4.7-Flash's GGUF files are `deepseek2` too (Mistral 4's `mistral4`: not read)"

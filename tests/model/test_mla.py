@@ -1,7 +1,7 @@
 """Multi-head latent attention (DeepSeek V2 / V3) in the engine: the KV cache holds the latent row only
 and is sized from it, the engine's greedy tokens follow transformers' (float32, with speculation and
 prefix hits), the default bf16 path is batch invariant on a latent row the AVX-512 kernels take
-(96 values), and what MLA does not serve is refused by name. Logits against transformers on every
+(96 values), an int8 cache follows the float one, and what MLA does not serve is refused by name. Logits against transformers on every
 kernel path: tests/model/test_tiny_models.py; GGUF files: tests/model/test_gguf_families.py."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from tokenizers import Tokenizer, models
 
 from pytgi import LLM, SamplingParams
 from pytgi.core.families import family_of
+from pytgi.engine import kernels
 from pytgi.engine.execution.batch import PagedModel, kv_dtype_refusal
 from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.decoder import DecoderModel
@@ -45,6 +46,24 @@ def test_the_cache_holds_the_latent_row_only():
     assert paged.kv_bytes_per_token() == kw["num_hidden_layers"] * row * 2
     paged.allocate(8, 16)
     assert [tuple(t.shape) for t in paged.kv_caches[0]] == [(128, 1, row), (128, 1, 0)]
+    int8 = PagedModel(paged.model, torch.bfloat16, torch.device("cpu"), kv_dtype="int8")
+    assert int8.kv_bytes_per_token() == kw["num_hidden_layers"] * (row + 2)  # the row and its bf16 scale
+    int8.allocate(8, 16)
+    assert [tuple(t.shape) for t in int8.kv_caches[0]] == [(128, 1, row + 2), (128, 1, 0)]
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the int8 cache is written and read by the C kernels")
+def test_an_int8_cache_follows_the_float_one(tmp_path):
+    cls, kw = CONFIGS["deepseek-v3-mla-yarn"]  # (no router: a near tie between experts cannot flip)
+    _save(tmp_path, cls, dict(kw, vocab_size=256, eos_token_id=None))
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    runs = {}
+    for kv in ("auto", "int8"):
+        llm = LLM(str(tmp_path), dtype="float32", kv_cache_dtype=kv, max_batch_total_tokens=1024)
+        runs[kv] = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in runs["int8"]] == [o.token_ids for o in runs["auto"]]
+    gap = max(abs(a - b) for x, y in zip(runs["int8"], runs["auto"]) for a, b in zip(x.logprobs, y.logprobs))
+    assert gap < 0.05, gap
 
 
 def test_what_mla_does_not_serve_is_refused_by_name():
@@ -54,8 +73,8 @@ def test_what_mla_does_not_serve_is_refused_by_name():
     model = DecoderModel(
         deepseek_config({**cls(**kw).to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}), Kernels.none()
     )
-    cpu = torch.device("cpu")
-    assert "not for DeepSeek" in (kv_dtype_refusal(model, cpu, torch.float32, "int8", family) or "")
+    fp8 = kv_dtype_refusal(model, torch.device("cuda"), torch.bfloat16, "fp8", family)
+    assert "plain causal attention" in (fp8 or "")
     with pytest.raises(ValueError, match="topk_method 'noaux_tc' is not served"):
         deepseek_config({**CONFIGS["deepseek-v2-lite-moe"][1], "architectures": ["DeepseekV2ForCausalLM"],
                          "topk_method": "noaux_tc"})  # fmt: skip

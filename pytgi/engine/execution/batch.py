@@ -112,10 +112,9 @@ class PagedModel:
     def kv_bytes_per_token(self) -> int:
         attn, n = self._attention(), self._kv_layers()
         k, v = self._rows()
-        if self.fp8:  # a byte a value, and a float32 scale a head
-            return n * attn.n_kv * (k + v + 8)
-        if self.int8:  # a byte a value, and a bf16 scale a head
-            return n * attn.n_kv * (k + v + 4)
+        if self.fp8 or self.int8:  # a byte a value, and a float32 (FP8) or bf16 (int8) scale a row
+            scale = 4 if self.fp8 else 2
+            return n * attn.n_kv * (k + scale + (v + scale if v else 0))
         elt = torch.empty((), dtype=self.dtype).element_size()
         return n * attn.n_kv * (k + v) * elt
 

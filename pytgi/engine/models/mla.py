@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pytgi.engine import kernels
 from pytgi.engine.models.attention import LayerCache, LayerMetadata, Rope, TorchAttention
 from pytgi.engine.models.layers import (
     ColumnParallelLinear,
@@ -143,7 +144,10 @@ class MLAttention(nn.Module):
         k_pe = apply_rotary(self.order(k_pe).view(T, 1, d), cos, sin)
         k_cache = kv_cache[0]
         row = torch.cat((self.kv_a_layernorm(c).view(T, 1, r), k_pe), dim=-1)
-        k_cache.index_copy_(0, meta.slot_mapping, row.to(k_cache.dtype))
+        if kernels.kv8(k_cache):  # --kv-cache-dtype int8: the row's int8 values and bf16 scale
+            kernels.write_kv8(row, row, meta.slot_mapping, k_cache, k_cache)
+        else:
+            k_cache.index_copy_(0, meta.slot_mapping, row.to(k_cache.dtype))
         w_uk, w_uvt = self.kv_b_proj.parts()
         q_lat = torch.bmm(q_nope.transpose(0, 1).contiguous(), w_uk)  # [H, T, latent]
         q_row = torch.cat((q_lat.transpose(0, 1), q_pe), dim=-1)  # [T, H, latent + rope]
