@@ -127,12 +127,19 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
     names = {t.name for t in reader.tensors}
     vocab = _field(reader, f"{arch}.vocab_size") or len(_required(reader, "tokenizer.ggml.tokens"))
     head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // n_heads
+    # llama.cpp's converter writes a model's multi-token-prediction layers as blocks after its own
+    # (GLM-4.5, Qwen3.5): not read (`mtp_tensor`)
+    nextn = int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
+    # a model with experts in every layer may have no dense MLP size (Qwen3.5-MoE)
+    ffn = _field(reader, f"{arch}.feed_forward_length") or _field(
+        reader, f"{arch}.expert_feed_forward_length"
+    )
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(_required(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_required(reader, f"{arch}.block_count")),
+        "intermediate_size": int(ffn or _required(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_required(reader, f"{arch}.block_count")) - nextn,
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
         "head_dim": int(head_dim),
@@ -230,6 +237,7 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
         interval = int(_field(reader, f"{arch}.full_attention_interval", 4))
         if recurrent is None:
             recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+        recurrent = list(recurrent)[:layers]  # (an MTP block's entry after the model's)
         k_heads = int(_required(reader, f"{arch}.ssm.group_count"))
         v_heads = int(_required(reader, f"{arch}.ssm.time_step_rank"))
         config.update(
@@ -263,6 +271,12 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
         if (value := _field(reader, f"{arch}.{key}")) is not None:
             config[hf_key] = value
     return config
+
+
+def mtp_tensor(name: str, config: dict[str, Any]) -> bool:
+    """A tensor of a multi-token-prediction block llama.cpp wrote after the model's layers (skipped)."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[0] == "blk" and int(parts[1]) >= config["num_hidden_layers"]
 
 
 def hf_tensor_name(name: str, model_type: str = "llama") -> str:
@@ -507,7 +521,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
-        types = {hf_tensor_name(t.name, config["model_type"]): t.tensor_type.name for t in reader.tensors}
+        types = {
+            hf_tensor_name(t.name, config["model_type"]): t.tensor_type.name
+            for t in reader.tensors
+            if not mtp_tensor(t.name, config)
+        }
         (tmp / "quantization.json").write_text(json.dumps({"source": "gguf", "tensors": types}, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "tokenizer.json").write_text(tokenizer_json)

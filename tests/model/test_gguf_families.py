@@ -129,12 +129,16 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def common_metadata(w, cfg) -> None:
-    """The keys every family's file has, from a transformers config, as llama.cpp's converter writes them."""
-    w.add_block_count(cfg.num_hidden_layers)
+def common_metadata(w, cfg, mtp_blocks: int = 0) -> None:
+    """The keys every family's file has, from a transformers config, as llama.cpp's converter writes them
+    (`mtp_blocks`: multi-token-prediction blocks written after the model's, llama.cpp's nextn layers)."""
+    w.add_block_count(cfg.num_hidden_layers + mtp_blocks)
+    if mtp_blocks:
+        w.add_nextn_predict_layers(mtp_blocks)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    if getattr(cfg, "intermediate_size", None):  # (none where every layer has experts: Qwen3.5-MoE)
+        w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
