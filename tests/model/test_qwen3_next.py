@@ -355,8 +355,8 @@ def test_a_gguf_file_serves_transformers_tokens(arch, tmp_path, monkeypatch):
     kw = dict(COMMON, intermediate_size=64)
     torch.manual_seed(2)
     if arch == "qwen35moe":
-        cfg = transformers.Qwen3_5MoeTextConfig(**COMMON, **MOE)
-        model, _ = _save(transformers.Qwen3_5MoeForCausalLM(cfg).eval(), tmp_path / "hf")
+        moe_cfg = transformers.Qwen3_5MoeTextConfig(**COMMON, **MOE)
+        model, _ = _save(transformers.Qwen3_5MoeForCausalLM(moe_cfg).eval(), tmp_path / "hf")
     elif arch == "qwen3next":  # llama.cpp's converter takes experts in every layer
         cfg = transformers.Qwen3NextConfig(
             **kw,
@@ -389,9 +389,10 @@ def test_a_qwen3_5_vision_checkpoint_serves_its_language_model(moe, tmp_path):
 
     torch.manual_seed(3)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    model: torch.nn.Module
     if moe:
-        cfg = transformers.Qwen3_5MoeConfig(text_config=dict(COMMON, **MOE), vision_config=vision)
-        model = transformers.Qwen3_5MoeForConditionalGeneration(cfg).eval()
+        moe_cfg = transformers.Qwen3_5MoeConfig(text_config=dict(COMMON, **MOE), vision_config=vision)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(moe_cfg).eval()
     else:
         cfg = transformers.Qwen3_5Config(text_config=dict(COMMON, intermediate_size=64), vision_config=vision)
         model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
