@@ -58,7 +58,11 @@ LAYER_TENSORS = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    # a sigmoid router's correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2): a bare parameter
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",
 }
+# GLM-4.5's MLP input norm has the name llama.cpp gives a post-attention norm
+GLM4_MOE_LAYER_TENSORS = {"post_attention_norm": "post_attention_layernorm"}
 # gpt-oss: the post-attention norm has its own name; sinks; the router; each expert tensor stacked
 # per kind with its bias ([E, I, H], [E, H, I]: the names keep .weight/.bias, `SparseMoE._load_oai`)
 GPT_OSS_LAYER_TENSORS = {
@@ -266,6 +270,8 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
                 decoder_sparse_step=1,
                 mlp_only_layers=[],
             )
+    if model_type == "glm4_moe":  # its q/k norms: no key says so, the tensors do
+        config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
     config.setdefault("attention_bias", "blk.0.attn_q.bias" in names)
     for key, hf_key in name.keys:  # the family's own keys (its registry entry)
         if (value := _field(reader, f"{arch}.{key}")) is not None:
@@ -297,12 +303,16 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         if model_type == "gpt_oss"
         else {**LAYER_TENSORS, **HYBRID_LAYER_TENSORS}
         if model_type in HYBRID_TYPES
+        else {**LAYER_TENSORS, **GLM4_MOE_LAYER_TENSORS}
+        if model_type == "glm4_moe"
         else LAYER_TENSORS
     )
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
         hf = f"model.layers.{parts[1]}.{layer[parts[2]]}"
         if model_type == "gpt_oss":  # experts keep .weight / .bias; the sinks are a bare parameter
             return hf if parts[2] == "attn_sinks" else f"{hf}.{kind}"
+        if parts[2] == "exp_probs_b":
+            return hf
         return (
             hf if parts[2].endswith("_exps") else f"{hf}.{kind}"
         )  # stacked experts: a parameter, no .weight
