@@ -58,7 +58,11 @@ LAYER_TENSORS = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    # a sigmoid router's correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2): a bare parameter
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",
 }
+# GLM-4.5's MLP input norm has the name llama.cpp gives a post-attention norm
+GLM4_MOE_LAYER_TENSORS = {"post_attention_norm": "post_attention_layernorm"}
 # gpt-oss: the post-attention norm has its own name; sinks; the router; each expert tensor stacked
 # per kind with its bias ([E, I, H], [E, H, I]: the names keep .weight/.bias, `SparseMoE._load_oai`)
 GPT_OSS_LAYER_TENSORS = {
@@ -141,12 +145,19 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
     names = {t.name for t in reader.tensors}
     vocab = _field(reader, f"{arch}.vocab_size") or len(_required(reader, "tokenizer.ggml.tokens"))
     head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // n_heads
+    # llama.cpp's converter writes a model's multi-token-prediction layers as blocks after its own
+    # (GLM-4.5, Qwen3.5): not read (`mtp_tensor`)
+    nextn = int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
+    # a model with experts in every layer may have no dense MLP size (Qwen3.5-MoE)
+    ffn = _field(reader, f"{arch}.feed_forward_length") or _field(
+        reader, f"{arch}.expert_feed_forward_length"
+    )
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(_required(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(_required(reader, f"{arch}.block_count")),
+        "intermediate_size": int(ffn or _required(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_required(reader, f"{arch}.block_count")) - nextn,
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
         "head_dim": int(head_dim),
@@ -244,6 +255,7 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
         interval = int(_field(reader, f"{arch}.full_attention_interval", 4))
         if recurrent is None:
             recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+        recurrent = list(recurrent)[:layers]  # (an MTP block's entry after the model's)
         k_heads = int(_required(reader, f"{arch}.ssm.group_count"))
         v_heads = int(_required(reader, f"{arch}.ssm.time_step_rank"))
         config.update(
@@ -274,6 +286,8 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
             )
     if model_type in DEEPSEEK_TYPES:
         config.update(_deepseek2(reader, str(arch), config, names))
+    if model_type == "glm4_moe":  # its q/k norms: no key says so, the tensors do
+        config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
     config.setdefault("attention_bias", "blk.0.attn_q.bias" in names)
     for key, hf_key in name.keys:  # the family's own keys (its registry entry)
         if (value := _field(reader, f"{arch}.{key}")) is not None:
@@ -297,10 +311,8 @@ def _deepseek2(reader: Reader, arch: str, config: dict[str, Any], names: set[str
         nope = int(_required(reader, f"{arch}.attention.key_length")) - rope_dim
         v_dim = int(_required(reader, f"{arch}.attention.value_length"))
     q_lora = _field(reader, f"{arch}.attention.q_lora_rank")
-    mtp = int(_field(reader, f"{arch}.nextn_predict_layers", 0))
-    layers = config["num_hidden_layers"] - mtp  # (GLM-4.7-Flash's file counts its MTP layer as a block)
+    layers = config["num_hidden_layers"]  # (without the MTP blocks GLM-4.7-Flash's file counts)
     out: dict[str, Any] = {
-        "num_hidden_layers": layers,
         "num_key_value_heads": config["num_attention_heads"],  # MLA's heads (llama.cpp writes 1)
         "head_dim": rope_dim,
         "q_lora_rank": None if q_lora is None else int(q_lora),
@@ -310,7 +322,7 @@ def _deepseek2(reader: Reader, arch: str, config: dict[str, Any], names: set[str
         "v_head_dim": v_dim,
         "rope_interleave": True,  # llama.cpp keeps DeepSeek's paired rotary features
         "first_k_dense_replace": int(_field(reader, f"{arch}.leading_dense_block_count", 0)),
-        "num_nextn_predict_layers": mtp,
+        "num_nextn_predict_layers": int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0),
     }
     experts = _field(reader, f"{arch}.expert_count")
     gating = _field(reader, f"{arch}.expert_gating_func")
@@ -350,6 +362,12 @@ def _deepseek2(reader: Reader, arch: str, config: dict[str, Any], names: set[str
     return out
 
 
+def mtp_tensor(name: str, config: dict[str, Any]) -> bool:
+    """A tensor of a multi-token-prediction block llama.cpp wrote after the model's layers (skipped)."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[0] == "blk" and int(parts[1]) >= config["num_hidden_layers"]
+
+
 def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     if model_type in HYBRID_TYPES and name.endswith(".ssm_a"):  # a bare parameter: −exp(A_log)
         return f"model.layers.{name.split('.')[1]}.linear_attn.A_log"
@@ -361,8 +379,6 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     parts = stem.split(".")
     if model_type in DEEPSEEK_TYPES and len(parts) == 3 and parts[0] == "blk" and parts[2] == "exp_probs_b":
         return f"model.layers.{parts[1]}.mlp.gate.e_score_correction_bias"  # a bare parameter
-    if model_type in DEEPSEEK_TYPES and len(parts) > 3 and parts[0] == "blk" and parts[2] == "nextn":
-        return f"model.layers.{parts[1]}.{'.'.join(parts[2:])}.{kind}"  # an MTP layer's (not read)
     layer = (
         {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS}
         if model_type.startswith("gemma")
@@ -374,12 +390,16 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         if model_type in HYBRID_TYPES
         else {**LAYER_TENSORS, **DEEPSEEK_LAYER_TENSORS}
         if model_type in DEEPSEEK_TYPES
+        else {**LAYER_TENSORS, **GLM4_MOE_LAYER_TENSORS}
+        if model_type == "glm4_moe"
         else LAYER_TENSORS
     )
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
         hf = f"model.layers.{parts[1]}.{layer[parts[2]]}"
         if model_type == "gpt_oss":  # experts keep .weight / .bias; the sinks are a bare parameter
             return hf if parts[2] == "attn_sinks" else f"{hf}.{kind}"
+        if parts[2] == "exp_probs_b":
+            return hf
         return (
             hf if parts[2].endswith("_exps") else f"{hf}.{kind}"
         )  # stacked experts: a parameter, no .weight
@@ -598,7 +618,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
-        types = {hf_tensor_name(t.name, config["model_type"]): t.tensor_type.name for t in reader.tensors}
+        types = {
+            hf_tensor_name(t.name, config["model_type"]): t.tensor_type.name
+            for t in reader.tensors
+            if not mtp_tensor(t.name, config)
+        }
         (tmp / "quantization.json").write_text(json.dumps({"source": "gguf", "tensors": types}, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "tokenizer.json").write_text(tokenizer_json)

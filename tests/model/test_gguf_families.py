@@ -1,7 +1,8 @@
-"""GGUF files of the families beyond Llama/Qwen/Gemma (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-3, Granite): a tiny
-random transformers model is written out as llama.cpp's converter writes it (tensor names, q/k row
-interleaving, experts stacked per kind, Phi-3's fused tensors, the metadata keys), pytgi converts
-and serves the file, and its logits equal transformers' on the original model (fp32).
+"""GGUF files of the families beyond Llama/Qwen/Gemma (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-3, Granite,
+gpt-oss, GLM-4.5 MoE, MiniMax-M2): a tiny random transformers model is written out as llama.cpp's
+converter writes it (tensor names, q/k row interleaving, experts stacked per kind, Phi-3's fused
+tensors, the metadata keys, GLM-4.5's MTP block after its layers), pytgi converts and serves the
+file, and its logits equal transformers' on the original model (fp32).
 
 The layout below was checked against files that llama.cpp's own `convert_hf_to_gguf.py` made from
 such models (docs/models.md says how)."""
@@ -98,6 +99,19 @@ FAMILIES = {
         transformers.DeepseekV2ForCausalLM,
         dict(TINY["deepseek-v2-lite-moe"][1]),
     ),
+    # GLM-4.5: as test_tiny_models' (groups, scale, shared expert, partial rotary, q/k norms, a dense layer)
+    "glm4moe": (
+        "glm4moe",
+        transformers.Glm4MoeConfig,
+        transformers.Glm4MoeForCausalLM,
+        {**dict(TINY["glm4-moe"][1]), "tie_word_embeddings": False},
+    ),
+    "minimax-m2": (
+        "minimax-m2",
+        transformers.MiniMaxM2Config,
+        transformers.MiniMaxM2ForCausalLM,
+        {**dict(TINY["minimax-m2"][1]), "tie_word_embeddings": False},
+    ),
 }
 LAYER = {
     "input_layernorm": "attn_norm",
@@ -124,10 +138,13 @@ LAYER = {
     "self_attn.q_b_proj": "attn_q_b",
     "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
     "self_attn.kv_a_layernorm": "attn_kv_a_norm",
-    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",  # GLM-4.5's (ungated)
     "mlp.shared_experts.up_proj": "ffn_up_shexp",
     "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
+# a sigmoid router's correction bias, as llama.cpp names it (GLM-4.5 keeps it in the router, MiniMax-M2
+# beside it)
+ROUTER_BIAS = ("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias")
 
 
 def deepseek2_metadata(w, cfg) -> None:
@@ -210,12 +227,16 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def common_metadata(w, cfg) -> None:
-    """The keys every family's file has, from a transformers config, as llama.cpp's converter writes them."""
-    w.add_block_count(cfg.num_hidden_layers)
+def common_metadata(w, cfg, mtp_blocks: int = 0) -> None:
+    """The keys every family's file has, from a transformers config, as llama.cpp's converter writes them
+    (`mtp_blocks`: multi-token-prediction blocks written after the model's, llama.cpp's nextn layers)."""
+    w.add_block_count(cfg.num_hidden_layers + mtp_blocks)
+    if mtp_blocks:
+        w.add_nextn_predict_layers(mtp_blocks)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    if getattr(cfg, "intermediate_size", None):  # (none where every layer has experts: Qwen3.5-MoE)
+        w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -258,10 +279,25 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
             t = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, np.float32), t), raw_dtype=t)
 
+    mtp = arch == "glm4moe"  # with an MTP block after the layers, as a published GLM-4.5's file has
     if arch == "deepseek2":
         deepseek2_metadata(w, cfg)
     else:
-        common_metadata(w, cfg)
+        common_metadata(w, cfg, mtp_blocks=int(mtp))
+    if arch == "glm4moe":  # as llama.cpp's Glm4MoeModel writes it
+        w.add_expert_count(cfg.n_routed_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+        w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+    if arch == "minimax-m2":  # as llama.cpp's MiniMaxM2Model writes it
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_rope_dimension_count(cfg.rotary_dim)
     if arch == "gpt-oss":  # as llama.cpp's GptOssModel writes it
         rope = cfg.rope_parameters
         w.add_expert_feed_forward_length(cfg.intermediate_size)
@@ -308,11 +344,22 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
                     add(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
                     add(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
                 continue
+            if rest in ROUTER_BIAS:
+                add(f"blk.{i}.exp_probs_b.bias", a)
+                continue
+            if arch == "glm4moe" and stem == "post_attention_layernorm":
+                add(f"blk.{i}.post_attention_norm.{kind}", a)
+                continue
             if arch in ("llama", "granite") and stem in ("self_attn.q_proj", "self_attn.k_proj"):
                 a = _permute(
                     a, cfg.num_attention_heads if stem.endswith("q_proj") else cfg.num_key_value_heads
                 )
             add(f"blk.{i}.{LAYER[stem]}.{kind}", np.ascontiguousarray(a))
+    if mtp:  # the MTP block's own tensors, and a layer's (not read)
+        L, H = cfg.num_hidden_layers, cfg.hidden_size
+        add(f"blk.{L}.nextn.eh_proj.weight", np.ones((H, 2 * H), np.float32))
+        add(f"blk.{L}.nextn.enorm.weight", np.ones(H, np.float32))
+        add(f"blk.{L}.exp_probs_b.bias", np.ones(cfg.n_routed_experts, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -345,9 +392,9 @@ def test_gguf_of_the_family_serves_transformers_logits(tmp_path, monkeypatch, fa
         for name, p in hf.named_parameters():
             if "norm" in name or "bias" in name or "sinks" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-        for name, b in hf.named_buffers():  # DeepSeek V3's router bias (zeros at init)
+        for name, b in hf.named_buffers():  # as test_tiny_models sets them
             if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn_like(b) * 0.1)
+                b.copy_(torch.randn_like(b) * 0.04)
     path = write_gguf(hf, arch, tmp_path / f"{family}.gguf")
     model_dir = resolve_model(str(path), progress=False).path  # converted once, as `pytgi serve` does
     runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))

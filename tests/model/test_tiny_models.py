@@ -271,6 +271,35 @@ CONFIGS = {
             },
         ),
     ),
+    # GLM-4.5: partial rotary (half of each head), q/k/v biases and per-head q/k norms, a dense first
+    # layer, then 8 experts in 4 groups (the best 2 groups' experts eligible) under a sigmoid router
+    # with a correction bias (random, `models`), renormalized and scaled, beside an ungated shared expert
+    "glm4-moe": (
+        transformers.Glm4MoeConfig,
+        dict(
+            BASE,
+            num_hidden_layers=3,
+            head_dim=32,
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+            use_qk_norm=True,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        ),
+    ),
+    # MiniMax-M2: q/k norms over the whole projection, a quarter of each head rotated, a sigmoid
+    # router with a correction bias over 4 Mixtral-named experts (w1/w2/w3), no shared expert
+    "minimax-m2": (
+        transformers.MiniMaxM2Config,
+        dict(BASE, head_dim=32, rotary_dim=8, num_local_experts=4, num_experts_per_tok=2),
+    ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
     "olmo2-via-transformers": (transformers.Olmo2Config, dict(BASE)),
     "gpt-neox-via-transformers": (
@@ -321,6 +350,8 @@ ARCH = {
     transformers.DeepseekV3Config: transformers.DeepseekV3ForCausalLM,
     transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
     transformers.Mistral4Config: transformers.Mistral4ForCausalLM,
+    transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
+    transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
 }
 
 
@@ -335,9 +366,11 @@ def models(request, tmp_path_factory):
         for name, p in hf.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-        for name, b in hf.named_buffers():  # DeepSeek V3's router bias (zeros at init)
+        # a sigmoid router's correction bias: on the scale of the scores' spread (~0.04 here), so it
+        # changes about half the choices and the scores still decide the rest
+        for name, b in hf.named_buffers():
             if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn_like(b) * 0.1)
+                b.copy_(torch.randn_like(b) * 0.04)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
     runner = ModelRunner(

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from pytgi.core.errors import UnsupportedModel
-from pytgi.engine.distributed import check_heads, tp_size
+from pytgi.engine.distributed import all_reduce, check_heads, tp_size
 from pytgi.engine.models.attention import (
     LayerCache,
     LayerMetadata,
@@ -145,6 +145,8 @@ class DecoderConfig:
     linear: LinearAttnConfig | None = None
     attn_output_gate: bool = False
     rotary_dim: int | None = None  # None: head_dim
+    # MiniMax-M2: the q and k RMSNorms span each token's whole projection (all heads), not each head
+    qk_norm_whole: bool = False
     ignored_weights: tuple[str, ...] = ()  # checkpoint tensors (by prefix) the model does not use
     # Granite: each sublayer's output is scaled before it joins the residual stream, and the logits
     # divided by `logit_scale`
@@ -175,6 +177,24 @@ def _norm(cfg: DecoderConfig, dim: int) -> RMSNorm:
     return RMSNorm(dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
 
 
+class ShardedRMSNorm(RMSNorm):
+    """An RMSNorm over a whole projection whose features are split over ranks (MiniMax-M2's q and k
+    norms span all heads): this rank holds its `shard` (start, size) of the `total` features and of
+    the weight; the squares are summed over the ranks."""
+
+    def __init__(self, shard: tuple[int, int], total: int, eps: float) -> None:
+        super().__init__(shard[1], eps)
+        start, self.total = shard[0], total
+        self.weight.weight_loader = lambda p, t, _: p.data.copy_(t[start : start + len(p)])  # type: ignore[attr-defined]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = xf.pow(2).sum(-1, keepdim=True)
+        if tp_size() > 1:
+            squares = all_reduce(squares)
+        return self.weight * (xf * torch.rsqrt(squares / self.total + self.eps)).to(x.dtype)
+
+
 class Attention(nn.Module):
     def __init__(
         self, cfg: DecoderConfig, backend: TorchAttention, ops: TorchOps, sliding: bool | None = None
@@ -194,6 +214,11 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(shards[0], cfg.hidden_size, cfg.o_proj_bias)
         self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
         self.k_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.qk_norm_whole = cfg.qk_norm_whole
+        if cfg.qk_norm_whole:
+            D = cfg.head_dim
+            self.q_norm = ShardedRMSNorm(shards[0], cfg.num_attention_heads * D, cfg.rms_norm_eps)
+            self.k_norm = ShardedRMSNorm(shards[1], cfg.num_key_value_heads * D, cfg.rms_norm_eps)
         self.sinks: nn.Parameter | None = None
         if cfg.attn_sinks:  # this rank's query heads' sinks
             self.sinks = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
@@ -205,7 +230,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         meta = layer_metadata(meta, self.sliding)
         gate = None
-        if self.gated or self.rotary_dim != self.head_dim:
+        if self.gated or self.rotary_dim != self.head_dim or self.qk_norm_whole:
             q, k, v, gate = self._gated_qkv(self.qkv_proj(x), rope)
         else:
             q, k, v = self.ops.qkv_rotary(self, self.qkv_proj(x), rope, kv_cache, meta)
@@ -218,7 +243,8 @@ class Attention(nn.Module):
         self, qkv: torch.Tensor, rope: Rope
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """q, k, v with the rotary embedding on each head's first `rotary_dim` features, and the
-        output's gate (None: not gated), in PyTorch ops (Qwen3-Next's attention layers)."""
+        output's gate (None: not gated), in PyTorch ops (Qwen3-Next's attention layers; partial
+        rotary embeddings, GLM-4.5's and MiniMax-M2's; q/k norms over the whole projection)."""
         T, H, KVH, D, r = qkv.shape[0], self.n_heads, self.n_kv, self.head_dim, self.rotary_dim
         nq = H * D * (2 if self.gated else 1)
         q, gate = qkv[:, :nq].view(T, H, -1), None
@@ -226,7 +252,11 @@ class Attention(nn.Module):
             q, gate = q[..., :D], q[..., D:].reshape(T, H * D)
         k = qkv[:, nq : nq + KVH * D].view(T, KVH, D)
         v = qkv[:, nq + KVH * D :].view(T, KVH, D)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.qk_norm_whole:
+            assert self.q_norm is not None and self.k_norm is not None
+            q = self.q_norm(q.reshape(T, H * D)).view(T, H, D)
+            k = self.k_norm(k.reshape(T, KVH * D)).view(T, KVH, D)
+        elif self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = (t.reshape(T, 1, r).to(q.dtype) for t in rope)  # (KernelOps' tables are float32 [T, r])
         q = torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
@@ -538,6 +568,8 @@ class DecoderModel(nn.Module):
             name = name.replace(".block_sparse_moe.", ".mlp.")
             name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's router
             name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's (ungated)
+            # MiniMax-M2 keeps its router's correction bias beside the router
+            name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
             name = name.replace(".conv1d.weight", ".conv1d")  # a linear-attention layer's convolution
             if "rotary_emb" in name:
                 continue
