@@ -107,3 +107,40 @@ def test_bf16_rows_do_not_depend_on_the_batch(tmp_path):
     together = llm.generate(PROMPTS, params)  # chunks of 48 tokens beside decodes
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
     assert [o.logprobs for o in together] == [o.logprobs for o in alone]  # the same bits
+
+
+def test_the_latent_rows_go_to_disk_and_come_back(tmp_path):
+    """--prefix-cache-dir: the blocks of the latent rows (no value columns to write) are read back at a
+    restart, the output is the cold run's, and a block recomputed to check equals its file to the bit
+    (the default bf16 path is batch invariant)."""
+    from pytgi.core.config import EngineConfig
+    from pytgi.engine.llm_engine import LLMEngine
+    from tests.model.test_prefix_disk import PROMPT, generate
+
+    cls, kw = CONFIGS["deepseek-v3-moe"]
+    _save(tmp_path / "m", cls, dict(kw, vocab_size=256, eos_token_id=None))
+
+    def engine(cache=None, **extra):
+        return LLMEngine(
+            EngineConfig(
+                model=str(tmp_path / "m"),
+                max_batch_total_tokens=512,
+                block_size=4,
+                progress=False,
+                prefix_cache_dir=cache and str(cache),
+                **extra,
+            )
+        )
+
+    cold = engine()
+    want = generate(cold, PROMPT + [5, 6])[0]
+    cold.shutdown()
+    first = engine(tmp_path / "kv")
+    generate(first, PROMPT)
+    first.shutdown()  # the writes in flight land first
+    second = engine(tmp_path / "kv", prefix_cache_verify_rate=1.0)
+    tokens, cached, disk = generate(second, PROMPT + [5, 6])
+    stats = second.disk.stats
+    second.shutdown()
+    assert tokens == want and cached == disk == 84
+    assert stats.verify_mismatches == 0

@@ -169,10 +169,11 @@ class DiskStore:
 
 class PoolBlocks:
     """Copies whole blocks between the KV pool (one K and one V tensor per layer, `block_size` slots a
-    block) and CPU tensors of shape (blocks, 2 * layers, block_size, heads, row)."""
+    block) and CPU tensors of shape (blocks, 2 * layers, block_size, heads, row). A value cache without
+    columns (MLA's: its values are its keys' rows) holds nothing to copy: (blocks, layers, ...) then."""
 
     def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
-        self.tensors = [t.view(-1, block_size, *t.shape[1:]) for kv in kv_caches for t in kv]
+        self.tensors = [t.view(-1, block_size, *t.shape[1:]) for kv in kv_caches for t in kv if t.numel()]
         first = self.tensors[0]
         self.shape = (len(self.tensors), *first.shape[1:])
         self.dtype, self.device = first.dtype, first.device
