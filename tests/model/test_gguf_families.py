@@ -99,6 +99,13 @@ FAMILIES = {
         transformers.DeepseekV2ForCausalLM,
         dict(TINY["deepseek-v2-lite-moe"][1]),
     ),
+    # GLM-4.7-Flash: V3's layers, its dense layer first, an MTP block after them (not read)
+    "deepseek2-glm4-moe-lite": (
+        "deepseek2",
+        transformers.Glm4MoeLiteConfig,
+        transformers.Glm4MoeLiteForCausalLM,
+        {**dict(TINY["glm4-moe-lite"][1]), "mlp_layer_types": ["dense", "sparse", "sparse"]},
+    ),
     # GLM-4.5: as test_tiny_models' (groups, scale, shared expert, partial rotary, q/k norms, a dense layer)
     "glm4moe": (
         "glm4moe",
@@ -147,11 +154,14 @@ LAYER = {
 ROUTER_BIAS = ("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias")
 
 
-def deepseek2_metadata(w, cfg) -> None:
+def deepseek2_metadata(w, cfg, mtp_blocks: int = 0) -> None:
     """The keys llama.cpp's DeepseekV2Model writes (MLA as one kv head of the latent row; the MTP
-    layers skipped; no gating function where the config names none: the correction bias says V3)."""
+    layers skipped, but for GLM-4.7-Flash's: `mtp_blocks` after the model's; no gating function where
+    the config names none: the correction bias says V3)."""
     rope = cfg.rope_parameters
-    w.add_block_count(cfg.num_hidden_layers)
+    w.add_block_count(cfg.num_hidden_layers + mtp_blocks)
+    if mtp_blocks:
+        w.add_nextn_predict_layers(mtp_blocks)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
@@ -175,7 +185,9 @@ def deepseek2_metadata(w, cfg) -> None:
         w.add_expert_group_used_count(cfg.topk_group)
     w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
     w.add_value_length(cfg.kv_lora_rank)
-    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    kinds = getattr(cfg, "mlp_layer_types", None)  # GLM-4.7-Flash's: its dense layers come first
+    dense = kinds.index("sparse") if kinds else cfg.first_k_dense_replace
+    w.add_leading_dense_block_count(dense)
     w.add_vocab_size(cfg.vocab_size)
     if cfg.q_lora_rank is not None:
         w.add_q_lora_rank(cfg.q_lora_rank)
@@ -279,9 +291,10 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
             t = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, np.float32), t), raw_dtype=t)
 
-    mtp = arch == "glm4moe"  # with an MTP block after the layers, as a published GLM-4.5's file has
+    # with an MTP block after the layers, as a published GLM-4.5's and GLM-4.7-Flash's file has
+    mtp = arch == "glm4moe" or cfg.model_type == "glm4_moe_lite"
     if arch == "deepseek2":
-        deepseek2_metadata(w, cfg)
+        deepseek2_metadata(w, cfg, mtp_blocks=int(mtp))
     else:
         common_metadata(w, cfg, mtp_blocks=int(mtp))
     if arch == "glm4moe":  # as llama.cpp's Glm4MoeModel writes it
