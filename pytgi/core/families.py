@@ -274,7 +274,6 @@ FAMILIES: tuple[Family, ...] = (
         gguf=(GgufName("deepseek2", "DeepseekV3ForCausalLM", "deepseek_v3"),),
         experts=True,
         lora=False,
-        tensor_parallel=False,
         cuda_graphs=False,
         kv_dtypes=NO_FP8,
         note=(

@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from pytgi.core.errors import UnsupportedModel
 from pytgi.engine.distributed import all_reduce, check_heads, tp_size
 from pytgi.engine.models.attention import (
     LayerCache,
@@ -59,7 +58,7 @@ from pytgi.engine.models.layers import (
     qkv_shards,
 )
 from pytgi.engine.models.linear_attention import GatedDeltaNet, LinearAttnConfig, StateBackend, StateMetadata
-from pytgi.engine.models.mla import MLAConfig, MLAttention, query_scales
+from pytgi.engine.models.mla import MLAConfig, MLAttention, mla_heads, query_scales
 from pytgi.engine.models.moe import Routing, SparseMoE
 from pytgi.engine.models.quant import (
     Fp8Rows,
@@ -382,15 +381,13 @@ class DecoderModel(nn.Module):
         """cpu: the kernels to run on (`Kernels.for_device`, or `Kernels.none()`: PyTorch's
         ops); attention: the attention backend's name."""
         super().__init__()
-        if cfg.mla is not None and tp_size() > 1:
-            raise UnsupportedModel(
-                "multi-head latent attention (DeepSeek V2/V3) runs on one rank: --num-shard 1"
-            )
-        check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())
+        if cfg.mla is None:
+            check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())
+        heads = local_heads(cfg) if cfg.mla is None else mla_heads(cfg.num_attention_heads, cfg.head_dim)
         self.config, self.kernels, self.ops = cfg, cpu, ops_for(cpu)
-        backend = get_backend(attention, cpu, local_heads(cfg))
+        backend = get_backend(attention, cpu, heads)
         if cfg.mla is not None and cpu.triton and cfg.head_dim & (cfg.head_dim - 1):
-            backend = TorchAttention(cpu, local_heads(cfg))  # Triton's kernel takes rows of 2^n values
+            backend = TorchAttention(cpu, heads)  # Triton's kernel takes rows of 2^n values
         if cfg.attn_logit_softcapping:
             backend = SoftcapAttention(cpu, local_heads(cfg), cfg.attn_logit_softcapping)
         if cfg.attn_sinks:

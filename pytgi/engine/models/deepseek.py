@@ -19,9 +19,9 @@ each group's best two) and its queries scaled per position by Llama 4's rule
 (`llama_4_scaling_beta`).
 
 The multi-token-prediction layers a checkpoint may carry after its last layer
-(`num_nextn_predict_layers`) are not read. Not served (refused by name at load): tensor parallelism
-(`--num-shard` > 1), biases on the MLPs, an activation other than SiLU, another V2 `topk_method`, a
-rotary fraction other than the rope features.
+(`num_nextn_predict_layers`) are not read. Not served (refused by name at load): biases on the
+MLPs, an activation other than SiLU, another V2 `topk_method`, a rotary fraction other than the rope
+features.
 """
 
 from __future__ import annotations

@@ -26,14 +26,9 @@ import torch
 from torch import nn
 
 from pytgi.engine import kernels
+from pytgi.engine.distributed import local_range, tp_size
 from pytgi.engine.models.attention import LayerCache, LayerMetadata, Rope, TorchAttention
-from pytgi.engine.models.layers import (
-    ColumnParallelLinear,
-    RMSNorm,
-    RowParallelLinear,
-    apply_rotary,
-    merged_shards,
-)
+from pytgi.engine.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, apply_rotary
 
 
 @dataclass(slots=True)
@@ -61,9 +56,10 @@ class _KVB(nn.Module):
     a llama.cpp file in two (`k_b_proj` shard 1: W_UK transposed, [H, latent, nope]; `v_b_proj` shard
     2: W_UV, [H, v, latent])."""
 
-    def __init__(self, heads: int, nope: int, v: int, latent: int) -> None:
+    def __init__(self, heads: int, nope: int, v: int, latent: int, first: int = 0) -> None:
+        """heads: this rank's, from the checkpoint's head `first` on."""
         super().__init__()
-        self.heads, self.nope, self.v, self.latent = heads, nope, v, latent
+        self.heads, self.nope, self.v, self.latent, self.first = heads, nope, v, latent, first
         self.weight = nn.Parameter(torch.empty(heads * latent * (nope + v)), requires_grad=False)
         self.weight.weight_loader = self.load  # type: ignore[attr-defined]
 
@@ -75,15 +71,15 @@ class _KVB(nn.Module):
 
     def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         w_uk, w_uvt = self.parts(param.data)
-        H, r = self.heads, self.latent
+        r, mine = self.latent, slice(self.first, self.first + self.heads)  # this rank's heads
         if shard == 0:
-            kv_b = loaded.reshape(H, self.nope + self.v, r)
+            kv_b = loaded.reshape(-1, self.nope + self.v, r)[mine]
             w_uk.copy_(kv_b[:, : self.nope])
             w_uvt.copy_(kv_b[:, self.nope :].transpose(1, 2))
         elif shard == 1:
-            w_uk.copy_(loaded.reshape(H, r, self.nope).transpose(1, 2))
+            w_uk.copy_(loaded.reshape(-1, r, self.nope)[mine].transpose(1, 2))
         else:
-            w_uvt.copy_(loaded.reshape(H, self.v, r).transpose(1, 2))
+            w_uvt.copy_(loaded.reshape(-1, self.v, r)[mine].transpose(1, 2))
 
 
 def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +90,9 @@ def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
 
 class MLAttention(nn.Module):
     """A layer's multi-head latent attention (`self_attn`); `n_kv`, `head_dim` and `v_head_dim` give its
-    KV cache's shape: one head of the latent row, no value columns."""
+    KV cache's shape: one head of the latent row, no value columns. With tensor parallelism each rank
+    has its share of the query heads (q_b / q_proj rows, kv_b's heads, o_proj's columns) and computes
+    the whole latent row (q_a and kv_a on every rank): every rank's cache holds the same rows."""
 
     def __init__(
         self,
@@ -107,7 +105,8 @@ class MLAttention(nn.Module):
         backend: TorchAttention,
     ) -> None:
         super().__init__()
-        self.mla, self.n_heads, self.scale, self.backend = mla, heads, scale, backend
+        first, local = local_range(heads)  # this rank's query heads (the latent is every rank's)
+        self.mla, self.n_heads, self.scale, self.backend = mla, local, scale, backend
         self.n_kv, self.head_dim, self.v_head_dim = 1, mla.cache_row, 0
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         self.q_proj: ColumnParallelLinear | None = None
@@ -115,16 +114,16 @@ class MLAttention(nn.Module):
         self.q_a_layernorm: RMSNorm | None = None
         self.q_b_proj: ColumnParallelLinear | None = None
         if mla.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden, merged_shards([heads * qk]))
-        else:
-            self.q_a_proj = ColumnParallelLinear(hidden, merged_shards([mla.q_lora_rank]), bias)
+            self.q_proj = ColumnParallelLinear(hidden, [local_range(heads, qk)])
+        else:  # q_a on every rank, q_b's rows of this rank's heads
+            self.q_a_proj = ColumnParallelLinear(hidden, [(0, mla.q_lora_rank)], bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps)
-            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, merged_shards([heads * qk]))
-        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, merged_shards([mla.cache_row]), bias)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [local_range(heads, qk)])
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, [(0, mla.cache_row)], bias)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps)
         # per head W_UK and W_UV: used as matrices, in the latent space
-        self.kv_b_proj = _KVB(heads, mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank)
-        self.o_proj = RowParallelLinear((0, heads * mla.v_head_dim), hidden, bias)
+        self.kv_b_proj = _KVB(local, mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank, first)
+        self.o_proj = RowParallelLinear(local_range(heads, mla.v_head_dim), hidden, bias)
         # the rotary features' order (no interleaving: rotate-half's)
         self.order = _pairs_to_halves if mla.rope_interleave else (lambda x: x)
         self.q_scale: torch.Tensor | None = None  # [T]: the step's query scales (`query_scales`)
@@ -166,3 +165,11 @@ def query_scales(mla: MLAConfig, positions: torch.Tensor, dtype: torch.dtype) ->
         return None
     beta, context = mla.llama4_scale
     return (1 + beta * torch.log(1 + torch.floor(positions / context))).to(dtype)
+
+
+def mla_heads(heads: int, cache_row: int) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) of an MLA layer on this rank: its share of the query heads, all
+    attending to the one latent "head"."""
+    if tp_size() > heads:
+        raise ValueError(f"cannot shard a model with {heads} attention heads over {tp_size()} ranks")
+    return local_range(heads)[1], 1, cache_row
