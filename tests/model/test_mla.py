@@ -76,8 +76,8 @@ def test_what_mla_does_not_serve_is_refused_by_name():
     fp8 = kv_dtype_refusal(model, torch.device("cuda"), torch.bfloat16, "fp8", family)
     assert "plain causal attention" in (fp8 or "")
     with pytest.raises(ValueError, match="topk_method 'noaux_tc' is not served"):
-        deepseek_config({**CONFIGS["deepseek-v2-lite-moe"][1], "architectures": ["DeepseekV2ForCausalLM"],
-                         "topk_method": "noaux_tc"})  # fmt: skip
+        v2: dict = dict(CONFIGS["deepseek-v2-lite-moe"][1])
+        deepseek_config({**v2, "architectures": ["DeepseekV2ForCausalLM"], "topk_method": "noaux_tc"})
 
 
 def test_greedy_tokens_follow_transformers_with_speculation_and_prefix_hits(tmp_path):
