@@ -285,12 +285,12 @@ FAMILIES: tuple[Family, ...] = (
             ),
         ),
         experts=True,
-        lora=False,
         cuda_graphs=False,
         kv_dtypes=NO_FP8,
         note=(
             "GLM-4.5/4.6/4.7: partial rotary, a sigmoid router with correction bias, groups and scale, "
-            "shared experts, dense first layers; the MTP layers are not read"
+            "shared experts, dense first layers; the MTP layers are not read; LoRA on the attention "
+            "projections"
         ),
     ),
     Family(
@@ -311,10 +311,12 @@ FAMILIES: tuple[Family, ...] = (
             ),
         ),
         experts=True,
-        lora=False,
         cuda_graphs=False,
         kv_dtypes=NO_FP8,
-        note="q/k norms over the whole projection, partial rotary, a sigmoid router with correction bias",
+        note=(
+            "q/k norms over the whole projection, partial rotary, a sigmoid router with correction bias; "
+            "LoRA on the attention projections"
+        ),
     ),
     replace(
         _HYBRID,
