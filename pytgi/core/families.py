@@ -329,7 +329,7 @@ FAMILIES: tuple[Family, ...] = (
             GgufName("qwen35moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
         ),
         note=(
-            "gated DeltaNet layers on a state pool; `--num-shard 1` for `qwen35` GGUF files (llama.cpp "
+            "gated DeltaNet layers on a state pool; `--num-shard 1` for `qwen35`, `qwen35moe` GGUF files (llama.cpp "
             "reorders their value heads)"
         ),
     ),
