@@ -281,8 +281,8 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
 
 def mtp_tensor(name: str, config: dict[str, Any]) -> bool:
     """A tensor of a multi-token-prediction block llama.cpp wrote after the model's layers (skipped)."""
-    parts = name.split(".")
-    return len(parts) > 2 and parts[0] == "blk" and int(parts[1]) >= config["num_hidden_layers"]
+    parts, layers = name.split("."), config.get("num_hidden_layers")
+    return layers is not None and len(parts) > 2 and parts[0] == "blk" and int(parts[1]) >= layers
 
 
 def hf_tensor_name(name: str, model_type: str = "llama") -> str:
