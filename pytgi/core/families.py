@@ -307,12 +307,12 @@ FAMILIES: tuple[Family, ...] = (
             ),
         ),
         experts=True,
-        lora=False,
         cuda_graphs=False,
         kv_dtypes=NO_FP8,
         note=(
             "GLM-4.5/4.6/4.7: partial rotary, a sigmoid router with correction bias, groups and scale, "
-            "shared experts, dense first layers; the MTP layers are not read"
+            "shared experts, dense first layers; the MTP layers are not read; LoRA on the attention "
+            "projections"
         ),
     ),
     Family(
@@ -333,10 +333,12 @@ FAMILIES: tuple[Family, ...] = (
             ),
         ),
         experts=True,
-        lora=False,
         cuda_graphs=False,
         kv_dtypes=NO_FP8,
-        note="q/k norms over the whole projection, partial rotary, a sigmoid router with correction bias",
+        note=(
+            "q/k norms over the whole projection, partial rotary, a sigmoid router with correction bias; "
+            "LoRA on the attention projections"
+        ),
     ),
     replace(
         _HYBRID,
@@ -349,7 +351,7 @@ FAMILIES: tuple[Family, ...] = (
             GgufName("qwen35moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
         ),
         note=(
-            "gated DeltaNet layers on a state pool; `--num-shard 1` for `qwen35` GGUF files (llama.cpp "
+            "gated DeltaNet layers on a state pool; `--num-shard 1` for `qwen35`, `qwen35moe` GGUF files (llama.cpp "
             "reorders their value heads)"
         ),
     ),

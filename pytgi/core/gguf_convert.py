@@ -364,8 +364,8 @@ def _deepseek2(reader: Reader, arch: str, config: dict[str, Any], names: set[str
 
 def mtp_tensor(name: str, config: dict[str, Any]) -> bool:
     """A tensor of a multi-token-prediction block llama.cpp wrote after the model's layers (skipped)."""
-    parts = name.split(".")
-    return len(parts) > 2 and parts[0] == "blk" and int(parts[1]) >= config["num_hidden_layers"]
+    parts, layers = name.split("."), config.get("num_hidden_layers")
+    return layers is not None and len(parts) > 2 and parts[0] == "blk" and int(parts[1]) >= layers
 
 
 def hf_tensor_name(name: str, model_type: str = "llama") -> str:

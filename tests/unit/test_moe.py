@@ -334,3 +334,17 @@ def test_one_c_call_runs_experts_a_grouped_sigmoid_router_chose():
     torch.testing.assert_close(
         fused.float(), stepwise.float(), atol=0.02 * stepwise.abs().max().item(), rtol=0.02
     )
+
+
+def test_the_correction_bias_stays_float32_in_a_bf16_model():
+    """transformers keeps `e_score_correction_bias` in float32: bf16 would round values that differ in
+    their third digit, and change which experts are chosen."""
+    moe = SparseMoE(H, INTER, 4, 2, True, routing=Routing("sigmoid", correction_bias=True))
+    bias = moe.gate.e_score_correction_bias
+    assert bias is not None and bias.dtype == torch.float32
+    bias.data.copy_(torch.tensor([0.1231, 0.1232, 0.1233, 0.1234]))
+    moe.to(torch.bfloat16)
+    assert moe.gate.weight.dtype == torch.bfloat16
+    assert moe.gate.e_score_correction_bias is not None
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert moe.gate.e_score_correction_bias.tolist() == pytest.approx([0.1231, 0.1232, 0.1233, 0.1234])

@@ -447,8 +447,11 @@ class GGUFWeights:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) for every tensor not in `skip`, in the file's order, one at a time."""
         for name in self.tensors:
-            if name not in skip:
-                yield name, self.dense(name, dtype)
+            if name not in skip:  # (a router's correction bias stays float32: `moe.Router`)
+                yield (
+                    name,
+                    self.dense(name, torch.float32 if name.endswith("e_score_correction_bias") else dtype),
+                )
 
 
 def open_gguf(model_dir: Path) -> GGUFWeights | None:

@@ -104,14 +104,26 @@ def route(
 
 class Router(nn.Linear):
     """The router's linear [E, H], with the correction bias [E] where its routing has one (the
-    checkpoint's `gate.e_score_correction_bias`)."""
+    checkpoint's `gate.e_score_correction_bias`): kept in float32 whatever the model's dtype, as
+    transformers keeps it (its values differ in the third or fourth digit: bf16 would change the
+    choices)."""
 
     def __init__(self, hidden: int, num_experts: int, bias: bool, correction_bias: bool) -> None:
         super().__init__(hidden, num_experts, bias=bias)
         self.e_score_correction_bias: nn.Parameter | None = None
         if correction_bias:
-            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+            zeros = torch.zeros(num_experts, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(zeros, requires_grad=False)
         self.requires_grad_(False)
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` / `.to(device)`: the correction bias moves but stays float32."""
+        held = None if self.e_score_correction_bias is None else self.e_score_correction_bias.data
+        super()._apply(fn, recurse)
+        if held is not None and self.e_score_correction_bias is not None:
+            device = self.e_score_correction_bias.device
+            self.e_score_correction_bias.data = held.to(device=device, dtype=torch.float32)
+        return self
 
 
 class SharedExpert(nn.Module):
