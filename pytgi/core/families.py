@@ -368,6 +368,87 @@ FAMILIES: tuple[Family, ...] = (
             "`--quantize` takes the attention linears; LoRA not tested"
         ),
     ),
+    Family(
+        name="DeepSeek V2 / V3, GLM-4.7-Flash, Mistral 4",
+        module="deepseek",
+        config="deepseek_config",
+        generators=(
+            "DeepseekV2ForCausalLM",
+            "DeepseekV3ForCausalLM",
+            "Glm4MoeLiteForCausalLM",
+            "Mistral4ForCausalLM",
+        ),
+        # one name for both: a file whose router is V2's (softmax) reads as DeepseekV2ForCausalLM
+        # (`pytgi.core.gguf_convert._deepseek2`)
+        gguf=(GgufName("deepseek2", "DeepseekV3ForCausalLM", "deepseek_v3"),),
+        experts=True,
+        lora=False,
+        cuda_graphs=False,
+        kv_dtypes=NO_FP8,
+        note=(
+            "multi-head latent attention, its KV cache the latent only (Kimi K2 too); the MTP layers "
+            "are not read; GLM-4.7-Flash's GGUF files are `deepseek2` too (Mistral 4's `mistral4`: not read)"
+        ),
+    ),
+    Family(
+        name="GLM-4.5 MoE",
+        module="glm4_moe",
+        config="glm4_moe_config",
+        generators=("Glm4MoeForCausalLM",),
+        gguf=(
+            GgufName(
+                "glm4moe",
+                "Glm4MoeForCausalLM",
+                "glm4_moe",
+                keys=(
+                    ("expert_count", "n_routed_experts"),
+                    ("expert_used_count", "num_experts_per_tok"),
+                    ("expert_feed_forward_length", "moe_intermediate_size"),
+                    ("expert_shared_count", "n_shared_experts"),
+                    ("leading_dense_block_count", "first_k_dense_replace"),
+                    ("expert_weights_scale", "routed_scaling_factor"),
+                    ("expert_weights_norm", "norm_topk_prob"),
+                    ("expert_group_count", "n_group"),
+                    ("expert_group_used_count", "topk_group"),
+                    ("expert_gating_func", "expert_gating_func"),
+                    ("rope.dimension_count", "rotary_dim"),
+                ),
+            ),
+        ),
+        experts=True,
+        cuda_graphs=False,
+        kv_dtypes=NO_FP8,
+        note=(
+            "GLM-4.5/4.6/4.7: partial rotary, a sigmoid router with correction bias, groups and scale, "
+            "shared experts, dense first layers; the MTP layers are not read; LoRA on the attention "
+            "projections"
+        ),
+    ),
+    Family(
+        name="MiniMax-M2",
+        module="minimax_m2",
+        config="minimax_m2_config",
+        generators=("MiniMaxM2ForCausalLM",),
+        gguf=(
+            GgufName(
+                "minimax-m2",
+                "MiniMaxM2ForCausalLM",
+                "minimax_m2",
+                keys=(
+                    ("expert_count", "num_local_experts"),
+                    ("expert_used_count", "num_experts_per_tok"),
+                    ("rope.dimension_count", "rotary_dim"),
+                ),
+            ),
+        ),
+        experts=True,
+        cuda_graphs=False,
+        kv_dtypes=NO_FP8,
+        note=(
+            "q/k norms over the whole projection, partial rotary, a sigmoid router with correction bias; "
+            "LoRA on the attention projections"
+        ),
+    ),
     replace(
         _HYBRID,
         name="Qwen3-Next / Qwen3.5",
@@ -379,8 +460,8 @@ FAMILIES: tuple[Family, ...] = (
             GgufName("qwen35moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
         ),
         note=(
-            "gated DeltaNet layers on a state pool; `--num-shard 1` for `qwen35` GGUF files (llama.cpp "
-            "reorders their value heads)"
+            "gated DeltaNet layers on a state pool; `--num-shard 1` for `qwen35`, `qwen35moe` GGUF files "
+            "(llama.cpp reorders their value heads)"
         ),
     ),
     replace(

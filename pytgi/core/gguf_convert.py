@@ -58,7 +58,11 @@ LAYER_TENSORS = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    # a sigmoid router's correction bias (DeepSeek-V3, GLM-4.5, MiniMax-M2): a bare parameter
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",
 }
+# GLM-4.5's MLP input norm has the name llama.cpp gives a post-attention norm
+GLM4_MOE_LAYER_TENSORS = {"post_attention_norm": "post_attention_layernorm"}
 # gpt-oss: the post-attention norm has its own name; sinks; the router; each expert tensor stacked
 # per kind with its bias ([E, I, H], [E, H, I]: the names keep .weight/.bias, `SparseMoE._load_oai`)
 GPT_OSS_LAYER_TENSORS = {
@@ -100,6 +104,20 @@ GEMMA4_TENSORS = {
     "per_layer_proj_norm": "model.per_layer_projection_norm",
     "rope_freqs": "model.rotary_emb.rope_freqs",
 }
+# DeepSeek V2 / V3 (`deepseek2`): multi-head latent attention's projections; kv_b_proj split per head
+# into W_UK transposed (attn_k_b, [H, latent, nope]) and W_UV (attn_v_b, [H, v, latent]) by the
+# converter (older files keep attn_kv_b whole); the router's correction bias (`exp_probs_b`)
+DEEPSEEK_LAYER_TENSORS = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj",
+}
+DEEPSEEK_TYPES = frozenset({"deepseek_v2", "deepseek_v3"})
 # Phi-3 keeps q, k, v and gate, up fused
 PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -223,12 +241,19 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
     names = {t.name for t in reader.tensors}
     vocab = _field(reader, f"{arch}.vocab_size") or len(_required(reader, "tokenizer.ggml.tokens"))
     head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // n_heads
+    # llama.cpp's converter writes a model's multi-token-prediction layers as blocks after its own
+    # (GLM-4.5, Qwen3.5): not read (`mtp_tensor`)
+    nextn = int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
+    # a model with experts in every layer may have no dense MLP size (Qwen3.5-MoE)
+    ffn = _field(reader, f"{arch}.feed_forward_length") or _field(
+        reader, f"{arch}.expert_feed_forward_length"
+    )
     config: dict[str, Any] = {
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(_first(_required(reader, f"{arch}.feed_forward_length"))),
-        "num_hidden_layers": int(_required(reader, f"{arch}.block_count")),
+        "intermediate_size": int(_first(ffn or _required(reader, f"{arch}.feed_forward_length"))),
+        "num_hidden_layers": int(_required(reader, f"{arch}.block_count")) - nextn,
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(_first(_field(reader, f"{arch}.attention.head_count_kv", n_heads))),
         "head_dim": int(head_dim),
@@ -333,6 +358,7 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
         interval = int(_field(reader, f"{arch}.full_attention_interval", 4))
         if recurrent is None:
             recurrent = [(i + 1) % interval != 0 for i in range(layers)]
+        recurrent = list(recurrent)[:layers]  # (an MTP block's entry after the model's)
         k_heads = int(_required(reader, f"{arch}.ssm.group_count"))
         v_heads = int(_required(reader, f"{arch}.ssm.time_step_rank"))
         config.update(
@@ -391,6 +417,10 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
         )
     if (llama3 := _rope_freqs(reader, arch, config["rope_theta"], int(head_dim))) is not None:
         config["rope_scaling"] = llama3
+    if model_type in DEEPSEEK_TYPES:
+        config.update(_deepseek2(reader, str(arch), config, names))
+    if model_type == "glm4_moe":  # its q/k norms: no key says so, the tensors do
+        config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
     config.setdefault("attention_bias", "blk.0.attn_q.bias" in names)
     for key, hf_key in name.keys:  # the family's own keys (its registry entry)
         if (value := _field(reader, f"{arch}.{key}")) is not None:
@@ -497,6 +527,79 @@ def _rope_freqs(reader: Reader, arch: str, theta: float, dim: int) -> dict[str, 
     raise GGUFConversionError("the GGUF file's rope_freqs are not a llama3 scaling pytgi can read back")
 
 
+def _deepseek2(reader: Reader, arch: str, config: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A `deepseek2` file's config.json keys, as llama.cpp's converter wrote them from DeepSeek V2 / V3's:
+    MLA's ranks and head sizes (`key_length_mla` / `value_length_mla`, or, in older files, the
+    per-head `key_length` / `value_length`), the dense layers first, the experts, and the router: V3's
+    (sigmoid scores and a correction bias: `expert_gating_func` 2, or `exp_probs_b` tensors without the
+    key) or V2's (softmax; grouped when the file has expert groups). YaRN's `yarn_log_multiplier` is
+    0.1 · mscale_all_dim, which llama.cpp reads as both mscales (the rotary tables unscaled, the
+    softmax scaled by mscale²): so here too."""
+    rope_dim = int(_required(reader, f"{arch}.rope.dimension_count"))
+    key_mla = _field(reader, f"{arch}.attention.key_length_mla")
+    if key_mla is not None:
+        nope, v_dim = int(key_mla) - rope_dim, int(_required(reader, f"{arch}.attention.value_length_mla"))
+    else:  # files from before the MLA keys: the per-head sizes, kv_b_proj whole
+        nope = int(_required(reader, f"{arch}.attention.key_length")) - rope_dim
+        v_dim = int(_required(reader, f"{arch}.attention.value_length"))
+    q_lora = _field(reader, f"{arch}.attention.q_lora_rank")
+    layers = config["num_hidden_layers"]  # (without the MTP blocks GLM-4.7-Flash's file counts)
+    out: dict[str, Any] = {
+        "num_key_value_heads": config["num_attention_heads"],  # MLA's heads (llama.cpp writes 1)
+        "head_dim": rope_dim,
+        "q_lora_rank": None if q_lora is None else int(q_lora),
+        "kv_lora_rank": int(_required(reader, f"{arch}.attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": nope,
+        "v_head_dim": v_dim,
+        "rope_interleave": True,  # llama.cpp keeps DeepSeek's paired rotary features
+        "first_k_dense_replace": int(_field(reader, f"{arch}.leading_dense_block_count", 0)),
+        "num_nextn_predict_layers": int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0),
+    }
+    experts = _field(reader, f"{arch}.expert_count")
+    gating = _field(reader, f"{arch}.expert_gating_func")
+    v3 = gating == 2 or (gating is None and any(n.endswith(".exp_probs_b.bias") for n in names))
+    if experts:
+        groups = int(_field(reader, f"{arch}.expert_group_count", 1) or 1)
+        out.update(
+            n_routed_experts=int(experts),
+            num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")),
+            moe_intermediate_size=int(_required(reader, f"{arch}.expert_feed_forward_length")),
+            n_shared_experts=int(_field(reader, f"{arch}.expert_shared_count", 0)),
+            routed_scaling_factor=float(_field(reader, f"{arch}.expert_weights_scale", 1.0)),
+            norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", False)),
+            n_group=groups,
+            topk_group=int(_field(reader, f"{arch}.expert_group_used_count", 1) or 1),
+            topk_method="group_limited_greedy" if groups > 1 else "greedy",
+        )
+    else:
+        out["first_k_dense_replace"] = layers
+    if not v3:
+        out.update(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    if _field(reader, f"{arch}.rope.scaling.type") == "yarn":
+        mscale = float(_field(reader, f"{arch}.rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": config["rope_theta"],
+            "factor": float(_required(reader, f"{arch}.rope.scaling.factor")),
+            "original_max_position_embeddings": int(
+                _required(reader, f"{arch}.rope.scaling.original_context_length")
+            ),
+            "beta_fast": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+            **({"mscale": mscale, "mscale_all_dim": mscale} if mscale else {}),
+        }
+    out["rope_parameters"] = rope
+    return out
+
+
+def mtp_tensor(name: str, config: dict[str, Any]) -> bool:
+    """A tensor of a multi-token-prediction block llama.cpp wrote after the model's layers (skipped)."""
+    parts, layers = name.split("."), config.get("num_hidden_layers")
+    return layers is not None and len(parts) > 2 and parts[0] == "blk" and int(parts[1]) >= layers
+
+
 def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     if model_type in HYBRID_TYPES and name.endswith(".ssm_a"):  # a bare parameter: −exp(A_log)
         return f"model.layers.{name.split('.')[1]}.linear_attn.A_log"
@@ -513,6 +616,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
             return f"{GEMMA4_TENSORS[stem]}.{kind}"
         if len(parts) == 3 and parts[0] == "blk" and parts[2] == "layer_output_scale":
             return f"model.layers.{parts[1]}.layer_scalar"  # a bare parameter
+    if model_type in DEEPSEEK_TYPES and len(parts) == 3 and parts[0] == "blk" and parts[2] == "exp_probs_b":
+        return f"model.layers.{parts[1]}.mlp.gate.e_score_correction_bias"  # a bare parameter
     layer = (
         {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS, **GEMMA4_LAYER_TENSORS}
         if model_type == "gemma4_text"
@@ -528,12 +633,18 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         if model_type in POST_NORM_TYPES
         else {**LAYER_TENSORS, "post_attention_norm": "post_attention_layernorm"}
         if model_type == "seed_oss"  # its MLP's input norm under that name
+        else {**LAYER_TENSORS, **DEEPSEEK_LAYER_TENSORS}
+        if model_type in DEEPSEEK_TYPES
+        else {**LAYER_TENSORS, **GLM4_MOE_LAYER_TENSORS}
+        if model_type == "glm4_moe"
         else LAYER_TENSORS
     )
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
         hf = f"model.layers.{parts[1]}.{layer[parts[2]]}"
         if model_type == "gpt_oss":  # experts keep .weight / .bias; the sinks are a bare parameter
             return hf if parts[2] == "attn_sinks" else f"{hf}.{kind}"
+        if parts[2] == "exp_probs_b":
+            return hf
         return (
             hf if parts[2].endswith("_exps") else f"{hf}.{kind}"
         )  # stacked experts: a parameter, no .weight
@@ -759,7 +870,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progr
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     try:
-        types = {hf_tensor_name(t.name, config["model_type"]): t.tensor_type.name for t in reader.tensors}
+        types = {
+            hf_tensor_name(t.name, config["model_type"]): t.tensor_type.name
+            for t in reader.tensors
+            if not mtp_tensor(t.name, config)
+        }
         (tmp / "quantization.json").write_text(json.dumps({"source": "gguf", "tensors": types}, indent=2))
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "tokenizer.json").write_text(tokenizer_json)

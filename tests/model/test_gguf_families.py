@@ -1,7 +1,9 @@
-"""GGUF files of the families beyond Llama/Qwen/Gemma (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-3, Granite, Gemma 4): a tiny
+"""GGUF files of the families beyond Llama/Qwen/Gemma (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-3, Granite,
+gpt-oss, GLM-4.5 MoE, MiniMax-M2, DeepSeek V2/V3, the dense families of issue 63, Gemma 4): a tiny
 random transformers model is written out as llama.cpp's converter writes it (tensor names, q/k row
-interleaving, experts stacked per kind, Phi-3's fused tensors, the metadata keys), pytgi converts
-and serves the file, and its logits equal transformers' on the original model (fp32).
+interleaving, experts stacked per kind, Phi-3's fused tensors, the metadata keys, GLM-4.5's MTP block
+after its layers), pytgi converts and serves the file, and its logits equal transformers' on the
+original model (fp32).
 
 The layout below was checked against files that llama.cpp's own `convert_hf_to_gguf.py` made from
 such models (docs/models.md says how). Checked on 2026-12-07 with the llama-cpp-python 0.3.36 sdist's
@@ -172,6 +174,43 @@ FAMILIES = {
         # test_tiny_models' gpt-oss, with the clamp's limit llama.cpp's fixed 7.0 (GGUF stores none)
         {k: v for k, v in dict(TINY["gpt-oss"][1]).items() if k != "swiglu_limit"},
     ),
+    # DeepSeek V3's MLA and experts (test_tiny_models' V3, YaRN's mscale equal to mscale_all_dim: a
+    # file keeps 0.1 · mscale_all_dim alone) and V2-Lite's (its q_proj, a greedy softmax router)
+    "deepseek2-v3": (
+        "deepseek2",
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        {
+            **dict(TINY["deepseek-v3-moe"][1]),
+            "rope_parameters": {**TINY["deepseek-v3-moe"][1]["rope_parameters"], "mscale": 0.7},
+        },
+    ),
+    "deepseek2-v2-lite": (
+        "deepseek2",
+        transformers.DeepseekV2Config,
+        transformers.DeepseekV2ForCausalLM,
+        dict(TINY["deepseek-v2-lite-moe"][1]),
+    ),
+    # GLM-4.7-Flash: V3's layers, its dense layer first, an MTP block after them (not read)
+    "deepseek2-glm4-moe-lite": (
+        "deepseek2",
+        transformers.Glm4MoeLiteConfig,
+        transformers.Glm4MoeLiteForCausalLM,
+        {**dict(TINY["glm4-moe-lite"][1]), "mlp_layer_types": ["dense", "sparse", "sparse"]},
+    ),
+    # GLM-4.5: as test_tiny_models' (groups, scale, shared expert, partial rotary, q/k norms, a dense layer)
+    "glm4moe": (
+        "glm4moe",
+        transformers.Glm4MoeConfig,
+        transformers.Glm4MoeForCausalLM,
+        {**dict(TINY["glm4-moe"][1]), "tie_word_embeddings": False},
+    ),
+    "minimax-m2": (
+        "minimax-m2",
+        transformers.MiniMaxM2Config,
+        transformers.MiniMaxM2ForCausalLM,
+        {**dict(TINY["minimax-m2"][1]), "tie_word_embeddings": False},
+    ),
 }
 LAYER = {
     "input_layernorm": "attn_norm",
@@ -192,7 +231,79 @@ LAYER = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp",
     "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    # DeepSeek's (llama.cpp's `deepseek2`)
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",  # GLM-4.5's (ungated)
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
 }
+# a sigmoid router's correction bias, as llama.cpp names it (GLM-4.5 keeps it in the router, MiniMax-M2
+# beside it)
+ROUTER_BIAS = ("mlp.gate.e_score_correction_bias", "mlp.e_score_correction_bias")
+
+
+def deepseek2_metadata(w, cfg, mtp_blocks: int = 0) -> None:
+    """The keys llama.cpp's DeepseekV2Model writes (MLA as one kv head of the latent row; the MTP
+    layers skipped, but for GLM-4.7-Flash's: `mtp_blocks` after the model's; no gating function where
+    the config names none: the correction bias says V3)."""
+    rope = cfg.rope_parameters
+    w.add_block_count(cfg.num_hidden_layers + mtp_blocks)
+    if mtp_blocks:
+        w.add_nextn_predict_layers(mtp_blocks)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if rope.get("rope_type") == "yarn":
+        import gguf
+
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if cfg.n_group is not None:
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    w.add_value_length(cfg.kv_lora_rank)
+    kinds = getattr(cfg, "mlp_layer_types", None)  # GLM-4.7-Flash's: its dense layers come first
+    dense = kinds.index("sparse") if kinds else cfg.first_k_dense_replace
+    w.add_leading_dense_block_count(dense)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank is not None:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+
+
+def deepseek2_tensors(cfg, rest: str, a: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
+    """A layer tensor's GGUF name(s) and values where llama.cpp's converter changes them: kv_b_proj split
+    per head into W_UK transposed (attn_k_b) and W_UV (attn_v_b); the router's correction bias."""
+    if rest == "self_attn.kv_b_proj.weight":
+        kv_b = a.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+        k_b, v_b = kv_b[:, : cfg.qk_nope_head_dim], kv_b[:, cfg.qk_nope_head_dim :]
+        return [("attn_k_b.weight", k_b.swapaxes(1, 2)), ("attn_v_b.weight", v_b)]
+    if rest == "mlp.gate.e_score_correction_bias":
+        return [("exp_probs_b.bias", a)]
+    return None
 
 
 # gpt-oss's tensors as llama.cpp's converter writes them: gate and up apart (de-interleaved), each
@@ -246,12 +357,16 @@ def llama3_divisors(dim: int, rope: dict) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def common_metadata(w, cfg) -> None:
-    """The keys every family's file has, from a transformers config, as llama.cpp's converter writes them."""
-    w.add_block_count(cfg.num_hidden_layers)
+def common_metadata(w, cfg, mtp_blocks: int = 0) -> None:
+    """The keys every family's file has, from a transformers config, as llama.cpp's converter writes them
+    (`mtp_blocks`: multi-token-prediction blocks written after the model's, llama.cpp's nextn layers)."""
+    w.add_block_count(cfg.num_hidden_layers + mtp_blocks)
+    if mtp_blocks:
+        w.add_nextn_predict_layers(mtp_blocks)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    if getattr(cfg, "intermediate_size", None):  # (none where every layer has experts: Qwen3.5-MoE)
+        w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     if hasattr(cfg, "layer_norm_eps"):  # Cohere's LayerNorms
@@ -298,7 +413,26 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
             t = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, np.float32), t), raw_dtype=t)
 
-    common_metadata(w, cfg)
+    # with an MTP block after the layers, as a published GLM-4.5's and GLM-4.7-Flash's file has
+    mtp = arch == "glm4moe" or cfg.model_type == "glm4_moe_lite"
+    if arch == "deepseek2":
+        deepseek2_metadata(w, cfg, mtp_blocks=int(mtp))
+    else:
+        common_metadata(w, cfg, mtp_blocks=int(mtp))
+    if arch == "glm4moe":  # as llama.cpp's Glm4MoeModel writes it
+        w.add_expert_count(cfg.n_routed_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+        w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
+        w.add_expert_shared_count(cfg.n_shared_experts)
+        w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(cfg.routed_scaling_factor)
+        w.add_expert_weights_norm(cfg.norm_topk_prob)
+    if arch == "minimax-m2":  # as llama.cpp's MiniMaxM2Model writes it
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_rope_dimension_count(cfg.rotary_dim)
     if arch == "gpt-oss":  # as llama.cpp's GptOssModel writes it
         rope = cfg.rope_parameters
         w.add_expert_feed_forward_length(cfg.intermediate_size)
@@ -344,6 +478,10 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         else:
             _, _, i, rest = name.split(".", 3)
             stem, _, kind = rest.rpartition(".")
+            if arch == "deepseek2" and (parts := deepseek2_tensors(cfg, rest, a)) is not None:
+                for gguf_name, part in parts:
+                    add(f"blk.{i}.{gguf_name}", np.ascontiguousarray(part))
+                continue
             if arch == "gpt-oss" and rest in GPT_OSS:
                 for gguf_name, part in GPT_OSS[rest](a):
                     add(f"blk.{i}.{gguf_name}", np.ascontiguousarray(part))
@@ -359,6 +497,12 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
                     add(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
                     add(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(up))
                 continue
+            if rest in ROUTER_BIAS:
+                add(f"blk.{i}.exp_probs_b.bias", a)
+                continue
+            if arch == "glm4moe" and stem == "post_attention_layernorm":
+                add(f"blk.{i}.post_attention_norm.{kind}", a)
+                continue
             if arch in PERMUTED and stem in ("self_attn.q_proj", "self_attn.k_proj"):
                 a = _permute(
                     a, cfg.num_attention_heads if stem.endswith("q_proj") else cfg.num_key_value_heads
@@ -367,6 +511,11 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
             if arch == "seed_oss":
                 layer = {**LAYER, "post_attention_layernorm": "post_attention_norm"}
             add(f"blk.{i}.{layer[stem]}.{kind}", np.ascontiguousarray(a))
+    if mtp:  # the MTP block's own tensors, and a layer's (not read)
+        L, H = cfg.num_hidden_layers, cfg.hidden_size
+        add(f"blk.{L}.nextn.eh_proj.weight", np.ones((H, 2 * H), np.float32))
+        add(f"blk.{L}.nextn.enorm.weight", np.ones(H, np.float32))
+        add(f"blk.{L}.exp_probs_b.bias", np.ones(cfg.n_routed_experts, np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -489,6 +638,9 @@ def test_gguf_of_the_family_serves_transformers_logits(tmp_path, monkeypatch, fa
         for name, p in hf.named_parameters():
             if "norm" in name or "bias" in name or "sinks" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in hf.named_buffers():  # as test_tiny_models sets them
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.04)
     path = write_gguf(hf, arch, tmp_path / f"{family}.gguf")
     model_dir = resolve_model(str(path), progress=False).path  # converted once, as `pytgi serve` does
     runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))

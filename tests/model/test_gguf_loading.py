@@ -65,6 +65,30 @@ FAMILIES = {
             SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=8, tie_word_embeddings=True
         ),
     ),
+    # MLA (its latent rows and kv_b split as llama.cpp writes it; W_UK / W_UV dequantized at load),
+    # V3's router and shared expert
+    "deepseek2": (
+        "deepseek2",
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        dict(
+            SHAPE,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=64,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=32,
+            v_head_dim=32,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 # GGUF tensor → type: a mix as llama.cpp's Q4_K_M-like recipes give (4-bit, 5-bit and 8-bit blocks)
 TYPES = {
@@ -80,6 +104,14 @@ TYPES = {
     "ffn_down_exps": "Q5_0",
     "token_embd": "Q8_0",
     "output": "Q4_0",
+    "attn_q_a": "Q4_1",
+    "attn_q_b": "Q4_0",
+    "attn_kv_a_mqa": "Q8_0",
+    "attn_k_b": "Q8_0",
+    "attn_v_b": "Q8_0",
+    "ffn_gate_shexp": "Q4_0",
+    "ffn_up_shexp": "Q4_1",
+    "ffn_down_shexp": "Q8_0",
 }
 
 
@@ -100,6 +132,8 @@ def test_quantized_tensors_are_packed_from_their_blocks(tmp_path, monkeypatch, f
     model: Any = fast.model
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     per_layer = 2 if family == "qwen3moe" else 4  # qkv, o (and gate|up, down without experts)
+    if family == "deepseek2":  # q_a, q_b, kv_a, o; gate|up, down of the dense MLP or the shared expert
+        per_layer = 6
     assert len(linears) == 1 + per_layer * kw["num_hidden_layers"]
     for m in linears:  # packed, and no float weight beside it
         assert m.quant.vnni and m.layer.weight.numel() == 0
@@ -107,7 +141,7 @@ def test_quantized_tensors_are_packed_from_their_blocks(tmp_path, monkeypatch, f
     if kw["tie_word_embeddings"]:  # a tied table reads the head's rows: one copy
         assert model.embed_tokens.packed is model.lm_head.quant
     else:
-        for layer in model.layers:
+        for layer in model.layers[kw.get("first_k_dense_replace", 0) :]:
             assert len(layer.mlp.packed) == 4 and layer.mlp.gate_up.numel() == layer.mlp.down.numel() == 0
     exact = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
     seq = np.random.default_rng(1).integers(0, kw["vocab_size"], 23).tolist()

@@ -358,3 +358,46 @@ def test_adapters_loaded_at_run_time_on_two_shards_with_one_in_memory(tiny):
         assert run(engine, [(PROMPTS[0], "all")]) == [want[jobs.index((PROMPTS[0], "all"))]]
     finally:
         engine.shutdown()
+
+
+SIGMOID_MOE = {  # the attention of each (partial rotary; GLM's biases and per-head norms, MiniMax's whole ones)
+    "glm4-moe": lambda: transformers.Glm4MoeForCausalLM(
+        transformers.Glm4MoeConfig(
+            **{**BASE, "num_hidden_layers": 3, "head_dim": 16},
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+        )
+    ),
+    "minimax-m2": lambda: transformers.MiniMaxM2ForCausalLM(
+        transformers.MiniMaxM2Config(
+            **{**BASE, "intermediate_size": 32},
+            head_dim=16,
+            rotary_dim=8,  # type: ignore[call-arg]  # (released checkpoints' legacy key)
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(SIGMOID_MOE))
+def test_an_attention_adapter_on_a_sigmoid_routed_moe_equals_peft(family, tmp_path):
+    """GLM-4.5 MoE and MiniMax-M2 take adapters on their attention projections (docs/models.md)."""
+    torch.manual_seed(0)
+    SIGMOID_MOE[family]().save_pretrained(tmp_path / "base")
+    cfg = dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    adapter = make_adapter(tmp_path / "base", tmp_path / "attn", cfg, seed=1)
+    want = reference(tmp_path / "base", adapter, PROMPTS)
+    assert want != reference(tmp_path / "base", None, PROMPTS)
+    engine = engine_for(tmp_path / "base", {"attn": adapter})
+    try:
+        assert run(engine, [(p, "attn") for p in PROMPTS]) == want
+    finally:
+        engine.shutdown()

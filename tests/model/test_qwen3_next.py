@@ -67,7 +67,19 @@ def qwen3_5(tmp_path_factory):
     return _save(transformers.Qwen3_5ForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen3.5"))
 
 
-@pytest.fixture(params=["qwen3_next", "qwen3_5"])
+MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe(tmp_path_factory):
+    """Qwen3.5-MoE's text model: experts in every layer (its config has no dense intermediate_size),
+    the router always renormalizing, a gated shared expert."""
+    torch.manual_seed(4)
+    cfg = transformers.Qwen3_5MoeTextConfig(**COMMON, **MOE)
+    return _save(transformers.Qwen3_5MoeForCausalLM(cfg).eval(), tmp_path_factory.mktemp("qwen3.5-moe"))
+
+
+@pytest.fixture(params=["qwen3_next", "qwen3_5", "qwen3_5_moe"])
 def hybrid(request):
     return request.getfixturevalue(request.param)
 
@@ -252,7 +264,9 @@ def _tiled(a, nk: int, r: int, dim: int):
     return np.ascontiguousarray(np.moveaxis(a, 0, dim))
 
 
-def write_hybrid_gguf(hf, arch: str, path) -> None:
+def write_hybrid_gguf(hf, arch: str, path, mtp: bool = False) -> None:
+    """`mtp`: with a multi-token-prediction block after the model's layers, as llama.cpp's converter
+    writes a published checkpoint's (`nextn_predict_layers`; pytgi does not read it)."""
     import gguf
     import numpy as np
 
@@ -263,9 +277,9 @@ def write_hybrid_gguf(hf, arch: str, path) -> None:
         c.linear_key_head_dim,
         c.linear_value_head_dim,
     )
-    r, tiled = nv // nk, arch == "qwen35" and nk != nv
+    r, tiled = nv // nk, arch in ("qwen35", "qwen35moe") and nk != nv
     w = gguf.GGUFWriter(str(path), arch)
-    common_metadata(w, c)
+    common_metadata(w, c, mtp_blocks=int(mtp))
     w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
     w.add_ssm_state_size(dk)
     w.add_ssm_group_count(nk)
@@ -321,18 +335,29 @@ def write_hybrid_gguf(hf, arch: str, path) -> None:
             w.add_tensor(blk + "ffn_down_exps.weight", a)
         else:
             w.add_tensor(f"{blk}{GGUF_NAMES[stem]}.{kind}", np.ascontiguousarray(a))
+    if mtp:  # its own tensors, and an attention layer's
+        L, H = c.num_hidden_layers, c.hidden_size
+        w.add_tensor(f"blk.{L}.nextn.eh_proj.weight", np.ones((H, 2 * H), np.float32))
+        w.add_tensor(f"blk.{L}.nextn.enorm.weight", np.ones(H, np.float32))
+        w.add_tensor(
+            f"blk.{L}.attn_q.weight", np.ones((2 * c.num_attention_heads * c.head_dim, H), np.float32)
+        )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
 
 
-@pytest.mark.parametrize("arch", ["qwen3next", "qwen35"])
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35", "qwen35moe"])
 def test_a_gguf_file_serves_transformers_tokens(arch, tmp_path, monkeypatch):
+    """qwen35moe: no dense feed_forward_length, and an MTP block after the layers (left unread)."""
     monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
     kw = dict(COMMON, intermediate_size=64)
     torch.manual_seed(2)
-    if arch == "qwen3next":  # llama.cpp's converter takes experts in every layer
+    if arch == "qwen35moe":
+        moe_cfg = transformers.Qwen3_5MoeTextConfig(**COMMON, **MOE)
+        model, _ = _save(transformers.Qwen3_5MoeForCausalLM(moe_cfg).eval(), tmp_path / "hf")
+    elif arch == "qwen3next":  # llama.cpp's converter takes experts in every layer
         cfg = transformers.Qwen3NextConfig(
             **kw,
             moe_intermediate_size=32,
@@ -345,7 +370,7 @@ def test_a_gguf_file_serves_transformers_tokens(arch, tmp_path, monkeypatch):
         model, _ = _save(
             transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**kw)).eval(), tmp_path / "hf"
         )
-    write_hybrid_gguf(model, arch, tmp_path / f"{arch}.gguf")
+    write_hybrid_gguf(model, arch, tmp_path / f"{arch}.gguf", mtp=arch == "qwen35moe")
     engine = _engine(tmp_path / f"{arch}.gguf", dtype="float32")
     try:
         got = run(engine, PROMPTS)
@@ -354,18 +379,23 @@ def test_a_gguf_file_serves_transformers_tokens(arch, tmp_path, monkeypatch):
     assert [t for t, _ in got] == [_reference(model, p) for p in PROMPTS]
 
 
-def test_a_qwen3_5_vision_checkpoint_serves_its_language_model(tmp_path):
-    """Qwen3.5 is published as vision-language checkpoints (`Qwen3_5ForConditionalGeneration`): pytgi
-    serves their language model (`model.language_model.*`) as text, its vision tower and an MTP
-    layer's tensors left unread, with the greedy tokens of transformers' model on text."""
+@pytest.mark.parametrize("moe", [False, True])
+def test_a_qwen3_5_vision_checkpoint_serves_its_language_model(moe, tmp_path):
+    """Qwen3.5 is published as vision-language checkpoints (`Qwen3_5ForConditionalGeneration`,
+    `Qwen3_5MoeForConditionalGeneration`): pytgi serves their language model (`model.language_model.*`,
+    a MoE's experts one tensor each) as text, its vision tower and an MTP layer's tensors left unread,
+    with the greedy tokens of transformers' model on text."""
     from safetensors.torch import load_file, save_file
 
     torch.manual_seed(3)
-    cfg = transformers.Qwen3_5Config(
-        text_config=dict(COMMON, intermediate_size=64),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64),
-    )
-    model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    model: torch.nn.Module
+    if moe:
+        moe_cfg = transformers.Qwen3_5MoeConfig(text_config=dict(COMMON, **MOE), vision_config=vision)
+        model = transformers.Qwen3_5MoeForConditionalGeneration(moe_cfg).eval()
+    else:
+        cfg = transformers.Qwen3_5Config(text_config=dict(COMMON, intermediate_size=64), vision_config=vision)
+        model = transformers.Qwen3_5ForConditionalGeneration(cfg).eval()
     _save(model, tmp_path)
     tensors = load_file(str(tmp_path / "model.safetensors"))
     assert any(n.startswith("model.visual.") for n in tensors)

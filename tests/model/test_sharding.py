@@ -226,6 +226,114 @@ def default_reference():
         llm.engine.shutdown()
 
 
+SIGMOID_MOE = {
+    # partial rotary, q/k/v biases, per-head q/k norms, a dense first layer, grouped sigmoid routing
+    # with a correction bias, an ungated shared expert
+    "glm4-moe": lambda kw: transformers.Glm4MoeForCausalLM(
+        transformers.Glm4MoeConfig(
+            **kw,
+            intermediate_size=40,
+            num_hidden_layers=3,
+            attention_bias=True,
+            use_qk_norm=True,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+        )
+    ),
+    # q/k norms over the whole projection: each rank's heads' squares summed over the ranks
+    "minimax-m2": lambda kw: transformers.MiniMaxM2ForCausalLM(
+        transformers.MiniMaxM2Config(
+            **kw,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            rotary_dim=8,  # type: ignore[call-arg]  # (released checkpoints' legacy key)
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+    ),
+}
+
+
+def test_tiny_deepseek_v3_matches_one_shard(tmp_path):
+    """MLA over 2 shards: 5 query heads split 3 + 2, the latent row computed and cached on each rank;
+    V3's grouped sigmoid router, a shared expert, a dense first layer."""
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(
+            vocab_size=101,
+            hidden_size=48,
+            intermediate_size=40,
+            num_hidden_layers=3,
+            num_attention_heads=5,
+            num_key_value_heads=5,
+            q_lora_rank=24,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            n_shared_experts=1,
+            max_position_embeddings=256,
+            eos_token_id=None,
+            bos_token_id=None,
+        )
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.04)
+    model.save_pretrained(tmp_path)
+    prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20]
+    outs = [run_sharded(tmp_path, prompts, n, "float32") for n in (1, 2)]
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(SIGMOID_MOE))
+def test_tiny_sigmoid_routed_moe_matches_one_shard(tmp_path, family):
+    """GLM-4.5 MoE and MiniMax-M2 over 2 shards (3 key/value groups split 2+1)."""
+    torch.manual_seed(0)
+    kw = dict(
+        vocab_size=101,
+        hidden_size=48,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=16,
+        max_position_embeddings=256,
+        eos_token_id=None,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    model = SIGMOID_MOE[family](kw)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.04)
+    model.save_pretrained(tmp_path)
+    prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20]
+    outs = [run_sharded(tmp_path, prompts, n, "float32") for n in (1, 2)]
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("n", [2, 3])
 def test_default_model_greedy_equals_one_shard(default_reference, n):
     llm = LLM(dtype="float32", max_batch_total_tokens=4096, max_total_tokens=1024, num_shard=n)

@@ -34,6 +34,42 @@ BASE = dict(
     rms_norm_eps=1e-6,
 )
 
+# DeepSeek's MLA dims (latent 32 + rotary 16: a cache row of 48), every layer dense
+MLA = dict(
+    BASE,
+    num_key_value_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
+    first_k_dense_replace=2,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=48,
+)
+MLA_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "mscale": 0.9,
+    "mscale_all_dim": 0.7,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
+# ... with a dense layer, then two of experts: 8 routed (2 a token), a shared one
+MLA_MOE = dict(
+    MLA,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    routed_scaling_factor=1.5,
+)
+
 SMALL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # families whose defaults are past 97
 
 CONFIGS: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -329,6 +365,92 @@ CONFIGS: dict[str, tuple[Any, dict[str, Any]]] = {
             eoa_token_index=206,
         ),
     ),
+    # DeepSeek's multi-head latent attention: V2-Lite's plain q_proj, V2's and V3's q_a → q_b; the
+    # cache holds the latent row (kv_lora_rank + qk_rope_head_dim), attention runs in the latent space
+    "deepseek-v2-lite-mla": (transformers.DeepseekV2Config, dict(MLA, q_lora_rank=None)),
+    "deepseek-v3-mla-yarn": (transformers.DeepseekV3Config, dict(MLA, rope_parameters=MLA_YARN)),
+    # ... and their experts after a dense layer: V2-Lite's greedy softmax router; V2's within the
+    # best groups (by each group's best), scaled; V3's sigmoid router whose correction bias (random,
+    # set after init) chooses within the best groups (by each group's best two), renormalized and
+    # scaled, beside two shared experts, under YaRN with DeepSeek's mscale
+    "deepseek-v2-lite-moe": (
+        transformers.DeepseekV2Config,
+        dict(MLA_MOE, q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.0),
+    ),
+    "deepseek-v2-moe-groups": (
+        transformers.DeepseekV2Config,
+        dict(MLA_MOE, topk_method="group_limited_greedy", n_group=2, topk_group=1),
+    ),
+    "deepseek-v3-moe": (
+        transformers.DeepseekV3Config,
+        dict(
+            MLA_MOE,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            n_shared_experts=2,
+            rope_parameters=MLA_YARN,
+        ),
+    ),
+    # the same layers under other names: GLM-4.7-Flash (V3's router, a kind per layer) and Mistral 4
+    # (softmax scores grouped by each group's best two; queries scaled by Llama 4's rule past 8 positions)
+    "glm4-moe-lite": (
+        transformers.Glm4MoeLiteConfig,
+        dict(
+            {k: v for k, v in MLA_MOE.items() if k != "first_k_dense_replace"},
+            mlp_layer_types=["sparse", "dense", "sparse"],
+            n_group=2,
+            topk_group=1,
+        ),
+    ),
+    "mistral4": (
+        transformers.Mistral4Config,
+        dict(
+            MLA_MOE,
+            n_group=2,
+            topk_group=1,
+            rope_parameters={
+                **MLA_YARN,
+                "factor": 32.0,
+                "original_max_position_embeddings": 8,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.5,
+                "max_position_embeddings": 256,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+    ),
+    # GLM-4.5: partial rotary (half of each head), q/k/v biases and per-head q/k norms, a dense first
+    # layer, then 8 experts in 4 groups (the best 2 groups' experts eligible) under a sigmoid router
+    # with a correction bias (random, `models`), renormalized and scaled, beside an ungated shared expert
+    "glm4-moe": (
+        transformers.Glm4MoeConfig,
+        dict(
+            BASE,
+            num_hidden_layers=3,
+            head_dim=32,
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+            use_qk_norm=True,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            n_group=4,
+            topk_group=2,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+        ),
+    ),
+    # MiniMax-M2: q/k norms over the whole projection, a quarter of each head rotated, a sigmoid
+    # router with a correction bias over 4 Mixtral-named experts (w1/w2/w3), no shared expert
+    "minimax-m2": (
+        transformers.MiniMaxM2Config,
+        dict(BASE, head_dim=32, rotary_dim=8, num_local_experts=4, num_experts_per_tok=2),
+    ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
     "gpt-neox-via-transformers": (
         transformers.GPTNeoXConfig,
@@ -381,6 +503,12 @@ ARCH = {
     transformers.Cohere2Config: transformers.Cohere2ForCausalLM,
     transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
     transformers.Exaone4Config: transformers.Exaone4ForCausalLM,
+    transformers.DeepseekV2Config: transformers.DeepseekV2ForCausalLM,
+    transformers.DeepseekV3Config: transformers.DeepseekV3ForCausalLM,
+    transformers.Glm4MoeLiteConfig: transformers.Glm4MoeLiteForCausalLM,
+    transformers.Mistral4Config: transformers.Mistral4ForCausalLM,
+    transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
+    transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
 }
 
 
@@ -398,6 +526,11 @@ def models(request, tmp_path_factory):
         for name, b in hf.named_buffers():  # Gemma 4's per-layer output scales (ones at init)
             if name.endswith("layer_scalar"):
                 b.uniform_(0.5, 1.5)
+        # a sigmoid router's correction bias: on the scale of the scores' spread (~0.04 here), so it
+        # changes about half the choices and the scores still decide the rest
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.04)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
     runner = ModelRunner(
@@ -520,7 +653,11 @@ def test_triton_path_matches(models, monkeypatch):
     if type(runner.model).__name__ == "TransformersModel":
         pytest.skip("transformers' model code has no kernel choice")
     model = type(runner.model)(runner.config, Kernels(triton=True))
-    assert type(model.attention).__name__ in ("TritonAttention", "SlidingWindowBackend")
+    # (MLA's latent rows of 48 values: the gather path, Triton's kernel takes rows of 2^n values)
+    mla = model.config.mla is not None
+    assert type(model.attention).__name__ in (
+        ("TorchAttention",) if mla else ("TritonAttention", "SlidingWindowBackend")
+    )
     model.load_state_dict(runner.model.state_dict())
     monkeypatch.setattr(runner, "model", model.eval())
     test_chunks_and_paged_decodes_in_mixed_steps_match(models)

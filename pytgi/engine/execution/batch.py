@@ -32,7 +32,7 @@ class KVHeads(Protocol):
     """An attention layer's heads on this rank, which size the KV cache (`self_attn` of a layer)."""
 
     n_kv: int
-    head_dim: int
+    head_dim: int  # a key's (a value's too, unless the layer says `v_head_dim`: MLA's values are its keys)
 
 
 @dataclass(slots=True)
@@ -113,11 +113,15 @@ class PagedModel:
             return attn.head_dim + (4 if self.fp8 else 2), torch.uint8
         return attn.head_dim, self.dtype
 
+    def _v_row(self, attn: KVHeads) -> int:
+        """A value's row, as `_row`'s: MLA's has no values (its latent rows are keys and values both)."""
+        return 0 if getattr(attn, "v_head_dim", attn.head_dim) == 0 else self._row(attn)[0]
+
     def kv_bytes_per_token(self) -> int:
         total = 0
         for attn in self._kv_layers():
             row, dtype = self._row(attn)
-            total += 2 * attn.n_kv * row * torch.empty((), dtype=dtype).element_size()
+            total += attn.n_kv * (row + self._v_row(attn)) * torch.empty((), dtype=dtype).element_size()
         return total
 
     def state_bytes_per_request(self) -> int:
@@ -154,8 +158,13 @@ class PagedModel:
                 self.kv_caches.append(self.kv_caches[source])
                 continue
             row, dtype = self._row(attn)
+            v_row = self._v_row(attn)
             shape = (2, (num_blocks + spare) * block_size, attn.n_kv, row)
-            k, v = torch.zeros(shape, dtype=dtype, device=self.device).unbind(0)
+            if v_row == row:
+                k, v = torch.zeros(shape, dtype=dtype, device=self.device).unbind(0)
+            else:  # MLA: the keys' rows are the values, the value cache has no columns
+                k = torch.zeros(shape[1:], dtype=dtype, device=self.device)
+                v = torch.zeros((*shape[1:3], v_row), dtype=dtype, device=self.device)
             self.kv_caches.append((k, v))
 
     def capture_graphs(self, sizes: tuple[int, ...], max_blocks: int) -> bool:

@@ -435,6 +435,42 @@ def moe(
     return out
 
 
+def moe_experts(
+    x: torch.Tensor, experts: PackedExperts, chosen: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """A mixture-of-experts layer's routed part for a step routed by the caller: token t goes to experts
+    `chosen[t]` ([T, k]) with `weights[t]` (float32), its output their weighted sum in float32, in the
+    order of the experts (moe.c's `pytgi_moe_experts_bf16`; plain SwiGLU experts)."""
+    assert x.is_contiguous() and x.dtype == torch.bfloat16 and experts.oai is None
+    T, H = x.shape
+    E, k = len(experts.gate_up), chosen.shape[1]
+    flat = chosen.reshape(-1)
+    order = flat.argsort(stable=True)  # the (token, choice) pairs by expert, token order within one
+    starts = torch.zeros(E + 1, dtype=torch.int64)
+    starts[1:] = torch.bincount(flat, minlength=E).cumsum(0)
+    tok = (order // k).contiguous()
+    wt = weights.reshape(-1)[order].float().contiguous()
+    out = torch.empty_like(x)
+    failed = _built().pytgi_moe_experts_bf16(
+        _ptr(x),
+        _ptr(out),
+        T,
+        H,
+        experts.inter,
+        E,
+        _ptr(starts),
+        _ptr(tok),
+        _ptr(wt),
+        _ptr(experts.gate_up),
+        _ptr(experts.down),
+        _ptr(experts.bits_gu),
+        _ptr(experts.bits_down),
+        experts.amx_above,
+    )
+    _check(failed, "experts")
+    return out
+
+
 def pack_lowbit(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int, out: torch.Tensor) -> None:
     """Levels u (uint8 [N, K]) with d and m per group ([N, groups], any float dtype: rounded to fp16)
     into `out` ([N/16, K/32, block bytes] uint8): `pytgi.engine.models.quant.pack_vnni`'s layout."""

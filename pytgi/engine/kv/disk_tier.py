@@ -171,10 +171,11 @@ class PoolBlocks:
     """Copies whole blocks between the KV pool (one K and one V tensor per layer, `block_size` slots a
     block) and CPU tensors of shape (blocks, bytes): a block's bytes in each tensor, one tensor after
     another in layer order. Each tensor once: a layer reading another layer's cache (Gemma 4) adds
-    none, and the layers' heads may differ."""
+    none, and the layers' heads may differ; a value cache without columns (MLA's: its values are its
+    keys' rows) holds nothing to copy."""
 
     def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
-        distinct = {t.data_ptr(): t for kv in kv_caches for t in kv}
+        distinct = {t.data_ptr(): t for kv in kv_caches for t in kv if t.numel()}
         self.tensors = [t.view(-1, block_size, *t.shape[1:]) for t in distinct.values()]
         self.sizes = [t[0].nbytes for t in self.tensors]
         self.device = self.tensors[0].device

@@ -35,7 +35,7 @@ import torch
 
 from pytgi.core.errors import GGUFConversionError
 from pytgi.core.families import gguf_of_model_type
-from pytgi.core.gguf_convert import HYBRID_TYPES, SOURCE_FILE, hf_tensor_name
+from pytgi.core.gguf_convert import HYBRID_TYPES, SOURCE_FILE, hf_tensor_name, mtp_tensor
 from pytgi.engine import kernels
 
 if TYPE_CHECKING:
@@ -324,7 +324,8 @@ class GGUFWeights:
             with open(part, "rb") as f:  # read-only: a file bigger than the memory maps too
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             for t in read_tensor_index(mm):
-                self.tensors[hf_tensor_name(t.name, config["model_type"])] = (mm, t)
+                if not mtp_tensor(t.name, config):  # a multi-token-prediction block's: not read
+                    self.tensors[hf_tensor_name(t.name, config["model_type"])] = (mm, t)
         model_type = config["model_type"]
         gguf_name = gguf_of_model_type(model_type)
         self._permute = gguf_name is not None and gguf_name.permuted_qk  # llama.cpp interleaved q/k rows
@@ -447,8 +448,11 @@ class GGUFWeights:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) for every tensor not in `skip`, in the file's order, one at a time."""
         for name in self.tensors:
-            if name not in skip:
-                yield name, self.dense(name, dtype)
+            if name not in skip:  # (a router's correction bias stays float32: `moe.Router`)
+                yield (
+                    name,
+                    self.dense(name, torch.float32 if name.endswith("e_score_correction_bias") else dtype),
+                )
 
 
 def open_gguf(model_dir: Path) -> GGUFWeights | None:

@@ -15,7 +15,7 @@ config.json by its reader: `pytgi.engine.models.llama`, `pytgi.engine.models.gem
 - layers without rotary embedding (`rope_layers`: SmolLM3's NoPE layers, the global layers of Exaone 4
   and Cohere 2), which rotate by the identity's tables;
 - norms after the sublayers only (`pre_norms` False: OLMo 2/3, Exaone 4), q/k norms over the whole
-  projection (`qk_norm_whole`: OLMo 2/3, all-reduced across ranks);
+  projection (`qk_norm_whole`: OLMo 2/3, MiniMax-M2, all-reduced across ranks);
 - LayerNorms, attention and the MLP side by side, q/k rows paired for the rotation as (2i, 2i + 1) and
   reordered at load (`layer_norm`, `parallel_block`, `rope_interleaved`: Cohere 2).
 - per layer, where layers differ (Gemma 4, `LayerAttention`): kv heads and head size, reading an earlier
@@ -68,7 +68,8 @@ from pytgi.engine.models.layers import (
     qkv_shards,
 )
 from pytgi.engine.models.linear_attention import GatedDeltaNet, LinearAttnConfig, StateBackend, StateMetadata
-from pytgi.engine.models.moe import SparseMoE
+from pytgi.engine.models.mla import MLAConfig, MLAttention, mla_heads, query_scales
+from pytgi.engine.models.moe import Routing, SparseMoE
 from pytgi.engine.models.quant import (
     Fp8Rows,
     LayoutRows,
@@ -112,6 +113,9 @@ class MoEConfig:
     sparse_layers: list[bool]  # which layers route (the others keep the dense MLP)
     # gpt-oss's experts: (alpha, limit) of the clamped SwiGLU; with biases on the router and experts
     oai: tuple[float, float] | None = None
+    # the router's rule beyond softmax top-k (DeepSeek-V3, GLM-4.5, MiniMax-M2; frozen: one default)
+    routing: Routing = Routing()  # noqa: RUF009
+    shared_gate: bool = True  # Qwen2-MoE's sigmoid gate on the shared expert; False: added as it is
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +168,9 @@ class DecoderConfig:
     linear: LinearAttnConfig | None = None
     attn_output_gate: bool = False
     rotary_dim: int | None = None  # None: head_dim
+    # the q and k RMSNorms span each token's whole projection (all heads), not each head (OLMo 2/3,
+    # MiniMax-M2; `WholeNorm`, all-reduced across ranks)
+    qk_norm_whole: bool = False
     ignored_weights: tuple[str, ...] = ()  # checkpoint tensors (by prefix) the model does not use
     # Granite: each sublayer's output is scaled before it joins the residual stream, and the logits
     # divided by `logit_scale`
@@ -176,8 +183,6 @@ class DecoderConfig:
     # False: no norm before attention nor before the MLP (OLMo 2/3, Exaone 4: with `sandwich_norms`
     # their outputs alone are normed, `post_attention_layernorm` and `post_feedforward_layernorm`)
     pre_norms: bool = True
-    # the q/k norms span the whole projection, all heads at once (OLMo 2/3), not each head
-    qk_norm_whole: bool = False
     # Cohere 2: LayerNorms (the mean subtracted, no bias, in float32) instead of RMSNorms; attention and
     # the MLP side by side on one normed input (`input_layernorm`), both added to the residual stream;
     # the checkpoint's q/k rows pair features (2i, 2i + 1) for the rotation (reordered per head at
@@ -202,6 +207,10 @@ class DecoderConfig:
         return not (
             self.layer_attention is not None or self.v_norm or self.per_layer_input_size or self.layer_scalar
         )
+
+    # multi-head latent attention (DeepSeek V2/V3, `pytgi.engine.models.mla`): then one kv head of
+    # `head_dim` = the latent's row, `rotary_dim` its rotary part, `attn_scale` MLA's softmax scale
+    mla: MLAConfig | None = None
 
 
 def local_heads(cfg: DecoderConfig, layer: LayerAttention | None = None) -> tuple[int, int, int]:
@@ -256,7 +265,7 @@ class LayerNorm(RMSNorm):
 
 
 class WholeNorm(RMSNorm):
-    """RMSNorm over a whole q or k projection (all heads: OLMo 2/3). A rank holds rows
+    """RMSNorm over a whole q or k projection (all heads: OLMo 2/3, MiniMax-M2). A rank holds rows
     [start, start + size) of `total`: the squares are summed over every rank's heads."""
 
     def __init__(self, total: int, shard: tuple[int, int], eps: float) -> None:
@@ -308,10 +317,11 @@ class Attention(nn.Module):
         per_head = cfg.qk_norm and not cfg.qk_norm_whole
         self.q_norm = _norm(cfg, head_dim) if per_head else None
         self.k_norm = _norm(cfg, head_dim) if per_head and self.kv_source is None else None
-        # OLMo 2/3's norms of the whole projections (the checkpoint's q_norm / k_norm, `load_weights`)
+        # OLMo 2/3's and MiniMax-M2's norms of the whole projections (the checkpoint's q_norm / k_norm,
+        # renamed by `load_weights`)
         self.q_norm_all: WholeNorm | None = None
         self.k_norm_all: WholeNorm | None = None
-        if cfg.qk_norm and cfg.qk_norm_whole:
+        if cfg.qk_norm_whole:
             H, KVH, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
             self.q_norm_all = WholeNorm(H * D, shards[0], cfg.rms_norm_eps)
             self.k_norm_all = WholeNorm(KVH * D, shards[1], cfg.rms_norm_eps)
@@ -371,7 +381,8 @@ class Attention(nn.Module):
         self, qkv: torch.Tensor, rope: Rope
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """q, k, v with the rotary embedding on each head's first `rotary_dim` features, and the
-        output's gate (None: not gated), in PyTorch ops (Qwen3-Next's attention layers)."""
+        output's gate (None: not gated), in PyTorch ops (Qwen3-Next's attention layers; partial
+        rotary embeddings, GLM-4.5's and MiniMax-M2's; q/k norms over the whole projection)."""
         T, H, KVH, D, r = qkv.shape[0], self.n_heads, self.n_kv, self.head_dim, self.rotary_dim
         nq = H * D * (2 if self.gated else 1)
         q, gate = qkv[:, :nq].view(T, H, -1), None
@@ -379,7 +390,7 @@ class Attention(nn.Module):
             q, gate = q[..., :D], q[..., D:].reshape(T, H * D)
         k = qkv[:, nq : nq + KVH * D].view(T, KVH, D)
         v = qkv[:, nq + KVH * D :].view(T, KVH, D)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # (whole-projection norms ran before)
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = (t.reshape(T, 1, r).to(q.dtype) for t in rope)  # (KernelOps' tables are float32 [T, r])
         q = torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
@@ -419,12 +430,22 @@ class DecoderLayer(nn.Module):
         self.sliding, self.sandwich, self.ops = sliding, cfg.sandwich_norms, ops
         self.rotates, self.pre_norms, self.parallel = rotates, cfg.pre_norms, cfg.parallel_block
         self.residual_scale = cfg.residual_scale
-        self.self_attn: Attention | None = None
+        self.self_attn: Attention | MLAttention | None = None
         self.linear_attn: GatedDeltaNet | None = None
         if linear:
             assert cfg.linear is not None
             fused = isinstance(ops, KernelOps)  # the C kernels run this model (CPU)
             self.linear_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, fused)
+        elif cfg.mla is not None:
+            self.self_attn = MLAttention(
+                cfg.mla,
+                cfg.hidden_size,
+                cfg.num_attention_heads,
+                cfg.rms_norm_eps,
+                cfg.attention_bias,
+                cfg.attn_scale,
+                backend,
+            )
         else:
             self.self_attn = Attention(cfg, backend, ops, sliding, spec)
         moe = cfg.moe
@@ -439,6 +460,8 @@ class DecoderLayer(nn.Module):
                 moe.norm_topk,
                 moe.shared_intermediate_size,
                 oai=moe.oai,
+                routing=moe.routing,
+                shared_gate=moe.shared_gate,
             )
         )
         # The checkpoints' names: Llama's post_attention_layernorm is the MLP's input norm, Gemma's
@@ -526,15 +549,22 @@ class DecoderModel(nn.Module):
         "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
+        # MLA's kv_b_proj as a llama.cpp file splits it (`MLAttention`)
+        "k_b_proj": ("kv_b_proj", 1),
+        "v_b_proj": ("kv_b_proj", 2),
     }
 
     def __init__(self, cfg: DecoderConfig, cpu: Kernels, attention: str = "auto") -> None:
         """cpu: the kernels to run on (`Kernels.for_device`, or `Kernels.none()`: PyTorch's
         ops); attention: the attention backend's name."""
         super().__init__()
-        check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())
+        if cfg.mla is None:
+            check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())
+        heads = local_heads(cfg) if cfg.mla is None else mla_heads(cfg.num_attention_heads, cfg.head_dim)
         self.config, self.kernels, self.ops = cfg, cpu, ops_for(cpu)
-        backend = get_backend(attention, cpu, local_heads(cfg))
+        backend = get_backend(attention, cpu, heads)
+        if cfg.mla is not None and cpu.triton and cfg.head_dim & (cfg.head_dim - 1):
+            backend = TorchAttention(cpu, heads)  # Triton's kernel takes rows of 2^n values
         if cfg.attn_logit_softcapping:
             backend = SoftcapAttention(cpu, local_heads(cfg), cfg.attn_logit_softcapping)
         if cfg.attn_sinks:
@@ -618,6 +648,10 @@ class DecoderModel(nn.Module):
         )
         if cfg.rope_layers is not None and not all(cfg.rope_layers):  # NoPE layers: the identity's tables
             ropes = (*ropes, (torch.ones_like(rope[0]), torch.zeros_like(rope[1])))
+        if cfg.mla is not None and (q_scale := query_scales(cfg.mla, positions, x.dtype)) is not None:
+            for layer in self.layers:  # Mistral 4's queries, by position
+                assert isinstance(layer.self_attn, MLAttention)
+                layer.self_attn.q_scale = q_scale
         # one metadata for every layer (and the sliding layers' first keys)
         whole: DecoderMetadata | None = meta
         first: np.ndarray | None = None
@@ -760,6 +794,9 @@ class DecoderModel(nn.Module):
             name = name.removeprefix("model.").removeprefix("language_model.")  # (a VLM's, served as text)
             name = name.replace(".block_sparse_moe.", ".mlp.")
             name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's router
+            name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's (ungated)
+            # MiniMax-M2 keeps its router's correction bias beside the router
+            name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
             name = name.replace(".conv1d.weight", ".conv1d")  # a linear-attention layer's convolution
             if self.config.rope_interleaved and name.endswith(QK_ROWS):  # Cohere's pairs → rotate-half
                 assert isinstance(tensor, torch.Tensor), name
@@ -785,7 +822,7 @@ class DecoderModel(nn.Module):
                 continue
             shard = 0
             for part, (fused, idx) in self.FUSED.items():
-                if f".{part}." in name:
+                if f".{part}." in name and name not in params:  # (MLA's q_proj is its own)
                     name, shard = name.replace(part, fused), idx
                     break
             if name not in params:

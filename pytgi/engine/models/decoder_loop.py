@@ -89,11 +89,14 @@ class DecoderLoop:
             or cfg.o_proj_bias
             or cfg.mlp_bias
             or cfg.qk_norm
+            or cfg.qk_norm_whole
+            or (cfg.rotary_dim or cfg.head_dim) != cfg.head_dim  # partial rotary: PyTorch's ops
             or cfg.moe is not None
             or cfg.linear is not None
             or cfg.attn_output_gate
             or cfg.residual_scale is not None
             or not _plain_layers(cfg, nope=True)
+            or cfg.mla is not None
         )
 
     def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:

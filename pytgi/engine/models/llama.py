@@ -37,11 +37,10 @@ def llama_config(cfg: dict[str, Any]) -> DecoderConfig:
     arch = (cfg.get("architectures") or [""])[0]
     n_heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(
-            f"partial rotary embeddings (partial_rotary_factor {cfg['partial_rotary_factor']}) "
-            "are not supported"
-        )
+    # a rotary embedding on each head's first features only (the decoder's `rotary_dim`)
+    partial = float(cfg.get("partial_rotary_factor") or (rope or {}).get("partial_rotary_factor") or 1.0)
+    if rope and "partial_rotary_factor" in rope:
+        rope = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
     theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
     max_positions = cfg.get("max_position_embeddings", 2048)
     if rope and rope.get("rope_type", rope.get("type")) == "dynamic":
@@ -78,4 +77,5 @@ def llama_config(cfg: dict[str, Any]) -> DecoderConfig:
         moe=moe_config(cfg),
         sliding_window=window,
         layer_types=(cfg.get("layer_types") or [SLIDING] * cfg["num_hidden_layers"]) if window else None,
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else None,
     )

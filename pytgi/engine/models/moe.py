@@ -1,23 +1,30 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek, GLM-4.5, MiniMax-M2).
 
 Each token goes to its `top_k` experts by a softmax router (renormalized over the chosen ones when
-the model says so) and gets their SwiGLU outputs, weighted. The experts' weights are stacked, gate and
-up fused (`gate_up [E, 2I, H]`, `down [E, H, I]`), and a step runs one pair of matmuls per expert that
-has tokens: tokens are grouped by expert once, not visited one by one. A GGUF model's experts stay
-packed as the file holds them (`pack_experts`), and a bf16 step runs all its experts in one C call
-(`pytgi/engine/kernels/moe.c`: the same low-bit matmuls, no Python between them). Qwen2-MoE adds a shared
-expert, scaled by a sigmoid gate. gpt-oss (`oai`) has biases on the router and the experts, softmaxes
-the chosen experts' logits, and clamps its SwiGLU; its checkpoint stacks each expert's
-weights transposed, [E, H, 2I] with gate and up interleaved, or in MXFP4 (two e2m1 codes a byte, a
-power of two per 32): on a CPU with pytgi's low-bit kernels those stay 4-bit (format "mxfp4"), packed
-from the codes as they are read (`Mxfp4.pack`). With tensor parallelism each rank holds a slice of every
-expert's intermediate features and the partial outputs are all-reduced.
+the model says so) and gets their SwiGLU outputs, weighted. Other routers are data (`Routing`,
+`route`): sigmoid scores, a per-expert correction bias that steers the choice but not the weights,
+grouped selection (DeepSeek-V3's `n_group` / `topk_group`), a scale on the weights; they decide the
+(expert, weight) pairs only, and the experts run as for any other router.
+
+The experts' weights are stacked, gate and up fused (`gate_up [E, 2I, H]`, `down [E, H, I]`), and a
+step runs one pair of matmuls per expert that has tokens: tokens are grouped by expert once, not
+visited one by one. A GGUF model's experts stay packed as the file holds them (`pack_experts`), and a
+bf16 step runs all its experts in one C call (`pytgi/engine/kernels/moe.c`: the same low-bit matmuls,
+no Python between them; routed there too for the plain softmax router, else by `route` first).
+Qwen2-MoE adds a shared expert, scaled by a sigmoid gate; DeepSeek's shared experts (one MLP) are
+added ungated. gpt-oss (`oai`) has biases on the router and the experts, softmaxes the chosen experts'
+logits, and clamps its SwiGLU; its checkpoint stacks each expert's weights transposed, [E, H, 2I] with
+gate and up interleaved, or in MXFP4 (two e2m1 codes a byte, a power of two per 32): on a CPU with
+pytgi's low-bit kernels those stay 4-bit (format "mxfp4"), packed from the codes as they are read
+(`Mxfp4.pack`). With tensor parallelism each rank holds a slice of every expert's intermediate
+features and the partial outputs are all-reduced.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -39,6 +46,84 @@ if TYPE_CHECKING:
 
 # checkpoint names of one expert's weights: Mixtral's w1 / w3 / w2, or gate_proj / up_proj / down_proj
 _EXPERT = re.compile(r"experts\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$")
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """How a router's logits become each token's (expert, weight) pairs, beyond the softmax top-k
+    (`route`): the score function, DeepSeek-V3's correction bias (`e_score_correction_bias`, a checkpoint
+    tensor added to the scores to choose the experts, never to weigh them), grouped selection (the
+    experts split in `n_group` equal groups; only the `topk_group` best groups' experts may be chosen,
+    a group scored by the sum of its two best corrected scores, or by its best score with
+    `group_score` "max": DeepSeek-V2's group_limited_greedy) and `scale` (routed_scaling_factor) on the
+    weights after any renormalization. Mixtral's, Qwen's: the default."""
+
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    correction_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "top2"  # "top2" | "max"
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid") or self.group_score not in ("top2", "max"):
+            raise ValueError(f"unknown routing {self}")
+        if self.n_group < 1 or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"routing: topk_group {self.topk_group} of n_group {self.n_group}")
+
+    @property
+    def plain(self) -> bool:
+        """The softmax top-k alone (that moe.c's router computes)."""
+        return self == Routing()
+
+
+def route(
+    logits: torch.Tensor, routing: Routing, top_k: int, norm_topk: bool, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] → each token's (float32 weights, experts), both [T, top_k]: the scores
+    (softmax or sigmoid, float32), plus `bias` [E] to choose; within the best groups where the experts
+    are grouped; the chosen experts' uncorrected scores, renormalized to sum 1 with `norm_topk`, times
+    `routing.scale`."""
+    scores = logits.float().softmax(dim=-1) if routing.scoring == "softmax" else logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    if routing.n_group > 1:
+        T, E, G = len(choice), choice.shape[-1], routing.n_group
+        groups = choice.view(T, G, E // G)
+        best = groups.topk(2, dim=-1).values.sum(-1) if routing.group_score == "top2" else groups.amax(-1)
+        keep = torch.zeros_like(best, dtype=torch.bool)
+        keep.scatter_(1, best.topk(routing.topk_group, dim=-1).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
+    experts = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if norm_topk:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if routing.scale != 1.0:
+        weights = weights * routing.scale
+    return weights, experts
+
+
+class Router(nn.Linear):
+    """The router's linear [E, H], with the correction bias [E] where its routing has one (the
+    checkpoint's `gate.e_score_correction_bias`): kept in float32 whatever the model's dtype, as
+    transformers keeps it (its values differ in the third or fourth digit: bf16 would change the
+    choices)."""
+
+    def __init__(self, hidden: int, num_experts: int, bias: bool, correction_bias: bool) -> None:
+        super().__init__(hidden, num_experts, bias=bias)
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if correction_bias:
+            zeros = torch.zeros(num_experts, dtype=torch.float32)
+            self.e_score_correction_bias = nn.Parameter(zeros, requires_grad=False)
+        self.requires_grad_(False)
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` / `.to(device)`: the correction bias moves but stays float32."""
+        held = None if self.e_score_correction_bias is None else self.e_score_correction_bias.data
+        super()._apply(fn, recurse)
+        if held is not None and self.e_score_correction_bias is not None:
+            device = self.e_score_correction_bias.device
+            self.e_score_correction_bias.data = held.to(device=device, dtype=torch.float32)
+        return self
 
 
 class SharedExpert(nn.Module):
@@ -63,14 +148,24 @@ class SparseMoE(nn.Module):
         norm_topk: bool,
         shared_inter: int | None = None,
         oai: tuple[float, float] | None = None,
+        routing: Routing | None = None,
+        shared_gate: bool = True,
     ) -> None:
-        """oai: gpt-oss's experts, (alpha, limit) of its clamped SwiGLU."""
+        """oai: gpt-oss's experts, (alpha, limit) of its clamped SwiGLU; routing: the router's rule
+        beyond softmax top-k (`Routing`); shared_gate: the shared expert's output is scaled by a
+        sigmoid gate (Qwen2-MoE's `shared_expert_gate`), else added as it is (DeepSeek's
+        `shared_experts`, one MLP of n_shared_experts × the experts' size)."""
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
+        self.routing = routing or Routing()
+        if oai is not None and not self.routing.plain:
+            raise ValueError("gpt-oss's experts route by their softmaxed top-k logits only")
+        if num_experts % self.routing.n_group:
+            raise ValueError(f"{num_experts} experts do not split in {self.routing.n_group} groups")
         self.start, self.local = local_range(inter)
         self.inter, self.oai = inter, oai
-        self.gate = nn.Linear(hidden, num_experts, bias=oai is not None)  # the router, on every rank
-        self.gate.requires_grad_(False)
+        # the router, on every rank
+        self.gate = Router(hidden, num_experts, oai is not None, self.routing.correction_bias)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
         self.gate_up_bias: nn.Parameter | None = None  # [E, 2 * local]: this rank's gate | up
@@ -83,7 +178,7 @@ class SparseMoE(nn.Module):
         self.fused: kernels.PackedExperts | None = None  # the same, for moe.c
         self._mxfp4: dict[str, Mxfp4] = {}  # the first of a pair of MXFP4 tensors while the other is read
         self.shared_expert = SharedExpert(hidden, shared_inter) if shared_inter else None
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter and shared_gate else None
 
     def load_experts(self, name: str, tensor: torch.Tensor | Mxfp4) -> list[str]:
         """Copy an expert checkpoint tensor (one expert's, or all stacked) into this rank's slice;
@@ -225,7 +320,28 @@ class SparseMoE(nn.Module):
                 oai=self.oai,
             )
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's (float32 weights, experts), [T, top_k]: the router's logits in float32 where
+        the routing is more than softmax top-k (its choice by sigmoid scores and biases is sensitive),
+        in the model's dtype otherwise (as moe.c's are)."""
+        if self.oai is not None:  # the chosen logits softmaxed (= the renormalized softmax)
+            logits, experts = self.gate(x).float().topk(self.top_k, dim=-1)
+            return logits.softmax(dim=-1), experts
+        if self.routing.plain:
+            logits = F.linear(x, self.gate.weight)
+        else:
+            logits = F.linear(x.float(), self.gate.weight.float())
+        return route(logits, self.routing, self.top_k, self.norm_topk, self.gate.e_score_correction_bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.fused is not None
+            and x.dtype == self.gate.weight.dtype == torch.bfloat16
+            and not self.routing.plain
+        ):  # routed here, the experts in moe.c
+            weights, experts = self.route(x)
+            routed = kernels.moe_experts(x.contiguous(), self.fused, experts, weights)
+            return self._shared(x, all_reduce(routed))
         if self.fused is not None and x.dtype == self.gate.weight.dtype == torch.bfloat16:  # all in moe.c
             biases = None
             if self.oai is not None:  # gpt-oss's (the down bias in the first rank's part of the sum alone)
@@ -235,14 +351,7 @@ class SparseMoE(nn.Module):
                 x.contiguous(), self.fused, self.gate.weight, self.top_k, self.norm_topk, biases
             )
             return self._shared(x, all_reduce(routed))
-        if self.oai is not None:  # the chosen logits softmaxed (= the renormalized softmax)
-            logits, experts = self.gate(x).float().topk(self.top_k, dim=-1)
-            weights = logits.softmax(dim=-1)
-        else:
-            probs = F.linear(x, self.gate.weight).float().softmax(dim=-1)
-            weights, experts = probs.topk(self.top_k, dim=-1)  # [T, k]
-            if self.norm_topk:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, experts = self.route(x)  # [T, k]
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
@@ -277,6 +386,8 @@ class SparseMoE(nn.Module):
 
     def _shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The routed experts' output plus the shared expert's, where the model has one."""
-        if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        if self.shared_expert is None:
+            return out
+        if self.shared_expert_gate is None:
+            return out + self.shared_expert(x)
+        return out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -53,6 +53,9 @@ def qwen3_next_config(cfg: dict[str, Any]) -> DecoderConfig:
     plain = {
         k: v for k, v in cfg.items() if k not in ("partial_rotary_factor", "rope_parameters", "rope_scaling")
     }
+    if arch == "Qwen3_5MoeForCausalLM":  # experts in every layer, no dense MLP; the router renormalizes
+        plain = {**plain, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}
+        plain.setdefault("intermediate_size", cfg.get("moe_intermediate_size"))
     if rope:
         plain["rope_parameters"] = rope
     theta = cfg.get("rope_theta") or given.get("rope_theta") or 10000.0
@@ -61,7 +64,7 @@ def qwen3_next_config(cfg: dict[str, Any]) -> DecoderConfig:
     layout = cfg.get("linear_layout") or {}  # a GGUF file's, as pytgi's conversion notes it
     moe = None
     if arch != "Qwen3_5ForCausalLM" and (cfg.get("num_experts") or 0) > 0:
-        moe = moe_config(cfg)
+        moe = moe_config(plain)
     return dataclasses.replace(
         base,
         intermediate_size=cfg.get("intermediate_size") or cfg.get("moe_intermediate_size") or 0,

@@ -1,0 +1,175 @@
+"""Multi-head latent attention (MLA: DeepSeek V2 / V3, Kimi K2), over the paged KV cache.
+
+A token's keys and values are made from one latent vector: `kv_a_proj_with_mqa` gives the latent
+c (`kv_lora_rank` features, then `kv_a_layernorm`) and a rotary key k_pe (`qk_rope_head_dim`
+features) shared by every head; each head's key is [W_UK·c, k_pe] and its value W_UV·c, where
+`kv_b_proj` stacks W_UK and W_UV per head. Queries come from `q_proj`, or from `q_a_proj` →
+`q_a_layernorm` → `q_b_proj` (`q_lora_rank`), each head's [q_nope, q_pe]; the rotary embedding
+turns q_pe and k_pe only (DeepSeek's checkpoints pair the rotary features (x0, x1), (x2, x3), ...:
+`rope_interleave`, read as transformers reads them).
+
+The cache holds the latent only: [c, k_pe] per token and layer, one "head" of `kv_lora_rank +
+qk_rope_head_dim` values, in the key cache (the value cache has no columns). Attention runs in the
+latent space with the projections absorbed: q_nope·W_UK is the query against c, so each head's
+query is [q_nope·W_UK, q_pe] against the cached rows as a single kv head's keys; the values are
+the same rows (their first `kv_lora_rank` features are c, the rest is dropped from the output),
+and the output is brought back through W_UV. So the model's attention backend (the paged C kernel,
+gather + SDPA, Triton where the row is a power of two) runs MLA unchanged, with every query head in
+the one kv head's group; prefill chunks and decodes alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pytgi.engine import kernels
+from pytgi.engine.distributed import local_range, tp_size
+from pytgi.engine.models.attention import LayerCache, LayerMetadata, Rope, TorchAttention
+from pytgi.engine.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, apply_rotary
+
+
+@dataclass(slots=True)
+class MLAConfig:
+    kv_lora_rank: int  # the latent's features (c)
+    qk_nope_head_dim: int  # a head's query and key features without the rotary embedding
+    qk_rope_head_dim: int  # ... with it (k_pe is shared by the heads)
+    v_head_dim: int
+    q_lora_rank: int | None = None  # None: one q_proj (DeepSeek V2-Lite)
+    rope_interleave: bool = True  # the rotary features in pairs (x0, x1), ... (DeepSeek's checkpoints)
+    # Mistral 4: queries scaled by 1 + beta · ln(1 + floor(position / context)), (beta, context)
+    llama4_scale: tuple[float, int] | None = None
+
+    @property
+    def cache_row(self) -> int:
+        """The values a token keeps per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+class _KVB(nn.Module):
+    """kv_b_proj as its layer multiplies by it: per head W_UK [nope, latent] (queries into the latent
+    space) and W_UV transposed [latent, v] (the output out of it), each contiguous (a strided batch of
+    matrices costs PyTorch's bf16 bmm a copy per call), in one flat parameter. Not a linear of its own:
+    never quantized or swapped. A checkpoint gives kv_b_proj whole ([H · (nope + v), latent], shard 0);
+    a llama.cpp file in two (`k_b_proj` shard 1: W_UK transposed, [H, latent, nope]; `v_b_proj` shard
+    2: W_UV, [H, v, latent])."""
+
+    def __init__(self, heads: int, nope: int, v: int, latent: int, first: int = 0) -> None:
+        """heads: this rank's, from the checkpoint's head `first` on."""
+        super().__init__()
+        self.heads, self.nope, self.v, self.latent, self.first = heads, nope, v, latent, first
+        self.weight = nn.Parameter(torch.empty(heads * latent * (nope + v)), requires_grad=False)
+        self.weight.weight_loader = self.load  # type: ignore[attr-defined]
+
+    def parts(self, w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, latent] and W_UV transposed [H, latent, v], views of the parameter."""
+        w = self.weight if w is None else w
+        H, r, k = self.heads, self.latent, self.heads * self.nope * self.latent
+        return w[:k].view(H, self.nope, r), w[k:].view(H, r, self.v)
+
+    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        w_uk, w_uvt = self.parts(param.data)
+        r, mine = self.latent, slice(self.first, self.first + self.heads)  # this rank's heads
+        if shard == 0:
+            kv_b = loaded.reshape(-1, self.nope + self.v, r)[mine]
+            w_uk.copy_(kv_b[:, : self.nope])
+            w_uvt.copy_(kv_b[:, self.nope :].transpose(1, 2))
+        elif shard == 1:
+            w_uk.copy_(loaded.reshape(-1, r, self.nope)[mine].transpose(1, 2))
+        else:
+            w_uvt.copy_(loaded.reshape(-1, self.v, r)[mine].transpose(1, 2))
+
+
+def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
+    """Rotary features paired (x0, x1), (x2, x3), ... laid out as rotate-half's (x0, x2, ..., x1, x3,
+    ...): the same rotation, and the same dot products once q and k are both laid out so."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+class MLAttention(nn.Module):
+    """A layer's multi-head latent attention (`self_attn`); `n_kv`, `head_dim` and `v_head_dim` give its
+    KV cache's shape: one head of the latent row, no value columns. With tensor parallelism each rank
+    has its share of the query heads (q_b / q_proj rows, kv_b's heads, o_proj's columns) and computes
+    the whole latent row (q_a and kv_a on every rank): every rank's cache holds the same rows."""
+
+    def __init__(
+        self,
+        mla: MLAConfig,
+        hidden: int,
+        heads: int,
+        eps: float,
+        bias: bool,
+        scale: float,
+        backend: TorchAttention,
+    ) -> None:
+        super().__init__()
+        first, local = local_range(heads)  # this rank's query heads (the latent is every rank's)
+        self.mla, self.n_heads, self.scale, self.backend = mla, local, scale, backend
+        self.n_kv, self.head_dim, self.v_head_dim = 1, mla.cache_row, 0
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        self.q_proj: ColumnParallelLinear | None = None
+        self.q_a_proj: ColumnParallelLinear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: ColumnParallelLinear | None = None
+        if mla.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, [local_range(heads, qk)])
+        else:  # q_a on every rank, q_b's rows of this rank's heads
+            self.q_a_proj = ColumnParallelLinear(hidden, [(0, mla.q_lora_rank)], bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, eps)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, [local_range(heads, qk)])
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, [(0, mla.cache_row)], bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, eps)
+        # per head W_UK and W_UV: used as matrices, in the latent space
+        self.kv_b_proj = _KVB(local, mla.qk_nope_head_dim, mla.v_head_dim, mla.kv_lora_rank, first)
+        self.o_proj = RowParallelLinear(local_range(heads, mla.v_head_dim), hidden, bias)
+        # the rotary features' order (no interleaving: rotate-half's)
+        self.order = _pairs_to_halves if mla.rope_interleave else (lambda x: x)
+        self.q_scale: torch.Tensor | None = None  # [T]: the step's query scales (`query_scales`)
+
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: LayerCache, meta: LayerMetadata) -> torch.Tensor:
+        m, T, H = self.mla, x.shape[0], self.n_heads
+        r, d = m.kv_lora_rank, m.qk_rope_head_dim
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(T, H, -1).split([m.qk_nope_head_dim, d], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([r, d], dim=-1)
+        cos, sin = (t.reshape(T, 1, d).to(x.dtype) for t in rope)  # (the C kernels' tables: float32 [T, d])
+        q_pe = apply_rotary(self.order(q_pe), cos, sin)
+        k_pe = apply_rotary(self.order(k_pe).view(T, 1, d), cos, sin)
+        k_cache = kv_cache[0]
+        row = torch.cat((self.kv_a_layernorm(c).view(T, 1, r), k_pe), dim=-1)
+        if kernels.kv8(k_cache):  # --kv-cache-dtype int8: the row's int8 values and bf16 scale
+            kernels.write_kv8(row, row, meta.slot_mapping, k_cache, k_cache)
+        else:
+            k_cache.index_copy_(0, meta.slot_mapping, row.to(k_cache.dtype))
+        w_uk, w_uvt = self.kv_b_proj.parts()
+        q_lat = torch.bmm(q_nope.transpose(0, 1).contiguous(), w_uk)  # [H, T, latent]
+        q_row = torch.cat((q_lat.transpose(0, 1), q_pe), dim=-1)  # [T, H, latent + rope]
+        if self.q_scale is not None:
+            q_row = q_row * self.q_scale[:, None, None]
+        # the cached rows are the keys and the values (of which the latent's features are kept)
+        out = self.backend.forward(q_row, None, None, k_cache, k_cache, meta, self.scale)
+        o = torch.bmm(out[..., :r].transpose(0, 1).contiguous(), w_uvt)  # [H, T, v]
+        return self.o_proj(o.transpose(0, 1).reshape(T, H * m.v_head_dim))
+
+
+def query_scales(mla: MLAConfig, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """Mistral 4's query scale per token, 1 + beta · ln(1 + floor(position / context)), as transformers
+    computes it (Llama 4's); None for the other families."""
+    if mla.llama4_scale is None:
+        return None
+    beta, context = mla.llama4_scale
+    return (1 + beta * torch.log(1 + torch.floor(positions / context))).to(dtype)
+
+
+def mla_heads(heads: int, cache_row: int) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) of an MLA layer on this rank: its share of the query heads, all
+    attending to the one latent "head"."""
+    if tp_size() > heads:
+        raise ValueError(f"cannot shard a model with {heads} attention heads over {tp_size()} ranks")
+    return local_range(heads)[1], 1, cache_row
