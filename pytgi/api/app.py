@@ -28,10 +28,12 @@ from pytgi.api.openai import routes as openai
 from pytgi.api.replicas.client import ReplicaClient, ReplicaOptions
 from pytgi.api.state import State
 from pytgi.core.config import ServerConfig, read_chat_template
+from pytgi.core.errors import EngineDead
 from pytgi.core.tokenizer import Tokenizer
 from pytgi.core.version import __version__
 
 log = logging.getLogger("pytgi.api")
+STARTUP_FAILED = "engine failed to start:"  # an `EngineDead` whose reason the engine process logged
 
 
 @asynccontextmanager
@@ -40,7 +42,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     cfg = st.config
     if cfg.otlp_endpoint:
         tracing.setup(cfg.otlp_endpoint, cfg.otlp_service_name)
-    info = await st.client.start()
+    try:
+        info = await st.client.start()
+    except EngineDead as exc:  # one line, no traceback: the launcher exits non-zero (issue 63)
+        st.start_failed = str(exc)
+        if not st.start_failed.startswith(STARTUP_FAILED):  # the engine logged its own reason
+            log.error("%s", exc)
+        raise
     st.validation = Validation(
         st.tokenizer,
         ValidLimits(

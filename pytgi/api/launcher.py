@@ -15,12 +15,16 @@ import os
 import resource
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pytgi.core import flags
 from pytgi.core.config import ConfigError, EngineConfig, ServerConfig
 from pytgi.core.logs import JSON_ENV, setup_logging
 from pytgi.core.model_files import resolve_or_none
 from pytgi.core.settings import Setting
+
+if TYPE_CHECKING:
+    from pytgi.api.state import State
 
 DEATH_GRACE_SECONDS = 2.0
 IGNORED_ENV: list[str] = []  # environment values not taken, said once logging is set up
@@ -58,6 +62,18 @@ def _raise_open_files_limit() -> None:
     want = hard if hard != resource.RLIM_INFINITY else 65536
     if soft != resource.RLIM_INFINITY and soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+class _QuietStartupFailure(logging.Filter):
+    """When the engine did not start, its reason is one line (the engine's or the lifespan's): uvicorn's
+    lifespan traceback of it and its "Application startup failed" are not printed."""
+
+    def __init__(self, state: State) -> None:
+        super().__init__()
+        self.state = state
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.state.start_failed is None or record.levelno < logging.ERROR
 
 
 def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process") -> int:
@@ -114,7 +130,11 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
         model_id=model.model_id,
         model_sha=model.sha or args.revision,
     )
-    app = create_app(config)
+    try:
+        app = create_app(config)
+    except (FileNotFoundError, ValueError) as exc:  # a model directory without its tokenizer: one line
+        log.error("%s", exc)
+        return 2
     server = _Server(
         uvicorn.Config(
             app,
@@ -139,7 +159,14 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
         asyncio.get_running_loop().call_later(DEATH_GRACE_SECONDS, setattr, server, "should_exit", True)
 
     app.state.pytgi.on_engine_death.append(on_death)
-    server.run()
+    quiet = _QuietStartupFailure(app.state.pytgi)
+    logging.getLogger("uvicorn.error").addFilter(quiet)
+    try:
+        server.run()
+    finally:
+        logging.getLogger("uvicorn.error").removeFilter(quiet)
+    if app.state.pytgi.start_failed:  # said in one line already
+        return 1
     if died:  # the reason is already logged, once, by the engine client
         log.info("exiting with status 1")
         return 1

@@ -30,6 +30,7 @@ class State:
     infer: Infer | None = None
     validation: Validation | None = None
     on_engine_death: list[Callable[[str], None]] = field(default_factory=list)
+    start_failed: str | None = None  # why the engine did not start (logged once, as one line)
     media_slots: asyncio.Semaphore | None = None  # image URLs fetched at once (made on first use)
 
     @property

@@ -165,8 +165,9 @@ FAMILIES: tuple[Family, ...] = (
         "Phi-3",
         "Phi3",
         (GgufName("phi3", "Phi3ForCausalLM", "phi3"),),
+        attention=_WINDOWED,
         pooling=False,
-        note="q, k, v and gate, up fused in the checkpoint",
+        note="q, k, v and gate, up fused in the checkpoint; a window where the checkpoint sets one",
     ),
     _llama_like(
         "Mixtral",
@@ -219,6 +220,72 @@ FAMILIES: tuple[Family, ...] = (
             ),
         ),
         note="IBM Granite 3.x: Llama with embedding, attention, residual and logit multipliers",
+    ),
+    Family(
+        name="SmolLM3",
+        module="smollm3",
+        config="smollm3_config",
+        generators=("SmolLM3ForCausalLM",),
+        gguf=(GgufName("smollm3", "SmolLM3ForCausalLM", "smollm3", permuted_qk=True),),
+        attention=_WINDOWED,
+        tools=("hermes",),
+        reasoning="qwen3",
+        note="Llama's layers, every fourth without rotary embedding (NoPE, `no_rope_layers`)",
+    ),
+    Family(
+        name="OLMo 2, OLMo 3",
+        module="olmo",
+        config="olmo_config",
+        generators=("Olmo2ForCausalLM", "Olmo3ForCausalLM"),
+        gguf=(GgufName("olmo2", "Olmo2ForCausalLM", "olmo2"),),
+        attention=_WINDOWED,
+        note=(
+            "norms after attention and the MLP only, q/k normed over all heads; OLMo 3: three "
+            "sliding layers of four (an `olmo2` GGUF file with windows reads as OLMo 3)"
+        ),
+    ),
+    Family(
+        name="Exaone 4",
+        module="exaone4",
+        config="exaone4_config",
+        generators=("Exaone4ForCausalLM",),
+        gguf=(GgufName("exaone4", "Exaone4ForCausalLM", "exaone4"),),
+        attention=_WINDOWED,
+        note=(
+            "norms after attention and the MLP only, per-head q/k norms; with a window, three sliding "
+            "layers of four and global layers without RoPE"
+        ),
+    ),
+    Family(
+        name="Seed-OSS",
+        module="seed_oss",
+        config="seed_oss_config",
+        generators=("SeedOssForCausalLM",),
+        gguf=(GgufName("seed_oss", "SeedOssForCausalLM", "seed_oss"),),
+        note="Llama's layers with q/k/v biases (and an output bias where the config sets one)",
+    ),
+    Family(
+        name="Cohere 2",
+        module="cohere2",
+        config="cohere2_config",
+        generators=("Cohere2ForCausalLM",),
+        # ggml's plain rotation pairs (2i, 2i + 1), as Cohere's: the loader reorders those rows as it
+        # does a "llama" file's (`permuted_qk`)
+        gguf=(
+            GgufName(
+                "cohere2",
+                "Cohere2ForCausalLM",
+                "cohere2",
+                permuted_qk=True,
+                keys=(("logit_scale", "logit_scale"),),
+            ),
+        ),
+        attention=_WINDOWED,
+        lora=False,  # its adapters' q/k rows would need the checkpoint's reordering (`rope_interleaved`)
+        note=(
+            "Command R7B / A: attention and MLP in parallel after one LayerNorm, three sliding layers "
+            "of four with RoPE, global ones without; no LoRA (q/k rows reordered at load)"
+        ),
     ),
     Family(
         name="Gemma 2",
@@ -329,8 +396,8 @@ FAMILIES: tuple[Family, ...] = (
             GgufName("qwen35moe", "Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
         ),
         note=(
-            "gated DeltaNet layers on a state pool; `--num-shard 1` for `qwen35`, `qwen35moe` GGUF files (llama.cpp "
-            "reorders their value heads)"
+            "gated DeltaNet layers on a state pool; `--num-shard 1` for `qwen35`, `qwen35moe` GGUF files "
+            "(llama.cpp reorders their value heads)"
         ),
     ),
     replace(

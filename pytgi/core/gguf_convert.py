@@ -83,6 +83,12 @@ HYBRID_LAYER_TENSORS = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
+# OLMo 2/3 and Exaone 4 norm the sublayers' outputs (and not their inputs)
+POST_NORM_TYPES = frozenset({"olmo2", "olmo3", "exaone4"})
+POST_NORM_LAYER_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 # Phi-3 keeps q, k, v and gate, up fused
 PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -97,6 +103,10 @@ _GPT4O_REGEX = (  # o200k (gpt-oss, GPT-4o)
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SEED_CODER_REGEX = (  # Seed-Coder's tokenizer.json: digits one by one, no newline joined to punctuation
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -209,19 +219,7 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
             tie_word_embeddings="output.weight" not in names,
         )
     if model_type == "gpt_oss":
-        rope = {"rope_type": "default", "rope_theta": config["rope_theta"]}
-        if _field(reader, f"{arch}.rope.scaling.type") == "yarn":
-            rope = {
-                "rope_type": "yarn",
-                "rope_theta": config["rope_theta"],
-                "factor": float(_required(reader, f"{arch}.rope.scaling.factor")),
-                "original_max_position_embeddings": int(
-                    _required(reader, f"{arch}.rope.scaling.original_context_length")
-                ),
-                "beta_fast": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
-                "beta_slow": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
-                "truncate": False,  # gpt-oss's (llama.cpp does not store it)
-            }
+        rope = _rope(reader, arch, config["rope_theta"], truncate=False)  # gpt-oss's (llama.cpp stores none)
         layers = config["num_hidden_layers"]
         config.update(
             num_local_experts=int(experts),
@@ -235,6 +233,23 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
             attention_bias=True,
             rope_parameters=rope,
         )
+    if model_type == "olmo2":  # OLMo 2; with windows OLMo 3 (llama.cpp writes both as "olmo2")
+        config.update(rope_parameters=_rope(reader, arch, config["rope_theta"]))
+        if window := _field(reader, f"{arch}.attention.sliding_window"):
+            layers = config["num_hidden_layers"]
+            pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+            pattern = [(i + 1) % 4 != 0 for i in range(layers)] if pattern is None else pattern
+            local = float(_field(reader, f"{arch}.rope.freq_base_swa", config["rope_theta"]))
+            config.update(
+                architectures=["Olmo3ForCausalLM"],
+                model_type="olmo3",
+                sliding_window=int(window),
+                layer_types=["sliding_attention" if p else "full_attention" for p in pattern],
+                rope_parameters={
+                    "full_attention": config["rope_parameters"],
+                    "sliding_attention": {"rope_type": "default", "rope_theta": local},
+                },
+            )
     if model_type in HYBRID_TYPES:
         layers = config["num_hidden_layers"]
         recurrent = _field(reader, f"{arch}.attention.recurrent_layers")
@@ -272,6 +287,36 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
             )
     if model_type == "glm4_moe":  # its q/k norms: no key says so, the tensors do
         config["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
+    if model_type == "exaone4":
+        if window := _field(reader, f"{arch}.attention.sliding_window"):
+            pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+            layers = config["num_hidden_layers"]
+            if pattern is None or isinstance(pattern, int):  # llama.cpp's default: every 4th layer global
+                pattern = [(i + 1) % int(pattern or 4) != 0 for i in range(layers)]
+            config.update(
+                sliding_window=int(window),
+                layer_types=["sliding_attention" if p else "full_attention" for p in pattern],
+            )
+        else:
+            config.update(sliding_window=None, layer_types=["full_attention"] * config["num_hidden_layers"])
+    if model_type == "cohere2":
+        layers = config["num_hidden_layers"]
+        pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
+        if pattern is None or isinstance(pattern, int):  # llama.cpp's default: every 4th layer global
+            pattern = [(i + 1) % int(pattern or 4) != 0 for i in range(layers)]
+        config.update(
+            layer_norm_eps=float(_field(reader, f"{arch}.attention.layer_norm_epsilon", 1e-5)),
+            sliding_window=int(_required(reader, f"{arch}.attention.sliding_window")),
+            layer_types=["sliding_attention" if p else "full_attention" for p in pattern],
+            # its GGUF name is `permuted_qk`: the loader puts the q/k rows in rotate-half's order
+            pytgi_qk_rows="rotate_half",
+        )
+    if model_type == "seed_oss":
+        config.update(
+            attention_bias="blk.0.attn_q.bias" in names, attention_out_bias="blk.0.attn_output.bias" in names
+        )
+    if (llama3 := _rope_freqs(reader, arch, config["rope_theta"], int(head_dim))) is not None:
+        config["rope_scaling"] = llama3
     config.setdefault("attention_bias", "blk.0.attn_q.bias" in names)
     for key, hf_key in name.keys:  # the family's own keys (its registry entry)
         if (value := _field(reader, f"{arch}.{key}")) is not None:
@@ -285,12 +330,113 @@ def mtp_tensor(name: str, config: dict[str, Any]) -> bool:
     return layers is not None and len(parts) > 2 and parts[0] == "blk" and int(parts[1]) >= layers
 
 
+def _rope(reader: Reader, arch: str, theta: float, truncate: bool | None = None) -> dict[str, Any]:
+    """The RoPE parameters a file stores: plain, or YaRN's (`truncate`: the family's, if it has one
+    llama.cpp does not store)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    if kind not in (None, "none", "yarn"):
+        raise GGUFConversionError(f"the GGUF file's {kind!r} RoPE scaling is not supported for {arch!r}")
+    if kind == "yarn":
+        rope = {
+            "rope_type": "yarn",
+            "rope_theta": theta,
+            "factor": float(_required(reader, f"{arch}.rope.scaling.factor")),
+            "original_max_position_embeddings": int(
+                _required(reader, f"{arch}.rope.scaling.original_context_length")
+            ),
+            "beta_fast": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+        }
+        if (attn := _field(reader, f"{arch}.rope.scaling.yarn_attn_factor")) is not None:
+            rope["attention_factor"] = float(attn)
+        if truncate is not None:
+            rope["truncate"] = truncate
+    return rope
+
+
+def _llama3_factors(dim: int, theta: float, rope: dict[str, Any]) -> list[float]:
+    """What llama.cpp's converter writes as `rope_freqs` for a llama3 scaling: each frequency's divisor."""
+    import math
+
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    orig = rope["original_max_position_embeddings"]
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / dim)
+        if wavelen < orig / high:
+            out.append(1.0)
+        elif wavelen > orig / low:
+            out.append(factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _rope_freqs(reader: Reader, arch: str, theta: float, dim: int) -> dict[str, Any] | None:
+    """A llama3 scaling back from the `rope_freqs` tensor llama.cpp writes for it (Llama 3.1+,
+    Exaone 4): its factor is the largest divisor, its low/high bounds (up to a common scale with the
+    original context, which leaves the frequencies as they are) from the smoothed ones; checked by
+    recomputing every divisor. None: the file has no such tensor."""
+    import math
+
+    import numpy as np
+
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if t is None:
+        return None
+    got = [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+    factor = max(got)
+    orig = int(_field(reader, f"{arch}.rope.scaling.original_context_length", 8192))
+    wavelens = [2 * math.pi * theta ** (i / dim) for i in range(0, dim, 2)]
+    close = lambda a, b: abs(a - b) <= 1e-5 * max(1.0, abs(b))
+    band = [(orig / w, f) for w, f in zip(wavelens, got) if not close(f, 1.0) and not close(f, factor)]
+    if factor <= 1.0 or len(got) != len(wavelens):
+        raise GGUFConversionError(
+            f"the GGUF file's rope_freqs ({len(got)} divisors) are not a llama3 scaling"
+        )
+    # smooth = (x - low) / (high - low) for x = orig / wavelen, between the factor's x (below low) and
+    # 1's (above high): fitted through two smoothed divisors, or, with fewer, any bounds that put
+    # each x in its group
+    lows = [x for x, f in zip((orig / w for w in wavelens), got) if close(f, factor)]
+    highs = [x for x, f in zip((orig / w for w in wavelens), got) if close(f, 1.0)]
+    x_low, x_high = max(lows, default=0.0), min(highs, default=2 * orig / wavelens[0])
+    smooth = [(x, (1 / f - 1 / factor) / (1 - 1 / factor)) for x, f in band]
+    candidates: list[tuple[float, float]] = []
+    if len(smooth) >= 2:
+        (x1, s1), (x2, s2) = smooth[0], smooth[-1]
+        slope = (s2 - s1) / (x2 - x1)
+        candidates.append((x1 - s1 / slope, x1 - s1 / slope + 1 / slope))
+    elif smooth:
+        x1, s1 = smooth[0]
+        for share in (0.5, 0.9, 0.99, 0.1):
+            low = x_low + share * (x1 - x_low)
+            candidates.append((low, low + (x1 - low) / s1))
+    else:
+        candidates.append((x_low + (x_high - x_low) / 3, x_low + 2 * (x_high - x_low) / 3))
+    for low, high in candidates:
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": theta,
+            "factor": factor,
+            "low_freq_factor": low,
+            "high_freq_factor": high,
+            "original_max_position_embeddings": orig,
+        }
+        if all(close(a, b) for a, b in zip(_llama3_factors(dim, theta, rope), got)):
+            return rope
+    raise GGUFConversionError("the GGUF file's rope_freqs are not a llama3 scaling pytgi can read back")
+
+
 def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     if model_type in HYBRID_TYPES and name.endswith(".ssm_a"):  # a bare parameter: −exp(A_log)
         return f"model.layers.{name.split('.')[1]}.linear_attn.A_log"
     if model_type in HYBRID_TYPES and name.endswith(".ssm_dt.bias"):
         return f"model.layers.{name.split('.')[1]}.linear_attn.dt_bias"
     stem, _, kind = name.rpartition(".")  # kind: weight | bias
+    if stem == "rope_freqs":  # a llama3 scaling's divisors: read into the config (`_rope_freqs`)
+        return "model.rotary_emb.rope_freqs"
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{kind}"
     parts = stem.split(".")
@@ -305,6 +451,10 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         if model_type in HYBRID_TYPES
         else {**LAYER_TENSORS, **GLM4_MOE_LAYER_TENSORS}
         if model_type == "glm4_moe"
+        else {**LAYER_TENSORS, **POST_NORM_LAYER_TENSORS}
+        if model_type in POST_NORM_TYPES
+        else {**LAYER_TENSORS, "post_attention_norm": "post_attention_layernorm"}
+        if model_type == "seed_oss"  # its MLP's input norm under that name
         else LAYER_TENSORS
     )
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in layer:
@@ -433,13 +583,16 @@ def gguf_tokenizer_json(reader: Reader) -> str:
     split = {
         "smollm": _GPT2_REGEX.replace(r" ?\p{N}+", r"\p{N}"),
         "llama-bpe": _LLAMA3_REGEX,
+        "dbrx": _LLAMA3_REGEX,  # cl100k's split (DBRX; OLMo 2/3's dolma2 tokenizer)
         "qwen2": _QWEN2_REGEX,
         "gpt-4o": _GPT4O_REGEX,
+        "seed-coder": _SEED_CODER_REGEX,
+        # GPT-2's split: "olmo" (OLMo 1's GPT-NeoX tokenizer) and "exaone4" (llama.cpp reads it as "gpt2")
     }.get(pre, _GPT2_REGEX)
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
     )
-    if pre == "smollm":  # exactly what SmolLM's own tokenizer.json does
+    if pre in ("smollm", "command-r"):  # exactly what SmolLM's own tokenizer.json does (and Command-R's)
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [
                 pre_tokenizers.Digits(individual_digits=True),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import time
@@ -15,6 +16,7 @@ import httpx
 import pytest
 import text_generation
 
+from pytgi.core.model_files import resolve_model
 from tests.e2e.fault_engine import FAULT_PROMPT
 from tests.e2e.server import Server, argv
 from tests.waiting import async_wait_until, wait_until
@@ -336,3 +338,29 @@ def test_an_abandoned_generate_is_an_info_line(guarded):
     assert not any(
         r["target"].startswith("uvicorn") and r["level"] == "ERROR" for r in records
     )  # no traceback
+
+
+def test_a_refused_model_is_one_line_and_a_nonzero_exit(tmp_path):
+    """Issue 63, point 4: a model refused at start (here one whose layers keep a state between steps,
+    which pytgi's fallback cannot page) says why in one line, with no traceback, and the server exits
+    non-zero."""
+    import transformers
+
+    cfg = transformers.RwkvConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2)
+    cfg.architectures = ["RwkvForCausalLM"]
+    transformers.RwkvForCausalLM(cfg).save_pretrained(tmp_path / "rwkv")
+    srv = Server("--model-id", str(tmp_path / "rwkv"), log=tmp_path / "no-tokenizer.log")
+    assert srv.proc.wait(60) == 2  # a directory without a tokenizer: one line too
+    assert "tokenizer" in srv.tail() and "Traceback" not in srv.tail(), srv.tail()
+    tok = resolve_model(None, progress=False).path
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok / name, tmp_path / "rwkv" / name)
+    srv = Server("--model-id", str(tmp_path / "rwkv"), log=tmp_path / "refused.log")
+    try:
+        assert srv.proc.wait(180) != 0
+        log = srv.tail()
+        errors = [line for line in log.splitlines() if " ERROR " in line]
+        assert len(errors) == 1 and "RwkvForCausalLM" in errors[0] and "cannot be served" in errors[0], log
+        assert "Traceback" not in log and "Application startup failed" not in log, log
+    finally:
+        srv.stop()

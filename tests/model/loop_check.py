@@ -8,9 +8,11 @@ from pytgi import LLM, SamplingParams
 from pytgi.engine.loading.model import load_model
 
 
-def assert_loop_equals_python_path(fast: LLM, prompts: list, min_loop_steps: int) -> None:
+def assert_loop_equals_python_path(
+    fast: LLM, prompts: list, min_loop_steps: int, quantize: str = "auto"
+) -> None:
     """The same tokens and prompt logprobs, bit for bit, with the model's decoder loop and without
-    it; the loop must have run at least `min_loop_steps` steps."""
+    it; the loop must have run at least `min_loop_steps` steps. `quantize`: as `fast` was given it."""
     runner = fast.engine.runner
     model = runner.model
     used, loop = [], model.decoder_loop
@@ -29,7 +31,7 @@ def assert_loop_equals_python_path(fast: LLM, prompts: list, min_loop_steps: int
         runner.dtype,
         runner.device,
         dataclasses.replace(model.kernels, decoder_loop=False),
-        "auto",
+        quantize,
     )
     assert plain.decoder_loop is None  # type: ignore[attr-defined]
     params = SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=True)

@@ -33,12 +33,6 @@ HYBRID = ["linear_attention", "linear_attention", "linear_attention", "full_atte
 
 # name → (config class, its arguments, words the refusal must name, whether weights are read first)
 REFUSED = {
-    "gpt-oss": (
-        transformers.GptOssConfig,
-        dict(BASE, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
-        "attention sinks",
-        True,  # its layer types are plain: the 4-token probe finds the sinks
-    ),
     "qwen3-next": (
         transformers.Qwen3NextConfig,
         dict(
@@ -89,7 +83,7 @@ def save(tmp_path, cfg_cls, kw, weights: bool):
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_fallback_refuses_by_name(name, impl, tmp_path):
     cfg_cls, kw, words, weights = REFUSED[name]
-    if impl == "auto" and name in ("gemma2-softcap", "gpt-oss", "qwen3-next", "qwen3.5"):
+    if impl == "auto" and name in ("gemma2-softcap", "qwen3-next", "qwen3.5"):
         pytest.skip("pytgi's own code runs it (tests/model/test_tiny_models.py, test_qwen3_next.py)")
     path = save(tmp_path, cfg_cls, kw, weights)
     with pytest.raises(UnsupportedModel) as err:
@@ -98,16 +92,39 @@ def test_fallback_refuses_by_name(name, impl, tmp_path):
     arch = cfg_cls.__name__.removesuffix("Config").removesuffix("Text")
     assert "cannot be served" in msg and words in msg, msg
     assert arch.lower().replace("_", "") in msg.lower().replace("_", ""), msg
-    assert "LlamaForCausalLM" in msg and "softmax attention" in msg  # and what pytgi runs
+    assert "Llama, Mistral" in msg and "softmax attention" in msg  # and what pytgi runs
 
 
 def test_plain_attention_still_runs_through_transformers(tmp_path):
-    """The check passes what the fallback serves right: full and sliding-window softmax attention
-    (greedy equality with transformers is tests/model/test_tiny_models.py's)."""
-    for cfg in (transformers.Olmo2Config(**BASE), transformers.MistralConfig(**BASE, sliding_window=8)):
+    """The check passes what the fallback serves right: full and sliding-window softmax attention, and
+    attention sinks, which it hands the paged kernel (its probe found each equal to transformers' own
+    forward; greedy equality is tests/model/test_every_family.py's)."""
+    for cfg in (
+        transformers.Olmo2Config(**BASE),
+        transformers.MistralConfig(**BASE, sliding_window=8),
+        transformers.GptOssConfig(**BASE, num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+    ):
         path = tmp_path / cfg.model_type
         transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
         runner = ModelRunner(
             EngineConfig(model=str(path), dtype="float32", device="cpu", model_impl="transformers")
         )
         assert type(runner.model).__name__ == "TransformersModel"
+
+
+def test_a_forward_that_differs_from_transformers_is_refused_naming_the_layer(tmp_path, monkeypatch):
+    """Issue 63, point 4: before it serves, the fallback compares its paged forward with transformers'
+    own on a probe past every window; a path that ignored the window (as Exaone 4's was served, silently
+    wrong) is refused at start, naming the first layer that differs."""
+    from pytgi.engine.models import transformers_impl
+
+    monkeypatch.setattr(transformers_impl.StepContext, "metadata", lambda self, window: self.full)
+    cfg = transformers.MistralConfig(**BASE, sliding_window=8)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModel) as err:
+        ModelRunner(
+            EngineConfig(model=str(tmp_path), dtype="float32", device="cpu", model_impl="transformers")
+        )
+    msg = str(err.value)
+    assert "differs from transformers' own at layer 0" in msg and "24-token probe" in msg, msg
+    assert "\n" not in msg

@@ -5,7 +5,23 @@ tensors, the metadata keys, GLM-4.5's MTP block after its layers), pytgi convert
 file, and its logits equal transformers' on the original model (fp32).
 
 The layout below was checked against files that llama.cpp's own `convert_hf_to_gguf.py` made from
-such models (docs/models.md says how)."""
+such models (docs/models.md says how). Checked on 2026-12-07 with the llama-cpp-python 0.3.36 sdist's
+converter (`--outtype f32`, 4-layer models with SmolLM2's tokenizer), pytgi serving each file with
+transformers' logits:
+- SmolLM3: tensor names and metadata as written here, q/k rows interleaved (no key for the NoPE
+  layers), `tokenizer.ggml.pre` "smollm" (SmolLM2's tokenizer; SmolLM3's own is Llama 3's);
+- OLMo 2 and OLMo 3 ("olmo2"; OLMo 3 with an 8-token window and YaRN on its full layers): the output
+  norms as `post_attention_norm` / `post_ffw_norm`, q/k rows as the checkpoint has them, the window,
+  its pattern, `rope.freq_base_swa` and YaRN's keys as written here;
+- Exaone 4 (window 8 on three layers of four, llama3 scaling): as OLMo's plus per-head q/k norms,
+  the llama3 scaling as a `rope_freqs.weight` of divisors (pytgi reads the scaling back from them);
+- Seed-OSS (with an output bias): Llama's names but the MLP's input norm as `post_attention_norm`,
+  q/k rows as the checkpoint has them, the biases as `attn_{q,k,v,output}.bias`;
+- Cohere 2: Llama's names (one `attn_norm` a layer, no `ffn_norm`), q/k rows as the checkpoint has
+  them (ggml's plain rotation pairs features as Cohere does), `logit_scale`, the window, no pattern
+  key (llama.cpp's is every 4th layer global), `attention.layer_norm_epsilon`, zero biases dropped
+  (others refused), no `output.weight` (tied). The converter needs `rotary_pct` in config.json
+  (the Hub's configs have it; a tiny transformers 5 one was given 1.0)."""
 
 from __future__ import annotations
 
@@ -32,6 +48,7 @@ BASE = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
+TINY_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # (some families' defaults are past 97)
 FAMILIES = {
     "mixtral": (
         "llama",
@@ -73,6 +90,79 @@ FAMILIES = {
         transformers.GraniteConfig,
         transformers.GraniteForCausalLM,
         {**dict(TINY["granite"][1]), "tie_word_embeddings": False},
+    ),
+    # four layers: llama.cpp's smollm3 forward leaves every fourth without rotary embedding (no key
+    # in the file says so), as SmolLM3's default no_rope_layers does; q/k rows interleaved
+    "smollm3": (
+        "smollm3",
+        transformers.SmolLM3Config,
+        transformers.SmolLM3ForCausalLM,
+        dict(BASE, **TINY_IDS, num_hidden_layers=4),
+    ),
+    "olmo2": ("olmo2", transformers.Olmo2Config, transformers.Olmo2ForCausalLM, dict(BASE, **TINY_IDS)),
+    # OLMo 3 as "olmo2" with windows: three 8-token sliding layers of four, YaRN on the full one
+    "olmo3": (
+        "olmo2",
+        transformers.Olmo3Config,
+        transformers.Olmo3ForCausalLM,
+        dict(
+            BASE,
+            **TINY_IDS,
+            num_hidden_layers=4,
+            sliding_window=8,
+            rope_parameters={
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 500000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "attention_factor": 1.25,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
+    # Exaone 4: three 8-token sliding layers of four, the global one without RoPE, llama3 scaling
+    # (as llama.cpp's rope_freqs divisors)
+    "exaone4": (
+        "exaone4",
+        transformers.Exaone4Config,
+        transformers.Exaone4ForCausalLM,
+        dict(
+            BASE,
+            **TINY_IDS,
+            num_hidden_layers=4,
+            head_dim=32,
+            sliding_window=8,
+            sliding_window_pattern=4,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    # Seed-OSS: biases on q, k, v and the output (its MLP's input norm as `post_attention_norm`)
+    "seed_oss": (
+        "seed_oss",
+        transformers.SeedOssConfig,
+        transformers.SeedOssForCausalLM,
+        dict(BASE, **TINY_IDS, head_dim=32, attention_out_bias=True),
+    ),
+    # Cohere 2: three 8-token sliding layers of four (llama.cpp's fixed pattern), q/k rows as the
+    # checkpoint pairs them (interleaved), LayerNorms, scaled logits, tied embeddings
+    "cohere2": (
+        "cohere2",
+        transformers.Cohere2Config,
+        transformers.Cohere2ForCausalLM,
+        dict(
+            BASE, **TINY_IDS, num_hidden_layers=4, sliding_window=8, logit_scale=0.3, tie_word_embeddings=True
+        ),
     ),
     # sinks, alternating 8-token windows (the 23-token prompt reaches past them), YaRN, the oai experts
     "gpt-oss": (
@@ -144,9 +234,35 @@ GPT_OSS = {
 }
 
 
+# OLMo 2/3's and Exaone 4's norms of the sublayers' outputs
+POST_NORMED = ("olmo2", "exaone4")
+POST_NORMS = {
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+PERMUTED = ("llama", "granite", "smollm3")  # llama.cpp's LlamaModel subclasses: q/k rows interleaved
+
+
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's interleaving of the q/k rows of a "llama" file."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_divisors(dim: int, rope: dict) -> np.ndarray:
+    """llama.cpp's `rope_freqs` for a llama3 scaling: 1 for short wavelengths, the factor for long ones,
+    smoothed between."""
+    factor, orig = rope["factor"], rope["original_max_position_embeddings"]
+    short, long = orig / rope["high_freq_factor"], orig / rope["low_freq_factor"]
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * np.pi * rope["rope_theta"] ** (i / dim)
+        smooth = (orig / wavelen - rope["low_freq_factor"]) / (
+            rope["high_freq_factor"] - rope["low_freq_factor"]
+        )
+        out.append(
+            1.0 if wavelen < short else factor if wavelen > long else 1 / ((1 - smooth) / factor + smooth)
+        )
+    return np.array(out, dtype=np.float32)
 
 
 def common_metadata(w, cfg, mtp_blocks: int = 0) -> None:
@@ -161,8 +277,12 @@ def common_metadata(w, cfg, mtp_blocks: int = 0) -> None:
         w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    if hasattr(cfg, "layer_norm_eps"):  # Cohere's LayerNorms
+        w.add_layer_norm_eps(cfg.layer_norm_eps)
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # (OLMo 3: per layer type)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
     if getattr(cfg, "head_dim", None):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -231,6 +351,24 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
         w.add_logit_scale(cfg.logits_scaling)
+    if arch == "olmo2" and getattr(cfg, "sliding_window", None):  # OLMo 3, as llama.cpp writes it
+        full, local = cfg.rope_parameters["full_attention"], cfg.rope_parameters["sliding_attention"]
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(full["factor"])
+        w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_attn_factor(full["attention_factor"])
+        w.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
+        w.add_rope_freq_base_swa(local["rope_theta"])
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    if arch == "cohere2":  # as llama.cpp's Cohere2Model writes it (no pattern: llama.cpp's is 4)
+        w.add_logit_scale(cfg.logit_scale)
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "exaone4":  # as llama.cpp's Exaone4Model writes it
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        add("rope_freqs.weight", llama3_divisors(cfg.head_dim, cfg.rope_parameters))
     byte_vocabulary(w, cfg.vocab_size)
     for name, t in hf.state_dict().items():
         a = t.detach().float().numpy()
@@ -265,11 +403,14 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
             if arch == "glm4moe" and stem == "post_attention_layernorm":
                 add(f"blk.{i}.post_attention_norm.{kind}", a)
                 continue
-            if arch in ("llama", "granite") and stem in ("self_attn.q_proj", "self_attn.k_proj"):
+            if arch in PERMUTED and stem in ("self_attn.q_proj", "self_attn.k_proj"):
                 a = _permute(
                     a, cfg.num_attention_heads if stem.endswith("q_proj") else cfg.num_key_value_heads
                 )
-            add(f"blk.{i}.{LAYER[stem]}.{kind}", np.ascontiguousarray(a))
+            layer = {**LAYER, **POST_NORMS} if arch in POST_NORMED else LAYER
+            if arch == "seed_oss":
+                layer = {**LAYER, "post_attention_layernorm": "post_attention_norm"}
+            add(f"blk.{i}.{layer[stem]}.{kind}", np.ascontiguousarray(a))
     if mtp:  # the MTP block's own tensors, and a layer's (not read)
         L, H = cfg.num_hidden_layers, cfg.hidden_size
         add(f"blk.{L}.nextn.eh_proj.weight", np.ones((H, 2 * H), np.float32))
@@ -330,3 +471,63 @@ def test_the_gpt_4o_pre_tokenizer_splits_as_o200k():
     split = pre_tokenizers.Split(Regex(_GPT4O_REGEX), behavior="isolated")
     pieces = [p for p, _ in split.pre_tokenize_str("HelloWorld's 12345 foo/bar\n\n  x")]
     assert pieces == ["Hello", "World's", " ", "123", "45", " foo", "/bar", "\n\n", " ", " x"]
+
+
+@pytest.mark.parametrize(
+    "theta, factor, orig", [(500000.0, 8.0, 8192), (1_000_000.0, 16.0, 8192), (500000.0, 32.0, 8192)]
+)
+def test_a_llama3_scaling_is_read_back_from_its_rope_freqs(theta, factor, orig):
+    """Llama 3.1-3.3's and Exaone 4's published scalings (head_dim 128): the divisors pytgi's
+    parameters give are the file's."""
+    from types import SimpleNamespace
+
+    from pytgi.core.gguf_convert import _llama3_factors, _rope_freqs
+
+    rope = dict(
+        rope_theta=theta,
+        factor=factor,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=orig,
+    )
+    divisors = llama3_divisors(128, rope)
+    reader = SimpleNamespace(fields={}, tensors=[SimpleNamespace(name="rope_freqs.weight", data=divisors)])
+    got = _rope_freqs(reader, "llama", theta, 128)
+    assert got is not None and got["rope_type"] == "llama3" and got["factor"] == factor
+    np.testing.assert_allclose(_llama3_factors(128, theta, got), divisors, rtol=1e-5)
+    assert _rope_freqs(SimpleNamespace(fields={}, tensors=[]), "llama", theta, 128) is None
+
+
+@pytest.mark.parametrize(
+    "pre, pieces",
+    [
+        # cl100k's split (OLMo 2/3's tokenizer): digits in threes, a newline run joined to punctuation
+        ("dbrx", ["Hello", " world", "!\n\n", "123", "45"]),
+        # Seed-Coder's (Seed-OSS): digits one by one, newlines apart from punctuation
+        ("seed-coder", ["Hello", " world", "!", "\n\n", "1", "2", "3", "4", "5"]),
+        # Command-R's (Cohere 2): digits one by one, then GPT-2's split
+        ("command-r", ["Hello", "Ġworld", "!", "ĊĊ", "1", "2", "3", "4", "5"]),
+        ("exaone4", ["Hello", "Ġworld", "!", "Ċ", "Ċ", "12345"]),  # GPT-2's
+    ],
+)
+def test_the_new_families_pre_tokenizers_split_as_llama_cpp_names_them(pre, pieces):
+    """The `tokenizer.ggml.pre` names llama.cpp writes for these families' tokenizers."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer
+
+    from pytgi.core.gguf_convert import gguf_tokenizer_json
+
+    values = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": ["a"],
+        "tokenizer.ggml.token_type": [1],
+        "tokenizer.ggml.merges": [],
+    }
+    reader = SimpleNamespace(fields={k: SimpleNamespace(contents=lambda v=v: v) for k, v in values.items()})
+    tok = Tokenizer.from_str(gguf_tokenizer_json(reader))
+    got = [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("Hello world!\n\n12345")]
+    if pre in ("dbrx", "seed-coder"):  # the byte-level step renders spaces and newlines as Ġ and Ċ
+        pieces = [p.replace(" ", "Ġ").replace("\n", "Ċ") for p in pieces]
+    assert got == pieces

@@ -56,6 +56,15 @@ FAMILIES = {
             tie_word_embeddings=False,
         ),
     ),
+    # q/k rows reordered by the loader from the packed blocks (`permuted_qk`), LayerNorms, NoPE
+    "cohere2": (
+        "cohere2",
+        transformers.Cohere2Config,
+        transformers.Cohere2ForCausalLM,
+        dict(
+            SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=8, tie_word_embeddings=True
+        ),
+    ),
 }
 # GGUF tensor → type: a mix as llama.cpp's Q4_K_M-like recipes give (4-bit, 5-bit and 8-bit blocks)
 TYPES = {
@@ -95,7 +104,7 @@ def test_quantized_tensors_are_packed_from_their_blocks(tmp_path, monkeypatch, f
     for m in linears:  # packed, and no float weight beside it
         assert m.quant.vnni and m.layer.weight.numel() == 0
     assert model.embed_tokens.packed is not None and model.embed_tokens.weight.numel() == 0
-    if family == "llama":  # a tied table reads the head's rows: one copy
+    if kw["tie_word_embeddings"]:  # a tied table reads the head's rows: one copy
         assert model.embed_tokens.packed is model.lm_head.quant
     else:
         for layer in model.layers:

@@ -124,6 +124,48 @@ def test_tiny_gpt_oss_matches_one_shard(tmp_path):
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
 
 
+SHAPE = dict(
+    vocab_size=101,
+    hidden_size=48,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=3,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"],
+    max_position_embeddings=256,
+    pad_token_id=0,
+    eos_token_id=None,
+)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        # q/k norms over every head: each rank's sum of squares all-reduced, its slice of the weights
+        (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
+        # q/k rows reordered per head before they are split; attention and MLP added in parallel
+        (transformers.Cohere2Config, transformers.Cohere2ForCausalLM),
+    ],
+    ids=["olmo3", "cohere2"],
+)
+def test_tiny_dense_families_match_one_shard(tmp_path, family):
+    """OLMo 3 and Cohere 2 over 2 shards (3 key/value groups split 2+1) give one shard's tokens."""
+    cfg_cls, model_cls = family
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**SHAPE))
+    with torch.no_grad():  # norms that differ per feature, so a wrong slice shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    model.save_pretrained(tmp_path)
+    prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20]
+    outs = [run_sharded(tmp_path, prompts, n, "float32") for n in (1, 2)]
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
+
+
 def test_a_rank_started_by_pytgi_shard_joins_rank_0(tiny_path, tiny_reference, monkeypatch):
     """Ranks on other machines: with WORLD_SIZE set, rank 0 starts no worker; `pytgi shard` is rank 1."""
     prompts, ref = tiny_reference

@@ -32,6 +32,8 @@ BASE = dict(
     rms_norm_eps=1e-6,
 )
 
+SMALL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # families whose defaults are past 97
+
 CONFIGS = {
     "llama": (transformers.LlamaConfig, dict(BASE, rope_theta=10000.0)),
     "llama-mha-tied": (transformers.LlamaConfig, dict(BASE, num_key_value_heads=4, tie_word_embeddings=True)),
@@ -178,6 +180,89 @@ CONFIGS = {
             logits_scaling=4.0,
         ),
     ),
+    # SmolLM3: the middle layer of three without rotary embedding (NoPE); then with an 8-token window,
+    # which SmolLM3's config puts on the NoPE layers
+    "smollm3-nope": (
+        transformers.SmolLM3Config,
+        dict(BASE, **SMALL_IDS, num_hidden_layers=3, no_rope_layer_interval=2, tie_word_embeddings=False),
+    ),
+    "smollm3-sliding-tied": (
+        transformers.SmolLM3Config,
+        dict(
+            BASE,
+            **SMALL_IDS,
+            num_hidden_layers=3,
+            no_rope_layers=[1, 0, 0],
+            use_sliding_window=True,
+            sliding_window=8,
+        ),
+    ),
+    # OLMo 2: norms after the sublayers only, q/k normed over all heads; OLMo 3: 8-token windows on
+    # two layers of three, YaRN on the full layer and a RoPE base of its own on the sliding ones
+    "olmo2": (transformers.Olmo2Config, dict(BASE, **SMALL_IDS)),
+    "olmo3-sliding-yarn": (
+        transformers.Olmo3Config,
+        dict(
+            BASE,
+            **SMALL_IDS,
+            num_hidden_layers=3,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "rope_theta": 500000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
+    # Exaone 4: OLMo's norm placement with per-head q/k norms; 8-token windows on two sliding layers
+    # of three, which rotate (llama3-scaled), the global one without RoPE; then no window: all rotate
+    "exaone4-sliding-nope": (
+        transformers.Exaone4Config,
+        dict(
+            BASE,
+            **SMALL_IDS,
+            num_hidden_layers=3,
+            head_dim=32,
+            sliding_window=8,
+            sliding_window_pattern=3,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ),
+    "exaone4-global": (
+        transformers.Exaone4Config,
+        dict(BASE, **SMALL_IDS, sliding_window=None, layer_types=["full_attention"] * 2),
+    ),
+    # Seed-OSS: q/k/v biases, and the output projection's too
+    "seed-oss-biases": (
+        transformers.SeedOssConfig,
+        dict(BASE, **SMALL_IDS, head_dim=32, attention_out_bias=True),
+    ),
+    # Cohere 2: parallel blocks after one LayerNorm, 8-token windows on two layers of three (rotated,
+    # pairs interleaved), the global one without RoPE, logits scaled, tied; q/k/v/o biases
+    "cohere2-sliding-nope": (
+        transformers.Cohere2Config,
+        dict(
+            BASE,
+            **SMALL_IDS,
+            num_hidden_layers=3,
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            logit_scale=0.3,
+            attention_bias=True,
+        ),
+    ),
     # GLM-4.5: partial rotary (half of each head), q/k/v biases and per-head q/k norms, a dense first
     # layer, then 8 experts in 4 groups (the best 2 groups' experts eligible) under a sigmoid router
     # with a correction bias (random, `models`), renormalized and scaled, beside an ungated shared expert
@@ -208,7 +293,6 @@ CONFIGS = {
         dict(BASE, head_dim=32, rotary_dim=8, num_local_experts=4, num_experts_per_tok=2),
     ),
     # architectures pytgi does not implement: transformers' model code inside pytgi's engine
-    "olmo2-via-transformers": (transformers.Olmo2Config, dict(BASE)),
     "gpt-neox-via-transformers": (
         transformers.GPTNeoXConfig,
         dict(
@@ -250,9 +334,14 @@ ARCH = {
     transformers.Qwen2MoeConfig: transformers.Qwen2MoeForCausalLM,
     transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM,
     transformers.Olmo2Config: transformers.Olmo2ForCausalLM,
+    transformers.Olmo3Config: transformers.Olmo3ForCausalLM,
     transformers.GptOssConfig: transformers.GptOssForCausalLM,
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
+    transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
+    transformers.Cohere2Config: transformers.Cohere2ForCausalLM,
+    transformers.SeedOssConfig: transformers.SeedOssForCausalLM,
+    transformers.Exaone4Config: transformers.Exaone4ForCausalLM,
     transformers.Glm4MoeConfig: transformers.Glm4MoeForCausalLM,
     transformers.MiniMaxM2Config: transformers.MiniMaxM2ForCausalLM,
 }

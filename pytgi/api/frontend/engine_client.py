@@ -120,7 +120,7 @@ class EngineClient:
             if await self._outbox.poll(200):
                 msg = P.from_engine.decode(await self._outbox.recv())
                 if isinstance(msg, P.StartupFailed):
-                    raise EngineDead(f"engine failed to start: {msg.message}")
+                    raise EngineDead(f"engine failed to start: {msg.message}")  # (app.STARTUP_FAILED)
                 if isinstance(msg, P.Ready):
                     self.info, self.adapters = msg.info, msg.adapters
                     break

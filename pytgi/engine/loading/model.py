@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 
 from pytgi.core.errors import ConfigError, UnsupportedModel
-from pytgi.core.families import VISION, Family, causal_lm, family_of, own_architectures
+from pytgi.core.families import ENCODER, FAMILIES, VISION, Family, causal_lm, family_of, own_architectures
 from pytgi.core.pooling import read_labels
 from pytgi.engine.loading.checkpoints import (
     QuantizedCheckpoint,
@@ -46,7 +47,21 @@ def _own_family(cfg: dict[str, Any]) -> Family | None:
     """The family whose code runs config.json's architecture (a decoder's classifier or bare model:
     its causal LM's); None where pytgi has none."""
     arch = (cfg.get("architectures") or [None])[0]
-    return family_of(causal_lm(arch) or arch)
+    family = family_of(causal_lm(arch) or arch)
+    return family if family is not None and not _renamed(cfg, arch) else None
+
+
+def _renamed(cfg: dict[str, Any], arch: str | None) -> bool:
+    """Whether config.json's model_type is another family's that transformers maps onto `arch` by
+    renaming its checkpoint's weights on load (Exaone 3's, saved as `LlamaForCausalLM`): pytgi's code for
+    `arch` would not find its weights, transformers' does."""
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        return False
+    config_class = CONFIG_MAPPING_NAMES.get(cfg.get("model_type") or "") or ""
+    prefix = re.split(r"For[A-Z]|Model$", arch or "")[0]
+    return bool(config_class and prefix) and not config_class.lower().startswith(prefix.lower())
 
 
 def model_impl(cfg: dict[str, Any], path: Path, impl: str = "auto") -> str:
@@ -244,4 +259,5 @@ def _transformers_model(
         )
     from pytgi.engine.models.transformers_impl import TransformersModel
 
-    return TransformersModel(path, dtype, device, cpu, attention, own_architectures())
+    own = tuple(f.name for f in FAMILIES if f.kind != ENCODER)
+    return TransformersModel(path, dtype, device, cpu, attention, own)

@@ -1,8 +1,8 @@
 """One decoder-only transformer over the paged KV cache, for every family pytgi runs itself.
 
 Llama 2/3, Mistral, Qwen2/2.5/3 (and their mixtures of experts), Phi-3, SmolLM, Gemma 2 and Gemma 3
-differ in data, which `DecoderConfig` holds (parsed from each family's config.json by
-`pytgi.engine.models.llama` and `pytgi.engine.models.gemma`):
+(and the families below) differ in data, which `DecoderConfig` holds (parsed from each family's
+config.json by its reader: `pytgi.engine.models.llama`, `pytgi.engine.models.gemma`, ...):
 
 - the norms: RMSNorm scaling by ``weight`` in the model's dtype, or by ``1 + weight`` in float32
   (Gemma, `norm_offset`); two a layer (before attention and before the MLP), or four (Gemma's
@@ -11,7 +11,13 @@ differ in data, which `DecoderConfig` holds (parsed from each family's config.js
 - the MLP's activation (SiLU or tanh-GELU), biases, a sparse mixture of experts;
 - the embedding's scale, attention's scale, soft-capped attention scores and logits (Gemma 2);
 - sliding-window layers (`layer_types`), with their own RoPE base where the family has one;
-- the sublayers' outputs scaled before the residual add, the logits divided (Granite).
+- the sublayers' outputs scaled before the residual add, the logits divided (Granite);
+- layers without rotary embedding (`rope_layers`: SmolLM3's NoPE layers, the global layers of Exaone 4
+  and Cohere 2), which rotate by the identity's tables;
+- norms after the sublayers only (`pre_norms` False: OLMo 2/3, Exaone 4), q/k norms over the whole
+  projection (`qk_norm_whole`: OLMo 2/3, all-reduced across ranks);
+- LayerNorms, attention and the MLP side by side, q/k rows paired for the rotation as (2i, 2i + 1) and
+  reordered at load (`layer_norm`, `parallel_block`, `rope_interleaved`: Cohere 2).
 
 Which families there are, and which reader each has, is `pytgi.core.families`' table.
 
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, NamedTuple, TypeAlias
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeAlias
 
 import numpy as np
 import torch
@@ -143,14 +149,27 @@ class DecoderConfig:
     linear: LinearAttnConfig | None = None
     attn_output_gate: bool = False
     rotary_dim: int | None = None  # None: head_dim
-    # MiniMax-M2: the q and k RMSNorms span each token's whole projection (all heads), not each head
-    qk_norm_whole: bool = False
     ignored_weights: tuple[str, ...] = ()  # checkpoint tensors (by prefix) the model does not use
     # Granite: each sublayer's output is scaled before it joins the residual stream, and the logits
     # divided by `logit_scale`
     residual_scale: float | None = None
     logit_scale: float | None = None
     score_labels: int = 0  # a sequence classifier's score head ([labels, hidden], `score.weight`); 0: none
+    # per layer, whether it rotates q and k (None: every layer does): SmolLM3's NoPE layers, the global
+    # layers of Exaone 4 and Cohere 2 (their q and k go to the cache as projected)
+    rope_layers: list[bool] | None = None
+    # False: no norm before attention nor before the MLP (OLMo 2/3, Exaone 4: with `sandwich_norms`
+    # their outputs alone are normed, `post_attention_layernorm` and `post_feedforward_layernorm`)
+    pre_norms: bool = True
+    # the q/k norms span the whole projection, all heads at once (OLMo 2/3, MiniMax-M2), not each head
+    qk_norm_whole: bool = False
+    # Cohere 2: LayerNorms (the mean subtracted, no bias, in float32) instead of RMSNorms; attention and
+    # the MLP side by side on one normed input (`input_layernorm`), both added to the residual stream;
+    # the checkpoint's q/k rows pair features (2i, 2i + 1) for the rotation (reordered per head at
+    # load to rotate-half's halves)
+    layer_norm: bool = False
+    parallel_block: bool = False
+    rope_interleaved: bool = False
 
 
 def local_heads(cfg: DecoderConfig) -> tuple[int, int, int]:
@@ -169,25 +188,38 @@ def layer_metadata(meta: DecoderMetadata, sliding: bool | None) -> LayerMetadata
 
 
 def _norm(cfg: DecoderConfig, dim: int) -> RMSNorm:
+    if cfg.layer_norm:
+        return LayerNorm(dim, cfg.rms_norm_eps)
     return RMSNorm(dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
 
 
-class ShardedRMSNorm(RMSNorm):
-    """An RMSNorm over a whole projection whose features are split over ranks (MiniMax-M2's q and k
-    norms span all heads): this rank holds its `shard` (start, size) of the `total` features and of
-    the weight; the squares are summed over the ranks."""
+class LayerNorm(RMSNorm):
+    """LayerNorm without a bias, computed in float32 and rounded once (Cohere's). Runs in PyTorch ops
+    only: the layers of a model with it never hand it to the fused kernels (`DecoderLayer`)."""
 
-    def __init__(self, shard: tuple[int, int], total: int, eps: float) -> None:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf - xf.mean(-1, keepdim=True)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+class WholeNorm(RMSNorm):
+    """RMSNorm over a whole q or k projection (all heads: OLMo 2/3). A rank holds rows
+    [start, start + size) of `total`: the squares are summed over every rank's heads."""
+
+    def __init__(self, total: int, shard: tuple[int, int], eps: float) -> None:
         super().__init__(shard[1], eps)
-        start, self.total = shard[0], total
-        self.weight.weight_loader = lambda p, t, _: p.data.copy_(t[start : start + len(p)])  # type: ignore[attr-defined]
+        self.total, self.start = total, shard[0]
+        self.weight.weight_loader = lambda p, t, _: p.data.copy_(t[self.start : self.start + len(p)])  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         squares = xf.pow(2).sum(-1, keepdim=True)
         if tp_size() > 1:
             squares = all_reduce(squares)
-        return self.weight * (xf * torch.rsqrt(squares / self.total + self.eps)).to(x.dtype)
+        xf = xf * torch.rsqrt(squares / self.total + self.eps)
+        return (self.weight * xf).to(x.dtype)  # OLMo's: rounded once, after the weight
 
 
 class Attention(nn.Module):
@@ -207,13 +239,16 @@ class Attention(nn.Module):
         )  # each head's q, then its gate
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_rows, *shards[1:]], cfg.attention_bias)
         self.o_proj = RowParallelLinear(shards[0], cfg.hidden_size, cfg.o_proj_bias)
-        self.q_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
-        self.k_norm = _norm(cfg, cfg.head_dim) if cfg.qk_norm else None
-        self.qk_norm_whole = cfg.qk_norm_whole
-        if cfg.qk_norm_whole:
-            D = cfg.head_dim
-            self.q_norm = ShardedRMSNorm(shards[0], cfg.num_attention_heads * D, cfg.rms_norm_eps)
-            self.k_norm = ShardedRMSNorm(shards[1], cfg.num_key_value_heads * D, cfg.rms_norm_eps)
+        per_head = cfg.qk_norm and not cfg.qk_norm_whole
+        self.q_norm = _norm(cfg, cfg.head_dim) if per_head else None
+        self.k_norm = _norm(cfg, cfg.head_dim) if per_head else None
+        # OLMo 2/3's norms of the whole projections (the checkpoint's q_norm / k_norm, `load_weights`)
+        self.q_norm_all: WholeNorm | None = None
+        self.k_norm_all: WholeNorm | None = None
+        if cfg.qk_norm and cfg.qk_norm_whole:
+            H, KVH, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            self.q_norm_all = WholeNorm(H * D, shards[0], cfg.rms_norm_eps)
+            self.k_norm_all = WholeNorm(KVH * D, shards[1], cfg.rms_norm_eps)
         self.sinks: nn.Parameter | None = None
         if cfg.attn_sinks:  # this rank's query heads' sinks
             self.sinks = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
@@ -225,10 +260,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         meta = layer_metadata(meta, self.sliding)
         gate = None
-        if self.gated or self.rotary_dim != self.head_dim or self.qk_norm_whole:
-            q, k, v, gate = self._gated_qkv(self.qkv_proj(x), rope)
+        qkv = self.qkv_proj(x)
+        if self.q_norm_all is not None and self.k_norm_all is not None:
+            nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = qkv.split([nq, nk, nk], dim=-1)
+            qkv = torch.cat([self.q_norm_all(q), self.k_norm_all(k), v], dim=-1)
+        if self.gated or self.rotary_dim != self.head_dim:
+            q, k, v, gate = self._gated_qkv(qkv, rope)
         else:
-            q, k, v = self.ops.qkv_rotary(self, self.qkv_proj(x), rope, kv_cache, meta)
+            q, k, v = self.ops.qkv_rotary(self, qkv, rope, kv_cache, meta)
         extra = {} if self.sinks is None else {"sinks": self.sinks}
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **extra)
         o = o.reshape(x.shape[0], self.n_heads * self.head_dim)
@@ -239,7 +279,7 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """q, k, v with the rotary embedding on each head's first `rotary_dim` features, and the
         output's gate (None: not gated), in PyTorch ops (Qwen3-Next's attention layers; partial
-        rotary embeddings, GLM-4.5's and MiniMax-M2's; q/k norms over the whole projection)."""
+        rotary embeddings, GLM-4.5's and MiniMax-M2's)."""
         T, H, KVH, D, r = qkv.shape[0], self.n_heads, self.n_kv, self.head_dim, self.rotary_dim
         nq = H * D * (2 if self.gated else 1)
         q, gate = qkv[:, :nq].view(T, H, -1), None
@@ -247,11 +287,7 @@ class Attention(nn.Module):
             q, gate = q[..., :D], q[..., D:].reshape(T, H * D)
         k = qkv[:, nq : nq + KVH * D].view(T, KVH, D)
         v = qkv[:, nq + KVH * D :].view(T, KVH, D)
-        if self.qk_norm_whole:
-            assert self.q_norm is not None and self.k_norm is not None
-            q = self.q_norm(q.reshape(T, H * D)).view(T, H, D)
-            k = self.k_norm(k.reshape(T, KVH * D)).view(T, KVH, D)
-        elif self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = (t.reshape(T, 1, r).to(q.dtype) for t in rope)  # (KernelOps' tables are float32 [T, r])
         q = torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
@@ -280,11 +316,13 @@ class DecoderLayer(nn.Module):
         sliding: bool | None = None,
         sparse: bool = False,
         linear: bool = False,
+        rotates: bool = True,
     ) -> None:
         """linear: a gated DeltaNet layer (`linear_attn`, its KV cache entry a recurrent state) instead
-        of attention (`self_attn`)."""
+        of attention (`self_attn`); rotates: False for a layer without rotary embedding (NoPE)."""
         super().__init__()
         self.sliding, self.sandwich, self.ops = sliding, cfg.sandwich_norms, ops
+        self.rotates, self.pre_norms, self.parallel = rotates, cfg.pre_norms, cfg.parallel_block
         self.residual_scale = cfg.residual_scale
         self.self_attn: Attention | None = None
         self.linear_attn: GatedDeltaNet | None = None
@@ -312,29 +350,41 @@ class DecoderLayer(nn.Module):
         )
         # The checkpoints' names: Llama's post_attention_layernorm is the MLP's input norm, Gemma's
         # normalises the attention's output (its MLP's input norm is pre_feedforward_layernorm).
-        self.input_layernorm = _norm(cfg, cfg.hidden_size)
-        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
+        # OLMo 2/3 and Exaone 4 (`pre_norms` False) have the two output norms only.
+        if cfg.pre_norms:
+            self.input_layernorm = _norm(cfg, cfg.hidden_size)
+        if not cfg.parallel_block:  # (Cohere's one norm a layer is its input's)
+            self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         if self.sandwich:
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+        if self.sandwich or not cfg.pre_norms:
             self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
 
     def forward(
         self,
         residual: torch.Tensor,
         h: torch.Tensor,
-        ropes: tuple[Rope, Rope],
+        ropes: tuple[Rope, ...],
         kv_cache: LayerCache,
         meta: DecoderMetadata,
         next_norm: RMSNorm | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: this layer's input, normed. Returns the residual stream and the next norm of it (the
         next layer's input norm, or the model's final one; None: not normed): each residual add is
-        paired with the norm after it, which the C kernels do in one pass."""
+        paired with the norm after it, which the C kernels do in one pass. `ropes`: the full layers',
+        the sliding layers' and (models with NoPE layers) the identity's tables."""
         mixer = self.self_attn if self.linear_attn is None else self.linear_attn
         assert mixer is not None
-        a = mixer(h, ropes[1] if self.sliding else ropes[0], kv_cache, meta)
+        a = mixer(h, ropes[2] if not self.rotates else ropes[1] if self.sliding else ropes[0], kv_cache, meta)
         if self.residual_scale is not None:
             a = a * self.residual_scale
+        if self.parallel:  # Cohere 2: x + attn(norm(x)) + mlp(norm(x)), in PyTorch ops (its LayerNorm)
+            residual = residual + a + self.mlp(h)
+            return residual, None if next_norm is None else next_norm(residual)
+        if not self.pre_norms:  # OLMo 2/3, Exaone 4: x + norm(attn(x)), then + norm(mlp(that))
+            residual, _ = self.ops.add_norm(a, residual, None, self.post_attention_layernorm)
+            out = self.mlp(residual)
+            return self.ops.add_norm(out, residual, next_norm, self.post_feedforward_layernorm)
         if self.sandwich:  # the sublayers' outputs are normed before they join the residual stream
             residual, mlp_in = self.ops.add_norm(
                 a, residual, self.pre_feedforward_layernorm, self.post_attention_layernorm
@@ -381,8 +431,10 @@ class DecoderModel(nn.Module):
             self.attention = StateBackend(self.attention)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         sparse = cfg.moe.sparse_layers if cfg.moe else [False] * cfg.num_hidden_layers
+        rotates = cfg.rope_layers or [True] * cfg.num_hidden_layers
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, self.ops, s, m, lin) for s, m, lin in zip(slidings, sparse, linear)
+            DecoderLayer(cfg, backend, self.ops, s, m, lin, r)
+            for s, m, lin, r in zip(slidings, sparse, linear, rotates)
         )
         self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
@@ -428,7 +480,12 @@ class DecoderModel(nn.Module):
             for table, rows in zip(rope, (cos, sin)):  # each step's tables are its own copies
                 table[image_rows.rope_rows] = rows.reshape(len(rows), *table.shape[1:]).to(table.dtype)
         local = self.rotary_local
-        ropes = (rope, rope if local is None else self.ops.rope_tables(local, positions, x.dtype))
+        ropes: tuple[Rope, ...] = (
+            rope,
+            rope if local is None else self.ops.rope_tables(local, positions, x.dtype),
+        )
+        if cfg.rope_layers is not None and not all(cfg.rope_layers):  # NoPE layers: the identity's tables
+            ropes = (*ropes, (torch.ones_like(rope[0]), torch.zeros_like(rope[1])))
         # one metadata for every layer (and the sliding layers' first keys)
         whole: DecoderMetadata | None = meta
         first: np.ndarray | None = None
@@ -449,10 +506,20 @@ class DecoderModel(nn.Module):
             return self.norm(h) if cfg.sandwich_norms else h
         # With sandwich norms the final norm runs on its own, as the C loop's caller runs it.
         final = None if cfg.sandwich_norms else self.norm
-        residual, h = self.ops.add_norm(None, x, self.layers[0].input_layernorm)
-        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [final]
+        next_norms: list[Any] = [None] * (len(self.layers) - 1) + [final]
+        if cfg.layer_norm:  # (PyTorch's ops: the fused kernels' norms are RMSNorms)
+            first_norm: RMSNorm = self.layers[0].input_layernorm  # type: ignore[assignment]
+            residual, h = x, first_norm(x)
+            next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [final]
+        elif cfg.pre_norms:
+            residual, h = self.ops.add_norm(None, x, self.layers[0].input_layernorm)
+            next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [final]
+        else:  # each layer's input is the residual stream itself
+            residual, h = x, x
         for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms):
             residual, h = layer(residual, h, ropes, kv_cache, meta, next_norm)
+            if h is None and not cfg.pre_norms:
+                h = residual
         if final is None:
             return self.norm(residual)
         assert h is not None
@@ -543,6 +610,15 @@ class DecoderModel(nn.Module):
             # MiniMax-M2 keeps its router's correction bias beside the router
             name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
             name = name.replace(".conv1d.weight", ".conv1d")  # a linear-attention layer's convolution
+            if self.config.rope_interleaved and name.endswith(QK_ROWS):  # Cohere's pairs → rotate-half
+                assert isinstance(tensor, torch.Tensor), name
+                heads = (
+                    self.config.num_attention_heads if ".q_proj." in name else self.config.num_key_value_heads
+                )
+                tensor = tensor[rotate_half_rows(len(tensor), heads)]
+            if self.config.qk_norm_whole:  # OLMo 2/3's norms of the whole q and k projections
+                name = name.replace(".self_attn.q_norm.", ".self_attn.q_norm_all.")
+                name = name.replace(".self_attn.k_norm.", ".self_attn.k_norm_all.")
             if "rotary_emb" in name:
                 continue
             if name == "score.weight" and self.score_weight is not None:
@@ -578,3 +654,10 @@ class DecoderModel(nn.Module):
 
 
 EMBED = "model.embed_tokens.weight"
+QK_ROWS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+
+
+def rotate_half_rows(rows: int, n_heads: int) -> torch.Tensor:
+    """The row order that turns each head's interleaved pairs (2i, 2i + 1) into rotate-half's (i,
+    i + head_dim / 2): the same as undoing llama.cpp's interleaving of a "llama" file's q/k rows."""
+    return torch.arange(rows).view(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(rows)

@@ -4,7 +4,8 @@ The loop runs the kernels the Python layer loop runs (`KernelOps`, the low-bit m
 attention) with the same arguments, without a Python dispatch per op: its output equals the
 Python path's bit for bit. It applies to a model, decided once at load, when the model is
 unsharded, bias- and q/k-norm-free and every linear of every layer has a VNNI-packed weight; and to
-a step when its tokens fit the packed weights' kernels and all its attention is paged.
+a step when its tokens fit the packed weights' kernels and all its attention is paged. Layers
+without rotary embedding (SmolLM3's) run in calls of their own, given the identity's tables.
 """
 
 from __future__ import annotations
@@ -21,6 +22,19 @@ def _linears(layer):
     """The layer's four linears (their base layers where LoRA wraps them: `pytgi.engine.models.lora`)."""
     mods = layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
     return tuple(getattr(m, "inner", m) for m in mods)
+
+
+def _plain_layers(cfg, nope: bool = False) -> bool:
+    """No layer differs in a way the C loops do not take: NoPE layers (unless `nope`: Llama's loop runs
+    them, `DecoderLoop.runs`), norms after the sublayers only, q/k norms over the whole projection,
+    LayerNorms, parallel blocks (`DecoderConfig`'s fields for SmolLM3, OLMo 2/3, Exaone 4, Cohere 2)."""
+    return (
+        (nope or cfg.rope_layers is None)
+        and cfg.pre_norms
+        and not cfg.qk_norm_whole
+        and not cfg.layer_norm
+        and not cfg.parallel_block
+    )
 
 
 def _packed(layer) -> list[int]:
@@ -43,6 +57,17 @@ class DecoderLoop:
         quant = model.layers[0].mlp.down_proj.quant
         self.max_m, self.vnni_max_m = quant.max_m, quant.vnni_max_m
         self._table: tuple[int, np.ndarray] | None = None  # (first K cache's address, per-layer pointers)
+        # (first layer, end, whether they rotate): one run of every layer, or, with NoPE layers
+        # (SmolLM3), one C call per run of layers alike, the NoPE ones given the identity's tables
+        # (each call norms its first layer's input from the residual stream, as the layer before
+        # would have: the same bits)
+        rotates = cfg.rope_layers or [True] * len(self.layers)
+        self.runs: list[tuple[int, int, bool]] = []
+        for i, r in enumerate(rotates):
+            if self.runs and self.runs[-1][2] == r:
+                self.runs[-1] = (self.runs[-1][0], i + 1, r)
+            else:
+                self.runs.append((i, i + 1, r))
 
     @classmethod
     def build(cls, model, cpu: Kernels) -> DecoderLoop | None:
@@ -68,6 +93,7 @@ class DecoderLoop:
             or cfg.linear is not None
             or cfg.attn_output_gate
             or cfg.residual_scale is not None
+            or not _plain_layers(cfg, nope=True)
         )
 
     def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
@@ -110,21 +136,24 @@ class DecoderLoop:
         assert first is None, "this loop takes no sliding window"
         if not self.takes(x, meta):
             return None
-        cos, sin = ropes[0]
-        return kernels.decoder_layers(
-            self._layers(kv_caches),
-            x.contiguous(),
-            cos,
-            sin,
-            meta.slot_mapping,
-            meta.paged,
-            self.sizes,
-            self.eps,
-            self.scale,
-            self.vnni_max_m,
-            lora,
-            kernels.kv8(kv_caches[0][0]),
-        )
+        table, x = self._layers(kv_caches), x.contiguous()
+        for start, stop, rotates in self.runs:
+            cos, sin = ropes[0] if rotates else ropes[2]  # (the identity's: `DecoderModel.forward`)
+            h = kernels.decoder_layers(
+                table[start:stop],
+                x,
+                cos,
+                sin,
+                meta.slot_mapping,
+                meta.paged,
+                self.sizes,
+                self.eps,
+                self.scale,
+                self.vnni_max_m,
+                None if lora is None else (lora[0][start:stop], lora[1]),
+                kernels.kv8(kv_caches[0][0]),
+            )
+        return h
 
 
 class GemmaDecoderLoop(DecoderLoop):
@@ -136,7 +165,8 @@ class GemmaDecoderLoop(DecoderLoop):
 
     @staticmethod
     def _applies(cfg) -> bool:
-        return not cfg.attention_bias and not cfg.attn_logit_softcapping  # soft-capped attention is not paged
+        # soft-capped attention is not paged
+        return not cfg.attention_bias and not cfg.attn_logit_softcapping and _plain_layers(cfg)
 
     def _row(self, i: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[int]:
         layer, attn = self.layers[i], self.layers[i].self_attn

@@ -47,7 +47,10 @@ def llama_config(cfg: dict[str, Any]) -> DecoderConfig:
         # transformers scales the base from max_position_embeddings on: pytgi serves factor times it
         rope = {**rope, "original_max_position_embeddings": max_positions}
         max_positions = int(max_positions * rope["factor"])
-    uses_window = arch == "MistralForCausalLM" or cfg.get("use_sliding_window", False)
+    # as transformers reads it: Llama has no window; Qwen's families attend within `sliding_window`
+    # only with `use_sliding_window`; the others (Mistral, Mixtral, Phi-3) whenever it is set
+    qwen = arch.startswith("Qwen")
+    uses_window = arch != "LlamaForCausalLM" and cfg.get("use_sliding_window", not qwen)
     window = cfg.get("sliding_window") if uses_window else None
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
     qwen2 = arch.startswith("Qwen2")  # Qwen2 and Qwen2-MoE: biases on q, k, v only

@@ -8,16 +8,19 @@ and values into pytgi's paged cache and attends with pytgi's attention backend o
 batch (one sequence of all scheduled tokens, with pytgi's per-request positions). transformers builds
 no mask for an attention it does not know, and keeps no cache of its own (`use_cache=False`).
 
-A layer with a `sliding_window` attribute (Mistral, Gemma, ...) attends within it. Not supported:
-attention logit soft-capping (Gemma 2), tensor parallelism, and the low-bit CPU kernels.
+A call's `sliding_window` argument (else the layer's attribute) is its window; `s_aux` sinks go to the
+paged kernel; values narrower than keys (latent attention) are padded to the keys' width in the cache.
+Not supported: attention logit soft-capping (Gemma 2), tensor parallelism, the low-bit CPU kernels.
 
-The fallback checks a model before it serves it (`refusal`, `_probe`): the model's cache layer types
-(transformers' own `get_layer_types_and_kwargs`) must all be full or sliding-window attention, and a
-4-token forward must call the attention function once per attention layer with no argument the paged
-kernel would drop. A recurrent or state-space layer (Qwen3-Next's and Qwen3.5's Gated DeltaNet,
-Granite-4.0-H's and OLMo-Hybrid's), attention sinks (gpt-oss's `s_aux`), chunked or sparse attention,
-shared KV and soft-capping are refused by name, since this path would serve them wrong without a word:
-it keeps no state between steps and joins a step's requests into one sequence.
+The fallback proves a model before it serves it (`refusal`, `_probe`, `_disagreement`): the model's
+cache layer types (transformers' own `get_layer_types_and_kwargs`) must all be full or sliding-window
+attention; a 4-token forward must call the attention function once per attention layer with no
+argument the paged kernel would drop (and gives the shapes the cache is sized from); and a probe past
+every window the config declares, in two chunks and a decode on a paged cache of its own, must give
+each layer's output as transformers' own forward (SDPA or eager, its own masks) does, within float
+noise. A recurrent or state-space layer, chunked or sparse attention, shared KV, soft-capping, layers
+that drop their keyword arguments, and any difference the probe finds are refused by name (the first
+layer that differs, and where), since this path would serve them wrong without a word.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -52,8 +56,12 @@ LAYER_TYPES = {
 HARMLESS_ARGS = frozenset(
     {"position_ids", "use_cache", "output_router_logits", "output_attentions", "cache_position"}
     | {"past_key_values", "past_key_value", "sliding_window", "pytgi_step", "is_causal", "softcap"}
+    | {"s_aux", "sinks"}  # honoured: a learned logit per head in every softmax (gpt-oss)
 )
-ARG_NAMES = {"s_aux": "attention sinks (s_aux)", "sinks": "attention sinks"}
+ARG_NAMES: dict[str, str] = {}
+# the probe's logits may differ from transformers' by float noise only: relative to each layer's output
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+TOLERANCE_HALF = 0.05  # bfloat16, float16
 
 
 @dataclass(slots=True)
@@ -96,15 +104,30 @@ def _paged_attention(module, query, key, value, attention_mask, scaling=None, dr
     if isinstance(step, _Probe):
         return step.record(module, query, key, value, scaling, kwargs)
     if step is None:
-        raise RuntimeError("the pytgi_paged attention runs only inside pytgi's engine")
+        raise NoStep("the pytgi_paged attention runs only inside pytgi's engine")
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("attention logit soft-capping is not supported by pytgi's attention")
     kv_caches, ctx = step
     k_cache, v_cache = kv_caches[module.layer_idx]
     q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    meta = ctx.metadata(getattr(module, "sliding_window", None))
-    return ctx.backend.forward(q, k, v, k_cache, v_cache, meta, scale).unsqueeze(0), None
+    # the window this call asks for wins over the layer's attribute (Exaone 4 sets one on every layer)
+    window = (
+        kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    )
+    meta = ctx.metadata(window)
+    width = v.shape[-1]
+    if width < k.shape[-1]:  # values narrower than keys (latent attention): the cache's rows are keys'
+        v = torch.nn.functional.pad(v, (0, k.shape[-1] - width))
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    extra = {} if sinks is None else {"sinks": sinks.float()}
+    out = ctx.backend.forward(q, k, v, k_cache, v_cache, meta, scale, **extra)
+    return out[..., :width].unsqueeze(0), None
+
+
+class NoStep(RuntimeError):
+    """The attention function was called without the step (a model whose layers drop the keyword
+    arguments its forward was given)."""
 
 
 class _Probe:
@@ -112,11 +135,14 @@ class _Probe:
 
     def __init__(self) -> None:
         self.calls: list[tuple[int | None, set[str], bool]] = []
+        self.shapes: dict[int | None, tuple[int, int]] = {}  # layer → (kv heads, the cache row's width)
 
     def record(self, module, query, key, value, scaling, kwargs) -> tuple[torch.Tensor, None]:
         extra = {k for k, v in kwargs.items() if k not in HARMLESS_ARGS and v is not None}
         capped = kwargs.get("softcap") is not None or kwargs.get("is_causal") is False
-        self.calls.append((getattr(module, "layer_idx", None), extra, capped))
+        layer = getattr(module, "layer_idx", None)
+        self.calls.append((layer, extra, capped))
+        self.shapes[layer] = (key.shape[1], max(key.shape[-1], value.shape[-1]))
         rep = query.shape[1] // key.shape[1]
         k, v = (t.repeat_interleave(rep, dim=1) for t in (key, value))
         out = torch.nn.functional.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling)
@@ -125,9 +151,9 @@ class _Probe:
 
 def _supported(own: tuple[str, ...]) -> str:
     return (
-        f"pytgi runs {', '.join(own)} with its own code, and through transformers' "
+        f"pytgi runs {', '.join(own)} with its own code (docs/models.md), and through transformers' "
         "code (--model-impl auto|transformers) causal LMs whose layers are all softmax attention, "
-        "full or sliding-window"
+        "full or sliding-window, that it serves as transformers does"
     )
 
 
@@ -157,13 +183,20 @@ def refusal(hf_config) -> str | None:
     return None
 
 
-def _probe(decoder, layers: int, vocab: int, device: torch.device) -> str | None:
+def _probe(decoder, layers: int, vocab: int, device: torch.device, probe: _Probe) -> str | None:
     """Why a 4-token forward shows this path would serve the model wrong (None: it would not)."""
-    probe = _Probe()
     ids = torch.arange(1, 5, device=device)[None] % max(vocab, 1)
     with torch.no_grad():
         positions = torch.arange(4, device=device)[None]
-        decoder(input_ids=ids, position_ids=positions, use_cache=False, pytgi_step=probe)
+        try:
+            decoder(input_ids=ids, position_ids=positions, use_cache=False, pytgi_step=probe)
+        except NoStep:
+            return (
+                "its layers do not pass their keyword arguments on to the attention function, so "
+                "transformers' code for it cannot attend over pytgi's paged cache"
+            )
+        except Exception as e:  # noqa: BLE001  # transformers' own code fails on the probe
+            return f"a 4-token forward of transformers' code for it fails ({type(e).__name__}: {e})"
     extra = sorted({a for _, args, _ in probe.calls for a in args})
     if extra:
         return "its attention takes arguments pytgi's paged attention would drop: " + ", ".join(
@@ -177,6 +210,22 @@ def _probe(decoder, layers: int, vocab: int, device: torch.device) -> str | None
             f"{len(idx)} attention calls for {layers} attention layers: some layers attend outside "
             "transformers' attention interface (or share one cache layer)"
         )
+    if len(set(probe.shapes.values())) > 1:
+        shapes = ", ".join(f"layer {i}: {h}×{d}" for i, (h, d) in sorted(probe.shapes.items()))
+        return f"its layers' keys and values differ in shape (kv heads × width: {shapes})"
+    return None
+
+
+def _first(out):
+    """A layer's hidden states (transformers' layers return them, or a tuple that starts with them)."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def _decoder_layers(decoder, n: int) -> nn.ModuleList | None:
+    """The decoder's list of `n` layers (`layers`, `h`, `blocks`...: the ModuleList of that length)."""
+    for child in decoder.children():
+        if isinstance(child, nn.ModuleList) and len(child) == n:
+            return child
     return None
 
 
@@ -217,7 +266,7 @@ class TransformersModel(nn.Module):
         attention: str = "auto",
         own: tuple[str, ...] = (),
     ) -> None:
-        """own: the architectures pytgi's own code runs (named when a model is refused)."""
+        """own: the families pytgi's own code runs (named when a model is refused)."""
         super().__init__()
         try:
             import transformers
@@ -243,24 +292,35 @@ class TransformersModel(nn.Module):
             .eval()
         )
         cfg = self.hf.config.get_text_config()
-        heads = cfg.num_attention_heads
+        heads = getattr(cfg, "num_attention_heads", None)
+        if not heads:
+            why = "its config declares no attention heads (not a transformer decoder pytgi can page)"
+            raise UnsupportedModel(f"{arch} ({path.name}) cannot be served: {why}. {_supported(own)}")
+        attending = sum(1 for t in cache_layer_types(cfg) if t != "dummy") or cfg.num_hidden_layers
+        probe = _Probe()
+        why = _probe(self.hf.get_decoder(), attending, cfg.vocab_size, device, probe)
+        if why:
+            raise UnsupportedModel(f"{arch} ({path.name}) cannot be served: {why}. {_supported(own)}")
+        # the cache's shape is what the attention calls write (latent attention's keys are wider than
+        # its values, and than `head_dim`, which is the rotary part only)
+        n_kv, width = next(iter(probe.shapes.values()))
         self.config = TransformersConfig(
             vocab_size=cfg.vocab_size,
             num_hidden_layers=cfg.num_hidden_layers,
             num_attention_heads=heads,
-            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            num_key_value_heads=n_kv,
+            head_dim=width,
             max_position_embeddings=getattr(cfg, "max_position_embeddings", 2048),
         )
         c = self.config
-        self.attention = _Backend(
-            get_backend(attention, cpu, (c.num_attention_heads, c.num_key_value_heads, c.head_dim))
-        )
+        self.attention = _Backend(get_backend(attention, cpu, (c.num_attention_heads, n_kv, width)))
         # What the runner sizes the KV cache from: one entry per layer.
-        self.layers = [_LayerShape(c.num_key_value_heads, c.head_dim) for _ in range(c.num_hidden_layers)]
+        self.layers = [_LayerShape(n_kv, width) for _ in range(c.num_hidden_layers)]
         self.final_logit_softcapping: float | None = getattr(cfg, "final_logit_softcapping", None)
-        attending = sum(1 for t in cache_layer_types(cfg) if t != "dummy") or c.num_hidden_layers
-        why = _probe(self.hf.get_decoder(), attending, c.vocab_size, device)
+        try:
+            why = self._disagreement(cfg, dtype, device)
+        except Exception as e:  # noqa: BLE001  # whatever fails here would fail every request
+            why = f"the probe comparing it with transformers' own forward fails ({type(e).__name__}: {e})"
         if why:
             raise UnsupportedModel(f"{arch} ({path.name}) cannot be served: {why}. {_supported(own)}")
         log.info(
@@ -268,6 +328,112 @@ class TransformersModel(nn.Module):
             type(self.hf).__name__,
             path,
         )
+
+    def _disagreement(self, cfg, dtype: torch.dtype, device: torch.device) -> str | None:
+        """Why this path's forward differs from transformers' own on a probe that passes every window
+        the config declares (None: it does not, past float noise): a prompt in two chunks on a paged
+        cache of its own, then one decode, each layer's output against transformers' (SDPA or eager
+        attention, its own masks) at every position, each layer given the reference's input to it (so
+        16-bit noise does not grow with depth). The first layer that differs is named."""
+        windows = [
+            w for w in (getattr(cfg, k, None) for k in ("sliding_window", "attention_chunk_size")) if w
+        ]
+        n = max(24, max((int(w) for w in windows if isinstance(w, int)), default=0) + 16)
+        n = min(n, int(getattr(cfg, "max_position_embeddings", None) or n))
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(3, max(cfg.vocab_size, 4), (n,), generator=gen).to(device)
+        decoder = self.hf.get_decoder()
+        layers = _decoder_layers(decoder, cfg.num_hidden_layers)
+        if layers is None:
+            return "its decoder's layers cannot be found to compare them with transformers' own forward"
+        inputs: list[list[torch.Tensor]] = [[] for _ in layers]
+        seen: list[list[torch.Tensor]] = [[] for _ in layers]
+        chunk: list[int] = [0, n]  # the paged run's chunk: its rows of the reference's inputs
+        forced: list[torch.Tensor] = []  # the reference's input of each layer (empty: the reference runs)
+
+        def before(i: int, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            """Each layer's input, and in the paged run the reference's input instead, so that each
+            layer is compared on its own (no difference carried over from the layers before it)."""
+            states = args[0] if args else kwargs["hidden_states"]
+            if not forced:
+                inputs[i].append(states.detach()[0])
+                return None
+            states = forced[i][chunk[0] : chunk[1]][None].to(states.dtype)
+            return ((states, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": states})
+
+        hooks = [
+            handle
+            for i, layer in enumerate(layers)
+            for handle in (
+                layer.register_forward_pre_hook(lambda _m, a, kw, i=i: before(i, a, kw), with_kwargs=True),
+                layer.register_forward_hook(lambda _m, _a, out, i=i: seen[i].append(_first(out).detach()[0])),
+            )
+        ]
+        try:
+            with torch.no_grad():
+                for impl in ("sdpa", "eager"):
+                    try:
+                        self.hf.set_attn_implementation(impl)
+                        decoder(
+                            input_ids=ids[None],
+                            position_ids=torch.arange(n, device=device)[None],
+                            use_cache=False,
+                        )
+                        break
+                    except (ValueError, ImportError, NotImplementedError):
+                        continue
+                else:
+                    return "transformers' own attention (sdpa, eager) cannot run it for the probe"
+                reference = [torch.cat(s) for s in seen]
+                forced.extend(torch.cat(s) for s in inputs)
+                for s in seen:
+                    s.clear()
+                self.hf.set_attn_implementation(ATTENTION)
+                block = 16
+                blocks = -(-n // block)
+                shapes = [(blocks * block, sh.self_attn.n_kv, sh.self_attn.head_dim) for sh in self.layers]
+                caches = [
+                    (torch.zeros(sh, dtype=dtype, device=device), torch.zeros(sh, dtype=dtype, device=device))
+                    for sh in shapes
+                ]
+                for lo, hi in ((0, n // 2), (n // 2, n - 1), (n - 1, n)):
+                    chunk[:] = [lo, hi]
+                    layout = StepLayout(
+                        query_lens=np.array([hi - lo]),
+                        context_lens=np.array([hi]),
+                        block_tables=np.arange(blocks, dtype=np.int64)[None],
+                        slot_mapping=np.arange(lo, hi, dtype=np.int64),
+                        block_size=block,
+                    )
+                    meta = self.attention.prepare(layout, device)
+                    self.forward(ids[lo:hi], torch.arange(lo, hi, device=device), caches, meta)
+                paged = [torch.cat(s) for s in seen]
+        finally:
+            for h in hooks:
+                h.remove()
+            self.hf.set_attn_implementation(ATTENTION)
+        tolerance = TOLERANCE.get(dtype, TOLERANCE_HALF)
+        worst = (0.0, 0, 0)  # the largest relative difference, its layer and position
+        for i, (ref, got) in enumerate(zip(reference, paged)):
+            ref, got = ref.float(), got.float()
+            rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)
+            rel = torch.nan_to_num(rel, nan=float("inf"))
+            at = int(rel.argmax())
+            if float(rel[at]) > tolerance:
+                return (
+                    f"its forward through pytgi's paged attention differs from transformers' own at "
+                    f"layer {i} (position {at} of a {n}-token probe: relative difference "
+                    f"{float(rel[at]):.3g}, float noise is under {tolerance:g})"
+                )
+            worst = max(worst, (float(rel[at]), i, at))
+        log.info(
+            "its forward equals transformers' own on a %d-token probe (largest relative difference "
+            "%.2g, layer %d)",
+            n,
+            worst[0],
+            worst[1],
+        )
+        return None
 
     def forward(self, input_ids, positions, kv_caches, meta: StepContext) -> torch.Tensor:
         out = self.hf.get_decoder()(
