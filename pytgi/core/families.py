@@ -310,6 +310,48 @@ FAMILIES: tuple[Family, ...] = (
         note="five sliding layers of six, each kind with its own RoPE base",
     ),
     Family(
+        name="Gemma 4",
+        module="gemma4",
+        config="gemma4_config",
+        generators=("Gemma4ForCausalLM",),
+        gguf=(
+            GgufName(
+                "gemma4",
+                "Gemma4ForCausalLM",
+                "gemma4_text",
+                # the scalar keys; the per-layer ones (kv heads, MLP widths, the sliding pattern, the
+                # two head sizes, the full layers' RoPE factors) are read by gguf_convert's `_gemma4`
+                keys=(
+                    ("attention.sliding_window", "sliding_window"),
+                    ("attention.shared_kv_layers", "num_kv_shared_layers"),
+                    ("embedding_length_per_layer_input", "hidden_size_per_layer_input"),
+                    ("final_logit_softcapping", "final_logit_softcapping"),
+                ),
+            ),
+        ),
+        attention=_WINDOWED,
+        lora=False,
+        tensor_parallel=False,
+        cuda_graphs=False,
+        kv_dtypes=NO_FP8,
+        note=(
+            "full layers with their own head size, kv heads and proportional RoPE, k == v, per-layer "
+            "inputs, the last layers reading earlier layers' KV cache; not the MoE block (26B-A4B)"
+        ),
+    ),
+    Family(
+        name="Gemma 4 (multimodal checkpoints, as text)",
+        module="gemma4",
+        config="gemma4_vlm_config",
+        generators=("Gemma4ForConditionalGeneration",),
+        attention=_WINDOWED,
+        lora=False,
+        tensor_parallel=False,
+        cuda_graphs=False,
+        kv_dtypes=NO_FP8,
+        note="the language model only: the vision and audio towers are not read",
+    ),
+    Family(
         name="gpt-oss",
         module="gpt_oss",
         config="gpt_oss_config",

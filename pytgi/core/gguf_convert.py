@@ -89,6 +89,21 @@ POST_NORM_LAYER_TENSORS = {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Gemma 4: the per-layer input's gate, projection and norm, the layer's output scale (a bare parameter)
+GEMMA4_LAYER_TENSORS = {
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+    "layer_output_scale": "layer_scalar",
+}
+# ... and its model's per-layer input tables; `rope_freqs` (the full layers' proportional RoPE, as
+# llama.cpp's frequency factors: read into config.json's rope_parameters) is not a weight
+GEMMA4_TENSORS = {
+    "per_layer_token_embd": "model.embed_tokens_per_layer",
+    "per_layer_model_proj": "model.per_layer_model_projection",
+    "per_layer_proj_norm": "model.per_layer_projection_norm",
+    "rope_freqs": "model.rotary_emb.rope_freqs",
+}
 # Phi-3 keeps q, k, v and gate, up fused
 PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -127,6 +142,77 @@ def _required(reader: Reader, key: str) -> Any:
     return value
 
 
+def _first(value: Any) -> Any:
+    """A per-layer array's first layer's value (Gemma 4 writes some keys per layer), or the value."""
+    return value[0] if isinstance(value, list) else value
+
+
+def _gemma4(reader: Reader, arch: str, config: dict[str, Any], names: set[str]) -> None:
+    """Gemma 4's config.json keys from what llama.cpp's converter writes: per-layer kv heads and MLP
+    widths, the full layers' head size (key_length; the sliding ones' key_length_swa), their
+    proportional RoPE as frequency factors (`rope_freqs`: 1 for the angles that turn, 1e30 for the
+    others), k == v where a full layer has no attn_v, the per-layer input table's rows."""
+    layers = config["num_hidden_layers"]
+    pattern = _required(reader, f"{arch}.attention.sliding_window_pattern")
+    types = ["sliding_attention" if s else "full_attention" for s in pattern]
+    full = types.index("full_attention")
+    sliding = types.index("sliding_attention") if "sliding_attention" in types else full
+    kv = _field(reader, f"{arch}.attention.head_count_kv", config["num_attention_heads"])
+    kv = kv if isinstance(kv, list) else [kv] * layers
+    ff = _required(reader, f"{arch}.feed_forward_length")
+    ff = ff if isinstance(ff, list) else [ff] * layers
+    shared = int(_field(reader, f"{arch}.attention.shared_kv_layers", 0))
+    head_full = int(_required(reader, f"{arch}.attention.key_length"))
+    head_swa = int(_field(reader, f"{arch}.attention.key_length_swa", head_full))
+    full_rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        values = [float(v) for v in freqs.data.reshape(-1)]
+        turned = sum(v == 1.0 for v in values)
+        if any(v != 1.0 and v < 1e29 for v in values) or values[:turned] != [1.0] * turned:
+            raise GGUFConversionError(
+                "Gemma 4's rope_freqs: frequency factors other than proportional RoPE's"
+            )
+        full_rope = {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 2 * turned / head_full,
+            "rope_theta": config["rope_theta"],
+        }
+    per_layer_table = next((t for t in reader.tensors if t.name == "per_layer_token_embd.weight"), None)
+    first_shared = layers - shared
+    config.update(
+        hidden_act="gelu_pytorch_tanh",
+        hidden_activation="gelu_pytorch_tanh",
+        layer_types=types,
+        head_dim=head_swa,
+        num_key_value_heads=int(kv[sliding]),
+        intermediate_size=int(ff[0]),
+        use_double_wide_mlp=shared > 0 and int(ff[-1]) == 2 * int(ff[0]) != int(ff[0]),
+        attention_k_eq_v=f"blk.{full}.attn_v.weight" not in names,
+        per_layer_config={
+            str(i): {"head_dim": head_full, "num_key_value_heads": int(kv[i])}
+            for i, t in enumerate(types)
+            if t == "full_attention"
+        },
+        rope_parameters={
+            "full_attention": full_rope,
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": float(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
+            },
+        },
+        vocab_size_per_layer_input=int(per_layer_table.shape[-1]) if per_layer_table is not None else 0,
+        hidden_size_per_layer_input=0,  # unless the file says (the family's keys)
+        enable_moe_block=bool(_field(reader, f"{arch}.expert_count")),
+        tie_word_embeddings=True,
+    )
+    if any(
+        int(ff[i]) != int(ff[0]) * (2 if config["use_double_wide_mlp"] and i >= first_shared else 1)
+        for i in range(layers)
+    ):
+        raise GGUFConversionError("Gemma 4: MLP widths per layer other than the double-wide shared layers'")
+
+
 def gguf_config(reader: Reader) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     experts = _field(reader, f"{arch}.expert_count")
@@ -152,10 +238,10 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": hidden,
-        "intermediate_size": int(ffn or _required(reader, f"{arch}.feed_forward_length")),
+        "intermediate_size": int(_first(ffn or _required(reader, f"{arch}.feed_forward_length"))),
         "num_hidden_layers": int(_required(reader, f"{arch}.block_count")) - nextn,
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(_field(reader, f"{arch}.attention.head_count_kv", n_heads)),
+        "num_key_value_heads": int(_first(_field(reader, f"{arch}.attention.head_count_kv", n_heads))),
         "head_dim": int(head_dim),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
@@ -185,6 +271,8 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
             attn_logit_softcapping=_field(reader, f"{arch}.attn_logit_softcapping", 50.0),
             final_logit_softcapping=_field(reader, f"{arch}.final_logit_softcapping", 30.0),
         )
+    if model_type == "gemma4_text":
+        _gemma4(reader, str(arch), config, names)
     if model_type == "qwen2":
         config["attention_bias"] = True
     if model_type == "mixtral":
@@ -440,8 +528,15 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{kind}"
     parts = stem.split(".")
+    if model_type == "gemma4_text":
+        if stem in GEMMA4_TENSORS:
+            return f"{GEMMA4_TENSORS[stem]}.{kind}"
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] == "layer_output_scale":
+            return f"model.layers.{parts[1]}.layer_scalar"  # a bare parameter
     layer = (
-        {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS}
+        {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS, **GEMMA4_LAYER_TENSORS}
+        if model_type == "gemma4_text"
+        else {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS}
         if model_type.startswith("gemma")
         else {**LAYER_TENSORS, **PHI3_LAYER_TENSORS}
         if model_type == "phi3"
@@ -488,13 +583,14 @@ def _sentencepiece_tokenizer_json(reader: Reader, arch: str) -> str:
     - the Llama family's (Llama 2, Mistral, TinyLlama...): words split on '▁' with one prepended to
       the first (`add_space_prefix`, by default on), merges recovered from the scores;
     - the Gemma family's: spaces become '▁' with no prefix, merges recovered in file order (Gemma's
-      scores do not follow its merge order)."""
+      scores do not follow its merge order); Gemma 4's (`tokenizer.ggml.model` = gemma4) the same
+      with the merges its file holds."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
     gemma = arch.startswith("gemma")
-    tokens = list(_field(reader, "tokenizer.ggml.tokens"))
-    if gemma:  # a blank token with a space in it is stored with real spaces; the normalized text has '▁'
-        tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    blank = lambda t: "\u2581" * len(t) if gemma and " " in t and not t.strip() else t
+    # a blank token with a space in it is stored with real spaces; the normalized text has '▁'
+    tokens = [blank(t) for t in _field(reader, "tokenizer.ggml.tokens")]
     types = list(_field(reader, "tokenizer.ggml.token_type") or [])
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if gemma:
@@ -506,10 +602,13 @@ def _sentencepiece_tokenizer_json(reader: Reader, arch: str) -> str:
         rank = dict(zip(tokens, map(float, scores)))
     unk = _field(reader, "tokenizer.ggml.unknown_token_id")
     unk_token = tokens[int(unk)] if gemma and unk is not None else None
+    merges = _recovered_merges(tokens, rank)
+    if (given := _field(reader, "tokenizer.ggml.merges")) and gemma:  # Gemma 4's, split as llama.cpp does
+        merges = [(blank(m[: m.index(" ", 1)]), blank(m[m.index(" ", 1) + 1 :])) for m in given]
     tok = Tokenizer(
         models.BPE(
             vocab=vocab,
-            merges=_recovered_merges(tokens, rank),
+            merges=merges,
             fuse_unk=True,
             byte_fallback=True,
             unk_token=unk_token,
@@ -562,11 +661,11 @@ def _add_marked_tokens(
 
 def gguf_tokenizer_json(reader: Reader) -> str:
     """Build a `tokenizers` tokenizer equal to the one the GGUF file describes: byte-level BPE
-    ('gpt2'), or SentencePiece BPE ('llama': the Llama and Gemma families')."""
+    ('gpt2'), or SentencePiece BPE ('llama': the Llama and Gemma families'; 'gemma4')."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     kind = _field(reader, "tokenizer.ggml.model")
-    if kind == "llama":
+    if kind in ("llama", "gemma4"):
         return _sentencepiece_tokenizer_json(reader, _field(reader, "general.architecture"))
     if kind != "gpt2":
         raise GGUFConversionError(

@@ -1,8 +1,8 @@
 """GGUF files of the families beyond Llama/Qwen/Gemma (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-3, Granite,
-gpt-oss, GLM-4.5 MoE, MiniMax-M2): a tiny random transformers model is written out as llama.cpp's
-converter writes it (tensor names, q/k row interleaving, experts stacked per kind, Phi-3's fused
-tensors, the metadata keys, GLM-4.5's MTP block after its layers), pytgi converts and serves the
-file, and its logits equal transformers' on the original model (fp32).
+gpt-oss, Gemma 4, GLM-4.5 MoE, MiniMax-M2): a tiny random transformers model is written out as
+llama.cpp's converter writes it (tensor names, q/k row interleaving, experts stacked per kind, Phi-3's
+fused tensors, the metadata keys, GLM-4.5's MTP block after its layers), pytgi converts and serves
+the file, and its logits equal transformers' on the original model (fp32).
 
 The layout below was checked against files that llama.cpp's own `convert_hf_to_gguf.py` made from
 such models (docs/models.md says how). Checked on 2026-12-07 with the llama-cpp-python 0.3.36 sdist's
@@ -35,6 +35,7 @@ import transformers
 from pytgi.core.config import EngineConfig
 from pytgi.core.model_files import resolve_model
 from pytgi.engine.execution.runner import ModelRunner
+from pytgi.engine.models.decoder import DecoderModel
 from tests.model.test_tiny_models import CONFIGS as TINY
 
 BASE = dict(
@@ -423,6 +424,96 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
     return path
 
 
+# Gemma 4's tensors beyond Gemma 3's names, as llama.cpp's Gemma4Model writes them (norms as they are,
+# not as 1 + w; the full layers' proportional RoPE as `rope_freqs`)
+GEMMA4 = {
+    "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+    "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+    "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight",
+}
+GEMMA4_LAYER = {
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "per_layer_input_gate": "inp_gate",
+    "per_layer_projection": "proj",
+    "post_per_layer_input_norm": "post_norm",
+}
+
+
+def write_gemma4_gguf(hf, path: Path, quant=None) -> Path:
+    """A Gemma 4 file as llama.cpp's converter (`Gemma4Model`) writes it: per-layer arrays for the kv
+    heads and (double-wide) MLP widths, the sliding pattern, both head sizes, both RoPE bases."""
+    import gguf
+
+    cfg = hf.config
+    n, types = cfg.num_hidden_layers, cfg.layer_types
+    full = types.index("full_attention")
+    full_heads, swa_heads = cfg.per_layer_config[full], cfg.per_layer_config[types.index("sliding_attention")]
+    head_full, kv_full = full_heads.head_dim, full_heads.num_key_value_heads
+    head_swa, kv_swa = swa_heads.head_dim, swa_heads.num_key_value_heads
+    first_shared = n - cfg.num_kv_shared_layers
+    w = gguf.GGUFWriter(str(path), "gemma4")
+
+    def add(name: str, a: np.ndarray) -> None:
+        qtype = quant(name, a) if quant else None
+        if qtype is None:
+            w.add_tensor(name, np.ascontiguousarray(a))
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, np.float32), t), raw_dtype=t)
+
+    w.add_block_count(n)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    ff = [
+        cfg.intermediate_size * (2 if cfg.use_double_wide_mlp and i >= first_shared else 1) for i in range(n)
+    ]
+    w.add_feed_forward_length(ff if cfg.use_double_wide_mlp else cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv([kv_swa if t == "sliding_attention" else kv_full for t in types])
+    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_length(head_full)
+    w.add_value_length(head_full)
+    if cfg.final_logit_softcapping is not None:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_shared_kv_layers(cfg.num_kv_shared_layers)
+    w.add_embedding_length_per_layer_input(cfg.hidden_size_per_layer_input or 0)
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    w.add_key_length_swa(head_swa)
+    w.add_value_length_swa(head_swa)
+    w.add_rope_dimension_count(head_full)
+    w.add_rope_dimension_count_swa(head_swa)
+    byte_vocabulary(w, cfg.vocab_size)
+    turned = int(head_full * cfg.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    w.add_tensor(
+        "rope_freqs.weight", np.array([1.0] * turned + [1e30] * (head_full // 2 - turned), np.float32)
+    )
+    for name, t in hf.state_dict().items():
+        a = t.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            add("token_embd.weight", a)
+        elif name == "model.norm.weight":
+            add("output_norm.weight", a)
+        elif name in GEMMA4:
+            add(GEMMA4[name], a)
+        elif name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            if rest == "layer_scalar":
+                add(f"blk.{i}.layer_output_scale.weight", a)
+                continue
+            stem, _, kind = rest.rpartition(".")
+            add(f"blk.{i}.{GEMMA4_LAYER.get(stem) or LAYER[stem]}.{kind}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def tiny_model(spec: tuple) -> tuple[str, dict, torch.nn.Module]:
     """A family's (GGUF arch, config kwargs, random float32 transformers model), seeded."""
     arch, cfg_cls, model_cls, kw = spec
@@ -459,6 +550,46 @@ def test_gguf_of_the_family_serves_transformers_logits(tmp_path, monkeypatch, fa
 
     seq = np.random.default_rng(1).integers(0, 97, 23).tolist()
     torch.testing.assert_close(prompt_logits(runner, seq), reference(hf, seq), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_gemma4_gguf_serves_transformers_logits(tmp_path, monkeypatch, dtype):
+    """test_tiny_models' Gemma 4 (every per-layer feature) from its file as llama.cpp writes it:
+    float32 equals transformers; the fast path (bf16, the Q8_0 matrices packed, the C loop stepping
+    aside) stays within a few times transformers' own bf16 error (a smoke test of that path)."""
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    cfg_cls, kw = TINY["gemma4"]
+    torch.manual_seed(0)  # (a vocabulary of 128: the per-layer table's rows can be packed, 16 a tile)
+    kw = {**kw, "vocab_size": 128, "vocab_size_per_layer_input": 128}
+    hf = transformers.Gemma4ForCausalLM(cfg_cls(**kw)).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in hf.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
+
+    def q8(name: str, a: np.ndarray) -> str | None:  # the matrices and the per-layer table, as Q8_0
+        mat = a.ndim == 2 and a.shape[1] % 32 == 0 and ("blk." in name or name.startswith("per_layer_token"))
+        return "Q8_0" if dtype == "auto" and mat else None
+
+    path = write_gemma4_gguf(hf, tmp_path / "gemma4.gguf", q8)
+    model_dir = resolve_model(str(path), progress=False).path
+    runner = ModelRunner(EngineConfig(model=str(model_dir), dtype=dtype, device="cpu"))
+    assert isinstance(runner.model, DecoderModel)
+    table = runner.model.embed_tokens_per_layer
+    assert (table.packed is not None) == (dtype == "auto" and runner.model.kernels.vnni)
+    from tests.model.test_tiny_models import reference
+
+    seq = np.random.default_rng(1).integers(0, 97, 23).tolist()  # past the 8-token window
+    got, want = prompt_logits(runner, seq), reference(hf, seq)
+    if dtype == "float32":
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    else:  # this tiny model is sensitive: transformers' own bf16 is 0.11 from its float32
+        with torch.no_grad():
+            bf16 = hf.to(torch.bfloat16)(torch.tensor([seq])).logits[0].float()
+        assert float((got - want).abs().max()) < 4 * float((bf16 - want).abs().max())
 
 
 def test_the_gpt_4o_pre_tokenizer_splits_as_o200k():

@@ -18,6 +18,14 @@ def tiny(tmp_path_factory):
     return tiny_llama(tmp_path_factory.mktemp("tiny"), max_positions=256)
 
 
+@pytest.fixture(scope="module")
+def tiny_gemma4(tmp_path_factory):
+    """test_tiny_models' Gemma 4 (caches of two shapes, two layers reading others' caches)."""
+    from tests.model.test_tiny_models import save_tiny_gemma4
+
+    return save_tiny_gemma4(tmp_path_factory.mktemp("gemma4"))
+
+
 def generate(engine: LLMEngine, prompt: list[int], n: int = 6) -> tuple[list[int], int, int]:
     """Greedy tokens, and the cached and disk-read prompt tokens."""
     engine.add_request("r", prompt, SamplingParams(max_new_tokens=n, temperature=0))
@@ -52,6 +60,28 @@ def test_a_restart_reads_the_prefix_back_and_the_output_is_the_cold_ones(tiny, t
     assert tokens == want
     assert cached == disk == 84  # 22 blocks of 4 on disk, the last one recomputed to check it
     assert stats.verified_blocks == 1 and stats.verify_mismatches == 0 and stats.read_blocks == 21
+
+
+def test_gemma4_caches_of_two_shapes_and_shared_layers_come_back_from_disk(tiny_gemma4, tmp_path):
+    """Each of Gemma 4's own caches is written once (its last layers read earlier layers'), the
+    layers' heads differing; read back after a restart they give the cold run's output. (Not bit
+    for bit against a recomputation: its sliding layers' prompt chunks past the window are
+    attended on the gathered path, whose bits depend on the chunk, as Gemma 3's are at head size 16.)"""
+    cold = engine_for(tiny_gemma4)
+    want = generate(cold, PROMPT + [5, 6])[0]
+    cold.shutdown()
+    first = engine_for(tiny_gemma4, tmp_path)
+    assert generate(first, PROMPT)[1:] == (0, 0)
+    nbytes = first.disk.pool.nbytes
+    first.shutdown()
+    # layers 0-3 own a cache: 2 × (2 heads × 16 + 1 × 32 + 2 × 16 + 1 × 32) values a slot, 4 slots a block
+    assert nbytes == 2 * 128 * 4 * 2  # bf16
+    second = engine_for(tiny_gemma4, tmp_path)
+    tokens, cached, disk = generate(second, PROMPT + [5, 6])
+    stats = second.disk.stats
+    second.shutdown()
+    assert tokens == want
+    assert cached == disk == 88 and stats.read_blocks == 22
 
 
 def test_blocks_the_pool_evicted_come_back_from_disk(tiny, tmp_path):

@@ -6,6 +6,8 @@ decodes, with block tables that are deliberately not contiguous.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -34,7 +36,7 @@ BASE = dict(
 
 SMALL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # families whose defaults are past 97
 
-CONFIGS = {
+CONFIGS: dict[str, tuple[Any, dict[str, Any]]] = {
     "llama": (transformers.LlamaConfig, dict(BASE, rope_theta=10000.0)),
     "llama-mha-tied": (transformers.LlamaConfig, dict(BASE, num_key_value_heads=4, tie_word_embeddings=True)),
     "llama3-rope-scaling": (
@@ -263,6 +265,70 @@ CONFIGS = {
             attention_bias=True,
         ),
     ),
+    # Gemma 4, every per-layer feature: sliding layers (window 8) of head size 16 and 2 kv heads, full
+    # layers of head size 32 with 1 kv head whose keys are their values (no v_proj) and proportional
+    # RoPE (a quarter of the angles turn), per-layer inputs, the last two layers reading layers 2's
+    # and 3's KV cache with a double-wide MLP, random layer scalars (the fixture), soft-capped logits
+    "gemma4": (
+        transformers.Gemma4TextConfig,
+        dict(
+            BASE,
+            num_hidden_layers=6,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            num_kv_shared_layers=2,
+            use_double_wide_mlp=True,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=97,
+            sliding_window=8,
+            final_logit_softcapping=0.5,
+            layer_types=["sliding_attention", "full_attention"] * 3,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 1_000_000.0,
+                },
+            },
+        ),
+    ),
+    # Gemma 4's multimodal checkpoint served as text (its vision and audio towers not read): full layers
+    # with their own head size but v_proj and the sliding layers' kv heads
+    "gemma4-multimodal-as-text": (
+        transformers.Gemma4Config,
+        dict(
+            text_config=dict(
+                BASE,
+                head_dim=16,
+                global_head_dim=32,
+                hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=97,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+            vision_config=dict(
+                hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16
+            ),
+            audio_config=dict(
+                hidden_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                subsampling_conv_channels=[8, 4],
+                output_proj_dims=32,
+            ),
+            # ids outside the test's 97: transformers would embed its placeholders as padding
+            image_token_id=200,
+            audio_token_id=201,
+            video_token_id=202,
+            boi_token_id=203,
+            eoi_token_id=204,
+            boa_token_id=205,
+            eoa_token_index=206,
+        ),
+    ),
     # GLM-4.5: partial rotary (half of each head), q/k/v biases and per-head q/k norms, a dense first
     # layer, then 8 experts in 4 groups (the best 2 groups' experts eligible) under a sigmoid router
     # with a correction bias (random, `models`), renormalized and scaled, beside an ungated shared expert
@@ -337,6 +403,8 @@ ARCH = {
     transformers.Olmo3Config: transformers.Olmo3ForCausalLM,
     transformers.GptOssConfig: transformers.GptOssForCausalLM,
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
+    transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
+    transformers.Gemma4Config: transformers.Gemma4ForConditionalGeneration,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
     transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
     transformers.Cohere2Config: transformers.Cohere2ForCausalLM,
@@ -358,6 +426,9 @@ def models(request, tmp_path_factory):
         for name, p in hf.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+        for name, b in hf.named_buffers():  # Gemma 4's per-layer output scales (ones at init)
+            if name.endswith("layer_scalar"):
+                b.uniform_(0.5, 1.5)
         # a sigmoid router's correction bias: on the scale of the scores' spread (~0.04 here), so it
         # changes about half the choices and the scores still decide the rest
         for name, b in hf.named_buffers():
@@ -489,3 +560,59 @@ def test_triton_path_matches(models, monkeypatch):
     model.load_state_dict(runner.model.state_dict())
     monkeypatch.setattr(runner, "model", model.eval())
     test_chunks_and_paged_decodes_in_mixed_steps_match(models)
+
+
+def test_gemma4_reads_the_published_config_keys():
+    """Google's config.json files give the full layers' heads as `global_head_dim` and (where k == v)
+    `num_global_key_value_heads`; transformers saves them as `per_layer_config`: the same layers."""
+    from pytgi.engine.models.gemma4 import gemma4_config
+
+    cfg_cls, kw = CONFIGS["gemma4"]
+    saved = cfg_cls(**kw).to_dict()
+    published = {k: v for k, v in saved.items() if k != "per_layer_config"}
+    published.update(global_head_dim=32, num_global_key_value_heads=1)
+    got, want = gemma4_config(published), gemma4_config(saved)
+    assert got == want
+    heads = [(a.num_key_value_heads, a.head_dim, a.kv_source, a.k_eq_v) for a in want.layer_attention or []]
+    assert heads == [(2, 16, None, False), (1, 32, None, True)] * 2 + [(2, 16, 2, False), (1, 32, 3, True)]
+    assert [a.intermediate_size for a in want.layer_attention or []] == [None] * 4 + [192, 192]
+    # without k == v the global kv-head count is not applied (as transformers reads it)
+    plain = gemma4_config({**published, "attention_k_eq_v": False})
+    assert [a.num_key_value_heads for a in plain.layer_attention or []] == [2] * 6
+
+
+@pytest.mark.parametrize(
+    "change, feature",
+    [
+        (
+            dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
+            "mixture-of-experts",
+        ),
+        (dict(use_bidirectional_attention="all"), "bidirectional attention"),
+    ],
+)
+def test_gemma4_refuses_what_it_does_not_run_at_load(tmp_path, change, feature):
+    """One `UnsupportedModel` line at load naming the feature (before: an error that did not say)."""
+    from pytgi.core.errors import UnsupportedModel
+
+    cfg_cls, kw = CONFIGS["gemma4"]
+    torch.manual_seed(0)
+    transformers.Gemma4ForCausalLM(cfg_cls(**{**kw, **change})).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModel, match=feature) as err:
+        ModelRunner(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu"))
+    assert "\n" not in str(err.value) and str(err.value).startswith("Gemma 4: ")
+
+
+def save_tiny_gemma4(path):
+    """The "gemma4" config above with a vocabulary of 128, no EOS (the engine tests' prompts) and no
+    soft cap (whose 0.5 leaves near ties everywhere), saved with random weights (a sharper head):
+    the engine tests' Gemma 4."""
+    cfg_cls, kw = CONFIGS["gemma4"]
+    torch.manual_seed(0)
+    vocab = {"vocab_size": 128, "vocab_size_per_layer_input": 128}
+    cfg = cfg_cls(**{**kw, **vocab, "eos_token_id": None, "final_logit_softcapping": None})
+    hf = transformers.Gemma4ForCausalLM(cfg)
+    with torch.no_grad():  # a tied head of std 0.16, not 0.02: logits far from a flat distribution
+        hf.model.embed_tokens.weight.mul_(8)
+    hf.save_pretrained(path)
+    return path

@@ -100,17 +100,25 @@ class PagedModel:
         layers have none)."""
         return next(a for layer in self.model.layers if (a := getattr(layer, "self_attn", None)) is not None)
 
-    def _kv_layers(self) -> int:
-        return sum(getattr(layer, "self_attn", None) is not None for layer in self.model.layers)
+    def _kv_layers(self) -> list[KVHeads]:
+        """The attention layers that keep a cache of their own, each with its heads (Gemma 4's differ by
+        layer, and its last layers read an earlier layer's cache: `kv_source`)."""
+        attns = [getattr(layer, "self_attn", None) for layer in self.model.layers]
+        return [a for a in attns if a is not None and getattr(a, "kv_source", None) is None]
+
+    def _row(self, attn: KVHeads) -> tuple[int, torch.dtype]:
+        """A cache row's values a head, and their dtype. FP8: each head's row of e4m3 bytes ends with its
+        float32 scale (`pytgi.engine.kernels.gpu`); int8: with its bf16 scale (`pytgi.engine.kernels.kv8`)."""
+        if self.fp8 or self.int8:
+            return attn.head_dim + (4 if self.fp8 else 2), torch.uint8
+        return attn.head_dim, self.dtype
 
     def kv_bytes_per_token(self) -> int:
-        attn, n = self._attention(), self._kv_layers()
-        if self.fp8:  # a byte a value, and a float32 scale a head
-            return n * 2 * attn.n_kv * (attn.head_dim + 4)
-        if self.int8:  # a byte a value, and a bf16 scale a head
-            return n * 2 * attn.n_kv * (attn.head_dim + 2)
-        elt = torch.empty((), dtype=self.dtype).element_size()
-        return n * 2 * attn.n_kv * attn.head_dim * elt
+        total = 0
+        for attn in self._kv_layers():
+            row, dtype = self._row(attn)
+            total += 2 * attn.n_kv * row * torch.empty((), dtype=dtype).element_size()
+        return total
 
     def state_bytes_per_request(self) -> int:
         """The recurrent state a request holds in the linear-attention layers (0: the model has none):
@@ -127,14 +135,7 @@ class PagedModel:
         """On CUDA one block more than asked: the scratch block of the decode graphs' padding rows.
         `state_slots`: requests whose recurrent states the linear-attention layers keep (their entries
         in `kv_caches` are those states, (convolution inputs, delta-rule state), not keys and values)."""
-        attn = self._attention()
         spare = int(self.device.type == "cuda")
-        # FP8: each head's row of e4m3 bytes ends with its float32 scale (`pytgi.engine.kernels.gpu`);
-        # int8: with its bf16 scale (`pytgi.engine.kernels.kv8`)
-        row, dtype = (attn.head_dim, self.dtype)
-        if self.fp8 or self.int8:
-            row, dtype = attn.head_dim + (4 if self.fp8 else 2), torch.uint8
-        shape = (2, (num_blocks + spare) * block_size, attn.n_kv, row)
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_caches = []
         self.graphs = None
@@ -148,6 +149,12 @@ class PagedModel:
                     )
                 )
                 continue
+            attn: KVHeads = layer.self_attn  # type: ignore[attr-defined]
+            if (source := getattr(attn, "kv_source", None)) is not None:  # another layer's cache (Gemma 4)
+                self.kv_caches.append(self.kv_caches[source])
+                continue
+            row, dtype = self._row(attn)
+            shape = (2, (num_blocks + spare) * block_size, attn.n_kv, row)
             k, v = torch.zeros(shape, dtype=dtype, device=self.device).unbind(0)
             self.kv_caches.append((k, v))
 

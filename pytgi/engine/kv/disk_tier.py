@@ -169,30 +169,33 @@ class DiskStore:
 
 class PoolBlocks:
     """Copies whole blocks between the KV pool (one K and one V tensor per layer, `block_size` slots a
-    block) and CPU tensors of shape (blocks, 2 * layers, block_size, heads, row)."""
+    block) and CPU tensors of shape (blocks, bytes): a block's bytes in each tensor, one tensor after
+    another in layer order. Each tensor once: a layer reading another layer's cache (Gemma 4) adds
+    none, and the layers' heads may differ."""
 
     def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
-        self.tensors = [t.view(-1, block_size, *t.shape[1:]) for kv in kv_caches for t in kv]
-        first = self.tensors[0]
-        self.shape = (len(self.tensors), *first.shape[1:])
-        self.dtype, self.device = first.dtype, first.device
-        self.nbytes = first[0].nbytes * len(self.tensors)
+        distinct = {t.data_ptr(): t for kv in kv_caches for t in kv}
+        self.tensors = [t.view(-1, block_size, *t.shape[1:]) for t in distinct.values()]
+        self.sizes = [t[0].nbytes for t in self.tensors]
+        self.device = self.tensors[0].device
+        self.nbytes = sum(self.sizes)
 
     def gather(self, blocks: Sequence[int]) -> torch.Tensor:
         idx = torch.tensor(blocks, device=self.device)
-        return torch.stack([t.index_select(0, idx) for t in self.tensors], 1).cpu()
+        rows = [t.index_select(0, idx).view(len(blocks), -1).view(torch.uint8) for t in self.tensors]
+        return torch.cat(rows, 1).cpu()
 
     def scatter(self, blocks: Sequence[int], data: torch.Tensor) -> None:
         idx = torch.tensor(blocks, device=self.device)
         data = data.to(self.device)
-        for j, t in enumerate(self.tensors):
-            t.index_copy_(0, idx, data[:, j])
+        for t, part in zip(self.tensors, data.split(self.sizes, 1)):
+            t.index_copy_(0, idx, part.contiguous().view(t.dtype).view(len(blocks), *t.shape[1:]))
 
     def as_bytes(self, block: torch.Tensor) -> memoryview:
-        return memoryview(block.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+        return memoryview(block.contiguous().numpy()).cast("B")  # type: ignore[arg-type]
 
     def from_bytes(self, buf: bytearray) -> torch.Tensor:
-        return torch.frombuffer(buf, dtype=torch.uint8, offset=HEADER.size).view(self.dtype).view(self.shape)
+        return torch.frombuffer(buf, dtype=torch.uint8, offset=HEADER.size)
 
 
 @dataclass(eq=False)

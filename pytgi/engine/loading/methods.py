@@ -27,6 +27,7 @@ from torch import nn
 
 from pytgi.engine.loading.checkpoints import QuantizedCheckpoint, fp8_rows, grid_of, linear_levels
 from pytgi.engine.loading.gguf import DECODERS, ROWS_PER_SLICE, GGUFWeights
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.decoder import EMBED, DecoderModel
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from pytgi.engine.models.moe import SparseMoE
@@ -72,17 +73,24 @@ def load_gguf(
         ):
             experts[mod] = parts
     # the embedding table too: rows read from a packed weight (the tied head's, or its own)
-    table = model.kernels.vnni and act_dtype == torch.bfloat16 and weights.type_name(EMBED) in DECODERS
+    rows = model.kernels.vnni and act_dtype == torch.bfloat16
+    table = rows and weights.type_name(EMBED) in DECODERS
+    # Gemma 4's per-layer input table (as big as the rest of a small model): packed rows where it can
+    per_layer = model.embed_tokens_per_layer
+    ple = rows and per_layer is not None and PER_LAYER in plan and weights.type_name(PER_LAYER) in DECODERS
     skip = {n for _, names in packed.values() for n in names}
     skip |= {n for names in experts.values() for n in names}
     skip.discard(EMBED)  # a tied head's tensor is the table's too: read dense, unless packed rows serve
     if table:
         skip.add(EMBED)
+    if ple:
+        skip.add(PER_LAYER)
     model.load_weights(
         weights.dense_tensors(act_dtype, frozenset(skip)),
         expect_missing={f"{own[id(mod)]}.weight" for mod in packed}
         | {f"{own[id(mod)]}.{p}" for mod in experts for p in ("gate_up", "down")}
-        | ({"embed_tokens.weight"} if table else set()),
+        | ({"embed_tokens.weight"} if table else set())
+        | ({"embed_tokens_per_layer.weight"} if ple else set()),
     )
     for mod, (gate, up, down) in experts.items():
         kinds = (merged_kind({plan[gate], plan[up]}) or "int8", plan[down])
@@ -103,6 +111,8 @@ def load_gguf(
     )
     if table:
         _packed_table(model, weights, act_dtype)
+    if ple and per_layer is not None:
+        _packed_rows(per_layer, weights, PER_LAYER, act_dtype, model.kernels)
 
 
 def load_quantized_checkpoint(model: DecoderModel, ckpt: QuantizedCheckpoint, act_dtype: torch.dtype) -> None:
@@ -167,6 +177,22 @@ def _packed_table(model: DecoderModel, weights: GGUFWeights, act_dtype: torch.dt
         model.embed_tokens.load_weight(model.embed_tokens.weight, weights.dense(EMBED, act_dtype))
 
 
+def _packed_rows(
+    table: VocabParallelEmbedding, weights: GGUFWeights, name: str, act_dtype: torch.dtype, cpu: Kernels
+) -> None:
+    """An embedding table of its own (Gemma 4's per-layer inputs) as a packed weight's rows, from the
+    file's blocks; dequantized into `weight` where the packed layout cannot hold it."""
+    kind = kind_for_gguf_type(weights.type_name(name)) or "int8"
+    quant = QuantizedWeight(kind, _grid_layout(weights, table, [name], kind), act_dtype, cpu)
+    quant.dequantized = torch.empty(0)
+    if quant.vnni:
+        table.packed = quant
+        table.weight = nn.Parameter(torch.empty(0, dtype=act_dtype), requires_grad=False)
+    else:
+        table.load_weight(table.weight, weights.dense(name, act_dtype))
+
+
+PER_LAYER = "model.embed_tokens_per_layer.weight"  # Gemma 4's per-layer input table
 FLOAT_TYPES = {"F32", "F16", "BF16"}  # GGUF's float tensor types
 
 

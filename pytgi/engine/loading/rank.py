@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pytgi.core.config import EngineConfig
-from pytgi.core.errors import ConfigError
+from pytgi.core.errors import ConfigError, UnsupportedModel
 from pytgi.engine import distributed as dist
 from pytgi.engine.execution.batch import PagedModel, kv_dtype_refusal
 from pytgi.engine.kv.sizing import check_fits, local_engines
@@ -39,6 +39,11 @@ def load_paged_model(config: EngineConfig, device: torch.device) -> PagedModel:
     dtype = resolve_dtype(config.dtype, read_config(model_path), device)
     # On CPU this builds the C kernels now (about a second, once), not on the first request.
     cpu = Kernels.for_device(device, dtype, batch_invariant=config.batch_invariant)
+    family = model_family(model_path, config.model_impl)
+    if family is not None and not family.tensor_parallel and dist.tp_size() > 1:
+        raise UnsupportedModel(
+            f"--num-shard {dist.tp_size()}: {family.name} runs on one rank in pytgi (docs/models.md)"
+        )
     share = local_engines(dist.tp_size()) / dist.tp_size()  # of the whole model, on this machine
     need = weight_bytes(model_path, dtype, device, config.quantize)
     check_fits(int(need * share), device, f"the model ({model_path.name})")
@@ -52,7 +57,6 @@ def load_paged_model(config: EngineConfig, device: torch.device) -> PagedModel:
         config.model_impl,
         pooling_head(config),
     )
-    family = model_family(model_path, config.model_impl)
     if why := kv_dtype_refusal(model, device, dtype, config.kv_cache_dtype, family):
         raise ConfigError(why)
     return PagedModel(model, dtype, device, kv_dtype=config.kv_cache_dtype, family=family)

@@ -1,6 +1,6 @@
 """One decoder-only transformer over the paged KV cache, for every family pytgi runs itself.
 
-Llama 2/3, Mistral, Qwen2/2.5/3 (and their mixtures of experts), Phi-3, SmolLM, Gemma 2 and Gemma 3
+Llama 2/3, Mistral, Qwen2/2.5/3 (and their mixtures of experts), Phi-3, SmolLM, Gemma 2, 3 and 4
 (and the families below) differ in data, which `DecoderConfig` holds (parsed from each family's
 config.json by its reader: `pytgi.engine.models.llama`, `pytgi.engine.models.gemma`, ...):
 
@@ -18,6 +18,9 @@ config.json by its reader: `pytgi.engine.models.llama`, `pytgi.engine.models.gem
   projection (`qk_norm_whole`: OLMo 2/3, all-reduced across ranks);
 - LayerNorms, attention and the MLP side by side, q/k rows paired for the rotation as (2i, 2i + 1) and
   reordered at load (`layer_norm`, `parallel_block`, `rope_interleaved`: Cohere 2).
+- per layer, where layers differ (Gemma 4, `LayerAttention`): kv heads and head size, reading an earlier
+  layer's KV cache, keys that are the values, the MLP's width; values normed per head, per-layer
+  inputs gated into each layer's output, a scalar on each layer's output.
 
 Which families there are, and which reader each has, is `pytgi.core.families`' table.
 
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeAlias
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pytgi.engine.distributed import all_reduce, check_heads, tp_size
@@ -113,6 +117,20 @@ class MoEConfig:
     shared_gate: bool = True  # Qwen2-MoE's sigmoid gate on the shared expert; False: added as it is
 
 
+@dataclass(frozen=True, slots=True)
+class LayerAttention:
+    """One layer's attention where it differs from the model's (Gemma 4: its full-attention layers'
+    own head size and kv heads, and the last layers reading an earlier layer's keys and values)."""
+
+    num_key_value_heads: int
+    head_dim: int
+    # reads layer `kv_source`'s keys and values from that layer's cache (has no k, v projections and
+    # writes no cache of its own); None: its own
+    kv_source: int | None = None
+    k_eq_v: bool = False  # the values are the keys' projection (before k's norm and rotation): no v_proj
+    intermediate_size: int | None = None  # its MLP's, where it differs from the model's (Gemma 4)
+
+
 @dataclass(slots=True)
 class DecoderConfig:
     vocab_size: int
@@ -170,13 +188,49 @@ class DecoderConfig:
     layer_norm: bool = False
     parallel_block: bool = False
     rope_interleaved: bool = False
+    # Gemma 4: each layer's attention (`LayerAttention`; None: every layer the model's heads), values
+    # normed per head (RMSNorm without a weight) before they are cached, per-layer inputs (a second
+    # embedding of `per_layer_input_size` a layer, over `per_layer_vocab_size` ids, gated into each
+    # layer's output) and a learned scalar multiplying each layer's output (`layer_scalar`)
+    layer_attention: list[LayerAttention] | None = None
+    v_norm: bool = False
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
+    layer_scalar: bool = False
+
+    @property
+    def uniform_layers(self) -> bool:
+        """Every layer has the model's heads and none of Gemma 4's per-layer features (what the C
+        all-layers loop takes)."""
+        return not (
+            self.layer_attention is not None or self.v_norm or self.per_layer_input_size or self.layer_scalar
+        )
 
 
-def local_heads(cfg: DecoderConfig) -> tuple[int, int, int]:
-    """(query heads, kv heads, head dim) on this rank: split by kv heads, each with its query group."""
-    shards = qkv_shards(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
-    n_kv = shards[1][1] // cfg.head_dim
-    return n_kv * (cfg.num_attention_heads // cfg.num_key_value_heads), n_kv, cfg.head_dim
+def local_heads(cfg: DecoderConfig, layer: LayerAttention | None = None) -> tuple[int, int, int]:
+    """(query heads, kv heads, head dim) on this rank: split by kv heads, each with its query group
+    (`layer`: a layer's own heads, Gemma 4's)."""
+    n_kv_all, head_dim = _kv_heads(cfg, layer)
+    shards = qkv_shards(head_dim, cfg.num_attention_heads, n_kv_all)
+    n_kv = shards[1][1] // head_dim
+    return n_kv * (cfg.num_attention_heads // n_kv_all), n_kv, head_dim
+
+
+def _kv_heads(cfg: DecoderConfig, layer: LayerAttention | None) -> tuple[int, int]:
+    """(kv heads, head dim) of a layer, all ranks'."""
+    if layer is None:
+        return cfg.num_key_value_heads, cfg.head_dim
+    return layer.num_key_value_heads, layer.head_dim
+
+
+def layer_rope_dim(cfg: DecoderConfig, kind: str) -> int:
+    """The head size the rotary tables of `kind`'s layers (FULL, SLIDING) turn: the first such layer's
+    own (Gemma 4), else the model's."""
+    if cfg.layer_attention is not None and cfg.layer_types is not None:
+        for spec, t in zip(cfg.layer_attention, cfg.layer_types):
+            if t == kind:
+                return spec.head_dim
+    return cfg.rotary_dim or cfg.head_dim if kind == FULL else cfg.head_dim
 
 
 def layer_metadata(meta: DecoderMetadata, sliding: bool | None) -> LayerMetadata:
@@ -224,24 +278,39 @@ class WholeNorm(RMSNorm):
 
 class Attention(nn.Module):
     def __init__(
-        self, cfg: DecoderConfig, backend: TorchAttention, ops: TorchOps, sliding: bool | None = None
+        self,
+        cfg: DecoderConfig,
+        backend: TorchAttention,
+        ops: TorchOps,
+        sliding: bool | None = None,
+        spec: LayerAttention | None = None,
     ) -> None:
-        """sliding: whether this layer attends within the model's window (None: the model has none)."""
+        """sliding: whether this layer attends within the model's window (None: the model has none);
+        spec: the layer's own heads and KV source (Gemma 4; None: the model's)."""
         super().__init__()
         self.sliding = sliding
-        self.n_heads, self.n_kv, self.head_dim = local_heads(cfg)
+        self.n_heads, self.n_kv, self.head_dim = local_heads(cfg, spec)
         self.scale = cfg.attn_scale
         self.backend, self.ops = backend, ops
-        shards = qkv_shards(cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads)
+        n_kv, head_dim = _kv_heads(cfg, spec)
+        shards = qkv_shards(head_dim, cfg.num_attention_heads, n_kv)
         self.gated, self.rotary_dim = cfg.attn_output_gate, cfg.rotary_dim or cfg.head_dim
+        # Gemma 4: a layer reading another's cache (`kv_source`) projects queries only; k == v: the
+        # keys' projection is the values' too
+        self.kv_source = None if spec is None else spec.kv_source
+        self.k_eq_v = spec is not None and spec.k_eq_v
+        self.own = spec is not None  # the PyTorch path below (`_own_qkv`) computes q, k, v
+        if spec is not None:
+            self.rotary_dim = head_dim
         q_rows = (
             (2 * shards[0][0], 2 * shards[0][1]) if self.gated else shards[0]
         )  # each head's q, then its gate
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_rows, *shards[1:]], cfg.attention_bias)
+        kv_rows = [] if self.kv_source is not None else shards[1:2] if self.k_eq_v else shards[1:]
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_rows, *kv_rows], cfg.attention_bias)
         self.o_proj = RowParallelLinear(shards[0], cfg.hidden_size, cfg.o_proj_bias)
         per_head = cfg.qk_norm and not cfg.qk_norm_whole
-        self.q_norm = _norm(cfg, cfg.head_dim) if per_head else None
-        self.k_norm = _norm(cfg, cfg.head_dim) if per_head else None
+        self.q_norm = _norm(cfg, head_dim) if per_head else None
+        self.k_norm = _norm(cfg, head_dim) if per_head and self.kv_source is None else None
         # OLMo 2/3's norms of the whole projections (the checkpoint's q_norm / k_norm, `load_weights`)
         self.q_norm_all: WholeNorm | None = None
         self.k_norm_all: WholeNorm | None = None
@@ -249,6 +318,8 @@ class Attention(nn.Module):
             H, KVH, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
             self.q_norm_all = WholeNorm(H * D, shards[0], cfg.rms_norm_eps)
             self.k_norm_all = WholeNorm(KVH * D, shards[1], cfg.rms_norm_eps)
+        self.v_norm = cfg.v_norm and self.kv_source is None  # RMSNorm without a weight
+        self.eps = cfg.rms_norm_eps
         self.sinks: nn.Parameter | None = None
         if cfg.attn_sinks:  # this rank's query heads' sinks
             self.sinks = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
@@ -265,7 +336,9 @@ class Attention(nn.Module):
             nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
             q, k, v = qkv.split([nq, nk, nk], dim=-1)
             qkv = torch.cat([self.q_norm_all(q), self.k_norm_all(k), v], dim=-1)
-        if self.gated or self.rotary_dim != self.head_dim:
+        if self.own:
+            q, k, v = self._own_qkv(qkv, rope)
+        elif self.gated or self.rotary_dim != self.head_dim:
             q, k, v, gate = self._gated_qkv(qkv, rope)
         else:
             q, k, v = self.ops.qkv_rotary(self, qkv, rope, kv_cache, meta)
@@ -273,6 +346,29 @@ class Attention(nn.Module):
         o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, **extra)
         o = o.reshape(x.shape[0], self.n_heads * self.head_dim)
         return self.o_proj(o if gate is None else o * torch.sigmoid(gate))
+
+    def _own_qkv(
+        self, qkv: torch.Tensor, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Gemma 4's q, k, v in PyTorch ops: q and k normed and rotated, v normed without a weight
+        (`v_norm`) or the keys' projection itself (`k_eq_v`); k, v None where the layer reads another
+        layer's cache (`kv_source`), whose keys and values are there already."""
+        T, H, KVH, D = qkv.shape[0], self.n_heads, self.n_kv, self.head_dim
+        cos, sin = (t.reshape(T, 1, D).to(qkv.dtype) for t in rope)  # (KernelOps' tables: float32 [T, D])
+        q = qkv[:, : H * D].view(T, H, D)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rotary(q, cos, sin)
+        if self.kv_source is not None:
+            return q, None, None
+        k = qkv[:, H * D : (H + KVH) * D].view(T, KVH, D)
+        v = k if self.k_eq_v else qkv[:, (H + KVH) * D :].view(T, KVH, D)
+        if self.v_norm:
+            vf = v.float()
+            v = (vf * torch.rsqrt(vf.pow(2).mean(-1, keepdim=True) + self.eps)).to(v.dtype)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return q, apply_rotary(k, cos, sin), v.contiguous()
 
     def _gated_qkv(
         self, qkv: torch.Tensor, rope: Rope
@@ -296,9 +392,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, ops: TorchOps) -> None:
+    def __init__(self, cfg: DecoderConfig, ops: TorchOps, intermediate_size: int | None = None) -> None:
+        """intermediate_size: this layer's, where it differs from the model's (Gemma 4)."""
         super().__init__()
-        shards = merged_shards([cfg.intermediate_size] * 2)
+        shards = merged_shards([intermediate_size or cfg.intermediate_size] * 2)
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, shards, cfg.mlp_bias)
         self.down_proj = RowParallelLinear(shards[0], cfg.hidden_size, cfg.mlp_bias)
         self.ops, self.activation = ops, cfg.activation
@@ -317,9 +414,11 @@ class DecoderLayer(nn.Module):
         sparse: bool = False,
         linear: bool = False,
         rotates: bool = True,
+        spec: LayerAttention | None = None,
     ) -> None:
         """linear: a gated DeltaNet layer (`linear_attn`, its KV cache entry a recurrent state) instead
-        of attention (`self_attn`); rotates: False for a layer without rotary embedding (NoPE)."""
+        of attention (`self_attn`); rotates: False for a layer without rotary embedding (NoPE); spec:
+        its attention's own heads (Gemma 4)."""
         super().__init__()
         self.sliding, self.sandwich, self.ops = sliding, cfg.sandwich_norms, ops
         self.rotates, self.pre_norms, self.parallel = rotates, cfg.pre_norms, cfg.parallel_block
@@ -331,10 +430,10 @@ class DecoderLayer(nn.Module):
             fused = isinstance(ops, KernelOps)  # the C kernels run this model (CPU)
             self.linear_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, fused)
         else:
-            self.self_attn = Attention(cfg, backend, ops, sliding)
+            self.self_attn = Attention(cfg, backend, ops, sliding, spec)
         moe = cfg.moe
         self.mlp: MLP | SparseMoE = (
-            MLP(cfg, ops)
+            MLP(cfg, ops, None if spec is None else spec.intermediate_size)
             if moe is None or not sparse
             else SparseMoE(
                 cfg.hidden_size,
@@ -359,6 +458,17 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
         if self.sandwich or not cfg.pre_norms:
             self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
+        # Gemma 4: the layer's own input (`DecoderModel.per_layer_inputs`), gated by its output and
+        # projected back into the residual stream; then the whole stream scaled by `layer_scalar`
+        # (whole linears on every rank, on the kernels the others run: `quantize` packs them too)
+        self.per_layer_input_gate: ColumnParallelLinear | None = None
+        if cfg.per_layer_input_size:
+            p = cfg.per_layer_input_size
+            self.per_layer_input_gate = ColumnParallelLinear(cfg.hidden_size, [(0, p)])
+            self.per_layer_projection = ColumnParallelLinear(p, [(0, cfg.hidden_size)])
+            self.post_per_layer_input_norm = _norm(cfg, cfg.hidden_size)
+        self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False) if cfg.layer_scalar else None
+        self.activation = cfg.activation
 
     def forward(
         self,
@@ -368,11 +478,13 @@ class DecoderLayer(nn.Module):
         kv_cache: LayerCache,
         meta: DecoderMetadata,
         next_norm: RMSNorm | None,
+        per_layer_input: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: this layer's input, normed. Returns the residual stream and the next norm of it (the
         next layer's input norm, or the model's final one; None: not normed): each residual add is
         paired with the norm after it, which the C kernels do in one pass. `ropes`: the full layers',
-        the sliding layers' and (models with NoPE layers) the identity's tables."""
+        the sliding layers' and (models with NoPE layers) the identity's tables. per_layer_input: this
+        layer's [T, per_layer_input_size] (Gemma 4)."""
         mixer = self.self_attn if self.linear_attn is None else self.linear_attn
         assert mixer is not None
         a = mixer(h, ropes[2] if not self.rotates else ropes[1] if self.sliding else ropes[0], kv_cache, meta)
@@ -397,7 +509,19 @@ class DecoderLayer(nn.Module):
         out = self.mlp(mlp_in)
         if self.residual_scale is not None:
             out = out * self.residual_scale
-        return self.ops.add_norm(out, residual, next_norm, mlp_out_norm)
+        if self.per_layer_input_gate is None and self.layer_scalar is None:
+            return self.ops.add_norm(out, residual, next_norm, mlp_out_norm)
+        residual, _ = self.ops.add_norm(out, residual, None, mlp_out_norm)
+        if self.per_layer_input_gate is not None:  # Gemma 4's per-layer input, in PyTorch ops
+            assert per_layer_input is not None
+            g = self.per_layer_input_gate(residual)
+            g = (
+                F.gelu(g, approximate="tanh") if self.activation == "gelu_tanh" else F.silu(g)
+            ) * per_layer_input
+            residual = residual + self.post_per_layer_input_norm(self.per_layer_projection(g))
+        if self.layer_scalar is not None:
+            residual = residual * self.layer_scalar.to(residual.dtype)
+        return residual, None if next_norm is None else next_norm(residual)
 
 
 class DecoderModel(nn.Module):
@@ -432,10 +556,22 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         sparse = cfg.moe.sparse_layers if cfg.moe else [False] * cfg.num_hidden_layers
         rotates = cfg.rope_layers or [True] * cfg.num_hidden_layers
+        specs: list[LayerAttention | None] = [None] * cfg.num_hidden_layers
+        if cfg.layer_attention is not None:
+            specs = list(cfg.layer_attention)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, self.ops, s, m, lin, r)
-            for s, m, lin, r in zip(slidings, sparse, linear, rotates)
+            DecoderLayer(cfg, backend, self.ops, s, m, lin, r, spec)
+            for s, m, lin, r, spec in zip(slidings, sparse, linear, rotates, specs)
         )
+        # Gemma 4's per-layer inputs: a second embedding table (every layer's part side by side) and a
+        # projection of the embeddings, each normed and summed (`per_layer_inputs`)
+        # (a GGUF file's table stays packed where the CPU's kernels read rows: `methods.load_gguf`)
+        self.embed_tokens_per_layer: VocabParallelEmbedding | None = None
+        if cfg.per_layer_input_size:
+            width = cfg.num_hidden_layers * cfg.per_layer_input_size
+            self.embed_tokens_per_layer = VocabParallelEmbedding(cfg.per_layer_vocab_size, width)
+            self.per_layer_model_projection = ColumnParallelLinear(cfg.hidden_size, [(0, width)])
+            self.per_layer_projection_norm = _norm(cfg, cfg.per_layer_input_size)
         self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         self.score_weight = (  # a sequence classifier's (`PoolHead`): its last token's labels
@@ -446,10 +582,12 @@ class DecoderModel(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(
-            cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+            layer_rope_dim(cfg, FULL), cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
         self.rotary_local = (
-            RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta, None)
+            RotaryEmbedding(
+                layer_rope_dim(cfg, SLIDING), cfg.max_position_embeddings, cfg.rope_local_theta, None
+            )
             if cfg.rope_local_theta is not None
             else None
         )
@@ -506,6 +644,7 @@ class DecoderModel(nn.Module):
             return self.norm(h) if cfg.sandwich_norms else h
         # With sandwich norms the final norm runs on its own, as the C loop's caller runs it.
         final = None if cfg.sandwich_norms else self.norm
+        per_layer = self.per_layer_inputs(input_ids, x)
         next_norms: list[Any] = [None] * (len(self.layers) - 1) + [final]
         if cfg.layer_norm:  # (PyTorch's ops: the fused kernels' norms are RMSNorms)
             first_norm: RMSNorm = self.layers[0].input_layernorm  # type: ignore[assignment]
@@ -516,14 +655,34 @@ class DecoderModel(nn.Module):
             next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [final]
         else:  # each layer's input is the residual stream itself
             residual, h = x, x
-        for layer, kv_cache, next_norm in zip(self.layers, kv_caches, next_norms):
-            residual, h = layer(residual, h, ropes, kv_cache, meta, next_norm)
+        for i, (layer, kv_cache, next_norm) in enumerate(zip(self.layers, kv_caches, next_norms)):
+            if per_layer is None:
+                residual, h = layer(residual, h, ropes, kv_cache, meta, next_norm)
+            else:
+                residual, h = layer(residual, h, ropes, kv_cache, meta, next_norm, per_layer[:, i])
             if h is None and not cfg.pre_norms:
                 h = residual
         if final is None:
             return self.norm(residual)
         assert h is not None
         return h
+
+    def per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """Gemma 4: each layer's own input [T, layers, per_layer_input_size] (None: the model has
+        none), from the ids' rows of the per-layer table (scaled by √size; ids past that table's
+        vocabulary, a multimodal model's, have zeros) and the projected embeddings `x` (scaled by
+        1/√hidden, normed), summed and scaled by 1/√2."""
+        table = self.embed_tokens_per_layer
+        if table is None:
+            return None
+        cfg, T = self.config, x.shape[0]
+        size = cfg.per_layer_input_size
+        inside = ids < cfg.per_layer_vocab_size
+        rows = table(torch.where(inside, ids, 0)) * inside.unsqueeze(-1).to(x.dtype)
+        rows = rows * torch.tensor(size**0.5, dtype=x.dtype)
+        proj = self.per_layer_model_projection(x) * (cfg.hidden_size**-0.5)
+        proj = self.per_layer_projection_norm(proj.reshape(T, cfg.num_hidden_layers, size))
+        return (proj + rows.reshape(T, cfg.num_hidden_layers, size)) * (2.0**-0.5)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
@@ -550,8 +709,9 @@ class DecoderModel(nn.Module):
         todo: dict[nn.Module, tuple[str, list[str]]] = {}
         for name, mod in self.named_modules():
             if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
-                stem, last = name.rsplit(".", 1)
-                names = [f"model.{stem}.{p}.weight" for p in parts.get(last, [last])]
+                stem, _, last = name.rpartition(".")  # (Gemma 4's per_layer_model_projection: no stem)
+                where = f"model.{stem}." if stem else "model."
+                names = [f"{where}{p}.weight" for p in parts.get(last, [last])]
                 if (k := kind(names)) is not None:
                     todo[mod] = (k, names)
         head = self.head_name

@@ -74,6 +74,8 @@ class DecoderLoop:
         """The loop for this model, or None when it does not apply (see the module doc)."""
         if not cpu.decoder_loop or tp_size() != 1 or not cls._applies(model.config):
             return None
+        if not model.config.uniform_layers:  # Gemma 4's per-layer heads, inputs, scalars: not in decoder.c
+            return None
         linears = [m for layer in model.layers for m in _linears(layer)]
         quants = [getattr(m, "quant", None) for m in linears]
         if any(getattr(m, "perm", None) is not None for m in linears):  # inputs reordered (GPTQ desc_act)

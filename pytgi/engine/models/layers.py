@@ -289,6 +289,11 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif kind == "linear":
             inv_freq = inv_freq / scaling["factor"]
+        elif kind == "proportional":  # Gemma 4: the first `partial_rotary_factor` of the angles turn,
+            # over the whole head (the others' frequency is 0: cos 1, sin 0)
+            turned = int(scaling.get("partial_rotary_factor", 1.0) * head_dim // 2)
+            inv_freq = torch.cat((inv_freq[:turned], torch.zeros(len(inv_freq) - turned)))
+            inv_freq = inv_freq / scaling.get("factor", 1.0)
         elif kind == "yarn":
             inv_freq, attention = _yarn(inv_freq, scaling, max_positions, base)
         elif kind == "longrope":
@@ -298,7 +303,8 @@ class RotaryEmbedding(nn.Module):
             self.dynamic = (scaling["factor"], scaling["original_max_position_embeddings"], base, head_dim)
         elif kind not in ("default", "mrope"):  # M-RoPE: the default frequencies, by axis (`mrope`)
             raise ValueError(
-                f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn, longrope, dynamic)"
+                f"rope scaling {kind!r} is not supported (default, linear, llama3, yarn, longrope, dynamic, "
+                "proportional)"
             )
         at = torch.arange(max_positions, dtype=torch.float32)
         if self.long_after is not None:
