@@ -77,7 +77,7 @@ def test_glm_reads_its_router_rotary_and_dense_layers():
 
 def test_minimax_reads_its_whole_projection_norms_and_router():
     cfg = minimax_m2_config(MINIMAX)
-    assert cfg.qk_norm_whole and not cfg.qk_norm and cfg.rotary_dim == 16
+    assert cfg.qk_norm_whole and cfg.qk_norm and cfg.rotary_dim == 16
     assert cfg.moe is not None and cfg.moe.intermediate_size == 48 and cfg.moe.norm_topk
     assert cfg.moe.routing == Routing("sigmoid", correction_bias=True)
     assert cfg.moe.sparse_layers == [True] * 4 and cfg.moe.shared_intermediate_size is None

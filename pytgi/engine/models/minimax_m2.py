@@ -57,7 +57,7 @@ def minimax_m2_config(cfg: dict[str, Any]) -> DecoderConfig:
     return dataclasses.replace(
         base,
         rotary_dim=rotary_dim if rotary_dim != head_dim else None,
-        qk_norm=False,
+        qk_norm=qk_norm,
         qk_norm_whole=qk_norm,
         moe=moe,
         # multi-token-prediction modules, where a checkpoint holds them: not read
