@@ -317,6 +317,9 @@ class TransformersModel(nn.Module):
         # What the runner sizes the KV cache from: one entry per layer.
         self.layers = [_LayerShape(n_kv, width) for _ in range(c.num_hidden_layers)]
         self.final_logit_softcapping: float | None = getattr(cfg, "final_logit_softcapping", None)
+        # a scale the causal LM multiplies its logits by (Cohere's `logit_scale`); the probe checks it
+        scale = getattr(self.hf, "logit_scale", None)
+        self.logit_scale = float(scale) if isinstance(scale, (int, float)) else None
         try:
             why = self._disagreement(cfg, dtype, device)
         except Exception as e:  # noqa: BLE001  # whatever fails here would fail every request
@@ -350,6 +353,7 @@ class TransformersModel(nn.Module):
         seen: list[list[torch.Tensor]] = [[] for _ in layers]
         chunk: list[int] = [0, n]  # the paged run's chunk: its rows of the reference's inputs
         forced: list[torch.Tensor] = []  # the reference's input of each layer (empty: the reference runs)
+        heads: list[torch.Tensor] = []  # the paged run's logits, chunk by chunk
 
         def before(i: int, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             """Each layer's input, and in the paged run the reference's input instead, so that each
@@ -374,11 +378,11 @@ class TransformersModel(nn.Module):
                 for impl in ("sdpa", "eager"):
                     try:
                         self.hf.set_attn_implementation(impl)
-                        decoder(
+                        logits = self.hf(
                             input_ids=ids[None],
                             position_ids=torch.arange(n, device=device)[None],
                             use_cache=False,
-                        )
+                        ).logits[0]
                         break
                     except (ValueError, ImportError, NotImplementedError):
                         continue
@@ -406,7 +410,8 @@ class TransformersModel(nn.Module):
                         block_size=block,
                     )
                     meta = self.attention.prepare(layout, device)
-                    self.forward(ids[lo:hi], torch.arange(lo, hi, device=device), caches, meta)
+                    hidden = self.forward(ids[lo:hi], torch.arange(lo, hi, device=device), caches, meta)
+                    heads.append(self.compute_logits(hidden))
                 paged = [torch.cat(s) for s in seen]
         finally:
             for h in hooks:
@@ -426,6 +431,16 @@ class TransformersModel(nn.Module):
                     f"{float(rel[at]):.3g}, float noise is under {tolerance:g})"
                 )
             worst = max(worst, (float(rel[at]), i, at))
+        # then what the model makes of its last layer's output: its final norm and head, as pytgi
+        # computes the logits, against the whole model's (a head of its own, a scale, a cap)
+        ref, got = logits.float(), torch.cat(heads).float()
+        rel = torch.nan_to_num((got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6), nan=float("inf"))
+        if float(rel.max()) > tolerance:
+            return (
+                f"its logits through pytgi's paged attention and LM head differ from transformers' own "
+                f"(position {int(rel.argmax())} of a {n}-token probe: relative difference "
+                f"{float(rel.max()):.3g}, float noise is under {tolerance:g})"
+            )
         log.info(
             "its forward equals transformers' own on a %d-token probe (largest relative difference "
             "%.2g, layer %d)",
@@ -446,5 +461,7 @@ class TransformersModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.hf.get_output_embeddings()(hidden).float()
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
         cap = self.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
