@@ -11,6 +11,7 @@ from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.quant import (
     LayoutRows,
     QuantizedWeight,
+    can_quantize,
     gguf_plan,
     pack_vnni,
     pack_vnni_reference,
@@ -462,3 +463,11 @@ def test_mxfp4_grid_holds_e2m1_values_and_unpacks_from_codes():
     assert packed.shape[-1] == 272  # the 4-bit codes, then each row's e8m0 exponent: 4.25 bits a weight
     assert torch.equal(packed, pack_vnni_reference(q, d, m, 5))
     assert torch.equal(unpack_rows(packed, torch.arange(32), 5), w)
+
+
+def test_int8_only_where_the_cpu_kernels_read_whole_inputs():
+    """The CPU's int8 kernels read a row's inputs 16 at a time: a linear of 24 inputs (a DeepSeek-shaped
+    tiny q_lora_rank) read past its end (garbage at one token, a crash at five), so it stays float."""
+    for kind in ("int8", "int8x16"):
+        assert not can_quantize(kind, torch.zeros(48, 24)) and not can_quantize(kind, torch.zeros(48, 8))
+        assert can_quantize(kind, torch.zeros(48, 48)) and can_quantize(kind, torch.zeros(48, 96))

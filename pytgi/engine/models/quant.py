@@ -569,6 +569,8 @@ def can_quantize(kind: str, w: torch.Tensor, gpu: bool = False) -> bool:
         return N % 16 == 0 and K % 2 == 0
     if kind == "fp8":
         return True
+    if kind in ("int8", "int8x16"):  # the CPU kernels read inputs 16 at a time (K = 24 read past its end)
+        return K % 16 == 0
     return kind not in ("int4", "mxfp4") or (K % GROUP == 0 and N % 16 == 0)
 
 
@@ -623,11 +625,13 @@ def quantize_model(
             continue
         assert isinstance(mod, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)), name
         kind = kinds[mod]
+        layout = layouts.get(mod)
         if not can_quantize(kind, mod.weight, cpu.triton):
             if kind == "bf16" or cpu.triton:
                 continue  # a shape the bf16 kernel (or a GPU's grids) cannot take stays a linear
             kind = "int8"
-        layout = layouts.get(mod)
+            if layout is None and not can_quantize(kind, mod.weight):
+                continue  # nor the int8 kernels (fewer than 16 inputs, or not a multiple): a linear
         w = layout(kind) if layout else mod.weight.data
         quant: QuantizedWeight | GpuQuantizedWeight
         if cpu.triton:
