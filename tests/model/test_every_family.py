@@ -18,7 +18,7 @@ TYPES = causal_lm_types()
 def test_equal_or_refused_by_name(model_type, tmp_path):
     outcome = check(model_type, TYPES[model_type], tmp_path)
     if outcome.result == SKIPPED:
-        pytest.skip(outcome.detail)
+        pytest.skip(f"{model_type}: {outcome.detail}")
     assert outcome.result in (EQUAL, REFUSED), outcome.detail
     if outcome.result == REFUSED:  # one line that names the architecture and the reason
         assert "\n" not in outcome.detail and outcome.architecture in outcome.detail, outcome.detail
