@@ -62,6 +62,7 @@ ARG_NAMES: dict[str, str] = {}
 # the probe's logits may differ from transformers' by float noise only: relative to each layer's output
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
 TOLERANCE_HALF = 0.05  # bfloat16, float16
+LOGIT_ROWS = 16  # the probe's last positions whose logits are compared (the second chunk's end, the decode)
 
 
 @dataclass(slots=True)
@@ -353,7 +354,7 @@ class TransformersModel(nn.Module):
         seen: list[list[torch.Tensor]] = [[] for _ in layers]
         chunk: list[int] = [0, n]  # the paged run's chunk: its rows of the reference's inputs
         forced: list[torch.Tensor] = []  # the reference's input of each layer (empty: the reference runs)
-        heads: list[torch.Tensor] = []  # the paged run's logits, chunk by chunk
+        heads: list[torch.Tensor] = []  # the paged run's final hidden states, chunk by chunk
 
         def before(i: int, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
             """Each layer's input, and in the paged run the reference's input instead, so that each
@@ -375,16 +376,22 @@ class TransformersModel(nn.Module):
         ]
         try:
             with torch.no_grad():
-                for impl in ("sdpa", "eager"):
+                whole = {
+                    "input_ids": ids[None],
+                    "position_ids": torch.arange(n, device=device)[None],
+                    "use_cache": False,
+                }
+                for impl, keep in (("sdpa", True), ("sdpa", False), ("eager", True), ("eager", False)):
+                    for s in (*seen, *inputs):  # (what a failed try recorded)
+                        s.clear()
                     try:
                         self.hf.set_attn_implementation(impl)
-                        logits = self.hf(
-                            input_ids=ids[None],
-                            position_ids=torch.arange(n, device=device)[None],
-                            use_cache=False,
-                        ).logits[0]
+                        # the last rows' logits only, where the model takes `logits_to_keep` (a
+                        # vocabulary's width a row)
+                        out = self.hf(**whole, logits_to_keep=LOGIT_ROWS) if keep else self.hf(**whole)
+                        logits = out.logits[0, -LOGIT_ROWS:]
                         break
-                    except (ValueError, ImportError, NotImplementedError):
+                    except (ValueError, ImportError, NotImplementedError, TypeError):
                         continue
                 else:
                     return "transformers' own attention (sdpa, eager) cannot run it for the probe"
@@ -411,7 +418,7 @@ class TransformersModel(nn.Module):
                     )
                     meta = self.attention.prepare(layout, device)
                     hidden = self.forward(ids[lo:hi], torch.arange(lo, hi, device=device), caches, meta)
-                    heads.append(self.compute_logits(hidden))
+                    heads.append(hidden)
                 paged = [torch.cat(s) for s in seen]
         finally:
             for h in hooks:
@@ -433,20 +440,23 @@ class TransformersModel(nn.Module):
             worst = max(worst, (float(rel[at]), i, at))
         # then what the model makes of its last layer's output: its final norm and head, as pytgi
         # computes the logits, against the whole model's (a head of its own, a scale, a cap)
-        ref, got = logits.float(), torch.cat(heads).float()
+        with torch.no_grad():
+            got = self.compute_logits(torch.cat(heads)[-LOGIT_ROWS:]).float()
+        ref = logits.float()
         rel = torch.nan_to_num((got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6), nan=float("inf"))
         if float(rel.max()) > tolerance:
             return (
                 f"its logits through pytgi's paged attention and LM head differ from transformers' own "
-                f"(position {int(rel.argmax())} of a {n}-token probe: relative difference "
+                f"(position {n - len(rel) + int(rel.argmax())} of a {n}-token probe: relative difference "
                 f"{float(rel.max()):.3g}, float noise is under {tolerance:g})"
             )
         log.info(
             "its forward equals transformers' own on a %d-token probe (largest relative difference "
-            "%.2g, layer %d)",
+            "%.2g, layer %d; logits %.2g)",
             n,
             worst[0],
             worst[1],
+            float(rel.max()),
         )
         return None
 
