@@ -10,6 +10,7 @@ own tools from the llama-cpp-python sdist (docs/bench.md has the build).
                                                                    # /tmp/llama/qwen3moe-22l-q4_k_m.gguf
     .venv/bin/python benchmarks/make_shaped.py --shape llama3b                    # HF dir only
     .venv/bin/python benchmarks/make_shaped.py --shape qwen35 --layers 8          # /tmp/llama/qwen35-8l-hf
+    .venv/bin/python benchmarks/make_shaped.py --shape dsv2lite --llama-cpp $SD   # /tmp/llama/dsv2lite-27l-q4_k_m.gguf
     .venv/bin/python benchmarks/make_shaped.py --shape gptoss20b --llama-cpp $SD --outtype bf16
                                          # /tmp/llama/gptoss20b-24l-hf (MXFP4), gptoss20b-24l-bf16.gguf
 
@@ -41,7 +42,14 @@ import time
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoTokenizer, GptOssConfig, LlamaConfig, Qwen3_5TextConfig, Qwen3MoeConfig
+from transformers import (
+    AutoTokenizer,
+    DeepseekV2Config,
+    GptOssConfig,
+    LlamaConfig,
+    Qwen3_5TextConfig,
+    Qwen3MoeConfig,
+)
 
 SHAPES = {
     "llama3b": dict(cls=LlamaConfig, arch="LlamaForCausalLM", vocab_size=128256, hidden_size=3072,
@@ -70,6 +78,17 @@ SHAPES = {
                       num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=150000.0,
                       max_position_embeddings=131072, tie_word_embeddings=False, num_local_experts=32,
                       num_experts_per_tok=4, sliding_window=128),
+    # DeepSeek-V2-Lite (16B, 2.4B active): multi-head latent attention (kv_lora_rank 512, rotary 64,
+    # no q_lora), a dense first layer, then 64 routed experts of 1408 (top 6, softmax, greedy) and two
+    # shared ones; YaRN from 4096 positions as published
+    "dsv2lite": dict(cls=DeepseekV2Config, arch="DeepseekV2ForCausalLM", vocab_size=102400, hidden_size=2048,
+                     intermediate_size=10944, num_hidden_layers=27, num_attention_heads=16,
+                     num_key_value_heads=16, head_dim=64, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     max_position_embeddings=163840, tie_word_embeddings=False, q_lora_rank=None,
+                     kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                     moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2,
+                     num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", n_group=1,
+                     topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0),
 }
 SHARD_BYTES = 2_000_000_000
 
@@ -108,6 +127,27 @@ def tensor_plan(c):
                      (m + "experts.down_proj_blocks", (E, H, I // 32, 16)),
                      (m + "experts.down_proj_scales", (E, H, I // 32)),
                      (m + "experts.down_proj_bias", (E, H))]
+            continue
+        if c.model_type == "deepseek_v2":  # MLA (no q_lora), then a dense MLP or experts + shared ones
+            nh, nope, rd, v, r = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+                                  c.kv_lora_rank)
+            a, m = p + "self_attn.", p + "mlp."
+            plan += [(p + "input_layernorm.weight", (H,)), (a + "q_proj.weight", (nh * (nope + rd), H)),
+                     (a + "kv_a_proj_with_mqa.weight", (r + rd, H)), (a + "kv_a_layernorm.weight", (r,)),
+                     (a + "kv_b_proj.weight", (nh * (nope + v), r)), (a + "o_proj.weight", (H, nh * v)),
+                     (p + "post_attention_layernorm.weight", (H,))]
+            if i < c.first_k_dense_replace:
+                I = c.intermediate_size
+                plan += [(m + "gate_proj.weight", (I, H)), (m + "up_proj.weight", (I, H)),
+                         (m + "down_proj.weight", (H, I))]
+                continue
+            E, F, S = c.n_routed_experts, c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts
+            plan += [(m + "gate.weight", (E, H))]
+            for j in range(E):
+                plan += [(m + f"experts.{j}.gate_proj.weight", (F, H)), (m + f"experts.{j}.up_proj.weight", (F, H)),
+                         (m + f"experts.{j}.down_proj.weight", (H, F))]
+            plan += [(m + "shared_experts.gate_proj.weight", (S, H)), (m + "shared_experts.up_proj.weight", (S, H)),
+                     (m + "shared_experts.down_proj.weight", (H, S))]
             continue
         gate = 2 if c.model_type == "qwen3_5_text" else 1  # Qwen3.5's attention gate: a second q half
         plan += [(p + "input_layernorm.weight", (H,)),
@@ -218,6 +258,9 @@ def main():
     if cls is GptOssConfig:  # YaRN from 4096 positions, as published
         rope = {"rope_type": "yarn", "rope_theta": theta, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 4096}
+    if cls is DeepseekV2Config:  # DeepSeek-V2-Lite's YaRN (mscale 0.707 on both)
+        rope = {"rope_type": "yarn", "rope_theta": theta, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096}
     config = cls(**shape, rope_parameters=rope, hidden_act="silu",
                  attention_bias=cls is GptOssConfig, initializer_range=0.02, bos_token_id=tok.bos_token_id,
                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype="bfloat16")
