@@ -132,8 +132,14 @@ def tensor_plan(c):
             nh, nope, rd, v, r = (c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
                                   c.kv_lora_rank)
             a, m = p + "self_attn.", p + "mlp."
-            plan += [(p + "input_layernorm.weight", (H,)), (a + "q_proj.weight", (nh * (nope + rd), H)),
-                     (a + "kv_a_proj_with_mqa.weight", (r + rd, H)), (a + "kv_a_layernorm.weight", (r,)),
+            plan += [(p + "input_layernorm.weight", (H,))]
+            if c.q_lora_rank:
+                q = c.q_lora_rank
+                plan += [(a + "q_a_proj.weight", (q, H)), (a + "q_a_layernorm.weight", (q,)),
+                         (a + "q_b_proj.weight", (nh * (nope + rd), q))]
+            else:
+                plan += [(a + "q_proj.weight", (nh * (nope + rd), H))]
+            plan += [(a + "kv_a_proj_with_mqa.weight", (r + rd, H)), (a + "kv_a_layernorm.weight", (r,)),
                      (a + "kv_b_proj.weight", (nh * (nope + v), r)), (a + "o_proj.weight", (H, nh * v)),
                      (p + "post_attention_layernorm.weight", (H,))]
             if i < c.first_k_dense_replace:
@@ -228,6 +234,8 @@ def main():
     ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
     ap.add_argument("--layers", type=int, help="number of layers (qwen3moe default 24, others: the real count)")
     ap.add_argument("--out-dir", default="/tmp/llama", help="where the HF dir and GGUF files go")
+    ap.add_argument("--q-lora-rank", type=int, help="dsv2lite: queries through a low-rank q_a/q_b (llama.cpp "
+                    "reads a deepseek2 file without one only at V2-Lite's own 27 layers)")
     ap.add_argument("--llama-cpp", help="llama-cpp-python sdist dir with build/bin/llama-quantize")
     ap.add_argument("--convert-python", default="/tmp/llama/venv/bin/python")
     ap.add_argument("--keep", action="store_true", help="keep the HF dir and the bf16 GGUF")
@@ -239,8 +247,12 @@ def main():
     cls, arch, theta = shape.pop("cls"), shape.pop("arch"), shape.pop("rope_theta")
     if args.layers:
         shape["num_hidden_layers"] = args.layers
+    if args.q_lora_rank:
+        shape["q_lora_rank"] = args.q_lora_rank
     L = shape["num_hidden_layers"]
     stem = {"llama3b": "l3b", "llama8b": "l8b"}.get(args.shape, f"{args.shape}-{L}l")
+    if args.q_lora_rank:
+        stem += f"-q{args.q_lora_rank}"
     hf_dir = os.path.join(args.out_dir, f"{stem}-hf")
     bf16 = os.path.join(args.out_dir, f"{stem}-bf16.gguf")
     q4 = os.path.join(args.out_dir, f"{stem}-q4_k_m.gguf")
