@@ -67,6 +67,17 @@ def run_sharded(
         engine.shutdown()
 
 
+def assert_two_shards_equal_one(model: transformers.PreTrainedModel, path) -> None:
+    """`model` saved to `path`, served in float32 on 1 and on 2 shards: the same greedy tokens and
+    logprobs (within 1e-5) for a short prompt and a 20-token one."""
+    model.save_pretrained(path)
+    prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20]
+    outs = [run_sharded(path, prompts, n, "float32") for n in (1, 2)]
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_path):
     prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20, list(range(30, 60))]
@@ -116,12 +127,7 @@ def test_tiny_gpt_oss_matches_one_shard(tmp_path):
         for name, p in model.named_parameters():
             if "bias" in name or "sinks" in name:
                 p.add_(torch.randn_like(p))
-    model.save_pretrained(tmp_path)
-    prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20]
-    outs = [run_sharded(tmp_path, prompts, n, "float32") for n in (1, 2)]
-    for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
-        assert tokens == ref_tokens
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
+    assert_two_shards_equal_one(model, tmp_path)
 
 
 SHAPE = dict(
@@ -158,12 +164,7 @@ def test_tiny_dense_families_match_one_shard(tmp_path, family):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.5)
-    model.save_pretrained(tmp_path)
-    prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20]
-    outs = [run_sharded(tmp_path, prompts, n, "float32") for n in (1, 2)]
-    for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
-        assert tokens == ref_tokens
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
+    assert_two_shards_equal_one(model, tmp_path)
 
 
 def test_a_rank_started_by_pytgi_shard_joins_rank_0(tiny_path, tiny_reference, monkeypatch):
@@ -295,12 +296,7 @@ def test_tiny_deepseek_v3_matches_one_shard(tmp_path):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.04)
-    model.save_pretrained(tmp_path)
-    prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20]
-    outs = [run_sharded(tmp_path, prompts, n, "float32") for n in (1, 2)]
-    for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
-        assert tokens == ref_tokens
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
+    assert_two_shards_equal_one(model, tmp_path)
 
 
 @pytest.mark.parametrize("family", list(SIGMOID_MOE))
@@ -326,12 +322,7 @@ def test_tiny_sigmoid_routed_moe_matches_one_shard(tmp_path, family):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.04)
-    model.save_pretrained(tmp_path)
-    prompts = [[5, 17, 3, 99, 42, 8, 1, 64], [7] * 20]
-    outs = [run_sharded(tmp_path, prompts, n, "float32") for n in (1, 2)]
-    for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
-        assert tokens == ref_tokens
-        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
+    assert_two_shards_equal_one(model, tmp_path)
 
 
 @pytest.mark.parametrize("n", [2, 3])
