@@ -133,10 +133,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--count-tokens",
         choices=("text", "events"),
-        default="text",
-        help="count output tokens by re-tokenizing the text (the default: fair across servers), or by the "
-        "servers' token events and usage, and time TTFT and ITL by them (for random-weight models, whose "
-        "tokens often stream as empty text)",
+        default="events",
+        help="count output tokens as the servers report them (usage, details, token events) and time TTFT "
+        "and ITL by token events (the default: random-weight models' tokens often stream as empty text, "
+        "and text re-tokenizes to other counts), or by re-tokenizing the streamed text",
     )
     w.add_argument(
         "--ignore-eos",

@@ -90,7 +90,7 @@ def distribution(values: list[float], scale: float = 1.0) -> dict[str, float | N
 
 
 def summarize(load: LoadResult) -> Summary:
-    """Throughput and latency figures of one benchmark. Output tokens are the re-tokenized counts."""
+    """Throughput and latency figures of one benchmark. Output tokens are counted as `--count-tokens` says."""
     results: list[RequestResult] = load.results
     ok = [r for r in results if r.ok]
     failed = [r for r in results if not r.ok]
