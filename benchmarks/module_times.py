@@ -48,7 +48,18 @@ def main() -> None:
         if isinstance(mod, SparseMoE):
             timed(mod, "moe")
         else:
-            labels = (("self_attn", "attn"), ("qkv_proj", "qkv"), ("o_proj", "o"), ("lm_head", "lm_head"))
+            labels = (
+                ("self_attn", "attn"),
+                ("qkv_proj", "qkv"),
+                ("o_proj", "o"),
+                ("lm_head", "lm_head"),
+                ("q_a_proj", "q_a"),  # latent attention's projections
+                ("q_b_proj", "q_b"),
+                ("kv_a_proj_with_mqa", "kv_a"),
+                ("shared_expert", "shared"),
+                ("mlp.gate", "router"),
+                ("mlp", "mlp"),
+            )
             for suffix, label in labels:
                 if name.endswith(suffix):
                     timed(mod, label)

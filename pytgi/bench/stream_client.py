@@ -275,7 +275,7 @@ class RequestResult:
     e2e: float | None = None  # time to the end of the stream
     itl: list[float] = field(default_factory=list)  # gaps between consecutive non-empty chunks
     text: str = ""
-    output_tokens: int = 0  # the count every report uses: the server's own (`by_events`) or the text re-tokenized
+    output_tokens: int = 0  # the count reports use: the server's (`by_events`) or the text re-tokenized
     reported_tokens: int | None = None  # the server's own count (TGI: token events or details; OpenAI: usage)
     chunks: int = 0  # non-empty text chunks received (token events with `by_events`)
 

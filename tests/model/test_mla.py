@@ -18,6 +18,7 @@ from pytgi.engine.execution.batch import PagedModel, kv_dtype_refusal
 from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.decoder import DecoderModel
 from pytgi.engine.models.deepseek import deepseek_config
+from pytgi.engine.models.mla import MLAttention
 from tests.model.test_tiny_models import CONFIGS
 
 PROMPTS = [[1, 2, 3, 4], [50, 60, 70], [9] * 40, list(range(100, 160)), [7, 8]]
@@ -97,11 +98,14 @@ def test_greedy_tokens_follow_transformers_with_speculation_and_prefix_hits(tmp_
 
 
 def test_bf16_rows_do_not_depend_on_the_batch(tmp_path):
-    """A latent row of 96 values (64 + 32): the AVX-512 kernels' bf16 paths where the CPU has them."""
+    """A latent row of 96 values (64 + 32): the AVX-512 kernels' bf16 paths where the CPU has them,
+    and the per-head projections in bf16gemm.c (values of 32 features)."""
     cls, kw = CONFIGS["deepseek-v3-moe"]
-    kw = dict(kw, vocab_size=256, kv_lora_rank=64, qk_rope_head_dim=32, eos_token_id=None)
+    kw = dict(kw, vocab_size=256, kv_lora_rank=64, qk_rope_head_dim=32, v_head_dim=32, eos_token_id=None)
     _save(tmp_path, cls, kw, torch.bfloat16)
     llm = LLM(str(tmp_path), max_batch_total_tokens=2048, max_batch_prefill_tokens=48)
+    kv_b = next(m for m in llm.engine.runner.model.modules() if isinstance(m, MLAttention)).kv_b_proj
+    assert (kv_b.packed is not None) == kernels.bf16gemm_supported()
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True, top_n_tokens=2)
     alone = [llm.generate(p, params)[0] for p in PROMPTS]
     together = llm.generate(PROMPTS, params)  # chunks of 48 tokens beside decodes

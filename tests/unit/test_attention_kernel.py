@@ -59,6 +59,40 @@ def test_decode_kernel_matches_softmax_attention(dtype, tol, H, KVH, B):
     assert out[[1, 4, 5]].abs().sum() == 0  # rows that are not decodes are left alone
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("B", [1, 3])
+def test_latent_attention_rows_take_the_kernel(dtype, tol, B):
+    """MLA's decode: 16 query heads on one kv "head" of 576 values (past the AVX-512 kernel's sizes:
+    the portable one, its query heads split between threads in shares), each row the same alone."""
+    g = torch.Generator().manual_seed(1)
+    H, KVH, D, bs, num_blocks = 16, 1, 576, 16, 24
+    k_cache = torch.randn(num_blocks * bs, KVH, D, generator=g).to(dtype)
+    rng = np.random.default_rng(1)
+    ctx = np.array([70, 3, 200])[:B]
+    tables = np.stack([rng.permutation(num_blocks)[:13] for _ in ctx]).astype(np.int64)
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    rows = list(range(B))
+
+    def run(rs: list[int]) -> torch.Tensor:
+        n = len(rs)
+        layout = StepLayout(
+            query_lens=np.ones(n, np.int64),
+            context_lens=ctx[rs],
+            block_tables=tables[rs],
+            slot_mapping=np.zeros(n, np.int64),
+            block_size=bs,
+        )
+        meta = attention(dtype, (H, KVH, D)).prepare(layout, torch.device("cpu"))
+        out = torch.zeros(n, H, D, dtype=dtype)
+        kernels.paged_attention(q[rs], k_cache, k_cache, out, meta.paged, 0.05)
+        return out
+
+    out = run(rows)
+    ref = reference(q, k_cache, k_cache, tables, ctx, rows, bs, 0.05)
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    assert all(torch.equal(run([b])[0], out[b]) for b in rows)
+
+
 def test_decode_kernel_equals_torch_path_in_a_mixed_step():
     """A step with a prefill chunk and decodes: the kernel path and the gather+SDPA path agree."""
     torch.manual_seed(0)

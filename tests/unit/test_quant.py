@@ -429,6 +429,27 @@ def test_bf16_kernel_rows_do_not_depend_on_the_step():
     assert ((together.float() - ref).norm() / ref.norm()).item() < 0.01
 
 
+@bf16_kernel
+@pytest.mark.parametrize("T", [1, 5])
+def test_per_head_bf16_matmuls_read_strided_rows_and_write_into_wider_ones(T):
+    """Latent attention's per-head projections (`kernels.bf16_matmul_heads`): each head's rows, read
+    from a slice of wider rows and written into one, are the single matmul's bits, whatever T."""
+    from pytgi.engine.models.quant import pack_bf16
+
+    g = torch.Generator().manual_seed(T)
+    H, N, K = 3, 48, 64
+    w = torch.randn(H, N, K, generator=g).bfloat16()
+    wide = torch.randn(T, H, K + 32, generator=g).bfloat16()  # q's [nope, rope] rows: nope read
+    out = torch.zeros(T, H, N + 16, dtype=torch.bfloat16)  # [latent, rope] rows: latent written
+    kernels.bf16_matmul_heads(wide[..., :K], pack_bf16(w.reshape(H * N, K)), N, out[..., :N])
+    for h in range(H):
+        assert torch.equal(out[:, h, :N], bf16_reference(wide[:, h, :K], w[h]))
+    assert out[..., N:].abs().sum() == 0  # the rest of each row left alone
+    alone = torch.zeros(1, H, N, dtype=torch.bfloat16)
+    kernels.bf16_matmul_heads(wide[-1:, :, :K], pack_bf16(w.reshape(H * N, K)), N, alone)
+    assert torch.equal(alone[0], out[-1, :, :N])
+
+
 def test_a_bf16_models_plan(tmp_path):
     """A Hugging Face model (no quantization.json) in bf16 keeps its weights, on bf16gemm.c where it
     builds; every step size takes it when batch invariant, else steps up to the crossover."""

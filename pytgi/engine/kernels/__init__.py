@@ -514,6 +514,20 @@ def bf16_matmul(x: torch.Tensor, packed: torch.Tensor, N: int) -> torch.Tensor:
     return out
 
 
+def bf16_matmul_heads(x: torch.Tensor, packed: torch.Tensor, N: int, out: torch.Tensor) -> torch.Tensor:
+    """Per head g: out[:, g] = x[:, g] [T, K] times packed weight g [N, K] (`pack_bf16` of the heads'
+    [G · N, K] rows); x [T, G, K] and out [T, G, N] bf16 views with unit inner strides and even
+    strides (slices of wider rows are fine)."""
+    T, G, K = x.shape
+    assert x.dtype == out.dtype == torch.bfloat16 and out.shape == (T, G, N)
+    assert x.stride(2) == out.stride(2) == 1 and packed.numel() == G * N * K
+    strides = (x.stride(1), x.stride(0), out.stride(1), out.stride(0))
+    assert all(s % 2 == 0 for s in strides) and x.storage_offset() % 2 == 0
+    failed = _built().pytgi_bf16gemm_batched_bf16(_ptr(x), _ptr(packed), _ptr(out), G, T, N, K, *strides)
+    _check(failed, "bf16 matmul")
+    return out
+
+
 def encoder_attention_supported(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `encoder_attention` runs here for the dtype and head size (else: PyTorch's SDPA)."""
     lib = _lib()

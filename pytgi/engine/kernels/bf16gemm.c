@@ -31,7 +31,7 @@ int pytgi_bf16gemm_supported(void) { return 1; }
 
 /* Rows t0 .. t0+nr-1 (nr <= RB) of x against tiles n0 .. n0+nt-1 (nt <= TB) of w. */
 static inline __attribute__((always_inline)) void block(const uint16_t *x, const uint16_t *w, uint16_t *out,
-                                                        int64_t K, int64_t N, int64_t t0, int nr, int64_t n0, int nt) {
+                                                        int64_t K, int64_t xs, int64_t os, int64_t t0, int nr, int64_t n0, int nt) {
     __m512 acc[RB][TB];
     for (int r = 0; r < RB; r++)
         for (int j = 0; j < TB; j++) acc[r][j] = _mm512_setzero_ps();
@@ -40,13 +40,13 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, const
         __m512bh wv[TB];
         for (int j = 0; j < nt; j++) wv[j] = (__m512bh)_mm512_loadu_si512(wt + (j * K / 2 + p) * 32);
         for (int r = 0; r < nr; r++) {
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + (t0 + r) * K + 2 * p));
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(x + (t0 + r) * xs + 2 * p));
             for (int j = 0; j < nt; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
         }
     }
     for (int r = 0; r < nr; r++)
         for (int j = 0; j < nt; j++)
-            _mm256_storeu_si256((void *)(out + (t0 + r) * N + (n0 + j) * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+            _mm256_storeu_si256((void *)(out + (t0 + r) * os + (n0 + j) * 16), (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -67,7 +67,7 @@ static inline __m128i round8(__m256 v) {
 }
 
 static inline __attribute__((always_inline)) void block(const uint16_t *x, const uint16_t *w, uint16_t *out,
-                                                        int64_t K, int64_t N, int64_t t0, int nr, int64_t n0, int nt) {
+                                                        int64_t K, int64_t xs, int64_t os, int64_t t0, int nr, int64_t n0, int nt) {
     __m256 acc[RB][TB][2]; /* rows 0-7 and 8-15 of a tile */
     for (int r = 0; r < RB; r++)
         for (int j = 0; j < TB; j++) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
@@ -76,7 +76,7 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, const
     for (int64_t p = 0; p < K / 2; p++) {
         __m256 xe[RB], xo[RB];
         for (int r = 0; r < nr; r++) {
-            const uint32_t pair = *(const uint32_t *)(x + (t0 + r) * K + 2 * p);
+            const uint32_t pair = *(const uint32_t *)(x + (t0 + r) * xs + 2 * p);
             xe[r] = _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)(pair << 16)));
             xo[r] = _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)(pair & 0xFFFF0000u)));
         }
@@ -92,7 +92,7 @@ static inline __attribute__((always_inline)) void block(const uint16_t *x, const
     for (int r = 0; r < nr; r++)
         for (int j = 0; j < nt; j++)
             for (int h = 0; h < 2; h++)
-                _mm_storeu_si128((void *)(out + (t0 + r) * N + (n0 + j) * 16 + h * 8), round8(acc[r][j][h]));
+                _mm_storeu_si128((void *)(out + (t0 + r) * os + (n0 + j) * 16 + h * 8), round8(acc[r][j][h]));
 }
 #endif
 
@@ -110,8 +110,33 @@ int pytgi_bf16gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int
         const int nt = tiles - n0 < TB ? (int)(tiles - n0) : TB;
         for (int64_t t0 = 0; t0 < M; t0 += RB) {
             const int nr = M - t0 < RB ? (int)(M - t0) : RB;
-            if (nt == TB && nr == RB) block(x, w, out, K, N, t0, RB, n0, TB); /* the common case, unrolled */
-            else block(x, w, out, K, N, t0, nr, n0, nt);
+            if (nt == TB && nr == RB) block(x, w, out, K, K, N, t0, RB, n0, TB); /* the common case, unrolled */
+            else block(x, w, out, K, K, N, t0, nr, n0, nt);
+        }
+        _mm_setcsr(csr);
+    }
+    return 0;
+}
+
+/* G independent matmuls in one call (multi-head latent attention's per-head projections): for each g,
+ * out_g [M, N] = x_g [M, K] · w_g [N, K]ᵀ, w_g packed as above at w + g·N·K; x_g's row m at
+ * x + g·xg + m·xm and out_g's at out + g·og + m·om (strides in elements, even: a view of [T, H, D]
+ * rows). Each output element is the sum pytgi_bf16gemm_bf16 makes, whatever M and G. */
+int pytgi_bf16gemm_batched_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t G, int64_t M,
+                                int64_t N, int64_t K, int64_t xg, int64_t xm, int64_t og, int64_t om) {
+    const int64_t tiles = N / 16, passes = (tiles + TB - 1) / TB;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t i = 0; i < G * passes; i++) {
+        const unsigned int csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040);
+        const int64_t g = i / passes, n0 = i % passes * TB;
+        const int nt = tiles - n0 < TB ? (int)(tiles - n0) : TB;
+        const uint16_t *xg0 = x + g * xg, *wg = w + g * N * K;
+        uint16_t *og0 = out + g * og;
+        for (int64_t t0 = 0; t0 < M; t0 += RB) {
+            const int nr = M - t0 < RB ? (int)(M - t0) : RB;
+            if (nt == TB && nr == RB) block(xg0, wg, og0, K, xm, om, t0, RB, n0, TB);
+            else block(xg0, wg, og0, K, xm, om, t0, nr, n0, nt);
         }
         _mm_setcsr(csr);
     }
@@ -119,6 +144,11 @@ int pytgi_bf16gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int
 }
 #else
 int pytgi_bf16gemm_supported(void) { return 0; }
+int pytgi_bf16gemm_batched_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t G, int64_t M,
+                                int64_t N, int64_t K, int64_t xg, int64_t xm, int64_t og, int64_t om) {
+    (void)x, (void)w, (void)out, (void)G, (void)M, (void)N, (void)K, (void)xg, (void)xm, (void)og, (void)om;
+    return 2;
+}
 int pytgi_bf16gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K) {
     (void)x, (void)w, (void)out, (void)M, (void)N, (void)K;
     return 2;

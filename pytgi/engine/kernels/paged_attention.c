@@ -262,8 +262,13 @@ static int attention_portable(int bf16, const void *q, const void *k_cache, cons
         first[b] = n;
         if (b < B) n += ((q_lens ? q_lens[b] : 1) + ROWS - 1) / ROWS;
     }
-    /* a task per (tile, kv head); per (tile, query head) when those would leave threads idle */
-    const int64_t nh = tiles * KVH < omp_get_max_threads() ? 1 : G, per = H / nh;
+    /* a task per (tile, kv head); where those would leave threads idle, per (tile, share of a kv
+     * head's query heads), the largest share that keeps every thread busy (each task widens its kv
+     * head's keys and values once: latent attention's 16-128 query heads share one) */
+    int64_t nh = G;
+    while (nh > 1 && tiles * KVH * (G / nh) < omp_get_max_threads())
+        do nh--; while (G % nh);
+    const int64_t per = H / nh;
     int failed = 0;
     _Pragma("omp parallel for schedule(dynamic, 1)")
     for (int64_t task = 0; task < tiles * per; task++) {
@@ -295,10 +300,12 @@ static int attention_portable(int bf16, const void *q, const void *k_cache, cons
  * a second pass combines a pair's chunks. The chunking depends only on the request's own length,
  * so a request's result does not depend on what else is in the batch, and one long request keeps
  * every thread busy. Needs D % 16 == 0, D <= MAXD and at most MAXG query heads per kv head;
- * D = 64 and 128 get code compiled for their size. */
+ * D = 64 and 128 get code compiled for their size. MAXD holds latent attention's rows (DeepSeek's
+ * 512 + 64); the AMX tiles take rows up to AMX_MAXD. */
 #define CHUNK 128
 #define AMX_MIN_ROWS 1 /* query rows (tokens × heads per kv head) from which a chunk uses AMX */
-#define MAXD 256
+#define MAXD 576
+#define AMX_MAXD 256
 #define MAXG 16
 
 static inline __m512 ld16(const void *p, int bf16) { return bf16 ? bf16x16_load(p) : _mm512_loadu_ps(p); }
@@ -888,7 +895,7 @@ static int attention512(int bf16, const char *q, const char *k_cache, const char
     const int64_t G = H / KVH, es = bf16 ? 2 : 4;
     int use_amx = 0;
 #if AMX_ATTN
-    if (bf16 && !kv8 && D % 32 == 0 && tiles != NULL)
+    if (bf16 && !kv8 && D % 32 == 0 && D <= AMX_MAXD && tiles != NULL)
         for (int64_t b = 0; b < B; b++) use_amx |= tiles[b] != 0;
     use_amx = use_amx && pytgi_qgemm_amx_supported();
 #endif

@@ -63,6 +63,8 @@ void pytgi_mxfp4_decode(const uint8_t *blocks, const uint8_t *scales, int64_t n_
 /* bf16gemm.c: bf16 activations [M, K] times a packed bf16 weight [N, K] (AVX-512 BF16, or AVX2). */
 int pytgi_bf16gemm_supported(void);
 int pytgi_bf16gemm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t M, int64_t N, int64_t K);
+int pytgi_bf16gemm_batched_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int64_t G, int64_t M,
+                                int64_t N, int64_t K, int64_t xg, int64_t xm, int64_t og, int64_t om);
 
 /* decoder.c: all decoder layers in one call (bf16, packed weights, paged attention): Llama's, Gemma 3's. */
 int pytgi_gemma_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t *x, int64_t T, int64_t hidden, int64_t I, int64_t H, int64_t KVH, int64_t D, float eps, float scale, const float *cos, const float *sin, const float *cos_local, const float *sin_local, const int64_t *slots, const int64_t *q_starts, const int64_t *q_lens, const int64_t *block_tables, const int64_t *ctx_lens, const int64_t *tiles, int64_t B, int64_t max_blocks, int64_t block_size, int64_t all_decodes, int64_t vnni_max_m, int64_t kv8, const int64_t *first);

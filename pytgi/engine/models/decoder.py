@@ -587,6 +587,9 @@ class DecoderModel(nn.Module):
             DecoderLayer(cfg, backend, self.ops, s, m, lin, r, spec)
             for s, m, lin, r, spec in zip(slidings, sparse, linear, rotates, specs)
         )
+        for layer in self.layers:  # latent attention's per-head projections in bf16gemm.c
+            if isinstance(layer.self_attn, MLAttention):
+                layer.self_attn.kv_b_proj.pack = cpu.bf16gemm
         # Gemma 4's per-layer inputs: a second embedding table (every layer's part side by side) and a
         # projection of the embeddings, each normed and summed (`per_layer_inputs`)
         # (a GGUF file's table stays packed where the CPU's kernels read rows: `methods.load_gguf`)

@@ -15,7 +15,9 @@ query is [q_nope·W_UK, q_pe] against the cached rows as a single kv head's keys
 the same rows (their first `kv_lora_rank` features are c, the rest is dropped from the output),
 and the output is brought back through W_UV. So the model's attention backend (the paged C kernel,
 gather + SDPA, Triton where the row is a power of two) runs MLA unchanged, with every query head in
-the one kv head's group; prefill chunks and decodes alike.
+the one kv head's group; prefill chunks and decodes alike. On a CPU with bf16gemm.c the per-head
+products by W_UK and W_UV run there, reading and writing the rows in place; the paged kernel's
+AVX-512 path takes rows of up to 576 values (DeepSeek's 512 + 64) and 16 query heads a kv head.
 """
 
 from __future__ import annotations
@@ -54,7 +56,11 @@ class _KVB(nn.Module):
     matrices costs PyTorch's bf16 bmm a copy per call), in one flat parameter. Not a linear of its own:
     never quantized or swapped. A checkpoint gives kv_b_proj whole ([H · (nope + v), latent], shard 0);
     a llama.cpp file in two (`k_b_proj` shard 1: W_UK transposed, [H, latent, nope]; `v_b_proj` shard
-    2: W_UV, [H, v, latent])."""
+    2: W_UV, [H, v, latent]).
+
+    With `pack` (bf16 on a CPU that runs bf16gemm.c) the two are repacked once loaded for its per-head
+    matmul (`kernels.bf16_matmul_heads`: PyTorch's bf16 bmm reads them at a third of memory speed for
+    a decode, and its sums depend on the step's size) and the flat parameter is freed."""
 
     def __init__(self, heads: int, nope: int, v: int, latent: int, first: int = 0) -> None:
         """heads: this rank's, from the checkpoint's head `first` on."""
@@ -62,6 +68,9 @@ class _KVB(nn.Module):
         self.heads, self.nope, self.v, self.latent, self.first = heads, nope, v, latent, first
         self.weight = nn.Parameter(torch.empty(heads * latent * (nope + v)), requires_grad=False)
         self.weight.weight_loader = self.load  # type: ignore[attr-defined]
+        self.pack = False  # set by the decoder where bf16gemm.c runs the model (`Kernels.bf16gemm`)
+        self.packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (W_UK, W_UV) for bf16gemm.c
+        self._shards: set[int] = set()
 
     def parts(self, w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, latent] and W_UV transposed [H, latent, v], views of the parameter."""
@@ -80,6 +89,24 @@ class _KVB(nn.Module):
             w_uk.copy_(loaded.reshape(-1, r, self.nope)[mine].transpose(1, 2))
         else:
             w_uvt.copy_(loaded.reshape(-1, self.v, r)[mine].transpose(1, 2))
+        self._shards.add(shard)
+        tiles = self.latent % 16 == 0 and self.v % 16 == 0 and self.nope % 2 == 0  # bf16gemm.c's shapes
+        whole = 0 in self._shards or {1, 2} <= self._shards
+        if self.pack and tiles and param.dtype == torch.bfloat16 and whole:
+            self._repack(param)
+
+    def _repack(self, param: nn.Parameter) -> None:
+        """Each head's W_UK as a weight [latent, nope] and W_UV as one [v, latent], in bf16gemm.c's
+        layout; the flat parameter emptied."""
+        from pytgi.engine.models.quant import pack_bf16
+
+        w_uk, w_uvt = self.parts(param.data)
+        H, r = self.heads, self.latent
+        self.packed = (
+            pack_bf16(w_uk.transpose(1, 2).reshape(H * r, self.nope)),
+            pack_bf16(w_uvt.transpose(1, 2).reshape(H * self.v, r)),
+        )
+        param.data = param.data.new_empty(0)
 
 
 def _pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
@@ -147,13 +174,23 @@ class MLAttention(nn.Module):
             kernels.write_kv8(row, row, meta.slot_mapping, k_cache, k_cache)
         else:
             k_cache.index_copy_(0, meta.slot_mapping, row.to(k_cache.dtype))
-        w_uk, w_uvt = self.kv_b_proj.parts()
-        q_lat = torch.bmm(q_nope.transpose(0, 1).contiguous(), w_uk)  # [H, T, latent]
-        q_row = torch.cat((q_lat.transpose(0, 1), q_pe), dim=-1)  # [T, H, latent + rope]
+        packed = self.kv_b_proj.packed
+        if packed is not None:  # the query's latent part written straight into the row
+            q_row = x.new_empty(T, H, r + d)
+            kernels.bf16_matmul_heads(q_nope, packed[0], r, q_row[..., :r])
+            q_row[..., r:] = q_pe
+        else:
+            w_uk, w_uvt = self.kv_b_proj.parts()
+            q_lat = torch.bmm(q_nope.transpose(0, 1).contiguous(), w_uk)  # [H, T, latent]
+            q_row = torch.cat((q_lat.transpose(0, 1), q_pe), dim=-1)  # [T, H, latent + rope]
         if self.q_scale is not None:
             q_row = q_row * self.q_scale[:, None, None]
         # the cached rows are the keys and the values (of which the latent's features are kept)
         out = self.backend.forward(q_row, None, None, k_cache, k_cache, meta, self.scale)
+        if packed is not None:
+            v = m.v_head_dim
+            o = kernels.bf16_matmul_heads(out[..., :r], packed[1], v, x.new_empty(T, H, v))
+            return self.o_proj(o.view(T, H * v))
         o = torch.bmm(out[..., :r].transpose(0, 1).contiguous(), w_uvt)  # [H, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(T, H * m.v_head_dim))
 
