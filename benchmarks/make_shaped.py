@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Random-weight Hugging Face models of real shapes (Llama-3.2-3B, Llama-3.1-8B, Qwen3-30B-A3B with
-fewer layers) with SmolLM2's tokenizer, optionally converted and quantized to Q4_K_M with llama.cpp's
-own tools from the llama-cpp-python sdist (docs/bench.md has the build).
+"""Random-weight Hugging Face models of real shapes (Llama-3.2-3B, Llama-3.1-8B, Qwen3-30B-A3B,
+Qwen3.5-9B, Qwen3.5-35B-A3B, gpt-oss-20b, DeepSeek-V2-Lite, the MoE ones often with fewer layers)
+with SmolLM2's tokenizer, optionally converted and quantized to Q4_K_M with llama.cpp's own tools
+from the llama-cpp-python sdist (docs/bench.md has the build).
 
     SD=/tmp/llama_cpp_python-0.3.36
     .venv/bin/python benchmarks/make_shaped.py --shape llama3b  --llama-cpp $SD   # /tmp/llama/l3b-q4_k_m.gguf
@@ -10,6 +11,8 @@ own tools from the llama-cpp-python sdist (docs/bench.md has the build).
                                                                    # /tmp/llama/qwen3moe-22l-q4_k_m.gguf
     .venv/bin/python benchmarks/make_shaped.py --shape llama3b                    # HF dir only
     .venv/bin/python benchmarks/make_shaped.py --shape qwen35 --layers 8          # /tmp/llama/qwen35-8l-hf
+    .venv/bin/python benchmarks/make_shaped.py --shape qwen35moe --layers 8 --llama-cpp $SD
+                                                                   # /tmp/llama/qwen35moe-8l-q4_k_m.gguf
     .venv/bin/python benchmarks/make_shaped.py --shape dsv2lite --llama-cpp $SD   # /tmp/llama/dsv2lite-27l-q4_k_m.gguf
     .venv/bin/python benchmarks/make_shaped.py --shape gptoss20b --llama-cpp $SD --outtype bf16
                                          # /tmp/llama/gptoss20b-24l-hf (MXFP4), gptoss20b-24l-bf16.gguf
@@ -47,6 +50,7 @@ from transformers import (
     DeepseekV2Config,
     GptOssConfig,
     LlamaConfig,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3MoeConfig,
 )
@@ -72,6 +76,15 @@ SHAPES = {
                    num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6, rope_theta=10000000.0,
                    max_position_embeddings=32768, tie_word_embeddings=False, linear_num_key_heads=16,
                    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128),
+    # Qwen3.5-35B-A3B's text shape (transformers' Qwen3_5MoeTextConfig defaults): the qwen35 layers (three
+    # gated DeltaNet layers for each gated attention layer), each with 256 experts of 512 (top 8) and a
+    # gated shared expert of 512
+    "qwen35moe": dict(cls=Qwen3_5MoeTextConfig, arch="Qwen3_5MoeForCausalLM", vocab_size=248320,
+                      hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                      head_dim=256, rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=False,
+                      linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                      linear_value_head_dim=128, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                      num_experts=256, num_experts_per_tok=8, rope_theta=10000000.0),
     # gpt-oss-20b: 24 layers alternating a 128-token window and full attention, 32 experts of 2880 (top 4)
     "gptoss20b": dict(cls=GptOssConfig, arch="GptOssForCausalLM", vocab_size=201088, hidden_size=2880,
                       intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
@@ -99,7 +112,7 @@ def tensor_plan(c):
     plan = [("model.embed_tokens.weight", (c.vocab_size, H))]
     for i in range(L):
         p = f"model.layers.{i}."
-        if c.model_type == "qwen3_5_text" and c.layer_types[i] == "linear_attention":
+        if c.model_type in QWEN35 and c.layer_types[i] == "linear_attention":
             nk, nv = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
             a = p + "linear_attn."
             plan += [(p + "input_layernorm.weight", (H,)),
@@ -109,9 +122,7 @@ def tensor_plan(c):
                      (a + "conv1d.weight", (2 * nk + nv, 1, c.linear_conv_kernel_dim)),
                      (a + "dt_bias", (c.linear_num_value_heads,)), (a + "A_log", (c.linear_num_value_heads,)),
                      (a + "norm.weight", (c.linear_value_head_dim,)), (a + "out_proj.weight", (H, nv))]
-            I = c.intermediate_size
-            plan += [(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H)),
-                     (p + "mlp.down_proj.weight", (H, I)), (p + "post_attention_layernorm.weight", (H,))]
+            plan += qwen35_mlp(c, p) + [(p + "post_attention_layernorm.weight", (H,))]
             continue
         if c.model_type == "gpt_oss":
             E, I, nh, nkv = c.num_local_experts, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads
@@ -155,14 +166,16 @@ def tensor_plan(c):
             plan += [(m + "shared_experts.gate_proj.weight", (S, H)), (m + "shared_experts.up_proj.weight", (S, H)),
                      (m + "shared_experts.down_proj.weight", (H, S))]
             continue
-        gate = 2 if c.model_type == "qwen3_5_text" else 1  # Qwen3.5's attention gate: a second q half
+        gate = 2 if c.model_type in QWEN35 else 1  # Qwen3.5's attention gate: a second q half
         plan += [(p + "input_layernorm.weight", (H,)),
                  (p + "self_attn.q_proj.weight", (gate * c.num_attention_heads * hd, H)),
                  (p + "self_attn.k_proj.weight", (c.num_key_value_heads * hd, H)),
                  (p + "self_attn.v_proj.weight", (c.num_key_value_heads * hd, H)),
                  (p + "self_attn.o_proj.weight", (H, c.num_attention_heads * hd))]
-        if c.model_type == "qwen3_5_text":
+        if c.model_type in QWEN35:
             plan += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+            plan += qwen35_mlp(c, p) + [(p + "post_attention_layernorm.weight", (H,))]
+            continue
         if c.model_type == "qwen3_moe":
             E, F = c.num_experts, c.moe_intermediate_size
             plan += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,)),
@@ -180,6 +193,24 @@ def tensor_plan(c):
     if not c.tie_word_embeddings:
         plan.append(("lm_head.weight", (c.vocab_size, H)))
     return plan
+
+
+QWEN35 = ("qwen3_5_text", "qwen3_5_moe_text")
+
+
+def qwen35_mlp(c, p):
+    """A Qwen3.5 layer's MLP: dense, or (Qwen3.5-MoE) the router, the experts stacked as transformers
+    names them (gate|up [E, 2F, H], down [E, H, F]) and the gated shared expert."""
+    H = c.hidden_size
+    if c.model_type == "qwen3_5_text":
+        I = c.intermediate_size
+        return [(p + "mlp.gate_proj.weight", (I, H)), (p + "mlp.up_proj.weight", (I, H)),
+                (p + "mlp.down_proj.weight", (H, I))]
+    E, F, S, m = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size, p + "mlp."
+    return [(m + "gate.weight", (E, H)), (m + "experts.gate_up_proj", (E, 2 * F, H)),
+            (m + "experts.down_proj", (E, H, F)), (m + "shared_expert.gate_proj.weight", (S, H)),
+            (m + "shared_expert.up_proj.weight", (S, H)), (m + "shared_expert.down_proj.weight", (H, S)),
+            (m + "shared_expert_gate.weight", (1, H))]
 
 
 def write_weights(plan, out):
@@ -270,6 +301,8 @@ def main():
     if cls is GptOssConfig:  # YaRN from 4096 positions, as published
         rope = {"rope_type": "yarn", "rope_theta": theta, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 4096}
+    if cls in (Qwen3_5TextConfig, Qwen3_5MoeTextConfig):  # a quarter of each head's features turned
+        rope["partial_rotary_factor"] = 0.25
     if cls is DeepseekV2Config:  # DeepSeek-V2-Lite's YaRN (mscale 0.707 on both)
         rope = {"rope_type": "yarn", "rope_theta": theta, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096}
