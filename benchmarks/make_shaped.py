@@ -251,6 +251,17 @@ def write_weights(plan, out):
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
 
 
+# convert_hf_to_gguf.py (argv[1]) run with every BPE tokenizer's pre-tokenizer named "smollm"
+SMOLLM_PRE = """
+import os, runpy, sys
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 def run(cmd, **kw):
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, **kw)
@@ -329,8 +340,13 @@ def main():
     lcpp = os.path.join(args.llama_cpp, "vendor", "llama.cpp")
     env = dict(os.environ, PYTHONPATH=os.path.join(lcpp, "gguf-py"))
     t1 = time.time()
-    run([args.convert_python, os.path.join(lcpp, "convert_hf_to_gguf.py"), hf_dir,
-         "--outtype", "bf16", "--outfile", bf16], env=env)
+    convert = [os.path.join(lcpp, "convert_hf_to_gguf.py")]
+    extra = []
+    if cls in (Qwen3_5TextConfig, Qwen3_5MoeTextConfig):
+        # no MTP block here; and the converter's Qwen3.5 path does not recognize the reconstructed SmolLM2
+        # tokenizer's hash, so its pre-tokenizer is named for it
+        convert, extra = ["-c", SMOLLM_PRE, *convert], ["--no-mtp"]
+    run([args.convert_python, *convert, hf_dir, "--outtype", "bf16", "--outfile", bf16, *extra], env=env)
     print(f"convert: {time.time() - t1:.0f} s, {bf16}: {gib(bf16)}", flush=True)
     if args.outtype == "bf16":  # the HF dir stays: pytgi serves the published (MXFP4) layout too
         q4 = bf16
