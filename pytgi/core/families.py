@@ -281,10 +281,9 @@ FAMILIES: tuple[Family, ...] = (
             ),
         ),
         attention=_WINDOWED,
-        lora=False,  # its adapters' q/k rows would need the checkpoint's reordering (`rope_interleaved`)
         note=(
             "Command R7B / A: attention and MLP in parallel after one LayerNorm, three sliding layers "
-            "of four with RoPE, global ones without; no LoRA (q/k rows reordered at load)"
+            "of four with RoPE, global ones without (q/k rows, and LoRA adapters' B rows, reordered at load)"
         ),
     ),
     Family(

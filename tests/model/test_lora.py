@@ -401,3 +401,26 @@ def test_an_attention_adapter_on_a_sigmoid_routed_moe_equals_peft(family, tmp_pa
         assert run(engine, [(p, "attn") for p in PROMPTS]) == want
     finally:
         engine.shutdown()
+
+
+def test_a_cohere2_adapter_on_reordered_rotary_rows_equals_peft(tmp_path):
+    """Cohere 2's q/k rows are reordered at load (its rotary pairs interleaved, `rope_interleaved`):
+    an adapter's B rows for q and k take the same order (sliding layers with RoPE, a global one
+    without, biases, the parallel block)."""
+    torch.manual_seed(0)
+    config = transformers.Cohere2Config(
+        **{**BASE, "num_hidden_layers": 3, "pad_token_id": 0, "bos_token_id": 1},
+        sliding_window=8,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        logit_scale=0.3,
+        attention_bias=True,
+    )
+    transformers.Cohere2ForCausalLM(config).save_pretrained(tmp_path / "base")
+    adapter = make_adapter(tmp_path / "base", tmp_path / "all", ADAPTERS["all"], seed=2)
+    want = reference(tmp_path / "base", adapter, PROMPTS)
+    assert want != reference(tmp_path / "base", None, PROMPTS)
+    engine = engine_for(tmp_path / "base", {"all": adapter})
+    try:
+        assert run(engine, [(p, "all") for p in PROMPTS]) == want
+    finally:
+        engine.shutdown()

@@ -241,6 +241,7 @@ class LoraAdapters:
         capacity: int | None = None,
     ) -> None:
         self.max_rank, self.capacity = max_rank, capacity
+        self.config = getattr(model, "config", None)  # (a decoder's `DecoderConfig`)
         self.ctx = LoraContext(c_kernel=device.type == "cpu" and kernels.supports(dtype), dtype=dtype)
         self.wrapped = wrap_model(model, self.ctx)
         model.lora_ctx = self.ctx  # type: ignore[assignment]  # the decoder keeps its C loop out of adapter steps
@@ -298,6 +299,7 @@ class LoraAdapters:
             w = self.wrapped.get((layer, module))
             if w is None:
                 raise AdapterError(f"{path}: layer {layer} has no {target} that LoRA can target")
+            b = self._rows(target, b)
             base = _base(w.inner)
             out, k = _shape(w.inner)
             if isinstance(base, ColumnParallelLinear):
@@ -320,6 +322,17 @@ class LoraAdapters:
             self.wrapped[key].put(slot, parts, config.scaling)
         self.slots[name] = slot
         self._refresh()
+
+    def _rows(self, target: str, b: torch.Tensor) -> torch.Tensor:
+        """B's rows in the order the model keeps its weight's: a q/k adapter of a model whose rotary
+        pairs are reordered at load (Cohere 2: `rope_interleaved`) is reordered the same way."""
+        cfg = self.config
+        if target not in ("q_proj", "k_proj") or cfg is None or not getattr(cfg, "rope_interleaved", False):
+            return b
+        from pytgi.engine.models.decoder import rotate_half_rows
+
+        heads = cfg.num_attention_heads if target == "q_proj" else cfg.num_key_value_heads
+        return b[rotate_half_rows(len(b), heads)]
 
     def unload(self, name: str) -> None:
         slot = self.slots.pop(name, None)
