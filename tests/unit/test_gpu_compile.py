@@ -97,7 +97,8 @@ def attention_rotary_rows() -> None:
     sass(gpu._merge_splits_kernel, merge, dict(SPLITS=8, HEAD_DIM=576, D_PAD=1024))
     rope = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64", "q_ptr": "*bf16",
             "k_cache_ptr": "*u8", "v_cache_ptr": "*u8", "kf_ptr": "*fp32", "vf_ptr": "*fp32"}  # fmt: skip
-    sass(gpu._rope_write_kv_kernel, rope, dict(H=32, KVH=8, D=128, FP8=True))
+    sass(gpu._rope_write_kv_kernel, rope, dict(H=32, KVH=8, D=128, FP8=True, HALF_PAD=0))
+    sass(gpu._rope_write_kv_kernel, rope, dict(H=32, KVH=8, D=96, FP8=True, HALF_PAD=64))  # halves of 48
     rows = sass(gpu_quant._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "K": "i32",
                                                   "stride_xm": "i32"}, dict(BLOCK=1024))  # fmt: skip
     assert "LDG.E.128" in rows, rows

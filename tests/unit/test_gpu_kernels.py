@@ -92,10 +92,13 @@ class _Attn:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_write_kv(dtype):
-    """The rotation of q and k and the cache write of k and v, against PyTorch's rotation."""
+@pytest.mark.parametrize("head_dim", [32, 96])
+def test_rope_write_kv(dtype, head_dim):
+    """The rotation of q and k and the cache write of k and v, against PyTorch's rotation (heads of 96:
+    halves of 48, padded to 64 and masked)."""
     torch.manual_seed(0)
     attn, T, S = _Attn(), 6, 40
+    attn.head_dim = head_dim
     rotary = RotaryEmbedding(attn.head_dim, 64, 10000.0, None).to(DEVICE)
     positions = torch.tensor([0, 5, 9, 10, 11, 63], device=DEVICE)
     qkv = torch.randn(T, (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, device=DEVICE).to(dtype)
@@ -219,11 +222,12 @@ def test_fp8_bytes_round_as_pytorch_casts():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_kv_cache_written_by_rope_and_read_by_attention(dtype):
+@pytest.mark.parametrize("D", [32, 96])
+def test_fp8_kv_cache_written_by_rope_and_read_by_attention(dtype, D):
     """An FP8 cache: rows of e4m3 bytes and a float32 scale per token and head, written by the rotary
     kernel as `quantize_kv_fp8` writes them, and attended as the values they hold."""
     torch.manual_seed(0)
-    H, KVH, D, bs, num_blocks = 4, 2, 32, 4, 16
+    H, KVH, bs, num_blocks = 4, 2, 4, 16
     T = 6
     qkv = torch.randn(T, (H + 2 * KVH) * D, device=DEVICE).to(dtype)
     rope = RotaryEmbedding(D, 64, 10000.0, None).to(DEVICE)

@@ -442,23 +442,29 @@ def _rope_write_kv_kernel(
     KVH: tl.constexpr,
     D: tl.constexpr,
     FP8: tl.constexpr,
+    HALF_PAD: tl.constexpr = 0,  # D / 2 rounded up to a power of two (0: it is one), the rest masked
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # 0 .. H + 2 KVH: query heads, key heads, value heads
-    half = tl.arange(0, D // 2)
+    if HALF_PAD == 0:
+        half = tl.arange(0, D // 2)
+        m, z = None, None  # no mask (the code of a power-of-two head as it was)
+    else:
+        half = tl.arange(0, HALF_PAD)
+        m, z = half < D // 2, 0.0
     row = qkv_ptr + t * (H + 2 * KVH) * D + h * D
-    x1 = tl.load(row + half)
-    x2 = tl.load(row + D // 2 + half)
+    x1 = tl.load(row + half, mask=m, other=z)
+    x2 = tl.load(row + D // 2 + half, mask=m, other=z)
     slot = tl.load(slots_ptr + t)
     ROW = D + 4 * FP8  # a head's row in the cache
     if h >= H + KVH:  # a value head: copied into its slot as it is
         cache, fview, o1, o2 = v_cache_ptr, vf_ptr, x1, x2
         off = slot * KVH * ROW + (h - H - KVH) * ROW
     else:
-        c1 = tl.load(cos_ptr + t * D + half)
-        c2 = tl.load(cos_ptr + t * D + D // 2 + half)
-        s1 = tl.load(sin_ptr + t * D + half)
-        s2 = tl.load(sin_ptr + t * D + D // 2 + half)
+        c1 = tl.load(cos_ptr + t * D + half, mask=m, other=z)
+        c2 = tl.load(cos_ptr + t * D + D // 2 + half, mask=m, other=z)
+        s1 = tl.load(sin_ptr + t * D + half, mask=m, other=z)
+        s2 = tl.load(sin_ptr + t * D + D // 2 + half, mask=m, other=z)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         o1 = (f1 * c1 + f2 * s1).to(x1.dtype)
         o2 = (f2 * c2 + f1 * s2).to(x1.dtype)
@@ -466,18 +472,18 @@ def _rope_write_kv_kernel(
         off = slot * KVH * ROW + (h - H) * ROW
     if h < H:
         dst = q_ptr + t * H * D + h * D
-        tl.store(dst + half, o1)
-        tl.store(dst + D // 2 + half, o2)
+        tl.store(dst + half, o1, mask=m)
+        tl.store(dst + D // 2 + half, o2, mask=m)
     elif FP8:  # e4m3 with the head's own scale: its largest value becomes 448
         a1, a2 = o1.to(tl.float32), o2.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(a1), 0), tl.max(tl.abs(a2), 0))
         scale = tl.where(amax > 0, amax / 448.0, 1.0)
-        tl.store(cache + off + half, f32_to_fp8(a1 / scale).to(tl.uint8))
-        tl.store(cache + off + D // 2 + half, f32_to_fp8(a2 / scale).to(tl.uint8))
+        tl.store(cache + off + half, f32_to_fp8(a1 / scale).to(tl.uint8), mask=m)
+        tl.store(cache + off + D // 2 + half, f32_to_fp8(a2 / scale).to(tl.uint8), mask=m)
         tl.store(fview + (off + D) // 4, scale)
     else:
-        tl.store(cache + off + half, o1)
-        tl.store(cache + off + D // 2 + half, o2)
+        tl.store(cache + off + half, o1, mask=m)
+        tl.store(cache + off + D // 2 + half, o2, mask=m)
 
 
 def rope_write_kv(
@@ -500,8 +506,21 @@ def rope_write_kv(
     if T:
         fp8 = k_cache.dtype == torch.uint8
         views = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if fp8 else (k_cache, v_cache)
+        half_pad = triton.next_power_of_2(D // 2)  # a head of 96: halves of 48 in tiles of 64
         _rope_write_kv_kernel[(T, H + 2 * KVH)](
-            qkv, cos, sin, slot_mapping, q, k_cache, v_cache, *views, H=H, KVH=KVH, D=D, FP8=fp8
+            qkv,
+            cos,
+            sin,
+            slot_mapping,
+            q,
+            k_cache,
+            v_cache,
+            *views,
+            H=H,
+            KVH=KVH,
+            D=D,
+            FP8=fp8,
+            HALF_PAD=0 if half_pad == D // 2 else half_pad,
         )
     return q
 
