@@ -325,11 +325,12 @@ def test_mla_split_decode(H):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_paged_attention_head_dim_96(dtype, splits):
-    """Heads of 96 features (padded to 128 in the kernel, masked): prefill chunks and decodes, and
-    decodes split over programs."""
+@pytest.mark.parametrize("H, KVH, D", [(4, 2, 96), (8, 1, 512)])
+def test_paged_attention_head_dims_96_and_512(dtype, splits, H, KVH, D):
+    """Heads of 96 features (padded to 128 in the kernel, masked) and of 512 (Gemma 4's full layers:
+    smaller tiles, `attention_tiles`): prefill chunks and decodes, and decodes split over programs."""
     torch.manual_seed(3)
-    H, KVH, D, bs, num_blocks = 4, 2, 96, 4, 48
+    bs, num_blocks = 4, 48
     q_lens = [1, 1, 1] if splits > 1 else [1, 6, 1, 20]
     layout = mixed_step(q_lens, [150, 9, 70] if splits > 1 else [33, 6, 1, 25], bs, num_blocks)
     k_cache = torch.randn(num_blocks * bs, KVH, D, device=DEVICE).to(dtype)
@@ -361,6 +362,7 @@ def test_attention_tiles():
     rows and 16 keys a program, 8 warps, a group of 128 in 8 programs."""
     assert gpu.attention_tiles(4, 128) == (4, 64, 4)
     assert gpu.attention_tiles(8, 256) == (8, 64, 4)
+    assert gpu.attention_tiles(8, 512) == (8, 32, 8)  # Gemma 4's full layers (64 x 64 on 4 warps spilled)
     assert gpu.attention_tiles(16, 576) == (16, 16, 8)
     assert gpu.attention_tiles(128, 576) == (16, 16, 8)
     assert gpu.head_parts(128, 576) == 8 and gpu.head_parts(16, 576) == 1 and gpu.head_parts(12, 96) == 1
