@@ -11,6 +11,7 @@
 #            equals alone, seeded samples, greedy CUDA equals CPU; the default model too when its
 #            GGUF is here)
 # attention  benchmarks/gpu_attention.py: the Triton paged kernel against gather + SDPA, per layer
+#            (Llama-3-8B's heads, then MLA's latent rows with DeepSeek-V2-Lite's 16 heads)
 # engine     a Llama-3-8B-shaped random bf16 model (benchmarks/engine.py --make-random-model), one
 #            step's GPU time by batch size (benchmarks/gpu_step.py), then benchmarks/engine.py's
 #            batch-1 decode (128 in, 256 out) and 512 requests (128-1024 in, 256 out)
@@ -120,6 +121,7 @@ fi
 if has attention; then
     echo "== attention"
     timeout 60 $PY benchmarks/gpu_attention.py
+    timeout 60 $PY benchmarks/gpu_attention.py mla16  # MLA's 576-wide latent rows (padded to 1024)
     cp benchmarks/results/gpu-attention-*.json "$OUT"/ 2>/dev/null
 fi
 if has engine; then

@@ -35,7 +35,7 @@ def graphs(sizes=(1, 2, 4, 8)):
     paged = SimpleNamespace(
         device=torch.device("cpu"),
         block_size=4,
-        model=SimpleNamespace(attention=SimpleNamespace(group=4, kv_heads=2)),
+        model=SimpleNamespace(attention=SimpleNamespace(group=4, kv_heads=2, head_dim=16)),
         kv_caches=[],
     )
     g = DecodeGraphs(paged, sizes, max_blocks=6, scratch_block=50)

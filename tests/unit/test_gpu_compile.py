@@ -25,7 +25,8 @@ ALIGNED = {"x_ptr", "w_ptr", "s_ptr", "out_ptr", "q_ptr", "N", "K", "stride_xm"}
 
 
 def sass(kernel, types: dict[str, str], consts: dict[str, object], warps: int = 4, stages: int = 3) -> dict:
-    """Compile for sm_90; the counts of its global loads and stores by width."""
+    """Compile for sm_90; the counts of its global loads and stores by width, and of its local memory
+    stores (STL: registers spilled)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -47,7 +48,7 @@ def sass(kernel, types: dict[str, str], consts: dict[str, object], warps: int = 
         [os.path.join(NVIDIA, "cuobjdump"), "-sass", path], capture_output=True, text=True
     ).stdout
     os.unlink(path)
-    return collections.Counter(re.findall(r"\b((?:LDG|STG)\.E[\.\w]*)\b", out))
+    return collections.Counter(re.findall(r"\b((?:LDG|STG)\.E[\.\w]*|STL[\.\w]*)\b", out))
 
 
 TYPES = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*fp16", "out_ptr": "*bf16", "q_ptr": "*u8", "M": "i32",
@@ -78,13 +79,26 @@ def attention_rotary_rows() -> None:
     att = {"q_ptr": "*bf16", "k_cache_ptr": "*u8", "v_cache_ptr": "*u8", "out_ptr": "*bf16", "programs_ptr": "*i32",
            "q_start_ptr": "*i32", "ctx_ptr": "*i32", "tables_ptr": "*i32", "scale": "fp32", "part_ptr": "*fp32",
            "kf_ptr": "*fp32", "vf_ptr": "*fp32"} | {f"stride_{s}": "i32" for s in ("qt", "qh", "ks", "kh", "ot", "oh", "tb")}  # fmt: skip
-    sass(gpu._paged_attention_kernel, att, dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE=16, BLOCK_M=4, BLOCK_N=64,
-                                                IEEE=False, UPCAST=False, SPLITS=8, FP8=True))  # fmt: skip
-    sass(gpu._merge_splits_kernel, {"part_ptr": "*fp32", "out_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32",
-                                    "H": "i32"}, dict(SPLITS=8, HEAD_DIM=128))  # fmt: skip
+    base = dict(GROUP=4, GROUP_PAD=4, HEAD_DIM=128, PAGE=16, BLOCK_M=4, BLOCK_N=64, IEEE=False, UPCAST=False, SPLITS=8,
+                FP8=True, D_PAD=0, PARTS=1, MIN_TILES=2)  # fmt: skip
+    sass(gpu._paged_attention_kernel, att, base)
+    sass(gpu._paged_attention_kernel, att, base | dict(HEAD_DIM=96, D_PAD=128))  # FP8 rows of 96 + 4 bytes
+    # MLA: 576-wide latent rows (padded to 1024), values = keys, in bf16; 16 query rows and 16 keys a
+    # program on 8 warps fit the registers (4 warps, 32 keys or 2 query tokens spill): prefill chunks,
+    # split decodes, a group of 128 in 8 programs
+    mla = base | dict(GROUP=16, GROUP_PAD=16, HEAD_DIM=576, D_PAD=1024, BLOCK_M=1, BLOCK_N=16, FP8=False,
+                      MIN_TILES=4)  # fmt: skip
+    bf16 = att | {"k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16"}
+    for variant in (dict(SPLITS=1), dict(SPLITS=8), dict(GROUP=128, PARTS=8)):
+        counts = sass(gpu._paged_attention_kernel, bf16, mla | variant, warps=8)
+        assert not any(k.startswith("STL") for k in counts), (variant, counts)
+    merge = {"part_ptr": "*fp32", "out_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32", "H": "i32"}
+    sass(gpu._merge_splits_kernel, merge, dict(SPLITS=8, HEAD_DIM=128, D_PAD=0))
+    sass(gpu._merge_splits_kernel, merge, dict(SPLITS=8, HEAD_DIM=576, D_PAD=1024))
     rope = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64", "q_ptr": "*bf16",
             "k_cache_ptr": "*u8", "v_cache_ptr": "*u8", "kf_ptr": "*fp32", "vf_ptr": "*fp32"}  # fmt: skip
-    sass(gpu._rope_write_kv_kernel, rope, dict(H=32, KVH=8, D=128, FP8=True))
+    sass(gpu._rope_write_kv_kernel, rope, dict(H=32, KVH=8, D=128, FP8=True, HALF_PAD=0))
+    sass(gpu._rope_write_kv_kernel, rope, dict(H=32, KVH=8, D=96, FP8=True, HALF_PAD=64))  # halves of 48
     rows = sass(gpu_quant._quantize_rows_kernel, {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "K": "i32",
                                                   "stride_xm": "i32"}, dict(BLOCK=1024))  # fmt: skip
     assert "LDG.E.128" in rows, rows

@@ -92,10 +92,13 @@ class _Attn:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rope_write_kv(dtype):
-    """The rotation of q and k and the cache write of k and v, against PyTorch's rotation."""
+@pytest.mark.parametrize("head_dim", [32, 96])
+def test_rope_write_kv(dtype, head_dim):
+    """The rotation of q and k and the cache write of k and v, against PyTorch's rotation (heads of 96:
+    halves of 48, padded to 64 and masked)."""
     torch.manual_seed(0)
     attn, T, S = _Attn(), 6, 40
+    attn.head_dim = head_dim
     rotary = RotaryEmbedding(attn.head_dim, 64, 10000.0, None).to(DEVICE)
     positions = torch.tensor([0, 5, 9, 10, 11, 63], device=DEVICE)
     qkv = torch.randn(T, (attn.n_heads + 2 * attn.n_kv) * attn.head_dim, device=DEVICE).to(dtype)
@@ -219,11 +222,12 @@ def test_fp8_bytes_round_as_pytorch_casts():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_kv_cache_written_by_rope_and_read_by_attention(dtype):
+@pytest.mark.parametrize("D", [32, 96])
+def test_fp8_kv_cache_written_by_rope_and_read_by_attention(dtype, D):
     """An FP8 cache: rows of e4m3 bytes and a float32 scale per token and head, written by the rotary
     kernel as `quantize_kv_fp8` writes them, and attended as the values they hold."""
     torch.manual_seed(0)
-    H, KVH, D, bs, num_blocks = 4, 2, 32, 4, 16
+    H, KVH, bs, num_blocks = 4, 2, 4, 16
     T = 6
     qkv = torch.randn(T, (H + 2 * KVH) * D, device=DEVICE).to(dtype)
     rope = RotaryEmbedding(D, 64, 10000.0, None).to(DEVICE)
@@ -256,3 +260,111 @@ def test_fp8_kv_cache_written_by_rope_and_read_by_attention(dtype):
     backend = TritonAttention(Kernels.none(), (H, KVH, D))
     got = backend.forward(qq, None, None, k8, v8, backend.prepare(layout, DEVICE), D**-0.5).float()
     torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def reference_attention(q, k_cache, v_cache, layout, scale):
+    """Plain PyTorch: each request's context gathered through its block table, every query head against
+    its kv head's keys, causal, in float32."""
+    T, H = q.shape[:2]
+    KVH, bs = k_cache.shape[1], layout.block_size
+    out = torch.zeros(T, H, v_cache.shape[2], device=q.device)
+    start = 0
+    for b, (n, c) in enumerate(zip(layout.query_lens.tolist(), layout.context_lens.tolist())):
+        pos = np.arange(c)
+        slots = torch.from_numpy(layout.block_tables[b][pos // bs] * bs + pos % bs).to(q.device)
+        k = k_cache[slots].float().repeat_interleave(H // KVH, dim=1)  # [c, H, D]
+        v = v_cache[slots].float().repeat_interleave(H // KVH, dim=1)
+        s = torch.einsum("nhd,chd->hnc", q[start : start + n].float(), k) * scale
+        seen = torch.from_numpy(pos[None, :] <= (c - n + np.arange(n))[:, None]).to(q.device)
+        p = s.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[start : start + n] = torch.einsum("hnc,chd->nhd", p, v)
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "q_lens, ctx", [([1, 1], [40, 7]), ([1, 5, 1, 9], [33, 21, 1, 9])], ids=["decode", "chunks"]
+)
+@pytest.mark.parametrize("H", [16, 128])
+def test_mla_latent_rows_on_the_triton_kernel(dtype, q_lens, ctx, H):
+    """MLA as `MLAttention` runs it: every query head on one kv head of 576-wide latent rows (padded to
+    1024 in the kernel), the values the keys themselves (the value cache has no columns); 128 heads take
+    8 programs of 16 per kv head. Decodes (split over programs) and prefill chunks."""
+    torch.manual_seed(0)
+    D, bs, num_blocks = 576, 4, 24
+    layout = mixed_step(q_lens, ctx, bs, num_blocks)
+    k_cache = torch.randn(num_blocks * bs, 1, D, device=DEVICE).to(dtype)
+    q = torch.randn(int(layout.query_lens.sum()), H, D, device=DEVICE).to(dtype)
+    backend = TritonAttention(Kernels.none(), (H, 1, D))
+    meta = backend.prepare(layout, DEVICE)
+    assert type(meta).__name__ == "TritonMetadata"
+    if H == 16 and q_lens == [1, 1]:
+        assert meta.splits > 1
+    got = backend.forward(q, None, None, k_cache, k_cache, meta, 192**-0.5).float()
+    want = reference_attention(q, k_cache, k_cache, layout, 192**-0.5)
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("H", [16, 128])
+def test_mla_split_decode(H):
+    """Split decodes over 576-wide rows (each split at least 4 key tiles of 16 here), merged."""
+    torch.manual_seed(2)
+    D, bs, num_blocks = 576, 16, 16
+    layout = mixed_step([1, 1, 1], [1, 150, 70], bs, num_blocks)
+    k_cache = torch.randn(num_blocks * bs, 1, D, device=DEVICE)
+    q = torch.randn(3, H, D, device=DEVICE)
+    meta = TritonAttention(Kernels.none(), (H, 1, D)).prepare(layout, DEVICE)
+    out = torch.empty_like(q)
+    args = (meta.programs, meta.q_start, meta.context_lens, meta.block_tables, meta.block_m, bs, 0.05, 4)
+    got = gpu.paged_attention(q, k_cache, k_cache, out, *args)
+    torch.testing.assert_close(
+        got, reference_attention(q, k_cache, k_cache, layout, 0.05), atol=1e-5, rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("H, KVH, D", [(4, 2, 96), (8, 1, 512)])
+def test_paged_attention_head_dims_96_and_512(dtype, splits, H, KVH, D):
+    """Heads of 96 features (padded to 128 in the kernel, masked) and of 512 (Gemma 4's full layers:
+    smaller tiles, `attention_tiles`): prefill chunks and decodes, and decodes split over programs."""
+    torch.manual_seed(3)
+    bs, num_blocks = 4, 48
+    q_lens = [1, 1, 1] if splits > 1 else [1, 6, 1, 20]
+    layout = mixed_step(q_lens, [150, 9, 70] if splits > 1 else [33, 6, 1, 25], bs, num_blocks)
+    k_cache = torch.randn(num_blocks * bs, KVH, D, device=DEVICE).to(dtype)
+    v_cache = torch.randn(num_blocks * bs, KVH, D, device=DEVICE).to(dtype)
+    q = torch.randn(int(layout.query_lens.sum()), H, D, device=DEVICE).to(dtype)
+    meta = TritonAttention(Kernels.none(), (H, KVH, D)).prepare(layout, DEVICE)
+    out = torch.full_like(q, float("nan"))
+    args = (meta.programs, meta.q_start, meta.context_lens, meta.block_tables, meta.block_m, bs, D**-0.5)
+    got = gpu.paged_attention(q, k_cache, v_cache, out, *args, splits).float()
+    want = reference_attention(q, k_cache, v_cache, layout, D**-0.5)
+    torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_fp8_cache_head_dim_96():
+    """An FP8 cache of 96-wide heads (rows of 96 bytes and the scale): padded reads stop at the scale."""
+    torch.manual_seed(4)
+    H, KVH, D, bs, num_blocks = 4, 2, 96, 4, 16
+    layout = mixed_step([1, 3, 1], [9, 14, 30], bs, num_blocks)
+    k8, v8 = (gpu.quantize_kv_fp8(torch.randn(num_blocks * bs, KVH, D, device=DEVICE)) for _ in range(2))
+    q = torch.randn(5, H, D, device=DEVICE)
+    backend = TritonAttention(Kernels.none(), (H, KVH, D))
+    got = backend.forward(q, None, None, k8, v8, backend.prepare(layout, DEVICE), D**-0.5)
+    want = reference_attention(q, gpu.kv_fp8_values(k8), gpu.kv_fp8_values(v8), layout, D**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_tiles():
+    """Heads of up to 256 keep their tiles (the whole group, 64 keys); MLA's 576-wide rows take 16 query
+    rows and 16 keys a program, 8 warps, a group of 128 in 8 programs."""
+    assert gpu.attention_tiles(4, 128) == (4, 64, 4)
+    assert gpu.attention_tiles(8, 256) == (8, 64, 4)
+    assert gpu.attention_tiles(8, 512) == (8, 32, 8)  # Gemma 4's full layers (64 x 64 on 4 warps spilled)
+    assert gpu.attention_tiles(16, 576) == (16, 16, 8)
+    assert gpu.attention_tiles(128, 576) == (16, 16, 8)
+    assert gpu.head_parts(128, 576) == 8 and gpu.head_parts(16, 576) == 1 and gpu.head_parts(12, 96) == 1
+    assert gpu.query_block(1, 16, 576) == 1 and gpu.query_block(100, 16, 576) == 1
+    assert gpu.query_block(100, 4, 96) == 16

@@ -38,7 +38,7 @@ class DecodeGraphs:
     `scratch_block`, past those the block manager hands out)."""
 
     def __init__(self, paged, sizes: tuple[int, ...], max_blocks: int, scratch_block: int) -> None:
-        from pytgi.engine.kernels.gpu import decode_splits, query_block
+        from pytgi.engine.kernels.gpu import decode_splits, head_parts, query_block
         from pytgi.engine.models.triton_backend import TritonMetadata, multiprocessors
 
         self.paged, self.sizes = paged, sorted(sizes)
@@ -52,7 +52,8 @@ class DecodeGraphs:
         q_start = torch.arange(n + 1, dtype=torch.int32, device=dev)
         programs = torch.stack([q_start[:n], torch.zeros_like(q_start[:n])], dim=1).contiguous()
         attention = paged.model.attention
-        block_m = query_block(1, attention.group)
+        block_m = query_block(1, attention.group, attention.head_dim)
+        programs_per_request = attention.kv_heads * head_parts(attention.group, attention.head_dim)
         sms = multiprocessors(dev)
         # host staging (pinned: the copies do not wait for the GPU to go idle)
         pin = torch.cuda.is_available()
@@ -71,7 +72,7 @@ class DecodeGraphs:
                 self.tables[:s],
                 block_m,
                 paged.block_size,
-                decode_splits(s, attention.kv_heads, sms),
+                decode_splits(s, programs_per_request, sms),
             )
             for s in self.sizes
         }

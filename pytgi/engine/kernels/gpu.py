@@ -62,16 +62,28 @@ def f32_to_fp8(v):
 
 
 @triton.jit
+def _row_mask(rows, d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """The mask of a [rows, D_PAD] tile: the rows given, and (a head dim not a power of two, padded to
+    D_PAD) the head's HEAD_DIM features."""
+    if D_PAD == HEAD_DIM:
+        mask = rows[:, None]
+    else:
+        mask = rows[:, None] & (d < HEAD_DIM)[None, :]
+    return mask
+
+
+@triton.jit
 def _cache_tile(cache_ptr, f_ptr, row, d, inside, dtype: tl.constexpr, HEAD_DIM: tl.constexpr,
-                FP8: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                FP8: tl.constexpr, UPCAST: tl.constexpr, D_PAD: tl.constexpr):  # fmt: skip
     """A tile of keys or values from the cache (rows `row`): an FP8 cache's bytes times their scale,
-    in the queries' dtype (float32 with UPCAST)."""
+    in the queries' dtype (float32 with UPCAST); the padding past HEAD_DIM (to D_PAD) reads zeros."""
+    mask = _row_mask(inside, d, HEAD_DIM, D_PAD)
     if FP8:
-        x = tl.load(cache_ptr + row[:, None] + d[None, :], mask=inside[:, None], other=0).to(tl.int32)
+        x = tl.load(cache_ptr + row[:, None] + d[None, :], mask=mask, other=0).to(tl.int32)
         x_scale = tl.load(f_ptr + (row + HEAD_DIM) // 4, mask=inside, other=0.0)
         x = (fp8_to_f32(x) * x_scale[:, None]).to(dtype)
     else:
-        x = tl.load(cache_ptr + row[:, None] + d[None, :], mask=inside[:, None], other=0.0)
+        x = tl.load(cache_ptr + row[:, None] + d[None, :], mask=mask, other=0.0)
     if UPCAST:
         x = x.to(tl.float32)
     return x
@@ -96,7 +108,7 @@ def _paged_attention_kernel(
     stride_oh,
     stride_tb,
     GROUP: tl.constexpr,  # query heads per kv head
-    GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two
+    GROUP_PAD: tl.constexpr,  # query heads per program: GROUP rounded up to 2^n, or (PARTS > 1) a share
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,  # the KV cache's block size
     BLOCK_M: tl.constexpr,  # query tokens per program
@@ -108,9 +120,18 @@ def _paged_attention_kernel(
     FP8: tl.constexpr = False,  # the caches hold e4m3 bytes, each head's row then its float32 scale
     kf_ptr=None,  # FP8: the key and value caches seen as float32 (where the scales are read)
     vf_ptr=None,
+    D_PAD: tl.constexpr = 0,  # HEAD_DIM rounded up to a power of two (0: HEAD_DIM is one)
+    PARTS: tl.constexpr = 1,  # programs per kv head, each GROUP_PAD of its query heads (MLA's large groups)
+    MIN_TILES: tl.constexpr = 2,  # SPLITS > 1: key tiles a split takes at least
 ):
+    DP: tl.constexpr = HEAD_DIM if D_PAD == 0 else D_PAD
     pid = tl.program_id(0)
-    kvh = tl.program_id(1)
+    if PARTS == 1:
+        kvh = tl.program_id(1)
+        g0 = 0
+    else:
+        kvh = tl.program_id(1) // PARTS
+        g0 = (tl.program_id(1) % PARTS) * GROUP_PAD
     b = tl.load(programs_ptr + 2 * pid)
     qblock = tl.load(programs_ptr + 2 * pid + 1)
     q_start = tl.load(q_start_ptr + b)
@@ -118,28 +139,28 @@ def _paged_attention_kernel(
     ctx = tl.load(ctx_ptr + b)
     rows = tl.arange(0, BLOCK_M * GROUP_PAD)
     tok = qblock * BLOCK_M + rows // GROUP_PAD  # the query token of each row, within the request
-    g = rows % GROUP_PAD
+    g = g0 + rows % GROUP_PAD
     valid = (tok < q_len) & (g < GROUP)
     head = kvh * GROUP + g
     q_pos = ctx - q_len + tok  # each query's position: it sees keys 0 ..= q_pos
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, DP)
     q = tl.load(
         q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=valid[:, None],
+        mask=_row_mask(valid, d, HEAD_DIM, DP),
         other=0.0,
     )
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M * GROUP_PAD], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, DP], tl.float32)
     # the keys this program's last query may see (none when the request has no queries this far)
     kv_end = tl.minimum(ctx, ctx - q_len + (qblock + 1) * BLOCK_M)
     kv_end = kv_end * (qblock * BLOCK_M < q_len).to(tl.int32)
     kv_begin = 0
-    if SPLITS > 1:  # this program's share of the keys: whole tiles, at least two a split
+    if SPLITS > 1:  # this program's share of the keys: whole tiles, at least MIN_TILES a split
         split = tl.program_id(2)
-        n_split = tl.maximum(1, tl.minimum(SPLITS, tl.cdiv(kv_end, 2 * BLOCK_N)))
+        n_split = tl.maximum(1, tl.minimum(SPLITS, tl.cdiv(kv_end, MIN_TILES * BLOCK_N)))
         part = tl.cdiv(tl.cdiv(kv_end, n_split), BLOCK_N) * BLOCK_N
         kv_begin = tl.minimum(split * part, kv_end)
         kv_end = tl.minimum(kv_begin + part, kv_end)
@@ -149,7 +170,7 @@ def _paged_attention_kernel(
         block = tl.load(tables_ptr + b * stride_tb + n // PAGE, mask=inside, other=0)
         slot = block.to(tl.int64) * PAGE + n % PAGE
         row = slot * stride_ks + kvh * stride_kh
-        k = _cache_tile(k_cache_ptr, kf_ptr, row, d, inside, q.dtype, HEAD_DIM, FP8, UPCAST)
+        k = _cache_tile(k_cache_ptr, kf_ptr, row, d, inside, q.dtype, HEAD_DIM, FP8, UPCAST, DP)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -160,16 +181,16 @@ def _paged_attention_kernel(
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _cache_tile(v_cache_ptr, vf_ptr, row, d, inside, q.dtype, HEAD_DIM, FP8, UPCAST)
+        v = _cache_tile(v_cache_ptr, vf_ptr, row, d, inside, q.dtype, HEAD_DIM, FP8, UPCAST, DP)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     if SPLITS > 1:
-        H = GROUP * tl.num_programs(1)
+        H = GROUP * (tl.num_programs(1) // PARTS)
         row = (((q_start + tok).to(tl.int64) * H + head) * SPLITS + tl.program_id(2)) * (HEAD_DIM + 2)
-        tl.store(part_ptr + row[:, None] + d[None, :], acc, mask=valid[:, None])
+        tl.store(part_ptr + row[:, None] + d[None, :], acc, mask=_row_mask(valid, d, HEAD_DIM, DP))
         tl.store(part_ptr + row + HEAD_DIM, m_i, mask=valid)
         tl.store(part_ptr + row + HEAD_DIM + 1, l_i, mask=valid)
     else:
@@ -177,27 +198,39 @@ def _paged_attention_kernel(
         tl.store(
             out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=valid[:, None],
+            mask=_row_mask(valid, d, HEAD_DIM, DP),
         )
 
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr, out_ptr, stride_ot, stride_oh, H, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr
+    part_ptr, out_ptr, stride_ot, stride_oh, H, SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr = 0,
 ):  # fmt: skip
-    """One query row and head: its splits' partial sums rescaled to the largest maximum, in order."""
+    """One query row and head: its splits' partial sums rescaled to the largest maximum, in order.
+    D_PAD: HEAD_DIM rounded up to a power of two (0: HEAD_DIM is one)."""
+    DP: tl.constexpr = HEAD_DIM if D_PAD == 0 else D_PAD
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, SPLITS)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, DP)
     row = ((t * H + h) * SPLITS + s) * (HEAD_DIM + 2)
     m = tl.load(part_ptr + row + HEAD_DIM)
     total = tl.load(part_ptr + row + HEAD_DIM + 1)
     w = tl.where(total > 0, tl.exp(m - tl.max(m, 0)), 0.0)
-    acc = tl.sum(tl.load(part_ptr + row[:, None] + d[None, :]) * w[:, None], 0)
+    if DP == HEAD_DIM:
+        x = tl.load(part_ptr + row[:, None] + d[None, :])
+    else:
+        x = tl.load(part_ptr + row[:, None] + d[None, :], mask=(d < HEAD_DIM)[None, :], other=0.0)
+    acc = tl.sum(x * w[:, None], 0)
     denom = tl.sum(total * w, 0)
     out = acc / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    if DP == HEAD_DIM:
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(
+            out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM
+        )
 
 
 def decode_splits(batch: int, kv_heads: int, sms: int) -> int:
@@ -207,12 +240,35 @@ def decode_splits(batch: int, kv_heads: int, sms: int) -> int:
     return 1 if want < 2 else min(32, triton.next_power_of_2(want + 1) // 2)
 
 
-def query_block(max_query_len: int, group: int) -> int:
+# a program's tiles hold at most this many values: query rows x the head dim (rounded up to a power of
+# two), keys x the head dim; 128-wide heads keep 64 query rows and 64 keys, MLA's 576 (1024) 16 and 16
+TILE_VALUES = 16384
+
+
+def attention_tiles(group: int, head_dim: int) -> tuple[int, int, int]:
+    """(query heads per program, key tile, warps) for a kv head's `group` query heads of `head_dim`
+    features. A program takes the whole group where its rows fit (every model with heads of up to 256),
+    else a power-of-two share of it (MLA: 16 to 128 query heads on one 576-wide latent row, whose
+    accumulator of 16 rows x 1024 float32 alone is 64 kB); wide rows take smaller key tiles and 8 warps."""
+    d_pad = triton.next_power_of_2(head_dim)
+    heads = min(triton.next_power_of_2(group), max(16, TILE_VALUES // d_pad))
+    block_n = min(64, max(16, TILE_VALUES // d_pad))
+    return heads, block_n, 8 if d_pad >= 512 else 4
+
+
+def query_block(max_query_len: int, group: int, head_dim: int = 128) -> int:
     """Query tokens per attention program: at least 16 rows for the tensor cores (a decode's group of
-    query heads fills some of them), 64 rows for a step with prefill chunks. Keys go 64 a tile."""
-    group_pad = triton.next_power_of_2(group)
-    decode = max(1, 16 // group_pad)
-    return decode if max_query_len <= decode else max(1, 64 // group_pad)
+    query heads fills some of them), 64 rows for a step with prefill chunks (fewer for heads wider than
+    256, `attention_tiles`). Keys go 64 a tile (fewer for wide heads)."""
+    heads = attention_tiles(group, head_dim)[0]
+    decode = max(1, 16 // heads)
+    rows = min(64, max(16, TILE_VALUES // triton.next_power_of_2(head_dim)))
+    return decode if max_query_len <= decode else max(1, rows // heads)
+
+
+def head_parts(group: int, head_dim: int) -> int:
+    """Programs per kv head and query block (more than one where a group is split, `attention_tiles`)."""
+    return -(-group // attention_tiles(group, head_dim)[0])
 
 
 def attention_programs(query_lens: np.ndarray, block_m: int) -> np.ndarray:
@@ -245,7 +301,10 @@ def paged_attention(
     H, D = q.shape[1], q.shape[2]
     KVH = k_cache.shape[1]
     group = H // KVH
-    grid = (programs.shape[0], KVH, splits)
+    heads, block_n, warps = attention_tiles(group, D)
+    parts = -(-group // heads)
+    d_pad = triton.next_power_of_2(D)
+    grid = (programs.shape[0], KVH * parts, splits)
     part = None
     if splits > 1:
         part = torch.empty((q.shape[0], H, splits, D + 2), dtype=torch.float32, device=q.device)
@@ -267,11 +326,11 @@ def paged_attention(
         out.stride(1),
         block_tables.stride(0),
         GROUP=group,
-        GROUP_PAD=triton.next_power_of_2(group),
+        GROUP_PAD=heads,
         HEAD_DIM=D,
         PAGE=block_size,
         BLOCK_M=block_m,
-        BLOCK_N=64,
+        BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32 or INTERPRETED,
         UPCAST=INTERPRETED,
         SPLITS=splits,
@@ -279,10 +338,22 @@ def paged_attention(
         FP8=k_cache.dtype == torch.uint8,
         kf_ptr=k_cache.view(torch.float32) if k_cache.dtype == torch.uint8 else None,
         vf_ptr=v_cache.view(torch.float32) if v_cache.dtype == torch.uint8 else None,
+        D_PAD=0 if d_pad == D else d_pad,
+        PARTS=parts,
+        # a split's partial sums (heads x D floats) cost no more than half its keys' reads
+        MIN_TILES=max(2, -(-4 * heads // block_n)),
+        num_warps=warps,
     )
     if part is not None and q.shape[0]:
         _merge_splits_kernel[(q.shape[0], H)](
-            part, out, out.stride(0), out.stride(1), H, SPLITS=splits, HEAD_DIM=D
+            part,
+            out,
+            out.stride(0),
+            out.stride(1),
+            H,
+            SPLITS=splits,
+            HEAD_DIM=D,
+            D_PAD=0 if d_pad == D else d_pad,
         )
     return out
 
@@ -371,23 +442,29 @@ def _rope_write_kv_kernel(
     KVH: tl.constexpr,
     D: tl.constexpr,
     FP8: tl.constexpr,
+    HALF_PAD: tl.constexpr = 0,  # D / 2 rounded up to a power of two (0: it is one), the rest masked
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # 0 .. H + 2 KVH: query heads, key heads, value heads
-    half = tl.arange(0, D // 2)
+    if HALF_PAD == 0:
+        half = tl.arange(0, D // 2)
+        m, z = None, None  # no mask (the code of a power-of-two head as it was)
+    else:
+        half = tl.arange(0, HALF_PAD)
+        m, z = half < D // 2, 0.0
     row = qkv_ptr + t * (H + 2 * KVH) * D + h * D
-    x1 = tl.load(row + half)
-    x2 = tl.load(row + D // 2 + half)
+    x1 = tl.load(row + half, mask=m, other=z)
+    x2 = tl.load(row + D // 2 + half, mask=m, other=z)
     slot = tl.load(slots_ptr + t)
     ROW = D + 4 * FP8  # a head's row in the cache
     if h >= H + KVH:  # a value head: copied into its slot as it is
         cache, fview, o1, o2 = v_cache_ptr, vf_ptr, x1, x2
         off = slot * KVH * ROW + (h - H - KVH) * ROW
     else:
-        c1 = tl.load(cos_ptr + t * D + half)
-        c2 = tl.load(cos_ptr + t * D + D // 2 + half)
-        s1 = tl.load(sin_ptr + t * D + half)
-        s2 = tl.load(sin_ptr + t * D + D // 2 + half)
+        c1 = tl.load(cos_ptr + t * D + half, mask=m, other=z)
+        c2 = tl.load(cos_ptr + t * D + D // 2 + half, mask=m, other=z)
+        s1 = tl.load(sin_ptr + t * D + half, mask=m, other=z)
+        s2 = tl.load(sin_ptr + t * D + D // 2 + half, mask=m, other=z)
         f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
         o1 = (f1 * c1 + f2 * s1).to(x1.dtype)
         o2 = (f2 * c2 + f1 * s2).to(x1.dtype)
@@ -395,18 +472,18 @@ def _rope_write_kv_kernel(
         off = slot * KVH * ROW + (h - H) * ROW
     if h < H:
         dst = q_ptr + t * H * D + h * D
-        tl.store(dst + half, o1)
-        tl.store(dst + D // 2 + half, o2)
+        tl.store(dst + half, o1, mask=m)
+        tl.store(dst + D // 2 + half, o2, mask=m)
     elif FP8:  # e4m3 with the head's own scale: its largest value becomes 448
         a1, a2 = o1.to(tl.float32), o2.to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(a1), 0), tl.max(tl.abs(a2), 0))
         scale = tl.where(amax > 0, amax / 448.0, 1.0)
-        tl.store(cache + off + half, f32_to_fp8(a1 / scale).to(tl.uint8))
-        tl.store(cache + off + D // 2 + half, f32_to_fp8(a2 / scale).to(tl.uint8))
+        tl.store(cache + off + half, f32_to_fp8(a1 / scale).to(tl.uint8), mask=m)
+        tl.store(cache + off + D // 2 + half, f32_to_fp8(a2 / scale).to(tl.uint8), mask=m)
         tl.store(fview + (off + D) // 4, scale)
     else:
-        tl.store(cache + off + half, o1)
-        tl.store(cache + off + D // 2 + half, o2)
+        tl.store(cache + off + half, o1, mask=m)
+        tl.store(cache + off + D // 2 + half, o2, mask=m)
 
 
 def rope_write_kv(
@@ -429,8 +506,21 @@ def rope_write_kv(
     if T:
         fp8 = k_cache.dtype == torch.uint8
         views = (k_cache.view(torch.float32), v_cache.view(torch.float32)) if fp8 else (k_cache, v_cache)
+        half_pad = triton.next_power_of_2(D // 2)  # a head of 96: halves of 48 in tiles of 64
         _rope_write_kv_kernel[(T, H + 2 * KVH)](
-            qkv, cos, sin, slot_mapping, q, k_cache, v_cache, *views, H=H, KVH=KVH, D=D, FP8=fp8
+            qkv,
+            cos,
+            sin,
+            slot_mapping,
+            q,
+            k_cache,
+            v_cache,
+            *views,
+            H=H,
+            KVH=KVH,
+            D=D,
+            FP8=fp8,
+            HALF_PAD=0 if half_pad == D // 2 else half_pad,
         )
     return q
 

@@ -134,6 +134,7 @@ class TorchAttention:
         self.paged = cpu.fused  # decodes (and small prefill chunks) in the paged C kernel
         self.paged_prefill_max = cpu.paged_prefill_max()
         self.invariant, self.group, self.kv_heads = cpu.batch_invariant, heads[0] // heads[1], heads[1]
+        self.head_dim = heads[2]
         # tiles for every row (batch invariant): only through the kernel's prefill entry
         self.tiles = bool(self.paged_prefill_max and kernels.amx_supported())
 

@@ -563,8 +563,6 @@ class DecoderModel(nn.Module):
         heads = local_heads(cfg) if cfg.mla is None else mla_heads(cfg.num_attention_heads, cfg.head_dim)
         self.config, self.kernels, self.ops = cfg, cpu, ops_for(cpu)
         backend = get_backend(attention, cpu, heads)
-        if cfg.mla is not None and cpu.triton and cfg.head_dim & (cfg.head_dim - 1):
-            backend = TorchAttention(cpu, heads)  # Triton's kernel takes rows of 2^n values
         if cfg.attn_logit_softcapping:
             backend = SoftcapAttention(cpu, local_heads(cfg), cfg.attn_logit_softcapping)
         if cfg.attn_sinks:

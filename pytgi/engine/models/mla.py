@@ -14,8 +14,10 @@ latent space with the projections absorbed: q_nope·W_UK is the query against c,
 query is [q_nope·W_UK, q_pe] against the cached rows as a single kv head's keys; the values are
 the same rows (their first `kv_lora_rank` features are c, the rest is dropped from the output),
 and the output is brought back through W_UV. So the model's attention backend (the paged C kernel,
-gather + SDPA, Triton where the row is a power of two) runs MLA unchanged, with every query head in
-the one kv head's group; prefill chunks and decodes alike. On a CPU with bf16gemm.c the per-head
+gather + SDPA, or on CUDA Triton's paged kernel) runs MLA unchanged, with every query head in the one
+kv head's group; prefill chunks and decodes alike. Triton's kernel pads the 576-wide row to 1024 and
+masks the rest, takes 16 query heads a program (a group of 128 in 8 programs) and reads the key cache
+as the values too: the value cache (no columns) is never touched. On a CPU with bf16gemm.c the per-head
 products by W_UK and W_UV run there, reading and writing the rows in place; the paged kernel's
 AVX-512 path takes rows of up to 576 values (DeepSeek's 512 + 64) and 16 query heads a kv head.
 """

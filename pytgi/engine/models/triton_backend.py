@@ -26,18 +26,21 @@ def multiprocessors(device: torch.device) -> int:
 
 
 def triton_metadata(
-    layout: StepLayout, device: torch.device, group: int, kv_heads: int = 0
+    layout: StepLayout, device: torch.device, group: int, kv_heads: int = 0, head_dim: int = 128
 ) -> TritonMetadata:
-    """`group`: query heads per kv head; `kv_heads`: the cache's heads (0: never split a decode)."""
+    """`group`: query heads per kv head; `kv_heads`: the cache's heads (0: never split a decode);
+    `head_dim`: its rows' width (MLA's latent row: 576 for DeepSeek)."""
     decode = bool((layout.query_lens == 1).all())
     splits = (
-        gpu.decode_splits(len(layout.query_lens), kv_heads, multiprocessors(device))
+        gpu.decode_splits(
+            len(layout.query_lens), kv_heads * gpu.head_parts(group, head_dim), multiprocessors(device)
+        )
         if decode and kv_heads
         else 1
     )
     q_start = np.zeros(len(layout.query_lens) + 1, np.int32)
     np.cumsum(layout.query_lens, out=q_start[1:])
-    block_m = gpu.query_block(int(layout.query_lens.max()), group)
+    block_m = gpu.query_block(int(layout.query_lens.max()), group, head_dim)
     to = lambda a, dt: torch.from_numpy(np.ascontiguousarray(a, dtype=dt)).to(device, non_blocking=True)
     return TritonMetadata(
         slot_mapping=to(layout.slot_mapping, np.int64),
@@ -60,7 +63,7 @@ class TritonAttention(TorchAttention):
     ) -> TritonMetadata | TorchAttentionMetadata:
         if window is not None or layout.spans is not None:
             return super().prepare(layout, device, window)
-        return triton_metadata(layout, device, self.group, self.kv_heads)
+        return triton_metadata(layout, device, self.group, self.kv_heads, self.head_dim)
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale: float, sinks=None) -> torch.Tensor:
         if sinks is not None:
