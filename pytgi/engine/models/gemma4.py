@@ -33,7 +33,8 @@ from typing import Any
 
 from pytgi.core.errors import UnsupportedModel
 from pytgi.engine.distributed import tp_size
-from pytgi.engine.models.decoder import FULL, SLIDING, DecoderConfig, LayerAttention
+from pytgi.engine.models.decoder import FULL, SLIDING, DecoderConfig, LayerAttention, MoEConfig
+from pytgi.engine.models.moe import Routing
 
 # a multimodal checkpoint's tensors that are not its language model's
 VLM_IGNORED = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
@@ -90,8 +91,6 @@ def _kv_sources(types: list[str], shared: int) -> list[int | None]:
 def gemma4_config(cfg: dict[str, Any]) -> DecoderConfig:
     if tp_size() > 1:  # (its full layers' single kv head, its per-layer inputs: never sharded yet)
         raise _refuse("tensor parallelism (--num-shard > 1)")
-    if cfg.get("enable_moe_block"):
-        raise _refuse("the mixture-of-experts block (enable_moe_block, as in gemma-4-26B-A4B)")
     if cfg.get("use_bidirectional_attention") == "all":
         raise _refuse('bidirectional attention over all tokens (use_bidirectional_attention: "all")')
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
@@ -159,6 +158,27 @@ def gemma4_config(cfg: dict[str, Any]) -> DecoderConfig:
         per_layer_input_size=per_layer,
         per_layer_vocab_size=int(cfg.get("vocab_size_per_layer_input", 262_144)) if per_layer else 0,
         layer_scalar=True,
+        moe=_moe(cfg, n, ACTIVATIONS[act]),
+    )
+
+
+def _moe(cfg: dict[str, Any], layers: int, activation: str) -> MoEConfig | None:
+    """The mixture-of-experts block (`enable_moe_block`, gemma-4-26B-A4B), in every layer beside its MLP:
+    a softmax top-k router over the residual stream (RMS-normed without a weight, times `router.scale`
+    and 1/√hidden), its chosen weights renormalized, then times each expert's `per_expert_scale`;
+    GELU·up experts (the MLP's activation) over `pre_feedforward_layernorm_2` of the stream."""
+    if not cfg.get("enable_moe_block"):
+        return None
+    return MoEConfig(
+        num_experts=int(cfg["num_experts"]),
+        top_k=int(cfg["top_k_experts"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk=True,
+        shared_intermediate_size=None,
+        sparse_layers=[True] * layers,
+        routing=Routing(input_norm=True, expert_scale=True),
+        activation=activation,
+        beside_dense=True,
     )
 
 
