@@ -5,12 +5,15 @@ decodes; test_gguf_families' the file llama.cpp's converter writes.)"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import transformers
 from tokenizers import Tokenizer, models
 
 from pytgi import LLM, SamplingParams
+from pytgi.core.config import EngineConfig
 from pytgi.engine import kernels
+from pytgi.engine.execution.runner import ModelRunner
 from pytgi.engine.models.decoder import DecoderModel
 from pytgi.engine.models.gemma4 import gemma4_config
 from pytgi.engine.models.moe import SparseMoE
@@ -70,6 +73,28 @@ def test_the_block_is_transformers_router_and_experts():
     assert torch.equal(got_e, want_e)
     torch.testing.assert_close(got_w, want_w)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_a_multimodal_checkpoint_with_experts_serves_its_language_model(tmp_path):
+    """gemma-4-26B-A4B is published as `Gemma4ForConditionalGeneration`: its language model's router and
+    experts (`model.language_model.layers.N.router.*`, `.experts.*`) are read, the logits transformers'."""
+    from tests.model.test_gguf_families import prompt_logits
+    from tests.model.test_tiny_models import reference
+
+    cls, kw = CONFIGS["gemma4-multimodal-as-text"]
+    moe = dict(enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32)
+    torch.manual_seed(0)
+    hf = transformers.Gemma4ForConditionalGeneration(
+        cls(**{**kw, "text_config": {**kw["text_config"], **moe}})
+    )
+    hf = hf.float().eval()
+    randomize_gemma4_router(hf)
+    hf.save_pretrained(tmp_path)
+    runner = ModelRunner(EngineConfig(model=str(tmp_path), dtype="float32", device="cpu"))
+    model = runner.model
+    assert isinstance(model, DecoderModel) and all(isinstance(layer.moe, SparseMoE) for layer in model.layers)
+    seq = np.random.default_rng(1).integers(0, 97, 23).tolist()
+    torch.testing.assert_close(prompt_logits(runner, seq), reference(hf, seq), atol=2e-5, rtol=1e-4)
 
 
 def test_greedy_tokens_follow_transformers(tmp_path):

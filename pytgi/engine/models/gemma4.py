@@ -15,11 +15,16 @@ as data (`pytgi.engine.models.decoder`):
   back into the residual stream; then each layer's output is multiplied by its `layer_scalar`;
 - the last `num_kv_shared_layers` layers read the keys and values of the last earlier layer of their
   kind (its KV cache: they write none, and the cache's budget counts it once), and with
-  `use_double_wide_mlp` their MLP is twice as wide.
+  `use_double_wide_mlp` their MLP is twice as wide;
+- the mixture-of-experts block (`enable_moe_block`, gemma-4-26B-A4B: `_moe`), in every layer beside
+  the MLP (`MoEConfig.beside_dense`): the router reads the residual stream (RMS-normed without a
+  weight, times `router.scale` and 1/√hidden; softmax top-k, renormalized, times the chosen experts'
+  `per_expert_scale`), the GELU·up experts `pre_feedforward_layernorm_2` of it; the MLP's and the
+  experts' outputs, each normed (`post_feedforward_layernorm_1`, `_2`), are summed.
 
-These run in PyTorch ops where the fused C kernels do not take them (q, k, v and the per-layer input;
-the C all-layers loop steps aside). Not implemented, and refused at load with the feature named: the
-mixture-of-experts block (`enable_moe_block`, Gemma 4 26B-A4B), bidirectional attention over all
+These run in PyTorch ops where the fused C kernels do not take them (q, k, v, the per-layer input and
+the experts, whose GELU moe.c does not compute; the C all-layers loop steps aside). Not implemented, and
+refused at load with the feature named: bidirectional attention over all
 tokens (`use_bidirectional_attention: "all"`), RoPE types other than default and proportional,
 per-layer overrides of anything but head size and kv heads, and `--num-shard` above 1. A multimodal checkpoint
 (`Gemma4ForConditionalGeneration`) is served as text: its language model, the vision and audio towers

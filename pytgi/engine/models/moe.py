@@ -1,4 +1,4 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek, GLM-4.5, MiniMax-M2).
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek, GLM-4.5, MiniMax-M2, Gemma 4).
 
 Each token goes to its `top_k` experts by a softmax router (renormalized over the chosen ones when
 the model says so) and gets their SwiGLU outputs, weighted. Other routers are data (`Routing`,
@@ -16,7 +16,10 @@ added ungated. gpt-oss (`oai`) has biases on the router and the experts, softmax
 logits, and clamps its SwiGLU; its checkpoint stacks each expert's weights transposed, [E, H, 2I] with
 gate and up interleaved, or in MXFP4 (two e2m1 codes a byte, a power of two per 32): on a CPU with
 pytgi's low-bit kernels those stay 4-bit (format "mxfp4"), packed from the codes as they are read
-(`Mxfp4.pack`). With tensor parallelism each rank holds a slice of every expert's intermediate
+(`Mxfp4.pack`). Gemma 4's experts compute GELU(gate)·up (`activation`, PyTorch ops: moe.c runs SwiGLU)
+and its router reads its own input (`forward`'s `router_input`: the residual stream, not the experts'
+normed input), RMS-normed and scaled, and scales each chosen expert's weight (`Routing.input_norm`,
+`Routing.expert_scale`). With tensor parallelism each rank holds a slice of every expert's intermediate
 features and the partial outputs are all-reduced.
 """
 
