@@ -714,6 +714,8 @@ def test_gemma4_gguf_serves_transformers_logits(tmp_path, monkeypatch, dtype, ti
         )
     else:
         assert table is None and all(layer.moe is not None for layer in runner.model.layers)
+        moe = runner.model.layers[0].moe  # the Q8_0 experts packed from their blocks, gate|up one tensor
+        assert (len(moe.packed) == 8 and moe.gate_up.numel() == 0) == (dtype == "auto")
     from tests.model.test_tiny_models import reference
 
     seq = np.random.default_rng(1).integers(0, 97, 23).tolist()  # past the 8-token window

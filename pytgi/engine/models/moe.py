@@ -296,7 +296,8 @@ class SparseMoE(nn.Module):
         """Keep the experts packed for the low-bit kernels, as a GGUF file's blocks hold them
         (`pytgi.engine.models.quant.grid_layout`): per expert, this rank's slice of gate|up in `kinds[0]`'s
         layout and of down in `kinds[1]`'s, read from `weights` (`GGUFWeights`; `names`: the stacked
-        gate, up and down tensors). Every step then multiplies by the packed weights."""
+        gate, up and down tensors; gate and up one name where they are stacked together, [E, 2I, H] as
+        Gemma 4's `ffn_gate_up_exps`). Every step then multiplies by the packed weights."""
         from pytgi.engine.models.quant import Layout, LayoutRows, QuantizedWeight, grid_layout, six_bit
 
         gate, up, down = names
@@ -309,8 +310,12 @@ class SparseMoE(nn.Module):
             return rows
 
         def gate_up(e: int) -> Iterator[Layout]:  # this rank's rows of expert e's gate, then up
-            for name in (gate, up):
-                yield grid_layout(grid(name, e * inter + s, e * inter + s + n), kinds[0])
+            if gate == up:  # one tensor: expert e's gate rows, then its up rows
+                starts = [e * 2 * inter + s, e * 2 * inter + inter + s]
+            else:
+                starts = [e * inter + s] * 2
+            for name, start in zip((gate, up), starts):
+                yield grid_layout(grid(name, start, start + n), kinds[0])
 
         def down_rows(e: int) -> Iterator[Layout]:  # expert e's rows, this rank's columns
             yield grid_layout(grid(down, e * hidden, (e + 1) * hidden).cols(s, n), kinds[1])
