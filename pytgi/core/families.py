@@ -338,7 +338,7 @@ FAMILIES: tuple[Family, ...] = (
         note=(
             "full layers with their own head size, kv heads and proportional RoPE, k == v, per-layer "
             "inputs, the last layers reading earlier layers' KV cache; the MoE block (26B-A4B) beside the "
-            "MLP, its GELU experts in PyTorch ops (not moe.c)"
+            "MLP, routed in PyTorch ops, its GELU experts in moe.c where packed"
         ),
     ),
     Family(

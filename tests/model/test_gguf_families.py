@@ -716,6 +716,16 @@ def test_gemma4_gguf_serves_transformers_logits(tmp_path, monkeypatch, dtype, ti
         assert table is None and all(layer.moe is not None for layer in runner.model.layers)
         moe = runner.model.layers[0].moe  # the Q8_0 experts packed from their blocks, gate|up one tensor
         assert (len(moe.packed) == 8 and moe.gate_up.numel() == 0) == (dtype == "auto")
+        assert (moe.fused is not None) == (dtype == "auto" and runner.model.kernels.vnni)
+        if moe.fused is not None:  # moe.c's GELU experts: the PyTorch loop's bits
+            assert moe.fused.gelu
+            x = torch.randn(21, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+            with torch.no_grad():
+                weights, experts = moe.route(x)
+                fused = moe._routed(x, weights, experts)
+                held, moe.fused = moe.fused, None
+                assert torch.equal(fused, moe._routed(x, weights, experts))
+                moe.fused = held
     from tests.model.test_tiny_models import reference
 
     seq = np.random.default_rng(1).integers(0, 97, 23).tolist()  # past the 8-token window

@@ -22,10 +22,10 @@ as data (`pytgi.engine.models.decoder`):
   `per_expert_scale`), the GELU·up experts `pre_feedforward_layernorm_2` of it; the MLP's and the
   experts' outputs, each normed (`post_feedforward_layernorm_1`, `_2`), are summed.
 
-These run in PyTorch ops where the fused C kernels do not take them (q, k, v, the per-layer input and
-the experts, whose GELU moe.c does not compute; the C all-layers loop steps aside). Not implemented, and
-refused at load with the feature named: bidirectional attention over all
-tokens (`use_bidirectional_attention: "all"`), RoPE types other than default and proportional,
+These run in PyTorch ops where the fused C kernels do not take them (q, k, v, the per-layer input, the
+router; the experts in moe.c where they are packed low-bit; the C all-layers loop steps aside). Not
+implemented, and refused at load with the feature named: bidirectional attention over all tokens
+(`use_bidirectional_attention: "all"`), RoPE types other than default and proportional,
 per-layer overrides of anything but head size and kv heads, and `--num-shard` above 1. A multimodal checkpoint
 (`Gemma4ForConditionalGeneration`) is served as text: its language model, the vision and audio towers
 not read.

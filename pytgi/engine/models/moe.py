@@ -16,7 +16,7 @@ added ungated. gpt-oss (`oai`) has biases on the router and the experts, softmax
 logits, and clamps its SwiGLU; its checkpoint stacks each expert's weights transposed, [E, H, 2I] with
 gate and up interleaved, or in MXFP4 (two e2m1 codes a byte, a power of two per 32): on a CPU with
 pytgi's low-bit kernels those stay 4-bit (format "mxfp4"), packed from the codes as they are read
-(`Mxfp4.pack`). Gemma 4's experts compute GELU(gate)·up (`activation`, PyTorch ops: moe.c runs SwiGLU)
+(`Mxfp4.pack`). Gemma 4's experts compute GELU(gate)·up (`activation`; in moe.c, routed by `route`)
 and its router reads its own input (`forward`'s `router_input`: the residual stream, not the experts'
 normed input), RMS-normed and scaled, and scales each chosen expert's weight (`Routing.input_norm`,
 `Routing.expert_scale`). With tensor parallelism each rank holds a slice of every expert's intermediate
@@ -172,8 +172,8 @@ class SparseMoE(nn.Module):
         beyond softmax top-k (`Routing`); shared_gate: the shared expert's output is scaled by a
         sigmoid gate (Qwen2-MoE's `shared_expert_gate`), else added as it is (DeepSeek's
         `shared_experts`, one MLP of n_shared_experts × the experts' size); activation: the experts'
-        act(gate) · up, "silu" (SwiGLU) or "gelu_tanh" (Gemma 4's: PyTorch ops, moe.c runs SwiGLU
-        only); router_eps: the epsilon of the router's input norm (`Routing.input_norm`)."""
+        act(gate) · up, "silu" (SwiGLU) or "gelu_tanh" (Gemma 4's: in moe.c where packed, routed
+        here); router_eps: the epsilon of the router's input norm (`Routing.input_norm`)."""
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.routing = routing or Routing()
@@ -359,8 +359,8 @@ class SparseMoE(nn.Module):
 
     def fuse(self) -> None:
         """Where every expert is packed for pytgi's low-bit kernel, hand them to one C call (moe.c;
-        SwiGLU experts only: Gemma 4's GELU ones multiply by their packed weights one at a time)."""
-        if self.activation == "silu" and self.packed and all(w.vnni for pair in self.packed for w in pair):
+        Gemma 4's GELU experts there too, routed here: `moe_experts`)."""
+        if self.packed and all(w.vnni for pair in self.packed for w in pair):
             gu, dn = zip(*self.packed)
 
             self.fused = kernels.PackedExperts(
@@ -371,6 +371,7 @@ class SparseMoE(nn.Module):
                 inter=gu[0].shape[0] // 2,
                 amx_above=min(w.vnni_max_m for pair in self.packed for w in pair),
                 oai=self.oai,
+                gelu=self.activation == "gelu_tanh",
             )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -405,7 +406,8 @@ class SparseMoE(nn.Module):
             weights, experts = self.route(x)
             routed = kernels.moe_experts(x.contiguous(), self.fused, experts, weights)
             return self._shared(x, all_reduce(routed))
-        if self.fused is not None and x.dtype == self.gate.weight.dtype == torch.bfloat16:  # all in moe.c
+        bf16 = x.dtype == self.gate.weight.dtype == torch.bfloat16
+        if self.fused is not None and bf16 and not self.fused.gelu:  # all in moe.c (its router's SwiGLU)
             biases = None
             if self.oai is not None:  # gpt-oss's (the down bias in the first rank's part of the sum alone)
                 assert self.gate_up_bias is not None and self.down_bias is not None
