@@ -821,6 +821,7 @@ class DecoderModel(nn.Module):
         `expect_missing`, which another step fills)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        beside = self.config.moe is not None and self.config.moe.beside_dense
         for name, tensor in self._unfused(weights):
             if name.startswith(self.config.ignored_weights):
                 continue
@@ -831,7 +832,7 @@ class DecoderModel(nn.Module):
             # MiniMax-M2 keeps its router's correction bias beside the router
             name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
             name = name.replace(".conv1d.weight", ".conv1d")  # a linear-attention layer's convolution
-            if GEMMA4_MOE.match(name):  # Gemma 4's router and experts, beside the MLP (`DecoderLayer.moe`)
+            if beside and GEMMA4_MOE.match(name):  # Gemma 4's router and experts (`DecoderLayer.moe`)
                 name = GEMMA4_MOE.sub(_gemma4_moe_name, name)
             if self.config.rope_interleaved and name.endswith(QK_ROWS):  # Cohere's pairs → rotate-half
                 assert isinstance(tensor, torch.Tensor), name
