@@ -329,13 +329,15 @@ FAMILIES: tuple[Family, ...] = (
             ),
         ),
         attention=_WINDOWED,
+        experts=True,  # gemma-4-26B-A4B (`enable_moe_block`)
         lora=False,
         tensor_parallel=False,
         cuda_graphs=False,
         kv_dtypes=NO_FP8,
         note=(
             "full layers with their own head size, kv heads and proportional RoPE, k == v, per-layer "
-            "inputs, the last layers reading earlier layers' KV cache; not the MoE block (26B-A4B)"
+            "inputs, the last layers reading earlier layers' KV cache; the MoE block (26B-A4B) beside the "
+            "MLP, routed in PyTorch ops, its GELU experts in moe.c where packed"
         ),
     ),
     Family(
@@ -344,6 +346,7 @@ FAMILIES: tuple[Family, ...] = (
         config="gemma4_vlm_config",
         generators=("Gemma4ForConditionalGeneration",),
         attention=_WINDOWED,
+        experts=True,  # gemma-4-26B-A4B, published multimodal
         lora=False,
         tensor_parallel=False,
         cuda_graphs=False,

@@ -95,7 +95,20 @@ GEMMA4_LAYER_TENSORS = {
     "proj": "per_layer_projection",
     "post_norm": "post_per_layer_input_norm",
     "layer_output_scale": "layer_scalar",
+    # the mixture-of-experts block beside the MLP (gemma-4-26B-A4B): its norms, router and experts
+    # (`ffn_gate_up_exps` [E, 2I, H] as transformers stacks them; the router's `.scale` and the
+    # experts' `ffn_down_exps.scale`, the per-expert scale: bare parameters, `GEMMA4_SCALES`)
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+    "ffn_gate_inp": "router.proj",
+    "ffn_gate_up_exps": "experts.gate_up_proj",
+    "ffn_gate_exps": "experts.gate_proj",
+    "ffn_up_exps": "experts.up_proj",
+    "ffn_down_exps": "experts.down_proj",
 }
+# ... whose scales are bare parameters of the router's
+GEMMA4_SCALES = {"ffn_gate_inp": "router.scale", "ffn_down_exps": "router.per_expert_scale"}
 # ... and its model's per-layer input tables; `rope_freqs` (the full layers' proportional RoPE, as
 # llama.cpp's frequency factors: read into config.json's rope_parameters) is not a weight
 GEMMA4_TENSORS = {
@@ -220,6 +233,12 @@ def _gemma4(reader: Reader, arch: str, config: dict[str, Any], names: set[str]) 
         enable_moe_block=bool(_field(reader, f"{arch}.expert_count")),
         tie_word_embeddings=True,
     )
+    if config["enable_moe_block"]:  # gemma-4-26B-A4B's experts, beside every layer's MLP
+        config.update(
+            num_experts=int(_required(reader, f"{arch}.expert_count")),
+            top_k_experts=int(_required(reader, f"{arch}.expert_used_count")),
+            moe_intermediate_size=int(_required(reader, f"{arch}.expert_feed_forward_length")),
+        )
     if any(
         int(ff[i]) != int(ff[0]) * (2 if config["use_double_wide_mlp"] and i >= first_shared else 1)
         for i in range(layers)
@@ -616,6 +635,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
             return f"{GEMMA4_TENSORS[stem]}.{kind}"
         if len(parts) == 3 and parts[0] == "blk" and parts[2] == "layer_output_scale":
             return f"model.layers.{parts[1]}.layer_scalar"  # a bare parameter
+        if len(parts) == 3 and parts[0] == "blk" and kind == "scale" and parts[2] in GEMMA4_SCALES:
+            return f"model.layers.{parts[1]}.{GEMMA4_SCALES[parts[2]]}"
     if model_type in DEEPSEEK_TYPES and len(parts) == 3 and parts[0] == "blk" and parts[2] == "exp_probs_b":
         return f"model.layers.{parts[1]}.mlp.gate.e_score_correction_bias"  # a bare parameter
     layer = (

@@ -22,7 +22,12 @@ transformers' logits:
   them (ggml's plain rotation pairs features as Cohere does), `logit_scale`, the window, no pattern
   key (llama.cpp's is every 4th layer global), `attention.layer_norm_epsilon`, zero biases dropped
   (others refused), no `output.weight` (tied). The converter needs `rotary_pct` in config.json
-  (the Hub's configs have it; a tiny transformers 5 one was given 1.0)."""
+  (the Hub's configs have it; a tiny transformers 5 one was given 1.0).
+- Gemma 4 with experts (test_tiny_models' "gemma4-moe" at Gemma 3 270m's vocabulary and tokenizer,
+  checked the same way on 2026-12-07): `ffn_gate_up_exps` [E, 2I, H] and `ffn_down_exps` as
+  transformers stacks them, the router as `ffn_gate_inp.weight` and its scale `ffn_gate_inp.scale`,
+  the per-expert scale as `ffn_down_exps.scale`, the norms `pre_ffw_norm_2`, `post_ffw_norm_1`,
+  `post_ffw_norm_2`, and `expert_count` / `expert_used_count` / `expert_feed_forward_length`."""
 
 from __future__ import annotations
 
@@ -538,6 +543,18 @@ GEMMA4_LAYER = {
     "per_layer_projection": "proj",
     "post_per_layer_input_norm": "post_norm",
 }
+# the mixture-of-experts block (gemma-4-26B-A4B) as `Gemma4Model` writes it: the experts as transformers
+# stacks them (gate|up fused), the router's scale and the per-expert scale as `.scale` tensors
+GEMMA4_MOE = {
+    "router.proj.weight": "ffn_gate_inp.weight",
+    "router.scale": "ffn_gate_inp.scale",
+    "router.per_expert_scale": "ffn_down_exps.scale",
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight",
+    "experts.down_proj": "ffn_down_exps.weight",
+    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+}
 
 
 def write_gemma4_gguf(hf, path: Path, quant=None) -> Path:
@@ -586,6 +603,10 @@ def write_gemma4_gguf(hf, path: Path, quant=None) -> Path:
     w.add_value_length_swa(head_swa)
     w.add_rope_dimension_count(head_full)
     w.add_rope_dimension_count_swa(head_swa)
+    if cfg.enable_moe_block:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.top_k_experts)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     byte_vocabulary(w, cfg.vocab_size)
     turned = int(head_full * cfg.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
     w.add_tensor(
@@ -603,6 +624,9 @@ def write_gemma4_gguf(hf, path: Path, quant=None) -> Path:
             _, _, i, rest = name.split(".", 3)
             if rest == "layer_scalar":
                 add(f"blk.{i}.layer_output_scale.weight", a)
+                continue
+            if rest in GEMMA4_MOE:
+                add(f"blk.{i}.{GEMMA4_MOE[rest]}", a)
                 continue
             stem, _, kind = rest.rpartition(".")
             add(f"blk.{i}.{GEMMA4_LAYER.get(stem) or LAYER[stem]}.{kind}", a)
@@ -652,12 +676,16 @@ def test_gguf_of_the_family_serves_transformers_logits(tmp_path, monkeypatch, fa
 
 
 @pytest.mark.parametrize("dtype", ["float32", "auto"])
-def test_gemma4_gguf_serves_transformers_logits(tmp_path, monkeypatch, dtype):
-    """test_tiny_models' Gemma 4 (every per-layer feature) from its file as llama.cpp writes it:
-    float32 equals transformers; the fast path (bf16, the Q8_0 matrices packed, the C loop stepping
-    aside) stays within a few times transformers' own bf16 error (a smoke test of that path)."""
+@pytest.mark.parametrize("tiny", ["gemma4", "gemma4-moe"])
+def test_gemma4_gguf_serves_transformers_logits(tmp_path, monkeypatch, dtype, tiny):
+    """test_tiny_models' Gemma 4 (every per-layer feature) and Gemma 4 with experts from its file as
+    llama.cpp writes it: float32 equals transformers; the fast path (bf16, the Q8_0 matrices and
+    experts read from their blocks, the C loop stepping aside) stays within a few times transformers'
+    own bf16 error (a smoke test of that path)."""
+    from tests.model.test_tiny_models import randomize_gemma4_router
+
     monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
-    cfg_cls, kw = TINY["gemma4"]
+    cfg_cls, kw = TINY[tiny]
     torch.manual_seed(0)  # (a vocabulary of 128: the per-layer table's rows can be packed, 16 a tile)
     kw = {**kw, "vocab_size": 128, "vocab_size_per_layer_input": 128}
     hf = transformers.Gemma4ForCausalLM(cfg_cls(**kw)).float().eval()
@@ -668,9 +696,11 @@ def test_gemma4_gguf_serves_transformers_logits(tmp_path, monkeypatch, dtype):
         for name, b in hf.named_buffers():
             if name.endswith("layer_scalar"):
                 b.uniform_(0.5, 1.5)
+    randomize_gemma4_router(hf)
 
-    def q8(name: str, a: np.ndarray) -> str | None:  # the matrices and the per-layer table, as Q8_0
-        mat = a.ndim == 2 and a.shape[1] % 32 == 0 and ("blk." in name or name.startswith("per_layer_token"))
+    def q8(name: str, a: np.ndarray) -> str | None:  # the matrices, experts, per-layer table as Q8_0
+        mat = a.ndim in (2, 3) and a.shape[-1] % 32 == 0 and not name.endswith(".scale")
+        mat = mat and ("blk." in name or name.startswith("per_layer_token"))
         return "Q8_0" if dtype == "auto" and mat else None
 
     path = write_gemma4_gguf(hf, tmp_path / "gemma4.gguf", q8)
@@ -678,7 +708,24 @@ def test_gemma4_gguf_serves_transformers_logits(tmp_path, monkeypatch, dtype):
     runner = ModelRunner(EngineConfig(model=str(model_dir), dtype=dtype, device="cpu"))
     assert isinstance(runner.model, DecoderModel)
     table = runner.model.embed_tokens_per_layer
-    assert (table.packed is not None) == (dtype == "auto" and runner.model.kernels.vnni)
+    if tiny == "gemma4":
+        assert table is not None and (table.packed is not None) == (
+            dtype == "auto" and runner.model.kernels.vnni
+        )
+    else:
+        assert table is None and all(layer.moe is not None for layer in runner.model.layers)
+        moe = runner.model.layers[0].moe  # the Q8_0 experts packed from their blocks, gate|up one tensor
+        assert (len(moe.packed) == 8 and moe.gate_up.numel() == 0) == (dtype == "auto")
+        assert (moe.fused is not None) == (dtype == "auto" and runner.model.kernels.vnni)
+        if moe.fused is not None:  # moe.c's GELU experts: the PyTorch loop's bits
+            assert moe.fused.gelu
+            x = torch.randn(21, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+            with torch.no_grad():
+                weights, experts = moe.route(x)
+                fused = moe._routed(x, weights, experts)
+                held, moe.fused = moe.fused, None
+                assert torch.equal(fused, moe._routed(x, weights, experts))
+                moe.fused = held
     from tests.model.test_tiny_models import reference
 
     seq = np.random.default_rng(1).integers(0, 97, 23).tolist()  # past the 8-token window

@@ -331,6 +331,28 @@ CONFIGS: dict[str, tuple[Any, dict[str, Any]]] = {
             },
         ),
     ),
+    # Gemma 4's mixture of experts (gemma-4-26B-A4B's shape): in every layer 8 GELU experts of 32
+    # features, 2 a token, beside the dense MLP; full layers whose keys are their values, no per-layer
+    # inputs; random router scales and per-expert scales (the fixture)
+    "gemma4-moe": (
+        transformers.Gemma4TextConfig,
+        dict(
+            BASE,
+            num_hidden_layers=4,
+            head_dim=16,
+            global_head_dim=32,
+            num_global_key_value_heads=1,
+            attention_k_eq_v=True,
+            hidden_size_per_layer_input=0,
+            sliding_window=8,
+            final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            enable_moe_block=True,
+            num_experts=8,
+            top_k_experts=2,
+            moe_intermediate_size=32,
+        ),
+    ),
     # Gemma 4's multimodal checkpoint served as text (its vision and audio towers not read): full layers
     # with their own head size but v_proj and the sliding layers' kv heads
     "gemma4-multimodal-as-text": (
@@ -526,6 +548,7 @@ def models(request, tmp_path_factory):
         for name, b in hf.named_buffers():  # Gemma 4's per-layer output scales (ones at init)
             if name.endswith("layer_scalar"):
                 b.uniform_(0.5, 1.5)
+        randomize_gemma4_router(hf)
         # a sigmoid router's correction bias: on the scale of the scores' spread (~0.04 here), so it
         # changes about half the choices and the scores still decide the rest
         for name, b in hf.named_buffers():
@@ -541,6 +564,14 @@ def models(request, tmp_path_factory):
     assert ("via-transformers" in request.param) == (type(runner.model).__name__ == "TransformersModel")
     runner.allocate_kv_cache(NUM_BLOCKS, BLOCK)
     return hf, runner
+
+
+def randomize_gemma4_router(hf) -> None:
+    """Gemma 4's router scales (ones at init): random, so a scale read wrong cannot hide."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("router.scale", "router.per_expert_scale")):
+                p.uniform_(0.5, 1.5)
 
 
 class Paged:
@@ -682,10 +713,6 @@ def test_gemma4_reads_the_published_config_keys():
 @pytest.mark.parametrize(
     "change, feature",
     [
-        (
-            dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32),
-            "mixture-of-experts",
-        ),
         (dict(use_bidirectional_attention="all"), "bidirectional attention"),
     ],
 )

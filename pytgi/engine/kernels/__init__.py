@@ -370,6 +370,7 @@ class PackedExperts:
     inter: int  # I
     amx_above: int  # steps of more rows use AMX tiles (where built)
     oai: tuple[float, float] | None = None  # gpt-oss's experts: the clamped SwiGLU's (alpha, limit)
+    gelu: bool = False  # GELU(tanh)·up experts (Gemma 4's; `moe_experts` only), not SwiGLU
 
 
 def moe(
@@ -440,7 +441,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """A mixture-of-experts layer's routed part for a step routed by the caller: token t goes to experts
     `chosen[t]` ([T, k]) with `weights[t]` (float32), its output their weighted sum in float32, in the
-    order of the experts (moe.c's `pytgi_moe_experts_bf16`; plain SwiGLU experts)."""
+    order of the experts (moe.c's `pytgi_moe_experts_bf16`; SwiGLU experts, or GELU·up ones where
+    `experts.gelu`)."""
     assert x.is_contiguous() and x.dtype == torch.bfloat16 and experts.oai is None
     T, H = x.shape
     E, k = len(experts.gate_up), chosen.shape[1]
@@ -466,6 +468,7 @@ def moe_experts(
         _ptr(experts.bits_gu),
         _ptr(experts.bits_down),
         experts.amx_above,
+        int(experts.gelu),
     )
     _check(failed, "experts")
     return out

@@ -13,7 +13,10 @@
  * gpt-oss's experts (`pytgi_moe_oai_bf16`) add a bias to the router's logits, to each expert's gate|up
  * and to its down output (given on one tensor-parallel rank only: the partial outputs are summed), and
  * take a clamped SwiGLU: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit). Its
- * router softmaxes the chosen logits: the renormalised softmax over the chosen experts. */
+ * router softmaxes the chosen logits: the renormalised softmax over the chosen experts.
+ *
+ * Gemma 4's experts (`pytgi_moe_experts_bf16` with `gelu`, routed by the caller) take GELU(tanh)·up
+ * instead of SiLU·up. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -104,7 +107,7 @@ static void oai_act(const uint16_t *gu, const uint16_t *b, uint16_t *h, int64_t 
 static int experts(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E,
                    const int64_t *starts, const int64_t *tok, const float *wt, const int64_t *gate_up,
                    const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above,
-                   const oai_experts *oai) {
+                   const oai_experts *oai, int gelu) {
     const int64_t P = starts[E];
     uint16_t *xs = malloc(sizeof(uint16_t) * (size_t)(P * (2 * H + 3 * I)));
     float *acc = calloc((size_t)(T * H), sizeof(float));
@@ -127,6 +130,8 @@ static int experts(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64
                       : pytgi_qgemv_bf16(xs + a * H, wgu, gu + 2 * a * I, n, 2 * I, H, bits_gu[e]);
         if (oai != NULL)
             oai_act(gu + 2 * a * I, oai->gate_up_bias + e * 2 * I, h + a * I, n, I, oai->alpha, oai->limit);
+        else if (gelu)
+            pytgi_gelu_tanh_mul_bf16(gu + 2 * a * I, h + a * I, n, I);
         else
             pytgi_silu_mul_bf16(gu + 2 * a * I, h + a * I, n, I);
         failed |= amx ? pytgi_qgemm_amx_bf16(h + a * I, wd, ys + a * H, n, H, I, bits_down[e])
@@ -159,7 +164,7 @@ static int moe(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I
     if (!failed) failed = route(x, router, router_bias, T, H, E, k, norm_topk, starts, starts + E + 1, wt);
     if (!failed)
         failed = experts(x, out, T, H, I, E, starts, starts + E + 1, wt, gate_up, down, bits_gu, bits_down,
-                         amx_above, oai);
+                         amx_above, oai, 0);
     free(starts);
     free(wt);
     return failed;
@@ -182,6 +187,7 @@ int pytgi_moe_oai_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, i
 int pytgi_moe_experts_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E,
                            const int64_t *starts, const int64_t *tok, const float *wt, const int64_t *gate_up,
                            const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down,
-                           int64_t amx_above) {
-    return experts(x, out, T, H, I, E, starts, tok, wt, gate_up, down, bits_gu, bits_down, amx_above, NULL);
+                           int64_t amx_above, int64_t gelu) {
+    return experts(x, out, T, H, I, E, starts, tok, wt, gate_up, down, bits_gu, bits_down, amx_above, NULL,
+                   gelu != 0);
 }

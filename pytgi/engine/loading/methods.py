@@ -64,6 +64,11 @@ def load_gguf(
         parts = [f"model.{name}.experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
         if parts[0] not in plan:  # gpt-oss's, beside their biases: `...experts.gate_proj.weight`
             parts = [f"{p}.weight" for p in parts]
+        if name.endswith(".moe"):  # Gemma 4's, beside the layer's MLP: gate and up in one tensor
+            stem = f"model.{name.removesuffix('.moe')}.experts."
+            parts = [f"{stem}{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+            if f"{stem}gate_up_proj" in plan:
+                parts[:2] = [f"{stem}gate_up_proj"] * 2
         if (
             isinstance(mod, SparseMoE)
             and not model.kernels.triton  # a GPU's experts are dequantized (not packed yet)

@@ -33,6 +33,7 @@ may run all its layers in one C call (`pytgi.engine.models.decoder_loop`) for th
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeAlias
@@ -116,6 +117,9 @@ class MoEConfig:
     # the router's rule beyond softmax top-k (DeepSeek-V3, GLM-4.5, MiniMax-M2; frozen: one default)
     routing: Routing = Routing()  # noqa: RUF009
     shared_gate: bool = True  # Qwen2-MoE's sigmoid gate on the shared expert; False: added as it is
+    activation: str = "silu"  # the experts' act(gate) · up: "silu", or "gelu_tanh" (Gemma 4)
+    # Gemma 4: the experts run beside the dense MLP (`DecoderLayer.moe`), each output with its own norm
+    beside_dense: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,7 +455,7 @@ class DecoderLayer(nn.Module):
         moe = cfg.moe
         self.mlp: MLP | SparseMoE = (
             MLP(cfg, ops, None if spec is None else spec.intermediate_size)
-            if moe is None or not sparse
+            if moe is None or not sparse or moe.beside_dense
             else SparseMoE(
                 cfg.hidden_size,
                 moe.intermediate_size,
@@ -464,6 +468,24 @@ class DecoderLayer(nn.Module):
                 shared_gate=moe.shared_gate,
             )
         )
+        # Gemma 4's mixture of experts beside the dense MLP: the router reads the residual stream, the
+        # experts its `pre_feedforward_layernorm_2`; the MLP's output and the experts' are normed
+        # (`post_feedforward_layernorm_1`, `_2`) and summed before `post_feedforward_layernorm`
+        self.moe: SparseMoE | None = None
+        if moe is not None and sparse and moe.beside_dense:
+            self.moe = SparseMoE(
+                cfg.hidden_size,
+                moe.intermediate_size,
+                moe.num_experts,
+                moe.top_k,
+                moe.norm_topk,
+                routing=moe.routing,
+                activation=moe.activation,
+                router_eps=cfg.rms_norm_eps,
+            )
+            self.pre_feedforward_layernorm_2 = _norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm_1 = _norm(cfg, cfg.hidden_size)
+            self.post_feedforward_layernorm_2 = _norm(cfg, cfg.hidden_size)
         # The checkpoints' names: Llama's post_attention_layernorm is the MLP's input norm, Gemma's
         # normalises the attention's output (its MLP's input norm is pre_feedforward_layernorm).
         # OLMo 2/3 and Exaone 4 (`pre_norms` False) have the two output norms only.
@@ -524,6 +546,9 @@ class DecoderLayer(nn.Module):
             mlp_out_norm = None
         assert mlp_in is not None
         out = self.mlp(mlp_in)
+        if self.moe is not None:  # Gemma 4's experts beside the MLP
+            routed = self.moe(self.pre_feedforward_layernorm_2(residual), router_input=residual)
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(routed)
         if self.residual_scale is not None:
             out = out * self.residual_scale
         if self.per_layer_input_gate is None and self.layer_scalar is None:
@@ -761,6 +786,11 @@ class DecoderModel(nn.Module):
         its levels and grids, `load_gguf`) for the linears whose float weights were never loaded."""
         todo = {mod: kind for mod, (kind, _) in self.planned(plan).items()}
         quantize_model(self, todo, act_dtype, self.kernels, layouts or {}, perms or {})
+        # Gemma 4's experts beside the MLP: on bf16gemm.c too where the linears are (their float weights)
+        if act_dtype == torch.bfloat16 and "bf16" in todo.values():
+            for moe in (getattr(layer, "moe", None) for layer in self.layers):
+                if isinstance(moe, SparseMoE) and not moe.packed and moe.gate_up.numel():
+                    moe.pack_bf16(self.kernels)
         loop = GemmaDecoderLoop if self.config.sandwich_norms else DecoderLoop
         self.decoder_loop = loop.build(self, self.kernels)
 
@@ -789,6 +819,7 @@ class DecoderModel(nn.Module):
         `expect_missing`, which another step fills)."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        beside = self.config.moe is not None and self.config.moe.beside_dense
         for name, tensor in self._unfused(weights):
             if name.startswith(self.config.ignored_weights):
                 continue
@@ -799,6 +830,8 @@ class DecoderModel(nn.Module):
             # MiniMax-M2 keeps its router's correction bias beside the router
             name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
             name = name.replace(".conv1d.weight", ".conv1d")  # a linear-attention layer's convolution
+            if beside and GEMMA4_MOE.match(name):  # Gemma 4's router and experts (`DecoderLayer.moe`)
+                name = GEMMA4_MOE.sub(_gemma4_moe_name, name)
             if self.config.rope_interleaved and name.endswith(QK_ROWS):  # Cohere's pairs → rotate-half
                 assert isinstance(tensor, torch.Tensor), name
                 heads = (
@@ -812,11 +845,12 @@ class DecoderModel(nn.Module):
                 continue
             if name == "score.weight" and self.score_weight is not None:
                 name = "score_weight"
-            if ".mlp.experts." in name:  # a mixture of experts' stacked weights
-                layer, rest = name.split(".mlp.", 1)
-                mlp = self.get_submodule(layer + ".mlp")
+            if ".mlp.experts." in name or ".moe.experts." in name:  # a mixture of experts' stacked weights
+                part = ".mlp." if ".mlp.experts." in name else ".moe."
+                layer, rest = name.split(part, 1)
+                mlp = self.get_submodule(layer + part.rstrip("."))
                 assert isinstance(mlp, SparseMoE), name
-                loaded.update(f"{layer}.mlp.{p}" for p in mlp.load_experts(rest, tensor))
+                loaded.update(f"{layer}{part}{p}" for p in mlp.load_experts(rest, tensor))
                 continue
             assert isinstance(tensor, torch.Tensor), f"{name}: MXFP4 codes are a mixture of experts' only"
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -843,6 +877,22 @@ class DecoderModel(nn.Module):
 
 
 EMBED = "model.embed_tokens.weight"
+# Gemma 4's router (proj, scale, per_expert_scale) and experts, beside the layer's MLP
+GEMMA4_MOE = re.compile(
+    r"^(layers\.\d+)\.(router\.proj\.|router\.scale$|router\.per_expert_scale$|experts\.)"
+)
+_GEMMA4_MOE_PARTS = {
+    "router.proj.": "moe.gate.",
+    "router.scale": "moe.router_scale",
+    "router.per_expert_scale": "moe.per_expert_scale",
+    "experts.": "moe.experts.",
+}
+
+
+def _gemma4_moe_name(m: re.Match[str]) -> str:
+    return f"{m.group(1)}.{_GEMMA4_MOE_PARTS[m.group(2)]}"
+
+
 QK_ROWS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
 
 

@@ -15,12 +15,17 @@ as data (`pytgi.engine.models.decoder`):
   back into the residual stream; then each layer's output is multiplied by its `layer_scalar`;
 - the last `num_kv_shared_layers` layers read the keys and values of the last earlier layer of their
   kind (its KV cache: they write none, and the cache's budget counts it once), and with
-  `use_double_wide_mlp` their MLP is twice as wide.
+  `use_double_wide_mlp` their MLP is twice as wide;
+- the mixture-of-experts block (`enable_moe_block`, gemma-4-26B-A4B: `_moe`), in every layer beside
+  the MLP (`MoEConfig.beside_dense`): the router reads the residual stream (RMS-normed without a
+  weight, times `router.scale` and 1/√hidden; softmax top-k, renormalized, times the chosen experts'
+  `per_expert_scale`), the GELU·up experts `pre_feedforward_layernorm_2` of it; the MLP's and the
+  experts' outputs, each normed (`post_feedforward_layernorm_1`, `_2`), are summed.
 
-These run in PyTorch ops where the fused C kernels do not take them (q, k, v and the per-layer input;
-the C all-layers loop steps aside). Not implemented, and refused at load with the feature named: the
-mixture-of-experts block (`enable_moe_block`, Gemma 4 26B-A4B), bidirectional attention over all
-tokens (`use_bidirectional_attention: "all"`), RoPE types other than default and proportional,
+These run in PyTorch ops where the fused C kernels do not take them (q, k, v, the per-layer input, the
+router; the experts in moe.c where they are packed low-bit; the C all-layers loop steps aside). Not
+implemented, and refused at load with the feature named: bidirectional attention over all tokens
+(`use_bidirectional_attention: "all"`), RoPE types other than default and proportional,
 per-layer overrides of anything but head size and kv heads, and `--num-shard` above 1. A multimodal checkpoint
 (`Gemma4ForConditionalGeneration`) is served as text: its language model, the vision and audio towers
 not read.
@@ -33,7 +38,8 @@ from typing import Any
 
 from pytgi.core.errors import UnsupportedModel
 from pytgi.engine.distributed import tp_size
-from pytgi.engine.models.decoder import FULL, SLIDING, DecoderConfig, LayerAttention
+from pytgi.engine.models.decoder import FULL, SLIDING, DecoderConfig, LayerAttention, MoEConfig
+from pytgi.engine.models.moe import Routing
 
 # a multimodal checkpoint's tensors that are not its language model's
 VLM_IGNORED = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
@@ -90,8 +96,6 @@ def _kv_sources(types: list[str], shared: int) -> list[int | None]:
 def gemma4_config(cfg: dict[str, Any]) -> DecoderConfig:
     if tp_size() > 1:  # (its full layers' single kv head, its per-layer inputs: never sharded yet)
         raise _refuse("tensor parallelism (--num-shard > 1)")
-    if cfg.get("enable_moe_block"):
-        raise _refuse("the mixture-of-experts block (enable_moe_block, as in gemma-4-26B-A4B)")
     if cfg.get("use_bidirectional_attention") == "all":
         raise _refuse('bidirectional attention over all tokens (use_bidirectional_attention: "all")')
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
@@ -159,6 +163,27 @@ def gemma4_config(cfg: dict[str, Any]) -> DecoderConfig:
         per_layer_input_size=per_layer,
         per_layer_vocab_size=int(cfg.get("vocab_size_per_layer_input", 262_144)) if per_layer else 0,
         layer_scalar=True,
+        moe=_moe(cfg, n, ACTIVATIONS[act]),
+    )
+
+
+def _moe(cfg: dict[str, Any], layers: int, activation: str) -> MoEConfig | None:
+    """The mixture-of-experts block (`enable_moe_block`, gemma-4-26B-A4B), in every layer beside its MLP:
+    a softmax top-k router over the residual stream (RMS-normed without a weight, times `router.scale`
+    and 1/√hidden), its chosen weights renormalized, then times each expert's `per_expert_scale`;
+    GELU·up experts (the MLP's activation) over `pre_feedforward_layernorm_2` of the stream."""
+    if not cfg.get("enable_moe_block"):
+        return None
+    return MoEConfig(
+        num_experts=int(cfg["num_experts"]),
+        top_k=int(cfg["top_k_experts"]),
+        intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk=True,
+        shared_intermediate_size=None,
+        sparse_layers=[True] * layers,
+        routing=Routing(input_norm=True, expert_scale=True),
+        activation=activation,
+        beside_dense=True,
     )
 
 

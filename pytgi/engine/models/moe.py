@@ -1,4 +1,4 @@
-"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek, GLM-4.5, MiniMax-M2).
+"""A sparse mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek, GLM-4.5, MiniMax-M2, Gemma 4).
 
 Each token goes to its `top_k` experts by a softmax router (renormalized over the chosen ones when
 the model says so) and gets their SwiGLU outputs, weighted. Other routers are data (`Routing`,
@@ -16,7 +16,10 @@ added ungated. gpt-oss (`oai`) has biases on the router and the experts, softmax
 logits, and clamps its SwiGLU; its checkpoint stacks each expert's weights transposed, [E, H, 2I] with
 gate and up interleaved, or in MXFP4 (two e2m1 codes a byte, a power of two per 32): on a CPU with
 pytgi's low-bit kernels those stay 4-bit (format "mxfp4"), packed from the codes as they are read
-(`Mxfp4.pack`). With tensor parallelism each rank holds a slice of every expert's intermediate
+(`Mxfp4.pack`). Gemma 4's experts compute GELU(gate)·up (`activation`; in moe.c, routed by `route`)
+and its router reads its own input (`forward`'s `router_input`: the residual stream, not the experts'
+normed input), RMS-normed and scaled, and scales each chosen expert's weight (`Routing.input_norm`,
+`Routing.expert_scale`). With tensor parallelism each rank holds a slice of every expert's intermediate
 features and the partial outputs are all-reduced.
 """
 
@@ -56,7 +59,10 @@ class Routing:
     experts split in `n_group` equal groups; only the `topk_group` best groups' experts may be chosen,
     a group scored by the sum of its two best corrected scores, or by its best score with
     `group_score` "max": DeepSeek-V2's group_limited_greedy) and `scale` (routed_scaling_factor) on the
-    weights after any renormalization. Mixtral's, Qwen's: the default."""
+    weights after any renormalization. Gemma 4's router (`input_norm`) reads its input RMS-normed
+    (no weight), times a learned `router_scale` [H] and 1/√H, and (`expert_scale`) multiplies each
+    chosen expert's weight by that expert's learned `per_expert_scale` after the renormalization.
+    Mixtral's, Qwen's: the default."""
 
     scoring: str = "softmax"  # "softmax" | "sigmoid"
     correction_bias: bool = False
@@ -64,6 +70,8 @@ class Routing:
     topk_group: int = 1
     group_score: str = "top2"  # "top2" | "max"
     scale: float = 1.0
+    input_norm: bool = False
+    expert_scale: bool = False
 
     def __post_init__(self) -> None:
         if self.scoring not in ("softmax", "sigmoid") or self.group_score not in ("top2", "max"):
@@ -78,12 +86,17 @@ class Routing:
 
 
 def route(
-    logits: torch.Tensor, routing: Routing, top_k: int, norm_topk: bool, bias: torch.Tensor | None = None
+    logits: torch.Tensor,
+    routing: Routing,
+    top_k: int,
+    norm_topk: bool,
+    bias: torch.Tensor | None = None,
+    expert_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] → each token's (float32 weights, experts), both [T, top_k]: the scores
     (softmax or sigmoid, float32), plus `bias` [E] to choose; within the best groups where the experts
     are grouped; the chosen experts' uncorrected scores, renormalized to sum 1 with `norm_topk`, times
-    `routing.scale`."""
+    `routing.scale`, times each chosen expert's `expert_scale` [E] where given (Gemma 4)."""
     scores = logits.float().softmax(dim=-1) if routing.scoring == "softmax" else logits.float().sigmoid()
     choice = scores if bias is None else scores + bias.float()
     if routing.n_group > 1:
@@ -99,6 +112,8 @@ def route(
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if routing.scale != 1.0:
         weights = weights * routing.scale
+    if expert_scale is not None:
+        weights = weights * expert_scale.float()[experts]
     return weights, experts
 
 
@@ -150,22 +165,36 @@ class SparseMoE(nn.Module):
         oai: tuple[float, float] | None = None,
         routing: Routing | None = None,
         shared_gate: bool = True,
+        activation: str = "silu",
+        router_eps: float = 1e-6,
     ) -> None:
         """oai: gpt-oss's experts, (alpha, limit) of its clamped SwiGLU; routing: the router's rule
         beyond softmax top-k (`Routing`); shared_gate: the shared expert's output is scaled by a
         sigmoid gate (Qwen2-MoE's `shared_expert_gate`), else added as it is (DeepSeek's
-        `shared_experts`, one MLP of n_shared_experts × the experts' size)."""
+        `shared_experts`, one MLP of n_shared_experts × the experts' size); activation: the experts'
+        act(gate) · up, "silu" (SwiGLU) or "gelu_tanh" (Gemma 4's: in moe.c where packed, routed
+        here); router_eps: the epsilon of the router's input norm (`Routing.input_norm`)."""
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.routing = routing or Routing()
-        if oai is not None and not self.routing.plain:
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unknown experts' activation {activation!r}")
+        if oai is not None and (not self.routing.plain or activation != "silu"):
             raise ValueError("gpt-oss's experts route by their softmaxed top-k logits only")
+        self.activation, self.router_eps = activation, router_eps
         if num_experts % self.routing.n_group:
             raise ValueError(f"{num_experts} experts do not split in {self.routing.n_group} groups")
         self.start, self.local = local_range(inter)
         self.inter, self.oai = inter, oai
         # the router, on every rank
         self.gate = Router(hidden, num_experts, oai is not None, self.routing.correction_bias)
+        # Gemma 4's router: the scale [H] on its normed input, each expert's scale [E] on its weight
+        self.router_scale: nn.Parameter | None = None
+        self.per_expert_scale: nn.Parameter | None = None
+        if self.routing.input_norm:
+            self.router_scale = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        if self.routing.expert_scale:
+            self.per_expert_scale = nn.Parameter(torch.ones(num_experts), requires_grad=False)
         self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
         self.gate_up_bias: nn.Parameter | None = None  # [E, 2 * local]: this rank's gate | up
@@ -267,7 +296,8 @@ class SparseMoE(nn.Module):
         """Keep the experts packed for the low-bit kernels, as a GGUF file's blocks hold them
         (`pytgi.engine.models.quant.grid_layout`): per expert, this rank's slice of gate|up in `kinds[0]`'s
         layout and of down in `kinds[1]`'s, read from `weights` (`GGUFWeights`; `names`: the stacked
-        gate, up and down tensors). Every step then multiplies by the packed weights."""
+        gate, up and down tensors; gate and up one name where they are stacked together, [E, 2I, H] as
+        Gemma 4's `ffn_gate_up_exps`). Every step then multiplies by the packed weights."""
         from pytgi.engine.models.quant import Layout, LayoutRows, QuantizedWeight, grid_layout, six_bit
 
         gate, up, down = names
@@ -280,8 +310,12 @@ class SparseMoE(nn.Module):
             return rows
 
         def gate_up(e: int) -> Iterator[Layout]:  # this rank's rows of expert e's gate, then up
-            for name in (gate, up):
-                yield grid_layout(grid(name, e * inter + s, e * inter + s + n), kinds[0])
+            if gate == up:  # one tensor: expert e's gate rows, then its up rows
+                starts = [e * 2 * inter + s, e * 2 * inter + inter + s]
+            else:
+                starts = [e * inter + s] * 2
+            for name, start in zip((gate, up), starts):
+                yield grid_layout(grid(name, start, start + n), kinds[0])
 
         def down_rows(e: int) -> Iterator[Layout]:  # expert e's rows, this rank's columns
             yield grid_layout(grid(down, e * hidden, (e + 1) * hidden).cols(s, n), kinds[1])
@@ -305,8 +339,27 @@ class SparseMoE(nn.Module):
         self.down = nn.Parameter(torch.empty(0, dtype=act_dtype), requires_grad=False)
         self.fuse()
 
+    def pack_bf16(self, cpu: Kernels) -> None:
+        """A bf16 model's float experts on bf16gemm.c, one expert's gate|up and down at a time (as
+        the model's linears run: the same rows whatever the step, `pytgi.engine.models.quant`)."""
+        from pytgi.engine.models.quant import QuantizedWeight
+
+        dtype = self.gate_up.dtype
+        self.packed = []
+        for e in range(self.num_experts):
+            pair = (
+                QuantizedWeight("bf16", self.gate_up.data[e], dtype, cpu),
+                QuantizedWeight("bf16", self.down.data[e], dtype, cpu),
+            )
+            for w in pair:
+                w.dequantized = torch.empty(0)  # the packed weight serves every step
+            self.packed.append(pair)
+        self.gate_up = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
     def fuse(self) -> None:
-        """Where every expert is packed for pytgi's low-bit kernel, hand them to one C call (moe.c)."""
+        """Where every expert is packed for pytgi's low-bit kernel, hand them to one C call (moe.c;
+        Gemma 4's GELU experts there too, routed here: `moe_experts`)."""
         if self.packed and all(w.vnni for pair in self.packed for w in pair):
             gu, dn = zip(*self.packed)
 
@@ -318,22 +371,33 @@ class SparseMoE(nn.Module):
                 inter=gu[0].shape[0] // 2,
                 amx_above=min(w.vnni_max_m for pair in self.packed for w in pair),
                 oai=self.oai,
+                gelu=self.activation == "gelu_tanh",
             )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's (float32 weights, experts), [T, top_k]: the router's logits in float32 where
         the routing is more than softmax top-k (its choice by sigmoid scores and biases is sensitive),
-        in the model's dtype otherwise (as moe.c's are)."""
+        in the model's dtype otherwise (as moe.c's are). Gemma 4's router input (`input_norm`): x
+        RMS-normed in float32, times `router_scale` and 1/√H."""
         if self.oai is not None:  # the chosen logits softmaxed (= the renormalized softmax)
             logits, experts = self.gate(x).float().topk(self.top_k, dim=-1)
             return logits.softmax(dim=-1), experts
         if self.routing.plain:
             logits = F.linear(x, self.gate.weight)
         else:
-            logits = F.linear(x.float(), self.gate.weight.float())
-        return route(logits, self.routing, self.top_k, self.norm_topk, self.gate.e_score_correction_bias)
+            h = x.float()
+            if self.router_scale is not None:
+                h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.router_eps)
+                h = h * self.router_scale.float() * h.shape[-1] ** -0.5
+            logits = F.linear(h, self.gate.weight.float())
+        bias, scale = self.gate.e_score_correction_bias, self.per_expert_scale
+        return route(logits, self.routing, self.top_k, self.norm_topk, bias, scale)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router_input: torch.Tensor | None = None) -> torch.Tensor:
+        """x: the experts' input; router_input: the router's, where it differs (Gemma 4's router reads
+        the residual stream, its experts their own norm of it)."""
+        if router_input is not None:
+            return self._routed(x, *self.route(router_input))
         if (
             self.fused is not None
             and x.dtype == self.gate.weight.dtype == torch.bfloat16
@@ -342,7 +406,8 @@ class SparseMoE(nn.Module):
             weights, experts = self.route(x)
             routed = kernels.moe_experts(x.contiguous(), self.fused, experts, weights)
             return self._shared(x, all_reduce(routed))
-        if self.fused is not None and x.dtype == self.gate.weight.dtype == torch.bfloat16:  # all in moe.c
+        bf16 = x.dtype == self.gate.weight.dtype == torch.bfloat16
+        if self.fused is not None and bf16 and not self.fused.gelu:  # all in moe.c (its router's SwiGLU)
             biases = None
             if self.oai is not None:  # gpt-oss's (the down bias in the first rank's part of the sum alone)
                 assert self.gate_up_bias is not None and self.down_bias is not None
@@ -351,7 +416,17 @@ class SparseMoE(nn.Module):
                 x.contiguous(), self.fused, self.gate.weight, self.top_k, self.norm_topk, biases
             )
             return self._shared(x, all_reduce(routed))
-        weights, experts = self.route(x)  # [T, k]
+        return self._routed(x, *self.route(x))
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """The experts' weighted outputs for the tokens `x` routed to `experts` with `weights` ([T, k])."""
+        if (
+            self.fused is not None
+            and x.dtype == self.gate.weight.dtype == torch.bfloat16
+            and self.oai is None
+        ):
+            routed = kernels.moe_experts(x.contiguous(), self.fused, experts, weights)
+            return self._shared(x, all_reduce(routed))
         flat = experts.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
@@ -376,10 +451,10 @@ class SparseMoE(nn.Module):
         return self._shared(x, out)
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
-        """gate | up → the experts' activation: SwiGLU, or gpt-oss's clamped one."""
+        """gate | up → the experts' activation: SwiGLU, GELU(tanh)·up (Gemma 4), or gpt-oss's clamped one."""
         gate, up = h.chunk(2, dim=-1)
         if self.oai is None:
-            return F.silu(gate) * up
+            return (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
         alpha, limit = self.oai
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
