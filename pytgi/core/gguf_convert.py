@@ -576,6 +576,12 @@ def _deepseek2(reader: Reader, arch: str, config: dict[str, Any], names: set[str
         )
     else:
         out["first_k_dense_replace"] = layers
+    if _field(reader, f"{arch}.attention.temperature_scale") and arch != "mistral4":
+        # Llama 4's query scale on DeepSeek's layers (Mistral Large 3 as llama.cpp writes Mistral's
+        # own format): transformers serves it as a Mistral 4, which this file does not say it is
+        raise GGUFConversionError(
+            f"a {arch!r} file with Llama 4's query scaling (attention.temperature_scale) is not read yet"
+        )
     if not v3 and arch != "mistral4":
         out.update(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config["rope_theta"]}

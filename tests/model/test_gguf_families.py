@@ -717,6 +717,18 @@ def test_a_mistral4_gguf_serves_transformers_tokens_below_its_original_context(t
     torch.testing.assert_close(prompt_logits(runner, seq), reference(hf, seq), atol=2e-5, rtol=1e-4)
 
 
+def test_a_deepseek2_gguf_with_llama4_scaling_is_refused(tmp_path, monkeypatch):
+    """Llama 4's query scaling in a `deepseek2` file (Mistral Large 3 from Mistral's own format) says
+    nothing of which model it is: refused by name, not served unscaled."""
+    from pytgi.core.errors import GGUFConversionError
+
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    hf = transformers.Mistral4ForCausalLM(transformers.Mistral4Config(**TINY["mistral4"][1])).float().eval()
+    path = write_gguf(hf, "deepseek2", tmp_path / "deepseek2.gguf", llama4_beta=True)
+    with pytest.raises(GGUFConversionError, match="temperature_scale"):
+        resolve_model(str(path), progress=False)
+
+
 def test_a_mistral4_gguf_with_llama4_beta_serves_its_scale(tmp_path, monkeypatch):
     """A `mistral4` file that holds the beta (under the keys llama.cpp's runtime reads) is served at
     every position, the queries scaled past the original context (8 here) as transformers does."""
