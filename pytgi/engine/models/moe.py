@@ -267,7 +267,8 @@ class SparseMoE(nn.Module):
         """Keep the experts packed for the low-bit kernels, as a GGUF file's blocks hold them
         (`pytgi.engine.models.quant.grid_layout`): per expert, this rank's slice of gate|up in `kinds[0]`'s
         layout and of down in `kinds[1]`'s, read from `weights` (`GGUFWeights`; `names`: the stacked
-        gate, up and down tensors). Every step then multiplies by the packed weights."""
+        gate, up and down tensors, gate and up one name where they are stacked whole, [E, 2I, H]).
+        Every step then multiplies by the packed weights."""
         from pytgi.engine.models.quant import Layout, LayoutRows, QuantizedWeight, grid_layout, six_bit
 
         gate, up, down = names
@@ -280,6 +281,10 @@ class SparseMoE(nn.Module):
             return rows
 
         def gate_up(e: int) -> Iterator[Layout]:  # this rank's rows of expert e's gate, then up
+            if gate == up:  # one tensor: expert e's gate rows, then its up rows
+                for at in (2 * e * inter + s, (2 * e + 1) * inter + s):
+                    yield grid_layout(grid(gate, at, at + n), kinds[0])
+                return
             for name in (gate, up):
                 yield grid_layout(grid(name, e * inter + s, e * inter + s + n), kinds[0])
 
