@@ -381,15 +381,19 @@ FAMILIES: tuple[Family, ...] = (
             "Mistral4ForCausalLM",
         ),
         # one name for both: a file whose router is V2's (softmax) reads as DeepseekV2ForCausalLM
-        # (`pytgi.core.gguf_convert._deepseek2`)
-        gguf=(GgufName("deepseek2", "DeepseekV3ForCausalLM", "deepseek_v3"),),
+        # (`pytgi.core.gguf_convert._deepseek2`); Mistral 4's under its own (`_mistral4`)
+        gguf=(
+            GgufName("deepseek2", "DeepseekV3ForCausalLM", "deepseek_v3"),
+            GgufName("mistral4", "Mistral4ForCausalLM", "mistral4"),
+        ),
         experts=True,
         lora=False,
         cuda_graphs=False,
         kv_dtypes=NO_FP8,
         note=(
             "multi-head latent attention, its KV cache the latent only (Kimi K2 too); the MTP layers "
-            "are not read; GLM-4.7-Flash's GGUF files are `deepseek2` too (Mistral 4's `mistral4`: not read)"
+            "are not read; GLM-4.7-Flash's GGUF files are `deepseek2` too; Mistral 4's `mistral4` files "
+            "hold no Llama 4 query scaling beta: served below its original context, where the scale is 1"
         ),
     ),
     Family(

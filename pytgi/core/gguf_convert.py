@@ -117,9 +117,10 @@ GEMMA4_TENSORS = {
     "per_layer_proj_norm": "model.per_layer_projection_norm",
     "rope_freqs": "model.rotary_emb.rope_freqs",
 }
-# DeepSeek V2 / V3 (`deepseek2`): multi-head latent attention's projections; kv_b_proj split per head
-# into W_UK transposed (attn_k_b, [H, latent, nope]) and W_UV (attn_v_b, [H, v, latent]) by the
-# converter (older files keep attn_kv_b whole); the router's correction bias (`exp_probs_b`)
+# DeepSeek V2 / V3 (`deepseek2`) and Mistral 4 (`mistral4`): multi-head latent attention's projections;
+# kv_b_proj split per head into W_UK transposed (attn_k_b, [H, latent, nope]) and W_UV (attn_v_b,
+# [H, v, latent]) by the converter (older files keep attn_kv_b whole); the router's correction bias
+# (`exp_probs_b`); Mistral 4's experts' gate|up stacked as its checkpoint has them ([E, 2I, H])
 DEEPSEEK_LAYER_TENSORS = {
     "attn_q_a": "self_attn.q_a_proj",
     "attn_q_a_norm": "self_attn.q_a_layernorm",
@@ -129,8 +130,9 @@ DEEPSEEK_LAYER_TENSORS = {
     "attn_kv_b": "self_attn.kv_b_proj",
     "attn_k_b": "self_attn.k_b_proj",
     "attn_v_b": "self_attn.v_b_proj",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
 }
-DEEPSEEK_TYPES = frozenset({"deepseek_v2", "deepseek_v3"})
+DEEPSEEK_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "mistral4"})
 # Phi-3 keeps q, k, v and gate, up fused
 PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -553,7 +555,7 @@ def _deepseek2(reader: Reader, arch: str, config: dict[str, Any], names: set[str
     (sigmoid scores and a correction bias: `expert_gating_func` 2, or `exp_probs_b` tensors without the
     key) or V2's (softmax; grouped when the file has expert groups). YaRN's `yarn_log_multiplier` is
     0.1 · mscale_all_dim, which llama.cpp reads as both mscales (the rotary tables unscaled, the
-    softmax scaled by mscale²): so here too."""
+    softmax scaled by mscale²): so here too. A `mistral4` file is Mistral 4's (`_mistral4`)."""
     rope_dim = int(_required(reader, f"{arch}.rope.dimension_count"))
     key_mla = _field(reader, f"{arch}.attention.key_length_mla")
     if key_mla is not None:
@@ -593,7 +595,13 @@ def _deepseek2(reader: Reader, arch: str, config: dict[str, Any], names: set[str
         )
     else:
         out["first_k_dense_replace"] = layers
-    if not v3:
+    if _field(reader, f"{arch}.attention.temperature_scale") and arch != "mistral4":
+        # Llama 4's query scale on DeepSeek's layers (Mistral Large 3 as llama.cpp writes Mistral's
+        # own format): transformers serves it as a Mistral 4, which this file does not say it is
+        raise GGUFConversionError(
+            f"a {arch!r} file with Llama 4's query scaling (attention.temperature_scale) is not read yet"
+        )
+    if not v3 and arch != "mistral4":
         out.update(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
     if _field(reader, f"{arch}.rope.scaling.type") == "yarn":
@@ -610,6 +618,63 @@ def _deepseek2(reader: Reader, arch: str, config: dict[str, Any], names: set[str
             **({"mscale": mscale, "mscale_all_dim": mscale} if mscale else {}),
         }
     out["rope_parameters"] = rope
+    if arch == "mistral4":
+        out.pop("topk_method", None)  # (Mistral 4 has its own router, and no such key)
+        out.update(_mistral4(reader, arch, config, names, rope, nope, rope_dim))
+    return out
+
+
+def _mistral4(
+    reader: Reader,
+    arch: str,
+    config: dict[str, Any],
+    names: set[str],
+    rope: dict[str, Any],
+    nope: int,
+    rope_dim: int,
+) -> dict[str, Any]:
+    """A `mistral4` file's keys beyond DeepSeek's: llama.cpp's converter writes Mistral 4
+    (`Mistral4ForCausalLM`) as it writes DeepSeek V2 / V3, under its own name. Its router is Mistral
+    4's (softmax scores, the `expert_group_used_count` groups of the best two scores' sums, as
+    llama.cpp groups every router): the file names no gating function and has no correction biases.
+    Its rotary features are the rope part of a head (`partial_rotary_factor`, a fraction of the head).
+
+    Llama 4's query scale, 1 + beta · ln(1 + floor(position / original_max_position_embeddings)):
+    the converter writes no beta (`attention.temperature_scale`, which llama.cpp's runtime would
+    read). Where the file has one, it is read; where not, the model is served exactly where the
+    scale is 1 whatever beta is, the positions below YaRN's original context: `max_position_embeddings`
+    is cut to it (`llama_4_scaling_beta` 0 says the scale is 1 there; `deepseek_config` logs the cut)."""
+    gating = _field(reader, f"{arch}.expert_gating_func")
+    if gating not in (None, 1):  # llama.cpp's ExpertGatingFuncType: 1 softmax, 2 sigmoid
+        raise GGUFConversionError(
+            f"a {arch!r} file whose router's gating function is {gating}: Mistral 4's is softmax"
+        )
+    if any(n.endswith(".exp_probs_b.bias") for n in names):
+        raise GGUFConversionError(
+            f"a {arch!r} file with router correction biases: Mistral 4's router has none"
+        )
+    rope["partial_rotary_factor"] = rope_dim / (nope + rope_dim)
+    orig = rope.get("original_max_position_embeddings")
+    out: dict[str, Any] = {"architectures": ["Mistral4ForCausalLM"], "model_type": "mistral4"}
+    if beta := _field(reader, f"{arch}.attention.temperature_scale"):
+        context = int(_field(reader, f"{arch}.attention.temperature_length", orig or 0) or 0)
+        if context <= 0 or (orig is not None and context != orig):
+            raise GGUFConversionError(
+                f"a {arch!r} file whose Llama 4 query scale's length ({context}) is not YaRN's original "
+                f"context ({orig}): Mistral 4 scales by the one length"
+            )
+        rope.update(llama_4_scaling_beta=float(beta), original_max_position_embeddings=context)
+        return out
+    if orig is None:
+        raise GGUFConversionError(
+            f"a {arch!r} file with neither Llama 4's query scaling beta nor YaRN's original context: "
+            "where its query scale departs from 1 is not known"
+        )
+    rope["llama_4_scaling_beta"] = 0.0
+    out.update(
+        max_position_embeddings=min(int(config["max_position_embeddings"]), int(orig)),
+        pytgi_llama4_beta_unknown=True,
+    )
     return out
 
 

@@ -22,12 +22,15 @@ transformers' logits:
   them (ggml's plain rotation pairs features as Cohere does), `logit_scale`, the window, no pattern
   key (llama.cpp's is every 4th layer global), `attention.layer_norm_epsilon`, zero biases dropped
   (others refused), no `output.weight` (tied). The converter needs `rotary_pct` in config.json
-  (the Hub's configs have it; a tiny transformers 5 one was given 1.0).
+  (the Hub's configs have it; a tiny transformers 5 one was given 1.0);
 - Gemma 4 with experts (test_tiny_models' "gemma4-moe" at Gemma 3 270m's vocabulary and tokenizer,
   checked the same way on 2026-12-07): `ffn_gate_up_exps` [E, 2I, H] and `ffn_down_exps` as
   transformers stacks them, the router as `ffn_gate_inp.weight` and its scale `ffn_gate_inp.scale`,
   the per-expert scale as `ffn_down_exps.scale`, the norms `pre_ffw_norm_2`, `post_ffw_norm_1`,
-  `post_ffw_norm_2`, and `expert_count` / `expert_used_count` / `expert_feed_forward_length`."""
+  `post_ffw_norm_2`, and `expert_count` / `expert_used_count` / `expert_feed_forward_length`;
+- Mistral 4 ("mistral4", from a `Mistral3ForConditionalGeneration` config.json whose `text_config` is
+  `MISTRAL4`'s, the weights under `model.language_model.`): the same `mistral4.*` keys and values and
+  the same tensors, byte for byte, as `write_gguf` writes (no beta, no gating function, gate|up whole)."""
 
 from __future__ import annotations
 
@@ -403,8 +406,10 @@ def byte_vocabulary(w, size: int) -> None:
     w.add_eos_token_id(1)
 
 
-def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
-    """`quant(gguf_name, array)`: the GGUF type to store a tensor as (None, or no `quant`: as it is)."""
+def write_gguf(hf, arch: str, path: Path, quant=None, llama4_beta: bool = False) -> Path:
+    """`quant(gguf_name, array)`: the GGUF type to store a tensor as (None, or no `quant`: as it is).
+    `llama4_beta`: a `mistral4` file given Llama 4's query scaling under the keys llama.cpp's runtime
+    reads (`attention.temperature_scale` / `temperature_length`), which its converter does not write."""
     import gguf
 
     cfg = hf.config
@@ -420,7 +425,7 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
 
     # with an MTP block after the layers, as a published GLM-4.5's and GLM-4.7-Flash's file has
     mtp = arch == "glm4moe" or cfg.model_type == "glm4_moe_lite"
-    if arch == "deepseek2":
+    if arch in ("deepseek2", "mistral4"):  # (llama.cpp's Mistral4Model is its DeepseekV2Model)
         deepseek2_metadata(w, cfg, mtp_blocks=int(mtp))
     else:
         common_metadata(w, cfg, mtp_blocks=int(mtp))
@@ -470,6 +475,9 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         w.add_sliding_window(cfg.sliding_window)
         w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
         add("rope_freqs.weight", llama3_divisors(cfg.head_dim, cfg.rope_parameters))
+    if llama4_beta:
+        w.add_attn_temperature_scale(cfg.rope_parameters["llama_4_scaling_beta"])
+        w.add_attn_temperature_length(cfg.rope_parameters["original_max_position_embeddings"])
     byte_vocabulary(w, cfg.vocab_size)
     for name, t in hf.state_dict().items():
         a = t.detach().float().numpy()
@@ -483,7 +491,7 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
         else:
             _, _, i, rest = name.split(".", 3)
             stem, _, kind = rest.rpartition(".")
-            if arch == "deepseek2" and (parts := deepseek2_tensors(cfg, rest, a)) is not None:
+            if arch in ("deepseek2", "mistral4") and (parts := deepseek2_tensors(cfg, rest, a)) is not None:
                 for gguf_name, part in parts:
                     add(f"blk.{i}.{gguf_name}", np.ascontiguousarray(part))
                 continue
@@ -494,8 +502,10 @@ def write_gguf(hf, arch: str, path: Path, quant=None) -> Path:
             if rest in (
                 "mlp.experts.gate_up_proj",
                 "mlp.experts.down_proj",
-            ):  # stacked [E, 2I, H] / [E, H, I]
-                if rest.endswith("down_proj"):
+            ):  # stacked [E, 2I, H] / [E, H, I]; Mistral 4's gate|up kept whole
+                if arch == "mistral4" and rest.endswith("gate_up_proj"):
+                    add(f"blk.{i}.ffn_gate_up_exps.weight", a)
+                elif rest.endswith("down_proj"):
                     add(f"blk.{i}.ffn_down_exps.weight", a)
                 else:
                     gate, up = np.split(a, 2, axis=1)
@@ -672,6 +682,90 @@ def test_gguf_of_the_family_serves_transformers_logits(tmp_path, monkeypatch, fa
     from tests.model.test_tiny_models import reference
 
     seq = np.random.default_rng(1).integers(0, 97, 23).tolist()
+    torch.testing.assert_close(prompt_logits(runner, seq), reference(hf, seq), atol=2e-5, rtol=1e-4)
+
+
+# Mistral 4 (`mistral4`): test_tiny_models' (groups whose limit bites, YaRN, Llama 4's beta), its
+# original context 32 so that prompts and answers fit below it
+MISTRAL4 = {
+    **dict(TINY["mistral4"][1]),
+    "eos_token_id": None,  # (greedy answers of a set length)
+    "rope_parameters": {
+        **TINY["mistral4"][1]["rope_parameters"],
+        "factor": 8.0,
+        "original_max_position_embeddings": 32,
+    },
+}
+
+
+def test_a_mistral4_gguf_serves_transformers_tokens_below_its_original_context(tmp_path, monkeypatch, caplog):
+    """llama.cpp's converter writes no Llama 4 beta into a `mistral4` file: pytgi serves the positions
+    where the query scale is 1 whatever beta is (below YaRN's original context), says so once at
+    load, and there gives transformers' greedy tokens and logits; a longer request is refused."""
+    from pytgi import LLM
+    from pytgi.core.errors import InvalidRequest
+    from pytgi.core.sampling_params import SamplingParams
+    from tests.model.test_tiny_models import reference
+
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    hf = transformers.Mistral4ForCausalLM(transformers.Mistral4Config(**MISTRAL4)).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    path = write_gguf(hf, "mistral4", tmp_path / "mistral4.gguf")
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 97, n).tolist() for n in (4, 11, 19)]
+    with torch.no_grad():
+        refs = [
+            hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(p) :]
+            for p in prompts
+        ]
+    assert len({tuple(r.tolist()) for r in refs}) == len(prompts)
+    with caplog.at_level("WARNING", logger="pytgi.engine.models.deepseek"):
+        llm = LLM(model=str(path), dtype="float32", max_batch_total_tokens=256)
+    try:
+        assert llm.engine.info.max_total_tokens == 32  # the positions below the original context
+        assert caplog.text.count("only positions below 32 are served") == 1  # one line, at load
+        got = llm.generate(prompts, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+        assert [o.token_ids for o in got] == [r.tolist() for r in refs]
+        with pytest.raises(InvalidRequest):
+            llm.generate(prompts[-1], SamplingParams(max_new_tokens=14, temperature=0))
+    finally:
+        llm.shutdown()
+    model_dir = resolve_model(str(path), progress=False).path
+    runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
+    assert type(runner.model).__name__ == "DecoderModel"
+    seq = rng.integers(0, 97, 32).tolist()
+    torch.testing.assert_close(prompt_logits(runner, seq), reference(hf, seq), atol=2e-5, rtol=1e-4)
+
+
+def test_a_deepseek2_gguf_with_llama4_scaling_is_refused(tmp_path, monkeypatch):
+    """Llama 4's query scaling in a `deepseek2` file (Mistral Large 3 from Mistral's own format) says
+    nothing of which model it is: refused by name, not served unscaled."""
+    from pytgi.core.errors import GGUFConversionError
+
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    hf = transformers.Mistral4ForCausalLM(transformers.Mistral4Config(**TINY["mistral4"][1])).float().eval()
+    path = write_gguf(hf, "deepseek2", tmp_path / "deepseek2.gguf", llama4_beta=True)
+    with pytest.raises(GGUFConversionError, match="temperature_scale"):
+        resolve_model(str(path), progress=False)
+
+
+def test_a_mistral4_gguf_with_llama4_beta_serves_its_scale(tmp_path, monkeypatch):
+    """A `mistral4` file that holds the beta (under the keys llama.cpp's runtime reads) is served at
+    every position, the queries scaled past the original context (8 here) as transformers does."""
+    from tests.model.test_tiny_models import reference
+
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    hf = transformers.Mistral4ForCausalLM(transformers.Mistral4Config(**TINY["mistral4"][1])).float().eval()
+    path = write_gguf(hf, "mistral4", tmp_path / "mistral4.gguf", llama4_beta=True)
+    model_dir = resolve_model(str(path), progress=False).path
+    runner = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
+    assert runner.config.max_position_embeddings == 256
+    seq = np.random.default_rng(1).integers(0, 97, 40).tolist()
     torch.testing.assert_close(prompt_logits(runner, seq), reference(hf, seq), atol=2e-5, rtol=1e-4)
 
 

@@ -89,6 +89,42 @@ FAMILIES = {
             tie_word_embeddings=False,
         ),
     ),
+    # Mistral 4: the same layers, its experts' gate|up one tensor (`ffn_gate_up_exps`), its original
+    # context past the prompt (a `mistral4` file is served below it)
+    "mistral4": (
+        "mistral4",
+        transformers.Mistral4Config,
+        transformers.Mistral4ForCausalLM,
+        dict(
+            SHAPE,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=64,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=32,
+            v_head_dim=32,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            n_shared_experts=1,
+            n_group=2,
+            topk_group=1,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "original_max_position_embeddings": 32,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.1,
+                "partial_rotary_factor": 0.5,
+            },
+        ),
+    ),
 }
 # GGUF tensor → type: a mix as llama.cpp's Q4_K_M-like recipes give (4-bit, 5-bit and 8-bit blocks)
 TYPES = {
@@ -102,6 +138,7 @@ TYPES = {
     "ffn_gate_exps": "Q4_0",
     "ffn_up_exps": "Q8_0",
     "ffn_down_exps": "Q5_0",
+    "ffn_gate_up_exps": "Q4_1",
     "token_embd": "Q8_0",
     "output": "Q4_0",
     "attn_q_a": "Q4_1",
@@ -132,8 +169,8 @@ def test_quantized_tensors_are_packed_from_their_blocks(tmp_path, monkeypatch, f
     model: Any = fast.model
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     per_layer = 2 if family == "qwen3moe" else 4  # qkv, o (and gate|up, down without experts)
-    if family == "deepseek2":  # q_a, q_b, kv_a, o; gate|up, down of the dense MLP or the shared expert
-        per_layer = 6
+    if family in ("deepseek2", "mistral4"):
+        per_layer = 6  # q_a, q_b, kv_a, o; gate|up, down of the dense MLP or the shared expert
     assert len(linears) == 1 + per_layer * kw["num_hidden_layers"]
     for m in linears:  # packed, and no float weight beside it
         assert m.quant.vnni and m.layer.weight.numel() == 0
@@ -144,6 +181,12 @@ def test_quantized_tensors_are_packed_from_their_blocks(tmp_path, monkeypatch, f
         for layer in model.layers[kw.get("first_k_dense_replace", 0) :]:
             assert len(layer.mlp.packed) == 4 and layer.mlp.gate_up.numel() == layer.mlp.down.numel() == 0
     exact = ModelRunner(EngineConfig(model=str(model_dir), dtype="float32", device="cpu"))
+    x = torch.randn(4, kw["hidden_size"], generator=torch.Generator().manual_seed(0))
+    floats: Any = exact.model
+    for packed, floating in zip(model.layers, floats.layers):  # each expert's packed gate|up rows
+        for e, (gate_up, _) in enumerate(getattr(packed.mlp, "packed", [])):
+            want = x @ floating.mlp.gate_up[e].T
+            assert (gate_up.matmul(x.bfloat16()).float() - want).abs().max() <= 0.05 * want.abs().max()
     seq = np.random.default_rng(1).integers(0, kw["vocab_size"], 23).tolist()
     got, want = prompt_logits(fast, seq).float(), prompt_logits(exact, seq).float()
     # bf16 activations rounded to int8 per group of 32 (as llama.cpp's kernels do), nothing else

@@ -62,7 +62,10 @@ def load_gguf(
     experts: dict[SparseMoE, list[str]] = {}
     for name, mod in model.named_modules():
         parts = [f"model.{name}.experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
-        if parts[0] not in plan:  # gpt-oss's, beside their biases: `...experts.gate_proj.weight`
+        fused = f"model.{name}.experts.gate_up_proj"
+        if parts[0] not in plan and fused in plan:  # Mistral 4's gate|up stacked whole (`ffn_gate_up_exps`)
+            parts = [fused, fused, parts[2]]
+        elif parts[0] not in plan:  # gpt-oss's, beside their biases: `...experts.gate_proj.weight`
             parts = [f"{p}.weight" for p in parts]
         if name.endswith(".moe"):  # Gemma 4's, beside the layer's MLP: gate and up in one tensor
             stem = f"model.{name.removesuffix('.moe')}.experts."

@@ -26,6 +26,7 @@ features.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -33,6 +34,8 @@ from pytgi.core.errors import UnsupportedModel
 from pytgi.engine.models.decoder import DecoderConfig, MoEConfig
 from pytgi.engine.models.mla import MLAConfig
 from pytgi.engine.models.moe import Routing
+
+log = logging.getLogger(__name__)
 
 
 def _mscale(factor: float, mscale: float) -> float:
@@ -114,6 +117,16 @@ def deepseek_config(cfg: dict[str, Any]) -> DecoderConfig:
     if abs(partial * (rope_dim if not mistral4 else nope + rope_dim) - rope_dim) > 1e-6:
         raise UnsupportedModel(f"{arch}: partial_rotary_factor {partial} turns other than the rope features")
     beta = params.get("llama_4_scaling_beta") if mistral4 else None
+    if mistral4 and cfg.get(
+        "pytgi_llama4_beta_unknown"
+    ):  # a `mistral4` GGUF file's (`gguf_convert._mistral4`)
+        log.warning(
+            "Mistral 4 from a GGUF file: the file holds no llama_4_scaling_beta (how Llama 4's rule "
+            "scales queries from position %d on), so only positions below %d are served, where the "
+            "scale is 1",
+            params["original_max_position_embeddings"],
+            cfg["max_position_embeddings"],
+        )
     mla = MLAConfig(
         kv_lora_rank=cfg["kv_lora_rank"],
         qk_nope_head_dim=nope,

@@ -297,7 +297,7 @@ class SparseMoE(nn.Module):
         (`pytgi.engine.models.quant.grid_layout`): per expert, this rank's slice of gate|up in `kinds[0]`'s
         layout and of down in `kinds[1]`'s, read from `weights` (`GGUFWeights`; `names`: the stacked
         gate, up and down tensors; gate and up one name where they are stacked together, [E, 2I, H] as
-        Gemma 4's `ffn_gate_up_exps`). Every step then multiplies by the packed weights."""
+        Gemma 4's and Mistral 4's `ffn_gate_up_exps`). Every step then multiplies by the packed weights."""
         from pytgi.engine.models.quant import Layout, LayoutRows, QuantizedWeight, grid_layout, six_bit
 
         gate, up, down = names
