@@ -137,13 +137,17 @@ DEEPSEEK_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "mistral4"})
 PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
-# llama.cpp's pre-tokenizer names → the Hugging Face pre-tokenizer that splits text the same way.
+# llama.cpp's pre-tokenizer names (`tokenizer.ggml.pre`) → the regular expressions that split text
+# before BPE, applied in order, each match and each stretch between matches a piece of its own (as
+# llama.cpp's `llm_tokenizer_bpe` lists them per LLAMA_VOCAB_PRE_TYPE_*; where llama.cpp rewrote a
+# model's own tokenizer.json expression for its regex engine, the original, which `tokenizers`'
+# Oniguruma runs as the model's tokenizer does).
 _GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-_LLAMA3_REGEX = (
+_LLAMA3_REGEX = (  # cl100k (Llama 3, DBRX, GLM-4)
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_GPT4O_REGEX = (  # o200k (gpt-oss, GPT-4o)
+_GPT4O_REGEX = (  # o200k (gpt-oss, GPT-4o, Llama 4, MiniMax-M2)
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -155,6 +159,261 @@ _SEED_CODER_REGEX = (  # Seed-Coder's tokenizer.json: digits one by one, no newl
 _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_REGEX = (  # Qwen2's with combining marks kept in words
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_REGEX = (  # Mistral's Tekken (Nemo, Small 3, Mistral 4)
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_KIMI_K2_REGEX = (  # Kimi K2's tiktoken pattern: Han runs apart, o200k's words without Han in them
+    r"[\p{Han}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEEPSEEK3_REGEXES = (  # DeepSeek V3 (and R1, V3.x), Hunyuan dense, JoyAI
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    (
+        r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+        r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    ),
+)
+_DEEPSEEK_LLM_REGEXES = (  # DeepSeek LLM and V2 (the Sequence of Splits of their tokenizer.json)
+    r"[\r\n]",
+    (  # letters of cased scripts
+        "\\s?[A-Za-z\u00b5\u00c0-\u00d6\u00d8-\u00f6\u00f8-\u01ba\u01bc-\u01bf\u01c4-\u0293"
+        "\u0295-\u02af\u0370-\u0373\u0376\u0377\u037b-\u037d\u037f\u0386\u0388-\u038a\u038c"
+        "\u038e-\u03a1\u03a3-\u03f5\u03f7-\u0481\u048a-\u052f\u0531-\u0556\u10a0-\u10c5\u13a0-"
+        "\u13f5\u13f8-\u13fd\u1c90-\u1cba\u1cbd-\u1cbf\u1d00-\u1d2b\u1d6b-\u1d77\u1d79-\u1d9a"
+        "\u1e00-\u1f15\u1f18-\u1f1d\u1f20-\u1f45\u1f48-\u1f4d\u1f50-\u1f57\u1f59\u1f5b\u1f5d"
+        "\u1f5f-\u1f7d\u1f80-\u1fb4\u1fb6-\u1fbc\u1fbe\u1fc2-\u1fc4\u1fc6-\u1fcc\u1fd0-\u1fd3"
+        "\u1fd6-\u1fdb\u1fe0-\u1fec\u1ff2-\u1ff4\u1ff6-\u1ffc\u2102\u2107\u210a-\u2113\u2115"
+        "\u2119-\u211d\u2124\u2126\u2128\u212a-\u212d\u212f-\u2134\u2139\u213c-\u213f\u2145-"
+        "\u2149\u214e\u2183\u2184\u2c00-\u2c7b\u2c7e-\u2ce4\u2ceb-\u2cee\u2cf2\u2cf3\ua640-\ua66d"
+        "\ua680-\ua69b\ua722-\ua76f\ua771-\ua787\ua78b-\ua78e\uab70-\uabbf\ufb00-\ufb06\ufb13-"
+        "\ufb17\uff21-\uff3a\uff41-\uff5a\U00010400-\U0001044f\U000104b0-\U000104d3\U000104d8-"
+        "\U000104fb\U00010c80-\U00010cb2\U00010cc0-\U00010cf2\U000118a0-\U000118df\U0001e900-"
+        "\U0001e943]+"
+    ),
+    "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+",
+    r"\s+$",
+    "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+",
+    r"\p{N}+",
+)
+_GPT2_DIGITS = (r"\p{N}", _GPT2_REGEX)  # StarCoder's: digits one by one, then GPT-2's split
+_BLOOM = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"  # BLOOM's, Poro's
+_PRE_GROUPS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (
+        ("default", ""),  # a file without the name (llama.cpp warns: generation quality degraded)
+        (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    ),
+    (
+        (
+            "gpt-2",
+            "phi-2",
+            "jina-es",
+            "jina-de",
+            "gigachat",
+            "jina-v2-es",
+            "jina-v2-de",
+            "a.x-4.0",
+            "mellum",
+            "modern-bert",
+            "jina-v1-en",
+            "jina-v2-code",
+            "roberta-bpe",
+            "mpt",
+            "olmo",
+            "jais",
+            "trillion",
+            "granite-docling",
+            "exaone4",
+        ),
+        (_GPT2_REGEX,),
+    ),
+    (
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+            "dbrx",
+            "smaug-bpe",
+            "chatglm-bpe",
+            "glm4",
+            "glm5",
+        ),
+        (_LLAMA3_REGEX,),
+    ),
+    (
+        ("jais-2",),
+        (
+            (
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s{512}(?!\S)|\s{256}(?!\S)|\s{128}(?!\S)|\s{64}(?!\S)|\s{32}(?!\S)|\s{16}(?!\S)"
+                r"|\s{8}(?!\S)|\s{4}(?!\S)|\s{1,2}(?!\S)|\s{1}"
+            ),
+        ),
+    ),
+    (
+        (
+            "qwen2",
+            "deepseek-r1-qwen",
+            "kormo",
+            "f2llmv2",
+            "stablelm2",
+            "megrez",
+            "hunyuan",
+            "solar-open",
+            "grok-2",
+        ),
+        (_QWEN2_REGEX,),
+    ),
+    (("qwen35",), (_QWEN35_REGEX,)),
+    (("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), (_GPT4O_REGEX,)),
+    (("tekken",), (_TEKKEN_REGEX,)),
+    (("kimi-k2",), (_KIMI_K2_REGEX,)),
+    (("deepseek-llm",), _DEEPSEEK_LLM_REGEXES),
+    (("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _DEEPSEEK3_REGEXES),
+    (
+        ("deepseek-coder",),
+        (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}"),
+    ),
+    (
+        ("spark2_5",),
+        (
+            r"\p{N}{1,3}",
+            "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+            (
+                r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+                r"| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+"
+            ),
+            r"\p{N}",
+        ),
+    ),
+    (("seed-coder",), (_SEED_CODER_REGEX,)),
+    (
+        ("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"),
+        _GPT2_DIGITS,
+    ),
+    (("falcon",), (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_REGEX, r"[0-9][0-9][0-9]")),
+    (("poro-chat", "bloom", "gpt3-finnish"), (_BLOOM,)),
+    (("viking",), (_BLOOM, r"\p{N}")),
+    (
+        ("bailingmoe", "bailingmoe2", "llada-moe"),  # Ling's tokenizer.json, possessive quantifiers
+        (
+            (
+                r"'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]"
+                r"|\s+(?!\S)|\s+"
+            ),
+        ),
+    ),
+    (
+        ("exaone-moe",),
+        (
+            (
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+"
+            ),
+        ),
+    ),
+    (
+        ("youtu",),
+        (
+            "[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f\ufe30-\ufe4f]+|[\u3105-\u312f]+|[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+            _GPT4O_REGEX.replace(r"\p{N}{1,3}", r"\p{N}"),
+        ),
+    ),
+    (
+        ("minicpm5",),
+        (
+            r"\p{N}{1,3}",
+            (
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+            ),
+        ),
+    ),
+    (
+        ("ufakzeka",),  # Qwen2's without the English contractions
+        (r"[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    ),
+    (
+        ("granite-embed-multi-97m",),
+        (  # llama.cpp's (o200k's with marks in words)
+            (
+                r"[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+"
+                r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+                r"|[^\r\n\p{L}\p{N}]?((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))*"
+                r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+            ),
+        ),
+    ),
+    (("laguna",), (r"[^\n]+|[\n]+", _QWEN2_REGEX)),
+    (
+        ("chameleon",),
+        (
+            r"<sentinel:[0-9]+>",
+            r"(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z",
+            r"([\t\n]|    |  )",
+            r"\p{N}",
+            r"[\p{P}!-/:-@\[-`{-~]",
+            _GPT2_REGEX,
+        ),
+    ),
+    (
+        ("tiny_aya", "cohere2moe"),  # Tiny Aya's tokenizer.json: digits in threes from the right
+        (r"\d{1,3}(?=(?:\d{3})*\b)", _GPT4O_REGEX),
+    ),
+)
+PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
+    name: regexes for names, regexes in _PRE_GROUPS for name in names
+}
+# llama.cpp's `ignore_merges`: a piece that is a token of the vocabulary is that token, merges or not
+# (as Llama 3's tokenizer.json says)
+_IGNORE_MERGES = frozenset(
+    {
+        "llama3",
+        "llama-v3",
+        "llama-bpe",
+        "falcon3",
+        "falcon-h1",
+        "pixtral",
+        "midm-2.0",
+        "lfm2",
+        "jina-v5-nano",
+        "glm4",
+        "glm5",
+        "tekken",
+        "youtu",
+        "minicpm5",
+        "granite-embed-multi-97m",
+    }
+)
+# names llama.cpp knows whose vocabulary is not byte-level (SentencePiece-style BPE over raw UTF-8,
+# or a custom digit splitter with no regular expression to write it as)
+_UNREPRODUCED_PRE = frozenset(
+    {
+        "gemma4",
+        "granite-embed-multi-311m",
+        "sarvam-moe",
+        "whitespace",
+        "afmoe",
+        "superbpe",
+    }
 )
 
 
@@ -849,28 +1108,31 @@ def gguf_tokenizer_json(reader: Reader) -> str:
     types = list(_field(reader, "tokenizer.ggml.token_type") or [])
     merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges") or []]
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    split = {
-        "smollm": _GPT2_REGEX.replace(r" ?\p{N}+", r"\p{N}"),
-        "llama-bpe": _LLAMA3_REGEX,
-        "dbrx": _LLAMA3_REGEX,  # cl100k's split (DBRX; OLMo 2/3's dolma2 tokenizer)
-        "qwen2": _QWEN2_REGEX,
-        "gpt-4o": _GPT4O_REGEX,
-        "seed-coder": _SEED_CODER_REGEX,
-        # GPT-2's split: "olmo" (OLMo 1's GPT-NeoX tokenizer) and "exaone4" (llama.cpp reads it as "gpt2")
-    }.get(pre, _GPT2_REGEX)
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level]
-    )
-    if pre in ("smollm", "command-r"):  # exactly what SmolLM's own tokenizer.json does (and Command-R's)
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            ]
+    pre = str(_field(reader, "tokenizer.ggml.pre", "default"))
+    splits = PRE_TOKENIZER_SPLITS.get(pre)
+    if splits is None:
+        why = (
+            "its vocabulary is not byte-level or llama.cpp splits it with custom code"
+            if pre in _UNREPRODUCED_PRE
+            else "pytgi does not know this name"
         )
+        raise GGUFConversionError(
+            f"GGUF pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported: {why}; convert the "
+            "model to a Hugging Face directory and pass that instead"
+        )
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=merges,
+            fuse_unk=False,
+            byte_fallback=False,
+            ignore_merges=pre in _IGNORE_MERGES,
+        )
+    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     _add_marked_tokens(tok, tokens, types, None)
