@@ -500,6 +500,14 @@ def _with_states(
             measured = kv_capacity()  # measured once: the KV cache is sized from the same figure
         tokens = config.max_batch_total_tokens or measured or 0
         slots = max(1, min(256, tokens * per_token // 4 // state))
+        if slots < 16:  # a small --max-batch-total-tokens leaves few: requests past them wait their turn
+            log.warning(
+                "recurrent states for %d running requests only (a quarter of a %d-token KV cache's "
+                "memory); --max-batch-size N keeps N",
+                slots,
+                tokens,
+            )
+    log.info("recurrent states for %d running requests (%.2f GiB)", slots, slots * state / 2**30)
     if config.enable_prefix_caching:
         log.info("prefix caching is off: this model's linear-attention states are not kept per block")
     taken = -(-slots * state // per_token)  # the states' memory, in KV tokens
