@@ -67,6 +67,7 @@ from pytgi.engine.models.layers import (
     apply_rotary,
     merged_shards,
     qkv_shards,
+    rotate_half_rows,
 )
 from pytgi.engine.models.linear_attention import GatedDeltaNet, LinearAttnConfig, StateBackend, StateMetadata
 from pytgi.engine.models.mla import MLAConfig, MLAttention, mla_heads, query_scales
@@ -894,9 +895,3 @@ def _gemma4_moe_name(m: re.Match[str]) -> str:
 
 
 QK_ROWS = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
-
-
-def rotate_half_rows(rows: int, n_heads: int) -> torch.Tensor:
-    """The row order that turns each head's interleaved pairs (2i, 2i + 1) into rotate-half's (i,
-    i + head_dim / 2): the same as undoing llama.cpp's interleaving of a "llama" file's q/k rows."""
-    return torch.arange(rows).view(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(rows)

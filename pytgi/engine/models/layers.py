@@ -371,3 +371,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     swapped = x.unflatten(-1, (2, half)).flip(-2).flatten(-2)
     return x * cos + swapped * sin
+
+
+def rotate_half_rows(rows: int, n_heads: int) -> torch.Tensor:
+    """The row order that turns each head's interleaved pairs (2i, 2i + 1) into rotate-half's (i,
+    i + head_dim / 2): the same as undoing llama.cpp's interleaving of a "llama" file's q/k rows."""
+    return torch.arange(rows).view(n_heads, rows // n_heads // 2, 2).transpose(1, 2).reshape(rows)

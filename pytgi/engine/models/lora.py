@@ -29,7 +29,7 @@ from torch import nn
 from pytgi.core.adapters import TARGETS, WEIGHTS_FILE, AdapterConfig, AdapterError, read_config
 from pytgi.engine import kernels
 from pytgi.engine.distributed import tp_size
-from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear
+from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, rotate_half_rows
 from pytgi.engine.models.quant import QuantizedLinear
 
 # the base model's module (in a decoder layer) that holds each target, and its part in a fused one
@@ -329,8 +329,6 @@ class LoraAdapters:
         cfg = self.config
         if target not in ("q_proj", "k_proj") or cfg is None or not getattr(cfg, "rope_interleaved", False):
             return b
-        from pytgi.engine.models.decoder import rotate_half_rows
-
         heads = cfg.num_attention_heads if target == "q_proj" else cfg.num_key_value_heads
         return b[rotate_half_rows(len(b), heads)]
 
