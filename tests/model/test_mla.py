@@ -148,3 +148,34 @@ def test_the_latent_rows_go_to_disk_and_come_back(tmp_path):
     second.shutdown()
     assert tokens == want and cached == disk == 84
     assert stats.verify_mismatches == 0
+
+
+def test_kv_b_repacks_alike_from_a_checkpoint_and_from_a_gguf_files_two_halves():
+    """kv_b_proj whole (a checkpoint, shard 0) or as llama.cpp splits it (W_UK transposed, shard 1;
+    W_UV, shard 2): the same per-head weights packed for bf16gemm.c, and the flat parameter freed."""
+    from pytgi.engine.models.mla import _KVB
+
+    H, nope, v, r = 3, 16, 32, 64
+    kv_b = torch.randn(H * (nope + v), r).bfloat16()  # per head: W_UK rows [nope, r], then W_UV [v, r]
+    per_head = kv_b.view(H, nope + v, r)
+    halves = (per_head[:, :nope].transpose(1, 2).contiguous(), per_head[:, nope:].contiguous())
+    whole, split = _KVB(H, nope, v, r), _KVB(H, nope, v, r)
+    for m in (whole, split):
+        m.weight.data = m.weight.data.bfloat16()
+        m.pack = True
+    whole.load(whole.weight, kv_b, 0)
+    split.load(split.weight, halves[0], 1)
+    assert split.packed is None  # (not before both halves are in)
+    split.load(split.weight, halves[1], 2)
+    assert whole.packed is not None and split.packed is not None
+    assert all(torch.equal(a, b) for a, b in zip(whole.packed, split.packed))
+    assert whole.weight.numel() == split.weight.numel() == 0
+    if kernels.bf16gemm_supported():  # and they are W_UK and W_UV: queries into the latent space and back
+        q, lat = torch.randn(2, H, nope).bfloat16(), torch.randn(2, H, r).bfloat16()
+        got_q = kernels.bf16_matmul_heads(q, whole.packed[0], r, torch.empty(2, H, r, dtype=torch.bfloat16))
+        got_o = kernels.bf16_matmul_heads(lat, whole.packed[1], v, torch.empty(2, H, v, dtype=torch.bfloat16))
+        w_uk, w_uv = per_head[:, :nope].float(), per_head[:, nope:].float()
+        want_q = torch.einsum("thn,hnr->thr", q.float(), w_uk)
+        want_o = torch.einsum("thr,hvr->thv", lat.float(), w_uv)
+        torch.testing.assert_close(got_q.float(), want_q, atol=0.1, rtol=0.02)
+        torch.testing.assert_close(got_o.float(), want_o, atol=0.1, rtol=0.02)
