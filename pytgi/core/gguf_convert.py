@@ -209,6 +209,19 @@ _DEEPSEEK_LLM_REGEXES = (  # DeepSeek LLM and V2 (the Sequence of Splits of thei
 )
 _GPT2_DIGITS = (r"\p{N}", _GPT2_REGEX)  # StarCoder's: digits one by one, then GPT-2's split
 _BLOOM = " ?[^(\\s|.,!?\u2026\u3002\uff0c\u3001\u0964\u06d4\u060c)]+"  # BLOOM's, Poro's
+# llama.cpp's names for Llama 3's split (its LLAMA3 type)
+_LLAMA3_NAMES = (
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+    "jina-v5-nano",
+)
+
 _PRE_GROUPS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     (
         ("default", ""),  # a file without the name (llama.cpp warns: generation quality degraded)
@@ -240,15 +253,7 @@ _PRE_GROUPS: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
     ),
     (
         (
-            "llama3",
-            "llama-v3",
-            "llama-bpe",
-            "falcon3",
-            "falcon-h1",
-            "pixtral",
-            "midm-2.0",
-            "lfm2",
-            "jina-v5-nano",
+            *_LLAMA3_NAMES,
             "dbrx",
             "smaug-bpe",
             "chatglm-bpe",
@@ -386,15 +391,7 @@ PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
 # (as Llama 3's tokenizer.json says)
 _IGNORE_MERGES = frozenset(
     {
-        "llama3",
-        "llama-v3",
-        "llama-bpe",
-        "falcon3",
-        "falcon-h1",
-        "pixtral",
-        "midm-2.0",
-        "lfm2",
-        "jina-v5-nano",
+        *_LLAMA3_NAMES,
         "glm4",
         "glm5",
         "tekken",

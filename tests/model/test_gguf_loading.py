@@ -35,6 +35,24 @@ SHAPE = dict(
     max_position_embeddings=256,
     rms_norm_eps=1e-6,
 )
+# DeepSeek V3's and Mistral 4's layers: MLA with a q_lora, a dense layer, then experts in two groups
+MLA = dict(
+    SHAPE,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=32,
+    v_head_dim=32,
+    first_k_dense_replace=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    n_shared_experts=1,
+    n_group=2,
+    topk_group=1,
+    tie_word_embeddings=False,
+)
 FAMILIES = {
     "llama": (
         "llama",
@@ -71,23 +89,7 @@ FAMILIES = {
         "deepseek2",
         transformers.DeepseekV3Config,
         transformers.DeepseekV3ForCausalLM,
-        dict(
-            SHAPE,
-            num_key_value_heads=4,
-            q_lora_rank=32,
-            kv_lora_rank=64,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=32,
-            v_head_dim=32,
-            first_k_dense_replace=1,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
-            tie_word_embeddings=False,
-        ),
+        MLA,
     ),
     # Mistral 4: the same layers, its experts' gate|up one tensor (`ffn_gate_up_exps`), its original
     # context past the prompt (a `mistral4` file is served below it)
@@ -96,21 +98,7 @@ FAMILIES = {
         transformers.Mistral4Config,
         transformers.Mistral4ForCausalLM,
         dict(
-            SHAPE,
-            num_key_value_heads=4,
-            q_lora_rank=32,
-            kv_lora_rank=64,
-            qk_nope_head_dim=32,
-            qk_rope_head_dim=32,
-            v_head_dim=32,
-            first_k_dense_replace=1,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
-            tie_word_embeddings=False,
+            MLA,
             rope_parameters={
                 "rope_type": "yarn",
                 "rope_theta": 10000.0,
