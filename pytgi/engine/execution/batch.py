@@ -91,7 +91,7 @@ class PagedModel:
         self.family = family
         self.fp8 = kv_dtype.startswith("fp8")
         self.int8 = kv_dtype == "int8"
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
         self.block_size = self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None  # CUDA: the captured decode steps
 
@@ -125,31 +125,30 @@ class PagedModel:
         return total
 
     def state_bytes_per_request(self) -> int:
-        """The recurrent state a request holds in the linear-attention layers (0: the model has none):
-        the convolution's inputs in the model's dtype, the delta rule's state in float32."""
-        elt = torch.empty((), dtype=self.dtype).element_size()
+        """The recurrent state a request holds in the recurrent layers (0: the model has none), as each
+        layer kind declares it (`StateSpec`)."""
         total = 0
         for layer in self.model.layers:
-            if (linear := getattr(layer, "linear_attn", None)) is not None:
-                conv, rec = linear.state_shapes()
-                total += math.prod(conv) * elt + math.prod(rec) * 4
+            if (mixer := getattr(layer, "linear_attn", None)) is not None:
+                for spec in mixer.state_specs():
+                    elt = torch.empty((), dtype=spec.dtype or self.dtype).element_size()
+                    total += math.prod(spec.shape) * elt
         return total
 
     def allocate(self, num_blocks: int, block_size: int, state_slots: int = 0) -> None:
         """On CUDA one block more than asked: the scratch block of the decode graphs' padding rows.
-        `state_slots`: requests whose recurrent states the linear-attention layers keep (their entries
-        in `kv_caches` are those states, (convolution inputs, delta-rule state), not keys and values)."""
+        `state_slots`: requests whose states the recurrent layers keep (their entries in `kv_caches`
+        are those states, one tensor per `StateSpec` the layer declares, not keys and values)."""
         spare = int(self.device.type == "cuda")
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_caches = []
         self.graphs = None
         for layer in self.model.layers:
-            if (linear := getattr(layer, "linear_attn", None)) is not None:
-                conv, rec = linear.state_shapes()
+            if (mixer := getattr(layer, "linear_attn", None)) is not None:
                 self.kv_caches.append(
-                    (
-                        torch.zeros((state_slots, *conv), dtype=self.dtype, device=self.device),
-                        torch.zeros((state_slots, *rec), dtype=torch.float32, device=self.device),
+                    tuple(
+                        torch.zeros((state_slots, *s.shape), dtype=s.dtype or self.dtype, device=self.device)
+                        for s in mixer.state_specs()
                     )
                 )
                 continue

@@ -174,7 +174,7 @@ class PoolBlocks:
     none, and the layers' heads may differ; a value cache without columns (MLA's: its values are its
     keys' rows) holds nothing to copy."""
 
-    def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
+    def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, ...]], block_size: int) -> None:
         distinct = {t.data_ptr(): t for kv in kv_caches for t in kv if t.numel()}
         self.tensors = [t.view(-1, block_size, *t.shape[1:]) for t in distinct.values()]
         self.sizes = [t[0].nbytes for t in self.tensors]
@@ -231,7 +231,7 @@ class DiskTier:
         max_bytes: int,
         fp: bytes,
         block_manager: BlockManager,
-        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: Sequence[tuple[torch.Tensor, ...]],
         verify_rate: float = 0.0,
     ) -> None:
         self.store = DiskStore(Path(root), fp)

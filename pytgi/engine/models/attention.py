@@ -34,7 +34,7 @@ from pytgi.engine.models.cpu import Kernels
 
 # One layer's cache: its keys and values [slots, KVH, D] (a linear-attention layer's: its convolution
 # inputs and recurrent states, by request slot)
-LayerCache: TypeAlias = tuple[torch.Tensor, torch.Tensor]
+LayerCache: TypeAlias = tuple[torch.Tensor, ...]  # keys and values; a recurrent layer's states
 # A rotary embedding's tables at the step's positions: cos and (signed) sin
 Rope: TypeAlias = tuple[torch.Tensor, torch.Tensor]
 # What one layer's attention reads: its backend's metadata for the step

@@ -53,7 +53,7 @@ class CausalLM(Protocol):
     @property
     def layers(self) -> Iterable[object]:
         """Its layers: an attention layer's `self_attn.n_kv` and `self_attn.head_dim` give the KV
-        cache's shape; a linear-attention layer's `linear_attn.state_shapes()` its states'."""
+        cache's shape; a recurrent layer's `linear_attn.state_specs()` its states'."""
         ...
 
     def __call__(

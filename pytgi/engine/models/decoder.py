@@ -69,7 +69,12 @@ from pytgi.engine.models.layers import (
     qkv_shards,
     rotate_half_rows,
 )
-from pytgi.engine.models.linear_attention import GatedDeltaNet, LinearAttnConfig, StateBackend, StateMetadata
+from pytgi.engine.models.linear_attention import (
+    RecurrentConfig,
+    RecurrentMixer,
+    StateBackend,
+    StateMetadata,
+)
 from pytgi.engine.models.mla import MLAConfig, MLAttention, mla_heads, query_scales
 from pytgi.engine.models.moe import Routing, SparseMoE
 from pytgi.engine.models.quant import (
@@ -92,6 +97,10 @@ Weights: TypeAlias = "Iterable[tuple[str, Weight]]"  # (name, tensor) pairs in H
 DecoderMetadata: TypeAlias = "LayerMetadata | WindowedMetadata | StateMetadata"
 
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
+# the layer types whose mixer keeps a per-request state (`DecoderConfig.linear` builds it): gated
+# DeltaNet, Mamba's selective scan, short convolutions
+MAMBA, CONV = "mamba", "conv"
+RECURRENT = (LINEAR, MAMBA, CONV)
 
 
 class StepImages(NamedTuple):
@@ -170,7 +179,7 @@ class DecoderConfig:
     # Qwen3-Next / Qwen3.5: gated DeltaNet layers (`layer_types` LINEAR) between the attention layers,
     # whose output is gated (o · sigmoid(gate), the gate a second half of each query head's
     # projection) and whose rotary embedding turns the first `rotary_dim` features of a head only
-    linear: LinearAttnConfig | None = None
+    linear: RecurrentConfig | None = None
     attn_output_gate: bool = False
     rotary_dim: int | None = None  # None: head_dim
     # the q and k RMSNorms span each token's whole projection (all heads), not each head (OLMo 2/3,
@@ -436,11 +445,11 @@ class DecoderLayer(nn.Module):
         self.rotates, self.pre_norms, self.parallel = rotates, cfg.pre_norms, cfg.parallel_block
         self.residual_scale = cfg.residual_scale
         self.self_attn: Attention | MLAttention | None = None
-        self.linear_attn: GatedDeltaNet | None = None
+        self.linear_attn: RecurrentMixer | None = None
         if linear:
             assert cfg.linear is not None
             fused = isinstance(ops, KernelOps)  # the C kernels run this model (CPU)
-            self.linear_attn = GatedDeltaNet(cfg.linear, cfg.hidden_size, cfg.rms_norm_eps, fused)
+            self.linear_attn = cfg.linear.build(cfg.hidden_size, cfg.rms_norm_eps, fused)
         elif cfg.mla is not None:
             self.self_attn = MLAttention(
                 cfg.mla,
@@ -525,9 +534,13 @@ class DecoderLayer(nn.Module):
         paired with the norm after it, which the C kernels do in one pass. `ropes`: the full layers',
         the sliding layers' and (models with NoPE layers) the identity's tables. per_layer_input: this
         layer's [T, per_layer_input_size] (Gemma 4)."""
-        mixer = self.self_attn if self.linear_attn is None else self.linear_attn
-        assert mixer is not None
-        a = mixer(h, ropes[2] if not self.rotates else ropes[1] if self.sliding else ropes[0], kv_cache, meta)
+        rope = ropes[2] if not self.rotates else ropes[1] if self.sliding else ropes[0]
+        if self.linear_attn is not None:
+            assert isinstance(meta, StateMetadata)
+            a = self.linear_attn(h, rope, kv_cache, meta)
+        else:
+            assert self.self_attn is not None
+            a = self.self_attn(h, rope, kv_cache, meta)
         if self.residual_scale is not None:
             a = a * self.residual_scale
         if self.parallel:  # Cohere 2: x + attn(norm(x)) + mlp(norm(x)), in PyTorch ops (its LayerNorm)
@@ -598,7 +611,7 @@ class DecoderModel(nn.Module):
         if cfg.sliding_window and cfg.layer_types:
             self.attention = SlidingWindowBackend(backend, cfg.sliding_window)
             slidings = [t == SLIDING for t in cfg.layer_types]
-        linear = [t == LINEAR for t in cfg.layer_types or [FULL] * cfg.num_hidden_layers]
+        linear = [t in RECURRENT for t in cfg.layer_types or [FULL] * cfg.num_hidden_layers]
         if cfg.linear is not None:
             self.attention = StateBackend(self.attention)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)

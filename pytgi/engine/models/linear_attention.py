@@ -21,7 +21,7 @@ and only the chunks' states are sequential.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -61,6 +61,39 @@ class LinearAttnConfig:
     # value heads in tiled order (key head j % num_k_heads), as llama.cpp's converter writes Qwen3.5's;
     # else grouped (j // (num_v_heads / num_k_heads))
     tiled_v_heads: bool = False
+
+    def build(self, hidden: int, eps: float, fused: bool) -> GatedDeltaNet:
+        """The layer of this kind (a `RecurrentMixer`); fused: the C kernels run the model (CPU)."""
+        return GatedDeltaNet(self, hidden, eps, fused)
+
+
+@dataclass(frozen=True, slots=True)
+class StateSpec:
+    """One tensor of a recurrent layer's per-request state: its shape (without the slot axis) and dtype
+    (None: the model's). Every recurrent layer kind (`RecurrentMixer`) declares its own; the pool
+    (`PagedModel.allocate`) makes one [slots, *shape] tensor of each, and the state's slot is the same
+    row of each, which is all that preemption, abort and the prefix cache's checkpoints handle."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype | None = None
+
+
+class RecurrentMixer(Protocol):
+    """A layer kind that keeps a per-request state in the pool instead of keys and values (gated
+    DeltaNet here; Mamba's and short convolutions' alike): `forward(x, rope, state, meta)` reads and
+    writes `state` (its tensors in `state_specs()`'s order) at `meta.slots`."""
+
+    def state_specs(self) -> tuple[StateSpec, ...]: ...
+
+    def __call__(
+        self, x: torch.Tensor, rope: Rope, state: tuple[torch.Tensor, ...], meta: StateMetadata
+    ) -> torch.Tensor: ...
+
+
+class RecurrentConfig(Protocol):
+    """A recurrent layer kind's config (`DecoderConfig.linear`): builds the model's layers of that kind."""
+
+    def build(self, hidden: int, eps: float, fused: bool) -> RecurrentMixer: ...
 
 
 @dataclass(slots=True)
@@ -234,10 +267,14 @@ class GatedDeltaNet(nn.Module):
         loaded = loaded.reshape(loaded.shape[0], -1)
         param.data.copy_(torch.cat([loaded[s : s + n] for s, n in self.channels]))
 
-    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per request: the convolution's last inputs [channels, kernel − 1], the recurrent state."""
+    def state_specs(self) -> tuple[StateSpec, ...]:
+        """Per request: the convolution's last inputs [channels, kernel − 1] in the model's dtype, the
+        delta rule's state in float32."""
         cfg = self.cfg
-        return (self.conv1d.shape[0], cfg.conv_kernel - 1), (self.nv, cfg.k_head_dim, cfg.v_head_dim)
+        return (
+            StateSpec((self.conv1d.shape[0], cfg.conv_kernel - 1)),
+            StateSpec((self.nv, cfg.k_head_dim, cfg.v_head_dim), torch.float32),
+        )
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q | k | v) [T, channels], z [T, nv, dv], b, a [T, nv]."""
@@ -258,7 +295,7 @@ class GatedDeltaNet(nn.Module):
         return qkv, z.reshape(T, self.nv, dv), b, a
 
     def forward(
-        self, x: torch.Tensor, rope: Rope, state: tuple[torch.Tensor, torch.Tensor], meta: StateMetadata
+        self, x: torch.Tensor, rope: Rope, state: tuple[torch.Tensor, ...], meta: StateMetadata
     ) -> torch.Tensor:
         conv_states, rec_states = state
         qkv, z, b, a = self._project(x)
