@@ -216,27 +216,6 @@ def test_two_shards_equal_one(hybrid):
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not __import__("pytgi.engine.kernels").engine.kernels.available(), reason="no C kernels")
-def test_the_c_decode_step_equals_the_recurrence():
-    """delta.c's step, in place in a pool at scattered slots, equals `recurrent_step` on copies."""
-    from pytgi.engine import kernels
-
-    g = torch.Generator().manual_seed(0)
-    B, H, K, V = 5, 4, 32, 16
-    q, k = (l2norm(torch.randn(B, H, K, generator=g)) for _ in range(2))
-    v = torch.randn(B, H, V, generator=g)
-    decay, beta = -torch.rand(B, H, generator=g), torch.rand(B, H, generator=g)
-    pool = torch.randn(9, H, K, V, generator=g)
-    slots = torch.tensor([7, 0, 3, 8, 2])
-    ref_state = pool[slots].clone()
-    ref = recurrent_step(q, k, v, decay, beta, ref_state)
-    untouched = pool[[1, 4, 5, 6]].clone()
-    out = kernels.gdn_decode(q, k, v, decay, beta, pool, slots)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(pool[slots], ref_state, rtol=1e-5, atol=1e-5)
-    assert torch.equal(pool[[1, 4, 5, 6]], untouched)
-
-
 # -- GGUF files as llama.cpp's converter writes them (point 4) -----------------------------------------
 # Checked against files made by llama.cpp's own convert_hf_to_gguf.py from such models: a Qwen3-Next's
 # in_proj_qkvz is split into Qwen3.5's q|k|v and z, Qwen3.5's value heads are reordered from grouped

@@ -1,10 +1,17 @@
-"""The fused CPU element-wise kernels against the PyTorch ops they replace."""
+"""The fused CPU kernels (element-wise steps, gated DeltaNet's) against the PyTorch ops they replace."""
 
 import pytest
 import torch
 
 from pytgi.engine import kernels
 from pytgi.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from pytgi.engine.models.linear_attention import (
+    GatedDeltaNet,
+    LinearAttnConfig,
+    StateMetadata,
+    chunked_rule,
+    l2norm,
+)
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -132,3 +139,55 @@ def test_loading_the_kernels_leaves_the_process_float_mode_alone():
     code = "import sys; from pytgi.engine import kernels; assert kernels.available(); print(sys.float_info.min * 0.5 > 0)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "True"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_gated_deltanet_decodes(dtype, tiled):
+    """delta.c's whole decode (convolution, the rule's step in place in the pool at scattered slots, a
+    request starting here, the gated norm) equals the layer's PyTorch ops, outputs and states."""
+    g = torch.Generator().manual_seed(0)
+    cfg = LinearAttnConfig(2, 4, 16, 8, 4, fused_qkvz=False, tiled_v_heads=tiled)
+    layers = [GatedDeltaNet(cfg, 32, 1e-6, fused) for fused in (False, True)]
+    for p in layers[0].parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    layers[1].load_state_dict(layers[0].state_dict())
+    for layer in layers:
+        layer.to(dtype)
+    slots = torch.tensor([7, 0, 3, 8, 2])
+    B = len(slots)
+    pools = [(torch.randn(9, 96, 3, generator=g).to(dtype), torch.randn(9, 4, 16, 8, generator=g) * 0.3)]
+    pools.append(tuple(t.clone() for t in pools[0]))
+    fresh = [False, True, False, False, False]
+    meta = StateMetadata(
+        attn=None,  # type: ignore[arg-type]
+        slots=slots,
+        query_lens=[1] * B,
+        fresh=fresh,
+        decodes=torch.arange(B),
+        decode_rows=torch.arange(B),
+        reset=slots[torch.tensor(fresh)],
+        decode_fresh=torch.tensor(fresh, dtype=torch.int64),
+    )
+    x = torch.randn(B, 32, generator=g).to(dtype)
+    outs = [layer(x, None, pool, meta) for layer, pool in zip(layers, pools)]
+    torch.testing.assert_close(outs[1], outs[0], **TOL[dtype])
+    for ref, got in zip(*pools):
+        torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("length", [1, 5, 64, 150])
+def test_gated_deltanet_prompt_chunk(length):
+    """delta.c's chunked rule equals the PyTorch one (`chunked_rule`), chunk ends and a partial
+    chunk included, from a state that is not zero."""
+    g = torch.Generator().manual_seed(length)
+    H, K, V = 3, 16, 8
+    q, k = (l2norm(torch.randn(length, H, K, generator=g)) for _ in range(2))
+    v = torch.randn(length, H, V, generator=g)
+    decay = -torch.rand(length, H, generator=g) * 0.5
+    beta = torch.rand(length, H, generator=g)
+    s0 = torch.randn(H, K, V, generator=g)
+    ref, ref_state = chunked_rule(q, k, v, decay, beta, s0.clone(), chunk=16)
+    out, state = kernels.gdn_prefill(q, k, v, decay, beta, s0, 16)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)

@@ -140,28 +140,68 @@ def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gdn_decode(
+def gdn_decode_layer(
+    qkv: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+    conv_pool: torch.Tensor,
+    rec_pool: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    nk: int,
+    dk: int,
+    tiled: bool,
+    eps: float,
+) -> None:
+    """A gated DeltaNet layer's decodes after its projections (delta.c): qkv [T, C], z [T, nv, dv], b,
+    a [T, nv] in the model's dtype, the decodes' flat `rows`, state `slots` and `fresh` flags; the
+    convolution's pool [S, C, kernel − 1] (model dtype) and the rule's [S, nv, dk, dv] (float32) are
+    updated in place; `weights`: the convolution's [C, kernel], A_log, dt_bias, the norm's weight, all
+    float32. Writes the gated norm's output into out's rows [T, nv · dv]."""
+    qkv, z, b, a = (t.contiguous() for t in (qkv, z, b, a))
+    rows, slots, fresh = (t.to(torch.int64).contiguous() for t in (rows, slots, fresh))
+    assert conv_pool.is_contiguous() and rec_pool.is_contiguous() and out.is_contiguous()
+    assert rec_pool.dtype == torch.float32 and conv_pool.dtype == qkv.dtype == out.dtype
+    conv_w, A_log, dt_bias, norm_w = weights
+    C, Kc = conv_w.shape
+    _, nv, dk_, dv = rec_pool.shape
+    assert dk_ == dk and qkv.shape[1] == C
+    err = _fn("gdn_decode_layer", qkv.dtype)(
+        _ptr(qkv), _ptr(z), _ptr(b), _ptr(a), _ptr(rows), _ptr(slots), _ptr(fresh), _ptr(conv_pool),
+        _ptr(conv_w), _ptr(A_log), _ptr(dt_bias), _ptr(norm_w), _ptr(rec_pool), _ptr(out),
+        len(rows), C, Kc, nk, nv, dk, dv, int(tiled), eps,
+    )  # fmt: skip
+    if err:
+        raise MemoryError("gdn_decode_layer: out of memory")
+
+
+def gdn_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    pool: torch.Tensor,
-    slots: torch.Tensor,
-) -> torch.Tensor:
-    """The gated delta rule's step for B requests (delta.c): q, k [B, H, K], v [B, H, V], g, beta [B, H]
-    (float32); `pool` [S, H, K, V] float32, each request's state at `slots[b]`, updated in place.
-    Returns o [B, H, V]."""
+    state: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`linear_attention.chunked_rule` in C (delta.c): L tokens of one request, q, k [L, H, K], v [L, H, V],
+    g, beta [L, H] float32, from `state` [H, K, V]. Returns (o [L, H, V], the state after them)."""
     q, k, v, g, beta = (t.float().contiguous() for t in (q, k, v, g, beta))
-    slots = slots.to(torch.int64).contiguous()
-    assert pool.dtype == torch.float32 and pool.is_contiguous()
-    B, H, K = q.shape
+    state = state.float().contiguous().clone()
+    L, H, K = q.shape
     V = v.shape[-1]
-    out = torch.empty(B, H, V, dtype=torch.float32)
-    _built().pytgi_gdn_decode_f32(
-        _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(pool), _ptr(slots), _ptr(out), B, H, K, V
+    out = torch.empty(L, H, V, dtype=torch.float32)
+    _check(
+        _built().pytgi_gdn_prefill_f32(
+            _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), _ptr(state), _ptr(out), L, H, K, V, chunk
+        ),
+        "gdn_prefill",
     )
-    return out
+    return out, state
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from pytgi.core.paths import cache_dir
 SOURCES = [
     *["paged_attention.c", "fused.c", "qgemv.c", "bf16gemm.c", "decoder.c", "lora.c"],
     *["pack.c", "gguf.c", "moe.c"],  # load-time packing, GGUF blocks, mixture-of-experts layers
-    "delta.c",  # linear attention's decode step
+    "delta.c",  # linear attention's decodes
     "encoder.c",  # the encoders: bidirectional attention, bias + GELU, bias + residual + LayerNorm
 ]
 HEADERS = sorted(p.name for p in Path(__file__).parent.glob("*.h"))  # part of the cache key (each of them)

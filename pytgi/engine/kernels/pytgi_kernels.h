@@ -76,9 +76,13 @@ int pytgi_decoder_layers_bf16(const int64_t *layers, int64_t n_layers, uint16_t 
 int pytgi_lora_add_f32(float *y, const float *x, int64_t T, int64_t K, int64_t N, const int64_t *slots, const int64_t *a_ptrs, const int64_t *bt_ptrs, const int64_t *ranks, const int64_t *col_ptrs);
 int pytgi_lora_add_bf16(uint16_t *y, const uint16_t *x, int64_t T, int64_t K, int64_t N, const int64_t *slots, const int64_t *a_ptrs, const int64_t *bt_ptrs, const int64_t *ranks, const int64_t *col_ptrs);
 
-/* delta.c: the gated delta rule's decode step (linear attention): q, k [B, H, K], v [B, H, V], g (log decay)
- * and beta [B, H], float32; pool [slots, H, K, V] updated in place at slots[b]; out [B, H, V]. */
-void pytgi_gdn_decode_f32(const float *q, const float *k, const float *v, const float *g, const float *beta, float *pool, const int64_t *slots, float *out, int64_t B, int64_t H, int64_t K, int64_t V);
+/* delta.c: a gated DeltaNet layer's decodes from its projections' rows (qkv [T, C], z [T, nv·dv], b and a [T, nv]):
+ * convolution, the rule's step and the gated norm, into out's rows; states in place in the pools */
+int pytgi_gdn_decode_layer_f32(const float *qkv, const float *z, const float *bq, const float *aq, const int64_t *rows, const int64_t *slots, const int64_t *fresh, float *conv_pool, const float *conv_w, const float *A_log, const float *dt_bias, const float *norm_w, float *rec_pool, float *out, int64_t B, int64_t C, int64_t Kc, int64_t nk, int64_t nv, int64_t dk, int64_t dv, int64_t tiled, float eps);
+/* one prompt chunk through the rule: q, k [L, H, K], v [L, H, V], g, beta [L, H] float32, state [H, K, V] in
+ * place, out [L, H, V], in chunks of C tokens */
+int pytgi_gdn_prefill_f32(const float *q, const float *k, const float *v, const float *g, const float *beta, float *state, float *out, int64_t L, int64_t H, int64_t K, int64_t V, int64_t C);
+int pytgi_gdn_decode_layer_bf16(const uint16_t *qkv, const uint16_t *z, const uint16_t *bq, const uint16_t *aq, const int64_t *rows, const int64_t *slots, const int64_t *fresh, uint16_t *conv_pool, const float *conv_w, const float *A_log, const float *dt_bias, const float *norm_w, float *rec_pool, uint16_t *out, int64_t B, int64_t C, int64_t Kc, int64_t nk, int64_t nv, int64_t dk, int64_t dv, int64_t tiled, float eps);
 
 /* encoder.c: one prompt's bidirectional attention (the encoders), on the calling thread:
  * qkv [L, 3, H, D] (the fused projection's output) → out [L, H, D]. Built for AVX-512 (bf16: AVX-512 BF16)

@@ -108,6 +108,7 @@ class StateMetadata:
     decodes: torch.Tensor  # the requests computing one token (the recurrent step, all at once)
     decode_rows: torch.Tensor  # their flat rows
     reset: torch.Tensor | None  # the slots of the decodes that start here (a one-token prompt): zeroed first
+    decode_fresh: torch.Tensor  # [decodes] int64: 1 where the decode starts here (the C kernel's `reset`)
 
 
 class StateBackend:
@@ -136,6 +137,7 @@ class StateBackend:
             decodes=to(dec),
             decode_rows=to(starts[dec]),
             reset=to(slots[dec[fresh[dec]]]) if fresh[dec].any() else None,
+            decode_fresh=to(fresh[dec]),
         )
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
@@ -222,7 +224,8 @@ class GatedDeltaNet(nn.Module):
     num_v_heads / num_k_heads value heads)."""
 
     def __init__(self, cfg: LinearAttnConfig, hidden: int, eps: float, fused: bool = False) -> None:
-        """fused: decodes step the rule in the C kernel, in place in the pool (`kernels.gdn_decode`)."""
+        """fused: the C kernels run the decodes after the projections (`kernels.gdn_decode_layer`) and
+        the prompt chunks' rule (`kernels.gdn_prefill`)."""
         super().__init__()
         self.fused = fused
         nk, nv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.k_head_dim, cfg.v_head_dim
@@ -261,6 +264,7 @@ class GatedDeltaNet(nn.Module):
             _set_loader(p, lambda p, t, _=0: p.data.copy_(t[v0 : v0 + len(p)]))
         self.norm = GatedRMSNorm(dv, eps)
         self.out_proj = RowParallelLinear((v0 * dv, self.nv * dv), hidden)
+        self._f32: tuple[torch.Tensor, ...] | None = None  # `_kernel_weights`
 
     def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         """This rank's channels of a [q | k | v] tensor (the convolution's [C, 1, K] or [C, K])."""
@@ -299,24 +303,32 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         conv_states, rec_states = state
         qkv, z, b, a = self._project(x)
+        T, dv = x.shape[0], self.cfg.v_head_dim
+        out = torch.empty(T, self.nv * dv, dtype=x.dtype, device=x.device)
+        fused = self.fused and len(meta.decodes) > 0
+        if fused:  # the decodes' whole layer after the projections in one call (delta.c)
+            kernels.gdn_decode_layer(
+                qkv, z, b, a, meta.decode_rows, meta.slots[meta.decodes], meta.decode_fresh,
+                conv_states, rec_states, self._kernel_weights(), out, self.nk, self.cfg.k_head_dim,
+                self.cfg.tiled_v_heads, self.norm.eps,
+            )  # fmt: skip
+            if len(meta.decodes) == len(meta.query_lens):
+                return self.out_proj(out)
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         mixed = torch.empty_like(qkv)
-        o = torch.empty(x.shape[0], self.nv, self.cfg.v_head_dim, dtype=torch.float32, device=x.device)
-        if meta.reset is not None:
-            conv_states[meta.reset], rec_states[meta.reset] = 0, 0
-        if len(meta.decodes):
+        o = torch.empty(T, self.nv, dv, dtype=torch.float32, device=x.device)
+        if len(meta.decodes) and not fused:
+            if meta.reset is not None:
+                conv_states[meta.reset], rec_states[meta.reset] = 0, 0
             rows, slots = meta.decode_rows, meta.slots[meta.decodes]
             window = torch.cat([conv_states[slots], qkv[rows].unsqueeze(-1)], dim=-1)  # [B, C, kernel]
             conv_states[slots] = window[..., 1:]
             mixed[rows] = F.silu((window.float() * self.conv1d.float()).sum(-1)).to(qkv.dtype)
             q, k, v = self._heads(mixed[rows])
-            if self.fused:
-                o[rows] = kernels.gdn_decode(q, k, v, g[rows], beta[rows], rec_states, slots)
-            else:
-                s = rec_states[slots]
-                o[rows] = recurrent_step(q, k, v, g[rows], beta[rows], s)
-                rec_states[slots] = s
+            s = rec_states[slots]
+            o[rows] = recurrent_step(q, k, v, g[rows], beta[rows], s)
+            rec_states[slots] = s
         start = 0
         for i, (n, fresh) in enumerate(zip(meta.query_lens, meta.fresh)):
             if n > 1:
@@ -331,10 +343,22 @@ class GatedDeltaNet(nn.Module):
                 mixed[rows_i] = F.silu(y[0].T).to(qkv.dtype)
                 q, k, v = self._heads(mixed[rows_i])
                 init = torch.zeros_like(rec_states[slot]) if fresh else rec_states[slot]
-                o[rows_i], rec_states[slot] = chunked_rule(q, k, v, g[rows_i], beta[rows_i], init)
+                rule = kernels.gdn_prefill if self.fused else chunked_rule
+                o[rows_i], rec_states[slot] = rule(q, k, v, g[rows_i], beta[rows_i], init, CHUNK)
+                if fused:
+                    out[rows_i] = self.norm(o[rows_i].to(x.dtype), z[rows_i]).reshape(n, -1)
             start += n
-        out = self.norm(o.to(x.dtype), z)
-        return self.out_proj(out.reshape(x.shape[0], -1))
+        if not fused:
+            out = self.norm(o.to(x.dtype), z).reshape(T, -1)
+        return self.out_proj(out)
+
+    def _kernel_weights(self) -> tuple[torch.Tensor, ...]:
+        """The convolution's weights, A_log, dt_bias and the norm's weight in float32, as the C kernel
+        reads them (made once: the weights do not change once loaded)."""
+        if self._f32 is None:
+            weights = (self.conv1d, self.A_log, self.dt_bias, self.norm.weight)
+            self._f32 = tuple(t.detach().float().contiguous() for t in weights)
+        return self._f32
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k [T, nv, dk] (L2-normalized, q scaled, each key head repeated for its value heads) and
