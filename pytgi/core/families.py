@@ -354,6 +354,35 @@ FAMILIES: tuple[Family, ...] = (
         note="the language model only: the vision and audio towers are not read",
     ),
     Family(
+        name="Gemma 3n",
+        module="gemma3n",
+        config="gemma3n_config",
+        generators=("Gemma3nForCausalLM",),
+        attention=_WINDOWED,
+        lora=False,
+        speculation=False,
+        tensor_parallel=False,
+        cuda_graphs=False,
+        kv_dtypes=NO_FP8,
+        note=(
+            "Gemma 4's attention and per-layer inputs; AltUp's four residual streams, LAuReL and the "
+            "first MLPs' activation sparsity in PyTorch ops; the multimodal checkpoints as text"
+        ),
+    ),
+    Family(
+        name="Gemma 3n (multimodal checkpoints, as text)",
+        module="gemma3n",
+        config="gemma3n_vlm_config",
+        generators=("Gemma3nForConditionalGeneration",),
+        attention=_WINDOWED,
+        lora=False,
+        speculation=False,
+        tensor_parallel=False,
+        cuda_graphs=False,
+        kv_dtypes=NO_FP8,
+        note="the language model only: the vision and audio towers are not read",
+    ),
+    Family(
         name="gpt-oss",
         module="gpt_oss",
         config="gpt_oss_config",

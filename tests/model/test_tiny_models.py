@@ -486,6 +486,26 @@ CONFIGS: dict[str, tuple[Any, dict[str, Any]]] = {
             rotary_pct=0.5,
         ),
     ),
+    # Gemma 3n: AltUp's four streams, LAuReL of rank 4, the first two MLPs sparse, MLPs of their own
+    # widths, sliding layers (window 8) and full ones with their own RoPE base, per-layer inputs, the
+    # last two layers reading layers 3's and 2's KV cache; AltUp's and LAuReL's weights random (the fixture)
+    "gemma3n": (
+        transformers.Gemma3nTextConfig,
+        dict(
+            BASE,
+            num_hidden_layers=6,
+            head_dim=16,
+            intermediate_size=[96, 80, 96, 64, 96, 80],
+            hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=97,
+            laurel_rank=4,
+            sliding_window=8,
+            num_kv_shared_layers=2,
+            activation_sparsity_pattern=[0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+            final_logit_softcapping=30.0,
+        ),
+    ),
     "llama-via-transformers": (transformers.LlamaConfig, dict(BASE, rope_theta=10000.0)),
     "gemma3-sliding-via-transformers": (
         transformers.Gemma3TextConfig,
@@ -520,6 +540,7 @@ ARCH = {
     transformers.GraniteConfig: transformers.GraniteForCausalLM,
     transformers.Gemma4TextConfig: transformers.Gemma4ForCausalLM,
     transformers.Gemma4Config: transformers.Gemma4ForConditionalGeneration,
+    transformers.Gemma3nTextConfig: transformers.Gemma3nForCausalLM,
     transformers.GPTNeoXConfig: transformers.GPTNeoXForCausalLM,
     transformers.SmolLM3Config: transformers.SmolLM3ForCausalLM,
     transformers.Cohere2Config: transformers.Cohere2ForCausalLM,
@@ -545,6 +566,8 @@ def models(request, tmp_path_factory):
         for name, p in hf.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if ".altup." in name or ".laurel." in name:  # Gemma 3n's (zeros at init, some of them)
+                p.add_(torch.randn_like(p) * 0.2)
         for name, b in hf.named_buffers():  # Gemma 4's per-layer output scales (ones at init)
             if name.endswith("layer_scalar"):
                 b.uniform_(0.5, 1.5)

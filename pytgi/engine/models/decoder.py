@@ -44,6 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pytgi.engine.distributed import all_reduce, check_heads, tp_size
+from pytgi.engine.models import altup
+from pytgi.engine.models.altup import AltUpConfig
 from pytgi.engine.models.attention import (
     LayerCache,
     LayerMetadata,
@@ -213,13 +215,20 @@ class DecoderConfig:
     per_layer_input_size: int = 0
     per_layer_vocab_size: int = 0
     layer_scalar: bool = False
+    # Gemma 3n: its layers on the active one of several residual streams (AltUp), a low-rank residual
+    # (LAuReL) and activation sparsity in the first MLPs (`pytgi.engine.models.altup`)
+    altup: AltUpConfig | None = None
 
     @property
     def uniform_layers(self) -> bool:
         """Every layer has the model's heads and none of Gemma 4's per-layer features (what the C
         all-layers loop takes)."""
         return not (
-            self.layer_attention is not None or self.v_norm or self.per_layer_input_size or self.layer_scalar
+            self.layer_attention is not None
+            or self.v_norm
+            or self.per_layer_input_size
+            or self.layer_scalar
+            or self.altup is not None
         )
 
     # multi-head latent attention (DeepSeek V2/V3, `pytgi.engine.models.mla`): then one kv head of
@@ -636,6 +645,8 @@ class DecoderModel(nn.Module):
             self.embed_tokens_per_layer = VocabParallelEmbedding(cfg.per_layer_vocab_size, width)
             self.per_layer_model_projection = ColumnParallelLinear(cfg.hidden_size, [(0, width)])
             self.per_layer_projection_norm = _norm(cfg, cfg.per_layer_input_size)
+        if cfg.altup is not None:
+            altup.add_modules(self, cfg.altup)
         self.norm = _norm(cfg, cfg.hidden_size)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         self.score_weight = (  # a sequence classifier's (`PoolHead`): its last token's labels
@@ -713,6 +724,9 @@ class DecoderModel(nn.Module):
         # With sandwich norms the final norm runs on its own, as the C loop's caller runs it.
         final = None if cfg.sandwich_norms else self.norm
         per_layer = self.per_layer_inputs(input_ids, x)
+        if cfg.altup is not None:  # Gemma 3n
+            assert per_layer is not None
+            return altup.forward(self, x, ropes, kv_caches, meta, per_layer)
         next_norms: list[Any] = [None] * (len(self.layers) - 1) + [final]
         if cfg.layer_norm:  # (PyTorch's ops: the fused kernels' norms are RMSNorms)
             first_norm: RMSNorm = self.layers[0].input_layernorm  # type: ignore[assignment]
