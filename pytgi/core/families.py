@@ -358,6 +358,23 @@ FAMILIES: tuple[Family, ...] = (
         module="gemma3n",
         config="gemma3n_config",
         generators=("Gemma3nForCausalLM",),
+        gguf=(
+            GgufName(
+                "gemma3n",
+                "Gemma3nForCausalLM",
+                "gemma3n_text",
+                # the per-layer keys (MLP widths, the sliding pattern, the sparsity) are read by
+                # gguf_convert's `_gemma3n`
+                keys=(
+                    ("attention.sliding_window", "sliding_window"),
+                    ("attention.shared_kv_layers", "num_kv_shared_layers"),
+                    ("embedding_length_per_layer_input", "hidden_size_per_layer_input"),
+                    ("final_logit_softcapping", "final_logit_softcapping"),
+                    ("altup.num_inputs", "altup_num_inputs"),
+                    ("altup.active_idx", "altup_active_idx"),
+                ),
+            ),
+        ),
         attention=_WINDOWED,
         lora=False,
         speculation=False,

@@ -11,6 +11,7 @@ tools that want one (transformers, as the fidelity tests do).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -116,6 +117,26 @@ GEMMA4_TENSORS = {
     "per_layer_model_proj": "model.per_layer_model_projection",
     "per_layer_proj_norm": "model.per_layer_projection_norm",
     "rope_freqs": "model.rotary_emb.rope_freqs",
+}
+# Gemma 3n: its model's AltUp projections (the three streams' [H, H] stacked: `altup_projections.weight`
+# [3, H, H], split at load) and each layer's AltUp coefficients, router, LAuReL (the converter names
+# the bare `correct_output_scale` parameter `altup_correct_scale.weight`)
+GEMMA3N_TENSORS = {
+    **GEMMA4_TENSORS,
+    "altup_proj": "model.altup_projections",
+    "altup_unembd_proj": "model.altup_unembed_projections",
+}
+GEMMA3N_LAYER_TENSORS = {
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+    "altup_correct_coef": "altup.correction_coefs",
+    "altup_predict_coef": "altup.prediction_coefs",
+    "altup_router": "altup.modality_router",
+    "altup_router_norm": "altup.router_norm",
+    "laurel_l": "laurel.linear_left",
+    "laurel_r": "laurel.linear_right",
+    "laurel_post_norm": "laurel.post_laurel_norm",
 }
 # DeepSeek V2 / V3 (`deepseek2`) and Mistral 4 (`mistral4`): multi-head latent attention's projections;
 # kv_b_proj split per head into W_UK transposed (attn_k_b, [H, latent, nope]) and W_UV (attn_v_b,
@@ -504,6 +525,37 @@ def _gemma4(reader: Reader, arch: str, config: dict[str, Any], names: set[str]) 
         raise GGUFConversionError("Gemma 4: MLP widths per layer other than the double-wide shared layers'")
 
 
+def _gemma3n(reader: Reader, arch: str, config: dict[str, Any]) -> None:
+    """Gemma 3n's config.json keys from what llama.cpp's converter writes: per-layer MLP widths, the
+    sliding pattern, both RoPE bases, LAuReL's rank (its tensors'), and the activation sparsity as the
+    converter stores it, the normal quantile of each layer's target (−inf: none), read back to the target."""
+    pattern = _required(reader, f"{arch}.attention.sliding_window_pattern")
+    ff = _required(reader, f"{arch}.feed_forward_length")
+    layers = config["num_hidden_layers"]
+    scales = _field(reader, f"{arch}.activation_sparsity_scale") or [-math.inf] * layers
+    per_layer_table = next((t for t in reader.tensors if t.name == "per_layer_token_embd.weight"), None)
+    laurel = next((t for t in reader.tensors if t.name == "blk.0.laurel_l.weight"), None)
+    config.update(
+        hidden_act="gelu_pytorch_tanh",
+        hidden_activation="gelu_pytorch_tanh",
+        laurel_rank=int(laurel.shape[-1]) if laurel is not None else 64,
+        layer_types=["sliding_attention" if s else "full_attention" for s in pattern],
+        intermediate_size=[int(f) for f in ff] if isinstance(ff, list) else [int(ff)] * layers,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": config["rope_theta"]},
+            "sliding_attention": {
+                "rope_type": "default",
+                "rope_theta": float(_field(reader, f"{arch}.rope.freq_base_swa", 10000.0)),
+            },
+        },
+        activation_sparsity_pattern=[
+            0.0 if not math.isfinite(x) else 0.5 * (1.0 + math.erf(x / math.sqrt(2.0))) for x in scales
+        ],
+        vocab_size_per_layer_input=int(per_layer_table.shape[-1]) if per_layer_table is not None else 0,
+        tie_word_embeddings=True,
+    )
+
+
 def gguf_config(reader: Reader) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
     experts = _field(reader, f"{arch}.expert_count")
@@ -564,6 +616,8 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
         )
     if model_type == "gemma4_text":
         _gemma4(reader, str(arch), config, names)
+    if model_type == "gemma3n_text":
+        _gemma3n(reader, str(arch), config)
     if model_type == "qwen2":
         config["attention_bias"] = True
     if model_type == "mixtral":
@@ -951,6 +1005,11 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{kind}"
     parts = stem.split(".")
+    if model_type == "gemma3n_text":
+        if stem in GEMMA3N_TENSORS:
+            return f"{GEMMA3N_TENSORS[stem]}.{kind}"
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] == "altup_correct_scale":
+            return f"model.layers.{parts[1]}.altup.correct_output_scale"  # a bare parameter
     if model_type == "gemma4_text":
         if stem in GEMMA4_TENSORS:
             return f"{GEMMA4_TENSORS[stem]}.{kind}"
@@ -963,6 +1022,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     layer = (
         {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS, **GEMMA4_LAYER_TENSORS}
         if model_type == "gemma4_text"
+        else {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS, **GEMMA3N_LAYER_TENSORS}
+        if model_type == "gemma3n_text"
         else {**LAYER_TENSORS, **GEMMA_LAYER_TENSORS}
         if model_type.startswith("gemma")
         else {**LAYER_TENSORS, **PHI3_LAYER_TENSORS}

@@ -1,5 +1,5 @@
 """GGUF files of the families beyond Llama/Qwen/Gemma (Mixtral, Qwen2-MoE, Qwen3-MoE, Phi-3, Granite,
-gpt-oss, GLM-4.5 MoE, MiniMax-M2, DeepSeek V2/V3, the dense families of issue 63, Gemma 4): a tiny
+gpt-oss, GLM-4.5 MoE, MiniMax-M2, DeepSeek V2/V3, the dense families of issue 63, Gemma 3n and 4): a tiny
 random transformers model is written out as llama.cpp's converter writes it (tensor names, q/k row
 interleaving, experts stacked per kind, Phi-3's fused tensors, the metadata keys, GLM-4.5's MTP block
 after its layers), pytgi converts and serves the file, and its logits equal transformers' on the
@@ -28,6 +28,10 @@ transformers' logits:
   transformers stacks them, the router as `ffn_gate_inp.weight` and its scale `ffn_gate_inp.scale`,
   the per-expert scale as `ffn_down_exps.scale`, the norms `pre_ffw_norm_2`, `post_ffw_norm_1`,
   `post_ffw_norm_2`, and `expert_count` / `expert_used_count` / `expert_feed_forward_length`;
+- Gemma 3n (test_tiny_models' "gemma3n" at SmolLM2's vocabulary and tokenizer, checked the same way on
+  2026-12-07): `altup_proj` and `altup_unembd_proj` stacked [3, H, H], the layers' `altup_*` and
+  `laurel_*` tensors, `altup_correct_scale.weight`, no k/v in the shared layers, the norms as they are,
+  `feed_forward_length` per layer, `activation_sparsity_scale` as normal quantiles (−inf for none);
 - Mistral 4 ("mistral4", from a `Mistral3ForConditionalGeneration` config.json whose `text_config` is
   `MISTRAL4`'s, the weights under `model.language_model.`): the same `mistral4.*` keys and values and
   the same tensors, byte for byte, as `write_gguf` writes (no beta, no gating function, gate|up whole)."""
@@ -647,6 +651,94 @@ def write_gemma4_gguf(hf, path: Path, quant=None) -> Path:
     return path
 
 
+# Gemma 3n as `Gemma3NModel` writes it: its model's AltUp projections stacked [3, H, H], each layer's
+# AltUp and LAuReL tensors (the bare `correct_output_scale` as `altup_correct_scale.weight`)
+GEMMA3N = {
+    **GEMMA4,
+    "model.altup_projections": "altup_proj.weight",
+    "model.altup_unembed_projections": "altup_unembd_proj.weight",
+}
+GEMMA3N_LAYER = {
+    **GEMMA4_LAYER,
+    "altup.correct_output_scale": "altup_correct_scale",
+    "altup.correction_coefs": "altup_correct_coef",
+    "altup.prediction_coefs": "altup_predict_coef",
+    "altup.modality_router": "altup_router",
+    "altup.router_norm": "altup_router_norm",
+    "laurel.linear_left": "laurel_l",
+    "laurel.linear_right": "laurel_r",
+    "laurel.post_laurel_norm": "laurel_post_norm",
+}
+
+
+def write_gemma3n_gguf(hf, path: Path, quant=None) -> Path:
+    """A Gemma 3n file as llama.cpp's converter (`Gemma3NModel`) writes it: per-layer MLP widths, the
+    sliding pattern, both RoPE bases, the activation sparsity as normal quantiles (−inf: none), no
+    k/v tensors in the layers that read another's cache, the norms as they are (no 1 + w)."""
+    import gguf
+
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), "gemma3n")
+
+    def add(name: str, a: np.ndarray) -> None:
+        qtype = quant(name, a) if quant else None
+        if qtype is None:
+            w.add_tensor(name, np.ascontiguousarray(a))
+        else:
+            t = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(a, np.float32), t), raw_dtype=t)
+
+    normal = torch.distributions.normal.Normal(0, 1)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(list(cfg.intermediate_size))
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_altup_active_idx(cfg.altup_active_idx)
+    w.add_altup_num_inputs(cfg.altup_num_inputs)
+    w.add_embedding_length_per_layer_input(cfg.hidden_size_per_layer_input)
+    w.add_shared_kv_layers(cfg.num_kv_shared_layers)
+    w.add_activation_sparsity_scale(
+        [normal.icdf(torch.tensor(p, dtype=torch.float32)).item() for p in cfg.activation_sparsity_pattern]
+    )
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    byte_vocabulary(w, cfg.vocab_size)
+    stacked: dict[str, list[np.ndarray]] = {}
+    for name, t in hf.state_dict().items():
+        a = t.detach().float().numpy()
+        if name == "model.embed_tokens.weight":
+            add("token_embd.weight", a)
+        elif name == "model.norm.weight":
+            add("output_norm.weight", a)
+        elif name in GEMMA3N:
+            add(GEMMA3N[name], a)
+        elif name.startswith(("model.altup_projections.", "model.altup_unembed_projections.")):
+            stem = name.rsplit(".", 2)[0]
+            stacked.setdefault(stem, []).append(a)
+            if len(stacked[stem]) == cfg.altup_num_inputs - 1:
+                add(GEMMA3N[stem], np.stack(stacked[stem]))
+        elif name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            if rest == "altup.correct_output_scale":
+                add(f"blk.{i}.altup_correct_scale.weight", a)
+                continue
+            stem, _, kind = rest.rpartition(".")
+            add(f"blk.{i}.{GEMMA3N_LAYER.get(stem) or LAYER[stem]}.{kind}", a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def tiny_model(spec: tuple) -> tuple[str, dict, torch.nn.Module]:
     """A family's (GGUF arch, config kwargs, random float32 transformers model), seeded."""
     arch, cfg_cls, model_cls, kw = spec
@@ -827,6 +919,43 @@ def test_gemma4_gguf_serves_transformers_logits(tmp_path, monkeypatch, dtype, ti
     if dtype == "float32":
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     else:  # this tiny model is sensitive: transformers' own bf16 is 0.11 from its float32
+        with torch.no_grad():
+            bf16 = hf.to(torch.bfloat16)(torch.tensor([seq])).logits[0].float()
+        assert float((got - want).abs().max()) < 4 * float((bf16 - want).abs().max())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_gemma3n_gguf_serves_transformers_logits(tmp_path, monkeypatch, dtype):
+    """test_tiny_models' Gemma 3n from its file as llama.cpp writes it: float32 equals transformers; the
+    fast path (bf16, the Q8_0 matrices read from their blocks) within a few times transformers' own
+    bf16 error."""
+    from tests.model.test_tiny_models import reference
+
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    cfg_cls, kw = TINY["gemma3n"]
+    torch.manual_seed(0)
+    kw = {**kw, "vocab_size": 128, "vocab_size_per_layer_input": 128}
+    hf = transformers.Gemma3nForCausalLM(cfg_cls(**kw)).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            if ".altup." in name or ".laurel." in name:
+                p.add_(torch.randn_like(p) * 0.2)
+
+    def q8(name: str, a: np.ndarray) -> str | None:  # the layers' matrices as Q8_0
+        mat = a.ndim == 2 and a.shape[-1] % 32 == 0 and "blk." in name and "altup" not in name
+        return "Q8_0" if dtype == "auto" and mat else None
+
+    path = write_gemma3n_gguf(hf, tmp_path / "gemma3n.gguf", q8)
+    model_dir = resolve_model(str(path), progress=False).path
+    runner = ModelRunner(EngineConfig(model=str(model_dir), dtype=dtype, device="cpu"))
+    assert isinstance(runner.model, DecoderModel) and runner.model.config.altup is not None
+    seq = np.random.default_rng(1).integers(0, 97, 23).tolist()  # past the 8-token window
+    got, want = prompt_logits(runner, seq), reference(hf, seq)
+    if dtype == "float32":
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    else:
         with torch.no_grad():
             bf16 = hf.to(torch.bfloat16)(torch.tensor([seq])).logits[0].float()
         assert float((got - want).abs().max()) < 4 * float((bf16 - want).abs().max())

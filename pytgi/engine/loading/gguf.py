@@ -329,8 +329,8 @@ class GGUFWeights:
         model_type = config["model_type"]
         gguf_name = gguf_of_model_type(model_type)
         self._permute = gguf_name is not None and gguf_name.permuted_qk  # llama.cpp interleaved q/k rows
-        # Gemma 2 and 3's norms are stored as 1 + w (Gemma 4's as they are)
-        self._gemma = model_type.startswith("gemma") and model_type != "gemma4_text"
+        # Gemma 2 and 3's norms are stored as 1 + w (Gemma 3n's and 4's as they are)
+        self._gemma = model_type.startswith("gemma") and model_type not in ("gemma3n_text", "gemma4_text")
         self._hybrid = model_type in HYBRID_TYPES
 
     def names(self) -> list[str]:

@@ -871,6 +871,13 @@ class DecoderModel(nn.Module):
                 name = name.replace(".self_attn.k_norm.", ".self_attn.k_norm_all.")
             if "rotary_emb" in name:
                 continue
+            if name in ("altup_projections.weight", "altup_unembed_projections.weight"):  # a GGUF file's
+                assert isinstance(tensor, torch.Tensor), name  # streams' projections, stacked
+                for i, part in enumerate(tensor):
+                    each = f"{name.removesuffix('.weight')}.{i}.weight"
+                    params[each].data.copy_(part)
+                    loaded.add(each)
+                continue
             if name == "score.weight" and self.score_weight is not None:
                 name = "score_weight"
             if ".mlp.experts." in name or ".moe.experts." in name:  # a mixture of experts' stacked weights

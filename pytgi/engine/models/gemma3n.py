@@ -5,7 +5,8 @@ layer's MLP width its own, around the layers what `pytgi.engine.models.altup` ad
 streams, LAuReL and the first layers' activation sparsity. The norms scale by `weight` in float32.
 
 The multimodal checkpoints (`Gemma3nForConditionalGeneration`, the published E2B and E4B) are served
-as text: the language model, the vision and audio towers not read. Refused at load, by name: RoPE
+as text: the language model, the vision and audio towers not read. GGUF files (`gemma3n`, as llama.cpp's
+converter writes them) are read by `pytgi.core.gguf_convert._gemma3n`. Refused at load, by name: RoPE
 types other than default, an active stream other than the first, and `--num-shard` above 1.
 """
 
