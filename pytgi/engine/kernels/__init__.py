@@ -204,6 +204,44 @@ def gdn_prefill(
     return out, state
 
 
+def gdn_prefill_layer(
+    qkv: torch.Tensor,
+    z: torch.Tensor,
+    b: torch.Tensor,
+    a: torch.Tensor,
+    slot: int,
+    fresh: bool,
+    conv_pool: torch.Tensor,
+    rec_pool: torch.Tensor,
+    weights: tuple[torch.Tensor, ...],
+    out: torch.Tensor,
+    nk: int,
+    dk: int,
+    tiled: bool,
+    eps: float,
+    chunk: int,
+) -> None:
+    """One request's prompt chunk through a gated DeltaNet layer after its projections (delta.c): its
+    rows of qkv [n, C], z [n, nv, dv], b, a [n, nv] (model dtype), its state `slot` (`fresh`: from zero);
+    the pools as `gdn_decode_layer`'s; writes the gated norm's output into `out` [n, nv · dv] (a
+    contiguous view)."""
+    qkv, z, b, a = (t.contiguous() for t in (qkv, z, b, a))
+    assert conv_pool.is_contiguous() and rec_pool.is_contiguous() and out.is_contiguous()
+    assert rec_pool.dtype == torch.float32 and conv_pool.dtype == qkv.dtype == out.dtype
+    conv_w, A_log, dt_bias, norm_w = weights
+    C, Kc = conv_w.shape
+    _, nv, dk_, dv = rec_pool.shape
+    assert dk_ == dk and qkv.shape[1] == C
+    _check(
+        _fn("gdn_prefill_layer", qkv.dtype)(
+            _ptr(qkv), _ptr(z), _ptr(b), _ptr(a), len(qkv), slot, int(fresh), _ptr(conv_pool), _ptr(conv_w),
+            _ptr(A_log), _ptr(dt_bias), _ptr(norm_w), _ptr(rec_pool), _ptr(out),
+            C, Kc, nk, nv, dk, dv, int(tiled), eps, chunk,
+        ),
+        "gdn_prefill_layer",
+    )  # fmt: skip
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up from the fused [T, 2 I] gate/up output."""
     return _gated("silu_mul", gate_up)

@@ -82,6 +82,10 @@ int pytgi_gdn_decode_layer_f32(const float *qkv, const float *z, const float *bq
 /* one prompt chunk through the rule: q, k [L, H, K], v [L, H, V], g, beta [L, H] float32, state [H, K, V] in
  * place, out [L, H, V], in chunks of C tokens */
 int pytgi_gdn_prefill_f32(const float *q, const float *k, const float *v, const float *g, const float *beta, float *state, float *out, int64_t L, int64_t H, int64_t K, int64_t V, int64_t C);
+/* one request's prompt chunk through a whole gated DeltaNet layer after its projections: qkv [n, C], z, b, a
+ * its rows, its state slot (fresh: from zero); the gated norm's output into out [n, nv·dv] */
+int pytgi_gdn_prefill_layer_f32(const float *qkv, const float *z, const float *bq, const float *aq, int64_t n, int64_t slot, int64_t fresh, float *conv_pool, const float *conv_w, const float *A_log, const float *dt_bias, const float *norm_w, float *rec_pool, float *out, int64_t C, int64_t Kc, int64_t nk, int64_t nv, int64_t dk, int64_t dv, int64_t tiled, float eps, int64_t chunk);
+int pytgi_gdn_prefill_layer_bf16(const uint16_t *qkv, const uint16_t *z, const uint16_t *bq, const uint16_t *aq, int64_t n, int64_t slot, int64_t fresh, uint16_t *conv_pool, const float *conv_w, const float *A_log, const float *dt_bias, const float *norm_w, float *rec_pool, uint16_t *out, int64_t C, int64_t Kc, int64_t nk, int64_t nv, int64_t dk, int64_t dv, int64_t tiled, float eps, int64_t chunk);
 int pytgi_gdn_decode_layer_bf16(const uint16_t *qkv, const uint16_t *z, const uint16_t *bq, const uint16_t *aq, const int64_t *rows, const int64_t *slots, const int64_t *fresh, uint16_t *conv_pool, const float *conv_w, const float *A_log, const float *dt_bias, const float *norm_w, float *rec_pool, uint16_t *out, int64_t B, int64_t C, int64_t Kc, int64_t nk, int64_t nv, int64_t dk, int64_t dv, int64_t tiled, float eps);
 
 /* encoder.c: one prompt's bidirectional attention (the encoders), on the calling thread:

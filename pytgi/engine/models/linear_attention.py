@@ -224,8 +224,8 @@ class GatedDeltaNet(nn.Module):
     num_v_heads / num_k_heads value heads)."""
 
     def __init__(self, cfg: LinearAttnConfig, hidden: int, eps: float, fused: bool = False) -> None:
-        """fused: the C kernels run the decodes after the projections (`kernels.gdn_decode_layer`) and
-        the prompt chunks' rule (`kernels.gdn_prefill`)."""
+        """fused: the C kernels run everything between the projections (`kernels.gdn_decode_layer` the
+        decodes, `kernels.gdn_prefill_layer` each prompt chunk)."""
         super().__init__()
         self.fused = fused
         nk, nv, dk, dv = cfg.num_k_heads, cfg.num_v_heads, cfg.k_head_dim, cfg.v_head_dim
@@ -301,24 +301,16 @@ class GatedDeltaNet(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: Rope, state: tuple[torch.Tensor, ...], meta: StateMetadata
     ) -> torch.Tensor:
-        conv_states, rec_states = state
         qkv, z, b, a = self._project(x)
+        if self.fused:
+            return self.out_proj(self._fused(qkv, z, b, a, state, meta))
+        conv_states, rec_states = state
         T, dv = x.shape[0], self.cfg.v_head_dim
-        out = torch.empty(T, self.nv * dv, dtype=x.dtype, device=x.device)
-        fused = self.fused and len(meta.decodes) > 0
-        if fused:  # the decodes' whole layer after the projections in one call (delta.c)
-            kernels.gdn_decode_layer(
-                qkv, z, b, a, meta.decode_rows, meta.slots[meta.decodes], meta.decode_fresh,
-                conv_states, rec_states, self._kernel_weights(), out, self.nk, self.cfg.k_head_dim,
-                self.cfg.tiled_v_heads, self.norm.eps,
-            )  # fmt: skip
-            if len(meta.decodes) == len(meta.query_lens):
-                return self.out_proj(out)
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         mixed = torch.empty_like(qkv)
         o = torch.empty(T, self.nv, dv, dtype=torch.float32, device=x.device)
-        if len(meta.decodes) and not fused:
+        if len(meta.decodes):
             if meta.reset is not None:
                 conv_states[meta.reset], rec_states[meta.reset] = 0, 0
             rows, slots = meta.decode_rows, meta.slots[meta.decodes]
@@ -343,14 +335,43 @@ class GatedDeltaNet(nn.Module):
                 mixed[rows_i] = F.silu(y[0].T).to(qkv.dtype)
                 q, k, v = self._heads(mixed[rows_i])
                 init = torch.zeros_like(rec_states[slot]) if fresh else rec_states[slot]
-                rule = kernels.gdn_prefill if self.fused else chunked_rule
-                o[rows_i], rec_states[slot] = rule(q, k, v, g[rows_i], beta[rows_i], init, CHUNK)
-                if fused:
-                    out[rows_i] = self.norm(o[rows_i].to(x.dtype), z[rows_i]).reshape(n, -1)
+                o[rows_i], rec_states[slot] = chunked_rule(q, k, v, g[rows_i], beta[rows_i], init)
             start += n
-        if not fused:
-            out = self.norm(o.to(x.dtype), z).reshape(T, -1)
-        return self.out_proj(out)
+        return self.out_proj(self.norm(o.to(x.dtype), z).reshape(T, -1))
+
+    def _fused(
+        self,
+        qkv: torch.Tensor,
+        z: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        state: tuple[torch.Tensor, ...],
+        meta: StateMetadata,
+    ) -> torch.Tensor:
+        """The C kernels' path (delta.c): everything between the projections, the decodes in one call,
+        each prompt chunk in one call. Returns the gated norm's output [T, nv · dv]."""
+        conv_states, rec_states = state  # (two pools: any more would be another kind's)
+        T, cfg = qkv.shape[0], self.cfg
+        out = torch.empty(T, self.nv * cfg.v_head_dim, dtype=qkv.dtype, device=qkv.device)
+        args = (self.nk, cfg.k_head_dim, cfg.tiled_v_heads, self.norm.eps)
+        weights = self._kernel_weights()
+        if len(meta.decodes):
+            slots = meta.slots[meta.decodes]
+            kernels.gdn_decode_layer(
+                qkv, z, b, a, meta.decode_rows, slots, meta.decode_fresh, conv_states, rec_states,
+                weights, out, *args,
+            )  # fmt: skip
+        start = 0
+        for i, (n, fresh) in enumerate(zip(meta.query_lens, meta.fresh)):
+            if n > 1:
+                rows = slice(start, start + n)
+                slot = int(meta.slots[i])
+                kernels.gdn_prefill_layer(
+                    qkv[rows], z[rows], b[rows], a[rows], slot, fresh, conv_states, rec_states, weights,
+                    out[rows], *args, CHUNK,
+                )  # fmt: skip
+            start += n
+        return out
 
     def _kernel_weights(self) -> tuple[torch.Tensor, ...]:
         """The convolution's weights, A_log, dt_bias and the norm's weight in float32, as the C kernel
