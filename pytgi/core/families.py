@@ -492,6 +492,12 @@ FAMILIES: tuple[Family, ...] = (
         name="Nemotron-H",
         config="nemotron_h_config",
         generators=("NemotronHForCausalLM",),
+        # llama.cpp's converter names a file with experts apart; each layer's kind is in its per-layer
+        # head_count_kv and feed_forward_length
+        gguf=(
+            GgufName("nemotron_h", "NemotronHForCausalLM", "nemotron_h", permuted_qk=True),
+            GgufName("nemotron_h_moe", "NemotronHForCausalLM", "nemotron_h", permuted_qk=True),
+        ),
         experts=True,
         note=(
             "Mamba-2 layers on a state pool; one mixer a layer (Mamba-2, attention without RoPE, "
@@ -503,6 +509,20 @@ FAMILIES: tuple[Family, ...] = (
         name="Granite-4.0-H",
         config="granite_hybrid_config",
         generators=("GraniteMoeHybridForCausalLM",),
+        gguf=(
+            GgufName(
+                "granitehybrid",
+                "GraniteMoeHybridForCausalLM",
+                "granitemoehybrid",
+                permuted_qk=True,
+                keys=(
+                    ("attention.scale", "attention_multiplier"),
+                    ("embedding_scale", "embedding_multiplier"),
+                    ("residual_scale", "residual_multiplier"),
+                    ("logit_scale", "logits_scaling"),
+                ),
+            ),
+        ),
         experts=True,
         note="Mamba-2 layers on a state pool, Granite's multipliers, experts beside a shared MLP",
     ),

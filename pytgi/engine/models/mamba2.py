@@ -133,13 +133,15 @@ class Mamba2Mixer(nn.Module):
         H, inner, conv = cfg.num_heads, cfg.inner, cfg.conv_dim
         self.in_proj = ColumnParallelLinear(hidden, [(0, inner + conv + H)], cfg.proj_bias)
         self.conv1d = nn.Parameter(torch.zeros(conv, cfg.conv_kernel), requires_grad=False)
-        _set_loader(self.conv1d, lambda p, t, _=0: p.data.copy_(t.reshape(p.shape)))
         self.conv1d_bias = nn.Parameter(torch.zeros(conv), requires_grad=False) if cfg.conv_bias else None
         self.dt_bias = nn.Parameter(torch.zeros(H), requires_grad=False)
         self.A_log = nn.Parameter(torch.zeros(H), requires_grad=False)
         self.D = nn.Parameter(torch.ones(H), requires_grad=False)
         self.norm = GroupedGatedRMSNorm(inner, cfg.n_groups, eps)
         self.out_proj = RowParallelLinear((0, inner), hidden, cfg.proj_bias)
+        # a GGUF file's shapes: the convolution [C, K], A and D [H, 1], the norm [groups, inner / groups]
+        for p in (self.conv1d, self.A_log, self.D, self.dt_bias, self.norm.weight):
+            _set_loader(p, lambda p, t, _=0: p.data.copy_(t.reshape(p.shape)))
 
     def state_specs(self) -> tuple[StateSpec, ...]:
         """Per request: the convolution's last inputs [conv_dim, kernel − 1] in the model's dtype, the
