@@ -121,13 +121,12 @@ _HYBRID = Family(  # Qwen3-Next's layers: gated DeltaNet between gated attention
     tools=("hermes",),
     reasoning="qwen3",
 )
-_MAMBA = Family(  # Mamba-2 mixers between attention layers (`mamba_hybrid.py`), whole on one rank
+_MAMBA = Family(  # Mamba-2 mixers between attention layers (`mamba_hybrid.py`)
     name="",
     module="mamba_hybrid",
     recurrent=True,
     lora=False,
     speculation=False,
-    tensor_parallel=False,
     cuda_graphs=False,
     kv_dtypes=NO_FP8,
 )

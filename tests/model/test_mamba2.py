@@ -17,7 +17,7 @@ from pytgi.core.config import EngineConfig
 from pytgi.core.sampling_params import SamplingParams
 from pytgi.engine.llm_engine import LLMEngine
 from pytgi.engine.models.mamba2 import ssd_chunked, ssd_step
-from tests.model.test_sharding import run
+from tests.model.test_sharding import assert_two_shards_equal_one, run
 
 PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 64] * 10, [7, 9] * 10, list(range(30, 60)), [11]]
 
@@ -92,11 +92,12 @@ def granite_h(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def granite_h_dense_rope(tmp_path_factory):
-    """Without experts (the shared MLP alone) and with RoPE on the attention layer."""
+    """Without experts (the shared MLP alone), with RoPE on the attention layer, and one group of B, C
+    for all the Mamba-2 heads (Granite-4.0-H's)."""
     torch.manual_seed(2)
     cfg = transformers.GraniteMoeHybridConfig(
         **COMMON,
-        **MAMBA,
+        **{**MAMBA, "mamba_n_groups": 1},
         num_hidden_layers=3,
         layer_types=["mamba", "attention", "mamba"],
         shared_intermediate_size=48,
@@ -144,6 +145,15 @@ def test_greedy_equals_transformers_in_float32(hybrid):
             engine.shutdown()
         for ref, (a, _), (b, _) in zip(refs, together, alone):
             assert a == ref and b == ref, (kw, ref, a, b)
+
+
+@pytest.mark.parametrize("name", ["nemotron_h", "granite_h_dense_rope"])
+def test_two_shards_equal_one(name, request, tmp_path):
+    """Each rank keeps half the Mamba-2 heads: Nemotron-H's whole groups, or (Granite-4.0-H's one group)
+    half of a group, its B and C on both ranks and its norm's squares all-reduced; the experts, MLPs
+    and attention split as for any model."""
+    model, _ = request.getfixturevalue(name)
+    assert_two_shards_equal_one(model, tmp_path / name)
 
 
 def test_batched_equals_alone_in_bf16(nemotron_h):

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pytgi.engine.distributed import tp_size
+from pytgi.engine.distributed import all_reduce, local_range, tp_size
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, _set_loader
 from pytgi.engine.models.linear_attention import StateSpec
 
@@ -106,50 +106,107 @@ def ssd_chunked(
 
 class GroupedGatedRMSNorm(nn.Module):
     """y · silu(z), RMS-normed over each group's features, times the weight (float32 math): Mamba-2's
-    norm after the gate (`norm_before_gate` False), as transformers' `RMSNormGated` computes it."""
+    norm after the gate (`norm_before_gate` False), as transformers' `RMSNormGated` computes it.
 
-    def __init__(self, dim: int, groups: int, eps: float) -> None:
+    On a rank holding `groups` whole groups the norm is local; where a group is split over ranks
+    (`shared`: one group, Granite-4.0-H's, over two ranks) each rank holds its part of the group's
+    features, `first` the group's index, of `total` groups, and the squares are all-reduced."""
+
+    def __init__(
+        self,
+        dim: int,
+        groups: int,
+        eps: float,
+        group_size: int,
+        shared: bool = False,
+        first: int = 0,
+        total: int = 1,
+    ) -> None:
         super().__init__()
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.group_size = groups, eps, group_size
+        self.shared, self.first, self.total = shared, first, total
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         h = y.float() * F.silu(z.float())
         h = h.view(*h.shape[:-1], self.groups, -1)
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        squares = h.pow(2).sum(-1, keepdim=True)
+        if self.shared:  # every rank's part of every group, summed
+            whole = squares.new_zeros(*squares.shape[:-2], self.total, 1)
+            whole[..., self.first : self.first + self.groups, :] = squares
+            squares = all_reduce(whole)[..., self.first : self.first + self.groups, :]
+        h = (h * torch.rsqrt(squares / self.group_size + self.eps)).flatten(-2)
         return self.weight.float() * h
 
 
 class Mamba2Mixer(nn.Module):
-    """A Mamba-2 layer, whole on one rank (the projection's z | x B C | dt are not sharded yet)."""
+    """A Mamba-2 layer; with tensor parallelism each rank holds an equal share of the heads and the
+    B, C of their groups (whole groups where the ranks divide them; else each group, Granite-4.0-H's
+    one, split over ranks: its B and C on each of them, its norm's squares all-reduced), their
+    convolution channels, decays and states; the output projection is all-reduced."""
 
     def __init__(self, cfg: Mamba2Config, hidden: int, eps: float) -> None:
         super().__init__()
-        if tp_size() > 1:
-            raise ValueError("Mamba-2 layers are not sharded yet: serve this model with --num-shard 1")
-        if cfg.num_heads % cfg.n_groups:
-            raise ValueError(f"{cfg.num_heads} Mamba-2 heads do not split in {cfg.n_groups} groups")
+        H, G, P, N = cfg.num_heads, cfg.n_groups, cfg.head_dim, cfg.d_state
+        if H % G:
+            raise ValueError(f"{H} Mamba-2 heads do not split in {G} groups")
+        tp = tp_size()
+        if H % tp or (G % tp and tp % G):
+            raise ValueError(f"cannot shard {H} Mamba-2 heads in {G} groups over {tp} ranks")
         self.cfg = cfg
-        H, inner, conv = cfg.num_heads, cfg.inner, cfg.conv_dim
-        self.in_proj = ColumnParallelLinear(hidden, [(0, inner + conv + H)], cfg.proj_bias)
-        self.conv1d = nn.Parameter(torch.zeros(conv, cfg.conv_kernel), requires_grad=False)
-        self.conv1d_bias = nn.Parameter(torch.zeros(conv), requires_grad=False) if cfg.conv_bias else None
-        self.dt_bias = nn.Parameter(torch.zeros(H), requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(H), requires_grad=False)
-        self.D = nn.Parameter(torch.ones(H), requires_grad=False)
-        self.norm = GroupedGatedRMSNorm(inner, cfg.n_groups, eps)
-        self.out_proj = RowParallelLinear((0, inner), hidden, cfg.proj_bias)
-        # a GGUF file's shapes: the convolution [C, K], A and D [H, 1], the norm [groups, inner / groups]
-        for p in (self.conv1d, self.A_log, self.D, self.dt_bias, self.norm.weight):
-            _set_loader(p, lambda p, t, _=0: p.data.copy_(t.reshape(p.shape)))
+        h0, self.heads = local_range(H)  # (even: H % tp == 0)
+        g0 = h0 // (H // G)
+        self.groups = max(1, G // tp)
+        self.inner, self.conv_dim = self.heads * P, self.heads * P + 2 * self.groups * N
+        inner, gn = cfg.inner, G * N
+        # this rank's rows of z | x | B | C | dt, and its convolution's channels (x | B | C)
+        self.channels = [
+            (inner + h0 * P, self.heads * P),
+            (2 * inner + g0 * N, self.groups * N),
+            (2 * inner + gn + g0 * N, self.groups * N),
+        ]
+        rows = [(h0 * P, self.heads * P), *self.channels, (2 * inner + 2 * gn + h0, self.heads)]
+        self.in_proj = ColumnParallelLinear(hidden, rows, cfg.proj_bias)
+        load_rows = self._rows(rows)
+        _set_loader(self.in_proj.weight, load_rows)
+        if self.in_proj.bias is not None:
+            _set_loader(self.in_proj.bias, load_rows)
+        self.conv1d = nn.Parameter(torch.zeros(self.conv_dim, cfg.conv_kernel), requires_grad=False)
+        channels = [(s - inner, n) for s, n in self.channels]  # (the convolution's rows start at x)
+        _set_loader(self.conv1d, self._rows(channels))
+        self.conv1d_bias: nn.Parameter | None = None
+        if cfg.conv_bias:
+            self.conv1d_bias = nn.Parameter(torch.zeros(self.conv_dim), requires_grad=False)
+            _set_loader(self.conv1d_bias, self._rows(channels))
+        self.dt_bias = nn.Parameter(torch.zeros(self.heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(self.heads), requires_grad=False)
+        self.D = nn.Parameter(torch.ones(self.heads), requires_grad=False)
+        for p in (self.dt_bias, self.A_log, self.D):  # (a GGUF file's A and D are [H, 1])
+            _set_loader(p, self._rows([(h0, self.heads)]))
+        self.norm = GroupedGatedRMSNorm(
+            self.inner, self.groups, eps, inner // G, shared=tp > G, first=g0, total=G
+        )
+        _set_loader(self.norm.weight, self._rows([(h0 * P, self.heads * P)]))  # (GGUF: [groups, inner / G])
+        self.out_proj = RowParallelLinear((h0 * P, self.heads * P), hidden, cfg.proj_bias)
+
+    @staticmethod
+    def _rows(parts: list[tuple[int, int]]):
+        """A loader taking these (start, size) rows of a checkpoint tensor (flattened past its first
+        axis: the convolution's [C, 1, K] or [C, K]; vectors as GGUF files shape them)."""
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, _: int = 0) -> None:
+            flat = loaded.reshape(-1) if param.dim() == 1 else loaded.reshape(loaded.shape[0], -1)
+            param.data.copy_(torch.cat([flat[s : s + n] for s, n in parts]).reshape(param.shape))
+
+        return load
 
     def state_specs(self) -> tuple[StateSpec, ...]:
         """Per request: the convolution's last inputs [conv_dim, kernel − 1] in the model's dtype, the
         SSM state [heads, head_dim, d_state] in float32."""
         cfg = self.cfg
         return (
-            StateSpec((cfg.conv_dim, cfg.conv_kernel - 1)),
-            StateSpec((cfg.num_heads, cfg.head_dim, cfg.d_state), torch.float32),
+            StateSpec((self.conv_dim, cfg.conv_kernel - 1)),
+            StateSpec((self.heads, cfg.head_dim, cfg.d_state), torch.float32),
         )
 
     def _conv_out(self, window: torch.Tensor) -> torch.Tensor:
@@ -161,22 +218,22 @@ class Mamba2Mixer(nn.Module):
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, H, P], B and C [T, H, N] (each group's repeated for its heads), float32."""
         cfg, T = self.cfg, xbc.shape[0]
-        gn = cfg.n_groups * cfg.d_state
-        x, B, C = xbc.float().split([cfg.inner, gn, gn], dim=-1)
-        rep = cfg.num_heads // cfg.n_groups
-        B, C = (t.view(T, cfg.n_groups, cfg.d_state).repeat_interleave(rep, dim=1) for t in (B, C))
-        return x.view(T, cfg.num_heads, cfg.head_dim), B, C
+        gn = self.groups * cfg.d_state
+        x, B, C = xbc.float().split([self.inner, gn, gn], dim=-1)
+        rep = self.heads // self.groups
+        B, C = (t.view(T, self.groups, cfg.d_state).repeat_interleave(rep, dim=1) for t in (B, C))
+        return x.view(T, self.heads, cfg.head_dim), B, C
 
     def forward(
         self, h: torch.Tensor, rope: Rope, state: tuple[torch.Tensor, ...], meta: StateMetadata
     ) -> torch.Tensor:
         cfg, T = self.cfg, h.shape[0]
         conv_states, ssm_states = state
-        z, xbc, dt = self.in_proj(h).split([cfg.inner, cfg.conv_dim, cfg.num_heads], dim=-1)
+        z, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*cfg.dt_limit)
         A = -self.A_log.float().exp()
-        mixed = torch.empty(T, cfg.conv_dim, dtype=torch.float32, device=h.device)
-        y = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=torch.float32, device=h.device)
+        mixed = torch.empty(T, self.conv_dim, dtype=torch.float32, device=h.device)
+        y = torch.empty(T, self.heads, cfg.head_dim, dtype=torch.float32, device=h.device)
         if meta.reset is not None:
             conv_states[meta.reset], ssm_states[meta.reset] = 0, 0
         if len(meta.decodes):
@@ -200,6 +257,6 @@ class Mamba2Mixer(nn.Module):
                 init = torch.zeros_like(ssm_states[slot]) if fresh else ssm_states[slot]
                 y[rows_i], ssm_states[slot] = ssd_chunked(x, dt[rows_i], A, B, C, init)
             start += n
-        x = mixed[:, : cfg.inner].view(T, cfg.num_heads, cfg.head_dim)
-        y = (y + self.D.float()[:, None] * x).reshape(T, cfg.inner)
+        x = mixed[:, : self.inner].view(T, self.heads, cfg.head_dim)
+        y = (y + self.D.float()[:, None] * x).reshape(T, self.inner)
         return self.out_proj(self.norm(y, z).to(h.dtype))
