@@ -475,7 +475,7 @@ class DecoderLayer(nn.Module):
         self.single = cfg.single_mixer
         self.self_attn: Attention | MLAttention | None = None
         self.linear_attn: RecurrentMixer | None = None
-        if ffn:
+        if ffn:  # no attention and no state: the layer is its MLP or experts (Nemotron-H's "-", "E")
             pass
         elif linear:
             assert cfg.linear is not None
