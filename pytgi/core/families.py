@@ -121,6 +121,15 @@ _HYBRID = Family(  # Qwen3-Next's layers: gated DeltaNet between gated attention
     tools=("hermes",),
     reasoning="qwen3",
 )
+_MAMBA = Family(  # Mamba-2 mixers between attention layers (`mamba_hybrid.py`)
+    name="",
+    module="mamba_hybrid",
+    recurrent=True,
+    lora=False,
+    speculation=False,
+    cuda_graphs=False,
+    kv_dtypes=NO_FP8,
+)
 _VISION = Family(  # an image tower before pytgi's decoder; adapters wrap DecoderModel's linears only
     name="", module="", kind=VISION, config="text_config", lora=False, kv_dtypes=NO_FP8
 )
@@ -522,6 +531,52 @@ FAMILIES: tuple[Family, ...] = (
         config="qwen3_5_vlm_config",
         generators=("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
         note="the language model only: the vision tower and MTP layers are not read",
+    ),
+    replace(
+        _MAMBA,
+        name="Nemotron-H",
+        config="nemotron_h_config",
+        generators=("NemotronHForCausalLM",),
+        # llama.cpp's converter names a file with experts apart; each layer's kind is in its per-layer
+        # head_count_kv and feed_forward_length
+        gguf=(
+            GgufName("nemotron_h", "NemotronHForCausalLM", "nemotron_h", permuted_qk=True),
+            GgufName("nemotron_h_moe", "NemotronHForCausalLM", "nemotron_h", permuted_qk=True),
+        ),
+        experts=True,
+        note=(
+            "Mamba-2 layers on a state pool; one mixer a layer (Mamba-2, attention without RoPE, "
+            "a relu² MLP or its experts); Nemotron 3 Nano"
+        ),
+    ),
+    replace(
+        _MAMBA,
+        name="Granite-4.0-H",
+        config="granite_hybrid_config",
+        generators=("GraniteMoeHybridForCausalLM",),
+        gguf=(
+            GgufName(
+                "granitehybrid",
+                "GraniteMoeHybridForCausalLM",
+                "granitemoehybrid",
+                permuted_qk=True,
+                keys=(
+                    ("attention.scale", "attention_multiplier"),
+                    ("embedding_scale", "embedding_multiplier"),
+                    ("residual_scale", "residual_multiplier"),
+                    ("logit_scale", "logits_scaling"),
+                ),
+            ),
+        ),
+        experts=True,
+        note="Mamba-2 layers on a state pool, Granite's multipliers, experts beside a shared MLP",
+    ),
+    replace(
+        _MAMBA,
+        name="Bamba",
+        config="bamba_config",
+        generators=("BambaForCausalLM",),
+        note="Mamba-2 layers on a state pool, RoPE on half of each head",
     ),
     replace(
         _VISION,

@@ -29,8 +29,10 @@ if TYPE_CHECKING:
 # A GGUF file's metadata and tensor index: one file's reader, or a split file's parts read as one
 Reader: TypeAlias = "GGUFReader | _SplitReader"
 
-# the model types of the GGUF names whose families keep a recurrent state (their tensors' own names)
-HYBRID_TYPES = frozenset(g.model_type for f in FAMILIES if f.recurrent for g in f.gguf)
+# the model types of the GGUF names whose layers are gated DeltaNet's (Qwen3-Next's: their tensors' own
+# names, offset norms), and Mamba-2's (Nemotron-H's, Granite-4.0-H's)
+HYBRID_TYPES = frozenset(g.model_type for f in FAMILIES if f.module == "qwen3_next" for g in f.gguf)
+MAMBA_TYPES = frozenset(g.model_type for f in FAMILIES if f.module == "mamba_hybrid" for g in f.gguf)
 # Gemma's layers have four norms: llama.cpp's ffn_norm is the one before the MLP there.
 GEMMA_LAYER_TENSORS = {
     "post_attention_norm": "post_attention_layernorm",
@@ -84,6 +86,15 @@ HYBRID_LAYER_TENSORS = {
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
 }
+# Mamba-2's tensors (ssm_a, ssm_d and ssm_dt.bias are bare parameters: `hf_tensor_name`); ssm_a is
+# −exp(A_log) [H, 1], ssm_d [H, 1], ssm_norm [groups, inner / groups], ssm_conv1d [channels, kernel]
+MAMBA_LAYER_TENSORS = {
+    "ssm_in": "linear_attn.in_proj",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+MAMBA_BARE = {"ssm_a": "A_log", "ssm_d": "D", "ssm_dt": "dt_bias"}
 # OLMo 2/3 and Exaone 4 norm the sublayers' outputs (and not their inputs)
 POST_NORM_TYPES = frozenset({"olmo2", "olmo3", "exaone4"})
 POST_NORM_LAYER_TENSORS = {
@@ -718,6 +729,8 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
                 decoder_sparse_step=1,
                 mlp_only_layers=[],
             )
+    if model_type in MAMBA_TYPES:
+        _mamba_hybrid(reader, str(arch), config, names)
     if model_type == "exaone4":
         if window := _field(reader, f"{arch}.attention.sliding_window"):
             pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
@@ -988,6 +1001,89 @@ def _mistral4(
     return out
 
 
+def _per_layer(reader: Reader, key: str, layers: int) -> list[int]:
+    """A key llama.cpp writes per layer for hybrids (or once for all): one int a layer."""
+    value = _field(reader, key, 0)
+    return [int(v) for v in value][:layers] if isinstance(value, list) else [int(value or 0)] * layers
+
+
+def _mamba_hybrid(reader: Reader, arch: str, config: dict[str, Any], names: set[str]) -> None:
+    """Nemotron-H's and Granite-4.0-H's config.json keys from what llama.cpp's converter writes: a
+    layer attends where its head_count_kv is not 0; Nemotron-H's MLP (or experts) layers are those
+    with a feed_forward_length, the others Mamba-2; the Mamba-2 sizes from the ssm keys (heads:
+    time_step_rank; head_dim: inner_size / heads)."""
+    layers = config["num_hidden_layers"]
+    kv = _per_layer(reader, f"{arch}.attention.head_count_kv", layers)
+    heads = int(_required(reader, f"{arch}.ssm.time_step_rank"))
+    experts = int(_field(reader, f"{arch}.expert_count", 0) or 0)
+    used = int(_field(reader, f"{arch}.expert_used_count", 0) or 0)
+    shared = _field(reader, f"{arch}.expert_shared_feed_forward_length")
+    mamba = {
+        "state": int(_required(reader, f"{arch}.ssm.state_size")),
+        "groups": int(_required(reader, f"{arch}.ssm.group_count")),
+        "conv": int(_field(reader, f"{arch}.ssm.conv_kernel", 4)),
+        "head_dim": int(_required(reader, f"{arch}.ssm.inner_size")) // heads,
+        "conv_bias": any(n.endswith(".ssm_conv1d.bias") for n in names),
+        "proj_bias": any(n.endswith(".ssm_in.bias") for n in names),
+    }
+    config.update(num_key_value_heads=max(kv), attention_bias=False)
+    if arch.startswith("nemotron_h"):
+        ffn = _per_layer(reader, f"{arch}.feed_forward_length", layers)
+        mlp = "moe" if arch == "nemotron_h_moe" else "mlp"
+        n_group = int(_field(reader, f"{arch}.expert_group_count", 1) or 1)
+        topk_group = _field(reader, f"{arch}.expert_group_used_count")
+        if topk_group is None and n_group > 1:
+            raise GGUFConversionError("a Nemotron-H file with expert groups but no expert_group_used_count")
+        config.update(
+            layers_block_type=[
+                "full_attention" if k else mlp if f else "linear_attention" for k, f in zip(kv, ffn)
+            ],
+            intermediate_size=max(ffn),
+            layer_norm_epsilon=config["rms_norm_eps"],
+            mlp_hidden_act="relu2",
+            mamba_num_heads=heads,
+            mamba_head_dim=mamba["head_dim"],
+            n_groups=mamba["groups"],
+            ssm_state_size=mamba["state"],
+            conv_kernel=mamba["conv"],
+            use_conv_bias=mamba["conv_bias"],
+            use_bias=mamba["proj_bias"],
+        )
+        if experts:
+            config.update(
+                n_routed_experts=experts,
+                num_experts_per_tok=used,
+                moe_intermediate_size=int(_required(reader, f"{arch}.expert_feed_forward_length")),
+                moe_shared_expert_intermediate_size=int(shared or 0),
+                n_shared_experts=int(_field(reader, f"{arch}.expert_shared_count", 1) or 0),
+                norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+                routed_scaling_factor=float(_field(reader, f"{arch}.expert_weights_scale", 1.0) or 1.0),
+                n_group=n_group,
+                topk_group=int(topk_group or 1),
+            )
+        return
+    rope = bool(_field(reader, f"{arch}.rope.scaling.finetuned", False))
+    if shared is None:  # a dense file's MLP: its rows
+        up = next(t for t in reader.tensors if t.name.endswith(".ffn_up.weight"))
+        shared = int(up.shape[1])
+    config.update(
+        layer_types=["attention" if k else "mamba" for k in kv],
+        num_local_experts=experts,
+        num_experts_per_tok=used,
+        shared_intermediate_size=int(shared),
+        position_embedding_type="rope" if rope else None,
+        mamba_n_heads=heads,
+        mamba_d_head=mamba["head_dim"],
+        mamba_n_groups=mamba["groups"],
+        mamba_d_state=mamba["state"],
+        mamba_d_conv=mamba["conv"],
+        mamba_conv_bias=mamba["conv_bias"],
+        mamba_proj_bias=mamba["proj_bias"],
+    )
+    if rope and (dim := _field(reader, f"{arch}.rope.dimension_count")):  # Bamba's half-head RoPE
+        config["partial_rotary_factor"] = int(dim) / config["head_dim"]
+
+
 def mtp_tensor(name: str, config: dict[str, Any]) -> bool:
     """A tensor of a multi-token-prediction block llama.cpp wrote after the model's layers (skipped)."""
     parts, layers = name.split("."), config.get("num_hidden_layers")
@@ -999,6 +1095,10 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         return f"model.layers.{name.split('.')[1]}.linear_attn.A_log"
     if model_type in HYBRID_TYPES and name.endswith(".ssm_dt.bias"):
         return f"model.layers.{name.split('.')[1]}.linear_attn.dt_bias"
+    if model_type in MAMBA_TYPES:  # Mamba-2's bare parameters: blk.N.ssm_a, blk.N.ssm_d, blk.N.ssm_dt.bias
+        parts = name.split(".")
+        if len(parts) in (3, 4) and parts[0] == "blk" and parts[2] in MAMBA_BARE:
+            return f"model.layers.{parts[1]}.linear_attn.{MAMBA_BARE[parts[2]]}"
     stem, _, kind = name.rpartition(".")  # kind: weight | bias
     if stem == "rope_freqs":  # a llama3 scaling's divisors: read into the config (`_rope_freqs`)
         return "model.rotary_emb.rope_freqs"
@@ -1032,6 +1132,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         if model_type == "gpt_oss"
         else {**LAYER_TENSORS, **HYBRID_LAYER_TENSORS}
         if model_type in HYBRID_TYPES
+        else {**LAYER_TENSORS, **MAMBA_LAYER_TENSORS}
+        if model_type in MAMBA_TYPES
         else {**LAYER_TENSORS, **POST_NORM_LAYER_TENSORS}
         if model_type in POST_NORM_TYPES
         else {**LAYER_TENSORS, "post_attention_norm": "post_attention_layernorm"}

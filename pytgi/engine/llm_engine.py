@@ -139,10 +139,8 @@ class LLMEngine:
             lambda: runner.auto_num_tokens(config.kv_cache_memory_fraction, config.kv_cache_cpu_bytes),
         )
         if runner.state_bytes and task != "generate":
-            raise UnsupportedModel(
-                f"{model_id}: a model with linear-attention layers is not served for pooling"
-            )
-        if runner.state_bytes:  # linear attention: a recurrent state per running request
+            raise UnsupportedModel(f"{model_id}: a model with recurrent layers is not served for pooling")
+        if runner.state_bytes:  # linear attention, Mamba-2: a recurrent state per running request
             placed, kv_capacity = _with_states(placed, runner, kv_capacity)
         pooling = None
         if task != "generate":
@@ -474,7 +472,8 @@ def check_decoder_pooling(config: EngineConfig) -> None:
 def _with_states(
     config: EngineConfig, runner: ModelRunner, kv_capacity: Callable[[], int]
 ) -> tuple[EngineConfig, Callable[[], int]]:
-    """A model with linear-attention layers (Qwen3-Next, Qwen3.5): each running request holds a
+    """A model with recurrent layers (Qwen3-Next's and Qwen3.5's linear attention, the Mamba-2
+    hybrids'): each running request holds a
     recurrent state beside its KV blocks. The states cannot be shared by prefixes nor take back
     rejected drafts, so the prefix cache is off and speculation, the disk tier and LoRA are refused.
     --max-batch-size states are allocated (by default as many as a quarter of the KV cache's memory
@@ -490,8 +489,8 @@ def _with_states(
     ]
     if asked:
         raise ConfigError(
-            f"{', '.join(asked)}: not with a model with linear-attention layers, whose recurrent states "
-            "cannot be shared, cached or rolled back (docs/models.md)"
+            f"{', '.join(asked)}: not with a model with recurrent layers (linear attention, Mamba-2), "
+            "whose states cannot be shared, cached or rolled back (docs/models.md)"
         )
     state, per_token = runner.state_bytes, runner.paged.kv_bytes_per_token()
     slots, measured = config.max_batch_size, None
@@ -509,7 +508,7 @@ def _with_states(
             )
     log.info("recurrent states for %d running requests (%.2f GiB)", slots, slots * state / 2**30)
     if config.enable_prefix_caching:
-        log.info("prefix caching is off: this model's linear-attention states are not kept per block")
+        log.info("prefix caching is off: this model's recurrent states are not kept per block")
     taken = -(-slots * state // per_token)  # the states' memory, in KV tokens
     return (
         dataclasses.replace(config, max_batch_size=slots, enable_prefix_caching=False),

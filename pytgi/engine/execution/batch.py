@@ -152,7 +152,10 @@ class PagedModel:
                     )
                 )
                 continue
-            attn: KVHeads = layer.self_attn  # type: ignore[attr-defined]
+            attn: KVHeads | None = getattr(layer, "self_attn", None)
+            if attn is None:  # a layer that is its MLP alone (Nemotron-H's): nothing to keep
+                self.kv_caches.append(())
+                continue
             if (source := getattr(attn, "kv_source", None)) is not None:  # another layer's cache (Gemma 4)
                 self.kv_caches.append(self.kv_caches[source])
                 continue

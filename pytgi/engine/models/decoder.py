@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pytgi.engine.distributed import all_reduce, check_heads, tp_size
+from pytgi.engine.distributed import all_reduce, check_heads, local_range, tp_size
 from pytgi.engine.models import altup
 from pytgi.engine.models.altup import AltUpConfig
 from pytgi.engine.models.attention import (
@@ -103,6 +103,9 @@ SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention
 # DeltaNet, Mamba's selective scan, short convolutions
 MAMBA, CONV = "mamba", "conv"
 RECURRENT = (LINEAR, MAMBA, CONV)
+# a layer that is its MLP (or mixture of experts) alone: no attention, no state (Nemotron-H's "-" and
+# "E" layers, `DecoderConfig.single_mixer`)
+FFN = "ffn"
 
 
 class StepImages(NamedTuple):
@@ -218,6 +221,14 @@ class DecoderConfig:
     # Gemma 3n: its layers on the active one of several residual streams (AltUp), a low-rank residual
     # (LAuReL) and activation sparsity in the first MLPs (`pytgi.engine.models.altup`)
     altup: AltUpConfig | None = None
+    # Nemotron-H: each layer is one mixer (attention, a recurrent mixer, or the MLP alone: `layer_types`
+    # FFN) with its own pre-norm and residual, no attention + MLP pairs; its MLP not gated
+    # (`mlp_gated` False: down(act(up(x))), act "relu2": relu(x)²)
+    single_mixer: bool = False
+    mlp_gated: bool = True
+    # checkpoint names rewritten before any other rule (regex, replacement), in order: families whose
+    # checkpoints name the modules otherwise (Nemotron-H's `backbone.` and `mixer.`, Bamba's `mamba.`)
+    weight_renames: tuple[tuple[str, str], ...] = ()
 
     @property
     def uniform_layers(self) -> bool:
@@ -434,6 +445,21 @@ class MLP(nn.Module):
         return self.down_proj(self.ops.act_mul(self.activation, self.gate_up_proj(x)))
 
 
+class PlainMLP(nn.Module):
+    """An MLP without a gate, down(act(up(x))) (Nemotron-H's, act relu², in PyTorch's ops)."""
+
+    def __init__(self, hidden: int, inter: int, activation: str, bias: bool = False) -> None:
+        super().__init__()
+        if activation != "relu2":
+            raise ValueError(f"unknown activation {activation!r} of an MLP without a gate")
+        shard = local_range(inter)
+        self.up_proj = ColumnParallelLinear(hidden, [shard], bias)
+        self.down_proj = RowParallelLinear(shard, hidden, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
 class DecoderLayer(nn.Module):
     def __init__(
         self,
@@ -445,17 +471,22 @@ class DecoderLayer(nn.Module):
         linear: bool = False,
         rotates: bool = True,
         spec: LayerAttention | None = None,
+        ffn: bool = False,
     ) -> None:
-        """linear: a gated DeltaNet layer (`linear_attn`, its KV cache entry a recurrent state) instead
-        of attention (`self_attn`); rotates: False for a layer without rotary embedding (NoPE); spec:
-        its attention's own heads (Gemma 4)."""
+        """linear: a recurrent layer (`linear_attn`: gated DeltaNet, Mamba-2; its KV cache entry a
+        recurrent state) instead of attention (`self_attn`); rotates: False for a layer without rotary
+        embedding (NoPE); spec: its attention's own heads (Gemma 4); ffn: the layer is its MLP alone
+        (`FFN`, with `single_mixer`: no cache entry)."""
         super().__init__()
         self.sliding, self.sandwich, self.ops = sliding, cfg.sandwich_norms, ops
         self.rotates, self.pre_norms, self.parallel = rotates, cfg.pre_norms, cfg.parallel_block
         self.residual_scale = cfg.residual_scale
+        self.single = cfg.single_mixer
         self.self_attn: Attention | MLAttention | None = None
         self.linear_attn: RecurrentMixer | None = None
-        if linear:
+        if ffn:  # no attention and no state: the layer is its MLP or experts (Nemotron-H's "-", "E")
+            pass
+        elif linear:
             assert cfg.linear is not None
             fused = isinstance(ops, KernelOps)  # the C kernels run this model (CPU)
             self.linear_attn = cfg.linear.build(cfg.hidden_size, cfg.rms_norm_eps, fused)
@@ -472,10 +503,9 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(cfg, backend, ops, sliding, spec)
         moe = cfg.moe
-        self.mlp: MLP | SparseMoE = (
-            MLP(cfg, ops, None if spec is None else spec.intermediate_size)
-            if moe is None or not sparse or moe.beside_dense
-            else SparseMoE(
+        self.mlp: MLP | PlainMLP | SparseMoE | None = None
+        if moe is not None and sparse and not moe.beside_dense:
+            self.mlp = SparseMoE(
                 cfg.hidden_size,
                 moe.intermediate_size,
                 moe.num_experts,
@@ -485,8 +515,14 @@ class DecoderLayer(nn.Module):
                 oai=moe.oai,
                 routing=moe.routing,
                 shared_gate=moe.shared_gate,
+                activation=moe.activation,
             )
-        )
+        elif self.single and not ffn:  # Nemotron-H's attention and Mamba layers have no MLP
+            pass
+        elif not cfg.mlp_gated:
+            self.mlp = PlainMLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation, cfg.mlp_bias)
+        else:
+            self.mlp = MLP(cfg, ops, None if spec is None else spec.intermediate_size)
         # Gemma 4's mixture of experts beside the dense MLP: the router reads the residual stream, the
         # experts its `pre_feedforward_layernorm_2`; the MLP's output and the experts' are normed
         # (`post_feedforward_layernorm_1`, `_2`) and summed before `post_feedforward_layernorm`
@@ -510,7 +546,7 @@ class DecoderLayer(nn.Module):
         # OLMo 2/3 and Exaone 4 (`pre_norms` False) have the two output norms only.
         if cfg.pre_norms:
             self.input_layernorm = _norm(cfg, cfg.hidden_size)
-        if not cfg.parallel_block:  # (Cohere's one norm a layer is its input's)
+        if not cfg.parallel_block and not self.single:  # (Cohere's, Nemotron-H's one norm: its input's)
             self.post_attention_layernorm = _norm(cfg, cfg.hidden_size)
         if self.sandwich:
             self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size)
@@ -544,6 +580,17 @@ class DecoderLayer(nn.Module):
         the sliding layers' and (models with NoPE layers) the identity's tables. per_layer_input: this
         layer's [T, per_layer_input_size] (Gemma 4)."""
         rope = ropes[2] if not self.rotates else ropes[1] if self.sliding else ropes[0]
+        if self.single:  # Nemotron-H: x + mixer(norm(x)), one mixer a layer
+            if self.linear_attn is not None:
+                assert isinstance(meta, StateMetadata)
+                a = self.linear_attn(h, rope, kv_cache, meta)
+            elif self.self_attn is not None:
+                a = self.self_attn(h, rope, kv_cache, meta)
+            else:
+                assert self.mlp is not None
+                a = self.mlp(h)
+            return self.ops.add_norm(a, residual, next_norm)
+        assert self.mlp is not None
         if self.linear_attn is not None:
             assert isinstance(meta, StateMetadata)
             a = self.linear_attn(h, rope, kv_cache, meta)
@@ -620,7 +667,9 @@ class DecoderModel(nn.Module):
         if cfg.sliding_window and cfg.layer_types:
             self.attention = SlidingWindowBackend(backend, cfg.sliding_window)
             slidings = [t == SLIDING for t in cfg.layer_types]
-        linear = [t in RECURRENT for t in cfg.layer_types or [FULL] * cfg.num_hidden_layers]
+        types = cfg.layer_types or [FULL] * cfg.num_hidden_layers
+        linear = [t in RECURRENT for t in types]
+        ffn = [t == FFN for t in types]
         if cfg.linear is not None:
             self.attention = StateBackend(self.attention)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
@@ -630,8 +679,8 @@ class DecoderModel(nn.Module):
         if cfg.layer_attention is not None:
             specs = list(cfg.layer_attention)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, self.ops, s, m, lin, r, spec)
-            for s, m, lin, r, spec in zip(slidings, sparse, linear, rotates, specs)
+            DecoderLayer(cfg, backend, self.ops, s, m, lin, r, spec, f)
+            for s, m, lin, r, spec, f in zip(slidings, sparse, linear, rotates, specs, ffn)
         )
         for layer in self.layers:  # latent attention's per-head projections in bf16gemm.c
             if isinstance(layer.self_attn, MLAttention):
@@ -823,11 +872,15 @@ class DecoderModel(nn.Module):
         self.decoder_loop = loop.build(self, self.kernels)
 
     def _unfused(self, weights: Weights) -> Iterator[tuple[str, Weight]]:
-        """Checkpoints that store q, k, v (or gate, up) as one tensor (Phi-3) as separate ones, so each
-        part reaches its shard of the fused layer."""
+        """The checkpoint's names rewritten by the family's rules (`weight_renames`), and the tensors
+        that store q, k, v (or gate, up) as one (Phi-3, Granite-4.0-H's shared MLP) as separate ones,
+        so each part reaches its shard of the fused layer."""
         cfg = self.config
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        renames = [(re.compile(p), r) for p, r in cfg.weight_renames]
         for name, tensor in weights:
+            for pattern, replacement in renames:
+                name = pattern.sub(replacement, name)
             if ".qkv_proj." in name:
                 assert isinstance(tensor, torch.Tensor), name
                 yield from zip(

@@ -153,6 +153,19 @@ class SharedExpert(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class PlainSharedExpert(nn.Module):
+    """A shared expert without a gate: down(relu(up(x))²) (Nemotron-H's)."""
+
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        shard = local_range(inter)
+        self.up_proj = ColumnParallelLinear(hidden, [shard])
+        self.down_proj = RowParallelLinear(shard, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
 class SparseMoE(nn.Module):
     def __init__(
         self,
@@ -173,11 +186,12 @@ class SparseMoE(nn.Module):
         sigmoid gate (Qwen2-MoE's `shared_expert_gate`), else added as it is (DeepSeek's
         `shared_experts`, one MLP of n_shared_experts × the experts' size); activation: the experts'
         act(gate) · up, "silu" (SwiGLU) or "gelu_tanh" (Gemma 4's: in moe.c where packed, routed
-        here); router_eps: the epsilon of the router's input norm (`Routing.input_norm`)."""
+        here), or "relu2": experts without a gate, relu(up)² (Nemotron-H's; PyTorch's ops, its shared
+        expert as plain); router_eps: the epsilon of the router's input norm (`Routing.input_norm`)."""
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.routing = routing or Routing()
-        if activation not in ("silu", "gelu_tanh"):
+        if activation not in ("silu", "gelu_tanh", "relu2"):
             raise ValueError(f"unknown experts' activation {activation!r}")
         if oai is not None and (not self.routing.plain or activation != "silu"):
             raise ValueError("gpt-oss's experts route by their softmaxed top-k logits only")
@@ -195,7 +209,9 @@ class SparseMoE(nn.Module):
             self.router_scale = nn.Parameter(torch.ones(hidden), requires_grad=False)
         if self.routing.expert_scale:
             self.per_expert_scale = nn.Parameter(torch.ones(num_experts), requires_grad=False)
-        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * self.local, hidden), requires_grad=False)
+        self.gated = activation != "relu2"  # else `gate_up` holds each expert's up rows alone
+        parts = 2 if self.gated else 1
+        self.gate_up = nn.Parameter(torch.empty(num_experts, parts * self.local, hidden), requires_grad=False)
         self.down = nn.Parameter(torch.empty(num_experts, hidden, self.local), requires_grad=False)
         self.gate_up_bias: nn.Parameter | None = None  # [E, 2 * local]: this rank's gate | up
         self.down_bias: nn.Parameter | None = None  # [E, H]: added once, after the all-reduce
@@ -206,7 +222,9 @@ class SparseMoE(nn.Module):
         self.packed: list[tuple[QuantizedWeight, QuantizedWeight]] = []
         self.fused: kernels.PackedExperts | None = None  # the same, for moe.c
         self._mxfp4: dict[str, Mxfp4] = {}  # the first of a pair of MXFP4 tensors while the other is read
-        self.shared_expert = SharedExpert(hidden, shared_inter) if shared_inter else None
+        self.shared_expert: SharedExpert | PlainSharedExpert | None = None
+        if shared_inter:
+            self.shared_expert = (SharedExpert if self.gated else PlainSharedExpert)(hidden, shared_inter)
         self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if shared_inter and shared_gate else None
 
     def load_experts(self, name: str, tensor: torch.Tensor | Mxfp4) -> list[str]:
@@ -216,6 +234,14 @@ class SparseMoE(nn.Module):
         if self.oai is not None:
             return self._load_oai(name, tensor)
         assert isinstance(tensor, torch.Tensor), f"{name}: MXFP4 experts are gpt-oss's only"
+        if not self.gated:  # up alone: one expert's [I, H], or stacked [E, I, H]
+            if name == "experts.up_proj":
+                self.gate_up.data.copy_(tensor[:, s : s + n])
+                return ["gate_up"]
+            m = _EXPERT.match(name)
+            if m is not None and m.group(2) == "up_proj":
+                self.gate_up.data[int(m.group(1))].copy_(tensor[s : s + n])
+                return ["gate_up"]
         if name == "experts.gate_up_proj":  # stacked [E, 2I, H]
             self.gate_up.data[:, :n].copy_(tensor[:, s : s + n])
             self.gate_up.data[:, n:].copy_(tensor[:, self.inter + s : self.inter + s + n])
@@ -360,7 +386,7 @@ class SparseMoE(nn.Module):
     def fuse(self) -> None:
         """Where every expert is packed for pytgi's low-bit kernel, hand them to one C call (moe.c;
         Gemma 4's GELU experts there too, routed here: `moe_experts`)."""
-        if self.packed and all(w.vnni for pair in self.packed for w in pair):
+        if self.gated and self.packed and all(w.vnni for pair in self.packed for w in pair):
             gu, dn = zip(*self.packed)
 
             self.fused = kernels.PackedExperts(
@@ -451,7 +477,10 @@ class SparseMoE(nn.Module):
         return self._shared(x, out)
 
     def _act(self, h: torch.Tensor) -> torch.Tensor:
-        """gate | up → the experts' activation: SwiGLU, GELU(tanh)·up (Gemma 4), or gpt-oss's clamped one."""
+        """gate | up → the experts' activation: SwiGLU, GELU(tanh)·up (Gemma 4), or gpt-oss's clamped one;
+        up → relu(up)² for experts without a gate."""
+        if not self.gated:
+            return F.relu(h).square()
         gate, up = h.chunk(2, dim=-1)
         if self.oai is None:
             return (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
