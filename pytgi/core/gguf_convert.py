@@ -28,8 +28,10 @@ if TYPE_CHECKING:
 # A GGUF file's metadata and tensor index: one file's reader, or a split file's parts read as one
 Reader: TypeAlias = "GGUFReader | _SplitReader"
 
-# the model types of the GGUF names whose families keep a recurrent state (their tensors' own names)
-HYBRID_TYPES = frozenset(g.model_type for f in FAMILIES if f.recurrent for g in f.gguf)
+# the model types of the GGUF names of the gated-DeltaNet families (Qwen3-Next, Qwen3.5: their linear
+# layers' tensors, stored −exp(A_log) and 1 + w norms) and of LFM2's (its short convolutions' tensors)
+DELTANET_TYPES = frozenset(g.model_type for f in FAMILIES if f.module == "qwen3_next" for g in f.gguf)
+LFM2_TYPES = frozenset(g.model_type for f in FAMILIES if f.module == "lfm2" for g in f.gguf)
 # Gemma's layers have four norms: llama.cpp's ffn_norm is the one before the MLP there.
 GEMMA_LAYER_TENSORS = {
     "post_attention_norm": "post_attention_layernorm",
@@ -629,7 +631,7 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
                     "sliding_attention": {"rope_type": "default", "rope_theta": local},
                 },
             )
-    if model_type in HYBRID_TYPES:
+    if model_type in DELTANET_TYPES:
         layers = config["num_hidden_layers"]
         recurrent = _field(reader, f"{arch}.attention.recurrent_layers")
         interval = int(_field(reader, f"{arch}.full_attention_interval", 4))
@@ -664,6 +666,8 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
                 decoder_sparse_step=1,
                 mlp_only_layers=[],
             )
+    if model_type in LFM2_TYPES:
+        config.update(_lfm2(reader, str(arch), config, names))
     if model_type == "exaone4":
         if window := _field(reader, f"{arch}.attention.sliding_window"):
             pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
@@ -703,6 +707,42 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
         if (value := _field(reader, f"{arch}.{key}")) is not None:
             config[hf_key] = value
     return config
+
+
+def _lfm2(reader: Reader, arch: str, config: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """An `lfm2` or `lfm2moe` file's config.json keys, as llama.cpp's converter wrote them from
+    LFM2's: the layers' kinds from the kv heads per layer (0: a short convolution), the convolution's
+    taps (`shortconv.l_cache`), the MLP's width as the model uses it (already adjusted); LFM2-MoE's
+    dense first layers and its router (sigmoid scores, the correction bias where the file has
+    `exp_probs_b`, renormalized unless the file says not)."""
+    layers = config["num_hidden_layers"]
+    kv = _field(reader, f"{arch}.attention.head_count_kv", config["num_attention_heads"])
+    kv = [int(k) for k in kv] if isinstance(kv, list) else [int(kv)] * layers
+    out: dict[str, Any] = {
+        "layer_types": ["full_attention" if k else "conv" for k in kv[:layers]],
+        "num_key_value_heads": max(kv),
+        "conv_L_cache": int(_required(reader, f"{arch}.shortconv.l_cache")),
+        "norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "block_auto_adjust_ff_dim": False,
+        "conv_bias": any(n.endswith(".shortconv.conv.bias") for n in names),
+    }
+    experts = _field(reader, f"{arch}.expert_count")
+    if experts:
+        gating = _field(reader, f"{arch}.expert_gating_func")
+        if gating not in (None, 2):  # llama.cpp's ExpertGatingFuncType: 1 softmax, 2 sigmoid
+            raise GGUFConversionError(
+                f"an {arch!r} file whose router's gating function is {gating}: LFM2-MoE's is sigmoid"
+            )
+        out.update(
+            num_experts=int(experts),
+            num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")),
+            moe_intermediate_size=int(_required(reader, f"{arch}.expert_feed_forward_length")),
+            num_dense_layers=int(_field(reader, f"{arch}.leading_dense_block_count", 0)),
+            use_expert_bias=any(n.endswith(".exp_probs_b.bias") for n in names),
+            norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+            routed_scaling_factor=float(_field(reader, f"{arch}.expert_weights_scale", 1.0) or 1.0),
+        )
+    return out
 
 
 def _rope(reader: Reader, arch: str, theta: float, truncate: bool | None = None) -> dict[str, Any]:
@@ -941,9 +981,9 @@ def mtp_tensor(name: str, config: dict[str, Any]) -> bool:
 
 
 def hf_tensor_name(name: str, model_type: str = "llama") -> str:
-    if model_type in HYBRID_TYPES and name.endswith(".ssm_a"):  # a bare parameter: −exp(A_log)
+    if model_type in DELTANET_TYPES and name.endswith(".ssm_a"):  # a bare parameter: −exp(A_log)
         return f"model.layers.{name.split('.')[1]}.linear_attn.A_log"
-    if model_type in HYBRID_TYPES and name.endswith(".ssm_dt.bias"):
+    if model_type in DELTANET_TYPES and name.endswith(".ssm_dt.bias"):
         return f"model.layers.{name.split('.')[1]}.linear_attn.dt_bias"
     stem, _, kind = name.rpartition(".")  # kind: weight | bias
     if stem == "rope_freqs":  # a llama3 scaling's divisors: read into the config (`_rope_freqs`)
@@ -951,6 +991,14 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
     if stem in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[stem]}.{kind}"
     parts = stem.split(".")
+    if model_type in LFM2_TYPES:
+        if stem == "token_embd_norm":  # LFM2's final norm (`embedding_norm`: after the last layer)
+            return f"model.norm.{kind}"
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] == "shortconv":  # conv, in_proj, out_proj
+            mixer = f"model.layers.{parts[1]}.linear_attn."
+            if parts[3] == "conv":  # bare parameters (`short_conv.ShortConv`)
+                return mixer + ("conv" if kind == "weight" else "conv_bias")
+            return f"{mixer}{parts[3]}.{kind}"
     if model_type == "gemma4_text":
         if stem in GEMMA4_TENSORS:
             return f"{GEMMA4_TENSORS[stem]}.{kind}"
@@ -970,7 +1018,7 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         else {**LAYER_TENSORS, **GPT_OSS_LAYER_TENSORS}
         if model_type == "gpt_oss"
         else {**LAYER_TENSORS, **HYBRID_LAYER_TENSORS}
-        if model_type in HYBRID_TYPES
+        if model_type in DELTANET_TYPES
         else {**LAYER_TENSORS, **POST_NORM_LAYER_TENSORS}
         if model_type in POST_NORM_TYPES
         else {**LAYER_TENSORS, "post_attention_norm": "post_attention_layernorm"}

@@ -35,7 +35,7 @@ import torch
 
 from pytgi.core.errors import GGUFConversionError
 from pytgi.core.families import gguf_of_model_type
-from pytgi.core.gguf_convert import HYBRID_TYPES, SOURCE_FILE, hf_tensor_name, mtp_tensor
+from pytgi.core.gguf_convert import DELTANET_TYPES, SOURCE_FILE, hf_tensor_name, mtp_tensor
 from pytgi.engine import kernels
 
 if TYPE_CHECKING:
@@ -331,7 +331,7 @@ class GGUFWeights:
         self._permute = gguf_name is not None and gguf_name.permuted_qk  # llama.cpp interleaved q/k rows
         # Gemma 2 and 3's norms are stored as 1 + w (Gemma 4's as they are)
         self._gemma = model_type.startswith("gemma") and model_type != "gemma4_text"
-        self._hybrid = model_type in HYBRID_TYPES
+        self._hybrid = model_type in DELTANET_TYPES
 
     def names(self) -> list[str]:
         return list(self.tensors)

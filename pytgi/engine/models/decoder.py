@@ -186,6 +186,9 @@ class DecoderConfig:
     # MiniMax-M2; `WholeNorm`, all-reduced across ranks)
     qk_norm_whole: bool = False
     ignored_weights: tuple[str, ...] = ()  # checkpoint tensors (by prefix) the model does not use
+    # a family's own checkpoint names → the decoder's, (old, new) parts of a name replaced in order
+    # after the "model." prefix is dropped (LFM2's `operator_norm`, `feed_forward.w1`, `conv.in_proj`)
+    weight_renames: tuple[tuple[str, str], ...] = ()
     # Granite: each sublayer's output is scaled before it joins the residual stream, and the logits
     # divided by `logit_scale`
     residual_scale: float | None = None
@@ -838,6 +841,8 @@ class DecoderModel(nn.Module):
             if name.startswith(self.config.ignored_weights):
                 continue
             name = name.removeprefix("model.").removeprefix("language_model.")  # (a VLM's, served as text)
+            for part, ours in self.config.weight_renames:
+                name = name.replace(part, ours)
             name = name.replace(".block_sparse_moe.", ".mlp.")
             name = name.replace(".mlp.router.", ".mlp.gate.")  # gpt-oss's router
             name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's (ungated)
