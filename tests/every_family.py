@@ -99,10 +99,16 @@ SMALL = dict(
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # per model_type, what its defaults leave out: LFM2's default puts attention in every layer (none of
 # its short convolutions, the layer kind that makes the family), LFM2-MoE's names no layer types at
-# all (transformers' model cannot be built from it)
+# all (transformers' model cannot be built from it), Kimi Linear's makes four layers all linear
+# (transformers' masks then fail) and its linear heads stay 32 of 128
 OWN = {
     "lfm2": dict(layer_types=["conv", "full_attention", "conv", "conv"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "conv"], num_dense_layers=1),
+    "kimi_linear": dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        linear_num_heads=4,
+        linear_head_dim=16,
+    ),
 }
 
 

@@ -497,6 +497,22 @@ FAMILIES: tuple[Family, ...] = (
             "with q/k norms; LFM2-MoE: dense first layers, a sigmoid router with an expert bias"
         ),
     ),
+    Family(
+        name="Kimi Linear",
+        module="kimi_linear",
+        config="kimi_linear_config",
+        generators=("KimiLinearForCausalLM",),
+        recurrent=True,
+        experts=True,
+        lora=False,
+        speculation=False,
+        cuda_graphs=False,
+        kv_dtypes=NO_FP8,
+        note=(
+            "Kimi Delta Attention layers (a gated delta rule with a decay per channel) on a state pool, "
+            "between latent-attention layers without RoPE; DeepSeek V3's experts"
+        ),
+    ),
     replace(
         _VISION,
         name="LLaVA, LLaVA-NeXT",

@@ -541,6 +541,8 @@ class DecoderLayer(nn.Module):
         if self.linear_attn is not None:
             assert isinstance(meta, StateMetadata)
             a = self.linear_attn(h, rope, kv_cache, meta)
+        elif isinstance(self.self_attn, MLAttention):  # (it reads its own layer's metadata only)
+            a = self.self_attn(h, rope, kv_cache, layer_metadata(meta, self.sliding))
         else:
             assert self.self_attn is not None
             a = self.self_attn(h, rope, kv_cache, meta)

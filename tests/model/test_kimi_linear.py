@@ -1,0 +1,160 @@
+"""Kimi Linear in pytgi's own code (issue 64): Kimi Delta Attention layers (a gated delta rule with a
+decay per key channel, on the state pool) between multi-head latent attention layers without RoPE, and
+DeepSeek V3's experts. Tiny random configs through the engine: greedy tokens equal transformers'
+`generate` in float32, alone and batched, with prefill chunks that cut through the prompts (and
+through the chunked rule's chunks); in bf16 a request batched with others gives what it gives alone;
+the chunked rule equals the token-by-token recurrence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from pytgi.core.config import EngineConfig
+from pytgi.engine.llm_engine import LLMEngine
+from pytgi.engine.models.kda import KimiDeltaAttention, chunked_rule, l2norm, recurrent_step
+from tests.model.test_sharding import run
+
+PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 64] * 10, [7, 9] * 10, list(range(30, 60)), [11]]
+
+COMMON = dict(
+    vocab_size=101,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=4,  # (MLA reads none; the shards' early check of the config does)
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    linear_head_dim=16,
+    linear_num_heads=4,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=None,
+    initializer_range=0.2,  # weights big enough for greedy tokens that vary
+)
+
+
+def _save(model, path):
+    with torch.no_grad():  # norms away from 1, routing biases that change the choice
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.rand_like(b) * 0.5)
+    model.save_pretrained(path)
+    return model, path
+
+
+@pytest.fixture(scope="module", params=[None, 24], ids=["q_proj", "q_lora"])
+def kimi(request, tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.KimiLinearConfig(**COMMON, q_lora_rank=request.param)
+    model = transformers.KimiLinearForCausalLM(cfg).eval()
+    return _save(model, tmp_path_factory.mktemp("kimi-linear"))
+
+
+def _engine(path, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), max_batch_total_tokens=1024, **kw))
+
+
+def _reference(model, prompt):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_greedy_equals_transformers_in_float32(kimi):
+    model, path = kimi
+    refs = [_reference(model, p) for p in PROMPTS]
+    assert len({tuple(r) for r in refs}) > 1  # the answers differ: the test can tell them apart
+    # alone and together; prefill chunks of 24 and of 5 tokens cut every long prompt (and the rule's
+    # 32-token chunks), and decodes join them
+    for kw in (
+        {},
+        {"max_batch_prefill_tokens": 24, "enable_chunked_prefill": True},
+        {"max_batch_prefill_tokens": 5, "enable_chunked_prefill": True},
+    ):
+        engine = _engine(path, dtype="float32", **kw)
+        try:
+            together = run(engine, PROMPTS)
+            alone = [run(engine, [p])[0] for p in PROMPTS]
+        finally:
+            engine.shutdown()
+        for ref, (a, _), (b, _) in zip(refs, together, alone):
+            assert a == ref and b == ref, (kw, ref, a, b)
+
+
+def test_batched_equals_alone_in_bf16(kimi):
+    _, path = kimi
+    engine = _engine(path, dtype="bfloat16")
+    try:
+        alone = [run(engine, [p])[0] for p in PROMPTS]
+        batched = run(engine, PROMPTS)
+    finally:
+        engine.shutdown()
+    assert batched == alone  # tokens and every prompt and output logprob, to the bit
+
+
+def test_a_kda_layer_keeps_its_state_per_request(kimi):
+    _, path = kimi
+    engine = _engine(path, dtype="float32", max_batch_size=3)
+    try:
+        paged = engine.runner.paged
+        assert isinstance(paged.model.layers[0].linear_attn, KimiDeltaAttention)
+        # the convolution's window of q|k|v, then the rule's state per head
+        assert [tuple(t.shape) for t in paged.kv_caches[0]] == [(3, 3 * 4 * 16, 3), (3, 4, 16, 16)]
+        assert len(paged.kv_caches[1]) == 2  # the latent attention layer's cache
+        assert not engine.info.enable_prefix_caching
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("length", [1, 5, 32, 77])
+def test_the_chunked_rule_equals_the_recurrence(length):
+    g = torch.Generator().manual_seed(length)
+    H, K, V = 3, 16, 8
+    q, k = (l2norm(torch.randn(length, H, K, generator=g)) for _ in range(2))
+    v = torch.randn(length, H, V, generator=g)
+    decay = -torch.rand(length, H, K, generator=g) * 2  # per channel
+    beta = torch.rand(length, H, generator=g)
+    s0 = torch.randn(H, K, V, generator=g)
+    out, state = chunked_rule(q, k, v, decay, beta, s0.clone(), chunk=16)
+    ref_state = s0.clone().unsqueeze(0)
+    ref = torch.stack(
+        [
+            recurrent_step(
+                q[t : t + 1], k[t : t + 1], v[t : t + 1], decay[t : t + 1], beta[t : t + 1], ref_state
+            )[0]
+            for t in range(length)
+        ]
+    )
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, ref_state[0], rtol=1e-5, atol=1e-5)
+
+
+def test_two_shards_equal_one(kimi):
+    """Each rank keeps whole KDA heads (their projections' rows, convolution channels, decays and
+    states) and its share of the latent attention's query heads; the outputs are all-reduced."""
+    _, path = kimi
+    outs = []
+    for n in (1, 2):
+        engine = _engine(path, dtype="float32", num_shard=n)
+        try:
+            outs.append(run(engine, PROMPTS[:2]))
+        finally:
+            engine.shutdown()
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
+        assert tokens == ref_tokens
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
