@@ -502,6 +502,7 @@ FAMILIES: tuple[Family, ...] = (
         module="kimi_linear",
         config="kimi_linear_config",
         generators=("KimiLinearForCausalLM",),
+        gguf=(GgufName("kimi-linear", "KimiLinearForCausalLM", "kimi_linear"),),
         recurrent=True,
         experts=True,
         lora=False,

@@ -158,3 +158,128 @@ def test_two_shards_equal_one(kimi):
     for (tokens, lps), (ref_tokens, ref_lps) in zip(*outs):
         assert tokens == ref_tokens
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(ref_lps), atol=1e-5, rtol=1e-5)
+
+
+# -- GGUF files as llama.cpp's converter writes them (`kimi-linear`) ------------------------------------
+# A KDA layer's tensors as `ssm_*` (the convolutions [1, H·K, 1, kernel] apart, A_log as −exp(A_log),
+# dt_bias as `ssm_dt.bias`, o_norm as `ssm_norm`), its q, k, v and output under the attention's names;
+# MLA's kv_b_proj split per head (attn_k_b transposed, attn_v_b); kv heads per layer (1 MLA, 0 KDA).
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_a_proj": "attn_q_a",
+    "self_attn.q_a_layernorm": "attn_q_a_norm",
+    "self_attn.q_b_proj": "attn_q_b",
+    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+    "self_attn.kv_a_layernorm": "attn_kv_a_norm",
+    "self_attn.forget_gate.f_a_proj": "ssm_f_a",
+    "self_attn.forget_gate.f_b_proj": "ssm_f_b",
+    "self_attn.b_proj": "ssm_beta",
+    "self_attn.g_a_proj": "ssm_g_a",
+    "self_attn.g_b_proj": "ssm_g_b",
+    "self_attn.o_norm": "ssm_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_experts.up_proj": "ffn_up_shexp",
+    "mlp.shared_experts.down_proj": "ffn_down_shexp",
+}
+
+
+def write_kimi_linear_gguf(hf, path) -> None:
+    import gguf
+    import numpy as np
+
+    from tests.model.test_gguf_families import byte_vocabulary
+
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "kimi-linear")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(512)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv([1 if t == "full_attention" else 0 for t in c.layer_types])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_vocab_size(c.vocab_size)
+    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    w.add_kda_head_dim(c.linear_head_dim)
+    if c.q_lora_rank is not None:
+        w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+    w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    w.add_value_length_mla(c.v_head_dim)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_leading_dense_block_count(c.mlp_layer_types.count("dense"))
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    w.add_expert_group_count(c.n_group)
+    w.add_expert_group_used_count(c.topk_group)
+    byte_vocabulary(w, c.vocab_size)
+    K, H = c.linear_head_dim, c.linear_num_heads
+    for name, t in hf.state_dict().items():
+        a = t.detach().float().numpy()
+        if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            glob = {"model.embed_tokens.weight": "token_embd", "model.norm.weight": "output_norm"}
+            w.add_tensor(glob.get(name, "output") + ".weight", a)
+            continue
+        _, _, i, rest = name.split(".", 3)
+        stem, _, kind = rest.rpartition(".")
+        blk = f"blk.{i}."
+        if rest == "self_attn.conv1d.weight":  # q|k|v stacked [3·H·K, 1, kernel] → three [1, H·K, 1, kernel]
+            for part, x in zip("qkv", np.split(a, 3)):
+                w.add_tensor(
+                    f"{blk}ssm_conv1d_{part}.weight", np.ascontiguousarray(x.reshape(1, H * K, 1, -1))
+                )
+        elif rest == "self_attn.forget_gate.A_log":
+            w.add_tensor(blk + "ssm_a", -np.exp(a))
+        elif rest == "self_attn.forget_gate.dt_bias":
+            w.add_tensor(blk + "ssm_dt.bias", a)
+        elif rest == "self_attn.kv_b_proj.weight":
+            kv_b = a.reshape(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+            k_b, v_b = kv_b[:, : c.qk_nope_head_dim], kv_b[:, c.qk_nope_head_dim :]
+            w.add_tensor(blk + "attn_k_b.weight", np.ascontiguousarray(k_b.swapaxes(1, 2)))
+            w.add_tensor(blk + "attn_v_b.weight", np.ascontiguousarray(v_b))
+        elif rest == "mlp.gate.e_score_correction_bias":
+            w.add_tensor(blk + "exp_probs_b.bias", a)
+        elif rest == "mlp.experts.gate_up_proj":  # [E, 2I, H]
+            gate, up = np.split(a, 2, axis=1)
+            w.add_tensor(blk + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            w.add_tensor(blk + "ffn_up_exps.weight", np.ascontiguousarray(up))
+        elif rest == "mlp.experts.down_proj":
+            w.add_tensor(blk + "ffn_down_exps.weight", a)
+        else:
+            w.add_tensor(f"{blk}{GGUF_NAMES[stem]}.{kind}", np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gguf_file_gives_transformers_logits(kimi, tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    model, _ = kimi
+    write_kimi_linear_gguf(model, tmp_path / "kimi.gguf")
+    engine = _engine(tmp_path / "kimi.gguf", dtype="float32")
+    try:  # (the file's vocabulary has an end-of-sequence token; transformers' config none)
+        got = run(engine, PROMPTS, ignore_eos=True)
+    finally:
+        engine.shutdown()
+    assert [t for t, _ in got] == [_reference(model, p) for p in PROMPTS]
+    for prompt, (_, lps) in zip(PROMPTS, got):  # each prompt token's logprob, as transformers gives it
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0].float()
+        want = logits.log_softmax(-1)[
+            torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)
+        ]
+        torch.testing.assert_close(torch.tensor(lps[: len(prompt) - 1]), want, atol=1e-4, rtol=1e-4)

@@ -133,7 +133,7 @@ class KimiDeltaAttention(nn.Module):
         )
         self.rows, self.first_head = rows, h0
         for p in (self.q_conv1d, self.k_conv1d, self.v_conv1d):
-            _set_loader(p, self._load_rows)
+            _set_loader(p, self._load_conv)
         # the forget gate: f_a (every rank's) then f_b's rows of this rank's heads
         self.f_a_proj = ColumnParallelLinear(hidden, [(0, K)])
         self.f_b_proj = ColumnParallelLinear(K, [rows])
@@ -149,10 +149,16 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.Parameter(torch.ones(K), requires_grad=False)  # the checkpoint's o_norm.weight
         self.o_proj = RowParallelLinear(rows, hidden)
 
-    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
-        """This rank's rows of a per-channel tensor: a convolution's [H·K, 1, kernel], dt_bias [H·K]."""
+    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        """This rank's channels of a convolution: the checkpoint's [H·K, 1, kernel], or a GGUF file's
+        [1, H·K, 1, kernel]."""
         start, n = self.rows
-        param.data.copy_(loaded.reshape(loaded.shape[0], -1)[start : start + n].view_as(param))
+        param.data.copy_(loaded.reshape(-1, self.cfg.conv_kernel)[start : start + n])
+
+    def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
+        """This rank's rows of dt_bias [H·K]."""
+        start, n = self.rows
+        param.data.copy_(loaded.reshape(-1)[start : start + n])
 
     def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor, shard: int = 0) -> None:
         """This rank's heads of A_log (the checkpoint's [1, 1, H, 1])."""
