@@ -283,3 +283,55 @@ def test_a_gguf_file_gives_transformers_logits(kimi, tmp_path, monkeypatch):
             torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)
         ]
         torch.testing.assert_close(torch.tensor(lps[: len(prompt) - 1]), want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_published_config_reads_as_transformers_reads_it():
+    """moonshotai/Kimi-Linear-48B-A3B's config.json names its keys its own way and gives the layers in
+    `linear_attn_config` (1-indexed): read as transformers' config reads them."""
+    from pytgi.engine.models.kimi_linear import kimi_linear_config
+
+    published = dict(
+        architectures=["KimiLinearForCausalLM"],
+        first_k_dense_replace=1,
+        hidden_act="silu",
+        hidden_size=2304,
+        intermediate_size=9216,
+        kv_lora_rank=512,
+        linear_attn_config=dict(
+            full_attn_layers=[4, 8, 12, 16, 20, 24, 27],
+            kda_layers=[i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)],
+            head_dim=128,
+            num_heads=32,
+            short_conv_kernel_size=4,
+        ),
+        mla_use_nope=True,
+        model_max_length=1048576,
+        moe_intermediate_size=1024,
+        moe_renormalize=True,
+        moe_router_activation_func="sigmoid",
+        num_attention_heads=32,
+        num_expert_group=1,
+        num_experts=256,
+        num_experts_per_token=8,
+        num_hidden_layers=27,
+        num_key_value_heads=32,
+        num_shared_experts=1,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        rms_norm_eps=1e-5,
+        routed_scaling_factor=2.446,
+        topk_group=1,
+        v_head_dim=128,
+        vocab_size=163840,
+        pad_token_id=163839,
+    )
+    theirs = transformers.KimiLinearConfig(**published)
+    ours = kimi_linear_config(published)
+    assert ours.layer_types == theirs.layer_types
+    assert ours.linear.num_heads == 32 and ours.linear.head_dim == 128 and ours.linear.conv_kernel == 4
+    assert ours.moe.sparse_layers == [t == "sparse" for t in theirs.mlp_layer_types]
+    assert (ours.moe.num_experts, ours.moe.top_k, ours.moe.shared_intermediate_size) == (256, 8, 1024)
+    assert ours.moe.routing.scale == 2.446 and ours.moe.norm_topk
+    assert ours.max_position_embeddings == 1048576
+    assert ours.attn_scale == (128 + 64) ** -0.5 and ours.rope_layers == [False] * 27

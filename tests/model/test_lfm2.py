@@ -269,3 +269,37 @@ def test_a_gguf_file_gives_transformers_logits(arch, tmp_path, monkeypatch):
             torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)
         ]
         torch.testing.assert_close(torch.tensor(lps[: len(prompt) - 1]), want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_published_config_reads_as_transformers_reads_it():
+    """LiquidAI/LFM2-1.2B's config.json: `block_ff_dim` adjusted to the MLP's width, `tie_embedding`,
+    `norm_eps`, the layer types; the width is the one transformers' model builds."""
+    from pytgi.engine.models.lfm2 import lfm2_config
+
+    published = dict(
+        architectures=["Lfm2ForCausalLM"],
+        block_auto_adjust_ff_dim=True,
+        block_ff_dim=12288,
+        block_ffn_dim_multiplier=1.0,
+        block_multiple_of=256,
+        conv_L_cache=3,
+        conv_bias=False,
+        hidden_size=2048,
+        intermediate_size=12288,
+        full_attn_idxs=[2, 5, 8, 10, 12, 14],
+        norm_eps=1e-5,
+        num_attention_heads=32,
+        num_hidden_layers=16,
+        num_key_value_heads=8,
+        rope_theta=1000000.0,
+        tie_embedding=True,
+        vocab_size=65536,
+    )
+    theirs = transformers.Lfm2Config(**published)
+    with torch.device("meta"):
+        mlp = transformers.models.lfm2.modeling_lfm2.Lfm2MLP(theirs)
+    ours = lfm2_config(published)
+    assert ours.intermediate_size == mlp.w1.out_features == 8192
+    assert ours.layer_types == theirs.layer_types
+    assert ours.tie_word_embeddings and ours.rms_norm_eps == 1e-5 and ours.qk_norm
+    assert ours.linear is not None and ours.linear.kernel == 3 and not ours.linear.bias
