@@ -98,16 +98,16 @@ def chunked_rule(
     out = torch.empty_like(v)
     for c in range(n):
         Gc, qc, kc, vc, bc = G[:, c], q[:, c], k[:, c], v[:, c], beta[:, c]
-        diff = Gc[:, :, None, :] - Gc[:, None, :, :]  # [H, C (i), C (j), K]
-        decay = diff.masked_fill(~causal[..., None], float("-inf")).exp()
-        kd = kc[:, :, None, :] * decay  # k_i D_ij, per channel
-        system = torch.einsum("hijc,hjc->hij", kd, kc) * bc
-        system = system.masked_fill(~causal, 0.0)  # (the diagonal: unit, as solved)
+        # D_ij ⊙ k_j [H, C (i), C (j), K], built in place (one [C, C, K] tensor a head), then its
+        # products with k_i and q_i in one matmul
+        kj = (Gc[:, :, None, :] - Gc[:, None, :, :]).masked_fill_(~causal[..., None], float("-inf"))
+        kj = kj.exp_().mul_(kc[:, None, :, :])
+        products = kj @ torch.stack([kc, qc], dim=-1)  # [H, C, C, 2]
+        system = (products[..., 0] * bc).masked_fill(~causal, 0.0)  # (the diagonal: unit, as solved)
         rhs = torch.cat([vc * bc, kc * bc * Gc.exp()], dim=-1)
         solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
         u = solved[..., :V] - solved[..., V:] @ state
-        inner = torch.einsum("hic,hijc,hjc->hij", qc, decay, kc)
-        out[:, c] = (qc * Gc.exp()) @ state + inner @ u
+        out[:, c] = (qc * Gc.exp()) @ state + products[..., 1] @ u
         k_to_end = kc * (Gc[:, -1:] - Gc).exp()
         state = state * Gc[:, -1, :, None].exp() + k_to_end.transpose(-1, -2) @ u
     return out.reshape(H, n * chunk, V)[:, :L].transpose(0, 1), state
