@@ -303,3 +303,61 @@ def test_the_published_config_reads_as_transformers_reads_it():
     assert ours.layer_types == theirs.layer_types
     assert ours.tie_word_embeddings and ours.rms_norm_eps == 1e-5 and ours.qk_norm
     assert ours.linear is not None and ours.linear.kernel == 3 and not ours.linear.bias
+
+
+def test_a_preempted_request_recomputes_its_state(lfm2):
+    """A KV cache too small for every request at once: the last admitted is preempted, its state slot
+    freed and its convolutions' windows recomputed from its tokens when it runs again; the answers are
+    those of a cache big enough."""
+    _, path = lfm2
+    prompts = [list(range(1 + i, 41 + i)) for i in range(4)]
+    engine = _engine(path, dtype="float32")
+    try:
+        ref = run(engine, prompts)
+    finally:
+        engine.shutdown()
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path), max_batch_total_tokens=112, block_size=16, max_batch_size=4, dtype="float32"
+        )
+    )
+    try:
+        got = run(engine, prompts)
+        assert engine.scheduler.num_preemptions > 0
+        assert sorted(engine.block_manager.free_states) == list(range(engine.info.max_batch_size))
+    finally:
+        engine.shutdown()
+    assert [t for t, _ in got] == [t for t, _ in ref]
+
+
+def test_a_q8_0_file_serves_its_own_values(tmp_path, monkeypatch):
+    """A file whose matrices are Q8_0 (the conv layers' in_proj and out_proj, the experts too): the
+    tokens transformers gives with the same values rounded as the file holds them."""
+    import gguf
+
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    torch.manual_seed(3)
+    model, _ = _save(_lfm2_moe_model(), tmp_path / "hf")
+    with torch.no_grad():  # transformers' weights rounded as the file will hold them
+        for name, p in model.named_parameters():
+            if p.ndim >= 2 and "embed_tokens" not in name and "conv.conv" not in name:
+                a = p.numpy().reshape(-1, p.shape[-1])
+                back = gguf.quants.dequantize(gguf.quants.quantize(a, q8), q8)
+                p.copy_(torch.from_numpy(back.reshape(p.shape)))
+    plain = gguf.GGUFWriter.add_tensor
+
+    def add(self, name, a, *args, **kw):  # every matrix but the embedding and the taps as Q8_0
+        if a.ndim >= 2 and "token_embd" not in name and "shortconv.conv" not in name:
+            return plain(self, name, gguf.quants.quantize(np.ascontiguousarray(a), q8), raw_dtype=q8)
+        return plain(self, name, a, *args, **kw)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add)
+    write_lfm2_gguf(model, "lfm2moe", tmp_path / "q8.gguf")
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", plain)
+    engine = _engine(tmp_path / "q8.gguf", dtype="float32")
+    try:
+        got = run(engine, PROMPTS, ignore_eos=True)
+    finally:
+        engine.shutdown()
+    assert [t for t, _ in got] == [_reference(model, p) for p in PROMPTS]
