@@ -97,12 +97,22 @@ SMALL = dict(
     num_kv_shared_layers=0,
 )
 IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-# per model_type, the layers its tiny config must name: a Mamba hybrid's default is every layer Mamba,
-# which transformers' own generate cannot run (its cache has no attention layer to size a mask from),
-# so one layer attends
-LAYERS = {
+# per model_type, what its defaults leave out: a Mamba hybrid's default is every layer Mamba, which
+# transformers' own generate cannot run (its cache has no attention layer to size a mask from), so one
+# layer attends; LFM2's default puts attention in every layer (none of its short convolutions, the
+# layer kind that makes the family), LFM2-MoE's names no layer types at all (transformers' model cannot
+# be built from it), Kimi Linear's makes four layers all linear (transformers' masks then fail) and its
+# linear heads stay 32 of 128
+OWN = {
     "bamba": dict(attn_layer_indices=[1]),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] + ["linear_attention"] * 2),
+    "lfm2": dict(layer_types=["conv", "full_attention", "conv", "conv"]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "conv"], num_dense_layers=1),
+    "kimi_linear": dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+        linear_num_heads=4,
+        linear_head_dim=16,
+    ),
 }
 
 
@@ -135,7 +145,7 @@ def tiny_config(model_type: str):  # -> transformers.PreTrainedConfig
     if base.get_text_config(decoder=True) is not base:
         return None  # a composite (vision, audio): its text model is tried under its own model_type
     given = {k: v for k, v in {**SMALL, **IDS}.items() if _has(base, k)}
-    given.update(LAYERS.get(model_type, {}))
+    given.update(OWN.get(model_type, {}))
     if "head_dim" in given and _has(base, "qk_nope_head_dim"):  # latent attention: head_dim is rope's,
         given["head_dim"] = SMALL["qk_rope_head_dim"]  # and every query head has its keys
         given["num_key_value_heads"] = SMALL["num_attention_heads"]

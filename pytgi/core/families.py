@@ -532,6 +532,43 @@ FAMILIES: tuple[Family, ...] = (
         generators=("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"),
         note="the language model only: the vision tower and MTP layers are not read",
     ),
+    Family(
+        name="LFM2, LFM2-MoE",
+        module="lfm2",
+        config="lfm2_config",
+        generators=("Lfm2ForCausalLM", "Lfm2MoeForCausalLM"),
+        gguf=(
+            GgufName("lfm2", "Lfm2ForCausalLM", "lfm2"),
+            GgufName("lfm2moe", "Lfm2MoeForCausalLM", "lfm2_moe"),
+        ),
+        recurrent=True,
+        experts=True,  # LFM2-MoE
+        lora=False,
+        speculation=False,
+        cuda_graphs=False,
+        kv_dtypes=NO_FP8,
+        note=(
+            "Liquid AI's hybrids: short-convolution layers on a state pool between attention layers "
+            "with q/k norms; LFM2-MoE: dense first layers, a sigmoid router with an expert bias"
+        ),
+    ),
+    Family(
+        name="Kimi Linear",
+        module="kimi_linear",
+        config="kimi_linear_config",
+        generators=("KimiLinearForCausalLM",),
+        gguf=(GgufName("kimi-linear", "KimiLinearForCausalLM", "kimi_linear"),),
+        recurrent=True,
+        experts=True,
+        lora=False,
+        speculation=False,
+        cuda_graphs=False,
+        kv_dtypes=NO_FP8,
+        note=(
+            "Kimi Delta Attention layers (a gated delta rule with a decay per channel) on a state pool, "
+            "between latent-attention layers without RoPE; DeepSeek V3's experts"
+        ),
+    ),
     replace(
         _MAMBA,
         name="Nemotron-H",

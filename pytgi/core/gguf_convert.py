@@ -29,10 +29,14 @@ if TYPE_CHECKING:
 # A GGUF file's metadata and tensor index: one file's reader, or a split file's parts read as one
 Reader: TypeAlias = "GGUFReader | _SplitReader"
 
-# the model types of the GGUF names whose layers are gated DeltaNet's (Qwen3-Next's: their tensors' own
-# names, offset norms), and Mamba-2's (Nemotron-H's, Granite-4.0-H's)
-HYBRID_TYPES = frozenset(g.model_type for f in FAMILIES if f.module == "qwen3_next" for g in f.gguf)
+# the model types of the GGUF names of the gated-DeltaNet families (Qwen3-Next, Qwen3.5: their linear
+# layers' tensors, stored −exp(A_log) and 1 + w norms), of Mamba-2's (Nemotron-H's, Granite-4.0-H's)
+# and of LFM2's (its short convolutions' tensors)
+DELTANET_TYPES = frozenset(g.model_type for f in FAMILIES if f.module == "qwen3_next" for g in f.gguf)
 MAMBA_TYPES = frozenset(g.model_type for f in FAMILIES if f.module == "mamba_hybrid" for g in f.gguf)
+LFM2_TYPES = frozenset(g.model_type for f in FAMILIES if f.module == "lfm2" for g in f.gguf)
+# ... and Kimi Linear's (its KDA layers' tensors; ssm_a is −exp(A_log) there too)
+KDA_TYPES = frozenset(g.model_type for f in FAMILIES if f.module == "kimi_linear" for g in f.gguf)
 # Gemma's layers have four norms: llama.cpp's ffn_norm is the one before the MLP there.
 GEMMA_LAYER_TENSORS = {
     "post_attention_norm": "post_attention_layernorm",
@@ -165,6 +169,23 @@ DEEPSEEK_LAYER_TENSORS = {
     "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
 }
 DEEPSEEK_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "mistral4"})
+# Kimi Linear's KDA layers (their q, k, v and output projections under the attention's names, which
+# `kimi_linear_config` renames per layer); the convolutions, A_log, dt_bias and o_norm: bare parameters
+KDA_LAYER_TENSORS = {
+    "ssm_f_a": "linear_attn.f_a_proj",
+    "ssm_f_b": "linear_attn.f_b_proj",
+    "ssm_beta": "linear_attn.b_proj",
+    "ssm_g_a": "linear_attn.g_a_proj",
+    "ssm_g_b": "linear_attn.g_b_proj",
+}
+KDA_PARAMETERS = {
+    "ssm_conv1d_q.weight": "q_conv1d",
+    "ssm_conv1d_k.weight": "k_conv1d",
+    "ssm_conv1d_v.weight": "v_conv1d",
+    "ssm_a": "A_log",
+    "ssm_dt.bias": "dt_bias",
+    "ssm_norm.weight": "o_norm",
+}
 # Phi-3 keeps q, k, v and gate, up fused
 PHI3_LAYER_TENSORS = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -694,7 +715,7 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
                     "sliding_attention": {"rope_type": "default", "rope_theta": local},
                 },
             )
-    if model_type in HYBRID_TYPES:
+    if model_type in DELTANET_TYPES:
         layers = config["num_hidden_layers"]
         recurrent = _field(reader, f"{arch}.attention.recurrent_layers")
         interval = int(_field(reader, f"{arch}.full_attention_interval", 4))
@@ -731,6 +752,10 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
             )
     if model_type in MAMBA_TYPES:
         _mamba_hybrid(reader, str(arch), config, names)
+    if model_type in LFM2_TYPES:
+        config.update(_lfm2(reader, str(arch), config, names))
+    if model_type in KDA_TYPES:
+        config.update(_kimi_linear(reader, str(arch), config))
     if model_type == "exaone4":
         if window := _field(reader, f"{arch}.attention.sliding_window"):
             pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
@@ -770,6 +795,92 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
         if (value := _field(reader, f"{arch}.{key}")) is not None:
             config[hf_key] = value
     return config
+
+
+def _lfm2(reader: Reader, arch: str, config: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """An `lfm2` or `lfm2moe` file's config.json keys, as llama.cpp's converter wrote them from
+    LFM2's: the layers' kinds from the kv heads per layer (0: a short convolution), the convolution's
+    taps (`shortconv.l_cache`), the MLP's width as the model uses it (already adjusted); LFM2-MoE's
+    dense first layers and its router (sigmoid scores, the correction bias where the file has
+    `exp_probs_b`, renormalized unless the file says not)."""
+    layers = config["num_hidden_layers"]
+    kv = _field(reader, f"{arch}.attention.head_count_kv", config["num_attention_heads"])
+    kv = [int(k) for k in kv] if isinstance(kv, list) else [int(kv)] * layers
+    out: dict[str, Any] = {
+        "layer_types": ["full_attention" if k else "conv" for k in kv[:layers]],
+        "num_key_value_heads": max(kv),
+        "conv_L_cache": int(_required(reader, f"{arch}.shortconv.l_cache")),
+        "norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "block_auto_adjust_ff_dim": False,
+        "conv_bias": any(n.endswith(".shortconv.conv.bias") for n in names),
+    }
+    experts = _field(reader, f"{arch}.expert_count")
+    if experts:
+        gating = _field(reader, f"{arch}.expert_gating_func")
+        if gating not in (None, 2):  # llama.cpp's ExpertGatingFuncType: 1 softmax, 2 sigmoid
+            raise GGUFConversionError(
+                f"an {arch!r} file whose router's gating function is {gating}: LFM2-MoE's is sigmoid"
+            )
+        out.update(
+            num_experts=int(experts),
+            num_experts_per_tok=int(_required(reader, f"{arch}.expert_used_count")),
+            moe_intermediate_size=int(_required(reader, f"{arch}.expert_feed_forward_length")),
+            num_dense_layers=int(_field(reader, f"{arch}.leading_dense_block_count", 0)),
+            use_expert_bias=any(n.endswith(".exp_probs_b.bias") for n in names),
+            norm_topk_prob=bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+            routed_scaling_factor=float(_field(reader, f"{arch}.expert_weights_scale", 1.0) or 1.0),
+        )
+    return out
+
+
+def _kimi_linear(reader: Reader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """A `kimi-linear` file's config.json keys, as llama.cpp's converter wrote them from Kimi Linear's:
+    the layers' kinds from the kv heads per layer (1: a latent-attention layer, 0: KDA), the KDA heads'
+    size (`kda.head_dim`) and count (`ssm_beta`'s rows), the convolution's taps, MLA's ranks and head
+    sizes, the experts (DeepSeek V3's sigmoid router: renormalized unless the file says not)."""
+    layers = config["num_hidden_layers"]
+    kv = _field(reader, f"{arch}.attention.head_count_kv", 1)
+    kv = [int(k) for k in kv] if isinstance(kv, list) else [int(kv)] * layers
+    types = ["full_attention" if k else "linear_attention" for k in kv[:layers]]
+    kda = next((i for i, t in enumerate(types) if t == "linear_attention"), None)
+    heads = 0
+    if kda is not None:
+        beta = next((t for t in reader.tensors if t.name == f"blk.{kda}.ssm_beta.weight"), None)
+        if beta is None:
+            raise GGUFConversionError(f"a {arch!r} file's KDA layer {kda} has no ssm_beta tensor")
+        heads = int(beta.shape[1])  # (ggml's order: [hidden, heads])
+    rope_dim = int(_required(reader, f"{arch}.rope.dimension_count"))
+    q_lora = _field(reader, f"{arch}.attention.q_lora_rank")
+    out: dict[str, Any] = {
+        "layer_types": types,
+        "num_key_value_heads": config["num_attention_heads"],  # MLA's heads (llama.cpp writes 1)
+        "linear_num_heads": heads,
+        "linear_head_dim": int(_field(reader, f"{arch}.kda.head_dim", 128)),
+        "linear_conv_kernel_dim": int(_field(reader, f"{arch}.ssm.conv_kernel", 4)),
+        "q_lora_rank": None if q_lora is None else int(q_lora),
+        "kv_lora_rank": int(_required(reader, f"{arch}.attention.kv_lora_rank")),
+        "qk_rope_head_dim": rope_dim,
+        "qk_nope_head_dim": int(_required(reader, f"{arch}.attention.key_length_mla")) - rope_dim,
+        "v_head_dim": int(_required(reader, f"{arch}.attention.value_length_mla")),
+        "first_k_dense_replace": int(_field(reader, f"{arch}.leading_dense_block_count", 0)),
+    }
+    if experts := _field(reader, f"{arch}.expert_count"):
+        gating = _field(reader, f"{arch}.expert_gating_func")
+        if gating not in (None, 2):  # llama.cpp's ExpertGatingFuncType: 1 softmax, 2 sigmoid
+            raise GGUFConversionError(
+                f"a {arch!r} file whose router's gating function is {gating}: Kimi's is sigmoid"
+            )
+        out.update(
+            num_experts=int(experts),
+            num_experts_per_token=int(_required(reader, f"{arch}.expert_used_count")),
+            moe_intermediate_size=int(_required(reader, f"{arch}.expert_feed_forward_length")),
+            num_shared_experts=int(_field(reader, f"{arch}.expert_shared_count", 0)),
+            routed_scaling_factor=float(_field(reader, f"{arch}.expert_weights_scale", 1.0) or 1.0),
+            moe_renormalize=bool(_field(reader, f"{arch}.expert_weights_norm", True)),
+            num_expert_group=int(_field(reader, f"{arch}.expert_group_count", 1) or 1),
+            topk_group=int(_field(reader, f"{arch}.expert_group_used_count", 1) or 1),
+        )
+    return out
 
 
 def _rope(reader: Reader, arch: str, theta: float, truncate: bool | None = None) -> dict[str, Any]:
@@ -1091,9 +1202,9 @@ def mtp_tensor(name: str, config: dict[str, Any]) -> bool:
 
 
 def hf_tensor_name(name: str, model_type: str = "llama") -> str:
-    if model_type in HYBRID_TYPES and name.endswith(".ssm_a"):  # a bare parameter: −exp(A_log)
+    if model_type in DELTANET_TYPES and name.endswith(".ssm_a"):  # a bare parameter: −exp(A_log)
         return f"model.layers.{name.split('.')[1]}.linear_attn.A_log"
-    if model_type in HYBRID_TYPES and name.endswith(".ssm_dt.bias"):
+    if model_type in DELTANET_TYPES and name.endswith(".ssm_dt.bias"):
         return f"model.layers.{name.split('.')[1]}.linear_attn.dt_bias"
     if model_type in MAMBA_TYPES:  # Mamba-2's bare parameters: blk.N.ssm_a, blk.N.ssm_d, blk.N.ssm_dt.bias
         parts = name.split(".")
@@ -1110,6 +1221,17 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
             return f"{GEMMA3N_TENSORS[stem]}.{kind}"
         if len(parts) == 3 and parts[0] == "blk" and parts[2] == "altup_correct_scale":
             return f"model.layers.{parts[1]}.altup.correct_output_scale"  # a bare parameter
+    bits = name.split(".", 2)  # a KDA layer's bare parameters: blk.N.<its GGUF name>
+    if model_type in KDA_TYPES and len(bits) == 3 and bits[0] == "blk" and bits[2] in KDA_PARAMETERS:
+        return f"model.layers.{bits[1]}.linear_attn.{KDA_PARAMETERS[bits[2]]}"
+    if model_type in LFM2_TYPES:
+        if stem == "token_embd_norm":  # LFM2's final norm (`embedding_norm`: after the last layer)
+            return f"model.norm.{kind}"
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] == "shortconv":  # conv, in_proj, out_proj
+            mixer = f"model.layers.{parts[1]}.linear_attn."
+            if parts[3] == "conv":  # bare parameters (`short_conv.ShortConv`)
+                return mixer + ("conv" if kind == "weight" else "conv_bias")
+            return f"{mixer}{parts[3]}.{kind}"
     if model_type == "gemma4_text":
         if stem in GEMMA4_TENSORS:
             return f"{GEMMA4_TENSORS[stem]}.{kind}"
@@ -1131,7 +1253,7 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         else {**LAYER_TENSORS, **GPT_OSS_LAYER_TENSORS}
         if model_type == "gpt_oss"
         else {**LAYER_TENSORS, **HYBRID_LAYER_TENSORS}
-        if model_type in HYBRID_TYPES
+        if model_type in DELTANET_TYPES
         else {**LAYER_TENSORS, **MAMBA_LAYER_TENSORS}
         if model_type in MAMBA_TYPES
         else {**LAYER_TENSORS, **POST_NORM_LAYER_TENSORS}
@@ -1140,6 +1262,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         if model_type == "seed_oss"  # its MLP's input norm under that name
         else {**LAYER_TENSORS, **DEEPSEEK_LAYER_TENSORS}
         if model_type in DEEPSEEK_TYPES
+        else {**LAYER_TENSORS, **DEEPSEEK_LAYER_TENSORS, **KDA_LAYER_TENSORS}
+        if model_type in KDA_TYPES
         else {**LAYER_TENSORS, **GLM4_MOE_LAYER_TENSORS}
         if model_type == "glm4_moe"
         else LAYER_TENSORS

@@ -38,8 +38,10 @@ def tiny_path(tmp_path_factory):
     return path
 
 
-def run(engine: LLMEngine, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    params = SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=True)
+def run(
+    engine: LLMEngine, prompts: list[list[int]], ignore_eos: bool = False
+) -> list[tuple[list[int], list[float]]]:
+    params = SamplingParams(max_new_tokens=12, temperature=0, prompt_logprobs=True, ignore_eos=ignore_eos)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}

@@ -72,7 +72,9 @@ def test_the_lists_others_read_come_from_the_registry():
     assert pooling.ENCODERS == {"BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel"}
     assert "Qwen3ForSequenceClassification" in pooling.DECODER_CLASSIFIERS
     assert "MistralModel" in pooling.DECODER_EMBEDDERS
-    assert gguf_convert.HYBRID_TYPES == {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}
+    assert gguf_convert.DELTANET_TYPES == {"qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"}
+    assert gguf_convert.LFM2_TYPES == {"lfm2", "lfm2_moe"}
+    assert gguf_convert.KDA_TYPES == {"kimi_linear"}
     for f in FAMILIES:
         for g in f.gguf:
             assert g.architecture in f.generators, (f.name, g.name)

@@ -35,7 +35,14 @@ import torch
 
 from pytgi.core.errors import GGUFConversionError
 from pytgi.core.families import gguf_of_model_type
-from pytgi.core.gguf_convert import HYBRID_TYPES, MAMBA_TYPES, SOURCE_FILE, hf_tensor_name, mtp_tensor
+from pytgi.core.gguf_convert import (
+    DELTANET_TYPES,
+    KDA_TYPES,
+    MAMBA_TYPES,
+    SOURCE_FILE,
+    hf_tensor_name,
+    mtp_tensor,
+)
 from pytgi.engine import kernels
 
 if TYPE_CHECKING:
@@ -331,8 +338,9 @@ class GGUFWeights:
         self._permute = gguf_name is not None and gguf_name.permuted_qk  # llama.cpp interleaved q/k rows
         # Gemma 2 and 3's norms are stored as 1 + w (Gemma 3n's and 4's as they are)
         self._gemma = model_type.startswith("gemma") and model_type not in ("gemma3n_text", "gemma4_text")
-        self._hybrid = model_type in HYBRID_TYPES
-        self._a_log = model_type in HYBRID_TYPES | MAMBA_TYPES  # DeltaNet's and Mamba-2's decays
+        self._hybrid = model_type in DELTANET_TYPES
+        # A_log stored as −exp(A_log): gated DeltaNet's, KDA's and Mamba-2's decays
+        self._neg_exp_a = model_type in DELTANET_TYPES | KDA_TYPES | MAMBA_TYPES
 
     def names(self) -> list[str]:
         return list(self.tensors)
@@ -437,7 +445,7 @@ class GGUFWeights:
         self._release(name)
         if (self._gemma or self._hybrid) and name.endswith("norm.weight") and ".linear_attn." not in name:
             out -= 1  # llama.cpp stores Gemma's and Qwen3-Next's offset norms as 1 + w
-        if self._a_log and name.endswith(".A_log"):
+        if self._neg_exp_a and name.endswith(".A_log"):
             out = torch.log(-out)  # llama.cpp stores −exp(A_log)
         heads = self._heads(name)
         if heads is not None:

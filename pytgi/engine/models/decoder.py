@@ -227,7 +227,8 @@ class DecoderConfig:
     single_mixer: bool = False
     mlp_gated: bool = True
     # checkpoint names rewritten before any other rule (regex, replacement), in order: families whose
-    # checkpoints name the modules otherwise (Nemotron-H's `backbone.` and `mixer.`, Bamba's `mamba.`)
+    # checkpoints name the modules otherwise (Nemotron-H's `backbone.` and `mixer.`, Bamba's `mamba.`,
+    # LFM2's `operator_norm` and `feed_forward.w1`: `literal_renames`)
     weight_renames: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -245,6 +246,11 @@ class DecoderConfig:
     # multi-head latent attention (DeepSeek V2/V3, `pytgi.engine.models.mla`): then one kv head of
     # `head_dim` = the latent's row, `rotary_dim` its rotary part, `attn_scale` MLA's softmax scale
     mla: MLAConfig | None = None
+
+
+def literal_renames(*pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    """`DecoderConfig.weight_renames` that replace parts of a name as they are written."""
+    return tuple((re.escape(old), new) for old, new in pairs)
 
 
 def local_heads(cfg: DecoderConfig, layer: LayerAttention | None = None) -> tuple[int, int, int]:
@@ -594,6 +600,8 @@ class DecoderLayer(nn.Module):
         if self.linear_attn is not None:
             assert isinstance(meta, StateMetadata)
             a = self.linear_attn(h, rope, kv_cache, meta)
+        elif isinstance(self.self_attn, MLAttention):  # (it reads its own layer's metadata only)
+            a = self.self_attn(h, rope, kv_cache, layer_metadata(meta, self.sliding))
         else:
             assert self.self_attn is not None
             a = self.self_attn(h, rope, kv_cache, meta)

@@ -72,6 +72,8 @@ class Routing:
     scale: float = 1.0
     input_norm: bool = False
     expert_scale: bool = False
+    # added to the chosen weights' sum where they are renormalized (LFM2-MoE's router adds 1e-6)
+    norm_eps: float = 1e-20
 
     def __post_init__(self) -> None:
         if self.scoring not in ("softmax", "sigmoid") or self.group_score not in ("top2", "max"):
@@ -109,7 +111,7 @@ def route(
     experts = choice.topk(top_k, dim=-1).indices
     weights = scores.gather(1, experts)
     if norm_topk:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + routing.norm_eps)
     if routing.scale != 1.0:
         weights = weights * routing.scale
     if expert_scale is not None:
