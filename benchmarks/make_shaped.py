@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Random-weight Hugging Face models of real shapes (Llama-3.2-3B, Llama-3.1-8B, Qwen3-30B-A3B,
-Qwen3.5-9B, Qwen3.5-35B-A3B, gpt-oss-20b, DeepSeek-V2-Lite, the MoE ones often with fewer layers)
+Qwen3.5-9B, Qwen3.5-35B-A3B, gpt-oss-20b, DeepSeek-V2-Lite, Nemotron-3-Nano-30B-A3B, the MoE ones often
+with fewer layers)
 with SmolLM2's tokenizer, optionally converted and quantized to Q4_K_M with llama.cpp's own tools
 from the llama-cpp-python sdist (docs/bench.md has the build).
 
@@ -16,6 +17,8 @@ from the llama-cpp-python sdist (docs/bench.md has the build).
     .venv/bin/python benchmarks/make_shaped.py --shape dsv2lite --llama-cpp $SD   # /tmp/llama/dsv2lite-27l-q4_k_m.gguf
     .venv/bin/python benchmarks/make_shaped.py --shape gptoss20b --llama-cpp $SD --outtype bf16
                                          # /tmp/llama/gptoss20b-24l-hf (MXFP4), gptoss20b-24l-bf16.gguf
+    .venv/bin/python benchmarks/make_shaped.py --shape nemotron3nano --layers 10 --llama-cpp $SD \
+        --convert-python .venv/bin/python --out-dir /tmp/nemo      # /tmp/nemo/nemotron3nano-10l-q4_k_m.gguf
 
 - The model is never instantiated: each tensor is generated on its own (torch.Generator seeded
   0 + its index in the checkpoint order), N(0, 0.02) for matrices, 1.0 for norm weights, and
@@ -29,6 +32,13 @@ from the llama-cpp-python sdist (docs/bench.md has the build).
   code bytes, `*_scales`: exponents 118..122, values within ±6·2^-5), quant_method mxfp4, the rest
   bf16 with biases and sinks; llama.cpp's converter keeps the experts' MXFP4 blocks as they are (its
   MXFP4_MOE file type) and writes the rest in --outtype (bf16 here, as ggml-org's files: no re-quantizing).
+- Nemotron-3-Nano-30B-A3B (nemotron3nano) is written as NVIDIA published it (config.json's keys with
+  hybrid_override_pattern, the `backbone.*` tensor names, one tensor per expert); --layers N keeps the
+  first N letters of the real 52-layer pattern (MEMEM*EMEMEM*..., M Mamba-2, E experts, * attention:
+  10 layers are MEMEM*EMEM, 5 Mamba-2, 4 MoE, 1 attention), not a rescaled pattern: the layers keep
+  their real neighbours. A_log, dt_bias and D are N(0, 0.02) like the matrices (A ≈ −1, dt ≈ 0.69).
+  No row of 2688 or 1856 values is a whole number of K-quant blocks (256), so llama-quantize's Q4_K_M
+  falls back to Q5_0 and Q8_0 for most tensors (10 layers: 6.11 G parameters, 4.72 GiB; 682 s here).
 - With --llama-cpp: convert_hf_to_gguf.py --outtype bf16 (run by --convert-python with the sdist's
   gguf-py on PYTHONPATH), then build/bin/llama-quantize ... Q4_K_M; the HF dir and the bf16 GGUF
   are deleted once used unless --keep.
@@ -102,8 +112,66 @@ SHAPES = {
                      moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2,
                      num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", n_group=1,
                      topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0),
+    # Nemotron-3-Nano-30B-A3B (NVIDIA's published config.json): 23 Mamba-2 layers (64 heads of 64, d_state
+    # 128, 8 groups, conv 4), 23 MoE layers (128 experts of 1856, top 6, sigmoid routing with a correction
+    # bias, scaled by 2.5, one shared expert of 3712, relu² without a gate) and 6 attention layers (32
+    # heads, 2 kv heads of 128, no rotary embedding); written as a dict (`nemotron_config`), not a class
+    "nemotron3nano": {"cls": None, "arch": "NemotronHForCausalLM", "vocab_size": 131072, "hidden_size": 2688,
+                      "num_hidden_layers": 52, "rope_theta": 10000.0},
 }
 SHARD_BYTES = 2_000_000_000
+NEMOTRON3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+
+
+def nemotron_config(layers, tok):
+    """Nemotron-3-Nano-30B-A3B's config.json (the published keys), its first `layers` layers."""
+    return {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 131072,
+        "hidden_size": 2688, "num_hidden_layers": layers,
+        "hybrid_override_pattern": NEMOTRON3_NANO_PATTERN[:layers],
+        "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 128, "attention_bias": False,
+        "mamba_num_heads": 64, "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4,
+        "expand": 2, "chunk_size": 128, "use_conv_bias": True, "mamba_proj_bias": False,
+        "mamba_hidden_act": "silu", "mamba_ssm_cache_dtype": "float32", "intermediate_size": 1856,
+        "mlp_hidden_act": "relu2", "mlp_bias": False,
+        "n_routed_experts": 128, "num_experts_per_tok": 6, "moe_intermediate_size": 1856,
+        "moe_shared_expert_intermediate_size": 3712, "n_shared_experts": 1, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "n_group": 1, "topk_group": 1, "layer_norm_epsilon": 1e-5,
+        "residual_in_fp32": False, "rescale_prenorm_residual": True, "max_position_embeddings": 262144,
+        "rope_theta": 10000, "tie_word_embeddings": False, "initializer_range": 0.02, "use_cache": True,
+        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def nemotron_plan(c):
+    """(name, shape) of a Nemotron-H MoE checkpoint's tensors (the original `backbone.*` names)."""
+    H, nh, P = c["hidden_size"], c["mamba_num_heads"], c["mamba_head_dim"]
+    G, N = c["n_groups"], c["ssm_state_size"]
+    inner, conv = nh * P, nh * P + 2 * G * N
+    na, nkv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    E, F, S = c["n_routed_experts"], c["moe_intermediate_size"], c["moe_shared_expert_intermediate_size"]
+    plan = [("backbone.embeddings.weight", (c["vocab_size"], H))]
+    for i, kind in enumerate(c["hybrid_override_pattern"]):
+        p = f"backbone.layers.{i}."
+        m = p + "mixer."
+        plan.append((p + "norm.weight", (H,)))
+        if kind == "M":
+            plan += [(m + "in_proj.weight", (2 * inner + 2 * G * N + nh, H)),
+                     (m + "conv1d.weight", (conv, 1, c["conv_kernel"])), (m + "conv1d.bias", (conv,)),
+                     (m + "dt_bias", (nh,)), (m + "A_log", (nh,)), (m + "D", (nh,)),
+                     (m + "norm.weight", (inner,)), (m + "out_proj.weight", (H, inner))]
+        elif kind == "*":
+            plan += [(m + "q_proj.weight", (na * hd, H)), (m + "k_proj.weight", (nkv * hd, H)),
+                     (m + "v_proj.weight", (nkv * hd, H)), (m + "o_proj.weight", (H, na * hd))]
+        else:  # "E": the router and its correction bias, each expert's up and down, the shared expert
+            plan += [(m + "gate.weight", (E, H)), (m + "gate.e_score_correction_bias", (E,))]
+            for j in range(E):
+                plan += [(m + f"experts.{j}.up_proj.weight", (F, H)),
+                         (m + f"experts.{j}.down_proj.weight", (H, F))]
+            plan += [(m + "shared_experts.up_proj.weight", (S, H)),
+                     (m + "shared_experts.down_proj.weight", (H, S))]
+    return plan + [("backbone.norm_f.weight", (H,)), ("lm_head.weight", (c["vocab_size"], H))]
 
 
 def tensor_plan(c):
@@ -234,7 +302,7 @@ def write_weights(plan, out):
         for idx in idxs:
             name, shape = plan[idx]
             g = torch.Generator().manual_seed(0 + idx)
-            if name.endswith("norm.weight"):
+            if name.endswith(("norm.weight", "norm_f.weight")):
                 t = torch.ones(shape, dtype=torch.bfloat16)
             elif name.endswith("_blocks"):
                 t = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
@@ -274,7 +342,8 @@ def gib(path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
-    ap.add_argument("--layers", type=int, help="number of layers (qwen3moe default 24, others: the real count)")
+    ap.add_argument("--layers", type=int, help="number of layers (qwen3moe default 24, others: the real "
+                    "count; nemotron3nano: the first N of the real pattern)")
     ap.add_argument("--out-dir", default="/tmp/llama", help="where the HF dir and GGUF files go")
     ap.add_argument("--q-lora-rank", type=int, help="dsv2lite: queries through a low-rank q_a/q_b (llama.cpp "
                     "reads a deepseek2 file without one only at V2-Lite's own 27 layers)")
@@ -308,26 +377,13 @@ def main():
     print("tokenizer:", type(tok).__name__, "len", len(tok), "bos", tok.bos_token_id, "eos", tok.eos_token_id)
 
     # --- config
-    rope = {"rope_type": "default", "rope_theta": theta}
-    if cls is GptOssConfig:  # YaRN from 4096 positions, as published
-        rope = {"rope_type": "yarn", "rope_theta": theta, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                "truncate": False, "original_max_position_embeddings": 4096}
-    if cls in (Qwen3_5TextConfig, Qwen3_5MoeTextConfig):  # a quarter of each head's features turned
-        rope["partial_rotary_factor"] = 0.25
-    if cls is DeepseekV2Config:  # DeepSeek-V2-Lite's YaRN (mscale 0.707 on both)
-        rope = {"rope_type": "yarn", "rope_theta": theta, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096}
-    config = cls(**shape, rope_parameters=rope, hidden_act="silu",
-                 attention_bias=cls is GptOssConfig, initializer_range=0.02, bos_token_id=tok.bos_token_id,
-                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype="bfloat16")
-    config.architectures = [arch]
-    if cls is GptOssConfig:
-        config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
-            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    config.save_pretrained(hf_dir)
-
-    # --- weights
-    plan = tensor_plan(config)
+    if cls is None:  # nemotron3nano: the published config.json as it is
+        config = nemotron_config(L, tok)
+        with open(os.path.join(hf_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        plan = nemotron_plan(config)
+    else:
+        plan = shaped_config(cls, arch, shape, theta, tok, hf_dir)
     n_params = sum(torch.Size(s).numel() for _, s in plan)
     print(f"{args.shape}: {L} layers, {len(plan)} tensors, {n_params:,} parameters -> {hf_dir}", flush=True)
     write_weights(plan, hf_dir)
@@ -366,6 +422,28 @@ def main():
     print(f"{q4}: {gib(q4)}")
     print("tensor types:", ", ".join(f"{k} {v}" for k, v in types.most_common()))
     print(f"total: {time.time() - t0:.0f} s")
+
+
+def shaped_config(cls, arch, shape, theta, tok, hf_dir):
+    """Writes a transformers config class's config.json; returns its checkpoint's tensor plan."""
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if cls is GptOssConfig:  # YaRN from 4096 positions, as published
+        rope = {"rope_type": "yarn", "rope_theta": theta, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
+    if cls in (Qwen3_5TextConfig, Qwen3_5MoeTextConfig):  # a quarter of each head's features turned
+        rope["partial_rotary_factor"] = 0.25
+    if cls is DeepseekV2Config:  # DeepSeek-V2-Lite's YaRN (mscale 0.707 on both)
+        rope = {"rope_type": "yarn", "rope_theta": theta, "factor": 40.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096}
+    config = cls(**shape, rope_parameters=rope, hidden_act="silu",
+                 attention_bias=cls is GptOssConfig, initializer_range=0.02, bos_token_id=tok.bos_token_id,
+                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype="bfloat16")
+    config.architectures = [arch]
+    if cls is GptOssConfig:
+        config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    config.save_pretrained(hf_dir)
+    return tensor_plan(config)
 
 
 if __name__ == "__main__":

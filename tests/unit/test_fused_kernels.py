@@ -13,6 +13,7 @@ from pytgi.engine.models.linear_attention import (
     chunked_rule,
     l2norm,
 )
+from pytgi.engine.models.mamba2 import Mamba2Config, Mamba2Mixer
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -176,6 +177,49 @@ def test_gated_deltanet_layer(dtype, tiled):
     x = torch.randn(sum(lens), 32, generator=g).to(dtype)
     outs = [layer(x, None, pool, meta) for layer, pool in zip(layers, pools)]
     # (float32: the chunked rule's sums in another order, over 70 tokens)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    for ref, got in zip(*pools):
+        torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_mamba2_layer(dtype, bias):
+    """mamba.c's layer (`Mamba2Mixer._fused`) equals the layer's PyTorch ops, outputs and states, on a
+    step of decodes (one starting here) and prompt chunks (one starting here, one continuing past a
+    64-token chunk of the PyTorch scan), at scattered slots of the pools; without a convolution bias
+    dt is clamped (Granite-4.0-H's and Bamba's dt_limit stays infinite; the clamp's own path here)."""
+    g = torch.Generator().manual_seed(1)
+    limit = (0.0, float("inf")) if bias else (0.05, 0.6)
+    cfg = Mamba2Config(4, 8, 2, 16, 4, conv_bias=bias, dt_limit=limit)
+    layers = [Mamba2Mixer(cfg, 32, 1e-5, fused) for fused in (False, True)]
+    assert layers[1].fused
+    for p in layers[0].parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    layers[1].load_state_dict(layers[0].state_dict())
+    for layer in layers:
+        layer.to(dtype)
+    lens = [1, 7, 1, 70, 1]
+    fresh = [False, True, True, False, False]
+    slots = torch.tensor([7, 0, 3, 8, 2])
+    pools = [(torch.randn(9, 96, 3, generator=g).to(dtype), torch.randn(9, 4, 8, 16, generator=g) * 0.3)]
+    pools.append(tuple(t.clone() for t in pools[0]))
+    starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    dec = [i for i, n in enumerate(lens) if n == 1]
+    meta = StateMetadata(
+        attn=None,  # type: ignore[arg-type]
+        slots=slots,
+        query_lens=lens,
+        fresh=fresh,
+        decodes=torch.tensor(dec),
+        decode_rows=torch.tensor(starts[dec]),
+        reset=slots[[i for i in dec if fresh[i]]],
+        decode_fresh=torch.tensor([fresh[i] for i in dec], dtype=torch.int64),
+    )
+    x = torch.randn(sum(lens), 32, generator=g).to(dtype)
+    outs = [layer(x, None, pool, meta) for layer, pool in zip(layers, pools)]
+    # (float32: the scan's sums in another order than the chunked form's, over 70 tokens)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else TOL[dtype]
     torch.testing.assert_close(outs[1], outs[0], **tol)
     for ref, got in zip(*pools):

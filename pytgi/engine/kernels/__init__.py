@@ -242,6 +242,85 @@ def gdn_prefill_layer(
     )  # fmt: skip
 
 
+def _mamba2_args(
+    conv_pool: torch.Tensor, ssm_pool: torch.Tensor, weights: tuple[torch.Tensor | None, ...], groups: int
+) -> tuple[int | None, ...]:
+    """The weights' pointers and the shape (H, P, G, N, kernel) a Mamba-2 kernel reads after its pools."""
+    assert conv_pool.is_contiguous() and ssm_pool.is_contiguous() and ssm_pool.dtype == torch.float32
+    conv_w, conv_b, dt_bias, A, D, norm_w = weights
+    _, H, P, N = ssm_pool.shape
+    assert conv_w is not None and conv_w.shape[0] == H * P + 2 * groups * N
+    return (
+        *(_ptr(t) for t in (conv_pool, conv_w, conv_b, dt_bias, A, D, norm_w, ssm_pool)),
+        H, P, groups, N, conv_w.shape[1],
+    )  # fmt: skip
+
+
+def mamba2_decode_layer(
+    proj: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor,
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    weights: tuple[torch.Tensor | None, ...],
+    out: torch.Tensor,
+    groups: int,
+    dt_limit: tuple[float, float],
+    eps: float,
+) -> None:
+    """A Mamba-2 layer's decodes after its input projection (mamba.c): proj [T, inner + conv_dim + H]
+    (z | x B C | dt, the model's dtype), the decodes' flat `rows`, state `slots` and `fresh` flags; the
+    convolution's pool [S, conv_dim, kernel − 1] (model dtype) and the SSM's [S, H, P, N] (float32) are
+    updated in place; `weights`: the convolution's [conv_dim, kernel] and bias (or None), dt_bias, A
+    (−exp(A_log)), D and the norm's weight, all float32. Writes the gated norm's output into out's rows
+    [T, inner]."""
+    proj = proj.contiguous()
+    rows, slots, fresh = (t.to(torch.int64).contiguous() for t in (rows, slots, fresh))
+    assert out.is_contiguous() and conv_pool.dtype == proj.dtype == out.dtype
+    conv_pool_, conv_w, conv_b, dt_bias, A, D, norm_w, ssm_pool_, *shape = _mamba2_args(
+        conv_pool, ssm_pool, weights, groups
+    )
+    err = _fn("mamba2_decode_layer", proj.dtype)(
+        _ptr(proj), _ptr(rows), _ptr(slots), _ptr(fresh), conv_pool_, conv_w, conv_b, dt_bias, A, D, norm_w,
+        ssm_pool_, _ptr(out), len(rows), *shape, *_dt_limit(dt_limit), eps,
+    )  # fmt: skip
+    _check(err, "mamba2_decode_layer")
+
+
+def mamba2_prefill_layer(
+    proj: torch.Tensor,
+    slot: int,
+    fresh: bool,
+    conv_pool: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    weights: tuple[torch.Tensor | None, ...],
+    out: torch.Tensor,
+    groups: int,
+    dt_limit: tuple[float, float],
+    eps: float,
+) -> None:
+    """One request's prompt chunk through a Mamba-2 layer after its input projection (mamba.c): its rows
+    of proj [n, inner + conv_dim + H], its state `slot` (`fresh`: from zero); the pools and weights as
+    `mamba2_decode_layer`'s; writes the gated norm's output into `out` [n, inner] (a contiguous view)."""
+    proj = proj.contiguous()
+    assert out.is_contiguous() and conv_pool.dtype == proj.dtype == out.dtype
+    conv_pool_, conv_w, conv_b, dt_bias, A, D, norm_w, ssm_pool_, *shape = _mamba2_args(
+        conv_pool, ssm_pool, weights, groups
+    )
+    err = _fn("mamba2_prefill_layer", proj.dtype)(
+        _ptr(proj), len(proj), slot, int(fresh), conv_pool_, conv_w, conv_b, dt_bias, A, D, norm_w,
+        ssm_pool_, _ptr(out), *shape, *_dt_limit(dt_limit), eps,
+    )  # fmt: skip
+    _check(err, "mamba2_prefill_layer")
+
+
+def _dt_limit(limit: tuple[float, float]) -> tuple[float, float]:
+    """dt's clamp with no infinities (the kernels are built with -ffast-math, which assumes none)."""
+    big = float(np.finfo(np.float32).max)
+    return tuple(min(max(x, -big), big) for x in limit)  # type: ignore[return-value]
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up from the fused [T, 2 I] gate/up output."""
     return _gated("silu_mul", gate_up)

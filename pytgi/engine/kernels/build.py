@@ -26,6 +26,7 @@ SOURCES = [
     *["paged_attention.c", "fused.c", "qgemv.c", "bf16gemm.c", "decoder.c", "lora.c"],
     *["pack.c", "gguf.c", "moe.c"],  # load-time packing, GGUF blocks, mixture-of-experts layers
     "delta.c",  # linear attention's decodes
+    "mamba.c",  # Mamba-2's decodes and prompt chunks
     "encoder.c",  # the encoders: bidirectional attention, bias + GELU, bias + residual + LayerNorm
 ]
 HEADERS = sorted(p.name for p in Path(__file__).parent.glob("*.h"))  # part of the cache key (each of them)

@@ -88,6 +88,16 @@ int pytgi_gdn_prefill_layer_f32(const float *qkv, const float *z, const float *b
 int pytgi_gdn_prefill_layer_bf16(const uint16_t *qkv, const uint16_t *z, const uint16_t *bq, const uint16_t *aq, int64_t n, int64_t slot, int64_t fresh, uint16_t *conv_pool, const float *conv_w, const float *A_log, const float *dt_bias, const float *norm_w, float *rec_pool, uint16_t *out, int64_t C, int64_t Kc, int64_t nk, int64_t nv, int64_t dk, int64_t dv, int64_t tiled, float eps, int64_t chunk);
 int pytgi_gdn_decode_layer_bf16(const uint16_t *qkv, const uint16_t *z, const uint16_t *bq, const uint16_t *aq, const int64_t *rows, const int64_t *slots, const int64_t *fresh, uint16_t *conv_pool, const float *conv_w, const float *A_log, const float *dt_bias, const float *norm_w, float *rec_pool, uint16_t *out, int64_t B, int64_t C, int64_t Kc, int64_t nk, int64_t nv, int64_t dk, int64_t dv, int64_t tiled, float eps);
 
+/* mamba.c: a Mamba-2 layer's decodes from its input projection's rows (proj [T, inner + conv_dim + H]: z, x B C,
+ * dt): convolution (+ bias, may be NULL), dt, the SSM step per head, D's skip and the gated grouped RMSNorm, into
+ * out's rows [T, inner]; A = -exp(A_log); states in place in the pools (conv [S, conv_dim, Kc - 1], ssm [S, H, P, N]) */
+int pytgi_mamba2_decode_layer_f32(const float *proj, const int64_t *rows, const int64_t *slots, const int64_t *fresh, float *conv_pool, const float *conv_w, const float *conv_b, const float *dt_bias, const float *A, const float *D, const float *norm_w, float *ssm_pool, float *out, int64_t B, int64_t H, int64_t P, int64_t G, int64_t N, int64_t Kc, float dt_lo, float dt_hi, float eps);
+int pytgi_mamba2_decode_layer_bf16(const uint16_t *proj, const int64_t *rows, const int64_t *slots, const int64_t *fresh, uint16_t *conv_pool, const float *conv_w, const float *conv_b, const float *dt_bias, const float *A, const float *D, const float *norm_w, float *ssm_pool, uint16_t *out, int64_t B, int64_t H, int64_t P, int64_t G, int64_t N, int64_t Kc, float dt_lo, float dt_hi, float eps);
+/* one request's prompt chunk through a Mamba-2 layer: proj [n, inner + conv_dim + H] its rows, its state slot
+ * (fresh: from zero); the gated norm's output into out [n, inner] */
+int pytgi_mamba2_prefill_layer_f32(const float *proj, int64_t n, int64_t slot, int64_t fresh, float *conv_pool, const float *conv_w, const float *conv_b, const float *dt_bias, const float *A, const float *D, const float *norm_w, float *ssm_pool, float *out, int64_t H, int64_t P, int64_t G, int64_t N, int64_t Kc, float dt_lo, float dt_hi, float eps);
+int pytgi_mamba2_prefill_layer_bf16(const uint16_t *proj, int64_t n, int64_t slot, int64_t fresh, uint16_t *conv_pool, const float *conv_w, const float *conv_b, const float *dt_bias, const float *A, const float *D, const float *norm_w, float *ssm_pool, uint16_t *out, int64_t H, int64_t P, int64_t G, int64_t N, int64_t Kc, float dt_lo, float dt_hi, float eps);
+
 /* encoder.c: one prompt's bidirectional attention (the encoders), on the calling thread:
  * qkv [L, 3, H, D] (the fused projection's output) → out [L, H, D]. Built for AVX-512 (bf16: AVX-512 BF16)
  * and D a multiple of 16 (supported(): 1), else returns 2. */

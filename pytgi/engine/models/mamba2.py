@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pytgi.engine import kernels
 from pytgi.engine.distributed import all_reduce, local_range, tp_size
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, _set_loader
 from pytgi.engine.models.linear_attention import StateSpec
@@ -56,8 +57,8 @@ class Mamba2Config:
         return self.inner + 2 * self.n_groups * self.d_state
 
     def build(self, hidden: int, eps: float, fused: bool) -> Mamba2Mixer:
-        """The layer of this kind (a `RecurrentMixer`); `fused` is unused: PyTorch's ops run it."""
-        return Mamba2Mixer(self, hidden, eps)
+        """The layer of this kind (a `RecurrentMixer`); fused: the C kernels run the model (CPU)."""
+        return Mamba2Mixer(self, hidden, eps, fused)
 
 
 def ssd_step(
@@ -145,7 +146,10 @@ class Mamba2Mixer(nn.Module):
     one, split over ranks: its B and C on each of them, its norm's squares all-reduced), their
     convolution channels, decays and states; the output projection is all-reduced."""
 
-    def __init__(self, cfg: Mamba2Config, hidden: int, eps: float) -> None:
+    def __init__(self, cfg: Mamba2Config, hidden: int, eps: float, fused: bool = False) -> None:
+        """fused: the C kernels run everything between the projections (`kernels.mamba2_decode_layer`
+        the decodes, `kernels.mamba2_prefill_layer` each prompt chunk), except where a group's norm is
+        split over ranks (its squares all-reduced between the steps)."""
         super().__init__()
         H, G, P, N = cfg.num_heads, cfg.n_groups, cfg.head_dim, cfg.d_state
         if H % G:
@@ -188,6 +192,8 @@ class Mamba2Mixer(nn.Module):
         )
         _set_loader(self.norm.weight, self._rows([(h0 * P, self.heads * P)]))  # (GGUF: [groups, inner / G])
         self.out_proj = RowParallelLinear((h0 * P, self.heads * P), hidden, cfg.proj_bias)
+        self.fused = fused and not self.norm.shared
+        self._f32: tuple[torch.Tensor | None, ...] | None = None  # `_kernel_weights`
 
     @staticmethod
     def _rows(parts: list[tuple[int, int]]):
@@ -227,6 +233,8 @@ class Mamba2Mixer(nn.Module):
     def forward(
         self, h: torch.Tensor, rope: Rope, state: tuple[torch.Tensor, ...], meta: StateMetadata
     ) -> torch.Tensor:
+        if self.fused:
+            return self.out_proj(self._fused(self.in_proj(h), state, meta))
         cfg, T = self.cfg, h.shape[0]
         conv_states, ssm_states = state
         z, xbc, dt = self.in_proj(h).split([self.inner, self.conv_dim, self.heads], dim=-1)
@@ -260,3 +268,42 @@ class Mamba2Mixer(nn.Module):
         x = mixed[:, : self.inner].view(T, self.heads, cfg.head_dim)
         y = (y + self.D.float()[:, None] * x).reshape(T, self.inner)
         return self.out_proj(self.norm(y, z).to(h.dtype))
+
+    def _fused(
+        self, proj: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata
+    ) -> torch.Tensor:
+        """The C kernels' path (mamba.c): everything between the projections, the decodes in one call,
+        each prompt chunk in one call, from the input projection's rows. Returns the gated norm's output
+        [T, inner] in the model's dtype."""
+        conv_states, ssm_states = state
+        T, groups, limit, eps = proj.shape[0], self.groups, self.cfg.dt_limit, self.norm.eps
+        proj = proj.contiguous()
+        out = torch.empty(T, self.inner, dtype=proj.dtype, device=proj.device)
+        weights = self._kernel_weights()
+        if len(meta.decodes):
+            slots = meta.slots[meta.decodes]
+            kernels.mamba2_decode_layer(
+                proj, meta.decode_rows, slots, meta.decode_fresh, conv_states, ssm_states, weights, out,
+                groups, limit, eps,
+            )  # fmt: skip
+        start = 0
+        for i, (n, fresh) in enumerate(zip(meta.query_lens, meta.fresh)):
+            if n > 1:
+                rows = slice(start, start + n)
+                kernels.mamba2_prefill_layer(
+                    proj[rows], int(meta.slots[i]), fresh, conv_states, ssm_states, weights, out[rows],
+                    groups, limit, eps,
+                )  # fmt: skip
+            start += n
+        return out
+
+    def _kernel_weights(self) -> tuple[torch.Tensor | None, ...]:
+        """The convolution's weights and bias, dt_bias, A = −exp(A_log), D and the norm's weight in
+        float32, as the C kernels read them (made once: the weights do not change once loaded)."""
+        if self._f32 is None:
+            f32 = lambda t: None if t is None else t.detach().float().contiguous()
+            A = -self.A_log.detach().float().exp()
+            self._f32 = tuple(
+                f32(t) for t in (self.conv1d, self.conv1d_bias, self.dt_bias, A, self.D, self.norm.weight)
+            )
+        return self._f32
