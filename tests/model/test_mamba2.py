@@ -14,7 +14,9 @@ import torch
 import transformers
 
 from pytgi.core.config import EngineConfig
+from pytgi.core.model_files import resolve_model
 from pytgi.core.sampling_params import SamplingParams
+from pytgi.engine.execution.runner import ModelRunner
 from pytgi.engine.llm_engine import LLMEngine
 from pytgi.engine.models.mamba2 import ssd_chunked, ssd_step
 from tests.model.test_sharding import assert_two_shards_equal_one, run
@@ -272,11 +274,12 @@ GGUF_NAMES = {
 }
 
 
-def write_mamba_gguf(hf, arch: str, path) -> None:
+def write_mamba_gguf(hf, arch: str, path, experts: str | None = None) -> None:
     """`hf` as llama.cpp's converter writes it (`nemotron_h`, `nemotron_h_moe`, `granitehybrid`): the
     layer kinds in per-layer head_count_kv and feed_forward_length, A as −exp(A_log) [H, 1], D [H, 1],
     the gated norm [groups, inner / groups], the convolution squeezed, q/k rows interleaved (llama's
-    order), experts stacked, Granite's merged MLPs split in gate and up."""
+    order), experts stacked, Granite's merged MLPs split in gate and up. `experts`: the GGUF type the
+    stacked experts are stored as (None: as they are)."""
     import gguf
     import numpy as np
 
@@ -373,7 +376,12 @@ def write_mamba_gguf(hf, arch: str, path) -> None:
         elif rest == "gate.e_score_correction_bias":
             w.add_tensor(blk + "exp_probs_b.bias", a)
         elif rest in ("experts.up_proj", "experts.down_proj"):  # Nemotron-H's, stacked [E, ., .]
-            w.add_tensor(f"{blk}ffn_{rest.split('.')[1].split('_')[0]}_exps.weight", a)
+            stacked = f"{blk}ffn_{rest.split('.')[1].split('_')[0]}_exps.weight"
+            if experts is None:
+                w.add_tensor(stacked, a)
+            else:
+                t = gguf.GGMLQuantizationType[experts]
+                w.add_tensor(stacked, gguf.quants.quantize(np.ascontiguousarray(a), t), raw_dtype=t)
         elif rest == "experts.gate_up_proj":  # Granite's experts, gate | up stacked [E, 2I, H]
             gate, up = np.split(a, 2, axis=1)
             w.add_tensor(blk + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
@@ -446,3 +454,30 @@ def test_a_gguf_file_serves_transformers_tokens(arch, tmp_path, monkeypatch):
     finally:
         engine.shutdown()
     assert [t for t, _ in got] == [_reference(model, p) for p in PROMPTS]
+
+
+def test_a_gguf_files_relu2_experts_stay_packed(tmp_path, monkeypatch):
+    """Nemotron-H's experts have no gate (relu(up)², then down): a file's Q8_0 experts are kept packed
+    for the low-bit kernels, up alone, as the gated families' are (not expanded to the model's dtype:
+    at Nemotron 3 Nano's size that is gigabytes), and the block's output is the one the float32 path
+    computes from the same blocks, within bf16's error."""
+    from pytgi.engine.models.moe import SparseMoE
+
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    model, _ = _save(_nemotron_for_gguf(True), tmp_path / "hf")
+    path = tmp_path / "q8.gguf"
+    write_mamba_gguf(model, "nemotron_h_moe", path, experts="Q8_0")
+    model_dir = resolve_model(str(path), progress=False).path
+    blocks = {}
+    for dtype in ("float32", "auto"):
+        runner = ModelRunner(EngineConfig(model=str(model_dir), dtype=dtype, device="cpu"))
+        moe = [m for m in runner.model.modules() if isinstance(m, SparseMoE)]
+        assert len(moe) == 1 and (len(moe[0].packed) == 4 and moe[0].gate_up.numel() == 0) == (
+            dtype == "auto"
+        )
+        blocks[dtype] = moe[0]
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = blocks["float32"](x)
+        got = blocks["auto"](x.bfloat16()).float()
+    assert float((got - want).abs().max()) < 0.02 * float(want.abs().max())

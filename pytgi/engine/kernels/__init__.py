@@ -140,6 +140,14 @@ def _gated(kernel: str, gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _check_slots(slots: torch.Tensor | int, pool: torch.Tensor) -> None:
+    """The kernels write a request's state in place at its slot: one outside the pool (a request never
+    given one: -1) would write past it, where PyTorch's indexing would raise or wrap."""
+    low, high = (slots, slots) if isinstance(slots, int) else (int(slots.min()), int(slots.max()))
+    if low < 0 or high >= pool.shape[0]:
+        raise IndexError(f"state slot {low if low < 0 else high} outside a pool of {pool.shape[0]}")
+
+
 def gdn_decode_layer(
     qkv: torch.Tensor,
     z: torch.Tensor,
@@ -166,6 +174,7 @@ def gdn_decode_layer(
     rows, slots, fresh = (t.to(torch.int64).contiguous() for t in (rows, slots, fresh))
     assert conv_pool.is_contiguous() and rec_pool.is_contiguous() and out.is_contiguous()
     assert rec_pool.dtype == torch.float32 and conv_pool.dtype == qkv.dtype == out.dtype
+    _check_slots(slots, rec_pool)
     conv_w, A_log, dt_bias, norm_w = weights
     C, Kc = conv_w.shape
     _, nv, dk_, dv = rec_pool.shape
@@ -228,6 +237,7 @@ def gdn_prefill_layer(
     qkv, z, b, a = (t.contiguous() for t in (qkv, z, b, a))
     assert conv_pool.is_contiguous() and rec_pool.is_contiguous() and out.is_contiguous()
     assert rec_pool.dtype == torch.float32 and conv_pool.dtype == qkv.dtype == out.dtype
+    _check_slots(slot, rec_pool)
     conv_w, A_log, dt_bias, norm_w = weights
     C, Kc = conv_w.shape
     _, nv, dk_, dv = rec_pool.shape
@@ -278,6 +288,7 @@ def mamba2_decode_layer(
     proj = proj.contiguous()
     rows, slots, fresh = (t.to(torch.int64).contiguous() for t in (rows, slots, fresh))
     assert out.is_contiguous() and conv_pool.dtype == proj.dtype == out.dtype
+    _check_slots(slots, ssm_pool)
     conv_pool_, conv_w, conv_b, dt_bias, A, D, norm_w, ssm_pool_, *shape = _mamba2_args(
         conv_pool, ssm_pool, weights, groups
     )
@@ -305,6 +316,7 @@ def mamba2_prefill_layer(
     `mamba2_decode_layer`'s; writes the gated norm's output into `out` [n, inner] (a contiguous view)."""
     proj = proj.contiguous()
     assert out.is_contiguous() and conv_pool.dtype == proj.dtype == out.dtype
+    _check_slots(slot, ssm_pool)
     conv_pool_, conv_w, conv_b, dt_bias, A, D, norm_w, ssm_pool_, *shape = _mamba2_args(
         conv_pool, ssm_pool, weights, groups
     )

@@ -63,7 +63,9 @@ def load_gguf(
     for name, mod in model.named_modules():
         parts = [f"model.{name}.experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
         fused = f"model.{name}.experts.gate_up_proj"
-        if parts[0] not in plan and fused in plan:  # Mistral 4's gate|up stacked whole (`ffn_gate_up_exps`)
+        if isinstance(mod, SparseMoE) and not mod.gated:  # Nemotron-H's relu² experts: up and down alone
+            parts = [parts[1], parts[1], parts[2]]
+        elif parts[0] not in plan and fused in plan:  # Mistral 4's gate|up stacked whole (`ffn_gate_up_exps`)
             parts = [fused, fused, parts[2]]
         elif parts[0] not in plan:  # gpt-oss's, beside their biases: `...experts.gate_proj.weight`
             parts = [f"{p}.weight" for p in parts]

@@ -325,7 +325,8 @@ class SparseMoE(nn.Module):
         (`pytgi.engine.models.quant.grid_layout`): per expert, this rank's slice of gate|up in `kinds[0]`'s
         layout and of down in `kinds[1]`'s, read from `weights` (`GGUFWeights`; `names`: the stacked
         gate, up and down tensors; gate and up one name where they are stacked together, [E, 2I, H] as
-        Gemma 4's and Mistral 4's `ffn_gate_up_exps`). Every step then multiplies by the packed weights."""
+        Gemma 4's and Mistral 4's `ffn_gate_up_exps`; experts without a gate, up alone). Every step then
+        multiplies by the packed weights."""
         from pytgi.engine.models.quant import Layout, LayoutRows, QuantizedWeight, grid_layout, six_bit
 
         gate, up, down = names
@@ -338,6 +339,9 @@ class SparseMoE(nn.Module):
             return rows
 
         def gate_up(e: int) -> Iterator[Layout]:  # this rank's rows of expert e's gate, then up
+            if not self.gated:  # up alone (relu² experts)
+                yield grid_layout(grid(up, e * inter + s, e * inter + s + n), kinds[0])
+                return
             if gate == up:  # one tensor: expert e's gate rows, then its up rows
                 starts = [e * 2 * inter + s, e * 2 * inter + inter + s]
             else:
@@ -354,7 +358,10 @@ class SparseMoE(nn.Module):
         for e in range(self.num_experts):
             pair = (
                 QuantizedWeight(
-                    kinds[0], LayoutRows((2 * n, hidden), partial(gate_up, e), six[0]), act_dtype, cpu
+                    kinds[0],
+                    LayoutRows(((2 if self.gated else 1) * n, hidden), partial(gate_up, e), six[0]),
+                    act_dtype,
+                    cpu,
                 ),
                 QuantizedWeight(
                     kinds[1], LayoutRows((hidden, n), partial(down_rows, e), six[1]), act_dtype, cpu
