@@ -161,6 +161,10 @@ class BlockManager:
         self.hash_to_block[h] = block
         return True
 
+    def hold(self, block: int) -> None:
+        """One more hold on a block (free or not): it is not evicted until `release`."""
+        self._claim(block)
+
     def release(self, block: int) -> None:
         """Drop one hold on a block (a request's, or the disk tier's read); free at none."""
         self.ref_counts[block] -= 1

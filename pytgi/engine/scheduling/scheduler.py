@@ -174,8 +174,14 @@ class Scheduler:
         recent = self.steps_since_admission < self.config.max_waiting_tokens
         if batch_size and recent and len(plan) < math.floor(batch_size * self.config.waiting_served_ratio):
             return
+        bm = self.block_manager
+        # The plan's cached blocks are held while it is admitted: a free cached block that a later
+        # request of the plan claims must not be taken as a new block by an earlier one.
+        held = [b for _, _, cached in plan for b in cached]
+        for block in held:
+            bm.hold(block)
         for req, n, cached in plan:
-            ok = self.block_manager.allocate(req, n, cached)
+            ok = bm.allocate(req, n, cached)
             assert ok, "admission plan exceeded free blocks"
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -183,6 +189,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             out.num_admitted += 1
+        for block in held:
+            bm.release(block)
 
     def _plan_admission(self, budget: int) -> list[tuple[Request, int, list[int]]]:
         """Waiting requests that fit, FIFO, with their token counts and cached prefix blocks."""
