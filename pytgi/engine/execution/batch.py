@@ -166,6 +166,21 @@ class PagedModel:
                 v = torch.zeros((*shape[1:3], v_row), dtype=dtype, device=self.device)
             self.kv_caches.append((k, v))
 
+    @torch.inference_mode()
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy recurrent states between pool rows, (source, destination) in order: a state is row
+        `slot` of every tensor of every recurrent layer (the prefix cache's checkpoints, saved and
+        restored)."""
+        tensors = [
+            t
+            for layer, cache in zip(self.model.layers, self.kv_caches)
+            if getattr(layer, "linear_attn", None) is not None
+            for t in cache
+        ]
+        for src, dst in copies:
+            for t in tensors:
+                t[dst].copy_(t[src])
+
     def capture_graphs(self, sizes: tuple[int, ...], max_blocks: int) -> bool:
         """Capture the decode step at these batch sizes (`pytgi.engine.execution.cuda_graphs`), where the
         model allows it: CUDA, the Triton attention backend with plain causal layers, no mixture of experts.

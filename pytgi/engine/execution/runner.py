@@ -131,6 +131,19 @@ class ModelRunner:
         if self.device.type == "cuda" and dist.tp_size() == 1:
             self._capture_graphs()
 
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Before a step: copy recurrent states between pool rows (the prefix cache's checkpoints
+        saved and restored), on every rank."""
+        if self.rank == 0 and dist.tp_size() > 1:
+            commands.send(commands.CopyStates(len(copies)))
+            dist.broadcast_arrays([np.array(copies, dtype=np.int64).reshape(-1)], [(2 * len(copies),)])
+        self.paged.copy_states(copies)
+
+    def worker_copy_states(self, count: int) -> None:
+        """Ranks > 0: the copies rank 0 makes."""
+        (flat,) = dist.broadcast_arrays(None, [(2 * count,)])
+        self.paged.copy_states([(int(a), int(b)) for a, b in flat.reshape(-1, 2)])
+
     def _capture_graphs(self) -> None:
         """The decode step's CUDA graphs, at `--cuda-graphs`' batch sizes up to `--max-batch-size`."""
         sizes = self.graph_sizes

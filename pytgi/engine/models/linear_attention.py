@@ -10,7 +10,8 @@ with q and k L2-normalized (q also scaled by k_dim^-½), β = sigmoid(b) and the
 g = −exp(A_log) · softplus(a + dt_bias). The states live in a pool (`StatePool` in
 `pytgi.engine.kv.blocks` hands out the slots, `PagedModel.allocate` the tensors); a request's slot
 starts from zero at its first token (a preempted request is recomputed from its tokens, as its
-KV blocks are), so prefix caching is off for these models.
+KV blocks are), or from a copy of the prefix cache's checkpoint where it resumes on cached blocks
+(the slot is copied before the step; `fresh` is false, as for any later chunk).
 
 A decode is one step of the recurrence, all decodes of a step at once. A prefill chunk runs the
 chunked form: within a chunk of C tokens, the updates of the rule solve one unit-triangular system
