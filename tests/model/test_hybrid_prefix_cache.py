@@ -78,6 +78,30 @@ def test_a_hit_gives_the_bits_of_a_cold_prefill(qwen3_5, dtype):  # noqa: F811
     assert second[:2] == cold and again[:2] == cold  # tokens and logprobs, to the bit
 
 
+def test_an_agents_turns_resume_each_from_the_last(qwen3_5):  # noqa: F811
+    """Each turn sends the conversation so far: the last prompt, its answer (24 tokens), a tool's
+    result. Each resumes from the checkpoint at its last prompt's last boundary; the third also
+    reads, before it, a block the first turn's decode filled. Every answer is the cold one's bits."""
+    _, path = qwen3_5
+    conversation, answers, cached = list(TURN_1), [], []
+    engine = _engine(path)
+    try:
+        for turn in range(3):
+            tokens, lps, n = _run(engine, [conversation], max_new_tokens=24)[0]
+            answers.append((list(conversation), tokens, lps))
+            cached.append(n)
+            conversation += tokens + [rng.randrange(1, 101) for _ in range(40)]
+    finally:
+        engine.shutdown()
+    assert cached == [0, 192, 256]  # 210, then 274 and 338 tokens
+    for turn, (prompt, tokens, lps) in enumerate(answers):
+        engine = _engine(path, enable_prefix_caching=False)
+        try:
+            assert _run(engine, [prompt], max_new_tokens=24)[0][:2] == (tokens, lps), turn
+        finally:
+            engine.shutdown()
+
+
 def test_a_prefix_that_diverges_inside_a_block_resumes_before_it(qwen3_5):  # noqa: F811
     """A prompt that leaves TURN_2 at token 150 finds 9 blocks (144 tokens) cached but no state
     there: it computes from zero, and keeps a checkpoint at 128, where the KV it shared ends on the

@@ -63,8 +63,9 @@ def test_a_checkpoint_goes_with_its_block_and_the_least_recently_used_gives_way(
         cached = bm.cached_prefix(req)
         assert bm.allocate(req, 64, cached)
         req.num_computed_tokens += 64
+        bm.state_step(req, 64)
         bm.cache_full_blocks(req)
-        bm.checkpoint(req, 64)
+        bm.checkpoint(req)
         bm.free(req)
         return req
 
@@ -88,10 +89,12 @@ def test_a_state_off_the_grid_is_not_kept():
     for n in (24, 64):  # 40..64 starts off the grid: so are the states after it
         assert bm.allocate(req, n)
         req.num_computed_tokens += n
+        bm.state_step(req, n)
         bm.cache_full_blocks(req)
-        bm.checkpoint(req, n)
+        bm.checkpoint(req)
     assert req.num_computed_tokens == 128 and not bm.checkpoints
     assert not bm.state_copies
+    assert not bm.hash_to_block  # nor their blocks: their KV is not a cold prefill's either
 
 
 def test_the_shared_prefix_and_pins_are_cut_at_too():
@@ -121,3 +124,16 @@ def test_prefix_caching_off_keeps_no_checkpoint_and_cuts_on_the_grid_only():
     assert scheduled(run_step(sched)) == {"a": 64}  # 100 tokens: on the grid, 64
     assert scheduled(run_step(sched)) == {"a": 64}
     assert not sched.block_manager.checkpoints and not sched.block_manager.state_copies
+
+
+def test_a_failed_step_drops_the_checkpoints_it_was_saving():
+    sched = hybrid_scheduler()
+    bm = sched.block_manager
+    a = make_request("a", 100, max_new_tokens=4)
+    sched.add(a)
+    run_step(sched)  # 64 tokens: a save queued
+    assert len(bm.checkpoints) == 1
+    out = sched.schedule()
+    assert out.state_copies == [(a.state_slot, 4)]
+    sched.fail(out, "boom")
+    assert not bm.checkpoints and sorted(bm.free_checkpoints) == [4, 5]

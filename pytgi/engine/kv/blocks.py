@@ -177,8 +177,8 @@ class BlockManager:
     def cache_full_blocks(self, req: Request) -> list[tuple[int, int]]:
         """Register the request's newly computed full blocks in the prefix cache; the (block, hash)
         pairs it added (those the disk tier has not seen)."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or (self.has_states and not req.state_on_grid):
+            return []  # (a hybrid's blocks past its state's leaving the grid: `state_step`)
         num_full = req.num_computed_tokens // self.block_size
         added = []
         for i, h in enumerate(self.chain_hashes(req, num_full)):
@@ -200,14 +200,20 @@ class BlockManager:
         self.state_copies.append((self.checkpoints[h], req.state_slot))  # type: ignore[attr-defined]
         self.state_restores += 1
 
-    def checkpoint(self, req: Request, num_new_tokens: int) -> None:
-        """After a step computed `num_new_tokens` of the request (its full blocks registered): keep
-        its state if the step ended on a checkpoint boundary and the state is exact there."""
+    def state_step(self, req: Request, num_new_tokens: int) -> None:
+        """After a step computed `num_new_tokens` of the request, before its blocks are registered:
+        whether its state (and so the KV of the blocks it completes) is still a cold prefill's bits.
+        A one-token step runs the recurrence token by token, a chunk off the grid other chunks than a
+        prefill from zero would: the numbers are right, the bits are not a cold prefill's. The
+        recurrent layers' outputs feed the attention layers, so a block a decode filled holds KV a
+        cold prefill would not compute either: such blocks are not cached (`cache_full_blocks`)."""
         start = req.num_computed_tokens - num_new_tokens
-        # a one-token step runs the recurrence token by token, a chunk off the grid other chunks than
-        # a prefill from zero would: the state is right, but not bit for bit a cold prefill's
         if num_new_tokens == 1 or start % self.state_grid:
             req.state_on_grid = False
+
+    def checkpoint(self, req: Request) -> None:
+        """After a step (its full blocks registered): keep the request's state if the step ended on a
+        checkpoint boundary and the state is exact there."""
         end = req.num_computed_tokens
         if not (self.checkpointing and req.state_on_grid) or end % self.checkpoint_stride:
             return
@@ -227,6 +233,15 @@ class BlockManager:
     def take_state_copies(self) -> list[tuple[int, int]]:
         copies, self.state_copies = self.state_copies, []
         return copies
+
+    def drop_checkpoints(self, copies: Sequence[tuple[int, int]]) -> None:
+        """A step failed, so its copies may not have been made: the checkpoints they were saving
+        into are dropped (a restore from one would read whatever the row held)."""
+        rows = {dst for _, dst in copies}
+        for h, slot in list(self.checkpoints.items()):
+            if slot in rows:
+                del self.checkpoints[h]
+                self.free_checkpoints.append(slot)
 
     def register(self, block: int, h: int) -> bool:
         """Name a block holding computed KV by its hash, unless the hash (or the block) is named."""

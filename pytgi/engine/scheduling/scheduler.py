@@ -273,9 +273,11 @@ class Scheduler:
                 updates.extend(self._verified(s, out))
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            if self.block_manager.has_states:
+                self.block_manager.state_step(req, s.num_new_tokens)
             self._cache_full_blocks(req)
             if self.block_manager.has_states:
-                self.block_manager.checkpoint(req, s.num_new_tokens)
+                self.block_manager.checkpoint(req)
             if (pooled := out.pooled.get(req.request_id)) is not None:
                 self.finish(req)
                 updates.append(pooled)
@@ -353,6 +355,8 @@ class Scheduler:
 
     def fail(self, sched: SchedulerOutput, error: str) -> list[P.TokenOut]:
         """The step raised: its requests (and only they) end with the error."""
+        if sched.state_copies:
+            self.block_manager.drop_checkpoints(sched.state_copies)
         for s in sched.scheduled:
             self.finish(s.request)
         return [

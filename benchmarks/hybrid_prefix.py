@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""An agent session on a hybrid (linear-attention) model, in pytgi's engine, with and without the
+prefix cache's state checkpoints: each turn's TTFT, warm against cold, and what a checkpoint's copy
+costs.
+
+    .venv/bin/python benchmarks/hybrid_prefix.py                       # a random Qwen3.5-shaped model
+    .venv/bin/python benchmarks/hybrid_prefix.py --model /tmp/llama/qwen35-8l-hf --system-tokens 8000
+
+The session: a system prompt of --system-tokens random token ids, then --turns turns, each adding a
+tool result of --tool-tokens and the answer of the turn before (--answer-tokens, generated greedily
+with EOS ignored), the whole conversation sent each turn (as an agent does). Run once on an engine with
+the prefix cache (a hybrid's checkpoints) and once with --disable-prefix-caching, in this process, one
+after the other; each turn's TTFT (add to first token) and cached prompt tokens are recorded. The
+answers are compared: with checkpoints they are the cold ones, token for token.
+
+Without --model, a random Qwen3.5 text model is written to a temporary directory: --layers layers (one
+in four softmax attention), hidden --hidden, the linear layers at Qwen3.5-35B-A3B's state shape (16
+key heads, 32 value heads of 128: a 2 MiB float32 state and a 48 KiB convolution state per layer), so
+a checkpoint's copy is per layer what it is at full scale (63 MB over its 30 linear layers). The copy
+is timed on its own too: one request's state into a checkpoint row, and a 63 MB row copy.
+The record goes to benchmarks/results/hybrid_prefix-<timestamp>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pytgi.core.config import EngineConfig
+from pytgi.core.sampling_params import SamplingParams
+from pytgi.engine.llm_engine import LLMEngine
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def random_model(args: argparse.Namespace, directory: Path) -> Path:
+    import transformers
+
+    cfg = transformers.Qwen3_5TextConfig(
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        max_position_embeddings=65536,
+        eos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(directory)
+    return directory
+
+
+def session(model: str, args: argparse.Namespace, cache: bool) -> dict:
+    engine = LLMEngine(
+        EngineConfig(
+            model=model,
+            dtype=args.dtype,
+            max_batch_total_tokens=args.kv_tokens,
+            max_batch_size=4,
+            enable_prefix_caching=cache,
+            prefix_cache_state_bytes=args.checkpoint_bytes,
+        )
+    )
+    g = torch.Generator().manual_seed(0)
+    conversation = torch.randint(100, 30000, (args.system_tokens,), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=args.answer_tokens, temperature=0, ignore_eos=True)
+    turns = []
+    try:
+        rec: dict = {"state_bytes": engine.runner.state_bytes, "checkpoints": len(engine.block_manager.free_checkpoints)}
+        for k in range(args.turns + 1):
+            conversation += torch.randint(100, 30000, (args.tool_tokens,), generator=g).tolist()
+            rid = f"turn{k}"
+            t0 = time.perf_counter()
+            engine.add_request(rid, list(conversation), params)
+            ttft, answer, logprobs, cached = None, [], [], 0
+            while engine.has_unfinished():
+                for u in engine.step():
+                    if u.token_id >= 0:
+                        ttft = ttft if ttft is not None else time.perf_counter() - t0
+                        answer.append(u.token_id)
+                        logprobs.append(u.logprob)
+                        cached = u.num_cached_tokens
+            turns.append({"prompt_tokens": len(conversation), "cached_tokens": cached, "ttft_s": ttft, "answer": answer,
+                          "logprobs": logprobs})
+            print(f"  {'warm' if cache else 'cold'} turn {k}: {len(conversation)} tokens, {cached} cached, "
+                  f"TTFT {ttft:.3f} s", flush=True)
+            conversation += answer
+        if cache:  # one request's state into a checkpoint row, timed alone
+            paged = engine.runner.paged
+            row = engine.info.max_batch_size  # the first checkpoint row
+            t = time.perf_counter()
+            for _ in range(20):
+                paged.copy_states([(0, row)])
+            rec["copy_s"] = (time.perf_counter() - t) / 20
+    finally:
+        engine.shutdown()
+    rec["turns"] = turns
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="a Hugging Face directory (default: a random one)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--system-tokens", type=int, default=2000)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--tool-tokens", type=int, default=200)
+    ap.add_argument("--answer-tokens", type=int, default=32)
+    ap.add_argument("--kv-tokens", type=int, default=16384)
+    ap.add_argument("--checkpoint-bytes", type=int, default=256 * 2**20, help="--prefix-cache-state-bytes")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(random_model(args, Path(tmp)))
+        warm = session(model, args, cache=True)
+        cold = session(model, args, cache=False)
+    big = torch.empty(63_000_000 // 4, dtype=torch.float32)
+    dst = torch.empty_like(big)
+    t = time.perf_counter()
+    for _ in range(20):
+        dst.copy_(big)
+    copy_63mb = (time.perf_counter() - t) / 20
+    same = [(w["answer"], w["logprobs"]) for w in warm["turns"]] == [
+        (c["answer"], c["logprobs"]) for c in cold["turns"]
+    ]
+    print(f"\nstate {warm['state_bytes'] / 2**20:.1f} MiB a request, {warm['checkpoints']} checkpoint rows; "
+          f"answers equal: {same}")
+    print("turn  prompt  cached   cold TTFT  warm TTFT  cold/warm")
+    for k, (w, c) in enumerate(zip(warm["turns"], cold["turns"])):
+        print(f"{k:4d}  {w['prompt_tokens']:6d}  {w['cached_tokens']:6d}   {c['ttft_s']:8.3f}   {w['ttft_s']:8.3f}"
+              f"   {c['ttft_s'] / w['ttft_s']:6.2f}x")
+    print(f"a checkpoint's copy: {warm['copy_s'] * 1e3:.2f} ms ({warm['state_bytes'] / 2**20:.1f} MiB); "
+          f"a 63 MB row copy on this CPU: {copy_63mb * 1e3:.2f} ms")
+    rec = {"args": vars(args), "warm": warm, "cold": cold, "answers_equal": same, "copy_63mb_s": copy_63mb,
+           "threads": torch.get_num_threads()}
+    out = REPO / "benchmarks" / "results" / f"hybrid_prefix-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    out.write_text(json.dumps(rec, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
