@@ -9,9 +9,10 @@ costs.
 The session: a system prompt of --system-tokens random token ids, then --turns turns, each adding a
 tool result of --tool-tokens and the answer of the turn before (--answer-tokens, generated greedily
 with EOS ignored), the whole conversation sent each turn (as an agent does). Run once on an engine with
-the prefix cache (a hybrid's checkpoints) and once with --disable-prefix-caching, in this process, one
-after the other; each turn's TTFT (add to first token) and cached prompt tokens are recorded. The
-answers are compared: with checkpoints they are the cold ones, token for token.
+the prefix cache (a hybrid's checkpoints) and on one with --disable-prefix-caching, both in this
+process, each turn on one then the other (so that a shared machine's load falls on both alike); each
+turn's TTFT (add to first token) and cached prompt tokens are recorded. The answers are compared: with
+checkpoints they are the cold ones, tokens and logprobs to the bit.
 
 Without --model, a random Qwen3.5 text model is written to a temporary directory: --layers layers (one
 in four softmax attention), hidden --hidden, the linear layers at Qwen3.5-35B-A3B's state shape (16
@@ -62,8 +63,8 @@ def random_model(args: argparse.Namespace, directory: Path) -> Path:
     return directory
 
 
-def session(model: str, args: argparse.Namespace, cache: bool) -> dict:
-    engine = LLMEngine(
+def engine_for(model: str, args: argparse.Namespace, cache: bool) -> LLMEngine:
+    return LLMEngine(
         EngineConfig(
             model=model,
             dtype=args.dtype,
@@ -73,40 +74,54 @@ def session(model: str, args: argparse.Namespace, cache: bool) -> dict:
             prefix_cache_state_bytes=args.checkpoint_bytes,
         )
     )
+
+
+def ask(engine: LLMEngine, rid: str, prompt: list[int], new: int) -> dict:
+    """One request alone: its TTFT (add to first token), answer, logprobs and cached prompt tokens."""
+    params = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    engine.add_request(rid, list(prompt), params)
+    ttft, answer, logprobs, cached = None, [], [], 0
+    while engine.has_unfinished():
+        for u in engine.step():
+            if u.token_id >= 0:
+                ttft = ttft if ttft is not None else time.perf_counter() - t0
+                answer.append(u.token_id)
+                logprobs.append(u.logprob)
+                cached = u.num_cached_tokens
+    return {"prompt_tokens": len(prompt), "cached_tokens": cached, "ttft_s": ttft, "answer": answer,
+            "logprobs": logprobs}
+
+
+def session(model: str, args: argparse.Namespace) -> dict:
+    """The session on both engines, turn by turn, the warm one first then the cold one (interleaved,
+    so that the load of a shared machine falls on both alike); the warm answers drive it."""
+    warm, cold = engine_for(model, args, True), engine_for(model, args, False)
     g = torch.Generator().manual_seed(0)
     conversation = torch.randint(100, 30000, (args.system_tokens,), generator=g).tolist()
-    params = SamplingParams(max_new_tokens=args.answer_tokens, temperature=0, ignore_eos=True)
-    turns = []
+    rec: dict = {"state_bytes": warm.runner.state_bytes, "checkpoints": len(warm.block_manager.free_checkpoints),
+                 "warm": [], "cold": []}
     try:
-        rec: dict = {"state_bytes": engine.runner.state_bytes, "checkpoints": len(engine.block_manager.free_checkpoints)}
+        for engine in (warm, cold):  # first-call costs (thread pools, kernels) out of turn 0
+            ask(engine, "warm-up", [5] * 16, 2)
         for k in range(args.turns + 1):
             conversation += torch.randint(100, 30000, (args.tool_tokens,), generator=g).tolist()
-            rid = f"turn{k}"
-            t0 = time.perf_counter()
-            engine.add_request(rid, list(conversation), params)
-            ttft, answer, logprobs, cached = None, [], [], 0
-            while engine.has_unfinished():
-                for u in engine.step():
-                    if u.token_id >= 0:
-                        ttft = ttft if ttft is not None else time.perf_counter() - t0
-                        answer.append(u.token_id)
-                        logprobs.append(u.logprob)
-                        cached = u.num_cached_tokens
-            turns.append({"prompt_tokens": len(conversation), "cached_tokens": cached, "ttft_s": ttft, "answer": answer,
-                          "logprobs": logprobs})
-            print(f"  {'warm' if cache else 'cold'} turn {k}: {len(conversation)} tokens, {cached} cached, "
-                  f"TTFT {ttft:.3f} s", flush=True)
-            conversation += answer
-        if cache:  # one request's state into a checkpoint row, timed alone
-            paged = engine.runner.paged
-            row = engine.info.max_batch_size  # the first checkpoint row
-            t = time.perf_counter()
-            for _ in range(20):
-                paged.copy_states([(0, row)])
-            rec["copy_s"] = (time.perf_counter() - t) / 20
+            w = ask(warm, f"turn{k}", conversation, args.answer_tokens)
+            c = ask(cold, f"turn{k}", conversation, args.answer_tokens)
+            rec["warm"].append(w)
+            rec["cold"].append(c)
+            print(f"  turn {k}: {len(conversation)} tokens, {w['cached_tokens']} cached, TTFT warm "
+                  f"{w['ttft_s']:.3f} s, cold {c['ttft_s']:.3f} s", flush=True)
+            conversation += w["answer"]
+        paged = warm.runner.paged
+        row = warm.info.max_batch_size  # the first checkpoint row
+        t = time.perf_counter()
+        for _ in range(20):
+            paged.copy_states([(0, row)])
+        rec["copy_s"] = (time.perf_counter() - t) / 20
     finally:
-        engine.shutdown()
-    rec["turns"] = turns
+        warm.shutdown()
+        cold.shutdown()
     return rec
 
 
@@ -125,27 +140,23 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(random_model(args, Path(tmp)))
-        warm = session(model, args, cache=True)
-        cold = session(model, args, cache=False)
+        rec = session(model, args)
     big = torch.empty(63_000_000 // 4, dtype=torch.float32)
     dst = torch.empty_like(big)
     t = time.perf_counter()
     for _ in range(20):
         dst.copy_(big)
-    copy_63mb = (time.perf_counter() - t) / 20
-    same = [(w["answer"], w["logprobs"]) for w in warm["turns"]] == [
-        (c["answer"], c["logprobs"]) for c in cold["turns"]
-    ]
-    print(f"\nstate {warm['state_bytes'] / 2**20:.1f} MiB a request, {warm['checkpoints']} checkpoint rows; "
-          f"answers equal: {same}")
+    rec["copy_63mb_s"] = (time.perf_counter() - t) / 20
+    same = [(w["answer"], w["logprobs"]) for w in rec["warm"]] == [(c["answer"], c["logprobs"]) for c in rec["cold"]]
+    print(f"\nstate {rec['state_bytes'] / 2**20:.1f} MiB a request, {rec['checkpoints']} checkpoint rows; "
+          f"answers and logprobs equal: {same}")
     print("turn  prompt  cached   cold TTFT  warm TTFT  cold/warm")
-    for k, (w, c) in enumerate(zip(warm["turns"], cold["turns"])):
+    for k, (w, c) in enumerate(zip(rec["warm"], rec["cold"])):
         print(f"{k:4d}  {w['prompt_tokens']:6d}  {w['cached_tokens']:6d}   {c['ttft_s']:8.3f}   {w['ttft_s']:8.3f}"
               f"   {c['ttft_s'] / w['ttft_s']:6.2f}x")
-    print(f"a checkpoint's copy: {warm['copy_s'] * 1e3:.2f} ms ({warm['state_bytes'] / 2**20:.1f} MiB); "
-          f"a 63 MB row copy on this CPU: {copy_63mb * 1e3:.2f} ms")
-    rec = {"args": vars(args), "warm": warm, "cold": cold, "answers_equal": same, "copy_63mb_s": copy_63mb,
-           "threads": torch.get_num_threads()}
+    print(f"a checkpoint's copy: {rec['copy_s'] * 1e3:.2f} ms ({rec['state_bytes'] / 2**20:.1f} MiB); "
+          f"a 63 MB row copy on this CPU: {rec['copy_63mb_s'] * 1e3:.2f} ms")
+    rec.update(args=vars(args), answers_equal=same, threads=torch.get_num_threads())
     out = REPO / "benchmarks" / "results" / f"hybrid_prefix-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     out.write_text(json.dumps(rec, indent=1))
     print(f"wrote {out}")
