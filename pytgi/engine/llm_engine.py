@@ -49,7 +49,6 @@ from pytgi.engine.loading.checkpoints import file_quantization
 from pytgi.engine.loading.model import read_config
 from pytgi.engine.models.decoder import DecoderConfig
 from pytgi.engine.models.layers import dynamic_rope, long_rope
-from pytgi.engine.models.linear_attention import CHUNK
 from pytgi.engine.pooling.head import PoolHead
 from pytgi.engine.scheduling.request import Request
 from pytgi.engine.scheduling.scheduler import Scheduler
@@ -170,7 +169,7 @@ class LLMEngine:
             self.info.enable_prefix_caching,
             slots,
             checkpoints,
-            CHUNK,
+            runner.state_grid or 1,
         )
         runner.allocate_kv_cache(self.info.num_blocks, config.block_size, slots + checkpoints)
         self.images: ImageInputs | None = None
@@ -445,6 +444,7 @@ class LLMEngine:
             "waiting_adapters": sorted(waiting_adapters),
             "disk": None if self.disk is None else msgspec.structs.replace(self.disk.stats),
             "pinned_blocks": len(self.block_manager.pins),
+            "state_checkpoints": len(self.block_manager.checkpoints),
         }
 
 
@@ -527,7 +527,9 @@ def _with_states(
             )
     log.info("recurrent states for %d running requests (%.2f GiB)", slots, slots * state / 2**30)
     checkpoints = 0
-    if config.enable_prefix_caching:
+    if config.enable_prefix_caching and not runner.state_grid:
+        log.info("prefix caching is off: a recurrent layer kind of this model says no state grid")
+    elif config.enable_prefix_caching:
         budget = config.prefix_cache_state_bytes
         if budget is None:
             budget = memory_tokens() * per_token // 8

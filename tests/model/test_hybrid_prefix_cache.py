@@ -63,9 +63,11 @@ def test_a_hit_gives_the_bits_of_a_cold_prefill(qwen3_5, dtype):  # noqa: F811
     try:
         bm = engine.block_manager
         assert engine.info.enable_prefix_caching and bm.checkpointing and bm.checkpoint_stride == 64
+        assert engine.runner.state_grid == 64  # gated DeltaNet's chunks
         first = _run(engine, [TURN_1])[0]
         assert first[2] == 0
         assert len(bm.checkpoints) == 1  # at 192: the prefill is cut there, its chunk ends on a boundary
+        assert engine.stats()["state_checkpoints"] == 1  # pytgi_prefix_cache_state_checkpoints
         second = _run(engine, [TURN_2])[0]
         assert second[2] == 192 and bm.state_restores == 1
         again = _run(engine, [TURN_2])[0]  # its own checkpoint at 256
@@ -184,3 +186,19 @@ def test_two_shards_copy_the_states_on_every_rank(qwen3_5):  # noqa: F811
     ref_tokens, ref_lps = _cold(path, TURN_2)
     assert tokens == ref_tokens
     assert max(abs(a - b) for a, b in zip(lps, ref_lps)) < 1e-5
+
+
+def test_a_recurrent_kind_that_says_no_grid_runs_without_the_prefix_cache(qwen3_5, monkeypatch):  # noqa: F811
+    """Where a layer kind's prefill state is exact is the kind's to say (`RecurrentMixer.state_grid`);
+    a kind that does not (a new one) gets no checkpoints rather than inexact hits."""
+    from pytgi.engine.models.linear_attention import GatedDeltaNet
+
+    monkeypatch.setattr(GatedDeltaNet, "state_grid", 0)
+    _, path = qwen3_5
+    engine = _engine(path)
+    try:
+        assert engine.runner.state_grid == 0 and not engine.info.enable_prefix_caching
+        assert not engine.block_manager.free_checkpoints
+        assert _run(engine, [TURN_1, TURN_1])[1][2] == 0
+    finally:
+        engine.shutdown()

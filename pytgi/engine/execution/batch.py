@@ -135,6 +135,18 @@ class PagedModel:
                     total += math.prod(spec.shape) * elt
         return total
 
+    def state_grid(self) -> int:
+        """The tokens on which every recurrent layer's prefill state is exact (the lcm of their kinds'
+        `state_grid`, `RecurrentMixer`); 0 where a kind does not say (no checkpoints of its states)."""
+        grid = 1
+        for layer in self.model.layers:
+            if (mixer := getattr(layer, "linear_attn", None)) is not None:
+                kind = getattr(mixer, "state_grid", 0)
+                if not kind:
+                    return 0
+                grid = math.lcm(grid, kind)
+        return grid
+
     def allocate(self, num_blocks: int, block_size: int, state_slots: int = 0) -> None:
         """On CUDA one block more than asked: the scratch block of the decode graphs' padding rows.
         `state_slots`: requests whose states the recurrent layers keep (their entries in `kv_caches`

@@ -55,6 +55,7 @@ class ModelRunner:
         self.paged = load_paged_model(config, self.device)
         self.dtype = self.paged.dtype
         self.state_bytes = self.paged.state_bytes_per_request()  # per running request (linear attention)
+        self.state_grid = self.paged.state_grid()  # where those states are exact (0: unknown)
         model = self.paged.model
         # what the runner keeps of the engine's settings
         self.max_lora_rank, self.max_cpu_loras = config.max_lora_rank, config.max_cpu_loras

@@ -51,9 +51,10 @@ class BlockManager:
         and gives it back with them (preempted, it is recomputed from its tokens, as its blocks are).
 
         `checkpoint_slots`: the state pool's rows past the running ones, which keep states at block
-        boundaries for the prefix cache (docs/prefix-cache.md). `state_grid`: the recurrent kernel's
-        chunk (`linear_attention.CHUNK`); a state is bit-exact only where every chunk computed so far
-        started on that grid, so checkpoints are taken every lcm(block_size, state_grid) tokens."""
+        boundaries for the prefix cache (docs/prefix-cache.md). `state_grid`: where the recurrent
+        layers' prefill states are exact (`PagedModel.state_grid`: gated DeltaNet's 64-token chunks); a
+        state is a cold prefill's bits only where every chunk so far started on that grid, so
+        checkpoints are taken every lcm(block_size, state_grid) tokens."""
         if num_blocks <= 0:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks

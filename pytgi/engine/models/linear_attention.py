@@ -82,7 +82,13 @@ class StateSpec:
 class RecurrentMixer(Protocol):
     """A layer kind that keeps a per-request state in the pool instead of keys and values (gated
     DeltaNet here; Mamba's and short convolutions' alike): `forward(x, rope, state, meta)` reads and
-    writes `state` (its tensors in `state_specs()`'s order) at `meta.slots`."""
+    writes `state` (its tensors in `state_specs()`'s order) at `meta.slots`.
+
+    A kind may also say `state_grid: int`: the tokens its prefill's state is exact on, the bits a
+    cold prefill from zero has there whenever every chunk so far began on a multiple of it (its chunked
+    form's chunk; 1 where any split gives the same bits). The prefix cache keeps checkpoints only on
+    that grid (`BlockManager`), and only for a model whose every recurrent kind says it: a kind that
+    does not runs without the prefix cache."""
 
     def state_specs(self) -> tuple[StateSpec, ...]: ...
 
@@ -221,6 +227,8 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """A linear-attention layer; this rank holds whole key-head groups (each key head with its
     num_v_heads / num_k_heads value heads)."""
+
+    state_grid = CHUNK  # `chunked_rule`'s chunks: a call started off them rounds otherwise
 
     def __init__(self, cfg: LinearAttnConfig, hidden: int, eps: float, fused: bool = False) -> None:
         """fused: decodes step the rule in the C kernel, in place in the pool (`kernels.gdn_decode`)."""
