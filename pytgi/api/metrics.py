@@ -103,6 +103,11 @@ class Metrics:
             "KV blocks clients' pins hold (Anthropic's cache_control)",
             registry=r,
         )
+        self.state_checkpoints = Gauge(
+            "pytgi_prefix_cache_state_checkpoints",
+            "A hybrid model's recurrent states the prefix cache keeps at block boundaries",
+            registry=r,
+        )
         # the disk tier (--prefix-cache-dir): its size, and its counts since the engine started
         self.disk_bytes = Gauge("pytgi_prefix_cache_disk_bytes", "The disk tier's bytes", registry=r)
         self.disk_files = Gauge("pytgi_prefix_cache_disk_files", "The disk tier's block files", registry=r)
@@ -185,6 +190,7 @@ class Metrics:
         self.prefix_cache_hit_rate.set(s.prefix_cache_hit_rate)
         self.preemptions.set(s.preemptions)
         self.pinned_blocks.set(s.pinned_blocks)
+        self.state_checkpoints.set(s.state_checkpoints)
         if s.disk is not None:
             d = s.disk
             self.disk_bytes.set(d.bytes)

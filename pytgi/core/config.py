@@ -128,6 +128,11 @@ class EngineConfig:
     prefix_cache_disk_bytes: int = setting(
         16 * 2**30, "the most the disk tier keeps in --prefix-cache-dir, the least recently used out"
     )
+    prefix_cache_state_bytes: int | None = setting(
+        None,
+        "a model with recurrent layers (Qwen3-Next, Qwen3.5): the memory for the prefix cache's state "
+        "checkpoints, taken from the KV cache's (default: an eighth of it; 0: no prefix cache for it)",
+    )
     prefix_cache_verify_rate: float = setting(
         0.0,
         "the share of disk reads checked: the last block recomputed and compared bit for bit, a "
@@ -225,6 +230,8 @@ class EngineConfig:
                 )
         if self.prefix_cache_disk_bytes < 0:
             raise ConfigError(f"prefix_cache_disk_bytes must be >= 0, got {self.prefix_cache_disk_bytes}")
+        if self.prefix_cache_state_bytes is not None and self.prefix_cache_state_bytes < 0:
+            raise ConfigError(f"prefix_cache_state_bytes must be >= 0, got {self.prefix_cache_state_bytes}")
         if self.prefix_cache_max_pin_seconds < 0:
             raise ConfigError(
                 f"prefix_cache_max_pin_seconds must be >= 0, got {self.prefix_cache_max_pin_seconds}"

@@ -95,6 +95,7 @@ class EngineStats(msgspec.Struct, array_like=True):
     waiting_adapters: list[str] = []  # the LoRA adapters waiting requests ask for
     disk: DiskCacheStats | None = None  # with --prefix-cache-dir
     pinned_blocks: int = 0  # KV blocks clients' pins hold now (Anthropic's cache_control)
+    state_checkpoints: int = 0  # a hybrid model's recurrent states kept at block boundaries now
 
 
 class _EngineStatsExtras(TypedDict, total=False):
@@ -103,6 +104,7 @@ class _EngineStatsExtras(TypedDict, total=False):
     waiting_adapters: list[str]
     disk: DiskCacheStats | None
     pinned_blocks: int
+    state_checkpoints: int
 
 
 class EngineStatsFields(_EngineStatsExtras):

@@ -140,8 +140,9 @@ class LLMEngine:
         )
         if runner.state_bytes and task != "generate":
             raise UnsupportedModel(f"{model_id}: a model with recurrent layers is not served for pooling")
-        if runner.state_bytes:  # linear attention, Mamba-2: a recurrent state per running request
-            placed, kv_capacity = _with_states(placed, runner, kv_capacity)
+        checkpoints = 0
+        if runner.state_bytes:  # linear attention, Mamba-2...: a recurrent state per running request
+            placed, kv_capacity, checkpoints = _with_states(placed, runner, kv_capacity)
         pooling = None
         if task != "generate":
             pooling = self._pooling(task, model_id, model_path, runner)
@@ -161,9 +162,14 @@ class LLMEngine:
             runner.pool_head = PoolHead(runner.model, pooling, task)
         slots = self.info.max_batch_size if runner.state_bytes else 0
         self.block_manager = BlockManager(
-            self.info.num_blocks, config.block_size, self.info.enable_prefix_caching, slots
+            self.info.num_blocks,
+            config.block_size,
+            self.info.enable_prefix_caching,
+            slots,
+            checkpoints,
+            runner.state_grid or 1,
         )
-        runner.allocate_kv_cache(self.info.num_blocks, config.block_size, slots)
+        runner.allocate_kv_cache(self.info.num_blocks, config.block_size, slots + checkpoints)
         self.images: ImageInputs | None = None
         image_processor = getattr(runner.model, "image_processor", None)  # a vision model's
         if image_processor is not None:
@@ -386,6 +392,8 @@ class LLMEngine:
         failed = False
         try:
             self.adapters.prepare([s.request.params.adapter for s in sched.scheduled])
+            if sched.state_copies:
+                self.runner.copy_states(sched.state_copies)
             updates = self.scheduler.update_from_output(sched, self.runner.execute(sched.scheduled))
         except DistributedError:
             raise  # a lost rank is not this step's fault: the engine cannot go on
@@ -434,6 +442,7 @@ class LLMEngine:
             "waiting_adapters": sorted(waiting_adapters),
             "disk": None if self.disk is None else msgspec.structs.replace(self.disk.stats),
             "pinned_blocks": len(self.block_manager.pins),
+            "state_checkpoints": len(self.block_manager.checkpoints),
         }
 
 
@@ -471,13 +480,15 @@ def check_decoder_pooling(config: EngineConfig) -> None:
 
 def _with_states(
     config: EngineConfig, runner: ModelRunner, kv_capacity: Callable[[], int]
-) -> tuple[EngineConfig, Callable[[], int]]:
+) -> tuple[EngineConfig, Callable[[], int], int]:
     """A model with recurrent layers (Qwen3-Next's and Qwen3.5's linear attention, the Mamba-2
-    hybrids'): each running request holds a
-    recurrent state beside its KV blocks. The states cannot be shared by prefixes nor take back
-    rejected drafts, so the prefix cache is off and speculation, the disk tier and LoRA are refused.
-    --max-batch-size states are allocated (by default as many as a quarter of the KV cache's memory
-    holds, at most 256) and the KV cache gets what is left."""
+    hybrids', LFM2's convolutions...): each running request holds a recurrent state beside its KV
+    blocks. The states cannot take back rejected drafts, so speculation and LoRA are refused, and the
+    disk tier keeps no states yet. --max-batch-size states are allocated (by default as many as a
+    quarter of the KV cache's memory holds, at most 256), then the prefix cache's checkpoints
+    (`--prefix-cache-state-bytes`, by default an eighth of that memory; only for models whose every
+    recurrent kind declares the positions its states are exact at), and the KV cache gets what is
+    left. Returns the config, the KV cache's capacity and the checkpoints."""
     asked = [
         flag
         for flag, on in (
@@ -489,15 +500,23 @@ def _with_states(
     ]
     if asked:
         raise ConfigError(
-            f"{', '.join(asked)}: not with a model with recurrent layers (linear attention, Mamba-2), "
-            "whose states cannot be shared, cached or rolled back (docs/models.md)"
+            f"{', '.join(asked)}: not with a model with recurrent layers (linear attention, Mamba-2...), "
+            "whose states cannot be rolled back, adapted or kept on disk (docs/models.md)"
         )
     state, per_token = runner.state_bytes, runner.paged.kv_bytes_per_token()
-    slots, measured = config.max_batch_size, None
-    if slots is None:
-        if config.max_batch_total_tokens is None:
+    measured: int | None = None
+
+    def memory_tokens() -> int:  # the KV cache's tokens before the states take their share
+        nonlocal measured
+        if config.max_batch_total_tokens is not None:
+            return config.max_batch_total_tokens
+        if measured is None:
             measured = kv_capacity()  # measured once: the KV cache is sized from the same figure
-        tokens = config.max_batch_total_tokens or measured or 0
+        return measured
+
+    slots = config.max_batch_size
+    if slots is None:
+        tokens = memory_tokens()
         slots = max(1, min(256, tokens * per_token // 4 // state))
         if slots < 16:  # a small --max-batch-total-tokens leaves few: requests past them wait their turn
             log.warning(
@@ -507,10 +526,27 @@ def _with_states(
                 tokens,
             )
     log.info("recurrent states for %d running requests (%.2f GiB)", slots, slots * state / 2**30)
-    if config.enable_prefix_caching:
-        log.info("prefix caching is off: this model's recurrent states are not kept per block")
-    taken = -(-slots * state // per_token)  # the states' memory, in KV tokens
+    checkpoints = 0
+    if config.enable_prefix_caching and not runner.state_grid:
+        log.info("prefix caching is off: a recurrent layer kind of this model says no state grid")
+    elif config.enable_prefix_caching:
+        budget = config.prefix_cache_state_bytes
+        if budget is None:
+            budget = memory_tokens() * per_token // 8
+        checkpoints = budget // state
+        if checkpoints:
+            log.info(
+                "prefix cache: %d checkpoints of the recurrent states (%.2f GiB)",
+                checkpoints,
+                checkpoints * state / 2**30,
+            )
+        else:
+            log.info(
+                "prefix caching is off: --prefix-cache-state-bytes holds no recurrent state (%d bytes)", state
+            )
+    taken = -(-(slots + checkpoints) * state // per_token)  # the states' memory, in KV tokens
     return (
-        dataclasses.replace(config, max_batch_size=slots, enable_prefix_caching=False),
+        dataclasses.replace(config, max_batch_size=slots, enable_prefix_caching=checkpoints > 0),
         lambda: max((kv_capacity() if measured is None else measured) - taken, 0),
+        checkpoints,
     )

@@ -2,8 +2,8 @@
 state pool, pytgi's own code) with the tiny tokenizer, served by `pytgi serve` and asked through the
 `openai` SDK and TGI's `text-generation` client: concurrent streams give what each gives alone (the
 states of requests that share steps stay apart), a stream the client drops frees its state for the
-next request, `/info` shows the state pool and no prefix cache, and a flag the model cannot take is refused at
-start with the reason."""
+next request, `/info` shows the state pool and the prefix cache, a conversation's next turn resumes from a
+checkpoint of the states, and a flag the model cannot take is refused at start with the reason."""
 
 from __future__ import annotations
 
@@ -80,11 +80,29 @@ def test_a_dropped_stream_frees_its_state(served):
     assert _complete(client, PROMPTS[1]) == ref
 
 
-def test_info_shows_the_state_pool_and_no_prefix_cache(served):
+def test_info_shows_the_state_pool_and_the_prefix_cache(served):
     srv, _ = served
     info = httpx.get(f"{srv.url}/info").json()
     assert info["max_batch_size"] == 4  # one recurrent state per running request
-    assert info["prefix_cache_max_pin_seconds"] == 0.0  # no prefix cache: clients' pins are ignored
+    assert info["prefix_cache_max_pin_seconds"] == 3600.0  # the prefix cache: checkpoints of the states
+
+
+def test_a_conversations_next_turn_resumes_from_a_checkpoint(served):
+    """The next turn sends the last prompt, the answer and more: it is served from the checkpoint at
+    the last prompt's last 64-token boundary (the usage says how many tokens), and its text is what it
+    is when asked again (a second hit, from the checkpoint at its own boundary)."""
+    srv, _ = served
+    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="-", max_retries=0)
+    model = client.models.list().data[0].id
+    first = " ".join(PROMPTS * 12)
+    ask = dict(model=model, max_tokens=8, temperature=0)
+    out = client.completions.create(prompt=first, **ask)
+    turn = first + out.choices[0].text + " " + " ".join(PROMPTS * 3)
+    again = [client.completions.create(prompt=turn, **ask) for _ in range(2)]
+    assert out.usage is not None and out.usage.prompt_tokens > 64
+    cached = [a.usage.prompt_tokens_details.cached_tokens for a in again]  # type: ignore[union-attr]
+    assert cached[0] > 0 and cached[0] % 64 == 0 and cached[1] > cached[0]
+    assert again[0].choices[0].text == again[1].choices[0].text
 
 
 def test_speculation_is_refused_at_start_with_the_reason(served):

@@ -150,9 +150,19 @@ def test_the_engine_says_what_it_turns_off(qwen3_next, tmp_path):
     _, path = qwen3_next
     engine = _engine(path, dtype="float32", max_batch_size=3)
     try:
-        assert not engine.info.enable_prefix_caching
+        # the prefix cache's checkpoints: an eighth of the 1024-token KV cache's memory
+        state, per_token = engine.runner.state_bytes, engine.runner.paged.kv_bytes_per_token()
+        checkpoints = 1024 * per_token // 8 // state
+        assert engine.info.enable_prefix_caching and checkpoints > 0
         assert engine.info.max_batch_size == 3
-        assert engine.runner.paged.kv_caches[0][1].shape == (3, 4, 16, 8)  # a state per request
+        # a state per running request, then the checkpoints
+        assert engine.runner.paged.kv_caches[0][1].shape == (3 + checkpoints, 4, 16, 8)
+    finally:
+        engine.shutdown()
+    engine = _engine(path, dtype="float32", max_batch_size=3, enable_prefix_caching=False)
+    try:
+        assert not engine.info.enable_prefix_caching
+        assert engine.runner.paged.kv_caches[0][1].shape == (3, 4, 16, 8)
     finally:
         engine.shutdown()
     with pytest.raises(ConfigError, match="--speculate"):

@@ -338,3 +338,24 @@ def test_a_pooling_request_is_chunked_then_ends_with_its_answer():
     assert pool.status is Status.FINISHED and pool.output_ids == [] and pool.num_computed_tokens == 40
     assert "emb" not in sched.requests and gen.status is Status.RUNNING
     assert len(gen.output_ids) == 4  # the generator decoded in every step the prompt's chunks took
+
+
+def test_free_cached_blocks_of_a_later_admission_are_not_taken_by_an_earlier_one():
+    """Two requests admitted in one step: the second's cached blocks are free and first in the
+    eviction order; the first's new blocks must come from elsewhere."""
+    sched = make_scheduler(num_blocks=8, block_size=4, max_batch_prefill_tokens=64)
+    shared = list(range(100, 108))
+    a = make_request("a", shared + [1], max_new_tokens=1)
+    sched.add(a)
+    run_step(sched)
+    x = make_request("x", 20, max_new_tokens=1)
+    sched.add(x)
+    run_step(sched)
+    assert a.status is x.status is Status.FINISHED  # a's blocks are free, cached, first to be evicted
+    first = make_request("first", 12, max_new_tokens=1)
+    second = make_request("second", shared + [2], max_new_tokens=1)
+    sched.add(first)
+    sched.add(second)
+    assert scheduled(sched.schedule()) == {"first": 12, "second": 1}
+    assert second.num_cached_tokens == 8
+    assert not set(first.block_table) & set(second.block_table)  # (until 2026-12-07 they shared two)

@@ -302,6 +302,7 @@ class ReplicaClient:
                 spec_accepted=sum(s.get("spec_accepted", 0) for s in stats),
                 waiting_adapters=sorted({a for s in stats for a in s.get("waiting_adapters", ())}),
                 pinned_blocks=sum(s.get("pinned_blocks", 0) for s in stats),
+                state_checkpoints=sum(s.get("state_checkpoints", 0) for s in stats),
             )
             self.stats = total
             if self.on_stats is not None:

@@ -106,8 +106,26 @@ class Adapters:
         return cls(args[0])
 
 
-Command = Step | Ping | Allocate | Capacity | Shutdown | Adapters
-BY_CODE: dict[int, type[Command]] = {c.code: c for c in (Step, Ping, Allocate, Capacity, Shutdown, Adapters)}
+@dataclass(frozen=True, slots=True)
+class CopyStates:
+    """`count` recurrent-state row copies follow, (source, destination) pairs as 2 × count int64
+    values: make them, in order, before the next step (the prefix cache's checkpoints)."""
+
+    code: ClassVar[int] = 6
+    count: int
+
+    def args(self) -> tuple[int, ...]:
+        return (self.count,)
+
+    @classmethod
+    def read(cls, args: tuple[int, ...]) -> CopyStates:
+        return cls(args[0])
+
+
+Command = Step | Ping | Allocate | Capacity | Shutdown | Adapters | CopyStates
+BY_CODE: dict[int, type[Command]] = {
+    c.code: c for c in (Step, Ping, Allocate, Capacity, Shutdown, Adapters, CopyStates)
+}
 
 
 def send(command: Command) -> None:

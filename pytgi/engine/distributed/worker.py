@@ -46,6 +46,8 @@ def run_worker(config: EngineConfig, rank: int) -> int:
                     runner.auto_num_tokens(fraction, cap_bytes)
                 case commands.Adapters(length):
                     runner.worker_adapters(length)
+                case commands.CopyStates(count):
+                    runner.worker_copy_states(count)
                 case commands.Shutdown():
                     break
     except dist.DistributedError as exc:

@@ -135,6 +135,18 @@ class PagedModel:
                     total += math.prod(spec.shape) * elt
         return total
 
+    def state_grid(self) -> int:
+        """The tokens on which every recurrent layer's prefill state is exact (the lcm of their kinds'
+        `state_grid`, `RecurrentMixer`); 0 where a kind does not say (no checkpoints of its states)."""
+        grid = 1
+        for layer in self.model.layers:
+            if (mixer := getattr(layer, "linear_attn", None)) is not None:
+                kind = getattr(mixer, "state_grid", 0)
+                if not kind:
+                    return 0
+                grid = math.lcm(grid, kind)
+        return grid
+
     def allocate(self, num_blocks: int, block_size: int, state_slots: int = 0) -> None:
         """On CUDA one block more than asked: the scratch block of the decode graphs' padding rows.
         `state_slots`: requests whose states the recurrent layers keep (their entries in `kv_caches`
@@ -168,6 +180,21 @@ class PagedModel:
                 k = torch.zeros(shape[1:], dtype=dtype, device=self.device)
                 v = torch.zeros((*shape[1:3], v_row), dtype=dtype, device=self.device)
             self.kv_caches.append((k, v))
+
+    @torch.inference_mode()
+    def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy recurrent states between pool rows, (source, destination) in order: a state is row
+        `slot` of every tensor of every recurrent layer (the prefix cache's checkpoints, saved and
+        restored)."""
+        tensors = [
+            t
+            for layer, cache in zip(self.model.layers, self.kv_caches)
+            if getattr(layer, "linear_attn", None) is not None
+            for t in cache
+        ]
+        for src, dst in copies:
+            for t in tensors:
+                t[dst].copy_(t[src])
 
     def capture_graphs(self, sizes: tuple[int, ...], max_blocks: int) -> bool:
         """Capture the decode step at these batch sizes (`pytgi.engine.execution.cuda_graphs`), where the

@@ -55,6 +55,7 @@ class ModelRunner:
         self.paged = load_paged_model(config, self.device)
         self.dtype = self.paged.dtype
         self.state_bytes = self.paged.state_bytes_per_request()  # per running request (linear attention)
+        self.state_grid = self.paged.state_grid()  # where those states are exact (0: unknown)
         model = self.paged.model
         # what the runner keeps of the engine's settings
         self.max_lora_rank, self.max_cpu_loras = config.max_lora_rank, config.max_cpu_loras
@@ -130,6 +131,19 @@ class ModelRunner:
         self.paged.allocate(num_blocks, block_size, state_slots)
         if self.device.type == "cuda" and dist.tp_size() == 1:
             self._capture_graphs()
+
+    def copy_states(self, copies: list[tuple[int, int]]) -> None:
+        """Before a step: copy recurrent states between pool rows (the prefix cache's checkpoints
+        saved and restored), on every rank."""
+        if self.rank == 0 and dist.tp_size() > 1:
+            commands.send(commands.CopyStates(len(copies)))
+            dist.broadcast_arrays([np.array(copies, dtype=np.int64).reshape(-1)], [(2 * len(copies),)])
+        self.paged.copy_states(copies)
+
+    def worker_copy_states(self, count: int) -> None:
+        """Ranks > 0: the copies rank 0 makes."""
+        (flat,) = dist.broadcast_arrays(None, [(2 * count,)])
+        self.paged.copy_states([(int(a), int(b)) for a, b in flat.reshape(-1, 2)])
 
     def _capture_graphs(self) -> None:
         """The decode step's CUDA graphs, at `--cuda-graphs`' batch sizes up to `--max-batch-size`."""

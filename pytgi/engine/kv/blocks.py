@@ -38,11 +38,23 @@ class BlockSeq(Protocol):
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, state_slots: int = 0
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        state_slots: int = 0,
+        checkpoint_slots: int = 0,
+        state_grid: int = 64,
     ) -> None:
         """`state_slots`: a model with linear-attention layers keeps a recurrent state per running
         request (`pytgi.engine.models.linear_attention`): a request takes a slot with its first blocks
-        and gives it back with them (preempted, it is recomputed from zero, as its blocks are)."""
+        and gives it back with them (preempted, it is recomputed from its tokens, as its blocks are).
+
+        `checkpoint_slots`: the state pool's rows past the running ones, which keep states at block
+        boundaries for the prefix cache (docs/prefix-cache.md). `state_grid`: where the recurrent
+        layers' prefill states are exact (`PagedModel.state_grid`: gated DeltaNet's 64-token chunks); a
+        state is a cold prefill's bits only where every chunk so far started on that grid, so
+        checkpoints are taken every lcm(block_size, state_grid) tokens."""
         if num_blocks <= 0:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -63,6 +75,18 @@ class BlockManager:
         self.next_expiry = math.inf  # no pin ends before this
         self.free_states = list(range(state_slots - 1, -1, -1))  # popped from the end: slot 0 first
         self.has_states = state_slots > 0
+        # Checkpoints: block hash → the pool row holding the state after that block, least recently
+        # used first. A checkpoint lives while its hash names a cached block (`_forget` drops it).
+        self.checkpointing = self.has_states and enable_prefix_caching and checkpoint_slots > 0
+        self.state_grid = state_grid
+        self.checkpoint_stride = math.lcm(block_size, state_grid)  # tokens between checkpoints
+        self.checkpoints: OrderedDict[int, int] = OrderedDict()
+        self.free_checkpoints = list(range(state_slots + checkpoint_slots - 1, state_slots - 1, -1))
+        # Row copies (source, destination) the next forward makes first, in this order: the saves
+        # into checkpoints (queued after the step that computed them), then the restores of admitted
+        # requests (queued at admission). Saves first: a slot freed since may be restored into.
+        self.state_copies: list[tuple[int, int]] = []
+        self.state_restores = 0  # requests that resumed from a checkpoint
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -95,12 +119,21 @@ class BlockManager:
         At least one token is left to compute: the last one's logits give the next token."""
         if not self.enable_prefix_caching or req.wants_prompt_logprobs:
             return []
+        if self.has_states and not self.checkpointing:
+            return []
         blocks: list[int] = []
-        for h in self.chain_hashes(req, (req.num_tokens - 1) // self.block_size):
+        hashes = self.chain_hashes(req, (req.num_tokens - 1) // self.block_size)
+        for h in hashes:
             block = self.hash_to_block.get(h)
             if block is None:
                 break
             blocks.append(block)
+        if self.has_states:  # the recurrent state is known only where a checkpoint was kept
+            # where the cached prefix (KV) ends, another prompt shares this one's prefix: a
+            # checkpoint there serves the next prompt that shares it (Scheduler._state_cut)
+            req.shared_prefix = len(blocks) * self.block_size
+            while blocks and hashes[len(blocks) - 1] not in self.checkpoints:
+                blocks.pop()
         return blocks
 
     def blocks_needed(self, req: BlockSeq, num_new_tokens: int, cached: Sequence[int] = ()) -> int:
@@ -129,6 +162,8 @@ class BlockManager:
                 self._claim(block)
             req.block_table = list(cached)
             req.num_computed_tokens = req.num_cached_tokens = len(cached) * self.block_size
+            if self.has_states:
+                self._restore(req, cached)
         total = self.blocks_for(req.num_computed_tokens + num_new_tokens)
         while len(req.block_table) < total:
             req.block_table.append(self._pop_free())
@@ -143,8 +178,8 @@ class BlockManager:
     def cache_full_blocks(self, req: Request) -> list[tuple[int, int]]:
         """Register the request's newly computed full blocks in the prefix cache; the (block, hash)
         pairs it added (those the disk tier has not seen)."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or (self.has_states and not req.state_on_grid):
+            return []  # (a hybrid's blocks past its state's leaving the grid: `state_step`)
         num_full = req.num_computed_tokens // self.block_size
         added = []
         for i, h in enumerate(self.chain_hashes(req, num_full)):
@@ -153,6 +188,62 @@ class BlockManager:
                 added.append((block, h))
         return added
 
+    # -- recurrent states' checkpoints -------------------------------------------------------------
+    def _restore(self, req: BlockSeq, cached: Sequence[int]) -> None:
+        """A request starting on its cached blocks starts from the checkpoint at their end (copied
+        into its own slot before the step); with none, from zero."""
+        req.state_on_grid = True  # type: ignore[attr-defined]
+        if not cached:
+            return
+        h = self.block_hash[cached[-1]]
+        assert h is not None and h in self.checkpoints, "a hybrid's cached prefix ends at a checkpoint"
+        self.checkpoints.move_to_end(h)
+        self.state_copies.append((self.checkpoints[h], req.state_slot))  # type: ignore[attr-defined]
+        self.state_restores += 1
+
+    def state_step(self, req: Request, num_new_tokens: int) -> None:
+        """After a step computed `num_new_tokens` of the request, before its blocks are registered:
+        whether its state (and so the KV of the blocks it completes) is still a cold prefill's bits.
+        A one-token step runs the recurrence token by token, a chunk off the grid other chunks than a
+        prefill from zero would: the numbers are right, the bits are not a cold prefill's. The
+        recurrent layers' outputs feed the attention layers, so a block a decode filled holds KV a
+        cold prefill would not compute either: such blocks are not cached (`cache_full_blocks`)."""
+        start = req.num_computed_tokens - num_new_tokens
+        if num_new_tokens == 1 or start % self.state_grid:
+            req.state_on_grid = False
+
+    def checkpoint(self, req: Request) -> None:
+        """After a step (its full blocks registered): keep the request's state if the step ended on a
+        checkpoint boundary and the state is exact there."""
+        end = req.num_computed_tokens
+        if not (self.checkpointing and req.state_on_grid) or end % self.checkpoint_stride:
+            return
+        h = self.chain_hashes(req, end // self.block_size)[-1]
+        if h not in self.hash_to_block:
+            return
+        if h in self.checkpoints:  # another request kept this prefix's state already
+            self.checkpoints.move_to_end(h)
+            return
+        if self.free_checkpoints:
+            slot = self.free_checkpoints.pop()
+        else:  # the least recently used checkpoint gives way
+            _, slot = self.checkpoints.popitem(last=False)
+        self.checkpoints[h] = slot
+        self.state_copies.append((req.state_slot, slot))
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        copies, self.state_copies = self.state_copies, []
+        return copies
+
+    def drop_checkpoints(self, copies: Sequence[tuple[int, int]]) -> None:
+        """A step failed, so its copies may not have been made: the checkpoints they were saving
+        into are dropped (a restore from one would read whatever the row held)."""
+        rows = {dst for _, dst in copies}
+        for h, slot in list(self.checkpoints.items()):
+            if slot in rows:
+                del self.checkpoints[h]
+                self.free_checkpoints.append(slot)
+
     def register(self, block: int, h: int) -> bool:
         """Name a block holding computed KV by its hash, unless the hash (or the block) is named."""
         if self.block_hash[block] is not None or h in self.hash_to_block:
@@ -160,6 +251,10 @@ class BlockManager:
         self.block_hash[block] = h
         self.hash_to_block[h] = block
         return True
+
+    def hold(self, block: int) -> None:
+        """One more hold on a block (free or not): it is not evicted until `release`."""
+        self._claim(block)
 
     def release(self, block: int) -> None:
         """Drop one hold on a block (a request's, or the disk tier's read); free at none."""
@@ -262,6 +357,9 @@ class BlockManager:
         if h is not None:
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
+                slot = self.checkpoints.pop(h, None)
+                if slot is not None:  # the state after a block goes with the block
+                    self.free_checkpoints.append(slot)
             self.block_hash[block] = None
 
 

@@ -10,7 +10,8 @@ with q and k L2-normalized (q also scaled by k_dim^-½), β = sigmoid(b) and the
 g = −exp(A_log) · softplus(a + dt_bias). The states live in a pool (`StatePool` in
 `pytgi.engine.kv.blocks` hands out the slots, `PagedModel.allocate` the tensors); a request's slot
 starts from zero at its first token (a preempted request is recomputed from its tokens, as its
-KV blocks are), so prefix caching is off for these models.
+KV blocks are), or from a copy of the prefix cache's checkpoint where it resumes on cached blocks
+(the slot is copied before the step; `fresh` is false, as for any later chunk).
 
 A decode is one step of the recurrence, all decodes of a step at once. A prefill chunk runs the
 chunked form: within a chunk of C tokens, the updates of the rule solve one unit-triangular system
@@ -81,7 +82,13 @@ class StateSpec:
 class RecurrentMixer(Protocol):
     """A layer kind that keeps a per-request state in the pool instead of keys and values (gated
     DeltaNet here; Mamba's and short convolutions' alike): `forward(x, rope, state, meta)` reads and
-    writes `state` (its tensors in `state_specs()`'s order) at `meta.slots`."""
+    writes `state` (its tensors in `state_specs()`'s order) at `meta.slots`.
+
+    A kind may also say `state_grid: int`: the tokens its prefill's state is exact on, the bits a
+    cold prefill from zero has there whenever every chunk so far began on a multiple of it (its chunked
+    form's chunk; 1 where any split gives the same bits). The prefix cache keeps checkpoints only on
+    that grid (`BlockManager`), and only for a model whose every recurrent kind says it: a kind that
+    does not runs without the prefix cache."""
 
     def state_specs(self) -> tuple[StateSpec, ...]: ...
 
@@ -222,6 +229,8 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """A linear-attention layer; this rank holds whole key-head groups (each key head with its
     num_v_heads / num_k_heads value heads)."""
+
+    state_grid = CHUNK  # `chunked_rule`'s chunks: a call started off them rounds otherwise
 
     def __init__(self, cfg: LinearAttnConfig, hidden: int, eps: float, fused: bool = False) -> None:
         """fused: the C kernels run everything between the projections (`kernels.gdn_decode_layer` the

@@ -40,6 +40,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at the first schedule
     block_table: list[int] = field(default_factory=list)
     state_slot: int = -1  # a model with linear attention: its recurrent state's slot while it runs
+    # ... and whether every chunk that made that state started on the kernel's chunk grid, as a cold
+    # prefill's do: only such a state is bit-exact, so only it is checkpointed (BlockManager.checkpoint)
+    state_on_grid: bool = True
+    shared_prefix: int = 0  # ... and the tokens of its prompt whose KV was cached when it was admitted
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks so far
     status: Status = Status.WAITING
     num_preemptions: int = 0

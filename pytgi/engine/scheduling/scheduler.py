@@ -29,6 +29,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     num_admitted: int = 0
+    # recurrent states' rows to copy (source, destination), in order, before the forward: saves
+    # into the prefix cache's checkpoints, then restores from them (BlockManager.state_copies)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +110,9 @@ class Scheduler:
             self._admit_waiting(out, min(budget, prompt_budget))
         if self.disk is not None:
             self.disk.drop_holds()
+        if out.scheduled and self.block_manager.state_copies:
+            # (with nothing scheduled no forward runs: the copies wait, the rows unchanged)
+            out.state_copies = self.block_manager.take_state_copies()
         self.steps_since_admission = 1 if out.num_admitted else self.steps_since_admission + 1
         return out
 
@@ -121,7 +127,9 @@ class Scheduler:
                 n = min(n, budget, prompt_budget)
                 if n <= 0:
                     continue
-                n = whole_images(req, req.num_computed_tokens, n)
+                n = whole_images(
+                    req, req.num_computed_tokens, self._state_cut(req, req.num_computed_tokens, n)
+                )
             bm = self.block_manager
             while not bm.allocate(req, n):
                 if bm.yield_pins(bm.blocks_needed(req, n) - bm.num_free_blocks):
@@ -136,6 +144,25 @@ class Scheduler:
                 if prompt:
                     prompt_budget -= n
         return budget, prompt_budget
+
+    def _state_cut(self, req: Request, start: int, n: int) -> int:
+        """A hybrid model's prefill chunk from `start`. It ends at the first checkpoint boundary past
+        `start` where a later prompt may resume: the end of the prefix another prompt shared (the
+        cached KV this one found), a client's pin (`cache_control`: a system prompt's end), the last
+        boundary before the end of its tokens (a conversation's next turn). A chunk that stops short
+        of the end stops on the recurrent kernel's chunk grid, where a cold prefill's state is the
+        same bits (docs/prefix-cache.md)."""
+        bm = self.block_manager
+        if not bm.has_states:
+            return n
+        end = start + n
+        if bm.checkpointing:
+            stride = bm.checkpoint_stride
+            ends = [req.shared_prefix, *(tokens for tokens, _ in req.params.cache_pins), req.num_tokens - 1]
+            end = min([end, *(p // stride * stride for p in ends if start < p // stride * stride < end)])
+        if end < req.num_tokens and (grid := end // bm.state_grid * bm.state_grid) > start:
+            end = grid
+        return end - start
 
     def _draft(self, out: SchedulerOutput, budget: int, drafter: Proposer) -> int:
         """Give this step's decodes drafts while the step stays small (MAX_STEP_ROWS: a big batch
@@ -174,8 +201,14 @@ class Scheduler:
         recent = self.steps_since_admission < self.config.max_waiting_tokens
         if batch_size and recent and len(plan) < math.floor(batch_size * self.config.waiting_served_ratio):
             return
+        bm = self.block_manager
+        # The plan's cached blocks are held while it is admitted: a free cached block that a later
+        # request of the plan claims must not be taken as a new block by an earlier one.
+        held = [b for _, _, cached in plan for b in cached]
+        for block in held:
+            bm.hold(block)
         for req, n, cached in plan:
-            ok = self.block_manager.allocate(req, n, cached)
+            ok = bm.allocate(req, n, cached)
             assert ok, "admission plan exceeded free blocks"
             self.waiting.popleft()
             req.status = Status.RUNNING
@@ -183,6 +216,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             out.num_admitted += 1
+        for block in held:
+            bm.release(block)
 
     def _plan_admission(self, budget: int) -> list[tuple[Request, int, list[int]]]:
         """Waiting requests that fit, FIFO, with their token counts and cached prefix blocks."""
@@ -201,11 +236,15 @@ class Scheduler:
                 free -= self.disk.start_read(req, len(cached), free - len(cached), claimed.union(cached))
             if req.disk == "reading":
                 break  # first come, first served: the requests behind it wait for its blocks too
-            n = req.num_tokens - len(cached) * bm.block_size
+            start = len(cached) * bm.block_size
+            n = req.num_tokens - start
             if n > budget:
                 if not cfg.enable_chunked_prefill:
                     break
-                n = whole_images(req, req.num_tokens - n, budget)
+                n = budget
+            n = self._state_cut(req, start, n)
+            if start + n < req.num_tokens:
+                n = whole_images(req, start, n)
             need = bm.blocks_needed(req, n, cached)
             need -= sum(1 for b in cached if b in claimed and bm.ref_counts[b] == 0)
             if need > free and not plan and bm.pins:  # pins give way to the first in line
@@ -234,7 +273,11 @@ class Scheduler:
                 updates.extend(self._verified(s, out))
                 continue
             req.num_computed_tokens += s.num_new_tokens
+            if self.block_manager.has_states:
+                self.block_manager.state_step(req, s.num_new_tokens)
             self._cache_full_blocks(req)
+            if self.block_manager.has_states:
+                self.block_manager.checkpoint(req)
             if (pooled := out.pooled.get(req.request_id)) is not None:
                 self.finish(req)
                 updates.append(pooled)
@@ -312,6 +355,8 @@ class Scheduler:
 
     def fail(self, sched: SchedulerOutput, error: str) -> list[P.TokenOut]:
         """The step raised: its requests (and only they) end with the error."""
+        if sched.state_copies:
+            self.block_manager.drop_checkpoints(sched.state_copies)
         for s in sched.scheduled:
             self.finish(s.request)
         return [
