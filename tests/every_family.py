@@ -102,6 +102,7 @@ IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # so one layer attends
 LAYERS = {
     "bamba": dict(attn_layer_indices=[1]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] + ["linear_attention"] * 2),
 }
 

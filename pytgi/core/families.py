@@ -580,6 +580,14 @@ FAMILIES: tuple[Family, ...] = (
         note="Mamba-2 layers on a state pool, RoPE on half of each head",
     ),
     replace(
+        _MAMBA,
+        name="Falcon-H1",
+        config="falcon_h1_config",
+        generators=("FalconH1ForCausalLM",),
+        tensor_parallel=False,
+        note="attention and a Mamba-2 mixer side by side in every layer, µP multipliers folded at load",
+    ),
+    replace(
         _MAMBA1,
         name="Jamba",
         config="jamba_config",

@@ -45,6 +45,10 @@ class Mamba2Config:
     conv_bias: bool = True
     proj_bias: bool = False  # on in_proj and out_proj
     dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # False: y · silu(z) goes to out_proj as it is, without the grouped RMS norm (Falcon-H1's
+    # `mamba_rms_norm` False)
+    gate_norm: bool = True
+    out_bias: bool | None = None  # on out_proj where it differs from in_proj's (Falcon-H1's projectors_bias)
 
     @property
     def inner(self) -> int:
@@ -183,11 +187,15 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.heads), requires_grad=False)
         for p in (self.dt_bias, self.A_log, self.D):  # (a GGUF file's A and D are [H, 1])
             _set_loader(p, self._rows([(h0, self.heads)]))
-        self.norm = GroupedGatedRMSNorm(
-            self.inner, self.groups, eps, inner // G, shared=tp > G, first=g0, total=G
-        )
-        _set_loader(self.norm.weight, self._rows([(h0 * P, self.heads * P)]))  # (GGUF: [groups, inner / G])
-        self.out_proj = RowParallelLinear((h0 * P, self.heads * P), hidden, cfg.proj_bias)
+        self.norm: GroupedGatedRMSNorm | None = None
+        if cfg.gate_norm:
+            self.norm = GroupedGatedRMSNorm(
+                self.inner, self.groups, eps, inner // G, shared=tp > G, first=g0, total=G
+            )
+            # (GGUF: [groups, inner / G])
+            _set_loader(self.norm.weight, self._rows([(h0 * P, self.heads * P)]))
+        out_bias = cfg.proj_bias if cfg.out_bias is None else cfg.out_bias
+        self.out_proj = RowParallelLinear((h0 * P, self.heads * P), hidden, out_bias)
 
     @staticmethod
     def _rows(parts: list[tuple[int, int]]):
@@ -259,4 +267,6 @@ class Mamba2Mixer(nn.Module):
             start += n
         x = mixed[:, : self.inner].view(T, self.heads, cfg.head_dim)
         y = (y + self.D.float()[:, None] * x).reshape(T, self.inner)
+        if self.norm is None:
+            return self.out_proj((y * F.silu(z.float())).to(h.dtype))
         return self.out_proj(self.norm(y, z).to(h.dtype))
