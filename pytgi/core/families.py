@@ -592,6 +592,7 @@ FAMILIES: tuple[Family, ...] = (
         name="Jamba",
         config="jamba_config",
         generators=("JambaForCausalLM",),
+        gguf=(GgufName("jamba", "JambaForCausalLM", "jamba"),),
         experts=True,
         note=(
             "Mamba-1 layers on a state pool, attention without RoPE every attn_layer_period, "
@@ -603,6 +604,8 @@ FAMILIES: tuple[Family, ...] = (
         name="Mamba",
         config="mamba_config",
         generators=("MambaForCausalLM",),
+        # llama.cpp's converter writes FalconMamba as "mamba" too, with `ssm.dt_b_c_rms` (`_mamba1`)
+        gguf=(GgufName("mamba", "MambaForCausalLM", "mamba"),),
         tensor_parallel=False,
         note="Mamba-1 layers only, no attention: the state pool alone bounds the batch",
     ),

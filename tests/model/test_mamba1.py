@@ -181,3 +181,117 @@ def test_the_scan_equals_the_step(length):
         ref.append(ref_state @ C[t])
     torch.testing.assert_close(out, torch.stack(ref))
     torch.testing.assert_close(state, ref_state)
+
+
+# transformers' module names → llama.cpp's
+GGUF_NAMES = {
+    "norm": "attn_norm",
+    "input_layernorm": "attn_norm",
+    "pre_ff_layernorm": "ffn_norm",
+    "in_proj": "ssm_in",
+    "x_proj": "ssm_x",
+    "dt_proj": "ssm_dt",
+    "out_proj": "ssm_out",
+    "conv1d": "ssm_conv1d",
+    "dt_layernorm": "ssm_dt_norm",
+    "b_layernorm": "ssm_b_norm",
+    "c_layernorm": "ssm_c_norm",
+    "q_proj": "attn_q",
+    "k_proj": "attn_k",
+    "v_proj": "attn_v",
+    "o_proj": "attn_output",
+    "gate_proj": "ffn_gate",
+    "up_proj": "ffn_up",
+    "down_proj": "ffn_down",
+    "router": "ffn_gate_inp",
+}
+
+
+def write_mamba1_gguf(hf, arch: str, path) -> None:
+    """`hf` as llama.cpp's converter writes it (`mamba` for Mamba and FalconMamba, with
+    `ssm.dt_b_c_rms` for the latter; `jamba`, its attention layers in the per-layer head_count_kv):
+    A as −exp(A_log) [d_inner, d_state], the convolution squeezed, experts stacked, no output tensor
+    where the head is tied, no q/k interleave (Jamba's attention has no RoPE)."""
+    import gguf
+    import numpy as np
+
+    from tests.model.test_gguf_families import byte_vocabulary
+
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_embedding_length(c.hidden_size)
+    w.add_ssm_conv_kernel(c.conv_kernel if arch == "mamba" else c.mamba_d_conv)
+    w.add_ssm_state_size(c.state_size if arch == "mamba" else c.mamba_d_state)
+    if arch == "mamba":
+        w.add_context_length(2**20)
+        w.add_feed_forward_length(0)
+        w.add_head_count(0)
+        w.add_ssm_inner_size(c.intermediate_size)
+        w.add_ssm_time_step_rank(c.time_step_rank)
+        w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
+        w.add_ssm_dt_b_c_rms(c.model_type == "falcon_mamba")
+    else:
+        w.add_context_length(c.max_position_embeddings)
+        w.add_feed_forward_length(c.intermediate_size)
+        w.add_head_count(c.num_attention_heads)
+        kinds = c.layers_block_type
+        w.add_head_count_kv([c.num_key_value_heads if k == "attention" else 0 for k in kinds])
+        w.add_ssm_inner_size(c.mamba_expand * c.hidden_size)
+        w.add_ssm_time_step_rank(c.mamba_dt_rank)
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    byte_vocabulary(w, c.vocab_size)
+    glob = {"embeddings": "token_embd", "embed_tokens": "token_embd", "norm_f": "output_norm"}
+    glob["final_layernorm"] = "output_norm"
+    tied = c.tie_word_embeddings
+    for name, t in hf.state_dict().items():
+        a = t.detach().float().numpy()
+        if name == "lm_head.weight":
+            if not tied:
+                w.add_tensor("output.weight", a)
+            continue
+        _, part, rest = name.split(".", 2)
+        if part != "layers":
+            w.add_tensor(f"{glob[part]}.weight", a)
+            continue
+        i, rest = rest.split(".", 1)
+        blk = f"blk.{i}."
+        for prefix in ("mixer.", "mamba.", "self_attn.", "feed_forward."):
+            rest = rest.removeprefix(prefix)
+        stem, _, kind = rest.rpartition(".")
+        if rest == "A_log":
+            w.add_tensor(blk + "ssm_a", -np.exp(a))
+        elif rest == "D":
+            w.add_tensor(blk + "ssm_d", a)
+        elif rest == "conv1d.weight":
+            w.add_tensor(blk + "ssm_conv1d.weight", np.ascontiguousarray(a.reshape(a.shape[0], -1)))
+        elif rest == "experts.gate_up_proj":  # transformers' experts, gate | up stacked [E, 2I, H]
+            gate, up = np.split(a, 2, axis=1)
+            w.add_tensor(blk + "ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            w.add_tensor(blk + "ffn_up_exps.weight", np.ascontiguousarray(up))
+        elif rest == "experts.down_proj":
+            w.add_tensor(blk + "ffn_down_exps.weight", a)
+        else:
+            w.add_tensor(f"{blk}{GGUF_NAMES[stem]}.{kind}", np.ascontiguousarray(a))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", ["jamba", "mamba", "falcon_mamba"])
+def test_a_gguf_file_serves_transformers_tokens(name, request, tmp_path, monkeypatch):
+    """Files as llama.cpp's converter writes them (checked here against its own converter's output of
+    a tiny Jamba, Mamba and FalconMamba by hand: the same keys, names and shapes)."""
+    monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
+    model, _ = request.getfixturevalue(name)
+    arch = "jamba" if name == "jamba" else "mamba"
+    write_mamba1_gguf(model, arch, tmp_path / f"{name}.gguf")
+    engine = _engine(tmp_path / f"{name}.gguf", dtype="float32")
+    try:
+        got = run(engine, PROMPTS)
+    finally:
+        engine.shutdown()
+    assert [t for t, _ in got] == [_reference(model, p) for p in PROMPTS]

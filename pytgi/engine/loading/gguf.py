@@ -35,7 +35,14 @@ import torch
 
 from pytgi.core.errors import GGUFConversionError
 from pytgi.core.families import gguf_of_model_type
-from pytgi.core.gguf_convert import HYBRID_TYPES, MAMBA_TYPES, SOURCE_FILE, hf_tensor_name, mtp_tensor
+from pytgi.core.gguf_convert import (
+    HYBRID_TYPES,
+    MAMBA1_TYPES,
+    MAMBA_TYPES,
+    SOURCE_FILE,
+    hf_tensor_name,
+    mtp_tensor,
+)
 from pytgi.engine import kernels
 
 if TYPE_CHECKING:
@@ -332,7 +339,8 @@ class GGUFWeights:
         # Gemma 2 and 3's norms are stored as 1 + w (Gemma 3n's and 4's as they are)
         self._gemma = model_type.startswith("gemma") and model_type not in ("gemma3n_text", "gemma4_text")
         self._hybrid = model_type in HYBRID_TYPES
-        self._a_log = model_type in HYBRID_TYPES | MAMBA_TYPES  # DeltaNet's and Mamba-2's decays
+        # DeltaNet's, Mamba-2's and Mamba-1's decays
+        self._a_log = model_type in HYBRID_TYPES | MAMBA_TYPES | MAMBA1_TYPES
 
     def names(self) -> list[str]:
         return list(self.tensors)
