@@ -584,6 +584,8 @@ FAMILIES: tuple[Family, ...] = (
         name="Falcon-H1",
         config="falcon_h1_config",
         generators=("FalconH1ForCausalLM",),
+        # llama.cpp's converter folds the multipliers into the weights (embeddings and head too)
+        gguf=(GgufName("falcon-h1", "FalconH1ForCausalLM", "falcon_h1"),),
         tensor_parallel=False,
         note="attention and a Mamba-2 mixer side by side in every layer, µP multipliers folded at load",
     ),

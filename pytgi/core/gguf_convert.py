@@ -1047,6 +1047,22 @@ def _mamba_hybrid(reader: Reader, arch: str, config: dict[str, Any], names: set[
         "proj_bias": any(n.endswith(".ssm_in.bias") for n in names),
     }
     config.update(num_key_value_heads=max(kv), attention_bias=False)
+    if arch == "falcon-h1":  # every layer attends and has its Mamba-2 mixer; its multipliers are folded
+        config.update(
+            mamba_n_heads=heads,
+            mamba_d_head=mamba["head_dim"],
+            mamba_d_ssm=mamba["head_dim"] * heads,
+            mamba_n_groups=mamba["groups"],
+            mamba_d_state=mamba["state"],
+            mamba_d_conv=mamba["conv"],
+            mamba_conv_bias=mamba["conv_bias"],
+            mamba_proj_bias=mamba["proj_bias"],
+            projectors_bias=any(n.endswith(".ssm_out.bias") for n in names),
+            # the gated norm where the file has one, as llama.cpp runs it: after the gate
+            mamba_rms_norm=any(n.endswith(".ssm_norm.weight") for n in names),
+            mamba_norm_before_gate=False,
+        )
+        return
     if arch.startswith("nemotron_h"):
         ffn = _per_layer(reader, f"{arch}.feed_forward_length", layers)
         mlp = "moe" if arch == "nemotron_h_moe" else "mlp"
@@ -1179,6 +1195,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         parts = name.split(".")
         if len(parts) in (3, 4) and parts[0] == "blk" and parts[2] in MAMBA_BARE:
             return f"model.layers.{parts[1]}.linear_attn.{MAMBA_BARE[parts[2]]}"
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] == "ffn_norm":  # Falcon-H1's: no ".weight"
+            return f"model.layers.{parts[1]}.post_attention_layernorm.weight"
     if model_type in MAMBA1_TYPES:  # Mamba-1's bare parameters: blk.N.ssm_a, blk.N.ssm_d
         parts = name.split(".")
         if len(parts) == 3 and parts[0] == "blk" and parts[2] in MAMBA1_BARE:
