@@ -586,7 +586,6 @@ FAMILIES: tuple[Family, ...] = (
         generators=("FalconH1ForCausalLM",),
         # llama.cpp's converter folds the multipliers into the weights (embeddings and head too)
         gguf=(GgufName("falcon-h1", "FalconH1ForCausalLM", "falcon_h1"),),
-        tensor_parallel=False,
         note="attention and a Mamba-2 mixer side by side in every layer, µP multipliers folded at load",
     ),
     replace(

@@ -12,7 +12,7 @@ import transformers
 
 from pytgi.core.config import EngineConfig
 from pytgi.engine.llm_engine import LLMEngine
-from tests.model.test_sharding import run
+from tests.model.test_sharding import assert_two_shards_equal_one, run
 
 PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 64] * 5, [7, 9] * 10, list(range(30, 60)), [11]]
 
@@ -85,6 +85,13 @@ def test_greedy_equals_transformers_in_float32(falcon_h1):
             engine.shutdown()
         for ref, (a, _), (b, _) in zip(refs, together, alone):
             assert a == ref and b == ref, (kw, ref, a, b)
+
+
+def test_two_shards_equal_one(falcon_h1, tmp_path):
+    """Each rank keeps half the attention's kv heads and half the Mamba-2 heads (a group each), both
+    outputs all-reduced; the multipliers are folded before the weights are split."""
+    model, _ = falcon_h1
+    assert_two_shards_equal_one(model, tmp_path / "falcon-h1")
 
 
 def test_every_layer_keeps_keys_values_and_a_state(falcon_h1):

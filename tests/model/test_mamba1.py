@@ -115,6 +115,18 @@ def test_greedy_equals_transformers_in_float32(family):
             assert a == ref and b == ref, (kw, ref, a, b)
 
 
+@pytest.mark.parametrize("name", ["jamba", "falcon_mamba"])
+def test_batched_equals_alone_in_bf16(name, request):
+    _, path = request.getfixturevalue(name)
+    engine = _engine(path, dtype="bfloat16")
+    try:
+        alone = [run(engine, [p])[0] for p in PROMPTS]
+        batched = run(engine, PROMPTS)
+    finally:
+        engine.shutdown()
+    assert batched == alone  # tokens and every prompt and output logprob, to the bit
+
+
 @pytest.mark.parametrize("name", ["mamba", "falcon_mamba"])
 def test_generate_equals_the_forwards(name, request):
     """Where transformers' `generate` runs greedily (its cached path), it gives the full forwards'
