@@ -17,6 +17,7 @@ import dataclasses
 import math
 from typing import Any
 
+from pytgi.core.errors import UnsupportedModel
 from pytgi.engine.models.decoder import FULL, MAMBA, DecoderConfig, MoEConfig
 from pytgi.engine.models.llama import llama_config
 from pytgi.engine.models.mamba1 import PLAIN, WEIGHTED, Mamba1Config
@@ -31,7 +32,14 @@ def _dt_rank(value: Any, hidden: int) -> int:
     return math.ceil(hidden / 16) if value in (None, "auto") else int(value)
 
 
+def _silu(cfg: dict[str, Any], family: str) -> None:
+    """The mixer's convolution (and Jamba's MLP) take `hidden_act`: SiLU is what pytgi runs."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"{family} with hidden_act {cfg['hidden_act']!r} is not served (SiLU only)")
+
+
 def jamba_config(cfg: dict[str, Any]) -> DecoderConfig:
+    _silu(cfg, "Jamba")
     layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
     attn_period, attn_offset = cfg.get("attn_layer_period", 8), cfg.get("attn_layer_offset", 4)
     moe_period, moe_offset = cfg.get("expert_layer_period", 2), cfg.get("expert_layer_offset", 1)
@@ -76,6 +84,7 @@ def jamba_config(cfg: dict[str, Any]) -> DecoderConfig:
 
 def mamba_config(cfg: dict[str, Any]) -> DecoderConfig:
     """Mamba's and FalconMamba's (`mixer_rms_eps`: its norms on dt, B and C)."""
+    _silu(cfg, "Mamba")
     hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
     falcon = cfg.get("model_type") == "falcon_mamba" or "FalconMambaForCausalLM" in (
         cfg.get("architectures") or ()

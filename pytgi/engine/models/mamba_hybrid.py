@@ -239,6 +239,8 @@ def falcon_h1_config(cfg: dict[str, Any]) -> DecoderConfig:
     (o_proj), the keys' (k_proj), the Mamba mixer's input (in_proj) and output (out_proj), the
     per-section `ssm_multipliers` on in_proj's z | x | B | C | dt rows (transformers' `mup_vector`),
     the MLP's gate and down projections; the embeddings and logits are scaled as Granite's are."""
+    if cfg.get("hidden_act", "silu") != "silu":  # (the MLP's and the Mamba convolution's)
+        raise UnsupportedModel(f"Falcon-H1 with hidden_act {cfg['hidden_act']!r} is not served (SiLU only)")
     if cfg.get("mamba_rms_norm") and cfg.get("mamba_norm_before_gate", True):
         raise UnsupportedModel(
             "Falcon-H1 with its Mamba norm before the gate (mamba_norm_before_gate) is not served"
