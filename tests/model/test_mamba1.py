@@ -172,6 +172,32 @@ def test_a_model_without_attention_sizes_the_state_pool_alone(mamba):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("name", ["jamba", "mamba"])
+def test_a_preempted_request_recomputes_its_state(name, request):
+    """Too few KV blocks for every request at once (a model without attention layers counts positions
+    in blocks all the same): the last admitted is preempted, its state slot freed and its state
+    recomputed from its tokens; the answers are those of a cache big enough."""
+    _, path = request.getfixturevalue(name)
+    prompts = [list(range(1 + i, 41 + i)) for i in range(4)]
+    engine = _engine(path, dtype="float32")
+    try:
+        ref = run(engine, prompts)
+    finally:
+        engine.shutdown()
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path), max_batch_total_tokens=112, block_size=16, max_batch_size=4, dtype="float32"
+        )
+    )
+    try:
+        got = run(engine, prompts)
+        assert engine.scheduler.num_preemptions > 0
+        assert sorted(engine.block_manager.free_states) == list(range(engine.info.max_batch_size))
+    finally:
+        engine.shutdown()
+    assert [t for t, _ in got] == [t for t, _ in ref]
+
+
 def test_jamba_two_shards_equal_one(jamba, tmp_path):
     """Each rank keeps half of every Mamba-1 layer's channels; x_proj and out_proj are all-reduced."""
     model, _ = jamba
