@@ -607,7 +607,6 @@ FAMILIES: tuple[Family, ...] = (
         generators=("MambaForCausalLM",),
         # llama.cpp's converter writes FalconMamba as "mamba" too, with `ssm.dt_b_c_rms` (`_mamba1`)
         gguf=(GgufName("mamba", "MambaForCausalLM", "mamba"),),
-        tensor_parallel=False,
         note="Mamba-1 layers only, no attention: the state pool alone bounds the batch",
     ),
     replace(
@@ -615,7 +614,6 @@ FAMILIES: tuple[Family, ...] = (
         name="FalconMamba",
         config="mamba_config",
         generators=("FalconMambaForCausalLM",),
-        tensor_parallel=False,
         note="Mamba-1 layers only, RMS norms on dt, B and C",
     ),
     replace(

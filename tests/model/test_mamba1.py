@@ -198,10 +198,11 @@ def test_a_preempted_request_recomputes_its_state(name, request):
     assert [t for t, _ in got] == [t for t, _ in ref]
 
 
-def test_jamba_two_shards_equal_one(jamba, tmp_path):
+@pytest.mark.parametrize("name", ["jamba", "mamba", "falcon_mamba"])
+def test_two_shards_equal_one(name, request, tmp_path):
     """Each rank keeps half of every Mamba-1 layer's channels; x_proj and out_proj are all-reduced."""
-    model, _ = jamba
-    assert_two_shards_equal_one(model, tmp_path / "jamba")
+    model, _ = request.getfixturevalue(name)
+    assert_two_shards_equal_one(model, tmp_path / name)
 
 
 @pytest.mark.parametrize("length", [1, 7, 33])

@@ -26,6 +26,7 @@ from pytgi.engine.models.mamba1 import PLAIN, WEIGHTED, Mamba1Config
 _CONV_BIAS = (r"\.linear_attn\.conv1d\.bias$", ".linear_attn.conv1d_bias")
 # Mamba-1 models without positions of their own have no limit but the KV cache's; this many by default
 _MAMBA_POSITIONS = 1 << 16
+_NOTIONAL_HEADS = 16
 
 
 def _dt_rank(value: Any, hidden: int) -> int:
@@ -96,10 +97,11 @@ def mamba_config(cfg: dict[str, Any]) -> DecoderConfig:
             "hidden_size": hidden,
             "intermediate_size": 0,
             "num_hidden_layers": layers,
-            # no attention layer: one notional head, which builds nothing (every layer is Mamba)
-            "num_attention_heads": 1,
-            "num_key_value_heads": 1,
-            "head_dim": hidden,
+            # no attention layer: notional heads that no layer builds (every layer is Mamba), as many as
+            # any --num-shard splits (the backend and the rotary tables are sized from them)
+            "num_attention_heads": _NOTIONAL_HEADS,
+            "num_key_value_heads": _NOTIONAL_HEADS,
+            "head_dim": _NOTIONAL_HEADS,
             "rms_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
             "max_position_embeddings": cfg.get("max_position_embeddings") or _MAMBA_POSITIONS,
             "tie_word_embeddings": cfg.get("tie_word_embeddings", True),
