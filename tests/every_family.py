@@ -105,6 +105,7 @@ IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 # linear heads stay 32 of 128
 OWN = {
     "bamba": dict(attn_layer_indices=[1]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"] + ["linear_attention"] * 2),
     "lfm2": dict(layer_types=["conv", "full_attention", "conv", "conv"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv", "conv"], num_dense_layers=1),

@@ -130,6 +130,7 @@ _MAMBA = Family(  # Mamba-2 mixers between attention layers (`mamba_hybrid.py`)
     cuda_graphs=False,
     kv_dtypes=NO_FP8,
 )
+_MAMBA1 = replace(_MAMBA, module="mamba1_models")  # Mamba-1 mixers (`mamba1_models.py`)
 _VISION = Family(  # an image tower before pytgi's decoder; adapters wrap DecoderModel's linears only
     name="", module="", kind=VISION, config="text_config", lora=False, kv_dtypes=NO_FP8
 )
@@ -614,6 +615,43 @@ FAMILIES: tuple[Family, ...] = (
         config="bamba_config",
         generators=("BambaForCausalLM",),
         note="Mamba-2 layers on a state pool, RoPE on half of each head",
+    ),
+    replace(
+        _MAMBA,
+        name="Falcon-H1",
+        config="falcon_h1_config",
+        generators=("FalconH1ForCausalLM",),
+        # llama.cpp's converter folds the multipliers into the weights (embeddings and head too)
+        gguf=(GgufName("falcon-h1", "FalconH1ForCausalLM", "falcon_h1"),),
+        note="attention and a Mamba-2 mixer side by side in every layer, µP multipliers folded at load",
+    ),
+    replace(
+        _MAMBA1,
+        name="Jamba",
+        config="jamba_config",
+        generators=("JambaForCausalLM",),
+        gguf=(GgufName("jamba", "JambaForCausalLM", "jamba"),),
+        experts=True,
+        note=(
+            "Mamba-1 layers on a state pool, attention without RoPE every attn_layer_period, "
+            "experts every expert_layer_period"
+        ),
+    ),
+    replace(
+        _MAMBA1,
+        name="Mamba",
+        config="mamba_config",
+        generators=("MambaForCausalLM",),
+        # llama.cpp's converter writes FalconMamba as "mamba" too, with `ssm.dt_b_c_rms` (`_mamba1`)
+        gguf=(GgufName("mamba", "MambaForCausalLM", "mamba"),),
+        note="Mamba-1 layers only, no attention: the state pool alone bounds the batch",
+    ),
+    replace(
+        _MAMBA1,
+        name="FalconMamba",
+        config="mamba_config",
+        generators=("FalconMambaForCausalLM",),
+        note="Mamba-1 layers only, RMS norms on dt, B and C",
     ),
     replace(
         _VISION,

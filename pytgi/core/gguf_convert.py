@@ -37,6 +37,10 @@ MAMBA_TYPES = frozenset(g.model_type for f in FAMILIES if f.module == "mamba_hyb
 LFM2_TYPES = frozenset(g.model_type for f in FAMILIES if f.module == "lfm2" for g in f.gguf)
 # ... and Kimi Linear's (its KDA layers' tensors; ssm_a is −exp(A_log) there too)
 KDA_TYPES = frozenset(g.model_type for f in FAMILIES if f.module == "kimi_linear" for g in f.gguf)
+# ... and Mamba-1's (Mamba's, Jamba's; FalconMamba's, which a "mamba" file becomes with `ssm.dt_b_c_rms`)
+MAMBA1_TYPES = frozenset(g.model_type for f in FAMILIES if f.module == "mamba1_models" for g in f.gguf) | {
+    "falcon_mamba"
+}
 # Gemma's layers have four norms: llama.cpp's ffn_norm is the one before the MLP there.
 GEMMA_LAYER_TENSORS = {
     "post_attention_norm": "post_attention_layernorm",
@@ -99,6 +103,19 @@ MAMBA_LAYER_TENSORS = {
     "ssm_out": "linear_attn.out_proj",
 }
 MAMBA_BARE = {"ssm_a": "A_log", "ssm_d": "D", "ssm_dt": "dt_bias"}
+# Mamba-1's tensors: ssm_a is −exp(A_log) [d_inner, d_state] and ssm_d [d_inner], bare parameters;
+# ssm_dt is dt_proj (weight and bias), ssm_x x_proj; Jamba's norms on dt, B and C
+MAMBA1_LAYER_TENSORS = {
+    "ssm_in": "linear_attn.in_proj",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_x": "linear_attn.x_proj",
+    "ssm_dt": "linear_attn.dt_proj",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_dt_norm": "linear_attn.dt_layernorm",
+    "ssm_b_norm": "linear_attn.b_layernorm",
+    "ssm_c_norm": "linear_attn.c_layernorm",
+}
+MAMBA1_BARE = {"ssm_a": "A_log", "ssm_d": "D"}
 # OLMo 2/3 and Exaone 4 norm the sublayers' outputs (and not their inputs)
 POST_NORM_TYPES = frozenset({"olmo2", "olmo3", "exaone4"})
 POST_NORM_LAYER_TENSORS = {
@@ -601,7 +618,8 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
     hidden = int(_required(reader, f"{arch}.embedding_length"))
     names = {t.name for t in reader.tensors}
     vocab = _field(reader, f"{arch}.vocab_size") or len(_required(reader, "tokenizer.ggml.tokens"))
-    head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // n_heads
+    # (a Mamba file has no attention heads: head_count 0)
+    head_dim = _field(reader, f"{arch}.attention.key_length") or hidden // max(n_heads, 1)
     # llama.cpp's converter writes a model's multi-token-prediction layers as blocks after its own
     # (GLM-4.5, Qwen3.5): not read (`mtp_tensor`)
     nextn = int(_field(reader, f"{arch}.nextn_predict_layers", 0) or 0)
@@ -756,6 +774,8 @@ def gguf_config(reader: Reader) -> dict[str, Any]:
         config.update(_lfm2(reader, str(arch), config, names))
     if model_type in KDA_TYPES:
         config.update(_kimi_linear(reader, str(arch), config))
+    if model_type in MAMBA1_TYPES:
+        _mamba1(reader, str(arch), config, names)
     if model_type == "exaone4":
         if window := _field(reader, f"{arch}.attention.sliding_window"):
             pattern = _field(reader, f"{arch}.attention.sliding_window_pattern")
@@ -1138,6 +1158,22 @@ def _mamba_hybrid(reader: Reader, arch: str, config: dict[str, Any], names: set[
         "proj_bias": any(n.endswith(".ssm_in.bias") for n in names),
     }
     config.update(num_key_value_heads=max(kv), attention_bias=False)
+    if arch == "falcon-h1":  # every layer attends and has its Mamba-2 mixer; its multipliers are folded
+        config.update(
+            mamba_n_heads=heads,
+            mamba_d_head=mamba["head_dim"],
+            mamba_d_ssm=mamba["head_dim"] * heads,
+            mamba_n_groups=mamba["groups"],
+            mamba_d_state=mamba["state"],
+            mamba_d_conv=mamba["conv"],
+            mamba_conv_bias=mamba["conv_bias"],
+            mamba_proj_bias=mamba["proj_bias"],
+            projectors_bias=any(n.endswith(".ssm_out.bias") for n in names),
+            # the gated norm where the file has one, as llama.cpp runs it: after the gate
+            mamba_rms_norm=any(n.endswith(".ssm_norm.weight") for n in names),
+            mamba_norm_before_gate=False,
+        )
+        return
     if arch.startswith("nemotron_h"):
         ffn = _per_layer(reader, f"{arch}.feed_forward_length", layers)
         mlp = "moe" if arch == "nemotron_h_moe" else "mlp"
@@ -1195,6 +1231,66 @@ def _mamba_hybrid(reader: Reader, arch: str, config: dict[str, Any], names: set[
         config["partial_rotary_factor"] = int(dim) / config["head_dim"]
 
 
+def _periodic(where: list[bool], what: str) -> tuple[int, int]:
+    """(period, offset) of the layers marked in `where`, as Jamba's config gives them (none: an offset
+    no layer reaches)."""
+    marked = [i for i, m in enumerate(where) if m]
+    if not marked:
+        return len(where) + 1, len(where)
+    period = marked[1] - marked[0] if len(marked) > 1 else len(where)
+    offset = marked[0] % period
+    if [i % period == offset for i in range(len(where))] != where:
+        raise GGUFConversionError(f"Jamba's {what} layers are not every n-th layer: {marked}")
+    return period, offset
+
+
+def _mamba1(reader: Reader, arch: str, config: dict[str, Any], names: set[str]) -> None:
+    """Mamba-1's sizes from the `ssm.*` keys (llama.cpp's converter writes FalconMamba as `mamba` with
+    `ssm.dt_b_c_rms`); Jamba's attention layers are those whose per-layer head_count_kv is not 0, its
+    expert layers those with a router (`ffn_gate_inp`)."""
+    inner = int(_required(reader, f"{arch}.ssm.inner_size"))
+    state = int(_required(reader, f"{arch}.ssm.state_size"))
+    rank = int(_required(reader, f"{arch}.ssm.time_step_rank"))
+    kernel = int(_field(reader, f"{arch}.ssm.conv_kernel", 4))
+    conv_bias = any(n.endswith(".ssm_conv1d.bias") for n in names)
+    proj_bias = any(n.endswith(".ssm_in.bias") for n in names)
+    layers = config["num_hidden_layers"]
+    if arch == "mamba":
+        falcon = bool(_field(reader, f"{arch}.ssm.dt_b_c_rms", False))
+        config.update(
+            architectures=["FalconMambaForCausalLM" if falcon else "MambaForCausalLM"],
+            model_type="falcon_mamba" if falcon else "mamba",
+            intermediate_size=inner,
+            state_size=state,
+            time_step_rank=rank,
+            conv_kernel=kernel,
+            use_conv_bias=conv_bias,
+            use_bias=proj_bias,
+            layer_norm_epsilon=config["rms_norm_eps"],
+        )
+        return
+    kv = _field(reader, f"{arch}.attention.head_count_kv")
+    kv = list(kv) if isinstance(kv, (list, tuple)) else [int(kv or 0)] * layers
+    attn_period, attn_offset = _periodic([bool(k) for k in kv[:layers]], "attention")
+    routed = [f"blk.{i}.ffn_gate_inp.weight" in names for i in range(layers)]
+    moe_period, moe_offset = _periodic(routed, "expert")
+    config.update(
+        num_key_value_heads=int(max(kv) or config["num_attention_heads"]),
+        attn_layer_period=attn_period,
+        attn_layer_offset=attn_offset,
+        expert_layer_period=moe_period,
+        expert_layer_offset=moe_offset,
+        num_experts=int(_field(reader, f"{arch}.expert_count", 1) or 1),
+        num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count", 2) or 2),
+        mamba_expand=inner // config["hidden_size"],
+        mamba_d_state=state,
+        mamba_dt_rank=rank,
+        mamba_d_conv=kernel,
+        mamba_conv_bias=conv_bias,
+        mamba_proj_bias=proj_bias,
+    )
+
+
 def mtp_tensor(name: str, config: dict[str, Any]) -> bool:
     """A tensor of a multi-token-prediction block llama.cpp wrote after the model's layers (skipped)."""
     parts, layers = name.split("."), config.get("num_hidden_layers")
@@ -1210,6 +1306,12 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         parts = name.split(".")
         if len(parts) in (3, 4) and parts[0] == "blk" and parts[2] in MAMBA_BARE:
             return f"model.layers.{parts[1]}.linear_attn.{MAMBA_BARE[parts[2]]}"
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] == "ffn_norm":  # Falcon-H1's: no ".weight"
+            return f"model.layers.{parts[1]}.post_attention_layernorm.weight"
+    if model_type in MAMBA1_TYPES:  # Mamba-1's bare parameters: blk.N.ssm_a, blk.N.ssm_d
+        parts = name.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in MAMBA1_BARE:
+            return f"model.layers.{parts[1]}.linear_attn.{MAMBA1_BARE[parts[2]]}"
     stem, _, kind = name.rpartition(".")  # kind: weight | bias
     if stem == "rope_freqs":  # a llama3 scaling's divisors: read into the config (`_rope_freqs`)
         return "model.rotary_emb.rope_freqs"
@@ -1256,6 +1358,8 @@ def hf_tensor_name(name: str, model_type: str = "llama") -> str:
         if model_type in DELTANET_TYPES
         else {**LAYER_TENSORS, **MAMBA_LAYER_TENSORS}
         if model_type in MAMBA_TYPES
+        else {**LAYER_TENSORS, **MAMBA1_LAYER_TENSORS}
+        if model_type in MAMBA1_TYPES
         else {**LAYER_TENSORS, **POST_NORM_LAYER_TENSORS}
         if model_type in POST_NORM_TYPES
         else {**LAYER_TENSORS, "post_attention_norm": "post_attention_layernorm"}

@@ -478,6 +478,30 @@ def check_decoder_pooling(config: EngineConfig) -> None:
         )
 
 
+def _states_alone(
+    config: EngineConfig, runner: ModelRunner, kv_capacity: Callable[[], int]
+) -> tuple[EngineConfig, Callable[[], int]]:
+    """A model whose every layer keeps a state and none keys and values (Mamba, FalconMamba): the
+    memory budget (`kv_capacity()` gives bytes for such a model) holds --max-batch-size states, by
+    default as many as fit, at most 256. Its KV blocks cost nothing: they only count positions, so
+    the cache holds each running request's positions (`--max-batch-total-tokens` where given)."""
+    slots = config.max_batch_size
+    if slots is None:
+        slots = max(1, min(256, kv_capacity() // runner.state_bytes))
+    log.info(
+        "recurrent states for %d running requests (%.2f GiB); no attention layer: no KV cache",
+        slots,
+        slots * runner.state_bytes / 2**30,
+    )
+    # (at most 2M positions: the block manager's bookkeeping grows with them, and 2M are 8192 a request
+    # for 256 requests)
+    positions = min(slots * runner.config.max_position_embeddings, 1 << 21)
+    return (
+        dataclasses.replace(config, max_batch_size=slots, enable_prefix_caching=False),
+        lambda: positions,
+    )
+
+
 def _with_states(
     config: EngineConfig, runner: ModelRunner, kv_capacity: Callable[[], int]
 ) -> tuple[EngineConfig, Callable[[], int], int]:
@@ -504,6 +528,8 @@ def _with_states(
             "whose states cannot be rolled back, adapted or kept on disk (docs/models.md)"
         )
     state, per_token = runner.state_bytes, runner.paged.kv_bytes_per_token()
+    if not per_token:  # no attention layer (Mamba): the states take the whole budget, no checkpoints
+        return (*_states_alone(config, runner, kv_capacity), 0)
     measured: int | None = None
 
     def memory_tokens() -> int:  # the KV cache's tokens before the states take their share

@@ -32,11 +32,11 @@ def _tiny_gguf(path: Path, arch: str) -> Path:
 
 
 def test_an_unsupported_gguf_is_one_line(tmp_path: Path) -> None:
-    path = _tiny_gguf(tmp_path / "other.gguf", "mamba")
+    path = _tiny_gguf(tmp_path / "other.gguf", "rwkv7")
     proc = _pytgi("serve", "--model-id", str(path), "--port", "1", cache=tmp_path / "cache")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if " ERROR " in line]  # the launcher's one line
-    assert len(errors) == 1 and "GGUF architecture 'mamba' is not supported" in errors[0]
+    assert len(errors) == 1 and "GGUF architecture 'rwkv7' is not supported" in errors[0]
 
 
 def test_an_incomplete_gguf_is_one_line(tmp_path: Path) -> None:

@@ -65,7 +65,8 @@ def test_lookups():
     assert gguf_architecture("llama", experts=False).architecture == "LlamaForCausalLM"
     assert gguf_architecture("llama", experts=True).architecture == "MixtralForCausalLM"
     assert gguf_architecture("qwen35", experts=False).model_type == "qwen3_5_text"
-    assert gguf_architecture("mamba", experts=False) is None
+    assert gguf_architecture("mamba", experts=False).model_type == "mamba"
+    assert gguf_architecture("rwkv7", experts=False) is None
 
 
 def test_the_lists_others_read_come_from_the_registry():

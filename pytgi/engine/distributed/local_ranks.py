@@ -41,8 +41,9 @@ class ShardGroup:
         family = family_of((cfg.get("architectures") or [""])[0])
         if family is not None and family.kind == VISION:  # its language model is sharded (not its tower)
             cfg = config_reader(family)(cfg)
-        heads = cfg["num_attention_heads"]
-        check_heads(heads, cfg.get("num_key_value_heads") or heads, self.world_size)
+        # (a model without attention, Mamba's, has no heads: its layers split their channels on any count)
+        if (heads := cfg.get("num_attention_heads")) is not None:
+            check_heads(heads, cfg.get("num_key_value_heads") or heads, self.world_size)
         if not self.external:
             self.procs = [self._spawn(rank) for rank in range(1, self.world_size)]
 

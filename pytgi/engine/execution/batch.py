@@ -150,23 +150,22 @@ class PagedModel:
     def allocate(self, num_blocks: int, block_size: int, state_slots: int = 0) -> None:
         """On CUDA one block more than asked: the scratch block of the decode graphs' padding rows.
         `state_slots`: requests whose states the recurrent layers keep (their entries in `kv_caches`
-        are those states, one tensor per `StateSpec` the layer declares, not keys and values)."""
+        are those states, one tensor per `StateSpec` the layer declares, not keys and values; where
+        the layer attends too, Falcon-H1's, its keys and values come first)."""
         spare = int(self.device.type == "cuda")
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_caches = []
         self.graphs = None
         for layer in self.model.layers:
+            states: tuple[torch.Tensor, ...] = ()
             if (mixer := getattr(layer, "linear_attn", None)) is not None:
-                self.kv_caches.append(
-                    tuple(
-                        torch.zeros((state_slots, *s.shape), dtype=s.dtype or self.dtype, device=self.device)
-                        for s in mixer.state_specs()
-                    )
+                states = tuple(
+                    torch.zeros((state_slots, *s.shape), dtype=s.dtype or self.dtype, device=self.device)
+                    for s in mixer.state_specs()
                 )
-                continue
             attn: KVHeads | None = getattr(layer, "self_attn", None)
-            if attn is None:  # a layer that is its MLP alone (Nemotron-H's): nothing to keep
-                self.kv_caches.append(())
+            if attn is None:  # a recurrent layer (its states), or its MLP alone (Nemotron-H's: nothing)
+                self.kv_caches.append(states)
                 continue
             if (source := getattr(attn, "kv_source", None)) is not None:  # another layer's cache (Gemma 4)
                 self.kv_caches.append(self.kv_caches[source])
@@ -179,7 +178,8 @@ class PagedModel:
             else:  # MLA: the keys' rows are the values, the value cache has no columns
                 k = torch.zeros(shape[1:], dtype=dtype, device=self.device)
                 v = torch.zeros((*shape[1:3], v_row), dtype=dtype, device=self.device)
-            self.kv_caches.append((k, v))
+            # Falcon-H1's layers attend and keep a Mamba-2 state both: keys, values, then the states
+            self.kv_caches.append((k, v, *states))
 
     @torch.inference_mode()
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:

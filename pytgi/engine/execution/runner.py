@@ -117,7 +117,9 @@ class ModelRunner:
         default) of the memory left now, shared by the ranks on this machine, at most `cap_bytes`."""
         if self.rank == 0 and dist.tp_size() > 1:
             commands.send(commands.Capacity(fraction, cap_bytes))
-        per_token = self.paged.kv_bytes_per_token()
+        # a model without attention layers (Mamba) keeps no keys: its budget comes back in bytes,
+        # which `_with_states` gives to the recurrent states
+        per_token = self.paged.kv_bytes_per_token() or 1
         return kv_tokens_on_every_rank(self.device, per_token, fraction, self.local_replicas, cap_bytes)
 
     def weights_bytes(self) -> int:

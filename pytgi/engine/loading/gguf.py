@@ -38,6 +38,7 @@ from pytgi.core.families import gguf_of_model_type
 from pytgi.core.gguf_convert import (
     DELTANET_TYPES,
     KDA_TYPES,
+    MAMBA1_TYPES,
     MAMBA_TYPES,
     SOURCE_FILE,
     hf_tensor_name,
@@ -339,8 +340,8 @@ class GGUFWeights:
         # Gemma 2 and 3's norms are stored as 1 + w (Gemma 3n's and 4's as they are)
         self._gemma = model_type.startswith("gemma") and model_type not in ("gemma3n_text", "gemma4_text")
         self._hybrid = model_type in DELTANET_TYPES
-        # A_log stored as −exp(A_log): gated DeltaNet's, KDA's and Mamba-2's decays
-        self._neg_exp_a = model_type in DELTANET_TYPES | KDA_TYPES | MAMBA_TYPES
+        # A_log stored as −exp(A_log): gated DeltaNet's, KDA's, Mamba-2's and Mamba-1's decays
+        self._neg_exp_a = model_type in DELTANET_TYPES | KDA_TYPES | MAMBA_TYPES | MAMBA1_TYPES
 
     def names(self) -> list[str]:
         return list(self.tensors)

@@ -230,6 +230,13 @@ class DecoderConfig:
     # checkpoints name the modules otherwise (Nemotron-H's `backbone.` and `mixer.`, Bamba's `mamba.`,
     # LFM2's `operator_norm` and `feed_forward.w1`: `literal_renames`)
     weight_renames: tuple[tuple[str, str], ...] = ()
+    # checkpoint tensors multiplied at load (after the renames), by name (regex), in row segments
+    # ((rows, factor), ...; rows -1: all the rest): Falcon-H1's µP multipliers on the projections'
+    # inputs and outputs, folded into their weights
+    weight_scales: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    # Falcon-H1: every layer runs attention and the recurrent mixer (`linear`) side by side on the same
+    # normed input and adds both outputs to the residual stream, then its MLP
+    parallel_mixers: bool = False
 
     @property
     def uniform_layers(self) -> bool:
@@ -508,6 +515,9 @@ class DecoderLayer(nn.Module):
             )
         else:
             self.self_attn = Attention(cfg, backend, ops, sliding, spec)
+        if cfg.parallel_mixers:  # Falcon-H1: a Mamba-2 mixer beside the attention
+            assert cfg.linear is not None and self.self_attn is not None
+            self.linear_attn = cfg.linear.build(cfg.hidden_size, cfg.rms_norm_eps, isinstance(ops, KernelOps))
         moe = cfg.moe
         self.mlp: MLP | PlainMLP | SparseMoE | None = None
         if moe is not None and sparse and not moe.beside_dense:
@@ -597,7 +607,10 @@ class DecoderLayer(nn.Module):
                 a = self.mlp(h)
             return self.ops.add_norm(a, residual, next_norm)
         assert self.mlp is not None
-        if self.linear_attn is not None:
+        if self.linear_attn is not None and self.self_attn is not None:  # Falcon-H1: both, summed
+            assert isinstance(meta, StateMetadata)
+            a = self.self_attn(h, rope, kv_cache[:2], meta) + self.linear_attn(h, rope, kv_cache[2:], meta)
+        elif self.linear_attn is not None:
             assert isinstance(meta, StateMetadata)
             a = self.linear_attn(h, rope, kv_cache, meta)
         elif isinstance(self.self_attn, MLAttention):  # (it reads its own layer's metadata only)
@@ -886,9 +899,14 @@ class DecoderModel(nn.Module):
         cfg = self.config
         q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
         renames = [(re.compile(p), r) for p, r in cfg.weight_renames]
+        scales = [(re.compile(p), parts) for p, parts in cfg.weight_scales]
         for name, tensor in weights:
             for pattern, replacement in renames:
                 name = pattern.sub(replacement, name)
+            for pattern, parts in scales:
+                if pattern.search(name):
+                    assert isinstance(tensor, torch.Tensor), name
+                    tensor = _scaled_rows(tensor, parts)
             if ".qkv_proj." in name:
                 assert isinstance(tensor, torch.Tensor), name
                 yield from zip(
@@ -970,6 +988,16 @@ class DecoderModel(nn.Module):
             missing.discard("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
+
+
+def _scaled_rows(tensor: torch.Tensor, parts: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """`tensor` with its rows in segments ((rows, factor), ...; rows -1: the rest) multiplied (in
+    float32, then cast back)."""
+    factors = torch.cat(
+        [torch.full((len(tensor) if n < 0 else n,), f, dtype=torch.float32) for n, f in parts]
+    )[: len(tensor)]
+    shape = (len(tensor),) + (1,) * (tensor.dim() - 1)
+    return (tensor.float() * factors.view(shape)).to(tensor.dtype)
 
 
 EMBED = "model.embed_tokens.weight"

@@ -46,6 +46,10 @@ class Mamba2Config:
     conv_bias: bool = True
     proj_bias: bool = False  # on in_proj and out_proj
     dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # False: y · silu(z) goes to out_proj as it is, without the grouped RMS norm (Falcon-H1's
+    # `mamba_rms_norm` False)
+    gate_norm: bool = True
+    out_bias: bool | None = None  # on out_proj where it differs from in_proj's (Falcon-H1's projectors_bias)
 
     @property
     def inner(self) -> int:
@@ -187,12 +191,17 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.ones(self.heads), requires_grad=False)
         for p in (self.dt_bias, self.A_log, self.D):  # (a GGUF file's A and D are [H, 1])
             _set_loader(p, self._rows([(h0, self.heads)]))
-        self.norm = GroupedGatedRMSNorm(
-            self.inner, self.groups, eps, inner // G, shared=tp > G, first=g0, total=G
-        )
-        _set_loader(self.norm.weight, self._rows([(h0 * P, self.heads * P)]))  # (GGUF: [groups, inner / G])
-        self.out_proj = RowParallelLinear((h0 * P, self.heads * P), hidden, cfg.proj_bias)
-        self.fused = fused and not self.norm.shared
+        self.norm: GroupedGatedRMSNorm | None = None
+        if cfg.gate_norm:
+            self.norm = GroupedGatedRMSNorm(
+                self.inner, self.groups, eps, inner // G, shared=tp > G, first=g0, total=G
+            )
+            # (GGUF: [groups, inner / G])
+            _set_loader(self.norm.weight, self._rows([(h0 * P, self.heads * P)]))
+        out_bias = cfg.proj_bias if cfg.out_bias is None else cfg.out_bias
+        self.out_proj = RowParallelLinear((h0 * P, self.heads * P), hidden, out_bias)
+        # the C kernels (mamba.c) take a gated norm whose groups this rank holds whole
+        self.fused = fused and self.norm is not None and not self.norm.shared
         self._f32: tuple[torch.Tensor | None, ...] | None = None  # `_kernel_weights`
 
     @staticmethod
@@ -267,6 +276,8 @@ class Mamba2Mixer(nn.Module):
             start += n
         x = mixed[:, : self.inner].view(T, self.heads, cfg.head_dim)
         y = (y + self.D.float()[:, None] * x).reshape(T, self.inner)
+        if self.norm is None:
+            return self.out_proj((y * F.silu(z.float())).to(h.dtype))
         return self.out_proj(self.norm(y, z).to(h.dtype))
 
     def _fused(
@@ -276,6 +287,7 @@ class Mamba2Mixer(nn.Module):
         each prompt chunk in one call, from the input projection's rows. Returns the gated norm's output
         [T, inner] in the model's dtype."""
         conv_states, ssm_states = state
+        assert self.norm is not None  # (`fused`: a gated norm)
         T, groups, limit, eps = proj.shape[0], self.groups, self.cfg.dt_limit, self.norm.eps
         proj = proj.contiguous()
         out = torch.empty(T, self.inner, dtype=proj.dtype, device=proj.device)
@@ -301,6 +313,7 @@ class Mamba2Mixer(nn.Module):
         """The convolution's weights and bias, dt_bias, A = −exp(A_log), D and the norm's weight in
         float32, as the C kernels read them (made once: the weights do not change once loaded)."""
         if self._f32 is None:
+            assert self.norm is not None
             f32 = lambda t: None if t is None else t.detach().float().contiguous()
             A = -self.A_log.detach().float().exp()
             self._f32 = tuple(

@@ -12,6 +12,8 @@ a recurrent state per request), a few softmax attention layers.
   `position_embedding_type` is "rope" (Granite-4.0-H's own models have none).
 - Bamba: Llama's layers with Mamba-2 mixers except at `attn_layer_indices`, RoPE on half of each
   head's features.
+- Falcon-H1: attention and a Mamba-2 mixer side by side in every layer (`parallel_mixers`), with its µP
+  multipliers folded into the weights.
 """
 
 from __future__ import annotations
@@ -226,5 +228,74 @@ def granite_hybrid_config(cfg: dict[str, Any]) -> DecoderConfig:
             (r"\.shared_mlp\.input_linear\.", f"{where}gate_up_proj."),
             (r"\.shared_mlp\.output_linear\.", f"{where}down_proj."),
             _CONV_BIAS,
+        ),
+    )
+
+
+def falcon_h1_config(cfg: dict[str, Any]) -> DecoderConfig:
+    """Falcon-H1: each layer runs attention (RoPE) and a Mamba-2 mixer side by side on the same normed
+    input, both added to the residual stream, then its MLP. Its µP multipliers are folded into the
+    weights at load (`DecoderConfig.weight_scales`): the attention's input (on q, k, v) and output
+    (o_proj), the keys' (k_proj), the Mamba mixer's input (in_proj) and output (out_proj), the
+    per-section `ssm_multipliers` on in_proj's z | x | B | C | dt rows (transformers' `mup_vector`),
+    the MLP's gate and down projections; the embeddings and logits are scaled as Granite's are."""
+    if cfg.get("hidden_act", "silu") != "silu":  # (the MLP's and the Mamba convolution's)
+        raise UnsupportedModel(f"Falcon-H1 with hidden_act {cfg['hidden_act']!r} is not served (SiLU only)")
+    if cfg.get("mamba_rms_norm") and cfg.get("mamba_norm_before_gate", True):
+        raise UnsupportedModel(
+            "Falcon-H1 with its Mamba norm before the gate (mamba_norm_before_gate) is not served"
+        )
+    hidden, heads = cfg["hidden_size"], cfg["mamba_n_heads"]
+    inner = cfg.get("mamba_d_ssm") or cfg.get("mamba_expand", 2) * hidden
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim in (None, "auto") else int(head_dim)
+    groups, d_state = cfg.get("mamba_n_groups", 1), cfg["mamba_d_state"]
+    layers = cfg["num_hidden_layers"]
+    base = llama_config({**cfg, "sliding_window": None, "num_local_experts": 0})
+    gate_m, down_m = cfg.get("mlp_multipliers") or (1.0, 1.0)
+    z_m, x_m, b_m, c_m, dt_m = cfg.get("ssm_multipliers") or (1.0,) * 5
+    ssm_in = float(cfg.get("ssm_in_multiplier") or 1.0)
+    attn_in = float(cfg.get("attention_in_multiplier") or 1.0)
+    key_m = float(cfg.get("key_multiplier") or 1.0)
+    mup = ((inner, z_m), (inner, x_m), (groups * d_state, b_m), (groups * d_state, c_m), (heads, dt_m))
+
+    def every(f: float) -> tuple[tuple[int, float], ...]:
+        return ((-1, float(f)),)
+
+    return dataclasses.replace(
+        base,
+        layer_types=[FULL] * layers,
+        parallel_mixers=True,
+        embed_scale=float(cfg.get("embedding_multiplier") or 1.0),
+        logit_scale=1.0 / float(cfg.get("lm_head_multiplier") or 1.0),
+        linear=Mamba2Config(
+            num_heads=heads,
+            head_dim=head_dim,
+            n_groups=groups,
+            d_state=d_state,
+            conv_kernel=cfg.get("mamba_d_conv", 4),
+            conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+            proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+            dt_limit=_limit(cfg.get("time_step_limit")),
+            gate_norm=bool(cfg.get("mamba_rms_norm", False)),
+            out_bias=bool(cfg.get("projectors_bias", False)),
+        ),
+        weight_renames=(
+            (r"\.mamba\.", ".linear_attn."),
+            (r"\.feed_forward\.", ".mlp."),
+            (r"\.pre_ff_layernorm\.", ".post_attention_layernorm."),
+            (r"^model\.final_layernorm\.", "model.norm."),
+            _CONV_BIAS,
+        ),
+        weight_scales=(
+            (r"\.linear_attn\.in_proj\.weight$", tuple((n, float(m) * ssm_in) for n, m in mup)),
+            (r"\.linear_attn\.in_proj\.bias$", tuple((n, float(m)) for n, m in mup)),
+            (r"\.linear_attn\.out_proj\.(weight|bias)$", every(cfg.get("ssm_out_multiplier") or 1.0)),
+            (r"\.self_attn\.(q|v)_proj\.weight$", every(attn_in)),
+            (r"\.self_attn\.k_proj\.weight$", every(attn_in * key_m)),
+            (r"\.self_attn\.k_proj\.bias$", every(key_m)),
+            (r"\.self_attn\.o_proj\.(weight|bias)$", every(cfg.get("attention_out_multiplier") or 1.0)),
+            (r"\.mlp\.gate_proj\.(weight|bias)$", every(gate_m)),
+            (r"\.mlp\.down_proj\.(weight|bias)$", every(down_m)),
         ),
     )
