@@ -148,11 +148,15 @@ def run_session(server: Server, system: str, turns, args) -> dict:  # type: igno
                   file=sys.stderr)
     finally:
         target.stop()
-    cold, warm, after = rows[0]["ttft_s"], rows[args.restart_after - 1]["ttft_s"], rows[args.restart_after]["ttft_s"]
+    # (--restart-after past the last turn: no restart; "warm" is then the last turn's)
+    restarted = args.restart_after < len(rows)
+    cold, warm = rows[0]["ttft_s"], rows[min(args.restart_after, len(rows)) - 1]["ttft_s"]
+    after = rows[args.restart_after]["ttft_s"] if restarted else None
     return {"server": server.name, "command": target.command, "turns": rows, "restart_s": restarts,
             "session_s": round(sum(r["turn_s"] for r in rows), 2), "cold_ttft_s": cold, "warm_ttft_s": warm,
-            "after_restart_ttft_s": after, "after_over_warm": round(after / warm, 2),
-            "cold_over_after": round(cold / after, 2)}
+            "cold_over_warm": round(cold / warm, 2), "after_restart_ttft_s": after,
+            "after_over_warm": round(after / warm, 2) if after else None,
+            "cold_over_after": round(cold / after, 2) if after else None}
 
 
 def llama_slot(action: str, filename: str):  # type: ignore[no-untyped-def]
@@ -169,7 +173,7 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--tool-tokens", type=int, default=300)
     ap.add_argument("--answer-tokens", type=int, default=150)
-    ap.add_argument("--restart-after", type=int, default=10)
+    ap.add_argument("--restart-after", type=int, default=10, help="past --turns: no restart")
     ap.add_argument("--pytgi-args", default="", help="serve flags for both pytgi servers")
     ap.add_argument(
         "--skip", action="append", default=[], help="a server to leave out: ram | disk | int8 | llama"
@@ -215,14 +219,14 @@ def main() -> None:
 
     print(f"\nagent session: system {count_tokens(tokenizer, system)} tokens, {len(turns)} turns of ~{args.tool_tokens} "
           f"tool tokens and {args.answer_tokens} answer tokens, restart after turn {args.restart_after}\n")
-    print("| server | session s | cold TTFT s | warm TTFT s (turn %d) | after restart TTFT s | after / warm | cold / after |"
-          % args.restart_after)
-    print("|---|---|---|---|---|---|---|")
+    print("| server | session s | cold TTFT s | warm TTFT s (turn %d) | cold / warm | after restart TTFT s | after / warm "
+          "| cold / after |" % min(args.restart_after, len(turns)))
+    print("|---|---|---|---|---|---|---|---|")
     for r in runs:
         if "error" in r:
             print(f"| {r['server']} | failed: {r['error'][:100]} |")
             continue
-        print(f"| {r['server']} | {r['session_s']} | {r['cold_ttft_s']} | {r['warm_ttft_s']} | "
+        print(f"| {r['server']} | {r['session_s']} | {r['cold_ttft_s']} | {r['warm_ttft_s']} | {r['cold_over_warm']} | "
               f"{r['after_restart_ttft_s']} | {r['after_over_warm']} | {r['cold_over_after']} |")
     ok = [r for r in runs if "error" not in r]
     if ok:

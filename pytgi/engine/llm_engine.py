@@ -510,7 +510,8 @@ def _with_states(
     blocks. The states cannot take back rejected drafts, so speculation and LoRA are refused, and the
     disk tier keeps no states yet. --max-batch-size states are allocated (by default as many as a
     quarter of the KV cache's memory holds, at most 256), then the prefix cache's checkpoints
-    (`--prefix-cache-state-bytes`, by default an eighth of that memory; only for models whose every
+    (`--prefix-cache-state-bytes`, by default an eighth of that memory and at least one a running
+    request; only for models whose every
     recurrent kind declares the positions its states are exact at), and the KV cache gets what is
     left. Returns the config, the KV cache's capacity and the checkpoints."""
     asked = [
@@ -557,8 +558,9 @@ def _with_states(
         log.info("prefix caching is off: a recurrent layer kind of this model says no state grid")
     elif config.enable_prefix_caching:
         budget = config.prefix_cache_state_bytes
-        if budget is None:
-            budget = memory_tokens() * per_token // 8
+        if budget is None:  # an eighth of the KV cache's memory, and at least a checkpoint a running
+            # request (a KV cache held small by --max-batch-total-tokens would otherwise leave none)
+            budget = max(memory_tokens() * per_token // 8, slots * state)
         checkpoints = budget // state
         if checkpoints:
             log.info(
