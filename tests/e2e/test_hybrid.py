@@ -100,7 +100,7 @@ def test_a_conversations_next_turn_resumes_from_a_checkpoint(served):
     turn = first + out.choices[0].text + " " + " ".join(PROMPTS * 3)
     again = [client.completions.create(prompt=turn, **ask) for _ in range(2)]
     assert out.usage is not None and out.usage.prompt_tokens > 64
-    cached = [a.usage.prompt_tokens_details.cached_tokens for a in again]  # type: ignore[union-attr]
+    cached = [a.usage.prompt_tokens_details.cached_tokens for a in again]
     assert cached[0] > 0 and cached[0] % 64 == 0 and cached[1] > cached[0]
     assert again[0].choices[0].text == again[1].choices[0].text
 

@@ -14,7 +14,7 @@ import transformers
 
 from pytgi.core.config import EngineConfig
 from pytgi.engine.llm_engine import LLMEngine
-from pytgi.engine.models.short_conv import ShortConv
+from pytgi.engine.models.short_conv import ShortConv, ShortConvConfig
 from tests.model.test_gguf_families import byte_vocabulary
 from tests.model.test_sharding import run
 
@@ -302,7 +302,7 @@ def test_the_published_config_reads_as_transformers_reads_it():
     assert ours.intermediate_size == mlp.w1.out_features == 8192
     assert ours.layer_types == theirs.layer_types
     assert ours.tie_word_embeddings and ours.rms_norm_eps == 1e-5 and ours.qk_norm
-    assert ours.linear is not None and ours.linear.kernel == 3 and not ours.linear.bias
+    assert isinstance(ours.linear, ShortConvConfig) and ours.linear.kernel == 3 and not ours.linear.bias
 
 
 def test_a_preempted_request_recomputes_its_state(lfm2):

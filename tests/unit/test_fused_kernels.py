@@ -165,7 +165,7 @@ def test_gated_deltanet_layer(dtype, tiled):
     starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
     dec = [i for i, n in enumerate(lens) if n == 1]
     meta = StateMetadata(
-        attn=None,  # type: ignore[arg-type]
+        attn=None,
         slots=slots,
         query_lens=lens,
         fresh=fresh,
@@ -208,7 +208,7 @@ def test_mamba2_layer(dtype, bias):
     starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
     dec = [i for i, n in enumerate(lens) if n == 1]
     meta = StateMetadata(
-        attn=None,  # type: ignore[arg-type]
+        attn=None,
         slots=slots,
         query_lens=lens,
         fresh=fresh,
