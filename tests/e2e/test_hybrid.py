@@ -125,4 +125,4 @@ def test_speculation_is_refused_at_start_with_the_reason(served):
         timeout=300,
     )
     assert run.returncode != 0
-    assert "--speculate" in run.stderr and "linear-attention" in run.stderr, run.stderr[-2000:]
+    assert "--speculate" in run.stderr and "recurrent layers" in run.stderr, run.stderr[-2000:]
