@@ -11,9 +11,8 @@ import pytest
 import torch
 import transformers
 
-from pytgi.core.config import EngineConfig
-from pytgi.engine.llm_engine import LLMEngine
 from pytgi.engine.models.kda import KimiDeltaAttention, chunked_rule, l2norm, recurrent_step
+from tests.model import hybrids
 from tests.model.test_sharding import run
 
 PROMPTS = [[5, 17, 3, 99, 42, 8, 1, 64] * 10, [7, 9] * 10, list(range(30, 60)), [11]]
@@ -65,46 +64,18 @@ def kimi(request, tmp_path_factory):
     return _save(model, tmp_path_factory.mktemp("kimi-linear"))
 
 
-def _engine(path, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), max_batch_total_tokens=1024, **kw))
-
-
-def _reference(model, prompt):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
+_engine, _reference = hybrids.engine, hybrids.reference
 
 
 def test_greedy_equals_transformers_in_float32(kimi):
     model, path = kimi
-    refs = [_reference(model, p) for p in PROMPTS]
-    assert len({tuple(r) for r in refs}) > 1  # the answers differ: the test can tell them apart
-    # alone and together; prefill chunks of 24 and of 5 tokens cut every long prompt (and the rule's
-    # 32-token chunks), and decodes join them
-    for kw in (
-        {},
-        {"max_batch_prefill_tokens": 24, "enable_chunked_prefill": True},
-        {"max_batch_prefill_tokens": 5, "enable_chunked_prefill": True},
-    ):
-        engine = _engine(path, dtype="float32", **kw)
-        try:
-            together = run(engine, PROMPTS)
-            alone = [run(engine, [p])[0] for p in PROMPTS]
-        finally:
-            engine.shutdown()
-        for ref, (a, _), (b, _) in zip(refs, together, alone):
-            assert a == ref and b == ref, (kw, ref, a, b)
+    # (the rule's 32-token chunks cut too)
+    hybrids.assert_greedy_equals_transformers(model, path, PROMPTS)
 
 
 def test_batched_equals_alone_in_bf16(kimi):
     _, path = kimi
-    engine = _engine(path, dtype="bfloat16")
-    try:
-        alone = [run(engine, [p])[0] for p in PROMPTS]
-        batched = run(engine, PROMPTS)
-    finally:
-        engine.shutdown()
-    assert batched == alone  # tokens and every prompt and output logprob, to the bit
+    hybrids.assert_batched_equals_alone_in_bf16(path, PROMPTS)
 
 
 def test_a_kda_layer_keeps_its_state_per_request(kimi):

@@ -15,6 +15,7 @@ import transformers
 from pytgi.core.config import EngineConfig
 from pytgi.engine.llm_engine import LLMEngine
 from pytgi.engine.models.short_conv import ShortConv, ShortConvConfig
+from tests.model import hybrids
 from tests.model.test_gguf_families import byte_vocabulary
 from tests.model.test_sharding import run
 
@@ -83,46 +84,17 @@ def hybrid(request):
     return request.getfixturevalue(request.param)
 
 
-def _engine(path, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), max_batch_total_tokens=1024, **kw))
-
-
-def _reference(model, prompt):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
+_engine, _reference = hybrids.engine, hybrids.reference
 
 
 def test_greedy_equals_transformers_in_float32(hybrid):
     model, path = hybrid
-    refs = [_reference(model, p) for p in PROMPTS]
-    assert len({tuple(r) for r in refs}) > 1  # the answers differ: the test can tell them apart
-    # alone and together; prefill chunks of 24 and of 5 tokens cut every long prompt (5: a chunk's
-    # tail shorter than the window is the next chunk's state), and decodes join them
-    for kw in (
-        {},
-        {"max_batch_prefill_tokens": 24, "enable_chunked_prefill": True},
-        {"max_batch_prefill_tokens": 5, "enable_chunked_prefill": True},
-    ):
-        engine = _engine(path, dtype="float32", **kw)
-        try:
-            together = run(engine, PROMPTS)
-            alone = [run(engine, [p])[0] for p in PROMPTS]
-        finally:
-            engine.shutdown()
-        for ref, (a, _), (b, _) in zip(refs, together, alone):
-            assert a == ref and b == ref, (kw, ref, a, b)
+    hybrids.assert_greedy_equals_transformers(model, path, PROMPTS)
 
 
 def test_batched_equals_alone_in_bf16(hybrid):
     _, path = hybrid
-    engine = _engine(path, dtype="bfloat16")
-    try:
-        alone = [run(engine, [p])[0] for p in PROMPTS]
-        batched = run(engine, PROMPTS)
-    finally:
-        engine.shutdown()
-    assert batched == alone  # tokens and every prompt and output logprob, to the bit
+    hybrids.assert_batched_equals_alone_in_bf16(path, PROMPTS)
 
 
 def test_a_conv_layer_keeps_its_window_per_request(lfm2):
