@@ -319,5 +319,5 @@ def _grid_layout(weights: GGUFWeights, mod: nn.Module, names: list[str], kind: s
             )
 
     width = mod.local_in if isinstance(mod, RowParallelLinear) else weights.shape(names[0])[-1]
-    six = kind == "int8x16" and six_bit(weights.type_name(n) for n in names)
+    six = kind in ("int8", "int8x16") and six_bit(weights.type_name(n) for n in names)
     return LayoutRows((total + pad, width), slices, six)

@@ -22,7 +22,8 @@ kernels multiply by them:
 
 Which tensors to quantize, and how, is a per-tensor plan:
 - a GGUF model follows its file (`quantization.json`, written by the converter): Q4_0, Q4_1 and
-  Q4_K tensors become int4, Q5_0/Q5_1/Q5_K/Q8_0 int8 and Q2_K/Q3_K/Q6_K int8x16. The loader reads
+  Q4_K tensors become int4, Q5_0/Q5_1/Q5_K/Q8_0 int8 and Q2_K/Q3_K/Q6_K int8x16 (on a CPU with the
+  kernels Q3_K, Q5_0 and Q6_K, symmetric and of at most 64 levels, take 6 bits). The loader reads
   each tensor's levels and grids from its blocks (`pytgi.engine.loading.gguf`, `grid_layout`) and
   packs them as they are: exact but for fp16 scales, for every type, with no float copy of the
   model; float tensors, and types on no uniform grid (IQ*, TQ*), are dequantized to bf16;
@@ -54,7 +55,9 @@ GROUP = 32
 INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # on a 16-level grid per 32 values
 INT8_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q8_0"}  # on a grid of at most 256 levels per 32 values
 SUB16_TYPES = {"Q2_K", "Q3_K", "Q6_K"}  # scales per 16 values that no grid per 32 holds
-SIX_BIT_TYPES = {"Q6_K", "Q3_K"}  # ... of them, the symmetric ones of at most 64 levels: 6 bits on CPU
+# the symmetric types of at most 64 levels: 6 bits on CPU (qgemv.c's format 6), whether their kind is
+# int8x16 (Q6_K, Q3_K: a scale per 16) or int8 (Q5_0: one per 32, given to both halves)
+SIX_BIT_TYPES = {"Q6_K", "Q3_K", "Q5_0"}
 MODES = ("none", "auto", "int8", "int4", "bf16", "fp8")
 BITS = {"int4": 4, "mxfp4": 5, "int8": 8, "int8x16": 16}  # the kernels' name for each layout (qgemv.c)
 # MXFP4's level (12 + 2·value) → its e2m1 code (as pack.c's table: off-grid levels to the one below)
@@ -366,8 +369,8 @@ class LayoutRows:
 
     shape: tuple[int, int]
     slices: Callable[[], Iterator[Layout]]
-    # int8x16's levels all q - zero + 128 with m = -128·d and |q - zero| <= 32 (Q6_K's, Q3_K's): the
-    # CPU packs them in 6 bits (qgemv.c's format 6)
+    # int8x16's or int8's levels all q - zero + 128 with m = -128·d and |q - zero| <= 32 (Q6_K's, Q3_K's,
+    # Q5_0's): the CPU packs them in 6 bits (qgemv.c's format 6), 7 bits a weight where int8 takes 9
     six: bool = False
 
     def tiles(self) -> Iterator[Layout]:
@@ -446,13 +449,17 @@ class QuantizedWeight:
         N, K = self.shape
         keep = self.max_m < 1 << 30  # bigger steps multiply by the dequantized weight
         self.dequantized = torch.empty(N if keep else 0, K, dtype=act_dtype)
-        if self.kind == "int8x16" and w.six:
+        if self.kind in ("int8", "int8x16") and w.six:
             self.bits = 6
         self.packed = torch.empty(N // 16, K // GROUP, block_bytes(self.bits), dtype=torch.uint8)
         at = 0
         for u, d, m in w.tiles():
-            levels = (u.to(torch.int16) - 96).clamp_(0, 63).to(torch.uint8) if self.bits == 6 else u
-            kernels.pack_lowbit(levels, d, m, self.bits, self.packed[at // 16 : (at + len(u)) // 16])
+            levels, scales = u, d
+            if self.bits == 6:
+                levels = (u.to(torch.int16) - 96).clamp_(0, 63).to(torch.uint8)
+                if self.kind == "int8":  # one scale per 32 inputs: each half of the group takes it
+                    scales = d.repeat_interleave(2, dim=1)
+            kernels.pack_lowbit(levels, scales, m, self.bits, self.packed[at // 16 : (at + len(u)) // 16])
             if keep:
                 self.dequantized[at : at + len(u)] = group_values(u, d, m)
             at += len(u)
