@@ -67,12 +67,17 @@ def test_stacked_and_per_expert_checkpoints_load_the_same():
         stacked.load_experts("experts.0.w9.weight", gate[0])
 
 
-def packed_moe(kinds: tuple[str, str], oai: bool = False, routing: Routing | None = None) -> SparseMoE:
+def packed_moe(
+    kinds: tuple[str, str], oai: bool = False, routing: Routing | None = None, activation: str = "silu"
+) -> SparseMoE:
     """Experts packed for the low-bit kernels (as a GGUF model's are), at sizes those take; `oai`:
-    gpt-oss's, with biases and the clamped SwiGLU; `routing`: a router beyond softmax top-k."""
+    gpt-oss's, with biases and the clamped SwiGLU; `routing`: a router beyond softmax top-k;
+    `activation` "relu2": ungated experts (up rows alone)."""
     h, inter, e = 64, 32, 6
     g = torch.Generator().manual_seed(7)
-    moe = SparseMoE(h, inter, e, top_k=3, norm_topk=True, oai=(1.702, 1.5) if oai else None, routing=routing)
+    oai_args = (1.702, 1.5) if oai else None
+    moe = SparseMoE(h, inter, e, 3, True, oai=oai_args, routing=routing, activation=activation)
+    first = inter if activation == "relu2" else 2 * inter
     moe.gate.weight.data.copy_(torch.randn(e, h, generator=g))
     if moe.gate.e_score_correction_bias is not None:
         moe.gate.e_score_correction_bias.data.copy_(torch.randn(e, generator=g) * 0.3)
@@ -84,7 +89,7 @@ def packed_moe(kinds: tuple[str, str], oai: bool = False, routing: Routing | Non
     cpu = Kernels.for_device(torch.device("cpu"), torch.bfloat16)
     moe.packed = [
         (
-            QuantizedWeight(kinds[0], torch.randn(2 * inter, h, generator=g) * 0.2, torch.bfloat16, cpu),
+            QuantizedWeight(kinds[0], torch.randn(first, h, generator=g) * 0.2, torch.bfloat16, cpu),
             QuantizedWeight(kinds[1], torch.randn(h, inter, generator=g) * 0.2, torch.bfloat16, cpu),
         )
         for _ in range(e)
@@ -316,13 +321,16 @@ def test_routing_is_checked():
         SparseMoE(H, INTER, 4, 2, True, oai=(1.0, 1.0), routing=Routing("sigmoid"))
 
 
-def test_one_c_call_runs_experts_a_grouped_sigmoid_router_chose():
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "relu2"])
+def test_one_c_call_runs_experts_a_grouped_sigmoid_router_chose(activation):
     """moe.c's experts for pairs routed in PyTorch (`kernels.moe_experts`) against the expert-by-expert
-    loop over the same packed weights; a token's output does not depend on the rest of the step."""
+    loop over the same packed weights; a token's output does not depend on the rest of the step.
+    SwiGLU, Gemma 4's GELU·up and Nemotron-H's ungated relu² experts."""
     if not kernels.vnni_supported():
         pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
     routing = Routing("sigmoid", correction_bias=True, n_group=3, topk_group=2, scale=2.5)
-    moe = packed_moe(("int8", "int4"), routing=routing)
+    moe = packed_moe(("int8", "int4"), routing=routing, activation=activation)
+    assert moe.fused is not None and moe.fused.activation == activation
     assert moe.fused is not None
     x = torch.randn(11, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     fused = moe(x)

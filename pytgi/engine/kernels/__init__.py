@@ -532,14 +532,16 @@ def lowbit_matmul(x: torch.Tensor, packed: torch.Tensor, N: int, bits: int, amx:
 class PackedExperts:
     """A mixture-of-experts layer's experts as `moe` takes them (int64 numpy arrays, per expert)."""
 
-    gate_up: np.ndarray  # addresses of the packed gate|up weights [2 I, H]
+    gate_up: np.ndarray  # addresses of the packed gate|up weights [2 I, H] (relu² experts: up [I, H])
     down: np.ndarray  # addresses of the packed down weights [H, I]
     bits_gu: np.ndarray
     bits_down: np.ndarray
     inter: int  # I
     amx_above: int  # steps of more rows use AMX tiles (where built)
     oai: tuple[float, float] | None = None  # gpt-oss's experts: the clamped SwiGLU's (alpha, limit)
-    gelu: bool = False  # GELU(tanh)·up experts (Gemma 4's; `moe_experts` only), not SwiGLU
+    # "silu" (SwiGLU), "gelu_tanh" (Gemma 4's GELU·up) or "relu2" (Nemotron-H's ungated relu(up)²); all
+    # but SwiGLU through `moe_experts` alone
+    activation: str = "silu"
 
 
 def moe(
@@ -610,8 +612,8 @@ def moe_experts(
 ) -> torch.Tensor:
     """A mixture-of-experts layer's routed part for a step routed by the caller: token t goes to experts
     `chosen[t]` ([T, k]) with `weights[t]` (float32), its output their weighted sum in float32, in the
-    order of the experts (moe.c's `pytgi_moe_experts_bf16`; SwiGLU experts, or GELU·up ones where
-    `experts.gelu`)."""
+    order of the experts (moe.c's `pytgi_moe_experts_bf16`; SwiGLU, GELU·up or relu² experts, as
+    `experts.activation` says)."""
     assert x.is_contiguous() and x.dtype == torch.bfloat16 and experts.oai is None
     T, H = x.shape
     E, k = len(experts.gate_up), chosen.shape[1]
@@ -637,7 +639,7 @@ def moe_experts(
         _ptr(experts.bits_gu),
         _ptr(experts.bits_down),
         experts.amx_above,
-        int(experts.gelu),
+        ("silu", "gelu_tanh", "relu2").index(experts.activation),
     )
     _check(failed, "experts")
     return out

@@ -15,8 +15,9 @@
  * take a clamped SwiGLU: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit). Its
  * router softmaxes the chosen logits: the renormalised softmax over the chosen experts.
  *
- * Gemma 4's experts (`pytgi_moe_experts_bf16` with `gelu`, routed by the caller) take GELU(tanh)·up
- * instead of SiLU·up. */
+ * `pytgi_moe_experts_bf16` (routed by the caller) takes the experts' activation by its code `act`: SiLU·up
+ * (0), Gemma 4's GELU(tanh)·up (1), or Nemotron-H's relu(up)² (2), whose experts have no gate: their
+ * first weight is the I up rows alone, not gate|up's 2I. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -79,6 +80,16 @@ static int route(const uint16_t *x, const uint16_t *router, const uint16_t *bias
     return 0;
 }
 
+enum { ACT_SILU = 0, ACT_GELU = 1, ACT_RELU2 = 2 }; /* `act`: the experts' activation */
+
+/* up rows (bf16) → relu(up)², rounded to bf16 once, as PyTorch's relu then square round it */
+static void relu2(const uint16_t *up, uint16_t *h, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float u = bf16_load(up[i]);
+        h[i] = u > 0.0f ? bf16_round(u * u) : 0;
+    }
+}
+
 /* gpt-oss's additions to the experts (NULL: plain SwiGLU experts without biases). */
 typedef struct {
     const uint16_t *gate_up_bias; /* [E, 2I] */
@@ -107,8 +118,8 @@ static void oai_act(const uint16_t *gu, const uint16_t *b, uint16_t *h, int64_t 
 static int experts(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E,
                    const int64_t *starts, const int64_t *tok, const float *wt, const int64_t *gate_up,
                    const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above,
-                   const oai_experts *oai, int gelu) {
-    const int64_t P = starts[E];
+                   const oai_experts *oai, int act) {
+    const int64_t P = starts[E], I1 = act == ACT_RELU2 ? I : 2 * I; /* the first weight's rows */
     uint16_t *xs = malloc(sizeof(uint16_t) * (size_t)(P * (2 * H + 3 * I)));
     float *acc = calloc((size_t)(T * H), sizeof(float));
     int64_t *expert = malloc(sizeof(int64_t) * (size_t)(P > 0 ? P : 1));
@@ -126,12 +137,14 @@ static int experts(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64
         if (n == 0) continue;
         const int amx = n > amx_above;
         const uint8_t *wgu = (const uint8_t *)(intptr_t)gate_up[e], *wd = (const uint8_t *)(intptr_t)down[e];
-        failed |= amx ? pytgi_qgemm_amx_bf16(xs + a * H, wgu, gu + 2 * a * I, n, 2 * I, H, bits_gu[e])
-                      : pytgi_qgemv_bf16(xs + a * H, wgu, gu + 2 * a * I, n, 2 * I, H, bits_gu[e]);
+        failed |= amx ? pytgi_qgemm_amx_bf16(xs + a * H, wgu, gu + a * I1, n, I1, H, bits_gu[e])
+                      : pytgi_qgemv_bf16(xs + a * H, wgu, gu + a * I1, n, I1, H, bits_gu[e]);
         if (oai != NULL)
             oai_act(gu + 2 * a * I, oai->gate_up_bias + e * 2 * I, h + a * I, n, I, oai->alpha, oai->limit);
-        else if (gelu)
+        else if (act == ACT_GELU)
             pytgi_gelu_tanh_mul_bf16(gu + 2 * a * I, h + a * I, n, I);
+        else if (act == ACT_RELU2)
+            relu2(gu + a * I, h + a * I, n * I);
         else
             pytgi_silu_mul_bf16(gu + 2 * a * I, h + a * I, n, I);
         failed |= amx ? pytgi_qgemm_amx_bf16(h + a * I, wd, ys + a * H, n, H, I, bits_down[e])
@@ -164,7 +177,7 @@ static int moe(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I
     if (!failed) failed = route(x, router, router_bias, T, H, E, k, norm_topk, starts, starts + E + 1, wt);
     if (!failed)
         failed = experts(x, out, T, H, I, E, starts, starts + E + 1, wt, gate_up, down, bits_gu, bits_down,
-                         amx_above, oai, 0);
+                         amx_above, oai, ACT_SILU);
     free(starts);
     free(wt);
     return failed;
@@ -187,7 +200,8 @@ int pytgi_moe_oai_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, i
 int pytgi_moe_experts_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E,
                            const int64_t *starts, const int64_t *tok, const float *wt, const int64_t *gate_up,
                            const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down,
-                           int64_t amx_above, int64_t gelu) {
+                           int64_t amx_above, int64_t act) {
+    if (act < ACT_SILU || act > ACT_RELU2) return 1;
     return experts(x, out, T, H, I, E, starts, tok, wt, gate_up, down, bits_gu, bits_down, amx_above, NULL,
-                   gelu != 0);
+                   (int)act);
 }

@@ -47,10 +47,10 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
 
 /* moe.c: a mixture-of-experts layer's routed experts for a step (packed weights at the int64 addresses
  * gate_up[e], down[e]): routed by the bf16 router [E, H] (moe), or by the step's (token, expert) pairs
- * sorted by expert, expert e's from starts[e] (moe_experts; gelu: GELU(tanh)·up, not SiLU·up). */
+ * sorted by expert, expert e's from starts[e] (moe_experts; act: 0 SiLU·up, 1 GELU(tanh)·up, 2 relu(up)² of ungated experts). */
 int pytgi_moe_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, int64_t norm_topk, const uint16_t *router, const int64_t *gate_up, const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above);
 int pytgi_moe_oai_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, int64_t k, const uint16_t *router, const uint16_t *router_bias, const int64_t *gate_up, const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above, const uint16_t *gate_up_bias, const uint16_t *down_bias, float alpha, float limit);
-int pytgi_moe_experts_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, const int64_t *starts, const int64_t *tok, const float *wt, const int64_t *gate_up, const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above, int64_t gelu);
+int pytgi_moe_experts_bf16(const uint16_t *x, uint16_t *out, int64_t T, int64_t H, int64_t I, int64_t E, const int64_t *starts, const int64_t *tok, const float *wt, const int64_t *gate_up, const int64_t *down, const int64_t *bits_gu, const int64_t *bits_down, int64_t amx_above, int64_t act);
 
 /* pack.c: levels u [N, K], fp16 bits of d and m per group → qgemv.c's packed layout (at load time). */
 void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m16, uint8_t *out, int64_t N, int64_t K, int64_t bits);

@@ -188,8 +188,9 @@ class SparseMoE(nn.Module):
         sigmoid gate (Qwen2-MoE's `shared_expert_gate`), else added as it is (DeepSeek's
         `shared_experts`, one MLP of n_shared_experts × the experts' size); activation: the experts'
         act(gate) · up, "silu" (SwiGLU) or "gelu_tanh" (Gemma 4's: in moe.c where packed, routed
-        here), or "relu2": experts without a gate, relu(up)² (Nemotron-H's; PyTorch's ops, its shared
-        expert as plain); router_eps: the epsilon of the router's input norm (`Routing.input_norm`)."""
+        here), or "relu2": experts without a gate, relu(up)² (Nemotron-H's: in moe.c where packed,
+        routed here; its shared expert as plain); router_eps: the epsilon of the router's input norm
+        (`Routing.input_norm`)."""
         super().__init__()
         self.num_experts, self.top_k, self.norm_topk = num_experts, top_k, norm_topk
         self.routing = routing or Routing()
@@ -394,8 +395,8 @@ class SparseMoE(nn.Module):
 
     def fuse(self) -> None:
         """Where every expert is packed for pytgi's low-bit kernel, hand them to one C call (moe.c;
-        Gemma 4's GELU experts there too, routed here: `moe_experts`)."""
-        if self.gated and self.packed and all(w.vnni for pair in self.packed for w in pair):
+        Gemma 4's GELU experts and Nemotron-H's relu² ones there too, routed here: `moe_experts`)."""
+        if self.packed and all(w.vnni for pair in self.packed for w in pair):
             gu, dn = zip(*self.packed)
 
             self.fused = kernels.PackedExperts(
@@ -403,10 +404,10 @@ class SparseMoE(nn.Module):
                 down=np.array([w.packed.data_ptr() for w in dn], dtype=np.int64),
                 bits_gu=np.array([w.bits for w in gu], dtype=np.int64),
                 bits_down=np.array([w.bits for w in dn], dtype=np.int64),
-                inter=gu[0].shape[0] // 2,
+                inter=gu[0].shape[0] // (2 if self.gated else 1),
                 amx_above=min(w.vnni_max_m for pair in self.packed for w in pair),
                 oai=self.oai,
-                gelu=self.activation == "gelu_tanh",
+                activation=self.activation if self.gated else "relu2",
             )
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -442,7 +443,7 @@ class SparseMoE(nn.Module):
             routed = kernels.moe_experts(x.contiguous(), self.fused, experts, weights)
             return self._shared(x, all_reduce(routed))
         bf16 = x.dtype == self.gate.weight.dtype == torch.bfloat16
-        if self.fused is not None and bf16 and not self.fused.gelu:  # all in moe.c (its router's SwiGLU)
+        if self.fused is not None and bf16 and self.fused.activation == "silu":  # all in moe.c (SwiGLU)
             biases = None
             if self.oai is not None:  # gpt-oss's (the down bias in the first rank's part of the sum alone)
                 assert self.gate_up_bias is not None and self.down_bias is not None
