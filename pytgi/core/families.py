@@ -614,7 +614,10 @@ FAMILIES: tuple[Family, ...] = (
         name="Bamba",
         config="bamba_config",
         generators=("BambaForCausalLM",),
-        note="Mamba-2 layers on a state pool, RoPE on half of each head",
+        note=(
+            "Mamba-2 layers on a state pool, RoPE on half of each head; its GGUF file is `granitehybrid` "
+            "(read as Granite-4.0-H's with RoPE)"
+        ),
     ),
     replace(
         _MAMBA,

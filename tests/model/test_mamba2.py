@@ -265,6 +265,8 @@ GGUF_NAMES = {
     "k_proj": "attn_k",
     "v_proj": "attn_v",
     "o_proj": "attn_output",
+    "pre_ff_layernorm": "ffn_norm",  # Bamba's
+    "gate_proj": "ffn_gate",
     "up_proj": "ffn_up",
     "down_proj": "ffn_down",
     "gate": "ffn_gate_inp",
@@ -275,18 +277,20 @@ GGUF_NAMES = {
 
 
 def write_mamba_gguf(hf, arch: str, path, experts: str | None = None) -> None:
-    """`hf` as llama.cpp's converter writes it (`nemotron_h`, `nemotron_h_moe`, `granitehybrid`): the
-    layer kinds in per-layer head_count_kv and feed_forward_length, A as −exp(A_log) [H, 1], D [H, 1],
-    the gated norm [groups, inner / groups], the convolution squeezed, q/k rows interleaved (llama's
-    order), experts stacked, Granite's merged MLPs split in gate and up. `experts`: the GGUF type the
-    stacked experts are stored as (None: as they are)."""
+    """`hf` as llama.cpp's converter writes it (`nemotron_h`, `nemotron_h_moe`, `granitehybrid`: Granite-4.0-H
+    and Bamba): the layer kinds in per-layer head_count_kv and feed_forward_length, A as −exp(A_log)
+    [H, 1], D [H, 1], the gated norm [groups, inner / groups], the convolution squeezed, q/k rows
+    interleaved (llama's order), experts stacked, Granite's merged MLPs split in gate and up; Bamba's
+    RoPE as `rope.scaling.finetuned` and its rotary features as `rope.dimension_count` (what the
+    converter writes from a Hub checkpoint's `attn_rotary_emb`). `experts`: the GGUF type the stacked
+    experts are stored as (None: as they are)."""
     import gguf
     import numpy as np
 
     from tests.model.test_gguf_families import _permute, byte_vocabulary
 
     c = hf.config
-    L, nemotron = c.num_hidden_layers, arch.startswith("nemotron_h")
+    L, nemotron, bamba = c.num_hidden_layers, arch.startswith("nemotron_h"), c.model_type == "bamba"
     kinds = list(c.layers_block_type)
     attn = [k in ("full_attention", "attention") for k in kinds]
     w = gguf.GGUFWriter(str(path), arch)
@@ -312,6 +316,14 @@ def write_mamba_gguf(hf, arch: str, path, experts: str | None = None) -> None:
             w.add_expert_weights_norm(c.norm_topk_prob)
             w.add_expert_weights_scale(c.routed_scaling_factor)
             w.add_expert_group_count(c.n_group)
+    elif bamba:  # a dense MLP in every layer, RoPE over part of each head
+        heads, head_dim, groups, state = c.mamba_n_heads, c.mamba_d_head, c.mamba_n_groups, c.mamba_d_state
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+        w.add_feed_forward_length(c.intermediate_size)
+        w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+        rotary = c.hidden_size // c.num_attention_heads * c.rope_parameters["partial_rotary_factor"]
+        w.add_rope_dimension_count(int(rotary))
+        w.add_rope_scaling_finetuned(True)
     else:
         heads, head_dim, groups, state = c.mamba_n_heads, c.mamba_d_head, c.mamba_n_groups, c.mamba_d_state
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
@@ -337,6 +349,7 @@ def write_mamba_gguf(hf, arch: str, path, experts: str | None = None) -> None:
         "embed_tokens": "token_embd",
         "norm_f": "output_norm",
         "norm": "output_norm",
+        "final_layernorm": "output_norm",
     }
     for name, t in hf.state_dict().items():
         a = t.detach().float().numpy()
@@ -349,7 +362,7 @@ def write_mamba_gguf(hf, arch: str, path, experts: str | None = None) -> None:
             continue
         i, rest = rest.split(".", 1)
         blk = f"blk.{i}."
-        for prefix in ("mixer.", "mamba.", "self_attn.", "block_sparse_moe.", "shared_mlp."):
+        for prefix in ("mixer.", "mamba.", "self_attn.", "block_sparse_moe.", "shared_mlp.", "feed_forward."):
             if rest.startswith(prefix):
                 module, rest = prefix, rest.removeprefix(prefix)
                 break
@@ -424,10 +437,23 @@ def _nemotron_for_gguf(moe: bool):
     return transformers.NemotronHForCausalLM(cfg).eval()
 
 
-@pytest.mark.parametrize("arch", ["nemotron_h", "nemotron_h_moe", "granitehybrid"])
+@pytest.mark.parametrize("arch", ["nemotron_h", "nemotron_h_moe", "granitehybrid", "bamba"])
 def test_a_gguf_file_serves_transformers_tokens(arch, tmp_path, monkeypatch):
+    """Bamba's file is `granitehybrid` too (llama.cpp's converter takes both classes), with RoPE on
+    half of each head; checked once against a file the converter itself made from a Bamba config with a
+    Hub checkpoint's `attn_rotary_emb`."""
     monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
-    if arch == "granitehybrid":
+    if arch == "bamba":
+        torch.manual_seed(3)
+        cfg = transformers.BambaConfig(
+            **{**COMMON, "vocab_size": 104},
+            **MAMBA,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            attn_layer_indices=[1],
+        )
+        hf = transformers.BambaForCausalLM(cfg).eval()
+    elif arch == "granitehybrid":
         torch.manual_seed(6)
         cfg = transformers.GraniteMoeHybridConfig(
             **{**COMMON, "vocab_size": 104},
@@ -447,7 +473,7 @@ def test_a_gguf_file_serves_transformers_tokens(arch, tmp_path, monkeypatch):
     else:
         hf = _nemotron_for_gguf(arch == "nemotron_h_moe")
     model, _ = _save(hf, tmp_path / "hf")
-    write_mamba_gguf(model, arch, tmp_path / f"{arch}.gguf")
+    write_mamba_gguf(model, "granitehybrid" if arch == "bamba" else arch, tmp_path / f"{arch}.gguf")
     engine = _engine(tmp_path / f"{arch}.gguf", dtype="float32")
     try:
         got = run(engine, PROMPTS)
