@@ -180,7 +180,7 @@ class LLMEngine:
         if config.prefix_cache_dir and self.info.enable_prefix_caching:
             self.disk = self._disk_tier(config, model_path)
         elif config.prefix_cache_dir:  # a recurrent model without checkpoints (`_with_states`)
-            log.warning("--prefix-cache-dir: off, as the prefix cache is for this model")
+            log.warning("--prefix-cache-dir: off, as is the prefix cache (no state checkpoints)")
         self.scheduler = Scheduler(self.info, self.block_manager, drafter=drafter, disk=self.disk)
         self.num_failed_steps = 0
         self.adapters = AdapterRegistry(

@@ -173,3 +173,16 @@ def test_a_layer_that_attends_too_writes_its_states_alone(tmp_path_factory, tmp_
     finally:
         second.shutdown()
     assert tokens == _cold(path, TURN_2)[0]
+
+
+def test_no_checkpoints_no_disk_tier(qwen3_5, tmp_path):  # noqa: F811
+    """Blocks on disk without states would resume nothing: where the prefix cache is off for the model
+    (no room for a checkpoint here; a kind without a state grid alike), so is the disk tier."""
+    _, path = qwen3_5
+    engine = _engine(path, prefix_cache_dir=str(tmp_path), prefix_cache_state_bytes=0)
+    try:
+        assert engine.disk is None and not engine.info.enable_prefix_caching
+        assert _run(engine, TURN_1)[2] == 0
+    finally:
+        engine.shutdown()
+    assert not any(tmp_path.iterdir())
