@@ -10,6 +10,7 @@ import pytest
 from pytgi.core.sampling_params import SamplingParams
 from pytgi.engine.kv.disk_tier import STATE_SUFFIX, SUFFIX
 from pytgi.engine.llm_engine import LLMEngine
+from pytgi.engine.scheduling.request import Request
 from tests.model.test_hybrid_prefix_cache import TURN_1, TURN_2, _cold, _engine
 from tests.model.test_qwen3_next import qwen3_5, qwen3_next  # noqa: F401  (fixtures)
 
@@ -99,6 +100,25 @@ def test_states_the_ram_gave_up_come_back_from_disk(qwen3_5, tmp_path):  # noqa:
         tokens, lps, cached, disk = _run(engine, TURN_2)
         assert cached == 192 and disk == 0  # every block was in the pool
         assert engine.disk.stats.read_states == 1
+    finally:
+        engine.shutdown()
+    assert (tokens, lps) == _cold(path, TURN_2)
+
+
+def test_blocks_and_states_the_pool_evicted_come_back_from_disk(qwen3_5, tmp_path):  # noqa: F811
+    """A 384-token KV cache: two other prompts take TURN_1's blocks, and its checkpoint goes with its
+    block; without a restart, both come back from disk."""
+    _, path = qwen3_5
+    engine = _engine(path, prefix_cache_dir=str(tmp_path), max_batch_total_tokens=384)
+    try:
+        bm = engine.block_manager
+        _run(engine, TURN_1)
+        for k in (1, 2):
+            _run(engine, [(t * 7 + k) % 100 + 1 for t in TURN_1])
+        engine.disk.drain()
+        assert not bm.hash_to_block.keys() & set(bm.chain_hashes(Request("p", TURN_2, SamplingParams()), 12))
+        tokens, lps, cached, disk = _run(engine, TURN_2)
+        assert cached == disk == 192 and engine.disk.stats.read_states == 1
     finally:
         engine.shutdown()
     assert (tokens, lps) == _cold(path, TURN_2)
