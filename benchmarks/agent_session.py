@@ -93,19 +93,23 @@ def prompt_at(system: str, turns: list[tuple[str, str]], k: int) -> str:
     return "".join(parts)
 
 
-def stream_turn(url: str, prompt: str, max_tokens: int, extra: dict) -> tuple[float, float]:
-    """(TTFT, the turn's time) of one streamed completion."""
+def stream_turn(url: str, prompt: str, max_tokens: int, extra: dict) -> tuple[float, float, int | None]:
+    """(TTFT, the turn's time, the prompt tokens the server's cache served) of one streamed completion
+    (the last: where the server reports it, in the usage chunk `stream_options.include_usage` asks for)."""
     body = {"model": discover_model(url), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, **extra}
     t0 = time.perf_counter()
-    ttft = None
+    ttft, cached = None, None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=3600) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
             if ttft is None and line.startswith("data:") and '"text"' in line:
                 ttft = time.perf_counter() - t0
-    return ttft or float("nan"), time.perf_counter() - t0
+            if line.startswith("data:") and '"prompt_tokens_details"' in line:
+                usage = json.loads(line[5:]).get("usage") or {}
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return ttft or float("nan"), time.perf_counter() - t0, cached
 
 
 class Server:
@@ -141,11 +145,11 @@ def run_session(server: Server, system: str, turns, args) -> dict:  # type: igno
                 t0 = time.perf_counter()
                 server.restore(target.url)
                 t_restore = time.perf_counter() - t0
-            ttft, total = stream_turn(target.url, prompt_at(system, turns, k), args.answer_tokens, server.extra)
+            ttft, total, cached = stream_turn(target.url, prompt_at(system, turns, k), args.answer_tokens, server.extra)
             rows.append({"turn": k + 1, "ttft_s": round(ttft + t_restore, 3), "turn_s": round(total + t_restore, 3),
-                         "restore_s": round(t_restore, 3) if t_restore else None})
-            print(f"  {server.name} turn {k + 1}: TTFT {rows[-1]['ttft_s']:.2f} s, turn {rows[-1]['turn_s']:.2f} s",
-                  file=sys.stderr)
+                         "restore_s": round(t_restore, 3) if t_restore else None, "cached_tokens": cached})
+            print(f"  {server.name} turn {k + 1}: TTFT {rows[-1]['ttft_s']:.2f} s, turn {rows[-1]['turn_s']:.2f} s, "
+                  f"cached prompt tokens {cached}", file=sys.stderr)
     finally:
         target.stop()
     # (--restart-after past the last turn: no restart; "warm" is then the last turn's)
@@ -192,15 +196,16 @@ def main() -> None:
     model = ["--model-id", args.model] if args.model else []
     pytgi_flags = " ".join([*model, args.pytgi_args]).strip()
     servers = []
+    usage = {"stream_options": {"include_usage": True}}  # each turn's cached prompt tokens
     if "ram" not in args.skip:
-        servers.append(Server("pytgi (RAM)", lambda: bpeers.PytgiTarget("openai", pytgi_flags, log_dir=work), {}))
+        servers.append(Server("pytgi (RAM)", lambda: bpeers.PytgiTarget("openai", pytgi_flags, log_dir=work), usage))
     if "disk" not in args.skip:
         flags = f"{pytgi_flags} --prefix-cache-dir {work / 'kv'}"
-        servers.append(Server("pytgi (RAM + disk)", lambda: bpeers.PytgiTarget("openai", flags, log_dir=work), {}))
+        servers.append(Server("pytgi (RAM + disk)", lambda: bpeers.PytgiTarget("openai", flags, log_dir=work), usage))
     if "int8" not in args.skip:
         flags8 = f"{pytgi_flags} --prefix-cache-dir {work / 'kv8'} --kv-cache-dtype int8"
         servers.append(
-            Server("pytgi (RAM + disk, int8 KV)", lambda: bpeers.PytgiTarget("openai", flags8, log_dir=work), {})
+            Server("pytgi (RAM + disk, int8 KV)", lambda: bpeers.PytgiTarget("openai", flags8, log_dir=work), usage)
         )
     if args.llama_server and "llama" not in args.skip:
         slots = work / "slots"
@@ -230,11 +235,16 @@ def main() -> None:
               f"{r['after_restart_ttft_s']} | {r['after_over_warm']} | {r['cold_over_after']} |")
     ok = [r for r in runs if "error" not in r]
     if ok:
-        print("\nTTFT per turn (s):\n")
+        print("\nTTFT per turn (s; the prompt tokens the cache served, where the server says):\n")
         print("| turn | " + " | ".join(r["server"] for r in ok) + " |")
         print("|---" * (len(ok) + 1) + "|")
+
+        def cell(row: dict) -> str:
+            cached = row.get("cached_tokens")
+            return str(row["ttft_s"]) + ("" if cached is None else f" ({cached})")
+
         for k in range(len(turns)):
-            print(f"| {k + 1} | " + " | ".join(str(r["turns"][k]["ttft_s"]) for r in ok) + " |")
+            print(f"| {k + 1} | " + " | ".join(cell(r["turns"][k]) for r in ok) + " |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"timestamp": utc_stamp(), "commit": git_commit(), "machine": machine_info(),
                                     "args": vars(args) | {"out": str(args.out)}, "runs": runs}, indent=2))

@@ -114,7 +114,8 @@ class Metrics:
         self.disk_blocks = Gauge(
             "pytgi_prefix_cache_disk_blocks_total",
             "KV blocks the disk tier wrote, read back, skipped writing (too many in flight), evicted "
-            "past its bound, dropped (a failed check), verified and found different when recomputed",
+            "past its bound, dropped (a failed check), verified and found different when recomputed; a "
+            "hybrid model's checkpoints' states written and read back (state_written, state_read)",
             ["op"],
             registry=r,
         )
@@ -203,6 +204,8 @@ class Metrics:
                 ("dropped", d.dropped_files),
                 ("verified", d.verified_blocks),
                 ("verify_mismatch", d.verify_mismatches),
+                ("state_written", d.written_states),
+                ("state_read", d.read_states),
             ):
                 self.disk_blocks.labels(op).set(n)
         self.spec_drafted.set(s.spec_drafted)

@@ -122,11 +122,13 @@ class EngineConfig:
     )
     prefix_cache_dir: str | None = setting(
         None,
-        "a directory for the prefix cache's disk tier: full KV blocks written behind, read back after "
-        "eviction or a restart (docs/prefix-cache.md)",
+        "a directory for the prefix cache's disk tier: full KV blocks (and a hybrid model's checkpoints "
+        "of its recurrent states) written behind, read back after eviction or a restart "
+        "(docs/prefix-cache.md)",
     )
     prefix_cache_disk_bytes: int = setting(
-        16 * 2**30, "the most the disk tier keeps in --prefix-cache-dir, the least recently used out"
+        16 * 2**30,
+        "the most the disk tier keeps in --prefix-cache-dir (blocks and states), the least recently used out",
     )
     prefix_cache_state_bytes: int | None = setting(
         None,

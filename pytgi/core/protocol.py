@@ -81,6 +81,8 @@ class DiskCacheStats(msgspec.Struct, array_like=True):
     dropped_files: int = 0  # failed a check: header, checksum, or a recomputed block's bits
     verified_blocks: int = 0  # restored blocks recomputed and found equal (--prefix-cache-verify-rate)
     verify_mismatches: int = 0
+    written_states: int = 0  # a hybrid model's checkpoints: their states' files
+    read_states: int = 0
 
 
 class EngineStats(msgspec.Struct, array_like=True):

@@ -176,7 +176,11 @@ class LLMEngine:
             self.images = ImageInputs(image_processor(model_path), config.mm_cache_size)
             self.info = msgspec.structs.replace(self.info, image_layout=self.images.layout)
         drafter = self._draft_model(config, model_path) if config.draft_model else None
-        self.disk = self._disk_tier(config, model_path) if config.prefix_cache_dir else None
+        self.disk = None
+        if config.prefix_cache_dir and self.info.enable_prefix_caching:
+            self.disk = self._disk_tier(config, model_path)
+        elif config.prefix_cache_dir:  # a recurrent model without checkpoints (`_with_states`)
+            log.warning("--prefix-cache-dir: off, as is the prefix cache (no state checkpoints)")
         self.scheduler = Scheduler(self.info, self.block_manager, drafter=drafter, disk=self.disk)
         self.num_failed_steps = 0
         self.adapters = AdapterRegistry(
@@ -243,7 +247,8 @@ class LLMEngine:
         )
 
     def _disk_tier(self, config: EngineConfig, model_path: Path) -> DiskTier:
-        """The prefix cache's disk tier, its files named by everything the KV bits depend on."""
+        """The prefix cache's disk tier, its files named by everything the KV bits (and a hybrid
+        model's states) depend on."""
         import torch
 
         model_files = files_stamp(model_path)
@@ -251,7 +256,8 @@ class LLMEngine:
         if parts.is_file():
             model_files += [s for p in json.loads(parts.read_text())["parts"] for s in files_stamp(Path(p))]
         runner = self.runner
-        caches = runner.paged.kv_caches
+        caches = runner.paged.attention_caches()  # (a hybrid's states are not KV blocks)
+        states = runner.paged.state_tensors() if self.block_manager.checkpointing else []
         fp = fingerprint(
             model=self.info.model_id,
             revision=config.revision,
@@ -263,6 +269,8 @@ class LLMEngine:
             batch_invariant=config.batch_invariant,
             device=runner.device.type,
             torch=torch.__version__,
+            states=[(tuple(t.shape[1:]), str(t.dtype)) for t in states],
+            state_grid=runner.state_grid if states else None,
         )
         assert config.prefix_cache_dir is not None
         return DiskTier(
@@ -272,6 +280,7 @@ class LLMEngine:
             self.block_manager,
             caches,
             config.prefix_cache_verify_rate,
+            states,
         )
 
     @property
@@ -507,18 +516,18 @@ def _with_states(
 ) -> tuple[EngineConfig, Callable[[], int], int]:
     """A model with recurrent layers (Qwen3-Next's and Qwen3.5's linear attention, the Mamba-2
     hybrids', LFM2's convolutions...): each running request holds a recurrent state beside its KV
-    blocks. The states cannot take back rejected drafts, so speculation and LoRA are refused, and the
-    disk tier keeps no states yet. --max-batch-size states are allocated (by default as many as a
-    quarter of the KV cache's memory holds, at most 256), then the prefix cache's checkpoints
-    (`--prefix-cache-state-bytes`, by default an eighth of that memory and at least one a running
-    request; only for models whose every
+    blocks. The states cannot take back rejected drafts, so speculation and LoRA are refused.
+    --max-batch-size states are allocated (by default as many as a quarter of the KV cache's memory
+    holds, at most 256), then the prefix cache's checkpoints (`--prefix-cache-state-bytes`, by default
+    an eighth of that memory and at least one a running request; only for models whose every
     recurrent kind declares the positions its states are exact at), and the KV cache gets what is
-    left. Returns the config, the KV cache's capacity and the checkpoints."""
+    left. With `--prefix-cache-dir` the disk tier keeps each checkpoint's states beside the block it
+    ends at, within the same byte bound (docs/prefix-cache.md); where there are no checkpoints, the
+    disk tier is off too. Returns the config, the KV cache's capacity and the checkpoints."""
     asked = [
         flag
         for flag, on in (
             ("--speculate / --draft-model-id", config.draft_tokens > 0),
-            ("--prefix-cache-dir", bool(config.prefix_cache_dir)),
             ("--lora-adapters", bool(config.lora_adapters)),
         )
         if on
@@ -526,7 +535,7 @@ def _with_states(
     if asked:
         raise ConfigError(
             f"{', '.join(asked)}: not with a model with recurrent layers (linear attention, Mamba-2...), "
-            "whose states cannot be rolled back, adapted or kept on disk (docs/models.md)"
+            "whose states cannot be rolled back or adapted (docs/models.md)"
         )
     state, per_token = runner.state_bytes, runner.paged.kv_bytes_per_token()
     if not per_token:  # no attention layer (Mamba): the states take the whole budget, no checkpoints

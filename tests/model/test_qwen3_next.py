@@ -144,8 +144,12 @@ def test_the_engine_says_what_it_turns_off(qwen3_next, tmp_path):
         engine.shutdown()
     with pytest.raises(ConfigError, match="--speculate"):
         _engine(path, dtype="float32", speculate=2)
-    with pytest.raises(ConfigError, match="--prefix-cache-dir"):
-        _engine(path, dtype="float32", prefix_cache_dir=str(tmp_path / "kv"))
+    engine = _engine(path, dtype="float32", prefix_cache_dir=str(tmp_path / "kv"))
+    try:  # the disk tier keeps the checkpoints' states too (tests/model/test_hybrid_prefix_disk.py)
+        assert engine.disk is not None and engine.disk.state_pool is not None
+        assert engine.disk.state_pool.nbytes == engine.runner.state_bytes
+    finally:
+        engine.shutdown()
 
 
 @pytest.mark.parametrize("length", [1, 5, 64, 150])

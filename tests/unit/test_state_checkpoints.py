@@ -137,3 +137,21 @@ def test_a_failed_step_drops_the_checkpoints_it_was_saving():
     assert out.state_copies == [(a.state_slot, 4)]
     sched.fail(out, "boom")
     assert not bm.checkpoints and sorted(bm.free_checkpoints) == [4, 5]
+
+
+def test_a_row_for_states_from_disk_is_never_one_a_copy_or_an_admission_uses():
+    """`spare_checkpoint_row` (the disk tier reads states into it, on its thread): a free row, else the
+    least recently used checkpoint's; never a row a queued copy reads or writes (the copy would race
+    the read, or overwrite it at the next forward), nor the checkpoint after a block a request being
+    admitted claims (its restore reads that row)."""
+    bm = BlockManager(24, BS, True, state_slots=2, checkpoint_slots=3, state_grid=64)
+    bm.state_copies = [(0, 4)]  # a save into row 4 (freed since: its block was evicted)
+    bm.free_checkpoints = [3, 4]  # popped from the end: 4 would be next
+    assert bm.spare_checkpoint_row(set()) == 3 and bm.free_checkpoints == [4]
+    bm.free_checkpoints = []
+    bm.checkpoints.update({11: 4, 12: 2, 13: 3})  # least recently used first
+    assert bm.spare_checkpoint_row({12}) == 3  # 4 is copied into, 12 kept
+    assert list(bm.checkpoints) == [11, 12]
+    assert bm.spare_checkpoint_row({12}) is None
+    bm.take_state_copies()
+    assert bm.spare_checkpoint_row(set()) == 4 and list(bm.checkpoints) == [12]

@@ -181,17 +181,31 @@ class PagedModel:
             # Falcon-H1's layers attend and keep a Mamba-2 state both: keys, values, then the states
             self.kv_caches.append((k, v, *states))
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every recurrent layer's state tensors, in layer order, each [slots, *spec.shape]: a state is
+        row `slot` of each. A layer that attends too (Falcon-H1) keeps its keys and values first: its
+        states are its cache's last entries, one a `StateSpec`."""
+        tensors: list[torch.Tensor] = []
+        for layer, cache in zip(self.model.layers, self.kv_caches):
+            if (mixer := getattr(layer, "linear_attn", None)) is not None:
+                tensors += cache[len(cache) - len(mixer.state_specs()) :]
+        return tensors
+
+    def attention_caches(self) -> list[tuple[torch.Tensor, ...]]:
+        """The attention layers' (keys, values), a layer reading another's cache (Gemma 4) included:
+        the KV blocks, without a hybrid's states."""
+        return [
+            cache[:2]
+            for layer, cache in zip(self.model.layers, self.kv_caches)
+            if getattr(layer, "self_attn", None) is not None
+        ]
+
     @torch.inference_mode()
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy recurrent states between pool rows, (source, destination) in order: a state is row
-        `slot` of every tensor of every recurrent layer (the prefix cache's checkpoints, saved and
-        restored)."""
-        tensors = [
-            t
-            for layer, cache in zip(self.model.layers, self.kv_caches)
-            if getattr(layer, "linear_attn", None) is not None
-            for t in cache
-        ]
+        `slot` of every state tensor of every recurrent layer (the prefix cache's checkpoints, saved
+        and restored)."""
+        tensors = self.state_tensors()
         for src, dst in copies:
             for t in tensors:
                 t[dst].copy_(t[src])

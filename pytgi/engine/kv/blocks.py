@@ -212,24 +212,41 @@ class BlockManager:
         if num_new_tokens == 1 or start % self.state_grid:
             req.state_on_grid = False
 
-    def checkpoint(self, req: Request) -> None:
+    def checkpoint(self, req: Request) -> int | None:
         """After a step (its full blocks registered): keep the request's state if the step ended on a
-        checkpoint boundary and the state is exact there."""
+        checkpoint boundary and the state is exact there. The hash of the block it ends at when it
+        did (the state is in the request's row until the next step: the disk tier's copy)."""
         end = req.num_computed_tokens
         if not (self.checkpointing and req.state_on_grid) or end % self.checkpoint_stride:
-            return
+            return None
         h = self.chain_hashes(req, end // self.block_size)[-1]
         if h not in self.hash_to_block:
-            return
+            return None
         if h in self.checkpoints:  # another request kept this prefix's state already
             self.checkpoints.move_to_end(h)
-            return
+            return h
         if self.free_checkpoints:
             slot = self.free_checkpoints.pop()
         else:  # the least recently used checkpoint gives way
             _, slot = self.checkpoints.popitem(last=False)
         self.checkpoints[h] = slot
         self.state_copies.append((req.state_slot, slot))
+        return h
+
+    def spare_checkpoint_row(self, keep: Collection[int]) -> int | None:
+        """A checkpoint row for states read from disk, taken out of the books until the read is done:
+        a free one, else the least recently used checkpoint's. Never a row a queued copy reads or
+        writes, nor the checkpoint after a block hash in `keep` (requests being admitted restore from
+        those); None if every row is such."""
+        busy = {row for copy in self.state_copies for row in copy}
+        for i in range(len(self.free_checkpoints) - 1, -1, -1):
+            if self.free_checkpoints[i] not in busy:
+                return self.free_checkpoints.pop(i)
+        for h, row in self.checkpoints.items():
+            if row not in busy and h not in keep:
+                del self.checkpoints[h]
+                return row
+        return None
 
     def take_state_copies(self) -> list[tuple[int, int]]:
         copies, self.state_copies = self.state_copies, []

@@ -23,9 +23,18 @@ step never waits for a disk:
   file's (the CPU's kernels are batch invariant, so they must be equal); a mismatch drops the file.
 - **Bounds.** `--prefix-cache-disk-bytes`: the least recently used files are deleted past it (a read
   refreshes a file's time, so the order survives a restart).
+- **Recurrent states.** A hybrid model's checkpoint (`BlockManager.checkpoint`: the states after a
+  block, in a pool row) is written behind too, when it is taken: its request's row is copied out at
+  the step's end with the blocks, to `<hash>.state` beside the block file of the hash it ends at
+  (written only where that block's file is or goes). It shares its block's place in the books: its
+  bytes count with the block's, and it is deleted with it. A read resumes at the longest run of the
+  request's blocks, each in the pool or in a file, that ends at a block with states in RAM or on
+  disk: the states read go into a checkpoint row (`BlockManager.spare_checkpoint_row`), named a
+  checkpoint once the blocks before them are read.
 
 One engine process per directory and model; replicas may share one (each keeps its own view of the
-bound). Tensor-parallel ranks each hold a part of a block's KV: the tier runs on one rank only.
+bound). Tensor-parallel ranks each hold a part of a block's KV (and of a state): the tier runs on one
+rank only, and is refused with several.
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ MAGIC = b"PYTGI-KV"
 # magic, format, fingerprint (16 bytes), block hash (16 bytes), payload bytes, payload CRC-32
 HEADER = struct.Struct("<8sI16s16sQI")
 SUFFIX = ".kv"
+STATE_SUFFIX = ".state"  # a hybrid model's recurrent states after the block of the same hash
+MAGICS = {SUFFIX: MAGIC, STATE_SUFFIX: b"PYTGI-ST"}
 WRITE_QUEUE_BYTES = 1 << 30  # copies of blocks waiting for the writer, at most
 
 
@@ -97,13 +108,13 @@ class DiskStore:
         except OSError as exc:
             raise ConfigError(f"--prefix-cache-dir {root}: cannot write there ({exc})") from exc
 
-    def path(self, h: int) -> Path:
+    def path(self, h: int, suffix: str = SUFFIX) -> Path:
         name = h.to_bytes(16, "little").hex()
-        return self.dir / name[:2] / (name + SUFFIX)
+        return self.dir / name[:2] / (name + suffix)
 
-    def scan(self) -> list[tuple[int, int]]:
-        """(hash, bytes) of the files here, least recently used first; temporary files left by a
-        crash are deleted."""
+    def scan(self) -> list[tuple[int, int, str]]:
+        """(hash, bytes, suffix) of the files here, least recently used first; temporary files left by
+        a crash are deleted."""
         found = []
         for sub in self.dir.iterdir():
             if not sub.is_dir():
@@ -113,22 +124,24 @@ class DiskStore:
                     if time.time() - entry.stat().st_mtime > 600:  # not a write in progress
                         Path(entry.path).unlink(missing_ok=True)
                     continue
-                if not entry.name.endswith(SUFFIX):
+                name, suffix = os.path.splitext(entry.name)
+                if suffix not in MAGICS:
                     continue
                 try:
-                    h = int.from_bytes(bytes.fromhex(entry.name[: -len(SUFFIX)]), "little")
+                    h = int.from_bytes(bytes.fromhex(name), "little")
                     st = entry.stat()
                 except (ValueError, OSError):
                     continue
-                found.append((st.st_mtime_ns, h, st.st_size))
-        return [(h, size) for _, h, size in sorted(found)]
+                found.append((st.st_mtime_ns, h, st.st_size, suffix))
+        return [(h, size, suffix) for _, h, size, suffix in sorted(found)]
 
-    def write(self, h: int, payload: memoryview) -> int:
-        """Write one block's file (atomically: a temporary file renamed); its size."""
-        path = self.path(h)
+    def write(self, h: int, payload: memoryview, suffix: str = SUFFIX) -> int:
+        """Write one block's file, or the states after it (atomically: a temporary file renamed); its
+        size."""
+        path = self.path(h, suffix)
         path.parent.mkdir(exist_ok=True)
         hb = h.to_bytes(16, "little")
-        header = HEADER.pack(MAGIC, FORMAT, self.fp, hb, payload.nbytes, zlib.crc32(payload))
+        header = HEADER.pack(MAGICS[suffix], FORMAT, self.fp, hb, payload.nbytes, zlib.crc32(payload))
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         with open(tmp, "wb") as f:
             f.write(header)
@@ -136,9 +149,9 @@ class DiskStore:
         os.replace(tmp, path)
         return HEADER.size + payload.nbytes
 
-    def read(self, h: int, nbytes: int) -> bytearray:
-        """One block's payload of `nbytes`, checked (`BadFile` if any check fails)."""
-        path = self.path(h)
+    def read(self, h: int, nbytes: int, suffix: str = SUFFIX) -> bytearray:
+        """One block's payload (or its states') of `nbytes`, checked (`BadFile` if any check fails)."""
+        path = self.path(h, suffix)
         buf = bytearray(HEADER.size + nbytes)
         try:
             with open(path, "rb") as f:
@@ -149,7 +162,7 @@ class DiskStore:
         if got != len(buf) or extra:
             raise BadFile(f"{got} bytes, expected {len(buf)}")
         magic, fmt, fp, hb, length, crc = HEADER.unpack_from(buf)
-        if magic != MAGIC or fmt != FORMAT or length != nbytes:
+        if magic != MAGICS[suffix] or fmt != FORMAT or length != nbytes:
             raise BadFile("not this format")
         if fp != self.fp or hb != h.to_bytes(16, "little"):
             raise BadFile("another model's or another block's")
@@ -163,20 +176,17 @@ class DiskStore:
         with contextlib.suppress(OSError):
             os.utime(self.path(h))
 
-    def delete(self, h: int) -> None:
-        self.path(h).unlink(missing_ok=True)
+    def delete(self, h: int, suffixes: Sequence[str] = (SUFFIX, STATE_SUFFIX)) -> None:
+        for suffix in suffixes:
+            self.path(h, suffix).unlink(missing_ok=True)
 
 
-class PoolBlocks:
-    """Copies whole blocks between the KV pool (one K and one V tensor per layer, `block_size` slots a
-    block) and CPU tensors of shape (blocks, bytes): a block's bytes in each tensor, one tensor after
-    another in layer order. Each tensor once: a layer reading another layer's cache (Gemma 4) adds
-    none, and the layers' heads may differ; a value cache without columns (MLA's: its values are its
-    keys' rows) holds nothing to copy."""
+class PoolRows:
+    """Copies rows between pool tensors (each indexed by row on its first axis) and CPU tensors of
+    shape (rows, bytes): a row's bytes in each tensor, one tensor after another."""
 
-    def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, ...]], block_size: int) -> None:
-        distinct = {t.data_ptr(): t for kv in kv_caches for t in kv if t.numel()}
-        self.tensors = [t.view(-1, block_size, *t.shape[1:]) for t in distinct.values()]
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
         self.sizes = [t[0].nbytes for t in self.tensors]
         self.device = self.tensors[0].device
         self.nbytes = sum(self.sizes)
@@ -199,32 +209,61 @@ class PoolBlocks:
         return torch.frombuffer(buf, dtype=torch.uint8, offset=HEADER.size)
 
 
+def pool_blocks(kv_caches: Sequence[tuple[torch.Tensor, ...]], block_size: int) -> PoolRows:
+    """The KV pool's whole blocks as rows (one K and one V tensor per layer, `block_size` slots a
+    block). Each tensor once: a layer reading another layer's cache (Gemma 4) adds none, and the
+    layers' heads may differ; a value cache without columns (MLA's: its values are its keys' rows)
+    holds nothing to copy."""
+    distinct = {t.data_ptr(): t for kv in kv_caches for t in kv if t.numel()}
+    return PoolRows([t.view(-1, block_size, *t.shape[1:]) for t in distinct.values()])
+
+
 @dataclass(eq=False)
 class _Read:
-    """One request's read: the blocks it took, the files' hashes, the last file kept aside to check."""
+    """One request's read: the blocks it took, the files' hashes, the last file kept aside to check;
+    a hybrid's: the states after its last block (their hash and the checkpoint row they go to), and
+    the cached blocks among its blocks, held while it reads."""
 
     request: Request
     blocks: list[int]
     hashes: list[int]
     check: int | None = None  # the hash of a file to compare with its block once recomputed
+    state: tuple[int, int] | None = None  # (hash, checkpoint row) of the states to read
+    held: list[int] = field(default_factory=list)
     ok: list[bool] = field(default_factory=list)
+    state_ok: bool = False
     check_data: torch.Tensor | None = None
     bad: list[tuple[int, str]] = field(default_factory=list)
+    bad_state: str = ""
 
 
 @dataclass(eq=False)
 class _Write:
     hashes: list[int]
-    data: torch.Tensor  # the blocks' copies, in the pool's layout
+    data: torch.Tensor | None  # the blocks' copies, in the pool's layout
     sizes: list[int] = field(default_factory=list)  # 0: not written
     error: str | None = None
+    state_hashes: list[int] = field(default_factory=list)  # a hybrid's checkpoints
+    state_data: torch.Tensor | None = None  # their states' copies
+    state_sizes: list[int] = field(default_factory=list)
 
 
-# a thread's jobs: a read, a write, a file to delete (its hash), a barrier to set, None to stop
-_Job = _Read | _Write | int | threading.Event | None
+@dataclass(frozen=True, slots=True)
+class _Delete:
+    """A file to delete: a block's (and the states after it), or only the states."""
+
+    hash: int
+    suffixes: tuple[str, ...] = (SUFFIX, STATE_SUFFIX)
+
+
+# a thread's jobs: a read, a write, a deletion, a barrier to set, None to stop
+_Job = _Read | _Write | _Delete | threading.Event | None
 
 
 class DiskTier:
+    """`states`: a hybrid model's recurrent state tensors (`PagedModel.state_tensors`), whose rows
+    at a checkpoint are written beside the block the checkpoint ends at (docs/prefix-cache.md)."""
+
     def __init__(
         self,
         root: str | Path,
@@ -233,21 +272,38 @@ class DiskTier:
         block_manager: BlockManager,
         kv_caches: Sequence[tuple[torch.Tensor, ...]],
         verify_rate: float = 0.0,
+        states: Sequence[torch.Tensor] = (),
     ) -> None:
         self.store = DiskStore(Path(root), fp)
         self.bm = block_manager
-        self.pool = PoolBlocks(kv_caches, block_manager.block_size)
+        self.pool = pool_blocks(kv_caches, block_manager.block_size)
+        self.state_pool = PoolRows(states) if states else None
         self.max_bytes = max_bytes
         self.verify_rate = verify_rate
         self.rng = random.Random(0)
-        self.files: OrderedDict[int, int] = OrderedDict()  # hash → bytes, least recently used first
+        # hash → bytes of its block's file and of the states after it, least recently used first
+        self.files: OrderedDict[int, int] = OrderedDict()
+        self.state_files: dict[int, int] = {}  # hash → bytes of the states' file (its block's is in files)
         self.bytes = 0
-        for h, size in self.store.scan():
-            self.files[h] = size
-            self.bytes += size
+        state_files = []
+        for h, size, suffix in self.store.scan():
+            if suffix == SUFFIX:
+                self.files[h] = size
+                self.bytes += size
+            else:
+                state_files.append((h, size))
+        for h, size in state_files:  # in the books with their block, in its place in the order
+            if self.state_pool is not None and h in self.files:
+                self.files[h] += size
+                self.state_files[h] = size
+                self.bytes += size
+            else:  # states without their block, or a model whose states this is not
+                self.store.delete(h, (STATE_SUFFIX,))
         self.writing: set[int] = set()  # hashes being written
+        self.writing_states: set[int] = set()
         self.queued_bytes = 0  # of the copies waiting for the writer
         self.to_write: list[tuple[int, int]] = []  # this step's new (block, hash), copied by `submit`
+        self.states_to_write: list[tuple[int, int]] = []  # this step's checkpoints: (state row, hash)
         self.checks: OrderedDict[int, torch.Tensor] = OrderedDict()  # hash → a file's block to compare
         self.loaded: list[int] = []  # blocks read this step, held until the admissions are planned
         self.stats = P.DiskCacheStats()
@@ -266,9 +322,10 @@ class DiskTier:
             t.start()
         self._evict()
         log.info(
-            "prefix cache on disk: %s, %d blocks (%.2f GiB of %.2f GiB)",
+            "prefix cache on disk: %s, %d blocks, %d with states (%.2f GiB of %.2f GiB)",
             self.store.dir,
             len(self.files),
+            len(self.state_files),
             self.bytes / 2**30,
             max_bytes / 2**30,
         )
@@ -280,6 +337,8 @@ class DiskTier:
         (`req.disk`) until `poll` has them."""
         req.disk = "done"
         last = (req.num_tokens - 1) // self.bm.block_size  # a token is left to compute
+        if self.state_pool is not None:
+            return self._start_state_read(req, num_cached, free, keep, last)
         hashes = []
         for h in self.bm.chain_hashes(req, last)[num_cached:]:
             if h not in self.files:
@@ -300,6 +359,59 @@ class DiskTier:
         self._jobs["read"].put(_Read(req, blocks, hashes, check))
         return len(blocks)
 
+    def _start_state_read(
+        self, req: Request, num_cached: int, free: int, keep: Collection[int], last: int
+    ) -> int:
+        """A hybrid's read: its prefix resumes only where the states after it are known. The longest
+        run of its blocks past its `num_cached` (which end at a checkpoint in RAM), each cached in RAM
+        or on disk, up to the last one with a checkpoint in RAM or states on disk: the blocks on disk
+        alone are read into free blocks, the states (if on disk alone) into a checkpoint row, and the
+        cached blocks among them are held meanwhile. (No checked reads: a block recomputed in place of
+        its file would need the states before it, which a checkpoint is not kept for.)"""
+        bm = self.bm
+        chain = bm.chain_hashes(req, last)
+        ends = []  # where the run could end: a block with states after it
+        for i in range(num_cached, len(chain)):
+            h = chain[i]
+            if h not in bm.hash_to_block and h not in self.files:
+                break
+            if h in bm.checkpoints or h in self.state_files:
+                ends.append(i + 1)
+        for end in reversed(ends):  # the longest run whose reads fit in the free blocks
+            run = chain[num_cached:end]
+            held = [bm.hash_to_block[h] for h in run if h in bm.hash_to_block]
+            hashes = [h for h in run if h not in bm.hash_to_block]
+            taken = len(hashes) + sum(1 for b in held if bm.ref_counts[b] == 0)
+            if taken <= free:
+                break
+        else:
+            return 0
+        row = None
+        if chain[end - 1] not in bm.checkpoints:
+            kept = {bh for b in keep if (bh := bm.block_hash[b]) is not None}
+            row = bm.spare_checkpoint_row(kept)
+            if row is None:  # every row is in use now: the request computes its prefix
+                return 0
+        elif not hashes:
+            return 0  # (the RAM prefix ends at its checkpoint already)
+        for block in held:  # before taking free blocks: those must not be these
+            bm.hold(block)
+        blocks = bm.take_free(len(hashes), keep)
+        if len(blocks) < len(hashes):  # (cannot happen: `free` counts them)
+            for block in held + blocks:
+                bm.release(block)
+            if row is not None:
+                bm.free_checkpoints.append(row)
+            return 0
+        for h in reversed(run):  # a chain's head used last: the tail is evicted first
+            if h in self.files:
+                self.files.move_to_end(h)
+        state = None if row is None else (chain[end - 1], row)
+        req.disk = "reading"
+        self.reads += 1
+        self._jobs["read"].put(_Read(req, blocks, hashes, state=state, held=held))
+        return taken
+
     def offer(self, added: Sequence[tuple[int, int]]) -> None:
         """Blocks the prefix cache named now: written behind unless on disk (checked first if a read
         kept their file aside)."""
@@ -316,12 +428,36 @@ class DiskTier:
             self.queued_bytes += self.pool.nbytes
             self.to_write.append((block, h))
 
+    def offer_state(self, row: int, h: int) -> None:
+        """A hybrid's checkpoint taken now, its states in pool row `row` until the next step: written
+        behind beside the block of hash `h` (after its block's file: states alone are no use)."""
+        if self.state_pool is None or h in self.state_files or h in self.writing_states:
+            return
+        if h not in self.files and h not in self.writing:
+            return  # its block is not on disk (nor going)
+        if self.queued_bytes >= WRITE_QUEUE_BYTES:
+            self.stats.write_skipped += 1
+            return
+        self.writing_states.add(h)
+        self.queued_bytes += self.state_pool.nbytes
+        self.states_to_write.append((row, h))
+
     def submit(self) -> None:
-        """Copy this step's new blocks out of the pool for the writer (before a step may reuse them)."""
+        """Copy this step's new blocks and states out of the pool for the writer (before a step may
+        reuse them)."""
+        if not (self.to_write or self.states_to_write):
+            return
+        job = _Write([], None)
         if self.to_write:
             blocks, hashes = zip(*self.to_write, strict=True)
-            self._jobs["write"].put(_Write(list(hashes), self.pool.gather(blocks)))
+            job.hashes, job.data = list(hashes), self.pool.gather(blocks)
             self.to_write = []
+        if self.states_to_write:
+            assert self.state_pool is not None
+            rows, hashes = zip(*self.states_to_write, strict=True)
+            job.state_hashes, job.state_data = list(hashes), self.state_pool.gather(rows)
+            self.states_to_write = []
+        self._jobs["write"].put(job)
 
     def poll(self) -> None:
         """Take the finished reads and writes: reads' blocks named in the prefix cache (held until
@@ -373,9 +509,21 @@ class DiskTier:
             else:
                 self.bm.release(block)  # its file failed, or a computed block has its hash now
             good += ok
+        self.loaded += job.held  # (their holds dropped with the blocks read)
         for h, why in job.bad:
             self._drop(h, why)
         self.stats.read_blocks += good
+        if job.state is not None:
+            h, row = job.state
+            if job.bad_state:
+                self._drop_state(h, job.bad_state)
+            bm = self.bm
+            # a checkpoint lives while its block is cached (`BlockManager._forget`)
+            if job.state_ok and h in bm.hash_to_block and h not in bm.checkpoints:
+                bm.checkpoints[h] = row
+                self.stats.read_states += 1
+            else:
+                bm.free_checkpoints.append(row)
         if job.check is not None and job.check_data is not None:
             self.checks[job.check] = job.check_data
             while len(self.checks) > 64:  # checks whose requests went away
@@ -392,6 +540,21 @@ class DiskTier:
                 self.files[h] = size
                 self.bytes += size
                 self.stats.written_blocks += 1
+        if job.state_hashes:
+            assert self.state_pool is not None
+            self.queued_bytes -= len(job.state_hashes) * self.state_pool.nbytes
+            sizes = job.state_sizes or [0] * len(job.state_hashes)
+            for h, size in zip(job.state_hashes, sizes, strict=True):
+                self.writing_states.discard(h)
+                if not size:
+                    continue
+                if h in self.files and h not in self.state_files:
+                    self.files[h] += size
+                    self.state_files[h] = size
+                    self.bytes += size
+                    self.stats.written_states += 1
+                else:  # its block's file went (evicted, dropped) while the states were written
+                    self._jobs["write"].put(_Delete(h, (STATE_SUFFIX,)))
         if job.error:
             self.stats.write_errors += 1
             log.warning("prefix cache: writing %d blocks failed: %s", len(job.hashes), job.error)
@@ -409,22 +572,34 @@ class DiskTier:
         size = self.files.pop(h, None)
         if size is not None:
             self.bytes -= size
-        self._jobs["write"].put(h)
+        self.state_files.pop(h, None)
+        self._jobs["write"].put(_Delete(h))
+
+    def _drop_state(self, h: int, why: str) -> None:
+        """A states' file that failed a check: deleted, its block's file kept."""
+        log.warning("prefix cache: dropping %s: %s", self.store.path(h, STATE_SUFFIX).name, why)
+        self.stats.dropped_files += 1
+        size = self.state_files.pop(h, None)
+        if size is not None:
+            self.files[h] -= size
+            self.bytes -= size
+        self._jobs["write"].put(_Delete(h, (STATE_SUFFIX,)))
 
     def _evict(self) -> None:
         while self.bytes > self.max_bytes and self.files:
-            h, size = self.files.popitem(last=False)
+            h, size = self.files.popitem(last=False)  # a block goes with the states after it
+            self.state_files.pop(h, None)
             self.bytes -= size
             self.stats.evicted_files += 1
-            self._jobs["write"].put(h)  # deleted by the writer thread, in order with the writes
+            self._jobs["write"].put(_Delete(h))  # by the writer thread, in order with the writes
         self.stats.bytes, self.stats.files = self.bytes, len(self.files)
 
     # -- the I/O threads ----------------------------------------------------------------------------
     def _serve(self, jobs: queue.Queue[_Job]) -> None:
         while (job := jobs.get()) is not None:
-            if isinstance(job, int):
+            if isinstance(job, _Delete):
                 with contextlib.suppress(OSError):
-                    self.store.delete(job)
+                    self.store.delete(job.hash, job.suffixes)
                 continue
             if isinstance(job, threading.Event):
                 job.set()
@@ -437,9 +612,9 @@ class DiskTier:
             except Exception as exc:  # never lose a job's answer: its holds must be dropped
                 log.exception("prefix cache I/O failed")
                 if isinstance(job, _Write):
-                    job.error, job.sizes = f"{type(exc).__name__}: {exc}", []
+                    job.error, job.sizes, job.state_sizes = f"{type(exc).__name__}: {exc}", [], []
                 else:
-                    job.ok = [False] * len(job.blocks)
+                    job.ok, job.state_ok = [False] * len(job.blocks), False
             self._done.put(job)
             self._finished.set()
 
@@ -447,12 +622,25 @@ class DiskTier:
         data = job.data
         sizes = [0] * len(job.hashes)
         for i in reversed(range(len(job.hashes))):  # a chain's tail first: its head is the newest file
+            assert data is not None
             try:
                 sizes[i] = self.store.write(job.hashes[i], self.pool.as_bytes(data[i]))
             except OSError as exc:  # a full disk: the rest is not written either
                 job.error = f"{type(exc).__name__}: {exc}"
                 break
         job.sizes = sizes
+        job.state_sizes = [0] * len(job.state_hashes)
+        if job.error or job.state_data is None:
+            return
+        assert self.state_pool is not None
+        for i, h in enumerate(job.state_hashes):
+            try:
+                job.state_sizes[i] = self.store.write(
+                    h, self.state_pool.as_bytes(job.state_data[i]), STATE_SUFFIX
+                )
+            except OSError as exc:
+                job.error = f"{type(exc).__name__}: {exc}"
+                break
 
     def _do_read(self, job: _Read) -> None:
         nbytes = self.pool.nbytes
@@ -471,6 +659,16 @@ class DiskTier:
             self.pool.scatter(blocks, torch.stack(parts))
         for h in reversed(job.hashes[: len(parts)]):  # used now, the chain's head last (for a restart)
             self.store.touch(h)
+        if job.state is not None and len(parts) == len(job.blocks):  # states after a whole chain
+            h, row = job.state
+            assert self.state_pool is not None
+            try:
+                buf = self.store.read(h, self.state_pool.nbytes, STATE_SUFFIX)
+            except BadFile as exc:
+                job.bad_state = str(exc)
+            else:
+                self.state_pool.scatter([row], self.state_pool.from_bytes(buf)[None])
+                job.state_ok = True
         if job.check is not None and len(parts) == len(job.blocks):
             try:
                 job.check_data = self.pool.from_bytes(self.store.read(job.check, nbytes))

@@ -277,7 +277,9 @@ class Scheduler:
                 self.block_manager.state_step(req, s.num_new_tokens)
             self._cache_full_blocks(req)
             if self.block_manager.has_states:
-                self.block_manager.checkpoint(req)
+                h = self.block_manager.checkpoint(req)
+                if h is not None and self.disk is not None:
+                    self.disk.offer_state(req.state_slot, h)  # written behind beside its block
             if (pooled := out.pooled.get(req.request_id)) is not None:
                 self.finish(req)
                 updates.append(pooled)
