@@ -507,8 +507,8 @@ def _with_states(
 ) -> tuple[EngineConfig, Callable[[], int], int]:
     """A model with recurrent layers (Qwen3-Next's and Qwen3.5's linear attention, the Mamba-2
     hybrids', LFM2's convolutions...): each running request holds a recurrent state beside its KV
-    blocks. The states cannot take back rejected drafts, so speculation and LoRA are refused, and the
-    disk tier keeps no states yet. --max-batch-size states are allocated (by default as many as a
+    blocks. The states cannot take back rejected drafts, so speculation is refused, and the disk tier
+    keeps no states yet. --max-batch-size states are allocated (by default as many as a
     quarter of the KV cache's memory holds, at most 256), then the prefix cache's checkpoints
     (`--prefix-cache-state-bytes`, by default an eighth of that memory and at least one a running
     request; only for models whose every
@@ -519,14 +519,13 @@ def _with_states(
         for flag, on in (
             ("--speculate / --draft-model-id", config.draft_tokens > 0),
             ("--prefix-cache-dir", bool(config.prefix_cache_dir)),
-            ("--lora-adapters", bool(config.lora_adapters)),
         )
         if on
     ]
     if asked:
         raise ConfigError(
             f"{', '.join(asked)}: not with a model with recurrent layers (linear attention, Mamba-2...), "
-            "whose states cannot be rolled back, adapted or kept on disk (docs/models.md)"
+            "whose states cannot be rolled back or kept on disk (docs/models.md)"
         )
     state, per_token = runner.state_bytes, runner.paged.kv_bytes_per_token()
     if not per_token:  # no attention layer (Mamba): the states take the whole budget, no checkpoints
