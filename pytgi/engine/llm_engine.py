@@ -514,18 +514,17 @@ def _with_states(
     request; only for models whose every
     recurrent kind declares the positions its states are exact at), and the KV cache gets what is
     left. Returns the config, the KV cache's capacity and the checkpoints."""
-    asked = [
-        flag
-        for flag, on in (
-            ("--speculate / --draft-model-id", config.draft_tokens > 0),
-            ("--prefix-cache-dir", bool(config.prefix_cache_dir)),
-        )
-        if on
-    ]
-    if asked:
+    if config.draft_tokens > 0:
         raise ConfigError(
-            f"{', '.join(asked)}: not with a model with recurrent layers (linear attention, Mamba-2...), "
-            "whose states cannot be rolled back or kept on disk (docs/models.md)"
+            "--speculate / --draft-model-id: not with a model with recurrent layers (linear attention, "
+            "Mamba, short convolutions): a verify step advances each request's state through all of its "
+            "draft tokens in place, and a state keeps no positions to drop the rejected ones from, as the "
+            'KV cache does (docs/models.md, "Speculation on hybrids")'
+        )
+    if config.prefix_cache_dir:
+        raise ConfigError(
+            "--prefix-cache-dir: not with a model with recurrent layers (linear attention, Mamba-2...), "
+            "whose states cannot be kept on disk (docs/models.md)"
         )
     state, per_token = runner.state_bytes, runner.paged.kv_bytes_per_token()
     if not per_token:  # no attention layer (Mamba): the states take the whole budget, no checkpoints
