@@ -516,7 +516,7 @@ def _with_states(
 ) -> tuple[EngineConfig, Callable[[], int], int]:
     """A model with recurrent layers (Qwen3-Next's and Qwen3.5's linear attention, the Mamba-2
     hybrids', LFM2's convolutions...): each running request holds a recurrent state beside its KV
-    blocks. The states cannot take back rejected drafts, so speculation and LoRA are refused.
+    blocks. The states cannot take back rejected drafts, so speculation is refused.
     --max-batch-size states are allocated (by default as many as a quarter of the KV cache's memory
     holds, at most 256), then the prefix cache's checkpoints (`--prefix-cache-state-bytes`, by default
     an eighth of that memory and at least one a running request; only for models whose every
@@ -524,18 +524,12 @@ def _with_states(
     left. With `--prefix-cache-dir` the disk tier keeps each checkpoint's states beside the block it
     ends at, within the same byte bound (docs/prefix-cache.md); where there are no checkpoints, the
     disk tier is off too. Returns the config, the KV cache's capacity and the checkpoints."""
-    asked = [
-        flag
-        for flag, on in (
-            ("--speculate / --draft-model-id", config.draft_tokens > 0),
-            ("--lora-adapters", bool(config.lora_adapters)),
-        )
-        if on
-    ]
-    if asked:
+    if config.draft_tokens > 0:
         raise ConfigError(
-            f"{', '.join(asked)}: not with a model with recurrent layers (linear attention, Mamba-2...), "
-            "whose states cannot be rolled back or adapted (docs/models.md)"
+            "--speculate / --draft-model-id: not with a model with recurrent layers (linear attention, "
+            "Mamba, short convolutions): a verify step advances each request's state through all of its "
+            "draft tokens in place, and a state keeps no positions to drop the rejected ones from, as the "
+            'KV cache does (docs/models.md, "Speculation on hybrids")'
         )
     state, per_token = runner.state_bytes, runner.paged.kv_bytes_per_token()
     if not per_token:  # no attention layer (Mamba): the states take the whole budget, no checkpoints

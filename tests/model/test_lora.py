@@ -73,11 +73,15 @@ def tiny(request, tmp_path_factory):
     return path, adapters
 
 
-def reference(base_dir, adapter_dir, prompts):
-    """transformers (+ peft) greedy continuations, one prompt at a time."""
+def reference(base_dir, adapter_dir, prompts, merged: bool = False):
+    """transformers (+ peft) greedy continuations, one prompt at a time. `merged`: the adapter merged
+    into the weights (W + scaling·BA), for a model whose code reads a targeted weight itself (Jamba's
+    dt_proj) and so would skip peft's unmerged product."""
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_copy(base_dir), dtype=torch.float32)
     if adapter_dir is not None:
         model = peft.PeftModel.from_pretrained(model, adapter_dir)
+        if merged:
+            model = model.merge_and_unload()
     model.eval()
     out = []
     for p in prompts:

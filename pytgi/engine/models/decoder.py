@@ -70,6 +70,7 @@ from pytgi.engine.models.layers import (
     merged_shards,
     qkv_shards,
     rotate_half_rows,
+    scaled_rows,
 )
 from pytgi.engine.models.linear_attention import (
     RecurrentConfig,
@@ -906,7 +907,7 @@ class DecoderModel(nn.Module):
             for pattern, parts in scales:
                 if pattern.search(name):
                     assert isinstance(tensor, torch.Tensor), name
-                    tensor = _scaled_rows(tensor, parts)
+                    tensor = scaled_rows(tensor, parts)
             if ".qkv_proj." in name:
                 assert isinstance(tensor, torch.Tensor), name
                 yield from zip(
@@ -988,16 +989,6 @@ class DecoderModel(nn.Module):
             missing.discard("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
-
-
-def _scaled_rows(tensor: torch.Tensor, parts: tuple[tuple[int, float], ...]) -> torch.Tensor:
-    """`tensor` with its rows in segments ((rows, factor), ...; rows -1: the rest) multiplied (in
-    float32, then cast back)."""
-    factors = torch.cat(
-        [torch.full((len(tensor) if n < 0 else n,), f, dtype=torch.float32) for n, f in parts]
-    )[: len(tensor)]
-    shape = (len(tensor),) + (1,) * (tensor.dim() - 1)
-    return (tensor.float() * factors.view(shape)).to(tensor.dtype)
 
 
 EMBED = "model.embed_tokens.weight"

@@ -60,6 +60,16 @@ def merged_shards(sizes: list[int]) -> list[tuple[int, int]]:
     return [local_range(n) for n in sizes]
 
 
+def scaled_rows(tensor: torch.Tensor, parts: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """`tensor` with its rows in segments ((rows, factor), ...; rows -1: the rest) multiplied (in
+    float32, then cast back)."""
+    factors = torch.cat(
+        [torch.full((len(tensor) if n < 0 else n,), f, dtype=torch.float32) for n, f in parts]
+    )[: len(tensor)]
+    shape = (len(tensor),) + (1,) * (tensor.dim() - 1)
+    return (tensor.float() * factors.view(shape)).to(tensor.dtype)
+
+
 def qkv_shards(head_dim: int, n_heads: int, n_kv_heads: int) -> list[tuple[int, int]]:
     """Split by key/value heads, each with its group of query heads."""
     group = n_heads // n_kv_heads

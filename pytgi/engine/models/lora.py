@@ -9,7 +9,13 @@ the wrappers pass straight through and the C decoder loop stays in use.
 
 The fused layers (q|k|v, gate|up) hold one A and one B per adapter: A stacks the parts' A matrices
 (rank rows each), and B puts each part's columns in that part's output rows, zeros elsewhere, so a
-fused layer costs two small products however many of its parts the adapter targets. A and B are
+fused layer costs two small products however many of its parts the adapter targets. A hybrid's
+recurrent mixer (gated DeltaNet, Mamba, short convolutions: `linear_attn`) and an ungated MLP's
+linears are targets of their own, named as the family's checkpoints name them (`in_proj_qkv`,
+Nemotron-H's `mixer.in_proj`, LFM2's `feed_forward.w1`): an adapter's keys go through the model's
+own checkpoint renames (`DecoderConfig.weight_renames`), so they find the modules its weights do.
+A state made under an adapter is that adapter's: the prefix cache's checkpoints of recurrent states
+are keyed by block hashes, which start from the adapter's root as the KV blocks' do. A and B are
 kept in float32 whatever the model's dtype (they are small); with tensor parallelism B is split as
 a column-parallel weight's rows are, A as a row-parallel weight's columns are, and a row-parallel
 layer's partial products are summed by the layer's own all-reduce.
@@ -29,25 +35,27 @@ from torch import nn
 from pytgi.core.adapters import TARGETS, WEIGHTS_FILE, AdapterConfig, AdapterError, read_config
 from pytgi.engine import kernels
 from pytgi.engine.distributed import tp_size
-from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, rotate_half_rows
+from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, rotate_half_rows, scaled_rows
 from pytgi.engine.models.quant import QuantizedLinear
 
-# the base model's module (in a decoder layer) that holds each target, and its part in a fused one
-MODULE_OF = {
-    "q_proj": ("self_attn.qkv_proj", 0),
-    "k_proj": ("self_attn.qkv_proj", 1),
-    "v_proj": ("self_attn.qkv_proj", 2),
-    "o_proj": ("self_attn.o_proj", 0),
-    "gate_proj": ("mlp.gate_up_proj", 0),
-    "up_proj": ("mlp.gate_up_proj", 1),
-    "down_proj": ("mlp.down_proj", 0),
+# the part of a fused module (in a decoder layer) that holds each of these targets
+FUSED_PART = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
+WHOLE = -1  # a target that is the whole module (its every shard), not one part of a fused one
 LOOP_ORDER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # decoder.c's
+# the modules wrapped in every decoder layer: the attention's and the MLP's (gated or not), and every
+# linear of a recurrent mixer (`linear_attn`)
+TARGETED = (*LOOP_ORDER, "mlp.up_proj")
+MIXER = "linear_attn"
 TABLE_ROWS = 4  # lora.c's table: A's and Bᵀ's addresses, the ranks, the column spans (by slot)
 LOOP_FIELDS = TABLE_ROWS * len(LOOP_ORDER)  # decoder.c's LORA_FIELDS, per layer
-_KEY = re.compile(
-    r"(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight"
-)
+_KEY = re.compile(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.default)?\.weight")
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.weight")
 
 
 @dataclass
@@ -138,9 +146,9 @@ class LoraLinear(nn.Module):
         return self.inner.finish(y)
 
     def put(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
-        """Slot `slot`'s weights from the checkpoint's whole A and B of each targeted part: for lora.c,
-        A and each part's Bᵀ over its own output columns only, in the activations' dtype; for PyTorch,
-        A and a dense Bᵀ in float32."""
+        """Slot `slot`'s weights from the checkpoint's whole A and B of each targeted part (`WHOLE`: of
+        the module, B's rows of every shard): for lora.c, A and each part's Bᵀ over its own output
+        columns only, in the activations' dtype; for PyTorch, A and a dense Bᵀ in float32."""
         base = _base(self.inner)
         n_local = _shape(self.inner)[0]
         a_rows, b_blocks, spans = [], [], []  # each part's A (this rank's), its Bᵀ block and its columns
@@ -151,8 +159,12 @@ class LoraLinear(nn.Module):
                 b_blocks.append(b.T)
                 spans.append((0, n_local))
                 continue
-            start, size = base.shards[part]
             a_rows.append(a.float())
+            if part == WHOLE:
+                b_blocks.append(torch.cat([b.narrow(0, start, size) for start, size in base.shards]).T)
+                spans.append((0, n_local))
+                continue
+            start, size = base.shards[part]
             b_blocks.append(b.narrow(0, start, size).T)
             spans.append((sum(s for _, s in base.shards[:part]), size))
         device, a = base.weight.device, torch.cat(a_rows)
@@ -179,9 +191,11 @@ def wrap_model(model: nn.Module, ctx: LoraContext) -> dict[tuple[int, str], Lora
     """Wrap every targetable linear of the model's decoder layers; (layer, module path) → wrapper."""
     wrapped: dict[tuple[int, str], LoraLinear] = {}
     for i, layer in enumerate(model.layers):  # type: ignore[arg-type]
-        for path in dict.fromkeys(p for p, _ in MODULE_OF.values()):
+        mixer = getattr(layer, MIXER, None)
+        paths = [*TARGETED, *(f"{MIXER}.{name}" for name, _ in mixer.named_children())] if mixer else TARGETED
+        for path in paths:
             parent_path, attr = path.rsplit(".", 1)
-            parent = layer.get_submodule(parent_path)
+            parent = getattr(layer, parent_path, None)
             inner = getattr(parent, attr, None)
             if isinstance(inner, LoraLinear):
                 wrapped[i, path] = inner
@@ -194,37 +208,41 @@ def wrap_model(model: nn.Module, ctx: LoraContext) -> dict[tuple[int, str], Lora
     return wrapped
 
 
-def read_weights(
-    path: Path, config: AdapterConfig, num_layers: int
-) -> Iterator[tuple[int, str, torch.Tensor, torch.Tensor]]:
-    """(layer, target, A, B) for each targeted linear of the adapter, checked."""
+def checkpoint_name(key: str, config: object) -> tuple[str, tuple[tuple[int, float], ...]]:
+    """An adapter's module (`model.layers.3.mixer.in_proj`) as the model names its weight
+    (`layers.3.linear_attn.in_proj`), through the checkpoint's renames as `DecoderModel.load_weights`
+    makes them; and the row factors the model folds into that weight at load (Falcon-H1's µP
+    multipliers, `weight_scales`), which B's rows take too: they scale the same outputs."""
+    name = f"{key}.weight"
+    for pattern, replacement in getattr(config, "weight_renames", ()):
+        name = re.sub(pattern, replacement, name)
+    scales = next((parts for p, parts in getattr(config, "weight_scales", ()) if re.search(p, name)), ())
+    name = name.removeprefix("model.").removeprefix("language_model.")
+    return name.replace(".block_sparse_moe.", ".mlp.").removesuffix(".weight"), scales
+
+
+def read_weights(path: Path, config: AdapterConfig) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(module, A, B) for each linear the adapter targets, as its keys name it, checked for rank."""
     from safetensors.torch import load_file
 
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in load_file(str(path / WEIGHTS_FILE)).items():
         m = _KEY.fullmatch(key)
-        if m is None or m.group(2) not in TARGETS:
-            what = m.group(2) if m else key
-            raise AdapterError(
-                f"{path}: {what}: pytgi applies LoRA to {', '.join(TARGETS)} of the decoder layers only"
-            )
-        layer, target = int(m.group(1)), m.group(2)
-        if layer >= num_layers:
-            raise AdapterError(f"{path}: {key}: the base model has {num_layers} layers")
-        pairs.setdefault((layer, target), {})[m.group(3)] = tensor
+        if m is None:
+            raise AdapterError(f"{path}: {key}: not a LoRA weight")
+        pairs.setdefault(m.group(1), {})[m.group(2)] = tensor
     if not pairs:
         raise AdapterError(f"{path}: {WEIGHTS_FILE} holds no LoRA weights")
-    for (layer, target), ab in sorted(pairs.items()):
+    for module, ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             missing = "A" if "A" not in ab else "B"
-            raise AdapterError(f"{path}: layer {layer} {target} has no lora_{missing}")
+            raise AdapterError(f"{path}: {module} has no lora_{missing}")
         a, b = ab["A"], ab["B"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != config.rank or b.shape[1] != config.rank:
             raise AdapterError(
-                f"{path}: layer {layer} {target}: A {tuple(a.shape)} and B {tuple(b.shape)} do not have "
-                f"rank {config.rank}"
+                f"{path}: {module}: A {tuple(a.shape)} and B {tuple(b.shape)} do not have rank {config.rank}"
             )
-        yield layer, target, a, b
+        yield module, a, b
 
 
 class LoraAdapters:
@@ -294,34 +312,76 @@ class LoraAdapters:
         config = read_config(path, self.max_rank)
         num_layers = 1 + max(i for i, _ in self.wrapped)
         by_module: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
-        for layer, target, a, b in read_weights(path, config, num_layers):
-            module, part = MODULE_OF[target]
-            w = self.wrapped.get((layer, module))
-            if w is None:
-                raise AdapterError(f"{path}: layer {layer} has no {target} that LoRA can target")
+        for key, a, b in read_weights(path, config):
+            layer, module, part, target = self._locate(path, key, num_layers)
+            module_name, scales = checkpoint_name(key, self.config)
             b = self._rows(target, b)
-            base = _base(w.inner)
-            out, k = _shape(w.inner)
-            if isinstance(base, ColumnParallelLinear):
-                start, size = base.shards[part]
-                whole = b.shape[0] == size if tp_size() == 1 else b.shape[0] >= start + size
-                fits = a.shape[1] == k and whole
-            else:
-                whole = a.shape[1] == k if tp_size() == 1 else a.shape[1] >= base.in_start + k
-                fits = b.shape[0] == out and whole
-            if not fits:
-                raise AdapterError(
-                    f"{path}: layer {layer} {target}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
-                    "the base model"
-                )
-            by_module.setdefault((layer, module), {})[part] = (a, b)
+            if scales:
+                b = scaled_rows(b, scales)
+            w = self.wrapped[layer, module]
+            for piece, b_piece in self._parts(module, part, b):
+                self._check(path, module_name, w.inner, piece, a, b_piece)
+                by_module.setdefault((layer, module), {})[piece] = (a, b_piece)
         self.unload(name)
         if slot is None:
             slot = next(i for i in range(len(self.slots) + 1) if i not in self.slots.values())
-        for key, parts in by_module.items():
-            self.wrapped[key].put(slot, parts, config.scaling)
+        for where, parts in by_module.items():
+            self.wrapped[where].put(slot, parts, config.scaling)
         self.slots[name] = slot
         self._refresh()
+
+    def _parts(self, module: str, part: int, b: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """A target that is a whole fused module (Granite-4.0-H's `input_linear`, gate | up; Phi-3's
+        `qkv_proj`) split as `DecoderModel` splits its weight: one B a part, the parts' A the same."""
+        fused = module.rpartition(".")[2]
+        if part != WHOLE or fused not in ("qkv_proj", "gate_up_proj"):
+            return [(part, b)]
+        if fused == "gate_up_proj":
+            return list(enumerate(b.chunk(2)))
+        cfg = self.config
+        q = cfg.num_attention_heads * cfg.head_dim  # type: ignore[union-attr]
+        kv = cfg.num_key_value_heads * cfg.head_dim  # type: ignore[union-attr]
+        return list(enumerate(b.split([q, kv, kv])))
+
+    @staticmethod
+    def _check(path: Path, name: str, inner: Linear, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """A and B have the shapes of the targeted weight (or part), whole (every rank reads its rows)."""
+        base = _base(inner)
+        out, k = _shape(inner)
+        if isinstance(base, ColumnParallelLinear):
+            shards = base.shards if part == WHOLE else [base.shards[part]]
+            end = max(start + size for start, size in shards)
+            whole = b.shape[0] == sum(n for _, n in shards) if tp_size() == 1 else b.shape[0] >= end
+            fits = a.shape[1] == k and whole
+        else:
+            whole = a.shape[1] == k if tp_size() == 1 else a.shape[1] >= base.in_start + k
+            fits = b.shape[0] == out and whole
+        if not fits:
+            raise AdapterError(
+                f"{path}: {name}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the base model"
+            )
+
+    def _locate(self, path: Path, key: str, num_layers: int) -> tuple[int, str, int, str]:
+        """The (layer, wrapped module, part, target) an adapter's module names: the part of a fused
+        module (q_proj of qkv_proj) where the layer has one, else a module of its own (`WHOLE`)."""
+        name, _ = checkpoint_name(key, self.config)
+        m = _LAYER.fullmatch(f"{name}.weight")
+        if m is None:
+            raise AdapterError(
+                f"{path}: {key}: pytgi applies LoRA to the decoder layers' attention, MLP and recurrent "
+                f"mixer linears ({', '.join(TARGETS)}, ...) only"
+            )
+        layer, module = int(m.group(1)), m.group(2)
+        if layer >= num_layers:
+            raise AdapterError(f"{path}: {key}: the base model has {num_layers} layers")
+        parent, _, target = module.rpartition(".")
+        if target in FUSED_PART:
+            fused, part = FUSED_PART[target]
+            if (layer, f"{parent}.{fused}") in self.wrapped:
+                return layer, f"{parent}.{fused}", part, target
+        if (layer, module) not in self.wrapped:
+            raise AdapterError(f"{path}: layer {layer} has no {module} that LoRA can target ({key})")
+        return layer, module, WHOLE, target
 
     def _rows(self, target: str, b: torch.Tensor) -> torch.Tensor:
         """B's rows in the order the model keeps its weight's: a q/k adapter of a model whose rotary
