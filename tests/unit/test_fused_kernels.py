@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pytgi.engine import kernels
+from pytgi.engine.models.kda import KdaConfig, KimiDeltaAttention
 from pytgi.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from pytgi.engine.models.linear_attention import (
     GatedDeltaNet,
@@ -295,7 +296,7 @@ def test_mamba1_kernels_give_one_answer_however_a_prompt_is_cut(dtype):
             other = torch.randn(3, 2 * D, generator=g).to(dtype)  # another request's 3 rows, slot 0
             rows = torch.cat([other, xz[start : start + n]]).contiguous()
             step = kernels.StepRequests.of([3, n], torch.tensor([0, 2]), [True, i == 0])
-            mixed = kernels.mamba1_conv(rows, step, pools[0], conv_w, conv_b)
+            mixed = kernels.causal_conv(rows, step, pools[0], conv_w, conv_b)
             mine = slice(3, 3 + n)
             rows_dt = torch.cat([torch.zeros(3, D, dtype=dtype), dt[start : start + n]])
             rows_bc = torch.cat([torch.zeros(3, 2 * N), bc[start : start + n]])
@@ -307,6 +308,58 @@ def test_mamba1_kernels_give_one_answer_however_a_prompt_is_cut(dtype):
 
     whole = run([L])
     for cuts in ([2, 16, 11], [1] * L):
+        for a, b in zip(whole, run(cuts)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_layer(dtype):
+    """kda.c's rule after mamba1.c's convolution (`KimiDeltaAttention._fused`) equals the layer's
+    PyTorch ops, outputs and states, on a step of decodes (one starting here) and prompt chunks (one
+    starting here, one past a 32-token chunk of the PyTorch rule), at scattered slots of the pools."""
+    g = torch.Generator().manual_seed(4)
+    layers = [KimiDeltaAttention(KdaConfig(3, 16, 4), 32, 1e-5, fused) for fused in (False, True)]
+    for p in layers[0].parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    layers[1].load_state_dict(layers[0].state_dict())
+    layers = [layer.to(dtype) for layer in layers]
+    lens, fresh = [1, 7, 1, 2, 40, 1], [False, True, True, False, False, False]
+    meta = _step_meta(lens, fresh, torch.tensor([7, 0, 3, 5, 8, 2]))
+    pools = [(torch.randn(9, 144, 3, generator=g).to(dtype), torch.randn(9, 3, 16, 16, generator=g) * 0.3)]
+    pools.append(tuple(t.clone() for t in pools[0]))
+    x = torch.randn(sum(lens), 32, generator=g).to(dtype)
+    outs = [layer(x, None, pool, meta) for layer, pool in zip(layers, pools)]
+    # (float32: the recurrence token by token against the PyTorch path's chunked form)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    for ref, got in zip(*pools):
+        torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_rule_gives_one_answer_however_a_prompt_is_cut(dtype):
+    """The same prompt through kda.c whole, in chunks and token by token as decodes, beside another
+    request: the same outputs and state to the bit."""
+    g = torch.Generator().manual_seed(5)
+    H, K, L = 2, 16, 37
+    rows = [torch.randn(L, n, generator=g).to(dtype) for n in (3 * H * K, H * K, H, H * K)]
+    weights = (-torch.rand(H, generator=g), torch.randn(H * K, generator=g), torch.randn(K, generator=g))
+
+    def run(cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        pool, outs, start = torch.zeros(3, H, K, K), [], 0
+        for i, n in enumerate(cuts):
+            step = kernels.StepRequests.of([2, n], torch.tensor([0, 2]), [True, i == 0])
+            ins = [
+                torch.cat([torch.randn(2, t.shape[1], generator=g).to(dtype), t[start : start + n]])
+                for t in rows
+            ]
+            mixed, f, b, gate = ins
+            outs.append(kernels.kda_rule(mixed, f, b, gate, step, pool, weights, 1e-5)[2:])
+            start += n
+        return torch.cat(outs), pool[2]
+
+    whole = run([L])
+    for cuts in ([3, 30, 4], [1] * L):
         for a, b in zip(whole, run(cuts)):
             assert torch.equal(a, b)
 

@@ -58,7 +58,7 @@ static inline void m1_states(float (*S)[M1_LANES], const float (*a)[M1_LANES], c
  * state: per request and channel c, token t's output is SiLU(conv_b[c] + Σ_j conv_w[c, j] · in[t + j −
  * (Kc − 1)]) in float32, rounded into mixed [T, D]; `in` is the pool's Kc − 1 inputs (zero where fresh)
  * then the request's rows. The pool [S, D, Kc − 1] keeps the last Kc − 1 inputs. */
-#define DEFINE_MAMBA1_CONV(NAME, T_, LOAD, STORE)                                                            \
+#define DEFINE_CAUSAL_CONV(NAME, T_, LOAD, STORE)                                                            \
     int NAME(const T_ *xz, const int64_t *starts, const int64_t *slots, const int64_t *fresh, T_ *conv_pool,  \
              const float *conv_w, const float *conv_b, T_ *mixed, int64_t R, int64_t D, int64_t W,           \
              int64_t Kc) {                                                                                  \
@@ -106,8 +106,8 @@ static inline void m1_states(float (*S)[M1_LANES], const float (*a)[M1_LANES], c
         return failed;                                                                                      \
     }
 
-DEFINE_MAMBA1_CONV(pytgi_mamba1_conv_f32, float, m1_f32, m1_f32)
-DEFINE_MAMBA1_CONV(pytgi_mamba1_conv_bf16, uint16_t, bf16_load, bf16_round)
+DEFINE_CAUSAL_CONV(pytgi_causal_conv_f32, float, m1_f32, m1_f32)
+DEFINE_CAUSAL_CONV(pytgi_causal_conv_bf16, uint16_t, bf16_load, bf16_round)
 
 /* The selective scan after the projections: per request, channel d and token t (x = mixed[t, d],
  * dt = softplus(dt_raw[t, d]) in float32, B and C = bc[t] [2N], float32),

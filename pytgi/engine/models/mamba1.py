@@ -91,7 +91,7 @@ class Mamba1Mixer(nn.Module):
     rank's channels and are all-reduced."""
 
     def __init__(self, cfg: Mamba1Config, hidden: int, fused: bool = False) -> None:
-        """fused: mamba1.c's kernels run the convolution (`kernels.mamba1_conv`) and the scan with D's
+        """fused: mamba1.c's kernels run the convolution (`kernels.causal_conv`) and the scan with D's
         skip and the gate (`kernels.mamba1_scan`), each once a step; the projections between them stay
         PyTorch's. The PyTorch path stays for CUDA and as their reference."""
         super().__init__()
@@ -210,7 +210,7 @@ class Mamba1Mixer(nn.Module):
         conv_w, conv_b, A, D = self._kernel_weights()
         assert conv_w is not None and A is not None and D is not None
         step = kernels.StepRequests.of(meta.query_lens, meta.slots, meta.fresh)
-        mixed = kernels.mamba1_conv(xz, step, conv_states, conv_w, conv_b)
+        mixed = kernels.causal_conv(xz, step, conv_states, conv_w, conv_b)
         dt, B, C = self._projections(mixed)
         bc = torch.cat([B, C], dim=-1).float()
         return kernels.mamba1_scan(xz, mixed, dt, bc, step, ssm_states, A, D)
