@@ -4,7 +4,9 @@ start of issue 64 (Mamba-1, LFM2's short convolution, Kimi Linear's KDA): a rand
 folder), served by pytgi's engine in-process. Prints a `--prompt`-token prefill's tok/s and the mean
 decode step of one stream; per layer of the kind: the decoder layer, its mixer, and the mixer's
 ops between its projections (the mixer less its linear layers), in ms. Where the kind has C kernels
-(`fused`: Mamba-1) both paths are measured, alternating, best of `--reps` rounds each.
+(`fused`: Mamba-1's and KDA's, since) both paths are measured, alternating, best of `--reps` rounds
+each. With `--clock thread` and one thread the figures are CPU time, which other work on a shared
+machine barely changes.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/recurrent_layers.py --kind mamba
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/recurrent_layers.py --kind lfm2
@@ -42,7 +44,7 @@ LINEARS = (ColumnParallelLinear, RowParallelLinear, QuantizedLinear)  # (on the 
 
 def _model(kind: str, hidden: int, layers: int) -> transformers.PreTrainedModel:
     """All layers of the kind (Kimi Linear and LFM2 need no attention layer either)."""
-    common = dict(vocab_size=1000, hidden_size=hidden, num_hidden_layers=layers, eos_token_id=None)
+    common = {"vocab_size": 1000, "hidden_size": hidden, "num_hidden_layers": layers, "eos_token_id": None}
     if kind == "mamba":
         cfg = transformers.MambaConfig(**common, state_size=16, expand=2)
         return transformers.MambaForCausalLM(cfg)
@@ -74,7 +76,7 @@ def main() -> None:
         "--clock",
         choices=["wall", "thread"],
         default="wall",
-        help="thread: the calling thread's CPU time, with OMP_NUM_THREADS=1 a machine shared with other work's",
+        help="thread: the calling thread's CPU time (with OMP_NUM_THREADS=1: a shared machine's figures)",
     )
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
