@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pytgi.engine import kernels
+from pytgi.engine.models.kda import KdaConfig, KimiDeltaAttention
 from pytgi.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from pytgi.engine.models.linear_attention import (
     GatedDeltaNet,
@@ -13,6 +14,7 @@ from pytgi.engine.models.linear_attention import (
     chunked_rule,
     l2norm,
 )
+from pytgi.engine.models.mamba1 import PLAIN, WEIGHTED, Mamba1Config, Mamba1Mixer
 from pytgi.engine.models.mamba2 import Mamba2Config, Mamba2Mixer
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
@@ -224,6 +226,142 @@ def test_mamba2_layer(dtype, bias):
     torch.testing.assert_close(outs[1], outs[0], **tol)
     for ref, got in zip(*pools):
         torch.testing.assert_close(got, ref, **tol)
+
+
+def _step_meta(lens: list[int], fresh: list[bool], slots: torch.Tensor) -> StateMetadata:
+    """A step's metadata: requests of `lens` tokens (1: a decode) at `slots`."""
+    starts = np.concatenate(([0], np.cumsum(lens)[:-1]))
+    dec = [i for i, n in enumerate(lens) if n == 1]
+    return StateMetadata(
+        attn=None,
+        slots=slots,
+        query_lens=lens,
+        fresh=fresh,
+        decodes=torch.tensor(dec, dtype=torch.int64),
+        decode_rows=torch.tensor(starts[dec], dtype=torch.int64),
+        reset=slots[[i for i in dec if fresh[i]]] if any(fresh[i] for i in dec) else None,
+        decode_fresh=torch.tensor([fresh[i] for i in dec], dtype=torch.int64),
+    )
+
+
+def _mamba1_layers(dtype, norms, bias, seed=2):
+    """A Mamba-1 layer (40 channels: two full blocks of 16 and a partial one) on PyTorch's ops and the
+    same weights on mamba1.c's kernels."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = Mamba1Config(40, 8, 6, 4, conv_bias=bias, proj_bias=bias, bcdt_norms=norms)
+    layers = [Mamba1Mixer(cfg, 32, fused) for fused in (False, True)]
+    for p in layers[0].parameters():  # (without norms, bigger weights give states in the hundreds)
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.25)
+    layers[1].load_state_dict(layers[0].state_dict())
+    return [layer.to(dtype) for layer in layers], g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norms, bias", [(None, True), (WEIGHTED, False), (PLAIN, True)])
+def test_mamba1_layer(dtype, norms, bias):
+    """mamba1.c's convolution and scan (`Mamba1Mixer._fused`) equal the layer's PyTorch ops, outputs and
+    states, on a step of decodes (one starting here) and prompt chunks (one starting here, one shorter
+    than the convolution's window), at scattered slots of the pools; Mamba's, Jamba's and
+    FalconMamba's norms."""
+    layers, g = _mamba1_layers(dtype, norms, bias)
+    lens, fresh = [1, 7, 1, 2, 30, 1], [False, True, True, False, False, False]
+    meta = _step_meta(lens, fresh, torch.tensor([7, 0, 3, 5, 8, 2]))
+    pools = [(torch.randn(9, 40, 3, generator=g).to(dtype), torch.randn(9, 40, 8, generator=g) * 0.3)]
+    pools.append(tuple(t.clone() for t in pools[0]))
+    x = torch.randn(sum(lens), 32, generator=g).to(dtype)
+    outs = [layer(x, None, pool, meta) for layer, pool in zip(layers, pools)]
+    torch.testing.assert_close(outs[1], outs[0], **TOL[dtype])
+    for ref, got in zip(*pools):
+        torch.testing.assert_close(got, ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba1_kernels_give_one_answer_however_a_prompt_is_cut(dtype):
+    """The same prompt through mamba1.c whole, in chunks (one shorter than the convolution's window)
+    and token by token as decodes, beside other requests: the same outputs and states to the bit, the
+    prefix cache's checkpoints at any token (the projections between the kernels are the caller's:
+    fixed inputs here)."""
+    g = torch.Generator().manual_seed(3)
+    D, N, K, L = 40, 8, 4, 29
+    xz = torch.randn(L, 2 * D, generator=g).to(dtype)
+    dt = (torch.randn(L, D, generator=g) - 1).to(dtype)
+    bc = torch.randn(L, 2 * N, generator=g)
+    conv_w, conv_b = torch.randn(D, K, generator=g), torch.randn(D, generator=g)
+    A, Dskip = -torch.rand(D, N, generator=g) * 2, torch.randn(D, generator=g)
+
+    def run(cuts: list[int]) -> tuple[torch.Tensor, ...]:
+        pools = torch.zeros(3, D, K - 1, dtype=dtype), torch.zeros(3, D, N)
+        outs, start = [], 0
+        for i, n in enumerate(cuts):
+            other = torch.randn(3, 2 * D, generator=g).to(dtype)  # another request's 3 rows, slot 0
+            rows = torch.cat([other, xz[start : start + n]]).contiguous()
+            step = kernels.StepRequests.of([3, n], torch.tensor([0, 2]), [True, i == 0])
+            mixed = kernels.causal_conv(rows, step, pools[0], conv_w, conv_b)
+            mine = slice(3, 3 + n)
+            rows_dt = torch.cat([torch.zeros(3, D, dtype=dtype), dt[start : start + n]])
+            rows_bc = torch.cat([torch.zeros(3, 2 * N), bc[start : start + n]])
+            out = kernels.mamba1_scan(rows, mixed, rows_dt, rows_bc, step, pools[1], A, Dskip)
+            outs.append((mixed[mine], out[mine]))
+            start += n
+        mixed, out = (torch.cat(t) for t in zip(*outs))
+        return mixed, out, pools[0][2], pools[1][2]
+
+    whole = run([L])
+    for cuts in ([2, 16, 11], [1] * L):
+        for a, b in zip(whole, run(cuts)):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_layer(dtype):
+    """kda.c's rule after mamba1.c's convolution (`KimiDeltaAttention._fused`) equals the layer's
+    PyTorch ops, outputs and states, on a step of decodes (one starting here) and prompt chunks (one
+    starting here, one past a 32-token chunk of the PyTorch rule), at scattered slots of the pools."""
+    g = torch.Generator().manual_seed(4)
+    layers = [KimiDeltaAttention(KdaConfig(3, 16, 4), 32, 1e-5, fused) for fused in (False, True)]
+    for p in layers[0].parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    layers[1].load_state_dict(layers[0].state_dict())
+    layers = [layer.to(dtype) for layer in layers]
+    lens, fresh = [1, 7, 1, 2, 40, 1], [False, True, True, False, False, False]
+    meta = _step_meta(lens, fresh, torch.tensor([7, 0, 3, 5, 8, 2]))
+    pools = [(torch.randn(9, 144, 3, generator=g).to(dtype), torch.randn(9, 3, 16, 16, generator=g) * 0.3)]
+    pools.append(tuple(t.clone() for t in pools[0]))
+    x = torch.randn(sum(lens), 32, generator=g).to(dtype)
+    outs = [layer(x, None, pool, meta) for layer, pool in zip(layers, pools)]
+    # (float32: the recurrence token by token against the PyTorch path's chunked form)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else TOL[dtype]
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    for ref, got in zip(*pools):
+        torch.testing.assert_close(got, ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kda_rule_gives_one_answer_however_a_prompt_is_cut(dtype):
+    """The same prompt through kda.c whole, in chunks and token by token as decodes, beside another
+    request: the same outputs and state to the bit."""
+    g = torch.Generator().manual_seed(5)
+    H, K, L = 2, 16, 37
+    rows = [torch.randn(L, n, generator=g).to(dtype) for n in (3 * H * K, H * K, H, H * K)]
+    weights = (-torch.rand(H, generator=g), torch.randn(H * K, generator=g), torch.randn(K, generator=g))
+
+    def run(cuts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        pool, outs, start = torch.zeros(3, H, K, K), [], 0
+        for i, n in enumerate(cuts):
+            step = kernels.StepRequests.of([2, n], torch.tensor([0, 2]), [True, i == 0])
+            ins = [
+                torch.cat([torch.randn(2, t.shape[1], generator=g).to(dtype), t[start : start + n]])
+                for t in rows
+            ]
+            mixed, f, b, gate = ins
+            outs.append(kernels.kda_rule(mixed, f, b, gate, step, pool, weights, 1e-5)[2:])
+            start += n
+        return torch.cat(outs), pool[2]
+
+    whole = run([L])
+    for cuts in ([3, 30, 4], [1] * L):
+        for a, b in zip(whole, run(cuts)):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("length", [1, 5, 64, 150])

@@ -333,6 +333,101 @@ def _dt_limit(limit: tuple[float, float]) -> tuple[float, float]:
     return tuple(min(max(x, -big), big) for x in limit)  # type: ignore[return-value]
 
 
+@dataclass(frozen=True, slots=True)
+class StepRequests:
+    """A step's requests as the Mamba-1 kernels read them: request r owns the flat rows [starts[r],
+    starts[r + 1]), its states sit at slots[r], and fresh[r] (1) says they start from zero here."""
+
+    starts: torch.Tensor  # [R + 1] int64
+    slots: torch.Tensor  # [R] int64
+    fresh: torch.Tensor  # [R] int64
+
+    @staticmethod
+    def of(query_lens: list[int], slots: torch.Tensor, fresh: list[bool]) -> StepRequests:
+        starts = torch.from_numpy(np.concatenate(([0], np.cumsum(query_lens, dtype=np.int64))))
+        flags = torch.tensor(fresh, dtype=torch.int64)
+        return StepRequests(starts, slots.to(torch.int64).contiguous(), flags)
+
+
+def causal_conv(
+    xz: torch.Tensor,
+    step: StepRequests,
+    conv_pool: torch.Tensor,
+    conv_w: torch.Tensor,
+    conv_b: torch.Tensor | None,
+) -> torch.Tensor:
+    """The causal depthwise convolution and SiLU of a Mamba-1 or KDA layer over a step (mamba1.c): x is
+    columns [0, D) of the input projection's output xz [T, W]; the pool [S, D, kernel − 1] (xz's
+    dtype) is updated in place; conv_w [D, kernel] and conv_b [D] (or None) in float32. Returns the
+    output [T, D] in xz's dtype."""
+    assert xz.is_contiguous() and conv_pool.is_contiguous() and conv_pool.dtype == xz.dtype
+    _check_slots(step.slots, conv_pool)
+    D, Kc = conv_w.shape
+    mixed = xz.new_empty(xz.shape[0], D)
+    err = _fn("causal_conv", xz.dtype)(
+        _ptr(xz), _ptr(step.starts), _ptr(step.slots), _ptr(step.fresh), _ptr(conv_pool), _ptr(conv_w),
+        _ptr(conv_b), _ptr(mixed), len(step.slots), D, xz.shape[1], Kc,
+    )  # fmt: skip
+    _check(err, "causal_conv")
+    return mixed
+
+
+def mamba1_scan(
+    xz: torch.Tensor,
+    mixed: torch.Tensor,
+    dt: torch.Tensor,
+    bc: torch.Tensor,
+    step: StepRequests,
+    ssm_pool: torch.Tensor,
+    A: torch.Tensor,
+    D: torch.Tensor,
+) -> torch.Tensor:
+    """A Mamba-1 layer's selective scan over a step (mamba1.c): mixed (the convolution's output) and dt
+    (dt_proj's, before its softplus) [T, D] in xz's dtype, bc [T, 2N] (B | C, float32), the pool
+    [S, D, N] (float32, in place), A = −exp(A_log) [D, N] and D [D] in float32; z is columns [D, 2D)
+    of xz. Returns (y + D x) · SiLU(z) [T, D] in xz's dtype."""
+    mixed, dt, bc = mixed.contiguous(), dt.contiguous(), bc.contiguous()
+    assert xz.is_contiguous() and ssm_pool.is_contiguous() and ssm_pool.dtype == bc.dtype == torch.float32
+    assert mixed.dtype == dt.dtype == xz.dtype
+    _check_slots(step.slots, ssm_pool)
+    _, d, N = ssm_pool.shape
+    out = xz.new_empty(xz.shape[0], d)
+    _fn("mamba1_scan", xz.dtype)(
+        _ptr(xz), _ptr(mixed), _ptr(dt), _ptr(bc), _ptr(step.starts), _ptr(step.slots), _ptr(step.fresh),
+        _ptr(ssm_pool), _ptr(A), _ptr(D), _ptr(out), len(step.slots), d, N, xz.shape[1],
+    )  # fmt: skip
+    return out
+
+
+def kda_rule(
+    mixed: torch.Tensor,
+    f: torch.Tensor,
+    b: torch.Tensor,
+    gate: torch.Tensor,
+    step: StepRequests,
+    rec_pool: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    eps: float,
+) -> torch.Tensor:
+    """Kimi Delta Attention's rule over a step, its decodes and prompt chunks (kda.c): mixed [T, 3 H K]
+    (q | k | v after `causal_conv`), f [T, H K] (f_b's output), b [T, H] (b_proj's), gate [T, H K]
+    (g_b's), all in one dtype; the pool [S, H, K, K] (float32, in place); `weights`: A = −exp(A_log)
+    [H], dt_bias [H K] and the output norm's weight [K] in float32. Returns the normed, gated output
+    [T, H K] in mixed's dtype."""
+    mixed, f, b, gate = (t.contiguous() for t in (mixed, f, b, gate))
+    assert rec_pool.is_contiguous() and rec_pool.dtype == torch.float32
+    assert mixed.dtype == f.dtype == b.dtype == gate.dtype
+    _check_slots(step.slots, rec_pool)
+    _, H, K, _ = rec_pool.shape
+    out = mixed.new_empty(mixed.shape[0], H * K)
+    A, dt_bias, norm_w = weights
+    _fn("kda_rule", mixed.dtype)(
+        _ptr(mixed), _ptr(f), _ptr(b), _ptr(gate), _ptr(step.starts), _ptr(step.slots), _ptr(step.fresh),
+        _ptr(rec_pool), _ptr(A), _ptr(dt_bias), _ptr(norm_w), _ptr(out), len(step.slots), H, K, eps,
+    )  # fmt: skip
+    return out
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up from the fused [T, 2 I] gate/up output."""
     return _gated("silu_mul", gate_up)

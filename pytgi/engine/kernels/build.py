@@ -27,6 +27,8 @@ SOURCES = [
     *["pack.c", "gguf.c", "moe.c"],  # load-time packing, GGUF blocks, mixture-of-experts layers
     "delta.c",  # linear attention's decodes
     "mamba.c",  # Mamba-2's decodes and prompt chunks
+    "mamba1.c",  # Mamba-1's convolution and selective scan, a whole step in two calls
+    "kda.c",  # Kimi Delta Attention's rule, a whole step in one call
     "encoder.c",  # the encoders: bidirectional attention, bias + GELU, bias + residual + LayerNorm
 ]
 HEADERS = sorted(p.name for p in Path(__file__).parent.glob("*.h"))  # part of the cache key (each of them)

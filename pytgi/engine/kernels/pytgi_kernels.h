@@ -98,6 +98,22 @@ int pytgi_mamba2_decode_layer_bf16(const uint16_t *proj, const int64_t *rows, co
 int pytgi_mamba2_prefill_layer_f32(const float *proj, int64_t n, int64_t slot, int64_t fresh, float *conv_pool, const float *conv_w, const float *conv_b, const float *dt_bias, const float *A, const float *D, const float *norm_w, float *ssm_pool, float *out, int64_t H, int64_t P, int64_t G, int64_t N, int64_t Kc, float dt_lo, float dt_hi, float eps);
 int pytgi_mamba2_prefill_layer_bf16(const uint16_t *proj, int64_t n, int64_t slot, int64_t fresh, uint16_t *conv_pool, const float *conv_w, const float *conv_b, const float *dt_bias, const float *A, const float *D, const float *norm_w, float *ssm_pool, uint16_t *out, int64_t H, int64_t P, int64_t G, int64_t N, int64_t Kc, float dt_lo, float dt_hi, float eps);
 
+/* mamba1.c: a Mamba-1 layer's step (its decodes and prompt chunks: request r owns rows [starts[r], starts[r + 1]),
+ * its states at slots[r], from zero where fresh[r]). causal_conv (Mamba-1's and KDA's): the convolution of x (columns [0, D) of xz
+ * [T, W]) with the pool [S, D, Kc - 1], SiLU, into mixed [T, D]; returns 1 out of memory. scan: the selective
+ * scan (dt = softplus(dt_raw), bc [T, 2N] float32 B | C, A = -exp(A_log) [D, N]) with the pool [S, D, N] in place,
+ * D's skip and SiLU(z) (columns [D, 2D) of xz), into out [T, D] */
+int pytgi_causal_conv_f32(const float *xz, const int64_t *starts, const int64_t *slots, const int64_t *fresh, float *conv_pool, const float *conv_w, const float *conv_b, float *mixed, int64_t R, int64_t D, int64_t W, int64_t Kc);
+int pytgi_causal_conv_bf16(const uint16_t *xz, const int64_t *starts, const int64_t *slots, const int64_t *fresh, uint16_t *conv_pool, const float *conv_w, const float *conv_b, uint16_t *mixed, int64_t R, int64_t D, int64_t W, int64_t Kc);
+void pytgi_mamba1_scan_f32(const float *xz, const float *mixed, const float *dt_raw, const float *bc, const int64_t *starts, const int64_t *slots, const int64_t *fresh, float *ssm_pool, const float *A, const float *Dskip, float *out, int64_t R, int64_t D, int64_t N, int64_t W);
+void pytgi_mamba1_scan_bf16(const uint16_t *xz, const uint16_t *mixed, const uint16_t *dt_raw, const float *bc, const int64_t *starts, const int64_t *slots, const int64_t *fresh, float *ssm_pool, const float *A, const float *Dskip, uint16_t *out, int64_t R, int64_t D, int64_t N, int64_t W);
+
+/* kda.c: Kimi Delta Attention's rule over a step (rows, slots and fresh as mamba1.c's), after the convolution:
+ * mixed [T, 3 H K] (q | k | v), f [T, H K] (before dt_bias and the softplus), b [T, H] (before the sigmoid),
+ * gate [T, H K] (before the sigmoid); the state pool [S, H, K, K] in place; the normed, gated output into out */
+void pytgi_kda_rule_f32(const float *mixed, const float *f, const float *b, const float *gate, const int64_t *starts, const int64_t *slots, const int64_t *fresh, float *rec_pool, const float *A, const float *dt_bias, const float *norm_w, float *out, int64_t R, int64_t H, int64_t K, float eps);
+void pytgi_kda_rule_bf16(const uint16_t *mixed, const uint16_t *f, const uint16_t *b, const uint16_t *gate, const int64_t *starts, const int64_t *slots, const int64_t *fresh, float *rec_pool, const float *A, const float *dt_bias, const float *norm_w, uint16_t *out, int64_t R, int64_t H, int64_t K, float eps);
+
 /* encoder.c: one prompt's bidirectional attention (the encoders), on the calling thread:
  * qkv [L, 3, H, D] (the fused projection's output) → out [L, H, D]. Built for AVX-512 (bf16: AVX-512 BF16)
  * and D a multiple of 16 (supported(): 1), else returns 2. */

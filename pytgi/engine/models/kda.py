@@ -15,6 +15,12 @@ A decode is one step of the rule, all decodes of a step at once. A prefill chunk
 form: within C tokens the updates solve one unit-triangular system, as gated DeltaNet's do, with the
 pairwise decays exp(G_i − G_j) kept per channel ([C, C, K] a head: every exponent ≤ 0, so nothing
 overflows); the chunks' states are sequential.
+
+On the CPU the C kernels run everything between the projections (mamba1.c's convolution, kda.c's
+rule with the output's norm and gate), a step's decodes and prompt chunks in one call each; there a
+prompt's tokens run the recurrence one by one, not the chunked form (the state stays in cache, and a
+prompt leaves the same state to the bit however it is cut). The PyTorch path stays for CUDA and as
+their reference.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pytgi.engine import kernels
 from pytgi.engine.distributed import local_range, tp_size
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, _set_loader
 from pytgi.engine.models.linear_attention import StateSpec
@@ -44,8 +51,9 @@ class KdaConfig:
     conv_kernel: int
 
     def build(self, hidden: int, eps: float, fused: bool) -> KimiDeltaAttention:
-        """The layer of this kind (a `RecurrentMixer`), in PyTorch ops whatever `fused` says."""
-        return KimiDeltaAttention(self, hidden, eps)
+        """The layer of this kind (a `RecurrentMixer`); fused: the C kernels run it between its
+        projections (CPU)."""
+        return KimiDeltaAttention(self, hidden, eps, fused)
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -117,8 +125,13 @@ class KimiDeltaAttention(nn.Module):
     """A KDA layer; this rank holds whole heads (their projections' rows, convolution channels, decays
     and states)."""
 
-    def __init__(self, cfg: KdaConfig, hidden: int, eps: float) -> None:
+    def __init__(self, cfg: KdaConfig, hidden: int, eps: float, fused: bool = False) -> None:
+        """fused: the C kernels run the convolution (`kernels.causal_conv`) and the rule with the output's
+        norm and gate (`kernels.kda_rule`), each once a step for its decodes and prompt chunks; the
+        PyTorch path stays for CUDA and as their reference."""
         super().__init__()
+        self.fused = fused
+        self._f32: tuple[torch.Tensor, ...] | None = None  # the kernels' float32 weights
         H, K = cfg.num_heads, cfg.head_dim
         if H % tp_size():
             raise ValueError(f"cannot shard {H} KDA heads over {tp_size()} ranks")
@@ -179,6 +192,8 @@ class KimiDeltaAttention(nn.Module):
         conv_states, rec_states = state
         T, H, K = x.shape[0], self.heads, self.cfg.head_dim
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if self.fused:
+            return self.o_proj(self._fused(x, qkv, state, meta))
         weight = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d]).float()
         g = F.softplus(self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(T, H, K)
         g = -self.A_log.float().exp()[:, None] * g
@@ -215,6 +230,31 @@ class KimiDeltaAttention(nn.Module):
         o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps) * self.o_norm.float()
         gate = self.g_b_proj(self.g_a_proj(x)).float().view(T, H, K).sigmoid()
         return self.o_proj((o * gate).to(x.dtype).reshape(T, H * K))
+
+    def _fused(
+        self, x: torch.Tensor, qkv: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata
+    ) -> torch.Tensor:
+        """The C kernels' path (mamba1.c's convolution, kda.c's rule): the step's decodes and prompt
+        chunks in one call each, the prompts' tokens through the recurrence one by one (a prompt then
+        leaves the same state however it is cut). Returns the normed, gated output [T, heads · K]."""
+        conv_states, rec_states = state
+        conv_w, *weights = self._kernel_weights()
+        step = kernels.StepRequests.of(meta.query_lens, meta.slots, meta.fresh)
+        mixed = kernels.causal_conv(qkv, step, conv_states, conv_w, None)
+        f, gate = self.f_b_proj(self.f_a_proj(x)), self.g_b_proj(self.g_a_proj(x))
+        A, dt_bias, norm_w = weights
+        return kernels.kda_rule(
+            mixed, f, self.b_proj(x), gate, step, rec_states, (A, dt_bias, norm_w), self.eps
+        )
+
+    def _kernel_weights(self) -> tuple[torch.Tensor, ...]:
+        """The convolutions' weights (q | k | v), A = −exp(A_log), dt_bias and the output norm's weight
+        in float32, as the C kernels read them (made once: the weights do not change once loaded)."""
+        if self._f32 is None:
+            conv = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d]).float().contiguous()
+            A = -self.A_log.detach().float().exp()
+            self._f32 = (conv, A, self.dt_bias.detach().float().contiguous(), self.o_norm.detach().float())
+        return self._f32
 
     def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k (L2-normalized, q scaled by K^-½) and v [T, heads, K], float32."""

@@ -15,6 +15,11 @@ head, Mamba-1's decay differs by channel and state, so the attention-like chunke
 [chunk, chunk, d_inner, d_state] tensor of decays; the loop touches one [d_inner, d_state] state a
 token. A request's slot starts from zero at its first token, so a chunk that cuts a prompt carries
 the state to the next chunk exactly as the recurrence does.
+
+On the CPU the C kernels (mamba1.c) run the convolution and the scan, each once a step for its decodes
+and prompt chunks together; the per-token loop above stays for CUDA and as their reference. They keep
+the recurrence's property to the bit: a token's arithmetic does not depend on where its chunk starts,
+so a prompt leaves the same states however it is cut (the projections between them aside).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pytgi.engine import kernels
 from pytgi.engine.distributed import local_range
 from pytgi.engine.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, _set_loader
 from pytgi.engine.models.linear_attention import StateSpec
@@ -52,8 +58,9 @@ class Mamba1Config:
     norm_eps: float = 1e-6  # those norms' (FalconMamba's `mixer_rms_eps`, Jamba's `rms_norm_eps`)
 
     def build(self, hidden: int, eps: float, fused: bool) -> Mamba1Mixer:
-        """The layer of this kind (a `RecurrentMixer`); `fused` is unused: PyTorch's ops run it."""
-        return Mamba1Mixer(self, hidden)
+        """The layer of this kind (a `RecurrentMixer`); fused: the C kernels run its convolution and scan
+        (CPU)."""
+        return Mamba1Mixer(self, hidden, fused)
 
 
 def selective_step(
@@ -83,9 +90,13 @@ class Mamba1Mixer(nn.Module):
     rows of in_proj, dt_proj, the convolution, A, D and the states); x_proj and out_proj read this
     rank's channels and are all-reduced."""
 
-    def __init__(self, cfg: Mamba1Config, hidden: int) -> None:
+    def __init__(self, cfg: Mamba1Config, hidden: int, fused: bool = False) -> None:
+        """fused: mamba1.c's kernels run the convolution (`kernels.causal_conv`) and the scan with D's
+        skip and the gate (`kernels.mamba1_scan`), each once a step; the projections between them stay
+        PyTorch's. The PyTorch path stays for CUDA and as their reference."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.fused = cfg, fused
+        self._f32: tuple[torch.Tensor | None, ...] | None = None  # the kernels' float32 weights
         d0, n = local_range(cfg.inner)
         self.local = n
         mine = Mamba2Mixer._rows([(d0, n)])
@@ -141,7 +152,9 @@ class Mamba1Mixer(nn.Module):
     def forward(
         self, h: torch.Tensor, rope: Rope, state: tuple[torch.Tensor, ...], meta: StateMetadata
     ) -> torch.Tensor:
-        cfg, T, n = self.cfg, h.shape[0], self.local
+        if self.fused:
+            return self.out_proj(self._fused(self.in_proj(h), state, meta))
+        T, n = h.shape[0], self.local
         conv_states, ssm_states = state
         x, z = self.in_proj(h).split([n, n], dim=-1)
         # the convolution's output, in the model's dtype as the projections after it read it
@@ -164,11 +177,8 @@ class Mamba1Mixer(nn.Module):
                 mixed[rows_i] = self._conv_out(window.unsqueeze(0))[0].T.to(h.dtype)
                 prompts.append((slot, rows_i, fresh))
             start += q
-        dt, B, C = self.x_proj(mixed).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
-        dt = self._norm(dt, self.dt_layernorm)
-        B = self._norm(B, self.b_layernorm).float()
-        C = self._norm(C, self.c_layernorm).float()
-        dt = F.softplus(self.dt_proj(dt).float())
+        dt, B, C = self._projections(mixed)
+        B, C, dt = B.float(), C.float(), F.softplus(dt.float())
         A = -self.A_log.float().exp()
         xf = mixed.float()
         y = torch.empty(T, n, dtype=torch.float32, device=h.device)
@@ -182,3 +192,34 @@ class Mamba1Mixer(nn.Module):
             y[rows_i], ssm_states[slot] = scanned
         y = (y + self.D.float() * xf) * F.silu(z.float())
         return self.out_proj(y.to(h.dtype))
+
+    def _projections(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """dt (dt_proj's output, before the softplus), B and C from the convolution's output, each
+        normed where the family norms it."""
+        cfg = self.cfg
+        dt, B, C = self.x_proj(mixed).split([cfg.dt_rank, cfg.d_state, cfg.d_state], dim=-1)
+        dt = self._norm(dt, self.dt_layernorm)
+        return self.dt_proj(dt), self._norm(B, self.b_layernorm), self._norm(C, self.c_layernorm)
+
+    def _fused(self, xz: torch.Tensor, state: tuple[torch.Tensor, ...], meta: StateMetadata) -> torch.Tensor:
+        """The C kernels' path (mamba1.c): the step's decodes and prompt chunks in one call for the
+        convolution and one for the scan, with the PyTorch path's roundings (the convolution's output
+        and the gated output in the model's dtype, all else float32). Returns the gated output [T, n]."""
+        conv_states, ssm_states = state
+        xz = xz.contiguous()
+        conv_w, conv_b, A, D = self._kernel_weights()
+        assert conv_w is not None and A is not None and D is not None
+        step = kernels.StepRequests.of(meta.query_lens, meta.slots, meta.fresh)
+        mixed = kernels.causal_conv(xz, step, conv_states, conv_w, conv_b)
+        dt, B, C = self._projections(mixed)
+        bc = torch.cat([B, C], dim=-1).float()
+        return kernels.mamba1_scan(xz, mixed, dt, bc, step, ssm_states, A, D)
+
+    def _kernel_weights(self) -> tuple[torch.Tensor | None, ...]:
+        """The convolution's weights and bias, A = −exp(A_log) and D in float32, as the C kernels read
+        them (made once: the weights do not change once loaded)."""
+        if self._f32 is None:
+            f32 = lambda t: None if t is None else t.detach().float().contiguous()
+            A = -self.A_log.detach().float().exp()
+            self._f32 = tuple(f32(t) for t in (self.conv1d, self.conv1d_bias, A, self.D))
+        return self._f32
