@@ -28,6 +28,7 @@ SOURCES = [
     "delta.c",  # linear attention's decodes
     "mamba.c",  # Mamba-2's decodes and prompt chunks
     "encoder.c",  # the encoders: bidirectional attention, bias + GELU, bias + residual + LayerNorm
+    "mla.c",  # multi-head latent attention's decodes
 ]
 HEADERS = sorted(p.name for p in Path(__file__).parent.glob("*.h"))  # part of the cache key (each of them)
 CFLAGS = ["-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
