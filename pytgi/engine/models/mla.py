@@ -196,11 +196,12 @@ class MLAttention(nn.Module):
             q_a = norm(q_a) if decodes is None else kernels.rms_norm(q_a.contiguous(), norm.scale(), norm.eps)
             q = self.q_b_proj(q_a)
         if decodes is not None:  # mla.c: everything up to o_proj in one call, the same bits
-            dims = (m.qk_nope_head_dim, d, r, m.v_head_dim)
+            dims, packed = (m.qk_nope_head_dim, d, r, m.v_head_dim), self.kv_b_proj.packed
             kv, norm = self.kv_a_proj_with_mqa(x), self.kv_a_layernorm
+            assert packed is not None  # (`_decodes_in_c`)
             o = kernels.mla_decode(
-                q, kv, rope, meta.slot_mapping, norm.scale(), kv_cache[0], self.kv_b_proj.packed,  # type: ignore[arg-type]
-                decodes, dims, m.rope_interleave, norm.eps, self.scale,
+                q, kv, rope, meta.slot_mapping, norm.scale(), kv_cache[0], packed, decodes, dims,
+                m.rope_interleave, norm.eps, self.scale,
             )  # fmt: skip
             return self.o_proj(o)
         q_nope, q_pe = q.view(T, H, -1).split([m.qk_nope_head_dim, d], dim=-1)
