@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from pytgi.engine import kernels
+from pytgi.engine.models.attention import StepLayout, TorchAttention
+from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.kda import KdaConfig, KimiDeltaAttention
 from pytgi.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from pytgi.engine.models.linear_attention import (
@@ -16,6 +18,7 @@ from pytgi.engine.models.linear_attention import (
 )
 from pytgi.engine.models.mamba1 import PLAIN, WEIGHTED, Mamba1Config, Mamba1Mixer
 from pytgi.engine.models.mamba2 import Mamba2Config, Mamba2Mixer
+from pytgi.engine.models.mla import MLAConfig, MLAttention
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -379,3 +382,72 @@ def test_gated_deltanet_prompt_chunk(length):
     out, state = kernels.gdn_prefill(q, k, v, decay, beta, s0, 16)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, ref_state, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("D", [48, 512, 1536, 300_000])
+def test_rms_norm_gives_the_modules_bits(D):
+    """mla.c's RMSNorm sums the squares in the order of PyTorch's CPU sum (its cascade, here at the
+    vector width PyTorch runs at): the module's bits, for row sizes short of a vector of four, and past
+    one and two levels of its cascade."""
+    g = torch.Generator().manual_seed(D)
+    norm = RMSNorm(D, 1e-6)
+    norm.weight.data = (1 + 0.3 * torch.randn(D, generator=g)).bfloat16()
+    x = (torch.randn(3, D, generator=g) * torch.tensor([[0.01], [1.0], [40.0]])).bfloat16()
+    assert torch.equal(kernels.rms_norm(x, norm.scale(), norm.eps), norm(x))
+
+
+def _mla_layer(q_lora: int | None, interleave: bool, dtype: torch.dtype) -> MLAttention:
+    """A small MLA layer with random weights, W_UK and W_UV packed for bf16gemm.c where it runs."""
+    g = torch.Generator().manual_seed(1)
+    cfg = MLAConfig(64, 16, 32, 32, q_lora_rank=q_lora, rope_interleave=interleave)
+    backend = TorchAttention(Kernels(fused=True), (4, 1, cfg.cache_row))
+    layer = MLAttention(cfg, 64, 4, 1e-6, False, 0.2, backend)
+    for name, p in layer.named_parameters():
+        if "layernorm" in name:
+            p.data.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+        elif "kv_b" not in name:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    layer.to(dtype)
+    kv_b = layer.kv_b_proj
+    kv_b.pack = kernels.bf16gemm_supported()
+    kv_b.load(kv_b.weight, torch.randn(4 * (16 + 32), 64, generator=g).to(dtype))
+    return layer
+
+
+@pytest.mark.parametrize("q_lora, interleave", [(48, True), (None, False)])
+def test_latent_attention_decodes_give_the_pytorch_ops_bits(q_lora, interleave):
+    """mla.c's decodes (`MLAttention` with bf16 W_UK, W_UV packed, a step of decodes only) equal the
+    layer's PyTorch ops to the bit: output and cache rows, five requests of different lengths (a first
+    token, block edges, several blocks) in scattered blocks. A float32 layer (nothing packed) and a
+    step with a prompt chunk keep the PyTorch path."""
+    if not kernels.bf16gemm_supported():
+        pytest.skip("bf16gemm.c is not built here: W_UK and W_UV are never packed")
+    g = torch.Generator().manual_seed(2)
+    layer = _mla_layer(q_lora, interleave, torch.bfloat16)
+    assert layer.kv_b_proj.packed is not None
+    bs, ctx = 16, np.array([1, 17, 40, 16, 70])
+    tables = np.full((5, 5), 0, dtype=np.int64)
+    free = list(np.random.default_rng(0).permutation(np.arange(1, 30)))
+    for b, n in enumerate(ctx):
+        tables[b, : (n + bs - 1) // bs] = [free.pop() for _ in range((n + bs - 1) // bs)]
+    slots = np.array([tables[b, (n - 1) // bs] * bs + (n - 1) % bs for b, n in enumerate(ctx)])
+    layout = StepLayout(np.ones(5, dtype=np.int64), ctx, tables, slots, bs)
+    meta = layer.backend.prepare(layout, torch.device("cpu"))
+    assert meta.paged is not None and meta.paged.decodes_only
+    cache = torch.randn(30 * bs, 1, layer.mla.cache_row, generator=g).bfloat16()
+    x = torch.randn(5, 64, generator=g).bfloat16()
+    rope = (torch.randn(5, 32, generator=g), torch.randn(5, 32, generator=g))
+    assert layer._decodes_in_c((cache,), meta) is meta.paged
+    caches = [cache.clone(), cache.clone()]
+    got = layer(x, rope, (caches[0], caches[0]), meta)
+    layer._decodes_in_c = lambda kv_cache, meta: None  # type: ignore[method-assign]
+    want = layer(x, rope, (caches[1], caches[1]), meta)
+    assert torch.equal(got, want) and torch.equal(caches[0], caches[1])
+    assert not torch.equal(caches[0], cache)  # (the rows were written)
+    del layer._decodes_in_c
+    chunk = np.concatenate([slots[:4], slots[4] - [2, 1, 0]])  # the last request's last 3 tokens
+    mixed = layer.backend.prepare(
+        StepLayout(np.array([1, 1, 1, 1, 3]), ctx, tables, chunk, bs), torch.device("cpu")
+    )
+    assert layer._decodes_in_c((cache,), mixed) is None
+    assert _mla_layer(q_lora, interleave, torch.float32)._decodes_in_c((cache.float(),), meta) is None

@@ -797,6 +797,63 @@ def bf16_matmul_heads(x: torch.Tensor, packed: torch.Tensor, N: int, out: torch.
     return out
 
 
+@cache
+def _torch_lanes() -> int:
+    """The float lanes of PyTorch's CPU vectors (its sum's order, which `rms_norm` follows)."""
+    return 16 if "AVX512" in torch.backends.cpu.get_cpu_capability() else 8
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`RMSNorm` of bf16 rows x [T, D] with its weight as float32 (`RMSNorm.scale`, of bf16 values): the
+    same bits as the module's PyTorch ops (mla.c)."""
+    assert x.dtype == torch.bfloat16 and x.is_contiguous() and weight.dtype == torch.float32
+    out = torch.empty_like(x)
+    T, D = x.shape
+    _built().pytgi_rms_norm_bf16(_ptr(x), _ptr(weight), _ptr(out), T, D, eps, _torch_lanes())
+    return out
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    norm_w: torch.Tensor,
+    k_cache: torch.Tensor,
+    packed: tuple[torch.Tensor, torch.Tensor],
+    p: PagedBatch,
+    dims: tuple[int, int, int, int],
+    interleave: bool,
+    eps: float,
+    scale: float,
+) -> torch.Tensor:
+    """Latent attention's decodes (mla.c), one token per request of `p` (decodes only), from the projections'
+    bf16 rows q [T, H · (nope + rope)] and kv [T, latent + rope] to o_proj's input [T, H · v]: writes
+    each token's cache row [kv_a_layernorm(c), rotary(k_pe)] at its slot and attends with the absorbed
+    W_UK, W_UV (`packed`); dims (nope, rope, latent, v); `rope`: the float32 cos, sin [T, rope];
+    norm_w: kv_a_layernorm's weight as float32. The same bits as `MLAttention`'s PyTorch ops."""
+    nope, d, r, v = dims
+    T, H = q.shape[0], q.shape[1] // (nope + d)
+    cos, sin = rope
+    assert p.decodes_only and len(p.q_starts) == T and q.dtype == kv.dtype == k_cache.dtype == torch.bfloat16
+    assert k_cache.shape[1:] == (1, r + d) and k_cache.is_contiguous() and norm_w.dtype == torch.float32
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape[-1] == d
+    q, kv, cos, sin, slots = (t.contiguous() for t in (q, kv, cos, sin, slots))
+    out = q.new_empty(T, H * v)
+    err = _built().pytgi_mla_decode_bf16(
+        _ptr(q), _ptr(kv), _ptr(cos), _ptr(sin), _ptr(slots), _ptr(norm_w), _ptr(k_cache), k_cache.shape[0],
+        _ptr(packed[0]), _ptr(packed[1]), _ptr(out), _ptr(p.q_starts), _ptr(p.block_tables),
+        _ptr(p.context_lens), T, p.block_tables.shape[1], p.block_size, H, nope, d, r, v, int(interleave),
+        eps, scale, _torch_lanes(),
+    )  # fmt: skip
+    if err == 3:
+        raise IndexError(f"a KV cache slot outside the cache's {k_cache.shape[0]} rows")
+    if err == 2:
+        raise RuntimeError("latent attention: bf16gemm.c is not built here, or a rotary part over 512")
+    _check(err, "latent attention")
+    return out
+
+
 def encoder_attention_supported(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether `encoder_attention` runs here for the dtype and head size (else: PyTorch's SDPA)."""
     lib = _lib()

@@ -30,6 +30,7 @@ SOURCES = [
     "mamba1.c",  # Mamba-1's convolution and selective scan, a whole step in two calls
     "kda.c",  # Kimi Delta Attention's rule, a whole step in one call
     "encoder.c",  # the encoders: bidirectional attention, bias + GELU, bias + residual + LayerNorm
+    "mla.c",  # multi-head latent attention's decodes
 ]
 HEADERS = sorted(p.name for p in Path(__file__).parent.glob("*.h"))  # part of the cache key (each of them)
 CFLAGS = ["-O3", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]

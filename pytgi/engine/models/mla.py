@@ -20,6 +20,14 @@ masks the rest, takes 16 query heads a program (a group of 128 in 8 programs) an
 as the values too: the value cache (no columns) is never touched. On a CPU with bf16gemm.c the per-head
 products by W_UK and W_UV run there, reading and writing the rows in place; the paged kernel's
 AVX-512 path takes rows of up to 576 values (DeepSeek's 512 + 64) and 16 query heads a kv head.
+
+A step of decodes only, there (W_UK and W_UV packed, a bf16 cache), runs everything between the
+projections and o_proj in one C call (`kernels.mla_decode`, mla.c): a decode step's ~40 small PyTorch
+ops a layer cost more than their arithmetic. It computes what the PyTorch ops compute, to the bit
+(the norm's sum in PyTorch's order, each bf16 product and sum rounded where PyTorch rounds it), so a
+request's rows do not depend on which path its steps took; q_a_layernorm runs in C on those steps too
+(`kernels.rms_norm`). Steps with a prompt chunk, an int8 cache or Mistral 4's query scales keep the
+PyTorch ops.
 """
 
 from __future__ import annotations
@@ -31,7 +39,13 @@ from torch import nn
 
 from pytgi.engine import kernels
 from pytgi.engine.distributed import local_range, tp_size
-from pytgi.engine.models.attention import LayerCache, LayerMetadata, Rope, TorchAttention
+from pytgi.engine.models.attention import (
+    LayerCache,
+    LayerMetadata,
+    Rope,
+    TorchAttention,
+    TorchAttentionMetadata,
+)
 from pytgi.engine.models.layers import ColumnParallelLinear, RMSNorm, RowParallelLinear, apply_rotary
 
 
@@ -157,14 +171,39 @@ class MLAttention(nn.Module):
         self.order = _pairs_to_halves if mla.rope_interleave else (lambda x: x)
         self.q_scale: torch.Tensor | None = None  # [T]: the step's query scales (`query_scales`)
 
+    def _decodes_in_c(self, kv_cache: LayerCache, meta: LayerMetadata) -> kernels.PagedBatch | None:
+        """The step's paged batch when mla.c can take it whole: a bf16 model on a CPU with bf16gemm.c
+        (W_UK, W_UV packed), every row a decode in the paged kernel, a bf16 cache (not int8), no query
+        scales, the norms' weights bf16 (their products rounded as the PyTorch path rounds them)."""
+        if not isinstance(meta, TorchAttentionMetadata) or self.kv_b_proj.packed is None:
+            return None
+        p = meta.paged
+        if p is None or not p.decodes_only or meta.decode is not None or meta.prefill is not None:
+            return None
+        norms = [n for n in (self.q_a_layernorm, self.kv_a_layernorm) if n is not None]
+        plain = all(n.weight.dtype == torch.bfloat16 and not n.offset for n in norms)
+        return p if plain and self.q_scale is None and kv_cache[0].dtype == torch.bfloat16 else None
+
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: LayerCache, meta: LayerMetadata) -> torch.Tensor:
         m, T, H = self.mla, x.shape[0], self.n_heads
         r, d = m.kv_lora_rank, m.qk_rope_head_dim
+        decodes = self._decodes_in_c(kv_cache, meta)
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
             assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a, norm = self.q_a_proj(x), self.q_a_layernorm
+            q_a = norm(q_a) if decodes is None else kernels.rms_norm(q_a.contiguous(), norm.scale(), norm.eps)
+            q = self.q_b_proj(q_a)
+        if decodes is not None:  # mla.c: everything up to o_proj in one call, the same bits
+            dims, packed = (m.qk_nope_head_dim, d, r, m.v_head_dim), self.kv_b_proj.packed
+            kv, norm = self.kv_a_proj_with_mqa(x), self.kv_a_layernorm
+            assert packed is not None  # (`_decodes_in_c`)
+            o = kernels.mla_decode(
+                q, kv, rope, meta.slot_mapping, norm.scale(), kv_cache[0], packed, decodes, dims,
+                m.rope_interleave, norm.eps, self.scale,
+            )  # fmt: skip
+            return self.o_proj(o)
         q_nope, q_pe = q.view(T, H, -1).split([m.qk_nope_head_dim, d], dim=-1)
         c, k_pe = self.kv_a_proj_with_mqa(x).split([r, d], dim=-1)
         cos, sin = (t.reshape(T, 1, d).to(x.dtype) for t in rope)  # (the C kernels' tables: float32 [T, d])
