@@ -185,12 +185,13 @@ class PagedModel:
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy recurrent states between pool rows, (source, destination) in order: a state is row
         `slot` of every tensor of every recurrent layer (the prefix cache's checkpoints, saved and
-        restored)."""
+        restored); a layer that attends too (Falcon-H1's) keeps its keys and values first, indexed by
+        token, not slot: only its states' tensors are copied."""
         tensors = [
             t
             for layer, cache in zip(self.model.layers, self.kv_caches)
-            if getattr(layer, "linear_attn", None) is not None
-            for t in cache
+            if (mixer := getattr(layer, "linear_attn", None)) is not None
+            for t in cache[len(cache) - len(mixer.state_specs()) :]
         ]
         for src, dst in copies:
             for t in tensors:
