@@ -132,9 +132,10 @@ class EngineConfig:
     )
     prefix_cache_state_bytes: int | None = setting(
         None,
-        "a model with recurrent layers (Qwen3-Next, Qwen3.5): the memory for the prefix cache's state "
-        "checkpoints, taken from the KV cache's (default: an eighth of it, at least one a running "
-        "request; 0: no prefix cache for it)",
+        "a model with recurrent layers (Qwen3.5, the Mamba families, LFM2, Kimi Linear): the memory for "
+        "the prefix cache's state checkpoints, taken from the KV cache's (default: an eighth of it, at "
+        "least one a running request; without attention layers, one a running request; 0: no prefix "
+        "cache for it)",
     )
     prefix_cache_verify_rate: float = setting(
         0.0,

@@ -489,25 +489,39 @@ def check_decoder_pooling(config: EngineConfig) -> None:
 
 def _states_alone(
     config: EngineConfig, runner: ModelRunner, kv_capacity: Callable[[], int]
-) -> tuple[EngineConfig, Callable[[], int]]:
+) -> tuple[EngineConfig, Callable[[], int], int]:
     """A model whose every layer keeps a state and none keys and values (Mamba, FalconMamba): the
     memory budget (`kv_capacity()` gives bytes for such a model) holds --max-batch-size states, by
-    default as many as fit, at most 256. Its KV blocks cost nothing: they only count positions, so
-    the cache holds each running request's positions (`--max-batch-total-tokens` where given)."""
+    default as many as fit, at most 256, and the prefix cache's checkpoints: by default one a running
+    state (the budget then split in halves), or `--prefix-cache-state-bytes`. Its KV blocks cost
+    nothing: they only count positions (and name the prefixes the checkpoints end at), so the cache
+    holds each running request's positions (`--max-batch-total-tokens` where given). Returns the
+    config, the positions and the checkpoints."""
+    state = runner.state_bytes
+    caching = config.enable_prefix_caching and bool(runner.state_grid)
+    asked = config.prefix_cache_state_bytes if caching else 0  # None: one a running state
     slots = config.max_batch_size
     if slots is None:
-        slots = max(1, min(256, kv_capacity() // runner.state_bytes))
+        budget = kv_capacity()
+        slots = max(1, min(256, budget // (2 * state) if asked is None else (budget - asked) // state))
+    checkpoints = slots if asked is None else asked // state
     log.info(
-        "recurrent states for %d running requests (%.2f GiB); no attention layer: no KV cache",
+        "recurrent states for %d running requests (%.2f GiB) and %d checkpoints (%.2f GiB); no attention "
+        "layer: no KV cache",
         slots,
-        slots * runner.state_bytes / 2**30,
+        slots * state / 2**30,
+        checkpoints,
+        checkpoints * state / 2**30,
     )
+    if config.enable_prefix_caching and not runner.state_grid:
+        log.info("prefix caching is off: a recurrent layer kind of this model says no state grid")
     # (at most 2M positions: the block manager's bookkeeping grows with them, and 2M are 8192 a request
     # for 256 requests)
     positions = min(slots * runner.config.max_position_embeddings, 1 << 21)
     return (
-        dataclasses.replace(config, max_batch_size=slots, enable_prefix_caching=False),
+        dataclasses.replace(config, max_batch_size=slots, enable_prefix_caching=checkpoints > 0),
         lambda: positions,
+        checkpoints,
     )
 
 
@@ -532,8 +546,8 @@ def _with_states(
             'KV cache does (docs/models.md, "Speculation on hybrids")'
         )
     state, per_token = runner.state_bytes, runner.paged.kv_bytes_per_token()
-    if not per_token:  # no attention layer (Mamba): the states take the whole budget, no checkpoints
-        return (*_states_alone(config, runner, kv_capacity), 0)
+    if not per_token:  # no attention layer (Mamba): the states and checkpoints take the whole budget
+        return _states_alone(config, runner, kv_capacity)
     measured: int | None = None
 
     def memory_tokens() -> int:  # the KV cache's tokens before the states take their share

@@ -1,14 +1,18 @@
 """What the tests of every recurrent family check the same way (gated DeltaNet, LFM2's convolutions,
 Kimi's KDA, ...): an engine on a saved tiny model, transformers' greedy tokens, greedy equality alone
-and batched under prefill chunks that cut the prompts, bf16 rows that do not depend on the batch."""
+and batched under prefill chunks that cut the prompts, bf16 rows that do not depend on the batch, and
+prefix-cache hits that give a cold prefill's bits."""
 
 from __future__ import annotations
 
+import math
+import random
 from typing import Any
 
 import torch
 
 from pytgi.core.config import EngineConfig
+from pytgi.core.sampling_params import SamplingParams
 from pytgi.engine.llm_engine import LLMEngine
 from tests.model.test_sharding import run
 
@@ -55,3 +59,62 @@ def assert_batched_equals_alone_in_bf16(path, prompts) -> None:
     finally:
         eng.shutdown()
     assert batched == alone  # tokens and every prompt and output logprob, to the bit
+
+
+# a conversation's two turns (tokens 1..100: every tiny config's vocabulary has 101): the first 210
+# tokens, the second 60 more
+_rng = random.Random(3)
+TURN_1 = [_rng.randrange(1, 101) for _ in range(210)]
+TURN_2 = TURN_1 + [_rng.randrange(1, 101) for _ in range(60)]
+
+
+def answer(eng: LLMEngine, prompt: list[int], max_new_tokens: int = 8) -> tuple[list[int], list[float], int]:
+    """A prompt's greedy tokens, their logprobs and its cached prompt tokens."""
+    rid = f"p{_rng.random()}"
+    eng.add_request(rid, prompt, SamplingParams(max_new_tokens=max_new_tokens, temperature=0))
+    tokens, lps, cached = [], [], 0
+    while eng.has_unfinished():
+        for u in eng.step():
+            if u.token_id >= 0:
+                tokens.append(u.token_id)
+                lps.append(u.logprob)
+            cached = u.num_cached_tokens
+    return tokens, lps, cached
+
+
+def assert_a_hit_gives_the_bits_of_a_cold_prefill(path, dtype: str, grid: int, **kw) -> None:
+    """The prefix cache on a model with recurrent layers (docs/prefix-cache.md, "checkpoints"): its
+    grid is the lcm of its kinds' (`RecurrentMixer.state_grid`), the first turn keeps a checkpoint
+    at its last boundary before its end (every lcm(16, grid) tokens), the second resumes there and
+    the same prompt again at its own; each answer is a cold prefill's, tokens and logprobs, to the
+    bit in bf16 (the engine's own row-invariant matmuls); in float32 the tokens, the logprobs within
+    1e-5 (oneDNN's matmuls round a row by the step's size: 2e-6 measured, Jamba's and LFM2's).
+    The kinds' own prefills split on the grid are exact in both (the layers alone: 16 rows or more
+    give the same bits however split)."""
+    stride = math.lcm(16, grid)
+    eng = engine(path, dtype=dtype, **kw)
+    try:
+        assert eng.runner.state_grid == grid and eng.info.enable_prefix_caching
+        assert eng.block_manager.checkpoint_stride == stride
+        first = answer(eng, TURN_1)
+        second = answer(eng, TURN_2)
+        again = answer(eng, TURN_2)
+    finally:
+        eng.shutdown()
+    assert first[2] == 0
+    assert second[2] == (len(TURN_1) - 1) // stride * stride
+    assert again[2] == (len(TURN_2) - 1) // stride * stride
+    cold = engine(path, dtype=dtype, enable_prefix_caching=False, **kw)
+    try:
+        assert not cold.info.enable_prefix_caching
+        cold_1, cold_2 = answer(cold, TURN_1), answer(cold, TURN_2)
+    finally:
+        cold.shutdown()
+    assert cold_1[2] == cold_2[2] == 0 and len(set(cold_2[0])) > 1
+    for got, want in ((first, cold_1), (second, cold_2), (again, cold_2)):
+        if dtype == "bfloat16":
+            assert got[:2] == want[:2]  # tokens and logprobs, to the bit
+        else:  # float32's matmuls are oneDNN's, whose rows change with the step's rows
+            # (docs/batch-invariance.md): the recurrent layers are exact, the projections close
+            assert got[0] == want[0]
+            assert max(abs(a - b) for a, b in zip(got[1], want[1])) < 1e-5

@@ -100,10 +100,13 @@ def test_every_layer_keeps_keys_values_and_a_state(falcon_h1):
         EngineConfig(model=str(path), max_batch_total_tokens=1024, dtype="float32", max_batch_size=3)
     )
     try:
+        # 3 running states, then the prefix cache's checkpoints (every 64 tokens: Mamba-2's grid)
+        rows = 3 + len(engine.block_manager.free_checkpoints)
+        assert engine.info.enable_prefix_caching and engine.runner.state_grid == 64
         for k, v, conv, ssm in engine.runner.paged.kv_caches:
             assert k.shape[1:] == (2, 16) and v.shape == k.shape
-            assert conv.shape == (3, 64 + 2 * 2 * 8, 3)
-            assert ssm.shape == (3, 4, 16, 8) and ssm.dtype == torch.float32
+            assert conv.shape == (rows, 64 + 2 * 2 * 8, 3)
+            assert ssm.shape == (rows, 4, 16, 8) and ssm.dtype == torch.float32
     finally:
         engine.shutdown()
 

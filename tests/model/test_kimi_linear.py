@@ -85,9 +85,9 @@ def test_a_kda_layer_keeps_its_state_per_request(kimi):
         paged = engine.runner.paged
         assert isinstance(paged.model.layers[0].linear_attn, KimiDeltaAttention)
         # the convolution's window of q|k|v, then the rule's state per head
-        assert [tuple(t.shape) for t in paged.kv_caches[0]] == [(3, 3 * 4 * 16, 3), (3, 4, 16, 16)]
+        assert [tuple(t.shape[1:]) for t in paged.kv_caches[0]] == [(3 * 4 * 16, 3), (4, 16, 16)]
         assert len(paged.kv_caches[1]) == 2  # the latent attention layer's cache
-        assert not engine.info.enable_prefix_caching
+        assert engine.info.enable_prefix_caching and engine.runner.state_grid == 32  # its chunks
     finally:
         engine.shutdown()
 

@@ -99,16 +99,18 @@ def test_batched_equals_alone_in_bf16(hybrid):
 
 def test_a_conv_layer_keeps_its_window_per_request(lfm2):
     """The state pool: a conv layer's entry is one [slots, hidden, L_cache − 1] tensor, the attention
-    layer's its keys and values; the prefix cache is off."""
+    layer's its keys and values; the prefix cache keeps checkpoints at every block's end (the
+    convolution is exact however a prefill is cut: grid 1)."""
     _, path = lfm2
     engine = _engine(path, dtype="float32", max_batch_size=3)
     try:
         paged = engine.runner.paged
         assert isinstance(paged.model.layers[0].linear_attn, ShortConv)
-        assert [tuple(t.shape) for t in paged.kv_caches[0]] == [(3, 64, 2)]
+        assert [tuple(t.shape[1:]) for t in paged.kv_caches[0]] == [(64, 2)]
         assert len(paged.kv_caches[1]) == 2  # keys and values
         assert paged.state_bytes_per_request() == 3 * 64 * 2 * 4
-        assert not engine.info.enable_prefix_caching
+        assert engine.info.enable_prefix_caching and engine.runner.state_grid == 1
+        assert engine.block_manager.checkpoint_stride == 16
     finally:
         engine.shutdown()
 

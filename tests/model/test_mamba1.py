@@ -155,21 +155,35 @@ def test_jamba_prompt_logprobs_equal_the_full_forward(jamba):
 
 def test_a_model_without_attention_sizes_the_state_pool_alone(mamba):
     """No attention layer: the KV cache has no bytes, each layer keeps a state, and the default
-    batch comes from the memory the states take (no --max-batch-size, no --max-batch-total-tokens)."""
+    batch comes from the memory the states take (no --max-batch-size, no --max-batch-total-tokens),
+    halved for the prefix cache's checkpoints (one a running state), which `--prefix-cache-state-bytes`
+    sizes instead, or turns off with 0."""
     _, path = mamba
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_cpu_bytes=1 << 24))
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_cpu_bytes=1 << 22))
     try:
         paged = engine.runner.paged
         assert paged.kv_bytes_per_token() == 0
         caches = paged.kv_caches
         slots = engine.info.max_batch_size
-        assert caches[0][0].shape == (slots, 128, 3) and caches[0][1].shape == (slots, 128, 8)
+        assert caches[0][0].shape == (2 * slots, 128, 3) and caches[0][1].shape == (2 * slots, 128, 8)
         per_request = 3 * (128 * 3 * 4 + 128 * 8 * 4)
         assert paged.state_bytes_per_request() == per_request
-        assert slots == min(256, (1 << 24) // per_request)
+        assert slots == min(256, (1 << 22) // (2 * per_request))
+        assert engine.info.enable_prefix_caching and len(engine.block_manager.free_checkpoints) == slots
         assert run(engine, [PROMPTS[1]])[0][0]
     finally:
         engine.shutdown()
+    for cached, slots in ((per_request * 10, (1 << 22) // per_request - 10), (0, (1 << 22) // per_request)):
+        config = EngineConfig(
+            model=str(path), dtype="float32", kv_cache_cpu_bytes=1 << 22, prefix_cache_state_bytes=cached
+        )
+        engine = LLMEngine(config)
+        try:
+            assert engine.info.max_batch_size == min(256, slots)
+            assert len(engine.block_manager.free_checkpoints) == cached // per_request
+            assert engine.info.enable_prefix_caching == (cached > 0)
+        finally:
+            engine.shutdown()
 
 
 @pytest.mark.parametrize("name", ["jamba", "mamba"])

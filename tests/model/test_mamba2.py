@@ -221,9 +221,12 @@ def test_the_engine_keeps_a_state_per_request_and_none_for_mlp_layers(nemotron_h
     engine = _engine(path, dtype="float32", max_batch_size=3)
     try:
         caches = engine.runner.paged.kv_caches
-        assert not engine.info.enable_prefix_caching
-        assert caches[0][0].shape == (3, 8 * 8 + 2 * 2 * 8, 3)  # the convolution's last 3 inputs
-        assert caches[0][1].shape == (3, 8, 8, 8) and caches[0][1].dtype == torch.float32
+        assert engine.info.enable_prefix_caching  # checkpoints every 64 tokens (`ssd_chunked`'s chunks)
+        assert engine.runner.state_grid == 64
+        # 3 running rows, then the checkpoints' (`PagedModel.allocate`)
+        assert caches[0][0].shape[0] == 3 + len(engine.block_manager.free_checkpoints)
+        assert caches[0][0].shape[1:] == (8 * 8 + 2 * 2 * 8, 3)  # the convolution's last 3 inputs
+        assert caches[0][1].shape[1:] == (8, 8, 8) and caches[0][1].dtype == torch.float32
         assert caches[1] == () and caches[3] == ()  # the experts' and the MLP's layers keep nothing
         assert len(caches[2]) == 2  # the attention layer's keys and values
         per_layer = (96 * 3) * 4 + 8 * 8 * 8 * 4

@@ -204,7 +204,8 @@ class PagedModel:
     def copy_states(self, copies: Sequence[tuple[int, int]]) -> None:
         """Copy recurrent states between pool rows, (source, destination) in order: a state is row
         `slot` of every state tensor of every recurrent layer (the prefix cache's checkpoints, saved
-        and restored)."""
+        and restored; a layer that attends too, Falcon-H1's, keeps its keys and values first, indexed by
+        token, not slot: they are not copied)."""
         tensors = self.state_tensors()
         for src, dst in copies:
             for t in tensors:

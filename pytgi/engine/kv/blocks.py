@@ -52,7 +52,8 @@ class BlockManager:
 
         `checkpoint_slots`: the state pool's rows past the running ones, which keep states at block
         boundaries for the prefix cache (docs/prefix-cache.md). `state_grid`: where the recurrent
-        layers' prefill states are exact (`PagedModel.state_grid`: gated DeltaNet's 64-token chunks); a
+        layers' prefill states are exact (`PagedModel.state_grid`, the lcm of their kinds' grids: gated
+        DeltaNet's and Mamba-2's 64-token chunks, KDA's 32, Mamba-1's and convolutions' 1); a
         state is a cold prefill's bits only where every chunk so far started on that grid, so
         checkpoints are taken every lcm(block_size, state_grid) tokens."""
         if num_blocks <= 0:

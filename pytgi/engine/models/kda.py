@@ -125,6 +125,11 @@ class KimiDeltaAttention(nn.Module):
     """A KDA layer; this rank holds whole heads (their projections' rows, convolution channels, decays
     and states)."""
 
+    # `chunked_rule`'s chunks: a call started off them solves other triangular systems and sums other
+    # matmuls, and the state differs in the last bits (measured: splits at multiples of 32 are exact,
+    # at 16, 48 or 100 not)
+    state_grid = CHUNK
+
     def __init__(self, cfg: KdaConfig, hidden: int, eps: float, fused: bool = False) -> None:
         """fused: the C kernels run the convolution (`kernels.causal_conv`) and the rule with the output's
         norm and gate (`kernels.kda_rule`), each once a step for its decodes and prompt chunks; the

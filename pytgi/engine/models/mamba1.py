@@ -90,6 +90,10 @@ class Mamba1Mixer(nn.Module):
     rows of in_proj, dt_proj, the convolution, A, D and the states); x_proj and out_proj read this
     rank's channels and are all-reduced."""
 
+    # `selective_scan` is the recurrence token by token and the convolution's taps are summed per
+    # output position: a prefill split anywhere gives the state and outputs of one unsplit (measured)
+    state_grid = 1
+
     def __init__(self, cfg: Mamba1Config, hidden: int, fused: bool = False) -> None:
         """fused: mamba1.c's kernels run the convolution (`kernels.causal_conv`) and the scan with D's
         skip and the gate (`kernels.mamba1_scan`), each once a step; the projections between them stay

@@ -150,6 +150,12 @@ class Mamba2Mixer(nn.Module):
     one, split over ranks: its B and C on each of them, its norm's squares all-reduced), their
     convolution channels, decays and states; the output projection is all-reduced."""
 
+    # `ssd_chunked`'s chunks: a call that starts off them sums its chunks' matmuls over other tokens,
+    # and the state after them differs in the last bits. The C kernel (`mamba2_prefill_layer`) runs
+    # the recurrence token by token, exact at any split (measured), so 64 is where both paths are:
+    # a checkpoint is the same bits whichever path computed it
+    state_grid = CHUNK
+
     def __init__(self, cfg: Mamba2Config, hidden: int, eps: float, fused: bool = False) -> None:
         """fused: the C kernels run everything between the projections (`kernels.mamba2_decode_layer`
         the decodes, `kernels.mamba2_prefill_layer` each prompt chunk), except where a group's norm is

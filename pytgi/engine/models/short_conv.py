@@ -45,6 +45,10 @@ class ShortConv(nn.Module):
     """One short-convolution layer; this rank holds channels [start, start + n) of every gate, of the
     convolution and of out_proj's input."""
 
+    # no recurrence: the state is the window's last inputs, and each output sums its taps alone, so a
+    # prefill split anywhere gives the bits of one unsplit (measured)
+    state_grid = 1
+
     def __init__(self, cfg: ShortConvConfig, hidden: int) -> None:
         super().__init__()
         if cfg.kernel < 2:
