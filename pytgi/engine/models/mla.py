@@ -24,10 +24,11 @@ AVX-512 path takes rows of up to 576 values (DeepSeek's 512 + 64) and 16 query h
 A step of decodes only, there (W_UK and W_UV packed, a bf16 cache), runs everything between the
 projections and o_proj in one C call (`kernels.mla_decode`, mla.c): a decode step's ~40 small PyTorch
 ops a layer cost more than their arithmetic. It computes what the PyTorch ops compute, to the bit
-(the norm's sum in PyTorch's order, each bf16 product and sum rounded where PyTorch rounds it), so a
-request's rows do not depend on which path its steps took; q_a_layernorm runs in C on those steps too
-(`kernels.rms_norm`). Steps with a prompt chunk, an int8 cache or Mistral 4's query scales keep the
-PyTorch ops.
+(each bf16 product and sum rounded where PyTorch rounds it), so a request's rows do not depend on which
+path its steps took. The two norms are the exception: mla.c's sum of squares follows PyTorch's order
+but about one row in a thousand still differs in its last bit, so where mla.c may run, every step's
+norms run in C (`kernels.rms_norm`), prompt chunks too. Steps with a prompt chunk, an int8 cache or
+Mistral 4's query scales keep the PyTorch ops for the rest.
 """
 
 from __future__ import annotations
@@ -180,9 +181,22 @@ class MLAttention(nn.Module):
         p = meta.paged
         if p is None or not p.decodes_only or meta.decode is not None or meta.prefill is not None:
             return None
+        plain = self._norms_in_c() and self.q_scale is None
+        return p if plain and kv_cache[0].dtype == torch.bfloat16 else None
+
+    def _norms_in_c(self) -> bool:
+        """Whether the norms run in C (`kernels.rms_norm`, mla.c's), on every step: mla.c's sum of
+        squares is not PyTorch's to the bit on every row (about one row in a thousand differs in the
+        last bit), so where mla.c may take a decode, every step's rows take the same norm, and a decode's
+        bits do not depend on whether its step also held a prompt chunk (batch invariance)."""
         norms = [n for n in (self.q_a_layernorm, self.kv_a_layernorm) if n is not None]
         plain = all(n.weight.dtype == torch.bfloat16 and not n.offset for n in norms)
-        return p if plain and self.q_scale is None and kv_cache[0].dtype == torch.bfloat16 else None
+        return plain and self.kv_b_proj.packed is not None
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and self._norms_in_c():
+            return kernels.rms_norm(x.contiguous(), norm.scale(), norm.eps)
+        return norm(x)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: LayerCache, meta: LayerMetadata) -> torch.Tensor:
         m, T, H = self.mla, x.shape[0], self.n_heads
@@ -193,7 +207,7 @@ class MLAttention(nn.Module):
         else:
             assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
             q_a, norm = self.q_a_proj(x), self.q_a_layernorm
-            q_a = norm(q_a) if decodes is None else kernels.rms_norm(q_a.contiguous(), norm.scale(), norm.eps)
+            q_a = self._norm(norm, q_a)
             q = self.q_b_proj(q_a)
         if decodes is not None:  # mla.c: everything up to o_proj in one call, the same bits
             dims, packed = (m.qk_nope_head_dim, d, r, m.v_head_dim), self.kv_b_proj.packed
@@ -210,7 +224,7 @@ class MLAttention(nn.Module):
         q_pe = apply_rotary(self.order(q_pe), cos, sin)
         k_pe = apply_rotary(self.order(k_pe).view(T, 1, d), cos, sin)
         k_cache = kv_cache[0]
-        row = torch.cat((self.kv_a_layernorm(c).view(T, 1, r), k_pe), dim=-1)
+        row = torch.cat((self._norm(self.kv_a_layernorm, c).view(T, 1, r), k_pe), dim=-1)
         if kernels.kv8(k_cache):  # --kv-cache-dtype int8: the row's int8 values and bf16 scale
             kernels.write_kv8(row, row, meta.slot_mapping, k_cache, k_cache)
         else:
