@@ -34,6 +34,10 @@
  * levels' low 4 bits as the 4-bit format stores them (256 bytes), their high 2 bits in two more
  * vectors (vector j's bits at bit 2·(j % 4) of vector 4 + j / 4's byte; 128 bytes), then 16 fp16 d for
  * inputs 0..15 and 16 for 16..31 (64 bytes): 448 bytes, 7 bits a weight where 8-bit levels take 10.
+ * Or 7 ("five": GGUF's Q5_0, symmetric levels 0..31 with one scale per 32, m = -16·d): the levels'
+ * low 4 bits as the 4-bit format stores them (256 bytes), their high bits in one more vector (vector
+ * j's at bit j of its bytes, so that a shift and an and put it at bit 4; 64 bytes), then 16 fp16 d
+ * (32 bytes): 352 bytes, 5.5 bits a weight as in the file, where format 6 takes 7.
  *
  * With AVX2 only, the same layout is multiplied with AVX2's byte multiply-adds (below); with
  * neither, `pytgi_qgemv_supported()` returns 0 and callers use PyTorch's kernels.
@@ -432,7 +436,8 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
  * summed to int16) and `vpmaddwd` by ones (int16 pairs to int32) in place of `vpdpbusd`. A
  * 64-byte vector of the layout is two 32-byte halves: rows 0-7, then rows 8-15.
  * 4-bit weights: each int16 pair sum is at most 2·15·127, so the 8 vectors of a group add up in
- * int16 (≤ 30480) before one widening; MXFP4's levels (≤ 24, bits 5) are widened every two vectors. 8-bit weights (unsigned 1..255) would saturate the int16
+ * int16 (≤ 30480) before one widening; MXFP4's levels (≤ 24, bits 5) and Q5_0's (≤ 31, bits 7) are
+ * widened every two vectors, Q6_K's (≤ 63, bits 6) every vector. 8-bit weights (unsigned 1..255) would saturate the int16
  * pairs, so they are made signed (q − 128, offset m + 128·d) and multiplied as |x| × sign(x)·q,
  * as llama.cpp does, or with several rows as |q| × sign(q)·x, |q| shared by the rows (≤ 2·127·127
  * a pair either way), widened every vector. */

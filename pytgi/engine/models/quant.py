@@ -23,7 +23,9 @@ kernels multiply by them:
 Which tensors to quantize, and how, is a per-tensor plan:
 - a GGUF model follows its file (`quantization.json`, written by the converter): Q4_0, Q4_1 and
   Q4_K tensors become int4, Q5_0/Q5_1/Q5_K/Q8_0 int8 and Q2_K/Q3_K/Q6_K int8x16 (on a CPU with the
-  kernels Q3_K, Q5_0 and Q6_K, symmetric and of at most 64 levels, take 6 bits). The loader reads
+  kernels Q3_K and Q6_K, symmetric and of at most 64 levels, take 6 bits, qgemv.c's format 6, and
+  Q5_0, symmetric with 32 levels, 5.5 bits as in the file, format 7; a linear mixing Q5_0 with
+  Q3_K/Q6_K parts takes 6 bits). The loader reads
   each tensor's levels and grids from its blocks (`pytgi.engine.loading.gguf`, `grid_layout`) and
   packs them as they are: exact but for fp16 scales, for every type, with no float copy of the
   model; float tensors, and types on no uniform grid (IQ*, TQ*), are dequantized to bf16;
@@ -56,7 +58,8 @@ INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # on a 16-level grid per 32 values
 INT8_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q8_0"}  # on a grid of at most 256 levels per 32 values
 SUB16_TYPES = {"Q2_K", "Q3_K", "Q6_K"}  # scales per 16 values that no grid per 32 holds
 # the symmetric types of at most 64 levels: 6 bits on CPU (qgemv.c's format 6), whether their kind is
-# int8x16 (Q6_K, Q3_K: a scale per 16) or int8 (Q5_0: one per 32, given to both halves)
+# int8x16 (Q6_K, Q3_K: a scale per 16) or int8 (Q5_0: one per 32, given to both halves, where Q5_0 parts
+# share a linear with Q6_K or Q3_K ones; alone they take FIVE_BIT_TYPES' format)
 SIX_BIT_TYPES = {"Q6_K", "Q3_K", "Q5_0"}
 # Q5_0 alone (symmetric, 32 levels, one scale per 32): 5.5 bits on CPU (qgemv.c's format 7), as in the file
 FIVE_BIT_TYPES = {"Q5_0"}
@@ -245,7 +248,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
     """The layout `pytgi/engine/kernels/qgemv.c` reads: q unsigned ([N, K], values < 256), d and m
-    [N, K/32] (bits 4, 8) or [N, K/16] (bits 16: int8x16); per tile of 16 rows and group of 32
+    [N, K/32] (bits 4, 7, 8) or [N, K/16] (bits 16: int8x16); per tile of 16 rows and group of 32
     inputs, the weight bytes then 16 fp16 d and m (for each 16 inputs with bits 16)."""
     N, K = q.shape
     if kernels.available():  # the same bytes in one pass (pack.c)
