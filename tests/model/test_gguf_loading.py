@@ -162,6 +162,7 @@ def test_quantized_tensors_are_packed_from_their_blocks(tmp_path, monkeypatch, f
     assert len(linears) == 1 + per_layer * kw["num_hidden_layers"]
     for m in linears:  # packed, and no float weight beside it
         assert m.quant.vnni and m.layer.weight.numel() == 0
+    assert any(m.quant.bits == 7 for m in linears)  # attn_output's Q5_0: the 5.5-bit format
     assert model.embed_tokens.packed is not None and model.embed_tokens.weight.numel() == 0
     if kw["tie_word_embeddings"]:  # a tied table reads the head's rows: one copy
         assert model.embed_tokens.packed is model.lm_head.quant
@@ -172,7 +173,8 @@ def test_quantized_tensors_are_packed_from_their_blocks(tmp_path, monkeypatch, f
     x = torch.randn(4, kw["hidden_size"], generator=torch.Generator().manual_seed(0))
     floats: Any = exact.model
     for packed, floating in zip(model.layers, floats.layers):  # each expert's packed gate|up rows
-        for e, (gate_up, _) in enumerate(getattr(packed.mlp, "packed", [])):
+        for e, (gate_up, down) in enumerate(getattr(packed.mlp, "packed", [])):
+            assert down.bits == 7  # ffn_down_exps' Q5_0 in 5.5 bits
             want = x @ floating.mlp.gate_up[e].T
             assert (gate_up.matmul(x.bfloat16()).float() - want).abs().max() <= 0.05 * want.abs().max()
     seq = np.random.default_rng(1).integers(0, kw["vocab_size"], 23).tolist()

@@ -22,6 +22,7 @@ from pytgi.engine import kernels
 from pytgi.engine.loading.gguf import GGUFWeights, decode_blocks, decode_blocks_reference
 from pytgi.engine.models.cpu import Kernels
 from pytgi.engine.models.quant import (
+    FIVE_BIT_TYPES,
     SIX_BIT_TYPES,
     LayoutRows,
     QuantizedWeight,
@@ -165,6 +166,10 @@ def test_blocks_decode_to_their_values_and_pack_without_rounding(tmp_path, name)
             six = QuantizedWeight(kind, LayoutRows((N, K), rows.slices, six=True), torch.bfloat16, cpu)
             assert six.bits == 6 and torch.equal(unpack_rows(six.packed, torch.arange(N), 6), ref)
             torch.testing.assert_close(six.matmul(x), packed, rtol=2**-7, atol=0.0)
+        if name in FIVE_BIT_TYPES:  # and Q5_0's 5.5-bit layout (taken before the 6-bit one)
+            five = QuantizedWeight(kind, LayoutRows((N, K), rows.slices, True, True), torch.bfloat16, cpu)
+            assert five.bits == 7 and torch.equal(unpack_rows(five.packed, torch.arange(N), 7), ref)
+            torch.testing.assert_close(five.matmul(x), packed, rtol=2**-7, atol=0.0)
 
 
 @pytest.mark.parametrize("name", [t for t in TYPES if t not in ("F32", "F16", "BF16")])

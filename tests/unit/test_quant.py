@@ -226,14 +226,14 @@ def test_low_bit_kernel_sums_exactly_what_the_layout_holds(kind, M):
     torch.testing.assert_close(qw.matmul(x).float(), ref, atol=2e-4 * ref.abs().max().item(), rtol=8e-3)
 
 
-@pytest.mark.parametrize("bits", [4, 5, 6, 8, 16])
+@pytest.mark.parametrize("bits", [4, 5, 6, 7, 8, 16])
 def test_packing_in_c_writes_the_reference_layout(bits):
     """pack.c (what a model's load runs) writes byte for byte what the PyTorch reference does."""
     if not kernels.available():
         pytest.skip("pytgi's C kernels are not built here")
     g = torch.Generator().manual_seed(bits)
     N, K = 48, 96
-    q = torch.randint(0, {4: 16, 6: 64}.get(bits, 256), (N, K), generator=g)
+    q = torch.randint(0, {4: 16, 6: 64, 7: 32}.get(bits, 256), (N, K), generator=g)
     if bits == 5:  # MXFP4's levels
         q = torch.tensor(FP4_LEVELS)[torch.randint(0, 16, (N, K), generator=g)]
     d, m = torch.rand(N, K // (16 if bits in (6, 16) else 32), 2, generator=g).unbind(-1)
@@ -277,6 +277,54 @@ def test_q6_k_levels_pack_in_six_bits(M):
         assert all(torch.equal(qw.matmul(big)[i], qw.matmul(big[i : i + 1])[0]) for i in range(3))
     eight = QuantizedWeight("int8x16", LayoutRows(rows.shape, rows.slices), torch.bfloat16, cpu())
     assert eight.bits == 16
+    torch.testing.assert_close(
+        y.float(), eight.matmul(x).float(), atol=1e-3 * ref.abs().max().item(), rtol=1e-2
+    )
+
+
+def q5_0_rows(N: int, K: int, seed: int = 0) -> LayoutRows:
+    """A weight on Q5_0's grid in int8's terms, as a GGUF file's loader gives it: u = q + 112 (q in
+    0..31, zero 16) and m = -128·d per 32 inputs, d fp16 (some tiny, one zero)."""
+    g = torch.Generator().manual_seed(seed)
+    u = (torch.randint(0, 32, (N, K), generator=g) + 112).to(torch.uint8)
+    u[0, :32], u[1, :32] = 112, 143  # both ends
+    d = (torch.rand(N, K // 32, generator=g) * 0.01).half().float()
+    d[2, 0], d[3, 1] = 0.0, 2.0**-20  # a zero scale, an fp16 subnormal one
+    return LayoutRows((N, K), lambda: iter([(u, d, -128 * d)]), six=True, five=True)
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 9])
+def test_q5_0_levels_pack_in_five_and_a_half_bits(M):
+    """Q5_0's levels take qgemv.c's format 7, 352 bytes a block where the 6-bit format takes 448 and
+    int8 576: the same values (rows read back), the kernel sums what the layout holds, a row's output
+    does not depend on the step's other rows, and it is the 6-bit and 8-bit layouts' of the same values
+    (the integer sums are exact in all three)."""
+    if not kernels.vnni_supported():
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
+    rows = q5_0_rows(64, 256)
+    qw = QuantizedWeight("int8", rows, torch.bfloat16, cpu())
+    u, d, m = rows.whole()
+    assert qw.bits == 7 and qw.packed.shape[-1] == 352
+    assert torch.equal(qw.packed, pack_vnni_reference(u - 112, d, -16 * d, 7))
+    deq = group_values(u, d, m)
+    assert torch.equal(unpack_rows(qw.packed, torch.arange(64), 7), deq)
+    torch.manual_seed(M)
+    x = torch.randn(M, 256).bfloat16()
+    x[:, 64:80] *= 8  # the two halves of a group with unequal sums
+    y = qw.matmul(x)
+    ref = _int8_activations(x) @ deq.t()
+    # the offset's term (m·sx·Σq) cancels most of the levels' (all three layouts give these bits)
+    torch.testing.assert_close(y.float(), ref, atol=5e-4 * ref.abs().max().item(), rtol=8e-3)
+    assert all(torch.equal(y[i], qw.matmul(x[i : i + 1])[0]) for i in range(M))  # batch invariant
+    if qw.amx:  # a step past the VNNI kernel's: AMX tiles over the spread 8-bit blocks, the same rows
+        big = torch.randn(qw.vnni_max_m + 8, 256).bfloat16()
+        assert all(torch.equal(qw.matmul(big)[i], qw.matmul(big[i : i + 1])[0]) for i in range(3))
+    six = QuantizedWeight("int8", LayoutRows(rows.shape, rows.slices, six=True), torch.bfloat16, cpu())
+    eight = QuantizedWeight("int8", LayoutRows(rows.shape, rows.slices), torch.bfloat16, cpu())
+    assert (six.bits, eight.bits) == (6, 8)
+    torch.testing.assert_close(
+        y.float(), six.matmul(x).float(), atol=1e-3 * ref.abs().max().item(), rtol=1e-2
+    )
     torch.testing.assert_close(
         y.float(), eight.matmul(x).float(), atol=1e-3 * ref.abs().max().item(), rtol=1e-2
     )

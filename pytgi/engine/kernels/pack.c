@@ -22,9 +22,9 @@ static uint8_t fp4_exponent(uint16_t h) {
     return (uint8_t)(e - 15 + 128);
 }
 
-/* u: levels [N, K] (< 16 for bits 4, < 25 for bits 5: MXFP4's, < 64 for bits 6); d16, m16: fp16 bits
- * [N, K/32] (bits 4, 5, 8; bits 5 reads d alone, m being -12·d) or [N, K/16] (bits 16, and 6, which
- * reads d alone: m = -32·d); out: N/16 tiles × K/32 groups of qgemv.c's blocks. N a multiple of 16, K
+/* u: levels [N, K] (< 16 for bits 4, < 25 for bits 5: MXFP4's, < 64 for bits 6, < 32 for bits 7); d16,
+ * m16: fp16 bits [N, K/32] (bits 4, 5, 7, 8; bits 5 reads d alone, m being -12·d, and bits 7 too, m
+ * being -16·d) or [N, K/16] (bits 16, and 6, which reads d alone: m = -32·d); out: N/16 tiles × K/32 groups of qgemv.c's blocks. N a multiple of 16, K
  * of 32. */
 void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m16, uint8_t *out, int64_t N,
                        int64_t K, int64_t bits) {
@@ -38,6 +38,7 @@ void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m1
              * j + 4 share one, the second in the high nibbles: levels < 16 never carry into a neighbour) */
             uint32_t *o32 = (uint32_t *)o;
             if (bits == 6) memset(o + 256, 0, 128);
+            if (bits == 7) memset(o + 256, 0, 64);
             for (int64_t r = 0; r < 16; r++) {
                 uint32_t w[8];
                 memcpy(w, u + (16 * t + r) * K + 32 * g, sizeof w);
@@ -50,6 +51,11 @@ void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m1
                         if (j < 4) o32[16 * j + r] = (w[j] & 0x0F0F0F0Fu) | ((w[j + 4] & 0x0F0F0F0Fu) << 4);
                         o32[64 + 16 * (j / 4) + r] |= ((w[j] >> 4) & 0x03030303u) << (2 * (j % 4));
                     }
+                else if (bits == 7) /* low 4 bits as bits 4 stores them; vector j's high bit at bit j of 4 */
+                    for (int64_t j = 0; j < 8; j++) {
+                        if (j < 4) o32[16 * j + r] = (w[j] & 0x0F0F0F0Fu) | ((w[j + 4] & 0x0F0F0F0Fu) << 4);
+                        o32[64 + r] |= ((w[j] >> 4) & 0x01010101u) << j;
+                    }
                 else if (NIBBLES(bits))
                     for (int64_t j = 0; j < 4; j++) o32[16 * j + r] = w[j] | (w[j + 4] << 4);
                 else
@@ -59,7 +65,11 @@ void pytgi_pack_lowbit(const uint8_t *u, const uint16_t *d16, const uint16_t *m1
                 for (int64_t r = 0; r < 16; r++) o[wbytes + r] = fp4_exponent(d16[(16 * t + r) * S + g]);
                 continue;
             }
-            uint16_t *s = (uint16_t *)(o + wbytes); /* per half: 16 d, then 16 m (bits 6: 16 d) */
+            uint16_t *s = (uint16_t *)(o + wbytes); /* per half: 16 d, then 16 m (bits 6: 16 d; 7: 16 d a group) */
+            if (bits == 7) {
+                for (int64_t r = 0; r < 16; r++) s[r] = d16[(16 * t + r) * S + g];
+                continue;
+            }
             if (bits == 6) {
                 for (int64_t h = 0; h < 2; h++)
                     for (int64_t r = 0; r < 16; r++) s[16 * h + r] = d16[(16 * t + r) * S + 2 * g + h];

@@ -34,6 +34,10 @@
  * levels' low 4 bits as the 4-bit format stores them (256 bytes), their high 2 bits in two more
  * vectors (vector j's bits at bit 2·(j % 4) of vector 4 + j / 4's byte; 128 bytes), then 16 fp16 d for
  * inputs 0..15 and 16 for 16..31 (64 bytes): 448 bytes, 7 bits a weight where 8-bit levels take 10.
+ * Or 7 ("five": GGUF's Q5_0, symmetric levels 0..31 with one scale per 32, m = -16·d): the levels'
+ * low 4 bits as the 4-bit format stores them (256 bytes), their high bits in one more vector (vector
+ * j's at bit j of its bytes, so that a shift and an and put it at bit 4; 64 bytes), then 16 fp16 d
+ * (32 bytes): 352 bytes, 5.5 bits a weight as in the file, where format 6 takes 7.
  *
  * With AVX2 only, the same layout is multiplied with AVX2's byte multiply-adds (below); with
  * neither, `pytgi_qgemv_supported()` returns 0 and callers use PyTorch's kernels.
@@ -60,6 +64,12 @@ static inline __m512i high2(__m512i h, int j) {
     const int k = j % 4;
     const __m512i at = k == 0 ? _mm512_slli_epi16(h, 4) : k == 1 ? _mm512_slli_epi16(h, 2) : k == 2 ? h : _mm512_srli_epi16(h, 2);
     return _mm512_and_si512(at, _mm512_set1_epi8(0x30));
+}
+
+/* Bits 7: weight vector j's high bit (bit j of h's bytes) as bit 4 */
+static inline __m512i high1(__m512i h, int j) {
+    const __m512i at = j < 4 ? _mm512_slli_epi16(h, 4 - j) : j == 4 ? h : _mm512_srli_epi16(h, j - 4);
+    return _mm512_and_si512(at, _mm512_set1_epi8(0x10));
 }
 
 /* MXFP4's 16 exponent bytes (one a row; 0: a zero block) → the rows' steps 2^(E - 128) */
@@ -125,7 +135,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
     for (int64_t g = 0; g < G; g++, blk += bbytes) {
         for (int64_t i = 0; i < bbytes; i += 64) _mm_prefetch((const char *)blk + PREFETCH + i, _MM_HINT_T0);
         __m512i w[8];
-        if (NIBBLES(bits) || bits == 6) {
+        if (NIBBLES(bits) || bits == 6 || bits == 7) {
             for (int v = 0; v < 4; v++) {
                 __m512i p = _mm512_loadu_si512((const void *)(blk + 64 * v));
                 w[v] = _mm512_and_si512(p, nib);
@@ -137,12 +147,18 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                 for (int j = 0; j < 4; j++)
                     w[j] = _mm512_or_si512(w[j], high2(h0, j)), w[j + 4] = _mm512_or_si512(w[j + 4], high2(h1, j));
             }
+            if (bits == 7) {
+                const __m512i h = _mm512_loadu_si512((const void *)(blk + 256));
+                for (int j = 0; j < 4; j++)
+                    w[j] = _mm512_or_si512(w[j], high1(h, j)), w[j + 4] = _mm512_or_si512(w[j + 4], high1(h, j + 4));
+            }
         } else {
             for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512((const void *)(blk + 64 * j));
         }
         const __m512 d = bits == 5 ? fp4_steps(blk + wbytes) : _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes)));
         const __m512 m = bits == 5 ? _mm512_mul_ps(d, _mm512_set1_ps(-12.0f))
                          : bits == 6 ? _mm512_mul_ps(d, _mm512_set1_ps(-32.0f))
+                         : bits == 7 ? _mm512_mul_ps(d, _mm512_set1_ps(-16.0f))
                                      : _mm512_cvtph_ps(_mm256_loadu_si256((const void *)(blk + wbytes + 32)));
         __m512 d1 = d, m1 = m; /* inputs 16..31's own scales (bits 16, 6), loaded once for the rows */
         if (bits == 16) {
@@ -197,6 +213,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
 TILE_ROWS(4)
 TILE_ROWS(5)
 TILE_ROWS(6)
+TILE_ROWS(7)
 TILE_ROWS(8)
 TILE_ROWS(16)
 
@@ -205,6 +222,7 @@ static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t 
     if (bits == 4) tile_rows_4(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
     else if (bits == 5) tile_rows_5(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
     else if (bits == 6) tile_rows_6(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
+    else if (bits == 7) tile_rows_7(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
     else if (bits == 8) tile_rows_8(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
     else tile_rows_16(blk, G, xq, sx, sxs, sxh, M, out, N, n16);
 }
@@ -341,9 +359,10 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
         _tile_loadconfig(&cfg);
         /* 4-bit blocks are spread to bytes once per column tile (as 8-bit blocks: the same sums and
          * scales) when several row tiles read them; MXFP4 codes become their levels there, and 6-bit
-         * blocks become int8x16's (bits 16) with m = -32·d written out */
+         * blocks become int8x16's (bits 16) with m = -32·d written out, 5.5-bit ones (bits 7) 8-bit
+         * blocks with m = -16·d */
         const int64_t spread = bits == 6 ? 16 : 8; /* the format the spread blocks take */
-        uint8_t *wide = NIBBLES(bits) || bits == 6 ? aligned_alloc(64, (size_t)(G * block_bytes(spread))) : NULL;
+        uint8_t *wide = NIBBLES(bits) || bits == 6 || bits == 7 ? aligned_alloc(64, (size_t)(G * block_bytes(spread))) : NULL;
         _Pragma("omp for schedule(static)")
         for (int64_t n16 = 0; n16 < N / 16; n16++) {
             const uint8_t *blk = w + n16 * tile_bytes;
@@ -361,6 +380,10 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
                             lo = _mm512_or_si512(lo, high2(_mm512_loadu_si512((const void *)(src + 256)), v));
                             hi = _mm512_or_si512(hi, high2(_mm512_loadu_si512((const void *)(src + 320)), v));
                         }
+                        if (bits == 7) {
+                            const __m512i h = _mm512_loadu_si512((const void *)(src + 256));
+                            lo = _mm512_or_si512(lo, high1(h, v)), hi = _mm512_or_si512(hi, high1(h, v + 4));
+                        }
                         _mm512_store_si512((void *)(dst + 64 * v), lo);
                         _mm512_store_si512((void *)(dst + 64 * (v + 4)), hi);
                     }
@@ -371,6 +394,11 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
                             _mm256_store_si256((void *)(dst + 512 + 64 * h), d);
                             _mm256_store_si256((void *)(dst + 544 + 64 * h), _mm512_cvtps_ph(m, _MM_FROUND_TO_NEAREST_INT));
                         }
+                    } else if (bits == 7) { /* d, then m = -16·d (exact in fp16 for d below 2^12) */
+                        const __m256i d = _mm256_loadu_si256((const void *)(src + 320));
+                        const __m512 m = _mm512_mul_ps(_mm512_cvtph_ps(d), _mm512_set1_ps(-16.0f));
+                        _mm256_store_si256((void *)(dst + 512), d);
+                        _mm256_store_si256((void *)(dst + 544), _mm512_cvtps_ph(m, _MM_FROUND_TO_NEAREST_INT));
                     } else if (bits == 5) { /* fp16 d and m from the exponents (exact: see the layout) */
                         const __m512 d = fp4_steps(src + 256);
                         _mm256_store_si256((void *)(dst + 512), _mm512_cvtps_ph(d, _MM_FROUND_TO_NEAREST_INT));
@@ -408,7 +436,8 @@ int pytgi_qgemm_amx_bf16(const uint16_t *x, const uint8_t *w, uint16_t *out, int
  * summed to int16) and `vpmaddwd` by ones (int16 pairs to int32) in place of `vpdpbusd`. A
  * 64-byte vector of the layout is two 32-byte halves: rows 0-7, then rows 8-15.
  * 4-bit weights: each int16 pair sum is at most 2·15·127, so the 8 vectors of a group add up in
- * int16 (≤ 30480) before one widening; MXFP4's levels (≤ 24, bits 5) are widened every two vectors. 8-bit weights (unsigned 1..255) would saturate the int16
+ * int16 (≤ 30480) before one widening; MXFP4's levels (≤ 24, bits 5) and Q5_0's (≤ 31, bits 7) are
+ * widened every two vectors, Q6_K's (≤ 63, bits 6) every vector. 8-bit weights (unsigned 1..255) would saturate the int16
  * pairs, so they are made signed (q − 128, offset m + 128·d) and multiplied as |x| × sign(x)·q,
  * as llama.cpp does, or with several rows as |q| × sign(q)·x, |q| shared by the rows (≤ 2·127·127
  * a pair either way), widened every vector. */
@@ -471,9 +500,9 @@ static inline __attribute__((always_inline)) __m256 fold(__m256 acc, __m256i s, 
         const __m256i pow2 = _mm256_slli_epi32(_mm256_sub_epi32(E, _mm256_set1_epi32(1)), 23);
         d = _mm256_and_ps(_mm256_castsi256_ps(pow2), _mm256_castsi256_ps(_mm256_cmpgt_epi32(E, _mm256_setzero_si256())));
         m = _mm256_mul_ps(d, _mm256_set1_ps(-12.0f));
-    } else if (bits == 6) { /* 8 rows' d (m = -32·d) */
+    } else if (bits == 6 || bits == 7) { /* 8 rows' d (m = -32·d, or -16·d) */
         d = _mm256_cvtph_ps(_mm_loadu_si128((const void *)dp));
-        m = _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));
+        m = _mm256_mul_ps(d, _mm256_set1_ps(bits == 6 ? -32.0f : -16.0f));
     } else {
         d = _mm256_cvtph_ps(_mm_loadu_si128((const void *)dp));
         m = _mm256_cvtph_ps(_mm_loadu_si128((const void *)(dp + 32)));
@@ -488,6 +517,12 @@ static inline __m256i high2(__m256i h, int j) {
     const int k = j % 4;
     const __m256i at = k == 0 ? _mm256_slli_epi16(h, 4) : k == 1 ? _mm256_slli_epi16(h, 2) : k == 2 ? h : _mm256_srli_epi16(h, 2);
     return _mm256_and_si256(at, _mm256_set1_epi8(0x30));
+}
+
+/* Bits 7: weight vector j's high bit (bit j of h's bytes) as bit 4 */
+static inline __m256i high1(__m256i h, int j) {
+    const __m256i at = j < 4 ? _mm256_slli_epi16(h, 4 - j) : j == 4 ? h : _mm256_srli_epi16(h, j - 4);
+    return _mm256_and_si256(at, _mm256_set1_epi8(0x10));
 }
 
 /* MR rows of the output for one tile of 16 columns (activations group-major, as the AVX-512 tile
@@ -538,6 +573,19 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *blk, int b
                     acc[2 * r + h] = fold(acc[2 * r + h], s1[r], blk + 416 + 16 * h, bits, sx[r], sxs[r] - sxh[r]);
                 }
                 continue;
+            } else if (bits == 7) { /* levels to 31: each pair of vectors' int16 sums widened */
+                const __m256i hb = _mm256_loadu_si256((const void *)(blk + 256 + 32 * h));
+                for (int v = 0; v < 4; v++) {
+                    const __m256i p = _mm256_loadu_si256((const void *)(blk + 64 * v + 32 * h));
+                    const __m256i lo = _mm256_or_si256(_mm256_and_si256(p, nib), high1(hb, v));
+                    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), nib), high1(hb, v + 4));
+                    for (int r = 0; r < MR; r++) {
+                        const int32_t *xr = (const int32_t *)(xq + 32 * r);
+                        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xr[v])),
+                                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xr[v + 4])));
+                        s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(t, ones));
+                    }
+                }
             } else if (bits == 5) {
                 for (int v = 0; v < 4; v++) {
                     const __m256i p = _mm256_loadu_si256((const void *)(blk + 64 * v + 32 * h));
@@ -623,6 +671,20 @@ static inline __attribute__((always_inline)) void tile1(const uint8_t *blk, int 
             a0 = fold(fold(a0, s0, blk + 384, bits, sx[M * g], lo), t0, blk + 416, bits, sx[M * g], rest);
             a1 = fold(fold(a1, s1, blk + 400, bits, sx[M * g], lo), t1, blk + 432, bits, sx[M * g], rest);
             continue;
+        } else if (bits == 7) { /* as bits 5, each level's high bit or-ed in */
+            const __m256i hb0 = _mm256_loadu_si256((const void *)(blk + 256)), hb1 = _mm256_loadu_si256((const void *)(blk + 288));
+#pragma GCC unroll 4
+            for (int v = 0; v < 4; v++) {
+                const __m256i xl = _mm256_set1_epi32(xr[v]), xh = _mm256_set1_epi32(xr[v + 4]);
+                const __m256i p0 = _mm256_loadu_si256((const void *)(blk + 64 * v));
+                const __m256i p1 = _mm256_loadu_si256((const void *)(blk + 64 * v + 32));
+                const __m256i l0 = _mm256_or_si256(_mm256_and_si256(p0, nib), high1(hb0, v));
+                const __m256i u0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p0, 4), nib), high1(hb0, v + 4));
+                const __m256i l1 = _mm256_or_si256(_mm256_and_si256(p1, nib), high1(hb1, v));
+                const __m256i u1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p1, 4), nib), high1(hb1, v + 4));
+                s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l0, xl), _mm256_maddubs_epi16(u0, xh)), ones));
+                s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(l1, xl), _mm256_maddubs_epi16(u1, xh)), ones));
+            }
         } else if (bits == 5) {
 #pragma GCC unroll 4
             for (int v = 0; v < 4; v++) {
@@ -697,6 +759,9 @@ static void tile_rows(const uint8_t *blk, int64_t bits, int64_t G, const int8_t 
     } else if (bits == 6) {
         while (M - t >= 4) ROWS_BITS(4, 6);
         while (M - t >= 1) ROW1_BITS(6);
+    } else if (bits == 7) {
+        while (M - t >= 4) ROWS_BITS(4, 7);
+        while (M - t >= 1) ROW1_BITS(7);
     } else if (bits == 8) {
         while (M - t >= 4) ROWS_BITS(4, 8);
         while (M - t >= 1) ROW1_BITS(8);

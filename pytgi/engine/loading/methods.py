@@ -39,6 +39,7 @@ from pytgi.engine.models.quant import (
     LayoutRows,
     QuantizedLinear,
     QuantizedWeight,
+    five_bit,
     float_kind,
     float_rows,
     grid_layout,
@@ -319,5 +320,6 @@ def _grid_layout(weights: GGUFWeights, mod: nn.Module, names: list[str], kind: s
             )
 
     width = mod.local_in if isinstance(mod, RowParallelLinear) else weights.shape(names[0])[-1]
-    six = kind in ("int8", "int8x16") and six_bit(weights.type_name(n) for n in names)
-    return LayoutRows((total + pad, width), slices, six)
+    types = [weights.type_name(n) for n in names]
+    six = kind in ("int8", "int8x16") and six_bit(types)
+    return LayoutRows((total + pad, width), slices, six, five=kind == "int8" and five_bit(types))

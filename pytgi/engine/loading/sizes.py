@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from pytgi.engine.models.causal_lm import CausalLM
 
 # bytes per weight of each packed layout, its fp16 scales and offsets included (`pytgi.engine.models.quant`);
-# tensors of Q6_K, Q3_K and Q5_0 take 0.875 on CPU (6 bits): the estimate stays on the safe side
+# tensors of Q6_K and Q3_K take 0.875 on CPU (6 bits), of Q5_0 0.6875 (5.5 bits): the estimate stays on
+# the safe side
 PACKED_BYTES = {"int4": 0.625, "mxfp4": 0.53125, "int8": 1.125, "int8x16": 1.25, "fp8": 1.0}
 
 

@@ -328,7 +328,14 @@ class SparseMoE(nn.Module):
         gate, up and down tensors; gate and up one name where they are stacked together, [E, 2I, H] as
         Gemma 4's and Mistral 4's `ffn_gate_up_exps`; experts without a gate, up alone). Every step then
         multiplies by the packed weights."""
-        from pytgi.engine.models.quant import Layout, LayoutRows, QuantizedWeight, grid_layout, six_bit
+        from pytgi.engine.models.quant import (
+            Layout,
+            LayoutRows,
+            QuantizedWeight,
+            five_bit,
+            grid_layout,
+            six_bit,
+        )
 
         gate, up, down = names
         s, n, inter = self.start, self.local, self.inter
@@ -355,17 +362,18 @@ class SparseMoE(nn.Module):
 
         types = getattr(weights, "type_name", None)  # a GGUF file's (a checkpoint's MXFP4 pairs have none)
         six = [types is not None and six_bit(map(types, ts)) for ts in ((gate, up), (down,))]
+        five = [types is not None and five_bit(map(types, ts)) for ts in ((gate, up), (down,))]
         self.packed = []
         for e in range(self.num_experts):
             pair = (
                 QuantizedWeight(
                     kinds[0],
-                    LayoutRows(((2 if self.gated else 1) * n, hidden), partial(gate_up, e), six[0]),
+                    LayoutRows(((2 if self.gated else 1) * n, hidden), partial(gate_up, e), six[0], five[0]),
                     act_dtype,
                     cpu,
                 ),
                 QuantizedWeight(
-                    kinds[1], LayoutRows((hidden, n), partial(down_rows, e), six[1]), act_dtype, cpu
+                    kinds[1], LayoutRows((hidden, n), partial(down_rows, e), six[1], five[1]), act_dtype, cpu
                 ),
             )
             for w in pair:

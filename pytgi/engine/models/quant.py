@@ -23,7 +23,9 @@ kernels multiply by them:
 Which tensors to quantize, and how, is a per-tensor plan:
 - a GGUF model follows its file (`quantization.json`, written by the converter): Q4_0, Q4_1 and
   Q4_K tensors become int4, Q5_0/Q5_1/Q5_K/Q8_0 int8 and Q2_K/Q3_K/Q6_K int8x16 (on a CPU with the
-  kernels Q3_K, Q5_0 and Q6_K, symmetric and of at most 64 levels, take 6 bits). The loader reads
+  kernels Q3_K and Q6_K, symmetric and of at most 64 levels, take 6 bits, qgemv.c's format 6, and
+  Q5_0, symmetric with 32 levels, 5.5 bits as in the file, format 7; a linear mixing Q5_0 with
+  Q3_K/Q6_K parts takes 6 bits). The loader reads
   each tensor's levels and grids from its blocks (`pytgi.engine.loading.gguf`, `grid_layout`) and
   packs them as they are: exact but for fp16 scales, for every type, with no float copy of the
   model; float tensors, and types on no uniform grid (IQ*, TQ*), are dequantized to bf16;
@@ -56,8 +58,11 @@ INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # on a 16-level grid per 32 values
 INT8_TYPES = {"Q5_0", "Q5_1", "Q5_K", "Q8_0"}  # on a grid of at most 256 levels per 32 values
 SUB16_TYPES = {"Q2_K", "Q3_K", "Q6_K"}  # scales per 16 values that no grid per 32 holds
 # the symmetric types of at most 64 levels: 6 bits on CPU (qgemv.c's format 6), whether their kind is
-# int8x16 (Q6_K, Q3_K: a scale per 16) or int8 (Q5_0: one per 32, given to both halves)
+# int8x16 (Q6_K, Q3_K: a scale per 16) or int8 (Q5_0: one per 32, given to both halves, where Q5_0 parts
+# share a linear with Q6_K or Q3_K ones; alone they take FIVE_BIT_TYPES' format)
 SIX_BIT_TYPES = {"Q6_K", "Q3_K", "Q5_0"}
+# Q5_0 alone (symmetric, 32 levels, one scale per 32): 5.5 bits on CPU (qgemv.c's format 7), as in the file
+FIVE_BIT_TYPES = {"Q5_0"}
 MODES = ("none", "auto", "int8", "int4", "bf16", "fp8")
 BITS = {"int4": 4, "mxfp4": 5, "int8": 8, "int8x16": 16}  # the kernels' name for each layout (qgemv.c)
 # MXFP4's level (12 + 2·value) → its e2m1 code (as pack.c's table: off-grid levels to the one below)
@@ -81,6 +86,12 @@ def six_bit(types: Iterable[str]) -> bool:
     """Whether a linear whose parts are of these GGUF types takes the CPU's 6-bit layout
     (`LayoutRows.six`)."""
     return all(t in SIX_BIT_TYPES for t in types)
+
+
+def five_bit(types: Iterable[str]) -> bool:
+    """Whether a linear whose parts are of these GGUF types takes the CPU's 5.5-bit layout
+    (`LayoutRows.five`): all of them Q5_0 (with a part of another type, `six_bit` decides)."""
+    return all(t in FIVE_BIT_TYPES for t in types)
 
 
 def kind_for_gguf_type(t: str) -> str | None:
@@ -237,7 +248,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> torch.Tensor:
     """The layout `pytgi/engine/kernels/qgemv.c` reads: q unsigned ([N, K], values < 256), d and m
-    [N, K/32] (bits 4, 8) or [N, K/16] (bits 16: int8x16); per tile of 16 rows and group of 32
+    [N, K/32] (bits 4, 7, 8) or [N, K/16] (bits 16: int8x16); per tile of 16 rows and group of 32
     inputs, the weight bytes then 16 fp16 d and m (for each 16 inputs with bits 16)."""
     N, K = q.shape
     if kernels.available():  # the same bytes in one pass (pack.c)
@@ -249,8 +260,9 @@ def pack_vnni(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> t
 
 def block_bytes(bits: int) -> int:
     """Bytes of a packed (16 rows, 32 inputs) block: the levels, then fp16 d and m (mxfp4: each row's
-    e8m0 exponent instead, d = 2^(E - 128) and m = -12·d; bits 6: d per 16 inputs, m = -32·d)."""
-    return {4: 320, 5: 272, 6: 448, 8: 576, 16: 640}[bits]
+    e8m0 exponent instead, d = 2^(E - 128) and m = -12·d; bits 6: d per 16 inputs, m = -32·d; bits 7:
+    d alone, m = -16·d)."""
+    return {4: 320, 5: 272, 6: 448, 7: 352, 8: 576, 16: 640}[bits]
 
 
 def fp4_exponents(d: torch.Tensor) -> torch.Tensor:
@@ -283,6 +295,11 @@ def pack_vnni_reference(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits:
         return torch.cat(
             [low.reshape(N // 16, G, -1), high.reshape(N // 16, G, -1), ds.reshape(N // 16, G, -1)], -1
         )
+    if bits == 7:  # low nibbles as bits 4; vector j's high bit at bit j of one more vector
+        low = (v[:, :, :4] & 15) | ((v[:, :, 4:] & 15) << 4)
+        bit = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
+        high = (((v >> 4) & 1) << bit).sum(2, dtype=torch.uint8)  # distinct bits: the sum is their or
+        return torch.cat([low.reshape(N // 16, G, -1), high, scales(d)], -1).contiguous()
     halves = [(d, m)] if bits != 16 else [(d.view(N, G, 2)[..., h], m.view(N, G, 2)[..., h]) for h in (0, 1)]
     return torch.cat(
         [v.reshape(N // 16, G, -1)] + [scales(t) for pair in halves for t in pair], dim=-1
@@ -306,6 +323,15 @@ def unpack_rows(packed: torch.Tensor, rows: torch.Tensor, bits: int) -> torch.Te
         ds = blocks[..., 384:].contiguous().view(torch.float16).view(T, G, 2, 16)
         dr = ds.gather(3, r.expand(T, G, 2, 1)).float()  # [T, G, 2, 1]
         return (dr * (q - 32)).view(T, G * 32)
+    if bits == 7:  # the low nibbles as bits 4, then each vector's high bit; d per 32, m = -16·d
+        low = blocks[..., :256].reshape(T, G, 4, 64)
+        bit = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
+        high = (blocks[..., 256:320].reshape(T, G, 1, 64) >> bit) & 1
+        w = (torch.cat([low & 15, low >> 4], dim=2) | (high << 4)).view(T, G, 8, 16, 4)
+        q = w.gather(3, r.view(T, 1, 1, 1, 1).expand(T, G, 8, 1, 4)).view(T, G, 32).float()
+        ds = blocks[..., 320:].contiguous().view(torch.float16).view(T, G, 16)
+        dr = ds.gather(2, r.view(T, 1, 1).expand(T, G, 1)).float()  # [T, G, 1]
+        return (dr * (q - 16)).view(T, G * 32)
     if bits in (4, 5):  # byte j of a quad holds quad j (low nibble) and quad j + 4 (high)
         w = w.reshape(T, G, 4, 16, 4)
         w = torch.cat([w & 15, w >> 4], dim=2)
@@ -372,6 +398,9 @@ class LayoutRows:
     # int8x16's or int8's levels all q - zero + 128 with m = -128·d and |q - zero| <= 32 (Q6_K's, Q3_K's,
     # Q5_0's): the CPU packs them in 6 bits (qgemv.c's format 6), 7 bits a weight where int8 takes 9
     six: bool = False
+    # int8's levels all q - 16 + 128 with m = -128·d, q in 0..31 (Q5_0's): the CPU packs them in 5.5 bits
+    # (qgemv.c's format 7), as the file holds them; before `six`
+    five: bool = False
 
     def tiles(self) -> Iterator[Layout]:
         """The slices regrouped on whole tiles of 16 rows (the packed layout's unit)."""
@@ -449,7 +478,9 @@ class QuantizedWeight:
         N, K = self.shape
         keep = self.max_m < 1 << 30  # bigger steps multiply by the dequantized weight
         self.dequantized = torch.empty(N if keep else 0, K, dtype=act_dtype)
-        if self.kind in ("int8", "int8x16") and w.six:
+        if self.kind == "int8" and w.five:
+            self.bits = 7
+        elif self.kind in ("int8", "int8x16") and w.six:
             self.bits = 6
         self.packed = torch.empty(N // 16, K // GROUP, block_bytes(self.bits), dtype=torch.uint8)
         at = 0
@@ -459,6 +490,8 @@ class QuantizedWeight:
                 levels = (u.to(torch.int16) - 96).clamp_(0, 63).to(torch.uint8)
                 if self.kind == "int8":  # one scale per 32 inputs: each half of the group takes it
                     scales = d.repeat_interleave(2, dim=1)
+            elif self.bits == 7:
+                levels = (u.to(torch.int16) - 112).clamp_(0, 31).to(torch.uint8)
             kernels.pack_lowbit(levels, scales, m, self.bits, self.packed[at // 16 : (at + len(u)) // 16])
             if keep:
                 self.dequantized[at : at + len(u)] = group_values(u, d, m)
