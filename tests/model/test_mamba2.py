@@ -448,14 +448,14 @@ def test_a_gguf_file_serves_transformers_tokens(arch, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTGI_CACHE", str(tmp_path / "cache"))
     if arch == "bamba":
         torch.manual_seed(3)
-        cfg = transformers.BambaConfig(
+        bamba = transformers.BambaConfig(
             **{**COMMON, "vocab_size": 104},
             **MAMBA,
             intermediate_size=64,
             num_hidden_layers=3,
             attn_layer_indices=[1],
         )
-        hf = transformers.BambaForCausalLM(cfg).eval()
+        hf = transformers.BambaForCausalLM(bamba).eval()
     elif arch == "granitehybrid":
         torch.manual_seed(6)
         cfg = transformers.GraniteMoeHybridConfig(
