@@ -904,7 +904,7 @@ def test_gemma4_gguf_serves_transformers_logits(tmp_path, monkeypatch, dtype, ti
         assert (len(moe.packed) == 8 and moe.gate_up.numel() == 0) == (dtype == "auto")
         assert (moe.fused is not None) == (dtype == "auto" and runner.model.kernels.vnni)
         if moe.fused is not None:  # moe.c's GELU experts: the PyTorch loop's bits
-            assert moe.fused.gelu
+            assert moe.fused.activation == "gelu_tanh"
             x = torch.randn(21, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
             with torch.no_grad():
                 weights, experts = moe.route(x)
