@@ -386,11 +386,10 @@ def test_gated_deltanet_prompt_chunk(length):
 
 @pytest.mark.parametrize("D", [48, 512, 1536, 300_000])
 def test_rms_norm_is_the_modules_within_its_last_bit(D):
-    """mla.c's RMSNorm sums the squares in the order of PyTorch's CPU sum (its cascade, here at the
-    vector width PyTorch runs at): the module's values, for row sizes short of a vector of four, and past
-    one and two levels of its cascade; about one row in a thousand differs in its last bit (measured), so
-    the MLA layer takes this norm on every step where mla.c may run (`MLAttention._norms_in_c`). A row's
-    output does not depend on the rows beside it."""
+    """mla.c's RMSNorm sums the squares in a fixed order of its own: the module's values within one bf16
+    step, for rows shorter than its partial sums and far longer; the MLA layer takes this norm on every
+    step where mla.c may run (`MLAttention._norms_in_c`). A row's output does not depend on the rows
+    beside it."""
     g = torch.Generator().manual_seed(D)
     norm = RMSNorm(D, 1e-6)
     norm.weight.data = (1 + 0.3 * torch.randn(D, generator=g)).bfloat16()

@@ -797,19 +797,14 @@ def bf16_matmul_heads(x: torch.Tensor, packed: torch.Tensor, N: int, out: torch.
     return out
 
 
-@cache
-def _torch_lanes() -> int:
-    """The float lanes of PyTorch's CPU vectors (its sum's order, which `rms_norm` follows)."""
-    return 16 if "AVX512" in torch.backends.cpu.get_cpu_capability() else 8
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`RMSNorm` of bf16 rows x [T, D] with its weight as float32 (`RMSNorm.scale`, of bf16 values): the
-    same bits as the module's PyTorch ops (mla.c)."""
+    """`RMSNorm` of bf16 rows x [T, D] with its weight as float32 (`RMSNorm.scale`, of bf16 values), as
+    mla.c's decodes norm: the module's steps and roundings, its sum of squares in a fixed order of mla.c's
+    (within one bf16 step of the module's; a row's bits do not depend on the rows beside it)."""
     assert x.dtype == torch.bfloat16 and x.is_contiguous() and weight.dtype == torch.float32
     out = torch.empty_like(x)
     T, D = x.shape
-    _built().pytgi_rms_norm_bf16(_ptr(x), _ptr(weight), _ptr(out), T, D, eps, _torch_lanes())
+    _built().pytgi_rms_norm_bf16(_ptr(x), _ptr(weight), _ptr(out), T, D, eps)
     return out
 
 
@@ -844,7 +839,7 @@ def mla_decode(
         _ptr(q), _ptr(kv), _ptr(cos), _ptr(sin), _ptr(slots), _ptr(norm_w), _ptr(k_cache), k_cache.shape[0],
         _ptr(packed[0]), _ptr(packed[1]), _ptr(out), _ptr(p.q_starts), _ptr(p.block_tables),
         _ptr(p.context_lens), T, p.block_tables.shape[1], p.block_size, H, nope, d, r, v, int(interleave),
-        eps, scale, _torch_lanes(),
+        eps, scale,
     )  # fmt: skip
     if err == 3:
         raise IndexError(f"a KV cache slot outside the cache's {k_cache.shape[0]} rows")

@@ -5,8 +5,8 @@
  * A decode step's PyTorch ops here are some forty small ones a layer (norm, the rotary embedding of
  * q_pe and k_pe, cat, the cache write, the two per-head products, the attention call's checks): their
  * dispatch costs more than their arithmetic. The parts:
- *   - kv_a_layernorm of the latent c: PyTorch's RMSNorm (float32 squares summed in the order of
- *     PyTorch's CPU sum, `torch_sum_squares`; mean, rsqrt; x · rstd rounded to bf16, times the weight,
+ *   - kv_a_layernorm of the latent c: RMSNorm's steps (float32 squares summed in a fixed order of this
+ *     file's, `sum_squares`; mean, rsqrt; x · rstd rounded to bf16, times the weight,
  *     rounded) into the cache row at the token's slot;
  *   - the rotary embedding of k_pe (into the row) and of each head's q_pe (into the query row), each
  *     product and the sum rounded to bf16 as PyTorch's bf16 ops round them, the tables rounded to bf16;
@@ -37,67 +37,33 @@
 #define FP_STRICT
 #endif
 
-#define MAXW 16 /* PyTorch's widest float vector (AVX-512) */
+#define PARTS 16 /* the sum's interleaved partial sums */
 
-static int64_t ceil_log2(int64_t x) {
-    int64_t n = 1;
-    if (x <= 2) return 1;
-    while ((int64_t)1 << n < x) n++;
-    return n;
-}
-
-/* Σ x[i]² over n bf16 values, summed as PyTorch's CPU sum of a contiguous float32 row sums (its
- * `cascade_sum` → `vectorized_inner_sum`): vectors of W lanes (its Vectorized<float>: 16 with AVX-512,
- * else 8), read four at a time into four accumulators, with its cascade of four levels; then the four
- * accumulators in order, the tail's scalars, and the lanes in order. */
-AS_WRITTEN static float torch_sum_squares(const uint16_t *x, int64_t n, int64_t W) {
+/* Σ x[i]² over n bf16 values in float32, in a fixed order whatever the build: PARTS interleaved partial
+ * sums (lane-wise, so the compiler vectorizes them without reassociating), then the tail, then the parts
+ * in order. Not PyTorch's order: the MLA layer takes this norm on every step where mla.c may run
+ * (`MLAttention._norms_in_c`), so no row meets the other. */
+AS_WRITTEN static float sum_squares(const uint16_t *x, int64_t n) {
     FP_STRICT
-    float acc[4][4][MAXW] = {{{0}}}; /* [level][accumulator][lane] */
-    const int64_t nvec = n / W, size = nvec / 4;
-    int64_t lp = ceil_log2(size) / 4;
-    lp = lp < 4 ? 4 : lp;
-    const int64_t step = (int64_t)1 << lp, mask = step - 1;
+    float part[PARTS] = {0}, sum = 0.0f;
     int64_t i = 0;
-#define ADD_VECTORS(i)                                                   \
-    for (int k = 0; k < 4; k++)                                          \
-        for (int64_t l = 0; l < W; l++) {                                \
-            const float f = bf16_load(x[((i) * 4 + k) * W + l]), s = f * f; \
-            acc[0][k][l] += s;                                           \
+    for (; i + PARTS <= n; i += PARTS)
+        for (int l = 0; l < PARTS; l++) {
+            const float f = bf16_load(x[i + l]), s = f * f;
+            part[l] += s;
         }
-    while (i + step <= size) {
-        for (int64_t j = 0; j < step; j++, i++) ADD_VECTORS(i)
-        for (int j = 1; j < 4; j++) {
-            for (int k = 0; k < 4; k++)
-                for (int64_t l = 0; l < W; l++) acc[j][k][l] += acc[j - 1][k][l], acc[j - 1][k][l] = 0.0f;
-            if (i & (mask << (j * lp))) break;
-        }
-    }
-    for (; i < size; i++) ADD_VECTORS(i)
-#undef ADD_VECTORS
-    for (int j = 1; j < 4; j++)
-        for (int k = 0; k < 4; k++)
-            for (int64_t l = 0; l < W; l++) acc[0][k][l] += acc[j][k][l];
-    for (int64_t v = size * 4; v < nvec; v++) /* row_sum's vectors past its multiple of four */
-        for (int64_t l = 0; l < W; l++) {
-            const float f = bf16_load(x[v * W + l]), s = f * f;
-            acc[0][0][l] += s;
-        }
-    for (int k = 1; k < 4; k++)
-        for (int64_t l = 0; l < W; l++) acc[0][0][l] += acc[0][k][l];
-    float sum = 0.0f;
-    for (int64_t e = nvec * W; e < n; e++) {
-        const float f = bf16_load(x[e]), s = f * f;
+    for (; i < n; i++) {
+        const float f = bf16_load(x[i]), s = f * f;
         sum += s;
     }
-    for (int64_t l = 0; l < W; l++) sum += acc[0][0][l];
+    for (int l = 0; l < PARTS; l++) sum += part[l];
     return sum;
 }
 
 /* RMSNorm (pytgi/engine/models/layers.py) of n bf16 values: w · bf16(x · rsqrt(mean(x²) + eps)). */
-AS_WRITTEN static void torch_rms_norm(const uint16_t *x, const float *w, uint16_t *out, int64_t n, float eps,
-                                      int64_t W) {
+AS_WRITTEN static void rms_norm(const uint16_t *x, const float *w, uint16_t *out, int64_t n, float eps) {
     FP_STRICT
-    const float mean = torch_sum_squares(x, n, W) / (float)n;
+    const float mean = sum_squares(x, n) / (float)n;
     const float rstd = 1.0f / sqrtf(mean + eps);
     for (int64_t i = 0; i < n; i++) {
         const float y = bf16_load(x[i]) * rstd;
@@ -105,9 +71,8 @@ AS_WRITTEN static void torch_rms_norm(const uint16_t *x, const float *w, uint16_
     }
 }
 
-void pytgi_rms_norm_bf16(const uint16_t *x, const float *w, uint16_t *out, int64_t T, int64_t D, float eps,
-                         int64_t lanes) {
-    for (int64_t t = 0; t < T; t++) torch_rms_norm(x + t * D, w, out + t * D, D, eps, lanes);
+void pytgi_rms_norm_bf16(const uint16_t *x, const float *w, uint16_t *out, int64_t T, int64_t D, float eps) {
+    for (int64_t t = 0; t < T; t++) rms_norm(x + t * D, w, out + t * D, D, eps);
 }
 
 /* The rotary embedding of d bf16 values (the sign of rotate-half folded into sin): y · cos + swap(y) · sin,
@@ -130,9 +95,9 @@ int pytgi_mla_decode_bf16(const uint16_t *q, const uint16_t *kv, const float *co
                           const uint16_t *w_uk, const uint16_t *w_uv, uint16_t *out, const int64_t *rows,
                           const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks,
                           int64_t block_size, int64_t H, int64_t nope, int64_t d, int64_t r, int64_t v,
-                          int64_t interleave, float eps, float scale, int64_t lanes) {
+                          int64_t interleave, float eps, float scale) {
     const int64_t T = B, qw = nope + d, row = r + d;
-    if (d > 512 || lanes > MAXW || lanes < 1) return 2;
+    if (d > 512) return 2;
     for (int64_t t = 0; t < T; t++)
         if (slots[t] < 0 || slots[t] >= num_slots) return 3;
     uint16_t *q_row = malloc(sizeof(uint16_t) * T * H * row), *att = malloc(sizeof(uint16_t) * T * H * row);
@@ -142,7 +107,7 @@ int pytgi_mla_decode_bf16(const uint16_t *q, const uint16_t *kv, const float *co
     for (int64_t t = 0; t < T; t++) { /* the cache row [norm(c), rotary(k_pe)], the queries' rotary part */
         const uint16_t *c = kv + t * row;
         uint16_t *cached = k_cache + slots[t] * row;
-        torch_rms_norm(c, norm_w, cached, r, eps, lanes);
+        rms_norm(c, norm_w, cached, r, eps);
         rotary(c + r, cos + t * d, sin + t * d, cached + r, d, (int)interleave);
         for (int64_t h = 0; h < H; h++)
             rotary(q + (t * H + h) * qw + nope, cos + t * d, sin + t * d, q_row + (t * H + h) * row + r, d,

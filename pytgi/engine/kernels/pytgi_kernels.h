@@ -128,8 +128,8 @@ int pytgi_bias_residual_norm_bf16(const uint16_t *x, const uint16_t *bias, const
  * rows (q [T, H, nope + d], kv [T, r + d]) to o_proj's input out [T, H, v]: kv_a's norm and the rotary
  * embedding into the cache row at slots[t] (bf16 [num_slots, 1, r + d]; 3: a slot outside it), the absorbed
  * products by W_UK, W_UV (bf16gemm.c's packing) and the paged attention; the norm and rotary as PyTorch rounds
- * them (lanes: PyTorch's float vector width, whose sum order the norm follows). rms_norm: that norm alone. */
-int pytgi_mla_decode_bf16(const uint16_t *q, const uint16_t *kv, const float *cos, const float *sin, const int64_t *slots, const float *norm_w, uint16_t *k_cache, int64_t num_slots, const uint16_t *w_uk, const uint16_t *w_uv, uint16_t *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t nope, int64_t d, int64_t r, int64_t v, int64_t interleave, float eps, float scale, int64_t lanes);
-void pytgi_rms_norm_bf16(const uint16_t *x, const float *w, uint16_t *out, int64_t T, int64_t D, float eps, int64_t lanes);
+ * them. rms_norm: that norm alone. */
+int pytgi_mla_decode_bf16(const uint16_t *q, const uint16_t *kv, const float *cos, const float *sin, const int64_t *slots, const float *norm_w, uint16_t *k_cache, int64_t num_slots, const uint16_t *w_uk, const uint16_t *w_uv, uint16_t *out, const int64_t *rows, const int64_t *block_tables, const int64_t *ctx_lens, int64_t B, int64_t max_blocks, int64_t block_size, int64_t H, int64_t nope, int64_t d, int64_t r, int64_t v, int64_t interleave, float eps, float scale);
+void pytgi_rms_norm_bf16(const uint16_t *x, const float *w, uint16_t *out, int64_t T, int64_t D, float eps);
 
 #endif

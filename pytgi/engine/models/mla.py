@@ -25,9 +25,9 @@ A step of decodes only, there (W_UK and W_UV packed, a bf16 cache), runs everyth
 projections and o_proj in one C call (`kernels.mla_decode`, mla.c): a decode step's ~40 small PyTorch
 ops a layer cost more than their arithmetic. It computes what the PyTorch ops compute, to the bit
 (each bf16 product and sum rounded where PyTorch rounds it), so a request's rows do not depend on which
-path its steps took. The two norms are the exception: mla.c's sum of squares follows PyTorch's order
-but about one row in a thousand still differs in its last bit, so where mla.c may run, every step's
-norms run in C (`kernels.rms_norm`), prompt chunks too. Steps with a prompt chunk, an int8 cache or
+path its steps took. The two norms are the exception: mla.c sums the squares in an order of its own (no
+float order can match PyTorch's sum on every row), so where mla.c may run, every step's norms run in C
+(`kernels.rms_norm`), prompt chunks too. Steps with a prompt chunk, an int8 cache or
 Mistral 4's query scales keep the PyTorch ops for the rest.
 """
 
@@ -186,9 +186,9 @@ class MLAttention(nn.Module):
 
     def _norms_in_c(self) -> bool:
         """Whether the norms run in C (`kernels.rms_norm`, mla.c's), on every step: mla.c's sum of
-        squares is not PyTorch's to the bit on every row (about one row in a thousand differs in the
-        last bit), so where mla.c may take a decode, every step's rows take the same norm, and a decode's
-        bits do not depend on whether its step also held a prompt chunk (batch invariance)."""
+        squares is not PyTorch's (its order is mla.c's own), so where mla.c may take a decode, every
+        step's rows take the same norm, and a decode's bits do not depend on whether its step also held
+        a prompt chunk (batch invariance)."""
         norms = [n for n in (self.q_a_layernorm, self.kv_a_layernorm) if n is not None]
         plain = all(n.weight.dtype == torch.bfloat16 and not n.offset for n in norms)
         return plain and self.kv_b_proj.packed is not None
