@@ -24,6 +24,21 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
+def _paths_agree(layers, pools, x, meta, dtype, float32_tol: float | None = None) -> None:
+    """Two layers (the PyTorch ops', the C kernel's) on one step, each on its own copy of the state pool:
+    their outputs and their pools after the step agree within the dtype's tolerance (or `float32_tol`,
+    atol and rtol, where float32 sums run in another order)."""
+    outs = [layer(x, None, pool, meta) for layer, pool in zip(layers, pools)]
+    tol = (
+        TOL[dtype]
+        if float32_tol is None or dtype != torch.float32
+        else dict(atol=float32_tol, rtol=float32_tol)
+    )
+    torch.testing.assert_close(outs[1], outs[0], **tol)
+    for ref, got in zip(*pools):
+        torch.testing.assert_close(got, ref, **tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 9])
 def test_add_rms_norm(dtype, T):
@@ -180,12 +195,8 @@ def test_gated_deltanet_layer(dtype, tiled):
         decode_fresh=torch.tensor([fresh[i] for i in dec], dtype=torch.int64),
     )
     x = torch.randn(sum(lens), 32, generator=g).to(dtype)
-    outs = [layer(x, None, pool, meta) for layer, pool in zip(layers, pools)]
     # (float32: the chunked rule's sums in another order, over 70 tokens)
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else TOL[dtype]
-    torch.testing.assert_close(outs[1], outs[0], **tol)
-    for ref, got in zip(*pools):
-        torch.testing.assert_close(got, ref, **tol)
+    _paths_agree(layers, pools, x, meta, dtype, float32_tol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -223,12 +234,8 @@ def test_mamba2_layer(dtype, bias):
         decode_fresh=torch.tensor([fresh[i] for i in dec], dtype=torch.int64),
     )
     x = torch.randn(sum(lens), 32, generator=g).to(dtype)
-    outs = [layer(x, None, pool, meta) for layer, pool in zip(layers, pools)]
     # (float32: the scan's sums in another order than the chunked form's, over 70 tokens)
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else TOL[dtype]
-    torch.testing.assert_close(outs[1], outs[0], **tol)
-    for ref, got in zip(*pools):
-        torch.testing.assert_close(got, ref, **tol)
+    _paths_agree(layers, pools, x, meta, dtype, float32_tol=1e-4)
 
 
 def _step_meta(lens: list[int], fresh: list[bool], slots: torch.Tensor) -> StateMetadata:
@@ -272,10 +279,7 @@ def test_mamba1_layer(dtype, norms, bias):
     pools = [(torch.randn(9, 40, 3, generator=g).to(dtype), torch.randn(9, 40, 8, generator=g) * 0.3)]
     pools.append(tuple(t.clone() for t in pools[0]))
     x = torch.randn(sum(lens), 32, generator=g).to(dtype)
-    outs = [layer(x, None, pool, meta) for layer, pool in zip(layers, pools)]
-    torch.testing.assert_close(outs[1], outs[0], **TOL[dtype])
-    for ref, got in zip(*pools):
-        torch.testing.assert_close(got, ref, **TOL[dtype])
+    _paths_agree(layers, pools, x, meta, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -331,12 +335,8 @@ def test_kda_layer(dtype):
     pools = [(torch.randn(9, 144, 3, generator=g).to(dtype), torch.randn(9, 3, 16, 16, generator=g) * 0.3)]
     pools.append(tuple(t.clone() for t in pools[0]))
     x = torch.randn(sum(lens), 32, generator=g).to(dtype)
-    outs = [layer(x, None, pool, meta) for layer, pool in zip(layers, pools)]
     # (float32: the recurrence token by token against the PyTorch path's chunked form)
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else TOL[dtype]
-    torch.testing.assert_close(outs[1], outs[0], **tol)
-    for ref, got in zip(*pools):
-        torch.testing.assert_close(got, ref, **tol)
+    _paths_agree(layers, pools, x, meta, dtype, float32_tol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
