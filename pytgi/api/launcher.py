@@ -14,6 +14,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,6 +77,14 @@ class _QuietStartupFailure(logging.Filter):
         return self.state.start_failed is None or record.levelno < logging.ERROR
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """The HTTP port, bound before the model is fetched or the engine starts: a port in use is a
+    start-up error at once, and nothing started meanwhile (the engine, Ray's workers and their
+    ephemeral ports) can take it. Not inherited by the processes started after it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
 def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process") -> int:
     """`engine_module`: the engine process's entry point (tests run one that wraps the runner)."""
     import uvicorn
@@ -116,10 +125,16 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
         log.error("%s", exc)
         return 2
     _raise_open_files_limit()
+    try:
+        listener = _listen(config.hostname, config.port)
+    except OSError as exc:
+        log.error("cannot listen on %s port %d: %s", config.hostname, config.port, exc.strerror or exc)
+        return 2
     progress = not args.json_output  # JSON logs say each downloaded file instead of drawing bars
     model = resolve_or_none(log, args.model, args.revision, progress)
     draft = resolve_or_none(log, args.draft_model, progress=progress) if args.draft_model else None
     if model is None or (args.draft_model and draft is None):
+        listener.close()
         return 2
     config = dataclasses.replace(
         config,
@@ -134,6 +149,7 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
         app = create_app(config)
     except (FileNotFoundError, ValueError) as exc:  # a model directory without its tokenizer: one line
         log.error("%s", exc)
+        listener.close()
         return 2
     server = _Server(
         uvicorn.Config(
@@ -162,8 +178,9 @@ def serve(args: argparse.Namespace, engine_module: str = "pytgi.engine.process")
     quiet = _QuietStartupFailure(app.state.pytgi)
     logging.getLogger("uvicorn.error").addFilter(quiet)
     try:
-        server.run()
+        server.run(sockets=[listener])
     finally:
+        listener.close()
         logging.getLogger("uvicorn.error").removeFilter(quiet)
     if app.state.pytgi.start_failed:  # said in one line already
         return 1

@@ -364,3 +364,21 @@ def test_a_refused_model_is_one_line_and_a_nonzero_exit(tmp_path):
         assert "Traceback" not in log and "Application startup failed" not in log, log
     finally:
         srv.stop()
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(tmp_path):
+    """The HTTP port is bound before the model is fetched or the engine starts (as vLLM does): a port
+    in use is a start-up error at once, in one line, and nothing the start-up spawns (the engine, Ray's
+    workers with their ephemeral ports) can take the port before the server listens."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]  # the later --port wins over the one Server picks
+        srv = Server(
+            "--port", str(port), "--model-id", str(tmp_path / "not-fetched"), log=tmp_path / "taken.log"
+        )
+        start = time.monotonic()
+        assert srv.proc.wait(60) == 2
+        assert time.monotonic() - start < 30
+        log = srv.tail()
+        errors = [line for line in log.splitlines() if "ERROR" in line]
+        assert len(errors) == 1 and f"port {port}" in errors[0] and "in use" in errors[0], log
+        assert "Traceback" not in log and "not-fetched" not in log, log
