@@ -369,3 +369,29 @@ def test_bad_shard_counts_are_refused(tiny_path):
         LLMEngine(EngineConfig(model=str(tiny_path), num_shard=0))
     with pytest.raises(ValueError, match="3 key/value heads over 4 ranks"):
         LLMEngine(EngineConfig(model=str(tiny_path), num_shard=4))
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4-moe"])
+def test_tiny_gemma4_matches_one_shard(tmp_path, name):
+    """Gemma 4 over 2 shards: each layer split by its own kv heads (the full layers' keys are their
+    values, with a head size of their own), the per-layer inputs whole on each rank, the shared layers
+    reading their source's shard of the cache, the experts beside the MLP split by features. A model
+    whose full layers have fewer kv heads than shards is refused by those heads."""
+    from tests.model.test_tiny_models import CONFIGS, randomize_gemma4_router
+
+    cls, kw = CONFIGS[name]
+    torch.manual_seed(0)
+    kw = dict(kw, vocab_size=128, eos_token_id=None, pad_token_id=0)
+    model = transformers.Gemma4ForCausalLM(cls(**dict(kw, num_global_key_value_heads=2))).float().eval()
+    randomize_gemma4_router(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n or "layer_scalar" in n:
+                p.add_(torch.randn_like(p) * 0.3)
+    assert_two_shards_equal_one(model, tmp_path / "two")
+    if name == "gemma4":
+        transformers.Gemma4ForCausalLM(cls(**kw)).save_pretrained(
+            tmp_path / "one"
+        )  # 1 kv head in full layers
+        with pytest.raises(ValueError, match="1 key/value heads over 2 ranks"):
+            LLMEngine(EngineConfig(model=str(tmp_path / "one"), num_shard=2, dtype="float32"))

@@ -44,6 +44,8 @@ class ShardGroup:
         # (a model without attention, Mamba's, has no heads: its layers split their channels on any count)
         if (heads := cfg.get("num_attention_heads")) is not None:
             check_heads(heads, cfg.get("num_key_value_heads") or heads, self.world_size)
+            if cfg.get("attention_k_eq_v") and cfg.get("num_global_key_value_heads"):  # Gemma 4's full layers
+                check_heads(heads, cfg["num_global_key_value_heads"], self.world_size)
         if not self.external:
             self.procs = [self._spawn(rank) for rank in range(1, self.world_size)]
 

@@ -52,7 +52,11 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.rank = rank
         dist.init(rank, config.num_shard, config.master_addr, config.master_port or 0, self.device)
-        self.paged = load_paged_model(config, self.device)
+        try:
+            self.paged = load_paged_model(config, self.device)
+        except BaseException:  # a refused model leaves no process group behind (an engine in-process)
+            dist.shutdown()
+            raise
         self.dtype = self.paged.dtype
         self.state_bytes = self.paged.state_bytes_per_request()  # per running request (linear attention)
         self.state_grid = self.paged.state_grid()  # where those states are exact (0: unknown)

@@ -675,8 +675,10 @@ class DecoderModel(nn.Module):
         """cpu: the kernels to run on (`Kernels.for_device`, or `Kernels.none()`: PyTorch's
         ops); attention: the attention backend's name."""
         super().__init__()
-        if cfg.mla is None:
-            check_heads(cfg.num_attention_heads, cfg.num_key_value_heads, tp_size())
+        if cfg.mla is None:  # every layer's own kv heads too (Gemma 4's full layers have fewer)
+            layers = cfg.layer_attention or ()
+            for n_kv in sorted({cfg.num_key_value_heads, *(a.num_key_value_heads for a in layers)}):
+                check_heads(cfg.num_attention_heads, n_kv, tp_size())
         heads = local_heads(cfg) if cfg.mla is None else mla_heads(cfg.num_attention_heads, cfg.head_dim)
         self.config, self.kernels, self.ops = cfg, cpu, ops_for(cpu)
         backend = get_backend(attention, cpu, heads)

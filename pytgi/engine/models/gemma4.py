@@ -26,7 +26,9 @@ These run in PyTorch ops where the fused C kernels do not take them (q, k, v, th
 router; the experts in moe.c where they are packed low-bit; the C all-layers loop steps aside). Not
 implemented, and refused at load with the feature named: bidirectional attention over all tokens
 (`use_bidirectional_attention: "all"`), RoPE types other than default and proportional,
-per-layer overrides of anything but head size and kv heads, and `--num-shard` above 1. A multimodal checkpoint
+and per-layer overrides of anything but head size and kv heads. Sharded (`--num-shard`), each layer splits
+by its own kv heads (so the shards are at most the fewest kv heads of any layer); the per-layer inputs'
+table and projection are whole on every rank. A multimodal checkpoint
 (`Gemma4ForConditionalGeneration`) is served as text: its language model, the vision and audio towers
 not read.
 """
@@ -37,7 +39,6 @@ import dataclasses
 from typing import Any
 
 from pytgi.core.errors import UnsupportedModel
-from pytgi.engine.distributed import tp_size
 from pytgi.engine.models.decoder import FULL, SLIDING, DecoderConfig, LayerAttention, MoEConfig
 from pytgi.engine.models.moe import Routing
 
@@ -94,8 +95,6 @@ def _kv_sources(types: list[str], shared: int) -> list[int | None]:
 
 
 def gemma4_config(cfg: dict[str, Any]) -> DecoderConfig:
-    if tp_size() > 1:  # (its full layers' single kv head, its per-layer inputs: never sharded yet)
-        raise _refuse("tensor parallelism (--num-shard > 1)")
     if cfg.get("use_bidirectional_attention") == "all":
         raise _refuse('bidirectional attention over all tokens (use_bidirectional_attention: "all")')
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
