@@ -338,7 +338,6 @@ FAMILIES: tuple[Family, ...] = (
         ),
         attention=_WINDOWED,
         experts=True,  # gemma-4-26B-A4B (`enable_moe_block`)
-        lora=False,
         cuda_graphs=False,
         kv_dtypes=NO_FP8,
         note=(
@@ -354,7 +353,6 @@ FAMILIES: tuple[Family, ...] = (
         generators=("Gemma4ForConditionalGeneration",),
         attention=_WINDOWED,
         experts=True,  # gemma-4-26B-A4B, published multimodal
-        lora=False,
         cuda_graphs=False,
         kv_dtypes=NO_FP8,
         note="the language model only: the vision and audio towers are not read",

@@ -428,3 +428,29 @@ def test_a_cohere2_adapter_on_reordered_rotary_rows_equals_peft(tmp_path):
         assert run(engine, [(p, "all") for p in PROMPTS]) == want
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4-moe"])
+def test_a_gemma4_adapter_equals_peft_on_one_and_two_shards(name, tmp_path):
+    """Gemma 4 takes adapters on its attention and MLP: the full layers' own head size, their keys that
+    are their values (an adapter on k_proj changes both), the shared layers that have no k or v, the
+    MLP beside the experts; on 2 shards, each layer split by its own kv heads."""
+    from tests.model.test_tiny_models import CONFIGS, randomize_gemma4_router
+
+    cls, kw = CONFIGS[name]
+    kw = dict(kw, vocab_size=101, eos_token_id=None, pad_token_id=0, num_global_key_value_heads=2)
+    if kw.get("hidden_size_per_layer_input"):
+        kw["vocab_size_per_layer_input"] = 101
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForCausalLM(cls(**kw)).float().eval()
+    randomize_gemma4_router(model)
+    model.save_pretrained(tmp_path / "base")
+    adapter = make_adapter(tmp_path / "base", tmp_path / "all", ADAPTERS["all"], seed=2)
+    want = reference(tmp_path / "base", adapter, PROMPTS)
+    assert want != reference(tmp_path / "base", None, PROMPTS)
+    for shards in (1, 2):
+        engine = engine_for(tmp_path / "base", {"all": adapter}, num_shard=shards)
+        try:
+            assert run(engine, [(p, "all") for p in PROMPTS]) == want, shards
+        finally:
+            engine.shutdown()
