@@ -24,11 +24,33 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler")
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def _paths_agree(layers, pools, x, meta, dtype, float32_tol: float | None = None) -> None:
+# each recurrent layer's projections whose outputs go through a sigmoid or a SiLU in the kernels
+GATES = {
+    "GatedDeltaNet": ("in_proj_z.weight", "in_proj_b.weight"),
+    "Mamba2Mixer": ("in_proj.weight",),
+    "Mamba1Mixer": ("in_proj.weight",),
+    "KimiDeltaAttention": ("g_b_proj.weight", "b_proj.weight"),
+}
+
+
+def _paths_agree(
+    layers, pools, x, meta, dtype, float32_tol: float | None = None, saturated: bool = False
+) -> None:
     """Two layers (the PyTorch ops', the C kernel's) on one step, each on its own copy of the state pool:
     their outputs and their pools after the step agree within the dtype's tolerance (or `float32_tol`,
-    atol and rtol, where float32 sums run in another order)."""
+    atol and rtol, where float32 sums run in another order). `saturated`: the gates' projections scaled
+    by 300 first, so that sigmoids and SiLUs see inputs far below −88, where e^−x overflows (under
+    -ffast-math a division by 1 + inf is NaN, not 0): both paths stay finite."""
+    if saturated:
+        with torch.no_grad():
+            for layer in layers:
+                for name in GATES[type(layer).__name__]:
+                    layer.get_parameter(name).mul_(300)
     outs = [layer(x, None, pool, meta) for layer, pool in zip(layers, pools)]
+    if saturated:  # (outputs in the hundreds: compared relative to their largest)
+        assert outs[0].isfinite().all() and outs[1].isfinite().all()
+        scale = outs[0].abs().max().float()
+        outs = [o.float() / scale for o in outs]
     tol = (
         TOL[dtype]
         if float32_tol is None or dtype != torch.float32
@@ -36,6 +58,9 @@ def _paths_agree(layers, pools, x, meta, dtype, float32_tol: float | None = None
     )
     torch.testing.assert_close(outs[1], outs[0], **tol)
     for ref, got in zip(*pools):
+        if saturated:
+            scale = ref.abs().max().float().clamp(min=1)
+            ref, got = ref.float() / scale, got.float() / scale
         torch.testing.assert_close(got, ref, **tol)
 
 
@@ -165,7 +190,8 @@ def test_loading_the_kernels_leaves_the_process_float_mode_alone():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tiled", [False, True])
-def test_gated_deltanet_layer(dtype, tiled):
+@pytest.mark.parametrize("saturated", [False, True])
+def test_gated_deltanet_layer(dtype, tiled, saturated):
     """delta.c's layer (`GatedDeltaNet._fused`) equals the layer's PyTorch ops, outputs and states, on a
     step of decodes (one starting here) and prompt chunks (one starting here, one continuing past a
     64-token chunk of the rule), at scattered slots of the pools."""
@@ -196,12 +222,13 @@ def test_gated_deltanet_layer(dtype, tiled):
     )
     x = torch.randn(sum(lens), 32, generator=g).to(dtype)
     # (float32: the chunked rule's sums in another order, over 70 tokens)
-    _paths_agree(layers, pools, x, meta, dtype, float32_tol=1e-4)
+    _paths_agree(layers, pools, x, meta, dtype, float32_tol=1e-4, saturated=saturated)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
-def test_mamba2_layer(dtype, bias):
+@pytest.mark.parametrize("saturated", [False, True])
+def test_mamba2_layer(dtype, bias, saturated):
     """mamba.c's layer (`Mamba2Mixer._fused`) equals the layer's PyTorch ops, outputs and states, on a
     step of decodes (one starting here) and prompt chunks (one starting here, one continuing past a
     64-token chunk of the PyTorch scan), at scattered slots of the pools; without a convolution bias
@@ -235,7 +262,7 @@ def test_mamba2_layer(dtype, bias):
     )
     x = torch.randn(sum(lens), 32, generator=g).to(dtype)
     # (float32: the scan's sums in another order than the chunked form's, over 70 tokens)
-    _paths_agree(layers, pools, x, meta, dtype, float32_tol=1e-4)
+    _paths_agree(layers, pools, x, meta, dtype, float32_tol=1e-4, saturated=saturated)
 
 
 def _step_meta(lens: list[int], fresh: list[bool], slots: torch.Tensor) -> StateMetadata:
@@ -268,7 +295,8 @@ def _mamba1_layers(dtype, norms, bias, seed=2):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norms, bias", [(None, True), (WEIGHTED, False), (PLAIN, True)])
-def test_mamba1_layer(dtype, norms, bias):
+@pytest.mark.parametrize("saturated", [False, True])
+def test_mamba1_layer(dtype, norms, bias, saturated):
     """mamba1.c's convolution and scan (`Mamba1Mixer._fused`) equal the layer's PyTorch ops, outputs and
     states, on a step of decodes (one starting here) and prompt chunks (one starting here, one shorter
     than the convolution's window), at scattered slots of the pools; Mamba's, Jamba's and
@@ -279,7 +307,7 @@ def test_mamba1_layer(dtype, norms, bias):
     pools = [(torch.randn(9, 40, 3, generator=g).to(dtype), torch.randn(9, 40, 8, generator=g) * 0.3)]
     pools.append(tuple(t.clone() for t in pools[0]))
     x = torch.randn(sum(lens), 32, generator=g).to(dtype)
-    _paths_agree(layers, pools, x, meta, dtype)
+    _paths_agree(layers, pools, x, meta, dtype, saturated=saturated)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -320,7 +348,8 @@ def test_mamba1_kernels_give_one_answer_however_a_prompt_is_cut(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kda_layer(dtype):
+@pytest.mark.parametrize("saturated", [False, True])
+def test_kda_layer(dtype, saturated):
     """kda.c's rule after mamba1.c's convolution (`KimiDeltaAttention._fused`) equals the layer's
     PyTorch ops, outputs and states, on a step of decodes (one starting here) and prompt chunks (one
     starting here, one past a 32-token chunk of the PyTorch rule), at scattered slots of the pools."""
@@ -336,7 +365,7 @@ def test_kda_layer(dtype):
     pools.append(tuple(t.clone() for t in pools[0]))
     x = torch.randn(sum(lens), 32, generator=g).to(dtype)
     # (float32: the recurrence token by token against the PyTorch path's chunked form)
-    _paths_agree(layers, pools, x, meta, dtype, float32_tol=1e-4)
+    _paths_agree(layers, pools, x, meta, dtype, float32_tol=1e-4, saturated=saturated)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

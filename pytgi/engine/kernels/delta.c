@@ -18,6 +18,11 @@
 
 #include "pytgi_kernels.h"
 
+/* sigmoid and SiLU with e^-x bounded: under -ffast-math the division by 1 + inf (x below about -88)
+ * gives NaN, not 0; above -80 the bits are the plain formula's */
+static inline float dn_sigmoid(float x) { return 1.0f / (1.0f + expf(x > -80.0f ? -x : 80.0f)); }
+static inline float dn_silu(float x) { return x / (1.0f + expf(x > -80.0f ? -x : 80.0f)); }
+
 /* A whole gated DeltaNet layer's decodes after its projections, in one call: for each decoding request
  * (its flat row rows[b], its state slot slots[b]; fresh[b]: its states start from zero here)
  *
@@ -54,7 +59,7 @@
                         for (int64_t j = 0; j < KS; j++) y += LOAD(s[j]) * w[j];                            \
                     for (int64_t j = 0; j + 1 < KS; j++) s[j] = fresh[b] ? (T_)0 : s[j + 1];                \
                     if (KS > 0) s[KS - 1] = x[c];                                                           \
-                    mixed[b * C + c] = RT(y / (1.0f + expf(-y)));                                           \
+                    mixed[b * C + c] = RT(dn_silu(y));                                                      \
                 }                                                                                           \
             }                                                                                               \
             _Pragma("omp for schedule(static)") for (int64_t bh = 0; bh < B * nv; bh++) {                  \
@@ -75,7 +80,7 @@
                 const float av = LOAD(aq[rows[b] * nv + h]) + dt_bias[h];                                  \
                 const float sp = av > 20.0f ? av : log1pf(expf(av));                                        \
                 const float decay = expf(-expf(A_log[h]) * sp);                                             \
-                const float bt = RT(1.0f / (1.0f + expf(-LOAD(bq[rows[b] * nv + h]))));                    \
+                const float bt = RT(dn_sigmoid(LOAD(bq[rows[b] * nv + h])));                                \
                 float *S = rec_pool + (slots[b] * nv + h) * dk * dv;                                        \
                 if (fresh[b])                                                                               \
                     for (int64_t i = 0; i < dk * dv; i++) S[i] = 0.0f;                                      \
@@ -108,7 +113,7 @@
                 T_ *dst = out + rows[b] * nv * dv + h * dv;                                                 \
                 for (int64_t j = 0; j < dv; j++) {                                                          \
                     const float zj = LOAD(zr[j]);                                                           \
-                    dst[j] = STORE(RT(norm_w[j] * RT(o[j] * r)) * (zj / (1.0f + expf(-zj))));               \
+                    dst[j] = STORE(RT(norm_w[j] * RT(o[j] * r)) * dn_silu(zj));                             \
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
@@ -274,7 +279,7 @@ int pytgi_gdn_prefill_f32(const float *q, const float *k, const float *v, const 
                                 mt[c] += LOAD(st[c * KS + KS + at]) * conv_w[c * Kc + j];                   \
                         }                                                                                   \
                     }                                                                                       \
-                    for (int64_t c = c0; c < c1; c++) mt[c] = RT(mt[c] / (1.0f + expf(-mt[c])));            \
+                    for (int64_t c = c0; c < c1; c++) mt[c] = RT(dn_silu(mt[c]));                           \
                 }                                                                                           \
                 for (int64_t c = c0; c < c1; c++) {                                                         \
                     T_ *s = st + c * KS;                                                                    \
@@ -298,7 +303,7 @@ int pytgi_gdn_prefill_f32(const float *q, const float *k, const float *v, const 
                     const float av = LOAD(aq[t * nv + h]) + dt_bias[h];                                     \
                     const float sp = av > 20.0f ? av : log1pf(expf(av));                                    \
                     gs[t * nv + h] = -expf(A_log[h]) * sp;                                                  \
-                    bs[t * nv + h] = RT(1.0f / (1.0f + expf(-LOAD(bq[t * nv + h]))));                       \
+                    bs[t * nv + h] = RT(dn_sigmoid(LOAD(bq[t * nv + h])));                                  \
                 }                                                                                           \
             }                                                                                               \
             float *buf = malloc(sizeof(float) * rule_floats(dk, dv, chunk));                                \
@@ -327,7 +332,7 @@ int pytgi_gdn_prefill_f32(const float *q, const float *k, const float *v, const 
                 T_ *dst = out + th * dv;                                                                    \
                 for (int64_t j = 0; j < dv; j++) {                                                          \
                     const float zj = LOAD(zr[j]);                                                           \
-                    dst[j] = STORE(RT(norm_w[j] * RT(RT(oi[j]) * r)) * (zj / (1.0f + expf(-zj))));          \
+                    dst[j] = STORE(RT(norm_w[j] * RT(RT(oi[j]) * r)) * dn_silu(zj));                        \
                 }                                                                                           \
             }                                                                                               \
         }                                                                                                   \

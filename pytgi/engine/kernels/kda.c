@@ -25,7 +25,7 @@
 
 static inline float kda_f32(float x) { return x; }
 
-static inline float kda_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+static inline float kda_sigmoid(float x) { return 1.0f / (1.0f + expf(x > -80.0f ? -x : 80.0f)); }
 
 /* mixed [T, 3 H K] (q | k | v after the convolution, the model's dtype), f [T, H K] (f_b's output),
  * b [T, H], gate [T, H K] (g_b's output), all the model's dtype; A [H], dt_bias [H K], norm_w [K] in

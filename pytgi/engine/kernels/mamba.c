@@ -22,7 +22,7 @@ static inline float m2_f32(float x) { return x; }
 
 static inline float m2_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-static inline float m2_silu(float x) { return x / (1.0f + expf(-x)); }
+static inline float m2_silu(float x) { return x / (1.0f + expf(x > -80.0f ? -x : 80.0f)); }
 
 /* One head's state through one token: S [P, N] in place, x [P], B and C [N]; y [P] gets S C + D x. */
 static inline void m2_step(float *S, const float *x, const float *Bv, const float *Cv, float dt, float dA,

@@ -28,7 +28,7 @@ static inline float m1_f32(float x) { return x; }
 /* PyTorch's softplus (threshold 20) and SiLU */
 static inline float m1_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-static inline float m1_silu(float x) { return x / (1.0f + expf(-x)); }
+static inline float m1_silu(float x) { return x / (1.0f + expf(x > -80.0f ? -x : 80.0f)); }
 
 /* One token through 16 channels' states S [N][16] (in place): S ← e^(dt a) ⊙ S + dx B; y += S C, the
  * states in the order k = 0 … N − 1 in every lane. AVX-512: Cephes' e^x inline (exp16.h; dt a ≤ 0 as
