@@ -437,7 +437,6 @@ FAMILIES: tuple[Family, ...] = (
             GgufName("mistral4", "Mistral4ForCausalLM", "mistral4"),
         ),
         experts=True,
-        lora=False,
         cuda_graphs=False,
         kv_dtypes=NO_FP8,
         note=(
@@ -554,7 +553,6 @@ FAMILIES: tuple[Family, ...] = (
         gguf=(GgufName("kimi-linear", "KimiLinearForCausalLM", "kimi_linear"),),
         recurrent=True,
         experts=True,
-        lora=False,
         speculation=False,
         cuda_graphs=False,
         kv_dtypes=NO_FP8,

@@ -1,5 +1,5 @@
-"""LoRA adapters on hybrid models (issue 64, point 3): tiny random Qwen3.5, Qwen3-Next, Nemotron-H and
-LFM2, each with a peft adapter on its attention and MLP projections and on its recurrent mixers'
+"""LoRA adapters on hybrid models (issue 64, point 3): tiny random Qwen3.5, Qwen3-Next, Nemotron-H,
+LFM2, Kimi Linear and more, each with a peft adapter on its attention and MLP projections and on its recurrent mixers'
 projections, named as transformers names them (`in_proj_qkv`, `in_proj_qkvz`, Nemotron-H's
 `mixer.in_proj`, LFM2's `conv.in_proj` and `feed_forward.w1`). Greedy tokens equal transformers +
 peft's (merged) in float32, alone and in one batch with base-model requests; a recurrent state checkpointed
@@ -13,6 +13,8 @@ import transformers
 
 from pytgi.core.sampling_params import SamplingParams
 from tests.model.test_falcon_h1 import _model as falcon_h1_model
+from tests.model.test_kimi_linear import COMMON as KIMI_COMMON
+from tests.model.test_kimi_linear import _save as save_kimi
 from tests.model.test_lfm2 import lfm2  # noqa: F401  (a fixture)
 from tests.model.test_lora import NEW, PROMPTS, engine_for, make_adapter, reference, run
 from tests.model.test_mamba1 import jamba, mamba  # noqa: F401  (fixtures)
@@ -38,9 +40,13 @@ TARGETS = {
     # Mamba-1: x_proj (row-parallel) and dt_proj (with a bias) too
     "jamba": [*ATTENTION, "in_proj", "x_proj", "dt_proj", "out_proj"],
     "mamba": ["in_proj", "x_proj", "dt_proj"],  # (no attention nor MLP; peft refuses out_proj)
+    # KDA's projections (the forget and output gates' low-rank pairs too) and latent attention's, its
+    # kv_b_proj in the absorbed products (its MoE layers' shared experts would take the MLP's names)
+    "kimi_linear": [*ATTENTION, "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj"]
+    + ["kv_a_proj_with_mqa", "kv_b_proj"],
 }
 # also on two tensor-parallel shards: B's rows split as the mixer's channels are, A's columns as out_proj's
-SHARDED = ("qwen3_5",)
+SHARDED = ("qwen3_5", "kimi_linear")
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +66,14 @@ def nemotron_h(tmp_path_factory):
         chunk_size=16,
     )
     return save_mamba(transformers.NemotronHForCausalLM(cfg).eval(), tmp_path_factory.mktemp("nemotron-h"))
+
+
+@pytest.fixture(scope="module")
+def kimi_linear(tmp_path_factory):
+    """KDA, latent attention (with q_proj) with experts, KDA, KDA."""
+    torch.manual_seed(0)
+    cfg = transformers.KimiLinearConfig(**KIMI_COMMON, q_lora_rank=None)
+    return save_kimi(transformers.KimiLinearForCausalLM(cfg).eval(), tmp_path_factory.mktemp("kimi-linear"))
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from pytgi.core.adapters import AdapterError
 from pytgi.core.config import EngineConfig
 from pytgi.core.errors import InvalidRequest
 from pytgi.core.sampling_params import SamplingParams
+from pytgi.engine import kernels
 from pytgi.engine.llm_engine import LLMEngine
 from tests.kernel_paths import decoder_loop
 from tests.reference import hf_copy
@@ -454,3 +455,61 @@ def test_a_gemma4_adapter_equals_peft_on_one_and_two_shards(name, tmp_path):
             assert run(engine, [(p, "all") for p in PROMPTS]) == want, shards
         finally:
             engine.shutdown()
+
+
+MLA_TARGETS = {  # DeepSeek V3's projections (q through its low-rank pair), V2-Lite's (one q_proj)
+    "deepseek-v3-mla-yarn": ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    "deepseek-v2-lite-mla": ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+}
+
+
+def _mla_base(name: str, path, **change) -> None:
+    from tests.model.test_tiny_models import CONFIGS
+
+    cls, kw = CONFIGS[name]
+    torch.manual_seed(0)
+    config = cls(**{**kw, "vocab_size": 101, "eos_token_id": None, "pad_token_id": 0, **change})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+
+
+@pytest.mark.parametrize("name", list(MLA_TARGETS))
+def test_a_latent_attention_adapter_equals_peft_on_one_and_two_shards(name, tmp_path):
+    """Latent attention takes adapters on each of its projections: q (or q_a and q_b), kv_a, o as
+    linears, and kv_b_proj, which pytgi absorbs into the query's and the output's latent products, as
+    low-rank terms there (`LoraKVB`); a base-model request in the same batch keeps its own tokens."""
+    _mla_base(name, tmp_path / "base")
+    cfg = dict(r=8, lora_alpha=16, target_modules=MLA_TARGETS[name])
+    adapter = make_adapter(tmp_path / "base", tmp_path / "mla", cfg, seed=1)
+    want = reference(tmp_path / "base", adapter, PROMPTS)
+    base = reference(tmp_path / "base", None, PROMPTS)
+    assert want != base
+    for shards in (1, 2):
+        engine = engine_for(tmp_path / "base", {"mla": adapter}, num_shard=shards)
+        try:
+            got = run(engine, [(p, "mla") for p in PROMPTS] + [(p, None) for p in PROMPTS[:2]])
+            assert got == want + base[:2], shards
+        finally:
+            engine.shutdown()
+
+
+def test_a_kv_b_adapter_in_bf16_steps_mla_c_aside(tmp_path):
+    """In bf16 on the CPU, where mla.c takes a step of decodes whole, a step with a kv_b_proj adapter's
+    rows runs the PyTorch path with the adapter's terms: its first tokens are float32 peft's (mla.c
+    without them parts at the second, the first decode), and every request's tokens, with or without
+    the adapter, are those it gets alone (batch invariance)."""
+    _mla_base("deepseek-v3-mla-yarn", tmp_path / "base", v_head_dim=32)  # bf16gemm.c's shapes: packed
+    cfg = dict(r=8, lora_alpha=16, target_modules=["kv_b_proj"])
+    adapter = make_adapter(tmp_path / "base", tmp_path / "kvb", cfg, seed=3)
+    want = reference(tmp_path / "base", adapter, PROMPTS)
+    engine = engine_for(tmp_path / "base", {"kvb": adapter}, dtype="bfloat16")
+    try:
+        if kernels.supports(torch.bfloat16):  # packed for mla.c where bf16gemm.c runs
+            assert engine.runner.paged.model.layers[0].self_attn.kv_b_proj.packed is not None
+        got = run(engine, [(p, "kvb") for p in PROMPTS])
+        assert [g[:3] for g in got] == [w[:3] for w in want]
+        jobs = [(p, "kvb") for p in PROMPTS[:2]] + [(p, None) for p in PROMPTS[:2]]
+        alone = [run(engine, [job])[0] for job in jobs]
+        assert alone[:2] != alone[2:]
+        assert run(engine, jobs) == alone
+    finally:
+        engine.shutdown()

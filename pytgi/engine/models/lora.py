@@ -36,6 +36,7 @@ from pytgi.core.adapters import TARGETS, WEIGHTS_FILE, AdapterConfig, AdapterErr
 from pytgi.engine import kernels
 from pytgi.engine.distributed import tp_size
 from pytgi.engine.models.layers import ColumnParallelLinear, RowParallelLinear, rotate_half_rows, scaled_rows
+from pytgi.engine.models.mla import _KVB
 from pytgi.engine.models.quant import QuantizedLinear
 
 # the part of a fused module (in a decoder layer) that holds each of these targets
@@ -50,7 +51,9 @@ WHOLE = -1  # a target that is the whole module (its every shard), not one part 
 LOOP_ORDER = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")  # decoder.c's
 # the modules wrapped in every decoder layer: the attention's and the MLP's (gated or not), and every
 # linear of a recurrent mixer (`linear_attn`)
-TARGETED = (*LOOP_ORDER, "mlp.up_proj")
+# latent attention's own projections (`MLAttention`; its kv_b_proj, absorbed at load, is `LoraKVB`'s)
+MLA_TARGETS = tuple(f"self_attn.{n}" for n in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"))
+TARGETED = (*LOOP_ORDER, "mlp.up_proj", *MLA_TARGETS)
 MIXER = "linear_attn"
 TABLE_ROWS = 4  # lora.c's table: A's and Bᵀ's addresses, the ranks, the column spans (by slot)
 LOOP_FIELDS = TABLE_ROWS * len(LOOP_ORDER)  # decoder.c's LORA_FIELDS, per layer
@@ -69,6 +72,8 @@ class LoraContext:
     row_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # the C decoder loop's view: per layer, lora.c's table addresses for qkv, o, gate_up, down (decoder.c)
     loop_table: np.ndarray = field(default_factory=lambda: np.zeros((0, LOOP_FIELDS), np.int64))
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _groups: list[tuple[int, slice | torch.Tensor]] | None = None
 
     @property
     def active(self) -> bool:
@@ -77,18 +82,24 @@ class LoraContext:
     def set(self, row_slots: np.ndarray, device: torch.device) -> None:
         """`row_slots[t]`: the slot of flat row t's adapter, -1 for the base model (some row has one)."""
         self.row_slots = np.ascontiguousarray(row_slots, dtype=np.int64)
-        self.groups = []
-        if self.c_kernel:
-            return  # lora.c reads row_slots itself
-        for slot in np.unique(row_slots[row_slots >= 0]).tolist():
-            (rows,) = np.nonzero(row_slots == slot)
-            if rows[-1] - rows[0] + 1 == len(rows):  # one run of rows: a view, no gather
-                self.groups.append((slot, slice(int(rows[0]), int(rows[-1]) + 1)))
-            else:
-                self.groups.append((slot, torch.from_numpy(rows).to(device)))
+        self.device = device
+        self._groups: list[tuple[int, slice | torch.Tensor]] | None = None
+        self.groups = [] if self.c_kernel else self.slot_rows()  # lora.c reads row_slots itself
+
+    def slot_rows(self) -> list[tuple[int, slice | torch.Tensor]]:
+        """(slot, its rows) for each adapter in the step: a slice where the rows are one run."""
+        if self._groups is None:
+            self._groups = []
+            for slot in np.unique(self.row_slots[self.row_slots >= 0]).tolist():
+                (rows,) = np.nonzero(self.row_slots == slot)
+                if rows[-1] - rows[0] + 1 == len(rows):  # one run of rows: a view, no gather
+                    self._groups.append((slot, slice(int(rows[0]), int(rows[-1]) + 1)))
+                else:
+                    self._groups.append((slot, torch.from_numpy(rows).to(self.device)))
+        return self._groups
 
     def clear(self) -> None:
-        self.row_slots, self.groups = self.row_slots[:0], []
+        self.row_slots, self.groups, self._groups = self.row_slots[:0], [], None
 
 
 Linear = ColumnParallelLinear | RowParallelLinear | QuantizedLinear
@@ -187,10 +198,85 @@ class LoraLinear(nn.Module):
         self.weights.pop(slot, None)
 
 
-def wrap_model(model: nn.Module, ctx: LoraContext) -> dict[tuple[int, str], LoraLinear]:
+class LoraKVB:
+    """Latent attention's kv_b_proj adapters (`MLAttention`, whose kv_b_proj is absorbed at load:
+    `_KVB`, per head W_UK and W_UV). An adapter's ΔW = scaling·B·A, B's rows per head the keys' `nope`
+    then the values' `v`, enters the two absorbed products as low-rank terms: a query's latent gains
+    ((q_nope·B_k)·A) and a head's output ((out_latent·Aᵀ)·B_vᵀ), for the rows of each adapter in the
+    step, in float32 (as LoraLinear's PyTorch path). Kept on the layer's `_KVB` as `lora`; the layer
+    adds the terms and keeps mla.c out of a step that uses them."""
+
+    def __init__(self, inner: _KVB, ctx: LoraContext) -> None:
+        self.inner, self.ctx = inner, ctx
+        # slot → (A [R, latent], B_k [H, nope, R], B_v [H, v, R]), this rank's heads, scaled
+        self.weights: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.ctx.active and bool(self.weights)
+
+    def check(self, path: Path, name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        kvb = self.inner
+        if (
+            a.shape[1] != kvb.latent
+            or b.shape[0] % (kvb.nope + kvb.v)
+            or b.shape[0] < (kvb.first + kvb.heads) * (kvb.nope + kvb.v)
+        ):
+            raise AdapterError(
+                f"{path}: {name}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit the base model"
+            )
+
+    def put(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scaling: float) -> None:
+        ((a, b),) = parts.values()
+        kvb, device = self.inner, self.inner.weight.device
+        b = (b.float() * scaling).view(-1, kvb.nope + kvb.v, b.shape[1])[kvb.first : kvb.first + kvb.heads]
+        self.weights[slot] = (
+            a.float().to(device),
+            b[:, : kvb.nope].contiguous().to(device),
+            b[:, kvb.nope :].contiguous().to(device),
+        )
+
+    def add_q(self, q_nope: torch.Tensor, q_lat: torch.Tensor) -> None:
+        """q_lat [T, H, latent] (a view may be) += each adapter row's (q_nope·B_k)·A."""
+        for slot, rows in self.ctx.slot_rows():
+            if (w := self.weights.get(slot)) is not None:
+                a, b_k, _ = w
+                delta = (torch.einsum("thn,hnr->thr", q_nope[rows].float(), b_k) @ a).to(q_lat.dtype)
+                _add_rows(q_lat, rows, delta)
+
+    def add_o(self, out_lat: torch.Tensor, o: torch.Tensor) -> None:
+        """o [T, H, v] += each adapter row's (out_latent·Aᵀ)·B_vᵀ."""
+        for slot, rows in self.ctx.slot_rows():
+            if (w := self.weights.get(slot)) is not None:
+                a, _, b_v = w
+                delta = torch.einsum("thr,hvr->thv", out_lat[rows].float() @ a.T, b_v).to(o.dtype)
+                _add_rows(o, rows, delta)
+
+    def refresh(self, capacity: int) -> None:
+        """(lora.c has no part in it)"""
+
+    def drop(self, slot: int) -> None:
+        self.weights.pop(slot, None)
+
+
+def _add_rows(y: torch.Tensor, rows: slice | torch.Tensor, delta: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        y[rows] += delta
+    else:
+        y.index_add_(0, rows, delta)
+
+
+Wrapped = LoraLinear | LoraKVB
+
+
+def wrap_model(model: nn.Module, ctx: LoraContext) -> dict[tuple[int, str], Wrapped]:
     """Wrap every targetable linear of the model's decoder layers; (layer, module path) → wrapper."""
-    wrapped: dict[tuple[int, str], LoraLinear] = {}
+    wrapped: dict[tuple[int, str], Wrapped] = {}
     for i, layer in enumerate(model.layers):  # type: ignore[arg-type]
+        kvb = getattr(getattr(layer, "self_attn", None), "kv_b_proj", None)
+        if isinstance(kvb, _KVB):
+            kvb.lora = kvb.lora or LoraKVB(kvb, ctx)
+            wrapped[i, "self_attn.kv_b_proj"] = kvb.lora
         mixer = getattr(layer, MIXER, None)
         paths = [*TARGETED, *(f"{MIXER}.{name}" for name, _ in mixer.named_children())] if mixer else TARGETED
         for path in paths:
@@ -320,7 +406,10 @@ class LoraAdapters:
                 b = scaled_rows(b, scales)
             w = self.wrapped[layer, module]
             for piece, b_piece in self._parts(module, part, b):
-                self._check(path, module_name, w.inner, piece, a, b_piece)
+                if isinstance(w, LoraKVB):
+                    w.check(path, module_name, a, b_piece)
+                else:
+                    self._check(path, module_name, w.inner, piece, a, b_piece)
                 by_module.setdefault((layer, module), {})[piece] = (a, b_piece)
         self.unload(name)
         if slot is None:
@@ -407,6 +496,7 @@ class LoraAdapters:
         table = np.zeros((num_layers, len(LOOP_ORDER), TABLE_ROWS), np.int64)
         for (layer, path), w in self.wrapped.items():
             if w.weights and path in LOOP_ORDER:
+                assert isinstance(w, LoraLinear)
                 table[layer, LOOP_ORDER.index(path)] = [row.ctypes.data for row in w.table]
         self.ctx.loop_table = table.reshape(num_layers, LOOP_FIELDS)
 

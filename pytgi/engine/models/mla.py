@@ -34,6 +34,7 @@ Mistral 4's query scales keep the PyTorch ops for the rest.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -87,6 +88,7 @@ class _KVB(nn.Module):
         self.weight.weight_loader = self.load  # type: ignore[attr-defined]
         self.pack = False  # set by the decoder where bf16gemm.c runs the model (`Kernels.bf16gemm`)
         self.packed: tuple[torch.Tensor, torch.Tensor] | None = None  # (W_UK, W_UV) for bf16gemm.c
+        self.lora: Any = None  # its LoRA adapters (`pytgi.engine.models.lora.LoraKVB`), once any is served
         self._shards: set[int] = set()
 
     def parts(self, w: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,11 +180,18 @@ class MLAttention(nn.Module):
         scales, the norms' weights bf16 (their products rounded as the PyTorch path rounds them)."""
         if not isinstance(meta, TorchAttentionMetadata) or self.kv_b_proj.packed is None:
             return None
+        if self._kvb_adapters() is not None:  # their terms: in PyTorch ops
+            return None
         p = meta.paged
         if p is None or not p.decodes_only or meta.decode is not None or meta.prefill is not None:
             return None
         plain = self._norms_in_c() and self.q_scale is None
         return p if plain and kv_cache[0].dtype == torch.bfloat16 else None
+
+    def _kvb_adapters(self) -> Any:
+        """kv_b_proj's LoRA adapters (`LoraKVB`) where a row of the step uses one, else None."""
+        lora = self.kv_b_proj.lora
+        return lora if lora is not None and lora.active else None
 
     def _norms_in_c(self) -> bool:
         """Whether the norms run in C (`kernels.rms_norm`, mla.c's), on every step: mla.c's sum of
@@ -238,6 +247,9 @@ class MLAttention(nn.Module):
             w_uk, w_uvt = self.kv_b_proj.parts()
             q_lat = torch.bmm(q_nope.transpose(0, 1).contiguous(), w_uk)  # [H, T, latent]
             q_row = torch.cat((q_lat.transpose(0, 1), q_pe), dim=-1)  # [T, H, latent + rope]
+        adapters = self._kvb_adapters()
+        if adapters is not None:
+            adapters.add_q(q_nope, q_row[..., :r])
         if self.q_scale is not None:
             q_row = q_row * self.q_scale[:, None, None]
         # the cached rows are the keys and the values (of which the latent's features are kept)
@@ -245,9 +257,12 @@ class MLAttention(nn.Module):
         if packed is not None:
             v = m.v_head_dim
             o = kernels.bf16_matmul_heads(out[..., :r], packed[1], v, x.new_empty(T, H, v))
-            return self.o_proj(o.view(T, H * v))
-        o = torch.bmm(out[..., :r].transpose(0, 1).contiguous(), w_uvt)  # [H, T, v]
-        return self.o_proj(o.transpose(0, 1).reshape(T, H * m.v_head_dim))
+        else:
+            o = torch.bmm(out[..., :r].transpose(0, 1).contiguous(), w_uvt).transpose(0, 1)  # [T, H, v]
+        if adapters is not None:
+            o = o.contiguous()
+            adapters.add_o(out[..., :r], o)
+        return self.o_proj(o.reshape(T, H * m.v_head_dim))
 
 
 def query_scales(mla: MLAConfig, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
