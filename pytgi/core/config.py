@@ -161,6 +161,12 @@ class EngineConfig:
         "CUDA: decode batch sizes captured as CUDA graphs, comma-separated (default: 1, 2, 4, 8, 16, 24, "
         "32 ... 512, up to --max-batch-size; 0: none)",
     )
+    threads: int | None = setting(
+        None,
+        "CPU threads of each engine process (llama.cpp's -t; default: OMP_NUM_THREADS if set, else the "
+        "CPUs this process may use, its affinity mask and cgroup CPU quota, shared by the shards and "
+        "replicas on this machine; docs/deploy.md)",
+    )
     master_addr: str = setting(
         "localhost", "torch.distributed rendezvous address (shards on several machines)"
     )
@@ -201,6 +207,7 @@ class EngineConfig:
             "max_batch_prefill_tokens",
             "max_batch_total_tokens",
             "max_batch_size",
+            "threads",
         ):
             value = getattr(self, name)
             if value is not None and value <= 0:

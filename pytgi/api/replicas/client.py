@@ -25,6 +25,7 @@ import msgspec
 from pytgi.core import protocol as P
 from pytgi.core.adapters import AdapterError
 from pytgi.core.config import EngineConfig
+from pytgi.core.cpus import engine_threads
 from pytgi.core.errors import EngineDead
 from pytgi.core.sampling_params import SamplingParams
 
@@ -177,7 +178,7 @@ class ReplicaClient:
             **deployment_options(o, self.config)
         )
         # on a cluster started here, the replicas share this machine's cores and memory
-        threads = max(1, (os.cpu_count() or 1) // max(o.replicas, 1)) if self._started_ray else None
+        threads = engine_threads(self.config.threads, max(o.replicas, 1)) if self._started_ray else None
         config = asdict(self.config)
         if self._started_ray:
             config["local_replicas"] = max(o.replicas, o.max_replicas or 0, 1)

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from pytgi.core.config import EngineConfig
+from pytgi.core.cpus import engine_threads, process_cpus
 from pytgi.core.errors import DistributedError
 from pytgi.core.families import VISION, family_of
 from pytgi.core.net import free_port
 from pytgi.engine.distributed import check_heads
 from pytgi.engine.models.registry import config_reader
+
+log = logging.getLogger(__name__)
 
 
 class ShardGroup:
@@ -66,7 +70,7 @@ class ShardGroup:
             str(rank),
         ]
         env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.world_size)))
+        env.setdefault("OMP_NUM_THREADS", str(engine_threads(self.config.threads, self.world_size)))
         return subprocess.Popen(cmd, env=env)
 
     def check(self) -> None:
@@ -82,10 +86,17 @@ class ShardGroup:
                 proc.kill()
 
 
-def set_cpu_threads(local_ranks: int = 1) -> None:
-    """Let the engine own the cores (shared evenly by the ranks on this machine) unless the user set
-    OMP_NUM_THREADS: more threads than cores makes OpenMP's spinning threads slow everyone down."""
+def set_cpu_threads(local_ranks: int = 1, threads: int | None = None) -> int:
+    """The engine's threads (PyTorch's pool, which the C kernels share): `threads` (--threads), else
+    OMP_NUM_THREADS, else the CPUs this process may use (its affinity mask and cgroup quota:
+    `pytgi.core.cpus`) shared evenly by the ranks on this machine. More threads than CPUs makes
+    OpenMP's waiting threads slow everyone down. Logged; returns the count."""
     import torch
 
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+    cpus = process_cpus()
+    n = engine_threads(threads, local_ranks, cpus)
+    torch.set_num_threads(n)
+    how = "--threads" if threads else "OMP_NUM_THREADS" if "OMP_NUM_THREADS" in os.environ else "usable CPUs"
+    share = f", shared by {local_ranks} ranks" if local_ranks > 1 else ""
+    log.info("CPU threads: %d (%s; %s%s)", n, how, cpus.describe(), share)
+    return n

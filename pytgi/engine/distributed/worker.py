@@ -27,7 +27,7 @@ def run_worker(config: EngineConfig, rank: int) -> int:
     from pytgi.engine.distributed.local_ranks import set_cpu_threads
     from pytgi.engine.execution.runner import ModelRunner
 
-    set_cpu_threads(1 if "WORLD_SIZE" in os.environ else config.num_shard)
+    set_cpu_threads(1 if "WORLD_SIZE" in os.environ else config.num_shard, config.threads)
     try:
         runner = ModelRunner(config, rank)
     except Exception:

@@ -78,7 +78,7 @@ class PoolingEngine:
         check_pooling_config(config)
         self.config = config
         t0 = time.perf_counter()
-        set_cpu_threads(1)
+        set_cpu_threads(1, config.threads)
         # one worker per core (the engine's threads), each computing its prompts on one thread
         self.workers_count = torch.get_num_threads()
         self.workers = ThreadPoolExecutor(
