@@ -11,12 +11,14 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
+import torch
 
 from pytgi.core import grammar as structured
 from pytgi.core import protocol as P
@@ -42,6 +44,7 @@ from pytgi.engine.adapter_registry import AdapterRegistry
 from pytgi.engine.distributed.local_ranks import ShardGroup, set_cpu_threads
 from pytgi.engine.execution.images import ImageInputs, PromptImage
 from pytgi.engine.execution.runner import ModelRunner
+from pytgi.engine.execution.threads import ThreadGovernor
 from pytgi.engine.kv.blocks import BlockManager
 from pytgi.engine.kv.disk_tier import DiskTier, fingerprint
 from pytgi.engine.kv.sizing import GIB, free_bytes
@@ -129,9 +132,14 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.shards = ShardGroup(dataclasses.replace(config, model=str(model_path)))
         started.callback(self.shards.stop)
-        set_cpu_threads(self.shards.local_ranks)
+        threads = set_cpu_threads(self.shards.local_ranks, config.threads)
         self.runner = runner = runner_cls(self.shards.config, rank=0)
         started.callback(runner.shutdown)
+        # fewer threads while other processes take the CPUs: where the count is pytgi's choice, alone
+        self.governor: ThreadGovernor | None = None
+        own_choice = config.threads is None and "OMP_NUM_THREADS" not in os.environ
+        if own_choice and runner.device.type == "cpu" and self.shards.world_size == 1 and threads > 1:
+            self.governor = ThreadGovernor(threads, torch.set_num_threads)
         load_seconds = time.perf_counter() - t0
         self.eos_token_ids = runner.eos_token_ids
         placed, kv_capacity = (
@@ -397,6 +405,8 @@ class LLMEngine:
             if self.disk is not None and self.disk.reads:
                 self.disk.wait(0.05)  # a request waits for its blocks from disk
             return []
+        if self.governor is not None:
+            self.governor.step()
         t0 = time.monotonic()
         failed = False
         try:
