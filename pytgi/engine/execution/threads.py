@@ -11,8 +11,10 @@ about the cores lost.
 the whole machine spent (`/proc/stat`) and what this server spent (the engine process with its
 threads, its parent the API process where that is pytgi's, its child ranks), and so the CPUs other
 processes used meanwhile. Where they used at least `threshold` of a CPU, the engine runs
-`usable − round(others)` threads (at least 1); where they used less, all of them again. The count
-changes the work split only: pytgi's kernels give the same bits on any thread count.
+`usable − round(others)` threads (at least 1); where they used less, all of them again. pytgi's C
+kernels split rows and heads between threads, not sums: the count changes the work split, not the
+bits (tests/model/test_threads.py); PyTorch's own matmuls (the transformers fallback) may round
+otherwise on another count, which `--threads` rules out.
 Only where the count is pytgi's own choice (no `--threads`, no `OMP_NUM_THREADS`) and the engine
 runs alone (one rank; ranks wait for each other anyway).
 """
