@@ -24,6 +24,7 @@ from pytgi.core import grammar as structured
 from pytgi.core import protocol as P
 from pytgi.core.adapters import AdapterError
 from pytgi.core.config import EngineConfig
+from pytgi.core.cpus import process_cpus
 from pytgi.core.errors import ConfigError, DistributedError, InvalidRequest, UnsupportedModel
 from pytgi.core.image_geometry import image_places
 from pytgi.core.model_files import ResolvedModel, resolve_adapters, resolve_model
@@ -139,7 +140,7 @@ class LLMEngine:
         self.governor: ThreadGovernor | None = None
         own_choice = config.threads is None and "OMP_NUM_THREADS" not in os.environ
         if own_choice and runner.device.type == "cpu" and self.shards.world_size == 1 and threads > 1:
-            self.governor = ThreadGovernor(threads, torch.set_num_threads)
+            self.governor = ThreadGovernor(threads, process_cpus().usable, torch.set_num_threads)
         load_seconds = time.perf_counter() - t0
         self.eos_token_ids = runner.eos_token_ids
         placed, kv_capacity = (

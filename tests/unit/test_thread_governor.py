@@ -34,7 +34,7 @@ class FakeProc:
 def test_the_count_follows_what_other_processes_use(tmp_path):
     proc, now = FakeProc(tmp_path), [0.0]
     set_to: list[int] = []
-    gov = ThreadGovernor(4, set_to.append, interval=0.5, proc=tmp_path, clock=lambda: now[0])
+    gov = ThreadGovernor(4, 4, set_to.append, interval=0.5, proc=tmp_path, clock=lambda: now[0])
     assert process_seconds(os.getpid(), tmp_path) == 0.0
 
     def tick(ours: float, others: float) -> int:
@@ -55,3 +55,17 @@ def test_the_count_follows_what_other_processes_use(tmp_path):
 
 def test_a_process_gone_counts_nothing(tmp_path):
     assert process_seconds(999_999_999, tmp_path) == 0.0
+
+
+def test_an_engine_sharing_the_machine_by_design_keeps_its_share(tmp_path):
+    """Two engines of 4 threads on 8 CPUs (replicas side by side): each sees the other use 4 CPUs and
+    keeps its 4; a busy process on top takes one more away."""
+    proc, now = FakeProc(tmp_path), [0.0]
+    set_to: list[int] = []
+    gov = ThreadGovernor(4, 8, set_to.append, interval=0.5, proc=tmp_path, clock=lambda: now[0])
+    gov.step()
+    for others, want in ((4.0, 4), (4.0, 4), (5.0, 3), (4.0, 4)):
+        now[0] += 0.5
+        proc.run(0.5, 4.0, others)
+        assert gov.step() == want
+    assert set_to == [3, 4]

@@ -10,8 +10,10 @@ about the cores lost.
 `ThreadGovernor.step()` runs before each engine step; every `interval` seconds it reads the CPU time
 the whole machine spent (`/proc/stat`) and what this server spent (the engine process with its
 threads, its parent the API process where that is pytgi's, its child ranks), and so the CPUs other
-processes used meanwhile. Where they used at least `threshold` of a CPU, the engine runs
-`usable − round(others)` threads (at least 1); where they used less, all of them again. pytgi's C
+processes used meanwhile. Where they used at least `threshold` of a CPU, the engine runs what they
+leave of the CPUs this process may use, `cpus − round(others)`, at most its own count and at least 1
+(an engine sharing the machine by design, a replica beside another, keeps its share while the other
+runs); where they used less, all of them again. pytgi's C
 kernels split rows and heads between threads, not sums: the count changes the work split, not the
 bits (tests/model/test_threads.py); PyTorch's own matmuls (the transformers fallback) may round
 otherwise on another count, which `--threads` rules out.
@@ -68,19 +70,17 @@ class ThreadGovernor:
     def __init__(
         self,
         usable: int,
+        cpus: int,
         set_threads,
         interval: float = 0.5,
         threshold: float = 0.6,
         proc: Path = PROC,
         clock=time.monotonic,
     ) -> None:
-        """`usable`: the threads when nothing else runs; `set_threads(n)`: sets the engine's count."""
-        self.usable, self.set_threads, self.interval, self.threshold = (
-            usable,
-            set_threads,
-            interval,
-            threshold,
-        )
+        """`usable`: the engine's threads when nothing else runs; `cpus`: the CPUs this process may use
+        (`pytgi.core.cpus`); `set_threads(n)`: sets the engine's count."""
+        self.usable, self.cpus, self.set_threads = usable, cpus, set_threads
+        self.interval, self.threshold = interval, threshold
         self.proc, self.clock = proc, clock
         self.pid = os.getpid()
         parent = os.getppid()
@@ -101,7 +101,8 @@ class ThreadGovernor:
         if self.last is not None:
             wall = sample[0] - self.last[0]
             others = max(0.0, (sample[1] - self.last[1]) - (sample[2] - self.last[2])) / wall
-            want = self.usable if others < self.threshold else max(1, self.usable - round(others))
+            left = self.cpus - round(others)
+            want = self.usable if others < self.threshold else max(1, min(self.usable, left))
             if want != self.threads:
                 log.info("CPU threads: %d (other processes used %.1f CPUs)", want, others)
                 self.set_threads(want)
