@@ -69,7 +69,7 @@ def test_an_int8_cache_follows_the_float_one(tmp_path):
 
 def test_what_mla_does_not_serve_is_refused_by_name():
     family = family_of("DeepseekV3ForCausalLM")
-    assert family is not None and not family.lora and "fp8" not in family.kv_dtypes
+    assert family is not None and family.lora and "fp8" not in family.kv_dtypes  # (LoRA: test_lora.py)
     cls, kw = CONFIGS["deepseek-v3-mla-yarn"]
     model = DecoderModel(
         deepseek_config({**cls(**kw).to_dict(), "architectures": ["DeepseekV3ForCausalLM"]}), Kernels.none()
