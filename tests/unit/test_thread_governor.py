@@ -53,8 +53,10 @@ def test_the_count_follows_what_other_processes_use(tmp_path):
     assert set_to == [3, 2, 4, 1]
 
 
-def test_a_process_gone_counts_nothing(tmp_path):
+def test_a_process_gone_counts_nothing_and_no_proc_changes_nothing(tmp_path):
     assert process_seconds(999_999_999, tmp_path) == 0.0
+    gov = ThreadGovernor(2, 2, print, proc=tmp_path / "no-proc", clock=lambda: 0.0)
+    assert gov.step() == 2 and gov.step() == 2
 
 
 def test_an_engine_sharing_the_machine_by_design_keeps_its_share(tmp_path):

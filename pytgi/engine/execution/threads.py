@@ -97,7 +97,11 @@ class ThreadGovernor:
         now = self.clock()
         if self.last is not None and now - self.last[0] < self.interval:
             return self.threads
-        sample = (now, machine_busy_seconds(self.proc), self._ours_seconds())
+        try:
+            sample = (now, machine_busy_seconds(self.proc), self._ours_seconds())
+        except (OSError, ValueError):  # no /proc (not Linux): the count stays as it is
+            self.interval = float("inf")
+            return self.threads
         if self.last is not None:
             wall = sample[0] - self.last[0]
             others = max(0.0, (sample[1] - self.last[1]) - (sample[2] - self.last[2])) / wall
