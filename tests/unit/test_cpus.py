@@ -15,8 +15,7 @@ from pytgi.core.cpus import Cpus, cgroup_quota, engine_threads
 def _v2(tmp_path, path: str, limits: dict[str, str]):
     """A cgroup v2 tree: `limits` maps a directory under the root ("" for the root) to its cpu.max."""
     root = tmp_path / "cgroup"
-    for d in ["", *[path[: i + 1] for i, c in enumerate(path) if c == "/" and i], path]:
-        (root / d.strip("/")).mkdir(parents=True, exist_ok=True)
+    (root / path.strip("/")).mkdir(parents=True)  # and every directory above it
     for d, text in limits.items():
         (root / d / "cpu.max").write_text(text + "\n")
     proc = tmp_path / "proc-cgroup"

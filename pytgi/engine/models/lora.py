@@ -82,8 +82,7 @@ class LoraContext:
     def set(self, row_slots: np.ndarray, device: torch.device) -> None:
         """`row_slots[t]`: the slot of flat row t's adapter, -1 for the base model (some row has one)."""
         self.row_slots = np.ascontiguousarray(row_slots, dtype=np.int64)
-        self.device = device
-        self._groups: list[tuple[int, slice | torch.Tensor]] | None = None
+        self.device, self._groups = device, None
         self.groups = [] if self.c_kernel else self.slot_rows()  # lora.c reads row_slots itself
 
     def slot_rows(self) -> list[tuple[int, slice | torch.Tensor]]:
